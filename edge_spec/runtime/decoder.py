@@ -1,0 +1,140 @@
+"""One ONNX decoder (target or drafter) with its KV cache: forward, rollback, nothing else.
+
+KV-cache strategy: **pre-allocated shared past/present buffers bound through
+IOBinding**.  Each layer's key and value live in one OrtValue of shape
+``[1, kv_heads, capacity, head_dim]`` allocated once.  Every ``run`` binds that
+same OrtValue as the ``past_key_values.*`` input *and* the ``present.*`` output;
+GroupQueryAttention detects the shared pointer and writes the new positions in
+place.  Nothing is concatenated or copied per step, and rolling the cache back
+to an accepted prefix is just truncating ``self.tokens`` (stale slots beyond it
+are overwritten by the next call and never attended to, because attention reads
+``seqlens_k`` positions only).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.providers import resolve_provider
+
+
+@dataclass
+class DecoderStats:
+    """Time spent in ORT ``run`` calls, bucketed by number of new tokens (for cost models and reports)."""
+
+    calls: dict[int, int] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def add(self, n_tokens: int, seconds: float) -> None:
+        self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
+        self.seconds[n_tokens] = self.seconds.get(n_tokens, 0.0) + seconds
+
+
+class Decoder:
+    """An ORT session over a decoder exported by ``edge_spec.export`` plus its KV cache."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        provider: str = "cpu",
+        threads: int = 0,
+        capacity: int = 4096,
+        session_options: ort.SessionOptions | None = None,
+    ) -> None:
+        model_path = Path(model_path)
+        if not model_path.is_file():
+            raise EdgeSpecError(f"model file not found: {model_path}")
+        opts = session_options or ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        try:
+            self.session = ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))
+        except EdgeSpecError:
+            raise
+        except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EdgeSpecError(f"cannot load {model_path}: {first[:300]}") from exc
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        kv_inputs = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        self.num_layers = len(kv_inputs) // 2
+        _, kv_heads, _, head_dim = kv_inputs[0].shape
+        self.capacity = capacity
+        self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
+        self.stats = DecoderStats()
+        self._kv = [
+            ort.OrtValue.ortvalue_from_numpy(np.zeros((1, kv_heads, capacity, head_dim), np.float32))
+            for _ in range(2 * self.num_layers)
+        ]
+        self._binding = self.session.io_binding()
+        # results are bound first so that get_outputs()[i] is result i (re-binding keeps the slot)
+        self._result_names = [n for n in self.output_names if not n.startswith("present.")]
+        for name in self._result_names:
+            self._binding.bind_output(name, "cpu")
+        for layer in range(self.num_layers):
+            for j, kind in enumerate(("key", "value")):
+                value = self._kv[2 * layer + j]
+                self._binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
+                self._binding.bind_ortvalue_output(f"present.{layer}.{kind}", value)
+
+    def forward(self, token_ids, num_logits: int = 1) -> dict[str, np.ndarray]:
+        """Append ``token_ids`` to the cache and return outputs for the last ``num_logits`` positions.
+
+        Returns a dict with ``logits`` [num_logits, V] and/or ``hidden_states`` [num_logits, H].
+        """
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        n = ids.shape[1]
+        total = len(self.tokens) + n
+        if total > self.capacity:
+            raise EdgeSpecError(f"context full: {total} tokens exceed the context length {self.capacity}")
+        b = self._binding
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+        b.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+        b.bind_cpu_input("num_logits", np.array([min(num_logits, n)], np.int64))
+        for name in self._result_names:
+            b.bind_output(name, "cpu")
+        start = time.perf_counter()
+        self.session.run_with_iobinding(b)
+        self.stats.add(n, time.perf_counter() - start)
+        self.tokens.extend(int(t) for t in ids[0])
+        outs = b.get_outputs()
+        return {name: outs[i].numpy()[0] for i, name in enumerate(self._result_names)}
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def rewind(self, length: int) -> None:
+        """Forget every position from ``length`` on (O(1): see module docstring)."""
+        if not 0 <= length <= len(self.tokens):
+            raise ValueError(f"cannot rewind to {length}; cache holds {len(self.tokens)}")
+        del self.tokens[length:]
+
+    def prefill(self, prompt_ids: list[int], num_logits: int = 1) -> dict[str, np.ndarray]:
+        """Make the cache hold exactly ``prompt_ids``, reusing the longest cached prefix.
+
+        A chat turn re-sends the whole conversation; only the new suffix is computed.
+        At least one token is always fed so that there are logits to return.
+        """
+        if not prompt_ids:
+            raise EdgeSpecError("empty prompt")
+        common = 0
+        limit = min(len(self.tokens), len(prompt_ids) - 1)
+        while common < limit and self.tokens[common] == prompt_ids[common]:
+            common += 1
+        self.rewind(common)
+        return self.forward(prompt_ids[common:], num_logits)
+
+    def reset(self) -> None:
+        self.tokens.clear()

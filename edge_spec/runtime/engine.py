@@ -1,0 +1,193 @@
+"""Public Python API: ``Engine.from_bundle(path).generate(prompt)``.
+
+The engine owns the text side (chat template, streaming detokenization, stop
+strings, cancellation, statistics) and delegates token generation to a token
+loop: :func:`generate_autoregressive` or the speculative loop.  Token loops know
+nothing about text; the engine knows nothing about KV caches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.manifest import read_manifest, verify_files
+from edge_spec.runtime.autoregressive import generate_autoregressive
+from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.sampling import SamplingParams
+from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
+
+MODES = ("ar", "spec")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    stop_reason: str = ""
+    mode: str = "ar"
+    extra: dict = field(default_factory=dict)  # speculative accounting (τ, acceptance, MBSU, ...)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode speed: tokens after the first (which comes out of the prefill pass) per decode second."""
+        return (self.new_tokens - 1) / self.decode_seconds if self.new_tokens > 1 and self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class Engine:
+    """A loaded bundle ready to generate.  Not thread-safe, except :meth:`cancel`."""
+
+    def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder,
+                 draft_factory, mode: str) -> None:
+        self.bundle_dir = bundle_dir
+        self.manifest = manifest
+        self.tokenizer = tokenizer
+        self.target = target
+        self._draft_factory = draft_factory
+        self._draft = None
+        self.mode = mode
+        self._cancel = threading.Event()
+        self.last_stats = GenerationStats()
+
+    @classmethod
+    def from_bundle(
+        cls,
+        path: str | Path,
+        *,
+        provider: str = "cpu",
+        threads: int = 0,
+        context_length: int | None = None,
+        mode: str = "ar",
+        verify: bool = False,
+    ) -> "Engine":
+        """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first."""
+        bundle_dir = Path(path)
+        manifest = read_manifest(bundle_dir)
+        verify_files(bundle_dir, manifest, full_hash=verify)
+        if mode not in MODES:
+            raise EdgeSpecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+        capacity = min(context_length or manifest["context_length"], manifest["context_length"])
+        tokenizer = TextTokenizer(bundle_dir)
+        target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity)
+
+        def draft_factory() -> Decoder:
+            return Decoder(bundle_dir / manifest["draft"]["onnx"], provider=provider, threads=threads,
+                           capacity=capacity)
+
+        engine = cls(bundle_dir, manifest, tokenizer, target, draft_factory, mode)
+        if mode != "ar":
+            engine.draft  # load eagerly so the first answer is not slowed down
+        return engine
+
+    @property
+    def draft(self) -> Decoder:
+        if self._draft is None:
+            self._draft = self._draft_factory()
+        return self._draft
+
+    def cancel(self) -> None:
+        """Stop the generation in progress (safe to call from another thread)."""
+        self._cancel.set()
+
+    def prompt_ids(self, prompt: str | list[Message]) -> list[int]:
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = self.tokenizer.render_chat(list(prompt))
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise EdgeSpecError("empty prompt")
+        if len(ids) >= self.target.capacity:
+            raise EdgeSpecError(
+                f"prompt is {len(ids)} tokens, longer than the context length {self.target.capacity}"
+            )
+        return ids
+
+    def _token_stream(self, ids: list[int], params: SamplingParams, max_new: int, mode: str, stats) -> Iterator[int]:
+        rng = np.random.default_rng(params.seed)
+        if mode == "ar":
+            return generate_autoregressive(self.target, ids, params, rng, max_new)
+        from edge_spec.runtime.speculative import generate_speculative
+
+        return generate_speculative(self.target, self.draft, self.manifest, ids, params, rng, max_new, stats.extra)
+
+    def generate(
+        self,
+        prompt: str | list[Message],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] = (),
+        mode: str | None = None,
+    ) -> Iterator[str]:
+        """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise EdgeSpecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+        if max_new_tokens < 1:
+            raise EdgeSpecError("max_new_tokens must be at least 1")
+        ids = self.prompt_ids(prompt)
+        max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
+        stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
+        self.last_stats = stats
+        self.last_token_ids: list[int] = []
+        self._cancel.clear()
+        detok = StreamingDetokenizer(self.tokenizer)
+        stopper = StopMatcher(list(stop))
+        eos = self.tokenizer.eos_token_ids
+        started = time.perf_counter()
+        first_token_at = None
+        tokens = self._token_stream(ids, params, max_new, mode, stats)
+        stats.stop_reason = "length"
+        try:
+            for token in tokens:
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                    stats.prefill_seconds = first_token_at - started
+                if token in eos:
+                    stats.stop_reason = "eos"
+                    break
+                self.last_token_ids.append(token)
+                stats.new_tokens += 1
+                text, stopped = stopper.feed(detok.push(token))
+                if text:
+                    yield text
+                if stopped:
+                    stats.stop_reason = "stop"
+                    break
+                if self._cancel.is_set():
+                    stats.stop_reason = "cancelled"
+                    break
+            if stats.stop_reason != "stop":
+                text, stopped = stopper.feed(detok.flush())
+                text += "" if stopped else stopper.flush()
+                if text:
+                    yield text
+        finally:
+            tokens.close()
+            end = time.perf_counter()
+            stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
+
+    def complete(self, prompt: str | list[Message], **kwargs) -> Completion:
+        """Non-streaming :meth:`generate`."""
+        text = "".join(self.generate(prompt, **kwargs))
+        return Completion(text, list(self.last_token_ids), self.last_stats)

@@ -1,0 +1,297 @@
+"""Pure-numpy sampling math shared by the drafter and the verifier.
+
+Why this is its own model-free module: lossless speculative sampling only
+works if the target distribution ``p`` and the drafter distribution ``q`` are
+produced by *exactly* the same transformation (temperature, then top-k, then
+top-p) and if ``q`` is the distribution the draft token was really drawn from.
+Keeping that transformation in one small place means both sides call the same
+code and the math can be tested without any model or ONNX Runtime session.
+
+Conventions:
+
+* logits arrive as float32 rows of length ``V`` (1-D = one position, 2-D =
+  one row per position); probabilities leave as float64, because the
+  acceptance test divides small probabilities and the residual ``max(0, p-q)``
+  subtracts nearly equal ones.
+* ties are resolved towards the lowest token id (``np.argmax``) and, in top-k
+  and top-p, every token tied with the cut-off value is kept.  Both rules are
+  deterministic, so the same logits always give the same distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_spec.errors import EdgeSpecError
+
+# Top-p first looks at this many of the largest probabilities and widens the
+# window (x8) only when their mass is below top_p.  Real LLM distributions put
+# the nucleus in a few dozen tokens, so a full 151936-element sort is rare.
+_TOP_P_FIRST_WINDOW = 64
+_TOP_P_GROWTH = 8
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into the distribution a token is drawn from.
+
+    ``temperature <= 0`` means greedy decoding; ``top_k = 0`` and
+    ``top_p = 1`` disable those filters.  ``seed`` makes a run reproducible
+    (see :meth:`make_rng`).  Invalid values raise :class:`EdgeSpecError`
+    because they come straight from the user (CLI flags, config files).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_temperature(self.temperature)
+        _check_top_k(self.top_k)
+        _check_top_p(self.top_p)
+        _check_seed(self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is deterministic argmax (temperature <= 0)."""
+        return self.temperature <= 0.0
+
+    def make_rng(self) -> np.random.Generator:
+        """A fresh generator for this run; seeded runs are reproducible."""
+        return np.random.default_rng(self.seed)
+
+
+def _is_real(value: object) -> bool:
+    # bool is an int subclass, but "temperature=True" is a mistake, not 1.0.
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_temperature(temperature: object) -> None:
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise EdgeSpecError(
+            f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}"
+        )
+
+
+def _check_top_k(top_k: object) -> None:
+    if not _is_int(top_k) or top_k < 0:
+        raise EdgeSpecError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+
+
+def _check_top_p(top_p: object) -> None:
+    if not _is_real(top_p) or not (0.0 < top_p <= 1.0):
+        raise EdgeSpecError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
+
+
+def _check_seed(seed: object) -> None:
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise EdgeSpecError(f"seed must be a non-negative integer or unset, got {seed!r}")
+
+
+# ---------------------------------------------------------------------------
+# logits -> probabilities
+# ---------------------------------------------------------------------------
+
+
+def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Apply temperature, top-k, top-p and softmax; return float64 probabilities.
+
+    Accepts one row ``(V,)`` or several ``(rows, V)`` and returns the same
+    shape, each row summing to 1.  Greedy params give a one-hot row at the
+    first maximum: that is the distribution greedy decoding samples from, so
+    the speculative verifier stays exact in that mode too.
+
+    Raises ``ValueError`` if a row has NaN/+inf or is entirely -inf, because
+    no distribution can be built from it and silently returning NaNs would
+    corrupt every later acceptance test.
+    """
+    x = np.asarray(logits)
+    if x.ndim not in (1, 2) or x.shape[-1] == 0:
+        raise ValueError(f"logits must be 1-D or 2-D with a non-empty last axis, got shape {x.shape}")
+    rows = x.reshape(-1, x.shape[-1])
+    row_max = rows.max(axis=-1, keepdims=True)
+    if not np.all(np.isfinite(row_max)):
+        raise ValueError("every logits row needs a finite maximum (no NaN or +inf, not all -inf)")
+
+    if params.greedy:
+        probs = _one_hot_argmax(rows)
+    else:
+        z = _scaled_logits(rows, row_max, params.temperature)
+        if 0 < params.top_k < z.shape[-1]:
+            _mask_top_k(z, params.top_k)
+        probs = _softmax_of_shifted(z)
+        if params.top_p < 1.0:
+            for row in probs:
+                _apply_top_p_row(row, params.top_p)
+    return probs.reshape(x.shape)
+
+
+def _one_hot_argmax(rows: np.ndarray) -> np.ndarray:
+    out = np.zeros(rows.shape, dtype=np.float64)
+    out[np.arange(rows.shape[0]), np.argmax(rows, axis=-1)] = 1.0
+    return out
+
+
+def _scaled_logits(rows: np.ndarray, row_max: np.ndarray, temperature: float) -> np.ndarray:
+    """(logits - max) / T in float64.
+
+    Subtracting the max *before* dividing keeps every value <= 0, so neither
+    a tiny temperature nor a huge logit can overflow, and exp() below never
+    exceeds 1.  Softmax is shift-invariant, so the result is unchanged.
+    """
+    z = rows.astype(np.float64)
+    z -= row_max
+    z /= temperature
+    return z
+
+
+def _mask_top_k(z: np.ndarray, k: int) -> None:
+    """Set everything below each row's k-th largest value to -inf, in place.
+
+    np.partition is O(V) (no full sort).  Tokens tied with the k-th value are
+    all kept, so the kept set never depends on partition internals.
+    """
+    vocab = z.shape[-1]
+    kth = np.partition(z, vocab - k, axis=-1)[:, vocab - k : vocab - k + 1]
+    z[z < kth] = -np.inf
+
+
+def _softmax_of_shifted(z: np.ndarray) -> np.ndarray:
+    """Softmax of rows whose maximum is 0 (see :func:`_scaled_logits`)."""
+    e = np.exp(z, out=z)
+    e /= e.sum(axis=-1, keepdims=True)
+    return e
+
+
+def _apply_top_p_row(row: np.ndarray, top_p: float) -> None:
+    """Keep the smallest set of most-likely tokens with mass >= top_p, in place.
+
+    Always keeps at least the most likely token.  Tokens tied with the
+    smallest kept probability are kept too (deterministic, see module doc).
+    The row is renormalised afterwards.
+    """
+    threshold = _top_p_threshold(row, top_p)
+    row[row < threshold] = 0.0
+    row /= row.sum()
+
+
+def _top_p_threshold(row: np.ndarray, top_p: float) -> float:
+    """Smallest probability inside the nucleus.
+
+    Sorts only a window of the largest probabilities, growing it until the
+    window holds top_p of the mass (after top-k only the surviving tokens
+    are considered at all), instead of sorting all V entries every step.
+    """
+    candidates = row[row > 0.0] if np.count_nonzero(row) < row.size else row
+    size = candidates.size
+    window = min(size, _TOP_P_FIRST_WINDOW)
+    while True:
+        if window < size:
+            top = np.partition(candidates, size - window)[size - window :]
+        else:
+            top = candidates
+        top = np.sort(top)[::-1]
+        cumulative = np.cumsum(top)
+        n = int(np.searchsorted(cumulative, top_p, side="left"))
+        if n < window:
+            return float(top[n])
+        if window == size:
+            # Rounding left the total a hair under top_p: keep everything.
+            return float(top[-1])
+        window = min(size, window * _TOP_P_GROWTH)
+
+
+# ---------------------------------------------------------------------------
+# drawing tokens
+# ---------------------------------------------------------------------------
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from a 1-D distribution with exactly one uniform.
+
+    Inverse CDF: ``u * total`` is located in the cumulative sum.  Scaling by
+    the actual total (instead of assuming 1) makes a row that sums to
+    1 +- rounding behave correctly, and a token with zero probability can
+    never be returned: its CDF step is empty.  Consuming exactly one
+    ``rng.random()`` keeps seeded runs reproducible (see verification).
+    """
+    p = np.asarray(probs)
+    if p.ndim != 1 or p.size == 0:
+        raise ValueError(f"probs must be a non-empty 1-D array, got shape {p.shape}")
+    cdf = np.cumsum(p, dtype=np.float64)
+    total = float(cdf[-1])
+    if not (total > 0.0 and math.isfinite(total)):
+        raise ValueError(f"probs must have finite positive mass, got total {total!r}")
+    u = rng.random()
+    index = int(np.searchsorted(cdf, u * total, side="right"))
+    if index >= p.size:
+        # u * total rounded up to total: take the last token that has mass.
+        index = int(np.flatnonzero(p)[-1])
+    return index
+
+
+def argmax(logits: np.ndarray) -> int:
+    """Id of the first maximum of a 1-D row.
+
+    Same tie rule as ``np.argmax`` everywhere in the runtime, so greedy
+    speculative output is token-for-token equal to target-only greedy output.
+    """
+    row = np.asarray(logits)
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"argmax expects a non-empty 1-D array, got shape {row.shape}")
+    return int(np.argmax(row))
+
+
+# ---------------------------------------------------------------------------
+# reduced-vocabulary drafters
+# ---------------------------------------------------------------------------
+
+
+def check_vocab_ids(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Validate a reduced-vocabulary map (drafter row j -> target id ids[j]).
+
+    Meant to be called once when a VocabTrim / SpecVocab drafter is loaded;
+    a bad map means a wrong or corrupt model file, hence EdgeSpecError.
+    Duplicate ids would silently drop probability mass, out-of-range ids
+    would crash mid-generation.  Returns the ids as an int64 array.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise EdgeSpecError(f"drafter vocabulary map must be a 1-D integer array, got {arr.dtype} {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+        raise EdgeSpecError(f"drafter vocabulary map has ids outside the target vocabulary [0, {vocab_size})")
+    if np.unique(arr).size != arr.size:
+        raise EdgeSpecError("drafter vocabulary map contains duplicate target ids")
+    return arr.astype(np.int64, copy=False)
+
+
+def scatter_probs(
+    sub_probs: np.ndarray,
+    ids: np.ndarray,
+    vocab_size: int,
+    *,
+    validate: bool = True,
+) -> np.ndarray:
+    """Place reduced-vocabulary probabilities into the full target vocabulary.
+
+    A drafter with a trimmed head only ever samples ids in ``ids``, so its
+    true distribution over the full vocabulary is ``sub_probs`` at ``ids``
+    and exactly 0 elsewhere; the verifier needs that full-size ``q``.
+    Works on ``(n,)`` or ``(rows, n)``.  ``validate=False`` skips the
+    O(n log n) map check for hot loops whose map was checked at load time.
+    """
+    sub = np.asarray(sub_probs, dtype=np.float64)
+    idx = check_vocab_ids(ids, vocab_size) if validate else np.asarray(ids)
+    if sub.ndim not in (1, 2) or sub.shape[-1] != idx.size:
+        raise ValueError(f"sub_probs shape {sub.shape} does not match {idx.size} vocabulary ids")
+    out = np.zeros(sub.shape[:-1] + (vocab_size,), dtype=np.float64)
+    out[..., idx] = sub
+    return out

@@ -1,0 +1,132 @@
+"""Text side of the runtime: tokenizer, chat template, streaming detokenization, stop strings.
+
+Only ``tokenizers`` and ``jinja2`` are needed at run time, so an app embedding the
+runtime does not pull in transformers or torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from edge_spec.errors import EdgeSpecError
+
+Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
+
+
+def _raise(message: str):
+    raise EdgeSpecError(f"chat template: {message}")
+
+
+class TextTokenizer:
+    """Tokenizer + chat template loaded from a bundle directory."""
+
+    def __init__(self, bundle_dir: Path) -> None:
+        bundle_dir = Path(bundle_dir)
+        self.tokenizer = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
+        config = json.loads((bundle_dir / "tokenizer_config.json").read_text())
+        self.eos_token_ids: set[int] = set(config.get("eos_token_ids") or [])
+        self.bos_token = config.get("bos_token")
+        self.eos_token = config.get("eos_token")
+        self.add_bos = bool(config.get("add_bos_token"))
+        self._template = None
+        if config.get("chat_template"):
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+            self._template = env.from_string(config["chat_template"])
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token:
+            bos = self.tokenizer.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        """Apply the model's chat template (a plain "role: content" transcript when it has none)."""
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise EdgeSpecError("each chat message must be a dict with 'role' and 'content'")
+        if self._template is None:
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise EdgeSpecError(f"chat template failed: {exc}") from exc
+
+
+class StreamingDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding token by token breaks multi-byte characters and merges spaces
+    wrongly, so we re-decode a short window and emit only the new stable suffix;
+    a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until complete.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self._prefix_offset = 0  # window start
+        self._read_offset = 0  # ids already turned into text
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self.tok.decode(self.ids[self._prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        return delta
+
+    def flush(self) -> str:
+        """Text still held back at the end of the stream (e.g. an unfinished UTF-8 sequence)."""
+        prefix = self.tok.decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self.tok.decode(self.ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return full[len(prefix) :]
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back text that may be the start of one."""
+
+    def __init__(self, stops: list[str] | tuple[str, ...]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Return (text safe to emit, stopped)."""
+        if not self.stops:
+            return delta, False
+        self.pending += delta
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending = self.pending[:cut], ""
+            return out, True
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

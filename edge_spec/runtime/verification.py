@@ -1,0 +1,150 @@
+"""Verification of drafted tokens against one target forward pass.
+
+Why it is exact: for every position the emitted token is distributed exactly
+as the target model would have sampled it alone (Leviathan et al. 2023, Chen
+et al. 2023).  Greedy mode reproduces target-only greedy decoding token for
+token.  That guarantee only holds if
+
+* ``target_probs`` and ``draft_probs`` were produced by the same
+  :func:`~edge_spec.runtime.sampling.logits_to_probs` settings, and
+* ``draft_probs[i]`` is the distribution draft ``i`` was *actually* sampled
+  from (full vocabulary; zero outside a reduced drafter head, see
+  :func:`~edge_spec.runtime.sampling.scatter_probs`).
+
+Row convention: ``target_*[i]`` is the target's prediction for the token
+after the prefix plus the first ``i`` drafts, so there are ``γ + 1`` rows for
+``γ`` drafts; the last one provides the bonus token when every draft passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_spec.runtime.sampling import sample
+
+# Below this residual mass, max(0, p - q) is rounding noise rather than a
+# distribution (float64 sums over ~150k entries carry ~1e-11 error).  A
+# rejection then happens with probability <= this mass, and falling back to
+# p changes the output distribution by at most this much in total variation.
+RESIDUAL_MIN_MASS = 1e-9
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of verifying one block of drafts."""
+
+    accepted: int  # number of draft tokens accepted
+    tokens: list[int]  # accepted drafts + the one correction/bonus token
+
+
+def verify_greedy(draft_tokens: Sequence[int], target_logits: np.ndarray) -> VerifyResult:
+    """Accept drafts while each equals the target's argmax; add one more token.
+
+    The extra token is the target argmax of the first mismatching row (a
+    correction) or of row γ (a bonus).  ``np.argmax`` picks the first
+    maximum, the same rule target-only greedy decoding uses, so ties can
+    never make the two disagree.  Works on logits or probabilities.
+    """
+    drafts = _token_list(draft_tokens)
+    rows = np.asarray(target_logits)
+    _check_rows("target_logits", rows, len(drafts) + 1)
+    _check_token_range(drafts, rows.shape[-1])
+    best = np.argmax(rows, axis=-1)
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == int(best[accepted]):
+        accepted += 1
+    return VerifyResult(accepted, drafts[:accepted] + [int(best[accepted])])
+
+
+def verify_speculative(
+    draft_tokens: Sequence[int],
+    draft_probs: np.ndarray,
+    target_probs: np.ndarray,
+    rng: np.random.Generator,
+) -> VerifyResult:
+    """Speculative rejection sampling over one block of γ drafts.
+
+    Draft ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``.
+    At the first rejection a replacement is drawn from
+    ``norm(max(0, p_i - q_i))`` and the block ends; if all pass, a bonus
+    token is drawn from ``p_γ``.
+
+    Randomness is consumed in a fixed order, independent of the outcome, so
+    a seeded run is reproducible and the generator's position after a call
+    depends only on γ:
+
+    1. ``rng.random(γ)`` -- one uniform per draft, drawn up front
+       (draft ``i`` is accepted iff ``u_i * q_i(x_i) < p_i(x_i)``);
+    2. ``rng.random()`` -- exactly one uniform inside :func:`sample` for the
+       correction or bonus token.
+
+    That is always ``γ + 1`` uniforms per call.
+
+    Raises ``ValueError`` if a draft has ``q_i(x_i) == 0``: it cannot have
+    been sampled from ``q_i``, so the caller passed the wrong distribution
+    and the output would no longer follow the target.
+    """
+    drafts = _token_list(draft_tokens)
+    gamma = len(drafts)
+    q = np.asarray(draft_probs)
+    p = np.asarray(target_probs)
+    _check_rows("target_probs", p, gamma + 1)
+    _check_rows("draft_probs", q, gamma)
+    if q.shape[-1] != p.shape[-1]:
+        raise ValueError(f"draft_probs vocab {q.shape[-1]} != target_probs vocab {p.shape[-1]}")
+    _check_token_range(drafts, p.shape[-1])
+
+    uniforms = rng.random(gamma)
+    for i, token in enumerate(drafts):
+        q_x = float(q[i, token])
+        if q_x <= 0.0:
+            raise ValueError(
+                f"draft {i} (token {token}) has zero drafter probability; "
+                "draft_probs must be the distribution it was sampled from"
+            )
+        if not _accept(uniforms[i], float(p[i, token]), q_x):
+            correction = sample(residual_distribution(p[i], q[i]), rng)
+            return VerifyResult(i, drafts[:i] + [correction])
+    return VerifyResult(gamma, drafts + [sample(p[gamma], rng)])
+
+
+def _accept(u: float, p_x: float, q_x: float) -> bool:
+    """u < p/q without dividing: P(accept) = min(1, p/q) for u ~ U[0, 1)."""
+    return u * q_x < p_x
+
+
+def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``norm(max(0, p - q))``: what to sample after a rejection.
+
+    It puts mass exactly where the target wants more than the drafter
+    offered, which is what makes the overall output follow ``p``.  A
+    rejection implies ``p != q``, hence positive residual mass; if the mass
+    is only rounding noise (<= RESIDUAL_MIN_MASS) the residual is
+    meaningless, so ``p`` itself is returned (see the constant for why that
+    is safe).
+    """
+    p64 = np.asarray(p, dtype=np.float64)
+    residual = np.maximum(p64 - np.asarray(q, dtype=np.float64), 0.0)
+    mass = float(residual.sum())
+    if not mass > RESIDUAL_MIN_MASS:
+        return p64 / p64.sum()
+    residual /= mass
+    return residual
+
+
+def _token_list(draft_tokens: Sequence[int]) -> list[int]:
+    return [int(t) for t in draft_tokens]
+
+
+def _check_rows(name: str, rows: np.ndarray, expected: int) -> None:
+    if rows.ndim != 2 or rows.shape[0] != expected or rows.shape[1] == 0:
+        raise ValueError(f"{name} must have shape ({expected}, V), got {rows.shape}")
+
+
+def _check_token_range(tokens: list[int], vocab_size: int) -> None:
+    for token in tokens:
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"draft token {token} outside vocabulary [0, {vocab_size})")

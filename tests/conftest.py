@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny models exported once per session through the real exporter path."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import tiny_models
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    tokenizer = tiny_models.make_tokenizer()
+    target = tiny_models.make_qwen2(seed=0)
+    draft = tiny_models.perturbed_copy(target, seed=1, noise=0.15)
+    return tokenizer, target, draft
+
+
+def export_tiny(tmp_dir, tiny_pair, **options):
+    from edge_spec.export.bundle import ExportOptions, export_bundle
+
+    tokenizer, target, draft = tiny_pair
+    models = {
+        "tiny-target": tiny_models.loaded("tiny-target", target, tokenizer),
+        "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer),
+    }
+    opts = ExportOptions(context_length=256, **options)
+    export_bundle("tiny-target", "tiny-draft", tmp_dir, opts, loader=models.__getitem__)
+    return tmp_dir
+
+
+@pytest.fixture(scope="session")
+def fp32_bundle(tmp_path_factory, tiny_pair):
+    return export_tiny(tmp_path_factory.mktemp("b") / "fp32", tiny_pair, quant="fp32")
+
+
+@pytest.fixture(scope="session")
+def int4_bundle(tmp_path_factory, tiny_pair):
+    return export_tiny(tmp_path_factory.mktemp("b") / "int4", tiny_pair, quant="int4")

@@ -1,0 +1,180 @@
+"""Exporter + autoregressive runtime on tiny models: exactness against PyTorch, manifest, API behaviour."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.export.quantize import quantize_blockwise
+from edge_spec.manifest import read_manifest, sha256_file, verify_files
+from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.engine import Engine
+from tests import tiny_models
+from tests.conftest import export_tiny
+
+PROMPTS = [[5, 17, 42, 99], [3], list(range(10, 40))]
+
+
+def onnx_greedy(bundle, prompt, n, role="target"):
+    manifest = read_manifest(bundle)
+    decoder = Decoder(bundle / manifest[role]["onnx"], capacity=128)
+    logits = decoder.prefill(prompt)["logits"][-1]
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = decoder.forward([out[-1]])["logits"][-1]
+    return out
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_fp32_export_matches_pytorch_greedy(fp32_bundle, tiny_pair, prompt):
+    _, target, _ = tiny_pair
+    assert onnx_greedy(fp32_bundle, prompt, 24) == tiny_models.torch_greedy(target, prompt, 24)
+
+
+def test_fp32_logits_match_pytorch(fp32_bundle, tiny_pair):
+    _, target, _ = tiny_pair
+    manifest = read_manifest(fp32_bundle)
+    decoder = Decoder(fp32_bundle / manifest["target"]["onnx"], capacity=64)
+    ids = [7, 8, 9, 10, 11, 12]
+    got = np.concatenate([decoder.forward(ids[:4], 4)["logits"], decoder.forward(ids[4:], 2)["logits"]])
+    with torch.no_grad():
+        ref = target(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+def fake_quantized(model, bits=4, block=32):
+    """PyTorch model whose weights are replaced by their int4 reconstruction (what the int4 graph computes)."""
+    import copy
+
+    q = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in q.named_parameters():
+            if param.ndim == 2:
+                deq = quantize_blockwise(param.numpy(), bits, block).dequantize()
+                param.copy_(torch.from_numpy(deq))
+    return q
+
+
+def test_int4_export_matches_fake_quantized_pytorch(tmp_path, tiny_pair):
+    bundle = export_tiny(tmp_path / "int4acc0", tiny_pair, quant="int4", accuracy_level=0)
+    _, target, _ = tiny_pair
+    reference = fake_quantized(target)
+    for prompt in PROMPTS:
+        assert onnx_greedy(bundle, prompt, 24) == tiny_models.torch_greedy(reference, prompt, 24)
+
+
+def test_quantize_roundtrip_error_is_small():
+    w = np.random.default_rng(0).standard_normal((8, 96)).astype(np.float32)
+    for bits, tol in ((4, 0.2), (8, 0.012)):
+        q = quantize_blockwise(w, bits, 32)
+        err = np.abs(q.dequantize() - w).max() / np.abs(w).max()
+        assert err < tol
+    # a block's largest-magnitude value is reconstructed exactly (it defines the scale)
+    q = quantize_blockwise(w, 4, 32)
+    blocks = w.reshape(8, 3, 32)
+    i = np.abs(blocks).argmax(-1)
+    np.testing.assert_allclose(
+        np.take_along_axis(q.dequantize().reshape(8, 3, 32), i[..., None], -1),
+        np.take_along_axis(blocks, i[..., None], -1), rtol=1e-6)
+
+
+def test_manifest_roundtrip(int4_bundle):
+    manifest = read_manifest(int4_bundle)
+    verify_files(int4_bundle, manifest, full_hash=True)
+    target = manifest["target"]
+    assert target["config"]["num_layers"] == 2
+    assert target["config"]["vocab_size"] == 384
+    assert target["quantization"]["weights"] == "int4"
+    assert manifest["draft"]["head"]["kind"] == "full"
+    for record in target["files"] + manifest["draft"]["files"]:
+        assert sha256_file(int4_bundle / record["path"]) == record["sha256"]
+    assert (int4_bundle / "tokenizer.json").is_file()
+
+
+def test_kv_rollback_equals_fresh_forward(int4_bundle):
+    manifest = read_manifest(int4_bundle)
+    path = int4_bundle / manifest["target"]["onnx"]
+    decoder = Decoder(path, capacity=64)
+    decoder.forward([1, 2, 3, 4, 5, 6, 7, 8], 1)
+    decoder.rewind(5)
+    after_rollback = decoder.forward([9, 10], 2)["logits"]
+    fresh = Decoder(path, capacity=64)
+    reference = fresh.forward([1, 2, 3, 4, 5, 9, 10], 2)["logits"]
+    np.testing.assert_allclose(after_rollback, reference, atol=1e-5)
+
+
+def test_engine_generate_streams_text_and_stats(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1)
+    chunks = list(engine.generate([{"role": "user", "content": "def is_prime"}], max_new_tokens=12))
+    completion = engine.complete([{"role": "user", "content": "def is_prime"}], max_new_tokens=12)
+    assert "".join(chunks) == completion.text
+    assert completion.stats.new_tokens == len(completion.token_ids) <= 12
+    assert completion.stats.stop_reason in ("length", "eos")
+    # decoding the ids gives the streamed text
+    assert engine.tokenizer.decode(completion.token_ids) == completion.text
+
+
+def test_engine_prefix_reuse_gives_same_answer(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1)
+    first = engine.complete("The quick brown fox", max_new_tokens=10).token_ids
+    engine.complete("Summarize: speculative", max_new_tokens=5)
+    again = engine.complete("The quick brown fox", max_new_tokens=10).token_ids
+    assert first == again
+
+
+def test_stop_string_truncates(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1)
+    full = engine.complete("What is 12", max_new_tokens=20).text
+    if len(full) < 4:
+        pytest.skip("tiny model produced too little text")
+    stop = full[2:4]
+    cut = engine.complete("What is 12", max_new_tokens=20, stop=[stop])
+    assert cut.text == full[: full.find(stop)]
+    assert cut.stats.stop_reason == "stop"
+
+
+def test_sampling_is_reproducible_with_seed(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1)
+    a = engine.complete("hello", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=3).token_ids
+    b = engine.complete("hello", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=3).token_ids
+    assert a == b
+
+
+def test_cancel_from_another_thread(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1)
+    stream = engine.generate("hello", max_new_tokens=200, temperature=1.0, seed=0)
+    next(stream, None)
+    threading.Thread(target=engine.cancel).start()
+    rest = list(stream)
+    assert engine.last_stats.stop_reason in ("cancelled", "eos")
+    assert engine.last_stats.new_tokens < 200
+    del rest
+
+
+def test_prompt_longer_than_context_is_rejected(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, context_length=16)
+    with pytest.raises(EdgeSpecError, match="longer than the context"):
+        engine.complete("word " * 40)
+
+
+def test_unknown_provider_is_rejected(int4_bundle):
+    with pytest.raises(EdgeSpecError, match="unknown provider"):
+        Engine.from_bundle(int4_bundle, provider="tpu")
+
+
+def test_tokenizer_mismatch_is_rejected(tmp_path, tiny_pair):
+    from edge_spec.export.bundle import ExportOptions, export_bundle
+
+    tokenizer, target, draft = tiny_pair
+    other = tiny_models.make_tokenizer(specials=["<|endoftext|>", "<|im_end|>", "<|im_start|>"])
+    models = {
+        "t": tiny_models.loaded("t", target, tokenizer),
+        "d": tiny_models.loaded("d", draft, other),
+    }
+    with pytest.raises(EdgeSpecError, match="token id 1"):
+        export_bundle("t", "d", tmp_path / "x", ExportOptions(context_length=64), loader=models.__getitem__)

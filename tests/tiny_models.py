@@ -1,0 +1,90 @@
+"""Tiny seeded Qwen2 models and a tiny byte-level BPE tokenizer, built in-process (no download).
+
+The drafter is the target plus seeded noise: close enough that drafts are often
+accepted, different enough that rejections happen - both paths get exercised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))\n",
+    "The quick brown fox jumps over the lazy dog. Translate to French: le renard brun.",
+    "Summarize: speculative decoding drafts tokens with a small model and verifies them.",
+    "What is 12 * 7? Let's think step by step: 12 * 7 = 84.",
+] * 4
+
+
+def make_tokenizer(vocab_size: int = 320, specials=SPECIALS):
+    """A byte-level BPE tokenizer (HF fast tokenizer object) with chat markers as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def make_qwen2(seed: int, *, vocab_size: int = 384, hidden: int = 64, layers: int = 2, init: float = 0.3):
+    """A random Qwen2ForCausalLM; large ``init`` makes logits peaked so greedy ties are rare."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        rope_theta=10000.0, initializer_range=init, architectures=["Qwen2ForCausalLM"],
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def perturbed_copy(model, seed: int, noise: float):
+    """The drafter: the target's weights plus relative Gaussian noise."""
+    import copy
+
+    import torch
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(noise * param.std() * torch.randn(param.shape, generator=gen))
+    return draft
+
+
+def loaded(name: str, model, tokenizer):
+    """Wrap an in-memory model as the exporter's LoadedModel."""
+    from edge_spec.export.sources import LoadedModel
+    from edge_spec.export.weights import weights_from_state_dict
+
+    state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    weights = weights_from_state_dict(model.config, state)
+    eos = sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")})
+    return LoadedModel(name, f"memory:{name}", weights, tokenizer, eos)
+
+
+def torch_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Reference greedy decoding with the PyTorch model (full recompute, no cache tricks)."""
+    import torch
+
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(np.argmax(logits.numpy())))
+    return ids[len(prompt_ids):]
