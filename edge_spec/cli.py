@@ -39,7 +39,9 @@ def _default_pair() -> tuple[str, str]:
 def _default_bundle_dir(target: str, quant: str) -> Path:
     from edge_spec import fetch
 
-    return fetch.models_dir() / "bundles" / f"{Path(target).stem}-{quant}"
+    name = Path(target.rstrip("/")).name
+    name = name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+    return fetch.models_dir() / "bundles" / f"{name}-{quant}"
 
 
 @app.command()

@@ -97,7 +97,7 @@ def verify_speculative(
         raise ValueError(f"draft_probs vocab {q.shape[-1]} != target_probs vocab {p.shape[-1]}")
     _check_token_range(drafts, p.shape[-1])
 
-    uniforms = rng.random(gamma)
+    uniforms = rng.random(gamma).tolist()
     for i, token in enumerate(drafts):
         q_x = float(q[i, token])
         if q_x <= 0.0:
@@ -127,7 +127,8 @@ def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     is safe).
     """
     p64 = np.asarray(p, dtype=np.float64)
-    residual = np.maximum(p64 - np.asarray(q, dtype=np.float64), 0.0)
+    residual = p64 - np.asarray(q, dtype=np.float64)
+    np.maximum(residual, 0.0, out=residual)
     mass = float(residual.sum())
     if not mass > RESIDUAL_MIN_MASS:
         return p64 / p64.sum()
