@@ -70,6 +70,8 @@ class Decoder:
         self.num_layers = len(kv_inputs) // 2
         _, kv_heads, _, head_dim = kv_inputs[0].shape
         self.capacity = capacity
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        self.vocab_size = int(outputs["logits"].shape[-1]) if "logits" in outputs else 0
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
         self.stats = DecoderStats()
         self._kv = [
@@ -121,20 +123,24 @@ class Decoder:
             raise ValueError(f"cannot rewind to {length}; cache holds {len(self.tokens)}")
         del self.tokens[length:]
 
-    def prefill(self, prompt_ids: list[int], num_logits: int = 1) -> dict[str, np.ndarray]:
-        """Make the cache hold exactly ``prompt_ids``, reusing the longest cached prefix.
+    def sync(self, ids: list[int]) -> list[int]:
+        """Cut the cache to its longest common prefix with ``ids`` and return the suffix still to feed.
 
-        A chat turn re-sends the whole conversation; only the new suffix is computed.
-        At least one token is always fed so that there are logits to return.
+        At least one token is always left to feed, so that the next forward has logits to return.
         """
-        if not prompt_ids:
+        if not ids:
             raise EdgeSpecError("empty prompt")
         common = 0
-        limit = min(len(self.tokens), len(prompt_ids) - 1)
-        while common < limit and self.tokens[common] == prompt_ids[common]:
+        limit = min(len(self.tokens), len(ids) - 1)
+        while common < limit and self.tokens[common] == ids[common]:
             common += 1
         self.rewind(common)
-        return self.forward(prompt_ids[common:], num_logits)
+        return ids[common:]
+
+    def prefill(self, prompt_ids: list[int], num_logits: int = 1) -> dict[str, np.ndarray]:
+        """Make the cache hold exactly ``prompt_ids``, reusing the longest cached prefix
+        (a chat turn re-sends the whole conversation; only the new suffix is computed)."""
+        return self.forward(self.sync(prompt_ids), num_logits)
 
     def reset(self) -> None:
         self.tokens.clear()

@@ -20,7 +20,8 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.autoregressive import generate_autoregressive
 from edge_spec.runtime.decoder import Decoder
-from edge_spec.runtime.sampling import SamplingParams
+from edge_spec.runtime.sampling import SamplingParams, check_vocab_ids
+from edge_spec.runtime.speculative import Drafter, SpecConfig, SpecStats, generate_speculative
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
 
 MODES = ("ar", "spec")
@@ -61,6 +62,7 @@ class Engine:
         self._draft_factory = draft_factory
         self._draft = None
         self.mode = mode
+        self.spec_config = SpecConfig()
         self._cancel = threading.Event()
         self.last_stats = GenerationStats()
 
@@ -73,9 +75,15 @@ class Engine:
         threads: int = 0,
         context_length: int | None = None,
         mode: str = "ar",
+        spec: SpecConfig = SpecConfig(),
         verify: bool = False,
     ) -> "Engine":
-        """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first."""
+        """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
+
+        ``mode="spec"`` drafts with the bundle's drafter (``spec`` sets γ and the
+        confidence cut-off); ``"ar"`` runs the target alone.  Both give the same
+        greedy output; the drafter is loaded on first use when ``mode="ar"``.
+        """
         bundle_dir = Path(path)
         manifest = read_manifest(bundle_dir)
         verify_files(bundle_dir, manifest, full_hash=verify)
@@ -85,17 +93,23 @@ class Engine:
         tokenizer = TextTokenizer(bundle_dir)
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity)
 
-        def draft_factory() -> Decoder:
-            return Decoder(bundle_dir / manifest["draft"]["onnx"], provider=provider, threads=threads,
-                           capacity=capacity)
+        def draft_factory() -> Drafter:
+            decoder = Decoder(bundle_dir / manifest["draft"]["onnx"], provider=provider, threads=threads,
+                              capacity=capacity)
+            head = manifest["draft"].get("head", {})
+            vocab_ids = None
+            if head.get("vocab_ids"):
+                vocab_ids = check_vocab_ids(np.load(bundle_dir / head["vocab_ids"]), target.vocab_size)
+            return Drafter(decoder, vocab_ids)
 
         engine = cls(bundle_dir, manifest, tokenizer, target, draft_factory, mode)
+        engine.spec_config = spec
         if mode != "ar":
             engine.draft  # load eagerly so the first answer is not slowed down
         return engine
 
     @property
-    def draft(self) -> Decoder:
+    def draft(self) -> Drafter:
         if self._draft is None:
             self._draft = self._draft_factory()
         return self._draft
@@ -122,9 +136,14 @@ class Engine:
         rng = np.random.default_rng(params.seed)
         if mode == "ar":
             return generate_autoregressive(self.target, ids, params, rng, max_new)
-        from edge_spec.runtime.speculative import generate_speculative
+        spec_stats = SpecStats()
+        self._spec_stats = spec_stats
+        return generate_speculative(self.target, self.draft, ids, params, rng, max_new, self.spec_config, spec_stats)
 
-        return generate_speculative(self.target, self.draft, self.manifest, ids, params, rng, max_new, stats.extra)
+    @property
+    def param_ratio(self) -> float:
+        """c in MBSU: drafter parameters read per step / target parameters read per step."""
+        return self.manifest["draft"]["parameters"] / self.manifest["target"]["parameters"]
 
     def generate(
         self,
@@ -186,6 +205,8 @@ class Engine:
             tokens.close()
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
+            if mode == "spec":
+                stats.extra.update(self._spec_stats.summary(self.param_ratio))
 
     def complete(self, prompt: str | list[Message], **kwargs) -> Completion:
         """Non-streaming :meth:`generate`."""

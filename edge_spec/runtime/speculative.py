@@ -1,0 +1,173 @@
+"""The speculative decoding loop: draft γ tokens, verify them in one target pass, roll back, repeat.
+
+Read it top to bottom like llama.cpp's ``common/speculative.cpp``:
+
+* ``committed`` is every token of the sequence so far; its last token ``x`` is
+  *pending*: emitted, but not yet in either KV cache.
+* Draft: the drafter catches up on whatever part of ``committed`` it has not
+  seen (``x``, plus the last draft after a fully accepted round), then proposes
+  up to γ tokens, stopping early when its own confidence says another token is
+  unlikely to be accepted.
+* Verify: one target pass over ``[x, d1..dγ]`` gives γ+1 rows of logits; the
+  verifier (greedy or rejection sampling, :mod:`verification`) returns the
+  accepted drafts plus one correction/bonus token.
+* Roll back: both caches are cut to the accepted prefix (O(1), see
+  :mod:`decoder`).
+
+Exactness does not depend on the drafter: greedy output equals target-only
+greedy output, and sampled output follows the target's distribution, because
+the verifier sees the same processed target distribution ``p`` the
+autoregressive loop samples from, and the exact ``q`` each draft was drawn from
+(zero outside a trimmed head).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
+from edge_spec.runtime.verification import verify_greedy, verify_speculative
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    gamma: int = 3  # maximum drafts per round
+    min_confidence: float = 0.0  # stop drafting once the drafter's top probability falls below this
+
+
+@dataclass
+class Drafter:
+    """The drafter decoder plus the map from its head rows to target token ids (None = same vocabulary)."""
+
+    decoder: Decoder
+    vocab_ids: np.ndarray | None = None
+
+    def to_target(self, draft_index: int) -> int:
+        return int(draft_index) if self.vocab_ids is None else int(self.vocab_ids[draft_index])
+
+
+@dataclass
+class SpecStats:
+    """Per-request accounting: accepted lengths per round and where the time went."""
+
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per verify call
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per verify call
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def target_calls(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Block efficiency: mean tokens emitted per target call (accepted + 1)."""
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        return sum(self.drafted) / len(self.drafted) if self.drafted else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return sum(self.accepted) / sum(self.drafted) if sum(self.drafted) else 0.0
+
+    def summary(self, param_ratio: float) -> dict:
+        gamma = self.mean_gamma
+        return {
+            "tau": self.tau,
+            "target_calls": self.target_calls,
+            "mean_gamma": gamma,
+            "acceptance_rate": self.acceptance_rate,
+            "mbsu": self.tau / (param_ratio * gamma + 1) if self.accepted else 0.0,
+            "param_ratio": param_ratio,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "accepted_lengths": list(self.accepted),
+        }
+
+
+def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
+                 config: SpecConfig, vocab_size: int) -> tuple[list[int], list[np.ndarray]]:
+    """Propose up to γ target-vocabulary tokens; return them and (when sampling) their full-vocab q rows."""
+    tokens: list[int] = []
+    q_rows: list[np.ndarray] = []
+    for i in range(config.gamma):
+        logits = drafter.decoder.forward(feed, 1)["logits"][-1]
+        if params.greedy:
+            index = int(np.argmax(logits))
+            confident = config.min_confidence <= 0 or _top_probability(logits) >= config.min_confidence
+        else:
+            probs = logits_to_probs(logits, params)
+            index = sample(probs, rng)
+            confident = probs[index] >= config.min_confidence
+            q_rows.append(probs if drafter.vocab_ids is None
+                          else scatter_probs(probs, drafter.vocab_ids, vocab_size, validate=False))
+        tokens.append(drafter.to_target(index))
+        feed = [tokens[-1]]
+        if not confident:
+            break
+    return tokens, q_rows
+
+
+def _top_probability(logits: np.ndarray) -> float:
+    shifted = logits - logits.max()
+    return float(1.0 / np.exp(shifted, dtype=np.float64).sum())
+
+
+def generate_speculative(
+    target: Decoder,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    max_new_tokens: int,
+    config: SpecConfig = SpecConfig(),
+    stats: SpecStats | None = None,
+) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
+    stats = stats if stats is not None else SpecStats()
+    draft = drafter.decoder
+    # The first token comes from the target's prefill, exactly as in autoregressive decoding.
+    first = target.prefill(prompt_ids)["logits"][-1]
+    x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
+    committed = list(prompt_ids) + [x]
+    emitted = 1
+    yield x
+    while emitted < max_new_tokens:
+        # 1. draft: catch the drafter up on committed tokens it has not seen, then propose.
+        started = time.perf_counter()
+        feed = draft.sync(committed)  # usually [x], or [d_γ, x] after a fully accepted round
+        base = len(committed) - 1  # cache length both models share before this round
+        budget = min(config.gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
+        block_config = SpecConfig(max(budget, 0), config.min_confidence)
+        drafts, q_rows = _draft_block(drafter, feed, params, rng, block_config, target.vocab_size) \
+            if budget > 0 else ([], [])
+        verify_started = time.perf_counter()
+        stats.draft_seconds += verify_started - started
+
+        # 2. verify: one target pass over [x, d1..dγ] -> γ+1 rows.
+        rows = target.forward([committed[-1]] + drafts, len(drafts) + 1)["logits"]
+        if params.greedy:
+            result = verify_greedy(drafts, rows)
+        else:
+            q = np.array(q_rows) if q_rows else np.zeros((0, rows.shape[-1]))
+            result = verify_speculative(drafts, q, logits_to_probs(rows, params), rng)
+        stats.verify_seconds += time.perf_counter() - verify_started
+        stats.accepted.append(result.accepted)
+        stats.drafted.append(len(drafts))
+
+        # 3. roll back both caches to the accepted prefix; the correction/bonus token becomes pending.
+        target.rewind(base + 1 + result.accepted)
+        draft.rewind(min(draft.length, base + 1 + result.accepted))
+        committed.extend(result.tokens)
+        for token in result.tokens:
+            yield token
+            emitted += 1
+            if emitted >= max_new_tokens:
+                return
