@@ -26,7 +26,9 @@ out = Console(highlight=False, soft_wrap=True)
 
 ProviderOpt = typer.Option("cpu", "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, webgpu.")
 ThreadsOpt = typer.Option(0, "--threads", help="Intra-op threads per session (0 = all cores).")
-ModeOpt = typer.Option("ar", "--mode", help="ar (target only) or spec (speculative, lossless).")
+ModeOpt = typer.Option("spec", "--mode", help="spec (speculative, lossless) or ar (target only).")
+GammaOpt = typer.Option(3, "--gamma", help="spec: maximum draft tokens per target pass.")
+HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K); default from the bundle.")
 
 
 def _default_pair() -> tuple[str, str]:
@@ -64,7 +66,8 @@ def export(
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
     context_length: int = typer.Option(4096, help="Maximum context (KV cache capacity, rotary table size)."),
     draft_vocab: str = typer.Option("full", help="Drafter LM head: full or trim (VocabTrim)."),
-    keep: int = typer.Option(16384, help="VocabTrim: vocabulary rows kept in the drafter's head."),
+    keep: str = typer.Option("16384", help="VocabTrim: vocabulary rows kept in the drafter's head; a comma list "
+                             "exports one head per value (the first is the default)."),
     calibration: Optional[Path] = typer.Option(None, help="VocabTrim: calibration prompt file (default: shipped set)."),
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
@@ -76,8 +79,13 @@ def export(
     out_dir = out_dir or _default_bundle_dir(target, quant)
     if calibration is not None and not calibration.is_file():
         raise EdgeSpecError(f"calibration file not found: {calibration}")
+    try:
+        keep_values = tuple(int(k) for k in keep.split(","))
+    except ValueError:
+        raise EdgeSpecError(f"--keep must be integers separated by commas, got {keep!r}") from None
     options = ExportOptions(quant=quant, block_size=block_size, accuracy_level=accuracy_level,
-                            context_length=context_length, draft_vocab=draft_vocab, keep=keep, calibration=calibration)
+                            context_length=context_length, draft_vocab=draft_vocab, keep=keep_values,
+                            calibration=calibration)
     with console.status("exporting") as status:
         def progress(message: str) -> None:
             console.print(f"[dim]-[/dim] {message}")
@@ -100,18 +108,22 @@ def info(bundle: Path) -> None:
     for role in ("target", "draft"):
         m = manifest[role]
         c = m["config"]
-        head = m.get("head", {})
+        heads = ", ".join(f"{name} ({h['size']} rows)" for name, h in m.get("heads", {}).items())
         out.print(
             f"{role:6s} {m['name']}: {m['parameters'] / 1e6:.0f}M params, {c['num_layers']} layers, "
             f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {m['quantization']['weights']}, "
-            f"{m['bytes'] / (1 << 20):.0f} MiB" + (f", head {head['kind']} {head['size']}" if head else "")
+            f"{m['bytes'] / (1 << 20):.0f} MiB" + (f"; heads: {heads}, default {m['default_head']}" if heads else "")
         )
 
 
-def _load_engine(bundle: Path, provider: str, threads: int, mode: str):
+def _load_engine(bundle: Path, provider: str, threads: int, mode: str, gamma: int, draft_head: str | None):
     from edge_spec.runtime.engine import Engine
+    from edge_spec.runtime.speculative import SpecConfig
 
-    return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode)
+    if gamma < 1:
+        raise EdgeSpecError("--gamma must be at least 1")
+    return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=SpecConfig(gamma=gamma),
+                              draft_head=draft_head)
 
 
 def _stream(engine, prompt, **kwargs) -> str:
@@ -155,9 +167,11 @@ def generate(
     provider: str = ProviderOpt,
     threads: int = ThreadsOpt,
     mode: str = ModeOpt,
+    gamma: int = GammaOpt,
+    draft_head: Optional[str] = HeadOpt,
 ) -> None:
     """Answer one prompt and exit."""
-    engine = _load_engine(bundle, provider, threads, mode)
+    engine = _load_engine(bundle, provider, threads, mode, gamma, draft_head)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -175,9 +189,11 @@ def chat(
     provider: str = ProviderOpt,
     threads: int = ThreadsOpt,
     mode: str = ModeOpt,
+    gamma: int = GammaOpt,
+    draft_head: Optional[str] = HeadOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
-    engine = _load_engine(bundle, provider, threads, mode)
+    engine = _load_engine(bundle, provider, threads, mode, gamma, draft_head)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")

@@ -35,4 +35,6 @@ def fp32_bundle(tmp_path_factory, tiny_pair):
 
 @pytest.fixture(scope="session")
 def int4_bundle(tmp_path_factory, tiny_pair):
-    return export_tiny(tmp_path_factory.mktemp("b") / "int4", tiny_pair, quant="int4")
+    """int4 bundle with a full drafter head and VocabTrim heads of 64 and 160 rows (of 384)."""
+    return export_tiny(tmp_path_factory.mktemp("b") / "int4", tiny_pair, quant="int4", draft_vocab="trim",
+                       keep=(160, 64), calibration_tokens=24)

@@ -19,9 +19,9 @@ from tests.conftest import export_tiny
 PROMPTS = [[5, 17, 42, 99], [3], list(range(10, 40))]
 
 
-def onnx_greedy(bundle, prompt, n, role="target"):
+def onnx_greedy(bundle, prompt, n):
     manifest = read_manifest(bundle)
-    decoder = Decoder(bundle / manifest[role]["onnx"], capacity=128)
+    decoder = Decoder(bundle / manifest["target"]["onnx"], capacity=128)
     logits = decoder.prefill(prompt)["logits"][-1]
     out = []
     for _ in range(n):
@@ -90,7 +90,10 @@ def test_manifest_roundtrip(int4_bundle):
     assert target["config"]["num_layers"] == 2
     assert target["config"]["vocab_size"] == 384
     assert target["quantization"]["weights"] == "int4"
-    assert manifest["draft"]["head"]["kind"] == "full"
+    heads = manifest["draft"]["heads"]
+    assert set(heads) == {"full", "trim-160", "trim-64"} and manifest["draft"]["default_head"] == "trim-160"
+    assert heads["trim-64"]["size"] == 64 and heads["full"]["size"] == 384
+    assert (int4_bundle / "draft" / "token_counts.npy").is_file()
     for record in target["files"] + manifest["draft"]["files"]:
         assert sha256_file(int4_bundle / record["path"]) == record["sha256"]
     assert (int4_bundle / "tokenizer.json").is_file()

@@ -23,23 +23,38 @@ def run(engine: Engine, prompt_ids, params, n, spec: SpecConfig | None, seed=0):
     return tokens, stats
 
 
+HEADS = ["full", "trim-160", "trim-64"]
+
+
+@pytest.fixture(scope="module", params=HEADS)
+def any_engine(request, int4_bundle):
+    return Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head=request.param)
+
+
 @pytest.fixture(scope="module")
 def engine(int4_bundle):
-    return Engine.from_bundle(int4_bundle, threads=1, mode="spec")
+    return Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="full")
 
 
 @pytest.mark.parametrize("gamma", range(1, 9))
-def test_greedy_speculative_equals_autoregressive(engine, gamma):
+def test_greedy_speculative_equals_autoregressive(any_engine, gamma):
+    engine = any_engine
     greedy = SamplingParams()
     total_rejections = 0
+    outside_head = 0
+    kept = set(engine.draft.vocab_ids.tolist()) if engine.draft.vocab_ids is not None else None
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, greedy, 40, None)
         got, stats = run(engine, ids, greedy, 40, SpecConfig(gamma=gamma))
-        assert got == reference, f"γ={gamma} prompt={prompt!r}"
+        assert got == reference, f"head={engine.draft_head} γ={gamma} prompt={prompt!r}"
         total_rejections += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
         assert max(stats.drafted) <= gamma
+        if kept is not None:
+            outside_head += sum(t not in kept for t in reference)
     assert total_rejections > 0, "the drafter never disagreed: test would not exercise rollback"
+    if engine.draft_head == "trim-64":
+        assert outside_head > 0, "no target token fell outside the trimmed head: case not exercised"
 
 
 def test_greedy_with_confidence_cutoff_equals_autoregressive(engine):
@@ -81,10 +96,11 @@ def _chi_square_same_distribution(a: list, b: list) -> float:
     return float(scistats.chi2_contingency(pooled)[1])
 
 
-def test_sampled_speculative_matches_target_distribution(engine):
+def test_sampled_speculative_matches_target_distribution(any_engine):
     """Tokens 2-3 go through draft verification (max_new=3 leaves room for one draft + its
     correction/bonus), so their joint law with token 1 must equal target-only sampling."""
     params = SamplingParams(temperature=1.0)
+    engine = any_engine
     ids = engine.tokenizer.encode("The quick")
     n = 1500
     ar = _first_tokens(engine, ids, params, None, n)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from edge_spec.runtime import verification
-from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample
+from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verification import (
     RESIDUAL_MIN_MASS,
     VerifyResult,
@@ -189,6 +189,27 @@ def test_same_seed_gives_same_result_and_fixed_randomness_use() -> None:
         assert rng.random() == reference.random()
         outcomes.add(first.accepted)
     assert len(outcomes) >= 3  # several outcomes covered, all with the same usage
+
+
+def test_speculative_without_drafts_samples_from_target_row_zero() -> None:
+    p = np.array([[0.0, 0.0, 1.0]])
+    result = verify_speculative([], np.zeros((0, 3)), p, np.random.default_rng(0))
+    assert result == VerifyResult(accepted=0, tokens=[2])
+
+
+def test_full_size_vocabulary_round_trip() -> None:
+    """Qwen-sized rows, reduced-vocabulary drafter: valid output, target support only."""
+    rng = np.random.default_rng(4)
+    vocab, params = 151936, SamplingParams(temperature=0.8, top_k=50, top_p=0.95)
+    target = logits_to_probs(rng.standard_normal((4, vocab)).astype(np.float32) * 3, params)
+    ids = np.sort(rng.choice(vocab, 32768, replace=False))
+    drafter = logits_to_probs(rng.standard_normal((3, ids.size)).astype(np.float32) * 3, params)
+    q = scatter_probs(drafter, ids, vocab)
+    for _ in range(20):
+        drafts = [sample(row, rng) for row in q]
+        result = verify_speculative(drafts, q, target, rng)
+        assert result.tokens[: result.accepted] == drafts[: result.accepted]
+        assert target[result.accepted, result.tokens[-1]] > 0
 
 
 def test_zero_draft_probability_for_the_drafted_token_is_an_error() -> None:
@@ -402,7 +423,9 @@ correct_rule = variant(lambda u, p, q: u * q < p)  # min(1, p/q): the control
 inverted_rule = variant(lambda u, p, q: u * p < q)  # min(1, q/p): wrong
 
 
-def bonus_from_previous_row(drafts, q, p, rng) -> VerifyResult:  # type: ignore[no-untyped-def]
+def bonus_from_previous_row(
+    drafts: list[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator
+) -> VerifyResult:
     """Real verifier, but the bonus token comes from row gamma - 1."""
     return verify_speculative(drafts, q, np.vstack([p[:-1], p[-2:-1]]), rng)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model
+from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, save_model
 from edge_spec.export.sources import LoadedModel, check_same_tokenizer, load_model
 from edge_spec.manifest import FORMAT, file_record, write_manifest
 
@@ -29,10 +29,14 @@ class ExportOptions:
     accuracy_level: int = 4
     context_length: int = 4096
     draft_vocab: str = "full"  # "full" | "trim"
-    keep: int = 16384  # VocabTrim: head rows kept
+    keep: tuple[int, ...] = (16384,)  # VocabTrim: head rows kept (one head per value; the first is the default)
     calibration: Path | None = None  # VocabTrim: prompt file (one JSON list or one prompt per line)
     calibration_tokens: int = 96  # VocabTrim: new tokens generated per calibration prompt
     extra: dict = field(default_factory=dict)
+
+    @property
+    def keep_list(self) -> list[int]:
+        return [self.keep] if isinstance(self.keep, int) else list(self.keep)
 
 
 def _say(progress, message: str) -> None:
@@ -40,18 +44,33 @@ def _say(progress, message: str) -> None:
         progress(message)
 
 
-def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: dict) -> dict:
-    files = [file_record(bundle_dir, f"{role}/model.onnx"), file_record(bundle_dir, f"{role}/model.onnx.data")]
+def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: dict, stem: str = "model") -> dict:
+    files = [file_record(bundle_dir, f"{role}/{stem}.onnx"), file_record(bundle_dir, f"{role}/{stem}.onnx.data")]
     return {
         "name": model.name,
         "source": model.source,
         "config": model.weights.config.to_dict(),
         "parameters": model.weights.num_parameters(),
         "quantization": quant_info,
-        "onnx": f"{role}/model.onnx",
+        "onnx": f"{role}/{stem}.onnx",
         "files": files,
         "bytes": sum(f["bytes"] for f in files),
     }
+
+
+def _export_head(bundle_dir: Path, name: str, lm_head: np.ndarray, vocab_ids: np.ndarray | None,
+                 build: BuildOptions) -> dict:
+    """Write draft/head_<name>.onnx (+ its vocabulary map) and return its manifest entry."""
+    weight = lm_head if vocab_ids is None else lm_head[vocab_ids]
+    save_model(build_head(weight, build), bundle_dir / "draft" / f"head_{name}.onnx")
+    files = [file_record(bundle_dir, f"draft/head_{name}.onnx"), file_record(bundle_dir, f"draft/head_{name}.onnx.data")]
+    entry = {"onnx": f"draft/head_{name}.onnx", "size": int(weight.shape[0]), "parameters": int(weight.size)}
+    if vocab_ids is not None:
+        np.save(bundle_dir / "draft" / f"vocab_{name}.npy", vocab_ids)
+        files.append(file_record(bundle_dir, f"draft/vocab_{name}.npy"))
+        entry["vocab_ids"] = f"draft/vocab_{name}.npy"
+    entry["files"] = files
+    return entry
 
 
 def save_tokenizer(tokenizer, eos_ids: list[int], bundle_dir: Path) -> None:
@@ -115,6 +134,8 @@ def export_bundle(
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
     target_record = _model_record(target, staging, "target", quant_info)
     target_tokenizer, target_vocab = target.tokenizer, target.weights.config.vocab_size
+    eos_ids = target.eos_token_ids
+    special_ids = list(getattr(target_tokenizer, "all_special_ids", []))
     del target
     gc.collect()
 
@@ -125,21 +146,36 @@ def export_bundle(
         raise EdgeSpecError(
             f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
         )
-    head: dict = {"kind": "full", "size": target_vocab}
+    _say(progress, f"building drafter body ({options.quant})")
+    draft_dir = staging / "draft"
+    draft_dir.mkdir(parents=True, exist_ok=True)
+    body = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
+                        build_head=False)
+    save_model(build_decoder(draft.weights, body), draft_dir / "body.onnx")
+    draft_record = _model_record(draft, staging, "draft", quant_info, "body")
+    lm_head = draft.weights.lm_head
+    draft_record["parameters"] -= int(lm_head.size)  # body only; each head records its own
+    heads = {"full": _export_head(staging, "full", lm_head, None, build)}
     if options.draft_vocab == "trim":
-        from edge_spec.export.vocabtrim import build_trimmed_head
+        from edge_spec.export.vocabtrim import count_target_tokens, load_prompts, select_vocabulary
 
-        _say(progress, f"VocabTrim: calibrating with the exported target (keep {options.keep})")
-        vocab_ids, calib = build_trimmed_head(staging, options, progress)
-        (staging / "draft").mkdir(exist_ok=True)
-        np.save(staging / "draft" / "vocab_ids.npy", vocab_ids)
-        build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
-                             head_rows=vocab_ids)
-        head = {"kind": "trim", "size": int(len(vocab_ids)), "vocab_ids": "draft/vocab_ids.npy", "calibration": calib}
-    _say(progress, f"building drafter graph ({options.quant}, head {head['kind']} {head['size']})")
-    export_decoder(draft, staging, "draft", build)
-    draft_record = _model_record(draft, staging, "draft", quant_info)
-    draft_record["head"] = head
+        prompts = load_prompts(options.calibration)
+        _say(progress, f"VocabTrim: generating calibration text with the exported target ({len(prompts)} prompts)")
+        counts = count_target_tokens(staging, prompts, options.calibration_tokens, options.context_length,
+                                     progress)
+        np.save(draft_dir / "token_counts.npy", counts)
+        always = list(eos_ids) + list(special_ids)
+        for keep in options.keep_list:
+            vocab_ids = select_vocabulary(counts, keep, always)
+            name = f"trim-{keep}"
+            _say(progress, f"VocabTrim head {name}: covers {counts[vocab_ids].sum() / max(counts.sum(), 1):.1%} "
+                           "of calibration tokens")
+            heads[name] = _export_head(staging, name, lm_head, vocab_ids, build)
+            heads[name]["calibration_coverage"] = float(counts[vocab_ids].sum() / max(counts.sum(), 1))
+    draft_record["heads"] = heads
+    draft_record["default_head"] = f"trim-{options.keep_list[0]}" if options.draft_vocab == "trim" else "full"
+    draft_record["files"] += [f for h in heads.values() for f in h.pop("files")]
+    draft_record["bytes"] = sum(f["bytes"] for f in draft_record["files"])
     del draft
     gc.collect()
 

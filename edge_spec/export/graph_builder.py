@@ -225,6 +225,28 @@ class DecoderGraphBuilder:
         return model
 
 
+def build_head(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
+    """A stand-alone LM head ``hidden_states [1, n, H] -> logits [1, n, rows]`` (drafter heads:
+    full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it."""
+    rows, hidden = weight.shape
+    builder = DecoderGraphBuilder.__new__(DecoderGraphBuilder)
+    builder.opt, builder.bits, builder.g = options, QUANT_BITS[options.quant], _Graph()
+    logits = builder.linear("hidden_states", weight, "lm_head")
+    builder.g.node("Identity", [logits], ["logits"])
+    graph = helper.make_graph(
+        builder.g.nodes, "edge_spec_head",
+        [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "num_logits", hidden])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", rows])],
+        builder.g.initializers,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+        producer_name="edge-spec",
+    )
+    model.ir_version = 10
+    return model
+
+
 def build_decoder(weights: DecoderWeights, options: BuildOptions) -> onnx.ModelProto:
     """Build the decoder graph for ``weights`` (see module docstring for the signature)."""
     return DecoderGraphBuilder(weights, options).build()

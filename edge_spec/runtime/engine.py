@@ -20,6 +20,7 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.autoregressive import generate_autoregressive
 from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.draft_head import DraftHead
 from edge_spec.runtime.sampling import SamplingParams, check_vocab_ids
 from edge_spec.runtime.speculative import Drafter, SpecConfig, SpecStats, generate_speculative
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
@@ -76,12 +77,14 @@ class Engine:
         context_length: int | None = None,
         mode: str = "ar",
         spec: SpecConfig = SpecConfig(),
+        draft_head: str | None = None,
         verify: bool = False,
     ) -> "Engine":
         """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
 
         ``mode="spec"`` drafts with the bundle's drafter (``spec`` sets γ and the
-        confidence cut-off); ``"ar"`` runs the target alone.  Both give the same
+        confidence cut-off; ``draft_head`` picks one of the bundle's drafter heads,
+        e.g. ``"full"`` or ``"trim-16384"``); ``"ar"`` runs the target alone.  Both give the same
         greedy output; the drafter is loaded on first use when ``mode="ar"``.
         """
         bundle_dir = Path(path)
@@ -93,17 +96,25 @@ class Engine:
         tokenizer = TextTokenizer(bundle_dir)
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity)
 
+        draft_meta = manifest["draft"]
+        head_name = draft_head or draft_meta["default_head"]
+        if head_name not in draft_meta["heads"]:
+            raise EdgeSpecError(
+                f"bundle has no drafter head {head_name!r}; available: {', '.join(draft_meta['heads'])}"
+            )
+
         def draft_factory() -> Drafter:
-            decoder = Decoder(bundle_dir / manifest["draft"]["onnx"], provider=provider, threads=threads,
-                              capacity=capacity)
-            head = manifest["draft"].get("head", {})
+            decoder = Decoder(bundle_dir / draft_meta["onnx"], provider=provider, threads=threads, capacity=capacity)
+            head = draft_meta["heads"][head_name]
             vocab_ids = None
             if head.get("vocab_ids"):
                 vocab_ids = check_vocab_ids(np.load(bundle_dir / head["vocab_ids"]), target.vocab_size)
-            return Drafter(decoder, vocab_ids)
+            return Drafter(decoder, DraftHead(bundle_dir / head["onnx"], provider=provider, threads=threads,
+                                              vocab_ids=vocab_ids))
 
         engine = cls(bundle_dir, manifest, tokenizer, target, draft_factory, mode)
         engine.spec_config = spec
+        engine.draft_head = head_name
         if mode != "ar":
             engine.draft  # load eagerly so the first answer is not slowed down
         return engine
@@ -143,7 +154,9 @@ class Engine:
     @property
     def param_ratio(self) -> float:
         """c in MBSU: drafter parameters read per step / target parameters read per step."""
-        return self.manifest["draft"]["parameters"] / self.manifest["target"]["parameters"]
+        draft = self.manifest["draft"]
+        head = draft["heads"][self.draft_head]
+        return (draft["parameters"] + head["parameters"]) / self.manifest["target"]["parameters"]
 
     def generate(
         self,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.draft_head import DraftHead
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verification import verify_greedy, verify_speculative
 
@@ -42,10 +43,19 @@ class SpecConfig:
 
 @dataclass
 class Drafter:
-    """The drafter decoder plus the map from its head rows to target token ids (None = same vocabulary)."""
+    """Drafter body (emits final hidden states) + one LM head (full or reduced vocabulary)."""
 
     decoder: Decoder
-    vocab_ids: np.ndarray | None = None
+    head: DraftHead
+
+    @property
+    def vocab_ids(self) -> np.ndarray | None:
+        return self.head.vocab_ids
+
+    def step(self, feed: list[int]) -> np.ndarray:
+        """Feed tokens, return the head's logits for the position after the last one."""
+        hidden = self.decoder.forward(feed, 1)["hidden_states"]
+        return self.head(hidden)[-1]
 
     def to_target(self, draft_index: int) -> int:
         return int(draft_index) if self.vocab_ids is None else int(self.vocab_ids[draft_index])
@@ -98,7 +108,7 @@ def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng:
     tokens: list[int] = []
     q_rows: list[np.ndarray] = []
     for i in range(config.gamma):
-        logits = drafter.decoder.forward(feed, 1)["logits"][-1]
+        logits = drafter.step(feed)
         if params.greedy:
             index = int(np.argmax(logits))
             confident = config.min_confidence <= 0 or _top_probability(logits) >= config.min_confidence

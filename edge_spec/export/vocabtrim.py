@@ -1,0 +1,78 @@
+"""VocabTrim: keep only the drafter LM-head rows of tokens the target actually produces.
+
+Why: the 0.5B drafter's head (151,936 x 896) is ~27% of the weights each draft
+step reads, yet the target emits a few thousand distinct tokens in practice.
+The VocabTrim paper (arXiv 2506.22694) finds calibration on **target-generated**
+text best, so we run the freshly exported target on a calibration prompt set
+and count the tokens it generates.
+
+Ranking: calibration count first; ties (including the long tail never seen in
+calibration) are broken by token id, which for byte-level BPE vocabularies
+follows merge order, i.e. corpus frequency.  End-of-turn and special tokens are
+always kept so a trimmed drafter can still propose the end of an answer.
+Tokens outside the kept set get q = 0, which verification handles exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from edge_spec.errors import EdgeSpecError
+
+DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "models" / "calibration" / "prompts.jsonl"
+
+
+def load_prompts(path: Path | None) -> list[str]:
+    """Prompts from a .jsonl file (``{"prompt": ...}`` per line), a JSON list, or plain text (one per line)."""
+    path = Path(path) if path else DEFAULT_CALIBRATION
+    if not path.is_file():
+        raise EdgeSpecError(f"calibration file not found: {path}")
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    elif path.suffix == ".json":
+        prompts = [p if isinstance(p, str) else p["prompt"] for p in json.loads(text)]
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise EdgeSpecError(f"calibration file has no prompts: {path}")
+    return prompts
+
+
+def count_target_tokens(bundle_dir: Path, prompts: list[str], new_tokens: int, context_length: int,
+                        progress=None, threads: int = 0) -> np.ndarray:
+    """Greedy-generate ``new_tokens`` per prompt with the exported target and count every emitted id."""
+    from edge_spec.runtime.autoregressive import generate_autoregressive
+    from edge_spec.runtime.decoder import Decoder
+    from edge_spec.runtime.sampling import SamplingParams
+    from edge_spec.runtime.text import TextTokenizer
+
+    tokenizer = TextTokenizer(bundle_dir)
+    target = Decoder(bundle_dir / "target" / "model.onnx", threads=threads, capacity=context_length)
+    counts = np.zeros(target.vocab_size, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt}]))
+        ids = ids[-(context_length - new_tokens - 1):]
+        for token in generate_autoregressive(target, ids, SamplingParams(), rng, new_tokens):
+            if token in tokenizer.eos_token_ids:
+                break
+            counts[token] += 1
+        if progress:
+            progress(f"calibration {i + 1}/{len(prompts)}: {int((counts > 0).sum())} distinct tokens so far")
+    return counts
+
+
+def select_vocabulary(counts: np.ndarray, keep: int, always_keep: list[int]) -> np.ndarray:
+    """The ``keep`` target ids with the highest counts (ties by id), plus ``always_keep``; sorted."""
+    vocab = counts.size
+    if not 0 < keep <= vocab:
+        raise EdgeSpecError(f"--keep must be between 1 and the vocabulary size {vocab}, got {keep}")
+    forced = np.unique(np.asarray([i for i in always_keep if 0 <= i < vocab], dtype=np.int64))
+    order = np.lexsort((np.arange(vocab), -counts))  # count desc, then id asc
+    order = order[~np.isin(order, forced)]
+    chosen = np.concatenate([forced, order[: max(keep - forced.size, 0)]])
+    return np.sort(chosen).astype(np.int64)
