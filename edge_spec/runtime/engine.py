@@ -54,18 +54,22 @@ class Completion:
 class Engine:
     """A loaded bundle ready to generate.  Not thread-safe, except :meth:`cancel`."""
 
-    def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder,
-                 draft_factory, mode: str) -> None:
+    def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder, *,
+                 provider: str = "cpu", threads: int = 0, mode: str = "ar", spec: SpecConfig = SpecConfig(),
+                 draft_head: str | None = None) -> None:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.tokenizer = tokenizer
         self.target = target
-        self._draft_factory = draft_factory
-        self._draft = None
         self.mode = mode
-        self.spec_config = SpecConfig()
+        self.spec_config = spec
+        self._provider, self._threads = provider, threads
+        self._draft_body: Decoder | None = None
+        self._drafters: dict[str, Drafter] = {}
+        self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
         self._cancel = threading.Event()
         self.last_stats = GenerationStats()
+        self.last_token_ids: list[int] = []
 
     @classmethod
     def from_bundle(
@@ -95,35 +99,39 @@ class Engine:
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity)
-
-        draft_meta = manifest["draft"]
-        head_name = draft_head or draft_meta["default_head"]
-        if head_name not in draft_meta["heads"]:
-            raise EdgeSpecError(
-                f"bundle has no drafter head {head_name!r}; available: {', '.join(draft_meta['heads'])}"
-            )
-
-        def draft_factory() -> Drafter:
-            decoder = Decoder(bundle_dir / draft_meta["onnx"], provider=provider, threads=threads, capacity=capacity)
-            head = draft_meta["heads"][head_name]
-            vocab_ids = None
-            if head.get("vocab_ids"):
-                vocab_ids = check_vocab_ids(np.load(bundle_dir / head["vocab_ids"]), target.vocab_size)
-            return Drafter(decoder, DraftHead(bundle_dir / head["onnx"], provider=provider, threads=threads,
-                                              vocab_ids=vocab_ids))
-
-        engine = cls(bundle_dir, manifest, tokenizer, target, draft_factory, mode)
-        engine.spec_config = spec
-        engine.draft_head = head_name
+        engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, mode=mode,
+                     spec=spec, draft_head=draft_head)
         if mode != "ar":
             engine.draft  # load eagerly so the first answer is not slowed down
         return engine
 
+    def _check_head(self, name: str) -> str:
+        heads = self.manifest["draft"]["heads"]
+        if name not in heads:
+            raise EdgeSpecError(f"bundle has no drafter head {name!r}; available: {', '.join(heads)}")
+        return name
+
+    def use_draft_head(self, name: str) -> None:
+        """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""
+        self.draft_head = self._check_head(name)
+
     @property
     def draft(self) -> Drafter:
-        if self._draft is None:
-            self._draft = self._draft_factory()
-        return self._draft
+        """The drafter for the current head, loaded on first use."""
+        if self._draft_body is None:
+            self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], provider=self._provider,
+                                       threads=self._threads, capacity=self.target.capacity)
+        if self.draft_head not in self._drafters:
+            head = self.manifest["draft"]["heads"][self.draft_head]
+            vocab_ids = None
+            if head.get("vocab_ids"):
+                vocab_ids = check_vocab_ids(np.load(self.bundle_dir / head["vocab_ids"]), self.target.vocab_size)
+            self._drafters[self.draft_head] = Drafter(
+                self._draft_body,
+                DraftHead(self.bundle_dir / head["onnx"], provider=self._provider, threads=self._threads,
+                          vocab_ids=vocab_ids),
+            )
+        return self._drafters[self.draft_head]
 
     def cancel(self) -> None:
         """Stop the generation in progress (safe to call from another thread)."""
@@ -181,7 +189,7 @@ class Engine:
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
         self.last_stats = stats
-        self.last_token_ids: list[int] = []
+        self.last_token_ids = []
         self._cancel.clear()
         detok = StreamingDetokenizer(self.tokenizer)
         stopper = StopMatcher(list(stop))
