@@ -6,7 +6,7 @@ User mistakes surface as one ``error: ...`` line and exit code 1 (see
 
 from __future__ import annotations
 
-import os
+import json
 import resource
 import signal
 import sys
@@ -21,7 +21,7 @@ from edge_spec.errors import EdgeSpecError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Speculative decoding for local LLMs on ONNX Runtime.")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 
 ProviderOpt = typer.Option("cpu", "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, webgpu.")
@@ -217,6 +217,44 @@ def chat(
         history.append({"role": "assistant", "content": answer})
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     console.print(f"[dim]peak RSS {peak_mib:.0f} MiB[/dim]")
+
+
+@app.command()
+def bench(
+    bundle: Path,
+    max_tokens: int = typer.Option(64, help="New tokens per prompt."),
+    temperature: list[float] = typer.Option([0.0, 0.7], help="Temperatures (repeatable)."),
+    gamma: int = GammaOpt,
+    head: list[str] = typer.Option([], "--head", help="Drafter heads to compare (repeatable; default all)."),
+    category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
+    per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
+    prompts: Optional[Path] = typer.Option(None, help="Prompt file (.jsonl with category, prompt)."),
+    output: Path = typer.Option(Path("bench-results"), "--output", help="Directory for JSON and PNG."),
+    threads: int = ThreadsOpt,
+    provider: str = ProviderOpt,
+) -> None:
+    """Compare ar, spec (full drafter head) and spec+VocabTrim heads per category: τ, MBSU, tokens/s, speed-up."""
+    from rich.progress import Progress
+
+    from edge_spec.bench import format_table, load_bench_prompts, modes_for, plot, run_bench
+    from edge_spec.runtime.engine import Engine
+
+    engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec")
+    items = load_bench_prompts(prompts, category or None, per_category)
+    modes = modes_for(engine, head or None)
+    engine.complete("warm up", max_new_tokens=4)
+    engine.complete("warm up", max_new_tokens=4, mode="ar")
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("bench", total=len(items) * len(temperature))
+        result = run_bench(engine, items, modes, temperatures=list(temperature), max_new_tokens=max_tokens,
+                           gamma=gamma, progress=lambda done, total: bar.update(task, completed=done))
+    out.print(format_table(result["summary"]))
+    output.mkdir(parents=True, exist_ok=True)
+    result["bundle"] = str(bundle)
+    result["threads"] = threads
+    (output / "bench.json").write_text(json.dumps(result, indent=1))
+    plot(result["summary"], engine.manifest, output / "bench.png")
+    console.print(f"[dim]wrote {output / 'bench.json'} and {output / 'bench.png'}[/dim]")
 
 
 def main() -> None:

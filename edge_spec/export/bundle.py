@@ -18,7 +18,7 @@ import numpy as np
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, save_model
-from edge_spec.export.sources import LoadedModel, check_same_tokenizer, load_model
+from edge_spec.export.sources import LoadedModel, check_same_tokenizer, check_source_exists, load_model
 from edge_spec.manifest import FORMAT, file_record, write_manifest
 
 
@@ -114,6 +114,9 @@ def export_bundle(
         raise EdgeSpecError(f"--quant must be int4, int8 or fp32, not {options.quant!r}")
     if options.draft_vocab not in ("full", "trim"):
         raise EdgeSpecError(f"--draft-vocab must be 'full' or 'trim', not {options.draft_vocab!r}")
+    if loader is load_model:
+        for source in (target_source, draft_source):
+            check_source_exists(source)
     staging = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -52,6 +52,13 @@ def _locate(source: str) -> tuple[str, str, str | None]:
     raise EdgeSpecError(f"model source not found: {source!r} (not a file, a directory, a hub id or one of: {known})")
 
 
+def check_source_exists(source: str) -> None:
+    """Fail fast (before minutes of loading the other model) on a local path that does not exist."""
+    looks_local = source.lower().endswith(".gguf") or source.startswith((".", "/", "~")) or "\\" in source
+    if looks_local and not Path(source).expanduser().exists():
+        raise EdgeSpecError(f"model source not found: {source}")
+
+
 def _eos_ids(tokenizer, hf_config, generation_config) -> list[int]:
     """All ids that end a turn: generation config's eos list, the tokenizer's eos, and chat end markers."""
     ids: list[int] = []

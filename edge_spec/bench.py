@@ -1,0 +1,180 @@
+"""``edge-spec bench``: speculative modes against autoregressive decoding on the same bundle, in one run.
+
+For every prompt the target-only (``ar``) answer is generated first; each
+speculative mode then answers the same prompt with the same settings.  Greedy
+answers must be token-identical to ``ar`` (the run records any mismatch).
+Per category we report τ (tokens per target call), MBSU = τ / (c·γ + 1) with c
+the drafter/target parameter ratio of that mode, decode tokens/s and the
+wall-clock speed-up against ``ar`` (ratio of decode throughput measured in this
+run; absolute times on a shared machine are noisy, ratios much less so).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.speculative import SpecConfig
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "bench" / "prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class BenchMode:
+    name: str  # "ar", "spec" (full head), "spec+vocabtrim-16384", ...
+    head: str | None  # drafter head, None for ar
+
+
+def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
+    path = Path(path) if path else DEFAULT_PROMPTS
+    if not path.is_file():
+        raise EdgeSpecError(f"bench prompt file not found: {path}")
+    prompts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if categories:
+        unknown = set(categories) - {p["category"] for p in prompts}
+        if unknown:
+            raise EdgeSpecError(f"unknown bench categories: {', '.join(sorted(unknown))}")
+        prompts = [p for p in prompts if p["category"] in categories]
+    if per_category:
+        seen: dict[str, int] = defaultdict(int)
+        kept = []
+        for p in prompts:
+            if seen[p["category"]] < per_category:
+                kept.append(p)
+                seen[p["category"]] += 1
+        prompts = kept
+    return prompts
+
+
+def modes_for(engine: Engine, heads: list[str] | None) -> list[BenchMode]:
+    available = list(engine.manifest["draft"]["heads"])
+    chosen = heads or available
+    for head in chosen:
+        if head not in available:
+            raise EdgeSpecError(f"bundle has no drafter head {head!r}; available: {', '.join(available)}")
+    modes = [BenchMode("ar", None)]
+    for head in chosen:
+        modes.append(BenchMode("spec" if head == "full" else f"spec+vocab{head}", head))
+    return modes
+
+
+def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, temperatures: list[float],
+              max_new_tokens: int, gamma: int, seed: int = 0, progress=None) -> dict:
+    """Run every prompt in every mode and temperature; return raw records plus per-category summaries."""
+    records = []
+    engine.spec_config = SpecConfig(gamma=gamma)
+    total = len(prompts) * len(temperatures)
+    done = 0
+    for temperature in temperatures:
+        for index, item in enumerate(prompts):
+            prompt = item["prompt"]
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            reference = None
+            for mode in modes:
+                if mode.head:
+                    engine.use_draft_head(mode.head)
+                started = time.perf_counter()
+                completion = engine.complete(
+                    messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + index,
+                    mode="ar" if mode.head is None else "spec",
+                )
+                stats = completion.stats
+                record = {
+                    "category": item["category"], "prompt_index": index, "temperature": temperature,
+                    "mode": mode.name, "new_tokens": stats.new_tokens, "decode_seconds": stats.decode_seconds,
+                    "wall_seconds": time.perf_counter() - started, "tokens_per_second": stats.tokens_per_second,
+                }
+                if mode.head is None:
+                    reference = completion.token_ids
+                else:
+                    extra = stats.extra
+                    record.update({k: extra[k] for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma",
+                                                         "param_ratio", "target_calls", "draft_seconds",
+                                                         "verify_seconds")})
+                    record["identical_to_ar"] = completion.token_ids == reference
+                records.append(record)
+            done += 1
+            if progress:
+                progress(done, total)
+    return {"records": records, "summary": summarize(records), "gamma": gamma, "max_new_tokens": max_new_tokens}
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Aggregate per (temperature, category, mode), plus an 'overall' category."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["temperature"], r["category"], r["mode"])].append(r)
+        groups[(r["temperature"], "overall", r["mode"])].append(r)
+    throughput = {}
+    for key, rows in groups.items():
+        tokens = sum(max(r["new_tokens"] - 1, 0) for r in rows)
+        seconds = sum(r["decode_seconds"] for r in rows)
+        throughput[key] = tokens / seconds if seconds else 0.0
+    out = []
+    for (temperature, category, mode), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] == "overall", kv[0][1], kv[0][2] != "ar", kv[0][2])):
+        row = {"temperature": temperature, "category": category, "mode": mode, "prompts": len(rows),
+               "tokens_per_second": throughput[(temperature, category, mode)]}
+        ar = throughput.get((temperature, category, "ar"))
+        row["speedup_vs_ar"] = row["tokens_per_second"] / ar if ar else None
+        if mode != "ar":
+            calls = sum(r["target_calls"] for r in rows)
+            emitted = sum(r["tau"] * r["target_calls"] for r in rows)
+            tau = emitted / calls if calls else 0.0
+            gamma = sum(r["mean_gamma"] * r["target_calls"] for r in rows) / calls if calls else 0.0
+            c = rows[0]["param_ratio"]
+            row.update({"tau": tau, "mbsu": tau / (c * gamma + 1), "mean_gamma": gamma, "param_ratio": c,
+                        "acceptance_rate": sum(r["acceptance_rate"] for r in rows) / len(rows),
+                        "identical_to_ar": all(r["identical_to_ar"] for r in rows) if temperature == 0 else None})
+        out.append(row)
+    return out
+
+
+def format_table(summary: list[dict]) -> str:
+    lines = []
+    header = f"{'T':>4} {'category':14s} {'mode':26s} {'tau':>5} {'MBSU':>5} {'tok/s':>6} {'x ar':>5} {'same':>5}"
+    current = None
+    for row in summary:
+        if row["temperature"] != current:
+            current = row["temperature"]
+            lines += ["", header, "-" * len(header)]
+        same = row.get("identical_to_ar")
+        lines.append(
+            f"{row['temperature']:>4.1f} {row['category']:14s} {row['mode']:26s} "
+            f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row['tokens_per_second']:6.1f} "
+            f"{row['speedup_vs_ar'] or 0:5.2f} {'' if same is None else ('yes' if same else 'NO'):>5}"
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], manifest: dict, path: Path) -> None:
+    """Speed-up and τ against drafter vocabulary size K (overall rows), one line per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = manifest["draft"]["heads"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for temperature in sorted({r["temperature"] for r in summary}):
+        rows = [r for r in summary if r["temperature"] == temperature and r["category"] == "overall"
+                and r["mode"] != "ar"]
+        points = sorted(
+            (heads["full" if r["mode"] == "spec" else r["mode"].removeprefix("spec+vocab")]["size"], r)
+            for r in rows
+        )
+        ks = [k for k, _ in points]
+        ax1.plot(ks, [r["speedup_vs_ar"] for _, r in points], marker="o", label=f"T={temperature}")
+        ax2.plot(ks, [r["tau"] for _, r in points], marker="o", label=f"T={temperature}")
+    for ax, title in ((ax1, "wall-clock speed-up vs ar"), (ax2, "τ (tokens per target call)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("drafter vocabulary K")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,98 @@
+"""CLI behaviour: one clear error line for user mistakes, no traceback; generate and bench work end to end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from edge_spec.bench import load_bench_prompts, modes_for, run_bench
+from edge_spec.runtime.engine import Engine
+
+
+def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edge_spec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert fragment in lines[0], lines[0]
+
+
+def test_missing_bundle(tmp_path):
+    assert_one_line_error(cli("generate", str(tmp_path / "nope"), "hi"), "bundle not found")
+
+
+def test_not_a_bundle(tmp_path):
+    assert_one_line_error(cli("info", str(tmp_path)), "not an edge-spec bundle")
+
+
+def test_corrupted_onnx(tmp_path, int4_bundle):
+    broken = tmp_path / "broken"
+    shutil.copytree(int4_bundle, broken)
+    onnx_file = broken / "target" / "model.onnx"
+    data = bytearray(onnx_file.read_bytes())
+    data[10:400] = b"\xff" * 390
+    onnx_file.write_bytes(bytes(data))
+    assert_one_line_error(cli("generate", str(broken), "hi", "--mode", "ar"), "cannot load")
+
+
+def test_truncated_weights_detected(tmp_path, int4_bundle):
+    broken = tmp_path / "trunc"
+    shutil.copytree(int4_bundle, broken)
+    data_file = broken / "target" / "model.onnx.data"
+    data_file.write_bytes(data_file.read_bytes()[:-100])
+    assert_one_line_error(cli("generate", str(broken), "hi"), "corrupted")
+
+
+def test_unknown_provider(int4_bundle):
+    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--provider", "tpu"), "unknown provider")
+
+
+def test_uninstalled_provider(int4_bundle):
+    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--provider", "coreml"), "not installed")
+
+
+def test_unknown_head(int4_bundle):
+    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--draft-head", "trim-7"), "no drafter head")
+
+
+def test_prompt_longer_than_context(int4_bundle):
+    assert_one_line_error(cli("generate", str(int4_bundle), "word " * 400), "longer than the context")
+
+
+def test_bad_flag_value(int4_bundle):
+    result = cli("generate", str(int4_bundle), "hi", "--temperature", "-1")
+    assert_one_line_error(result, "temperature")
+
+
+def test_missing_gguf_source(tmp_path):
+    assert_one_line_error(cli("export", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "b")),
+                          "not found")
+
+
+def test_generate_and_info(int4_bundle):
+    result = cli("generate", str(int4_bundle), "def is_prime", "--max-tokens", "8", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert "tok/s" in result.stderr
+    info = cli("info", str(int4_bundle))
+    assert info.returncode == 0 and "trim-64" in info.stdout
+
+
+def test_bench_records_identity_and_tau(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
+    prompts = load_bench_prompts(None, ["code", "multi-turn"], 1)
+    result = run_bench(engine, prompts, modes_for(engine, None), temperatures=[0.0, 0.7], max_new_tokens=16,
+                       gamma=3)
+    greedy_spec = [r for r in result["records"] if r["mode"] != "ar" and r["temperature"] == 0.0]
+    assert greedy_spec and all(r["identical_to_ar"] for r in greedy_spec)
+    overall = [r for r in result["summary"] if r["category"] == "overall" and r["mode"] == "spec"]
+    assert len(overall) == 2 and all(r["tau"] >= 1.0 for r in overall)
+    json.dumps(result)  # serializable
