@@ -106,3 +106,13 @@ def test_sampled_speculative_matches_target_distribution(any_engine):
     ar = _first_tokens(engine, ids, params, None, n)
     spec = _first_tokens(engine, ids, params, SpecConfig(gamma=3), n, seed_offset=10**6)
     assert _chi_square_same_distribution(ar, spec) > 1e-3
+
+
+def test_adaptive_gamma_is_lossless(any_engine):
+    engine = any_engine
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        reference, _ = run(engine, ids, SamplingParams(), 40, None)
+        got, stats = run(engine, ids, SamplingParams(), 40, SpecConfig(gamma=5, adaptive=True))
+        assert got == reference
+        assert max(stats.drafted) <= 5

@@ -35,6 +35,10 @@ class DecoderStats:
         self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
         self.seconds[n_tokens] = self.seconds.get(n_tokens, 0.0) + seconds
 
+    def mean_seconds(self, max_tokens: int = 16) -> dict[int, float]:
+        """Mean latency per number of new tokens (decode-sized calls only)."""
+        return {n: self.seconds[n] / self.calls[n] for n in self.calls if n <= max_tokens}
+
 
 class Decoder:
     """An ORT session over a decoder exported by ``edge_spec.export`` plus its KV cache."""
@@ -112,6 +116,9 @@ class Decoder:
         self.tokens.extend(int(t) for t in ids[0])
         outs = b.get_outputs()
         return {name: outs[i].numpy()[0] for i, name in enumerate(self._result_names)}
+
+    def mean_seconds(self) -> dict[int, float]:
+        return self.stats.mean_seconds()
 
     @property
     def length(self) -> int:

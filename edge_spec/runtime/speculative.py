@@ -31,14 +31,16 @@ import numpy as np
 
 from edge_spec.runtime.decoder import Decoder
 from edge_spec.runtime.draft_head import DraftHead
+from edge_spec.runtime.policy import AdaptiveGamma, CostModel
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verification import verify_greedy, verify_speculative
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    gamma: int = 3  # maximum drafts per round
+    gamma: int = 3  # drafts per round (the maximum when adaptive)
     min_confidence: float = 0.0  # stop drafting once the drafter's top probability falls below this
+    adaptive: bool = False  # choose γ per round from measured costs and running acceptance (policy.py)
 
 
 @dataclass
@@ -143,6 +145,8 @@ def generate_speculative(
     """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
     stats = stats if stats is not None else SpecStats()
     draft = drafter.decoder
+    policy = AdaptiveGamma(config.gamma) if config.adaptive else None
+    draft_step_seconds: float | None = None  # running mean of one draft step (body + head + sampling)
     # The first token comes from the target's prefill, exactly as in autoregressive decoding.
     first = target.prefill(prompt_ids)["logits"][-1]
     x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
@@ -154,12 +158,18 @@ def generate_speculative(
         started = time.perf_counter()
         feed = draft.sync(committed)  # usually [x], or [d_γ, x] after a fully accepted round
         base = len(committed) - 1  # cache length both models share before this round
-        budget = min(config.gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
+        gamma = config.gamma
+        if policy is not None and draft_step_seconds is not None:
+            gamma = policy.choose(CostModel(draft_step_seconds, target.mean_seconds()))
+        budget = min(gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
         block_config = SpecConfig(max(budget, 0), config.min_confidence)
         drafts, q_rows = _draft_block(drafter, feed, params, rng, block_config, target.vocab_size) \
             if budget > 0 else ([], [])
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
+        if drafts:
+            step = (verify_started - started) / len(drafts)
+            draft_step_seconds = step if draft_step_seconds is None else 0.8 * draft_step_seconds + 0.2 * step
 
         # 2. verify: one target pass over [x, d1..dγ] -> γ+1 rows.
         rows = target.forward([committed[-1]] + drafts, len(drafts) + 1)["logits"]
@@ -171,6 +181,8 @@ def generate_speculative(
         stats.verify_seconds += time.perf_counter() - verify_started
         stats.accepted.append(result.accepted)
         stats.drafted.append(len(drafts))
+        if policy is not None:
+            policy.update(len(drafts), result.accepted)
 
         # 3. roll back both caches to the accepted prefix; the correction/bonus token becomes pending.
         target.rewind(base + 1 + result.accepted)

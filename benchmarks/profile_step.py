@@ -1,0 +1,233 @@
+"""Where does one decode step of the exported target go?  ORT's profiler, grouped by op type.
+
+Runs the bundle's target decoder (``Decoder``: GQA with the shared KV buffer bound
+through IOBinding, exactly as the engine runs it) with
+``SessionOptions.enable_profiling``, does one prefill of the chat prompt and
+``--steps`` single-token greedy decode steps, then parses ORT's profile JSON:
+
+* every ``*_kernel_time`` event is attributed to the ``model_run`` it falls in;
+* per decode step: ms and % of the wall step time per op type, the MatMulNBits
+  split by projection (qkv / o / gate_up / down / lm_head), the top nodes, and
+  "non-op overhead" = wall step time (``Decoder.forward`` as Python sees it)
+  minus the summed kernel times, split into what ORT's ``model_run`` spends
+  outside kernels (executor, fences, allocation) and what lies outside
+  ``model_run`` (IOBinding, Python, numpy).
+
+Profiling adds some cost per node; the same steps are also timed on a session
+without profiling, for comparison.
+
+Usage::
+
+    .venv/bin/python benchmarks/profile_step.py [--bundle DIR] [--threads 2] [--steps 64] [--keep-json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+
+from edge_spec.manifest import read_manifest  # noqa: E402
+from edge_spec.runtime.decoder import Decoder  # noqa: E402
+from edge_spec.runtime.text import TextTokenizer  # noqa: E402
+
+DEFAULT_BUNDLE = ROOT / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
+PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def run_steps(decoder: Decoder, prompt_ids: list[int], steps: int) -> tuple[float, list[float]]:
+    """Prefill + ``steps`` greedy single-token forwards; returns (prefill s, [wall s per decode step])."""
+    decoder.reset()
+    start = time.perf_counter()
+    logits = decoder.forward(prompt_ids)["logits"][-1]
+    prefill = time.perf_counter() - start
+    walls = []
+    for _ in range(steps):
+        token = int(np.argmax(logits))
+        start = time.perf_counter()
+        logits = decoder.forward([token])["logits"][-1]
+        walls.append(time.perf_counter() - start)
+    return prefill, walls
+
+
+def role_of(node: str) -> str:
+    """'layers.3.gate_up/out/MatMulNBits' -> 'gate_up'; 'lm_head/out/MatMulNBits' -> 'lm_head'."""
+    if "lm_head" in node:
+        return "lm_head"
+    m = re.match(r"layers\.\d+\.([A-Za-z_]+)", node)
+    return m.group(1) if m else node
+
+
+def matmul_weight_bytes(onnx_path: Path) -> dict[str, int]:
+    """Bytes of packed weights + scales (+ zero points) each MatMulNBits node reads per call."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    size = {t.name: int(np.prod(t.dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+            for t in model.graph.initializer}
+    return {n.name: sum(size.get(x, 0) for x in n.input[1:]) for n in model.graph.node if n.op_type == "MatMulNBits"}
+
+
+def parse_profile(path: Path) -> list[dict]:
+    """One dict per model_run, in order: {'dur': µs, 'kernels': [(node, op, µs), ...]}."""
+    events = json.loads(path.read_text())
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                  key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")),
+                     key=lambda e: e["ts"])
+    out = [{"ts": r["ts"], "end": r["ts"] + r["dur"], "dur": r["dur"], "kernels": []} for r in runs]
+    i = 0
+    for k in kernels:
+        while i < len(out) and k["ts"] > out[i]["end"]:
+            i += 1
+        if i == len(out):
+            break
+        if k["ts"] >= out[i]["ts"]:
+            node = k["name"][: -len("_kernel_time")]
+            out[i]["kernels"].append((node, k.get("args", {}).get("op_name", "?"), k["dur"]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--skip", type=int, default=2, help="first decode steps left out of the averages (warm-up)")
+    parser.add_argument("--top", type=int, default=8, help="how many individual nodes to list")
+    parser.add_argument("--keep-json", action="store_true", help="keep ORT's profile JSON and print its path")
+    args = parser.parse_args()
+
+    manifest = read_manifest(args.bundle)
+    onnx_path = args.bundle / manifest["target"]["onnx"]
+    tokenizer = TextTokenizer(args.bundle)
+    prompt_ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
+    capacity = 4096
+
+    # ---- unprofiled reference: same prefill + steps on a plain session
+    plain = Decoder(onnx_path, threads=args.threads, capacity=capacity)
+    run_steps(plain, prompt_ids[:8], 4)  # warm-up
+    plain_prefill, plain_walls = run_steps(plain, prompt_ids, args.steps)
+    del plain
+
+    # ---- profiled session
+    tmp = Path(tempfile.mkdtemp(prefix="edge-spec-profile-"))
+    opts = ort.SessionOptions()
+    opts.enable_profiling = True
+    opts.profile_file_prefix = str(tmp / "target")
+    decoder = Decoder(onnx_path, threads=args.threads, capacity=capacity, session_options=opts)
+    run_steps(decoder, prompt_ids[:8], 4)  # same warm-up (its 5 runs are dropped from the profile below)
+    prefill, walls = run_steps(decoder, prompt_ids, args.steps)
+    profile = Path(decoder.session.end_profiling())
+    runs = parse_profile(profile)
+    if len(runs) != 5 + 1 + args.steps:
+        raise SystemExit(f"expected {5 + 1 + args.steps} model_run events in {profile}, found {len(runs)}")
+    runs = runs[5:]
+    weight_bytes = matmul_weight_bytes(onnx_path)
+
+    decode_runs = runs[1 + args.skip:]
+    decode_walls = walls[args.skip:]
+    n = len(decode_runs)
+    wall_ms = sum(decode_walls) / n * 1e3
+    run_ms = sum(r["dur"] for r in decode_runs) / n / 1e3
+    by_op: dict[str, float] = defaultdict(float)
+    count_op: dict[str, int] = defaultdict(int)
+    by_role: dict[str, float] = defaultdict(float)
+    count_role: dict[str, int] = defaultdict(int)
+    by_node: dict[tuple[str, str], float] = defaultdict(float)
+    bytes_role: dict[str, int] = defaultdict(int)
+    for r in decode_runs:
+        for node, op, dur in r["kernels"]:
+            by_op[op] += dur
+            count_op[op] += 1
+            by_node[(node, op)] += dur
+            if op == "MatMulNBits":
+                by_role[role_of(node)] += dur
+                count_role[role_of(node)] += 1
+                bytes_role[role_of(node)] += weight_bytes.get(node, 0)
+    ms = lambda us: us / n / 1e3  # noqa: E731  (µs summed over n steps -> ms per step)
+    kernel_ms = ms(sum(by_op.values()))
+
+    print(f"model: {onnx_path.relative_to(ROOT) if onnx_path.is_relative_to(ROOT) else onnx_path}")
+    q = manifest["target"].get("quantization", {})
+    print(f"       {manifest['target']['name']}, {q.get('weights')} block {q.get('block_size')} "
+          f"acc level {q.get('accuracy_level')}; ORT {ort.__version__}, {args.threads} threads, "
+          f"{len(prompt_ids)} prompt tokens, {args.steps} decode steps (first {args.skip} skipped -> {n} averaged)")
+    print(f"unprofiled session : prefill {plain_prefill * 1e3:7.1f} ms, decode "
+          f"{statistics.mean(plain_walls[args.skip:]) * 1e3:6.2f} ms/step "
+          f"(median {statistics.median(plain_walls[args.skip:]) * 1e3:.2f}) = "
+          f"{1 / statistics.mean(plain_walls[args.skip:]):.2f} tok/s")
+    print(f"profiled session   : prefill {prefill * 1e3:7.1f} ms, decode {wall_ms:6.2f} ms/step "
+          f"(median {statistics.median(decode_walls) * 1e3:.2f}) = {1e3 / wall_ms:.2f} tok/s")
+    print()
+
+    header = f"{'op type':<36} {'nodes/step':>10} {'ms/step':>9} {'% of step':>9}"
+    print("per decode step, by op type (profiled session; % of the wall step time)")
+    print(header)
+    print("-" * len(header))
+    for op, us in sorted(by_op.items(), key=lambda kv: -kv[1]):
+        print(f"{op:<36} {count_op[op] / n:10.0f} {ms(us):9.3f} {ms(us) / wall_ms * 100:8.1f}%")
+    print("-" * len(header))
+    print(f"{'sum of kernels':<36} {sum(count_op.values()) / n:10.0f} {kernel_ms:9.3f} {kernel_ms / wall_ms * 100:8.1f}%")
+    print(f"{'non-op overhead inside model_run':<36} {'':>10} {run_ms - kernel_ms:9.3f} "
+          f"{(run_ms - kernel_ms) / wall_ms * 100:8.1f}%")
+    print(f"{'non-op overhead outside model_run':<36} {'':>10} {wall_ms - run_ms:9.3f} "
+          f"{(wall_ms - run_ms) / wall_ms * 100:8.1f}%")
+    print(f"{'non-op overhead (wall - kernels)':<36} {'':>10} {wall_ms - kernel_ms:9.3f} "
+          f"{(wall_ms - kernel_ms) / wall_ms * 100:8.1f}%")
+    print(f"{'total (wall step time)':<36} {'':>10} {wall_ms:9.3f} {100.0:8.1f}%")
+    print()
+
+    print("MatMulNBits by projection (MB = int4 weights + scales read per step; GB/s = MB / kernel time)")
+    print(header.replace("op type", "projection") + f" {'MB':>7} {'GB/s':>6}")
+    print("-" * (len(header) + 15))
+    for role, us in sorted(by_role.items(), key=lambda kv: -kv[1]):
+        mb = bytes_role[role] / n / 1e6
+        print(f"{role:<36} {count_role[role] / n:10.0f} {ms(us):9.3f} {ms(us) / wall_ms * 100:8.1f}% "
+              f"{mb:7.1f} {mb / ms(us):6.1f}")
+    total_mb = sum(bytes_role.values()) / n / 1e6
+    mm_ms = ms(by_op["MatMulNBits"])
+    print(f"{'all MatMulNBits':<36} {sum(count_role.values()) / n:10.0f} {mm_ms:9.3f} "
+          f"{mm_ms / wall_ms * 100:8.1f}% {total_mb:7.1f} {total_mb / mm_ms:6.1f}")
+    print()
+
+    lm = [(node, us) for (node, op), us in by_node.items() if op == "MatMulNBits" and "lm_head" in node]
+    for node, us in lm:
+        print(f"LM head: {node}  {ms(us):.3f} ms/step ({ms(us) / wall_ms * 100:.1f}% of the step, "
+              f"{ms(us) / kernel_ms * 100:.1f}% of kernel time)")
+    print()
+    print(f"top {args.top} nodes")
+    for (node, op), us in sorted(by_node.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"  {node:<48} {op:<28} {ms(us):7.3f} ms/step {ms(us) / wall_ms * 100:5.1f}%")
+
+    prefill_run = runs[0]
+    pre_ops: dict[str, float] = defaultdict(float)
+    for _, op, dur in prefill_run["kernels"]:
+        pre_ops[op] += dur
+    print()
+    print(f"prefill ({len(prompt_ids)} tokens, profiled): model_run {prefill_run['dur'] / 1e3:.1f} ms; "
+          + ", ".join(f"{op} {us / 1e3:.1f} ms" for op, us in sorted(pre_ops.items(), key=lambda kv: -kv[1])[:4]))
+    if args.keep_json:
+        print(f"profile JSON: {profile}")
+    else:
+        profile.unlink()
+        try:
+            tmp.rmdir()
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    main()

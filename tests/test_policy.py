@@ -1,0 +1,51 @@
+"""γ policy on synthetic cost models, and losslessness with adaptive γ."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_spec.runtime.policy import AdaptiveGamma, CostModel, best_gamma, expected_tokens
+
+# roughly this machine: target 1 row 50 ms, +12 ms per extra row, drafter step 33 ms
+CPU = CostModel(draft=0.033, verify={1: 0.050, 2: 0.062, 4: 0.086})
+
+
+def test_expected_tokens_geometric():
+    assert expected_tokens(0.0, 5) == 1
+    assert expected_tokens(1.0, 3) == 4
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    assert CPU.verify_cost(3) == pytest.approx(0.074)
+    assert CPU.verify_cost(6) == pytest.approx(0.086 * (1 + 0.25 * 5) / (1 + 0.25 * 3))
+    only_four = CostModel(draft=0.01, verify={4: 0.1})
+    assert only_four.verify_cost(1) == pytest.approx(0.1 / 1.75)
+
+
+def test_low_acceptance_falls_back_to_autoregressive():
+    assert best_gamma(0.3, CPU, 6) == 0
+
+
+def test_high_acceptance_with_cheap_drafter_drafts_long():
+    cheap = CostModel(draft=0.005, verify={1: 0.050, 2: 0.052, 8: 0.060})
+    assert best_gamma(0.95, cheap, 6) == 6
+
+
+def test_choice_is_the_argmax_of_rate():
+    for alpha in (0.5, 0.7, 0.85, 0.95):
+        g = best_gamma(alpha, CPU, 5)
+        rates = [expected_tokens(alpha, k) / CPU.round_cost(k) for k in range(6)]
+        assert rates[g] == max(rates)
+
+
+def test_acceptance_estimate_tracks_rounds_and_probes():
+    policy = AdaptiveGamma(gamma_max=4, alpha=0.9)
+    for _ in range(20):
+        policy.update(drafted=3, accepted=0)  # every first draft rejected
+    assert policy.alpha < 0.05
+    choices = [policy.choose(CPU) for _ in range(16)]
+    assert choices.count(1) == 2 and set(choices) == {0, 1}  # probes every 8th round
+    for _ in range(20):
+        policy.update(drafted=3, accepted=3)
+    assert policy.alpha > 0.9
