@@ -305,6 +305,9 @@ def main() -> None:
     print()
     for r in rows:
         print(f"{r['engine']}: all runs tok/s = {', '.join(f'{t:.2f}' for t in r['all'])}")
+    paired = [g / o for g, o in zip(rows[1]["all"], rows[0]["all"])]
+    print(f"paired ratio genai/ours, run by run (robust to drift in machine speed): median "
+          f"{statistics.median(paired):.3f}, range {min(paired):.3f}-{max(paired):.3f}")
     if ours["note"]:
         print(f"note (ours): {ours['note']}")
     if genai.get("first_eos_at") is not None:

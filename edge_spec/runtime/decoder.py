@@ -51,6 +51,7 @@ class Decoder:
         threads: int = 0,
         capacity: int = 4096,
         session_options: ort.SessionOptions | None = None,
+        spin: bool = True,
     ) -> None:
         model_path = Path(model_path)
         if not model_path.is_file():
@@ -60,7 +61,10 @@ class Decoder:
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        # Spinning worker threads cut per-op latency for a lone session, but when target and drafter
+        # sessions alternate on the same cores, the idle session's spinning threads steal the CPU
+        # from the busy one: the engine turns spinning off whenever a drafter is in use.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         try:
             self.session = ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))
         except EdgeSpecError:

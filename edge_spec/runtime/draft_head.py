@@ -26,7 +26,7 @@ class DraftHead:
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # see Decoder
         self.session = ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))
         self.rows = int(self.session.get_outputs()[0].shape[-1])
         if vocab_ids is not None and len(vocab_ids) != self.rows:

@@ -98,7 +98,8 @@ class Engine:
             raise EdgeSpecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
-        target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity)
+        target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
+                         spin=mode == "ar")
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, mode=mode,
                      spec=spec, draft_head=draft_head)
         if mode != "ar":
@@ -120,7 +121,7 @@ class Engine:
         """The drafter for the current head, loaded on first use."""
         if self._draft_body is None:
             self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], provider=self._provider,
-                                       threads=self._threads, capacity=self.target.capacity)
+                                       threads=self._threads, capacity=self.target.capacity, spin=False)
         if self.draft_head not in self._drafters:
             head = self.manifest["draft"]["heads"][self.draft_head]
             vocab_ids = None
