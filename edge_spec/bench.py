@@ -64,10 +64,10 @@ def modes_for(engine: Engine, heads: list[str] | None) -> list[BenchMode]:
 
 
 def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, temperatures: list[float],
-              max_new_tokens: int, gamma: int, seed: int = 0, progress=None) -> dict:
+              max_new_tokens: int, spec: SpecConfig, seed: int = 0, progress=None) -> dict:
     """Run every prompt in every mode and temperature; return raw records plus per-category summaries."""
     records = []
-    engine.spec_config = SpecConfig(gamma=gamma)
+    engine.spec_config = spec
     total = len(prompts) * len(temperatures)
     done = 0
     for temperature in temperatures:
@@ -101,7 +101,8 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
             done += 1
             if progress:
                 progress(done, total)
-    return {"records": records, "summary": summarize(records), "gamma": gamma, "max_new_tokens": max_new_tokens}
+    return {"records": records, "summary": summarize(records), "gamma": spec.gamma, "adaptive": spec.adaptive,
+            "max_new_tokens": max_new_tokens}
 
 
 def summarize(records: list[dict]) -> list[dict]:

@@ -27,7 +27,9 @@ out = Console(highlight=False, soft_wrap=True)
 ProviderOpt = typer.Option("cpu", "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, webgpu.")
 ThreadsOpt = typer.Option(0, "--threads", help="Intra-op threads per session (0 = all cores).")
 ModeOpt = typer.Option("spec", "--mode", help="spec (speculative, lossless) or ar (target only).")
-GammaOpt = typer.Option(3, "--gamma", help="spec: maximum draft tokens per target pass.")
+GammaOpt = typer.Option(4, "--gamma", help="spec: draft tokens per target pass (the maximum when adaptive).")
+ScheduleOpt = typer.Option("adaptive", "--schedule",
+                           help="spec: adaptive (γ per round from measured costs and acceptance) or fixed.")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K); default from the bundle.")
 
 
@@ -116,14 +118,20 @@ def info(bundle: Path) -> None:
         )
 
 
-def _load_engine(bundle: Path, provider: str, threads: int, mode: str, gamma: int, draft_head: str | None):
-    from edge_spec.runtime.engine import Engine
+def _spec_config(gamma: int, schedule: str):
     from edge_spec.runtime.speculative import SpecConfig
 
     if gamma < 1:
         raise EdgeSpecError("--gamma must be at least 1")
-    return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=SpecConfig(gamma=gamma),
-                              draft_head=draft_head)
+    if schedule not in ("adaptive", "fixed"):
+        raise EdgeSpecError(f"--schedule must be adaptive or fixed, not {schedule!r}")
+    return SpecConfig(gamma=gamma, adaptive=schedule == "adaptive")
+
+
+def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, draft_head: str | None):
+    from edge_spec.runtime.engine import Engine
+
+    return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=spec, draft_head=draft_head)
 
 
 def _stream(engine, prompt, **kwargs) -> str:
@@ -168,10 +176,11 @@ def generate(
     threads: int = ThreadsOpt,
     mode: str = ModeOpt,
     gamma: int = GammaOpt,
+    schedule: str = ScheduleOpt,
     draft_head: Optional[str] = HeadOpt,
 ) -> None:
     """Answer one prompt and exit."""
-    engine = _load_engine(bundle, provider, threads, mode, gamma, draft_head)
+    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule), draft_head)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -190,10 +199,11 @@ def chat(
     threads: int = ThreadsOpt,
     mode: str = ModeOpt,
     gamma: int = GammaOpt,
+    schedule: str = ScheduleOpt,
     draft_head: Optional[str] = HeadOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
-    engine = _load_engine(bundle, provider, threads, mode, gamma, draft_head)
+    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule), draft_head)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")
@@ -225,6 +235,7 @@ def bench(
     max_tokens: int = typer.Option(64, help="New tokens per prompt."),
     temperature: list[float] = typer.Option([0.0, 0.7], help="Temperatures (repeatable)."),
     gamma: int = GammaOpt,
+    schedule: str = ScheduleOpt,
     head: list[str] = typer.Option([], "--head", help="Drafter heads to compare (repeatable; default all)."),
     category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
@@ -247,7 +258,8 @@ def bench(
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("bench", total=len(items) * len(temperature))
         result = run_bench(engine, items, modes, temperatures=list(temperature), max_new_tokens=max_tokens,
-                           gamma=gamma, progress=lambda done, total: bar.update(task, completed=done))
+                           spec=_spec_config(gamma, schedule),
+                           progress=lambda done, total: bar.update(task, completed=done))
     out.print(format_table(result["summary"]))
     output.mkdir(parents=True, exist_ok=True)
     result["bundle"] = str(bundle)

@@ -11,6 +11,7 @@ import pytest
 
 from edge_spec.bench import load_bench_prompts, modes_for, run_bench
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.speculative import SpecConfig
 
 
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -90,7 +91,7 @@ def test_bench_records_identity_and_tau(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
     prompts = load_bench_prompts(None, ["code", "multi-turn"], 1)
     result = run_bench(engine, prompts, modes_for(engine, None), temperatures=[0.0, 0.7], max_new_tokens=16,
-                       gamma=3)
+                       spec=SpecConfig(gamma=3, adaptive=True))
     greedy_spec = [r for r in result["records"] if r["mode"] != "ar" and r["temperature"] == 0.0]
     assert greedy_spec and all(r["identical_to_ar"] for r in greedy_spec)
     overall = [r for r in result["summary"] if r["category"] == "overall" and r["mode"] == "spec"]
