@@ -44,8 +44,9 @@ def test_acceptance_estimate_tracks_rounds_and_probes():
     for _ in range(20):
         policy.update(drafted=3, accepted=0)  # every first draft rejected
     assert policy.alpha < 0.05
-    choices = [policy.choose(CPU) for _ in range(16)]
-    assert choices.count(1) == 2 and set(choices) == {0, 1}  # probes every 8th round
+    choices = [policy.choose(CPU) for _ in range(8 + 16 + 32)]
+    probes = [i for i, g in enumerate(choices) if g == 1]
+    assert probes == [7, 23, 55] and set(choices) == {0, 1}  # probes back off: 8, 16, 32 rounds
     for _ in range(20):
         policy.update(drafted=3, accepted=3)
     assert policy.alpha > 0.9

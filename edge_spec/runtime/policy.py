@@ -67,19 +67,25 @@ class AdaptiveGamma:
     gamma_max: int
     alpha: float = 0.8  # optimistic start: the first rounds measure it
     smoothing: float = 0.3  # EMA weight of the newest round
-    probe_every: int = 8
+    probe_every: int = 8  # first probe interval; doubles (up to max_probe_every) while probes keep failing
+    max_probe_every: int = 64
     _rounds_without_draft: int = 0
+    _interval: int = 0
 
     def choose(self, costs: CostModel) -> int:
         gamma = best_gamma(self.alpha, costs, self.gamma_max)
-        if gamma == 0:
-            self._rounds_without_draft += 1
-            if self._rounds_without_draft >= self.probe_every:
-                self._rounds_without_draft = 0
-                return 1
-        else:
+        if gamma > 0:
             self._rounds_without_draft = 0
-        return gamma
+            self._interval = self.probe_every
+            return gamma
+        self._interval = self._interval or self.probe_every
+        self._rounds_without_draft += 1
+        if self._rounds_without_draft < self._interval:
+            return 0
+        # probe: one draft token keeps α current; a probe costs a drafter catch-up, so back off
+        self._rounds_without_draft = 0
+        self._interval = min(2 * self._interval, self.max_probe_every)
+        return 1
 
     def update(self, drafted: int, accepted: int) -> None:
         """Fold one round in.  A rejection at position k means k accepts and one reject."""

@@ -105,11 +105,14 @@ class SpecStats:
 
 
 def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
-                 config: SpecConfig, vocab_size: int) -> tuple[list[int], list[np.ndarray]]:
-    """Propose up to γ target-vocabulary tokens; return them and (when sampling) their full-vocab q rows."""
+                 config: SpecConfig, vocab_size: int) -> tuple[list[int], list[np.ndarray], list[float]]:
+    """Propose up to γ target-vocabulary tokens; return them, (when sampling) their full-vocab q rows,
+    and the latency of each single-token draft step (catch-up steps that feed several tokens excluded)."""
     tokens: list[int] = []
     q_rows: list[np.ndarray] = []
+    step_seconds: list[float] = []
     for i in range(config.gamma):
+        started = time.perf_counter()
         logits = drafter.step(feed)
         if params.greedy:
             index = int(np.argmax(logits))
@@ -121,10 +124,12 @@ def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng:
             q_rows.append(probs if drafter.vocab_ids is None
                           else scatter_probs(probs, drafter.vocab_ids, vocab_size, validate=False))
         tokens.append(drafter.to_target(index))
+        if len(feed) == 1:
+            step_seconds.append(time.perf_counter() - started)
         feed = [tokens[-1]]
         if not confident:
             break
-    return tokens, q_rows
+    return tokens, q_rows, step_seconds
 
 
 def _top_probability(logits: np.ndarray) -> float:
@@ -163,12 +168,11 @@ def generate_speculative(
             gamma = policy.choose(CostModel(draft_step_seconds, target.mean_seconds()))
         budget = min(gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
         block_config = SpecConfig(max(budget, 0), config.min_confidence)
-        drafts, q_rows = _draft_block(drafter, feed, params, rng, block_config, target.vocab_size) \
-            if budget > 0 else ([], [])
+        drafts, q_rows, step_seconds = _draft_block(drafter, feed, params, rng, block_config, target.vocab_size) \
+            if budget > 0 else ([], [], [])
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
-        if drafts:
-            step = (verify_started - started) / len(drafts)
+        for step in step_seconds:
             draft_step_seconds = step if draft_step_seconds is None else 0.8 * draft_step_seconds + 0.2 * step
 
         # 2. verify: one target pass over [x, d1..dγ] -> γ+1 rows.
