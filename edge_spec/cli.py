@@ -30,6 +30,10 @@ ModeOpt = typer.Option("spec", "--mode", help="spec (speculative, lossless) or a
 GammaOpt = typer.Option(4, "--gamma", help="spec: draft tokens per target pass (the maximum when adaptive).")
 ScheduleOpt = typer.Option("adaptive", "--schedule",
                            help="spec: adaptive (γ per round from measured costs and acceptance) or fixed.")
+TemperatureOpt = typer.Option(0.0, help="0 = greedy.")
+TopKOpt = typer.Option(0, help="Keep the k most likely tokens (0 = off).")
+TopPOpt = typer.Option(1.0, help="Nucleus sampling mass (1 = off).")
+SeedOpt = typer.Option(None, help="Random seed for sampling.")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K); default from the bundle.")
 
 
@@ -166,10 +170,10 @@ def generate(
     bundle: Path,
     prompt: str,
     max_tokens: int = typer.Option(256, help="Maximum new tokens."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_k: int = typer.Option(0),
-    top_p: float = typer.Option(1.0),
-    seed: Optional[int] = typer.Option(None),
+    temperature: float = TemperatureOpt,
+    top_k: int = TopKOpt,
+    top_p: float = TopPOpt,
+    seed: Optional[int] = SeedOpt,
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, help="Send the prompt as is, without the chat template."),
     provider: str = ProviderOpt,
@@ -190,10 +194,10 @@ def generate(
 def chat(
     bundle: Path,
     max_tokens: int = typer.Option(512, help="Maximum new tokens per answer."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_k: int = typer.Option(0),
-    top_p: float = typer.Option(1.0),
-    seed: Optional[int] = typer.Option(None),
+    temperature: float = TemperatureOpt,
+    top_k: int = TopKOpt,
+    top_p: float = TopPOpt,
+    seed: Optional[int] = SeedOpt,
     system: Optional[str] = typer.Option(None, help="System prompt."),
     provider: str = ProviderOpt,
     threads: int = ThreadsOpt,
