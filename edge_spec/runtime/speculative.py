@@ -151,9 +151,12 @@ def generate_speculative(
     stats = stats if stats is not None else SpecStats()
     draft = drafter.decoder
     policy = AdaptiveGamma(config.gamma) if config.adaptive else None
-    draft_step_seconds: float | None = None  # running mean of one draft step (body + head + sampling)
+    # running mean of one single-token draft step (body + head + sampling); seeded from earlier requests
+    draft_step_seconds: float | None = draft.mean_seconds().get(1)
     # The first token comes from the target's prefill, exactly as in autoregressive decoding.
+    # The drafter reads the prompt now too, so that its prefill counts as prompt processing.
     first = target.prefill(prompt_ids)["logits"][-1]
+    draft.forward(draft.sync(prompt_ids), 1)
     x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
     committed = list(prompt_ids) + [x]
     emitted = 1
