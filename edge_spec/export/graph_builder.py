@@ -69,6 +69,39 @@ class _Graph:
         return outputs
 
 
+def _make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+        producer_name="edge-spec",
+    )
+    model.ir_version = 10
+    return model
+
+
+def add_linear(g: _Graph, x: str, weight: np.ndarray, name: str, opt: BuildOptions,
+               bias: np.ndarray | None = None) -> str:
+    """y = x @ weight.T + bias, weight [N, K]: MatMulNBits when quantized, MatMul (+Add) in fp32."""
+    bits = QUANT_BITS[opt.quant]
+    n, k = weight.shape
+    out = name + "/out"
+    if bits is None:
+        inputs = [x, g.const(name + ".weight", np.asarray(weight, np.float32).T)]
+        mm = out if bias is None else name + "/mm"
+        g.node("MatMul", inputs, [mm])
+        if bias is not None:
+            g.node("Add", [mm, g.const(name + ".bias", bias.astype(np.float32))], [out])
+        return out
+    q = quantize_blockwise(weight, bits, opt.block_size)
+    inputs = [x, g.const(name + ".qweight", q.packed), g.const(name + ".scales", q.scales.reshape(-1))]
+    if bias is not None:
+        inputs += ["", "", g.const(name + ".bias", bias.astype(np.float32))]
+    g.node(
+        "MatMulNBits", inputs, [out], domain=MS_DOMAIN,
+        K=k, N=n, bits=bits, block_size=opt.block_size, accuracy_level=opt.accuracy_level,
+    )
+    return out
+
+
 class DecoderGraphBuilder:
     """Turns :class:`DecoderWeights` into an ONNX ``ModelProto`` with the signature above."""
 
@@ -84,26 +117,7 @@ class DecoderGraphBuilder:
     # -- building blocks -------------------------------------------------------------------------
 
     def linear(self, x: str, weight: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
-        """y = x @ weight.T + bias, weight [N, K], quantized per the build options."""
-        g = self.g
-        n, k = weight.shape
-        out = name + "/out"
-        if self.bits is None:
-            inputs = [x, g.const(name + ".weight", np.asarray(weight, np.float32).T)]
-            mm = out if bias is None else name + "/mm"
-            g.node("MatMul", inputs, [mm])
-            if bias is not None:
-                g.node("Add", [mm, g.const(name + ".bias", bias.astype(np.float32))], [out])
-            return out
-        q = quantize_blockwise(weight, self.bits, self.opt.block_size)
-        inputs = [x, g.const(name + ".qweight", q.packed), g.const(name + ".scales", q.scales.reshape(-1))]
-        if bias is not None:
-            inputs += ["", "", g.const(name + ".bias", bias.astype(np.float32))]
-        g.node(
-            "MatMulNBits", inputs, [out], domain=MS_DOMAIN,
-            K=k, N=n, bits=self.bits, block_size=self.opt.block_size, accuracy_level=self.opt.accuracy_level,
-        )
-        return out
+        return add_linear(self.g, x, weight, name, self.opt, bias)
 
     def embedding(self, ids: str) -> str:
         g = self.g
@@ -216,35 +230,23 @@ class DecoderGraphBuilder:
                 helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "num_logits", cfg.hidden_size])
             )
         graph = helper.make_graph(g.nodes, "edge_spec_decoder", inputs, outputs + present_outputs, g.initializers)
-        model = helper.make_model(
-            graph,
-            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-            producer_name="edge-spec",
-        )
-        model.ir_version = 10
-        return model
+        return _make_model(graph)
 
 
 def build_head(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
     """A stand-alone LM head ``hidden_states [1, n, H] -> logits [1, n, rows]`` (drafter heads:
     full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it."""
     rows, hidden = weight.shape
-    builder = DecoderGraphBuilder.__new__(DecoderGraphBuilder)
-    builder.opt, builder.bits, builder.g = options, QUANT_BITS[options.quant], _Graph()
-    logits = builder.linear("hidden_states", weight, "lm_head")
-    builder.g.node("Identity", [logits], ["logits"])
+    g = _Graph()
+    logits = add_linear(g, "hidden_states", weight, "lm_head", options)
+    g.node("Identity", [logits], ["logits"])
     graph = helper.make_graph(
-        builder.g.nodes, "edge_spec_head",
+        g.nodes, "edge_spec_head",
         [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "num_logits", hidden])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", rows])],
-        builder.g.initializers,
+        g.initializers,
     )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-        producer_name="edge-spec",
-    )
-    model.ir_version = 10
-    return model
+    return _make_model(graph)
 
 
 def build_decoder(weights: DecoderWeights, options: BuildOptions) -> onnx.ModelProto:
