@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 
 from edge_spec.bench import load_bench_prompts, modes_for, run_bench
 from edge_spec.runtime.engine import Engine

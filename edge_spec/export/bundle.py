@@ -10,7 +10,7 @@ import gc
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,6 @@ class ExportOptions:
     keep: tuple[int, ...] = (16384,)  # VocabTrim: head rows kept (one head per value; the first is the default)
     calibration: Path | None = None  # VocabTrim: prompt file (one JSON list or one prompt per line)
     calibration_tokens: int = 96  # VocabTrim: new tokens generated per calibration prompt
-    extra: dict = field(default_factory=dict)
 
     @property
     def keep_list(self) -> list[int]:

@@ -152,7 +152,7 @@ class Engine:
             )
         return ids
 
-    def _token_stream(self, ids: list[int], params: SamplingParams, max_new: int, mode: str, stats) -> Iterator[int]:
+    def _token_stream(self, ids: list[int], params: SamplingParams, max_new: int, mode: str) -> Iterator[int]:
         rng = np.random.default_rng(params.seed)
         if mode == "ar":
             return generate_autoregressive(self.target, ids, params, rng, max_new)
@@ -197,7 +197,7 @@ class Engine:
         eos = self.tokenizer.eos_token_ids
         started = time.perf_counter()
         first_token_at = None
-        tokens = self._token_stream(ids, params, max_new, mode, stats)
+        tokens = self._token_stream(ids, params, max_new, mode)
         stats.stop_reason = "length"
         try:
             for token in tokens:
