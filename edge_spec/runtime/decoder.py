@@ -30,14 +30,19 @@ class DecoderStats:
 
     calls: dict[int, int] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
+    recent: dict[int, float] = field(default_factory=dict)  # moving average, first (cold) call left out
 
     def add(self, n_tokens: int, seconds: float) -> None:
         self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
         self.seconds[n_tokens] = self.seconds.get(n_tokens, 0.0) + seconds
+        if self.calls[n_tokens] == 2:
+            self.recent[n_tokens] = seconds
+        elif self.calls[n_tokens] > 2:
+            self.recent[n_tokens] = 0.8 * self.recent[n_tokens] + 0.2 * seconds
 
     def mean_seconds(self, max_tokens: int = 16) -> dict[int, float]:
-        """Mean latency per number of new tokens (decode-sized calls only)."""
-        return {n: self.seconds[n] / self.calls[n] for n in self.calls if n <= max_tokens}
+        """Recent latency per number of new tokens (decode-sized calls seen at least twice)."""
+        return {n: t for n, t in self.recent.items() if n <= max_tokens}
 
 
 class Decoder:

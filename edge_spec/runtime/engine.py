@@ -103,8 +103,20 @@ class Engine:
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, mode=mode,
                      spec=spec, draft_head=draft_head)
         if mode != "ar":
-            engine.draft  # load eagerly so the first answer is not slowed down
+            engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
         return engine
+
+    def measure_costs(self, repeats: int = 3) -> None:
+        """Time target passes over 1..3 new tokens and single drafter steps on throwaway tokens,
+        so that the adaptive γ policy has a cost model from the first round (about a second)."""
+        drafter = self.draft
+        for decoder in (self.target, drafter.decoder):
+            decoder.reset()
+            decoder.forward([0] * 8, 1)
+            for _ in range(repeats):
+                for n in ((1, 2, 3, 4, 5) if decoder is self.target else (1,)):
+                    decoder.forward([0] * n, 1)
+            decoder.reset()
 
     def _check_head(self, name: str) -> str:
         heads = self.manifest["draft"]["heads"]
