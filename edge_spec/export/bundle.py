@@ -88,10 +88,10 @@ def save_tokenizer(tokenizer, eos_ids: list[int], bundle_dir: Path) -> None:
     (bundle_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def export_decoder(model: LoadedModel, bundle_dir: Path, role: str, options: BuildOptions) -> None:
+def export_decoder(model: LoadedModel, bundle_dir: Path, role: str, options: BuildOptions, stem: str = "model") -> None:
     out = bundle_dir / role
     out.mkdir(parents=True, exist_ok=True)
-    save_model(build_decoder(model.weights, options), out / "model.onnx")
+    save_model(build_decoder(model.weights, options), out / f"{stem}.onnx")
 
 
 def export_bundle(
@@ -150,10 +150,9 @@ def export_bundle(
         )
     _say(progress, f"building drafter body ({options.quant})")
     draft_dir = staging / "draft"
-    draft_dir.mkdir(parents=True, exist_ok=True)
     body = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
                         build_head=False)
-    save_model(build_decoder(draft.weights, body), draft_dir / "body.onnx")
+    export_decoder(draft, staging, "draft", body, stem="body")
     draft_record = _model_record(draft, staging, "draft", quant_info, "body")
     lm_head = draft.weights.lm_head
     draft_record["parameters"] -= int(lm_head.size)  # body only; each head records its own
@@ -170,10 +169,10 @@ def export_bundle(
         for keep in options.keep_list:
             vocab_ids = select_vocabulary(counts, keep, always)
             name = f"trim-{keep}"
-            _say(progress, f"VocabTrim head {name}: covers {counts[vocab_ids].sum() / max(counts.sum(), 1):.1%} "
-                           "of calibration tokens")
+            coverage = float(counts[vocab_ids].sum() / max(counts.sum(), 1))
+            _say(progress, f"VocabTrim head {name}: covers {coverage:.1%} of calibration tokens")
             heads[name] = _export_head(staging, name, lm_head, vocab_ids, build)
-            heads[name]["calibration_coverage"] = float(counts[vocab_ids].sum() / max(counts.sum(), 1))
+            heads[name]["calibration_coverage"] = coverage
     draft_record["heads"] = heads
     draft_record["default_head"] = f"trim-{options.keep_list[0]}" if options.draft_vocab == "trim" else "full"
     draft_record["files"] += [f for h in heads.values() for f in h.pop("files")]

@@ -40,7 +40,7 @@ class DecoderStats:
         elif self.calls[n_tokens] > 2:
             self.recent[n_tokens] = 0.8 * self.recent[n_tokens] + 0.2 * seconds
 
-    def mean_seconds(self, max_tokens: int = 16) -> dict[int, float]:
+    def recent_seconds(self, max_tokens: int = 16) -> dict[int, float]:
         """Recent latency per number of new tokens (decode-sized calls seen at least twice)."""
         return {n: t for n, t in self.recent.items() if n <= max_tokens}
 
@@ -126,8 +126,9 @@ class Decoder:
         outs = b.get_outputs()
         return {name: outs[i].numpy()[0] for i, name in enumerate(self._result_names)}
 
-    def mean_seconds(self) -> dict[int, float]:
-        return self.stats.mean_seconds()
+    def recent_seconds(self) -> dict[int, float]:
+        """Recent latency per number of new tokens (the cost model of the γ policy)."""
+        return self.stats.recent_seconds()
 
     @property
     def length(self) -> int:
@@ -146,10 +147,13 @@ class Decoder:
         """
         if not ids:
             raise EdgeSpecError("empty prompt")
-        common = 0
         limit = min(len(self.tokens), len(ids) - 1)
-        while common < limit and self.tokens[common] == ids[common]:
-            common += 1
+        if self.tokens[:limit] == ids[:limit]:  # the usual case, compared in C: the cache is a prefix
+            common = limit
+        else:
+            common = 0
+            while self.tokens[common] == ids[common]:
+                common += 1
         self.rewind(common)
         return ids[common:]
 

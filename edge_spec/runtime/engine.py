@@ -89,7 +89,8 @@ class Engine:
         ``mode="spec"`` drafts with the bundle's drafter (``spec`` sets γ and the
         confidence cut-off; ``draft_head`` picks one of the bundle's drafter heads,
         e.g. ``"full"`` or ``"trim-16384"``); ``"ar"`` runs the target alone.  Both give the same
-        greedy output; the drafter is loaded on first use when ``mode="ar"``.
+        greedy output up to numerical near-ties (ORT rounds one-row and multi-row passes differently);
+        the drafter is loaded on first use when ``mode="ar"``.
         """
         bundle_dir = Path(path)
         manifest = read_manifest(bundle_dir)
@@ -107,7 +108,7 @@ class Engine:
         return engine
 
     def measure_costs(self, repeats: int = 3) -> None:
-        """Time target passes over 1..3 new tokens and single drafter steps on throwaway tokens,
+        """Time target passes over 1..5 new tokens and single drafter steps on throwaway tokens,
         so that the adaptive γ policy has a cost model from the first round (about a second)."""
         drafter = self.draft
         for decoder in (self.target, drafter.decoder):

@@ -105,22 +105,22 @@ class SpecStats:
 
 
 def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
-                 config: SpecConfig, vocab_size: int) -> tuple[list[int], list[np.ndarray], list[float]]:
+                 gamma: int, min_confidence: float, vocab_size: int) -> tuple[list[int], list[np.ndarray], list[float]]:
     """Propose up to γ target-vocabulary tokens; return them, (when sampling) their full-vocab q rows,
     and the latency of each single-token draft step (catch-up steps that feed several tokens excluded)."""
     tokens: list[int] = []
     q_rows: list[np.ndarray] = []
     step_seconds: list[float] = []
-    for i in range(config.gamma):
+    for _ in range(gamma):
         started = time.perf_counter()
         logits = drafter.step(feed)
         if params.greedy:
             index = int(np.argmax(logits))
-            confident = config.min_confidence <= 0 or _top_probability(logits) >= config.min_confidence
+            confident = min_confidence <= 0 or _top_probability(logits) >= min_confidence
         else:
             probs = logits_to_probs(logits, params)
             index = sample(probs, rng)
-            confident = probs[index] >= config.min_confidence
+            confident = probs[index] >= min_confidence
             q_rows.append(probs if drafter.vocab_ids is None
                           else scatter_probs(probs, drafter.vocab_ids, vocab_size, validate=False))
         tokens.append(drafter.to_target(index))
@@ -152,7 +152,7 @@ def generate_speculative(
     draft = drafter.decoder
     policy = AdaptiveGamma(config.gamma) if config.adaptive else None
     # running mean of one single-token draft step (body + head + sampling); seeded from earlier requests
-    draft_step_seconds: float | None = draft.mean_seconds().get(1)
+    draft_step_seconds: float | None = draft.recent_seconds().get(1)
     # The first token comes from the target's prefill, exactly as in autoregressive decoding.
     # The drafter reads the prompt now too, so that its prefill counts as prompt processing.
     first = target.prefill(prompt_ids)["logits"][-1]
@@ -168,11 +168,10 @@ def generate_speculative(
         base = len(committed) - 1  # cache length both models share before this round
         gamma = config.gamma
         if policy is not None and draft_step_seconds is not None:
-            gamma = policy.choose(CostModel(draft_step_seconds, target.mean_seconds()))
+            gamma = policy.choose(CostModel(draft_step_seconds, target.recent_seconds()))
         budget = min(gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
-        block_config = SpecConfig(max(budget, 0), config.min_confidence)
-        drafts, q_rows, step_seconds = _draft_block(drafter, feed, params, rng, block_config, target.vocab_size) \
-            if budget > 0 else ([], [], [])
+        drafts, q_rows, step_seconds = _draft_block(
+            drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size)
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
         for step in step_seconds:
