@@ -26,7 +26,7 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "bench" / "pr
 
 @dataclass(frozen=True)
 class BenchMode:
-    name: str  # "ar", "spec" (full head), "spec+vocabtrim-16384", ...
+    name: str  # "ar", "spec" (full head), "spec+trim-16384", "spec+specvocab-r112-k2048", ...
     head: str | None  # drafter head, None for ar
 
 
@@ -59,7 +59,7 @@ def modes_for(engine: Engine, heads: list[str] | None) -> list[BenchMode]:
             raise EdgeSpecError(f"bundle has no drafter head {head!r}; available: {', '.join(available)}")
     modes = [BenchMode("ar", None)]
     for head in chosen:
-        modes.append(BenchMode("spec" if head == "full" else f"spec+vocab{head}", head))
+        modes.append(BenchMode("spec" if head == "full" else f"spec+{head}", head))
     return modes
 
 
@@ -95,7 +95,8 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                     extra = stats.extra
                     record.update({k: extra[k] for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma",
                                                          "param_ratio", "target_calls", "draft_seconds",
-                                                         "verify_seconds")})
+                                                         "verify_seconds", "head_seconds", "draft_steps",
+                                                         "candidate_recall")})
                     record["identical_to_ar"] = completion.token_ids == reference
                 records.append(record)
             done += 1
@@ -128,6 +129,10 @@ def summarize(records: list[dict]) -> list[dict]:
             tau = emitted / calls if calls else 0.0
             gamma = sum(r["mean_gamma"] * r["target_calls"] for r in rows) / calls if calls else 0.0
             c = rows[0]["param_ratio"]
+            steps = sum(r["draft_steps"] for r in rows)
+            row["head_ms_per_step"] = 1e3 * sum(r["head_seconds"] for r in rows) / steps if steps else 0.0
+            row["candidate_recall"] = (sum(r["candidate_recall"] * r["draft_steps"] for r in rows) / steps
+                                       if steps else 0.0)
             row.update({"tau": tau, "mbsu": tau / (c * gamma + 1), "mean_gamma": gamma, "param_ratio": c,
                         "acceptance_rate": sum(r["acceptance_rate"] for r in rows) / len(rows),
                         "identical_to_ar": all(r["identical_to_ar"] for r in rows) if temperature == 0 else None})
@@ -137,7 +142,8 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def format_table(summary: list[dict]) -> str:
     lines = []
-    header = f"{'T':>4} {'category':14s} {'mode':26s} {'tau':>5} {'MBSU':>5} {'tok/s':>6} {'x ar':>5} {'same':>5}"
+    header = (f"{'T':>4} {'category':14s} {'mode':30s} {'tau':>5} {'MBSU':>5} {'recall':>6} {'head ms':>7} "
+              f"{'tok/s':>6} {'x ar':>5} {'same':>5}")
     current = None
     for row in summary:
         if row["temperature"] != current:
@@ -145,35 +151,34 @@ def format_table(summary: list[dict]) -> str:
             lines += ["", header, "-" * len(header)]
         same = row.get("identical_to_ar")
         lines.append(
-            f"{row['temperature']:>4.1f} {row['category']:14s} {row['mode']:26s} "
-            f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row['tokens_per_second']:6.1f} "
+            f"{row['temperature']:>4.1f} {row['category']:14s} {row['mode']:30s} "
+            f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row.get('candidate_recall', 1.0):6.3f} "
+            f"{row.get('head_ms_per_step', 0.0):7.2f} {row['tokens_per_second']:6.1f} "
             f"{row['speedup_vs_ar'] or 0:5.2f} {'' if same is None else ('yes' if same else 'NO'):>5}"
         )
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], manifest: dict, path: Path) -> None:
-    """Speed-up and τ against drafter vocabulary size K (overall rows), one line per temperature."""
+def plot(summary: list[dict], path: Path) -> None:
+    """Speed-up and τ against the drafter head's measured cost per draft step (overall rows):
+    VocabTrim at several K and SpecVocab land on one axis, so "better τ at equal head cost" is visible."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    heads = manifest["draft"]["heads"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for temperature in sorted({r["temperature"] for r in summary}):
-        rows = [r for r in summary if r["temperature"] == temperature and r["category"] == "overall"
-                and r["mode"] != "ar"]
-        points = sorted(
-            (heads["full" if r["mode"] == "spec" else r["mode"].removeprefix("spec+vocab")]["size"], r)
-            for r in rows
-        )
-        ks = [k for k, _ in points]
-        ax1.plot(ks, [r["speedup_vs_ar"] for _, r in points], marker="o", label=f"T={temperature}")
-        ax2.plot(ks, [r["tau"] for _, r in points], marker="o", label=f"T={temperature}")
+        rows = sorted((r for r in summary if r["temperature"] == temperature and r["category"] == "overall"
+                       and r["mode"] != "ar"), key=lambda r: r["head_ms_per_step"])
+        cost = [r["head_ms_per_step"] for r in rows]
+        ax1.plot(cost, [r["speedup_vs_ar"] for r in rows], marker="o", ls=":", label=f"T={temperature}")
+        ax2.plot(cost, [r["tau"] for r in rows], marker="o", ls=":", label=f"T={temperature}")
+        for r in rows:
+            ax2.annotate(r["mode"].removeprefix("spec+"), (r["head_ms_per_step"], r["tau"]), fontsize=7,
+                         xytext=(3, 3), textcoords="offset points")
     for ax, title in ((ax1, "wall-clock speed-up vs ar"), (ax2, "τ (tokens per target call)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("drafter vocabulary K")
+        ax.set_xlabel("drafter head ms per draft step (measured)")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend()

@@ -34,7 +34,39 @@ TemperatureOpt = typer.Option(0.0, help="0 = greedy.")
 TopKOpt = typer.Option(0, help="Keep the k most likely tokens (0 = off).")
 TopPOpt = typer.Option(1.0, help="Nucleus sampling mass (1 = off).")
 SeedOpt = typer.Option(None, help="Random seed for sampling.")
-HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K); default from the bundle.")
+HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")
+
+
+DraftVocabOpt = typer.Option("full", help="Drafter LM heads: comma list of full, trim (VocabTrim), specvocab, "
+                             "trim+specvocab; the first non-full one is the default head.")
+KeepOpt = typer.Option("16384", help="VocabTrim: vocabulary rows kept in the drafter's head; a comma list "
+                       "exports one head per value (the first is the default).")
+CalibrationOpt = typer.Option(None, help="VocabTrim/SpecVocab: calibration prompt file (default: shipped set).")
+RankOpt = typer.Option("112", help="SpecVocab: scorer rank R (comma list: one scorer per value).")
+CandidatesOpt = typer.Option("2048", help="SpecVocab: candidates with exact logits per draft step (comma list).")
+ScorerOpt = typer.Option("data", help="SpecVocab scorer fit: data (hidden-state weighted SVD) or svd.")
+TrainStepsOpt = typer.Option(0, help="SpecVocab: distillation steps on calibration states after the fit (CPU).")
+UnionKeepOpt = typer.Option(1024, help="trim+specvocab: static VocabTrim rows always among the candidates.")
+
+
+def _int_list(value: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise EdgeSpecError(f"{flag} must be integers separated by commas, got {value!r}") from None
+
+
+def _head_options(draft_vocab: str, keep: str, calibration: Path | None, rank: str, candidates: str, scorer: str,
+                  train_steps: int, union_keep: int, **more):
+    from edge_spec.export.bundle import ExportOptions
+
+    if calibration is not None and not calibration.is_file():
+        raise EdgeSpecError(f"calibration file not found: {calibration}")
+    options = ExportOptions(draft_vocab=draft_vocab, keep=_int_list(keep, "--keep"), calibration=calibration,
+                            rank=_int_list(rank, "--rank"), candidates=_int_list(candidates, "--candidates"),
+                            scorer=scorer, train_steps=train_steps, union_keep=union_keep, **more)
+    options.check()
+    return options
 
 
 def _default_pair() -> tuple[str, str]:
@@ -71,27 +103,25 @@ def export(
     block_size: int = typer.Option(32, help="Quantization block size."),
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
     context_length: int = typer.Option(4096, help="Maximum context (KV cache capacity, rotary table size)."),
-    draft_vocab: str = typer.Option("full", help="Drafter LM head: full or trim (VocabTrim)."),
-    keep: str = typer.Option("16384", help="VocabTrim: vocabulary rows kept in the drafter's head; a comma list "
-                             "exports one head per value (the first is the default)."),
-    calibration: Optional[Path] = typer.Option(None, help="VocabTrim: calibration prompt file (default: shipped set)."),
+    draft_vocab: str = DraftVocabOpt,
+    keep: str = KeepOpt,
+    calibration: Optional[Path] = CalibrationOpt,
+    rank: str = RankOpt,
+    candidates: str = CandidatesOpt,
+    scorer: str = ScorerOpt,
+    train_steps: int = TrainStepsOpt,
+    union_keep: int = UnionKeepOpt,
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
-    from edge_spec.export.bundle import ExportOptions, export_bundle
+    from edge_spec.export.bundle import export_bundle
 
     default_target, default_draft = _default_pair()
     target = target or default_target
     draft = draft or default_draft
     out_dir = out_dir or _default_bundle_dir(target, quant)
-    if calibration is not None and not calibration.is_file():
-        raise EdgeSpecError(f"calibration file not found: {calibration}")
-    try:
-        keep_values = tuple(int(k) for k in keep.split(","))
-    except ValueError:
-        raise EdgeSpecError(f"--keep must be integers separated by commas, got {keep!r}") from None
-    options = ExportOptions(quant=quant, block_size=block_size, accuracy_level=accuracy_level,
-                            context_length=context_length, draft_vocab=draft_vocab, keep=keep_values,
-                            calibration=calibration)
+    options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
+                            quant=quant, block_size=block_size, accuracy_level=accuracy_level,
+                            context_length=context_length)
     with console.status("exporting") as status:
         def progress(message: str) -> None:
             console.print(f"[dim]-[/dim] {message}")
@@ -103,6 +133,33 @@ def export(
         f"[green]bundle[/green] {out_dir}: target {manifest['target']['bytes'] / mib:.0f} MiB, "
         f"drafter {manifest['draft']['bytes'] / mib:.0f} MiB, {manifest['export_seconds']} s"
     )
+
+
+@app.command("add-heads")
+def add_heads(
+    bundle: Path = typer.Argument(..., help="Bundle directory made by `edge-spec export`."),
+    draft: Optional[str] = typer.Option(None, help="Drafter source (default: the one recorded in the bundle)."),
+    draft_vocab: str = typer.Option("specvocab", help="Heads to add: comma list of trim, specvocab, trim+specvocab."),
+    keep: str = KeepOpt,
+    calibration: Optional[Path] = CalibrationOpt,
+    rank: str = RankOpt,
+    candidates: str = CandidatesOpt,
+    scorer: str = ScorerOpt,
+    train_steps: int = TrainStepsOpt,
+    union_keep: int = UnionKeepOpt,
+) -> None:
+    """Add drafter heads (VocabTrim, SpecVocab) to an existing bundle without re-exporting the models."""
+    from edge_spec.export.bundle import add_draft_heads
+
+    options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep)
+    with console.status("adding heads") as status:
+        def progress(message: str) -> None:
+            console.print(f"[dim]-[/dim] {message}")
+            status.update(message)
+
+        manifest = add_draft_heads(bundle, options, draft, progress)
+    console.print(f"[green]heads[/green] {', '.join(manifest['draft']['heads'])}; "
+                  f"default {manifest['draft']['default_head']}")
 
 
 @app.command()
@@ -269,7 +326,7 @@ def bench(
     result["bundle"] = str(bundle)
     result["threads"] = threads
     (output / "bench.json").write_text(json.dumps(result, indent=1))
-    plot(result["summary"], engine.manifest, output / "bench.png")
+    plot(result["summary"], output / "bench.png")
     console.print(f"[dim]wrote {output / 'bench.json'} and {output / 'bench.png'}[/dim]")
 
 

@@ -23,7 +23,7 @@ def run(engine: Engine, prompt_ids, params, n, spec: SpecConfig | None, seed=0):
     return tokens, stats
 
 
-HEADS = ["full", "trim-160", "trim-64"]
+HEADS = ["full", "trim-160", "trim-64", "specvocab-r16-k48", "trim32+specvocab-r16-k48"]
 
 
 @pytest.fixture(scope="module", params=HEADS)
@@ -42,7 +42,8 @@ def test_greedy_speculative_equals_autoregressive(any_engine, gamma):
     greedy = SamplingParams()
     total_rejections = 0
     outside_head = 0
-    kept = set(engine.draft.vocab_ids.tolist()) if engine.draft.vocab_ids is not None else None
+    outside_candidates = 0
+    kept = set(engine.draft.head.vocab_ids.tolist()) if engine.draft.head.vocab_ids is not None else None
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, greedy, 40, None)
@@ -50,11 +51,14 @@ def test_greedy_speculative_equals_autoregressive(any_engine, gamma):
         assert got == reference, f"head={engine.draft_head} γ={gamma} prompt={prompt!r}"
         total_rejections += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
         assert max(stats.drafted) <= gamma
+        outside_candidates += stats.candidate_checks - stats.candidate_hits
         if kept is not None:
             outside_head += sum(t not in kept for t in reference)
     assert total_rejections > 0, "the drafter never disagreed: test would not exercise rollback"
     if engine.draft_head == "trim-64":
         assert outside_head > 0, "no target token fell outside the trimmed head: case not exercised"
+    if "specvocab" in engine.draft_head and gamma == 4:
+        assert outside_candidates > 0, "the target's token was always a candidate: case not exercised"
 
 
 def test_greedy_with_confidence_cutoff_equals_autoregressive(engine):

@@ -17,7 +17,7 @@ import numpy as np
 
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, save_model
+from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, save_model
 from edge_spec.export.sources import LoadedModel, check_same_tokenizer, check_source_exists, load_model
 from edge_spec.manifest import FORMAT, file_record, write_manifest
 
@@ -28,14 +28,38 @@ class ExportOptions:
     block_size: int = 32
     accuracy_level: int = 4
     context_length: int = 4096
-    draft_vocab: str = "full"  # "full" | "trim"
+    draft_vocab: str = "full"  # comma list of: full, trim, specvocab, trim+specvocab (first non-full: default)
     keep: tuple[int, ...] = (16384,)  # VocabTrim: head rows kept (one head per value; the first is the default)
-    calibration: Path | None = None  # VocabTrim: prompt file (one JSON list or one prompt per line)
-    calibration_tokens: int = 96  # VocabTrim: new tokens generated per calibration prompt
+    calibration: Path | None = None  # VocabTrim/SpecVocab: prompt file (one JSON list or one prompt per line)
+    calibration_tokens: int = 96  # new tokens the target generates per calibration prompt
+    rank: tuple[int, ...] = (112,)  # SpecVocab: scorer rank(s) R (d/8 for the 0.5B drafter)
+    candidates: tuple[int, ...] = (2048,)  # SpecVocab: exact-logit candidates per step
+    scorer: str = "data"  # SpecVocab scorer fit: "data" (hidden-state weighted SVD) or "svd"
+    train_steps: int = 0  # SpecVocab: distillation steps after the closed-form fit
+    union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
 
     @property
     def keep_list(self) -> list[int]:
         return [self.keep] if isinstance(self.keep, int) else list(self.keep)
+
+    @property
+    def vocab_modes(self) -> list[str]:
+        return [m.strip() for m in self.draft_vocab.split(",") if m.strip()]
+
+    def check(self) -> None:
+        if self.quant not in ("int4", "int8", "fp32"):
+            raise EdgeSpecError(f"--quant must be int4, int8 or fp32, not {self.quant!r}")
+        for mode in self.vocab_modes or ["?"]:
+            if mode not in DRAFT_VOCAB_MODES:
+                raise EdgeSpecError(f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, "
+                                    f"not {self.draft_vocab!r}")
+        if self.scorer not in ("data", "svd"):
+            raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
+        if min(self.candidates) < 1:
+            raise EdgeSpecError("--candidates must be positive")
+
+
+DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
 
 
 def _say(progress, message: str) -> None:
@@ -63,13 +87,130 @@ def _export_head(bundle_dir: Path, name: str, lm_head: np.ndarray, vocab_ids: np
     weight = lm_head if vocab_ids is None else lm_head[vocab_ids]
     save_model(build_head(weight, build), bundle_dir / "draft" / f"head_{name}.onnx")
     files = [file_record(bundle_dir, f"draft/head_{name}.onnx"), file_record(bundle_dir, f"draft/head_{name}.onnx.data")]
-    entry = {"onnx": f"draft/head_{name}.onnx", "size": int(weight.shape[0]), "parameters": int(weight.size)}
+    entry = {"kind": "static", "onnx": f"draft/head_{name}.onnx", "size": int(weight.shape[0]),
+             "parameters": int(weight.size)}
     if vocab_ids is not None:
         np.save(bundle_dir / "draft" / f"vocab_{name}.npy", vocab_ids)
         files.append(file_record(bundle_dir, f"draft/vocab_{name}.npy"))
         entry["vocab_ids"] = f"draft/vocab_{name}.npy"
     entry["files"] = files
     return entry
+
+
+def _export_scorer(bundle_dir: Path, scorer, build: BuildOptions) -> tuple[str, list[dict]]:
+    """Write one SpecVocab scorer graph (shared by every head of its rank)."""
+    stem = f"draft/scorer_r{scorer.rank}.onnx"
+    save_model(build_scorer(scorer.w_down, scorer.w_vocab, build), bundle_dir / stem)
+    return stem, [file_record(bundle_dir, stem), file_record(bundle_dir, stem + ".data")]
+
+
+def _specvocab_head_entry(bundle_dir: Path, name: str, scorer, scorer_onnx: str, candidates: int,
+                          always: np.ndarray) -> dict:
+    """Manifest entry of one SpecVocab head (+ its always-kept ids); the int8 head rows it gathers
+    from are shared by all SpecVocab heads (see :func:`_export_head_rows`)."""
+    hidden = scorer.w_down.shape[1]
+    np.save(bundle_dir / "draft" / f"always_{name}.npy", always)
+    return {
+        "kind": "specvocab", "onnx": scorer_onnx, "rank": scorer.rank, "candidates": candidates,
+        "rows": "draft/head_rows_int8.npy", "scales": "draft/head_scales.npy",
+        "always_ids": f"draft/always_{name}.npy", "size": candidates + len(always),
+        "parameters": int(scorer.w_down.size + scorer.w_vocab.size + (candidates + len(always)) * hidden),
+        "files": [file_record(bundle_dir, f"draft/always_{name}.npy")],
+    }
+
+
+def _export_head_rows(bundle_dir: Path, lm_head: np.ndarray) -> list[dict]:
+    from edge_spec.export.specvocab import quantize_rows_int8
+
+    codes, scales = quantize_rows_int8(lm_head)
+    np.save(bundle_dir / "draft" / "head_rows_int8.npy", codes)
+    np.save(bundle_dir / "draft" / "head_scales.npy", scales)
+    return [file_record(bundle_dir, "draft/head_rows_int8.npy"), file_record(bundle_dir, "draft/head_scales.npy")]
+
+
+def default_head(heads: dict, options: ExportOptions) -> str:
+    """The first head the user asked for that is not the full one (the full head is always built)."""
+    for mode in options.vocab_modes:
+        if mode == "full":
+            continue
+        prefix = {"trim": "trim-", "specvocab": "specvocab-", "trim+specvocab": "trim"}[mode]
+        for name in heads:
+            if name.startswith(prefix) and ("+" in name) == ("+" in mode):
+                return name
+    return "full"
+
+
+def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOptions, build: BuildOptions, *,
+                       always_keep: list[int], progress=None) -> tuple[dict, list[dict], dict | None]:
+    """Build every drafter head ``options`` asks for (the full head always) into ``bundle_dir/draft``.
+
+    VocabTrim and SpecVocab calibrate on text the exported target generates
+    (``bundle_dir/target`` must exist); the sequences are kept in the bundle
+    (``draft/calibration.npz``) and reused when heads are added later.
+    Returns (heads, their file records, calibration summary or None).
+    """
+    from edge_spec.export import specvocab, vocabtrim
+
+    modes = options.vocab_modes
+    heads = {"full": _export_head(bundle_dir, "full", lm_head, None, build)}
+    calibration = None
+    files: list[dict] = []
+    if any(m != "full" for m in modes):
+        sequences = _calibration_sequences(bundle_dir, options, progress)
+        counts = vocabtrim.count_tokens(sequences, lm_head.shape[0])
+        np.save(bundle_dir / "draft" / "token_counts.npy", counts)
+        files += [file_record(bundle_dir, "draft/token_counts.npy"), file_record(bundle_dir, "draft/calibration.npz")]
+        calibration = {"prompts": len(sequences), "generated_tokens": int(counts.sum()),
+                       "distinct_tokens": int((counts > 0).sum())}
+    if "trim" in modes:
+        for keep in options.keep_list:
+            vocab_ids = vocabtrim.select_vocabulary(counts, keep, always_keep)
+            name = f"trim-{keep}"
+            coverage = float(counts[vocab_ids].sum() / max(counts.sum(), 1))
+            _say(progress, f"VocabTrim head {name}: covers {coverage:.1%} of calibration tokens")
+            heads[name] = _export_head(bundle_dir, name, lm_head, vocab_ids, build)
+            heads[name]["calibration_coverage"] = coverage
+    spec_modes = [m for m in modes if m.endswith("specvocab")]
+    if spec_modes:
+        files += _export_head_rows(bundle_dir, lm_head)
+        _say(progress, "SpecVocab: collecting drafter hidden states on the calibration text")
+        hidden, next_tokens = specvocab.collect_hidden_states(bundle_dir / "draft" / "body.onnx", sequences,
+                                                              options.context_length)
+        for rank in options.rank:
+            scorer = specvocab.fit_scorer(lm_head, rank, hidden if options.scorer == "data" else None)
+            scorer = specvocab.train_scorer(scorer, lm_head, hidden, options.train_steps, progress=progress)
+            scorer_onnx, scorer_files = _export_scorer(bundle_dir, scorer, build)
+            files += scorer_files
+            for mode in spec_modes:
+                static = np.unique(np.asarray([i for i in always_keep if 0 <= i < lm_head.shape[0]], np.int64))
+                prefix = ""
+                if mode == "trim+specvocab":
+                    static = vocabtrim.select_vocabulary(counts, options.union_keep, always_keep)
+                    prefix = f"trim{options.union_keep}+"
+                recall = specvocab.recall_at_k(scorer, hidden, next_tokens, list(options.candidates), static)
+                for k in options.candidates:
+                    name = f"{prefix}specvocab-r{rank}-k{k}"
+                    _say(progress, f"SpecVocab head {name}: calibration recall {recall[k]:.1%}")
+                    heads[name] = _specvocab_head_entry(bundle_dir, name, scorer, scorer_onnx, k, static)
+                    heads[name]["calibration_recall"] = recall[k]
+                    heads[name]["scorer"] = options.scorer + (f"+{options.train_steps} steps" if options.train_steps else "")
+    files += [f for h in heads.values() for f in h.pop("files")]
+    return heads, files, calibration
+
+
+def _calibration_sequences(bundle_dir: Path, options: ExportOptions, progress) -> list:
+    from edge_spec.export import vocabtrim
+
+    path = bundle_dir / "draft" / "calibration.npz"
+    if path.is_file() and options.calibration is None:
+        _say(progress, "reusing the bundle's calibration text")
+        return vocabtrim.load_calibration(path)
+    prompts = vocabtrim.load_prompts(options.calibration)
+    _say(progress, f"calibration: generating text with the exported target ({len(prompts)} prompts)")
+    sequences = vocabtrim.generate_calibration(bundle_dir, prompts, options.calibration_tokens,
+                                               options.context_length, progress)
+    vocabtrim.save_calibration(path, sequences)
+    return sequences
 
 
 def save_tokenizer(tokenizer, eos_ids: list[int], bundle_dir: Path) -> None:
@@ -109,10 +250,7 @@ def export_bundle(
     in-memory models).  ``progress`` is called with one line per step.
     """
     out_dir = Path(out_dir)
-    if options.quant not in ("int4", "int8", "fp32"):
-        raise EdgeSpecError(f"--quant must be int4, int8 or fp32, not {options.quant!r}")
-    if options.draft_vocab not in ("full", "trim"):
-        raise EdgeSpecError(f"--draft-vocab must be 'full' or 'trim', not {options.draft_vocab!r}")
+    options.check()
     if loader is load_model:
         for source in (target_source, draft_source):
             check_source_exists(source)
@@ -136,7 +274,7 @@ def export_bundle(
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
     target_record = _model_record(target, staging, "target", quant_info)
     target_tokenizer, target_vocab = target.tokenizer, target.weights.config.vocab_size
-    eos_ids = target.eos_token_ids
+    eos_ids = list(target.eos_token_ids)
     special_ids = list(getattr(target_tokenizer, "all_special_ids", []))
     del target
     gc.collect()
@@ -149,33 +287,18 @@ def export_bundle(
             f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
         )
     _say(progress, f"building drafter body ({options.quant})")
-    draft_dir = staging / "draft"
     body = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
                         build_head=False)
     export_decoder(draft, staging, "draft", body, stem="body")
     draft_record = _model_record(draft, staging, "draft", quant_info, "body")
-    lm_head = draft.weights.lm_head
-    draft_record["parameters"] -= int(lm_head.size)  # body only; each head records its own
-    heads = {"full": _export_head(staging, "full", lm_head, None, build)}
-    if options.draft_vocab == "trim":
-        from edge_spec.export.vocabtrim import count_target_tokens, load_prompts, select_vocabulary
-
-        prompts = load_prompts(options.calibration)
-        _say(progress, f"VocabTrim: generating calibration text with the exported target ({len(prompts)} prompts)")
-        counts = count_target_tokens(staging, prompts, options.calibration_tokens, options.context_length,
-                                     progress)
-        np.save(draft_dir / "token_counts.npy", counts)
-        always = list(eos_ids) + list(special_ids)
-        for keep in options.keep_list:
-            vocab_ids = select_vocabulary(counts, keep, always)
-            name = f"trim-{keep}"
-            coverage = float(counts[vocab_ids].sum() / max(counts.sum(), 1))
-            _say(progress, f"VocabTrim head {name}: covers {coverage:.1%} of calibration tokens")
-            heads[name] = _export_head(staging, name, lm_head, vocab_ids, build)
-            heads[name]["calibration_coverage"] = coverage
+    draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
+    heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
+                                                   always_keep=eos_ids + special_ids, progress=progress)
     draft_record["heads"] = heads
-    draft_record["default_head"] = f"trim-{options.keep_list[0]}" if options.draft_vocab == "trim" else "full"
-    draft_record["files"] += [f for h in heads.values() for f in h.pop("files")]
+    draft_record["default_head"] = default_head(heads, options)
+    if calibration:
+        draft_record["calibration"] = calibration
+    draft_record["files"] += files
     draft_record["bytes"] = sum(f["bytes"] for f in draft_record["files"])
     del draft
     gc.collect()
@@ -193,4 +316,44 @@ def export_bundle(
     if out_dir.exists():
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
+    return manifest
+
+
+def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str | None = None, progress=None, *,
+                    loader=load_model) -> dict:
+    """Add (or rebuild) drafter heads in an existing bundle without re-exporting either model.
+
+    The drafter's float LM head is reloaded from ``draft_source`` (default: the source recorded in
+    the manifest); calibration text is reused from the bundle when it has some.
+    """
+    from edge_spec.manifest import read_manifest
+
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir)
+    options.check()
+    record = manifest["draft"]
+    source = draft_source or record["source"].removeprefix("registry:")
+    if loader is load_model:
+        check_source_exists(source)
+    _say(progress, f"loading drafter {source}")
+    draft = loader(source)
+    if draft.weights.config.to_dict() != record["config"]:
+        raise EdgeSpecError(f"drafter {source} does not match the bundle's drafter ({record['name']})")
+    quant = manifest["target"]["quantization"]
+    build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"])
+    options = ExportOptions(**{**options.__dict__, "quant": quant["weights"], "block_size": quant["block_size"],
+                               "accuracy_level": quant["accuracy_level"],
+                               "context_length": manifest["context_length"]})
+    always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
+    heads, files, calibration = export_draft_heads(bundle_dir, draft.weights.lm_head, options, build,
+                                                   always_keep=always, progress=progress)
+    record["heads"].update(heads)
+    if calibration:
+        record["calibration"] = calibration
+    written = {f["path"] for f in files}
+    record["files"] = [f for f in record["files"] if f["path"] not in written] + files
+    record["bytes"] = sum(f["bytes"] for f in record["files"])
+    if default_head(heads, options) != "full":
+        record["default_head"] = default_head(heads, options)
+    write_manifest(bundle_dir, manifest)
     return manifest

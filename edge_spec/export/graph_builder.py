@@ -233,20 +233,31 @@ class DecoderGraphBuilder:
         return _make_model(graph)
 
 
-def build_head(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
-    """A stand-alone LM head ``hidden_states [1, n, H] -> logits [1, n, rows]`` (drafter heads:
-    full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it."""
-    rows, hidden = weight.shape
+def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str) -> onnx.ModelProto:
+    """``hidden_states [1, n, H] -> output [1, n, rows]`` through a chain of (quantized) linear maps."""
     g = _Graph()
-    logits = add_linear(g, "hidden_states", weight, "lm_head", options)
-    g.node("Identity", [logits], ["logits"])
+    x = "hidden_states"
+    for i, weight in enumerate(weights):
+        x = add_linear(g, x, weight, f"linear{i}" if len(weights) > 1 else "lm_head", options)
+    g.node("Identity", [x], [output])
     graph = helper.make_graph(
-        g.nodes, "edge_spec_head",
-        [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "num_logits", hidden])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", rows])],
+        g.nodes, graph_name,
+        [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "num_logits", weights[0].shape[1]])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, "num_logits", weights[-1].shape[0]])],
         g.initializers,
     )
     return _make_model(graph)
+
+
+def build_head(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
+    """A stand-alone LM head ``hidden_states [1, n, H] -> logits [1, n, rows]`` (drafter heads:
+    full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it."""
+    return _linear_chain([weight], options, "edge_spec_head", "logits")
+
+
+def build_scorer(w_down: np.ndarray, w_vocab: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
+    """SpecVocab's low-rank scorer ``hidden_states [1, n, H] -> scores [1, n, V]`` = W_vocab (W_down h)."""
+    return _linear_chain([w_down, w_vocab], options, "edge_spec_specvocab_scorer", "scores")
 
 
 def build_decoder(weights: DecoderWeights, options: BuildOptions) -> onnx.ModelProto:

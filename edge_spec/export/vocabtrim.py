@@ -4,7 +4,8 @@ Why: the 0.5B drafter's head (151,936 x 896) is ~27% of the weights each draft
 step reads, yet the target emits a few thousand distinct tokens in practice.
 The VocabTrim paper (arXiv 2506.22694) finds calibration on **target-generated**
 text best, so we run the freshly exported target on a calibration prompt set
-and count the tokens it generates.
+and count the tokens it generates.  The same sequences calibrate SpecVocab's
+scorer (``specvocab.py``).
 
 Ranking: calibration count first; ties (including the long tail never seen in
 calibration) are broken by token id, which for byte-level BPE vocabularies
@@ -42,9 +43,13 @@ def load_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
-def count_target_tokens(bundle_dir: Path, prompts: list[str], new_tokens: int, context_length: int,
-                        progress=None, threads: int = 0) -> np.ndarray:
-    """Greedy-generate ``new_tokens`` per prompt with the exported target and count every emitted id."""
+def generate_calibration(bundle_dir: Path, prompts: list[str], new_tokens: int, context_length: int,
+                         progress=None, threads: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Greedy-generate up to ``new_tokens`` per prompt with the exported target (stopping at EOS).
+
+    Returns ``(prompt_ids, generated_ids)`` per prompt: VocabTrim counts the
+    generated ids, SpecVocab fits its scorer on the drafter's hidden states over them.
+    """
     from edge_spec.runtime.autoregressive import generate_autoregressive
     from edge_spec.runtime.decoder import Decoder
     from edge_spec.runtime.sampling import SamplingParams
@@ -52,18 +57,48 @@ def count_target_tokens(bundle_dir: Path, prompts: list[str], new_tokens: int, c
 
     tokenizer = TextTokenizer(bundle_dir)
     target = Decoder(bundle_dir / "target" / "model.onnx", threads=threads, capacity=context_length)
-    counts = np.zeros(target.vocab_size, dtype=np.int64)
     rng = np.random.default_rng(0)
+    sequences = []
+    distinct: set[int] = set()
     for i, prompt in enumerate(prompts):
         ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt}]))
         ids = ids[-(context_length - new_tokens - 1):]
+        generated = []
         for token in generate_autoregressive(target, ids, SamplingParams(), rng, new_tokens):
             if token in tokenizer.eos_token_ids:
                 break
-            counts[token] += 1
+            generated.append(token)
+        sequences.append((ids, generated))
+        distinct.update(generated)
         if progress:
-            progress(f"calibration {i + 1}/{len(prompts)}: {int((counts > 0).sum())} distinct tokens so far")
+            progress(f"calibration {i + 1}/{len(prompts)}: {len(distinct)} distinct tokens so far")
+    return sequences
+
+
+def count_tokens(sequences: list[tuple[list[int], list[int]]], vocab_size: int) -> np.ndarray:
+    """How often the target generated each id over the calibration sequences."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for _, generated in sequences:
+        np.add.at(counts, np.asarray(generated, dtype=np.int64), 1)
     return counts
+
+
+def save_calibration(path: Path, sequences: list[tuple[list[int], list[int]]]) -> None:
+    """Store calibration sequences in the bundle, so heads can be added later without regenerating."""
+    flat = [t for prompt, generated in sequences for t in prompt + generated]
+    np.savez(path, tokens=np.asarray(flat, np.int64),
+             prompt_lengths=np.asarray([len(p) for p, _ in sequences], np.int64),
+             generated_lengths=np.asarray([len(g) for _, g in sequences], np.int64))
+
+
+def load_calibration(path: Path) -> list[tuple[list[int], list[int]]]:
+    data = np.load(path)
+    sequences, offset = [], 0
+    for p, g in zip(data["prompt_lengths"].tolist(), data["generated_lengths"].tolist()):
+        chunk = data["tokens"][offset: offset + p + g].tolist()
+        sequences.append((chunk[:p], chunk[p:]))
+        offset += p + g
+    return sequences
 
 
 def select_vocabulary(counts: np.ndarray, keep: int, always_keep: list[int]) -> np.ndarray:

@@ -1,12 +1,16 @@
-"""A drafter LM head as its own small ORT session: final hidden state -> logits over the head's rows.
+"""Drafter LM heads: final hidden state -> logits over some rows of the vocabulary, plus which rows.
 
-Keeping heads outside the drafter body lets one bundle carry several heads
-(full vocabulary, VocabTrim at several K) over one body, and is where SpecVocab's
-per-step candidate heads plug in.
+Keeping heads outside the drafter body lets one bundle carry several heads over
+one body: the full vocabulary, VocabTrim subsets (a fixed set of rows) and
+SpecVocab (a set of rows chosen anew at every step).  Every head answers
+``(logits, ids)``: ``logits[j]`` is the drafter's logit for target token
+``ids[j]`` (``ids`` None: the whole vocabulary, in order).  Tokens outside
+``ids`` have q = 0, which verification handles exactly.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,23 +20,85 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.providers import resolve_provider
 
 
+def _session(model_path: Path, provider: str, threads: int) -> ort.InferenceSession:
+    if not Path(model_path).is_file():
+        raise EdgeSpecError(f"drafter head not found: {model_path}")
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # see Decoder
+    return ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))
+
+
 class DraftHead:
-    """``logits = head(hidden)``; ``vocab_ids[j]`` is the target id of head row j (None: identity)."""
+    """A static head: ``vocab_ids[j]`` is the target id of head row j (None: full vocabulary)."""
 
     def __init__(self, model_path: Path, *, provider: str = "cpu", threads: int = 0,
                  vocab_ids: np.ndarray | None = None) -> None:
-        if not Path(model_path).is_file():
-            raise EdgeSpecError(f"drafter head not found: {model_path}")
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # see Decoder
-        self.session = ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))
+        self.session = _session(model_path, provider, threads)
         self.rows = int(self.session.get_outputs()[0].shape[-1])
         if vocab_ids is not None and len(vocab_ids) != self.rows:
             raise EdgeSpecError(f"{model_path}: head has {self.rows} rows but its vocabulary map {len(vocab_ids)}")
         self.vocab_ids = vocab_ids
+        self.seconds = 0.0  # time spent in this head (draft-cost accounting)
 
-    def __call__(self, hidden: np.ndarray) -> np.ndarray:
-        """hidden [n, H] -> logits [n, rows]."""
-        return self.session.run(None, {"hidden_states": hidden[None]})[0][0]
+    def __call__(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """hidden [H] (one position) -> (logits [rows], ids [rows] or None)."""
+        started = time.perf_counter()
+        logits = self.session.run(None, {"hidden_states": hidden[None, None]})[0][0, 0]
+        self.seconds += time.perf_counter() - started
+        return logits, self.vocab_ids
+
+
+class SpecVocabHead:
+    """SpecVocab: per-step candidate rows picked by a low-rank scorer, exact logits on those rows only.
+
+    The scorer (an int4 ORT graph, rank R) ranks the whole vocabulary; the top
+    ``candidates`` rows, plus ``always_ids`` (a static VocabTrim set and the
+    end-of-turn tokens), are gathered from an int8 copy of the head and dotted
+    with the hidden state in numpy - a few hundred thousand multiply-adds instead
+    of the full head's 136M.
+    """
+
+    def __init__(self, scorer_path: Path, rows_path: Path, scales_path: Path, candidates: int, *,
+                 always_ids: np.ndarray | None = None, provider: str = "cpu", threads: int = 0) -> None:
+        self.session = _session(scorer_path, provider, threads)
+        for path in (rows_path, scales_path):
+            if not Path(path).is_file():
+                raise EdgeSpecError(f"SpecVocab head file not found: {path}")
+        self.rows = np.load(rows_path)  # int8 [V, H]
+        self.scales = np.load(scales_path)  # float32 [V]
+        self.always = np.asarray(always_ids if always_ids is not None else [], np.int64)
+        self.candidates = int(candidates)
+        self._gap: float | None = None  # score spread that holds the top candidates (see _select)
+        self.vocab_ids = None  # no fixed vocabulary: ids come with every call
+        self.seconds = 0.0
+
+    def __call__(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        started = time.perf_counter()
+        scores = self.session.run(None, {"hidden_states": hidden[None, None]})[0][0, 0]
+        ids = self._select(scores)
+        logits = (self.rows[ids].astype(np.float32) @ hidden.astype(np.float32)) * self.scales[ids]
+        self.seconds += time.perf_counter() - started
+        return logits, ids
+
+    def _select(self, scores: np.ndarray) -> np.ndarray:
+        """The ``candidates`` best-scored ids plus the always-kept ids (no duplicates).
+
+        A full ``argpartition`` over 150k scores costs about as much as the scorer
+        itself, so we first keep only scores within ``gap`` of the best (one
+        compare over the array) and partition that short list; ``gap`` tracks
+        the spread of the last steps' top-k.  Which k rows win does not affect
+        exactness, only speed: any candidate set gives a valid q.
+        """
+        if self.always.size:
+            scores[self.always] = -np.inf  # appended below, so never picked twice
+        k = min(self.candidates, scores.size - self.always.size)
+        best = float(scores.max())
+        short = np.flatnonzero(scores >= best - self._gap) if self._gap is not None else None
+        if short is None or short.size < k:  # no estimate yet, or the spread grew: partition everything
+            short = np.arange(scores.size)
+        chosen = short[np.argpartition(scores[short], short.size - k)[short.size - k:]]
+        spread = best - float(scores[chosen].min())
+        self._gap = 1.5 * spread if self._gap is None else 0.8 * self._gap + 0.2 * 1.5 * spread
+        return np.concatenate([chosen, self.always]) if self.always.size else chosen

@@ -20,7 +20,7 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.autoregressive import generate_autoregressive
 from edge_spec.runtime.decoder import Decoder
-from edge_spec.runtime.draft_head import DraftHead
+from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
 from edge_spec.runtime.sampling import SamplingParams, check_vocab_ids
 from edge_spec.runtime.speculative import Drafter, SpecConfig, SpecStats, generate_speculative
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
@@ -88,7 +88,7 @@ class Engine:
 
         ``mode="spec"`` drafts with the bundle's drafter (``spec`` sets γ and the
         confidence cut-off; ``draft_head`` picks one of the bundle's drafter heads,
-        e.g. ``"full"`` or ``"trim-16384"``); ``"ar"`` runs the target alone.  Both give the same
+        e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``); ``"ar"`` runs the target alone.  Both give the same
         greedy output up to numerical near-ties (ORT rounds one-row and multi-row passes differently);
         the drafter is loaded on first use when ``mode="ar"``.
         """
@@ -136,16 +136,22 @@ class Engine:
             self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], provider=self._provider,
                                        threads=self._threads, capacity=self.target.capacity, spin=False)
         if self.draft_head not in self._drafters:
-            head = self.manifest["draft"]["heads"][self.draft_head]
-            vocab_ids = None
-            if head.get("vocab_ids"):
-                vocab_ids = check_vocab_ids(np.load(self.bundle_dir / head["vocab_ids"]), self.target.vocab_size)
-            self._drafters[self.draft_head] = Drafter(
-                self._draft_body,
-                DraftHead(self.bundle_dir / head["onnx"], provider=self._provider, threads=self._threads,
-                          vocab_ids=vocab_ids),
-            )
+            self._drafters[self.draft_head] = Drafter(self._draft_body, self._load_head(self.draft_head))
         return self._drafters[self.draft_head]
+
+    def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
+        head = self.manifest["draft"]["heads"][name]
+        where = dict(provider=self._provider, threads=self._threads)
+        if head.get("kind") == "specvocab":
+            always = None
+            if head.get("always_ids"):
+                always = check_vocab_ids(np.load(self.bundle_dir / head["always_ids"]), self.target.vocab_size)
+            return SpecVocabHead(self.bundle_dir / head["onnx"], self.bundle_dir / head["rows"],
+                                 self.bundle_dir / head["scales"], head["candidates"], always_ids=always, **where)
+        vocab_ids = None
+        if head.get("vocab_ids"):
+            vocab_ids = check_vocab_ids(np.load(self.bundle_dir / head["vocab_ids"]), self.target.vocab_size)
+        return DraftHead(self.bundle_dir / head["onnx"], vocab_ids=vocab_ids, **where)
 
     def cancel(self) -> None:
         """Stop the generation in progress (safe to call from another thread)."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_spec.runtime.decoder import Decoder
-from edge_spec.runtime.draft_head import DraftHead
+from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
 from edge_spec.runtime.policy import AdaptiveGamma, CostModel
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verification import verify_greedy, verify_speculative
@@ -45,22 +45,16 @@ class SpecConfig:
 
 @dataclass
 class Drafter:
-    """Drafter body (emits final hidden states) + one LM head (full or reduced vocabulary)."""
+    """Drafter body (emits final hidden states) + one LM head (full, VocabTrim or SpecVocab)."""
 
     decoder: Decoder
-    head: DraftHead
+    head: DraftHead | SpecVocabHead
 
-    @property
-    def vocab_ids(self) -> np.ndarray | None:
-        return self.head.vocab_ids
-
-    def step(self, feed: list[int]) -> np.ndarray:
-        """Feed tokens, return the head's logits for the position after the last one."""
+    def step(self, feed: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Feed tokens; return the head's logits for the next position and the target ids of its rows
+        (None: the full vocabulary in order)."""
         hidden = self.decoder.forward(feed, 1)["hidden_states"]
-        return self.head(hidden)[-1]
-
-    def to_target(self, draft_index: int) -> int:
-        return int(draft_index) if self.vocab_ids is None else int(self.vocab_ids[draft_index])
+        return self.head(hidden[-1])
 
 
 @dataclass
@@ -70,7 +64,10 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify call
     drafted: list[int] = field(default_factory=list)  # drafts proposed per verify call
     draft_seconds: float = 0.0
+    head_seconds: float = 0.0  # part of draft_seconds spent in the drafter's LM head
     verify_seconds: float = 0.0
+    candidate_hits: int = 0  # verified positions whose target token was among the head's rows
+    candidate_checks: int = 0
 
     @property
     def target_calls(self) -> int:
@@ -89,6 +86,12 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return sum(self.accepted) / sum(self.drafted) if sum(self.drafted) else 0.0
 
+    @property
+    def candidate_recall(self) -> float:
+        """Share of verified draft positions where the target's token was a row of the drafter's head
+        (1 for a full head; the static coverage for VocabTrim; per-step recall for SpecVocab)."""
+        return self.candidate_hits / self.candidate_checks if self.candidate_checks else 0.0
+
     def summary(self, param_ratio: float) -> dict:
         gamma = self.mean_gamma
         return {
@@ -100,20 +103,20 @@ class SpecStats:
             "param_ratio": param_ratio,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "head_seconds": self.head_seconds,
+            "draft_steps": sum(self.drafted),
+            "candidate_recall": self.candidate_recall,
             "accepted_lengths": list(self.accepted),
         }
 
 
 def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
-                 gamma: int, min_confidence: float, vocab_size: int) -> tuple[list[int], list[np.ndarray], list[float]]:
-    """Propose up to γ target-vocabulary tokens; return them, (when sampling) their full-vocab q rows,
-    and the latency of each single-token draft step (catch-up steps that feed several tokens excluded)."""
-    tokens: list[int] = []
-    q_rows: list[np.ndarray] = []
-    step_seconds: list[float] = []
+                 gamma: int, min_confidence: float, vocab_size: int) -> "DraftBlock":
+    """Propose up to γ target-vocabulary tokens, stopping early when the drafter is unsure."""
+    block = DraftBlock()
     for _ in range(gamma):
         started = time.perf_counter()
-        logits = drafter.step(feed)
+        logits, ids = drafter.step(feed)
         if params.greedy:
             index = int(np.argmax(logits))
             confident = min_confidence <= 0 or _top_probability(logits) >= min_confidence
@@ -121,15 +124,27 @@ def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng:
             probs = logits_to_probs(logits, params)
             index = sample(probs, rng)
             confident = probs[index] >= min_confidence
-            q_rows.append(probs if drafter.vocab_ids is None
-                          else scatter_probs(probs, drafter.vocab_ids, vocab_size, validate=False))
-        tokens.append(drafter.to_target(index))
+            block.q_rows.append(probs if ids is None else scatter_probs(probs, ids, vocab_size, validate=False))
+        block.tokens.append(int(index) if ids is None else int(ids[index]))
+        block.candidates.append(ids)
         if len(feed) == 1:
-            step_seconds.append(time.perf_counter() - started)
-        feed = [tokens[-1]]
+            block.step_seconds.append(time.perf_counter() - started)
+        feed = [block.tokens[-1]]
         if not confident:
             break
-    return tokens, q_rows, step_seconds
+    return block
+
+
+@dataclass
+class DraftBlock:
+    """One round's drafts: target ids, (when sampling) their full-vocabulary q rows, the head rows
+    each was chosen among (None: full vocabulary), and the latency of each single-token step
+    (catch-up steps that feed several tokens are left out)."""
+
+    tokens: list[int] = field(default_factory=list)
+    q_rows: list[np.ndarray] = field(default_factory=list)
+    candidates: list[np.ndarray | None] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
 
 
 def _top_probability(logits: np.ndarray) -> float:
@@ -170,11 +185,13 @@ def generate_speculative(
         if policy is not None and draft_step_seconds is not None:
             gamma = policy.choose(CostModel(draft_step_seconds, target.recent_seconds()))
         budget = min(gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
-        drafts, q_rows, step_seconds = _draft_block(
-            drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size)
+        head_before = drafter.head.seconds
+        block = _draft_block(drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size)
+        drafts = block.tokens
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
-        for step in step_seconds:
+        stats.head_seconds += drafter.head.seconds - head_before
+        for step in block.step_seconds:
             draft_step_seconds = step if draft_step_seconds is None else 0.8 * draft_step_seconds + 0.2 * step
 
         # 2. verify: one target pass over [x, d1..dγ] -> γ+1 rows.
@@ -182,11 +199,14 @@ def generate_speculative(
         if params.greedy:
             result = verify_greedy(drafts, rows)
         else:
-            q = np.array(q_rows) if q_rows else np.zeros((0, rows.shape[-1]))
+            q = np.array(block.q_rows) if block.q_rows else np.zeros((0, rows.shape[-1]))
             result = verify_speculative(drafts, q, logits_to_probs(rows, params), rng)
         stats.verify_seconds += time.perf_counter() - verify_started
         stats.accepted.append(result.accepted)
         stats.drafted.append(len(drafts))
+        for token, ids in zip(result.tokens, block.candidates):
+            stats.candidate_checks += 1
+            stats.candidate_hits += bool(ids is None or token in ids)
         if policy is not None:
             policy.update(len(drafts), result.accepted)
 

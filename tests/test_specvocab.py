@@ -1,0 +1,122 @@
+"""SpecVocab: scorer construction, candidate recall, the runtime head, adding heads to a bundle."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.export.bundle import ExportOptions, add_draft_heads
+from edge_spec.export.specvocab import fit_scorer, quantize_rows_int8, recall_at_k, top_candidates
+from edge_spec.manifest import read_manifest, verify_files
+from edge_spec.runtime.engine import Engine
+from tests import tiny_models
+
+
+def test_full_rank_structure_is_recovered_exactly():
+    rng = np.random.default_rng(0)
+    head = rng.standard_normal((500, 6)) @ rng.standard_normal((6, 40))  # rank 6
+    scorer = fit_scorer(head, 6)
+    h = rng.standard_normal((10, 40)).astype(np.float32)
+    np.testing.assert_allclose(scorer.scores(h), h @ head.T.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+def test_data_aware_fit_beats_plain_svd_on_the_states_it_was_fitted_to():
+    rng = np.random.default_rng(1)
+    head = rng.standard_normal((800, 32)).astype(np.float32)
+    # hidden states that live mostly in a few directions the plain SVD does not favour
+    basis = np.linalg.qr(rng.standard_normal((32, 32)))[0][:, :4]
+    states = (rng.standard_normal((2000, 4)) * 5) @ basis.T + 0.05 * rng.standard_normal((2000, 32))
+    states = states.astype(np.float32)
+    err = {}
+    for name, fitted in (("svd", fit_scorer(head, 4)), ("data", fit_scorer(head, 4, states))):
+        err[name] = float(np.mean((fitted.scores(states) - states @ head.T) ** 2))
+    assert err["data"] < 0.1 * err["svd"], err
+
+
+def test_rank_is_checked():
+    with pytest.raises(EdgeSpecError, match="--rank"):
+        fit_scorer(np.ones((10, 4)), 5)
+
+
+def test_top_candidates_and_recall_with_always_kept_ids():
+    scores = np.array([0.1, 5.0, 3.0, -1.0, 4.0])
+    assert set(top_candidates(scores, 2).tolist()) == {1, 4}
+    head = np.eye(5, dtype=np.float32)
+    scorer = fit_scorer(head, 5)
+    hidden = (10 * np.eye(5) - 0.1 * np.arange(5)).astype(np.float32)  # no ties among the runners-up
+    # state i scores token i highest; ask whether token (i + 1) % 5 is in the top-1 (never) or
+    # in the top-1 plus the always-kept token 3 (only for i = 2)
+    wanted = (np.arange(5) + 1) % 5
+    assert recall_at_k(scorer, hidden, wanted, [1])[1] == 0.0
+    assert recall_at_k(scorer, hidden, wanted, [1], always=np.array([3]))[1] == pytest.approx(0.2)
+
+
+def test_int8_rows_roundtrip():
+    w = np.random.default_rng(2).standard_normal((7, 33)).astype(np.float32)
+    codes, scales = quantize_rows_int8(w)
+    assert codes.dtype == np.int8
+    np.testing.assert_allclose(codes * scales[:, None], w, atol=np.abs(w).max() / 127)
+
+
+def test_calibration_recall_beats_a_random_subset(int4_bundle):
+    heads = read_manifest(int4_bundle)["draft"]["heads"]
+    head = heads["specvocab-r16-k48"]
+    random_subset = head["size"] / 384  # a random subset of the same size covers this share on average
+    assert head["calibration_recall"] > 2 * random_subset, head["calibration_recall"]
+    united = heads["trim32+specvocab-r16-k48"]
+    assert united["size"] == 48 + 32
+    assert united["calibration_recall"] >= head["calibration_recall"]
+
+
+def test_specvocab_head_gives_exact_logits_on_its_candidates(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim32+specvocab-r16-k48")
+    head = engine.draft.head
+    hidden = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+    logits, ids = head(hidden)
+    assert len(ids) == len(set(ids.tolist())) == 48 + head.always.size
+    assert set(head.always.tolist()) <= set(ids.tolist())
+    reference = (head.rows.astype(np.float32) @ hidden) * head.scales
+    np.testing.assert_allclose(logits, reference[ids], rtol=1e-5, atol=1e-5)
+
+
+def test_spec_mode_reports_candidate_recall(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="specvocab-r16-k48")
+    spec = engine.complete("def is_prime", max_new_tokens=30)
+    assert spec.token_ids == engine.complete("def is_prime", max_new_tokens=30, mode="ar").token_ids
+    extra = spec.stats.extra
+    assert 0.0 < extra["candidate_recall"] <= 1.0
+    assert 0.0 < extra["head_seconds"] < extra["draft_seconds"]
+
+
+def test_add_heads_to_an_existing_bundle(int4_bundle, tmp_path, tiny_pair):
+    bundle = tmp_path / "copy"
+    shutil.copytree(int4_bundle, bundle)
+    tokenizer, _, draft = tiny_pair
+    drafter = {"tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer)}
+    options = ExportOptions(draft_vocab="specvocab", rank=(8,), candidates=(32,), scorer="svd")
+    manifest = add_draft_heads(bundle, options, "tiny-draft", loader=drafter.__getitem__)
+    verify_files(bundle, manifest, full_hash=True)
+    assert "specvocab-r8-k32" in manifest["draft"]["heads"] and "trim-64" in manifest["draft"]["heads"]
+    assert json.loads((bundle / "manifest.json").read_text())["draft"]["default_head"] == "specvocab-r8-k32"
+    engine = Engine.from_bundle(bundle, threads=1, mode="spec", draft_head="specvocab-r8-k32")
+    assert engine.complete("The quick", max_new_tokens=20).token_ids == \
+        engine.complete("The quick", max_new_tokens=20, mode="ar").token_ids
+
+
+def test_add_heads_refuses_another_drafter(int4_bundle, tmp_path, tiny_pair):
+    bundle = tmp_path / "copy"
+    shutil.copytree(int4_bundle, bundle)
+    tokenizer = tiny_pair[0]
+    other = tiny_models.make_qwen2(seed=5, hidden=32)
+    loader = {"other": tiny_models.loaded("other", other, tokenizer)}.__getitem__
+    with pytest.raises(EdgeSpecError, match="does not match"):
+        add_draft_heads(bundle, ExportOptions(draft_vocab="specvocab"), "other", loader=loader)
+
+
+def test_bad_draft_vocab_is_refused():
+    with pytest.raises(EdgeSpecError, match="--draft-vocab"):
+        ExportOptions(draft_vocab="trim,magic").check()
