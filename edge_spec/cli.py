@@ -47,6 +47,8 @@ CandidatesOpt = typer.Option("2048", help="SpecVocab: candidates with exact logi
 ScorerOpt = typer.Option("data", help="SpecVocab scorer fit: data (hidden-state weighted SVD) or svd.")
 TrainStepsOpt = typer.Option(0, help="SpecVocab: distillation steps on calibration states after the fit (CPU).")
 UnionKeepOpt = typer.Option(1024, help="trim+specvocab: static VocabTrim rows always among the candidates.")
+ScorerVocabOpt = typer.Option("0", help="SpecVocab: rows the scorer ranks, the top-K calibration tokens "
+                              "(0 = the whole vocabulary; comma list).")
 
 
 def _int_list(value: str, flag: str) -> tuple[int, ...]:
@@ -57,14 +59,15 @@ def _int_list(value: str, flag: str) -> tuple[int, ...]:
 
 
 def _head_options(draft_vocab: str, keep: str, calibration: Path | None, rank: str, candidates: str, scorer: str,
-                  train_steps: int, union_keep: int, **more):
+                  train_steps: int, union_keep: int, scorer_vocab: str = "0", **more):
     from edge_spec.export.bundle import ExportOptions
 
     if calibration is not None and not calibration.is_file():
         raise EdgeSpecError(f"calibration file not found: {calibration}")
     options = ExportOptions(draft_vocab=draft_vocab, keep=_int_list(keep, "--keep"), calibration=calibration,
                             rank=_int_list(rank, "--rank"), candidates=_int_list(candidates, "--candidates"),
-                            scorer=scorer, train_steps=train_steps, union_keep=union_keep, **more)
+                            scorer=scorer, train_steps=train_steps, union_keep=union_keep,
+                            scorer_vocab=_int_list(scorer_vocab, "--scorer-vocab"), **more)
     options.check()
     return options
 
@@ -111,6 +114,7 @@ def export(
     scorer: str = ScorerOpt,
     train_steps: int = TrainStepsOpt,
     union_keep: int = UnionKeepOpt,
+    scorer_vocab: str = ScorerVocabOpt,
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
     from edge_spec.export.bundle import export_bundle
@@ -120,7 +124,7 @@ def export(
     draft = draft or default_draft
     out_dir = out_dir or _default_bundle_dir(target, quant)
     options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
-                            quant=quant, block_size=block_size, accuracy_level=accuracy_level,
+                            scorer_vocab, quant=quant, block_size=block_size, accuracy_level=accuracy_level,
                             context_length=context_length)
     with console.status("exporting") as status:
         def progress(message: str) -> None:
@@ -147,11 +151,13 @@ def add_heads(
     scorer: str = ScorerOpt,
     train_steps: int = TrainStepsOpt,
     union_keep: int = UnionKeepOpt,
+    scorer_vocab: str = ScorerVocabOpt,
 ) -> None:
     """Add drafter heads (VocabTrim, SpecVocab) to an existing bundle without re-exporting the models."""
     from edge_spec.export.bundle import add_draft_heads
 
-    options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep)
+    options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
+                            scorer_vocab)
     with console.status("adding heads") as status:
         def progress(message: str) -> None:
             console.print(f"[dim]-[/dim] {message}")

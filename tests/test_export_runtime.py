@@ -91,7 +91,8 @@ def test_manifest_roundtrip(int4_bundle):
     assert target["config"]["vocab_size"] == 384
     assert target["quantization"]["weights"] == "int4"
     heads = manifest["draft"]["heads"]
-    assert set(heads) == {"full", "trim-160", "trim-64", "specvocab-r16-k48", "trim32+specvocab-r16-k48"}
+    assert set(heads) == {"full", "trim-160", "trim-64", "specvocab-r16-k48", "trim32+specvocab-r16-k48",
+                          "specvocab-r16-k48-of160", "trim32+specvocab-r16-k48-of160"}
     assert manifest["draft"]["default_head"] == "trim-160"
     assert heads["trim-64"]["size"] == 64 and heads["full"]["size"] == 384
     assert (int4_bundle / "draft" / "token_counts.npy").is_file()

@@ -23,7 +23,7 @@ def run(engine: Engine, prompt_ids, params, n, spec: SpecConfig | None, seed=0):
     return tokens, stats
 
 
-HEADS = ["full", "trim-160", "trim-64", "specvocab-r16-k48", "trim32+specvocab-r16-k48"]
+HEADS = ["full", "trim-160", "trim-64", "specvocab-r16-k48", "trim32+specvocab-r16-k48", "specvocab-r16-k48-of160"]
 
 
 @pytest.fixture(scope="module", params=HEADS)

@@ -55,6 +55,28 @@ def test_top_candidates_and_recall_with_always_kept_ids():
     assert recall_at_k(scorer, hidden, wanted, [1], always=np.array([3]))[1] == pytest.approx(0.2)
 
 
+def test_recall_over_a_universe_maps_rows_to_target_ids():
+    head = np.eye(4, dtype=np.float32)
+    scorer = fit_scorer(head, 4)  # rows 0..3 stand for target ids 10, 20, 30, 40
+    universe = np.array([10, 20, 30, 40])
+    hidden = (10 * np.eye(4) - 0.1 * np.arange(4)).astype(np.float32)
+    assert recall_at_k(scorer, hidden, universe, [1], universe=universe)[1] == 1.0
+    assert recall_at_k(scorer, hidden, universe[::-1], [1], universe=universe)[1] == 0.0
+    # an always-kept id outside the universe still counts as a candidate
+    assert recall_at_k(scorer, hidden, np.full(4, 99), [1], always=np.array([99]), universe=universe)[1] == 1.0
+
+
+def test_specvocab_head_over_a_universe_picks_only_universe_rows(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="specvocab-r16-k48-of160")
+    head = engine.draft.head
+    assert head.universe is not None and len(head.universe) == 160
+    for seed in range(5):
+        hidden = np.random.default_rng(seed).standard_normal(64).astype(np.float32)
+        logits, ids = head(hidden)
+        assert len(set(ids.tolist())) == len(ids) == 48 + head.always.size
+        assert set(ids.tolist()) <= set(head.universe.tolist()) | set(head.always.tolist())
+
+
 def test_int8_rows_roundtrip():
     w = np.random.default_rng(2).standard_normal((7, 33)).astype(np.float32)
     codes, scales = quantize_rows_int8(w)

@@ -37,6 +37,7 @@ class ExportOptions:
     scorer: str = "data"  # SpecVocab scorer fit: "data" (hidden-state weighted SVD) or "svd"
     train_steps: int = 0  # SpecVocab: distillation steps after the closed-form fit
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
+    scorer_vocab: tuple[int, ...] = (0,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
 
     @property
     def keep_list(self) -> list[int]:
@@ -97,9 +98,9 @@ def _export_head(bundle_dir: Path, name: str, lm_head: np.ndarray, vocab_ids: np
     return entry
 
 
-def _export_scorer(bundle_dir: Path, scorer, build: BuildOptions) -> tuple[str, list[dict]]:
-    """Write one SpecVocab scorer graph (shared by every head of its rank)."""
-    stem = f"draft/scorer_r{scorer.rank}.onnx"
+def _export_scorer(bundle_dir: Path, scorer, build: BuildOptions, suffix: str = "") -> tuple[str, list[dict]]:
+    """Write one SpecVocab scorer graph (shared by every head of its rank and universe)."""
+    stem = f"draft/scorer_r{scorer.rank}{suffix}.onnx"
     save_model(build_scorer(scorer.w_down, scorer.w_vocab, build), bundle_dir / stem)
     return stem, [file_record(bundle_dir, stem), file_record(bundle_dir, stem + ".data")]
 
@@ -176,24 +177,35 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
         _say(progress, "SpecVocab: collecting drafter hidden states on the calibration text")
         hidden, next_tokens = specvocab.collect_hidden_states(bundle_dir / "draft" / "body.onnx", sequences,
                                                               options.context_length)
-        for rank in options.rank:
-            scorer = specvocab.fit_scorer(lm_head, rank, hidden if options.scorer == "data" else None)
-            scorer = specvocab.train_scorer(scorer, lm_head, hidden, options.train_steps, progress=progress)
-            scorer_onnx, scorer_files = _export_scorer(bundle_dir, scorer, build)
-            files += scorer_files
-            for mode in spec_modes:
-                static = np.unique(np.asarray([i for i in always_keep if 0 <= i < lm_head.shape[0]], np.int64))
-                prefix = ""
-                if mode == "trim+specvocab":
-                    static = vocabtrim.select_vocabulary(counts, options.union_keep, always_keep)
-                    prefix = f"trim{options.union_keep}+"
-                recall = specvocab.recall_at_k(scorer, hidden, next_tokens, list(options.candidates), static)
-                for k in options.candidates:
-                    name = f"{prefix}specvocab-r{rank}-k{k}"
-                    _say(progress, f"SpecVocab head {name}: calibration recall {recall[k]:.1%}")
-                    heads[name] = _specvocab_head_entry(bundle_dir, name, scorer, scorer_onnx, k, static)
-                    heads[name]["calibration_recall"] = recall[k]
-                    heads[name]["scorer"] = options.scorer + (f"+{options.train_steps} steps" if options.train_steps else "")
+        for universe_size in options.scorer_vocab:
+            universe = None if universe_size == 0 else vocabtrim.select_vocabulary(counts, universe_size, always_keep)
+            rows = lm_head if universe is None else lm_head[universe]
+            suffix = "" if universe is None else f"-of{universe_size}"
+            for rank in options.rank:
+                scorer = specvocab.fit_scorer(rows, rank, hidden if options.scorer == "data" else None)
+                scorer = specvocab.train_scorer(scorer, rows, hidden, options.train_steps, progress=progress)
+                scorer_onnx, scorer_files = _export_scorer(bundle_dir, scorer, build, suffix)
+                files += scorer_files
+                if universe is not None:
+                    np.save(bundle_dir / "draft" / f"universe{suffix}.npy", universe)
+                    files.append(file_record(bundle_dir, f"draft/universe{suffix}.npy"))
+                for mode in spec_modes:
+                    static = np.unique(np.asarray([i for i in always_keep if 0 <= i < lm_head.shape[0]], np.int64))
+                    prefix = ""
+                    if mode == "trim+specvocab":
+                        static = vocabtrim.select_vocabulary(counts, options.union_keep, always_keep)
+                        prefix = f"trim{options.union_keep}+"
+                    recall = specvocab.recall_at_k(scorer, hidden, next_tokens, list(options.candidates), static,
+                                                   universe)
+                    for k in options.candidates:
+                        name = f"{prefix}specvocab-r{rank}-k{k}{suffix}"
+                        _say(progress, f"SpecVocab head {name}: calibration recall {recall[k]:.1%}")
+                        heads[name] = _specvocab_head_entry(bundle_dir, name, scorer, scorer_onnx, k, static)
+                        heads[name]["calibration_recall"] = recall[k]
+                        heads[name]["scorer"] = options.scorer + (
+                            f"+{options.train_steps} steps" if options.train_steps else "")
+                        if universe is not None:
+                            heads[name]["universe"] = f"draft/universe{suffix}.npy"
     files += [f for h in heads.values() for f in h.pop("files")]
     return heads, files, calibration
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.draft_head import rows_of
 
 
 @dataclass(frozen=True)
@@ -105,19 +106,23 @@ def top_candidates(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 def recall_at_k(scorer: Scorer, hidden: np.ndarray, wanted: np.ndarray, ks: list[int],
-                always: np.ndarray | None = None, chunk: int = 256) -> dict[int, float]:
-    """Share of states whose wanted token (the target's next token, or the drafter's own argmax)
-    falls inside the top-k candidates (plus the ``always`` ids)."""
+                always: np.ndarray | None = None, universe: np.ndarray | None = None, chunk: int = 256) -> dict[int, float]:
+    """Share of states whose wanted token (the target's next token, or the drafter's own argmax) is a
+    candidate, with candidates picked as the runtime picks them: the top k scores, outside the
+    ``always`` ids, plus the ``always`` ids.  ``universe``: the target ids of the scorer's rows
+    (None: the whole vocabulary)."""
     wanted = np.asarray(wanted)
-    extra = 0 if always is None else len(always)
+    always = np.asarray(always if always is not None else [], np.int64)
+    always_rows = rows_of(always, universe)
     hits = {k: 0 for k in ks}
     for start in range(0, len(wanted), chunk):  # [chunk, V] scores at a time: 150k-wide rows are large
         scores = scorer.scores(np.asarray(hidden[start: start + chunk], np.float32))
-        if extra:
-            scores[:, always] = np.inf
+        scores[:, always_rows] = -np.inf
         for row, token in zip(scores, wanted[start: start + chunk]):
             for k in ks:
-                hits[k] += bool(np.isin(token, top_candidates(row, k + extra)))
+                top = top_candidates(row, k)
+                ids = top if universe is None else universe[top]
+                hits[k] += bool(np.isin(token, ids) or np.isin(token, always))
     return {k: hits[k] / len(wanted) if len(wanted) else 0.0 for k in ks}
 
 

@@ -20,6 +20,14 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.providers import resolve_provider
 
 
+def rows_of(ids: np.ndarray, universe: np.ndarray | None) -> np.ndarray:
+    """Scorer rows of the target ``ids`` (those inside ``universe``; all of them when it is None)."""
+    if universe is None:
+        return ids
+    pos = np.searchsorted(universe, ids).clip(0, len(universe) - 1)
+    return pos[universe[pos] == ids]
+
+
 def _session(model_path: Path, provider: str, threads: int) -> ort.InferenceSession:
     if not Path(model_path).is_file():
         raise EdgeSpecError(f"drafter head not found: {model_path}")
@@ -61,7 +69,8 @@ class SpecVocabHead:
     """
 
     def __init__(self, scorer_path: Path, rows_path: Path, scales_path: Path, candidates: int, *,
-                 always_ids: np.ndarray | None = None, provider: str = "cpu", threads: int = 0) -> None:
+                 always_ids: np.ndarray | None = None, universe: np.ndarray | None = None,
+                 provider: str = "cpu", threads: int = 0) -> None:
         self.session = _session(scorer_path, provider, threads)
         for path in (rows_path, scales_path):
             if not Path(path).is_file():
@@ -69,6 +78,9 @@ class SpecVocabHead:
         self.rows = np.load(rows_path)  # int8 [V, H]
         self.scales = np.load(scales_path)  # float32 [V]
         self.always = np.asarray(always_ids if always_ids is not None else [], np.int64)
+        # universe: target ids of the scorer's rows when it ranks a VocabTrim subset (None: all ids)
+        self.universe = universe
+        self._always_rows = rows_of(self.always, universe)
         self.candidates = int(candidates)
         self._gap: float | None = None  # score spread that holds the top candidates (see _select)
         self.vocab_ids = None  # no fixed vocabulary: ids come with every call
@@ -91,9 +103,8 @@ class SpecVocabHead:
         the spread of the last steps' top-k.  Which k rows win does not affect
         exactness, only speed: any candidate set gives a valid q.
         """
-        if self.always.size:
-            scores[self.always] = -np.inf  # appended below, so never picked twice
-        k = min(self.candidates, scores.size - self.always.size)
+        scores[self._always_rows] = -np.inf  # appended below, so never picked twice
+        k = min(self.candidates, scores.size - self._always_rows.size)
         best = float(scores.max())
         short = np.flatnonzero(scores >= best - self._gap) if self._gap is not None else None
         if short is None or short.size < k:  # no estimate yet, or the spread grew: partition everything
@@ -101,4 +112,6 @@ class SpecVocabHead:
         chosen = short[np.argpartition(scores[short], short.size - k)[short.size - k:]]
         spread = best - float(scores[chosen].min())
         self._gap = 1.5 * spread if self._gap is None else 0.8 * self._gap + 0.2 * 1.5 * spread
+        if self.universe is not None:
+            chosen = self.universe[chosen]
         return np.concatenate([chosen, self.always]) if self.always.size else chosen

@@ -146,8 +146,12 @@ class Engine:
             always = None
             if head.get("always_ids"):
                 always = check_vocab_ids(np.load(self.bundle_dir / head["always_ids"]), self.target.vocab_size)
+            universe = None
+            if head.get("universe"):
+                universe = check_vocab_ids(np.load(self.bundle_dir / head["universe"]), self.target.vocab_size)
             return SpecVocabHead(self.bundle_dir / head["onnx"], self.bundle_dir / head["rows"],
-                                 self.bundle_dir / head["scales"], head["candidates"], always_ids=always, **where)
+                                 self.bundle_dir / head["scales"], head["candidates"], always_ids=always,
+                                 universe=universe, **where)
         vocab_ids = None
         if head.get("vocab_ids"):
             vocab_ids = check_vocab_ids(np.load(self.bundle_dir / head["vocab_ids"]), self.target.vocab_size)
