@@ -26,8 +26,9 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "bench" / "pr
 
 @dataclass(frozen=True)
 class BenchMode:
-    name: str  # "ar", "spec" (full head), "spec+trim-16384", "spec+specvocab-r112-k2048", ...
+    name: str  # "ar", "spec" (full head), "spec+trim-16384", "spec+specvocab-r64-k256@γ2", ...
     head: str | None  # drafter head, None for ar
+    spec: SpecConfig | None = None  # γ schedule of this mode (None: the run's schedule)
 
 
 def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
@@ -51,7 +52,8 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
     return prompts
 
 
-def modes_for(engine: Engine, heads: list[str] | None) -> list[BenchMode]:
+def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] | None = None) -> list[BenchMode]:
+    """ar, then per head: one mode per fixed γ in ``fixed_gammas`` (a sweep) and the run's own schedule."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
@@ -59,7 +61,10 @@ def modes_for(engine: Engine, heads: list[str] | None) -> list[BenchMode]:
             raise EdgeSpecError(f"bundle has no drafter head {head!r}; available: {', '.join(available)}")
     modes = [BenchMode("ar", None)]
     for head in chosen:
-        modes.append(BenchMode("spec" if head == "full" else f"spec+{head}", head))
+        name = "spec" if head == "full" else f"spec+{head}"
+        for gamma in fixed_gammas or []:
+            modes.append(BenchMode(f"{name}@γ{gamma}", head, SpecConfig(gamma=gamma)))
+        modes.append(BenchMode(name, head))
     return modes
 
 
@@ -76,6 +81,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             reference = None
             for mode in modes:
+                engine.spec_config = mode.spec or spec
                 if mode.head:
                     engine.use_draft_head(mode.head)
                 started = time.perf_counter()
@@ -142,7 +148,7 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def format_table(summary: list[dict]) -> str:
     lines = []
-    header = (f"{'T':>4} {'category':14s} {'mode':30s} {'tau':>5} {'MBSU':>5} {'recall':>6} {'head ms':>7} "
+    header = (f"{'T':>4} {'category':14s} {'mode':36s} {'tau':>5} {'MBSU':>5} {'recall':>6} {'head ms':>7} "
               f"{'tok/s':>6} {'x ar':>5} {'same':>5}")
     current = None
     for row in summary:
@@ -151,11 +157,28 @@ def format_table(summary: list[dict]) -> str:
             lines += ["", header, "-" * len(header)]
         same = row.get("identical_to_ar")
         lines.append(
-            f"{row['temperature']:>4.1f} {row['category']:14s} {row['mode']:30s} "
+            f"{row['temperature']:>4.1f} {row['category']:14s} {row['mode']:36s} "
             f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row.get('candidate_recall', 1.0):6.3f} "
             f"{row.get('head_ms_per_step', 0.0):7.2f} {row['tokens_per_second']:6.1f} "
             f"{row['speedup_vs_ar'] or 0:5.2f} {'' if same is None else ('yes' if same else 'NO'):>5}"
         )
+    return "\n".join(lines)
+
+
+def schedule_report(summary: list[dict]) -> str:
+    """Per category: the schedule mode (e.g. adaptive) against the best fixed γ of the same head."""
+    lines = []
+    by_key = {(r["temperature"], r["category"], r["mode"]): r for r in summary}
+    for (temperature, category, mode), row in by_key.items():
+        fixed = [r for (t, c, m), r in by_key.items() if t == temperature and c == category
+                 and m.startswith(mode + "@γ")]
+        if not fixed or mode == "ar":
+            continue
+        best = max(fixed, key=lambda r: r["tokens_per_second"])
+        ar = by_key[(temperature, category, "ar")]["tokens_per_second"]
+        lines.append(f"{temperature:>4.1f} {category:14s} {mode:30s} {row['tokens_per_second'] / ar:5.2f}x ar; "
+                     f"best fixed {best['mode'].rsplit('@', 1)[1]} {best['tokens_per_second'] / ar:5.2f}x ar; "
+                     f"schedule / best fixed = {row['tokens_per_second'] / best['tokens_per_second']:.3f}")
     return "\n".join(lines)
 
 

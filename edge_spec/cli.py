@@ -304,6 +304,8 @@ def bench(
     gamma: int = GammaOpt,
     schedule: str = ScheduleOpt,
     head: list[str] = typer.Option([], "--head", help="Drafter heads to compare (repeatable; default all)."),
+    sweep: Optional[str] = typer.Option(None, help="Also run these fixed γ values per head (comma list), "
+                                        "next to the --schedule mode."),
     category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (.jsonl with category, prompt)."),
@@ -314,12 +316,12 @@ def bench(
     """Compare ar, spec (full drafter head) and spec+VocabTrim heads per category: τ, MBSU, tokens/s, speed-up."""
     from rich.progress import Progress
 
-    from edge_spec.bench import format_table, load_bench_prompts, modes_for, plot, run_bench
+    from edge_spec.bench import format_table, load_bench_prompts, modes_for, plot, run_bench, schedule_report
     from edge_spec.runtime.engine import Engine
 
     engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec")
     items = load_bench_prompts(prompts, category or None, per_category)
-    modes = modes_for(engine, head or None)
+    modes = modes_for(engine, head or None, list(_int_list(sweep, "--sweep")) if sweep else None)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar")
     with Progress(console=console, transient=True) as bar:
@@ -328,6 +330,8 @@ def bench(
                            spec=_spec_config(gamma, schedule),
                            progress=lambda done, total: bar.update(task, completed=done))
     out.print(format_table(result["summary"]))
+    if sweep:
+        out.print(schedule_report(result["summary"]))
     output.mkdir(parents=True, exist_ok=True)
     result["bundle"] = str(bundle)
     result["threads"] = threads

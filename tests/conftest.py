@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+# device cost profiles are cached per user; tests keep theirs in a throwaway directory
+os.environ["EDGE_SPEC_CACHE"] = tempfile.mkdtemp(prefix="edge-spec-test-cache-")
 
 from tests import tiny_models
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from edge_spec.runtime.policy import AdaptiveGamma, CostModel, best_gamma, expected_tokens
+from edge_spec.runtime.policy import (
+    AdaptiveGamma,
+    ConfidenceAcceptance,
+    CostModel,
+    DraftRound,
+    best_gamma,
+    expected_tokens,
+)
 
 # roughly this machine: target 1 row 50 ms, +12 ms per extra row, drafter step 33 ms
 CPU = CostModel(draft=0.033, verify={1: 0.050, 2: 0.062, 4: 0.086})
@@ -50,3 +57,48 @@ def test_acceptance_estimate_tracks_rounds_and_probes():
     for _ in range(20):
         policy.update(drafted=3, accepted=3)
     assert policy.alpha > 0.9
+
+
+def test_draft_round_drops_a_draft_that_does_not_pay_for_its_verify_row():
+    rule = DraftRound(CPU, gamma_max=4, next_acceptance=0.8)
+    assert rule.add(0.05) == (False, False)  # a near-certain reject is not worth 12 ms of verify
+    assert rule.kept == 0
+
+
+def test_draft_round_keeps_sampled_drafts_whatever_their_confidence():
+    rule = DraftRound(CPU, gamma_max=4, next_acceptance=0.8)
+    keep, more = rule.add(0.05, may_drop=False)
+    assert keep and not more and rule.kept == 1
+
+
+def test_draft_round_drafts_on_while_acceptance_is_high_and_verify_rows_are_cheap():
+    cheap = CostModel(draft=0.005, verify={1: 0.050, 2: 0.052, 8: 0.060})
+    rule = DraftRound(cheap, gamma_max=6, next_acceptance=0.95)
+    steps = [rule.add(0.95) for _ in range(6)]
+    assert all(keep for keep, _ in steps) and [more for _, more in steps] == [True] * 5 + [False]
+    assert rule.expected == pytest.approx(expected_tokens(0.95, 6))
+
+
+def test_draft_round_stops_when_the_next_row_costs_more_than_it_can_bring():
+    rule = DraftRound(CPU, gamma_max=4, next_acceptance=0.6)
+    keep, more = rule.add(0.9)
+    # kept: (1 + 0.9) / (33 + 62 ms) beats 1 / (33 + 50 ms); another: +0.54 tokens for 45 ms, below the rate
+    assert keep and not more
+
+
+def test_confidence_bins_learn_separate_acceptance_rates():
+    table = ConfidenceAcceptance()
+    assert table.estimate(0.99, prior=0.7) == pytest.approx(0.7)  # no data: the prior
+    for _ in range(20):
+        table.update(0.99, True)
+        table.update(0.2, False)
+    assert table.estimate(0.99, prior=0.5) > 0.95
+    assert table.estimate(0.2, prior=0.5) < 0.05
+    assert table.estimate(0.6, prior=0.5) == pytest.approx(0.5)  # an untouched bin keeps the prior
+
+
+def test_adaptive_policy_updates_confidence_bins_only_for_observed_drafts():
+    policy = AdaptiveGamma(gamma_max=4)
+    policy.update(drafted=4, accepted=1, confidences=[0.99, 0.2, 0.99, 0.99])
+    assert policy.by_confidence.counts[ConfidenceAcceptance.bin(0.99)] == 1  # 3rd/4th never verified
+    assert policy.by_confidence.counts[ConfidenceAcceptance.bin(0.2)] == 1

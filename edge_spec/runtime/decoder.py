@@ -40,6 +40,12 @@ class DecoderStats:
         elif self.calls[n_tokens] > 2:
             self.recent[n_tokens] = 0.8 * self.recent[n_tokens] + 0.2 * seconds
 
+    def seed(self, n_tokens: int, seconds: float) -> None:
+        """Start the moving average from a profiled latency (later calls refine it)."""
+        self.calls[n_tokens] = max(self.calls.get(n_tokens, 0), 2)
+        self.seconds.setdefault(n_tokens, 0.0)
+        self.recent[n_tokens] = seconds
+
     def recent_seconds(self, max_tokens: int = 16) -> dict[int, float]:
         """Recent latency per number of new tokens (decode-sized calls seen at least twice)."""
         return {n: t for n, t in self.recent.items() if n <= max_tokens}

@@ -19,6 +19,8 @@ import numpy as np
 from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.autoregressive import generate_autoregressive
+from edge_spec.runtime import cost_profile
+from edge_spec.runtime.cost_profile import CostProfile
 from edge_spec.runtime.decoder import Decoder
 from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
 from edge_spec.runtime.sampling import SamplingParams, check_vocab_ids
@@ -67,6 +69,7 @@ class Engine:
         self._draft_body: Decoder | None = None
         self._drafters: dict[str, Drafter] = {}
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
+        self.cost_profile: CostProfile | None = None
         self._cancel = threading.Event()
         self.last_stats = GenerationStats()
         self.last_token_ids: list[int] = []
@@ -107,17 +110,25 @@ class Engine:
             engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
         return engine
 
-    def measure_costs(self, repeats: int = 3) -> None:
-        """Time target passes over 1..5 new tokens and single drafter steps on throwaway tokens,
-        so that the adaptive γ policy has a cost model from the first round (about a second)."""
+    def measure_costs(self) -> CostProfile:
+        """Load (or measure once and cache) this device's cost profile for the current drafter head:
+        target passes over 1..γ_max+1 tokens, drafter body and head steps (see ``cost_profile``).
+        The γ policy plans with it from the first round; live measurements refine it."""
         drafter = self.draft
-        for decoder in (self.target, drafter.decoder):
-            decoder.reset()
-            decoder.forward([0] * 8, 1)
-            for _ in range(repeats):
-                for n in ((1, 2, 3, 4, 5) if decoder is self.target else (1,)):
-                    decoder.forward([0] * n, 1)
-            decoder.reset()
+        max_tokens = max(self.spec_config.gamma + 1, 2)
+        key = cost_profile.cache_key(self.manifest, self.draft_head, self._provider, self._threads, max_tokens)
+        profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
+        for n, seconds in profile.verify.items():
+            self.target.stats.seed(n, seconds)
+        drafter.step_estimate = profile.draft_step
+        self.cost_profile = profile
+        return profile
+
+    @property
+    def bytes_ratio(self) -> float:
+        """c in a memory-bound model: drafter bytes read per step / target bytes read per step."""
+        target, draft = cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)
+        return draft / target
 
     def _check_head(self, name: str) -> str:
         heads = self.manifest["draft"]["heads"]
@@ -128,6 +139,8 @@ class Engine:
     def use_draft_head(self, name: str) -> None:
         """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""
         self.draft_head = self._check_head(name)
+        if self.mode != "ar":
+            self.measure_costs()
 
     @property
     def draft(self) -> Drafter:
@@ -251,7 +264,7 @@ class Engine:
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
             if mode == "spec":
-                stats.extra.update(self._spec_stats.summary(self.param_ratio))
+                stats.extra.update(self._spec_stats.summary(self.param_ratio, self.bytes_ratio))
 
     def complete(self, prompt: str | list[Message], **kwargs) -> Completion:
         """Non-streaming :meth:`generate`."""

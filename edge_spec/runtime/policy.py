@@ -13,6 +13,13 @@ latency of a target pass over n new tokens.  γ* = 0 is plain autoregressive
 decoding; while in that regime a γ = 1 probe every ``probe_every`` rounds keeps
 α up to date.  α is an exponential moving average of per-round acceptance.
 
+Inside a round the drafter's own confidence refines this (:class:`DraftRound`):
+each draft's acceptance is estimated from its confidence (drafter probability of
+the proposed token, per-request estimates per confidence bin), a draft is kept
+only if it raises the round's expected tokens per second, and drafting goes on
+only while the expected gain of one more token beats its cost (one draft step
+plus one more verify row).
+
 Exactness never depends on this choice: γ only changes how many drafts the
 verifier sees.
 """
@@ -69,10 +76,13 @@ class AdaptiveGamma:
     smoothing: float = 0.3  # EMA weight of the newest round
     probe_every: int = 8  # first probe interval; doubles (up to max_probe_every) while probes keep failing
     max_probe_every: int = 64
+    by_confidence: ConfidenceAcceptance = field(default_factory=lambda: ConfidenceAcceptance())
+    probing: bool = False  # the last choice was a probe
     _rounds_without_draft: int = 0
     _interval: int = 0
 
     def choose(self, costs: CostModel) -> int:
+        self.probing = False
         gamma = best_gamma(self.alpha, costs, self.gamma_max)
         if gamma > 0:
             self._rounds_without_draft = 0
@@ -85,9 +95,23 @@ class AdaptiveGamma:
         # probe: one draft token keeps α current; a probe costs a drafter catch-up, so back off
         self._rounds_without_draft = 0
         self._interval = min(2 * self._interval, self.max_probe_every)
+        self.probing = True
         return 1
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def begin_round(self, costs: CostModel) -> "DraftRound | None":
+        """None: decode this round without drafts.  Otherwise the stop rule for this round's drafts;
+        a probe round keeps its one draft whatever its confidence (it is there to measure α)."""
+        gamma = self.choose(costs)
+        if gamma == 0:
+            return None
+        if self.probing:
+            return DraftRound(costs, 1, self.alpha, forced=True)
+        return DraftRound(costs, self.gamma_max, self.alpha)
+
+    def acceptance(self, confidence: float) -> float:
+        return self.by_confidence.estimate(confidence, self.alpha)
+
+    def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
         """Fold one round in.  A rejection at position k means k accepts and one reject."""
         if drafted == 0:
             return
@@ -95,3 +119,78 @@ class AdaptiveGamma:
         observed = accepted / trials
         weight = 1 - (1 - self.smoothing) ** trials
         self.alpha = (1 - weight) * self.alpha + weight * observed
+        for i, confidence in enumerate((confidences or [])[:trials]):
+            self.by_confidence.update(confidence, i < accepted)
+
+
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.85, 0.95)  # bins of the drafter's probability of its own token
+
+
+@dataclass
+class ConfidenceAcceptance:
+    """Per-request acceptance estimate by drafter confidence bin: EMA per bin, starting from the
+    global α until a bin has seen ``min_samples`` outcomes (the two blend in between)."""
+
+    smoothing: float = 0.2
+    min_samples: int = 4
+    rates: list[float] = field(default_factory=lambda: [0.0] * (len(CONFIDENCE_EDGES) + 1))
+    counts: list[int] = field(default_factory=lambda: [0] * (len(CONFIDENCE_EDGES) + 1))
+
+    @staticmethod
+    def bin(confidence: float) -> int:
+        return sum(confidence >= edge for edge in CONFIDENCE_EDGES)
+
+    def estimate(self, confidence: float, prior: float) -> float:
+        b = self.bin(confidence)
+        weight = min(self.counts[b] / self.min_samples, 1.0)
+        return weight * self.rates[b] + (1 - weight) * prior
+
+    def update(self, confidence: float, accepted: bool) -> None:
+        b = self.bin(confidence)
+        self.counts[b] += 1
+        if self.counts[b] == 1:
+            self.rates[b] = float(accepted)
+        else:
+            self.rates[b] += self.smoothing * (float(accepted) - self.rates[b])
+
+
+@dataclass
+class DraftRound:
+    """Stop rule inside one round: after each draft, keep it or not, and draft another or not.
+
+    ``expected`` is E[tokens] of the round so far (1 for the target's own token plus, per kept
+    draft, the probability that it and all before it are accepted); ``cost`` is what the round
+    will cost: the drafting done so far plus the verify pass over the kept drafts.
+    """
+
+    costs: CostModel
+    gamma_max: int
+    next_acceptance: float  # acceptance guess for a draft not yet made (its confidence unknown)
+    forced: bool = False  # keep every draft (probe rounds)
+    kept: int = 0
+    survive: float = 1.0  # P(all kept drafts accepted)
+    expected: float = 1.0
+
+    def add(self, acceptance: float, may_drop: bool = True) -> tuple[bool, bool]:
+        """Fold in draft ``kept + 1`` with estimated ``acceptance``; return (keep it, draft another).
+
+        ``may_drop`` must be False when sampling: dropping a sampled draft because of its own value
+        would bias the output (the kept drafts would no longer be plain samples of q).  Stopping
+        *after* a draft, based on the drafts so far, is always safe: each position is still either
+        verified against q or sampled from p directly.
+        """
+        drafted = self.kept + 1
+        sunk = drafted * self.costs.draft
+        with_it = (self.expected + self.survive * acceptance) / (sunk + self.costs.verify_cost(drafted + 1))
+        without = self.expected / (sunk + self.costs.verify_cost(drafted))
+        if with_it < without and may_drop and not self.forced:
+            return False, False
+        self.kept = drafted
+        self.survive *= acceptance
+        self.expected += self.survive
+        if drafted >= self.gamma_max:
+            return True, False
+        rate = self.expected / (sunk + self.costs.verify_cost(drafted + 1))
+        gain = self.survive * self.next_acceptance
+        extra = self.costs.draft + self.costs.verify_cost(drafted + 2) - self.costs.verify_cost(drafted + 1)
+        return True, gain / extra > rate

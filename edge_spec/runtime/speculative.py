@@ -31,7 +31,7 @@ import numpy as np
 
 from edge_spec.runtime.decoder import Decoder
 from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
-from edge_spec.runtime.policy import AdaptiveGamma, CostModel
+from edge_spec.runtime.policy import AdaptiveGamma, CostModel, DraftRound
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verification import verify_greedy, verify_speculative
 
@@ -49,6 +49,7 @@ class Drafter:
 
     decoder: Decoder
     head: DraftHead | SpecVocabHead
+    step_estimate: float | None = None  # moving average of one draft step (body + head + sampling), seconds
 
     def step(self, feed: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
         """Feed tokens; return the head's logits for the next position and the target ids of its rows
@@ -92,9 +93,11 @@ class SpecStats:
         (1 for a full head; the static coverage for VocabTrim; per-step recall for SpecVocab)."""
         return self.candidate_hits / self.candidate_checks if self.candidate_checks else 0.0
 
-    def summary(self, param_ratio: float) -> dict:
+    def summary(self, param_ratio: float, bytes_ratio: float | None = None) -> dict:
         gamma = self.mean_gamma
         return {
+            "bytes_ratio": bytes_ratio,
+            "mbsu_bytes": self.tau / (bytes_ratio * gamma + 1) if self.accepted and bytes_ratio else None,
             "tau": self.tau,
             "target_calls": self.target_calls,
             "mean_gamma": gamma,
@@ -111,26 +114,35 @@ class SpecStats:
 
 
 def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
-                 gamma: int, min_confidence: float, vocab_size: int) -> "DraftBlock":
-    """Propose up to γ target-vocabulary tokens, stopping early when the drafter is unsure."""
+                 gamma: int, min_confidence: float, vocab_size: int,
+                 policy: AdaptiveGamma | None = None, round_rule: DraftRound | None = None) -> "DraftBlock":
+    """Propose up to γ target-vocabulary tokens, stopping early when the drafter is unsure:
+    below ``min_confidence``, or (adaptive) when ``round_rule`` says another draft does not pay."""
     block = DraftBlock()
     for _ in range(gamma):
         started = time.perf_counter()
         logits, ids = drafter.step(feed)
         if params.greedy:
             index = int(np.argmax(logits))
-            confident = min_confidence <= 0 or _top_probability(logits) >= min_confidence
+            confidence = _top_probability(logits) if (min_confidence > 0 or round_rule) else 1.0
         else:
             probs = logits_to_probs(logits, params)
             index = sample(probs, rng)
-            confident = probs[index] >= min_confidence
-            block.q_rows.append(probs if ids is None else scatter_probs(probs, ids, vocab_size, validate=False))
-        block.tokens.append(int(index) if ids is None else int(ids[index]))
-        block.candidates.append(ids)
+            confidence = float(probs[index])
+        keep, more = True, confidence >= min_confidence
+        if round_rule is not None:
+            keep, more = round_rule.add(policy.acceptance(confidence), may_drop=params.greedy)
         if len(feed) == 1:
             block.step_seconds.append(time.perf_counter() - started)
+        if not keep:  # not worth a verify row: the drafter's cache entry is rolled back after verify
+            break
+        block.tokens.append(int(index) if ids is None else int(ids[index]))
+        block.candidates.append(ids)
+        block.confidences.append(confidence)
+        if not params.greedy:
+            block.q_rows.append(probs if ids is None else scatter_probs(probs, ids, vocab_size, validate=False))
         feed = [block.tokens[-1]]
-        if not confident:
+        if not more:
             break
     return block
 
@@ -138,12 +150,13 @@ def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng:
 @dataclass
 class DraftBlock:
     """One round's drafts: target ids, (when sampling) their full-vocabulary q rows, the head rows
-    each was chosen among (None: full vocabulary), and the latency of each single-token step
-    (catch-up steps that feed several tokens are left out)."""
+    each was chosen among (None: full vocabulary), the drafter's confidence in each, and the latency
+    of each single-token step (catch-up steps that feed several tokens are left out)."""
 
     tokens: list[int] = field(default_factory=list)
     q_rows: list[np.ndarray] = field(default_factory=list)
     candidates: list[np.ndarray | None] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)  # drafter probability of each proposed token
     step_seconds: list[float] = field(default_factory=list)
 
 
@@ -166,8 +179,6 @@ def generate_speculative(
     stats = stats if stats is not None else SpecStats()
     draft = drafter.decoder
     policy = AdaptiveGamma(config.gamma) if config.adaptive else None
-    # running mean of one single-token draft step (body + head + sampling); seeded from earlier requests
-    draft_step_seconds: float | None = draft.recent_seconds().get(1)
     # The first token comes from the target's prefill, exactly as in autoregressive decoding.
     # The drafter reads the prompt now too, so that its prefill counts as prompt processing.
     first = target.prefill(prompt_ids)["logits"][-1]
@@ -181,18 +192,21 @@ def generate_speculative(
         started = time.perf_counter()
         feed = draft.sync(committed)  # usually [x], or [d_γ, x] after a fully accepted round
         base = len(committed) - 1  # cache length both models share before this round
-        gamma = config.gamma
-        if policy is not None and draft_step_seconds is not None:
-            gamma = policy.choose(CostModel(draft_step_seconds, target.recent_seconds()))
+        gamma, round_rule = config.gamma, None
+        if policy is not None and drafter.step_estimate is not None:
+            round_rule = policy.begin_round(CostModel(drafter.step_estimate, target.recent_seconds()))
+            gamma = 0 if round_rule is None else round_rule.gamma_max
         budget = min(gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
         head_before = drafter.head.seconds
-        block = _draft_block(drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size)
+        block = _draft_block(drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size,
+                             policy, round_rule)
         drafts = block.tokens
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
         stats.head_seconds += drafter.head.seconds - head_before
         for step in block.step_seconds:
-            draft_step_seconds = step if draft_step_seconds is None else 0.8 * draft_step_seconds + 0.2 * step
+            previous = drafter.step_estimate
+            drafter.step_estimate = step if previous is None else 0.8 * previous + 0.2 * step
 
         # 2. verify: one target pass over [x, d1..dγ] -> γ+1 rows.
         rows = target.forward([committed[-1]] + drafts, len(drafts) + 1)["logits"]
@@ -208,7 +222,7 @@ def generate_speculative(
             stats.candidate_checks += 1
             stats.candidate_hits += bool(ids is None or token in ids)
         if policy is not None:
-            policy.update(len(drafts), result.accepted)
+            policy.update(len(drafts), result.accepted, block.confidences)
 
         # 3. roll back both caches to the accepted prefix; the correction/bonus token becomes pending.
         target.rewind(base + 1 + result.accepted)
