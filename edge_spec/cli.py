@@ -6,6 +6,7 @@ User mistakes surface as one ``error: ...`` line and exit code 1 (see
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import signal
@@ -335,6 +336,10 @@ def bench(
     output.mkdir(parents=True, exist_ok=True)
     result["bundle"] = str(bundle)
     result["threads"] = threads
+    # what the γ policy planned with (profile of the last head) next to what passes cost during the run
+    result["cost_profile"] = dataclasses.asdict(engine.cost_profile) if engine.cost_profile else None
+    stats = engine.target.stats
+    result["target_pass_seconds"] = {n: stats.seconds[n] / stats.calls[n] for n in sorted(stats.calls) if n <= 16}
     (output / "bench.json").write_text(json.dumps(result, indent=1))
     plot(result["summary"], output / "bench.png")
     console.print(f"[dim]wrote {output / 'bench.json'} and {output / 'bench.png'}[/dim]")

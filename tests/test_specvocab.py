@@ -142,3 +142,16 @@ def test_add_heads_refuses_another_drafter(int4_bundle, tmp_path, tiny_pair):
 def test_bad_draft_vocab_is_refused():
     with pytest.raises(EdgeSpecError, match="--draft-vocab"):
         ExportOptions(draft_vocab="trim,magic").check()
+
+
+def test_add_heads_drops_heads_whose_scorer_was_rebuilt(int4_bundle, tmp_path, tiny_pair):
+    bundle = tmp_path / "copy"
+    shutil.copytree(int4_bundle, bundle)
+    tokenizer, _, draft = tiny_pair
+    drafter = {"tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer)}
+    # rank 16 again, with other candidates: scorer_r16.onnx is rewritten, so the old k48 heads on it go
+    options = ExportOptions(draft_vocab="specvocab", rank=(16,), candidates=(32,), scorer="svd")
+    heads = add_draft_heads(bundle, options, "tiny-draft", loader=drafter.__getitem__)["draft"]["heads"]
+    assert "specvocab-r16-k32" in heads and "specvocab-r16-k48" not in heads
+    assert "specvocab-r16-k48-of160" in heads  # its scorer (universe 160) was not touched
+    verify_files(bundle, read_manifest(bundle), full_hash=True)

@@ -359,10 +359,14 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
     heads, files, calibration = export_draft_heads(bundle_dir, draft.weights.lm_head, options, build,
                                                    always_keep=always, progress=progress)
+    written = {f["path"] for f in files}
+    for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten
+        if name not in heads and any(head.get(k) in written for k in ("onnx", "universe", "vocab_ids")):
+            del record["heads"][name]
+            _say(progress, f"removed head {name}: files it uses were rebuilt for other heads")
     record["heads"].update(heads)
     if calibration:
         record["calibration"] = calibration
-    written = {f["path"] for f in files}
     record["files"] = [f for f in record["files"] if f["path"] not in written] + files
     record["bytes"] = sum(f["bytes"] for f in record["files"])
     if default_head(heads, options) != "full":

@@ -35,15 +35,13 @@ class DecoderStats:
     def add(self, n_tokens: int, seconds: float) -> None:
         self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
         self.seconds[n_tokens] = self.seconds.get(n_tokens, 0.0) + seconds
-        if self.calls[n_tokens] == 2:
-            self.recent[n_tokens] = seconds
-        elif self.calls[n_tokens] > 2:
+        if n_tokens in self.recent:
             self.recent[n_tokens] = 0.8 * self.recent[n_tokens] + 0.2 * seconds
+        elif self.calls[n_tokens] >= 2:  # the first (cold) call is left out
+            self.recent[n_tokens] = seconds
 
     def seed(self, n_tokens: int, seconds: float) -> None:
         """Start the moving average from a profiled latency (later calls refine it)."""
-        self.calls[n_tokens] = max(self.calls.get(n_tokens, 0), 2)
-        self.seconds.setdefault(n_tokens, 0.0)
         self.recent[n_tokens] = seconds
 
     def recent_seconds(self, max_tokens: int = 16) -> dict[int, float]:

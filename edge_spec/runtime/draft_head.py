@@ -75,7 +75,7 @@ class SpecVocabHead:
         for path in (rows_path, scales_path):
             if not Path(path).is_file():
                 raise EdgeSpecError(f"SpecVocab head file not found: {path}")
-        self.rows = np.load(rows_path)  # int8 [V, H]
+        self.rows = np.load(rows_path, mmap_mode="r")  # int8 [V, H], paged in as rows are gathered
         self.scales = np.load(scales_path)  # float32 [V]
         self.always = np.asarray(always_ids if always_ids is not None else [], np.int64)
         # universe: target ids of the scorer's rows when it ranks a VocabTrim subset (None: all ids)
