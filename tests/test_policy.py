@@ -39,11 +39,16 @@ def test_high_acceptance_with_cheap_drafter_drafts_long():
     assert best_gamma(0.95, cheap, 6) == 6
 
 
-def test_choice_is_the_argmax_of_rate():
+def test_choice_is_the_argmax_of_rate_with_a_margin_for_drafting():
     for alpha in (0.5, 0.7, 0.85, 0.95):
         g = best_gamma(alpha, CPU, 5)
         rates = [expected_tokens(alpha, k) / CPU.round_cost(k) for k in range(6)]
-        assert rates[g] == max(rates)
+        best_drafting = max(rates[1:])
+        if g == 0:
+            assert rates[0] > 1.03 * best_drafting
+        else:
+            assert rates[g] == best_drafting and rates[g] * 1.03 >= rates[0]
+        assert best_gamma(alpha, CPU, 5, prefer_drafting=0.0) == max(range(6), key=lambda k: (rates[k], -k))
 
 
 def test_acceptance_estimate_tracks_rounds_and_probes():
@@ -51,9 +56,9 @@ def test_acceptance_estimate_tracks_rounds_and_probes():
     for _ in range(20):
         policy.update(drafted=3, accepted=0)  # every first draft rejected
     assert policy.alpha < 0.05
-    choices = [policy.choose(CPU) for _ in range(8 + 16 + 32)]
+    choices = [policy.choose(CPU) for _ in range(4 + 8 + 16 + 32)]
     probes = [i for i, g in enumerate(choices) if g == 1]
-    assert probes == [7, 23, 55] and set(choices) == {0, 1}  # probes back off: 8, 16, 32 rounds
+    assert probes == [3, 11, 27, 59] and set(choices) == {0, 1}  # probes back off: 4, 8, 16, 32 rounds
     for _ in range(20):
         policy.update(drafted=3, accepted=3)
     assert policy.alpha > 0.9

@@ -118,9 +118,11 @@ class Engine:
         max_tokens = max(self.spec_config.gamma + 1, 2)
         key = cost_profile.cache_key(self.manifest, self.draft_head, self._provider, self._threads, max_tokens)
         profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
-        for n, seconds in profile.verify.items():
-            self.target.stats.seed(n, seconds)
-        drafter.step_estimate = profile.draft_step
+        for n, seconds in profile.verify.items():  # live measurements, once there are some, win
+            if n not in self.target.stats.recent:
+                self.target.stats.seed(n, seconds)
+        if drafter.step_estimate is None:
+            drafter.step_estimate = profile.draft_step
         self.cost_profile = profile
         return profile
 

@@ -61,10 +61,16 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return sum(alpha**i for i in range(gamma + 1))
 
 
-def best_gamma(alpha: float, costs: CostModel, gamma_max: int) -> int:
-    """The γ in 0..γ_max maximizing expected tokens per second."""
+def best_gamma(alpha: float, costs: CostModel, gamma_max: int, prefer_drafting: float = 0.03) -> int:
+    """The γ in 0..γ_max maximizing expected tokens per second.
+
+    Plain decoding (γ = 0) must win by ``prefer_drafting`` (relative): α is a noisy running estimate,
+    near the break-even point both choices cost about the same, and every stretch without drafts
+    leaves the drafter to catch up later and α without fresh evidence.
+    """
     rates = [expected_tokens(alpha, g) / costs.round_cost(g) for g in range(gamma_max + 1)]
-    return max(range(gamma_max + 1), key=lambda g: (rates[g], -g))
+    best = max(range(1, gamma_max + 1), key=lambda g: (rates[g], -g)) if gamma_max else 0
+    return 0 if rates[0] > rates[best] * (1 + prefer_drafting) else best
 
 
 @dataclass
@@ -73,8 +79,8 @@ class AdaptiveGamma:
 
     gamma_max: int
     alpha: float = 0.8  # optimistic start: the first rounds measure it
-    smoothing: float = 0.3  # EMA weight of the newest round
-    probe_every: int = 8  # first probe interval; doubles (up to max_probe_every) while probes keep failing
+    smoothing: float = 0.15  # EMA weight of the newest round
+    probe_every: int = 4  # first probe interval; doubles (up to max_probe_every) while probes keep failing
     max_probe_every: int = 64
     by_confidence: ConfidenceAcceptance = field(default_factory=lambda: ConfidenceAcceptance())
     probing: bool = False  # the last choice was a probe
