@@ -6,6 +6,7 @@ User mistakes surface as one ``error: ...`` line and exit code 1 (see
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import resource
@@ -50,6 +51,17 @@ TrainStepsOpt = typer.Option(0, help="SpecVocab: distillation steps on calibrati
 UnionKeepOpt = typer.Option(1024, help="trim+specvocab: static VocabTrim rows always among the candidates.")
 ScorerVocabOpt = typer.Option("0", help="SpecVocab: rows the scorer ranks, the top-K calibration tokens "
                               "(0 = the whole vocabulary; comma list).")
+
+
+@contextlib.contextmanager
+def _progress_lines(label: str):
+    """A spinner for long exporter work, plus one printed line per step (``progress(message)``)."""
+    with console.status(label) as status:
+        def progress(message: str) -> None:
+            console.print(f"[dim]-[/dim] {message}")
+            status.update(message)
+
+        yield progress
 
 
 def _int_list(value: str, flag: str) -> tuple[int, ...]:
@@ -127,11 +139,7 @@ def export(
     options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
                             scorer_vocab, quant=quant, block_size=block_size, accuracy_level=accuracy_level,
                             context_length=context_length)
-    with console.status("exporting") as status:
-        def progress(message: str) -> None:
-            console.print(f"[dim]-[/dim] {message}")
-            status.update(message)
-
+    with _progress_lines("exporting") as progress:
         manifest = export_bundle(target, draft, out_dir, options, progress)
     mib = 1 << 20
     console.print(
@@ -159,11 +167,7 @@ def add_heads(
 
     options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
                             scorer_vocab)
-    with console.status("adding heads") as status:
-        def progress(message: str) -> None:
-            console.print(f"[dim]-[/dim] {message}")
-            status.update(message)
-
+    with _progress_lines("adding heads") as progress:
         manifest = add_draft_heads(bundle, options, draft, progress)
     console.print(f"[green]heads[/green] {', '.join(manifest['draft']['heads'])}; "
                   f"default {manifest['draft']['default_head']}")

@@ -114,13 +114,18 @@ def test_spec_mode_reports_candidate_recall(int4_bundle):
     assert 0.0 < extra["head_seconds"] < extra["draft_seconds"]
 
 
-def test_add_heads_to_an_existing_bundle(int4_bundle, tmp_path, tiny_pair):
+def _add_heads_to_a_copy(int4_bundle, tmp_path, tiny_pair, options):
+    """Copy the shared bundle, add heads for its own drafter, return (copy, manifest)."""
     bundle = tmp_path / "copy"
     shutil.copytree(int4_bundle, bundle)
     tokenizer, _, draft = tiny_pair
     drafter = {"tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer)}
+    return bundle, add_draft_heads(bundle, options, "tiny-draft", loader=drafter.__getitem__)
+
+
+def test_add_heads_to_an_existing_bundle(int4_bundle, tmp_path, tiny_pair):
     options = ExportOptions(draft_vocab="specvocab", rank=(8,), candidates=(32,), scorer="svd")
-    manifest = add_draft_heads(bundle, options, "tiny-draft", loader=drafter.__getitem__)
+    bundle, manifest = _add_heads_to_a_copy(int4_bundle, tmp_path, tiny_pair, options)
     verify_files(bundle, manifest, full_hash=True)
     assert "specvocab-r8-k32" in manifest["draft"]["heads"] and "trim-64" in manifest["draft"]["heads"]
     assert json.loads((bundle / "manifest.json").read_text())["draft"]["default_head"] == "specvocab-r8-k32"
@@ -145,13 +150,10 @@ def test_bad_draft_vocab_is_refused():
 
 
 def test_add_heads_drops_heads_whose_scorer_was_rebuilt(int4_bundle, tmp_path, tiny_pair):
-    bundle = tmp_path / "copy"
-    shutil.copytree(int4_bundle, bundle)
-    tokenizer, _, draft = tiny_pair
-    drafter = {"tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer)}
     # rank 16 again, with other candidates: scorer_r16.onnx is rewritten, so the old k48 heads on it go
     options = ExportOptions(draft_vocab="specvocab", rank=(16,), candidates=(32,), scorer="svd")
-    heads = add_draft_heads(bundle, options, "tiny-draft", loader=drafter.__getitem__)["draft"]["heads"]
+    bundle, manifest = _add_heads_to_a_copy(int4_bundle, tmp_path, tiny_pair, options)
+    heads = manifest["draft"]["heads"]
     assert "specvocab-r16-k32" in heads and "specvocab-r16-k48" not in heads
     assert "specvocab-r16-k48-of160" in heads  # its scorer (universe 160) was not touched
     verify_files(bundle, read_manifest(bundle), full_hash=True)
