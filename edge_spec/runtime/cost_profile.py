@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 KV_LENGTHS = (48, 256)  # the profile reports the median over these cache lengths
 
 
@@ -82,13 +82,17 @@ def measure(target, drafter, max_tokens: int, repeats: int = 2) -> CostProfile:
             decoder.reset()
             decoder.forward([0] * length, 1)
         for _ in range(repeats):
+            # alternate the two models as the loop does: each pass is timed right after the other
+            # model ran, which is what it costs in a round (back-to-back passes of one model are
+            # faster, and planning with them makes long drafts look cheaper than they are)
             for n in verify:
+                hidden = drafter.decoder.forward([0], 1)["hidden_states"][-1]
+                drafter.decoder.rewind(length)
                 verify[n].append(_timed(lambda: target.forward([0] * n, 1)))
                 target.rewind(length)
-            hidden = drafter.decoder.forward([0], 1)["hidden_states"][-1]
-            body.append(_timed(lambda: drafter.decoder.forward([0], 1)))
-            drafter.decoder.rewind(length)
-            head.append(_timed(lambda: drafter.head(hidden)))
+                body.append(_timed(lambda: drafter.decoder.forward([0], 1)))
+                drafter.decoder.rewind(length)
+                head.append(_timed(lambda: drafter.head(hidden)))
     for decoder in (target, drafter.decoder):
         decoder.reset()
     return CostProfile({n: float(np.median(t)) for n, t in verify.items()}, float(np.median(body)),
