@@ -107,3 +107,11 @@ def test_adaptive_policy_updates_confidence_bins_only_for_observed_drafts():
     policy.update(drafted=4, accepted=1, confidences=[0.99, 0.2, 0.99, 0.99])
     assert policy.by_confidence.counts[ConfidenceAcceptance.bin(0.99)] == 1  # 3rd/4th never verified
     assert policy.by_confidence.counts[ConfidenceAcceptance.bin(0.2)] == 1
+
+
+def test_a_round_never_drafts_past_the_geometric_optimum():
+    policy = AdaptiveGamma(gamma_max=6, alpha=0.85)
+    rule = policy.begin_round(CPU)
+    assert rule is not None and rule.gamma_max == best_gamma(0.85, CPU, 6) < 6
+    policy.alpha = 0.1
+    assert policy.begin_round(CPU) is None  # plain decoding
