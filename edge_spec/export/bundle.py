@@ -6,6 +6,7 @@ its quantized copy, not both models at once.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import shutil
@@ -130,13 +131,10 @@ def _export_head_rows(bundle_dir: Path, lm_head: np.ndarray) -> list[dict]:
 
 
 def default_head(heads: dict, options: ExportOptions) -> str:
-    """The first head the user asked for that is not the full one (the full head is always built)."""
+    """The first head built for the first non-full mode the user asked for (the full head is always built)."""
     for mode in options.vocab_modes:
-        if mode == "full":
-            continue
-        prefix = {"trim": "trim-", "specvocab": "specvocab-", "trim+specvocab": "trim"}[mode]
-        for name in heads:
-            if name.startswith(prefix) and ("+" in name) == ("+" in mode):
+        for name, head in heads.items():
+            if mode != "full" and head.get("vocab_mode") == mode:
                 return name
     return "full"
 
@@ -170,42 +168,43 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
             coverage = float(counts[vocab_ids].sum() / max(counts.sum(), 1))
             _say(progress, f"VocabTrim head {name}: covers {coverage:.1%} of calibration tokens")
             heads[name] = _export_head(bundle_dir, name, lm_head, vocab_ids, build)
-            heads[name]["calibration_coverage"] = coverage
-    spec_modes = [m for m in modes if m.endswith("specvocab")]
-    if spec_modes:
+            heads[name].update(calibration_coverage=coverage, vocab_mode="trim")
+    # per SpecVocab mode: the head-name prefix and the ids always among the candidates
+    always: dict[str, tuple[str, np.ndarray]] = {}
+    for mode in (m for m in modes if m.endswith("specvocab")):
+        if mode == "trim+specvocab":
+            always[mode] = (f"trim{options.union_keep}+",
+                            vocabtrim.select_vocabulary(counts, options.union_keep, always_keep))
+        else:
+            always[mode] = ("", np.unique(np.asarray([i for i in always_keep if 0 <= i < lm_head.shape[0]], np.int64)))
+    if always:
         files += _export_head_rows(bundle_dir, lm_head)
         _say(progress, "SpecVocab: collecting drafter hidden states on the calibration text")
         hidden, next_tokens = specvocab.collect_hidden_states(bundle_dir / "draft" / "body.onnx", sequences,
                                                               options.context_length)
-        for universe_size in options.scorer_vocab:
-            universe = None if universe_size == 0 else vocabtrim.select_vocabulary(counts, universe_size, always_keep)
-            rows = lm_head if universe is None else lm_head[universe]
-            suffix = "" if universe is None else f"-of{universe_size}"
-            for rank in options.rank:
-                scorer = specvocab.fit_scorer(rows, rank, hidden if options.scorer == "data" else None)
-                scorer = specvocab.train_scorer(scorer, rows, hidden, options.train_steps, progress=progress)
-                scorer_onnx, scorer_files = _export_scorer(bundle_dir, scorer, build, suffix)
-                files += scorer_files
-                if universe is not None:
-                    np.save(bundle_dir / "draft" / f"universe{suffix}.npy", universe)
-                    files.append(file_record(bundle_dir, f"draft/universe{suffix}.npy"))
-                for mode in spec_modes:
-                    static = np.unique(np.asarray([i for i in always_keep if 0 <= i < lm_head.shape[0]], np.int64))
-                    prefix = ""
-                    if mode == "trim+specvocab":
-                        static = vocabtrim.select_vocabulary(counts, options.union_keep, always_keep)
-                        prefix = f"trim{options.union_keep}+"
-                    recall = specvocab.recall_at_k(scorer, hidden, next_tokens, list(options.candidates), static,
-                                                   universe)
-                    for k in options.candidates:
-                        name = f"{prefix}specvocab-r{rank}-k{k}{suffix}"
-                        _say(progress, f"SpecVocab head {name}: calibration recall {recall[k]:.1%}")
-                        heads[name] = _specvocab_head_entry(bundle_dir, name, scorer, scorer_onnx, k, static)
-                        heads[name]["calibration_recall"] = recall[k]
-                        heads[name]["scorer"] = options.scorer + (
-                            f"+{options.train_steps} steps" if options.train_steps else "")
-                        if universe is not None:
-                            heads[name]["universe"] = f"draft/universe{suffix}.npy"
+    scorer_label = options.scorer + (f"+{options.train_steps} steps" if options.train_steps else "")
+    for universe_size in options.scorer_vocab if always else ():
+        universe = None if universe_size == 0 else vocabtrim.select_vocabulary(counts, universe_size, always_keep)
+        rows = lm_head if universe is None else lm_head[universe]
+        suffix = "" if universe is None else f"-of{universe_size}"
+        if universe is not None:
+            np.save(bundle_dir / "draft" / f"universe{suffix}.npy", universe)
+            files.append(file_record(bundle_dir, f"draft/universe{suffix}.npy"))
+        for rank in options.rank:
+            scorer = specvocab.fit_scorer(rows, rank, hidden if options.scorer == "data" else None)
+            scorer = specvocab.train_scorer(scorer, rows, hidden, options.train_steps, progress=progress)
+            scorer_onnx, scorer_files = _export_scorer(bundle_dir, scorer, build, suffix)
+            files += scorer_files
+            for mode, (prefix, static) in always.items():
+                recall = specvocab.recall_at_k(scorer, hidden, next_tokens, list(options.candidates), static,
+                                               universe)
+                for k in options.candidates:
+                    name = f"{prefix}specvocab-r{rank}-k{k}{suffix}"
+                    _say(progress, f"SpecVocab head {name}: calibration recall {recall[k]:.1%}")
+                    heads[name] = _specvocab_head_entry(bundle_dir, name, scorer, scorer_onnx, k, static)
+                    heads[name].update(calibration_recall=recall[k], scorer=scorer_label, vocab_mode=mode)
+                    if universe is not None:
+                        heads[name]["universe"] = f"draft/universe{suffix}.npy"
     files += [f for h in heads.values() for f in h.pop("files")]
     return heads, files, calibration
 
@@ -353,9 +352,8 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
         raise EdgeSpecError(f"drafter {source} does not match the bundle's drafter ({record['name']})")
     quant = manifest["target"]["quantization"]
     build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"])
-    options = ExportOptions(**{**options.__dict__, "quant": quant["weights"], "block_size": quant["block_size"],
-                               "accuracy_level": quant["accuracy_level"],
-                               "context_length": manifest["context_length"]})
+    options = dataclasses.replace(options, quant=quant["weights"], block_size=quant["block_size"],
+                                  accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
     heads, files, calibration = export_draft_heads(bundle_dir, draft.weights.lm_head, options, build,
                                                    always_keep=always, progress=progress)
@@ -369,7 +367,8 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
         record["calibration"] = calibration
     record["files"] = [f for f in record["files"] if f["path"] not in written] + files
     record["bytes"] = sum(f["bytes"] for f in record["files"])
-    if default_head(heads, options) != "full":
-        record["default_head"] = default_head(heads, options)
+    default = default_head(heads, options)
+    if default != "full":
+        record["default_head"] = default
     write_manifest(bundle_dir, manifest)
     return manifest

@@ -158,19 +158,17 @@ class Engine:
         head = self.manifest["draft"]["heads"][name]
         where = dict(provider=self._provider, threads=self._threads)
         if head.get("kind") == "specvocab":
-            always = None
-            if head.get("always_ids"):
-                always = check_vocab_ids(np.load(self.bundle_dir / head["always_ids"]), self.target.vocab_size)
-            universe = None
-            if head.get("universe"):
-                universe = check_vocab_ids(np.load(self.bundle_dir / head["universe"]), self.target.vocab_size)
             return SpecVocabHead(self.bundle_dir / head["onnx"], self.bundle_dir / head["rows"],
-                                 self.bundle_dir / head["scales"], head["candidates"], always_ids=always,
-                                 universe=universe, **where)
-        vocab_ids = None
-        if head.get("vocab_ids"):
-            vocab_ids = check_vocab_ids(np.load(self.bundle_dir / head["vocab_ids"]), self.target.vocab_size)
-        return DraftHead(self.bundle_dir / head["onnx"], vocab_ids=vocab_ids, **where)
+                                 self.bundle_dir / head["scales"], head["candidates"],
+                                 always_ids=self._token_ids(head, "always_ids"),
+                                 universe=self._token_ids(head, "universe"), **where)
+        return DraftHead(self.bundle_dir / head["onnx"], vocab_ids=self._token_ids(head, "vocab_ids"), **where)
+
+    def _token_ids(self, head: dict, key: str) -> np.ndarray | None:
+        """A head's id table (vocabulary map, always-kept ids, scorer universe), checked against the target."""
+        if not head.get(key):
+            return None
+        return check_vocab_ids(np.load(self.bundle_dir / head[key]), self.target.vocab_size)
 
     def cancel(self) -> None:
         """Stop the generation in progress (safe to call from another thread)."""

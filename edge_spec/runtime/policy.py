@@ -26,6 +26,7 @@ verifier sees.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -112,10 +113,10 @@ class AdaptiveGamma:
         if gamma == 0:
             return None
         if self.probing:
-            return DraftRound(costs, 1, self.alpha, forced=True)
+            return DraftRound(costs, 1, self.alpha, forced=True, acceptance_of=self.acceptance)
         # the round may stop earlier than γ (confidence), never later: measured sweeps show that
         # drafting past the geometric optimum on a confident streak costs more than it brings here
-        return DraftRound(costs, gamma, self.alpha)
+        return DraftRound(costs, gamma, self.alpha, acceptance_of=self.acceptance)
 
     def acceptance(self, confidence: float) -> float:
         return self.by_confidence.estimate(confidence, self.alpha)
@@ -176,9 +177,14 @@ class DraftRound:
     gamma_max: int
     next_acceptance: float  # acceptance guess for a draft not yet made (its confidence unknown)
     forced: bool = False  # keep every draft (probe rounds)
+    acceptance_of: Callable[[float], float] | None = None  # drafter confidence -> acceptance estimate
     kept: int = 0
     survive: float = 1.0  # P(all kept drafts accepted)
     expected: float = 1.0
+
+    def acceptance(self, confidence: float) -> float:
+        """Estimated acceptance of a draft the drafter proposed with this confidence."""
+        return self.acceptance_of(confidence) if self.acceptance_of else self.next_acceptance
 
     def add(self, acceptance: float, may_drop: bool = True) -> tuple[bool, bool]:
         """Fold in draft ``kept + 1`` with estimated ``acceptance``; return (keep it, draft another).

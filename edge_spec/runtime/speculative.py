@@ -115,7 +115,7 @@ class SpecStats:
 
 def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
                  gamma: int, min_confidence: float, vocab_size: int,
-                 policy: AdaptiveGamma | None = None, round_rule: DraftRound | None = None) -> "DraftBlock":
+                 round_rule: DraftRound | None = None) -> "DraftBlock":
     """Propose up to γ target-vocabulary tokens, stopping early when the drafter is unsure:
     below ``min_confidence``, or (adaptive) when ``round_rule`` says another draft does not pay."""
     block = DraftBlock()
@@ -131,7 +131,7 @@ def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng:
             confidence = float(probs[index])
         keep, more = True, confidence >= min_confidence
         if round_rule is not None:
-            keep, more = round_rule.add(policy.acceptance(confidence), may_drop=params.greedy)
+            keep, more = round_rule.add(round_rule.acceptance(confidence), may_drop=params.greedy)
         if len(feed) == 1:
             block.step_seconds.append(time.perf_counter() - started)
         if not keep:  # not worth a verify row: the drafter's cache entry is rolled back after verify
@@ -199,7 +199,7 @@ def generate_speculative(
         budget = min(gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
         head_before = drafter.head.seconds
         block = _draft_block(drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size,
-                             policy, round_rule)
+                             round_rule)
         drafts = block.tokens
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
