@@ -52,8 +52,10 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
     return prompts
 
 
-def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] | None = None) -> list[BenchMode]:
-    """ar, then per head: one mode per fixed γ in ``fixed_gammas`` (a sweep) and the run's own schedule."""
+def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] | None = None,
+              multidraft: list[SpecConfig] = ()) -> list[BenchMode]:
+    """ar, then per head: one mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft
+    configuration (``...+k2-spechub@γ2``) and the run's own schedule."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
@@ -64,6 +66,8 @@ def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] |
         name = "spec" if head == "full" else f"spec+{head}"
         for gamma in fixed_gammas or []:
             modes.append(BenchMode(f"{name}@γ{gamma}", head, SpecConfig(gamma=gamma)))
+        for spec in multidraft:
+            modes.append(BenchMode(f"{name}+k{spec.drafts}-{spec.scheme}@γ{spec.gamma}", head, spec))
         modes.append(BenchMode(name, head))
     return modes
 
@@ -102,7 +106,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                     record.update({k: extra[k] for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma",
                                                          "param_ratio", "target_calls", "draft_seconds",
                                                          "verify_seconds", "head_seconds", "draft_steps",
-                                                         "candidate_recall")})
+                                                         "candidate_recall", "first_token_acceptance")})
                     record["identical_to_ar"] = completion.token_ids == reference
                 records.append(record)
             done += 1
@@ -141,6 +145,8 @@ def summarize(records: list[dict]) -> list[dict]:
                                        if steps else 0.0)
             row.update({"tau": tau, "mbsu": tau / (c * gamma + 1), "mean_gamma": gamma, "param_ratio": c,
                         "acceptance_rate": sum(r["acceptance_rate"] for r in rows) / len(rows),
+                        "first_token_acceptance": (sum(r.get("first_token_acceptance", 0.0) * r["target_calls"]
+                                                       for r in rows) / calls if calls else 0.0),
                         "identical_to_ar": all(r["identical_to_ar"] for r in rows) if temperature == 0 else None})
         out.append(row)
     return out
@@ -148,7 +154,8 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def format_table(summary: list[dict]) -> str:
     lines = []
-    header = (f"{'T':>4} {'category':14s} {'mode':36s} {'tau':>5} {'MBSU':>5} {'recall':>6} {'head ms':>7} "
+    header = (f"{'T':>4} {'category':14s} {'mode':36s} {'tau':>5} {'MBSU':>5} {'1st acc':>7} {'recall':>6} "
+              f"{'head ms':>7} "
               f"{'tok/s':>6} {'x ar':>5} {'same':>5}")
     current = None
     for row in summary:
@@ -158,7 +165,8 @@ def format_table(summary: list[dict]) -> str:
         same = row.get("identical_to_ar")
         lines.append(
             f"{row['temperature']:>4.1f} {row['category']:14s} {row['mode']:36s} "
-            f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row.get('candidate_recall', 1.0):6.3f} "
+            f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row.get('first_token_acceptance', 0.0):7.3f} "
+            f"{row.get('candidate_recall', 1.0):6.3f} "
             f"{row.get('head_ms_per_step', 0.0):7.2f} {row['tokens_per_second']:6.1f} "
             f"{row['speedup_vs_ar'] or 0:5.2f} {'' if same is None else ('yes' if same else 'NO'):>5}"
         )

@@ -36,6 +36,10 @@ TemperatureOpt = typer.Option(0.0, help="0 = greedy.")
 TopKOpt = typer.Option(0, help="Keep the k most likely tokens (0 = off).")
 TopPOpt = typer.Option(1.0, help="Nucleus sampling mass (1 = off).")
 SeedOpt = typer.Option(None, help="Random seed for sampling.")
+DraftsOpt = typer.Option(1, "--drafts", help="spec: drafts per step; > 1 verifies a tree of that many branches, "
+                         "each --gamma long, in one target pass (multi-draft; fixed γ).")
+VerifierOpt = typer.Option("spechub", "--verifier", help="Multi-draft sampling verifier: rrs, rrs-wor or spechub "
+                           "(SpecHub: 2 drafts). Greedy decoding branches on the drafter's top tokens.")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")
 
 
@@ -190,14 +194,20 @@ def info(bundle: Path) -> None:
         )
 
 
-def _spec_config(gamma: int, schedule: str):
+def _spec_config(gamma: int, schedule: str, drafts: int = 1, verifier: str = "spechub"):
+    from edge_spec.runtime.multidraft import DRAFT_SCHEMES
     from edge_spec.runtime.speculative import SpecConfig
 
     if gamma < 1:
         raise EdgeSpecError("--gamma must be at least 1")
     if schedule not in ("adaptive", "fixed"):
         raise EdgeSpecError(f"--schedule must be adaptive or fixed, not {schedule!r}")
-    return SpecConfig(gamma=gamma, adaptive=schedule == "adaptive")
+    if drafts < 1:
+        raise EdgeSpecError("--drafts must be at least 1")
+    if verifier not in DRAFT_SCHEMES:
+        raise EdgeSpecError(f"--verifier must be one of {', '.join(DRAFT_SCHEMES)}, not {verifier!r}")
+    # multi-draft trees have a fixed shape: the adaptive schedule plans single chains only
+    return SpecConfig(gamma=gamma, adaptive=schedule == "adaptive" and drafts == 1, drafts=drafts, scheme=verifier)
 
 
 def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, draft_head: str | None):
@@ -249,10 +259,12 @@ def generate(
     mode: str = ModeOpt,
     gamma: int = GammaOpt,
     schedule: str = ScheduleOpt,
+    drafts: int = DraftsOpt,
+    verifier: str = VerifierOpt,
     draft_head: Optional[str] = HeadOpt,
 ) -> None:
     """Answer one prompt and exit."""
-    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule), draft_head)
+    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier), draft_head)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -272,10 +284,12 @@ def chat(
     mode: str = ModeOpt,
     gamma: int = GammaOpt,
     schedule: str = ScheduleOpt,
+    drafts: int = DraftsOpt,
+    verifier: str = VerifierOpt,
     draft_head: Optional[str] = HeadOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
-    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule), draft_head)
+    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier), draft_head)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")
@@ -311,6 +325,9 @@ def bench(
     head: list[str] = typer.Option([], "--head", help="Drafter heads to compare (repeatable; default all)."),
     sweep: Optional[str] = typer.Option(None, help="Also run these fixed γ values per head (comma list), "
                                         "next to the --schedule mode."),
+    drafts: int = typer.Option(2, "--drafts", help="Multi-draft modes: drafts per step."),
+    verifier: list[str] = typer.Option([], "--verifier", help="Also run multi-draft modes with these verifiers "
+                                       "(repeatable: rrs, rrs-wor, spechub), at each --sweep γ (else --gamma)."),
     category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (.jsonl with category, prompt)."),
@@ -326,7 +343,9 @@ def bench(
 
     engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec")
     items = load_bench_prompts(prompts, category or None, per_category)
-    modes = modes_for(engine, head or None, list(_int_list(sweep, "--sweep")) if sweep else None)
+    gammas = list(_int_list(sweep, "--sweep")) if sweep else None
+    multidraft = [_spec_config(g, "fixed", drafts, v) for v in verifier for g in (gammas or [gamma])]
+    modes = modes_for(engine, head or None, gammas, multidraft)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar")
     with Progress(console=console, transient=True) as bar:

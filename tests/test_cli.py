@@ -96,3 +96,23 @@ def test_bench_records_identity_and_tau(int4_bundle):
     overall = [r for r in result["summary"] if r["category"] == "overall" and r["mode"] == "spec"]
     assert len(overall) == 2 and all(r["tau"] >= 1.0 for r in overall)
     json.dumps(result)  # serializable
+
+
+def test_bad_multidraft_flags(int4_bundle):
+    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--drafts", "2", "--verifier", "beam"),
+                          "--verifier must be one of")
+    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--drafts", "3", "--temperature", "0.7",
+                              "--threads", "1"), "exactly 2 drafts")
+
+
+def test_bench_multidraft_modes(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
+    prompts = load_bench_prompts(None, ["code"], 1)
+    multidraft = [SpecConfig(gamma=2, drafts=2, scheme=s) for s in ("rrs", "spechub")]
+    modes = modes_for(engine, ["full"], [2], multidraft)
+    assert [m.name for m in modes] == ["ar", "spec@γ2", "spec+k2-rrs@γ2", "spec+k2-spechub@γ2", "spec"]
+    result = run_bench(engine, prompts, modes, temperatures=[0.0, 0.7], max_new_tokens=12,
+                       spec=SpecConfig(gamma=2, adaptive=True))
+    greedy = [r for r in result["records"] if r["mode"] != "ar" and r["temperature"] == 0.0]
+    assert len(greedy) == 4 and all(r["identical_to_ar"] for r in greedy)
+    assert all(0.0 <= r["first_token_acceptance"] <= 1.0 for r in result["records"] if r["mode"] != "ar")

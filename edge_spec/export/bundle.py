@@ -281,7 +281,7 @@ def export_bundle(
     _say(progress, f"loading target {target_source}")
     target = loader(target_source)
     _say(progress, f"building target graph ({options.quant})")
-    export_decoder(target, staging, "target", build)
+    export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
     target_record = _model_record(target, staging, "target", quant_info)
     target_tokenizer, target_vocab = target.tokenizer, target.weights.config.vocab_size

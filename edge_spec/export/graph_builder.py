@@ -20,7 +20,12 @@ Signature (batch 1):
   inputs  ``input_ids`` int64 [1, S], ``seqlens_k`` int32 [1] (= past + S - 1),
           ``total_sequence_length`` int32 [] (= past + S), ``num_logits`` int64 [1]
           (how many trailing positions get logits: 1 for decoding, γ+1 to verify),
-          ``past_key_values.{i}.key|value`` float32 [1, kv_heads, capacity, head_dim]
+          ``past_key_values.{i}.key|value`` float32 [1, kv_heads, capacity, head_dim];
+          with ``tree_attention`` also ``position_ids`` int64 [1, S] (rotary position of each new
+          token: its depth in a draft tree) and ``attention_bias`` float32 [1, 1, S, past + S]
+          (-inf where a new token must not see another one: siblings in the tree).  GQA's causal
+          mask still applies, so a tree laid out parents-first needs only the sibling entries;
+          for a plain chain the runtime binds ``arange`` positions and a zero bias (same cost).
   outputs ``logits`` float32 [1, num_logits, V_head] (when a head is built),
           ``hidden_states`` float32 [1, num_logits, hidden] (final-normed; when asked),
           ``present.{i}.key|value`` (same buffers as the past inputs).
@@ -51,6 +56,7 @@ class BuildOptions:
     head_rows: np.ndarray | None = None  # keep only these LM-head rows (VocabTrim); None = all
     build_head: bool = True  # False: body only, emit hidden_states (SpecVocab scorer runs outside)
     emit_hidden: bool = False  # also output the final-normed hidden states
+    tree_attention: bool = False  # position_ids + attention_bias inputs: verify a draft tree in one pass
 
 
 class _Graph:
@@ -155,6 +161,13 @@ class DecoderGraphBuilder:
             helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
             helper.make_tensor_value_info("num_logits", TensorProto.INT64, [1]),
         ]
+        tree_inputs: list[str] = []  # GQA inputs 9 and 10
+        if self.opt.tree_attention:
+            inputs += [
+                helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "sequence"]),
+                helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, [1, 1, "sequence", "total"]),
+            ]
+            tree_inputs = ["position_ids", "attention_bias"]
         outputs = []
         present_outputs = []
 
@@ -186,7 +199,7 @@ class DecoderGraphBuilder:
                 present_outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape))
             attn = g.node(
                 "GroupQueryAttention",
-                [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", cos, sin],
+                [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", cos, sin, *tree_inputs],
                 [p + "/attn", pres_k, pres_v], domain=MS_DOMAIN,
                 num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
                 scale=float(1.0 / np.sqrt(cfg.head_dim)),

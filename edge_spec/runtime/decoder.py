@@ -9,6 +9,11 @@ place.  Nothing is concatenated or copied per step, and rolling the cache back
 to an accepted prefix is just truncating ``self.tokens`` (stale slots beyond it
 are overwritten by the next call and never attended to, because attention reads
 ``seqlens_k`` positions only).
+
+Draft trees (multi-draft verification): a target exported with tree inputs
+takes a whole :class:`~edge_spec.runtime.draft_tree.DraftTree` in one pass;
+afterwards :meth:`Decoder.keep_path` moves the accepted path's keys and values
+down to consecutive slots, in place -- a few KiB per layer, never the cache.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.draft_tree import DraftTree
 from edge_spec.runtime.providers import resolve_provider
 
 
@@ -91,10 +97,10 @@ class Decoder:
         self.vocab_size = int(outputs["logits"].shape[-1]) if "logits" in outputs else 0
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
         self.stats = DecoderStats()
-        self._kv = [
-            ort.OrtValue.ortvalue_from_numpy(np.zeros((1, kv_heads, capacity, head_dim), np.float32))
-            for _ in range(2 * self.num_layers)
-        ]
+        # the OrtValues wrap these arrays without copying, so keep_path can edit the cache in numpy
+        self._kv_arrays = [np.zeros((1, kv_heads, capacity, head_dim), np.float32) for _ in range(2 * self.num_layers)]
+        self._kv = [ort.OrtValue.ortvalue_from_numpy(array) for array in self._kv_arrays]
+        self.supports_tree = {"position_ids", "attention_bias"} <= self.input_names
         self._binding = self.session.io_binding()
         # results are bound first so that get_outputs()[i] is result i (re-binding keeps the slot)
         self._result_names = [n for n in self.output_names if not n.startswith("present.")]
@@ -106,14 +112,17 @@ class Decoder:
                 self._binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
                 self._binding.bind_ortvalue_output(f"present.{layer}.{kind}", value)
 
-    def forward(self, token_ids, num_logits: int = 1) -> dict[str, np.ndarray]:
+    def forward(self, token_ids, num_logits: int = 1, tree: DraftTree | None = None) -> dict[str, np.ndarray]:
         """Append ``token_ids`` to the cache and return outputs for the last ``num_logits`` positions.
 
-        Returns a dict with ``logits`` [num_logits, V] and/or ``hidden_states`` [num_logits, H].
+        With ``tree`` the tokens are that tree's nodes (``tree.tokens``), attended as a tree; call
+        :meth:`keep_path` afterwards.  Returns a dict with ``logits`` [num_logits, V] and/or
+        ``hidden_states`` [num_logits, H].
         """
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
-        total = len(self.tokens) + n
+        past = len(self.tokens)
+        total = past + n
         if total > self.capacity:
             raise EdgeSpecError(f"context full: {total} tokens exceed the context length {self.capacity}")
         b = self._binding
@@ -121,6 +130,16 @@ class Decoder:
         b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
         b.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
         b.bind_cpu_input("num_logits", np.array([min(num_logits, n)], np.int64))
+        if tree is not None and not self.supports_tree:
+            raise EdgeSpecError("this target graph has no tree-attention inputs (position_ids, attention_bias); "
+                                "re-export the bundle with this edge-spec version for multi-draft decoding")
+        if self.supports_tree:
+            if tree is not None and tree.size != n:
+                raise ValueError(f"tree has {tree.size} nodes but {n} tokens were fed")
+            positions = tree.positions(past) if tree is not None else np.arange(past, total, dtype=np.int64)
+            bias = tree.attention_bias(past) if tree is not None else np.zeros((n, total), np.float32)
+            b.bind_cpu_input("position_ids", positions.reshape(1, n))
+            b.bind_cpu_input("attention_bias", bias.reshape(1, 1, n, total))
         for name in self._result_names:
             b.bind_output(name, "cpu")
         start = time.perf_counter()
@@ -129,6 +148,20 @@ class Decoder:
         self.tokens.extend(int(t) for t in ids[0])
         outs = b.get_outputs()
         return {name: outs[i].numpy()[0] for i, name in enumerate(self._result_names)}
+
+    def keep_path(self, start: int, nodes: list[int]) -> None:
+        """After a tree pass whose nodes were appended at ``start``: keep only ``nodes`` (pass-order
+        indices, ascending, root first), moved down to consecutive slots; forget the rest."""
+        if any(b <= a for a, b in zip(nodes, nodes[1:])) or (nodes and not 0 <= nodes[0] <= nodes[-1] < self.length - start):
+            raise ValueError(f"cannot keep nodes {nodes} of the {self.length - start} fed at {start}")
+        moved = [(start + d, start + n) for d, n in enumerate(nodes) if n != d]
+        if moved:
+            dst, src = (list(slots) for slots in zip(*moved))
+            for array in self._kv_arrays:
+                array[:, :, dst] = array[:, :, src]
+        kept = [self.tokens[start + n] for n in nodes]
+        del self.tokens[start:]
+        self.tokens.extend(kept)
 
     def recent_seconds(self) -> dict[int, float]:
         """Recent latency per number of new tokens (the cost model of the γ policy)."""

@@ -23,6 +23,7 @@ from edge_spec.runtime import cost_profile
 from edge_spec.runtime.cost_profile import CostProfile
 from edge_spec.runtime.decoder import Decoder
 from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
+from edge_spec.runtime.multidraft_loop import check_multidraft, generate_multidraft
 from edge_spec.runtime.sampling import SamplingParams, check_vocab_ids
 from edge_spec.runtime.speculative import Drafter, SpecConfig, SpecStats, generate_speculative
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
@@ -106,6 +107,8 @@ class Engine:
                          spin=mode == "ar")
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, mode=mode,
                      spec=spec, draft_head=draft_head)
+        if spec.drafts > 1:
+            check_multidraft(target, spec, greedy=True)  # the sampling scheme is checked per request
         if mode != "ar":
             engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
         return engine
@@ -194,6 +197,9 @@ class Engine:
             return generate_autoregressive(self.target, ids, params, rng, max_new)
         spec_stats = SpecStats()
         self._spec_stats = spec_stats
+        if self.spec_config.drafts > 1:
+            return generate_multidraft(self.target, self.draft, ids, params, rng, max_new, self.spec_config,
+                                       spec_stats)
         return generate_speculative(self.target, self.draft, ids, params, rng, max_new, self.spec_config, spec_stats)
 
     @property

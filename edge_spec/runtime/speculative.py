@@ -41,6 +41,8 @@ class SpecConfig:
     gamma: int = 3  # drafts per round (the maximum when adaptive)
     min_confidence: float = 0.0  # stop drafting once the drafter's top probability falls below this
     adaptive: bool = False  # choose γ per round from measured costs and running acceptance (policy.py)
+    drafts: int = 1  # > 1: multi-draft (tree) verification, γ is then each branch's length (multidraft_loop.py)
+    scheme: str = "spechub"  # multi-draft sampling scheme and verifier: rrs, rrs-wor or spechub
 
 
 @dataclass
@@ -63,7 +65,8 @@ class SpecStats:
     """Per-request accounting: accepted lengths per round and where the time went."""
 
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify call
-    drafted: list[int] = field(default_factory=list)  # drafts proposed per verify call
+    drafted: list[int] = field(default_factory=list)  # drafter steps per verify call (= drafts for a chain)
+    first_accepted: int = 0  # verify calls that accepted at least their first draft position
     draft_seconds: float = 0.0
     head_seconds: float = 0.0  # part of draft_seconds spent in the drafter's LM head
     verify_seconds: float = 0.0
@@ -88,6 +91,12 @@ class SpecStats:
         return sum(self.accepted) / sum(self.drafted) if sum(self.drafted) else 0.0
 
     @property
+    def first_token_acceptance(self) -> float:
+        """Share of verify calls with drafts whose first position was accepted (what multi-draft raises)."""
+        rounds = sum(1 for d in self.drafted if d)
+        return self.first_accepted / rounds if rounds else 0.0
+
+    @property
     def candidate_recall(self) -> float:
         """Share of verified draft positions where the target's token was a row of the drafter's head
         (1 for a full head; the static coverage for VocabTrim; per-step recall for SpecVocab)."""
@@ -102,6 +111,7 @@ class SpecStats:
             "target_calls": self.target_calls,
             "mean_gamma": gamma,
             "acceptance_rate": self.acceptance_rate,
+            "first_token_acceptance": self.first_token_acceptance,
             "mbsu": self.tau / (param_ratio * gamma + 1) if self.accepted else 0.0,
             "param_ratio": param_ratio,
             "draft_seconds": self.draft_seconds,
@@ -113,9 +123,9 @@ class SpecStats:
         }
 
 
-def _draft_block(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
-                 gamma: int, min_confidence: float, vocab_size: int,
-                 round_rule: DraftRound | None = None) -> "DraftBlock":
+def draft_chain(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
+                gamma: int, min_confidence: float, vocab_size: int,
+                round_rule: DraftRound | None = None) -> "DraftBlock":
     """Propose up to γ target-vocabulary tokens, stopping early when the drafter is unsure:
     below ``min_confidence``, or (adaptive) when ``round_rule`` says another draft does not pay."""
     block = DraftBlock()
@@ -198,8 +208,8 @@ def generate_speculative(
             gamma = 0 if round_rule is None else round_rule.gamma_max
         budget = min(gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
         head_before = drafter.head.seconds
-        block = _draft_block(drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size,
-                             round_rule)
+        block = draft_chain(drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size,
+                            round_rule)
         drafts = block.tokens
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
@@ -218,6 +228,7 @@ def generate_speculative(
         stats.verify_seconds += time.perf_counter() - verify_started
         stats.accepted.append(result.accepted)
         stats.drafted.append(len(drafts))
+        stats.first_accepted += result.accepted > 0
         for token, ids in zip(result.tokens, block.candidates):
             stats.candidate_checks += 1
             stats.candidate_hits += bool(ids is None or token in ids)
