@@ -201,3 +201,15 @@ def test_without_replacement_stops_when_q_is_exhausted() -> None:
     q = np.array([0.0, 1.0, 0.0])
     assert draw_first_tokens(q, 3, "rrs-wor", np.random.default_rng(0)) == [1]
     assert len(rrs_ladder([1], q, np.array([0.3, 0.3, 0.4]), without_replacement=True).tests) == 1
+
+
+@pytest.mark.parametrize("case", CASES + [dict(seed=9, vocab=7, sharp=0.2, zeros=3)])
+def test_expected_acceptance_matches_enumeration(case: dict) -> None:
+    from edge_spec.runtime.multidraft import expected_acceptance
+
+    p, q = random_pair(**case)
+    assert expected_acceptance("single", q, p) == pytest.approx(np.minimum(p, q).sum(), abs=1e-12)
+    for scheme, tuples in (("rrs", iid_tuples(q, 2)), ("rrs-wor", without_replacement_tuples(q, 2)),
+                           ("spechub", spechub_tuples(q))):
+        exact = first_token_acceptance(tuples, scheme, q, p)
+        assert expected_acceptance(scheme, q, p) == pytest.approx(exact, abs=1e-9), scheme

@@ -51,7 +51,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edge-spec" / "costs"
 
 
-def cache_key(manifest: dict, head: str, provider: str, threads: int, max_tokens: int) -> str:
+def cache_key(manifest: dict, head: str, provider: str, threads: int | str, max_tokens: int) -> str:
     """Everything the latencies depend on: the exact weights, the head, the device and runtime."""
     target_files = sorted(f["sha256"] for f in manifest["target"]["files"])
     parts = [PROFILE_VERSION, target_files, manifest["draft"]["heads"][head], manifest["draft"]["config"], provider,

@@ -26,9 +26,10 @@ from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
 from edge_spec.runtime.multidraft_loop import check_multidraft, generate_multidraft
 from edge_spec.runtime.sampling import SamplingParams, check_vocab_ids
 from edge_spec.runtime.speculative import Drafter, SpecConfig, SpecStats, generate_speculative
+from edge_spec.runtime.ssd import generate_ssd
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
 
-MODES = ("ar", "spec")
+MODES = ("ar", "spec", "ssd")  # ssd: speculative speculative decoding (drafts the next round during verify)
 
 
 @dataclass
@@ -59,7 +60,8 @@ class Engine:
 
     def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder, *,
                  provider: str = "cpu", threads: int = 0, mode: str = "ar", spec: SpecConfig = SpecConfig(),
-                 draft_head: str | None = None) -> None:
+                 draft_head: str | None = None, draft_provider: str | None = None,
+                 draft_threads: int | None = None) -> None:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.tokenizer = tokenizer
@@ -67,6 +69,8 @@ class Engine:
         self.mode = mode
         self.spec_config = spec
         self._provider, self._threads = provider, threads
+        self._draft_provider = draft_provider or provider
+        self._draft_threads = threads if draft_threads is None else draft_threads
         self._draft_body: Decoder | None = None
         self._drafters: dict[str, Drafter] = {}
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
@@ -87,6 +91,8 @@ class Engine:
         spec: SpecConfig = SpecConfig(),
         draft_head: str | None = None,
         verify: bool = False,
+        draft_provider: str | None = None,
+        draft_threads: int | None = None,
     ) -> "Engine":
         """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
 
@@ -94,7 +100,9 @@ class Engine:
         confidence cut-off; ``draft_head`` picks one of the bundle's drafter heads,
         e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``); ``"ar"`` runs the target alone.  Both give the same
         greedy output up to numerical near-ties (ORT rounds one-row and multi-row passes differently);
-        the drafter is loaded on first use when ``mode="ar"``.
+        the drafter is loaded on first use when ``mode="ar"``.  ``mode="ssd"`` drafts the next round while
+        the target verifies (:mod:`ssd`): give the two models their own cores or devices with
+        ``draft_threads`` / ``draft_provider`` (default: the target's ``threads`` / ``provider``).
         """
         bundle_dir = Path(path)
         manifest = read_manifest(bundle_dir)
@@ -106,7 +114,7 @@ class Engine:
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
                          spin=mode == "ar")
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, mode=mode,
-                     spec=spec, draft_head=draft_head)
+                     spec=spec, draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads)
         if spec.drafts > 1:
             check_multidraft(target, spec, greedy=True)  # the sampling scheme is checked per request
         if mode != "ar":
@@ -119,7 +127,8 @@ class Engine:
         The γ policy plans with it from the first round; live measurements refine it."""
         drafter = self.draft
         max_tokens = max(self.spec_config.gamma + 1, 2)
-        key = cost_profile.cache_key(self.manifest, self.draft_head, self._provider, self._threads, max_tokens)
+        placement = (f"{self._provider}/{self._draft_provider}", f"{self._threads}/{self._draft_threads}")
+        key = cost_profile.cache_key(self.manifest, self.draft_head, *placement, max_tokens)
         profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
         for n, seconds in profile.verify.items():  # live measurements, once there are some, win
             if n not in self.target.stats.recent:
@@ -151,15 +160,15 @@ class Engine:
     def draft(self) -> Drafter:
         """The drafter for the current head, loaded on first use."""
         if self._draft_body is None:
-            self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], provider=self._provider,
-                                       threads=self._threads, capacity=self.target.capacity, spin=False)
+            self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], provider=self._draft_provider,
+                                       threads=self._draft_threads, capacity=self.target.capacity, spin=False)
         if self.draft_head not in self._drafters:
             self._drafters[self.draft_head] = Drafter(self._draft_body, self._load_head(self.draft_head))
         return self._drafters[self.draft_head]
 
     def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
         head = self.manifest["draft"]["heads"][name]
-        where = dict(provider=self._provider, threads=self._threads)
+        where = dict(provider=self._draft_provider, threads=self._draft_threads)
         if head.get("kind") == "specvocab":
             return SpecVocabHead(self.bundle_dir / head["onnx"], self.bundle_dir / head["rows"],
                                  self.bundle_dir / head["scales"], head["candidates"],
@@ -197,6 +206,8 @@ class Engine:
             return generate_autoregressive(self.target, ids, params, rng, max_new)
         spec_stats = SpecStats()
         self._spec_stats = spec_stats
+        if mode == "ssd":
+            return generate_ssd(self.target, self.draft, ids, params, rng, max_new, self.spec_config, spec_stats)
         if self.spec_config.drafts > 1:
             return generate_multidraft(self.target, self.draft, ids, params, rng, max_new, self.spec_config,
                                        spec_stats)
@@ -269,7 +280,7 @@ class Engine:
             tokens.close()
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
-            if mode == "spec":
+            if mode != "ar":
                 stats.extra.update(self._spec_stats.summary(self.param_ratio, self.bytes_ratio))
 
     def complete(self, prompt: str | list[Message], **kwargs) -> Completion:

@@ -198,3 +198,69 @@ def ladder_for(scheme: str, drafts: list[int], q: np.ndarray, p: np.ndarray) -> 
     if scheme == "spechub":
         return spechub_ladder(drafts, q, p)
     raise ValueError(f"unknown multi-draft scheme {scheme!r}; choose one of {', '.join(DRAFT_SCHEMES)}")
+
+
+# -- expected acceptance (planning and measurement without sampling noise) -----------------------
+
+def expected_acceptance(scheme: str, q: np.ndarray, p: np.ndarray) -> float:
+    """Probability that a node with two drafts (one for ``single``) emits a draft rather than a residual
+    sample, averaged over how the drafts are drawn: exact, in O(V log V).
+
+    With branches of length 1 this is the expected number of accepted tokens per target call, so it
+    compares verifiers on real distributions without Monte Carlo noise.  Why the formulas hold:
+
+    * single: sum min(p, q);
+    * rrs: the residual after a rejection, p1 = norm((p - q)^+), does not depend on the rejected token,
+      so alpha = a1 + (1 - a1) sum min(p1, q);
+    * rrs-wor: after rejecting x the second draft follows q(y) / (1 - q(x)) (y != x) and p1(x) = 0, so
+      the second test accepts with f(s_x) = sum_y min(p1(y), s_x q(y)), s_x = 1 / (1 - q(x)); f is
+      evaluated for every x at once from the ratios p1/q sorted once;
+    * spechub: the mass each step of :func:`spechub_ladder` hands out, summed.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    p = np.asarray(p, dtype=np.float64)
+    overlap = np.minimum(p, q)
+    single = float(overlap.sum())
+    if scheme == "single":
+        return single
+    p1 = residual_distribution(p, q)
+    if scheme == "rrs":
+        return single + (1.0 - single) * float(np.minimum(p1, q).sum())
+    if scheme == "rrs-wor":
+        return _expected_rrs_without_replacement(q, p, p1)
+    if scheme == "spechub":
+        return _expected_spechub(q, p)
+    raise ValueError(f"unknown scheme {scheme!r}; choose single or one of {', '.join(DRAFT_SCHEMES)}")
+
+
+def _expected_rrs_without_replacement(q: np.ndarray, p: np.ndarray, p1: np.ndarray) -> float:
+    support = np.flatnonzero(q > 0)
+    ratio = p1[support] / q[support]
+    order = np.argsort(ratio)
+    ratio_sorted = ratio[order]
+    p1_below = np.concatenate([[0.0], np.cumsum(p1[support][order])])  # sum of p1 over ratios <= s
+    q_above = np.concatenate([np.cumsum(q[support][order][::-1])[::-1], [0.0]])  # sum of q over ratios > s
+    qx = q[support]
+    first = np.minimum(1.0, p[support] / qx)
+    with np.errstate(divide="ignore"):
+        scale = np.where(qx < _HUB_ONLY, 1.0 / (1.0 - qx), 0.0)
+    cut = np.searchsorted(ratio_sorted, scale, side="right")
+    second = p1_below[cut] + scale * q_above[cut]
+    return float((qx * (first + (1.0 - first) * second)).sum())
+
+
+def _expected_spechub(q: np.ndarray, p: np.ndarray) -> float:
+    hub = int(np.argmax(q))
+    q_hub = q[hub]
+    if q_hub >= _HUB_ONLY:
+        return float(np.minimum(p, q).sum())
+    pair_mass = q * (q_hub / (1.0 - q_hub))
+    pair_mass[hub] = 0.0
+    need = np.maximum(p - q, 0.0)
+    need[hub] = 0.0
+    served = np.minimum(p, q)
+    served[hub] = 0.0
+    left_ai = float(np.maximum(pair_mass - need, 0.0).sum())
+    left_ia = max(float(np.maximum(q - p, 0.0).sum()) - max(q_hub - p[hub], 0.0), 0.0)
+    hub_served = min(p[hub], left_ai) + min(max(p[hub] - left_ai, 0.0), left_ia)
+    return float(served.sum() + np.minimum(need, pair_mass).sum() + hub_served)

@@ -24,7 +24,7 @@ autoregressive loop samples from, and the exact ``q`` each draft was drawn from
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +43,8 @@ class SpecConfig:
     adaptive: bool = False  # choose γ per round from measured costs and running acceptance (policy.py)
     drafts: int = 1  # > 1: multi-draft (tree) verification, γ is then each branch's length (multidraft_loop.py)
     scheme: str = "spechub"  # multi-draft sampling scheme and verifier: rrs, rrs-wor or spechub
+    fan_out: int = 3  # SSD: correction/bonus tokens predicted per possible stop point (Saguaro's F)
+    speculations: int = -1  # SSD: outcomes prepared per round; -1 = as many as fit while the target verifies
 
 
 @dataclass
@@ -67,6 +69,10 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify call
     drafted: list[int] = field(default_factory=list)  # drafter steps per verify call (= drafts for a chain)
     first_accepted: int = 0  # verify calls that accepted at least their first draft position
+    speculation_hits: int = 0  # SSD: rounds whose drafts were ready in the speculation cache
+    speculation_misses: int = 0  # SSD: rounds drafted on the spot
+    speculations_prepared: int = 0  # SSD: outcomes drafted ahead while the target verified
+    prepare_seconds: float = 0.0  # SSD: drafting done off the critical path
     draft_seconds: float = 0.0
     head_seconds: float = 0.0  # part of draft_seconds spent in the drafter's LM head
     verify_seconds: float = 0.0
@@ -112,6 +118,10 @@ class SpecStats:
             "mean_gamma": gamma,
             "acceptance_rate": self.acceptance_rate,
             "first_token_acceptance": self.first_token_acceptance,
+            "cache_hit_rate": (self.speculation_hits / (self.speculation_hits + self.speculation_misses)
+                               if self.speculation_hits + self.speculation_misses else 0.0),
+            "speculations_prepared": self.speculations_prepared,
+            "prepare_seconds": self.prepare_seconds,
             "mbsu": self.tau / (param_ratio * gamma + 1) if self.accepted else 0.0,
             "param_ratio": param_ratio,
             "draft_seconds": self.draft_seconds,
@@ -125,16 +135,24 @@ class SpecStats:
 
 def draft_chain(drafter: Drafter, feed: list[int], params: SamplingParams, rng: np.random.Generator,
                 gamma: int, min_confidence: float, vocab_size: int,
-                round_rule: DraftRound | None = None) -> "DraftBlock":
+                round_rule: DraftRound | None = None, *, alternatives: int = 0,
+                should_stop: Callable[[], bool] | None = None) -> "DraftBlock":
     """Propose up to γ target-vocabulary tokens, stopping early when the drafter is unsure:
-    below ``min_confidence``, or (adaptive) when ``round_rule`` says another draft does not pay."""
+    below ``min_confidence``, or (adaptive) when ``round_rule`` says another draft does not pay.
+
+    ``alternatives`` > 0 also records the drafter's top tokens at each step (what speculative
+    speculative decoding predicts corrections from); ``should_stop`` is asked before every step and
+    ends the block early, marked incomplete."""
     block = DraftBlock()
     for _ in range(gamma):
+        if should_stop is not None and should_stop():
+            block.complete = False
+            break
         started = time.perf_counter()
         logits, ids = drafter.step(feed)
         if params.greedy:
             index = int(np.argmax(logits))
-            confidence = _top_probability(logits) if (min_confidence > 0 or round_rule) else 1.0
+            confidence = _top_probability(logits) if (min_confidence > 0 or round_rule or alternatives) else 1.0
         else:
             probs = logits_to_probs(logits, params)
             index = sample(probs, rng)
@@ -151,6 +169,8 @@ def draft_chain(drafter: Drafter, feed: list[int], params: SamplingParams, rng: 
         block.confidences.append(confidence)
         if not params.greedy:
             block.q_rows.append(probs if ids is None else scatter_probs(probs, ids, vocab_size, validate=False))
+        if alternatives:
+            block.alternatives.append(top_tokens(softmax(logits) if params.greedy else probs, ids, alternatives))
         feed = [block.tokens[-1]]
         if not more:
             break
@@ -168,6 +188,27 @@ class DraftBlock:
     candidates: list[np.ndarray | None] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)  # drafter probability of each proposed token
     step_seconds: list[float] = field(default_factory=list)
+    alternatives: list[list[tuple[int, float]]] = field(default_factory=list)  # top (id, prob) per step, if asked
+    complete: bool = True  # False when should_stop cut the block short
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` drafts (a prefix of a chain is a valid chain)."""
+        for rows in (self.tokens, self.q_rows, self.candidates, self.confidences, self.alternatives):
+            del rows[length:]
+
+
+def top_tokens(probs: np.ndarray, ids: np.ndarray | None, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely (target id, probability) pairs of a head's distribution, best first."""
+    n = min(n, len(probs))
+    top = np.argpartition(-probs, n - 1)[:n]
+    top = top[np.argsort(-probs[top], kind="stable")]
+    return [(int(t) if ids is None else int(ids[t]), float(probs[t])) for t in top]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Plain float64 softmax of a head's logits (the drafter's own confidence, before any sampling settings)."""
+    shifted = np.exp(logits - logits.max(), dtype=np.float64)
+    return shifted / shifted.sum()
 
 
 def _top_probability(logits: np.ndarray) -> float:

@@ -1,0 +1,177 @@
+"""Speculative speculative decoding (SSD, algorithm Saguaro): draft round t+1 while the target verifies round t.
+
+Plain speculative decoding alternates: the drafter waits while the target verifies.  Here the
+verify pass runs in a worker thread (ONNX Runtime releases the GIL inside ``run``; each session
+has its own thread pool, e.g. 1 + 1 threads on a 2-core laptop, or the target on a GPU provider
+and the drafter on the CPU) and the drafter meanwhile prepares the next round for the verification
+outcomes it finds likely.  One round, top to bottom:
+
+1. Drafts: if the previous outcome ``(accepted j, next token c)`` is in the speculation cache, its
+   drafts are ready (a *hit*: no drafting on the critical path); otherwise draft now (a *miss*).
+2. Verify in the background.  Meanwhile predict outcomes from the drafter's own probabilities
+   (:func:`predict_outcomes`): stop after j drafts with probability ``prod a_i (1 - a_{j+1})``,
+   ``a_i`` the drafter's probability of its draft i; the next token is one of the drafter's top-F
+   tokens at that position *other than its own draft* (a rejected token has no residual mass, so it
+   can never be the correction), or, when every draft passes, one of its top-F tokens after the
+   last draft (one look-ahead step).  Draft γ tokens for each outcome, most likely first, until the
+   verification is done (or a fixed number, ``SpecConfig.speculations``).
+3. Verify the drafts exactly as :mod:`speculative` does and look the outcome up for the next round.
+
+Why it stays exact: the verifier is unchanged, and every draft it sees was drawn from the q row it
+is verified against.  Which prepared block is used depends only on the verified prefix, never on
+the uniforms the verifier will draw.  Draft randomness comes from a stream keyed by the prefix
+length (independent of the verifier's stream), so a hit and a miss draft *the same tokens*: output
+does not depend on timing, and a forced-miss run equals a forced-hit run token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample
+from edge_spec.runtime.speculative import (DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, softmax,
+                                          top_tokens)
+from edge_spec.runtime.verification import verify_greedy, verify_speculative
+
+Outcome = tuple[int, int]  # (drafts accepted, the correction or bonus token that follows)
+
+
+def predict_outcomes(block: DraftBlock, bonus: list[tuple[int, float]], fan_out: int) -> list[tuple[float, Outcome]]:
+    """Likely verification outcomes of ``block`` with their estimated probabilities, most likely first.
+
+    ``bonus`` is the drafter's top tokens after the last draft (empty when no look-ahead was done)."""
+    outcomes = []
+    reach = 1.0  # estimated probability that drafts 1..j were all accepted
+    for j, token in enumerate(block.tokens):
+        accept = block.confidences[j]
+        others = [(c, pc) for c, pc in block.alternatives[j] if c != token][:fan_out]
+        rest = max(1.0 - accept, 1e-12)
+        outcomes += [(reach * (1.0 - accept) * pc / rest, (j, c)) for c, pc in others]
+        reach *= accept
+    outcomes += [(reach * pc, (len(block.tokens), c)) for c, pc in bonus[:fan_out]]
+    return sorted(outcomes, key=lambda item: -item[0])
+
+
+class SpeculationCache:
+    """Drafts prepared for next-round outcomes of the round being verified (cleared every round)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[Outcome, DraftBlock] = {}
+
+    def take(self, outcome: Outcome, length: int) -> DraftBlock | None:
+        block = self.blocks.get(outcome)
+        if block is not None:
+            block.truncate(length)
+        self.blocks.clear()
+        return block
+
+
+def _draft_rng(seed: int, position: int) -> np.random.Generator:
+    """The drafting stream for a round whose prefix has ``position`` tokens (see module docstring)."""
+    return np.random.default_rng([seed, position])
+
+
+def generate_ssd(
+    target: Decoder,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    max_new_tokens: int,
+    config: SpecConfig = SpecConfig(),
+    stats: SpecStats | None = None,
+) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
+    stats = stats if stats is not None else SpecStats()
+    draft = drafter.decoder
+    vocab = target.vocab_size
+    fan_out = max(config.fan_out, 1)
+    first = target.prefill(prompt_ids)["logits"][-1]
+    draft.forward(draft.sync(prompt_ids), 1)
+    x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
+    draft_seed = int(rng.integers(2**63))
+    committed = list(prompt_ids) + [x]
+    emitted = 1
+    yield x
+    ready: DraftBlock | None = None  # drafts taken from the speculation cache for this round
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-spec-verify") as worker:
+        while emitted < max_new_tokens:
+            base = len(committed) - 1
+            gamma = max(min(config.gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1), 0)
+
+            # 1. drafts: ready from the cache (hit) or drafted now (miss)
+            started = time.perf_counter()
+            head_before = drafter.head.seconds
+            if ready is not None:
+                block = ready
+                stats.speculation_hits += 1
+            else:
+                block = draft_chain(drafter, draft.sync(committed), params, _draft_rng(draft_seed, len(committed)),
+                                    gamma, 0.0, vocab, alternatives=fan_out + 1)
+                stats.speculation_misses += bool(gamma)
+            verify_started = time.perf_counter()
+            stats.draft_seconds += verify_started - started
+
+            # 2. verify in the background; meanwhile draft ahead for the likely outcomes
+            pending: Future = worker.submit(target.forward, [committed[-1]] + block.tokens, len(block.tokens) + 1)
+            cache = SpeculationCache()
+            if block.tokens:
+                _prepare(drafter, committed, block, params, draft_seed, gamma, fan_out, vocab, config.speculations,
+                         pending.done, cache, stats)
+            rows = pending.result()["logits"]
+            if params.greedy:
+                result = verify_greedy(block.tokens, rows)
+            else:
+                q = np.array(block.q_rows) if block.q_rows else np.zeros((0, rows.shape[-1]))
+                result = verify_speculative(block.tokens, q, logits_to_probs(rows, params), rng)
+            stats.verify_seconds += time.perf_counter() - verify_started
+            stats.head_seconds += drafter.head.seconds - head_before
+            stats.accepted.append(result.accepted)
+            stats.drafted.append(len(block.tokens))
+            stats.first_accepted += result.accepted > 0
+
+            # 3. roll the target back; the next round's drafts come from the cache if this outcome was prepared
+            target.rewind(base + 1 + result.accepted)
+            committed.extend(result.tokens)
+            next_gamma = max(min(config.gamma, max_new_tokens - emitted - len(result.tokens) - 1,
+                                 target.capacity - len(committed) - 1), 0)
+            ready = cache.take((result.accepted, result.tokens[-1]), next_gamma)
+            for token in result.tokens:
+                yield token
+                emitted += 1
+                if emitted >= max_new_tokens:
+                    return
+
+
+def _prepare(drafter: Drafter, committed: list[int], block: DraftBlock, params: SamplingParams, draft_seed: int,
+             gamma: int, fan_out: int, vocab: int, budget: int, verified: Callable[[], bool],
+             cache: SpeculationCache, stats: SpecStats) -> None:
+    """Draft the next round for the most likely outcomes of ``block`` until ``verified()`` (budget -1)
+    or for exactly ``budget`` outcomes."""
+    started = time.perf_counter()
+    timed = budget < 0
+    stop = verified if timed else (lambda: False)
+    draft = drafter.decoder
+    bonus: list[tuple[int, float]] = []
+    if not stop() and budget != 0:  # look-ahead after the last draft: the bonus-token candidates
+        logits, ids = drafter.step(draft.sync(committed + block.tokens))
+        probs = logits_to_probs(logits, params) if not params.greedy else softmax(logits)
+        bonus = top_tokens(probs, ids, fan_out)
+    prepared = 0
+    for _, (accepted, token) in predict_outcomes(block, bonus, fan_out):
+        if stop() or (not timed and prepared >= budget):
+            break
+        prefix = committed + block.tokens[:accepted] + [token]
+        spec = draft_chain(drafter, draft.sync(prefix), params, _draft_rng(draft_seed, len(prefix)), gamma, 0.0,
+                           vocab, alternatives=fan_out + 1, should_stop=stop)
+        if spec.complete:
+            cache.blocks[(accepted, token)] = spec
+            prepared += 1
+    stats.speculations_prepared += prepared
+    stats.prepare_seconds += time.perf_counter() - started
+
