@@ -29,6 +29,7 @@ class BenchMode:
     name: str  # "ar", "spec" (full head), "spec+trim-16384", "spec+specvocab-r64-k256@γ2", ...
     head: str | None  # drafter head, None for ar
     spec: SpecConfig | None = None  # γ schedule of this mode (None: the run's schedule)
+    loop: str = "spec"  # engine mode of speculative modes: spec or ssd
 
 
 def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
@@ -53,9 +54,10 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
 
 
 def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] | None = None,
-              multidraft: list[SpecConfig] = ()) -> list[BenchMode]:
+              multidraft: list[SpecConfig] = (), ssd: list[SpecConfig] = ()) -> list[BenchMode]:
     """ar, then per head: one mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft
-    configuration (``...+k2-spechub@γ2``) and the run's own schedule."""
+    configuration (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own
+    schedule."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
@@ -68,6 +70,8 @@ def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] |
             modes.append(BenchMode(f"{name}@γ{gamma}", head, SpecConfig(gamma=gamma)))
         for spec in multidraft:
             modes.append(BenchMode(f"{name}+k{spec.drafts}-{spec.scheme}@γ{spec.gamma}", head, spec))
+        for spec in ssd:
+            modes.append(BenchMode(f"{name}+ssd@γ{spec.gamma}", head, spec, loop="ssd"))
         modes.append(BenchMode(name, head))
     return modes
 
@@ -91,7 +95,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                 started = time.perf_counter()
                 completion = engine.complete(
                     messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + index,
-                    mode="ar" if mode.head is None else "spec",
+                    mode="ar" if mode.head is None else mode.loop,
                 )
                 stats = completion.stats
                 record = {
@@ -106,7 +110,8 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                     record.update({k: extra[k] for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma",
                                                          "param_ratio", "target_calls", "draft_seconds",
                                                          "verify_seconds", "head_seconds", "draft_steps",
-                                                         "candidate_recall", "first_token_acceptance")})
+                                                         "candidate_recall", "first_token_acceptance",
+                                                         "cache_hit_rate")})
                     record["identical_to_ar"] = completion.token_ids == reference
                 records.append(record)
             done += 1
@@ -145,6 +150,8 @@ def summarize(records: list[dict]) -> list[dict]:
                                        if steps else 0.0)
             row.update({"tau": tau, "mbsu": tau / (c * gamma + 1), "mean_gamma": gamma, "param_ratio": c,
                         "acceptance_rate": sum(r["acceptance_rate"] for r in rows) / len(rows),
+                        "cache_hit_rate": (sum(r.get("cache_hit_rate", 0.0) * r["target_calls"] for r in rows)
+                                           / calls if calls else 0.0),
                         "first_token_acceptance": (sum(r.get("first_token_acceptance", 0.0) * r["target_calls"]
                                                        for r in rows) / calls if calls else 0.0),
                         "identical_to_ar": all(r["identical_to_ar"] for r in rows) if temperature == 0 else None})

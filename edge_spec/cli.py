@@ -28,7 +28,12 @@ out = Console(highlight=False, soft_wrap=True)
 
 ProviderOpt = typer.Option("cpu", "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, webgpu.")
 ThreadsOpt = typer.Option(0, "--threads", help="Intra-op threads per session (0 = all cores).")
-ModeOpt = typer.Option("spec", "--mode", help="spec (speculative, lossless) or ar (target only).")
+ModeOpt = typer.Option("spec", "--mode", help="spec (speculative, lossless), ssd (speculative speculative: drafts "
+                       "the next round while the target verifies) or ar (target only).")
+DraftThreadsOpt = typer.Option(None, "--draft-threads", help="Drafter intra-op threads (default: --threads); "
+                               "with --mode ssd e.g. --threads 1 --draft-threads 1 on two cores.")
+DraftProviderOpt = typer.Option(None, "--draft-provider", help="Drafter execution provider (default: --provider); "
+                                "e.g. --provider cuda --draft-provider cpu.")
 GammaOpt = typer.Option(4, "--gamma", help="spec: draft tokens per target pass (the maximum when adaptive).")
 ScheduleOpt = typer.Option("adaptive", "--schedule",
                            help="spec: adaptive (γ per round from measured costs and acceptance) or fixed.")
@@ -210,10 +215,14 @@ def _spec_config(gamma: int, schedule: str, drafts: int = 1, verifier: str = "sp
     return SpecConfig(gamma=gamma, adaptive=schedule == "adaptive" and drafts == 1, drafts=drafts, scheme=verifier)
 
 
-def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, draft_head: str | None):
+def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, draft_head: str | None,
+                 draft_provider: str | None = None, draft_threads: int | None = None):
     from edge_spec.runtime.engine import Engine
 
-    return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=spec, draft_head=draft_head)
+    if draft_threads is not None and draft_threads < 0:
+        raise EdgeSpecError("--draft-threads must be 0 (all cores) or more")
+    return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=spec, draft_head=draft_head,
+                              draft_provider=draft_provider, draft_threads=draft_threads)
 
 
 def _stream(engine, prompt, **kwargs) -> str:
@@ -262,9 +271,12 @@ def generate(
     drafts: int = DraftsOpt,
     verifier: str = VerifierOpt,
     draft_head: Optional[str] = HeadOpt,
+    draft_threads: Optional[int] = DraftThreadsOpt,
+    draft_provider: Optional[str] = DraftProviderOpt,
 ) -> None:
     """Answer one prompt and exit."""
-    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier), draft_head)
+    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier), draft_head,
+                          draft_provider, draft_threads)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -287,9 +299,12 @@ def chat(
     drafts: int = DraftsOpt,
     verifier: str = VerifierOpt,
     draft_head: Optional[str] = HeadOpt,
+    draft_threads: Optional[int] = DraftThreadsOpt,
+    draft_provider: Optional[str] = DraftProviderOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
-    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier), draft_head)
+    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier), draft_head,
+                          draft_provider, draft_threads)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")
@@ -328,6 +343,9 @@ def bench(
     drafts: int = typer.Option(2, "--drafts", help="Multi-draft modes: drafts per step."),
     verifier: list[str] = typer.Option([], "--verifier", help="Also run multi-draft modes with these verifiers "
                                        "(repeatable: rrs, rrs-wor, spechub), at each --sweep γ (else --gamma)."),
+    ssd: bool = typer.Option(False, "--ssd", help="Also run speculative speculative decoding per head, at each "
+                             "--sweep γ (else --gamma), in the same engine (see --draft-threads)."),
+    draft_threads: Optional[int] = DraftThreadsOpt,
     category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (.jsonl with category, prompt)."),
@@ -340,12 +358,14 @@ def bench(
 
     from edge_spec.bench import format_table, load_bench_prompts, modes_for, plot, run_bench, schedule_report
     from edge_spec.runtime.engine import Engine
+    from edge_spec.runtime.speculative import SpecConfig
 
-    engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec")
+    engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec", draft_threads=draft_threads)
     items = load_bench_prompts(prompts, category or None, per_category)
     gammas = list(_int_list(sweep, "--sweep")) if sweep else None
     multidraft = [_spec_config(g, "fixed", drafts, v) for v in verifier for g in (gammas or [gamma])]
-    modes = modes_for(engine, head or None, gammas, multidraft)
+    ssd_configs = [SpecConfig(gamma=g) for g in (gammas or [gamma])] if ssd else []
+    modes = modes_for(engine, head or None, gammas, multidraft, ssd_configs)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar")
     with Progress(console=console, transient=True) as bar:

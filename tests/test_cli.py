@@ -116,3 +116,22 @@ def test_bench_multidraft_modes(int4_bundle):
     greedy = [r for r in result["records"] if r["mode"] != "ar" and r["temperature"] == 0.0]
     assert len(greedy) == 4 and all(r["identical_to_ar"] for r in greedy)
     assert all(0.0 <= r["first_token_acceptance"] <= 1.0 for r in result["records"] if r["mode"] != "ar")
+
+
+def test_generate_ssd_with_split_threads(int4_bundle):
+    result = cli("generate", str(int4_bundle), "def is_prime", "--max-tokens", "8", "--mode", "ssd", "--threads", "1",
+                 "--draft-threads", "1", "--gamma", "2")
+    assert result.returncode == 0, result.stderr
+    assert "tok/s" in result.stderr
+    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--mode", "ssd", "--draft-threads", "-2"),
+                          "--draft-threads")
+
+
+def test_bench_ssd_modes(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, draft_threads=1, mode="spec")
+    modes = modes_for(engine, ["trim-160"], None, (), [SpecConfig(gamma=2)])
+    assert [m.name for m in modes] == ["ar", "spec+trim-160+ssd@γ2", "spec+trim-160"]
+    result = run_bench(engine, load_bench_prompts(None, ["code"], 1), modes, temperatures=[0.0], max_new_tokens=12,
+                       spec=SpecConfig(gamma=2))
+    ssd = [r for r in result["records"] if r["mode"].endswith("ssd@γ2")]
+    assert ssd and ssd[0]["identical_to_ar"] and 0.0 <= ssd[0]["cache_hit_rate"] <= 1.0
