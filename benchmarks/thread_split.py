@@ -100,7 +100,6 @@ def main() -> None:
             rows["1+1"] = {}
             for n in (1, 2, 3):
                 rows["1+1"][n], rows["1+1"]["draft"] = contended(engine, n, args.repeats)
-        del engine
     print(f"{'setting':22s} {'target n=1':>10s} {'n=2':>8s} {'n=3':>8s} {'draft step':>10s}   (median ms)")
     labels = {2: "2 threads, alone", 1: "1 thread, alone", "1+1": "1 + 1, side by side"}
     for key, label in labels.items():

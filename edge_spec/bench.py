@@ -11,6 +11,7 @@ run; absolute times on a shared machine are noisy, ratios much less so).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -30,6 +31,7 @@ class BenchMode:
     head: str | None  # drafter head, None for ar
     spec: SpecConfig | None = None  # γ schedule of this mode (None: the run's schedule)
     loop: str = "spec"  # engine mode of speculative modes: spec or ssd
+    lookup: bool = False  # the run's schedule with prompt lookup on (modes with their own ``spec`` set it there)
 
 
 def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
@@ -54,10 +56,10 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
 
 
 def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] | None = None,
-              multidraft: list[SpecConfig] = (), ssd: list[SpecConfig] = ()) -> list[BenchMode]:
+              multidraft: list[SpecConfig] = (), ssd: list[SpecConfig] = (), lookup: bool = False) -> list[BenchMode]:
     """ar, then per head: one mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft
     configuration (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own
-    schedule."""
+    schedule; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``)."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
@@ -68,11 +70,15 @@ def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] |
         name = "spec" if head == "full" else f"spec+{head}"
         for gamma in fixed_gammas or []:
             modes.append(BenchMode(f"{name}@γ{gamma}", head, SpecConfig(gamma=gamma)))
+            if lookup:
+                modes.append(BenchMode(f"{name}+lookup@γ{gamma}", head, SpecConfig(gamma=gamma, lookup=True)))
         for spec in multidraft:
             modes.append(BenchMode(f"{name}+k{spec.drafts}-{spec.scheme}@γ{spec.gamma}", head, spec))
         for spec in ssd:
             modes.append(BenchMode(f"{name}+ssd@γ{spec.gamma}", head, spec, loop="ssd"))
         modes.append(BenchMode(name, head))
+        if lookup:
+            modes.append(BenchMode(f"{name}+lookup", head, lookup=True))
     return modes
 
 
@@ -89,7 +95,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             reference = None
             for mode in modes:
-                engine.spec_config = mode.spec or spec
+                engine.spec_config = mode.spec or dataclasses.replace(spec, lookup=spec.lookup or mode.lookup)
                 if mode.head:
                     engine.use_draft_head(mode.head)
                 started = time.perf_counter()

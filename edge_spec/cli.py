@@ -45,6 +45,8 @@ DraftsOpt = typer.Option(1, "--drafts", help="spec: drafts per step; > 1 verifie
                          "each --gamma long, in one target pass (multi-draft; fixed γ).")
 VerifierOpt = typer.Option("spechub", "--verifier", help="Multi-draft sampling verifier: rrs, rrs-wor or spechub "
                            "(SpecHub: 2 drafts). Greedy decoding branches on the drafter's top tokens.")
+LookupOpt = typer.Option(False, "--lookup/--no-lookup", help="spec: also draft by prompt lookup (continue an earlier "
+                         "occurrence of the last tokens) in rounds where that beats the drafter.")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")
 
 
@@ -199,7 +201,7 @@ def info(bundle: Path) -> None:
         )
 
 
-def _spec_config(gamma: int, schedule: str, drafts: int = 1, verifier: str = "spechub"):
+def _spec_config(gamma: int, schedule: str, drafts: int = 1, verifier: str = "spechub", lookup: bool = False):
     from edge_spec.runtime.multidraft import DRAFT_SCHEMES
     from edge_spec.runtime.speculative import SpecConfig
 
@@ -212,7 +214,8 @@ def _spec_config(gamma: int, schedule: str, drafts: int = 1, verifier: str = "sp
     if verifier not in DRAFT_SCHEMES:
         raise EdgeSpecError(f"--verifier must be one of {', '.join(DRAFT_SCHEMES)}, not {verifier!r}")
     # multi-draft trees have a fixed shape: the adaptive schedule plans single chains only
-    return SpecConfig(gamma=gamma, adaptive=schedule == "adaptive" and drafts == 1, drafts=drafts, scheme=verifier)
+    return SpecConfig(gamma=gamma, adaptive=schedule == "adaptive" and drafts == 1, drafts=drafts, scheme=verifier,
+                      lookup=lookup)
 
 
 def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, draft_head: str | None,
@@ -270,12 +273,13 @@ def generate(
     schedule: str = ScheduleOpt,
     drafts: int = DraftsOpt,
     verifier: str = VerifierOpt,
+    lookup: bool = LookupOpt,
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
 ) -> None:
     """Answer one prompt and exit."""
-    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier), draft_head,
+    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier, lookup), draft_head,
                           draft_provider, draft_threads)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -298,12 +302,13 @@ def chat(
     schedule: str = ScheduleOpt,
     drafts: int = DraftsOpt,
     verifier: str = VerifierOpt,
+    lookup: bool = LookupOpt,
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
-    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier), draft_head,
+    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier, lookup), draft_head,
                           draft_provider, draft_threads)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
@@ -343,6 +348,8 @@ def bench(
     drafts: int = typer.Option(2, "--drafts", help="Multi-draft modes: drafts per step."),
     verifier: list[str] = typer.Option([], "--verifier", help="Also run multi-draft modes with these verifiers "
                                        "(repeatable: rrs, rrs-wor, spechub), at each --sweep γ (else --gamma)."),
+    lookup: bool = typer.Option(False, "--lookup", help="Also run every single-draft mode with prompt lookup on "
+                                "(mode name +lookup)."),
     ssd: bool = typer.Option(False, "--ssd", help="Also run speculative speculative decoding per head, at each "
                              "--sweep γ (else --gamma), in the same engine (see --draft-threads)."),
     draft_threads: Optional[int] = DraftThreadsOpt,
@@ -365,7 +372,7 @@ def bench(
     gammas = list(_int_list(sweep, "--sweep")) if sweep else None
     multidraft = [_spec_config(g, "fixed", drafts, v) for v in verifier for g in (gammas or [gamma])]
     ssd_configs = [SpecConfig(gamma=g) for g in (gammas or [gamma])] if ssd else []
-    modes = modes_for(engine, head or None, gammas, multidraft, ssd_configs)
+    modes = modes_for(engine, head or None, gammas, multidraft, ssd_configs, lookup)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar")
     with Progress(console=console, transient=True) as bar:

@@ -37,7 +37,7 @@ from edge_spec.runtime.decoder import Decoder
 from edge_spec.runtime.draft_tree import DraftTree
 from edge_spec.runtime.multidraft import DRAFT_SCHEMES, draw_first_tokens, ladder_for
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
-from edge_spec.runtime.speculative import DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain
+from edge_spec.runtime.speculative import DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, prefill_both
 from edge_spec.runtime.verification import verify_greedy, verify_speculative
 
 
@@ -92,12 +92,9 @@ def generate_multidraft(
     check_multidraft(target, config, params.greedy)
     stats = stats if stats is not None else SpecStats()
     draft = drafter.decoder
-    first = target.prefill(prompt_ids)["logits"][-1]
-    draft.forward(draft.sync(prompt_ids), 1)
-    x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
-    committed = list(prompt_ids) + [x]
+    committed = prefill_both(target, drafter, prompt_ids, params, rng)
     emitted = 1
-    yield x
+    yield committed[-1]
     while emitted < max_new_tokens:
         # 1. draft: the root distribution once, then one chain per distinct first token.
         started = time.perf_counter()

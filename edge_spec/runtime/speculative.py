@@ -31,6 +31,7 @@ import numpy as np
 
 from edge_spec.runtime.decoder import Decoder
 from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
+from edge_spec.runtime.lookup import LookupChoice, NgramLookup
 from edge_spec.runtime.policy import AdaptiveGamma, CostModel, DraftRound
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verification import verify_greedy, verify_speculative
@@ -45,6 +46,7 @@ class SpecConfig:
     scheme: str = "spechub"  # multi-draft sampling scheme and verifier: rrs, rrs-wor or spechub
     fan_out: int = 3  # SSD: correction/bonus tokens predicted per possible stop point (Saguaro's F)
     speculations: int = -1  # SSD: outcomes prepared per round; -1 = as many as fit while the target verifies
+    lookup: bool = False  # also draft by prompt lookup (n-gram match in the sequence) when that pays (lookup.py)
 
 
 @dataclass
@@ -73,6 +75,9 @@ class SpecStats:
     speculation_misses: int = 0  # SSD: rounds drafted on the spot
     speculations_prepared: int = 0  # SSD: outcomes drafted ahead while the target verified
     prepare_seconds: float = 0.0  # SSD: drafting done off the critical path
+    lookup_rounds: int = 0  # rounds drafted by prompt lookup instead of the drafter
+    lookup_drafted: int = 0  # their drafts: no drafter step was spent on them
+    lookup_accepted: int = 0
     draft_seconds: float = 0.0
     head_seconds: float = 0.0  # part of draft_seconds spent in the drafter's LM head
     verify_seconds: float = 0.0
@@ -122,12 +127,14 @@ class SpecStats:
                                if self.speculation_hits + self.speculation_misses else 0.0),
             "speculations_prepared": self.speculations_prepared,
             "prepare_seconds": self.prepare_seconds,
+            "lookup_rounds": self.lookup_rounds,
+            "lookup_accepted": self.lookup_accepted,
             "mbsu": self.tau / (param_ratio * gamma + 1) if self.accepted else 0.0,
             "param_ratio": param_ratio,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "head_seconds": self.head_seconds,
-            "draft_steps": sum(self.drafted),
+            "draft_steps": sum(self.drafted) - self.lookup_drafted,
             "candidate_recall": self.candidate_recall,
             "accepted_lengths": list(self.accepted),
         }
@@ -216,6 +223,41 @@ def _top_probability(logits: np.ndarray) -> float:
     return float(1.0 / np.exp(shifted, dtype=np.float64).sum())
 
 
+def prefill_both(target: Decoder, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
+                 rng: np.random.Generator) -> list[int]:
+    """Read the prompt into both caches; return the committed sequence: prompt + the first new token.
+
+    The first token comes from the target's prefill, exactly as in autoregressive decoding.  The
+    drafter reads the prompt now too, so that its prefill counts as prompt processing."""
+    first = target.prefill(prompt_ids)["logits"][-1]
+    drafter.decoder.forward(drafter.decoder.sync(prompt_ids), 1)
+    x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
+    return list(prompt_ids) + [x]
+
+
+def _lookup_block(lookup: NgramLookup, choice: LookupChoice, committed: list[int], drafter: Drafter,
+                  target: Decoder, config: SpecConfig, params: SamplingParams, room: int) -> "DraftBlock | None":
+    """This round's drafts from a lookup match when there is one and it pays (None: use the drafter).
+    Lookup drafts are a function of the prefix, so their q is a point mass (see lookup.py)."""
+    proposal = lookup.propose(committed, min(config.gamma, room))
+    if not proposal:
+        return None
+    costs = (CostModel(drafter.step_estimate, target.recent_seconds())
+             if drafter.step_estimate is not None and target.recent_seconds() else None)
+    take = choice.lookup_gamma(costs, config.gamma, config.adaptive)
+    if not take:
+        return None
+    block = DraftBlock(tokens=proposal[:take])
+    block.candidates = [None] * len(block.tokens)
+    block.confidences = [1.0] * len(block.tokens)
+    if not params.greedy:
+        for token in block.tokens:
+            row = np.zeros(target.vocab_size)
+            row[token] = 1.0
+            block.q_rows.append(row)
+    return block
+
+
 def generate_speculative(
     target: Decoder,
     drafter: Drafter,
@@ -230,27 +272,27 @@ def generate_speculative(
     stats = stats if stats is not None else SpecStats()
     draft = drafter.decoder
     policy = AdaptiveGamma(config.gamma) if config.adaptive else None
-    # The first token comes from the target's prefill, exactly as in autoregressive decoding.
-    # The drafter reads the prompt now too, so that its prefill counts as prompt processing.
-    first = target.prefill(prompt_ids)["logits"][-1]
-    draft.forward(draft.sync(prompt_ids), 1)
-    x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
-    committed = list(prompt_ids) + [x]
+    lookup, choice = (NgramLookup() if config.lookup else None), LookupChoice()
+    committed = prefill_both(target, drafter, prompt_ids, params, rng)
     emitted = 1
-    yield x
+    yield committed[-1]
     while emitted < max_new_tokens:
-        # 1. draft: catch the drafter up on committed tokens it has not seen, then propose.
+        # 1. draft: from the sequence itself when a lookup match pays more than the drafter (lookup.py),
+        #    else catch the drafter up on committed tokens it has not seen and let it propose.
         started = time.perf_counter()
-        feed = draft.sync(committed)  # usually [x], or [d_γ, x] after a fully accepted round
         base = len(committed) - 1  # cache length both models share before this round
-        gamma, round_rule = config.gamma, None
-        if policy is not None and drafter.step_estimate is not None:
-            round_rule = policy.begin_round(CostModel(drafter.step_estimate, target.recent_seconds()))
-            gamma = 0 if round_rule is None else round_rule.gamma_max
-        budget = min(gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
+        room = min(max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
+        block = _lookup_block(lookup, choice, committed, drafter, target, config, params, room) if lookup else None
+        from_lookup = block is not None
         head_before = drafter.head.seconds
-        block = draft_chain(drafter, feed, params, rng, max(budget, 0), config.min_confidence, target.vocab_size,
-                            round_rule)
+        if block is None:
+            feed = draft.sync(committed)  # usually [x], or [d_γ, x] after a fully accepted round
+            gamma, round_rule = config.gamma, None
+            if policy is not None and drafter.step_estimate is not None:
+                round_rule = policy.begin_round(CostModel(drafter.step_estimate, target.recent_seconds()))
+                gamma = 0 if round_rule is None else round_rule.gamma_max
+            block = draft_chain(drafter, feed, params, rng, max(min(gamma, room), 0), config.min_confidence,
+                                target.vocab_size, round_rule)
         drafts = block.tokens
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
@@ -270,11 +312,17 @@ def generate_speculative(
         stats.accepted.append(result.accepted)
         stats.drafted.append(len(drafts))
         stats.first_accepted += result.accepted > 0
-        for token, ids in zip(result.tokens, block.candidates):
-            stats.candidate_checks += 1
-            stats.candidate_hits += bool(ids is None or token in ids)
-        if policy is not None:
-            policy.update(len(drafts), result.accepted, block.confidences)
+        if from_lookup:
+            stats.lookup_rounds += 1
+            stats.lookup_drafted += len(drafts)
+            stats.lookup_accepted += result.accepted
+        else:
+            for token, ids in zip(result.tokens, block.candidates):
+                stats.candidate_checks += 1
+                stats.candidate_hits += bool(ids is None or token in ids)
+            if policy is not None:
+                policy.update(len(drafts), result.accepted, block.confidences)
+        choice.update(from_lookup, len(drafts), result.accepted)
 
         # 3. roll back both caches to the accepted prefix; the correction/bonus token becomes pending.
         target.rewind(base + 1 + result.accepted)

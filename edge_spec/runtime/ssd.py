@@ -33,9 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from edge_spec.runtime.decoder import Decoder
-from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample
-from edge_spec.runtime.speculative import (DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, softmax,
-                                          top_tokens)
+from edge_spec.runtime.sampling import SamplingParams, logits_to_probs
+from edge_spec.runtime.speculative import (DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, prefill_both,
+                                          softmax, top_tokens)
 from edge_spec.runtime.verification import verify_greedy, verify_speculative
 
 Outcome = tuple[int, int]  # (drafts accepted, the correction or bonus token that follows)
@@ -91,13 +91,10 @@ def generate_ssd(
     draft = drafter.decoder
     vocab = target.vocab_size
     fan_out = max(config.fan_out, 1)
-    first = target.prefill(prompt_ids)["logits"][-1]
-    draft.forward(draft.sync(prompt_ids), 1)
-    x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
+    committed = prefill_both(target, drafter, prompt_ids, params, rng)
     draft_seed = int(rng.integers(2**63))
-    committed = list(prompt_ids) + [x]
     emitted = 1
-    yield x
+    yield committed[-1]
     ready: DraftBlock | None = None  # drafts taken from the speculation cache for this round
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-spec-verify") as worker:
         while emitted < max_new_tokens:
