@@ -45,7 +45,7 @@ DraftsOpt = typer.Option(1, "--drafts", help="spec: drafts per step; > 1 verifie
                          "each --gamma long, in one target pass (multi-draft; fixed γ).")
 VerifierOpt = typer.Option("spechub", "--verifier", help="Multi-draft sampling verifier: rrs, rrs-wor or spechub "
                            "(SpecHub: 2 drafts). Greedy decoding branches on the drafter's top tokens.")
-LookupOpt = typer.Option(False, "--lookup/--no-lookup", help="spec: also draft by prompt lookup (continue an earlier "
+LookupOpt = typer.Option(True, "--lookup/--no-lookup", help="spec: also draft by prompt lookup (continue an earlier "
                          "occurrence of the last tokens) in rounds where that beats the drafter.")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")
 
