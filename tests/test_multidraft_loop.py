@@ -12,7 +12,7 @@ from edge_spec.runtime.draft_tree import DraftTree
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.multidraft_loop import check_multidraft, generate_multidraft
 from edge_spec.runtime.sampling import SamplingParams
-from edge_spec.runtime.speculative import SpecConfig, SpecStats
+from edge_spec.runtime.speculative import SpecConfig
 from tests.test_speculative import PROMPTS, _chi_square_same_distribution, run
 
 
@@ -60,9 +60,7 @@ def test_tree_pass_equals_separate_chains_and_keep_path_compacts(fp32_bundle):
 
 
 def run_multi(engine: Engine, ids, params, n, spec: SpecConfig, seed=0):
-    stats = SpecStats()
-    rng = np.random.default_rng(seed)
-    return list(generate_multidraft(engine.target, engine.draft, ids, params, rng, n, spec, stats)), stats
+    return run(engine, ids, params, n, spec, seed, loop=generate_multidraft)
 
 
 @pytest.fixture(scope="module", params=["full", "trim-64", "specvocab-r16-k48"])

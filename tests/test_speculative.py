@@ -14,12 +14,14 @@ from edge_spec.runtime.speculative import SpecConfig, SpecStats, generate_specul
 PROMPTS = ["def is_prime(n):", "The quick brown fox", "What is 12 * 7?", "Summarize: speculative decoding drafts"]
 
 
-def run(engine: Engine, prompt_ids, params, n, spec: SpecConfig | None, seed=0):
+def run(engine: Engine, prompt_ids, params, n, spec: SpecConfig | None, seed=0, loop=generate_speculative):
+    """``n`` tokens from target-only decoding (``spec`` None) or from a speculative token ``loop``
+    (the chain, multi-draft or SSD loop, all with the same signature), plus the loop's stats."""
     rng = np.random.default_rng(seed)
     if spec is None:
         return list(generate_autoregressive(engine.target, prompt_ids, params, rng, n)), None
     stats = SpecStats()
-    tokens = list(generate_speculative(engine.target, engine.draft, prompt_ids, params, rng, n, spec, stats))
+    tokens = list(loop(engine.target, engine.draft, prompt_ids, params, rng, n, spec, stats))
     return tokens, stats
 
 

@@ -3,12 +3,11 @@ cache hits and misses giving identical output, exact sampling distribution."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.sampling import SamplingParams
-from edge_spec.runtime.speculative import DraftBlock, SpecConfig, SpecStats
+from edge_spec.runtime.speculative import DraftBlock, SpecConfig
 from edge_spec.runtime.ssd import generate_ssd, predict_outcomes
 from tests.test_speculative import PROMPTS, _chi_square_same_distribution, run
 
@@ -28,9 +27,7 @@ def test_predict_outcomes_excludes_the_draft_and_ranks_by_probability():
 
 
 def run_ssd(engine: Engine, ids, params, n, spec: SpecConfig, seed=0):
-    stats = SpecStats()
-    rng = np.random.default_rng(seed)
-    return list(generate_ssd(engine.target, engine.draft, ids, params, rng, n, spec, stats)), stats
+    return run(engine, ids, params, n, spec, seed, loop=generate_ssd)
 
 
 @pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["1+1", "2+1", "1+2"])

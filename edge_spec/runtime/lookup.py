@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge_spec.runtime.policy import CostModel, best_gamma, expected_tokens
+from edge_spec.runtime.policy import CostModel, best_gamma, expected_tokens, fold_acceptance
 
 
 class NgramLookup:
@@ -78,12 +78,7 @@ class LookupChoice:
         return 0
 
     def update(self, from_lookup: bool, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        trials = accepted + (1 if accepted < drafted else 0)
-        weight = 1 - (1 - self.smoothing) ** trials
-        observed = accepted / trials
         if from_lookup:
-            self.lookup_alpha += weight * (observed - self.lookup_alpha)
+            self.lookup_alpha = fold_acceptance(self.lookup_alpha, self.smoothing, drafted, accepted)
         else:
-            self.model_alpha += weight * (observed - self.model_alpha)
+            self.model_alpha = fold_acceptance(self.model_alpha, self.smoothing, drafted, accepted)

@@ -37,8 +37,8 @@ from edge_spec.runtime.decoder import Decoder
 from edge_spec.runtime.draft_tree import DraftTree
 from edge_spec.runtime.multidraft import DRAFT_SCHEMES, draw_first_tokens, ladder_for
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
-from edge_spec.runtime.speculative import DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, prefill_both
-from edge_spec.runtime.verification import verify_greedy, verify_speculative
+from edge_spec.runtime.speculative import (DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, prefill_both,
+                                          verify_drafts)
 
 
 def check_multidraft(target: Decoder, config: SpecConfig, greedy: bool = False) -> None:
@@ -129,11 +129,7 @@ def generate_multidraft(
         if hit:
             branch = [b.tokens[0] for b in branches].index(token)
             chain, nodes = branches[branch], tree.nodes(branch)
-            if params.greedy:
-                result = verify_greedy(chain.tokens[1:], rows[nodes])
-            else:
-                q = np.array(chain.q_rows) if chain.q_rows else np.zeros((0, rows.shape[-1]))
-                result = verify_speculative(chain.tokens[1:], q, logits_to_probs(rows[nodes], params), rng)
+            result = verify_drafts(chain.tokens[1:], chain.q_rows, rows[nodes], params, rng)
             path += nodes[:1 + result.accepted]
             tokens = [token] + result.tokens
         stats.verify_seconds += time.perf_counter() - verify_started

@@ -62,6 +62,16 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return sum(alpha**i for i in range(gamma + 1))
 
 
+def fold_acceptance(alpha: float, smoothing: float, drafted: int, accepted: int) -> float:
+    """α after one verified round: a rejection at position k means k accepts and one reject, each
+    trial weighted like one EMA step of ``smoothing``.  A round without drafts leaves α as it is."""
+    if drafted == 0:
+        return alpha
+    trials = accepted + (1 if accepted < drafted else 0)
+    weight = 1 - (1 - smoothing) ** trials
+    return (1 - weight) * alpha + weight * (accepted / trials)
+
+
 def best_gamma(alpha: float, costs: CostModel, gamma_max: int, prefer_drafting: float = 0.03) -> int:
     """The γ in 0..γ_max maximizing expected tokens per second.
 
@@ -122,13 +132,11 @@ class AdaptiveGamma:
         return self.by_confidence.estimate(confidence, self.alpha)
 
     def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
-        """Fold one round in.  A rejection at position k means k accepts and one reject."""
+        """Fold one round in (:func:`fold_acceptance`) and its drafts into the confidence bins."""
         if drafted == 0:
             return
+        self.alpha = fold_acceptance(self.alpha, self.smoothing, drafted, accepted)
         trials = accepted + (1 if accepted < drafted else 0)
-        observed = accepted / trials
-        weight = 1 - (1 - self.smoothing) ** trials
-        self.alpha = (1 - weight) * self.alpha + weight * observed
         for i, confidence in enumerate((confidences or [])[:trials]):
             self.by_confidence.update(confidence, i < accepted)
 

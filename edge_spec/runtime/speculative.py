@@ -34,7 +34,7 @@ from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
 from edge_spec.runtime.lookup import LookupChoice, NgramLookup
 from edge_spec.runtime.policy import AdaptiveGamma, CostModel, DraftRound
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
-from edge_spec.runtime.verification import verify_greedy, verify_speculative
+from edge_spec.runtime.verification import VerifyResult, verify_greedy, verify_speculative
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,13 @@ def draft_chain(drafter: Drafter, feed: list[int], params: SamplingParams, rng: 
             break
         started = time.perf_counter()
         logits, ids = drafter.step(feed)
-        if params.greedy:
+        if params.greedy and alternatives:
+            probs = softmax(logits)  # the alternatives need the whole distribution, confidence comes with it
             index = int(np.argmax(logits))
-            confidence = _top_probability(logits) if (min_confidence > 0 or round_rule or alternatives) else 1.0
+            confidence = float(probs[index])
+        elif params.greedy:
+            index = int(np.argmax(logits))
+            confidence = _top_probability(logits) if (min_confidence > 0 or round_rule) else 1.0
         else:
             probs = logits_to_probs(logits, params)
             index = sample(probs, rng)
@@ -177,7 +181,7 @@ def draft_chain(drafter: Drafter, feed: list[int], params: SamplingParams, rng: 
         if not params.greedy:
             block.q_rows.append(probs if ids is None else scatter_probs(probs, ids, vocab_size, validate=False))
         if alternatives:
-            block.alternatives.append(top_tokens(softmax(logits) if params.greedy else probs, ids, alternatives))
+            block.alternatives.append(top_tokens(probs, ids, alternatives))
         feed = [block.tokens[-1]]
         if not more:
             break
@@ -216,6 +220,26 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     """Plain float64 softmax of a head's logits (the drafter's own confidence, before any sampling settings)."""
     shifted = np.exp(logits - logits.max(), dtype=np.float64)
     return shifted / shifted.sum()
+
+
+def drafter_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The drafter's distribution over its head's rows: what it samples from, or (greedy) its softmax."""
+    return softmax(logits) if params.greedy else logits_to_probs(logits, params)
+
+
+def draft_room(target: Decoder, committed: list[int], emitted: int, max_new_tokens: int) -> int:
+    """Most drafts a round may verify: one more token is always emitted, and the context must hold them."""
+    return max(min(max_new_tokens - emitted - 1, target.capacity - len(committed) - 1), 0)
+
+
+def verify_drafts(drafts: list[int], q_rows: list[np.ndarray], rows: np.ndarray, params: SamplingParams,
+                  rng: np.random.Generator) -> VerifyResult:
+    """Verify one chain of drafts against the target's rows for it (γ + 1 of them): greedy match, or
+    rejection sampling against the q rows the drafts were drawn from."""
+    if params.greedy:
+        return verify_greedy(drafts, rows)
+    q = np.array(q_rows) if q_rows else np.zeros((0, rows.shape[-1]))
+    return verify_speculative(drafts, q, logits_to_probs(rows, params), rng)
 
 
 def _top_probability(logits: np.ndarray) -> float:
@@ -281,7 +305,7 @@ def generate_speculative(
         #    else catch the drafter up on committed tokens it has not seen and let it propose.
         started = time.perf_counter()
         base = len(committed) - 1  # cache length both models share before this round
-        room = min(max_new_tokens - emitted - 1, target.capacity - len(committed) - 1)
+        room = draft_room(target, committed, emitted, max_new_tokens)
         block = _lookup_block(lookup, choice, committed, drafter, target, config, params, room) if lookup else None
         from_lookup = block is not None
         head_before = drafter.head.seconds
@@ -291,7 +315,7 @@ def generate_speculative(
             if policy is not None and drafter.step_estimate is not None:
                 round_rule = policy.begin_round(CostModel(drafter.step_estimate, target.recent_seconds()))
                 gamma = 0 if round_rule is None else round_rule.gamma_max
-            block = draft_chain(drafter, feed, params, rng, max(min(gamma, room), 0), config.min_confidence,
+            block = draft_chain(drafter, feed, params, rng, min(gamma, room), config.min_confidence,
                                 target.vocab_size, round_rule)
         drafts = block.tokens
         verify_started = time.perf_counter()
@@ -303,11 +327,7 @@ def generate_speculative(
 
         # 2. verify: one target pass over [x, d1..dγ] -> γ+1 rows.
         rows = target.forward([committed[-1]] + drafts, len(drafts) + 1)["logits"]
-        if params.greedy:
-            result = verify_greedy(drafts, rows)
-        else:
-            q = np.array(block.q_rows) if block.q_rows else np.zeros((0, rows.shape[-1]))
-            result = verify_speculative(drafts, q, logits_to_probs(rows, params), rng)
+        result = verify_drafts(drafts, block.q_rows, rows, params, rng)
         stats.verify_seconds += time.perf_counter() - verify_started
         stats.accepted.append(result.accepted)
         stats.drafted.append(len(drafts))

@@ -33,10 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from edge_spec.runtime.decoder import Decoder
-from edge_spec.runtime.sampling import SamplingParams, logits_to_probs
-from edge_spec.runtime.speculative import (DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, prefill_both,
-                                          softmax, top_tokens)
-from edge_spec.runtime.verification import verify_greedy, verify_speculative
+from edge_spec.runtime.sampling import SamplingParams
+from edge_spec.runtime.speculative import (DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, draft_room,
+                                          drafter_probs, prefill_both, top_tokens, verify_drafts)
 
 Outcome = tuple[int, int]  # (drafts accepted, the correction or bonus token that follows)
 
@@ -99,7 +98,7 @@ def generate_ssd(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-spec-verify") as worker:
         while emitted < max_new_tokens:
             base = len(committed) - 1
-            gamma = max(min(config.gamma, max_new_tokens - emitted - 1, target.capacity - len(committed) - 1), 0)
+            gamma = min(config.gamma, draft_room(target, committed, emitted, max_new_tokens))
 
             # 1. drafts: ready from the cache (hit) or drafted now (miss)
             started = time.perf_counter()
@@ -120,12 +119,7 @@ def generate_ssd(
             if block.tokens:
                 _prepare(drafter, committed, block, params, draft_seed, gamma, fan_out, vocab, config.speculations,
                          pending.done, cache, stats)
-            rows = pending.result()["logits"]
-            if params.greedy:
-                result = verify_greedy(block.tokens, rows)
-            else:
-                q = np.array(block.q_rows) if block.q_rows else np.zeros((0, rows.shape[-1]))
-                result = verify_speculative(block.tokens, q, logits_to_probs(rows, params), rng)
+            result = verify_drafts(block.tokens, block.q_rows, pending.result()["logits"], params, rng)
             stats.verify_seconds += time.perf_counter() - verify_started
             stats.head_seconds += drafter.head.seconds - head_before
             stats.accepted.append(result.accepted)
@@ -135,9 +129,8 @@ def generate_ssd(
             # 3. roll the target back; the next round's drafts come from the cache if this outcome was prepared
             target.rewind(base + 1 + result.accepted)
             committed.extend(result.tokens)
-            next_gamma = max(min(config.gamma, max_new_tokens - emitted - len(result.tokens) - 1,
-                                 target.capacity - len(committed) - 1), 0)
-            ready = cache.take((result.accepted, result.tokens[-1]), next_gamma)
+            next_room = draft_room(target, committed, emitted + len(result.tokens), max_new_tokens)
+            ready = cache.take((result.accepted, result.tokens[-1]), min(config.gamma, next_room))
             for token in result.tokens:
                 yield token
                 emitted += 1
@@ -157,8 +150,7 @@ def _prepare(drafter: Drafter, committed: list[int], block: DraftBlock, params: 
     bonus: list[tuple[int, float]] = []
     if not stop() and budget != 0:  # look-ahead after the last draft: the bonus-token candidates
         logits, ids = drafter.step(draft.sync(committed + block.tokens))
-        probs = logits_to_probs(logits, params) if not params.greedy else softmax(logits)
-        bonus = top_tokens(probs, ids, fan_out)
+        bonus = top_tokens(drafter_probs(logits, params), ids, fan_out)
     prepared = 0
     for _, (accepted, token) in predict_outcomes(block, bonus, fan_out):
         if stop() or (not timed and prepared >= budget):
