@@ -2,7 +2,12 @@
 
 For every prompt the target-only (``ar``) answer is generated first; each
 speculative mode then answers the same prompt with the same settings.  Greedy
-answers must be token-identical to ``ar`` (the run records any mismatch).
+answers must be token-identical to target-only decoding with the same numerics:
+the speculative modes run batch-invariant target passes (see ``runtime/decoder``),
+so next to the fast one-row ``ar`` (the speed baseline) greedy runs also time
+``ar-exact``, target-only decoding with those passes, and each greedy record says
+whether it equals that (``identical_to_ar``) and the one-row ``ar`` answer
+(``identical_to_one_row_ar``: it may part from it at a numerical near-tie).
 Per category we report τ (tokens per target call), MBSU = τ / (c·γ + 1) with c
 the drafter/target parameter ratio of that mode, decode tokens/s and the
 wall-clock speed-up against ``ar`` (ratio of decode throughput measured in this
@@ -32,6 +37,7 @@ class BenchMode:
     spec: SpecConfig | None = None  # γ schedule of this mode (None: the run's schedule)
     loop: str = "spec"  # engine mode of speculative modes: spec or ssd
     lookup: bool = False  # the run's schedule with prompt lookup on (modes with their own ``spec`` set it there)
+    exact: bool | None = None  # batch-invariant target passes (None: the engine's default for the mode)
 
 
 def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
@@ -66,6 +72,8 @@ def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] |
         if head not in available:
             raise EdgeSpecError(f"bundle has no drafter head {head!r}; available: {', '.join(available)}")
     modes = [BenchMode("ar", None)]
+    if engine.exact_for("spec") and not engine.exact_for("ar"):
+        modes.append(BenchMode("ar-exact", None, exact=True))  # the reference of greedy exact modes
     for head in chosen:
         name = "spec" if head == "full" else f"spec+{head}"
         for gamma in fixed_gammas or []:
@@ -93,16 +101,19 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
         for index, item in enumerate(prompts):
             prompt = item["prompt"]
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            reference = None
+            references: dict[bool, list[int]] = {}  # target-only answers by numerics (exact or one-row)
             for mode in modes:
+                if mode.name == "ar-exact" and temperature > 0:
+                    continue  # only greedy answers are compared token for token
                 engine.spec_config = mode.spec or dataclasses.replace(spec, lookup=spec.lookup or mode.lookup)
                 if mode.head:
                     engine.use_draft_head(mode.head)
                 started = time.perf_counter()
                 completion = engine.complete(
                     messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + index,
-                    mode="ar" if mode.head is None else mode.loop,
+                    mode="ar" if mode.head is None else mode.loop, exact=mode.exact,
                 )
+                exact = engine.exact_for("ar" if mode.head is None else mode.loop, mode.exact)
                 stats = completion.stats
                 record = {
                     "category": item["category"], "prompt_index": index, "temperature": temperature,
@@ -110,7 +121,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                     "wall_seconds": time.perf_counter() - started, "tokens_per_second": stats.tokens_per_second,
                 }
                 if mode.head is None:
-                    reference = completion.token_ids
+                    references.setdefault(exact, completion.token_ids)
                 else:
                     extra = stats.extra
                     record.update({k: extra[k] for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma",
@@ -118,7 +129,8 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                                                          "verify_seconds", "head_seconds", "draft_steps",
                                                          "candidate_recall", "first_token_acceptance",
                                                          "cache_hit_rate")})
-                    record["identical_to_ar"] = completion.token_ids == reference
+                    record["identical_to_ar"] = completion.token_ids == references.get(exact)
+                    record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
                 records.append(record)
             done += 1
             if progress:
@@ -144,7 +156,7 @@ def summarize(records: list[dict]) -> list[dict]:
                "tokens_per_second": throughput[(temperature, category, mode)]}
         ar = throughput.get((temperature, category, "ar"))
         row["speedup_vs_ar"] = row["tokens_per_second"] / ar if ar else None
-        if mode != "ar":
+        if "tau" in rows[0]:  # a speculative mode
             calls = sum(r["target_calls"] for r in rows)
             emitted = sum(r["tau"] * r["target_calls"] for r in rows)
             tau = emitted / calls if calls else 0.0
@@ -160,7 +172,9 @@ def summarize(records: list[dict]) -> list[dict]:
                                            / calls if calls else 0.0),
                         "first_token_acceptance": (sum(r.get("first_token_acceptance", 0.0) * r["target_calls"]
                                                        for r in rows) / calls if calls else 0.0),
-                        "identical_to_ar": all(r["identical_to_ar"] for r in rows) if temperature == 0 else None})
+                        "identical_to_ar": all(r["identical_to_ar"] for r in rows) if temperature == 0 else None,
+                        "identical_to_one_row_ar": (sum(r["identical_to_one_row_ar"] for r in rows)
+                                                    if temperature == 0 else None)})
         out.append(row)
     return out
 
@@ -169,19 +183,22 @@ def format_table(summary: list[dict]) -> str:
     lines = []
     header = (f"{'T':>4} {'category':14s} {'mode':36s} {'tau':>5} {'MBSU':>5} {'1st acc':>7} {'recall':>6} "
               f"{'head ms':>7} "
-              f"{'tok/s':>6} {'x ar':>5} {'same':>5}")
+              f"{'tok/s':>6} {'x ar':>5} {'same':>5} {'=ar1':>5}")
     current = None
     for row in summary:
         if row["temperature"] != current:
             current = row["temperature"]
             lines += ["", header, "-" * len(header)]
         same = row.get("identical_to_ar")
+        one_row = row.get("identical_to_one_row_ar")
+        one_row = "" if one_row is None else f"{one_row}/{row['prompts']}"
         lines.append(
             f"{row['temperature']:>4.1f} {row['category']:14s} {row['mode']:36s} "
             f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row.get('first_token_acceptance', 0.0):7.3f} "
             f"{row.get('candidate_recall', 1.0):6.3f} "
             f"{row.get('head_ms_per_step', 0.0):7.2f} {row['tokens_per_second']:6.1f} "
-            f"{row['speedup_vs_ar'] or 0:5.2f} {'' if same is None else ('yes' if same else 'NO'):>5}"
+            f"{row['speedup_vs_ar'] or 0:5.2f} {'' if same is None else ('yes' if same else 'NO'):>5} "
+            f"{one_row:>5}"
         )
     return "\n".join(lines)
 
@@ -214,7 +231,7 @@ def plot(summary: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for temperature in sorted({r["temperature"] for r in summary}):
         rows = sorted((r for r in summary if r["temperature"] == temperature and r["category"] == "overall"
-                       and r["mode"] != "ar"), key=lambda r: r["head_ms_per_step"])
+                       and "tau" in r), key=lambda r: r["head_ms_per_step"])
         cost = [r["head_ms_per_step"] for r in rows]
         ax1.plot(cost, [r["speedup_vs_ar"] for r in rows], marker="o", ls=":", label=f"T={temperature}")
         ax2.plot(cost, [r["tau"] for r in rows], marker="o", ls=":", label=f"T={temperature}")

@@ -14,6 +14,17 @@ Draft trees (multi-draft verification): a target exported with tree inputs
 takes a whole :class:`~edge_spec.runtime.draft_tree.DraftTree` in one pass;
 afterwards :meth:`Decoder.keep_path` moves the accepted path's keys and values
 down to consecutive slots, in place -- a few KiB per layer, never the cache.
+
+Batch-invariant numerics (``min_rows=2``): ONNX Runtime's CPU kernels (MLAS SGEMM and the int4/int8
+``MatMulNBits`` kernels) have a special one-row path that rounds differently from their multi-row
+path, while for two or more rows each row's result is bit-for-bit independent of how many rows share
+the call (measured on the exported graphs: any chunking of a sequence into passes of >= 2 tokens gives
+identical logits).  With int8 activations (accuracy level 4) that one-row difference grows through the
+layers to a few tenths of a logit and flips near-tie argmaxes.  A decoder with ``min_rows=2`` pads every
+one-token pass with one throw-away row (its slot lies beyond ``self.tokens``, so it is never attended
+to and is overwritten by the next pass): then the logits of every position are a function of the token
+sequence alone, whatever the draft lengths were, and greedy speculative decoding reproduces greedy
+target-only decoding run the same way bit for bit.
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ class Decoder:
         capacity: int = 4096,
         session_options: ort.SessionOptions | None = None,
         spin: bool = True,
+        min_rows: int = 1,
     ) -> None:
         model_path = Path(model_path)
         if not model_path.is_file():
@@ -93,6 +105,7 @@ class Decoder:
         self.num_layers = len(kv_inputs) // 2
         _, kv_heads, _, head_dim = kv_inputs[0].shape
         self.capacity = capacity
+        self.min_rows = min_rows  # 2: pad one-token passes so every pass takes the multi-row kernels
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.vocab_size = int(outputs["logits"].shape[-1]) if "logits" in outputs else 0
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
@@ -122,14 +135,19 @@ class Decoder:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
         past = len(self.tokens)
-        total = past + n
-        if total > self.capacity:
-            raise EdgeSpecError(f"context full: {total} tokens exceed the context length {self.capacity}")
+        if past + n > self.capacity:
+            raise EdgeSpecError(f"context full: {past + n} tokens exceed the context length {self.capacity}")
+        pad = max(self.min_rows - n, 0) if tree is None and past + self.min_rows <= self.capacity else 0
+        if pad:  # throw-away rows repeating the last token: see "batch-invariant numerics" above
+            ids = np.concatenate([ids, np.repeat(ids[:, -1:], pad, axis=1)], axis=1)
+        rows = n + pad
+        total = past + rows
         b = self._binding
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
         b.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
-        b.bind_cpu_input("num_logits", np.array([min(num_logits, n)], np.int64))
+        wanted = min(num_logits, n)
+        b.bind_cpu_input("num_logits", np.array([wanted + pad], np.int64))
         if tree is not None and not self.supports_tree:
             raise EdgeSpecError("this target graph has no tree-attention inputs (position_ids, attention_bias); "
                                 "re-export the bundle with this edge-spec version for multi-draft decoding")
@@ -137,17 +155,17 @@ class Decoder:
             if tree is not None and tree.size != n:
                 raise ValueError(f"tree has {tree.size} nodes but {n} tokens were fed")
             positions = tree.positions(past) if tree is not None else np.arange(past, total, dtype=np.int64)
-            bias = tree.attention_bias(past) if tree is not None else np.zeros((n, total), np.float32)
-            b.bind_cpu_input("position_ids", positions.reshape(1, n))
-            b.bind_cpu_input("attention_bias", bias.reshape(1, 1, n, total))
+            bias = tree.attention_bias(past) if tree is not None else np.zeros((rows, total), np.float32)
+            b.bind_cpu_input("position_ids", positions.reshape(1, rows))
+            b.bind_cpu_input("attention_bias", bias.reshape(1, 1, rows, total))
         for name in self._result_names:
             b.bind_output(name, "cpu")
         start = time.perf_counter()
         self.session.run_with_iobinding(b)
-        self.stats.add(n, time.perf_counter() - start)
-        self.tokens.extend(int(t) for t in ids[0])
+        self.stats.add(rows, time.perf_counter() - start)
+        self.tokens.extend(int(t) for t in ids[0, :n])
         outs = b.get_outputs()
-        return {name: outs[i].numpy()[0] for i, name in enumerate(self._result_names)}
+        return {name: outs[i].numpy()[0, :wanted] for i, name in enumerate(self._result_names)}
 
     def keep_path(self, start: int, nodes: list[int]) -> None:
         """After a tree pass whose nodes were appended at ``start``: keep only ``nodes`` (pass-order
@@ -164,8 +182,13 @@ class Decoder:
         self.tokens.extend(kept)
 
     def recent_seconds(self) -> dict[int, float]:
-        """Recent latency per number of new tokens (the cost model of the γ policy)."""
-        return self.stats.recent_seconds()
+        """Recent latency per number of new tokens (the cost model of the γ policy); with ``min_rows``
+        padding, fewer tokens cost what the padded pass costs."""
+        seconds = self.stats.recent_seconds()
+        for n in range(1, self.min_rows):
+            if self.min_rows in seconds:
+                seconds[n] = seconds[self.min_rows]
+        return seconds
 
     @property
     def length(self) -> int:

@@ -61,13 +61,14 @@ class Engine:
     def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder, *,
                  provider: str = "cpu", threads: int = 0, mode: str = "ar", spec: SpecConfig = SpecConfig(),
                  draft_head: str | None = None, draft_provider: str | None = None,
-                 draft_threads: int | None = None) -> None:
+                 draft_threads: int | None = None, exact: bool | None = None) -> None:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.tokenizer = tokenizer
         self.target = target
         self.mode = mode
         self.spec_config = spec
+        self.exact = exact  # None: batch-invariant target passes in the speculative modes only (see exact_for)
         self._provider, self._threads = provider, threads
         self._draft_provider = draft_provider or provider
         self._draft_threads = threads if draft_threads is None else draft_threads
@@ -93,14 +94,20 @@ class Engine:
         verify: bool = False,
         draft_provider: str | None = None,
         draft_threads: int | None = None,
+        exact: bool | None = None,
     ) -> "Engine":
         """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
 
         ``mode="spec"`` drafts with the bundle's drafter (``spec`` sets γ and the
         confidence cut-off; ``draft_head`` picks one of the bundle's drafter heads,
-        e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``); ``"ar"`` runs the target alone.  Both give the same
-        greedy output up to numerical near-ties (ORT rounds one-row and multi-row passes differently);
-        the drafter is loaded on first use when ``mode="ar"``.  ``mode="ssd"`` drafts the next round while
+        e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``); ``"ar"`` runs the target alone.
+
+        ``exact`` makes every target pass batch-invariant (one-token passes get a throw-away second row,
+        see :mod:`decoder`): greedy output is then the same bit for bit in every mode, whatever the
+        draft lengths.  The default (None) is exact in the speculative modes, where nearly every pass has
+        several rows anyway, and plain one-row decoding in ``"ar"`` mode, which is about 15% faster but
+        rounds differently, so it can part from the speculative answer at a numerical near-tie.
+        The drafter is loaded on first use when ``mode="ar"``.  ``mode="ssd"`` drafts the next round while
         the target verifies (:mod:`ssd`): give the two models their own cores or devices with
         ``draft_threads`` / ``draft_provider`` (default: the target's ``threads`` / ``provider``).
         """
@@ -114,7 +121,8 @@ class Engine:
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
                          spin=mode == "ar")
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, mode=mode,
-                     spec=spec, draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads)
+                     spec=spec, draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
+                     exact=exact)
         if spec.drafts > 1:
             check_multidraft(target, spec, greedy=True)  # the sampling scheme is checked per request
         if mode != "ar":
@@ -200,6 +208,12 @@ class Engine:
             )
         return ids
 
+    def exact_for(self, mode: str, exact: bool | None = None) -> bool:
+        """Whether a generation in ``mode`` runs batch-invariant target passes (call > engine > mode default)."""
+        if exact is not None:
+            return exact
+        return mode != "ar" if self.exact is None else self.exact
+
     def _token_stream(self, ids: list[int], params: SamplingParams, max_new: int, mode: str) -> Iterator[int]:
         rng = np.random.default_rng(params.seed)
         if mode == "ar":
@@ -231,8 +245,10 @@ class Engine:
         seed: int | None = None,
         stop: list[str] | tuple[str, ...] = (),
         mode: str | None = None,
+        exact: bool | None = None,
     ) -> Iterator[str]:
-        """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages."""
+        """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
+        ``exact`` override the engine's for this call."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         mode = mode or self.mode
         if mode not in MODES:
@@ -240,6 +256,7 @@ class Engine:
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
+        self.target.min_rows = 2 if self.exact_for(mode, exact) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
         self.last_stats = stats

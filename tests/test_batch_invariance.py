@@ -1,0 +1,91 @@
+"""Batch-invariant target passes (``Decoder(min_rows=2)``): every position's logits depend on the token
+sequence only, not on how it was split into passes, so greedy speculative decoding equals greedy
+target-only decoding bit for bit (see the ``decoder`` module docstring for why one-row passes differ)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_spec.manifest import read_manifest
+from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.speculative import SpecConfig
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 61]
+CONTINUATION = [11, 12, 301, 77, 8, 8, 140, 33, 21, 9, 300, 4]
+
+
+def logits_by_chunks(decoder: Decoder, chunks: list[int]) -> np.ndarray:
+    """Feed PROMPT, then CONTINUATION in passes of the given sizes; the logits of every continuation position."""
+    decoder.reset()
+    decoder.forward(PROMPT, 1)
+    rows, start = [], 0
+    for size in chunks:
+        rows.append(decoder.forward(CONTINUATION[start:start + size], size)["logits"])
+        assert decoder.length == len(PROMPT) + start + size  # the padding row is not part of the sequence
+        start += size
+    assert start == len(CONTINUATION)
+    return np.concatenate(rows)
+
+
+@pytest.fixture(scope="module")
+def target_path(int4_bundle):
+    return int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]
+
+
+def test_padded_one_token_passes_equal_multi_token_passes_bit_for_bit(target_path):
+    decoder = Decoder(target_path, threads=1, capacity=64, min_rows=2)
+    one_by_one = logits_by_chunks(decoder, [1] * 12)
+    mixed = logits_by_chunks(decoder, [3, 1, 2, 4, 1, 1])
+    pairs = logits_by_chunks(decoder, [2] * 6)
+    assert one_by_one.shape == (12, decoder.vocab_size)
+    assert np.array_equal(one_by_one, mixed) and np.array_equal(one_by_one, pairs)
+
+
+def test_padding_stays_out_of_the_cache(target_path):
+    """After padded passes the cache continues exactly like one fed without padding rows in it."""
+    padded = Decoder(target_path, threads=1, capacity=64, min_rows=2)
+    padded.forward(PROMPT, 1)
+    padded.forward([11], 1)
+    padded.forward([12], 1)
+    plain = Decoder(target_path, threads=1, capacity=64, min_rows=2)
+    plain.forward(PROMPT + [11, 12], 1)
+    assert padded.tokens == plain.tokens
+    np.testing.assert_array_equal(padded.forward([301, 77], 2)["logits"], plain.forward([301, 77], 2)["logits"])
+
+
+def test_padding_skipped_when_the_context_is_full(target_path):
+    decoder = Decoder(target_path, threads=1, capacity=len(PROMPT) + 1, min_rows=2)
+    decoder.forward(PROMPT, 1)
+    assert decoder.forward([11], 1)["logits"].shape == (1, decoder.vocab_size)  # no room for a pad row
+    assert decoder.length == decoder.capacity
+
+
+def test_one_token_cost_is_the_padded_pass_cost(target_path):
+    decoder = Decoder(target_path, threads=1, capacity=64)
+    decoder.stats.seed(1, 0.010)
+    decoder.stats.seed(2, 0.013)
+    assert decoder.recent_seconds()[1] == 0.010
+    decoder.min_rows = 2
+    assert decoder.recent_seconds()[1] == 0.013  # what the γ policy must plan with for a γ = 0 round
+
+
+@pytest.mark.parametrize("config", [SpecConfig(gamma=1), SpecConfig(gamma=3), SpecConfig(gamma=4, adaptive=True),
+                                    SpecConfig(gamma=2, adaptive=True, lookup=True)])
+def test_exact_speculative_equals_exact_target_only(int4_bundle, config):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=config, draft_head="trim-64")
+    assert engine.exact_for("spec") and not engine.exact_for("ar")
+    for prompt in ("def is_prime", "Summarize: speculative decoding drafts and verifies"):
+        reference = engine.complete(prompt, max_new_tokens=24, mode="ar", exact=True).token_ids
+        assert engine.complete(prompt, max_new_tokens=24).token_ids == reference
+        assert engine.target.min_rows == 2
+
+
+def test_exact_can_be_turned_off_and_on(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", exact=False)
+    assert not engine.exact_for("spec") and engine.exact_for("spec", True)
+    engine.complete("def f", max_new_tokens=4)
+    assert engine.target.min_rows == 1
+    engine.complete("def f", max_new_tokens=4, mode="ar", exact=True)
+    assert engine.target.min_rows == 2
