@@ -91,8 +91,14 @@ def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] |
 
 
 def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, temperatures: list[float],
-              max_new_tokens: int, spec: SpecConfig, seed: int = 0, progress=None) -> dict:
-    """Run every prompt in every mode and temperature; return raw records plus per-category summaries."""
+              max_new_tokens: int, spec: SpecConfig, seed: int = 0, repeats: int = 1, progress=None) -> dict:
+    """Run every prompt in every mode and temperature; return raw records plus per-category summaries.
+
+    With ``repeats`` > 1 each prompt goes through all modes that many times, interleaved, and each mode
+    keeps its fastest run (the least disturbed by other load on the machine); the identity flags must
+    hold in every run."""
+    if repeats < 1:
+        raise EdgeSpecError("repeats must be at least 1")
     records = []
     engine.spec_config = spec
     total = len(prompts) * len(temperatures)
@@ -102,41 +108,53 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
             prompt = item["prompt"]
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             references: dict[bool, list[int]] = {}  # target-only answers by numerics (exact or one-row)
-            for mode in modes:
-                if mode.name == "ar-exact" and temperature > 0:
-                    continue  # only greedy answers are compared token for token
-                engine.spec_config = mode.spec or dataclasses.replace(spec, lookup=spec.lookup or mode.lookup)
-                if mode.head:
-                    engine.use_draft_head(mode.head)
-                started = time.perf_counter()
-                completion = engine.complete(
-                    messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + index,
-                    mode="ar" if mode.head is None else mode.loop, exact=mode.exact,
-                )
-                exact = engine.exact_for("ar" if mode.head is None else mode.loop, mode.exact)
-                stats = completion.stats
-                record = {
-                    "category": item["category"], "prompt_index": index, "temperature": temperature,
-                    "mode": mode.name, "new_tokens": stats.new_tokens, "decode_seconds": stats.decode_seconds,
-                    "wall_seconds": time.perf_counter() - started, "tokens_per_second": stats.tokens_per_second,
-                }
-                if mode.head is None:
-                    references.setdefault(exact, completion.token_ids)
-                else:
-                    extra = stats.extra
-                    record.update({k: extra[k] for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma",
-                                                         "param_ratio", "target_calls", "draft_seconds",
-                                                         "verify_seconds", "head_seconds", "draft_steps",
-                                                         "candidate_recall", "first_token_acceptance",
-                                                         "cache_hit_rate")})
-                    record["identical_to_ar"] = completion.token_ids == references.get(exact)
-                    record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
-                records.append(record)
+            fastest: dict[str, dict] = {}
+            for _ in range(repeats):
+                for mode in modes:
+                    if mode.name == "ar-exact" and temperature > 0:
+                        continue  # only greedy answers are compared token for token
+                    record = _run_mode(engine, mode, messages, spec, references, max_new_tokens=max_new_tokens,
+                                       temperature=temperature, seed=seed + index)
+                    record.update(category=item["category"], prompt_index=index)
+                    kept = fastest.setdefault(mode.name, record)
+                    for flag in ("identical_to_ar", "identical_to_one_row_ar"):
+                        if flag in record:
+                            record[flag] = kept[flag] = record[flag] and kept[flag]
+                    if record["decode_seconds"] < kept["decode_seconds"]:
+                        fastest[mode.name] = record
+            records.extend(fastest.values())
             done += 1
             if progress:
                 progress(done, total)
     return {"records": records, "summary": summarize(records), "gamma": spec.gamma, "adaptive": spec.adaptive,
-            "max_new_tokens": max_new_tokens}
+            "max_new_tokens": max_new_tokens, "repeats": repeats}
+
+
+def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecConfig,
+              references: dict[bool, list[int]], *, max_new_tokens: int, temperature: float, seed: int) -> dict:
+    """One answer in one mode; the first target-only answer per numerics becomes the reference."""
+    engine.spec_config = mode.spec or dataclasses.replace(spec, lookup=spec.lookup or mode.lookup)
+    if mode.head:
+        engine.use_draft_head(mode.head)
+    loop = "ar" if mode.head is None else mode.loop
+    started = time.perf_counter()
+    completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                 mode=loop, exact=mode.exact)
+    exact = engine.exact_for(loop, mode.exact)
+    stats = completion.stats
+    record = {"temperature": temperature, "mode": mode.name, "new_tokens": stats.new_tokens,
+              "decode_seconds": stats.decode_seconds, "wall_seconds": time.perf_counter() - started,
+              "tokens_per_second": stats.tokens_per_second}
+    if mode.head is None:
+        references.setdefault(exact, completion.token_ids)
+        return record
+    record.update({k: stats.extra[k] for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma", "param_ratio",
+                                               "target_calls", "draft_seconds", "verify_seconds", "head_seconds",
+                                               "draft_steps", "candidate_recall", "first_token_acceptance",
+                                               "cache_hit_rate", "guess_rounds", "guess_accepted")})
+    record["identical_to_ar"] = completion.token_ids == references.get(exact)
+    record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
+    return record
 
 
 def summarize(records: list[dict]) -> list[dict]:

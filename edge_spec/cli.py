@@ -360,6 +360,8 @@ def bench(
     draft_threads: Optional[int] = DraftThreadsOpt,
     category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
+    repeat: int = typer.Option(1, "--repeat", help="Run every prompt this many times in all modes (interleaved) "
+                               "and keep each mode's fastest run: steadier ratios on a busy machine."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (.jsonl with category, prompt)."),
     output: Path = typer.Option(Path("bench-results"), "--output", help="Directory for JSON and PNG."),
     threads: int = ThreadsOpt,
@@ -386,7 +388,7 @@ def bench(
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("bench", total=len(items) * len(temperature))
         result = run_bench(engine, items, modes, temperatures=list(temperature), max_new_tokens=max_tokens,
-                           spec=_spec_config(gamma, schedule),
+                           spec=_spec_config(gamma, schedule), repeats=repeat,
                            progress=lambda done, total: bar.update(task, completed=done))
     out.print(format_table(result["summary"]))
     if sweep:

@@ -89,3 +89,38 @@ def test_exact_can_be_turned_off_and_on(int4_bundle):
     assert engine.target.min_rows == 1
     engine.complete("def f", max_new_tokens=4, mode="ar", exact=True)
     assert engine.target.min_rows == 2
+
+
+@pytest.fixture()
+def exact_engine(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="full")
+    engine.target.min_rows = 2
+    return engine
+
+
+def test_draftless_rounds_verify_a_free_guess_in_the_padding_row(exact_engine):
+    """γ = 0 rounds pay for two rows anyway: the second row carries a guess and is verified."""
+    from tests.test_speculative import PROMPTS, run
+    from edge_spec.runtime.sampling import SamplingParams
+
+    guesses = accepted = 0
+    for prompt in PROMPTS:
+        ids = exact_engine.tokenizer.encode(prompt)
+        reference, _ = run(exact_engine, ids, SamplingParams(), 40, None)
+        got, stats = run(exact_engine, ids, SamplingParams(), 40, SpecConfig(gamma=0))
+        assert got == reference
+        assert stats.guess_rounds == stats.target_calls - 1  # the last round has no room for a draft
+        guesses += stats.guess_rounds
+        accepted += stats.guess_accepted
+    assert guesses and 0 < accepted < guesses, "guesses were never (or always) accepted: case not exercised"
+
+
+def test_sampled_free_guesses_keep_the_target_distribution(exact_engine):
+    from tests.test_speculative import _chi_square_same_distribution, _first_tokens
+    from edge_spec.runtime.sampling import SamplingParams
+
+    params = SamplingParams(temperature=1.0)
+    ids = exact_engine.tokenizer.encode("The quick")
+    ar = _first_tokens(exact_engine, ids, params, None, 1500)
+    guessed = _first_tokens(exact_engine, ids, params, SpecConfig(gamma=0), 1500, seed_offset=10**6)
+    assert _chi_square_same_distribution(ar, guessed) > 1e-3

@@ -7,8 +7,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 
 from edge_spec.bench import load_bench_prompts, modes_for, run_bench
+from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.speculative import SpecConfig
 
@@ -139,3 +141,15 @@ def test_bench_ssd_modes(int4_bundle):
                        spec=SpecConfig(gamma=2))
     ssd = [r for r in result["records"] if r["mode"].endswith("ssd@γ2")]
     assert ssd and ssd[0]["identical_to_ar"] and 0.0 <= ssd[0]["cache_hit_rate"] <= 1.0
+
+
+def test_bench_repeats_keep_one_record_per_prompt_and_mode(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
+    prompts = load_bench_prompts(None, ["code"], 1)
+    modes = modes_for(engine, ["trim-64"], [1])
+    result = run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=8, spec=SpecConfig(gamma=2),
+                       repeats=2)
+    assert sorted(r["mode"] for r in result["records"]) == sorted(m.name for m in modes)
+    assert all(r["identical_to_ar"] for r in result["records"] if "tau" in r)
+    with pytest.raises(EdgeSpecError, match="repeats"):
+        run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=8, spec=SpecConfig(), repeats=0)

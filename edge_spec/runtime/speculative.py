@@ -78,6 +78,8 @@ class SpecStats:
     lookup_rounds: int = 0  # rounds drafted by prompt lookup instead of the drafter
     lookup_drafted: int = 0  # their drafts: no drafter step was spent on them
     lookup_accepted: int = 0
+    guess_rounds: int = 0  # draft-less rounds whose padding row carried a free guess (exact mode)
+    guess_accepted: int = 0
     draft_seconds: float = 0.0
     head_seconds: float = 0.0  # part of draft_seconds spent in the drafter's LM head
     verify_seconds: float = 0.0
@@ -129,12 +131,14 @@ class SpecStats:
             "prepare_seconds": self.prepare_seconds,
             "lookup_rounds": self.lookup_rounds,
             "lookup_accepted": self.lookup_accepted,
+            "guess_rounds": self.guess_rounds,
+            "guess_accepted": self.guess_accepted,
             "mbsu": self.tau / (param_ratio * gamma + 1) if self.accepted else 0.0,
             "param_ratio": param_ratio,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "head_seconds": self.head_seconds,
-            "draft_steps": sum(self.drafted) - self.lookup_drafted,
+            "draft_steps": sum(self.drafted) - self.lookup_drafted - self.guess_rounds,
             "candidate_recall": self.candidate_recall,
             "accepted_lengths": list(self.accepted),
         }
@@ -269,17 +273,26 @@ def _lookup_block(lookup: NgramLookup, choice: LookupChoice, committed: list[int
     costs = (CostModel(drafter.step_estimate, target.recent_seconds())
              if drafter.step_estimate is not None and target.recent_seconds() else None)
     take = choice.lookup_gamma(costs, config.gamma, config.adaptive)
-    if not take:
-        return None
-    block = DraftBlock(tokens=proposal[:take])
-    block.candidates = [None] * len(block.tokens)
-    block.confidences = [1.0] * len(block.tokens)
+    return point_mass_block(proposal[:take], params, target.vocab_size) if take else None
+
+
+def point_mass_block(tokens: list[int], params: SamplingParams, vocab_size: int) -> "DraftBlock":
+    """Drafts that are a function of the prefix alone (lookup, guesses): q is a point mass on each."""
+    block = DraftBlock(tokens=list(tokens), candidates=[None] * len(tokens), confidences=[1.0] * len(tokens))
     if not params.greedy:
-        for token in block.tokens:
-            row = np.zeros(target.vocab_size)
+        for token in tokens:
+            row = np.zeros(vocab_size)
             row[token] = 1.0
             block.q_rows.append(row)
     return block
+
+
+def free_guess(guesser: NgramLookup, committed: list[int], params: SamplingParams, vocab_size: int) -> "DraftBlock":
+    """A round without drafts still runs a two-row pass when the target is batch-invariant
+    (``Decoder.min_rows``): put a free guess in that row instead of a throw-away copy -- what followed
+    the latest earlier occurrence of the last tokens, else the last token again -- verified like a
+    lookup draft, so it costs nothing and is kept whenever the target agrees."""
+    return point_mass_block((guesser.propose(committed, 1) or committed[-1:])[:1], params, vocab_size)
 
 
 def generate_speculative(
@@ -297,6 +310,7 @@ def generate_speculative(
     draft = drafter.decoder
     policy = AdaptiveGamma(config.gamma) if config.adaptive else None
     lookup, choice = (NgramLookup() if config.lookup else None), LookupChoice()
+    guesser = NgramLookup(min_n=1)  # fills the padding row of draft-less rounds (see free_guess)
     committed = prefill_both(target, drafter, prompt_ids, params, rng)
     emitted = 1
     yield committed[-1]
@@ -317,6 +331,9 @@ def generate_speculative(
                 gamma = 0 if round_rule is None else round_rule.gamma_max
             block = draft_chain(drafter, feed, params, rng, min(gamma, room), config.min_confidence,
                                 target.vocab_size, round_rule)
+        guessed = not block.tokens and room > 0 and target.min_rows > 1
+        if guessed:
+            block = free_guess(guesser, committed, params, target.vocab_size)
         drafts = block.tokens
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
@@ -336,13 +353,17 @@ def generate_speculative(
             stats.lookup_rounds += 1
             stats.lookup_drafted += len(drafts)
             stats.lookup_accepted += result.accepted
+        elif guessed:  # a drafter-less round for the policy; its own tally
+            stats.guess_rounds += 1
+            stats.guess_accepted += result.accepted
         else:
             for token, ids in zip(result.tokens, block.candidates):
                 stats.candidate_checks += 1
                 stats.candidate_hits += bool(ids is None or token in ids)
             if policy is not None:
                 policy.update(len(drafts), result.accepted, block.confidences)
-        choice.update(from_lookup, len(drafts), result.accepted)
+        if not guessed:
+            choice.update(from_lookup, len(drafts), result.accepted)
 
         # 3. roll back both caches to the accepted prefix; the correction/bonus token becomes pending.
         target.rewind(base + 1 + result.accepted)
