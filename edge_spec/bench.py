@@ -62,8 +62,9 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
 
 
 def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] | None = None,
-              multidraft: list[SpecConfig] = (), ssd: list[SpecConfig] = (), lookup: bool = False) -> list[BenchMode]:
-    """ar, then per head: one mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft
+              multidraft: list[SpecConfig] = (), ssd: list[SpecConfig] = (), lookup: bool = False,
+              reference: bool = True) -> list[BenchMode]:
+    """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft
     configuration (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own
     schedule; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``)."""
     available = list(engine.manifest["draft"]["heads"])
@@ -72,7 +73,7 @@ def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] |
         if head not in available:
             raise EdgeSpecError(f"bundle has no drafter head {head!r}; available: {', '.join(available)}")
     modes = [BenchMode("ar", None)]
-    if engine.exact_for("spec") and not engine.exact_for("ar"):
+    if reference and engine.exact_for("spec") and not engine.exact_for("ar"):
         modes.append(BenchMode("ar-exact", None, exact=True))  # the reference of greedy exact modes
     for head in chosen:
         name = "spec" if head == "full" else f"spec+{head}"
@@ -152,7 +153,8 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecC
                                                "target_calls", "draft_seconds", "verify_seconds", "head_seconds",
                                                "draft_steps", "candidate_recall", "first_token_acceptance",
                                                "cache_hit_rate", "guess_rounds", "guess_accepted")})
-    record["identical_to_ar"] = completion.token_ids == references.get(exact)
+    reference = references.get(exact)  # None: no target-only run with these numerics (--no-reference)
+    record["identical_to_ar"] = None if reference is None else completion.token_ids == reference
     record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
     return record
 
@@ -190,7 +192,8 @@ def summarize(records: list[dict]) -> list[dict]:
                                            / calls if calls else 0.0),
                         "first_token_acceptance": (sum(r.get("first_token_acceptance", 0.0) * r["target_calls"]
                                                        for r in rows) / calls if calls else 0.0),
-                        "identical_to_ar": all(r["identical_to_ar"] for r in rows) if temperature == 0 else None,
+                        "identical_to_ar": (all(r["identical_to_ar"] for r in rows) if temperature == 0 and all(
+                            r["identical_to_ar"] is not None for r in rows) else None),
                         "identical_to_one_row_ar": (sum(r["identical_to_one_row_ar"] for r in rows)
                                                     if temperature == 0 else None)})
         out.append(row)

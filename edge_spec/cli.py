@@ -360,6 +360,8 @@ def bench(
     draft_threads: Optional[int] = DraftThreadsOpt,
     category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="Greedy: also time ar-exact, the "
+                                   "target-only answer the exact speculative modes must equal token for token."),
     repeat: int = typer.Option(1, "--repeat", help="Run every prompt this many times in all modes (interleaved) "
                                "and keep each mode's fastest run: steadier ratios on a busy machine."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (.jsonl with category, prompt)."),
@@ -381,7 +383,7 @@ def bench(
     gammas = list(_int_list(sweep, "--sweep")) if sweep else None
     multidraft = [_spec_config(g, "fixed", drafts, v) for v in verifier for g in (gammas or [gamma])]
     ssd_configs = [SpecConfig(gamma=g) for g in (gammas or [gamma])] if ssd else []
-    modes = modes_for(engine, head or None, gammas, multidraft, ssd_configs, lookup)
+    modes = modes_for(engine, head or None, gammas, multidraft, ssd_configs, lookup, reference)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=False)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)

@@ -72,15 +72,22 @@ def fold_acceptance(alpha: float, smoothing: float, drafted: int, accepted: int)
     return (1 - weight) * alpha + weight * (accepted / trials)
 
 
-def best_gamma(alpha: float, costs: CostModel, gamma_max: int, prefer_drafting: float = 0.03) -> int:
+def best_gamma(alpha: float, costs: CostModel, gamma_max: int, prefer_drafting: float = 0.03,
+               prefer_shorter: float = 0.03) -> int:
     """The γ in 0..γ_max maximizing expected tokens per second.
 
     Plain decoding (γ = 0) must win by ``prefer_drafting`` (relative): α is a noisy running estimate,
     near the break-even point both choices cost about the same, and every stretch without drafts
-    leaves the drafter to catch up later and α without fresh evidence.
+    leaves the drafter to catch up later and α without fresh evidence.  Among drafting lengths the
+    shortest within ``prefer_shorter`` of the best is taken: where one more draft is worth about its
+    cost (γ = 1 against 2 on a compute-bound CPU), α's noise and the geometric model's optimism
+    about the second and later drafts make the longer choice lose more often than it wins.
     """
     rates = [expected_tokens(alpha, g) / costs.round_cost(g) for g in range(gamma_max + 1)]
-    best = max(range(1, gamma_max + 1), key=lambda g: (rates[g], -g)) if gamma_max else 0
+    if not gamma_max:
+        return 0
+    top = max(rates[1:])
+    best = min(g for g in range(1, gamma_max + 1) if rates[g] * (1 + prefer_shorter) >= top)
     return 0 if rates[0] > rates[best] * (1 + prefer_drafting) else best
 
 
@@ -186,6 +193,7 @@ class DraftRound:
     next_acceptance: float  # acceptance guess for a draft not yet made (its confidence unknown)
     forced: bool = False  # keep every draft (probe rounds)
     acceptance_of: Callable[[float], float] | None = None  # drafter confidence -> acceptance estimate
+    margin: float = 0.03  # another draft must beat the round's rate by this much (relative)
     kept: int = 0
     survive: float = 1.0  # P(all kept drafts accepted)
     expected: float = 1.0
@@ -216,4 +224,4 @@ class DraftRound:
         rate = self.expected / (sunk + self.costs.verify_cost(drafted + 1))
         gain = self.survive * self.next_acceptance
         extra = self.costs.draft + self.costs.verify_cost(drafted + 2) - self.costs.verify_cost(drafted + 1)
-        return True, gain / extra > rate
+        return True, gain / extra > rate * (1 + self.margin)  # same bias to shorter rounds as best_gamma
