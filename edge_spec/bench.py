@@ -138,6 +138,8 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecC
     if mode.head:
         engine.use_draft_head(mode.head)
     loop = "ar" if mode.head is None else mode.loop
+    decoders = {"target": engine.target, "draft": engine.draft.decoder if mode.head else None}
+    before = {role: _pass_log(d) for role, d in decoders.items()}
     started = time.perf_counter()
     completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                  mode=loop, exact=mode.exact)
@@ -146,6 +148,8 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecC
     record = {"temperature": temperature, "mode": mode.name, "new_tokens": stats.new_tokens,
               "decode_seconds": stats.decode_seconds, "wall_seconds": time.perf_counter() - started,
               "tokens_per_second": stats.tokens_per_second}
+    for role, decoder in decoders.items():  # ORT passes of this answer by rows, prefill left out
+        record[f"{role}_passes"] = _decode_passes(before[role], _pass_log(decoder))
     if mode.head is None:
         references.setdefault(exact, completion.token_ids)
         return record
@@ -159,23 +163,84 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecC
     return record
 
 
+def _pass_log(decoder) -> dict[int, tuple[int, float]]:
+    """A decoder's cumulative (calls, seconds) per number of rows fed (empty for no decoder)."""
+    if decoder is None:
+        return {}
+    return {n: (decoder.stats.calls[n], decoder.stats.seconds[n]) for n in decoder.stats.calls}
+
+
+def _decode_passes(before: dict, after: dict) -> dict[str, list[float]]:
+    """Passes made between two logs as {rows: [calls, seconds]}, without the prefill: the pass over the
+    most rows (a prompt is longer than any draft block)."""
+    passes = {}
+    for n, (calls, seconds) in after.items():
+        done, spent = before.get(n, (0, 0.0))
+        if calls > done:
+            passes[n] = [calls - done, seconds - spent]
+    if passes:
+        prefill = max(passes)
+        calls, seconds = passes[prefill]
+        if calls == 1:
+            del passes[prefill]
+        else:
+            passes[prefill] = [calls - 1, seconds * (calls - 1) / calls]
+    return {str(n): v for n, v in sorted(passes.items())}
+
+
+def cost_normalized_seconds(records: list[dict]) -> dict[int, float]:
+    """Per record (by ``id``): its decode time with every ORT pass priced at the run's mean latency for
+    that decoder and row count, plus the record's own time outside ORT (head, numpy, Python).
+
+    Why: on a shared machine two runs of the same passes differ by ±5%, about the size of the
+    differences between γ schedules; pricing all modes' passes with one table keeps exactly what a
+    schedule changes (how many passes of how many rows, how many drafter steps) and drops when each
+    run happened to be slowed down by other load."""
+    table: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for r in records:
+        for role in ("target", "draft"):
+            for n, (calls, seconds) in r.get(f"{role}_passes", {}).items():
+                table[(role, n)][0] += calls
+                table[(role, n)][1] += seconds
+    price = {key: seconds / calls for key, (calls, seconds) in table.items() if calls}
+    normalized = {}
+    for r in records:
+        if "target_passes" not in r:
+            continue
+        measured = priced = 0.0
+        for role in ("target", "draft"):
+            for n, (calls, seconds) in r.get(f"{role}_passes", {}).items():
+                measured += seconds
+                priced += calls * price[(role, n)]
+        normalized[id(r)] = priced + max(r["decode_seconds"] - measured, 0.0)
+    return normalized
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """Aggregate per (temperature, category, mode), plus an 'overall' category."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["temperature"], r["category"], r["mode"])].append(r)
         groups[(r["temperature"], "overall", r["mode"])].append(r)
-    throughput = {}
+    normalized = cost_normalized_seconds(records)
+    throughput, priced = {}, {}
     for key, rows in groups.items():
         tokens = sum(max(r["new_tokens"] - 1, 0) for r in rows)
         seconds = sum(r["decode_seconds"] for r in rows)
         throughput[key] = tokens / seconds if seconds else 0.0
+        if all(id(r) in normalized for r in rows):
+            seconds = sum(normalized[id(r)] for r in rows)
+            priced[key] = tokens / seconds if seconds else 0.0
     out = []
     for (temperature, category, mode), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] == "overall", kv[0][1], kv[0][2] != "ar", kv[0][2])):
         row = {"temperature": temperature, "category": category, "mode": mode, "prompts": len(rows),
                "tokens_per_second": throughput[(temperature, category, mode)]}
         ar = throughput.get((temperature, category, "ar"))
         row["speedup_vs_ar"] = row["tokens_per_second"] / ar if ar else None
+        key, ar_key = (temperature, category, mode), (temperature, category, "ar")
+        if key in priced and priced.get(ar_key):  # the same ratio with every pass at the run's mean price
+            row["normalized_tokens_per_second"] = priced[key]
+            row["normalized_speedup_vs_ar"] = priced[key] / priced[ar_key]
         if "tau" in rows[0]:  # a speculative mode
             calls = sum(r["target_calls"] for r in rows)
             emitted = sum(r["tau"] * r["target_calls"] for r in rows)
@@ -201,10 +266,13 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def format_table(summary: list[dict]) -> str:
+    """One row per (temperature, category, mode).  ``x ar``: wall-clock speed-up; ``xar$``: the same with
+    every ORT pass priced at the run's mean latency (see :func:`cost_normalized_seconds`); ``same``:
+    greedy answers equal target-only decoding with the same numerics; ``=ar1``: how many equal one-row ar."""
     lines = []
     header = (f"{'T':>4} {'category':14s} {'mode':36s} {'tau':>5} {'MBSU':>5} {'1st acc':>7} {'recall':>6} "
               f"{'head ms':>7} "
-              f"{'tok/s':>6} {'x ar':>5} {'same':>5} {'=ar1':>5}")
+              f"{'tok/s':>6} {'x ar':>5} {'xar$':>5} {'same':>5} {'=ar1':>5}")
     current = None
     for row in summary:
         if row["temperature"] != current:
@@ -218,14 +286,16 @@ def format_table(summary: list[dict]) -> str:
             f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row.get('first_token_acceptance', 0.0):7.3f} "
             f"{row.get('candidate_recall', 1.0):6.3f} "
             f"{row.get('head_ms_per_step', 0.0):7.2f} {row['tokens_per_second']:6.1f} "
-            f"{row['speedup_vs_ar'] or 0:5.2f} {'' if same is None else ('yes' if same else 'NO'):>5} "
+            f"{row['speedup_vs_ar'] or 0:5.2f} {row.get('normalized_speedup_vs_ar') or 0:5.2f} "
+            f"{'' if same is None else ('yes' if same else 'NO'):>5} "
             f"{one_row:>5}"
         )
     return "\n".join(lines)
 
 
 def schedule_report(summary: list[dict]) -> str:
-    """Per category: the schedule mode (e.g. adaptive) against the best fixed γ of the same head."""
+    """Per category: the schedule mode (e.g. adaptive) against the best fixed γ of the same head, in
+    wall-clock and (when the run logged its passes) with every pass at the run's mean price."""
     lines = []
     by_key = {(r["temperature"], r["category"], r["mode"]): r for r in summary}
     for (temperature, category, mode), row in by_key.items():
@@ -233,11 +303,15 @@ def schedule_report(summary: list[dict]) -> str:
                  and m.startswith(mode + "@γ")]
         if not fixed or mode == "ar":
             continue
-        best = max(fixed, key=lambda r: r["tokens_per_second"])
-        ar = by_key[(temperature, category, "ar")]["tokens_per_second"]
-        lines.append(f"{temperature:>4.1f} {category:14s} {mode:30s} {row['tokens_per_second'] / ar:5.2f}x ar; "
-                     f"best fixed {best['mode'].rsplit('@', 1)[1]} {best['tokens_per_second'] / ar:5.2f}x ar; "
-                     f"schedule / best fixed = {row['tokens_per_second'] / best['tokens_per_second']:.3f}")
+        line = f"{temperature:>4.1f} {category:14s} {mode:30s}"
+        for label, rate in (("wall", "tokens_per_second"), ("priced", "normalized_tokens_per_second")):
+            if rate not in row:
+                continue
+            best = max(fixed, key=lambda r: r[rate])
+            ar = by_key[(temperature, category, "ar")][rate]
+            line += (f" | {label}: {row[rate] / ar:5.2f}x ar, best fixed {best['mode'].rsplit('@', 1)[1]} "
+                     f"{best[rate] / ar:5.2f}x, schedule / best = {row[rate] / best[rate]:.3f}")
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -124,3 +124,18 @@ def test_sampled_free_guesses_keep_the_target_distribution(exact_engine):
     ar = _first_tokens(exact_engine, ids, params, None, 1500)
     guessed = _first_tokens(exact_engine, ids, params, SpecConfig(gamma=0), 1500, seed_offset=10**6)
     assert _chi_square_same_distribution(ar, guessed) > 1e-3
+
+
+@pytest.mark.parametrize("config", [SpecConfig(gamma=2), SpecConfig(gamma=1, speculations=0)])
+def test_exact_ssd_equals_exact_target_only(exact_engine, config):
+    """SSD verifies plain chains, so it is exact like the chain loop (multi-draft trees are not: a
+    branch other than the first sits at other cache slots, and attention sums it in another order)."""
+    from tests.test_speculative import PROMPTS, run
+    from edge_spec.runtime.sampling import SamplingParams
+    from edge_spec.runtime.ssd import generate_ssd
+
+    for prompt in PROMPTS:
+        ids = exact_engine.tokenizer.encode(prompt)
+        reference, _ = run(exact_engine, ids, SamplingParams(), 30, None)
+        got, _ = run(exact_engine, ids, SamplingParams(), 30, config, loop=generate_ssd)
+        assert got == reference, f"{config} {prompt!r}"

@@ -153,3 +153,19 @@ def test_bench_repeats_keep_one_record_per_prompt_and_mode(int4_bundle):
     assert all(r["identical_to_ar"] for r in result["records"] if "tau" in r)
     with pytest.raises(EdgeSpecError, match="repeats"):
         run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=8, spec=SpecConfig(), repeats=0)
+
+
+def test_cost_normalized_rates_price_every_pass_alike():
+    from edge_spec.bench import cost_normalized_seconds, summarize
+
+    # two runs of the same passes, the second slowed down by other load: one price per (decoder, rows)
+    fast = {"category": "code", "temperature": 0.0, "mode": "ar", "new_tokens": 11, "decode_seconds": 1.05,
+            "target_passes": {"1": [10, 1.0]}, "draft_passes": {}}
+    slow = dict(fast, mode="spec@γ1", decode_seconds=1.55, target_passes={"1": [10, 1.5]}, tau=1.0,
+                mbsu=1.0, mean_gamma=0.0, param_ratio=0.2, target_calls=10, acceptance_rate=0.0, head_seconds=0.0,
+                draft_steps=0, candidate_recall=1.0, identical_to_ar=True, identical_to_one_row_ar=True)
+    seconds = cost_normalized_seconds([fast, slow])
+    assert seconds[id(fast)] == pytest.approx(1.25 + 0.05) and seconds[id(slow)] == pytest.approx(1.25 + 0.05)
+    rows = {r["mode"]: r for r in summarize([fast, slow]) if r["category"] == "code"}
+    assert rows["spec@γ1"]["speedup_vs_ar"] == pytest.approx(1.05 / 1.55)
+    assert rows["spec@γ1"]["normalized_speedup_vs_ar"] == pytest.approx(1.0)

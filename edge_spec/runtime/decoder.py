@@ -24,7 +24,9 @@ layers to a few tenths of a logit and flips near-tie argmaxes.  A decoder with `
 one-token pass with one throw-away row (its slot lies beyond ``self.tokens``, so it is never attended
 to and is overwritten by the next pass): then the logits of every position are a function of the token
 sequence alone, whatever the draft lengths were, and greedy speculative decoding reproduces greedy
-target-only decoding run the same way bit for bit.
+target-only decoding run the same way bit for bit.  Draft trees keep that only for the first branch:
+the nodes of later branches sit at other cache slots than a chain would put them, so attention sums
+their terms in another order.
 """
 
 from __future__ import annotations
