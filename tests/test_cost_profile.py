@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from edge_spec.runtime import cost_profile
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.speculative import SpecConfig
@@ -33,3 +35,19 @@ def test_memory_bound_bytes_ratio_reported(int4_bundle):
     extra = engine.complete("def is_prime", max_new_tokens=12).stats.extra
     assert 0 < extra["bytes_ratio"] < 1.5
     assert extra["mbsu_bytes"] == extra["tau"] / (extra["bytes_ratio"] * extra["mean_gamma"] + 1)
+
+
+def test_profiled_latencies_follow_the_measured_ones():
+    """A machine slowed down by other load: the 2-row pass is measured 1.5x its profile, so the profiled
+    3-row pass, not measured since, is scaled alike (else a longer draft would look cheap)."""
+    from edge_spec.runtime.decoder import DecoderStats
+
+    stats = DecoderStats()
+    for n, seconds in {1: 0.050, 2: 0.056, 3: 0.082}.items():
+        stats.seed(n, seconds)
+    assert stats.recent_seconds() == {1: 0.050, 2: 0.056, 3: 0.082}
+    for _ in range(30):
+        stats.add(2, 0.084)
+    recent = stats.recent_seconds()
+    assert recent[2] == pytest.approx(0.084)
+    assert recent[3] == pytest.approx(0.082 * 1.5) and recent[1] == pytest.approx(0.050 * 1.5)

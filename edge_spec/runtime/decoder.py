@@ -50,22 +50,32 @@ class DecoderStats:
     calls: dict[int, int] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     recent: dict[int, float] = field(default_factory=dict)  # moving average, first (cold) call left out
+    profile: dict[int, float] = field(default_factory=dict)  # latencies profiled at load (see seed)
 
     def add(self, n_tokens: int, seconds: float) -> None:
         self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
         self.seconds[n_tokens] = self.seconds.get(n_tokens, 0.0) + seconds
-        if n_tokens in self.recent:
+        if self.calls[n_tokens] == 2 or (self.calls[n_tokens] > 2 and n_tokens not in self.recent):
+            self.recent[n_tokens] = seconds  # the first (cold) call is left out; a profiled seed is replaced
+        elif self.calls[n_tokens] > 2:
             self.recent[n_tokens] = 0.8 * self.recent[n_tokens] + 0.2 * seconds
-        elif self.calls[n_tokens] >= 2:  # the first (cold) call is left out
-            self.recent[n_tokens] = seconds
 
     def seed(self, n_tokens: int, seconds: float) -> None:
-        """Start the moving average from a profiled latency (later calls refine it)."""
-        self.recent[n_tokens] = seconds
+        """Use a profiled latency until calls of this size have been measured."""
+        self.recent[n_tokens] = self.profile[n_tokens] = seconds
+
+    def _measured(self, n_tokens: int) -> bool:
+        return self.calls.get(n_tokens, 0) >= 2
 
     def recent_seconds(self, max_tokens: int = 16) -> dict[int, float]:
-        """Recent latency per number of new tokens (decode-sized calls seen at least twice)."""
-        return {n: t for n, t in self.recent.items() if n <= max_tokens}
+        """Recent latency per number of new tokens (decode-sized calls seen at least twice).
+
+        Profiled sizes not measured since are scaled by how far the measured ones moved from their
+        profile (median ratio): when other load slows the machine down, a 2-row pass measured now and a
+        3-row pass profiled at load time must not be compared as they are, or longer drafts look cheap."""
+        ratios = sorted(self.recent[n] / t for n, t in self.profile.items() if self._measured(n) and t > 0)
+        scale = ratios[len(ratios) // 2] if ratios else 1.0
+        return {n: t if self._measured(n) else t * scale for n, t in self.recent.items() if n <= max_tokens}
 
 
 class Decoder:
