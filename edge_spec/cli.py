@@ -49,7 +49,7 @@ LookupOpt = typer.Option(True, "--lookup/--no-lookup", help="spec: also draft by
                          "occurrence of the last tokens) in rounds where that beats the drafter.")
 ExactOpt = typer.Option(None, "--exact/--no-exact", help="Batch-invariant target passes (one-token passes get a "
                         "throw-away second row), so greedy output is bit-identical in every mode. Default: on "
-                        "for spec/ssd, off for ar (one-row decoding is ~15% faster but rounds differently).")
+                        "for spec/ssd, off for ar (one-row decoding is 15-25% faster but rounds differently).")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")
 
 

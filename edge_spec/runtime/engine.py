@@ -105,7 +105,7 @@ class Engine:
         ``exact`` makes every target pass batch-invariant (one-token passes get a throw-away second row,
         see :mod:`decoder`): greedy output is then the same bit for bit in every mode, whatever the
         draft lengths.  The default (None) is exact in the speculative modes, where nearly every pass has
-        several rows anyway, and plain one-row decoding in ``"ar"`` mode, which is about 15% faster but
+        several rows anyway, and plain one-row decoding in ``"ar"`` mode, which is 15-25% faster but
         rounds differently, so it can part from the speculative answer at a numerical near-tie.
         The drafter is loaded on first use when ``mode="ar"``.  ``mode="ssd"`` drafts the next round while
         the target verifies (:mod:`ssd`): give the two models their own cores or devices with

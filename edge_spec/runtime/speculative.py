@@ -23,6 +23,7 @@ autoregressive loop samples from, and the exact ``q`` each draft was drawn from
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -332,8 +333,9 @@ def generate_speculative(
             block = draft_chain(drafter, feed, params, rng, min(gamma, room), config.min_confidence,
                                 target.vocab_size, round_rule)
         guessed = not block.tokens and room > 0 and target.min_rows > 1
-        if guessed:
-            block = free_guess(guesser, committed, params, target.vocab_size)
+        if guessed:  # (a drafter step whose draft was dropped still counts for the step estimate)
+            block = dataclasses.replace(free_guess(guesser, committed, params, target.vocab_size),
+                                        step_seconds=block.step_seconds)
         drafts = block.tokens
         verify_started = time.perf_counter()
         stats.draft_seconds += verify_started - started
