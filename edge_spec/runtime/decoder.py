@@ -55,7 +55,7 @@ class DecoderStats:
     def add(self, n_tokens: int, seconds: float) -> None:
         self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
         self.seconds[n_tokens] = self.seconds.get(n_tokens, 0.0) + seconds
-        if self.calls[n_tokens] == 2 or (self.calls[n_tokens] > 2 and n_tokens not in self.recent):
+        if self.calls[n_tokens] == 2:
             self.recent[n_tokens] = seconds  # the first (cold) call is left out; a profiled seed is replaced
         elif self.calls[n_tokens] > 2:
             self.recent[n_tokens] = 0.8 * self.recent[n_tokens] + 0.2 * seconds
