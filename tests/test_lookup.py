@@ -69,7 +69,7 @@ def test_greedy_with_lookup_equals_autoregressive(engine, gamma, adaptive):
 def test_sampled_with_lookup_matches_target_distribution(engine, monkeypatch):
     """Lookup drafts are verified against a point-mass q.  To exercise that path in every round, the
     lookup here proposes a fixed function of the prefix (still a valid deterministic drafter)."""
-    monkeypatch.setattr(NgramLookup, "propose", lambda self, tokens, gamma: [tokens[-1], 5][:gamma])
+    monkeypatch.setattr(NgramLookup, "propose", lambda self, tokens, gamma, min_n=None: [tokens[-1], 5][:gamma])
     params = SamplingParams(temperature=1.0)
     ids = engine.tokenizer.encode(REPETITIVE[0])
     n = 1500
@@ -82,3 +82,12 @@ def test_sampled_with_lookup_matches_target_distribution(engine, monkeypatch):
         rounds += stats.lookup_rounds
     assert rounds > n // 2
     assert _chi_square_same_distribution(ar, spec) > 1e-3
+
+
+def test_one_index_serves_longer_matches():
+    """The loop keeps one index (1-grams up) for free guesses and asks it for 2+ token lookup matches."""
+    seq = [3, 9, 1, 2, 4, 7, 1, 5, 1]
+    shared = NgramLookup(min_n=1)
+    assert shared.propose(seq, 2) == [5, 1]  # a 1-token match: "1" last ended before 5
+    assert shared.propose(seq, 2, min_n=2) == NgramLookup(min_n=2).propose(seq, 2) == []
+    assert shared.propose(seq + [5], 2, min_n=2) == [1, 5]  # "1 5" occurred before, followed by 1 5

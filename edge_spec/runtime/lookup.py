@@ -15,19 +15,24 @@ from dataclasses import dataclass
 from edge_spec.runtime.policy import CostModel, best_gamma, expected_tokens, fold_acceptance
 
 
+LOOKUP_MIN_N = 2  # a lookup draft continues a match of at least this many tokens
+
+
 class NgramLookup:
     """Index of n-grams (``min_n``..``max_n`` tokens) of one growing sequence -> where each last ended."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = LOOKUP_MIN_N, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError("need 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> index just past its latest occurrence
         self._indexed = 0  # n-grams ending before this index are in _ends
 
-    def propose(self, tokens: list[int], gamma: int) -> list[int]:
+    def propose(self, tokens: list[int], gamma: int, min_n: int | None = None) -> list[int]:
         """Up to γ tokens that followed the longest (then latest) earlier occurrence of the sequence's
-        suffix; [] when no suffix of ``min_n`` tokens or more occurred before."""
+        suffix; [] when no suffix of ``min_n`` tokens or more occurred before (default and floor: the
+        index's own ``min_n``, so one index serves callers that need longer matches)."""
+        shortest = self.min_n if min_n is None else max(min_n, self.min_n)
         end = len(tokens)
         # index every n-gram that ends before the last token: the suffix itself must not match itself
         for stop in range(max(self._indexed, 1), end):
@@ -37,7 +42,7 @@ class NgramLookup:
         self._indexed = max(self._indexed, end)
         if gamma <= 0:
             return []
-        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+        for n in range(min(self.max_n, end), shortest - 1, -1):
             start = self._ends.get(tuple(tokens[end - n:]))
             if start is not None:
                 return list(tokens[start:start + gamma])

@@ -32,7 +32,7 @@ import numpy as np
 
 from edge_spec.runtime.decoder import Decoder
 from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
-from edge_spec.runtime.lookup import LookupChoice, NgramLookup
+from edge_spec.runtime.lookup import LOOKUP_MIN_N, LookupChoice, NgramLookup
 from edge_spec.runtime.policy import AdaptiveGamma, CostModel, DraftRound
 from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verification import VerifyResult, verify_greedy, verify_speculative
@@ -268,7 +268,7 @@ def _lookup_block(lookup: NgramLookup, choice: LookupChoice, committed: list[int
                   target: Decoder, config: SpecConfig, params: SamplingParams, room: int) -> "DraftBlock | None":
     """This round's drafts from a lookup match when there is one and it pays (None: use the drafter).
     Lookup drafts are a function of the prefix, so their q is a point mass (see lookup.py)."""
-    proposal = lookup.propose(committed, min(config.gamma, room))
+    proposal = lookup.propose(committed, min(config.gamma, room), min_n=LOOKUP_MIN_N)
     if not proposal:
         return None
     costs = (CostModel(drafter.step_estimate, target.recent_seconds())
@@ -310,8 +310,8 @@ def generate_speculative(
     stats = stats if stats is not None else SpecStats()
     draft = drafter.decoder
     policy = AdaptiveGamma(config.gamma) if config.adaptive else None
-    lookup, choice = (NgramLookup() if config.lookup else None), LookupChoice()
-    guesser = NgramLookup(min_n=1)  # fills the padding row of draft-less rounds (see free_guess)
+    ngrams = NgramLookup(min_n=1)  # one index of the sequence: lookup drafts (2+ token matches), free guesses
+    lookup, choice = (ngrams if config.lookup else None), LookupChoice()
     committed = prefill_both(target, drafter, prompt_ids, params, rng)
     emitted = 1
     yield committed[-1]
@@ -334,7 +334,7 @@ def generate_speculative(
                                 target.vocab_size, round_rule)
         guessed = not block.tokens and room > 0 and target.min_rows > 1
         if guessed:  # (a drafter step whose draft was dropped still counts for the step estimate)
-            block = dataclasses.replace(free_guess(guesser, committed, params, target.vocab_size),
+            block = dataclasses.replace(free_guess(ngrams, committed, params, target.vocab_size),
                                         step_seconds=block.step_seconds)
         drafts = block.tokens
         verify_started = time.perf_counter()
