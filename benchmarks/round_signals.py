@@ -1,0 +1,276 @@
+"""Which signals, known before the drafter step, predict that a round's first draft will be rejected?
+
+On a 2-core CPU a drafted round (γ = 1) costs a drafter step plus a two-row verify pass; a round
+without drafts costs only the (padded, batch-invariant) two-row pass and still carries a free guess.
+Skipping the drafter pays exactly when the draft would have been rejected, so the γ policy gains only
+as much as a cheap predictor of rejections can find.  This script collects, for every answer
+position of the bench prompts, the signals the runtime has at the start of a round there, and whether
+the drafter's and the free guess's token would be the target's:
+
+* greedy answers come from the engine (spec, exact: identical to target-only decoding);
+* the target's rows come from one teacher-forced pass over prompt + answer (batch-invariant, so the
+  same as in decoding; checked: its argmax must reproduce the answer);
+* the drafter's proposal and confidence at each position come from one teacher-forced drafter pass.
+
+    python benchmarks/round_signals.py [BUNDLE] --head specvocab-r192-k128-of32768 --output bench-results/signals.npz
+
+Then ``--analyze FILE --costs BENCH_JSON`` replays policies offline on those arrays and prints the
+speed of each against fixed γ = 1, per category.  The greedy sequence does not depend on the policy
+(exact mode), so every policy's rounds can be replayed exactly; each round is priced at the mean
+latency a bench run measured for its passes (target rows, drafter catch-up rows) plus the run's mean
+time outside ORT per round.  Policies: fixed γ = 1 with and without lookup, the runtime's own
+:class:`AdaptiveGamma`, rules on pre-draft signals, and the oracle that knows every outcome (an upper
+bound for any schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from edge_spec.bench import load_bench_prompts
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.lookup import LOOKUP_MIN_N, NgramLookup
+from edge_spec.runtime.policy import AdaptiveGamma, CostModel
+from edge_spec.runtime.speculative import SpecConfig, softmax
+
+CHAIN = 4  # longest lookup chain recorded (run = how many of its tokens the target would accept)
+DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
+FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
+          "guess_ok", "guess_match", "lookup_ok", "lookup_match", "lookup_run", "lookup_len", "target_entropy",
+          "token")
+
+
+def collect(args: argparse.Namespace) -> None:
+    engine = Engine.from_bundle(args.bundle, threads=args.threads, mode="spec", spec=SpecConfig(gamma=1),
+                                draft_head=args.head)
+    prompts = []
+    for path in args.prompts or [None]:
+        prompts += load_bench_prompts(path, None, None)
+    rows: dict[str, list] = {name: [] for name in FIELDS}
+    for index, item in enumerate(tqdm(prompts, desc="prompts")):
+        prompt = item["prompt"]
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        answer = engine.complete(messages, max_new_tokens=args.max_tokens).token_ids
+        ids = engine.prompt_ids(messages)
+        sequence = ids + answer
+        target, body = engine.target, engine.draft.decoder
+        target.reset()
+        body.reset()
+        logits = target.forward(sequence, len(answer) + 1)["logits"]  # row j predicts answer[j]
+        hidden = body.forward(sequence, len(answer) + 1)["hidden_states"]
+        target.reset()
+        body.reset()
+        if not np.array_equal(logits[:len(answer)].argmax(-1), answer):
+            raise SystemExit(f"prompt {index}: teacher-forced target does not reproduce the answer")
+        ngrams = NgramLookup(min_n=1)
+        for j in range(1, len(answer)):  # a round at j: answer[j-1] is pending, answer[j] is next
+            head_logits, head_ids = engine.draft.head(hidden[j])
+            probs = softmax(head_logits)
+            best = int(np.argmax(head_logits))
+            proposal = best if head_ids is None else int(head_ids[best])
+            previous = softmax(logits[j - 1].astype(np.float64))  # the target row that produced answer[j-1]
+            top2 = np.sort(previous)[-2:]
+            prefix = sequence[:len(ids) + j]
+            guess, match = _match(ngrams, prefix, 1)
+            look, look_match = _match(ngrams, prefix, LOOKUP_MIN_N)
+            chain = ngrams.propose(prefix, CHAIN, min_n=LOOKUP_MIN_N)
+            agreed = next((k for k, (a, b) in enumerate(zip(chain, answer[j:])) if a != b), min(len(chain), len(answer) - j))
+            values = (index, item["category"], j, proposal == answer[j], float(probs[best]), float(top2[1]),
+                      float(top2[1] - top2[0]), guess == answer[j], match, look == answer[j], look_match,
+                      agreed, len(chain), float(-(previous * np.log(previous + 1e-30)).sum()), answer[j])
+            for name, value in zip(FIELDS, values):
+                rows[name].append(value)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(args.output, **{name: np.array(values) for name, values in rows.items()})
+    print(f"wrote {args.output}: {len(rows['prompt'])} positions from {len(prompts)} prompts")
+
+
+def _match(ngrams: NgramLookup, prefix: list[int], min_n: int) -> tuple[int, int]:
+    """(proposed token or -1, length of the matched suffix or 0)."""
+    for n in range(ngrams.max_n, min_n - 1, -1):
+        proposal = ngrams.propose(prefix, 1, min_n=n)
+        if proposal:
+            return proposal[0], n
+    return -1, 0
+
+
+class Prices:
+    """Latencies (s) measured by a bench run: target pass by rows, drafter pass by rows, head, and time
+    outside ORT per round."""
+
+    def __init__(self, bench_json: Path) -> None:
+        data = json.loads(bench_json.read_text())
+        sums: dict[str, dict[int, list[float]]] = {"target": defaultdict(lambda: [0, 0.0]),
+                                                   "draft": defaultdict(lambda: [0, 0.0])}
+        outside, rounds, heads, steps = 0.0, 0, 0.0, 0
+        for record in data["records"]:
+            for kind in ("target", "draft"):
+                for rows, (calls, seconds) in record.get(f"{kind}_passes", {}).items():
+                    sums[kind][int(rows)][0] += calls
+                    sums[kind][int(rows)][1] += seconds
+            if record["mode"].startswith("spec") and "@γ1" in record["mode"] and "lookup" not in record["mode"]:
+                ort = sum(s for _, s in record["target_passes"].values()) + sum(s for _, s in record["draft_passes"].values())
+                outside += record["decode_seconds"] - ort
+                rounds += record["target_calls"]
+                heads += record["head_seconds"]
+                steps += record["draft_steps"]
+        self.target = {n: s / c for n, (c, s) in sums["target"].items()}
+        self.draft = {n: s / c for n, (c, s) in sums["draft"].items()}
+        self.head = heads / steps
+        self.outside = (outside - heads) / rounds
+
+    def verify(self, drafts: int) -> float:
+        return self.target[max(drafts + 1, 2)] + self.outside  # exact mode: a pass has at least two rows
+
+    def drafter(self, rows: int) -> float:
+        return self.draft[min(rows, max(self.draft))] + self.head
+
+
+Choice = tuple[str, int]  # ("draft" | "lookup" | "guess", drafts)
+
+
+def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, dict], Choice]) -> dict[str, tuple[float, int]]:
+    """Seconds and tokens per category when ``policy`` picks every round of every answer.
+
+    A drafter round's first step feeds every committed token the drafter has not seen (a catch-up pass
+    over that many rows); further drafts are one-row steps whose proposals are the teacher-forced ones
+    (the same as long as the earlier drafts were right, which is all that acceptance depends on)."""
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for prompt in np.unique(data["prompt"]):
+        rows = np.flatnonzero(data["prompt"] == prompt)
+        state: dict = {}
+        j, seconds, unseen = 0, 0.0, 1
+        while j < len(rows):
+            i = rows[j]
+            kind, drafts = policy(i, state)
+            drafts = max(1, min(drafts, len(rows) - j))
+            if kind == "draft":
+                oks = [bool(data["draft_ok"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
+                accepted = next((k for k, ok in enumerate(oks) if not ok), drafts)
+                seconds += prices.drafter(unseen) + (drafts - 1) * prices.drafter(1) + prices.verify(drafts)
+                state["outcome"] = (i, drafts, accepted)
+                unseen = 2 if accepted == drafts else 1
+            else:
+                accepted = min(int(data["lookup_run"][i]), drafts) if kind == "lookup" else int(data["guess_ok"][i])
+                seconds += prices.verify(drafts)
+                unseen += 1 + accepted
+            j += 1 + accepted
+        cell = totals[str(data["category"][rows[0]])]
+        cell[0] += seconds
+        cell[1] += len(rows)
+    return {category: (s, n) for category, (s, n) in totals.items()}
+
+
+def oracle(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 3) -> dict[str, tuple[float, int]]:
+    """The fastest schedule with every outcome known in advance (dynamic programming over positions;
+    drafter catch-up priced at two rows): the ceiling for any policy on these answers."""
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for prompt in np.unique(data["prompt"]):
+        rows = np.flatnonzero(data["prompt"] == prompt)
+        n = len(rows)
+        best = np.zeros(n + gamma_max + 2)
+        for j in range(n - 1, -1, -1):
+            i = rows[j]
+            options = [(prices.verify(1), int(data["guess_ok"][i]))]
+            for g in range(1, gamma_max + 1):
+                oks = [bool(data["draft_ok"][rows[min(j + k, n - 1)]]) for k in range(g)]
+                accepted = next((k for k, ok in enumerate(oks) if not ok), g)
+                options.append((prices.drafter(2) + (g - 1) * prices.drafter(1) + prices.verify(g), accepted))
+                if data["lookup_len"][i]:
+                    options.append((prices.verify(g), min(int(data["lookup_run"][i]), g)))
+            best[j] = min(cost + best[min(j + 1 + accepted, n)] for cost, accepted in options)
+        cell = totals[str(data["category"][rows[0]])]
+        cell[0] += best[0]
+        cell[1] += n
+    return {category: (s, n) for category, (s, n) in totals.items()}
+
+
+def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool) -> Callable[[int, dict], Choice]:
+    """The runtime's γ policy (:class:`AdaptiveGamma` with its confidence bins), fed each round's outcome."""
+    costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) for n in prices.target})
+
+    def policy(i: int, state: dict) -> Choice:
+        if lookup and data["lookup_len"][i]:
+            return "lookup", 1
+        gamma_policy = state.setdefault("policy", AdaptiveGamma(3))
+        if "outcome" in state:
+            start, drafted, accepted = state.pop("outcome")
+            gamma_policy.update(drafted, accepted, [float(data["draft_conf"][start])] * drafted)
+        rule = gamma_policy.begin_round(costs)
+        if rule is None:
+            return "guess", 1
+        drafts = 1
+        while True:
+            keep, more = rule.add(rule.acceptance(float(data["draft_conf"][min(i + drafts - 1, len(data["prompt"]) - 1)])))
+            if not keep:  # (never the first draft in exact mode: a lone row is padded anyway)
+                return "draft", max(drafts - 1, 1)
+            if not more:
+                return "draft", drafts
+            drafts += 1
+
+    return policy
+
+
+def analyze(path: Path, bench_json: Path) -> None:
+    data = dict(np.load(path))
+    prices = Prices(bench_json)
+    print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
+          f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
+          f"outside ORT per round {1e3 * prices.outside:.2f}")
+    print(f"{len(data['prompt'])} positions; drafter accepted {data['draft_ok'].mean():.3f}, "
+          f"free guess {data['guess_ok'].mean():.3f}, lookup available {(data['lookup_len'] > 0).mean():.3f}")
+    with_lookup = lambda i, state: ("lookup", 1) if data["lookup_len"][i] else ("draft", 1)
+    skip_unsure = lambda i, state: ("guess", 1) if data["target_top"][i] < 0.3 else ("draft", 1)
+    long_lookup = lambda i, state: ("lookup", 2) if data["lookup_match"][i] >= 4 else ("draft", 1)
+    policies = {
+        "fixed γ=1": lambda i, state: ("draft", 1),
+        "fixed γ=2": lambda i, state: ("draft", 2),
+        "fixed γ=1 + lookup": with_lookup,
+        "adaptive (runtime policy)": adaptive_policy(data, prices, lookup=False),
+        "adaptive, lookup on every match": adaptive_policy(data, prices, lookup=True),
+        "skip when target top-p < 0.3": skip_unsure,
+        "lookup (γ=2) only on 4-token matches": long_lookup,
+    }
+    results = {name: replay(data, prices, policy) for name, policy in policies.items()}
+    results["oracle (every outcome known)"] = oracle(data, prices)
+    base = results["fixed γ=1"]
+    categories = sorted(base)
+    print(f"{'policy':40s} {'overall':>8s} " + " ".join(f"{c[:8]:>8s}" for c in categories))
+    for name, result in results.items():
+        overall = _rate(result, [c for c in categories if c != "low-acceptance"]) / _rate(base, [c for c in categories if c != "low-acceptance"])
+        cells = " ".join(f"{_rate(result, [c]) / _rate(base, [c]):8.3f}" for c in categories)
+        print(f"{name:40s} {overall:8.3f} {cells}")
+    print("(speed relative to fixed γ = 1; overall leaves the low-acceptance set out)")
+
+
+def _rate(result: dict[str, tuple[float, int]], categories: list[str]) -> float:
+    return sum(result[c][1] for c in categories) / sum(result[c][0] for c in categories)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle", type=Path, nargs="?", default=DEFAULT_BUNDLE)
+    ap.add_argument("--head", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=Path, action="append", help="prompt file(s) (default: the bench set)")
+    ap.add_argument("--output", type=Path, default=Path("bench-results/signals.npz"))
+    ap.add_argument("--analyze", type=Path, help="replay policies on a file this script wrote, instead of collecting")
+    ap.add_argument("--costs", type=Path, default=Path("bench-results/schedule-final/bench.json"),
+                    help="bench.json whose measured pass latencies price the replayed rounds")
+    args = ap.parse_args()
+    if args.analyze:
+        analyze(args.analyze, args.costs)
+    else:
+        collect(args)
+
+
+if __name__ == "__main__":
+    main()
