@@ -226,6 +226,15 @@ def analyze(path: Path, bench_json: Path) -> None:
           f"outside ORT per round {1e3 * prices.outside:.2f}")
     print(f"{len(data['prompt'])} positions; drafter accepted {data['draft_ok'].mean():.3f}, "
           f"free guess {data['guess_ok'].mean():.3f}, lookup available {(data['lookup_len'] > 0).mean():.3f}")
+    accepted = data["draft_ok"].astype(bool)
+    same_prompt = np.r_[False, data["prompt"][1:] == data["prompt"][:-1]]
+    previous_ok = np.where(same_prompt, np.r_[True, accepted[:-1]], True).astype(float)
+    signals = {"drafter confidence (costs the step)": data["draft_conf"], "target top-p of the pending token":
+               data["target_top"], "target margin top1-top2": data["target_margin"],
+               "minus target entropy": -data["target_entropy"], "previous position accepted": previous_ok,
+               "n-gram match length": data["guess_match"].astype(float)}
+    for name, score in signals.items():
+        print(f"AUC for 'draft accepted', {name}: {auc(score, accepted):.3f}")
     with_lookup = lambda i, state: ("lookup", 1) if data["lookup_len"][i] else ("draft", 1)
     skip_unsure = lambda i, state: ("guess", 1) if data["target_top"][i] < 0.3 else ("draft", 1)
     long_lookup = lambda i, state: ("lookup", 2) if data["lookup_match"][i] >= 4 else ("draft", 1)
@@ -248,6 +257,14 @@ def analyze(path: Path, bench_json: Path) -> None:
         cells = " ".join(f"{_rate(result, [c]) / _rate(base, [c]):8.3f}" for c in categories)
         print(f"{name:40s} {overall:8.3f} {cells}")
     print("(speed relative to fixed γ = 1; overall leaves the low-acceptance set out)")
+
+
+def auc(score: np.ndarray, positive: np.ndarray) -> float:
+    """Probability that a random positive scores above a random negative (ties count half)."""
+    pos, neg = np.sort(score[positive]), np.sort(score[~positive])
+    below = np.searchsorted(neg, pos, side="left")
+    ties = np.searchsorted(neg, pos, side="right") - below
+    return float((below + 0.5 * ties).sum() / (len(pos) * len(neg)))
 
 
 def _rate(result: dict[str, tuple[float, int]], categories: list[str]) -> float:
