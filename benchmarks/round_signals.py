@@ -127,7 +127,11 @@ class Prices:
         self.outside = (outside - heads) / rounds
 
     def verify(self, drafts: int) -> float:
-        return self.target[max(drafts + 1, 2)] + self.outside  # exact mode: a pass has at least two rows
+        rows = max(drafts + 1, 2)  # exact mode: a pass has at least two rows
+        if rows not in self.target:  # beyond the measured sizes: extend the last step linearly
+            last = max(self.target)
+            return self.target[last] + (rows - last) * (self.target[last] - self.target[last - 1]) + self.outside
+        return self.target[rows] + self.outside
 
     def drafter(self, rows: int) -> float:
         return self.draft[min(rows, max(self.draft))] + self.head
