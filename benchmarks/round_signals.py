@@ -242,6 +242,15 @@ def analyze(path: Path, bench_json: Path) -> None:
     with_lookup = lambda i, state: ("lookup", 1) if data["lookup_len"][i] else ("draft", 1)
     skip_unsure = lambda i, state: ("guess", 1) if data["target_top"][i] < 0.3 else ("draft", 1)
     long_lookup = lambda i, state: ("lookup", 2) if data["lookup_match"][i] >= 4 else ("draft", 1)
+    def extend_when_sure(i: int, state: dict, sure: float = 0.95) -> Choice:
+        """Prescient: up to three drafts while the drafter's confidence in each (known before drafting
+        it only here) stays above ``sure``."""
+        drafts = 1
+        while (drafts < 3 and i + drafts < len(data["prompt"]) and data["prompt"][i + drafts] == data["prompt"][i]
+               and min(data["draft_conf"][i + drafts - 1], data["draft_conf"][i + drafts]) >= sure):
+            drafts += 1
+        return "draft", drafts
+
     policies = {
         "fixed γ=1": lambda i, state: ("draft", 1),
         "fixed γ=2": lambda i, state: ("draft", 2),
@@ -250,6 +259,9 @@ def analyze(path: Path, bench_json: Path) -> None:
         "adaptive, lookup on every match": adaptive_policy(data, prices, lookup=True),
         "skip when target top-p < 0.3": skip_unsure,
         "lookup (γ=2) only on 4-token matches": long_lookup,
+        "prescient: skip when drafter conf < 0.4": lambda i, state: ("guess", 1) if data["draft_conf"][i] < 0.4
+        else ("draft", 1),
+        "prescient: extend while drafter conf ≥ .95": extend_when_sure,
     }
     results = {name: replay(data, prices, policy) for name, policy in policies.items()}
     results["oracle (every outcome known)"] = oracle(data, prices)
