@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.sampling import SamplingParams
 from edge_spec.runtime.speculative import DraftBlock, SpecConfig
@@ -94,3 +95,11 @@ def test_engine_ssd_mode_reports_hit_rate(int4_bundle):
     assert got.token_ids == ar.token_ids
     extra = got.stats.extra
     assert 0.0 <= extra["cache_hit_rate"] <= 1.0 and extra["tau"] >= 1.0
+
+
+def test_ssd_refuses_multi_draft_in_one_line(int4_bundle):
+    with pytest.raises(EdgeSpecError, match="spec mode only"):
+        Engine.from_bundle(int4_bundle, threads=1, mode="ssd", spec=SpecConfig(gamma=2, drafts=2))
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2, drafts=2))
+    with pytest.raises(EdgeSpecError, match="spec mode only"):
+        engine.complete("def is_prime", max_new_tokens=4, mode="ssd")

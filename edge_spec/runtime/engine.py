@@ -32,6 +32,15 @@ from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, T
 MODES = ("ar", "spec", "ssd")  # ssd: speculative speculative decoding (drafts the next round during verify)
 
 
+def check_mode(mode: str, spec: SpecConfig) -> None:
+    """Refuse a mode, or a mode and setting that do not go together, in one clear line (rather than
+    silently ignoring a setting the user asked for)."""
+    if mode not in MODES:
+        raise EdgeSpecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if mode == "ssd" and spec.drafts > 1:
+        raise EdgeSpecError("multi-draft verification (drafts > 1) runs in spec mode only: ssd drafts one chain")
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -114,8 +123,7 @@ class Engine:
         bundle_dir = Path(path)
         manifest = read_manifest(bundle_dir)
         verify_files(bundle_dir, manifest, full_hash=verify)
-        if mode not in MODES:
-            raise EdgeSpecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+        check_mode(mode, spec)
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
@@ -251,8 +259,7 @@ class Engine:
         ``exact`` override the engine's for this call."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         mode = mode or self.mode
-        if mode not in MODES:
-            raise EdgeSpecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+        check_mode(mode, self.spec_config)
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
