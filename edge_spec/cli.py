@@ -221,12 +221,18 @@ def _spec_config(gamma: int, schedule: str, drafts: int = 1, verifier: str = "sp
                       lookup=lookup)
 
 
+def _check_threads(threads: int, draft_threads: int | None) -> None:
+    if threads < 0:
+        raise EdgeSpecError("--threads must be 0 (all cores) or more")
+    if draft_threads is not None and draft_threads < 0:
+        raise EdgeSpecError("--draft-threads must be 0 (all cores) or more")
+
+
 def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, draft_head: str | None,
                  draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None):
     from edge_spec.runtime.engine import Engine
 
-    if draft_threads is not None and draft_threads < 0:
-        raise EdgeSpecError("--draft-threads must be 0 (all cores) or more")
+    _check_threads(threads, draft_threads)
     return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=spec, draft_head=draft_head,
                               draft_provider=draft_provider, draft_threads=draft_threads, exact=exact)
 
@@ -375,13 +381,27 @@ def bench(
 
     from edge_spec.bench import format_table, load_bench_prompts, modes_for, plot, run_bench, schedule_report
     from edge_spec.runtime.engine import Engine
+    from edge_spec.runtime.sampling import SamplingParams
     from edge_spec.runtime.speculative import SpecConfig
 
-    engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec", draft_threads=draft_threads,
-                                exact=exact)
+    # every flag is checked before the (slow) engine load
+    _check_threads(threads, draft_threads)
+    if repeat < 1:
+        raise EdgeSpecError("--repeat must be at least 1")
+    if max_tokens < 1:
+        raise EdgeSpecError("--max-tokens must be at least 1")
+    if per_category is not None and per_category < 1:
+        raise EdgeSpecError("--per-category must be at least 1")
+    for t in temperature:
+        SamplingParams(temperature=t)  # raises on a bad value
+    spec = _spec_config(gamma, schedule)
     items = load_bench_prompts(prompts, category or None, per_category)
     gammas = list(_int_list(sweep, "--sweep")) if sweep else None
+    if gammas and min(gammas) < 1:
+        raise EdgeSpecError("--sweep values must be at least 1")
     multidraft = [_spec_config(g, "fixed", drafts, v) for v in verifier for g in (gammas or [gamma])]
+    engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec", draft_threads=draft_threads,
+                                exact=exact)
     ssd_configs = [SpecConfig(gamma=g) for g in (gammas or [gamma])] if ssd else []
     modes = modes_for(engine, head or None, gammas, multidraft, ssd_configs, lookup, reference)
     engine.complete("warm up", max_new_tokens=4)
@@ -390,7 +410,7 @@ def bench(
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("bench", total=len(items) * len(temperature))
         result = run_bench(engine, items, modes, temperatures=list(temperature), max_new_tokens=max_tokens,
-                           spec=_spec_config(gamma, schedule), repeats=repeat,
+                           spec=spec, repeats=repeat,
                            progress=lambda done, total: bar.update(task, completed=done))
     out.print(format_table(result["summary"]))
     if sweep:

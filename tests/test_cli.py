@@ -75,6 +75,26 @@ def test_bad_flag_value(int4_bundle):
     assert_one_line_error(result, "temperature")
 
 
+def test_negative_threads(int4_bundle):
+    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--threads", "-1"), "--threads must be 0")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--repeat", "0"], "--repeat must be at least 1"),
+    (["--sweep", "0,1"], "--sweep values must be at least 1"),
+    (["--per-category", "0"], "--per-category must be at least 1"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--temperature", "-2"], "temperature"),
+])
+def test_bad_bench_flags_fail_before_loading(tmp_path, int4_bundle, flags, fragment):
+    """Checked before the engine loads: a bundle whose target cannot load proves nothing was loaded."""
+    broken = tmp_path / "broken"
+    shutil.copytree(int4_bundle, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    (broken / manifest["target"]["onnx"]).unlink()
+    assert_one_line_error(cli("bench", str(broken), *flags), fragment)
+
+
 def test_missing_gguf_source(tmp_path):
     assert_one_line_error(cli("export", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "b")),
                           "not found")

@@ -103,3 +103,9 @@ def test_ssd_refuses_multi_draft_in_one_line(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2, drafts=2))
     with pytest.raises(EdgeSpecError, match="spec mode only"):
         engine.complete("def is_prime", max_new_tokens=4, mode="ssd")
+
+
+def test_engine_refuses_negative_thread_counts(int4_bundle):
+    for threads, draft_threads in ((-1, None), (1, -2)):
+        with pytest.raises(EdgeSpecError, match="threads must be 0"):
+            Engine.from_bundle(int4_bundle, threads=threads, draft_threads=draft_threads, mode="ssd")

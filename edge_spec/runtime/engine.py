@@ -124,6 +124,8 @@ class Engine:
         manifest = read_manifest(bundle_dir)
         verify_files(bundle_dir, manifest, full_hash=verify)
         check_mode(mode, spec)
+        if threads < 0 or (draft_threads is not None and draft_threads < 0):
+            raise EdgeSpecError("threads must be 0 (all cores) or more")
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
