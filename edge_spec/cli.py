@@ -237,6 +237,31 @@ def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, dra
                               draft_provider=draft_provider, draft_threads=draft_threads, exact=exact)
 
 
+class _PromptProgress:
+    """A transient bar on stderr while a long prompt is read (shown only for prompts read in several passes)."""
+
+    def __init__(self) -> None:
+        self._bar = None
+        self._task = None
+
+    def update(self, fraction: float) -> None:
+        if not console.is_terminal:  # nobody to show it to; a bar would leave a blank line in a log
+            return
+        if self._bar is None:
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("[dim]reading the prompt[/dim]"), BarColumn(), TaskProgressColumn(),
+                                 TimeElapsedColumn(), console=console, transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("prompt", total=1.0)
+        self._bar.update(self._task, completed=fraction)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
 def _stream(engine, prompt, **kwargs) -> str:
     """Print a streamed answer and return it; Ctrl-C cancels this answer only."""
     previous = signal.getsignal(signal.SIGINT)
@@ -247,12 +272,15 @@ def _stream(engine, prompt, **kwargs) -> str:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, on_interrupt)
     chunks: list[str] = []
+    reading = _PromptProgress()
     try:
-        for chunk in engine.generate(prompt, **kwargs):
+        for chunk in engine.generate(prompt, on_prefill=reading.update, **kwargs):
+            reading.close()
             chunks.append(chunk)
             out.print(chunk, end="")
             sys.stdout.flush()
     finally:
+        reading.close()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, previous)
     out.print()

@@ -32,6 +32,7 @@ their terms in another order.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,9 @@ import onnxruntime as ort
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.draft_tree import DraftTree
 from edge_spec.runtime.providers import resolve_provider
+
+
+PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
 
 
 @dataclass
@@ -118,6 +122,8 @@ class Decoder:
         _, kv_heads, _, head_dim = kv_inputs[0].shape
         self.capacity = capacity
         self.min_rows = min_rows  # 2: pad one-token passes so every pass takes the multi-row kernels
+        self.prefill_chunk = PREFILL_CHUNK  # most tokens per prefill pass (see prefill)
+        self.prefill_listener: Callable[[int, int], None] | None = None  # (tokens read, prompt tokens)
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.vocab_size = int(outputs["logits"].shape[-1]) if "logits" in outputs else 0
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
@@ -231,8 +237,29 @@ class Decoder:
 
     def prefill(self, prompt_ids: list[int], num_logits: int = 1) -> dict[str, np.ndarray]:
         """Make the cache hold exactly ``prompt_ids``, reusing the longest cached prefix
-        (a chat turn re-sends the whole conversation; only the new suffix is computed)."""
-        return self.forward(self.sync(prompt_ids), num_logits)
+        (a chat turn re-sends the whole conversation; only the new suffix is computed).
+
+        The suffix goes in passes of at most ``prefill_chunk`` tokens.  Attention's scratch grows with
+        rows × context per head: a 4000-token prompt read in one pass by the 1.5B target peaks 0.85 GiB
+        higher than in passes of 512 tokens, and is no faster (``benchmarks/long_prefill.py``).  Such
+        a prompt also takes minutes on a laptop CPU, so it should report progress and be cancellable
+        between passes: ``prefill_listener(done, total)`` is called after each pass when there are
+        several, and an exception it raises stops the prefill with the cache holding what was read.
+        Passes of two or more rows give the same logits bit for bit however they are cut (see
+        "batch-invariant numerics"), so the last pass is never left with a lone token.
+        """
+        todo = self.sync(prompt_ids)
+        last = max(self.prefill_chunk, num_logits)
+        done = 0
+        while len(todo) - done > last + 1:
+            self.forward(todo[done:done + self.prefill_chunk], 1)
+            done += self.prefill_chunk
+            if self.prefill_listener is not None:
+                self.prefill_listener(done, len(todo))
+        result = self.forward(todo[done:], num_logits)
+        if done and self.prefill_listener is not None:
+            self.prefill_listener(len(todo), len(todo))
+        return result
 
     def reset(self) -> None:
         self.tokens.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,10 @@ from edge_spec.runtime.ssd import generate_ssd
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
 
 MODES = ("ar", "spec", "ssd")  # ssd: speculative speculative decoding (drafts the next round during verify)
+
+
+class PrefillCancelled(Exception):
+    """Raised between prefill passes once :meth:`Engine.cancel` was called (caught by ``generate``)."""
 
 
 def check_mode(mode: str, spec: SpecConfig) -> None:
@@ -256,9 +260,11 @@ class Engine:
         stop: list[str] | tuple[str, ...] = (),
         mode: str | None = None,
         exact: bool | None = None,
+        on_prefill: Callable[[float], None] | None = None,
     ) -> Iterator[str]:
         """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
-        ``exact`` override the engine's for this call."""
+        ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
+        a prompt too long for one pass (see ``Decoder.prefill``); :meth:`cancel` also stops that."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         mode = mode or self.mode
         check_mode(mode, self.spec_config)
@@ -277,6 +283,7 @@ class Engine:
         started = time.perf_counter()
         first_token_at = None
         tokens = self._token_stream(ids, params, max_new, mode)
+        watched = self._watch_prefill(mode, on_prefill)
         stats.stop_reason = "length"
         try:
             for token in tokens:
@@ -302,12 +309,34 @@ class Engine:
                 text += "" if stopped else stopper.flush()
                 if text:
                     yield text
+        except PrefillCancelled:
+            stats.stop_reason = "cancelled"
         finally:
+            for decoder in watched:
+                decoder.prefill_listener = None
             tokens.close()
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
             if mode != "ar":
                 stats.extra.update(self._spec_stats.summary(self.param_ratio, self.bytes_ratio))
+
+    def _watch_prefill(self, mode: str, on_prefill: Callable[[float], None] | None) -> list[Decoder]:
+        """Listen to the prefill passes of the decoders this mode uses: stop between passes once
+        cancelled, and report progress as one fraction, each model weighted by its parameters (what
+        its prefill costs).  Returns the decoders to unhook afterwards."""
+        decoders = [self.target] if mode == "ar" else [self.target, self.draft.decoder]
+        weights = [1.0] if mode == "ar" else [1.0, self.param_ratio]
+        for index, decoder in enumerate(decoders):
+            start, share = sum(weights[:index]) / sum(weights), weights[index] / sum(weights)
+
+            def listener(done: int, total: int, start: float = start, share: float = share) -> None:
+                if self._cancel.is_set():
+                    raise PrefillCancelled
+                if on_prefill is not None:
+                    on_prefill(start + share * done / total)
+
+            decoder.prefill_listener = listener
+        return decoders
 
     def complete(self, prompt: str | list[Message], **kwargs) -> Completion:
         """Non-streaming :meth:`generate`."""

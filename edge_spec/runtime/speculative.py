@@ -259,7 +259,7 @@ def prefill_both(target: Decoder, drafter: Drafter, prompt_ids: list[int], param
     The first token comes from the target's prefill, exactly as in autoregressive decoding.  The
     drafter reads the prompt now too, so that its prefill counts as prompt processing."""
     first = target.prefill(prompt_ids)["logits"][-1]
-    drafter.decoder.forward(drafter.decoder.sync(prompt_ids), 1)
+    drafter.decoder.prefill(prompt_ids)
     x = int(np.argmax(first)) if params.greedy else sample(logits_to_probs(first, params), rng)
     return list(prompt_ids) + [x]
 

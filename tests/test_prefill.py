@@ -1,0 +1,104 @@
+"""Chunked prefill: a long prompt is read in passes of at most ``prefill_chunk`` tokens, with the same
+logits bit for bit as one pass, progress after each pass, and cancellation between passes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_spec.manifest import read_manifest
+from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.speculative import SpecConfig
+
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(5, 300, 23)]
+
+
+@pytest.fixture(scope="module")
+def target_path(int4_bundle):
+    return int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]
+
+
+@pytest.mark.parametrize("num_logits, progress", [
+    (1, [4, 8, 12, 16, 20, 23]),  # 23 tokens: five passes of 4, then the last 3
+    (6, [4, 8, 12, 16, 23]),  # the last pass must hold the 6 rows asked for: 7 tokens
+])
+def test_chunked_prefill_equals_one_pass_bit_for_bit(target_path, num_logits, progress):
+    whole = Decoder(target_path, threads=1, capacity=64)
+    expected = whole.prefill(PROMPT, num_logits)["logits"]
+    chunked = Decoder(target_path, threads=1, capacity=64)
+    chunked.prefill_chunk = 4
+    seen: list[tuple[int, int]] = []
+    chunked.prefill_listener = lambda done, total: seen.append((done, total))
+    got = chunked.prefill(PROMPT, num_logits)["logits"]
+    assert got.shape == (num_logits, chunked.vocab_size)
+    np.testing.assert_array_equal(got, expected)
+    assert chunked.tokens == PROMPT
+    assert [done for done, _ in seen] == progress
+    assert all(total == len(PROMPT) for _, total in seen)
+    assert 1 not in chunked.stats.calls  # never a lone token in a pass: it would round differently
+    assert whole.stats.calls == {len(PROMPT): 1}
+
+
+def test_short_prompt_is_one_pass_without_progress(target_path):
+    decoder = Decoder(target_path, threads=1, capacity=64)
+    decoder.prefill_chunk = len(PROMPT) - 1  # one more token would leave a lone token: read as one pass
+    decoder.prefill_listener = lambda done, total: pytest.fail("no progress for a one-pass prompt")
+    decoder.prefill(PROMPT)
+    assert decoder.stats.calls == {len(PROMPT): 1}
+
+
+def test_prefill_reuses_the_cached_prefix_in_chunks(target_path):
+    decoder = Decoder(target_path, threads=1, capacity=64)
+    decoder.prefill_chunk = 3
+    decoder.prefill(PROMPT[:10])
+    seen: list[tuple[int, int]] = []
+    decoder.prefill_listener = lambda done, total: seen.append((done, total))
+    decoder.prefill(PROMPT)
+    assert seen == [(3, 13), (6, 13), (9, 13), (13, 13)]  # only the 13 new tokens are read
+    assert decoder.tokens == PROMPT
+
+
+def _small_chunks(engine: Engine, chunk: int) -> None:
+    engine.target.prefill_chunk = chunk
+    engine.draft.decoder.prefill_chunk = chunk
+
+
+@pytest.mark.parametrize("mode", ["spec", "ar"])
+def test_engine_reports_one_growing_fraction_and_keeps_greedy_identity(int4_bundle, mode):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2, adaptive=True))
+    reference = engine.complete(PROMPT_TEXT, max_new_tokens=16, mode="ar", exact=True).token_ids
+    _small_chunks(engine, 5)
+    engine.target.reset()
+    engine.draft.decoder.reset()
+    fractions: list[float] = []
+    got = engine.complete(PROMPT_TEXT, max_new_tokens=16, mode=mode, exact=True, on_prefill=fractions.append)
+    assert got.token_ids == reference
+    assert fractions and fractions == sorted(fractions) and 0 < fractions[0] and fractions[-1] == pytest.approx(1.0)
+    if mode == "spec":  # the target's passes end at its share, then the drafter's part follows
+        assert any(f < 1 / (1 + engine.param_ratio) + 1e-9 for f in fractions[:-1])
+    assert engine.target.prefill_listener is None and engine.draft.decoder.prefill_listener is None
+
+
+def test_cancel_stops_between_prefill_passes(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2))
+    _small_chunks(engine, 4)
+    fractions: list[float] = []
+
+    def cancel_at_first_pass(fraction: float) -> None:
+        fractions.append(fraction)
+        engine.cancel()
+
+    got = engine.complete(PROMPT_TEXT, max_new_tokens=8, on_prefill=cancel_at_first_pass)
+    assert got.token_ids == [] and got.stats.stop_reason == "cancelled"
+    assert len(fractions) == 1
+    read = engine.target.length
+    assert 0 < read < len(engine.prompt_ids(PROMPT_TEXT))  # stopped part-way, the cache holds a prefix
+    # the next request starts from what was read and answers as if nothing had happened
+    again = engine.complete(PROMPT_TEXT, max_new_tokens=8)
+    assert again.stats.stop_reason in ("length", "eos")
+    fresh = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2))
+    assert again.token_ids == fresh.complete(PROMPT_TEXT, max_new_tokens=8).token_ids
+
+
+PROMPT_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, iteratively.\"\"\"\n" * 2
