@@ -366,7 +366,14 @@ def chat(
             history = list(base)
             console.print("[dim]history cleared[/dim]")
             continue
-        history.append({"role": "user", "content": user})
+        try:  # a turn's mistake (a message too long for the context) ends the turn, not the chat
+            history, dropped = engine.fit_messages(history + [{"role": "user", "content": user}],
+                                                   reserve=min(max_tokens, engine.target.capacity // 2))
+        except EdgeSpecError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            continue
+        if dropped:
+            console.print(f"[dim](dropped the {dropped} oldest messages to fit the context)[/dim]")
         answer = _stream(engine, history, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k,
                          top_p=top_p, seed=seed)
         history.append({"role": "assistant", "content": answer})

@@ -15,9 +15,10 @@ from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.speculative import SpecConfig
 
 
-def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: int = 300, input_text: str | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in a subprocess (stdin: ``input_text``, else nothing)."""
     return subprocess.run([sys.executable, "-m", "edge_spec.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+                          timeout=timeout, input=input_text, stdin=None if input_text is not None else subprocess.DEVNULL)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:

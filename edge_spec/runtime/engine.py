@@ -208,7 +208,9 @@ class Engine:
         """Stop the generation in progress (safe to call from another thread)."""
         self._cancel.set()
 
-    def prompt_ids(self, prompt: str | list[Message]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[Message], check_length: bool = True) -> list[int]:
+        """Token ids of a raw prompt or of chat messages through the chat template (``check_length``:
+        refuse a prompt that leaves no room in the context for an answer)."""
         if isinstance(prompt, str):
             text = prompt
         else:
@@ -216,11 +218,35 @@ class Engine:
         ids = self.tokenizer.encode(text)
         if not ids:
             raise EdgeSpecError("empty prompt")
-        if len(ids) >= self.target.capacity:
+        if check_length and len(ids) >= self.target.capacity:
             raise EdgeSpecError(
                 f"prompt is {len(ids)} tokens, longer than the context length {self.target.capacity}"
             )
         return ids
+
+    def fit_messages(self, messages: list[Message], reserve: int) -> tuple[list[Message], int]:
+        """The latest part of a conversation whose prompt leaves ``reserve`` tokens of the context for
+        the answer, and how many messages were dropped to get it.
+
+        A chat outgrows any context: rather than refusing the next turn, drop the oldest messages.
+        A leading system message is kept, the last message is always kept, and what remains after the
+        system message starts with a user message (some chat templates require that).  Raises
+        :class:`EdgeSpecError` when the system and last messages alone leave less than ``reserve``.
+        """
+        messages = list(messages)
+        system = messages[:1] if messages and messages[0].get("role") == "system" else []
+        rest = messages[len(system):]
+        dropped = 0
+        while (needed := len(self.prompt_ids(system + rest, check_length=False))) + reserve > self.target.capacity:
+            if len(rest) <= 1:
+                raise EdgeSpecError(f"the prompt needs {needed} tokens even with only the last message; with {reserve} "
+                                    f"kept for the answer the context holds {self.target.capacity}: shorten it")
+            rest.pop(0)
+            dropped += 1
+            while len(rest) > 1 and rest[0].get("role") != "user":
+                rest.pop(0)
+                dropped += 1
+        return system + rest, dropped
 
     def exact_for(self, mode: str, exact: bool | None = None) -> bool:
         """Whether a generation in ``mode`` runs batch-invariant target passes (call > engine > mode default)."""

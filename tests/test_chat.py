@@ -1,0 +1,59 @@
+"""Chat: a conversation longer than the context drops its oldest turns instead of failing, a turn's
+mistake ends that turn only, and the ``chat`` command works end to end on piped input."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.engine import Engine
+from tests.test_cli import cli
+
+
+@pytest.fixture(scope="module")
+def engine(int4_bundle):
+    return Engine.from_bundle(int4_bundle, threads=1)  # the tiny bundle's context: 256 tokens
+
+
+def turns(n: int, words: int = 3) -> list[dict]:
+    """n exchanges of about 35 tokens per message (the tiny tokenizer spends about a token per character)."""
+    messages = []
+    for i in range(n):
+        messages.append({"role": "user", "content": f"question {i} " + "word " * words})
+        messages.append({"role": "assistant", "content": f"answer {i} " + "word " * words})
+    return messages
+
+
+def test_a_conversation_that_fits_is_kept_whole(engine):
+    messages = [{"role": "system", "content": "be brief"}] + turns(1) + [{"role": "user", "content": "next"}]
+    kept, dropped = engine.fit_messages(messages, reserve=16)
+    assert kept == messages and dropped == 0
+
+
+def test_oldest_turns_go_first_and_the_system_message_stays(engine):
+    messages = [{"role": "system", "content": "be brief"}] + turns(6) + [{"role": "user", "content": "last one"}]
+    reserve = 32
+    assert len(engine.prompt_ids(messages, check_length=False)) + reserve > engine.target.capacity
+    kept, dropped = engine.fit_messages(messages, reserve=reserve)
+    assert dropped > 0 and kept == messages[:1] + messages[1 + dropped:]  # a suffix, behind the system message
+    assert kept[1]["role"] == "user" and kept[-1]["content"] == "last one"
+    assert len(engine.prompt_ids(kept)) + reserve <= engine.target.capacity
+    # dropping one message fewer would not fit: only what had to go went
+    assert len(engine.prompt_ids(messages[:1] + messages[dropped - 1:], check_length=False)) + reserve \
+        > engine.target.capacity
+
+
+def test_a_last_message_too_long_for_the_context_is_refused_in_one_line(engine):
+    messages = turns(1) + [{"role": "user", "content": "word " * 60}]
+    with pytest.raises(EdgeSpecError, match="shorten it"):
+        engine.fit_messages(messages, reserve=16)
+
+
+def test_chat_command_on_piped_input(int4_bundle):
+    script = "\n".join(["hello there", "/reset", "word " * 400, "def add(a, b):", "/exit"]) + "\n"
+    result = cli("chat", str(int4_bundle), "--max-tokens", "8", "--threads", "1", input_text=script)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "history cleared" in result.stderr
+    assert "shorten it" in result.stderr  # the over-long message ends its turn, and the chat goes on
+    assert result.stderr.count(" tokens, ") == 2  # two answered turns, each with its stats line
