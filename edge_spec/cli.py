@@ -295,7 +295,7 @@ def _stream(engine, prompt, **kwargs) -> str:
 @app.command()
 def generate(
     bundle: Path,
-    prompt: str,
+    prompt: str = typer.Argument(..., help="The prompt; - reads it from standard input (e.g. a file piped in)."),
     max_tokens: int = typer.Option(256, help="Maximum new tokens."),
     temperature: float = TemperatureOpt,
     top_k: int = TopKOpt,
@@ -317,6 +317,10 @@ def generate(
     exact: Optional[bool] = ExactOpt,
 ) -> None:
     """Answer one prompt and exit."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise EdgeSpecError("the prompt read from standard input is empty")
     engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier, lookup), draft_head,
                           draft_provider, draft_threads, exact)
     request = prompt if raw else [{"role": "user", "content": prompt}]

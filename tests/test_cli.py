@@ -76,6 +76,16 @@ def test_bad_flag_value(int4_bundle):
     assert_one_line_error(result, "temperature")
 
 
+def test_prompt_from_standard_input(int4_bundle):
+    piped = cli("generate", str(int4_bundle), "-", "--max-tokens", "6", "--threads", "1", "--mode", "ar",
+                input_text="def is_prime(n):\n")
+    direct = cli("generate", str(int4_bundle), "def is_prime(n):\n", "--max-tokens", "6", "--threads", "1",
+                 "--mode", "ar")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == direct.stdout and piped.stdout.strip()
+    assert_one_line_error(cli("generate", str(int4_bundle), "-", input_text="  \n"), "standard input is empty")
+
+
 def test_negative_threads(int4_bundle):
     assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--threads", "-1"), "--threads must be 0")
 
