@@ -233,8 +233,17 @@ def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, dra
     from edge_spec.runtime.engine import Engine
 
     _check_threads(threads, draft_threads)
-    return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=spec, draft_head=draft_head,
-                              draft_provider=draft_provider, draft_threads=draft_threads, exact=exact)
+    with _loading_status():
+        return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=spec,
+                                  draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
+                                  exact=exact)
+
+
+def _loading_status():
+    """A spinner while a bundle loads: the first load on a machine also times its passes (several seconds)."""
+    if not console.is_terminal:
+        return contextlib.nullcontext()
+    return console.status("[dim]loading the bundle (a first load also times this machine)[/dim]")
 
 
 class _PromptProgress:
@@ -439,8 +448,9 @@ def bench(
     if gammas and min(gammas) < 1:
         raise EdgeSpecError("--sweep values must be at least 1")
     multidraft = [_spec_config(g, "fixed", drafts, v) for v in verifier for g in (gammas or [gamma])]
-    engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec", draft_threads=draft_threads,
-                                exact=exact)
+    with _loading_status():
+        engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec",
+                                    draft_threads=draft_threads, exact=exact)
     ssd_configs = [SpecConfig(gamma=g) for g in (gammas or [gamma])] if ssd else []
     modes = modes_for(engine, head or None, gammas, multidraft, ssd_configs, lookup, reference)
     engine.complete("warm up", max_new_tokens=4)
