@@ -148,7 +148,7 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecC
     record = {"temperature": temperature, "mode": mode.name, "new_tokens": stats.new_tokens,
               "decode_seconds": stats.decode_seconds, "wall_seconds": time.perf_counter() - started,
               "tokens_per_second": stats.tokens_per_second}
-    for role, decoder in decoders.items():  # ORT passes of this answer by rows, prefill left out
+    for role, decoder in decoders.items():  # ORT passes of this answer by rows, prompt processing left out
         record[f"{role}_passes"] = _decode_passes(before[role], _pass_log(decoder))
     if mode.head is None:
         references.setdefault(exact, completion.token_ids)
@@ -164,27 +164,21 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecC
 
 
 def _pass_log(decoder) -> dict[int, tuple[int, float]]:
-    """A decoder's cumulative (calls, seconds) per number of rows fed (empty for no decoder)."""
+    """A decoder's cumulative (calls, seconds) per number of rows fed outside prefill (empty for no decoder)."""
     if decoder is None:
         return {}
-    return {n: (decoder.stats.calls[n], decoder.stats.seconds[n]) for n in decoder.stats.calls}
+    stats = decoder.stats
+    return {n: (stats.calls[n] - stats.prefill_calls.get(n, 0), stats.seconds[n] - stats.prefill_seconds.get(n, 0.0))
+            for n in stats.calls}
 
 
 def _decode_passes(before: dict, after: dict) -> dict[str, list[float]]:
-    """Passes made between two logs as {rows: [calls, seconds]}, without the prefill: the pass over the
-    most rows (a prompt is longer than any draft block)."""
+    """Passes made between two logs as {rows: [calls, seconds]}."""
     passes = {}
     for n, (calls, seconds) in after.items():
         done, spent = before.get(n, (0, 0.0))
         if calls > done:
             passes[n] = [calls - done, seconds - spent]
-    if passes:
-        prefill = max(passes)
-        calls, seconds = passes[prefill]
-        if calls == 1:
-            del passes[prefill]
-        else:
-            passes[prefill] = [calls - 1, seconds * (calls - 1) / calls]
     return {str(n): v for n, v in sorted(passes.items())}
 
 

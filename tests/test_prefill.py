@@ -102,3 +102,24 @@ def test_cancel_stops_between_prefill_passes(int4_bundle):
 
 
 PROMPT_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, iteratively.\"\"\"\n" * 2
+
+
+def test_bench_pass_logs_leave_every_prefill_pass_out(int4_bundle):
+    """A prompt read in several passes (and, in later modes, mostly from the cached prefix) must not leak
+    into the bench's per-answer pass log: one target pass per verify round, one per token in ar."""
+    from edge_spec.bench import BenchMode, load_bench_prompts, modes_for, run_bench
+
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
+    _small_chunks(engine, 3)
+    prompts = load_bench_prompts(None, ["code"], 1)
+    modes = modes_for(engine, ["full"]) + [BenchMode("spec@γ2", "full", spec=SpecConfig(gamma=2))]
+    result = run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=12, spec=SpecConfig(gamma=3))
+    for record in result["records"]:
+        calls = sum(c for c, _ in record["target_passes"].values())
+        if "tau" in record:
+            assert calls == record["target_calls"], record["mode"]
+            draft_calls = sum(c for c, _ in record["draft_passes"].values())
+            assert draft_calls == record["draft_steps"], record["mode"]  # fixed γ: one drafter pass per draft
+        else:  # ar and ar-exact: the first token comes out of the prefill, then one pass per token
+            assert calls == record["new_tokens"] - 1, record["mode"]
+    assert engine.target.stats.prefill_calls.get(3, 0) > 0  # the prompt did go in several passes

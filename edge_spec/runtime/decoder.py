@@ -55,10 +55,15 @@ class DecoderStats:
     seconds: dict[int, float] = field(default_factory=dict)
     recent: dict[int, float] = field(default_factory=dict)  # moving average, first (cold) call left out
     profile: dict[int, float] = field(default_factory=dict)  # latencies profiled at load (see seed)
+    prefill_calls: dict[int, int] = field(default_factory=dict)  # the part of calls/seconds spent in prefill
+    prefill_seconds: dict[int, float] = field(default_factory=dict)
 
-    def add(self, n_tokens: int, seconds: float) -> None:
+    def add(self, n_tokens: int, seconds: float, prefill: bool = False) -> None:
         self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
         self.seconds[n_tokens] = self.seconds.get(n_tokens, 0.0) + seconds
+        if prefill:  # kept apart too, so that reports can leave prompt processing out exactly
+            self.prefill_calls[n_tokens] = self.prefill_calls.get(n_tokens, 0) + 1
+            self.prefill_seconds[n_tokens] = self.prefill_seconds.get(n_tokens, 0.0) + seconds
         if self.calls[n_tokens] == 2:
             self.recent[n_tokens] = seconds  # the first (cold) call is left out; a profiled seed is replaced
         elif self.calls[n_tokens] > 2:
@@ -143,12 +148,14 @@ class Decoder:
                 self._binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
                 self._binding.bind_ortvalue_output(f"present.{layer}.{kind}", value)
 
-    def forward(self, token_ids, num_logits: int = 1, tree: DraftTree | None = None) -> dict[str, np.ndarray]:
+    def forward(self, token_ids, num_logits: int = 1, tree: DraftTree | None = None,
+                prefill: bool = False) -> dict[str, np.ndarray]:
         """Append ``token_ids`` to the cache and return outputs for the last ``num_logits`` positions.
 
         With ``tree`` the tokens are that tree's nodes (``tree.tokens``), attended as a tree; call
         :meth:`keep_path` afterwards.  Returns a dict with ``logits`` [num_logits, V] and/or
-        ``hidden_states`` [num_logits, H].
+        ``hidden_states`` [num_logits, H].  ``prefill`` only files the pass's time under prompt
+        processing in :attr:`stats`.
         """
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
@@ -180,7 +187,7 @@ class Decoder:
             b.bind_output(name, "cpu")
         start = time.perf_counter()
         self.session.run_with_iobinding(b)
-        self.stats.add(rows, time.perf_counter() - start)
+        self.stats.add(rows, time.perf_counter() - start, prefill)
         self.tokens.extend(int(t) for t in ids[0, :n])
         outs = b.get_outputs()
         return {name: outs[i].numpy()[0, :wanted] for i, name in enumerate(self._result_names)}
@@ -252,11 +259,11 @@ class Decoder:
         last = max(self.prefill_chunk, num_logits)
         done = 0
         while len(todo) - done > last + 1:
-            self.forward(todo[done:done + self.prefill_chunk], 1)
+            self.forward(todo[done:done + self.prefill_chunk], 1, prefill=True)
             done += self.prefill_chunk
             if self.prefill_listener is not None:
                 self.prefill_listener(done, len(todo))
-        result = self.forward(todo[done:], num_logits)
+        result = self.forward(todo[done:], num_logits, prefill=True)
         if done and self.prefill_listener is not None:
             self.prefill_listener(len(todo), len(todo))
         return result
