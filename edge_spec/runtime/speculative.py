@@ -162,16 +162,12 @@ def draft_chain(drafter: Drafter, feed: list[int], params: SamplingParams, rng: 
             break
         started = time.perf_counter()
         logits, ids = drafter.step(feed)
-        if params.greedy and alternatives:
-            probs = softmax(logits)  # the alternatives need the whole distribution, confidence comes with it
-            index = int(np.argmax(logits))
-            confidence = float(probs[index])
-        elif params.greedy:
+        if params.greedy and not alternatives:
             index = int(np.argmax(logits))
             confidence = _top_probability(logits) if (min_confidence > 0 or round_rule) else 1.0
-        else:
-            probs = logits_to_probs(logits, params)
-            index = sample(probs, rng)
+        else:  # sampling, or alternatives that need the whole distribution: the confidence comes with it
+            probs = drafter_probs(logits, params)
+            index = int(np.argmax(logits)) if params.greedy else sample(probs, rng)
             confidence = float(probs[index])
         keep, more = True, confidence >= min_confidence
         if round_rule is not None:
