@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from edge_spec.bench import load_bench_prompts
+from edge_spec.bench import load_bench_prompts, pass_prices
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.lookup import LOOKUP_MIN_N, NgramLookup
 from edge_spec.runtime.policy import AdaptiveGamma, CostModel
@@ -107,22 +107,17 @@ class Prices:
 
     def __init__(self, bench_json: Path) -> None:
         data = json.loads(bench_json.read_text())
-        sums: dict[str, dict[int, list[float]]] = {"target": defaultdict(lambda: [0, 0.0]),
-                                                   "draft": defaultdict(lambda: [0, 0.0])}
+        prices = pass_prices(data["records"])
         outside, rounds, heads, steps = 0.0, 0, 0.0, 0
         for record in data["records"]:
-            for kind in ("target", "draft"):
-                for rows, (calls, seconds) in record.get(f"{kind}_passes", {}).items():
-                    sums[kind][int(rows)][0] += calls
-                    sums[kind][int(rows)][1] += seconds
             if record["mode"].startswith("spec") and "@γ1" in record["mode"] and "lookup" not in record["mode"]:
                 ort = sum(s for _, s in record["target_passes"].values()) + sum(s for _, s in record["draft_passes"].values())
                 outside += record["decode_seconds"] - ort
                 rounds += record["target_calls"]
                 heads += record["head_seconds"]
                 steps += record["draft_steps"]
-        self.target = {n: s / c for n, (c, s) in sums["target"].items()}
-        self.draft = {n: s / c for n, (c, s) in sums["draft"].items()}
+        self.target = {int(n): price for (role, n), price in prices.items() if role == "target"}
+        self.draft = {int(n): price for (role, n), price in prices.items() if role == "draft"}
         self.head = heads / steps
         self.outside = (outside - heads) / rounds
 

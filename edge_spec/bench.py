@@ -182,6 +182,17 @@ def _decode_passes(before: dict, after: dict) -> dict[str, list[float]]:
     return {str(n): v for n, v in sorted(passes.items())}
 
 
+def pass_prices(records: list[dict]) -> dict[tuple[str, str], float]:
+    """Mean latency of one ORT pass per (decoder: "target" or "draft", rows as a string) over a run's records."""
+    table: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for r in records:
+        for role in ("target", "draft"):
+            for n, (calls, seconds) in r.get(f"{role}_passes", {}).items():
+                table[(role, n)][0] += calls
+                table[(role, n)][1] += seconds
+    return {key: seconds / calls for key, (calls, seconds) in table.items() if calls}
+
+
 def cost_normalized_seconds(records: list[dict]) -> dict[int, float]:
     """Per record (by ``id``): its decode time with every ORT pass priced at the run's mean latency for
     that decoder and row count, plus the record's own time outside ORT (head, numpy, Python).
@@ -190,13 +201,7 @@ def cost_normalized_seconds(records: list[dict]) -> dict[int, float]:
     differences between γ schedules; pricing all modes' passes with one table keeps exactly what a
     schedule changes (how many passes of how many rows, how many drafter steps) and drops when each
     run happened to be slowed down by other load."""
-    table: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
-    for r in records:
-        for role in ("target", "draft"):
-            for n, (calls, seconds) in r.get(f"{role}_passes", {}).items():
-                table[(role, n)][0] += calls
-                table[(role, n)][1] += seconds
-    price = {key: seconds / calls for key, (calls, seconds) in table.items() if calls}
+    price = pass_prices(records)
     normalized = {}
     for r in records:
         if "target_passes" not in r:
