@@ -45,7 +45,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "qwen2.5-coder-1.5b-instruct-q4_k_m"
 GGUF = ROOT / "models" / "gguf" / f"{NAME}.gguf"
-BUNDLE = ROOT / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
 HF_DIR = ROOT / "models" / "hf" / NAME
 GENAI_DIR = ROOT / "models" / "genai" / NAME
 GENAI_CACHE = ROOT / "models" / "genai" / "cache"
@@ -199,10 +198,12 @@ class GenaiSide:
 class OursSide:
     def __init__(self, args) -> None:
         sys.path.insert(0, str(ROOT))
+        from edge_spec.paths import DEFAULT_BUNDLE  # here, not at the top: the genai worker has no edge_spec
         from edge_spec.runtime.engine import Engine
 
         self.args = args
-        self.engine = Engine.from_bundle(BUNDLE, threads=args.threads)  # mode="ar"
+        self.bundle = DEFAULT_BUNDLE
+        self.engine = Engine.from_bundle(self.bundle, threads=args.threads)  # mode="ar"
         self.messages = [{"role": "user", "content": PROMPT}]
         self.prompt_ids = self.engine.prompt_ids(self.messages)
         self.engine.complete(self.messages, max_new_tokens=WARMUP_TOKENS, temperature=0.0)  # warm-up
@@ -218,8 +219,8 @@ class OursSide:
                     "decode_seconds": s.decode_seconds, "tokens_per_second": s.tokens_per_second, "text": c.text}
         # the answer ended (EOS) early: time the same target with the bare token loop, which ignores EOS
         import numpy as np
-        from edge_spec.runtime.autoregressive import generate_autoregressive
-        from edge_spec.runtime.sampling import SamplingParams
+        from edge_spec.runtime.loops.autoregressive import generate_autoregressive
+        from edge_spec.runtime.verify.sampling import SamplingParams
 
         self.note = f"engine stopped at EOS after {s.new_tokens} tokens; timed with the bare AR loop instead"
         target = self.engine.target
@@ -288,7 +289,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens, {args.threads} threads, median of {args.repeats} alternating runs after 1 warm-up each")
     print(f"load average 1/5/15 min: before {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
           f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}  (machine has {os.cpu_count()} cores)")
-    sizes = [sum(f.stat().st_size for f in d.glob("model.onnx*")) / 2**30 for d in (BUNDLE / "target", GENAI_DIR)]
+    sizes = [sum(f.stat().st_size for f in d.glob("model.onnx*")) / 2**30
+             for d in (ours_side.bundle / "target", GENAI_DIR)]
     print(f"on-disk model: ours {sizes[0]:.2f} GiB (int4 embedding via GatherBlockQuantized), "
           f"genai {sizes[1]:.2f} GiB (builder default: fp32 embedding table)")
     print()

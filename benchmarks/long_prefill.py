@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
+from edge_spec.paths import DEFAULT_BUNDLE
 
 
 def measure(bundle: Path, tokens: int, chunk: int, threads: int) -> dict:
     """One prefill of ``tokens`` random ids in passes of ``chunk`` tokens (this process only)."""
     from edge_spec.manifest import read_manifest
-    from edge_spec.runtime.decoder import Decoder
+    from edge_spec.runtime.model.decoder import Decoder
 
     manifest = read_manifest(bundle)
     target = Decoder(bundle / manifest["target"]["onnx"], threads=threads, capacity=manifest["context_length"])

@@ -3,7 +3,7 @@ on the real model pair, per bench category, without Monte Carlo noise.
 
 Along each prompt the target samples its own continuation (temperature T); at every position the
 target's processed distribution p and the drafter's q (through the chosen head) are fed to
-:func:`edge_spec.runtime.multidraft.expected_acceptance`, the exact acceptance probability of each
+:func:`edge_spec.runtime.verify.tree.expected_acceptance`, the exact acceptance probability of each
 verifier averaged over how its drafts are drawn.  With branches of length 1 this is the expected
 number of accepted tokens per target call (τ - 1), so the table compares the verifiers' tokens per
 step directly; `edge-spec bench --verifier ...` measures the same loop end to end with wall-clock.
@@ -23,15 +23,15 @@ from tqdm import tqdm
 
 from edge_spec.bench import load_bench_prompts
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.multidraft import expected_acceptance
-from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
+from edge_spec.runtime.verify.tree import expected_acceptance
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 
 SCHEMES = ("single", "rrs", "rrs-wor", "spechub")
 
 
 def measure(engine: Engine, prompts: list[dict], temperature: float, tokens: int, seed: int) -> list[dict]:
     params = SamplingParams(temperature=temperature)
-    target, drafter = engine.target, engine.draft
+    target, drafter = engine.target, engine.drafter
     rows = []
     for index, item in enumerate(tqdm(prompts, desc=f"T={temperature} {engine.draft_head}")):
         prompt = item["prompt"]
@@ -39,9 +39,9 @@ def measure(engine: Engine, prompts: list[dict], temperature: float, tokens: int
         ids = engine.prompt_ids(messages)
         rng = np.random.default_rng(seed + index)
         target.reset()
-        drafter.decoder.reset()
+        drafter.body.reset()
         target_logits = target.forward(ids)["logits"][-1]
-        draft_logits, draft_ids = drafter.step(ids)
+        draft_logits, draft_ids = drafter.next_logits(ids)
         for _ in range(tokens):
             p = logits_to_probs(target_logits, params)
             probs = logits_to_probs(draft_logits, params)
@@ -51,8 +51,9 @@ def measure(engine: Engine, prompts: list[dict], temperature: float, tokens: int
             x = sample(p, rng)
             if x in engine.tokenizer.eos_token_ids:
                 break
+            ids = ids + [x]
             target_logits = target.forward([x])["logits"][-1]
-            draft_logits, draft_ids = drafter.step([x])
+            draft_logits, draft_ids = drafter.next_logits(ids)
     return rows
 
 

@@ -40,10 +40,10 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 from edge_spec.manifest import read_manifest  # noqa: E402
-from edge_spec.runtime.decoder import Decoder  # noqa: E402
+from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
+from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
 from edge_spec.runtime.text import TextTokenizer  # noqa: E402
 
-DEFAULT_BUNDLE = ROOT / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
 PROMPT = "Write a Python function that checks whether a number is prime."
 
 

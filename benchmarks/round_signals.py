@@ -35,20 +35,21 @@ import numpy as np
 from tqdm import tqdm
 
 from edge_spec.bench import load_bench_prompts, pass_prices
+from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.lookup import LOOKUP_MIN_N, NgramLookup
-from edge_spec.runtime.policy import AdaptiveGamma, CostModel
-from edge_spec.runtime.speculative import SpecConfig, softmax
+from edge_spec.runtime.propose.lookup import LOOKUP_MIN_N, NgramLookup
+from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
+from edge_spec.runtime.loops.config import ChainConfig
+from edge_spec.runtime.propose.model import softmax
 
 CHAIN = 4  # longest lookup chain recorded (run = how many of its tokens the target would accept)
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
 FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
           "guess_ok", "guess_match", "lookup_ok", "lookup_match", "lookup_run", "lookup_len", "target_entropy",
           "token")
 
 
 def collect(args: argparse.Namespace) -> None:
-    engine = Engine.from_bundle(args.bundle, threads=args.threads, mode="spec", spec=SpecConfig(gamma=1),
+    engine = Engine.from_bundle(args.bundle, threads=args.threads, config=ChainConfig(gamma=1, adaptive=False, proposers=("model", "guess")),
                                 draft_head=args.head)
     prompts = []
     for path in args.prompts or [None]:
@@ -60,7 +61,7 @@ def collect(args: argparse.Namespace) -> None:
         answer = engine.complete(messages, max_new_tokens=args.max_tokens).token_ids
         ids = engine.prompt_ids(messages)
         sequence = ids + answer
-        target, body = engine.target, engine.draft.decoder
+        target, body = engine.target, engine.drafter.body
         target.reset()
         body.reset()
         logits = target.forward(sequence, len(answer) + 1)["logits"]  # row j predicts answer[j]
@@ -71,7 +72,7 @@ def collect(args: argparse.Namespace) -> None:
             raise SystemExit(f"prompt {index}: teacher-forced target does not reproduce the answer")
         ngrams = NgramLookup(min_n=1)
         for j in range(1, len(answer)):  # a round at j: answer[j-1] is pending, answer[j] is next
-            head_logits, head_ids = engine.draft.head(hidden[j])
+            head_logits, head_ids = engine.drafter.head(hidden[j])
             probs = softmax(head_logits)
             best = int(np.argmax(head_logits))
             proposal = best if head_ids is None else int(head_ids[best])

@@ -10,11 +10,9 @@ Any extra flags are passed through to `edge-spec bench`.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from edge_spec.cli import main
-
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
+from edge_spec.paths import DEFAULT_BUNDLE
 
 if __name__ == "__main__":
     args = sys.argv[1:]

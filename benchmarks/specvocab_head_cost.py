@@ -18,10 +18,9 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from edge_spec.export.graph_builder import _Graph, _make_model, save_model
+from edge_spec.export.graph_builder import Graph, make_model, save_model
+from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
-
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
 
 
 def median_ms(fn, states: np.ndarray, repeats: int) -> float:
@@ -38,7 +37,7 @@ def median_ms(fn, states: np.ndarray, repeats: int) -> float:
 
 def onnx_gather_head(rows: np.ndarray, scales: np.ndarray, candidates: int, path: Path, threads: int):
     """candidate ids [k] + hidden [H] -> exact logits [k]: Gather(int8 rows) -> Cast -> MatMul -> Mul(scales)."""
-    g = _Graph()
+    g = Graph()
     gathered = g.node("Gather", [g.const("rows", rows), "ids"], ["g"], axis=0)[0]
     as_float = g.node("Cast", [gathered], ["gf"], to=TensorProto.FLOAT)[0]
     dots = g.node("MatMul", [as_float, "hidden"], ["dots"])[0]
@@ -49,7 +48,7 @@ def onnx_gather_head(rows: np.ndarray, scales: np.ndarray, candidates: int, path
         [helper.make_tensor_value_info("ids", TensorProto.INT64, [candidates]),
          helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [rows.shape[1]])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [candidates])], g.initializers)
-    save_model(_make_model(graph), path)
+    save_model(make_model(graph), path)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -66,7 +65,7 @@ def main() -> None:
     prompt = engine.prompt_ids([{"role": "user", "content": "Write a Python function that merges two sorted lists."}])
     answer = engine.complete([{"role": "user", "content": "Write a Python function that merges two sorted lists."}],
                              max_new_tokens=48).token_ids
-    body = engine.draft.decoder
+    body = engine.drafter.body
     body.reset()
     states = body.forward(prompt + answer, len(answer))["hidden_states"]
     print(f"{len(states)} drafter hidden states; {args.threads} threads; median ms per draft step")
@@ -74,7 +73,7 @@ def main() -> None:
     full_ms = None
     for name, entry in engine.manifest["draft"]["heads"].items():
         engine.use_draft_head(name)
-        head = engine.draft.head
+        head = engine.drafter.head
         total = median_ms(head, states, args.repeats)
         full_ms = total if name == "full" else full_ms
         pieces = ""

@@ -19,10 +19,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from edge_spec.bench import load_bench_prompts
+from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.speculative import SpecConfig
-
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
+from edge_spec.runtime.loops.config import ChainConfig, SsdConfig
 
 
 def main() -> None:
@@ -38,10 +37,10 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=None)
     ap.add_argument("--output", type=Path, default=Path("bench-results/ssd"))
     args = ap.parse_args()
-    spec = SpecConfig(gamma=args.gamma)
-    shared = Engine.from_bundle(args.bundle, threads=args.threads, mode="spec", spec=spec, draft_head=args.head)
+    chain = ChainConfig(gamma=args.gamma, adaptive=False, proposers=("model", "guess"))
+    shared = Engine.from_bundle(args.bundle, threads=args.threads, config=chain, draft_head=args.head)
     split = Engine.from_bundle(args.bundle, threads=args.target_threads, draft_threads=args.draft_threads,
-                               mode="ssd", spec=spec, draft_head=args.head)
+                               config=SsdConfig(gamma=args.gamma), draft_head=args.head)
     runs = [("ar", shared, "ar"), ("spec", shared, "spec"), ("ssd", split, "ssd")]
     for _, engine, mode in runs:
         engine.complete("warm up", max_new_tokens=8, mode=mode)
@@ -55,7 +54,7 @@ def main() -> None:
                                    seed=index, mode=mode)
             outputs[name] = done.token_ids
             records.append({"category": item["category"], "mode": name, "tokens": max(done.stats.new_tokens - 1, 0),
-                            "seconds": done.stats.decode_seconds, **{k: done.stats.extra.get(k) for k in
+                            "seconds": done.stats.decode_seconds, **{k: getattr(done.stats.spec, k, None) for k in
                                                                      ("tau", "cache_hit_rate", "target_calls")}})
         # greedy identity is judged against target-only decoding with the same batch-invariant passes
         # (ar --exact, runtime/decoder.py) on the same sessions

@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
 
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
 PREFIX = 300  # cache length the passes run at
 
 
 def load(bundle: Path, threads: int, head: str | None) -> Engine:
     engine = Engine.from_bundle(bundle, threads=threads, mode="ar", draft_head=head)
-    engine.draft  # load the drafter now
+    engine.drafter  # load the drafter now
     return engine
 
 
@@ -41,8 +41,8 @@ def prime(engine: Engine) -> None:
     ids = list(range(1000, 1000 + PREFIX))
     engine.target.reset()
     engine.target.forward(ids)
-    engine.draft.decoder.reset()
-    engine.draft.step(ids)
+    engine.drafter.body.reset()
+    engine.drafter.next_logits(ids)
 
 
 def target_pass(engine: Engine, n: int) -> float:
@@ -55,9 +55,9 @@ def target_pass(engine: Engine, n: int) -> float:
 
 def draft_step(engine: Engine) -> float:
     started = time.perf_counter()
-    engine.draft.step([3000])
+    engine.drafter.next_logits(list(range(1000, 1000 + PREFIX)) + [3000])
     elapsed = time.perf_counter() - started
-    engine.draft.decoder.rewind(PREFIX)
+    engine.drafter.body.rewind(PREFIX)
     return elapsed
 
 

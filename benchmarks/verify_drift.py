@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from edge_spec.runtime.decoder import Decoder
+from edge_spec.paths import DEFAULT_BUNDLE
+from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.text import TextTokenizer
 
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "bundles" / "qwen2.5-coder-1.5b-instruct-int4"
 PROMPTS = ["Write a Python function that merges two sorted lists.", "Explain why the sky is blue in three sentences.",
            "Translate to German: I would like two tickets for the evening show."]
 

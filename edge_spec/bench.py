@@ -25,19 +25,25 @@ from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.speculative import SpecConfig
+from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "bench" / "prompts.jsonl"
 
 
 @dataclass(frozen=True)
 class BenchMode:
+    """One labelled way of answering: a loop configuration, a drafter head, the target's numerics."""
+
     name: str  # "ar", "spec" (full head), "spec+trim-16384", "spec+specvocab-r64-k256@γ2", ...
     head: str | None  # drafter head, None for ar
-    spec: SpecConfig | None = None  # γ schedule of this mode (None: the run's schedule)
-    loop: str = "spec"  # engine mode of speculative modes: spec or ssd
-    lookup: bool = False  # the run's schedule with prompt lookup on (modes with their own ``spec`` set it there)
+    config: LoopConfig = ArConfig()
     exact: bool | None = None  # batch-invariant target passes (None: the engine's default for the mode)
+
+
+def with_lookup(config: ChainConfig, lookup: bool) -> ChainConfig:
+    """``config`` drafting by prompt lookup too, first (or not at all)."""
+    others = tuple(p for p in config.proposers if p != "lookup")
+    return dataclasses.replace(config, proposers=("lookup",) + others if lookup else others)
 
 
 def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
@@ -61,12 +67,13 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
     return prompts
 
 
-def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] | None = None,
-              multidraft: list[SpecConfig] = (), ssd: list[SpecConfig] = (), lookup: bool = False,
+def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed_gammas: list[int] | None = None,
+              trees: list[TreeConfig] = (), ssds: list[SsdConfig] = (), lookup: bool = False,
               reference: bool = True) -> list[BenchMode]:
-    """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft
-    configuration (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own
-    schedule; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``)."""
+    """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one
+    mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft configuration
+    (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own schedule
+    ``chain``; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``)."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
@@ -75,24 +82,26 @@ def modes_for(engine: Engine, heads: list[str] | None, fixed_gammas: list[int] |
     modes = [BenchMode("ar", None)]
     if reference and engine.exact_for("spec") and not engine.exact_for("ar"):
         modes.append(BenchMode("ar-exact", None, exact=True))  # the reference of greedy exact modes
+    plain = with_lookup(chain, False)
     for head in chosen:
         name = "spec" if head == "full" else f"spec+{head}"
         for gamma in fixed_gammas or []:
-            modes.append(BenchMode(f"{name}@γ{gamma}", head, SpecConfig(gamma=gamma)))
+            fixed = dataclasses.replace(plain, gamma=gamma, adaptive=False)
+            modes.append(BenchMode(f"{name}@γ{gamma}", head, fixed))
             if lookup:
-                modes.append(BenchMode(f"{name}+lookup@γ{gamma}", head, SpecConfig(gamma=gamma, lookup=True)))
-        for spec in multidraft:
-            modes.append(BenchMode(f"{name}+k{spec.drafts}-{spec.scheme}@γ{spec.gamma}", head, spec))
-        for spec in ssd:
-            modes.append(BenchMode(f"{name}+ssd@γ{spec.gamma}", head, spec, loop="ssd"))
-        modes.append(BenchMode(name, head))
+                modes.append(BenchMode(f"{name}+lookup@γ{gamma}", head, with_lookup(fixed, True)))
+        for tree in trees:
+            modes.append(BenchMode(f"{name}+k{tree.drafts}-{tree.verifier}@γ{tree.gamma}", head, tree))
+        for ssd in ssds:
+            modes.append(BenchMode(f"{name}+ssd@γ{ssd.gamma}", head, ssd))
+        modes.append(BenchMode(name, head, plain))
         if lookup:
-            modes.append(BenchMode(f"{name}+lookup", head, lookup=True))
+            modes.append(BenchMode(f"{name}+lookup", head, with_lookup(plain, True)))
     return modes
 
 
 def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, temperatures: list[float],
-              max_new_tokens: int, spec: SpecConfig, seed: int = 0, repeats: int = 1, progress=None) -> dict:
+              max_new_tokens: int, seed: int = 0, repeats: int = 1, progress=None) -> dict:
     """Run every prompt in every mode and temperature; return raw records plus per-category summaries.
 
     With ``repeats`` > 1 each prompt goes through all modes that many times, interleaved, and each mode
@@ -101,7 +110,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
     if repeats < 1:
         raise EdgeSpecError("repeats must be at least 1")
     records = []
-    engine.spec_config = spec
+    schedule = engine.config  # the run's schedule, reported beside the results
     total = len(prompts) * len(temperatures)
     done = 0
     for temperature in temperatures:
@@ -114,7 +123,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                 for mode in modes:
                     if mode.name == "ar-exact" and temperature > 0:
                         continue  # only greedy answers are compared token for token
-                    record = _run_mode(engine, mode, messages, spec, references, max_new_tokens=max_new_tokens,
+                    record = _run_mode(engine, mode, messages, references, max_new_tokens=max_new_tokens,
                                        temperature=temperature, seed=seed + index)
                     record.update(category=item["category"], prompt_index=index)
                     kept = fastest.setdefault(mode.name, record)
@@ -127,18 +136,19 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
             done += 1
             if progress:
                 progress(done, total)
-    return {"records": records, "summary": summarize(records), "gamma": spec.gamma, "adaptive": spec.adaptive,
-            "max_new_tokens": max_new_tokens, "repeats": repeats}
+    engine.config = schedule
+    return {"records": records, "summary": summarize(records), "gamma": schedule.gamma,
+            "adaptive": getattr(schedule, "adaptive", False), "max_new_tokens": max_new_tokens, "repeats": repeats}
 
 
-def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecConfig,
-              references: dict[bool, list[int]], *, max_new_tokens: int, temperature: float, seed: int) -> dict:
+def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references: dict[bool, list[int]], *,
+              max_new_tokens: int, temperature: float, seed: int) -> dict:
     """One answer in one mode; the first target-only answer per numerics becomes the reference."""
-    engine.spec_config = mode.spec or dataclasses.replace(spec, lookup=spec.lookup or mode.lookup)
+    loop = mode.config.mode
     if mode.head:
+        engine.config = mode.config
         engine.use_draft_head(mode.head)
-    loop = "ar" if mode.head is None else mode.loop
-    decoders = {"target": engine.target, "draft": engine.draft.decoder if mode.head else None}
+    decoders = {"target": engine.target, "draft": engine.drafter.body if mode.head else None}
     before = {role: _pass_log(d) for role, d in decoders.items()}
     started = time.perf_counter()
     completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -153,10 +163,13 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], spec: SpecC
     if mode.head is None:
         references.setdefault(exact, completion.token_ids)
         return record
-    record.update({k: stats.extra[k] for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma", "param_ratio",
-                                               "target_calls", "draft_seconds", "verify_seconds", "head_seconds",
-                                               "draft_steps", "candidate_recall", "first_token_acceptance",
-                                               "cache_hit_rate", "guess_rounds", "guess_accepted")})
+    spec = stats.spec
+    record.update({k: getattr(spec, k) for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma", "param_ratio",
+                                                 "target_calls", "draft_seconds", "verify_seconds", "head_seconds",
+                                                 "draft_steps", "candidate_recall", "first_token_acceptance",
+                                                 "cache_hit_rate")})
+    record.update(guess_rounds=spec.tally("guess").rounds, guess_accepted=spec.tally("guess").accepted,
+                  lookup_rounds=spec.tally("lookup").rounds, lookup_accepted=spec.tally("lookup").accepted)
     reference = references.get(exact)  # None: no target-only run with these numerics (--no-reference)
     record["identical_to_ar"] = None if reference is None else completion.token_ids == reference
     record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
@@ -314,13 +327,18 @@ def schedule_report(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], path: Path) -> None:
+def plot(summary: list[dict], path: Path) -> bool:
     """Speed-up and τ against the drafter head's measured cost per draft step (overall rows):
-    VocabTrim at several K and SpecVocab land on one axis, so "better τ at equal head cost" is visible."""
-    import matplotlib
+    VocabTrim at several K and SpecVocab land on one axis, so "better τ at equal head cost" is visible.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Returns False, writing nothing, when matplotlib (the ``bench`` extra) is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for temperature in sorted({r["temperature"] for r in summary}):
@@ -339,3 +357,5 @@ def plot(summary: list[dict], path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

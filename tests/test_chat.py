@@ -7,7 +7,7 @@ import pytest
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
-from tests.test_cli import cli
+from tests.helpers import cli
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_a_last_message_too_long_for_the_context_is_refused_in_one_line(engine):
         engine.fit_messages(messages, reserve=16)
 
 
+@pytest.mark.slow
 def test_chat_command_on_piped_input(int4_bundle):
     script = "\n".join(["hello there", "/reset", "word " * 400, "def add(a, b):", "/exit"]) + "\n"
     result = cli("chat", str(int4_bundle), "--max-tokens", "8", "--threads", "1", input_text=script)

@@ -5,30 +5,30 @@ from __future__ import annotations
 import pytest
 
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.lookup import LookupChoice, NgramLookup
-from edge_spec.runtime.policy import CostModel
-from edge_spec.runtime.sampling import SamplingParams
-from edge_spec.runtime.speculative import SpecConfig
-from tests.test_speculative import _chi_square_same_distribution, run
+from edge_spec.runtime.propose.ngrams import NgramLookup
+from edge_spec.runtime.schedule.sources import LookupChoice
+from edge_spec.runtime.schedule.policy import CostModel
+from edge_spec.runtime.verify.sampling import SamplingParams
+from tests.helpers import chain, chi_square_same_distribution, run
 
 
 def test_lookup_continues_the_latest_longest_match():
     lookup = NgramLookup(min_n=2, max_n=3)
     seq = [1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2]
-    assert lookup.propose(seq, 3) == [4, 7, 8]  # latest earlier "1 2" is followed by 4 7 8
+    assert lookup.continuation(seq, 3) == [4, 7, 8]  # latest earlier "1 2" is followed by 4 7 8
     seq += [3]  # suffix "1 2 3" (3 tokens) occurred at the start: the longer match wins
-    assert lookup.propose(seq, 2) == [9, 1]
+    assert lookup.continuation(seq, 2) == [9, 1]
     fresh = NgramLookup()
-    assert fresh.propose([5, 6, 7, 8], 3) == []  # no repeated suffix
-    assert fresh.propose([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]  # index grows incrementally
+    assert fresh.continuation([5, 6, 7, 8], 3) == []  # no repeated suffix
+    assert fresh.continuation([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]  # index grows incrementally
     with pytest.raises(ValueError):
         NgramLookup(min_n=3, max_n=2)
 
 
 def test_the_suffix_never_matches_itself():
     lookup = NgramLookup(min_n=2, max_n=2)
-    assert lookup.propose([4, 4], 2) == []
-    assert lookup.propose([4, 4, 4], 2) == [4]  # "4 4" ended at index 2 before: continues with the last 4
+    assert lookup.continuation([4, 4], 2) == []
+    assert lookup.continuation([4, 4, 4], 2) == [4]  # "4 4" ended at index 2 before: continues with the last 4
 
 
 def costs() -> CostModel:
@@ -60,16 +60,17 @@ def test_greedy_with_lookup_equals_autoregressive(engine, gamma, adaptive):
     for prompt in REPETITIVE:
         ids = engine.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
-        got, stats = run(engine, ids, SamplingParams(), 40, SpecConfig(gamma=gamma, adaptive=adaptive, lookup=True))
+        got, stats = run(engine, ids, SamplingParams(), 40, chain(gamma, adaptive=adaptive, lookup=True))
         assert got == reference, prompt
-        rounds += stats.lookup_rounds
+        rounds += stats.tally("lookup").rounds
     assert rounds > 0, "no round was drafted by lookup: case not exercised"
 
 
+@pytest.mark.slow
 def test_sampled_with_lookup_matches_target_distribution(engine, monkeypatch):
     """Lookup drafts are verified against a point-mass q.  To exercise that path in every round, the
     lookup here proposes a fixed function of the prefix (still a valid deterministic drafter)."""
-    monkeypatch.setattr(NgramLookup, "propose", lambda self, tokens, gamma, min_n=None: [tokens[-1], 5][:gamma])
+    monkeypatch.setattr(NgramLookup, "continuation", lambda self, tokens, gamma, min_n=None: [tokens[-1], 5][:gamma])
     params = SamplingParams(temperature=1.0)
     ids = engine.tokenizer.encode(REPETITIVE[0])
     n = 1500
@@ -77,17 +78,17 @@ def test_sampled_with_lookup_matches_target_distribution(engine, monkeypatch):
     rounds = 0
     spec = []
     for s in range(n):
-        tokens, stats = run(engine, ids, params, 3, SpecConfig(gamma=2, lookup=True), seed=10**6 + s)
+        tokens, stats = run(engine, ids, params, 3, chain(2, lookup=True), seed=10**6 + s)
         spec.append(tuple(tokens))
-        rounds += stats.lookup_rounds
+        rounds += stats.tally("lookup").rounds
     assert rounds > n // 2
-    assert _chi_square_same_distribution(ar, spec) > 1e-3
+    assert chi_square_same_distribution(ar, spec) > 1e-3
 
 
 def test_one_index_serves_longer_matches():
     """The loop keeps one index (1-grams up) for free guesses and asks it for 2+ token lookup matches."""
     seq = [3, 9, 1, 2, 4, 7, 1, 5, 1]
     shared = NgramLookup(min_n=1)
-    assert shared.propose(seq, 2) == [5, 1]  # a 1-token match: "1" last ended before 5
-    assert shared.propose(seq, 2, min_n=2) == NgramLookup(min_n=2).propose(seq, 2) == []
-    assert shared.propose(seq + [5], 2, min_n=2) == [1, 5]  # "1 5" occurred before, followed by 1 5
+    assert shared.continuation(seq, 2) == [5, 1]  # a 1-token match: "1" last ended before 5
+    assert shared.continuation(seq, 2, min_n=2) == NgramLookup(min_n=2).continuation(seq, 2) == []
+    assert shared.continuation(seq + [5], 2, min_n=2) == [1, 5]  # "1 5" occurred before, followed by 1 5

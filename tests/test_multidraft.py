@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
-from edge_spec.runtime.multidraft import (
+from edge_spec.runtime.verify.tree import (
     Ladder,
     draw_first_tokens,
     ladder_for,
@@ -21,7 +21,7 @@ from edge_spec.runtime.multidraft import (
     spechub_ladder,
     spechub_pair,
 )
-from tests.test_sampling import chi_square_pvalue
+from tests.helpers import chi_square_pvalue
 
 
 def random_pair(seed: int, vocab: int = 5, sharp: float = 1.0, zeros: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -146,6 +146,7 @@ def test_spechub_accepts_more_than_rrs_when_the_drafter_is_peaked() -> None:
     assert mean["spechub"] > mean["rrs-wor"] > mean["rrs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme,k", [("rrs", 2), ("rrs-wor", 3), ("spechub", 2)])
 def test_sampled_ladder_matches_its_distribution(scheme: str, k: int) -> None:
     """Monte Carlo through draw_first_tokens + Ladder.sample, the path the runtime takes."""
@@ -159,6 +160,7 @@ def test_sampled_ladder_matches_its_distribution(scheme: str, k: int) -> None:
     assert chi_square_pvalue(counts, p) > 1e-3
 
 
+@pytest.mark.slow
 def test_sampled_harness_rejects_plain_q() -> None:
     """Negative control for the Monte Carlo harness: emitting the first draft as is follows q, not p."""
     p, q = random_pair(seed=7, vocab=5, sharp=2.0)
@@ -169,6 +171,7 @@ def test_sampled_harness_rejects_plain_q() -> None:
     assert chi_square_pvalue(counts, p) < 1e-6
 
 
+@pytest.mark.slow
 def test_spechub_pairs_follow_the_sparse_joint() -> None:
     p, q = random_pair(seed=3, vocab=4, sharp=2.0)
     rng = np.random.default_rng(5)
@@ -182,7 +185,7 @@ def test_spechub_pairs_follow_the_sparse_joint() -> None:
 
 def test_bad_inputs_raise() -> None:
     q = np.array([0.5, 0.3, 0.2])
-    with pytest.raises(ValueError, match="unknown multi-draft scheme"):
+    with pytest.raises(ValueError, match="unknown multi-draft verifier"):
         draw_first_tokens(q, 2, "beam", np.random.default_rng(0))
     with pytest.raises(ValueError, match="exactly two"):
         draw_first_tokens(q, 3, "spechub", np.random.default_rng(0))
@@ -205,7 +208,7 @@ def test_without_replacement_stops_when_q_is_exhausted() -> None:
 
 @pytest.mark.parametrize("case", CASES + [dict(seed=9, vocab=7, sharp=0.2, zeros=3)])
 def test_expected_acceptance_matches_enumeration(case: dict) -> None:
-    from edge_spec.runtime.multidraft import expected_acceptance
+    from edge_spec.runtime.verify.tree import expected_acceptance
 
     p, q = random_pair(**case)
     assert expected_acceptance("single", q, p) == pytest.approx(np.minimum(p, q).sum(), abs=1e-12)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge_spec.runtime.policy import (
+from edge_spec.runtime.schedule.policy import (
     AdaptiveGamma,
     ConfidenceAcceptance,
     CostModel,

@@ -6,17 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_spec.manifest import read_manifest
-from edge_spec.runtime.decoder import Decoder
+from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.speculative import SpecConfig
+from tests.helpers import chain
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(5, 300, 23)]
-
-
-@pytest.fixture(scope="module")
-def target_path(int4_bundle):
-    return int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]
 
 
 @pytest.mark.parametrize("num_logits, progress", [
@@ -61,27 +55,27 @@ def test_prefill_reuses_the_cached_prefix_in_chunks(target_path):
 
 def _small_chunks(engine: Engine, chunk: int) -> None:
     engine.target.prefill_chunk = chunk
-    engine.draft.decoder.prefill_chunk = chunk
+    engine.drafter.body.prefill_chunk = chunk
 
 
 @pytest.mark.parametrize("mode", ["spec", "ar"])
 def test_engine_reports_one_growing_fraction_and_keeps_greedy_identity(int4_bundle, mode):
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2, adaptive=True))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
     reference = engine.complete(PROMPT_TEXT, max_new_tokens=16, mode="ar", exact=True).token_ids
     _small_chunks(engine, 5)
     engine.target.reset()
-    engine.draft.decoder.reset()
+    engine.drafter.body.reset()
     fractions: list[float] = []
     got = engine.complete(PROMPT_TEXT, max_new_tokens=16, mode=mode, exact=True, on_prefill=fractions.append)
     assert got.token_ids == reference
     assert fractions and fractions == sorted(fractions) and 0 < fractions[0] and fractions[-1] == pytest.approx(1.0)
     if mode == "spec":  # the target's passes end at its share, then the drafter's part follows
         assert any(f < 1 / (1 + engine.param_ratio) + 1e-9 for f in fractions[:-1])
-    assert engine.target.prefill_listener is None and engine.draft.decoder.prefill_listener is None
+    assert engine.target.prefill_listener is None and engine.drafter.body.prefill_listener is None
 
 
 def test_cancel_stops_between_prefill_passes(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2))
     _small_chunks(engine, 4)
     fractions: list[float] = []
 
@@ -97,7 +91,7 @@ def test_cancel_stops_between_prefill_passes(int4_bundle):
     # the next request starts from what was read and answers as if nothing had happened
     again = engine.complete(PROMPT_TEXT, max_new_tokens=8)
     assert again.stats.stop_reason in ("length", "eos")
-    fresh = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2))
+    fresh = Engine.from_bundle(int4_bundle, threads=1, config=chain(2))
     assert again.token_ids == fresh.complete(PROMPT_TEXT, max_new_tokens=8).token_ids
 
 
@@ -112,8 +106,8 @@ def test_bench_pass_logs_leave_every_prefill_pass_out(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
     _small_chunks(engine, 3)
     prompts = load_bench_prompts(None, ["code"], 1)
-    modes = modes_for(engine, ["full"]) + [BenchMode("spec@γ2", "full", spec=SpecConfig(gamma=2))]
-    result = run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=12, spec=SpecConfig(gamma=3))
+    modes = modes_for(engine, ["full"], chain(3)) + [BenchMode("spec@γ2", "full", chain(2))]
+    result = run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=12)
     for record in result["records"]:
         calls = sum(c for c, _ in record["target_passes"].values())
         if "tau" in record:

@@ -1,74 +1,27 @@
-"""Tests for edge_spec.runtime.sampling: pure numpy, no models, fast.
+"""Tests for edge_spec.runtime.verify.sampling: pure numpy, no models, fast.
 
-Also home of :func:`chi_square_pvalue`, the goodness-of-fit helper the
-verification tests reuse.
+The chi-square helpers they use live in ``tests/helpers.py``, shared with the verification tests.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.sampling import (
+from edge_spec.runtime.verify.sampling import (
     SamplingParams,
-    argmax,
     check_vocab_ids,
     logits_to_probs,
     sample,
     scatter_probs,
 )
-
-# ---------------------------------------------------------------------------
-# statistics helper (shared with test_verification)
-# ---------------------------------------------------------------------------
-
-
-def chi2_sf(stat: float, dof: int) -> float:
-    """Upper tail of the chi-square distribution, closed form for integer dof.
-
-    Exact (Abramowitz & Stegun 26.4.4/26.4.5) and dependency-free, so the
-    statistical tests run without the scipy extra and without paying
-    ~1.3 s for importing scipy.stats; cross-checked against scipy below.
-    """
-    half = stat / 2.0
-    if dof % 2 == 0:
-        term, total = 1.0, 1.0
-        for i in range(1, dof // 2):
-            term *= half / i
-            total += term
-        return math.exp(-half) * total
-    total = math.erfc(math.sqrt(half))
-    term = math.sqrt(half) / math.gamma(1.5)
-    for i in range(dof // 2):
-        total += math.exp(-half) * term
-        term *= half / (i + 1.5)
-    return total
-
-
-def chi_square_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson goodness-of-fit p-value of counts against a distribution.
-
-    Cells with zero expected probability are left out of the statistic; a
-    count in one of them is impossible under ``probs``, so the p-value is
-    then exactly 0.  Expected counts should be >= 5 per cell for validity.
-    """
-    observed = np.asarray(observed, dtype=np.float64).ravel()
-    probs = np.asarray(probs, dtype=np.float64).ravel()
-    assert observed.shape == probs.shape
-    forbidden = probs == 0.0
-    if observed[forbidden].sum() > 0:
-        return 0.0
-    obs, p = observed[~forbidden], probs[~forbidden] / probs[~forbidden].sum()
-    expected = obs.sum() * p
-    stat = float(((obs - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, obs.size - 1)
+from tests.helpers import FixedUniform, chi2_sf, chi_square_pvalue
 
 
 def test_chi2_sf_matches_scipy() -> None:
-    special = pytest.importorskip("scipy.special")
+    from scipy import special  # scipy is in the test extra: missing, this fails rather than skips
+
     for dof in (1, 2, 3, 4, 7, 19, 24):
         for stat in (0.5, 3.0, 10.0, 40.0, 120.0, 400.0):
             assert chi2_sf(stat, dof) == pytest.approx(special.chdtrc(dof, stat), rel=1e-9, abs=1e-300)
@@ -112,11 +65,6 @@ def test_params_validation_is_one_clear_line(kwargs: dict, word: str) -> None:
 def test_params_accept_boundaries_and_numpy_scalars() -> None:
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0)
     SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), top_p=1e-9, seed=0)
-
-
-def test_params_seeded_rng_is_reproducible() -> None:
-    params = SamplingParams(temperature=1.0, seed=123)
-    assert params.make_rng().random() == params.make_rng().random()
 
 
 # ---------------------------------------------------------------------------
@@ -300,20 +248,8 @@ def test_input_logits_are_not_modified() -> None:
 
 
 # ---------------------------------------------------------------------------
-# sample / argmax
+# sample
 # ---------------------------------------------------------------------------
-
-
-class FixedUniform:
-    """Stands in for np.random.Generator: random() returns preset values."""
-
-    def __init__(self, *values: float) -> None:
-        self.values = list(values)
-
-    def random(self, size: int | None = None) -> float | np.ndarray:
-        if size is None:
-            return self.values.pop(0)
-        return np.array([self.values.pop(0) for _ in range(size)])
 
 
 def test_sample_extreme_uniforms_never_pick_zero_probability_tokens() -> None:
@@ -345,6 +281,7 @@ def test_sample_rejects_unusable_rows(bad: np.ndarray) -> None:
         sample(bad, np.random.default_rng(0))
 
 
+@pytest.mark.slow
 def test_sample_frequencies_follow_the_distribution() -> None:
     probs = np.array([0.1, 0.0, 0.25, 0.05, 0.6])
     rng = np.random.default_rng(11)
@@ -380,12 +317,6 @@ def test_large_row_extreme_uniforms_land_on_tokens_with_mass() -> None:
     assert sample(probs, FixedUniform(float(np.nextafter(1.0, 0.0)))) == probs.size - 1
     probs[-1] = 0.0
     assert sample(probs, FixedUniform(float(np.nextafter(1.0, 0.0)))) == probs.size - 1025
-
-
-def test_argmax_takes_the_first_maximum() -> None:
-    assert argmax(np.array([1.0, 5.0, 2.0, 5.0], dtype=np.float32)) == 1
-    with pytest.raises(ValueError):
-        argmax(np.zeros((2, 2)))
 
 
 # ---------------------------------------------------------------------------

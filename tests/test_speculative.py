@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from scipy import stats as scistats
 
-from edge_spec.runtime.autoregressive import generate_autoregressive
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.sampling import SamplingParams
-from edge_spec.runtime.speculative import SpecConfig, SpecStats, generate_speculative
-
-PROMPTS = ["def is_prime(n):", "The quick brown fox", "What is 12 * 7?", "Summarize: speculative decoding drafts"]
-
-
-def run(engine: Engine, prompt_ids, params, n, spec: SpecConfig | None, seed=0, loop=generate_speculative):
-    """``n`` tokens from target-only decoding (``spec`` None) or from a speculative token ``loop``
-    (the chain, multi-draft or SSD loop, all with the same signature), plus the loop's stats."""
-    rng = np.random.default_rng(seed)
-    if spec is None:
-        return list(generate_autoregressive(engine.target, prompt_ids, params, rng, n)), None
-    stats = SpecStats()
-    tokens = list(loop(engine.target, engine.draft, prompt_ids, params, rng, n, spec, stats))
-    return tokens, stats
-
+from edge_spec.runtime.verify.sampling import SamplingParams
+from tests.helpers import PROMPTS, chain, chi_square_same_distribution, first_tokens, run
 
 HEADS = ["full", "trim-160", "trim-64", "specvocab-r16-k48", "trim32+specvocab-r16-k48", "specvocab-r16-k48-of160"]
 
@@ -45,11 +28,11 @@ def test_greedy_speculative_equals_autoregressive(any_engine, gamma):
     total_rejections = 0
     outside_head = 0
     outside_candidates = 0
-    kept = set(engine.draft.head.vocab_ids.tolist()) if engine.draft.head.vocab_ids is not None else None
+    kept = set(engine.drafter.head.vocab_ids.tolist()) if engine.drafter.head.vocab_ids is not None else None
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, greedy, 40, None)
-        got, stats = run(engine, ids, greedy, 40, SpecConfig(gamma=gamma))
+        got, stats = run(engine, ids, greedy, 40, chain(gamma))
         assert got == reference, f"head={engine.draft_head} γ={gamma} prompt={prompt!r}"
         total_rejections += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
         assert max(stats.drafted) <= gamma
@@ -66,42 +49,22 @@ def test_greedy_speculative_equals_autoregressive(any_engine, gamma):
 def test_greedy_with_confidence_cutoff_equals_autoregressive(engine):
     ids = engine.tokenizer.encode(PROMPTS[0])
     reference, _ = run(engine, ids, SamplingParams(), 40, None)
-    got, stats = run(engine, ids, SamplingParams(), 40, SpecConfig(gamma=6, min_confidence=0.6))
+    got, stats = run(engine, ids, SamplingParams(), 40, chain(6, min_confidence=0.6))
     assert got == reference
     assert min(stats.drafted) < 6
 
 
 def test_engine_spec_mode_matches_ar_and_reports_tau(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=3))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(3))
     spec = engine.complete([{"role": "user", "content": "def is_prime"}], max_new_tokens=30)
     ar = engine.complete([{"role": "user", "content": "def is_prime"}], max_new_tokens=30, mode="ar")
     assert spec.token_ids == ar.token_ids
-    extra = spec.stats.extra
-    assert 1.0 <= extra["tau"] <= 4.0
-    assert extra["mbsu"] == pytest.approx(extra["tau"] / (extra["param_ratio"] * extra["mean_gamma"] + 1))
+    extra = spec.stats.spec
+    assert 1.0 <= extra.tau <= 4.0
+    assert extra.mbsu == pytest.approx(extra.tau / (extra.param_ratio * extra.mean_gamma + 1))
 
 
-def _first_tokens(engine, ids, params, spec, n_samples, n_tokens=3, seed_offset=0):
-    """Joint samples of the first n_tokens generated tokens (as tuples), one independent seed each."""
-    out = []
-    for seed in range(seed_offset, seed_offset + n_samples):
-        tokens, _ = run(engine, ids, params, n_tokens, spec, seed=seed)
-        out.append(tuple(tokens))
-    return out
-
-
-def _chi_square_same_distribution(a: list, b: list) -> float:
-    """Two-sample chi-square homogeneity test on categorical samples; returns the p-value."""
-    categories = sorted(set(a) | set(b))
-    counts = np.array([[a.count(c) for c in categories], [b.count(c) for c in categories]], dtype=float)
-    # pool rare categories so that expected counts are >= 5
-    expected_share = counts.sum(0)
-    keep = expected_share >= 10
-    pooled = np.concatenate([counts[:, keep], counts[:, ~keep].sum(1, keepdims=True)], axis=1)
-    pooled = pooled[:, pooled.sum(0) > 0]
-    return float(scistats.chi2_contingency(pooled)[1])
-
-
+@pytest.mark.slow
 def test_sampled_speculative_matches_target_distribution(any_engine):
     """Tokens 2-3 go through draft verification (max_new=3 leaves room for one draft + its
     correction/bonus), so their joint law with token 1 must equal target-only sampling."""
@@ -109,9 +72,9 @@ def test_sampled_speculative_matches_target_distribution(any_engine):
     engine = any_engine
     ids = engine.tokenizer.encode("The quick")
     n = 1500
-    ar = _first_tokens(engine, ids, params, None, n)
-    spec = _first_tokens(engine, ids, params, SpecConfig(gamma=3), n, seed_offset=10**6)
-    assert _chi_square_same_distribution(ar, spec) > 1e-3
+    ar = first_tokens(engine, ids, params, None, n)
+    spec = first_tokens(engine, ids, params, chain(3), n, seed_offset=10**6)
+    assert chi_square_same_distribution(ar, spec) > 1e-3
 
 
 def test_adaptive_gamma_is_lossless(any_engine):
@@ -119,7 +82,7 @@ def test_adaptive_gamma_is_lossless(any_engine):
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
-        got, stats = run(engine, ids, SamplingParams(), 40, SpecConfig(gamma=5, adaptive=True))
+        got, stats = run(engine, ids, SamplingParams(), 40, chain(5, adaptive=True))
         assert got == reference
         assert max(stats.drafted) <= 5
 

@@ -7,10 +7,11 @@ import pytest
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.sampling import SamplingParams
-from edge_spec.runtime.speculative import DraftBlock, SpecConfig
-from edge_spec.runtime.ssd import generate_ssd, predict_outcomes
-from tests.test_speculative import PROMPTS, _chi_square_same_distribution, run
+from edge_spec.runtime.verify.sampling import SamplingParams
+from edge_spec.runtime.loops.config import SsdConfig, TreeConfig, loop_config
+from edge_spec.runtime.loops.ssd import predict_outcomes
+from edge_spec.runtime.propose.base import DraftBlock
+from tests.helpers import PROMPTS, chi_square_same_distribution, run
 
 
 def test_predict_outcomes_excludes_the_draft_and_ranks_by_probability():
@@ -19,16 +20,18 @@ def test_predict_outcomes_excludes_the_draft_and_ranks_by_probability():
     outcomes = predict_outcomes(block, bonus=[(4, 0.6), (6, 0.2)], fan_out=2)
     keys = [o for _, o in outcomes]
     assert (0, 5) not in keys and (1, 7) not in keys  # a rejected draft is never the correction
+    assert len(keys) == len(set(keys)) == 6  # fan_out = 2 corrections per draft position, 2 bonus tokens
     probs = dict((o, p) for p, o in outcomes)
-    assert probs[(2, 4)] == pytest.approx(0.8 * 0.5 * 0.6)
-    assert probs[(0, 2)] == pytest.approx(0.2 * 0.1 / 0.2)
-    assert probs[(1, 9)] == pytest.approx(0.8 * 0.5 * 0.3 / 0.5)
+    # P(stop at draft j with correction c) = P(drafts before j accepted) * P(draft j rejected) * q(c | not draft j)
+    assert probs == pytest.approx({
+        (0, 2): 0.2 * 0.1 / 0.2, (0, 3): 0.2 * 0.05 / 0.2,  # draft 5 rejected (1 - 0.8)
+        (1, 9): 0.8 * 0.5 * 0.3 / 0.5, (1, 1): 0.8 * 0.5 * 0.1 / 0.5,  # 5 accepted, 7 rejected
+        (2, 4): 0.8 * 0.5 * 0.6, (2, 6): 0.8 * 0.5 * 0.2,  # both accepted: the bonus token
+    })
     assert [p for p, _ in outcomes] == sorted((p for p, _ in outcomes), reverse=True)
-    assert sum(probs.values()) <= 1.0 + 1e-12
 
 
-def run_ssd(engine: Engine, ids, params, n, spec: SpecConfig, seed=0):
-    return run(engine, ids, params, n, spec, seed, loop=generate_ssd)
+
 
 
 @pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["1+1", "2+1", "1+2"])
@@ -46,7 +49,7 @@ def test_greedy_ssd_equals_autoregressive(split_engine, gamma, speculations):
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
-        got, stats = run_ssd(engine, ids, SamplingParams(), 40, SpecConfig(gamma=gamma, speculations=speculations))
+        got, stats = run(engine, ids, SamplingParams(), 40, SsdConfig(gamma=gamma, speculations=speculations))
         assert got == reference, f"γ={gamma} speculations={speculations} prompt={prompt!r}"
         hits += stats.speculation_hits
         misses += stats.speculation_misses
@@ -66,43 +69,68 @@ def test_forced_hit_and_forced_miss_give_identical_output(fp32_bundle, temperatu
     hits = 0
     for seed, prompt in enumerate(PROMPTS):
         ids = engine.tokenizer.encode(prompt)
-        miss, miss_stats = run_ssd(engine, ids, params, 32, SpecConfig(gamma=3, speculations=0), seed=seed)
+        miss, miss_stats = run(engine, ids, params, 32, SsdConfig(gamma=3, speculations=0), seed=seed)
         # a wide fan-out, so that the flat distributions of a random tiny model still give hits
-        hit, hit_stats = run_ssd(engine, ids, params, 32, SpecConfig(gamma=3, speculations=200, fan_out=24),
+        hit, hit_stats = run(engine, ids, params, 32, SsdConfig(gamma=3, speculations=200, fan_out=24),
                                  seed=seed)
-        timed, _ = run_ssd(engine, ids, params, 32, SpecConfig(gamma=3), seed=seed)
+        timed, _ = run(engine, ids, params, 32, SsdConfig(gamma=3), seed=seed)
         assert miss == hit == timed
         assert miss_stats.speculation_hits == 0
         hits += hit_stats.speculation_hits
     assert hits > 0
 
 
+@pytest.mark.slow
 def test_sampled_ssd_matches_target_distribution(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, draft_threads=1, mode="ssd", draft_head="trim-64")
     params = SamplingParams(temperature=1.0)
     ids = engine.tokenizer.encode("The quick")
     n = 1500
     ar = [tuple(run(engine, ids, params, 3, None, seed=s)[0]) for s in range(n)]
-    ssd = [tuple(run_ssd(engine, ids, params, 3, SpecConfig(gamma=1, speculations=6), seed=10**6 + s)[0])
+    ssd = [tuple(run(engine, ids, params, 3, SsdConfig(gamma=1, speculations=6), seed=10**6 + s)[0])
            for s in range(n)]
-    assert _chi_square_same_distribution(ar, ssd) > 1e-3
+    assert chi_square_same_distribution(ar, ssd) > 1e-3
 
 
 def test_engine_ssd_mode_reports_hit_rate(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1, draft_threads=1, mode="ssd", spec=SpecConfig(gamma=2))
-    got = engine.complete("def is_prime", max_new_tokens=24)
-    ar = engine.complete("def is_prime", max_new_tokens=24, mode="ar")
+    # forced hits (every predicted outcome prepared, a wide fan-out) and forced misses (none prepared): the
+    # reported rate must follow; timed speculation would leave it to the machine's speed
+    forced_hit = SsdConfig(gamma=2, speculations=200, fan_out=24)
+    engine = Engine.from_bundle(int4_bundle, threads=1, draft_threads=1, config=forced_hit)
+    n = 24
+    ar = engine.complete("def is_prime", max_new_tokens=n, mode="ar")
+    got = engine.complete("def is_prime", max_new_tokens=n)
     assert got.token_ids == ar.token_ids
-    extra = got.stats.extra
-    assert 0.0 <= extra["cache_hit_rate"] <= 1.0 and extra["tau"] >= 1.0
+    assert got.stats.stop_reason == "length"  # no eos: all n tokens were decoded
+    spec = got.stats.spec
+    assert spec.cache_hit_rate > 0
+    # τ is tokens per target call: n - 1 tokens after the prefill's one, in target_calls verify passes
+    assert spec.tau * spec.target_calls == pytest.approx(n - 1)
+    engine.config = SsdConfig(gamma=2, speculations=0)
+    missed = engine.complete("def is_prime", max_new_tokens=n)
+    assert missed.token_ids == ar.token_ids and missed.stats.spec.cache_hit_rate == 0.0
+
+
+def test_ssd_counts_every_head_it_runs_as_a_draft_step(int4_bundle):
+    """Drafts prepared off the critical path run the head too: head time and draft steps must cover the
+    same steps, or the bench's head ms per step is inflated (it counted critical-path steps only)."""
+    engine = Engine.from_bundle(int4_bundle, threads=1, draft_threads=1,
+                                config=SsdConfig(gamma=2, speculations=200, fan_out=24), draft_head="trim-160")
+    head = engine.drafter.head
+    calls = []
+    run_head = head.session.run
+    head.session.run = lambda *args, **kwargs: calls.append(1) or run_head(*args, **kwargs)
+    done = engine.complete("def is_prime", max_new_tokens=24)
+    spec = done.stats.spec
+    assert spec.speculations_prepared > 0  # heads ran off the critical path
+    assert spec.draft_steps == len(calls)
 
 
 def test_ssd_refuses_multi_draft_in_one_line(int4_bundle):
-    with pytest.raises(EdgeSpecError, match="spec mode only"):
-        Engine.from_bundle(int4_bundle, threads=1, mode="ssd", spec=SpecConfig(gamma=2, drafts=2))
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", spec=SpecConfig(gamma=2, drafts=2))
-    with pytest.raises(EdgeSpecError, match="spec mode only"):
-        engine.complete("def is_prime", max_new_tokens=4, mode="ssd")
+    with pytest.raises(EdgeSpecError, match="^--drafts does not apply to --mode ssd"):
+        loop_config("ssd", drafts=2)
+    with pytest.raises(EdgeSpecError, match="does not match the TreeConfig"):
+        Engine.from_bundle(int4_bundle, threads=1, mode="ssd", config=TreeConfig(gamma=2, drafts=2))
 
 
 def test_engine_refuses_negative_thread_counts(int4_bundle):

@@ -1,4 +1,4 @@
-"""Tests for edge_spec.runtime.verification: exact cases and distribution tests.
+"""Tests for edge_spec.runtime.verify.chain: exact cases and distribution tests.
 
 The Monte Carlo tests check the property that makes speculative decoding
 lossless: whatever the drafter proposes, the emitted tokens follow the
@@ -18,16 +18,16 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from edge_spec.runtime import verification
-from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
-from edge_spec.runtime.verification import (
+from edge_spec.runtime.verify import chain as verification
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
+from edge_spec.runtime.verify.chain import (
     RESIDUAL_MIN_MASS,
     VerifyResult,
     residual_distribution,
     verify_greedy,
     verify_speculative,
 )
-from tests.test_sampling import FixedUniform, chi_square_pvalue
+from tests.helpers import FixedUniform, chi_square_pvalue
 
 # ---------------------------------------------------------------------------
 # verify_greedy
@@ -393,6 +393,7 @@ def test_expected_accepted_sums_to_one_and_matches_closed_form_for_gamma_1() -> 
         assert expected_accepted(gamma).sum() == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gamma, seed", [(1, 10), (2, 20)])
 def test_emitted_tokens_follow_the_target(gamma: int, seed: int) -> None:
     counts = run_harness(verify_speculative, gamma, POSITIVE_TRIALS, seed)
@@ -430,16 +431,19 @@ def bonus_from_previous_row(
     return verify_speculative(drafts, q, np.vstack([p[:-1], p[-2:-1]]), rng)
 
 
+@pytest.mark.slow
 def test_control_reimplementation_passes_at_the_negative_trial_count() -> None:
     verdict = judge(run_harness(correct_rule, 2, NEGATIVE_TRIALS, seed=30), 2)
     assert verdict.first > PASS and verdict.first_two > PASS and verdict.accepted > PASS, verdict
 
 
+@pytest.mark.slow
 def test_harness_rejects_inverted_acceptance_ratio() -> None:
     verdict = judge(run_harness(inverted_rule, 2, NEGATIVE_TRIALS, seed=40), 2)
     assert verdict.first_two < REJECT and verdict.accepted < REJECT, verdict
 
 
+@pytest.mark.slow
 def test_harness_rejects_resampling_from_p_instead_of_the_residual(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)
     verdict = judge(run_harness(verify_speculative, 2, NEGATIVE_TRIALS, seed=50), 2)
@@ -447,6 +451,7 @@ def test_harness_rejects_resampling_from_p_instead_of_the_residual(monkeypatch: 
     assert verdict.accepted > PASS  # the acceptance rule itself is untouched
 
 
+@pytest.mark.slow
 def test_harness_rejects_bonus_from_the_wrong_row() -> None:
     # gamma = 1: the bonus is the second emitted token, inside the joint.
     verdict = judge(run_harness(bonus_from_previous_row, 1, NEGATIVE_TRIALS, seed=60), 1)

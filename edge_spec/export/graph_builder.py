@@ -28,7 +28,10 @@ Signature (batch 1):
           for a plain chain the runtime binds ``arange`` positions and a zero bias (same cost).
   outputs ``logits`` float32 [1, num_logits, V_head] (when a head is built),
           ``hidden_states`` float32 [1, num_logits, hidden] (final-normed; when asked),
-          ``present.{i}.key|value`` (same buffers as the past inputs).
+          ``present.{i}.key|value`` (same buffers as the past inputs),
+          with ``feature_layers`` also ``features`` float32 [1, S, len(layers) * hidden]: the residual
+          stream after each listed layer for every new position (EAGLE-3 drafter input; see
+          :func:`feature_output`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edge_spec.export.quantize import quantize_blockwise
-from edge_spec.export.weights import DecoderWeights
+from edge_spec.export.weights import DecoderWeights, LayerWeights
 
 QUANT_BITS = {"int4": 4, "int8": 8, "fp32": None}
 OPSET = 21
@@ -57,10 +60,11 @@ class BuildOptions:
     build_head: bool = True  # False: body only, emit hidden_states (SpecVocab scorer runs outside)
     emit_hidden: bool = False  # also output the final-normed hidden states
     tree_attention: bool = False  # position_ids + attention_bias inputs: verify a draft tree in one pass
+    feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
 
 
-class _Graph:
-    """Small helper that accumulates nodes and initializers with unique names."""
+class Graph:
+    """Accumulates nodes and initializers in creation order (the order they get in the model)."""
 
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
@@ -75,7 +79,9 @@ class _Graph:
         return outputs
 
 
-def _make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+def make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """Wrap ``graph`` in the one opset / IR version pairing all edge-spec graphs share, including the
+    ``com.microsoft`` opset import the contrib ops need."""
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
         producer_name="edge-spec",
@@ -84,7 +90,7 @@ def _make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
     return model
 
 
-def add_linear(g: _Graph, x: str, weight: np.ndarray, name: str, opt: BuildOptions,
+def add_linear(g: Graph, x: str, weight: np.ndarray, name: str, opt: BuildOptions,
                bias: np.ndarray | None = None) -> str:
     """y = x @ weight.T + bias, weight [N, K]: MatMulNBits when quantized, MatMul (+Add) in fp32."""
     bits = QUANT_BITS[opt.quant]
@@ -108,8 +114,27 @@ def add_linear(g: _Graph, x: str, weight: np.ndarray, name: str, opt: BuildOptio
     return out
 
 
+@dataclass(frozen=True)
+class Residual:
+    """The residual stream as ``total + pending``.
+
+    A sublayer's output is left *pending* rather than added at once, because the next
+    ``SkipSimplifiedLayerNormalization`` adds it while it norms: the add never costs a node of
+    its own.  ``pending`` is None only before the first sublayer (the embeddings alone).
+    """
+
+    total: str
+    pending: str | None = None
+
+
 class DecoderGraphBuilder:
-    """Turns :class:`DecoderWeights` into an ONNX ``ModelProto`` with the signature above."""
+    """Turns :class:`DecoderWeights` into an ONNX ``ModelProto`` with the signature above.
+
+    :meth:`build` is the whole decoder; the parts it is made of (embedding, decoder layer,
+    attention, MLP, norm, outputs) are methods of their own so that other graphs over the same
+    weights layout - a draft head of a projection, one layer, a norm and an LM head - are
+    assembled from the same parts and export the same ops.  A builder builds one graph.
+    """
 
     def __init__(self, weights: DecoderWeights, options: BuildOptions) -> None:
         if options.quant not in QUANT_BITS:
@@ -118,15 +143,37 @@ class DecoderGraphBuilder:
         self.cfg = weights.config
         self.opt = options
         self.bits = QUANT_BITS[options.quant]
-        self.g = _Graph()
+        self.graph = Graph()
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.present_outputs: list[onnx.ValueInfoProto] = []  # after the graph's own outputs
+        self.tree_inputs: list[str] = []  # GQA inputs 9 and 10 when tree_attention
 
     # -- building blocks -------------------------------------------------------------------------
 
     def linear(self, x: str, weight: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
-        return add_linear(self.g, x, weight, name, self.opt, bias)
+        return add_linear(self.graph, x, weight, name, self.opt, bias)
+
+    def step_inputs(self, token_inputs: list[onnx.ValueInfoProto] | None = None) -> None:
+        """Declare the per-call inputs every graph with a KV cache takes (the cache inputs
+        themselves are declared layer by layer, by :meth:`kv_cache`).  ``token_inputs`` replace
+        ``input_ids`` for graphs fed something else per position (an EAGLE head takes embeddings
+        and hidden states)."""
+        if token_inputs is None:
+            token_inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence"])]
+        self.inputs += list(token_inputs) + [
+            helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+            helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+            helper.make_tensor_value_info("num_logits", TensorProto.INT64, [1]),
+        ]
+        if self.opt.tree_attention:
+            self.inputs += [
+                helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "sequence"]),
+                helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, [1, 1, "sequence", "total"]),
+            ]
+            self.tree_inputs = ["position_ids", "attention_bias"]
 
     def embedding(self, ids: str) -> str:
-        g = self.g
+        g = self.graph
         table = self.w.embed
         if self.bits is None:
             return g.node("Gather", [g.const("embed.weight", table.astype(np.float32)), ids], ["embeds"])[0]
@@ -144,111 +191,175 @@ class DecoderGraphBuilder:
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
         freqs = np.outer(np.arange(self.opt.context_length, dtype=np.float64), inv_freq)
         return (
-            self.g.const("rotary.cos", np.cos(freqs).astype(np.float32)),
-            self.g.const("rotary.sin", np.sin(freqs).astype(np.float32)),
+            self.graph.const("rotary.cos", np.cos(freqs).astype(np.float32)),
+            self.graph.const("rotary.sin", np.sin(freqs).astype(np.float32)),
         )
+
+    def norm(self, stream: Residual, gamma: np.ndarray, gamma_name: str,
+             outputs: tuple[str, str, str, str]) -> tuple[str, Residual]:
+        """RMSNorm of the stream, folding its pending add in; returns (normed, the stream after it).
+
+        ``outputs`` names the normed value, the op's mean and inverse-std outputs, and the summed
+        stream; only the first is used while nothing is pending."""
+        g = self.graph
+        weight = g.const(gamma_name, gamma.astype(np.float32))
+        eps = self.cfg.rms_norm_eps
+        if stream.pending is None:
+            normed = g.node("SimplifiedLayerNormalization", [stream.total, weight], [outputs[0]],
+                            axis=-1, epsilon=eps)[0]
+            return normed, stream
+        normed, _, _, total = g.node("SkipSimplifiedLayerNormalization", [stream.pending, stream.total, weight],
+                                     list(outputs), domain=MS_DOMAIN, epsilon=eps)
+        return normed, Residual(total)
+
+    def kv_cache(self, i: int) -> tuple[str, str, str, str]:
+        """Declare layer ``i``'s cache: (past key, past value, present key, present value).  The
+        runtime binds one buffer as both past and present, so the names pair up by position."""
+        kv_shape = [1, self.cfg.num_kv_heads, "capacity", self.cfg.head_dim]
+        names = (f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value")
+        for name in names[:2]:
+            self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape))
+        for name in names[2:]:
+            self.present_outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape))
+        return names
+
+    def attention(self, i: int, layer: LayerWeights, x: str, rotary: tuple[str, str]) -> str:
+        """Self-attention of layer ``i`` over its KV cache: fused QKV projection, GQA, output projection."""
+        cfg, p = self.cfg, f"layers.{i}"
+        qkv_w = np.concatenate([layer.q, layer.k, layer.v], axis=0)
+        qkv_b = None
+        if layer.q_bias is not None:
+            qkv_b = np.concatenate([layer.q_bias, layer.k_bias, layer.v_bias])
+        qkv = self.linear(x, qkv_w, p + ".qkv", qkv_b)
+        past_k, past_v, pres_k, pres_v = self.kv_cache(i)
+        attn = self.graph.node(
+            "GroupQueryAttention",
+            [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", *rotary, *self.tree_inputs],
+            [p + "/attn", pres_k, pres_v], domain=MS_DOMAIN,
+            num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+            scale=float(1.0 / np.sqrt(cfg.head_dim)),
+        )[0]
+        return self.linear(attn, layer.o, p + ".o")
+
+    def mlp(self, i: int, layer: LayerWeights, x: str) -> str:
+        """SwiGLU MLP of layer ``i``, gate and up fused into one matmul (then split)."""
+        g, p = self.graph, f"layers.{i}"
+        gate_up = self.linear(x, np.concatenate([layer.gate, layer.up], axis=0), p + ".gate_up")
+        split = g.const(p + ".split", np.array([self.cfg.intermediate_size] * 2, dtype=np.int64))
+        gate, up = g.node("Split", [gate_up, split], [p + "/gate", p + "/up"], axis=-1)
+        sig = g.node("Sigmoid", [gate], [p + "/sig"])[0]
+        act = g.node("Mul", [gate, sig], [p + "/silu"])[0]
+        prod = g.node("Mul", [act, up], [p + "/swiglu"])[0]
+        return self.linear(prod, layer.down, p + ".down")
+
+    def decoder_layer(self, i: int, layer: LayerWeights, stream: Residual, rotary: tuple[str, str]) -> Residual:
+        """One pre-norm decoder layer; its MLP output is left pending on the returned stream."""
+        p = f"layers.{i}"
+        normed, stream = self.norm(stream, layer.input_norm, p + ".input_norm",
+                                   (p + "/norm1", p + "/n1_mean", p + "/n1_inv", p + "/resid1"))
+        stream = Residual(stream.total, self.attention(i, layer, normed, rotary))
+        normed, stream = self.norm(stream, layer.post_norm, p + ".post_norm",
+                                   (p + "/norm2", p + "/n2_mean", p + "/n2_inv", p + "/resid2"))
+        return Residual(stream.total, self.mlp(i, layer, normed))
+
+    def final_norm(self, stream: Residual) -> str:
+        return self.norm(stream, self.w.final_norm, "final_norm",
+                         ("final/norm", "final/mean", "final/inv", "final/resid"))[0]
+
+    def last_positions(self, x: str) -> str:
+        """The trailing ``num_logits`` positions of ``x``: only those need the (large) LM head."""
+        g = self.graph
+        neg = g.node("Neg", ["num_logits"], ["logits_start"])[0]
+        return g.node(
+            "Slice",
+            [x, neg, g.const("slice.end", np.array([np.iinfo(np.int64).max], np.int64)),
+             g.const("slice.axis", np.array([1], np.int64))],
+            ["last_hidden"],
+        )[0]
+
+    def logits_output(self, x: str) -> onnx.ValueInfoProto:
+        """The LM head (only the ``head_rows`` of it when VocabTrim asks) as output ``logits``."""
+        head = self.w.lm_head
+        if self.opt.head_rows is not None:
+            head = head[np.asarray(self.opt.head_rows)]
+        self.graph.node("Identity", [self.linear(x, head, "lm_head")], ["logits"])
+        return helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", head.shape[0]])
+
+    def hidden_output(self, x: str) -> onnx.ValueInfoProto:
+        """``x`` as output ``hidden_states``, for heads that run outside this graph."""
+        self.graph.node("Identity", [x], ["hidden_states"])
+        shape = [1, "num_logits", self.cfg.hidden_size]
+        return helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, shape)
+
+    def features_output(self, layers: tuple[int, ...]) -> onnx.ValueInfoProto:
+        """The residual stream after ``layers`` as output ``features`` (see :func:`feature_output`);
+        call it after the final norm, whose summed stream is the last layer's feature."""
+        node, info = feature_output(layers, len(self.w.layers), self.cfg.hidden_size)
+        produced = {name for n in self.graph.nodes for name in n.output}
+        missing = [name for name in node.input if name not in produced]
+        if missing:
+            raise ValueError(f"feature tensors {missing} are not in the graph (build the layers and final norm first)")
+        self.graph.nodes.append(node)
+        return info
+
+    def to_model(self, outputs: list[onnx.ValueInfoProto], name: str) -> onnx.ModelProto:
+        """The model of everything added so far; the KV cache outputs follow ``outputs``."""
+        g = self.graph
+        return make_model(helper.make_graph(g.nodes, name, self.inputs, outputs + self.present_outputs,
+                                            g.initializers))
 
     # -- whole graph -----------------------------------------------------------------------------
 
     def build(self) -> onnx.ModelProto:
-        cfg, g = self.cfg, self.g
-        eps = cfg.rms_norm_eps
-        cos, sin = self.rotary_tables()
-        kv_shape = [1, cfg.num_kv_heads, "capacity", cfg.head_dim]
-        inputs = [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence"]),
-            helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
-            helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
-            helper.make_tensor_value_info("num_logits", TensorProto.INT64, [1]),
-        ]
-        tree_inputs: list[str] = []  # GQA inputs 9 and 10
-        if self.opt.tree_attention:
-            inputs += [
-                helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "sequence"]),
-                helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, [1, 1, "sequence", "total"]),
-            ]
-            tree_inputs = ["position_ids", "attention_bias"]
-        outputs = []
-        present_outputs = []
-
-        hidden = self.embedding("input_ids")
-        residual = None
-        mlp_out = None
+        rotary = self.rotary_tables()
+        self.step_inputs()
+        stream = Residual(self.embedding("input_ids"))
         for i, layer in enumerate(self.w.layers):
-            p = f"layers.{i}"
-            gamma = g.const(p + ".input_norm", layer.input_norm.astype(np.float32))
-            if residual is None:
-                normed = g.node("SimplifiedLayerNormalization", [hidden, gamma], [p + "/norm1"], axis=-1, epsilon=eps)[0]
-                residual = hidden
-            else:
-                normed, _, _, residual = g.node(
-                    "SkipSimplifiedLayerNormalization", [mlp_out, residual, gamma],
-                    [p + "/norm1", p + "/n1_mean", p + "/n1_inv", p + "/resid1"], domain=MS_DOMAIN, epsilon=eps,
-                )
-            qkv_w = np.concatenate([layer.q, layer.k, layer.v], axis=0)
-            qkv_b = None
-            if layer.q_bias is not None:
-                qkv_b = np.concatenate([layer.q_bias, layer.k_bias, layer.v_bias])
-            qkv = self.linear(normed, qkv_w, p + ".qkv", qkv_b)
-
-            past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
-            pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
-            for name in (past_k, past_v):
-                inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape))
-            for name in (pres_k, pres_v):
-                present_outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape))
-            attn = g.node(
-                "GroupQueryAttention",
-                [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", cos, sin, *tree_inputs],
-                [p + "/attn", pres_k, pres_v], domain=MS_DOMAIN,
-                num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-                scale=float(1.0 / np.sqrt(cfg.head_dim)),
-            )[0]
-            o = self.linear(attn, layer.o, p + ".o")
-            gamma2 = g.const(p + ".post_norm", layer.post_norm.astype(np.float32))
-            normed2, _, _, residual = g.node(
-                "SkipSimplifiedLayerNormalization", [o, residual, gamma2],
-                [p + "/norm2", p + "/n2_mean", p + "/n2_inv", p + "/resid2"], domain=MS_DOMAIN, epsilon=eps,
-            )
-            gate_up = self.linear(normed2, np.concatenate([layer.gate, layer.up], axis=0), p + ".gate_up")
-            split = g.const(p + ".split", np.array([cfg.intermediate_size] * 2, dtype=np.int64))
-            gate, up = g.node("Split", [gate_up, split], [p + "/gate", p + "/up"], axis=-1)
-            sig = g.node("Sigmoid", [gate], [p + "/sig"])[0]
-            act = g.node("Mul", [gate, sig], [p + "/silu"])[0]
-            prod = g.node("Mul", [act, up], [p + "/swiglu"])[0]
-            mlp_out = self.linear(prod, layer.down, p + ".down")
-
-        final_gamma = g.const("final_norm", self.w.final_norm.astype(np.float32))
-        final = g.node(
-            "SkipSimplifiedLayerNormalization", [mlp_out, residual, final_gamma],
-            ["final/norm", "final/mean", "final/inv", "final/resid"], domain=MS_DOMAIN, epsilon=eps,
-        )[0]
-        neg = g.node("Neg", ["num_logits"], ["logits_start"])[0]
-        last = g.node(
-            "Slice",
-            [final, neg, g.const("slice.end", np.array([np.iinfo(np.int64).max], np.int64)),
-             g.const("slice.axis", np.array([1], np.int64))],
-            ["last_hidden"],
-        )[0]
+            stream = self.decoder_layer(i, layer, stream, rotary)
+        last = self.last_positions(self.final_norm(stream))
+        outputs = []
         if self.opt.build_head:
-            head = self.w.lm_head
-            if self.opt.head_rows is not None:
-                head = head[np.asarray(self.opt.head_rows)]
-            logits = self.linear(last, head, "lm_head")
-            g.node("Identity", [logits], ["logits"])
-            outputs.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", head.shape[0]]))
+            outputs.append(self.logits_output(last))
         if self.opt.emit_hidden or not self.opt.build_head:
-            g.node("Identity", [last], ["hidden_states"])
-            outputs.append(
-                helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "num_logits", cfg.hidden_size])
-            )
-        graph = helper.make_graph(g.nodes, "edge_spec_decoder", inputs, outputs + present_outputs, g.initializers)
-        return _make_model(graph)
+            outputs.append(self.hidden_output(last))
+        if self.opt.feature_layers:
+            outputs.append(self.features_output(tuple(self.opt.feature_layers)))
+        return self.to_model(outputs, "edge_spec_decoder")
+
+
+FEATURES = "features"
+
+
+def feature_tensor(layer: int, num_layers: int) -> str:
+    """Name of the residual stream after decoder layer ``layer`` (0-based) in a decoder graph.
+
+    A layer's MLP output is only added to the stream by the *next* fused norm, so the full hidden
+    state after layer ``l`` (attention and MLP included) exists as the summed-stream output
+    (``input_skip_bias_sum``, 4th output) of layer ``l + 1``'s input norm, or of the final norm
+    after the last layer: exposing it costs no node of its own."""
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"feature layer {layer} is out of range for a {num_layers}-layer decoder")
+    return f"layers.{layer + 1}/resid1" if layer + 1 < num_layers else "final/resid"
+
+
+def feature_output(layers, num_layers: int, hidden_size: int) -> tuple[onnx.NodeProto, onnx.ValueInfoProto]:
+    """The ``Concat`` node and graph output ``features`` [1, S, len(layers) * hidden]: the residual
+    stream after each of ``layers`` (in the listed order) for **all** S new positions - prefill
+    needs a feature for every prompt position, not only the ``num_logits`` that get logits.
+    Shared by :class:`DecoderGraphBuilder` and the in-place upgrade of exported graphs, so both
+    produce the same node."""
+    layers = [int(layer) for layer in layers]
+    if not layers:
+        raise ValueError("feature_layers is empty")
+    inputs = [feature_tensor(layer, num_layers) for layer in layers]
+    node = helper.make_node("Concat", inputs, [FEATURES], name=FEATURES + "/Concat", axis=-1)
+    info = helper.make_tensor_value_info(FEATURES, TensorProto.FLOAT, [1, "sequence", len(layers) * hidden_size])
+    return node, info
 
 
 def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str) -> onnx.ModelProto:
     """``hidden_states [1, n, H] -> output [1, n, rows]`` through a chain of (quantized) linear maps."""
-    g = _Graph()
+    g = Graph()
     x = "hidden_states"
     for i, weight in enumerate(weights):
         x = add_linear(g, x, weight, f"linear{i}" if len(weights) > 1 else "lm_head", options)
@@ -259,7 +370,7 @@ def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: 
         [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, "num_logits", weights[-1].shape[0]])],
         g.initializers,
     )
-    return _make_model(graph)
+    return make_model(graph)
 
 
 def build_head(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.draft_head import rows_of
+from edge_spec.runtime.propose.heads import rows_of
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def collect_hidden_states(body_path: Path, sequences: list[tuple[list[int], list
 
     Returns ``hidden`` [N, H] and ``next_tokens`` [N] over all calibration sequences.
     """
-    from edge_spec.runtime.decoder import Decoder
+    from edge_spec.runtime.model.decoder import Decoder
 
     body = Decoder(body_path, threads=threads, capacity=capacity)
     hidden, targets = [], []

@@ -50,9 +50,9 @@ def generate_calibration(bundle_dir: Path, prompts: list[str], new_tokens: int, 
     Returns ``(prompt_ids, generated_ids)`` per prompt: VocabTrim counts the
     generated ids, SpecVocab fits its scorer on the drafter's hidden states over them.
     """
-    from edge_spec.runtime.autoregressive import generate_autoregressive
-    from edge_spec.runtime.decoder import Decoder
-    from edge_spec.runtime.sampling import SamplingParams
+    from edge_spec.runtime.loops.autoregressive import generate_autoregressive
+    from edge_spec.runtime.model.decoder import Decoder
+    from edge_spec.runtime.verify.sampling import SamplingParams
     from edge_spec.runtime.text import TextTokenizer
 
     tokenizer = TextTokenizer(bundle_dir)

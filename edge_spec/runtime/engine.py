@@ -1,8 +1,8 @@
 """Public Python API: ``Engine.from_bundle(path).generate(prompt)``.
 
 The engine owns the text side (chat template, streaming detokenization, stop
-strings, cancellation, statistics) and delegates token generation to a token
-loop: :func:`generate_autoregressive` or the speculative loop.  Token loops know
+strings, cancellation, statistics) and the loaded models, and delegates token
+generation to the loop its configuration names (:mod:`loops`).  Token loops know
 nothing about text; the engine knows nothing about KV caches.
 """
 
@@ -11,38 +11,29 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import read_manifest, verify_files
-from edge_spec.runtime.autoregressive import generate_autoregressive
-from edge_spec.runtime import cost_profile
-from edge_spec.runtime.cost_profile import CostProfile
-from edge_spec.runtime.decoder import Decoder
-from edge_spec.runtime.draft_head import DraftHead, SpecVocabHead
-from edge_spec.runtime.multidraft_loop import check_multidraft, generate_multidraft
-from edge_spec.runtime.sampling import SamplingParams, check_vocab_ids
-from edge_spec.runtime.speculative import Drafter, SpecConfig, SpecStats, generate_speculative
-from edge_spec.runtime.ssd import generate_ssd
+from edge_spec.runtime.loops import generate_tokens
+from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
+from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
+from edge_spec.runtime.loops.tree import check_tree
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.propose.context import ProposerContext
+from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
+from edge_spec.runtime.propose.model import ModelDrafter
+from edge_spec.runtime.schedule import cost_profile
+from edge_spec.runtime.schedule.cost_profile import CostProfile
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
-
-MODES = ("ar", "spec", "ssd")  # ssd: speculative speculative decoding (drafts the next round during verify)
+from edge_spec.runtime.verify.sampling import SamplingParams, check_vocab_ids
 
 
 class PrefillCancelled(Exception):
     """Raised between prefill passes once :meth:`Engine.cancel` was called (caught by ``generate``)."""
-
-
-def check_mode(mode: str, spec: SpecConfig) -> None:
-    """Refuse a mode, or a mode and setting that do not go together, in one clear line (rather than
-    silently ignoring a setting the user asked for)."""
-    if mode not in MODES:
-        raise EdgeSpecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    if mode == "ssd" and spec.drafts > 1:
-        raise EdgeSpecError("multi-draft verification (drafts > 1) runs in spec mode only: ssd drafts one chain")
 
 
 @dataclass
@@ -53,7 +44,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     stop_reason: str = ""
     mode: str = "ar"
-    extra: dict = field(default_factory=dict)  # speculative accounting (τ, acceptance, MBSU, ...)
+    spec: SpecSummary | None = None  # what the speculative loop did (τ, acceptance, MBSU, ...); None in ar
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,21 +63,20 @@ class Engine:
     """A loaded bundle ready to generate.  Not thread-safe, except :meth:`cancel`."""
 
     def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder, *,
-                 provider: str = "cpu", threads: int = 0, mode: str = "ar", spec: SpecConfig = SpecConfig(),
+                 provider: str = "cpu", threads: int = 0, config: LoopConfig | None = None,
                  draft_head: str | None = None, draft_provider: str | None = None,
                  draft_threads: int | None = None, exact: bool | None = None) -> None:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.tokenizer = tokenizer
         self.target = target
-        self.mode = mode
-        self.spec_config = spec
+        self.config = config or loop_config("ar")
         self.exact = exact  # None: batch-invariant target passes in the speculative modes only (see exact_for)
         self._provider, self._threads = provider, threads
         self._draft_provider = draft_provider or provider
         self._draft_threads = threads if draft_threads is None else draft_threads
         self._draft_body: Decoder | None = None
-        self._drafters: dict[str, Drafter] = {}
+        self._drafters: dict[str, ModelDrafter] = {}
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
         self.cost_profile: CostProfile | None = None
         self._cancel = threading.Event()
@@ -101,8 +91,8 @@ class Engine:
         provider: str = "cpu",
         threads: int = 0,
         context_length: int | None = None,
-        mode: str = "ar",
-        spec: SpecConfig = SpecConfig(),
+        mode: str | None = None,
+        config: LoopConfig | None = None,
         draft_head: str | None = None,
         verify: bool = False,
         draft_provider: str | None = None,
@@ -111,9 +101,11 @@ class Engine:
     ) -> "Engine":
         """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
 
-        ``mode="spec"`` drafts with the bundle's drafter (``spec`` sets γ and the
-        confidence cut-off; ``draft_head`` picks one of the bundle's drafter heads,
-        e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``); ``"ar"`` runs the target alone.
+        ``mode`` is ``"ar"`` (the target alone, the default), ``"spec"`` or ``"ssd"`` with that loop's
+        default settings; ``config`` (``loops.config``: ``ChainConfig``, ``TreeConfig``, ``SsdConfig``,
+        or :func:`~edge_spec.runtime.loops.config.loop_config` from user settings) sets the loop and its
+        settings instead.  ``draft_head`` picks one of the bundle's drafter heads,
+        e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``.
 
         ``exact`` makes every target pass batch-invariant (one-token passes get a throw-away second row,
         see :mod:`decoder`): greedy output is then the same bit for bit in every mode, whatever the
@@ -127,19 +119,21 @@ class Engine:
         bundle_dir = Path(path)
         manifest = read_manifest(bundle_dir)
         verify_files(bundle_dir, manifest, full_hash=verify)
-        check_mode(mode, spec)
+        if config is None:
+            config = loop_config(mode or "ar")
+        elif mode is not None and mode != config.mode:
+            raise EdgeSpecError(f"mode {mode!r} does not match the {type(config).__name__} given (mode {config.mode!r})")
         if threads < 0 or (draft_threads is not None and draft_threads < 0):
             raise EdgeSpecError("threads must be 0 (all cores) or more")
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
-                         spin=mode == "ar")
-        engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, mode=mode,
-                     spec=spec, draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
-                     exact=exact)
-        if spec.drafts > 1:
-            check_multidraft(target, spec, greedy=True)  # the sampling scheme is checked per request
-        if mode != "ar":
+                         spin=config.mode == "ar")
+        engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, config=config,
+                     draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads, exact=exact)
+        if isinstance(config, TreeConfig):
+            check_tree(target, config, greedy=True)  # the verifier's draft count is checked per request
+        if config.mode != "ar":
             engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
         return engine
 
@@ -147,8 +141,8 @@ class Engine:
         """Load (or measure once and cache) this device's cost profile for the current drafter head:
         target passes over 1..γ_max+1 tokens, drafter body and head steps (see ``cost_profile``).
         The γ policy plans with it from the first round; live measurements refine it."""
-        drafter = self.draft
-        max_tokens = max(self.spec_config.gamma + 1, 2)
+        drafter = self.drafter
+        max_tokens = max(self.config.gamma + 1, 2)
         placement = (f"{self._provider}/{self._draft_provider}", f"{self._threads}/{self._draft_threads}")
         key = cost_profile.cache_key(self.manifest, self.draft_head, *placement, max_tokens)
         profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
@@ -175,17 +169,22 @@ class Engine:
     def use_draft_head(self, name: str) -> None:
         """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""
         self.draft_head = self._check_head(name)
-        if self.mode != "ar":
+        if self.config.mode != "ar":
             self.measure_costs()
 
     @property
-    def draft(self) -> Drafter:
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def drafter(self) -> ModelDrafter:
         """The drafter for the current head, loaded on first use."""
         if self._draft_body is None:
             self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], provider=self._draft_provider,
                                        threads=self._draft_threads, capacity=self.target.capacity, spin=False)
         if self.draft_head not in self._drafters:
-            self._drafters[self.draft_head] = Drafter(self._draft_body, self._load_head(self.draft_head))
+            self._drafters[self.draft_head] = ModelDrafter(self._draft_body, self._load_head(self.draft_head),
+                                                           self.target.vocab_size)
         return self._drafters[self.draft_head]
 
     def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
@@ -254,18 +253,9 @@ class Engine:
             return exact
         return mode != "ar" if self.exact is None else self.exact
 
-    def _token_stream(self, ids: list[int], params: SamplingParams, max_new: int, mode: str) -> Iterator[int]:
-        rng = np.random.default_rng(params.seed)
-        if mode == "ar":
-            return generate_autoregressive(self.target, ids, params, rng, max_new)
-        spec_stats = SpecStats()
-        self._spec_stats = spec_stats
-        if mode == "ssd":
-            return generate_ssd(self.target, self.draft, ids, params, rng, max_new, self.spec_config, spec_stats)
-        if self.spec_config.drafts > 1:
-            return generate_multidraft(self.target, self.draft, ids, params, rng, max_new, self.spec_config,
-                                       spec_stats)
-        return generate_speculative(self.target, self.draft, ids, params, rng, max_new, self.spec_config, spec_stats)
+    def config_for(self, mode: str | None) -> LoopConfig:
+        """The engine's configuration, or for another ``mode`` that mode's defaults."""
+        return self.config if mode in (None, self.config.mode) else loop_config(mode)
 
     @property
     def param_ratio(self) -> float:
@@ -292,8 +282,8 @@ class Engine:
         ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
         a prompt too long for one pass (see ``Decoder.prefill``); :meth:`cancel` also stops that."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        mode = mode or self.mode
-        check_mode(mode, self.spec_config)
+        config = self.config_for(mode)
+        mode = config.mode
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
@@ -308,7 +298,10 @@ class Engine:
         eos = self.tokenizer.eos_token_ids
         started = time.perf_counter()
         first_token_at = None
-        tokens = self._token_stream(ids, params, max_new, mode)
+        spec_stats = SpecStats()
+        context = ProposerContext(self.target.vocab_size, self.drafter if mode != "ar" else None)
+        tokens = generate_tokens(config, self.target, context, ids, params, np.random.default_rng(params.seed),
+                                 max_new, spec_stats)
         watched = self._watch_prefill(mode, on_prefill)
         stats.stop_reason = "length"
         try:
@@ -344,13 +337,13 @@ class Engine:
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
             if mode != "ar":
-                stats.extra.update(self._spec_stats.summary(self.param_ratio, self.bytes_ratio))
+                stats.spec = spec_stats.summary(self.param_ratio, self.bytes_ratio)
 
     def _watch_prefill(self, mode: str, on_prefill: Callable[[float], None] | None) -> list[Decoder]:
         """Listen to the prefill passes of the decoders this mode uses: stop between passes once
         cancelled, and report progress as one fraction, each model weighted by its parameters (what
         its prefill costs).  Returns the decoders to unhook afterwards."""
-        decoders = [self.target] if mode == "ar" else [self.target, self.draft.decoder]
+        decoders = [self.target] if mode == "ar" else [self.target, self.drafter.body]
         weights = [1.0] if mode == "ar" else [1.0, self.param_ratio]
         for index, decoder in enumerate(decoders):
             start, share = sum(weights[:index]) / sum(weights), weights[index] / sum(weights)

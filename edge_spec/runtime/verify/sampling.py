@@ -44,8 +44,7 @@ class SamplingParams:
     """How to turn logits into the distribution a token is drawn from.
 
     ``temperature <= 0`` means greedy decoding; ``top_k = 0`` and
-    ``top_p = 1`` disable those filters.  ``seed`` makes a run reproducible
-    (see :meth:`make_rng`).  Invalid values raise :class:`EdgeSpecError`
+    ``top_p = 1`` disable those filters.  ``seed`` makes a run reproducible.  Invalid values raise :class:`EdgeSpecError`
     because they come straight from the user (CLI flags, config files).
     """
 
@@ -64,10 +63,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is deterministic argmax (temperature <= 0)."""
         return self.temperature <= 0.0
-
-    def make_rng(self) -> np.random.Generator:
-        """A fresh generator for this run; seeded runs are reproducible."""
-        return np.random.default_rng(self.seed)
 
 
 def _is_real(value: object) -> bool:
@@ -272,18 +267,6 @@ def _inverse_cdf(p: np.ndarray, u: float, cdf: np.ndarray | None = None) -> int:
         # u * total rounded up to total: take the last token that has mass.
         index = int(np.flatnonzero(p)[-1])
     return index
-
-
-def argmax(logits: np.ndarray) -> int:
-    """Id of the first maximum of a 1-D row.
-
-    Same tie rule as ``np.argmax`` everywhere in the runtime, so greedy
-    speculative output is token-for-token equal to target-only greedy output.
-    """
-    row = np.asarray(logits)
-    if row.ndim != 1 or row.size == 0:
-        raise ValueError(f"argmax expects a non-empty 1-D array, got shape {row.shape}")
-    return int(np.argmax(row))
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ distribution sampled when all of them fail.  The same ladder drives sampling
 (:meth:`Ladder.distribution`), so the exactness tests enumerate every draft
 tuple through the very code the runtime uses.
 
-Draft schemes and their verifiers (``DRAFT_SCHEMES``):
+Verifiers and the way each wants its drafts drawn (``VERIFIERS``):
 
 * ``rrs`` - recursive rejection sampling *with replacement* (SpecTr / Chen et
   al.): drafts i.i.d. from q; draft j is accepted with ``min(1, p_j(x)/q(x))``
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_spec.runtime.sampling import sample
-from edge_spec.runtime.verification import residual_distribution
+from edge_spec.runtime.verify.sampling import sample
+from edge_spec.runtime.verify.chain import residual_distribution
 
-DRAFT_SCHEMES = ("rrs", "rrs-wor", "spechub")
+VERIFIERS = ("rrs", "rrs-wor", "spechub")
 
 # q(hub) this close to 1 leaves no room for a second SpecHub draft (its mass q(a)q(i)/(1 - q(a)) is
 # undefined); such a node is verified as a single draft, which is exact on its own.
@@ -77,16 +77,16 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 # -- drawing the first tokens of k drafts --------------------------------------------------------
 
-def draw_first_tokens(q: np.ndarray, k: int, scheme: str, rng: np.random.Generator) -> list[int]:
-    """k first tokens from the drafter's distribution ``q`` the way ``scheme``'s verifier expects."""
-    if scheme not in DRAFT_SCHEMES:
-        raise ValueError(f"unknown multi-draft scheme {scheme!r}; choose one of {', '.join(DRAFT_SCHEMES)}")
+def draw_first_tokens(q: np.ndarray, k: int, verifier: str, rng: np.random.Generator) -> list[int]:
+    """k first tokens from the drafter's distribution ``q`` the way ``verifier`` expects them drawn."""
+    if verifier not in VERIFIERS:
+        raise ValueError(f"unknown multi-draft verifier {verifier!r}; choose one of {', '.join(VERIFIERS)}")
     if k < 1:
         raise ValueError("need at least one draft")
     q = np.asarray(q, dtype=np.float64)
-    if scheme == "rrs":
+    if verifier == "rrs":
         return [sample(q, rng) for _ in range(k)]
-    if scheme == "rrs-wor":
+    if verifier == "rrs-wor":
         return _without_replacement(q, k, rng)
     if k != 2:
         raise ValueError("SpecHub verifies exactly two drafts per node")
@@ -189,20 +189,20 @@ def spechub_ladder(drafts: list[int], q: np.ndarray, p: np.ndarray) -> Ladder:
     return Ladder(tests, residual)
 
 
-def ladder_for(scheme: str, drafts: list[int], q: np.ndarray, p: np.ndarray) -> Ladder:
+def ladder_for(verifier: str, drafts: list[int], q: np.ndarray, p: np.ndarray) -> Ladder:
     """The verifier that matches the way ``drafts`` were drawn (see :func:`draw_first_tokens`)."""
-    if scheme == "rrs":
+    if verifier == "rrs":
         return rrs_ladder(drafts, q, p, without_replacement=False)
-    if scheme == "rrs-wor":
+    if verifier == "rrs-wor":
         return rrs_ladder(drafts, q, p, without_replacement=True)
-    if scheme == "spechub":
+    if verifier == "spechub":
         return spechub_ladder(drafts, q, p)
-    raise ValueError(f"unknown multi-draft scheme {scheme!r}; choose one of {', '.join(DRAFT_SCHEMES)}")
+    raise ValueError(f"unknown multi-draft verifier {verifier!r}; choose one of {', '.join(VERIFIERS)}")
 
 
 # -- expected acceptance (planning and measurement without sampling noise) -----------------------
 
-def expected_acceptance(scheme: str, q: np.ndarray, p: np.ndarray) -> float:
+def expected_acceptance(verifier: str, q: np.ndarray, p: np.ndarray) -> float:
     """Probability that a node with two drafts (one for ``single``) emits a draft rather than a residual
     sample, averaged over how the drafts are drawn: exact, in O(V log V).
 
@@ -221,16 +221,16 @@ def expected_acceptance(scheme: str, q: np.ndarray, p: np.ndarray) -> float:
     p = np.asarray(p, dtype=np.float64)
     overlap = np.minimum(p, q)
     single = float(overlap.sum())
-    if scheme == "single":
+    if verifier == "single":
         return single
     p1 = residual_distribution(p, q)
-    if scheme == "rrs":
+    if verifier == "rrs":
         return single + (1.0 - single) * float(np.minimum(p1, q).sum())
-    if scheme == "rrs-wor":
+    if verifier == "rrs-wor":
         return _expected_rrs_without_replacement(q, p, p1)
-    if scheme == "spechub":
+    if verifier == "spechub":
         return _expected_spechub(q, p)
-    raise ValueError(f"unknown scheme {scheme!r}; choose single or one of {', '.join(DRAFT_SCHEMES)}")
+    raise ValueError(f"unknown verifier {verifier!r}; choose single or one of {', '.join(VERIFIERS)}")
 
 
 def _expected_rrs_without_replacement(q: np.ndarray, p: np.ndarray, p1: np.ndarray) -> float:

@@ -1,7 +1,8 @@
 """One ONNX decoder (target or drafter) with its KV cache: forward, rollback, nothing else.
 
 KV-cache strategy: **pre-allocated shared past/present buffers bound through
-IOBinding**.  Each layer's key and value live in one OrtValue of shape
+IOBinding** (:mod:`kv_cache`: in host memory, or on the execution provider's
+device).  Each layer's key and value live in one OrtValue of shape
 ``[1, kv_heads, capacity, head_dim]`` allocated once.  Every ``run`` binds that
 same OrtValue as the ``past_key_values.*`` input *and* the ``present.*`` output;
 GroupQueryAttention detects the shared pointer and writes the new positions in
@@ -11,7 +12,7 @@ are overwritten by the next call and never attended to, because attention reads
 ``seqlens_k`` positions only).
 
 Draft trees (multi-draft verification): a target exported with tree inputs
-takes a whole :class:`~edge_spec.runtime.draft_tree.DraftTree` in one pass;
+takes a whole :class:`~edge_spec.runtime.model.draft_tree.DraftTree` in one pass;
 afterwards :meth:`Decoder.keep_path` moves the accepted path's keys and values
 down to consecutive slots, in place -- a few KiB per layer, never the cache.
 
@@ -40,11 +41,15 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.draft_tree import DraftTree
-from edge_spec.runtime.providers import resolve_provider
+from edge_spec.runtime.model.draft_tree import DraftTree
+from edge_spec.runtime.model.kv_cache import kv_storage
+from edge_spec.runtime.model.providers import resolve_provider
 
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
+# outputs given for every row fed (not only the last ``num_logits``): the target's hidden states of chosen
+# layers, which a feature-level drafter needs for every verified (and every prompt) position
+ALL_ROW_OUTPUTS = frozenset({"features"})
 
 
 @dataclass
@@ -100,7 +105,12 @@ class Decoder:
         session_options: ort.SessionOptions | None = None,
         spin: bool = True,
         min_rows: int = 1,
+        provider_options: dict[str, str] | None = None,
+        kv_device: str | None = None,
     ) -> None:
+        """``provider_options`` go to the execution provider as they are (e.g. ``device_id``);
+        ``kv_device`` overrides where the KV cache lives (default: the provider's device when ORT can
+        allocate there, else host memory; see :mod:`kv_cache`)."""
         model_path = Path(model_path)
         if not model_path.is_file():
             raise EdgeSpecError(f"model file not found: {model_path}")
@@ -114,7 +124,9 @@ class Decoder:
         # from the busy one: the engine turns spinning off whenever a drafter is in use.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         try:
-            self.session = ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))
+            providers = resolve_provider(provider)
+            options = [provider_options or {}] + [{}] * (len(providers) - 1)
+            self.session = ort.InferenceSession(str(model_path), opts, providers=providers, provider_options=options)
         except EdgeSpecError:
             raise
         except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf
@@ -133,29 +145,25 @@ class Decoder:
         self.vocab_size = int(outputs["logits"].shape[-1]) if "logits" in outputs else 0
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
         self.stats = DecoderStats()
-        # the OrtValues wrap these arrays without copying, so keep_path can edit the cache in numpy
-        self._kv_arrays = [np.zeros((1, kv_heads, capacity, head_dim), np.float32) for _ in range(2 * self.num_layers)]
-        self._kv = [ort.OrtValue.ortvalue_from_numpy(array) for array in self._kv_arrays]
+        self.kv = kv_storage(provider, (1, kv_heads, capacity, head_dim), 2 * self.num_layers, kv_device)
         self.supports_tree = {"position_ids", "attention_bias"} <= self.input_names
         self._binding = self.session.io_binding()
         # results are bound first so that get_outputs()[i] is result i (re-binding keeps the slot)
         self._result_names = [n for n in self.output_names if not n.startswith("present.")]
         for name in self._result_names:
             self._binding.bind_output(name, "cpu")
-        for layer in range(self.num_layers):
-            for j, kind in enumerate(("key", "value")):
-                value = self._kv[2 * layer + j]
-                self._binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
-                self._binding.bind_ortvalue_output(f"present.{layer}.{kind}", value)
+        self.kv.bind(self._binding, self.num_layers)
 
     def forward(self, token_ids, num_logits: int = 1, tree: DraftTree | None = None,
-                prefill: bool = False) -> dict[str, np.ndarray]:
+                prefill: bool = False, inputs: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Append ``token_ids`` to the cache and return outputs for the last ``num_logits`` positions.
 
         With ``tree`` the tokens are that tree's nodes (``tree.tokens``), attended as a tree; call
         :meth:`keep_path` afterwards.  Returns a dict with ``logits`` [num_logits, V] and/or
-        ``hidden_states`` [num_logits, H].  ``prefill`` only files the pass's time under prompt
-        processing in :attr:`stats`.
+        ``hidden_states`` [num_logits, H], and ``features`` [len(token_ids), F] (every row fed) when the
+        graph has them.  ``prefill`` only files the pass's time under prompt processing in :attr:`stats`.
+        ``inputs`` are further per-row graph inputs ([rows, ...] each, e.g. a drafter head's embeddings
+        and hidden states, where ``token_ids`` only keep the cache's bookkeeping).
         """
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
@@ -168,7 +176,10 @@ class Decoder:
         rows = n + pad
         total = past + rows
         b = self._binding
-        b.bind_cpu_input("input_ids", ids)
+        if "input_ids" in self.input_names:
+            b.bind_cpu_input("input_ids", ids)
+        for name, rows_in in (inputs or {}).items():
+            b.bind_cpu_input(name, np.ascontiguousarray(rows_in[None]))
         b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
         b.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
         wanted = min(num_logits, n)
@@ -190,7 +201,8 @@ class Decoder:
         self.stats.add(rows, time.perf_counter() - start, prefill)
         self.tokens.extend(int(t) for t in ids[0, :n])
         outs = b.get_outputs()
-        return {name: outs[i].numpy()[0, :wanted] for i, name in enumerate(self._result_names)}
+        return {name: outs[i].numpy()[0, :n if name in ALL_ROW_OUTPUTS else wanted]
+                for i, name in enumerate(self._result_names)}
 
     def keep_path(self, start: int, nodes: list[int]) -> None:
         """After a tree pass whose nodes were appended at ``start``: keep only ``nodes`` (pass-order
@@ -199,9 +211,7 @@ class Decoder:
             raise ValueError(f"cannot keep nodes {nodes} of the {self.length - start} fed at {start}")
         moved = [(start + d, start + n) for d, n in enumerate(nodes) if n != d]
         if moved:
-            dst, src = (list(slots) for slots in zip(*moved))
-            for array in self._kv_arrays:
-                array[:, :, dst] = array[:, :, src]
+            self.kv.move_slots(*(list(slots) for slots in zip(*moved)))
         kept = [self.tokens[start + n] for n in nodes]
         del self.tokens[start:]
         self.tokens.extend(kept)
@@ -258,12 +268,17 @@ class Decoder:
         todo = self.sync(prompt_ids)
         last = max(self.prefill_chunk, num_logits)
         done = 0
+        every_row: dict[str, list[np.ndarray]] = {}  # outputs of all rows, pass by pass
         while len(todo) - done > last + 1:
-            self.forward(todo[done:done + self.prefill_chunk], 1, prefill=True)
+            result = self.forward(todo[done:done + self.prefill_chunk], 1, prefill=True)
+            for name in ALL_ROW_OUTPUTS & result.keys():
+                every_row.setdefault(name, []).append(result[name])
             done += self.prefill_chunk
             if self.prefill_listener is not None:
                 self.prefill_listener(done, len(todo))
         result = self.forward(todo[done:], num_logits, prefill=True)
+        for name, parts in every_row.items():  # rows of the positions computed now (a reused prefix has none)
+            result[name] = np.concatenate(parts + [result[name]])
         if done and self.prefill_listener is not None:
             self.prefill_listener(len(todo), len(todo))
         return result

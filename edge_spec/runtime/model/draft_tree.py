@@ -55,6 +55,3 @@ class DraftTree:
         other_branch = (owner[:, None] != owner[None, :]) & (owner[None, :] >= 0)
         bias[:, past:][other_branch] = -np.inf
         return bias
-
-    def is_chain(self) -> bool:
-        return len(self.branches) <= 1

@@ -78,7 +78,7 @@ def measure(target, drafter, max_tokens: int, repeats: int = 2) -> CostProfile:
     body, head = [], []
     for length in KV_LENGTHS:
         length = min(length, target.capacity - max_tokens - 1)
-        for decoder in (target, drafter.decoder):
+        for decoder in (target, drafter.body):
             decoder.reset()
             decoder.forward([0] * length, 1)
         for _ in range(repeats):
@@ -86,14 +86,14 @@ def measure(target, drafter, max_tokens: int, repeats: int = 2) -> CostProfile:
             # model ran, which is what it costs in a round (back-to-back passes of one model are
             # faster, and planning with them makes long drafts look cheaper than they are)
             for n in verify:
-                hidden = drafter.decoder.forward([0], 1)["hidden_states"][-1]
-                drafter.decoder.rewind(length)
+                hidden = drafter.body.forward([0], 1)["hidden_states"][-1]
+                drafter.body.rewind(length)
                 verify[n].append(_timed(lambda: target.forward([0] * n, 1)))
                 target.rewind(length)
-                body.append(_timed(lambda: drafter.decoder.forward([0], 1)))
-                drafter.decoder.rewind(length)
+                body.append(_timed(lambda: drafter.body.forward([0], 1)))
+                drafter.body.rewind(length)
                 head.append(_timed(lambda: drafter.head(hidden)))
-    for decoder in (target, drafter.decoder):
+    for decoder in (target, drafter.body):
         decoder.reset()
     return CostProfile({n: float(np.median(t)) for n, t in verify.items()}, float(np.median(body)),
                        float(np.median(head)), time.perf_counter() - started)

@@ -15,7 +15,7 @@ outcomes it finds likely.  One round, top to bottom:
    can never be the correction), or, when every draft passes, one of its top-F tokens after the
    last draft (one look-ahead step).  Draft γ tokens for each outcome, most likely first, until the
    verification is done (or a fixed number, ``SpecConfig.speculations``).
-3. Verify the drafts exactly as :mod:`speculative` does and look the outcome up for the next round.
+3. Verify the drafts exactly as :mod:`loops.chain` does and look the outcome up for the next round.
 
 Why it stays exact: the verifier is unchanged, and every draft it sees was drawn from the q row it
 is verified against.  Which prepared block is used depends only on the verified prefix, never on
@@ -32,10 +32,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from edge_spec.runtime.decoder import Decoder
-from edge_spec.runtime.sampling import SamplingParams
-from edge_spec.runtime.speculative import (DraftBlock, Drafter, SpecConfig, SpecStats, draft_chain, draft_room,
-                                          drafter_probs, prefill_both, top_tokens, verify_drafts)
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.loops.config import SsdConfig
+from edge_spec.runtime.loops.request import Request
+from edge_spec.runtime.loops.stats import SpecStats
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
+from edge_spec.runtime.propose.model import ModelDrafter, drafter_probs, top_tokens
+from edge_spec.runtime.verify.chain import verify_chain
+from edge_spec.runtime.verify.sampling import SamplingParams
 
 Outcome = tuple[int, int]  # (drafts accepted, the correction or bonus token that follows)
 
@@ -75,92 +80,84 @@ def _draft_rng(seed: int, position: int) -> np.random.Generator:
     return np.random.default_rng([seed, position])
 
 
-def generate_ssd(
-    target: Decoder,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    rng: np.random.Generator,
-    max_new_tokens: int,
-    config: SpecConfig = SpecConfig(),
-    stats: SpecStats | None = None,
-) -> Iterator[int]:
+def generate_ssd(target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
+                 rng: np.random.Generator, max_new_tokens: int, config: SsdConfig = SsdConfig(),
+                 stats: SpecStats | None = None) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
-    stats = stats if stats is not None else SpecStats()
-    draft = drafter.decoder
-    vocab = target.vocab_size
-    fan_out = max(config.fan_out, 1)
-    committed = prefill_both(target, drafter, prompt_ids, params, rng)
+    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
+    drafter = request.drafter
+    if drafter is None:
+        raise EdgeSpecError("speculative speculative decoding needs the drafter model among the proposers")
+    stats = request.stats
+    yield from request.start()
     draft_seed = int(rng.integers(2**63))
-    emitted = 1
-    yield committed[-1]
     ready: DraftBlock | None = None  # drafts taken from the speculation cache for this round
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-spec-verify") as worker:
-        while emitted < max_new_tokens:
-            base = len(committed) - 1
-            gamma = min(config.gamma, draft_room(target, committed, emitted, max_new_tokens))
+        while not request.done:
+            gamma = min(config.gamma, request.room())
 
             # 1. drafts: ready from the cache (hit) or drafted now (miss)
-            started = time.perf_counter()
-            head_before = drafter.head.seconds
+            clock = request.clock()
             if ready is not None:
                 block = ready
                 stats.speculation_hits += 1
             else:
-                block = draft_chain(drafter, draft.sync(committed), params, _draft_rng(draft_seed, len(committed)),
-                                    gamma, 0.0, vocab, alternatives=fan_out + 1)
+                block = drafter.propose(request.committed, gamma, _rule(params, draft_seed, request.committed, gamma,
+                                                                        config.fan_out))
                 stats.speculation_misses += bool(gamma)
-            verify_started = time.perf_counter()
-            stats.draft_seconds += verify_started - started
+            clock.drafted()
 
             # 2. verify in the background; meanwhile draft ahead for the likely outcomes
-            pending: Future = worker.submit(target.forward, [committed[-1]] + block.tokens, len(block.tokens) + 1)
+            pending: Future = worker.submit(target.forward, [request.pending] + block.tokens, len(block.tokens) + 1)
             cache = SpeculationCache()
             if block.tokens:
-                _prepare(drafter, committed, block, params, draft_seed, gamma, fan_out, vocab, config.speculations,
-                         pending.done, cache, stats)
-            result = verify_drafts(block.tokens, block.q_rows, pending.result()["logits"], params, rng)
-            stats.verify_seconds += time.perf_counter() - verify_started
-            stats.head_seconds += drafter.head.seconds - head_before
-            stats.accepted.append(result.accepted)
-            stats.drafted.append(len(block.tokens))
-            stats.first_accepted += result.accepted > 0
+                _prepare(drafter, request.committed, block, params, draft_seed, gamma, config, pending.done, cache,
+                         stats)
+            outputs = pending.result()
+            result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng)
+            clock.verified()
+            request.record_round(block, result.accepted, result.tokens, clock)
 
-            # 3. roll the target back; the next round's drafts come from the cache if this outcome was prepared
-            target.rewind(base + 1 + result.accepted)
-            committed.extend(result.tokens)
-            next_room = draft_room(target, committed, emitted + len(result.tokens), max_new_tokens)
+            # 3. roll back; the next round's drafts come from the cache if this outcome was prepared
+            next_committed = request.committed + result.tokens
+            next_room = request.room(next_committed, request.emitted + len(result.tokens))
             ready = cache.take((result.accepted, result.tokens[-1]), min(config.gamma, next_room))
-            for token in result.tokens:
-                yield token
-                emitted += 1
-                if emitted >= max_new_tokens:
-                    return
+            yield from request.accept(result.accepted, result.tokens, outputs)
 
 
-def _prepare(drafter: Drafter, committed: list[int], block: DraftBlock, params: SamplingParams, draft_seed: int,
-             gamma: int, fan_out: int, vocab: int, budget: int, verified: Callable[[], bool],
-             cache: SpeculationCache, stats: SpecStats) -> None:
-    """Draft the next round for the most likely outcomes of ``block`` until ``verified()`` (budget -1)
-    or for exactly ``budget`` outcomes."""
+def _rule(params: SamplingParams, draft_seed: int, prefix: list[int], gamma: int, fan_out: int,
+          should_stop: Callable[[], bool] | None = None) -> DraftRule:
+    """Drafting for a round after ``prefix``: the prefix-keyed stream, the top tokens SSD predicts from."""
+    return DraftRule(params, _draft_rng(draft_seed, len(prefix)), gamma, alternatives=fan_out + 1,
+                     should_stop=should_stop)
+
+
+def _prepare(drafter: ModelDrafter, committed: list[int], block: DraftBlock, params: SamplingParams, draft_seed: int,
+             gamma: int, config: SsdConfig, verified: Callable[[], bool], cache: SpeculationCache,
+             stats: SpecStats) -> None:
+    """Draft the next round for the most likely outcomes of ``block`` until ``verified()`` (speculations
+    -1) or for exactly ``config.speculations`` outcomes.  Its drafter steps and head time count in
+    ``stats`` like those of the critical path, so the head's cost per step stays one figure."""
     started = time.perf_counter()
-    timed = budget < 0
+    head_before = drafter.head.seconds
+    budget, timed = config.speculations, config.speculations < 0
     stop = verified if timed else (lambda: False)
-    draft = drafter.decoder
     bonus: list[tuple[int, float]] = []
     if not stop() and budget != 0:  # look-ahead after the last draft: the bonus-token candidates
-        logits, ids = drafter.step(draft.sync(committed + block.tokens))
-        bonus = top_tokens(drafter_probs(logits, params), ids, fan_out)
+        logits, ids = drafter.next_logits(committed + block.tokens)
+        bonus = top_tokens(drafter_probs(logits, params), ids, config.fan_out)
+        stats.draft_steps += 1
     prepared = 0
-    for _, (accepted, token) in predict_outcomes(block, bonus, fan_out):
+    for _, (accepted, token) in predict_outcomes(block, bonus, config.fan_out):
         if stop() or (not timed and prepared >= budget):
             break
         prefix = committed + block.tokens[:accepted] + [token]
-        spec = draft_chain(drafter, draft.sync(prefix), params, _draft_rng(draft_seed, len(prefix)), gamma, 0.0,
-                           vocab, alternatives=fan_out + 1, should_stop=stop)
+        spec = drafter.propose(prefix, gamma, _rule(params, draft_seed, prefix, gamma, config.fan_out, stop))
+        stats.draft_steps += spec.steps
         if spec.complete:
+            spec.steps = 0  # counted here, where they ran, not again when the block is used
             cache.blocks[(accepted, token)] = spec
             prepared += 1
     stats.speculations_prepared += prepared
     stats.prepare_seconds += time.perf_counter() - started
-
+    stats.head_seconds += drafter.head.seconds - head_before

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from edge_spec.runtime.decoder import Decoder
-from edge_spec.runtime.sampling import SamplingParams, logits_to_probs, sample
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

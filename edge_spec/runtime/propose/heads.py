@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.providers import resolve_provider
+from edge_spec.runtime.model.providers import resolve_provider
 
 
 def rows_of(ids: np.ndarray, universe: np.ndarray | None) -> np.ndarray:

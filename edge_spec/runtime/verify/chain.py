@@ -6,10 +6,10 @@ et al. 2023).  Greedy mode reproduces target-only greedy decoding token for
 token.  That guarantee only holds if
 
 * ``target_probs`` and ``draft_probs`` were produced by the same
-  :func:`~edge_spec.runtime.sampling.logits_to_probs` settings, and
+  :func:`~edge_spec.runtime.verify.sampling.logits_to_probs` settings, and
 * ``draft_probs[i]`` is the distribution draft ``i`` was *actually* sampled
   from (full vocabulary; zero outside a reduced drafter head, see
-  :func:`~edge_spec.runtime.sampling.scatter_probs`).
+  :func:`~edge_spec.runtime.verify.sampling.scatter_probs`).
 
 Row convention: ``target_*[i]`` is the target's prediction for the token
 after the prefix plus the first ``i`` drafts, so there are ``γ + 1`` rows for
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_spec.runtime.sampling import sample
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
 
 # Below this residual mass, max(0, p - q) is rounding noise rather than a
 # distribution (float64 sums over ~150k entries carry ~1e-11 error).  A
@@ -149,3 +149,13 @@ def _check_token_range(tokens: list[int], vocab_size: int) -> None:
     for token in tokens:
         if not 0 <= token < vocab_size:
             raise ValueError(f"draft token {token} outside vocabulary [0, {vocab_size})")
+
+
+def verify_chain(drafts: list[int], q_rows: list[np.ndarray], rows: np.ndarray, params: SamplingParams,
+                 rng: np.random.Generator) -> VerifyResult:
+    """Verify one chain of drafts against the target's rows for it (γ + 1 of them): greedy match, or
+    rejection sampling against the q rows the drafts were drawn from."""
+    if params.greedy:
+        return verify_greedy(drafts, rows)
+    q = np.array(q_rows) if q_rows else np.zeros((0, rows.shape[-1]))
+    return verify_speculative(drafts, q, logits_to_probs(rows, params), rng)

@@ -1,0 +1,35 @@
+"""Token loops: target-only decoding and the speculative loops (chain, tree, SSD), one per configuration type."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from edge_spec.runtime.loops.autoregressive import generate_autoregressive
+from edge_spec.runtime.loops.chain import generate_chain
+from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
+from edge_spec.runtime.loops.ssd import generate_ssd
+from edge_spec.runtime.loops.stats import SpecStats
+from edge_spec.runtime.loops.tree import generate_tree
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.propose import build_proposers
+from edge_spec.runtime.propose.context import ProposerContext
+from edge_spec.runtime.verify.sampling import SamplingParams
+
+SPECULATIVE_LOOPS = {ChainConfig: generate_chain, TreeConfig: generate_tree, SsdConfig: generate_ssd}
+
+
+def proposer_names(config: LoopConfig) -> tuple[str, ...]:
+    """The proposers a loop drafts with: the chain's are configured; tree and SSD draft with the model."""
+    return config.proposers if isinstance(config, ChainConfig) else ("model",)
+
+
+def generate_tokens(config: LoopConfig, target: Decoder, context: ProposerContext, prompt_ids: list[int],
+                    params: SamplingParams, rng: np.random.Generator, max_new_tokens: int,
+                    stats: SpecStats | None = None) -> Iterator[int]:
+    """The token stream of one request in the loop ``config`` names."""
+    if isinstance(config, ArConfig):
+        return generate_autoregressive(target, prompt_ids, params, rng, max_new_tokens)
+    proposers = build_proposers(proposer_names(config), context)
+    return SPECULATIVE_LOOPS[type(config)](target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats)

@@ -1,0 +1,55 @@
+"""The speculative decoding loop: draft a chain, verify it in one target pass, roll back, emit.
+
+Read it top to bottom like gpt-fast's ``speculative_decode`` or llama.cpp's ``common/speculative.cpp``:
+
+1. Draft: the planner (``schedule.planner``) picks the proposer -- a prompt-lookup match that pays,
+   else the drafter model with this round's stop rule, else a free guess for the spare row of a
+   batch-invariant pass -- and the proposer drafts (``propose``).
+2. Verify: one target pass over ``[pending, d1..dγ]`` gives γ + 1 rows; greedy match or rejection
+   sampling (``verify.chain``) returns the accepted drafts plus one correction/bonus token.
+3. Roll back the caches to the accepted prefix, show the proposers the target's outputs, emit.
+
+Exactness does not depend on the proposer: greedy output equals target-only greedy output, and
+sampled output follows the target's distribution, because the verifier sees the same processed
+target distribution ``p`` the autoregressive loop samples from, and the exact ``q`` each draft was
+drawn from (zero outside a trimmed head; a point mass for lookup drafts and guesses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from edge_spec.runtime.loops.config import ChainConfig
+from edge_spec.runtime.loops.request import Request
+from edge_spec.runtime.loops.stats import SpecStats
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.propose.base import Proposer
+from edge_spec.runtime.schedule.planner import DraftPlanner
+from edge_spec.runtime.verify.chain import verify_chain
+from edge_spec.runtime.verify.sampling import SamplingParams
+
+
+def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
+                   rng: np.random.Generator, max_new_tokens: int, config: ChainConfig = ChainConfig(),
+                   stats: SpecStats | None = None) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
+    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
+    planner = DraftPlanner(proposers, target, config.gamma, config.adaptive, config.min_confidence)
+    yield from request.start()
+    while not request.done:
+        # 1. draft: the planner picks who drafts and how many
+        clock = request.clock()
+        block = planner.draft(request.committed, request.room(), params, rng)
+        clock.drafted()
+
+        # 2. verify: one target pass over [pending, d1..dγ] -> γ + 1 rows
+        outputs = target.forward([request.pending] + block.tokens, len(block.tokens) + 1)
+        result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng)
+        clock.verified()
+        planner.update(block, result)
+        request.record_round(block, result.accepted, result.tokens, clock)
+
+        # 3. roll back to the accepted prefix; the correction/bonus token becomes pending
+        yield from request.accept(result.accepted, result.tokens, outputs)

@@ -1,0 +1,132 @@
+"""Each loop's settings, and the one place where a user's settings become a loop's configuration.
+
+A loop gets only the settings it honours (the dataclasses below); :func:`loop_config` maps a mode
+plus the settings a user gave (CLI flags, API keywords) onto one of them and refuses, in one line,
+a setting the chosen loop cannot honour -- never silently ignoring it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar, Union
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.propose import PROPOSERS
+from edge_spec.runtime.verify.tree import VERIFIERS
+
+MODES = ("ar", "spec", "ssd")  # the user's word for the loop family; spec runs a chain or (drafts > 1) a tree
+
+
+@dataclass(frozen=True)
+class ArConfig:
+    """Target-only decoding: nothing to set."""
+
+    mode: ClassVar[str] = "ar"
+    gamma: ClassVar[int] = 0
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """One chain of drafts per round (``loops.chain``)."""
+
+    mode: ClassVar[str] = "spec"
+    gamma: int = 4  # drafts per round; the most per round when adaptive
+    adaptive: bool = True  # choose each round's drafts from measured costs and running acceptance
+    min_confidence: float = 0.0  # stop drafting once the drafter's top probability falls below this
+    proposers: tuple[str, ...] = ("lookup", "model", "guess")  # in order of preference (propose.PROPOSERS)
+
+    def __post_init__(self) -> None:
+        _check_gamma(self.gamma)
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise EdgeSpecError(f"min_confidence must be in [0, 1], not {self.min_confidence}")
+        unknown = [p for p in self.proposers if p not in PROPOSERS]
+        if unknown:
+            raise EdgeSpecError(f"unknown proposer {unknown[0]!r}; choose from: {', '.join(PROPOSERS)}")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Several drafter branches verified in one tree-shaped pass (``loops.tree``), fixed shape."""
+
+    mode: ClassVar[str] = "spec"
+    gamma: int = 2  # each branch's length
+    drafts: int = 2  # branches
+    verifier: str = "spechub"  # multi-draft sampling scheme and its verifier (``verify.tree.VERIFIERS``)
+
+    def __post_init__(self) -> None:
+        _check_gamma(self.gamma)
+        if self.drafts < 2:
+            raise EdgeSpecError("multi-draft decoding needs at least 2 drafts")
+        if self.verifier not in VERIFIERS:
+            raise EdgeSpecError(f"unknown multi-draft verifier {self.verifier!r}; choose one of: {', '.join(VERIFIERS)}")
+
+
+@dataclass(frozen=True)
+class SsdConfig:
+    """Speculative speculative decoding (``loops.ssd``): fixed γ, drafting ahead while the target verifies."""
+
+    mode: ClassVar[str] = "ssd"
+    gamma: int = 1  # drafts per round (a round on two cores: see the README's SSD section)
+    fan_out: int = 3  # correction/bonus tokens predicted per possible stop point (Saguaro's F)
+    speculations: int = -1  # outcomes prepared per round; -1 = as many as fit while the target verifies
+
+    def __post_init__(self) -> None:
+        _check_gamma(self.gamma)
+        if self.fan_out < 1:
+            raise EdgeSpecError("fan_out must be at least 1")
+        if self.speculations < -1:
+            raise EdgeSpecError("speculations must be -1 (as many as fit) or more")
+
+
+LoopConfig = Union[ArConfig, ChainConfig, TreeConfig, SsdConfig]
+
+# settings a user may give -> (the flag that names it, the loops that honour it)
+SETTINGS = {
+    "gamma": ("--gamma", (ChainConfig, TreeConfig, SsdConfig)),
+    "schedule": ("--schedule", (ChainConfig,)),
+    "lookup": ("--lookup", (ChainConfig,)),
+    "min_confidence": ("--min-confidence", (ChainConfig,)),
+    "drafts": ("--drafts", (ChainConfig, TreeConfig)),
+    "verifier": ("--verifier", (TreeConfig,)),
+    "fan_out": ("--fan-out", (SsdConfig,)),
+    "speculations": ("--speculations", (SsdConfig,)),
+}
+
+
+def loop_config(mode: str, **settings) -> LoopConfig:
+    """The configuration of ``mode`` with the given settings (None: not given, the loop's default).
+
+    ``spec`` with ``drafts`` > 1 is the tree loop.  ``schedule`` is "adaptive" or "fixed"; ``lookup``
+    adds or removes prompt lookup among the chain's proposers."""
+    given = {k: v for k, v in settings.items() if v is not None}
+    unknown = set(given) - set(SETTINGS)
+    if unknown:
+        raise TypeError(f"unknown loop settings: {', '.join(sorted(unknown))}")
+    if mode not in MODES:
+        raise EdgeSpecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    loop = {"ar": ArConfig, "ssd": SsdConfig}.get(mode) or (TreeConfig if given.get("drafts", 1) > 1 else ChainConfig)
+    for name, value in given.items():
+        flag, honoured_by = SETTINGS[name]
+        if loop not in honoured_by and not (name == "drafts" and value == 1):
+            raise EdgeSpecError(f"{flag} does not apply to {_describe(loop)}; it applies to "
+                                f"{' and '.join(_describe(c) for c in honoured_by)}")
+    if loop is ChainConfig:
+        given.pop("drafts", None)
+        schedule = given.pop("schedule", "adaptive")
+        if schedule not in ("adaptive", "fixed"):
+            raise EdgeSpecError(f"--schedule must be adaptive or fixed, not {schedule!r}")
+        lookup = given.pop("lookup", True)
+        proposers = tuple(p for p in ChainConfig.proposers if lookup or p != "lookup")
+        return ChainConfig(adaptive=schedule == "adaptive", proposers=proposers, **given)
+    known = {f.name for f in fields(loop)}
+    return loop(**{k: v for k, v in given.items() if k in known})
+
+
+def _describe(loop: type) -> str:
+    return {ArConfig: "--mode ar", ChainConfig: "--mode spec", TreeConfig: "multi-draft spec (--drafts > 1)",
+            SsdConfig: "--mode ssd"}[loop]
+
+
+def _check_gamma(gamma: int) -> None:
+    if gamma < 1:
+        raise EdgeSpecError("--gamma must be at least 1")

@@ -1,0 +1,113 @@
+"""What the speculative loops share: one request's sequence, its prologue, roll-back, emission and clock.
+
+* ``committed`` is every token of the sequence so far; its last token is *pending*: emitted, but
+  not yet in the target's cache.  Every round verifies ``[pending, drafts...]`` in one target pass.
+* :meth:`Request.start` reads the prompt into the target and every proposer and emits the first
+  token, exactly as autoregressive decoding would.
+* :meth:`Request.accept` cuts the target's cache (and the proposers') to the accepted prefix, shows
+  the proposers the target's outputs, and emits the accepted drafts plus the correction/bonus token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from edge_spec.runtime.loops.stats import SpecStats
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.propose.base import DraftBlock, Proposer
+from edge_spec.runtime.propose.model import ModelDrafter
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
+
+
+class Request:
+    """One speculative request, from prompt to ``max_new_tokens`` (see the module docstring)."""
+
+    def __init__(self, target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
+                 rng: np.random.Generator, max_new_tokens: int, stats: SpecStats | None = None) -> None:
+        self.target, self.proposers = target, proposers
+        self.prompt_ids, self.params, self.rng = list(prompt_ids), params, rng
+        self.max_new_tokens = max_new_tokens
+        self.stats = stats if stats is not None else SpecStats()
+        self.committed: list[int] = []
+        self.emitted = 0
+        self.drafter = next((p for p in proposers if isinstance(p, ModelDrafter)), None)
+
+    @property
+    def pending(self) -> int:
+        return self.committed[-1]
+
+    @property
+    def done(self) -> bool:
+        return self.emitted >= self.max_new_tokens
+
+    def start(self) -> Iterator[int]:
+        """Prefill the target and the proposers; emit the target's first token."""
+        outputs = self.target.prefill(self.prompt_ids)
+        for proposer in self.proposers:
+            proposer.begin(self.prompt_ids, outputs)
+        first = outputs["logits"][-1]
+        token = int(np.argmax(first)) if self.params.greedy else sample(logits_to_probs(first, self.params), self.rng)
+        self.committed = self.prompt_ids + [token]
+        yield from self.emit([token])
+
+    def room(self, committed: list[int] | None = None, emitted: int | None = None) -> int:
+        """Most drafts a round may verify: one more token is always emitted, and the context must hold them."""
+        committed = self.committed if committed is None else committed
+        emitted = self.emitted if emitted is None else emitted
+        return max(min(self.max_new_tokens - emitted - 1, self.target.capacity - len(committed) - 1), 0)
+
+    def clock(self) -> "RoundClock":
+        return RoundClock(self.drafter)
+
+    def accept(self, accepted: int, tokens: list[int], outputs: dict[str, np.ndarray],
+               path: list[int] | None = None) -> Iterator[int]:
+        """Keep the pending token and ``accepted`` drafts (a tree: the nodes of ``path``) in the caches;
+        emit ``tokens`` (accepted drafts + correction/bonus), which leaves the last one pending."""
+        base = len(self.committed) - 1  # cache length before this round
+        if path is None:
+            self.target.rewind(base + 1 + accepted)
+        else:
+            self.target.keep_path(base, path)
+        for proposer in self.proposers:
+            proposer.observe(outputs, accepted)
+            proposer.rewind(base + 1 + accepted)
+        self.committed.extend(tokens)
+        yield from self.emit(tokens)
+
+    def emit(self, tokens: list[int]) -> Iterator[int]:
+        for token in tokens:
+            if self.done:
+                return
+            self.emitted += 1
+            yield token
+
+    def record_round(self, block: DraftBlock, accepted: int, emitted: list[int], clock: "RoundClock",
+                     drafted: int | None = None, first_accepted: bool | None = None) -> None:
+        self.stats.record_round(block, accepted, accepted > 0 if first_accepted is None else first_accepted,
+                                emitted, drafted=drafted, draft_seconds=clock.draft_seconds,
+                                verify_seconds=clock.verify_seconds, head_seconds=clock.head_seconds)
+
+
+class RoundClock:
+    """Where one round's time went: drafting (and the drafter's head within it), then verifying."""
+
+    def __init__(self, drafter: ModelDrafter | None) -> None:
+        self._drafter = drafter
+        self._head_start = self._head()
+        self.started = time.perf_counter()
+        self.draft_seconds = self.verify_seconds = self.head_seconds = 0.0
+        self._verify_started = self.started
+
+    def drafted(self) -> None:
+        self._verify_started = time.perf_counter()
+        self.draft_seconds = self._verify_started - self.started
+        self.head_seconds = self._head() - self._head_start
+
+    def verified(self) -> None:
+        self.verify_seconds = time.perf_counter() - self._verify_started
+
+    def _head(self) -> float:
+        return self._drafter.head.seconds if self._drafter is not None else 0.0

@@ -1,0 +1,69 @@
+"""The chain loop's schedule: which proposer drafts this round, and how many drafts it may make.
+
+In order: a sequence proposer (prompt lookup) whose match promises more tokens per second than the
+model (:mod:`schedule.sources`); else the drafter model, with this round's stop rule from the
+adaptive policy (:mod:`schedule.policy`) or a fixed γ; and when that leaves the round without
+drafts while the verify pass has a spare row anyway (batch-invariant passes), a filler (free guess).
+After verification the outcome is folded into the estimates that made the choice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
+from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
+from edge_spec.runtime.schedule.sources import LookupChoice
+from edge_spec.runtime.verify.chain import VerifyResult
+from edge_spec.runtime.verify.sampling import SamplingParams
+
+
+class DraftPlanner:
+    """Per request; see the module docstring."""
+
+    def __init__(self, proposers: list[Proposer], target: Decoder, gamma: int, adaptive: bool,
+                 min_confidence: float = 0.0) -> None:
+        self.target = target
+        self.gamma, self.adaptive, self.min_confidence = gamma, adaptive, min_confidence
+        self.model = next((p for p in proposers if p.kind == "model"), None)
+        self.sequences = [(p, LookupChoice()) for p in proposers if p.kind == "sequence"]
+        self.fillers = [p for p in proposers if p.kind == "filler"]
+        self.policy = AdaptiveGamma(gamma) if adaptive else None
+
+    def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> DraftBlock:
+        rule = DraftRule(params, rng, self.gamma, self.min_confidence)
+        for proposer, choice in self.sequences:
+            block = proposer.propose(committed, room, rule)
+            take = choice.lookup_gamma(self._costs(), self.gamma, self.adaptive) if block.tokens else 0
+            if take:
+                block.truncate(take)
+                return block
+        block = DraftBlock()
+        if self.model is not None:
+            if self.policy is not None and self.model.step_estimate is not None:
+                rule.stop = self.policy.begin_round(self._costs())
+                rule.gamma = 0 if rule.stop is None else rule.stop.gamma_max
+            block = self.model.propose(committed, room, rule)
+        if block.tokens or room == 0 or self.target.min_rows < 2:
+            return block
+        for filler in self.fillers:  # a dropped model step still counts as a step
+            guess = filler.propose(committed, room, rule)
+            if guess.tokens:
+                guess.steps = block.steps
+                return guess
+        return block
+
+    def update(self, block: DraftBlock, result: VerifyResult) -> None:
+        """Fold a verified round into the acceptance estimates of the source that drafted it."""
+        drafted = len(block.tokens)
+        if self.model is not None and block.source == self.model.name and self.policy is not None:
+            self.policy.update(drafted, result.accepted, block.confidences)
+        for proposer, choice in self.sequences:
+            if block.source in (proposer.name, getattr(self.model, "name", None)):
+                choice.update(block.source == proposer.name, drafted, result.accepted)
+
+    def _costs(self) -> CostModel | None:
+        """What a model round costs now (None until the drafter's step and target passes are measured)."""
+        step, verify = self.model.step_estimate if self.model else 0.0, self.target.recent_seconds()
+        return CostModel(step, verify) if step is not None and verify else None

@@ -1,0 +1,168 @@
+"""Plain helpers shared by several test modules (fixtures live in ``conftest.py``, the tiny models and
+tokenizer in ``tiny_models.py``): bundle export, the CLI in a subprocess, token loops, chi-square tests."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+
+from tests import tiny_models
+
+# ---------------------------------------------------------------------------
+# bundles
+# ---------------------------------------------------------------------------
+
+
+def export_tiny(tmp_dir, tiny_pair, **options):
+    """Export the tiny (tokenizer, target, drafter) triple through the real exporter path into ``tmp_dir``."""
+    from edge_spec.export.bundle import ExportOptions, export_bundle
+
+    tokenizer, target, draft = tiny_pair
+    models = {
+        "tiny-target": tiny_models.loaded("tiny-target", target, tokenizer),
+        "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer),
+    }
+    opts = ExportOptions(context_length=256, **options)
+    export_bundle("tiny-target", "tiny-draft", tmp_dir, opts, loader=models.__getitem__)
+    return tmp_dir
+
+
+# ---------------------------------------------------------------------------
+# the command line, in a subprocess
+# ---------------------------------------------------------------------------
+
+
+def cli(*args: str, timeout: int = 300, input_text: str | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in a subprocess (stdin: ``input_text``, else nothing)."""
+    return subprocess.run([sys.executable, "-m", "edge_spec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, input=input_text, stdin=None if input_text is not None else subprocess.DEVNULL)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert fragment in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------
+# token loops on an engine's decoders
+# ---------------------------------------------------------------------------
+
+PROMPTS = ["def is_prime(n):", "The quick brown fox", "What is 12 * 7?", "Summarize: speculative decoding drafts"]
+
+
+def chain(gamma: int, *, adaptive: bool = False, lookup: bool = False, **settings):
+    """A chain configuration as the loop tests want it: fixed γ, the drafter model (plus free guesses in
+    batch-invariant passes), prompt lookup only when asked for."""
+    from edge_spec.runtime.loops.config import ChainConfig
+
+    proposers = (("lookup",) if lookup else ()) + ("model", "guess")
+    return ChainConfig(gamma=gamma, adaptive=adaptive, proposers=proposers, **settings)
+
+
+def guesses_only():
+    """A chain that never runs the drafter: every round verifies a free guess in its spare row (exact mode)."""
+    from edge_spec.runtime.loops.config import ChainConfig
+
+    return ChainConfig(gamma=1, adaptive=False, proposers=("guess",))
+
+
+def run(engine, prompt_ids, params, n, config, seed=0):
+    """``n`` tokens from target-only decoding (``config`` None) or from the speculative loop ``config``
+    names (chain, tree or SSD) over the engine's target and drafter, plus the loop's stats."""
+    from edge_spec.runtime.loops import generate_tokens
+    from edge_spec.runtime.loops.config import ArConfig
+    from edge_spec.runtime.loops.stats import SpecStats
+    from edge_spec.runtime.propose.context import ProposerContext
+
+    rng = np.random.default_rng(seed)
+    stats = None if config is None else SpecStats()
+    context = ProposerContext(engine.target.vocab_size, engine.drafter)
+    tokens = list(generate_tokens(config or ArConfig(), engine.target, context, prompt_ids, params, rng, n, stats))
+    return tokens, stats
+
+
+def first_tokens(engine, ids, params, spec, n_samples, n_tokens=3, seed_offset=0):
+    """Joint samples of the first n_tokens generated tokens (as tuples), one independent seed each."""
+    out = []
+    for seed in range(seed_offset, seed_offset + n_samples):
+        tokens, _ = run(engine, ids, params, n_tokens, spec, seed=seed)
+        out.append(tuple(tokens))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# chi-square tests
+# ---------------------------------------------------------------------------
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    """Upper tail of the chi-square distribution, closed form for integer dof.
+
+    Exact (Abramowitz & Stegun 26.4.4/26.4.5) and dependency-free, so the
+    goodness-of-fit tests do not pay ~1.3 s for importing scipy.stats;
+    cross-checked against scipy in test_sampling.
+    """
+    half = stat / 2.0
+    if dof % 2 == 0:
+        term, total = 1.0, 1.0
+        for i in range(1, dof // 2):
+            term *= half / i
+            total += term
+        return math.exp(-half) * total
+    total = math.erfc(math.sqrt(half))
+    term = math.sqrt(half) / math.gamma(1.5)
+    for i in range(dof // 2):
+        total += math.exp(-half) * term
+        term *= half / (i + 1.5)
+    return total
+
+
+def chi_square_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson goodness-of-fit p-value of counts against a distribution.
+
+    Cells with zero expected probability are left out of the statistic; a
+    count in one of them is impossible under ``probs``, so the p-value is
+    then exactly 0.  Expected counts should be >= 5 per cell for validity.
+    """
+    observed = np.asarray(observed, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    assert observed.shape == probs.shape
+    forbidden = probs == 0.0
+    if observed[forbidden].sum() > 0:
+        return 0.0
+    obs, p = observed[~forbidden], probs[~forbidden] / probs[~forbidden].sum()
+    expected = obs.sum() * p
+    stat = float(((obs - expected) ** 2 / expected).sum())
+    return chi2_sf(stat, obs.size - 1)
+
+
+def chi_square_same_distribution(a: list, b: list) -> float:
+    """Two-sample chi-square homogeneity test on categorical samples; returns the p-value."""
+    from scipy import stats as scistats
+
+    categories = sorted(set(a) | set(b))
+    counts = np.array([[a.count(c) for c in categories], [b.count(c) for c in categories]], dtype=float)
+    # pool rare categories so that expected counts are >= 5
+    expected_share = counts.sum(0)
+    keep = expected_share >= 10
+    pooled = np.concatenate([counts[:, keep], counts[:, ~keep].sum(1, keepdims=True)], axis=1)
+    pooled = pooled[:, pooled.sum(0) > 0]
+    return float(scistats.chi2_contingency(pooled)[1])
+
+
+class FixedUniform:
+    """Stands in for np.random.Generator: random() returns preset values."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def random(self, size: int | None = None) -> float | np.ndarray:
+        if size is None:
+            return self.values.pop(0)
+        return np.array([self.values.pop(0) for _ in range(size)])

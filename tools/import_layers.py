@@ -1,0 +1,54 @@
+"""Check that imports inside ``edge_spec.runtime`` run one way: engine -> loops -> schedule -> propose -> model/verify.
+
+Prints every runtime module's imports of other runtime layers and exits 1 on an import that runs back
+up (a lower layer importing a higher one).  ``python tools/import_layers.py``
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+RUNTIME = Path(__file__).resolve().parents[1] / "edge_spec" / "runtime"
+# rank of each layer: a module may import layers of lower rank (and its own layer)
+LAYERS = {"engine": 5, "text": 0, "loops": 4, "schedule": 3, "propose": 2, "model": 1, "verify": 1}
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["edge_spec", "runtime"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def main() -> int:
+    bad = []
+    edges = set()
+    for path in sorted(RUNTIME.rglob("*.py")):
+        relative = path.relative_to(RUNTIME)
+        here = relative.parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            target = layer_of(names[0]) or (layer_of(names[1]) if len(names) > 1 else None)
+            if target is None or target == here:
+                continue
+            edges.add((here, target))
+            if LAYERS[target] >= LAYERS[here] and not (LAYERS[here] == LAYERS[target] == 1):
+                bad.append(f"{relative}: imports {names[0]} ({here} -> {target} runs back up)")
+            if here in ("model", "verify") and target in ("model", "verify") and here != target:
+                bad.append(f"{relative}: imports {names[0]} (model and verify are independent)")
+    for here, target in sorted(edges, key=lambda e: (-LAYERS[e[0]], e[0], e[1])):
+        print(f"{here:9s} -> {target}")
+    for line in bad:
+        print("BACKWARD:", line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
