@@ -8,6 +8,8 @@ A bundle is one directory::
     target/model.onnx(.data) target decoder
     draft/model.onnx(.data)  drafter decoder (possibly with a trimmed LM head)
     draft/*.npy              drafter side tables (vocab map, scorer matrices)
+    eagle/head.onnx(.data)   optional EAGLE-3 head (+ fc.onnx, d2t.npy, t2d.npy); the target then
+                             also outputs ``features`` (see edge_spec.export.eagle)
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def read_manifest(bundle_dir: Path) -> dict:
 
 def verify_files(bundle_dir: Path, manifest: dict, *, full_hash: bool = False) -> None:
     """Check every recorded file exists with its size (and sha256 when ``full_hash``)."""
-    for role in ("target", "draft"):
+    for role in ("target", "draft", "eagle"):  # eagle: only bundles with an EAGLE-3 head
         for record in manifest.get(role, {}).get("files", []):
             path = Path(bundle_dir) / record["path"]
             if not path.is_file():

@@ -372,3 +372,86 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
         record["default_head"] = default
     write_manifest(bundle_dir, manifest)
     return manifest
+
+
+def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | None = None, *,
+                      source: str | None = None, progress=None) -> dict:
+    """Add (or replace) an EAGLE-3 head in an existing bundle, without re-exporting the target.
+
+    Writes ``eagle/head.onnx(.data)``, ``eagle/fc.onnx(.data)``, ``eagle/d2t.npy`` and
+    ``eagle/t2d.npy``, gives the target graph the ``features`` output the head reads (in place,
+    graph file only: see :func:`edge_spec.export.eagle.add_feature_output`) and records both in
+    the manifest (``manifest["eagle"]``, ``manifest["target"]["feature_layers"]``).  ``options``
+    default to the target's quantization and the bundle's context length.  The head is built in
+    ``eagle.partial`` and renamed into place, and the target graph is restored if a later step
+    fails, so a failure leaves the bundle as it was.
+    """
+    import os
+
+    from edge_spec.export import eagle
+    from edge_spec.export.weights import DecoderConfig
+    from edge_spec.manifest import MANIFEST, read_manifest
+
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir)
+    target = manifest["target"]
+    config.check_target(DecoderConfig(**target["config"]))
+    quant = target["quantization"]
+    if options is None:
+        options = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"],
+                               manifest["context_length"])
+    staging = bundle_dir / "eagle.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    weights = eagle.eagle_head_weights(head)
+    _say(progress, f"building EAGLE-3 head ({options.quant}, {config.draft_vocab_size}-token draft vocabulary)")
+    save_model(eagle.build_eagle_head(weights, options), staging / "head.onnx")
+    save_model(eagle.build_eagle_fc(weights.fc, options), staging / "fc.onnx")
+    np.save(staging / "d2t.npy", weights.d2t.astype(np.int64))
+    np.save(staging / "t2d.npy", weights.t2d.astype(bool))
+    names = ["head.onnx", "head.onnx.data", "fc.onnx", "fc.onnx.data", "d2t.npy", "t2d.npy"]
+    files = [dict(file_record(staging, name), path=f"eagle/{name}") for name in names]
+
+    target_onnx = bundle_dir / target["onnx"]
+    backup = target_onnx.read_bytes()
+    old = bundle_dir / "eagle.old"
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        if eagle.feature_layers_of(target_onnx) != tuple(config.feature_layers):
+            _say(progress, f"adding feature output (layers {list(config.feature_layers)}) to the target graph")
+            eagle.add_feature_output(target_onnx, config.feature_layers)
+        target["files"] = [file_record(bundle_dir, f["path"]) if f["path"] == target["onnx"] else f
+                           for f in target["files"]]
+        target["bytes"] = sum(f["bytes"] for f in target["files"])
+        target["feature_layers"] = list(config.feature_layers)
+        manifest["eagle"] = {
+            "kind": "eagle3",
+            "source": source,
+            "config": config.to_hf_config(),
+            "feature_layers": list(config.feature_layers),
+            "draft_vocab_size": config.draft_vocab_size,
+            "parameters": int(sum(p.numel() for p in head.parameters())),
+            "quantization": {"weights": options.quant, "block_size": options.block_size,
+                             "accuracy_level": options.accuracy_level},
+            "onnx": "eagle/head.onnx",
+            "fc_onnx": "eagle/fc.onnx",
+            "d2t": "eagle/d2t.npy",
+            "t2d": "eagle/t2d.npy",
+            "files": files,
+            "bytes": sum(f["bytes"] for f in files),
+        }
+        if (bundle_dir / "eagle").exists():
+            (bundle_dir / "eagle").rename(old)
+        staging.rename(bundle_dir / "eagle")
+        tmp = bundle_dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, bundle_dir / MANIFEST)
+    except BaseException:
+        target_onnx.write_bytes(backup)
+        if old.exists():
+            shutil.rmtree(bundle_dir / "eagle", ignore_errors=True)
+            old.rename(bundle_dir / "eagle")
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return manifest
