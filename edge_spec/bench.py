@@ -25,6 +25,7 @@ from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "bench" / "prompts.jsonl"
@@ -38,6 +39,11 @@ class BenchMode:
     head: str | None  # drafter head, None for ar
     config: LoopConfig = ArConfig()
     exact: bool | None = None  # batch-invariant target passes (None: the engine's default for the mode)
+
+
+def with_drafter(config: ChainConfig, drafter: str) -> ChainConfig:
+    """``config`` drafting with ``drafter`` ("model" or "eagle") in its drafter's place."""
+    return dataclasses.replace(config, proposers=tuple(drafter if p in DRAFTERS else p for p in config.proposers))
 
 
 def with_lookup(config: ChainConfig, lookup: bool) -> ChainConfig:
@@ -69,11 +75,12 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
 
 def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed_gammas: list[int] | None = None,
               trees: list[TreeConfig] = (), ssds: list[SsdConfig] = (), lookup: bool = False,
-              reference: bool = True) -> list[BenchMode]:
+              reference: bool = True, eagle: bool = False) -> list[BenchMode]:
     """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one
     mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft configuration
     (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own schedule
-    ``chain``; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``)."""
+    ``chain``; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``).
+    With ``eagle`` the bundle's EAGLE head gets the fixed-γ and schedule modes too (``eagle@γ2``, ``eagle``)."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
@@ -82,21 +89,33 @@ def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed
     modes = [BenchMode("ar", None)]
     if reference and engine.exact_for("spec") and not engine.exact_for("ar"):
         modes.append(BenchMode("ar-exact", None, exact=True))  # the reference of greedy exact modes
-    plain = with_lookup(chain, False)
+    plain = with_drafter(with_lookup(chain, False), "model")
     for head in chosen:
         name = "spec" if head == "full" else f"spec+{head}"
-        for gamma in fixed_gammas or []:
-            fixed = dataclasses.replace(plain, gamma=gamma, adaptive=False)
-            modes.append(BenchMode(f"{name}@γ{gamma}", head, fixed))
-            if lookup:
-                modes.append(BenchMode(f"{name}+lookup@γ{gamma}", head, with_lookup(fixed, True)))
-        for tree in trees:
-            modes.append(BenchMode(f"{name}+k{tree.drafts}-{tree.verifier}@γ{tree.gamma}", head, tree))
-        for ssd in ssds:
-            modes.append(BenchMode(f"{name}+ssd@γ{ssd.gamma}", head, ssd))
-        modes.append(BenchMode(name, head, plain))
+        others = [BenchMode(f"{name}+k{tree.drafts}-{tree.verifier}@γ{tree.gamma}", head, tree) for tree in trees]
+        others += [BenchMode(f"{name}+ssd@γ{ssd.gamma}", head, ssd) for ssd in ssds]
+        modes += _chain_modes(name, head, plain, fixed_gammas, lookup, others)
+    if eagle:
+        if not engine.manifest.get("eagle"):
+            raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
+        modes += _chain_modes("eagle", chosen[0], with_drafter(plain, "eagle"), fixed_gammas, lookup)
+    return modes
+
+
+def _chain_modes(name: str, head: str, plain: ChainConfig, fixed_gammas: list[int] | None,
+                 lookup: bool, others: list[BenchMode] = ()) -> list[BenchMode]:
+    """One mode per fixed γ, then ``others``, then the run's schedule as ``name`` (each also with
+    lookup: ``name+lookup``)."""
+    modes = []
+    for gamma in fixed_gammas or []:
+        fixed = dataclasses.replace(plain, gamma=gamma, adaptive=False)
+        modes.append(BenchMode(f"{name}@γ{gamma}", head, fixed))
         if lookup:
-            modes.append(BenchMode(f"{name}+lookup", head, with_lookup(plain, True)))
+            modes.append(BenchMode(f"{name}+lookup@γ{gamma}", head, with_lookup(fixed, True)))
+    modes += others
+    modes.append(BenchMode(name, head, plain))
+    if lookup:
+        modes.append(BenchMode(f"{name}+lookup", head, with_lookup(plain, True)))
     return modes
 
 
@@ -148,7 +167,7 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
     if mode.head:
         engine.config = mode.config
         engine.use_draft_head(mode.head)
-    decoders = {"target": engine.target, "draft": engine.drafter.body if mode.head else None}
+    decoders = {"target": engine.target, "draft": engine.active_drafter(mode.config).decoder if mode.head else None}
     before = {role: _pass_log(d) for role, d in decoders.items()}
     started = time.perf_counter()
     completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,

@@ -46,6 +46,8 @@ DraftsOpt = typer.Option(None, "--drafts", help="spec: drafts per step; > 1 veri
                          "each --gamma long, in one target pass (multi-draft; fixed γ).")
 VerifierOpt = typer.Option(None, "--verifier", help="Multi-draft sampling verifier: rrs, rrs-wor or spechub "
                            "(SpecHub: 2 drafts). Greedy decoding branches on the drafter's top tokens.")
+DrafterOpt = typer.Option(None, "--drafter", help="spec: what drafts, model (the bundle's drafter model, "
+                          "default) or eagle (its EAGLE head on the target's features: edge-spec train-head).")
 LookupOpt = typer.Option(None, "--lookup/--no-lookup", help="spec: also draft by prompt lookup (continue an earlier "
                          "occurrence of the last tokens) in rounds where that beats the drafter.")
 ExactOpt = typer.Option(None, "--exact/--no-exact", help="Batch-invariant target passes (one-token passes get a "
@@ -299,6 +301,7 @@ def generate(
     drafts: Optional[int] = DraftsOpt,
     verifier: Optional[str] = VerifierOpt,
     lookup: Optional[bool] = LookupOpt,
+    drafter: Optional[str] = DrafterOpt,
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
@@ -309,7 +312,8 @@ def generate(
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise EdgeSpecError("the prompt read from standard input is empty")
-    config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup)
+    config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
+                          drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -333,13 +337,15 @@ def chat(
     drafts: Optional[int] = DraftsOpt,
     verifier: Optional[str] = VerifierOpt,
     lookup: Optional[bool] = LookupOpt,
+    drafter: Optional[str] = DrafterOpt,
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
     exact: Optional[bool] = ExactOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
-    config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup)
+    config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
+                          drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
@@ -390,6 +396,8 @@ def bench(
                                 "(mode name +lookup)."),
     ssd: bool = typer.Option(False, "--ssd", help="Also run speculative speculative decoding per head, at each "
                              "--sweep γ (else --gamma), in the same engine (see --draft-threads)."),
+    eagle: bool = typer.Option(False, "--eagle", help="Also run the bundle's EAGLE head (edge-spec train-head) at "
+                               "each --sweep γ and the --schedule (modes eagle@γN, eagle; +lookup with --lookup)."),
     draft_threads: Optional[int] = DraftThreadsOpt,
     category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
@@ -431,7 +439,7 @@ def bench(
     with _loading_status():
         engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=chain,
                                     draft_threads=draft_threads, exact=exact)
-    modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference)
+    modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference, eagle)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=False)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)

@@ -56,12 +56,12 @@ def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) ->
 PROMPTS = ["def is_prime(n):", "The quick brown fox", "What is 12 * 7?", "Summarize: speculative decoding drafts"]
 
 
-def chain(gamma: int, *, adaptive: bool = False, lookup: bool = False, **settings):
-    """A chain configuration as the loop tests want it: fixed γ, the drafter model (plus free guesses in
-    batch-invariant passes), prompt lookup only when asked for."""
+def chain(gamma: int, *, adaptive: bool = False, lookup: bool = False, drafter: str = "model", **settings):
+    """A chain configuration as the loop tests want it: fixed γ, the drafter model (or ``drafter``) plus
+    free guesses in batch-invariant passes, prompt lookup only when asked for."""
     from edge_spec.runtime.loops.config import ChainConfig
 
-    proposers = (("lookup",) if lookup else ()) + ("model", "guess")
+    proposers = (("lookup",) if lookup else ()) + (drafter, "guess")
     return ChainConfig(gamma=gamma, adaptive=adaptive, proposers=proposers, **settings)
 
 
@@ -82,7 +82,8 @@ def run(engine, prompt_ids, params, n, config, seed=0):
 
     rng = np.random.default_rng(seed)
     stats = None if config is None else SpecStats()
-    context = ProposerContext(engine.target.vocab_size, engine.drafter)
+    drafters = {} if config is None else {engine.drafter_name(config): engine.active_drafter(config)}
+    context = ProposerContext(engine.target.vocab_size, drafters)
     tokens = list(generate_tokens(config or ArConfig(), engine.target, context, prompt_ids, params, rng, n, stats))
     return tokens, stats
 
@@ -166,3 +167,41 @@ class FixedUniform:
         if size is None:
             return self.values.pop(0)
         return np.array([self.values.pop(0) for _ in range(size)])
+
+
+# ---------------------------------------------------------------------------
+# EAGLE heads
+# ---------------------------------------------------------------------------
+
+def tiny_head_config(**changes):
+    """An EAGLE-3 head configuration for the tiny target (vocab 384, hidden 64)."""
+    import dataclasses
+
+    from edge_spec.export.eagle import Eagle3Config
+
+    config = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=384, draft_vocab_size=96,
+                          feature_layers=(0, 2, 3), max_position_embeddings=512)
+    return dataclasses.replace(config, **changes)
+
+
+def random_head(seed: int = 0, config=None):
+    """A head with every weight random (norm gains too) and a non-trivial vocabulary map."""
+    import torch
+
+    from edge_spec.export.eagle import Eagle3Head
+
+    config = config or tiny_head_config()
+    torch.manual_seed(seed)
+    head = Eagle3Head(config).eval()
+    with torch.no_grad():
+        for param in head.parameters():
+            if param.ndim == 1:
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            else:
+                param.copy_(torch.randn_like(param) / np.sqrt(param.shape[1]))
+        draft_ids = torch.sort(torch.randperm(config.vocab_size)[:config.draft_vocab_size]).values
+        head.d2t.copy_(draft_ids - torch.arange(config.draft_vocab_size))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+    return head

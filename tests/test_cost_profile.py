@@ -25,7 +25,8 @@ def test_profile_is_measured_once_then_read_from_the_cache(int4_bundle, tmp_path
 
 def test_profile_key_depends_on_head_threads_and_gamma(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1)
-    keys = {cost_profile.cache_key(engine.manifest, head, "cpu", threads, gamma)
+    heads = engine.manifest["draft"]["heads"]
+    keys = {cost_profile.cache_key(engine.manifest, heads[head], "cpu", threads, gamma)
             for head in ("full", "trim-64") for threads in (1, 2) for gamma in (3, 5)}
     assert len(keys) == 8
 

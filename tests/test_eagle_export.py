@@ -33,6 +33,7 @@ from edge_spec.export.eagle import (
 from edge_spec.export.graph_builder import BuildOptions, build_decoder
 from edge_spec.export.quantize import quantize_blockwise
 from tests import tiny_models
+from tests.helpers import random_head, tiny_head_config
 
 CAPACITY = 32
 FEATURE_LAYERS = (2, 0, 3)  # unsorted on purpose (concatenation order) and including the last layer
@@ -190,29 +191,10 @@ def test_add_feature_output_upgrades_an_exported_target(tmp_path, tiny_pair):
         add_feature_output(path, (2,))
 
 
+CONFIG = tiny_head_config()
+
+
 # -- (b) the head's graphs -----------------------------------------------------------------------
-
-
-CONFIG = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=384, draft_vocab_size=96,
-                      feature_layers=(0, 2, 3), max_position_embeddings=512)
-
-
-def random_head(seed: int = 0, config: Eagle3Config = CONFIG) -> Eagle3Head:
-    """A head with every weight random (norm gains too) and a non-trivial vocabulary map."""
-    torch.manual_seed(seed)
-    head = Eagle3Head(config).eval()
-    with torch.no_grad():
-        for param in head.parameters():
-            if param.ndim == 1:
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            else:
-                param.copy_(torch.randn_like(param) / np.sqrt(param.shape[1]))
-        draft_ids = torch.sort(torch.randperm(config.vocab_size)[:config.draft_vocab_size]).values
-        head.d2t.copy_(draft_ids - torch.arange(config.draft_vocab_size))
-        head.t2d.zero_()
-        head.t2d[draft_ids] = True
-    return head
 
 
 def dequantized_head(head: Eagle3Head, quant: str) -> Eagle3Head:

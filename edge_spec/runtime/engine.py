@@ -18,14 +18,17 @@ import numpy as np
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import read_manifest, verify_files
-from edge_spec.runtime.loops import generate_tokens
+from edge_spec.runtime.loops import generate_tokens, proposer_names
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
 from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.session import small_session
+from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
-from edge_spec.runtime.propose.model import ModelDrafter
+from edge_spec.runtime.propose.eagle import EagleDrafter
+from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
 from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.schedule.cost_profile import CostProfile
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
@@ -77,6 +80,7 @@ class Engine:
         self._draft_threads = threads if draft_threads is None else draft_threads
         self._draft_body: Decoder | None = None
         self._drafters: dict[str, ModelDrafter] = {}
+        self._eagle: EagleDrafter | None = None
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
         self.cost_profile: CostProfile | None = None
         self._cancel = threading.Event()
@@ -141,10 +145,10 @@ class Engine:
         """Load (or measure once and cache) this device's cost profile for the current drafter head:
         target passes over 1..γ_max+1 tokens, drafter body and head steps (see ``cost_profile``).
         The γ policy plans with it from the first round; live measurements refine it."""
-        drafter = self.drafter
+        drafter = self.active_drafter()
         max_tokens = max(self.config.gamma + 1, 2)
         placement = (f"{self._provider}/{self._draft_provider}", f"{self._threads}/{self._draft_threads}")
-        key = cost_profile.cache_key(self.manifest, self.draft_head, *placement, max_tokens)
+        key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *placement, max_tokens)
         profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
         for n, seconds in profile.verify.items():  # live measurements, once there are some, win
             if n not in self.target.stats.recent:
@@ -157,8 +161,25 @@ class Engine:
     @property
     def bytes_ratio(self) -> float:
         """c in a memory-bound model: drafter bytes read per step / target bytes read per step."""
+        if self.drafter_name() == "eagle":
+            return self.manifest["eagle"]["bytes"] / cost_profile.weight_bytes(self.bundle_dir, self.manifest,
+                                                                               self.draft_head)[0]
         target, draft = cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)
         return draft / target
+
+    def drafter_name(self, config: LoopConfig | None = None) -> str:
+        """Which drafter a configuration drafts with: the drafter model or the EAGLE head."""
+        names = proposer_names(config or self.config)
+        return next((n for n in names if n in DRAFTERS), "model")
+
+    def active_drafter(self, config: LoopConfig | None = None) -> ChainDrafter:
+        return self.eagle if self.drafter_name(config) == "eagle" else self.drafter
+
+    def _drafter_entry(self) -> dict:
+        """What the active drafter's costs depend on (its manifest record)."""
+        if self.drafter_name() == "eagle":
+            return self.manifest["eagle"]
+        return {"head": self.manifest["draft"]["heads"][self.draft_head], "body": self.manifest["draft"]["config"]}
 
     def _check_head(self, name: str) -> str:
         heads = self.manifest["draft"]["heads"]
@@ -186,6 +207,27 @@ class Engine:
             self._drafters[self.draft_head] = ModelDrafter(self._draft_body, self._load_head(self.draft_head),
                                                            self.target.vocab_size)
         return self._drafters[self.draft_head]
+
+    @property
+    def eagle(self) -> EagleDrafter:
+        """The bundle's EAGLE-3 head (``edge-spec train-head`` or a SpecForge checkpoint), loaded on first use."""
+        if self._eagle is None:
+            from edge_spec.runtime.model.embedding import TargetEmbedding
+
+            entry = self.manifest.get("eagle")
+            if not entry:
+                raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
+            if "features" not in self.target.output_names:
+                raise EdgeSpecError("this bundle's target graph has no features output for its EAGLE head; "
+                                    "attach the head again with this edge-spec version")
+            where = dict(provider=self._draft_provider, threads=self._draft_threads)
+            head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, spin=False, **where)
+            fc = small_session(self.bundle_dir / entry["fc_onnx"], what="EAGLE feature projection", **where)
+            d2t = np.load(self.bundle_dir / entry["d2t"])
+            ids = check_vocab_ids(np.arange(len(d2t)) + d2t, self.target.vocab_size)
+            embedding = TargetEmbedding.from_onnx(self.bundle_dir / self.manifest["target"]["onnx"])
+            self._eagle = EagleDrafter(head, fc, embedding.rows, ids, self.target.vocab_size)
+        return self._eagle
 
     def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
         head = self.manifest["draft"]["heads"][name]
@@ -260,6 +302,8 @@ class Engine:
     @property
     def param_ratio(self) -> float:
         """c in MBSU: drafter parameters read per step / target parameters read per step."""
+        if self.drafter_name() == "eagle":
+            return self.manifest["eagle"]["parameters"] / self.manifest["target"]["parameters"]
         draft = self.manifest["draft"]
         head = draft["heads"][self.draft_head]
         return (draft["parameters"] + head["parameters"]) / self.manifest["target"]["parameters"]
@@ -299,7 +343,8 @@ class Engine:
         started = time.perf_counter()
         first_token_at = None
         spec_stats = SpecStats()
-        context = ProposerContext(self.target.vocab_size, self.drafter if mode != "ar" else None)
+        drafters = {name: self.active_drafter(config)} if (name := self.drafter_name(config)) and mode != "ar" else {}
+        context = ProposerContext(self.target.vocab_size, drafters)
         tokens = generate_tokens(config, self.target, context, ids, params, np.random.default_rng(params.seed),
                                  max_new, spec_stats)
         watched = self._watch_prefill(mode, on_prefill)
@@ -343,7 +388,7 @@ class Engine:
         """Listen to the prefill passes of the decoders this mode uses: stop between passes once
         cancelled, and report progress as one fraction, each model weighted by its parameters (what
         its prefill costs).  Returns the decoders to unhook afterwards."""
-        decoders = [self.target] if mode == "ar" else [self.target, self.drafter.body]
+        decoders = [self.target] if mode == "ar" else [self.target, self.active_drafter().decoder]
         weights = [1.0] if mode == "ar" else [1.0, self.param_ratio]
         for index, decoder in enumerate(decoders):
             start, share = sum(weights[:index]) / sum(weights), weights[index] / sum(weights)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar, Union
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.propose import PROPOSERS
+from edge_spec.runtime.propose import DRAFTERS, PROPOSERS
 from edge_spec.runtime.verify.tree import VERIFIERS
 
 MODES = ("ar", "spec", "ssd")  # the user's word for the loop family; spec runs a chain or (drafts > 1) a tree
@@ -90,7 +90,9 @@ SETTINGS = {
     "verifier": ("--verifier", (TreeConfig,)),
     "fan_out": ("--fan-out", (SsdConfig,)),
     "speculations": ("--speculations", (SsdConfig,)),
+    "drafter": ("--drafter", (ChainConfig,)),
 }
+DEFAULTS_ANYWHERE = {"drafts": 1, "drafter": "model"}  # values every speculative loop honours
 
 
 def loop_config(mode: str, **settings) -> LoopConfig:
@@ -99,7 +101,7 @@ def loop_config(mode: str, **settings) -> LoopConfig:
     ``spec`` with ``drafts`` > 1 is the tree loop.  ``schedule`` is "adaptive" or "fixed"; ``lookup``
     adds or removes prompt lookup among the chain's proposers."""
     given = {k: v for k, v in settings.items() if v is not None}
-    unknown = set(given) - set(SETTINGS)
+    unknown = set(given) - set(SETTINGS)  # a caller's mistake, not a user's
     if unknown:
         raise TypeError(f"unknown loop settings: {', '.join(sorted(unknown))}")
     if mode not in MODES:
@@ -107,7 +109,7 @@ def loop_config(mode: str, **settings) -> LoopConfig:
     loop = {"ar": ArConfig, "ssd": SsdConfig}.get(mode) or (TreeConfig if given.get("drafts", 1) > 1 else ChainConfig)
     for name, value in given.items():
         flag, honoured_by = SETTINGS[name]
-        if loop not in honoured_by and not (name == "drafts" and value == 1):
+        if loop not in honoured_by and not (DEFAULTS_ANYWHERE.get(name) == value and loop is not ArConfig):
             raise EdgeSpecError(f"{flag} does not apply to {_describe(loop)}; it applies to "
                                 f"{' and '.join(_describe(c) for c in honoured_by)}")
     if loop is ChainConfig:
@@ -116,7 +118,10 @@ def loop_config(mode: str, **settings) -> LoopConfig:
         if schedule not in ("adaptive", "fixed"):
             raise EdgeSpecError(f"--schedule must be adaptive or fixed, not {schedule!r}")
         lookup = given.pop("lookup", True)
-        proposers = tuple(p for p in ChainConfig.proposers if lookup or p != "lookup")
+        drafter = given.pop("drafter", "model")
+        if drafter not in DRAFTERS:
+            raise EdgeSpecError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}")
+        proposers = tuple(drafter if p == "model" else p for p in ChainConfig.proposers if lookup or p != "lookup")
         return ChainConfig(adaptive=schedule == "adaptive", proposers=proposers, **given)
     known = {f.name for f in fields(loop)}
     return loop(**{k: v for k, v in given.items() if k in known})

@@ -18,7 +18,7 @@ import numpy as np
 from edge_spec.runtime.loops.stats import SpecStats
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, Proposer
-from edge_spec.runtime.propose.model import ModelDrafter
+from edge_spec.runtime.propose.model import ChainDrafter
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -33,7 +33,7 @@ class Request:
         self.stats = stats if stats is not None else SpecStats()
         self.committed: list[int] = []
         self.emitted = 0
-        self.drafter = next((p for p in proposers if isinstance(p, ModelDrafter)), None)
+        self.drafter = next((p for p in proposers if isinstance(p, ChainDrafter)), None)  # whose head is timed
 
     @property
     def pending(self) -> int:
@@ -45,6 +45,8 @@ class Request:
 
     def start(self) -> Iterator[int]:
         """Prefill the target and the proposers; emit the target's first token."""
+        covered = min(p.covered(self.prompt_ids) for p in self.proposers) if self.proposers else len(self.prompt_ids)
+        self.target.rewind(min(self.target.length, covered))  # recompute what a proposer has no outputs of
         outputs = self.target.prefill(self.prompt_ids)
         for proposer in self.proposers:
             proposer.begin(self.prompt_ids, outputs)
@@ -71,8 +73,9 @@ class Request:
             self.target.rewind(base + 1 + accepted)
         else:
             self.target.keep_path(base, path)
+        fed = [self.pending] + list(tokens[:-1]) if path is None else []
         for proposer in self.proposers:
-            proposer.observe(outputs, accepted)
+            proposer.observe(fed, outputs, accepted)
             proposer.rewind(base + 1 + accepted)
         self.committed.extend(tokens)
         yield from self.emit(tokens)
@@ -94,7 +97,7 @@ class Request:
 class RoundClock:
     """Where one round's time went: drafting (and the drafter's head within it), then verifying."""
 
-    def __init__(self, drafter: ModelDrafter | None) -> None:
+    def __init__(self, drafter: ChainDrafter | None) -> None:
         self._drafter = drafter
         self._head_start = self._head()
         self.started = time.perf_counter()
@@ -110,4 +113,4 @@ class RoundClock:
         self.verify_seconds = time.perf_counter() - self._verify_started
 
     def _head(self) -> float:
-        return self._drafter.head.seconds if self._drafter is not None else 0.0
+        return self._drafter.head_seconds if self._drafter is not None else 0.0

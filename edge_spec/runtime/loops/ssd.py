@@ -139,7 +139,7 @@ def _prepare(drafter: ModelDrafter, committed: list[int], block: DraftBlock, par
     -1) or for exactly ``config.speculations`` outcomes.  Its drafter steps and head time count in
     ``stats`` like those of the critical path, so the head's cost per step stays one figure."""
     started = time.perf_counter()
-    head_before = drafter.head.seconds
+    head_before = drafter.head_seconds
     budget, timed = config.speculations, config.speculations < 0
     stop = verified if timed else (lambda: False)
     bonus: list[tuple[int, float]] = []
@@ -160,4 +160,4 @@ def _prepare(drafter: ModelDrafter, committed: list[int], block: DraftBlock, par
             prepared += 1
     stats.speculations_prepared += prepared
     stats.prepare_seconds += time.perf_counter() - started
-    stats.head_seconds += drafter.head.seconds - head_before
+    stats.head_seconds += drafter.head_seconds - head_before

@@ -15,17 +15,22 @@ from edge_spec.runtime.propose.guess import FreeGuess
 from edge_spec.runtime.propose.lookup import PromptLookup
 
 
-def _drafter_model(context: ProposerContext) -> Proposer:
-    if context.drafter is None:
-        raise EdgeSpecError("this bundle has no drafter model")
-    return context.drafter
+def _loaded(name: str) -> Callable[[ProposerContext], Proposer]:
+    """A drafter the engine loaded (it outlives the request)."""
+    def get(context: ProposerContext) -> Proposer:
+        if name not in context.drafters:
+            raise EdgeSpecError(f"no {name!r} drafter is loaded for this request")
+        return context.drafters[name]
+    return get
 
 
 PROPOSERS: dict[str, Callable[[ProposerContext], Proposer]] = {
-    "model": _drafter_model,
+    "model": _loaded("model"),  # the drafter model (propose.model)
+    "eagle": _loaded("eagle"),  # the EAGLE-3 head on the target's features (propose.eagle)
     "lookup": PromptLookup,
     "guess": FreeGuess,
 }
+DRAFTERS = ("model", "eagle")  # the proposers that are models: a chain drafts with one of them
 
 
 def build_proposers(names: tuple[str, ...], context: ProposerContext) -> list[Proposer]:

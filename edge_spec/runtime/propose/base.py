@@ -10,9 +10,9 @@ the spirit of llama.cpp's ``common_speculative`` (begin / draft / accept) and HF
   ``outputs`` are the target's prefill outputs (``features`` of the prompt positions it computed, when
   the target exports them).
 * ``propose(committed, room, rule)`` -- up to ``min(rule.gamma, room)`` drafts after ``committed``.
-* ``observe(outputs, accepted)`` -- the target's outputs of the verify pass (logits, and hidden
-  states when the target exports them) and how many drafts it accepted: what a feature-level
-  drafter conditions on.
+* ``observe(tokens, outputs, accepted)`` -- the verify pass's tokens as kept (the pending token and
+  the accepted drafts), the target's outputs of that pass (logits, and ``features`` when the target
+  exports them) and how many drafts it accepted: what a feature-level drafter conditions on.
 * ``rewind(length)`` -- the sequence was cut back to ``length`` tokens; forget what lies beyond.
 
 Exactness never depends on the proposer: the verifier only needs the exact q each draft was drawn
@@ -99,11 +99,15 @@ class Proposer(Protocol):
     kind: str
     step_estimate: float | None
 
+    def covered(self, prompt_ids: list[int]) -> int:
+        """How many leading prompt positions this proposer could skip re-reading (a target whose cache
+        holds more must compute the rest again, so that the proposer sees their outputs)."""
+
     def begin(self, prompt_ids: list[int], outputs: dict[str, np.ndarray]) -> None: ...
 
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock: ...
 
-    def observe(self, outputs: dict[str, np.ndarray], accepted: int) -> None: ...
+    def observe(self, tokens: list[int], outputs: dict[str, np.ndarray], accepted: int) -> None: ...
 
     def rewind(self, length: int) -> None: ...
 
@@ -118,10 +122,13 @@ class SequenceProposer:
     def __init__(self, context) -> None:
         self.context = context  # propose.context.ProposerContext: the request's shared n-gram index
 
+    def covered(self, prompt_ids: list[int]) -> int:
+        return len(prompt_ids)
+
     def begin(self, prompt_ids: list[int], outputs: dict[str, np.ndarray]) -> None:
         pass
 
-    def observe(self, outputs: dict[str, np.ndarray], accepted: int) -> None:
+    def observe(self, tokens: list[int], outputs: dict[str, np.ndarray], accepted: int) -> None:
         pass
 
     def rewind(self, length: int) -> None:

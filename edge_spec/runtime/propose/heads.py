@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.model.providers import resolve_provider
+from edge_spec.runtime.model.session import small_session
 
 
 def rows_of(ids: np.ndarray, universe: np.ndarray | None) -> np.ndarray:
@@ -28,22 +27,12 @@ def rows_of(ids: np.ndarray, universe: np.ndarray | None) -> np.ndarray:
     return pos[universe[pos] == ids]
 
 
-def _session(model_path: Path, provider: str, threads: int) -> ort.InferenceSession:
-    if not Path(model_path).is_file():
-        raise EdgeSpecError(f"drafter head not found: {model_path}")
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # see Decoder
-    return ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))
-
-
 class DraftHead:
     """A static head: ``vocab_ids[j]`` is the target id of head row j (None: full vocabulary)."""
 
     def __init__(self, model_path: Path, *, provider: str = "cpu", threads: int = 0,
                  vocab_ids: np.ndarray | None = None) -> None:
-        self.session = _session(model_path, provider, threads)
+        self.session = small_session(model_path, provider, threads)
         self.rows = int(self.session.get_outputs()[0].shape[-1])
         if vocab_ids is not None and len(vocab_ids) != self.rows:
             raise EdgeSpecError(f"{model_path}: head has {self.rows} rows but its vocabulary map {len(vocab_ids)}")
@@ -71,7 +60,7 @@ class SpecVocabHead:
     def __init__(self, scorer_path: Path, rows_path: Path, scales_path: Path, candidates: int, *,
                  always_ids: np.ndarray | None = None, universe: np.ndarray | None = None,
                  provider: str = "cpu", threads: int = 0) -> None:
-        self.session = _session(scorer_path, provider, threads)
+        self.session = small_session(scorer_path, provider, threads)
         for path in (rows_path, scales_path):
             if not Path(path).is_file():
                 raise EdgeSpecError(f"SpecVocab head file not found: {path}")

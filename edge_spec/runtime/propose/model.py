@@ -19,39 +19,44 @@ from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, s
 STEP_SMOOTHING = 0.2  # weight of the newest single-token step in the drafter's step estimate
 
 
-class ModelDrafter:
-    """The ``model`` proposer (see :mod:`propose.base`)."""
+class ChainDrafter:
+    """A drafter that proposes a chain one step at a time (the drafter model, the EAGLE head).
 
-    name = "model"
+    Subclasses give ``start(committed)`` -- catch up on the committed tokens and return the head's
+    logits for the next position with the target ids of its rows and how many rows that step fed --
+    and ``step(token)``, the same after one more drafted token."""
+
     kind = "model"
 
-    def __init__(self, body: Decoder, head: DraftHead | SpecVocabHead, vocab_size: int) -> None:
-        self.body = body
-        self.head = head
+    def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size  # the target's: q rows are scattered over it
-        self.step_estimate: float | None = None  # moving average of one draft step (body + head + sampling), s
+        self.step_estimate: float | None = None  # moving average of one single-row draft step, s
 
-    def begin(self, prompt_ids: list[int], outputs: dict[str, np.ndarray]) -> None:
-        """Read the prompt now, so that the drafter's prefill counts as prompt processing."""
-        self.body.prefill(prompt_ids)
+    def covered(self, prompt_ids: list[int]) -> int:
+        """A drafter that reads tokens catches up on any prompt by itself."""
+        return len(prompt_ids)
 
-    def next_logits(self, prefix: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
-        """The head's logits for the token after ``prefix`` and the target ids of its rows (None: the
-        full vocabulary in order); the cache then holds ``prefix``."""
-        return self._step(self.body.sync(prefix))
+    def start(self, committed: list[int]) -> tuple[np.ndarray, np.ndarray | None, int]:
+        raise NotImplementedError
+
+    def step(self, token: int) -> tuple[np.ndarray, np.ndarray | None]:
+        raise NotImplementedError
 
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock:
         """Up to ``min(rule.gamma, room)`` target-vocabulary tokens after ``committed``, stopping early
         when the drafter is unsure: below ``rule.min_confidence``, or when ``rule.stop`` says another
         draft does not pay.  With ``rule.alternatives`` it also records its top tokens per step."""
-        params, feed = rule.params, self.body.sync(committed)
+        params = rule.params
         block = DraftBlock(self.name)
         for _ in range(min(rule.gamma, room)):
             if rule.should_stop is not None and rule.should_stop():
                 block.complete = False
                 break
             started = time.perf_counter()
-            logits, ids = self._step(feed)
+            if block.steps == 0:
+                logits, ids, fed = self.start(committed)
+            else:
+                (logits, ids), fed = self.step(block.tokens[-1]), 1
             block.steps += 1
             if params.greedy and not rule.alternatives:
                 index = int(np.argmax(logits))
@@ -63,7 +68,7 @@ class ModelDrafter:
             keep, more = True, confidence >= rule.min_confidence
             if rule.stop is not None:
                 keep, more = rule.stop.add(rule.stop.acceptance(confidence), may_drop=params.greedy)
-            if len(feed) == 1:
+            if fed == 1:  # catch-up steps that feed several rows say little about one step's cost
                 self._time_step(block, time.perf_counter() - started)
             if not keep:  # not worth a verify row: the cache entry is cut after verification
                 break
@@ -75,25 +80,100 @@ class ModelDrafter:
                                                                             validate=False))
             if rule.alternatives:
                 block.alternatives.append(top_tokens(probs, ids, rule.alternatives))
-            feed = [block.tokens[-1]]
             if not more:
                 break
+        if block.steps == 0:
+            self.start_empty(committed)
         return block
 
-    def observe(self, outputs: dict[str, np.ndarray], accepted: int) -> None:
-        """A model drafter reads tokens only; it catches up on them at the next proposal."""
+    def start_empty(self, committed: list[int]) -> None:
+        """A round without drafter steps: nothing to catch up on yet (the next start does it)."""
 
-    def rewind(self, length: int) -> None:
-        self.body.rewind(min(self.body.length, length))
+    @property
+    def decoder(self) -> Decoder:
+        """The decoder whose passes are this drafter's steps (pass logs, prefill progress)."""
+        raise NotImplementedError
 
-    def _step(self, feed: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
-        hidden = self.body.forward(feed, 1)["hidden_states"]
-        return self.head(hidden[-1])
+    @property
+    def head_seconds(self) -> float:
+        """Time spent so far in the drafter's LM head (the part VocabTrim and SpecVocab shrink)."""
+        raise NotImplementedError
+
+    def profile_fill(self, length: int) -> None:
+        """Forget the request; hold ``length`` throw-away positions (cost profiling)."""
+        raise NotImplementedError
+
+    def profile_step(self) -> tuple[float, float]:
+        """Time one single-row step after the profiling fill, as (body, head) seconds, leaving the
+        cache as it was."""
+        raise NotImplementedError
 
     def _time_step(self, block: DraftBlock, seconds: float) -> None:
         block.step_seconds.append(seconds)
         previous = self.step_estimate
         self.step_estimate = seconds if previous is None else (1 - STEP_SMOOTHING) * previous + STEP_SMOOTHING * seconds
+
+
+class ModelDrafter(ChainDrafter):
+    """The ``model`` proposer: a small decoder body plus one LM head (see :mod:`propose.base`)."""
+
+    name = "model"
+
+    def __init__(self, body: Decoder, head: DraftHead | SpecVocabHead, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.body = body
+        self.head = head
+
+    def begin(self, prompt_ids: list[int], outputs: dict[str, np.ndarray]) -> None:
+        """Read the prompt now, so that the drafter's prefill counts as prompt processing."""
+        self.body.prefill(prompt_ids)
+
+    def next_logits(self, prefix: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The head's logits for the token after ``prefix`` and the target ids of its rows (None: the
+        full vocabulary in order); the cache then holds ``prefix``."""
+        return self._forward(self.body.sync(prefix))
+
+    def start(self, committed: list[int]) -> tuple[np.ndarray, np.ndarray | None, int]:
+        feed = self.body.sync(committed)
+        return (*self._forward(feed), len(feed))
+
+    def step(self, token: int) -> tuple[np.ndarray, np.ndarray | None]:
+        return self._forward([token])
+
+    def start_empty(self, committed: list[int]) -> None:
+        self.body.sync(committed)  # forget what the cache holds beyond the committed tokens
+
+    def observe(self, tokens: list[int], outputs: dict[str, np.ndarray], accepted: int) -> None:
+        """A model drafter reads tokens only; it catches up on them at the next proposal."""
+
+    def rewind(self, length: int) -> None:
+        self.body.rewind(min(self.body.length, length))
+
+    @property
+    def decoder(self) -> Decoder:
+        return self.body
+
+    @property
+    def head_seconds(self) -> float:
+        return self.head.seconds
+
+    def profile_fill(self, length: int) -> None:
+        self.body.reset()
+        if length:
+            self.body.forward([0] * length, 1)
+
+    def profile_step(self) -> tuple[float, float]:
+        length = self.body.length
+        started = time.perf_counter()
+        hidden = self.body.forward([0], 1)["hidden_states"][-1]
+        body_done = time.perf_counter()
+        self.head(hidden)
+        self.body.rewind(length)
+        return body_done - started, time.perf_counter() - body_done
+
+    def _forward(self, feed: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        hidden = self.body.forward(feed, 1)["hidden_states"]
+        return self.head(hidden[-1])
 
 
 def top_tokens(probs: np.ndarray, ids: np.ndarray | None, n: int) -> list[tuple[int, float]]:

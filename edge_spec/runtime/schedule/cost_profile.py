@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 KV_LENGTHS = (48, 256)  # the profile reports the median over these cache lengths
 
 
@@ -51,10 +51,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edge-spec" / "costs"
 
 
-def cache_key(manifest: dict, head: str, provider: str, threads: int | str, max_tokens: int) -> str:
-    """Everything the latencies depend on: the exact weights, the head, the device and runtime."""
+def cache_key(manifest: dict, drafter: dict, provider: str, threads: int | str, max_tokens: int) -> str:
+    """Everything the latencies depend on: the exact weights, the drafter (its manifest record), the
+    device and runtime."""
     target_files = sorted(f["sha256"] for f in manifest["target"]["files"])
-    parts = [PROFILE_VERSION, target_files, manifest["draft"]["heads"][head], manifest["draft"]["config"], provider,
+    parts = [PROFILE_VERSION, target_files, drafter, provider,
              threads, max_tokens, ort.__version__, platform.machine(), platform.processor(), os.cpu_count(),
              _cpu_model()]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -78,23 +79,22 @@ def measure(target, drafter, max_tokens: int, repeats: int = 2) -> CostProfile:
     body, head = [], []
     for length in KV_LENGTHS:
         length = min(length, target.capacity - max_tokens - 1)
-        for decoder in (target, drafter.body):
-            decoder.reset()
-            decoder.forward([0] * length, 1)
+        target.reset()
+        target.forward([0] * length, 1)
+        drafter.profile_fill(length)
         for _ in range(repeats):
             # alternate the two models as the loop does: each pass is timed right after the other
             # model ran, which is what it costs in a round (back-to-back passes of one model are
             # faster, and planning with them makes long drafts look cheaper than they are)
             for n in verify:
-                hidden = drafter.body.forward([0], 1)["hidden_states"][-1]
-                drafter.body.rewind(length)
+                drafter.profile_step()
                 verify[n].append(_timed(lambda: target.forward([0] * n, 1)))
                 target.rewind(length)
-                body.append(_timed(lambda: drafter.body.forward([0], 1)))
-                drafter.body.rewind(length)
-                head.append(_timed(lambda: drafter.head(hidden)))
-    for decoder in (target, drafter.body):
-        decoder.reset()
+                body_seconds, head_seconds = drafter.profile_step()
+                body.append(body_seconds)
+                head.append(head_seconds)
+    target.reset()
+    drafter.profile_fill(0)
     return CostProfile({n: float(np.median(t)) for n, t in verify.items()}, float(np.median(body)),
                        float(np.median(head)), time.perf_counter() - started)
 

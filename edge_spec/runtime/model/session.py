@@ -1,0 +1,21 @@
+"""An ORT session for a small stateless graph (a drafter head, a feature projection)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.model.providers import resolve_provider
+
+
+def small_session(model_path: Path, provider: str, threads: int, what: str = "drafter head") -> ort.InferenceSession:
+    """Spinning off (see ``Decoder``): these graphs run between the target's and the drafter's passes."""
+    if not Path(model_path).is_file():
+        raise EdgeSpecError(f"{what} not found: {model_path}")
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))

@@ -1,0 +1,97 @@
+"""The EAGLE head as a proposer: greedy output equals target-only decoding, sampling keeps the target's
+distribution, the head reads the target's features of every kept position (prompt, chat prefix, verify)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.loops.config import loop_config
+from edge_spec.runtime.verify.sampling import SamplingParams
+from tests.helpers import (PROMPTS, chain, chi_square_same_distribution, export_tiny, first_tokens, random_head, run,
+                           tiny_head_config)
+
+
+@pytest.fixture(scope="module")
+def eagle_bundle(tmp_path_factory, tiny_pair):
+    from edge_spec.export.bundle import attach_eagle_head
+
+    bundle = export_tiny(tmp_path_factory.mktemp("eagle") / "int4", tiny_pair, quant="int4")
+    config = tiny_head_config(feature_layers=(0, 1, 1), draft_vocab_size=384)  # the tiny target has 2 layers
+    attach_eagle_head(bundle, config, random_head(seed=3, config=config))
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def engine(eagle_bundle):
+    return Engine.from_bundle(eagle_bundle, threads=1, config=loop_config("spec", drafter="eagle"), exact=True)
+
+
+def eagle(gamma: int, **settings):
+    return chain(gamma, drafter="eagle", **settings)
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4])
+def test_greedy_eagle_equals_target_only_decoding(engine, gamma):
+    engine.target.min_rows = 2  # the engine's exact passes, as generate sets them
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        reference, _ = run(engine, ids, SamplingParams(), 40, None)
+        got, stats = run(engine, ids, SamplingParams(), 40, eagle(gamma))
+        assert got == reference, (gamma, prompt)
+        assert max(stats.drafted) <= gamma
+        drafted += stats.tally("eagle").drafted
+    assert drafted > 0, "the head never drafted"
+
+
+def test_the_head_reads_the_features_of_every_kept_position(engine):
+    """After a request, the head holds one fused feature per target position, computed from the
+    target's own hidden states: the same rows a fresh teacher-forced target pass gives."""
+    engine.target.min_rows = 2
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    got, _ = run(engine, ids, SamplingParams(), 24, eagle(3))
+    head = engine.eagle
+    committed = ids + got
+    kept = committed[:engine.target.length]
+    assert head.feature_tokens == kept
+    engine.target.reset()
+    features = engine.target.prefill(kept, 1)["features"]
+    fused = head.fc.run(None, {"features": features[None]})[0][0]
+    np.testing.assert_allclose(head.fused[:len(kept)], fused, rtol=1e-4, atol=1e-4)
+
+
+def test_a_chat_turn_reuses_the_prefix_and_still_equals_target_only(eagle_bundle):
+    engine = Engine.from_bundle(eagle_bundle, threads=1, config=loop_config("spec", drafter="eagle", gamma=3,
+                                                                            schedule="fixed"))
+    first = [{"role": "user", "content": "def is_prime(n):"}]
+    answer = engine.complete(first, max_new_tokens=16)
+    second = first + [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "and fib?"}]
+    got = engine.complete(second, max_new_tokens=16)
+    assert got.stats.prompt_tokens > 0
+    ar = engine.complete(second, max_new_tokens=16, mode="ar", exact=True)
+    assert got.token_ids == ar.token_ids
+    # an answer in another mode moved the target's cache without the head: the next request recomputes
+    again = engine.complete(second, max_new_tokens=16)
+    assert again.token_ids == ar.token_ids
+
+
+@pytest.mark.slow
+def test_sampled_eagle_matches_target_distribution(engine):
+    params = SamplingParams(temperature=1.0)
+    ids = engine.tokenizer.encode("The quick")
+    n = 1500
+    ar = first_tokens(engine, ids, params, None, n)
+    spec = first_tokens(engine, ids, params, eagle(2), n, seed_offset=10**6)
+    assert chi_square_same_distribution(ar, spec) > 1e-3
+
+
+def test_eagle_is_refused_where_it_cannot_draft(int4_bundle):
+    with pytest.raises(EdgeSpecError, match="^--drafter does not apply to --mode ssd"):
+        loop_config("ssd", drafter="eagle")
+    with pytest.raises(EdgeSpecError, match="--drafter must be one of"):
+        loop_config("spec", drafter="medusa")
+    with pytest.raises(EdgeSpecError, match="no EAGLE head"):
+        Engine.from_bundle(int4_bundle, threads=1, config=loop_config("spec", drafter="eagle"))
