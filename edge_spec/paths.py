@@ -4,14 +4,16 @@ One module for these so that the bundle ``edge-spec export`` writes by default a
 benchmarks read by default are one computation: a new default target in ``models/registry.json``
 or a ``$EDGE_SPEC_MODELS`` moves both together.
 
-``DEFAULT_BUNDLE`` is computed on first use, not at import: it reads the registry, and
-:mod:`edge_spec.fetch` (which reads the registry) imports this module for :func:`models_dir`.
+``DEFAULT_BUNDLE`` is computed on first use, not at import: it reads the registry.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+from edge_spec.errors import EdgeSpecError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REPO_MODELS = REPO_ROOT / "models"
@@ -32,10 +34,30 @@ def models_dir() -> Path:
     return Path.home() / ".cache" / "edge-spec" / "models"
 
 
+def load_registry(path: Path | None = None) -> dict:
+    """Read the model registry.
+
+    Defaults to ``models_dir()/registry.json`` and falls back to the one in
+    the source tree, so pointing ``$EDGE_SPEC_MODELS`` at an empty disk still
+    knows which models exist.
+    """
+    if path is None:
+        path = models_dir() / "registry.json"
+        if not path.is_file():
+            path = REPO_MODELS / "registry.json"
+    try:
+        registry = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EdgeSpecError(f"model registry not found: {path}") from None
+    except (OSError, ValueError) as exc:
+        raise EdgeSpecError(f"cannot read model registry {path}: {exc}") from None
+    if not isinstance(registry, dict) or not isinstance(registry.get("models"), dict):
+        raise EdgeSpecError(f"model registry {path} has no 'models' table")
+    return registry
+
+
 def default_pair() -> tuple[str, str]:
     """The registry's default (target, drafter) names."""
-    from edge_spec.fetch import load_registry
-
     pair = load_registry()["default_pair"]
     return pair["target"], pair["draft"]
 
