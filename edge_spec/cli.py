@@ -1,4 +1,4 @@
-"""``edge-spec`` command line: fetch, export, generate, chat, info.
+"""``edge-spec`` command line: fetch, export, generate, chat, serve, info.
 
 User mistakes surface as one ``error: ...`` line and exit code 1 (see
 :class:`edge_spec.errors.EdgeSpecError`); tracebacks are for bugs only.
@@ -267,7 +267,7 @@ def _stream(engine, prompt, **kwargs) -> str:
         for chunk in engine.generate(prompt, on_prefill=reading.update, **kwargs):
             reading.close()
             chunks.append(chunk)
-            out.print(chunk, end="")
+            out.print(chunk, end="", markup=False)  # model text is never rich markup: "d[bold]" stays
             sys.stdout.flush()
     finally:
         reading.close()
@@ -380,6 +380,51 @@ def chat(
 
 
 @app.command()
+def serve(
+    bundle: Path,
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (default: this machine only)."),
+    port: int = typer.Option(8000, help="Port (0: any free port, printed at start)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="EDGE_SPEC_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' (default: any key or none)."),
+    max_queue: int = typer.Option(16, help="Requests that may wait behind the one being answered; more get "
+                                  "HTTP 429 with Retry-After."),
+    shutdown_grace: float = typer.Option(10.0, help="On SIGINT/SIGTERM, seconds the answer in progress gets "
+                                         "to finish before it is stopped."),
+    provider: str = ProviderOpt,
+    threads: int = ThreadsOpt,
+    mode: str = ModeOpt,
+    gamma: Optional[int] = GammaOpt,
+    schedule: Optional[str] = ScheduleOpt,
+    drafts: Optional[int] = DraftsOpt,
+    verifier: Optional[str] = VerifierOpt,
+    lookup: Optional[bool] = LookupOpt,
+    drafter: Optional[str] = DrafterOpt,
+    draft_head: Optional[str] = HeadOpt,
+    draft_threads: Optional[int] = DraftThreadsOpt,
+    draft_provider: Optional[str] = DraftProviderOpt,
+    exact: Optional[bool] = ExactOpt,
+) -> None:
+    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (FIM too), /v1/models, /health."""
+    from edge_spec.server.serve import listen, run
+
+    if max_queue < 0:
+        raise EdgeSpecError("--max-queue must be 0 or more")
+    if shutdown_grace < 0:
+        raise EdgeSpecError("--shutdown-grace must not be negative")
+    if api_key is not None and not api_key.strip():
+        raise EdgeSpecError("--api-key must not be empty")
+    config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
+                          drafter=drafter)
+    sock = listen(host, port)  # a busy port fails before the (slow) load
+    try:
+        engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
+        run(engine, sock, name=bundle.resolve().name, api_key=api_key, max_queue=max_queue,
+            shutdown_grace=shutdown_grace)
+    finally:
+        sock.close()
+
+
+@app.command()
 def bench(
     bundle: Path,
     max_tokens: int = typer.Option(64, help="New tokens per prompt."),
@@ -465,6 +510,142 @@ def bench(
         console.print(f"[dim]wrote {output / 'bench.json'}[/dim]")
         console.print('plot skipped: matplotlib is not installed (pip install "edge-spec[bench]" or pip install '
                       "matplotlib)", markup=False, highlight=False)
+
+
+# -- train-head -----------------------------------------------------------------------------------
+
+
+def _collect_reporter(stack: contextlib.ExitStack):
+    """Per-item progress of feature collection: a rich bar on a terminal, one line per item otherwise
+    (logs of background runs)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if console.is_terminal:
+        bar = stack.enter_context(Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(),
+                                           TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                           TextColumn("ETA {task.fields[eta]}"), console=console))
+        task = bar.add_task("collect", total=None, info="", eta="?")
+
+        def report(r: dict) -> None:
+            bar.update(task, completed=r["done"], total=r["total"], eta=_clock(r["eta"]),
+                       info=f"{r['tokens']['train']} train / {r['tokens']['held_out']} held-out tokens, "
+                            f"{r['rate']:.0f} tok/s")
+        return report
+
+    def report(r: dict) -> None:
+        console.print(f"collect {r['done']}/{r['total']} {r['kind']} +{r['labelled']}: "
+                      f"{r['tokens']['train']} train / {r['tokens']['held_out']} held-out tokens, "
+                      f"{r['rate']:.1f} tok/s, elapsed {_clock(r['elapsed'])}, ETA {_clock(r['eta'])}",
+                      highlight=False, markup=False)
+    return report
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+@app.command("train-head")
+def train_head(
+    bundle: Path,
+    text: list[Path] = typer.Option(None, "--text", help="Directory of code / prose files to read (repeatable)."),
+    prompts: Optional[Path] = typer.Option(None, help="Prompt set (.jsonl, {category, prompt}); default: "
+                                           "models/train/prompts.jsonl."),
+    no_prompts: bool = typer.Option(False, "--no-prompts", help="Collect from --text only."),
+    max_items: Optional[int] = typer.Option(None, help="Collect at most this many items (prompts + text windows)."),
+    answer_tokens: int = typer.Option(256, help="Most tokens the target generates per prompt."),
+    held_out_every: int = typer.Option(10, help="Hold out every n-th prompt and every n-th text file."),
+    draft_vocab: int = typer.Option(16384, help="Draft vocabulary size K (most frequent target labels)."),
+    intermediate: int = typer.Option(4480, help="Head MLP width."),
+    epochs: float = typer.Option(2.0, help="Passes over the training data (when --steps is not given)."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps (one training sequence each)."),
+    ttt: int = typer.Option(2, help="Training-time-test steps unrolled (1 = off)."),
+    lr: float = typer.Option(5e-4, help="Peak learning rate (AdamW, warm-up then cosine)."),
+    hard_labels: bool = typer.Option(False, "--hard-labels", help="Cross-entropy on the greedy label instead of "
+                                     "the target's distribution over the draft vocabulary."),
+    seed: int = typer.Option(0, help="Seed of the head's initialisation and the data order."),
+    work: Optional[Path] = typer.Option(None, help="Working directory (default: models/eagle-work)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the training run checkpointed in WORK."),
+    collect_only: bool = typer.Option(False, "--collect-only", help="Collect features, do not train."),
+    train_only: bool = typer.Option(False, "--train-only", help="Train on the features already collected."),
+    collect_minutes: Optional[float] = typer.Option(None, help="Start no new collection item after this long."),
+    train_minutes: Optional[float] = typer.Option(None, help="Stop training after this long (checkpointed; "
+                                                  "--resume continues)."),
+    checkpoint_minutes: float = typer.Option(5.0, help="Minutes between training checkpoints."),
+    feature_layers: Optional[str] = typer.Option(None, help="Target layers whose outputs the head fuses "
+                                                 "(three, comma-separated; default SpecForge's (1, L/2-1, L-4))."),
+    threads: int = ThreadsOpt,
+    attach: bool = typer.Option(True, "--attach/--no-attach", help="Attach the trained head (int4) to BUNDLE."),
+) -> None:
+    """Train an EAGLE-3 drafter head for BUNDLE's target on this machine's CPU.
+
+    Collects the target's features over its own answers to a prompt set and over --text files
+    (resumable: WORK/progress.json, WORK/shards/), trains the head (resumable: WORK/train/,
+    --resume), writes it in SpecForge format to WORK/specforge/ and attaches it to the bundle."""
+    from edge_spec.export import head_data, head_training
+    from edge_spec.manifest import read_manifest
+    from edge_spec.paths import models_dir
+
+    if collect_only and train_only:
+        raise EdgeSpecError("--collect-only and --train-only exclude each other")
+    if no_prompts and prompts is not None:
+        raise EdgeSpecError("--no-prompts and --prompts exclude each other")
+    if threads < 0:
+        raise EdgeSpecError("--threads must be 0 (all cores) or positive")
+    for minutes, flag in ((collect_minutes, "--collect-minutes"), (train_minutes, "--train-minutes")):
+        if minutes is not None and minutes < 0:
+            raise EdgeSpecError(f"{flag} must not be negative")
+    read_manifest(bundle)  # a missing bundle is a one-line error before any work
+    layers = _int_list(feature_layers, "--feature-layers") if feature_layers else None
+    if layers is not None and len(layers) != 3:
+        raise EdgeSpecError("--feature-layers takes three layer indices")
+    work = work or models_dir() / "eagle-work"
+    checkpoint = work / "train" / head_training.CHECKPOINT
+    if not collect_only and not resume and checkpoint.is_file():
+        raise EdgeSpecError(f"{checkpoint} exists: pass --resume to continue that run, or delete "
+                            f"{checkpoint.parent} to train afresh")
+    work.mkdir(parents=True, exist_ok=True)
+    if not train_only:
+        options = head_data.CollectOptions(answer_tokens=answer_tokens, max_items=max_items, threads=threads,
+                                           held_out_every=held_out_every,
+                                           seed=seed, time_budget=None if collect_minutes is None
+                                           else collect_minutes * 60)
+        options.check()
+        with contextlib.ExitStack() as stack:
+            report = _collect_reporter(stack)
+            result = head_data.collect(bundle, work, prompts=False if no_prompts else prompts,
+                                       text_dirs=text or (), options=options, report=report, layers=layers)
+        totals = result["totals"]
+        console.print(f"collected {totals['items']} items: {totals['train']} training / {totals['held_out']} "
+                      f"held-out tokens in {_clock(result['seconds'])}"
+                      + (f"; {result['pending']} items not collected yet (run again to continue)"
+                         if result["pending"] else ""), highlight=False)
+    if collect_only:
+        return
+    train_options = head_training.TrainOptions(draft_vocab=draft_vocab, intermediate=intermediate, epochs=epochs,
+                                               steps=steps, ttt=ttt, lr=lr, soft=not hard_labels, seed=seed)
+    target = head_training.Target.from_work(bundle, work)
+    trainer = head_training.train(
+        work, target, train_options, resume=resume, threads=threads,
+        time_budget=None if train_minutes is None else train_minutes * 60,
+        checkpoint_seconds=checkpoint_minutes * 60,
+        log=lambda message: console.print(message, highlight=False, markup=False))
+    final = trainer.curve[-1] if trainer.curve else {}
+    if trainer.step < trainer.total_steps:
+        console.print(f"training stopped at step {trainer.step}/{trainer.total_steps}; "
+                      "run again with --train-only --resume to continue", highlight=False)
+    from edge_spec.export.eagle import save_specforge
+
+    specforge = save_specforge(work / "specforge", trainer.config, trainer.head)
+    console.print(f"wrote {specforge} (SpecForge format); held-out acceptance step 1 "
+                  f"{final.get('acceptance_1', 0):.1%}, step 2 {final.get('acceptance_2', 0):.1%}; "
+                  f"curve: {trainer.dir / head_training.CURVE}", highlight=False)
+    if attach:
+        from edge_spec.export.bundle import attach_eagle_head
+
+        with _progress_lines("attaching the EAGLE-3 head") as progress:
+            attach_eagle_head(bundle, trainer.config, trainer.head.eval(), source=str(specforge), progress=progress)
+        console.print(f"attached the EAGLE-3 head to {bundle}", highlight=False)
 
 
 def main() -> None:

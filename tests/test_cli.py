@@ -261,3 +261,23 @@ def test_flags_a_mode_cannot_honour_are_refused_not_ignored(int4_bundle):
                           "--lookup does not apply to --mode ssd")
     assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--drafts", "2", "--lookup"),
                           "--lookup does not apply to multi-draft spec")
+
+
+def test_streamed_answers_print_brackets_as_they_are(capsys):
+    """Model text is printed verbatim: code such as ``d[bold]`` or ``arr[i]`` is not console markup."""
+    from types import SimpleNamespace
+
+    from edge_spec import cli as cli_module
+
+    class Engine:
+        last_stats = SimpleNamespace(new_tokens=3, tokens_per_second=1.0, prefill_seconds=0.1, spec=None,
+                                     stop_reason="eos")
+
+        def generate(self, prompt, **kwargs):
+            yield from ["x = arr[i]", " + d[bold]", " [/]"]
+
+        def cancel(self):
+            pass
+
+    assert cli_module._stream(Engine(), "hi") == "x = arr[i] + d[bold] [/]"
+    assert capsys.readouterr().out == "x = arr[i] + d[bold] [/]\n"

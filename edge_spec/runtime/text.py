@@ -7,19 +7,37 @@ runtime does not pull in transformers or torch.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from edge_spec.errors import EdgeSpecError
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
+CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+FIM_MARKERS = frozenset({"<fim_prefix>", "<fim_suffix>", "<fim_middle>"})  # StarCoder's, not <|...|> shaped
 
 
 def _raise(message: str):
     raise EdgeSpecError(f"chat template: {message}")
+
+
+def register_control_tokens(backend: Tokenizer) -> list[str]:
+    """A bundle exported from GGUF has the model's control tokens (``<|fim_prefix|>``, ``<|file_sep|>``,
+    ...) in its vocabulary but not among the tokenizer's added tokens, so raw text naming them would be
+    split into ordinary tokens.  Make every ``<|name|>`` (or FIM marker) entry of the vocabulary that is not yet an added token one
+    (same id; read as one token in raw text and, as in Qwen's own tokenizer, not special: kept in decoded text,
+    so stop strings naming them can match).  Returns the tokens registered."""
+    added = {token.content for token in backend.get_added_tokens_decoder().values()}
+    vocab = backend.get_vocab(with_added_tokens=False)
+    missing = sorted((i, t) for t, i in vocab.items()
+                     if (CONTROL_TOKEN.fullmatch(t) or t in FIM_MARKERS) and t not in added)
+    if missing:
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for _, t in missing])
+    return [t for _, t in missing]
 
 
 class TextTokenizer:
@@ -28,6 +46,7 @@ class TextTokenizer:
     def __init__(self, bundle_dir: Path) -> None:
         bundle_dir = Path(bundle_dir)
         self.tokenizer = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
+        register_control_tokens(self.tokenizer)
         config = json.loads((bundle_dir / "tokenizer_config.json").read_text())
         self.eos_token_ids: set[int] = set(config.get("eos_token_ids") or [])
         self.bos_token = config.get("bos_token")

@@ -1,0 +1,7 @@
+"""OpenAI-compatible HTTP server for one loaded bundle (``edge-spec serve``).
+
+One module per job: ``schemas`` turns request bodies into typed records, ``fim`` knows the model's
+fill-in-the-middle tokens, ``queue`` runs every generation on one worker thread in arrival order,
+``openai_format`` builds the response bodies and stream chunks, ``app`` holds the routes, ``serve``
+runs them under uvicorn with graceful shutdown.  Starlette and uvicorn do all the HTTP.
+"""

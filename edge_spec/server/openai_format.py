@@ -1,0 +1,113 @@
+"""OpenAI response bodies and stream chunks (``chat.completion``, ``chat.completion.chunk``,
+``text_completion``), the ``usage`` record and the ``x_edge_spec`` statistics."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from edge_spec.runtime.engine import GenerationStats
+
+DONE = b"data: [DONE]\n\n"
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def sse(data: dict) -> bytes:
+    """One server-sent event line carrying ``data`` as JSON."""
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def finish_reason(stats: GenerationStats) -> str:
+    return FINISH_REASONS.get(stats.stop_reason, "stop")
+
+
+def usage(stats: GenerationStats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+
+
+def edge_spec_stats(stats: GenerationStats, queue_seconds: float) -> dict:
+    """What the engine did for one request: timings, and in the speculative modes drafted / accepted
+    tokens, acceptance rate and τ (tokens per target pass); those are None in ar mode."""
+    spec = stats.spec
+    speculative = spec is not None and spec.target_calls > 0
+    return {
+        "mode": stats.mode,
+        "prompt_tokens": stats.prompt_tokens,
+        "new_tokens": stats.new_tokens,
+        "stop_reason": stats.stop_reason,
+        "queue_seconds": round(queue_seconds, 4),
+        "prefill_seconds": round(stats.prefill_seconds, 4),
+        "decode_seconds": round(stats.decode_seconds, 4),
+        "tokens_per_second": round(stats.tokens_per_second, 2),
+        "drafted": round(spec.mean_gamma * spec.target_calls) if speculative else None,
+        "accepted": sum(spec.accepted_lengths) if speculative else None,
+        "acceptance_rate": round(spec.acceptance_rate, 4) if speculative else None,
+        "tau": round(spec.tau, 4) if speculative else None,
+        "target_calls": spec.target_calls if speculative else None,
+        "draft_steps": spec.draft_steps if speculative else None,
+    }
+
+
+@dataclass
+class ResponseFormat:
+    """Builds one response's bodies: ``kind`` "chat" (chat.completion) or "completion" (text_completion)."""
+
+    kind: str
+    model: str
+    include_usage: bool = False  # streams: every chunk has "usage": null, then one usage chunk
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+    def _head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def full(self, text: str, stats: GenerationStats, queue_seconds: float) -> dict:
+        """The non-streamed response (``usage`` always present)."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                      "logprobs": None, "finish_reason": finish_reason(stats)}
+            body = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(stats)}
+            body = self._head("text_completion")
+        return {**body, "choices": [choice], "usage": usage(stats),
+                "x_edge_spec": edge_spec_stats(stats, queue_seconds)}
+
+    def chunk(self, text: str, *, first: bool = False, stats: GenerationStats | None = None,
+              queue_seconds: float = 0.0) -> dict:
+        """A stream chunk carrying ``text``; the last one (``stats`` given) has the finish reason and
+        ``x_edge_spec``.  A chat stream's first chunk carries the assistant role."""
+        reason = finish_reason(stats) if stats is not None else None
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            body = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            body = self._head("text_completion")
+        body["choices"] = [choice]
+        if self.include_usage:
+            body["usage"] = None
+        if stats is not None:
+            body["x_edge_spec"] = edge_spec_stats(stats, queue_seconds)
+        return body
+
+    def usage_chunk(self, stats: GenerationStats) -> dict:
+        """``stream_options.include_usage``: the stream's last chunk, with no choices."""
+        body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        return {**body, "choices": [], "usage": usage(stats)}
+
+
+def model_list(name: str, created: int) -> dict:
+    return {"object": "list", "data": [model_card(name, created)]}
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "edge-spec"}
