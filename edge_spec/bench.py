@@ -56,7 +56,22 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
     path = Path(path) if path else DEFAULT_PROMPTS
     if not path.is_file():
         raise EdgeSpecError(f"bench prompt file not found: {path}")
-    prompts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise EdgeSpecError(f"{path} line {number}: invalid JSON ({exc})") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else None
+        if not (isinstance(item, dict) and isinstance(item.get("category"), str)
+                and (isinstance(prompt, str) and prompt.strip() or isinstance(prompt, list) and prompt)):
+            raise EdgeSpecError(f"{path} line {number}: expected an object with a 'category' string and a "
+                                "non-empty 'prompt' (text or chat messages)")
+        prompts.append(item)
+    if not prompts:
+        raise EdgeSpecError(f"bench prompt file {path} has no prompts")
     if categories:
         unknown = set(categories) - {p["category"] for p in prompts}
         if unknown:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import resource
 import signal
 import sys
@@ -179,10 +180,11 @@ def add_heads(
 
 @app.command()
 def info(bundle: Path) -> None:
-    """Show what a bundle holds."""
-    from edge_spec.manifest import read_manifest
+    """Show what a bundle holds (after checking its files as `generate` does)."""
+    from edge_spec.manifest import read_manifest, verify_files
 
     manifest = read_manifest(bundle)
+    verify_files(bundle, manifest)
     for role in ("target", "draft"):
         m = manifest[role]
         c = m["config"]
@@ -202,11 +204,49 @@ def _loop_config(mode: str, **settings):
     return loop_config(mode, **settings)
 
 
-def _check_threads(threads: int, draft_threads: int | None) -> None:
-    if threads < 0:
-        raise EdgeSpecError("--threads must be 0 (all cores) or more")
-    if draft_threads is not None and draft_threads < 0:
-        raise EdgeSpecError("--draft-threads must be 0 (all cores) or more")
+def _check_threads(threads: int, draft_threads: int | None = None) -> None:
+    """Thread counts from 0 (all cores) to 4 x this machine's cores: more only oversubscribes (a huge
+    count hangs ORT creating threads, one past int32 overflows it)."""
+    most = 4 * (os.cpu_count() or 1)
+    for value, flag in ((threads, "--threads"), (draft_threads, "--draft-threads")):
+        if value is not None and not 0 <= value <= most:
+            raise EdgeSpecError(f"{flag} must be 0 (all cores) to {most} (4 x the {most // 4} cores here), "
+                                f"not {value}")
+
+
+def _check_gamma(bundle: Path, config) -> None:
+    """Refuse, before the load, draft lengths whose target pass does not fit the bundle's context (the
+    cost measurement times passes of γ+1 tokens after at least one cached token)."""
+    from edge_spec.manifest import read_manifest
+
+    gamma = getattr(config, "gamma", 0)
+    if not gamma:
+        return
+    context = read_manifest(bundle)["context_length"]
+    if gamma + 3 > context:
+        raise EdgeSpecError(f"--gamma {gamma} does not fit the bundle's context of {context} tokens "
+                            f"(at most {max(context - 3, 0)})")
+
+
+def _read_prompt(prompt: str) -> str:
+    """The prompt argument, or standard input for ``-``: refuses empty and non-UTF-8 prompts."""
+    if prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise EdgeSpecError(f"the prompt read from standard input is not UTF-8 text (byte {exc.start})") from None
+        where = "read from standard input "
+    else:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the terminal's encoding could not decode (kept as surrogates)
+            raise EdgeSpecError("the prompt is not UTF-8 text (check the terminal's encoding, or pipe it "
+                                "in with -)") from None
+        where = ""
+    if not prompt.strip():
+        raise EdgeSpecError(f"the prompt {where}is empty")
+    return prompt
 
 
 def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: str | None,
@@ -214,6 +254,7 @@ def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: 
     from edge_spec.runtime.engine import Engine
 
     _check_threads(threads, draft_threads)
+    _check_gamma(bundle, config)
     with _loading_status():
         return Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
                                   draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
@@ -307,17 +348,19 @@ def generate(
     draft_provider: Optional[str] = DraftProviderOpt,
     exact: Optional[bool] = ExactOpt,
 ) -> None:
-    """Answer one prompt and exit."""
-    if prompt == "-":
-        prompt = sys.stdin.read()
-        if not prompt.strip():
-            raise EdgeSpecError("the prompt read from standard input is empty")
+    """Answer one prompt and exit (Ctrl-C stops it: exit status 130)."""
+    prompt = _read_prompt(prompt)
+    if any(not s for s in stop):
+        raise EdgeSpecError("--stop must not be empty")
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
+    if engine.last_stats.stop_reason == "cancelled":
+        console.print("[red]cancelled[/red]")
+        raise typer.Exit(130)
 
 
 @app.command()
@@ -475,6 +518,9 @@ def bench(
     for t in temperature:
         SamplingParams(temperature=t)  # raises on a bad value
     chain = loop_config("spec", gamma=gamma, schedule=schedule, lookup=False)  # the run's schedule
+    _check_gamma(bundle, chain)
+    if output.exists() and not output.is_dir():
+        raise EdgeSpecError(f"--output {output} is not a directory")
     items = load_bench_prompts(prompts, category or None, per_category)
     gammas = list(_int_list(sweep, "--sweep")) if sweep else None
     if gammas and min(gammas) < 1:
@@ -590,8 +636,7 @@ def train_head(
         raise EdgeSpecError("--collect-only and --train-only exclude each other")
     if no_prompts and prompts is not None:
         raise EdgeSpecError("--no-prompts and --prompts exclude each other")
-    if threads < 0:
-        raise EdgeSpecError("--threads must be 0 (all cores) or positive")
+    _check_threads(threads)
     for minutes, flag in ((collect_minutes, "--collect-minutes"), (train_minutes, "--train-minutes")):
         if minutes is not None and minutes < 0:
             raise EdgeSpecError(f"{flag} must not be negative")

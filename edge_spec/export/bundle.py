@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, save_model
 from edge_spec.export.sources import LoadedModel, check_same_tokenizer, check_source_exists, load_model
-from edge_spec.manifest import FORMAT, file_record, write_manifest
+from edge_spec.manifest import FORMAT, MANIFEST, file_record, verify_files, write_manifest
 
 
 @dataclass
@@ -51,6 +53,11 @@ class ExportOptions:
     def check(self) -> None:
         if self.quant not in ("int4", "int8", "fp32"):
             raise EdgeSpecError(f"--quant must be int4, int8 or fp32, not {self.quant!r}")
+        if self.quant != "fp32" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
+            raise EdgeSpecError(f"--block-size must be a power of two, 16 or more (MatMulNBits), "
+                                f"not {self.block_size}")
+        if self.context_length < 16:
+            raise EdgeSpecError(f"--context-length must be at least 16 tokens, not {self.context_length}")
         for mode in self.vocab_modes or ["?"]:
             if mode not in DRAFT_VOCAB_MODES:
                 raise EdgeSpecError(f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, "
@@ -246,6 +253,97 @@ def export_decoder(model: LoadedModel, bundle_dir: Path, role: str, options: Bui
     save_model(build_decoder(model.weights, options), out / f"{stem}.onnx")
 
 
+# -- where a bundle is written ---------------------------------------------------------------------
+
+
+def _is_bundle(path: Path) -> bool:
+    """Whether ``path`` holds an edge-spec bundle's manifest (a stray ``manifest.json`` of another tool
+    does not count)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT and "target" in manifest
+
+
+def check_output_dir(out_dir: str | Path) -> Path:
+    """The directory a bundle may be written to, resolved (``..``, ``.``, symlinks); refuses, before
+    any work, a path that is a file, the filesystem root, or a non-empty directory that is not an
+    edge-spec bundle (only a bundle is ever replaced, and only once its replacement is complete)."""
+    path = Path(out_dir).expanduser().resolve()
+    given = str(out_dir) if str(out_dir) == str(path) else f"{out_dir} ({path})"
+    if not path.name:
+        raise EdgeSpecError(f"cannot write a bundle to {path}: name a directory inside it")
+    if path.exists():
+        if not path.is_dir():
+            raise EdgeSpecError(f"output {given} is not a directory")
+        if any(path.iterdir()) and not _is_bundle(path):
+            raise EdgeSpecError(f"output directory {given} is not empty and not an edge-spec bundle; "
+                                "choose a new or empty directory (nothing was changed)")
+    elif path.parent.exists() and not path.parent.is_dir():
+        raise EdgeSpecError(f"output {given}: {path.parent} is not a directory")
+    return path
+
+
+def _staging_dir(final: Path) -> Path:
+    """A new hidden directory beside ``final`` (same filesystem, so it can be renamed into place)."""
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    except OSError as exc:
+        raise EdgeSpecError(f"cannot write beside {final}: {exc.strerror or exc}") from None
+
+
+def _install(staging: Path, final: Path) -> None:
+    """Put the complete bundle ``staging`` at ``final``: a missing or empty ``final`` receives it, an
+    existing bundle is swapped out by rename and deleted only once the new one is in place."""
+    check_output_dir(final)  # still nothing but a bundle (or empty) there
+    if final.is_dir() and not any(final.iterdir()):  # e.g. --out . in a new directory: keep that inode
+        for child in staging.iterdir():
+            child.rename(final / child.name)
+        staging.rmdir()
+        return
+    if not final.exists():
+        staging.rename(final)
+        return
+    old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
+    final.rename(old)
+    try:
+        staging.rename(final)
+    except BaseException:
+        old.rename(final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _staged_copy(bundle_dir: Path, manifest: dict) -> Path:
+    """A copy of ``bundle_dir`` beside it to change instead of the bundle itself: the files add-heads
+    only reads (both models, the EAGLE head) are hard links, everything it may rewrite a real copy."""
+    body = manifest["draft"]["onnx"]
+    shared = {f["path"] for role in ("target", "eagle") for f in manifest.get(role, {}).get("files", [])}
+    shared |= {body, body + ".data"}
+    staging = _staging_dir(bundle_dir)
+    try:
+        for source in sorted(bundle_dir.rglob("*")):
+            relative = source.relative_to(bundle_dir)
+            dest = staging / relative
+            if source.is_dir() and not source.is_symlink():
+                dest.mkdir(parents=True, exist_ok=True)
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if relative.as_posix() in shared:
+                try:
+                    os.link(source, dest)
+                    continue
+                except OSError:
+                    pass  # no hard links here: copy
+            shutil.copy2(source, dest, follow_symlinks=False)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging
+
+
 def export_bundle(
     target_source: str,
     draft_source: str,
@@ -259,15 +357,27 @@ def export_bundle(
 
     ``loader`` maps a source string to a :class:`LoadedModel` (tests pass
     in-memory models).  ``progress`` is called with one line per step.
+
+    ``out_dir`` is checked first (:func:`check_output_dir`); the bundle is built in a hidden
+    directory beside it, removed if the export fails, and put in place only once complete.
     """
-    out_dir = Path(out_dir)
+    out_dir = check_output_dir(out_dir)
     options.check()
     if loader is load_model:
         for source in (target_source, draft_source):
             check_source_exists(source)
-    staging = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = _staging_dir(out_dir)
+    try:
+        manifest = _export_into(staging, target_source, draft_source, options, progress, loader)
+        _install(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _export_into(staging: Path, target_source: str, draft_source: str, options: ExportOptions, progress,
+                 loader) -> dict:
     started = time.perf_counter()
     quant_info = {
         "weights": options.quant,
@@ -324,9 +434,6 @@ def export_bundle(
         "export_seconds": round(time.perf_counter() - started, 1),
     }
     write_manifest(staging, manifest)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
     return manifest
 
 
@@ -335,12 +442,15 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     """Add (or rebuild) drafter heads in an existing bundle without re-exporting either model.
 
     The drafter's float LM head is reloaded from ``draft_source`` (default: the source recorded in
-    the manifest); calibration text is reused from the bundle when it has some.
+    the manifest); calibration text is reused from the bundle when it has some.  The work happens in
+    a copy beside the bundle (hard links for the models) that replaces it only once complete, so an
+    interrupted run leaves the bundle as it was.
     """
     from edge_spec.manifest import read_manifest
 
-    bundle_dir = Path(bundle_dir)
+    bundle_dir = Path(bundle_dir).expanduser().resolve()
     manifest = read_manifest(bundle_dir)
+    verify_files(bundle_dir, manifest)
     options.check()
     record = manifest["draft"]
     source = draft_source or record["source"].removeprefix("registry:")
@@ -355,22 +465,28 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     options = dataclasses.replace(options, quant=quant["weights"], block_size=quant["block_size"],
                                   accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
-    heads, files, calibration = export_draft_heads(bundle_dir, draft.weights.lm_head, options, build,
-                                                   always_keep=always, progress=progress)
-    written = {f["path"] for f in files}
-    for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten
-        if name not in heads and any(head.get(k) in written for k in ("onnx", "universe", "vocab_ids")):
-            del record["heads"][name]
-            _say(progress, f"removed head {name}: files it uses were rebuilt for other heads")
-    record["heads"].update(heads)
-    if calibration:
-        record["calibration"] = calibration
-    record["files"] = [f for f in record["files"] if f["path"] not in written] + files
-    record["bytes"] = sum(f["bytes"] for f in record["files"])
-    default = default_head(heads, options)
-    if default != "full":
-        record["default_head"] = default
-    write_manifest(bundle_dir, manifest)
+    staging = _staged_copy(bundle_dir, manifest)
+    try:
+        heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
+                                                       always_keep=always, progress=progress)
+        written = {f["path"] for f in files}
+        for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten
+            if name not in heads and any(head.get(k) in written for k in ("onnx", "universe", "vocab_ids")):
+                del record["heads"][name]
+                _say(progress, f"removed head {name}: files it uses were rebuilt for other heads")
+        record["heads"].update(heads)
+        if calibration:
+            record["calibration"] = calibration
+        record["files"] = [f for f in record["files"] if f["path"] not in written] + files
+        record["bytes"] = sum(f["bytes"] for f in record["files"])
+        default = default_head(heads, options)
+        if default != "full":
+            record["default_head"] = default
+        write_manifest(staging, manifest)
+        _install(staging, bundle_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return manifest
 
 

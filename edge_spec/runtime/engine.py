@@ -35,6 +35,14 @@ from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, T
 from edge_spec.runtime.verify.sampling import SamplingParams, check_vocab_ids
 
 
+class EngineBusy(EdgeSpecError):
+    """``generate(..., wait=False)`` while another thread's generation is in progress."""
+
+
+class GenerationSuperseded(EdgeSpecError):
+    """A generator resumed after the same thread started a newer generation on the engine."""
+
+
 class PrefillCancelled(Exception):
     """Raised between prefill passes once :meth:`Engine.cancel` was called (caught by ``generate``)."""
 
@@ -63,7 +71,11 @@ class Completion:
 
 
 class Engine:
-    """A loaded bundle ready to generate.  Not thread-safe, except :meth:`cancel`."""
+    """A loaded bundle ready to generate.  One generation runs at a time: :meth:`generate` holds the
+    engine from its first chunk until the generator is exhausted or closed; a caller in another thread
+    waits for it (or, with ``wait=False``, gets :class:`EngineBusy`).  A new generation in the same
+    thread takes over, and the generator it replaced raises :class:`GenerationSuperseded`.
+    :meth:`cancel` may be called from any thread."""
 
     def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder, *,
                  provider: str = "cpu", threads: int = 0, config: LoopConfig | None = None,
@@ -84,6 +96,11 @@ class Engine:
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
         self.cost_profile: CostProfile | None = None
         self._cancel = threading.Event()
+        self._turn = threading.Condition()  # who holds the engine: one thread, possibly several times
+        self._owner: int | None = None
+        self._holds = 0
+        self._generation = 0  # the active generation; an older generator raises when resumed
+        self._tokens: Iterator[int] | None = None  # the active generation's token loop
         self.last_stats = GenerationStats()
         self.last_token_ids: list[int] = []
 
@@ -321,10 +338,57 @@ class Engine:
         mode: str | None = None,
         exact: bool | None = None,
         on_prefill: Callable[[float], None] | None = None,
+        wait: bool = True,
     ) -> Iterator[str]:
         """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
         ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
-        a prompt too long for one pass (see ``Decoder.prefill``); :meth:`cancel` also stops that."""
+        a prompt too long for one pass (see ``Decoder.prefill``); :meth:`cancel` also stops that.
+        ``stop`` is one stop string or several.  While another thread generates, the call waits for it
+        (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
+        self._acquire(wait)
+        try:
+            generation = self._take_over()
+            yield from self._generate(generation, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, seed=seed, stop=stop, mode=mode, exact=exact,
+                                      on_prefill=on_prefill)
+        finally:
+            self._release()
+
+    def _acquire(self, wait: bool) -> None:
+        me = threading.get_ident()
+        with self._turn:
+            if self._owner not in (None, me):
+                if not wait:
+                    raise EngineBusy("engine busy: another generation is in progress")
+                self._turn.wait_for(lambda: self._owner is None)
+            self._owner = me
+            self._holds += 1
+
+    def _release(self) -> None:
+        with self._turn:
+            self._holds -= 1
+            if self._holds == 0:
+                self._owner = None
+                self._turn.notify_all()
+
+    def _take_over(self) -> int:
+        """Start a new generation (the engine is held): the one it replaces in this thread stops here,
+        its token loop closed (an SSD loop's pending target pass finishes first)."""
+        if self._tokens is not None:
+            self._tokens.close()
+            self._tokens = None
+        self._generation += 1
+        return self._generation
+
+    def _check_active(self, generation: int) -> None:
+        if generation != self._generation:
+            raise GenerationSuperseded("this generation was superseded by a newer one on the same engine "
+                                       "(finish or close a generator before starting the next)")
+
+    def _generate(self, generation: int, prompt: str | list[Message], *, max_new_tokens: int, temperature: float,
+                  top_k: int, top_p: float, seed: int | None, stop: str | list[str] | tuple[str, ...],
+                  mode: str | None, exact: bool | None,
+                  on_prefill: Callable[[float], None] | None) -> Iterator[str]:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         config = self.config_for(mode)
         mode = config.mode
@@ -338,7 +402,7 @@ class Engine:
         self.last_token_ids = []
         self._cancel.clear()
         detok = StreamingDetokenizer(self.tokenizer)
-        stopper = StopMatcher(list(stop))
+        stopper = StopMatcher([stop] if isinstance(stop, str) else list(stop))
         eos = self.tokenizer.eos_token_ids
         started = time.perf_counter()
         first_token_at = None
@@ -347,6 +411,7 @@ class Engine:
         context = ProposerContext(self.target.vocab_size, drafters)
         tokens = generate_tokens(config, self.target, context, ids, params, np.random.default_rng(params.seed),
                                  max_new, spec_stats)
+        self._tokens = tokens
         watched = self._watch_prefill(mode, on_prefill)
         stats.stop_reason = "length"
         try:
@@ -362,6 +427,7 @@ class Engine:
                 text, stopped = stopper.feed(detok.push(token))
                 if text:
                     yield text
+                    self._check_active(generation)
                 if stopped:
                     stats.stop_reason = "stop"
                     break
@@ -376,8 +442,10 @@ class Engine:
         except PrefillCancelled:
             stats.stop_reason = "cancelled"
         finally:
-            for decoder in watched:
-                decoder.prefill_listener = None
+            if generation == self._generation:  # a superseded generation leaves the newer one's hooks alone
+                for decoder in watched:
+                    decoder.prefill_listener = None
+                self._tokens = None
             tokens.close()
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
@@ -402,7 +470,11 @@ class Engine:
             decoder.prefill_listener = listener
         return decoders
 
-    def complete(self, prompt: str | list[Message], **kwargs) -> Completion:
-        """Non-streaming :meth:`generate`."""
-        text = "".join(self.generate(prompt, **kwargs))
-        return Completion(text, list(self.last_token_ids), self.last_stats)
+    def complete(self, prompt: str | list[Message], *, wait: bool = True, **kwargs) -> Completion:
+        """Non-streaming :meth:`generate` (the engine is held until its statistics are read)."""
+        self._acquire(wait)
+        try:
+            text = "".join(self.generate(prompt, **kwargs))
+            return Completion(text, list(self.last_token_ids), self.last_stats)
+        finally:
+            self._release()
