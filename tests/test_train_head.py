@@ -280,11 +280,16 @@ def test_draft_vocabulary_maps(collected, bundle):
     assert counts[ids].sum() >= np.sort(counts)[::-1][:len(ids) - len(target.eos_ids)].sum()
 
 
-def test_training_beats_the_untrained_head(collected, bundle):
+@pytest.fixture(scope="module")
+def trained(collected, bundle):
     target = head_training.Target.from_work(bundle, collected)
     work = collected.parent / "train-fresh"
     shutil.copytree(collected, work, ignore=shutil.ignore_patterns("train"))
-    trainer = head_training.train(work, target, TRAIN, threads=1)
+    return work, head_training.train(work, target, TRAIN, threads=1)
+
+
+def test_training_beats_the_untrained_head(trained):
+    work, trainer = trained
     start, end = trainer.curve[0], trainer.curve[-1]
     assert start["step"] == 0 and end["step"] == TRAIN.steps
     assert end["loss"] < start["loss"] - 0.05
@@ -292,6 +297,29 @@ def test_training_beats_the_untrained_head(collected, bundle):
     assert end["acceptance_2"] > start["acceptance_2"]
     curve = json.loads((work / "train" / head_training.CURVE).read_text())
     assert curve["points"][-1]["acceptance_1"] == end["acceptance_1"] and curve["train_tokens"] > 0
+
+
+def test_a_trained_head_drafts_for_the_runtime_and_output_stays_the_targets(tmp_path, trained, bundle):
+    """The trained head, attached to the bundle, drafts through the chain loop: its drafts are accepted
+    (the accept path runs, not only rejections) and greedy output equals target-only decoding."""
+    from edge_spec.export.bundle import attach_eagle_head
+    from edge_spec.runtime.engine import Engine
+    from edge_spec.runtime.loops.config import loop_config
+
+    _, trainer = trained
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    attach_eagle_head(copy, trainer.config, trainer.head)
+    for gamma in (1, 3):
+        engine = Engine.from_bundle(copy, threads=1, config=loop_config("spec", drafter="eagle", gamma=gamma,
+                                                                        schedule="fixed", lookup=False))
+        accepted = 0
+        for prompt in PROMPTS[:6]:
+            got = engine.complete(prompt, max_new_tokens=24)
+            want = engine.complete(prompt, max_new_tokens=24, mode="ar", exact=True)
+            assert got.token_ids == want.token_ids, (gamma, prompt)
+            accepted += got.stats.spec.tally("eagle").accepted
+        assert accepted > 0, f"γ={gamma}: no draft of the trained head was accepted"
 
 
 def test_resumed_training_equals_uninterrupted(tmp_path, collected, bundle):
