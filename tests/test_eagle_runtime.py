@@ -95,3 +95,26 @@ def test_eagle_is_refused_where_it_cannot_draft(int4_bundle):
         loop_config("spec", drafter="medusa")
     with pytest.raises(EdgeSpecError, match="no EAGLE head"):
         Engine.from_bundle(int4_bundle, threads=1, config=loop_config("spec", drafter="eagle"))
+
+
+def test_a_saved_head_installs_into_another_export_of_the_same_target(eagle_bundle, engine, tmp_path, tiny_pair):
+    """How a trained head ships: saved from one bundle, installed into a fresh export of the same target
+    weights without torch, it drafts the same tokens; a bundle of other weights refuses it."""
+    from edge_spec.export.bundle import install_eagle_files, save_eagle_files
+    from tests import tiny_models
+
+    shipped = save_eagle_files(eagle_bundle, tmp_path / "shipped")
+    fresh = export_tiny(tmp_path / "fresh", tiny_pair, quant="int4")
+    install_eagle_files(fresh, shipped)
+    for name in ("head.onnx.data", "fc.onnx.data", "d2t.npy"):
+        assert (fresh / "eagle" / name).read_bytes() == (eagle_bundle / "eagle" / name).read_bytes()
+    other_engine = Engine.from_bundle(fresh, threads=1, config=engine.config, exact=True)
+    prompt = [{"role": "user", "content": PROMPTS[1]}]
+    got = other_engine.complete(prompt, max_new_tokens=16)
+    want = engine.complete(prompt, max_new_tokens=16)
+    assert got.token_ids == want.token_ids and got.stats.spec.accepted_lengths == want.stats.spec.accepted_lengths
+    other = (tiny_models.make_tokenizer(), tiny_models.make_qwen2(seed=7), tiny_pair[2])
+    stranger = export_tiny(tmp_path / "stranger", other, quant="int4")
+    with pytest.raises(EdgeSpecError, match="trained for other target weights"):
+        install_eagle_files(stranger, shipped)
+    assert not (stranger / "eagle").exists() and not (stranger / "eagle.partial").exists()

@@ -490,6 +490,9 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     return manifest
 
 
+EAGLE_FILES = ("head.onnx", "head.onnx.data", "fc.onnx", "fc.onnx.data", "d2t.npy", "t2d.npy")
+
+
 def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | None = None, *,
                       source: str | None = None, progress=None) -> dict:
     """Add (or replace) an EAGLE-3 head in an existing bundle, without re-exporting the target.
@@ -502,32 +505,106 @@ def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | No
     ``eagle.partial`` and renamed into place, and the target graph is restored if a later step
     fails, so a failure leaves the bundle as it was.
     """
-    import os
-
     from edge_spec.export import eagle
-    from edge_spec.export.weights import DecoderConfig
-    from edge_spec.manifest import MANIFEST, read_manifest
+    from edge_spec.manifest import read_manifest
 
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
-    target = manifest["target"]
-    config.check_target(DecoderConfig(**target["config"]))
-    quant = target["quantization"]
+    quant = manifest["target"]["quantization"]
     if options is None:
         options = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"],
                                manifest["context_length"])
+    _check_eagle_target(manifest, config)
+    staging = _eagle_staging(bundle_dir)
+    weights = eagle.eagle_head_weights(head)
+    _say(progress, f"building EAGLE-3 head ({options.quant}, {config.draft_vocab_size}-token draft vocabulary)")
+    try:
+        save_model(eagle.build_eagle_head(weights, options), staging / "head.onnx")
+        save_model(eagle.build_eagle_fc(weights.fc, options), staging / "fc.onnx")
+        np.save(staging / "d2t.npy", weights.d2t.astype(np.int64))
+        np.save(staging / "t2d.npy", weights.t2d.astype(bool))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    record = {"parameters": int(sum(p.numel() for p in head.parameters())),
+              "quantization": {"weights": options.quant, "block_size": options.block_size,
+                               "accuracy_level": options.accuracy_level}}
+    return _install_eagle(bundle_dir, manifest, staging, config, record, source, progress)
+
+
+def save_eagle_files(bundle_dir: Path, directory: Path) -> Path:
+    """Copy a bundle's built EAGLE head (its graphs, vocabulary maps and manifest record) into
+    ``directory``, from where :func:`install_eagle_files` attaches it to another bundle of the same
+    target without torch or training: how a trained head is shipped with the repository."""
+    from edge_spec.manifest import read_manifest
+
+    manifest = read_manifest(bundle_dir)
+    if not manifest.get("eagle"):
+        raise EdgeSpecError(f"{bundle_dir} has no EAGLE head")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in EAGLE_FILES:
+        shutil.copyfile(Path(bundle_dir) / "eagle" / name, directory / name)
+    record = {k: v for k, v in manifest["eagle"].items() if k in ("config", "parameters", "quantization", "source")}
+    record["target_sha256"] = sorted(f["sha256"] for f in manifest["target"]["files"] if f["path"].endswith(".data"))
+    (directory / "eagle.json").write_text(json.dumps(record, indent=2) + "\n")
+    return directory
+
+
+def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dict:
+    """Attach a head saved by :func:`save_eagle_files` (checked: its files are complete and it was
+    built for this bundle's target weights)."""
+    from edge_spec.export import eagle
+    from edge_spec.manifest import read_manifest
+
+    bundle_dir, directory = Path(bundle_dir), Path(directory)
+    missing = [name for name in EAGLE_FILES + ("eagle.json",) if not (directory / name).is_file()]
+    if missing:
+        raise EdgeSpecError(f"EAGLE head {directory} is incomplete: {', '.join(missing)} missing")
+    record = json.loads((directory / "eagle.json").read_text())
+    manifest = read_manifest(bundle_dir)
+    weights = sorted(f["sha256"] for f in manifest["target"]["files"] if f["path"].endswith(".data"))
+    if record.get("target_sha256") != weights:
+        raise EdgeSpecError(f"EAGLE head {directory} was trained for other target weights than {bundle_dir}'s")
+    config = eagle.Eagle3Config.from_hf_config(record["config"])
+    _check_eagle_target(manifest, config)
+    staging = _eagle_staging(bundle_dir)
+    try:
+        for name in EAGLE_FILES:
+            shutil.copyfile(directory / name, staging / name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _say(progress, f"attaching the EAGLE-3 head from {directory}")
+    return _install_eagle(bundle_dir, manifest, staging, config,
+                          {"parameters": record["parameters"], "quantization": record["quantization"]},
+                          record.get("source") or str(directory), progress)
+
+
+def _check_eagle_target(manifest: dict, config) -> None:
+    from edge_spec.export.weights import DecoderConfig
+
+    config.check_target(DecoderConfig(**manifest["target"]["config"]))
+
+
+def _eagle_staging(bundle_dir: Path) -> Path:
     staging = bundle_dir / "eagle.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    weights = eagle.eagle_head_weights(head)
-    _say(progress, f"building EAGLE-3 head ({options.quant}, {config.draft_vocab_size}-token draft vocabulary)")
-    save_model(eagle.build_eagle_head(weights, options), staging / "head.onnx")
-    save_model(eagle.build_eagle_fc(weights.fc, options), staging / "fc.onnx")
-    np.save(staging / "d2t.npy", weights.d2t.astype(np.int64))
-    np.save(staging / "t2d.npy", weights.t2d.astype(bool))
-    names = ["head.onnx", "head.onnx.data", "fc.onnx", "fc.onnx.data", "d2t.npy", "t2d.npy"]
-    files = [dict(file_record(staging, name), path=f"eagle/{name}") for name in names]
+    return staging
 
+
+def _install_eagle(bundle_dir: Path, manifest: dict, staging: Path, config, record: dict, source: str | None,
+                   progress) -> dict:
+    """Move a staged head into ``eagle/``, give the target its feature output, record both; on any
+    failure the bundle is left as it was."""
+    import os
+
+    from edge_spec.export import eagle
+    from edge_spec.manifest import MANIFEST
+
+    target = manifest["target"]
+    files = [dict(file_record(staging, name), path=f"eagle/{name}") for name in EAGLE_FILES]
     target_onnx = bundle_dir / target["onnx"]
     backup = target_onnx.read_bytes()
     old = bundle_dir / "eagle.old"
@@ -546,9 +623,7 @@ def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | No
             "config": config.to_hf_config(),
             "feature_layers": list(config.feature_layers),
             "draft_vocab_size": config.draft_vocab_size,
-            "parameters": int(sum(p.numel() for p in head.parameters())),
-            "quantization": {"weights": options.quant, "block_size": options.block_size,
-                             "accuracy_level": options.accuracy_level},
+            **record,
             "onnx": "eagle/head.onnx",
             "fc_onnx": "eagle/fc.onnx",
             "d2t": "eagle/d2t.npy",
