@@ -132,9 +132,12 @@ def export(
     train_steps: int = TrainStepsOpt,
     union_keep: int = UnionKeepOpt,
     scorer_vocab: str = ScorerVocabOpt,
+    eagle: Optional[str] = typer.Option(None, "--eagle", help="EAGLE-3 head to attach: a SpecForge checkpoint "
+                                        "(directory or hub id), a head saved from a bundle, or none (default: the "
+                                        "head the registry ships for this target, if any)."),
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
-    from edge_spec.export.bundle import export_bundle
+    from edge_spec.export.bundle import attach_eagle_source, export_bundle, shipped_eagle_head
     from edge_spec.paths import bundle_dir, default_pair
 
     default_target, default_draft = default_pair()
@@ -144,8 +147,11 @@ def export(
     options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
                             scorer_vocab, quant=quant, block_size=block_size, accuracy_level=accuracy_level,
                             context_length=context_length)
+    eagle = shipped_eagle_head(target) if eagle is None else (None if eagle == "none" else eagle)
     with _progress_lines("exporting") as progress:
         manifest = export_bundle(target, draft, out_dir, options, progress)
+        if eagle:
+            manifest = attach_eagle_source(out_dir, eagle, progress)
     mib = 1 << 20
     console.print(
         f"[green]bundle[/green] {out_dir}: target {manifest['target']['bytes'] / mib:.0f} MiB, "
@@ -157,7 +163,10 @@ def export(
 def add_heads(
     bundle: Path = typer.Argument(..., help="Bundle directory made by `edge-spec export`."),
     draft: Optional[str] = typer.Option(None, help="Drafter source (default: the one recorded in the bundle)."),
-    draft_vocab: str = typer.Option("specvocab", help="Heads to add: comma list of trim, specvocab, trim+specvocab."),
+    draft_vocab: Optional[str] = typer.Option(None, help="Heads to add: comma list of trim, specvocab, "
+                                              "trim+specvocab (default specvocab, none with --eagle alone)."),
+    eagle: Optional[str] = typer.Option(None, "--eagle", help="Also attach an EAGLE-3 head: a SpecForge checkpoint "
+                                        "(directory or hub id) or a head saved from a bundle."),
     keep: str = KeepOpt,
     calibration: Optional[Path] = CalibrationOpt,
     rank: str = RankOpt,
@@ -167,15 +176,20 @@ def add_heads(
     union_keep: int = UnionKeepOpt,
     scorer_vocab: str = ScorerVocabOpt,
 ) -> None:
-    """Add drafter heads (VocabTrim, SpecVocab) to an existing bundle without re-exporting the models."""
-    from edge_spec.export.bundle import add_draft_heads
+    """Add drafter heads (VocabTrim, SpecVocab, an EAGLE-3 head) to an existing bundle without re-exporting
+    the models."""
+    from edge_spec.export.bundle import add_draft_heads, attach_eagle_source
 
-    options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
-                            scorer_vocab)
     with _progress_lines("adding heads") as progress:
-        manifest = add_draft_heads(bundle, options, draft, progress)
+        if draft_vocab or not eagle:
+            options = _head_options(draft_vocab or "specvocab", keep, calibration, rank, candidates, scorer,
+                                    train_steps, union_keep, scorer_vocab)
+            manifest = add_draft_heads(bundle, options, draft, progress)
+        if eagle:
+            manifest = attach_eagle_source(bundle, eagle, progress)
     console.print(f"[green]heads[/green] {', '.join(manifest['draft']['heads'])}; "
-                  f"default {manifest['draft']['default_head']}")
+                  f"default {manifest['draft']['default_head']}"
+                  + (f"; EAGLE-3 head {manifest['eagle']['source']}" if manifest.get("eagle") else ""))
 
 
 @app.command()

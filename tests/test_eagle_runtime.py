@@ -118,3 +118,48 @@ def test_a_saved_head_installs_into_another_export_of_the_same_target(eagle_bund
     with pytest.raises(EdgeSpecError, match="trained for other target weights"):
         install_eagle_files(stranger, shipped)
     assert not (stranger / "eagle").exists() and not (stranger / "eagle.partial").exists()
+
+
+def test_add_heads_attaches_a_specforge_checkpoint_or_a_saved_head(eagle_bundle, tmp_path, tiny_pair):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from edge_spec.cli import app
+    from edge_spec.export.bundle import save_eagle_files
+    from edge_spec.export.eagle import save_specforge
+    from edge_spec.manifest import read_manifest
+
+    config = tiny_head_config(feature_layers=(0, 1, 1))
+    checkpoint = save_specforge(tmp_path / "specforge", config, random_head(seed=5, config=config))
+    plain = export_tiny(tmp_path / "plain", tiny_pair, quant="int4")
+    result = CliRunner().invoke(app, ["add-heads", str(plain), "--eagle", str(checkpoint)])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(plain)
+    assert manifest["eagle"]["source"] == str(checkpoint) and set(manifest["draft"]["heads"]) == {"full"}
+    shutil.rmtree(plain / "eagle")
+    saved = save_eagle_files(eagle_bundle, tmp_path / "saved")
+    result = CliRunner().invoke(app, ["add-heads", str(plain), "--eagle", str(saved)])
+    assert result.exit_code == 0, result.output
+    assert (plain / "eagle" / "head.onnx.data").read_bytes() == (eagle_bundle / "eagle" / "head.onnx.data").read_bytes()
+
+
+def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, tmp_path, monkeypatch):
+    import json
+
+    from edge_spec.export.bundle import save_eagle_files, shipped_eagle_head
+    from edge_spec.manifest import sha256_file
+    from edge_spec.paths import load_registry
+
+    saved = save_eagle_files(eagle_bundle, tmp_path / "saved")
+    registry = load_registry()
+    registry["models"]["tiny"] = {"eagle_head": {"dir": str(saved), "sha256": {
+        name: sha256_file(saved / name) for name in ("head.onnx.data", "eagle.json")}}}
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "registry.json").write_text(json.dumps(registry))
+    monkeypatch.setenv("EDGE_SPEC_MODELS", str(tmp_path / "models"))
+    assert shipped_eagle_head("tiny") == saved
+    assert shipped_eagle_head("qwen2.5-coder-0.5b-instruct") is None  # the registry ships none for it
+    (saved / "head.onnx.data").write_bytes(b"damaged")
+    with pytest.raises(EdgeSpecError, match="missing or damaged"):
+        shipped_eagle_head("tiny")

@@ -581,6 +581,39 @@ def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dic
                           record.get("source") or str(directory), progress)
 
 
+def attach_eagle_source(bundle_dir: Path, source: str, progress=None) -> dict:
+    """Attach the EAGLE head ``source`` names: a head saved by :func:`save_eagle_files` (it holds
+    ``eagle.json``), or a SpecForge / EAGLE-3 checkpoint directory or hub id, converted here."""
+    from edge_spec.export import eagle
+    from edge_spec.export.weights import DecoderConfig
+    from edge_spec.manifest import read_manifest
+
+    if (Path(source) / "eagle.json").is_file():
+        return install_eagle_files(bundle_dir, Path(source), progress)
+    _say(progress, f"loading EAGLE-3 checkpoint {source}")
+    target = DecoderConfig(**read_manifest(bundle_dir)["target"]["config"])
+    config, head = eagle.load_specforge(source, target)
+    return attach_eagle_head(bundle_dir, config, head, source=str(source), progress=progress)
+
+
+def shipped_eagle_head(target: str) -> Path | None:
+    """The head the registry ships for registry model ``target`` (None: none, or not a registry name),
+    its files checked against the registry's sha256."""
+    from edge_spec.manifest import sha256_file
+    from edge_spec.paths import REPO_ROOT, load_registry
+
+    entry = load_registry()["models"].get(target, {}).get("eagle_head")
+    if not entry:
+        return None
+    directory = REPO_ROOT / entry["dir"]
+    for name, digest in entry["sha256"].items():
+        path = directory / name
+        if not path.is_file() or sha256_file(path) != digest:
+            raise EdgeSpecError(f"the shipped EAGLE head {path} is missing or damaged (sha256 differs from "
+                                f"models/registry.json); restore it from the repository or pass --eagle none")
+    return directory
+
+
 def _check_eagle_target(manifest: dict, config) -> None:
     from edge_spec.export.weights import DecoderConfig
 
