@@ -137,3 +137,19 @@ def test_engine_refuses_negative_thread_counts(int4_bundle):
     for threads, draft_threads in ((-1, None), (1, -2)):
         with pytest.raises(EdgeSpecError, match="threads must be 0"):
             Engine.from_bundle(int4_bundle, threads=threads, draft_threads=draft_threads, mode="ssd")
+
+
+def test_speculation_near_the_end_of_the_context_stays_inside_it(int4_bundle):
+    """Drafts prepared for the next round must fit the context too: a prompt that leaves a few tokens of
+    room, forced speculation on every outcome, and the answer still runs to the context's end, equal to ar."""
+    engine = Engine.from_bundle(int4_bundle, threads=1, draft_threads=1,
+                                config=SsdConfig(gamma=4, speculations=200, fan_out=24))
+    capacity = engine.target.capacity
+    words = "def is_prime(n): return n > 1 and all(n % d for d in range(2, n))\n"
+    prompt = words * 40
+    while len(engine.prompt_ids(prompt, check_length=False)) > capacity - 12:
+        prompt = prompt[:-8]
+    ar = engine.complete(prompt, max_new_tokens=64, mode="ar", exact=True)
+    got = engine.complete(prompt, max_new_tokens=64)
+    assert got.token_ids == ar.token_ids
+    assert got.stats.spec.speculations_prepared > 0

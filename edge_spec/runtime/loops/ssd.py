@@ -111,8 +111,9 @@ def generate_ssd(target: Decoder, proposers: list[Proposer], prompt_ids: list[in
             pending: Future = worker.submit(target.forward, [request.pending] + block.tokens, len(block.tokens) + 1)
             cache = SpeculationCache()
             if block.tokens:
-                _prepare(drafter, request.committed, block, params, draft_seed, gamma, config, pending.done, cache,
-                         stats)
+                _prepare(drafter, request.committed, block, params, draft_seed, config, pending.done, cache, stats,
+                         room_after=lambda prefix: request.room(prefix, request.emitted + len(prefix)
+                                                                - len(request.committed)))
             outputs = pending.result()
             result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng)
             clock.verified()
@@ -133,11 +134,13 @@ def _rule(params: SamplingParams, draft_seed: int, prefix: list[int], gamma: int
 
 
 def _prepare(drafter: ModelDrafter, committed: list[int], block: DraftBlock, params: SamplingParams, draft_seed: int,
-             gamma: int, config: SsdConfig, verified: Callable[[], bool], cache: SpeculationCache,
-             stats: SpecStats) -> None:
+             config: SsdConfig, verified: Callable[[], bool], cache: SpeculationCache, stats: SpecStats, *,
+             room_after: Callable[[list[int]], int]) -> None:
     """Draft the next round for the most likely outcomes of ``block`` until ``verified()`` (speculations
-    -1) or for exactly ``config.speculations`` outcomes.  Its drafter steps and head time count in
-    ``stats`` like those of the critical path, so the head's cost per step stays one figure."""
+    -1) or for exactly ``config.speculations`` outcomes, each no longer than the next round may verify
+    (``room_after(prefix)``: the context and the token budget bound it as they bound this round).  Its
+    drafter steps and head time count in ``stats`` like those of the critical path, so the head's cost
+    per step stays one figure."""
     started = time.perf_counter()
     head_before = drafter.head_seconds
     budget, timed = config.speculations, config.speculations < 0
@@ -152,6 +155,7 @@ def _prepare(drafter: ModelDrafter, committed: list[int], block: DraftBlock, par
         if stop() or (not timed and prepared >= budget):
             break
         prefix = committed + block.tokens[:accepted] + [token]
+        gamma = min(config.gamma, room_after(prefix))
         spec = drafter.propose(prefix, gamma, _rule(params, draft_seed, prefix, gamma, config.fan_out, stop))
         stats.draft_steps += spec.steps
         if spec.complete:
