@@ -429,8 +429,13 @@ def chat(
             continue
         if dropped:
             console.print(f"[dim](dropped the {dropped} oldest messages to fit the context)[/dim]")
-        answer = _stream(engine, history, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, seed=seed)
+        try:  # any per-turn failure ends the turn; the conversation before it is kept
+            answer = _stream(engine, history, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed)
+        except EdgeSpecError as exc:
+            console.print(f"[red]error:[/red] {exc}", highlight=False)
+            history.pop()
+            continue
         history.append({"role": "assistant", "content": answer})
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     console.print(f"[dim]peak RSS {peak_mib:.0f} MiB[/dim]")

@@ -58,3 +58,26 @@ def test_chat_command_on_piped_input(int4_bundle):
     assert "history cleared" in result.stderr
     assert "shorten it" in result.stderr  # the over-long message ends its turn, and the chat goes on
     assert result.stderr.count(" tokens, ") == 2  # two answered turns, each with its stats line
+
+
+def test_a_turn_that_fails_mid_answer_ends_that_turn_not_the_chat(int4_bundle, monkeypatch):
+    from typer.testing import CliRunner
+
+    from edge_spec import cli as cli_module
+
+    real = cli_module._stream
+    seen = []
+
+    def failing_once(engine, messages, **kwargs):
+        seen.append([dict(m) for m in messages])
+        if len(seen) == 1:
+            raise EdgeSpecError("context full: 257 tokens exceed the context length 256")
+        return real(engine, messages, **kwargs)
+
+    monkeypatch.setattr(cli_module, "_stream", failing_once)
+    result = CliRunner().invoke(cli_module.app, ["chat", str(int4_bundle), "--threads", "1", "--max-tokens", "4"],
+                                input="first\nsecond\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert "context full" in result.output
+    # the failed turn left no trace: the second turn's prompt is the second message alone
+    assert [m["content"] for m in seen[1]] == ["second"]
