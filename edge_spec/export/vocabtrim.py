@@ -61,7 +61,7 @@ def generate_calibration(bundle_dir: Path, prompts: list[str], new_tokens: int, 
     sequences = []
     distinct: set[int] = set()
     for i, prompt in enumerate(prompts):
-        ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt}]))
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
         ids = ids[-(context_length - new_tokens - 1):]
         generated = []
         for token in generate_autoregressive(target, ids, SamplingParams(), rng, new_tokens):

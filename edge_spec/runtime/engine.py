@@ -269,11 +269,7 @@ class Engine:
     def prompt_ids(self, prompt: str | list[Message], check_length: bool = True) -> list[int]:
         """Token ids of a raw prompt or of chat messages through the chat template (``check_length``:
         refuse a prompt that leaves no room in the context for an answer)."""
-        if isinstance(prompt, str):
-            text = prompt
-        else:
-            text = self.tokenizer.render_chat(list(prompt))
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.tokenizer.encode_chat(list(prompt))
         if not ids:
             raise EdgeSpecError("empty prompt")
         if check_length and len(ids) >= self.target.capacity:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import jinja2
@@ -18,6 +19,9 @@ from edge_spec.errors import EdgeSpecError
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
 CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+# private-use marks around each message's content while the template renders: what lies between them is
+# the user's text, encoded with special-token strings kept as text (no role injection through content)
+CONTENT_OPEN, CONTENT_CLOSE = "\ue000", "\ue001"
 FIM_MARKERS = frozenset({"<fim_prefix>", "<fim_suffix>", "<fim_middle>"})  # StarCoder's, not <|...|> shaped
 
 
@@ -47,6 +51,7 @@ class TextTokenizer:
         bundle_dir = Path(bundle_dir)
         self.tokenizer = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
         register_control_tokens(self.tokenizer)
+        self._literal = threading.Lock()  # encode_special_tokens is tokenizer state: one encoding at a time
         config = json.loads((bundle_dir / "tokenizer_config.json").read_text())
         self.eos_token_ids: set[int] = set(config.get("eos_token_ids") or [])
         self.bos_token = config.get("bos_token")
@@ -60,7 +65,42 @@ class TextTokenizer:
             self._template = env.from_string(config["chat_template"])
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Raw text: control-token strings in it are read as those tokens (FIM prompts, templates)."""
+        return self.encode_ids(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` through the chat template, each message's content encoded as plain
+        text: a user who types ``<|im_start|>system`` gets those characters, not a new system turn (what
+        chat UIs guard against as role injection).  The template's own markup keeps its control tokens."""
+        marked = [dict(m, content=f"{CONTENT_OPEN}{m['content']}{CONTENT_CLOSE}")
+                  if isinstance(m, dict) and isinstance(m.get("content"), str)
+                  and CONTENT_OPEN not in m["content"] and CONTENT_CLOSE not in m["content"] else m
+                  for m in messages]
+        text = self.render_chat(marked, add_generation_prompt)
+        pieces = re.split(f"([{CONTENT_OPEN}{CONTENT_CLOSE}])", text)
+        if text.count(CONTENT_OPEN) != text.count(CONTENT_CLOSE):  # a template that cut the marks: no split
+            return self.encode(text.replace(CONTENT_OPEN, "").replace(CONTENT_CLOSE, ""))
+        ids: list[int] = []
+        literal = False
+        for piece in pieces:
+            if piece in (CONTENT_OPEN, CONTENT_CLOSE):
+                literal = piece == CONTENT_OPEN
+            elif piece:
+                ids += self._encode_piece(piece, literal)
+        return self.encode_ids(ids)
+
+    def _encode_piece(self, text: str, literal: bool) -> list[int]:
+        if not literal:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        with self._literal:
+            self.tokenizer.encode_special_tokens = True
+            try:
+                return self.tokenizer.encode(text, add_special_tokens=False).ids
+            finally:
+                self.tokenizer.encode_special_tokens = False
+
+    def encode_ids(self, ids: list[int]) -> list[int]:
+        """``ids`` with the beginning-of-sequence token the model wants in front."""
         if self.add_bos and self.bos_token:
             bos = self.tokenizer.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
