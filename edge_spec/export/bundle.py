@@ -22,7 +22,7 @@ from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, save_model
 from edge_spec.export.sources import LoadedModel, check_same_tokenizer, check_source_exists, load_model
-from edge_spec.manifest import FORMAT, MANIFEST, file_record, verify_files, write_manifest
+from edge_spec.manifest import FORMAT, MANIFEST, file_record, tokenizer_record, verify_files, write_manifest
 
 
 @dataclass
@@ -369,11 +369,40 @@ def export_bundle(
     staging = _staging_dir(out_dir)
     try:
         manifest = _export_into(staging, target_source, draft_source, options, progress, loader)
+        check_target_computes(staging, manifest, progress)
         _install(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+SANITY_PROMPT = "def fibonacci(n):\n    return"
+
+
+def check_target_computes(bundle_dir: Path, manifest: dict, progress=None) -> None:
+    """Refuse a bundle whose target computes nothing useful (a source whose tensor bytes are damaged
+    converts without complaint): one short prefill of a few tokens must give finite logits that are
+    not the same for every token."""
+    from edge_spec.runtime.model.decoder import Decoder
+    from edge_spec.runtime.text import TextTokenizer
+
+    _say(progress, "checking the exported target on a short prompt")
+    vocab = manifest["target"]["config"]["vocab_size"]
+    ids = [i for i in TextTokenizer(bundle_dir).encode(SANITY_PROMPT) if 0 <= i < vocab][:8] or list(range(min(4, vocab)))
+    capacity = min(manifest["context_length"], 64)
+    decoder = Decoder(bundle_dir / manifest["target"]["onnx"], threads=1, capacity=capacity, spin=False)
+    try:
+        logits = decoder.forward(ids[: capacity - 1], len(ids))["logits"]
+    finally:
+        del decoder
+    source = manifest["target"]["source"]
+    if not np.isfinite(logits).all():
+        raise EdgeSpecError(f"the exported target produced NaN/inf logits on a test prompt: the weights of "
+                            f"{source} are damaged (check or fetch the file again); no bundle was written")
+    if float(np.min(np.ptp(logits, axis=-1))) <= 1e-6:
+        raise EdgeSpecError(f"the exported target gives every token the same logit on a test prompt: the "
+                            f"weights of {source} are damaged or empty; no bundle was written")
 
 
 def _export_into(staging: Path, target_source: str, draft_source: str, options: ExportOptions, progress,
@@ -429,6 +458,7 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         "edge_spec_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "context_length": options.context_length,
+        "tokenizer": tokenizer_record(staging),
         "target": target_record,
         "draft": draft_record,
         "export_seconds": round(time.perf_counter() - started, 1),

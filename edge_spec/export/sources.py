@@ -57,6 +57,9 @@ def check_source_exists(source: str) -> None:
     looks_local = source.lower().endswith(".gguf") or source.startswith((".", "/", "~")) or "\\" in source
     if looks_local and not Path(source).expanduser().exists():
         raise EdgeSpecError(f"model source not found: {source}")
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        check_gguf(path)
 
 
 def _eos_ids(tokenizer, hf_config, generation_config) -> list[int]:
@@ -74,9 +77,41 @@ def _eos_ids(tokenizer, hf_config, generation_config) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
+def check_gguf(path: Path) -> None:
+    """Refuse, in one line, a file that is not a complete GGUF file (random bytes, empty, a header only,
+    cut short): the GGUF reader parses its header and tensor table, mapping the file without reading it."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise EdgeSpecError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if size == 0:
+        raise EdgeSpecError(f"{path}: not a valid GGUF file (it is empty)")
+    if magic != b"GGUF":
+        raise EdgeSpecError(f"{path}: not a valid GGUF file (no GGUF magic at the start)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        if not reader.tensors:
+            raise ValueError("it holds no tensors")
+        end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
+        if end > size:
+            raise ValueError(f"tensor data runs to byte {end} of a {size}-byte file")
+    except ImportError:
+        return
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors on bad input
+        why = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise EdgeSpecError(f"{path}: not a valid GGUF file, truncated or damaged ({why}); "
+                            "fetch or download it again") from None
+
+
 def load_model(source: str) -> LoadedModel:
     """Load ``source`` as float32 weights and a fast tokenizer (see module docstring)."""
     kind, location, gguf_file = _locate(source)
+    if kind == "gguf":
+        check_gguf(Path(location) / gguf_file)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -91,6 +126,12 @@ def load_model(source: str) -> LoadedModel:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = " (no network? use a local GGUF file or directory)" if kind == "hub" else ""
         raise EdgeSpecError(f"cannot load {source!r}: {first[:200]}{hint}") from exc
+    except (ValueError, IndexError, KeyError) as exc:
+        if kind != "gguf":
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EdgeSpecError(f"cannot load {source!r}: not a valid GGUF file for transformers ({first[:200]})") \
+            from exc
     try:
         generation_config = GenerationConfig.from_pretrained(location, **kwargs)
     except Exception:  # GGUF files and many directories carry none

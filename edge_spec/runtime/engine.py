@@ -32,7 +32,17 @@ from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
 from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.schedule.cost_profile import CostProfile
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
-from edge_spec.runtime.verify.sampling import SamplingParams, check_vocab_ids
+from edge_spec.runtime.verify.sampling import NonFiniteLogits, SamplingParams, check_vocab_ids
+
+
+def load_array(path: Path) -> np.ndarray:
+    """A bundle's ``.npy`` table; a damaged one is a one-line error naming it."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        why = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise EdgeSpecError(f"cannot read {path} ({why}): the bundle is damaged; "
+                            f"run edge-spec info {path.parent.parent} --verify") from None
 
 
 class EngineBusy(EdgeSpecError):
@@ -240,7 +250,7 @@ class Engine:
             where = dict(provider=self._draft_provider, threads=self._draft_threads)
             head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, spin=False, **where)
             fc = small_session(self.bundle_dir / entry["fc_onnx"], what="EAGLE feature projection", **where)
-            d2t = np.load(self.bundle_dir / entry["d2t"])
+            d2t = load_array(self.bundle_dir / entry["d2t"])
             ids = check_vocab_ids(np.arange(len(d2t)) + d2t, self.target.vocab_size)
             embedding = TargetEmbedding.from_onnx(self.bundle_dir / self.manifest["target"]["onnx"])
             self._eagle = EagleDrafter(head, fc, embedding.rows, ids, self.target.vocab_size)
@@ -250,17 +260,21 @@ class Engine:
         head = self.manifest["draft"]["heads"][name]
         where = dict(provider=self._draft_provider, threads=self._draft_threads)
         if head.get("kind") == "specvocab":
-            return SpecVocabHead(self.bundle_dir / head["onnx"], self.bundle_dir / head["rows"],
-                                 self.bundle_dir / head["scales"], head["candidates"],
-                                 always_ids=self._token_ids(head, "always_ids"),
-                                 universe=self._token_ids(head, "universe"), **where)
+            always, universe = self._token_ids(head, "always_ids"), self._token_ids(head, "universe")
+            try:
+                return SpecVocabHead(self.bundle_dir / head["onnx"], self.bundle_dir / head["rows"],
+                                     self.bundle_dir / head["scales"], head["candidates"],
+                                     always_ids=always, universe=universe, **where)
+            except (ValueError, OSError, EOFError, KeyError) as exc:  # its int8 rows or scales
+                raise EdgeSpecError(f"cannot read drafter head {name!r} ({str(exc)[:120] or type(exc).__name__}): "
+                                    f"the bundle is damaged; run edge-spec info {self.bundle_dir} --verify") from None
         return DraftHead(self.bundle_dir / head["onnx"], vocab_ids=self._token_ids(head, "vocab_ids"), **where)
 
     def _token_ids(self, head: dict, key: str) -> np.ndarray | None:
         """A head's id table (vocabulary map, always-kept ids, scorer universe), checked against the target."""
         if not head.get(key):
             return None
-        return check_vocab_ids(np.load(self.bundle_dir / head[key]), self.target.vocab_size)
+        return check_vocab_ids(load_array(self.bundle_dir / head[key]), self.target.vocab_size)
 
     def cancel(self) -> None:
         """Stop the generation in progress (safe to call from another thread)."""
@@ -437,6 +451,9 @@ class Engine:
                     yield text
         except PrefillCancelled:
             stats.stop_reason = "cancelled"
+        except NonFiniteLogits:  # met while sampling: a model of the bundle computes garbage
+            raise EdgeSpecError(f"the target or drafter produced NaN/inf logits: the bundle's weights are "
+                                f"damaged; run edge-spec info {self.bundle_dir} --verify") from None
         finally:
             if generation == self._generation:  # a superseded generation leaves the newer one's hooks alone
                 for decoder in watched:

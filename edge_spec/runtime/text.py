@@ -44,15 +44,50 @@ def register_control_tokens(backend: Tokenizer) -> list[str]:
     return [t for _, t in missing]
 
 
+def _damaged(path: Path, why: str) -> EdgeSpecError:
+    return EdgeSpecError(f"{path}: {why}; the bundle is damaged, export it again")
+
+
+def _load_tokenizer(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise _damaged(path, "missing")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises bare Exception subclasses on bad JSON or a bad model
+        why = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise _damaged(path, f"not a valid tokenizer ({why})") from None
+
+
+def _load_tokenizer_config(path: Path) -> dict:
+    if not path.is_file():
+        raise _damaged(path, "missing")
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except json.JSONDecodeError as exc:
+        raise _damaged(path, f"invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise _damaged(path, f"not JSON text ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise _damaged(path, f"not a JSON object (got {type(config).__name__})")
+    eos = config.get("eos_token_ids")
+    if eos is not None and not (isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                              for i in eos)):
+        raise _damaged(path, f"eos_token_ids must be a list of token ids, not {eos!r:.40}")
+    for key in ("chat_template", "bos_token", "eos_token"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise _damaged(path, f"{key} must be text, not {type(config[key]).__name__}")
+    return config
+
+
 class TextTokenizer:
     """Tokenizer + chat template loaded from a bundle directory."""
 
     def __init__(self, bundle_dir: Path) -> None:
         bundle_dir = Path(bundle_dir)
-        self.tokenizer = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
+        self.tokenizer = _load_tokenizer(bundle_dir / "tokenizer.json")
         register_control_tokens(self.tokenizer)
         self._literal = threading.Lock()  # encode_special_tokens is tokenizer state: one encoding at a time
-        config = json.loads((bundle_dir / "tokenizer_config.json").read_text())
+        config = _load_tokenizer_config(bundle_dir / "tokenizer_config.json")
         self.eos_token_ids: set[int] = set(config.get("eos_token_ids") or [])
         self.bos_token = config.get("bos_token")
         self.eos_token = config.get("eos_token")
@@ -62,7 +97,11 @@ class TextTokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-            self._template = env.from_string(config["chat_template"])
+            try:
+                self._template = env.from_string(config["chat_template"])
+            except jinja2.TemplateSyntaxError as exc:
+                raise EdgeSpecError(f"{bundle_dir / 'tokenizer_config.json'}: the chat template has a syntax "
+                                    f"error ({exc.message}, template line {exc.lineno})") from None
 
     def encode(self, text: str) -> list[int]:
         """Raw text: control-token strings in it are read as those tokens (FIM prompts, templates)."""

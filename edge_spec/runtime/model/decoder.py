@@ -52,6 +52,15 @@ PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives 
 ALL_ROW_OUTPUTS = frozenset({"features"})
 
 
+def damaged_weights_message(model_path: Path) -> str:
+    """What to say when a model of a bundle computes NaN/inf logits (weights damaged past the size check)."""
+    model_path = Path(model_path)
+    role = model_path.parent.name
+    what = f"the {role}" if role in ("target", "draft", "eagle") else str(model_path)
+    return (f"{what} produced NaN/inf logits: the bundle's weights are damaged; "
+            f"run edge-spec info {model_path.parent.parent} --verify")
+
+
 @dataclass
 class DecoderStats:
     """Time spent in ORT ``run`` calls, bucketed by number of new tokens (for cost models and reports)."""
@@ -112,6 +121,7 @@ class Decoder:
         ``kv_device`` overrides where the KV cache lives (default: the provider's device when ORT can
         allocate there, else host memory; see :mod:`kv_cache`)."""
         model_path = Path(model_path)
+        self.model_path = model_path
         if not model_path.is_file():
             raise EdgeSpecError(f"model file not found: {model_path}")
         opts = session_options or ort.SessionOptions()
@@ -277,6 +287,8 @@ class Decoder:
             if self.prefill_listener is not None:
                 self.prefill_listener(done, len(todo))
         result = self.forward(todo[done:], num_logits, prefill=True)
+        if "logits" in result and not np.isfinite(result["logits"]).all():  # one cheap look per prompt
+            raise EdgeSpecError(damaged_weights_message(self.model_path))
         for name, parts in every_row.items():  # rows of the positions computed now (a reused prefix has none)
             result[name] = np.concatenate(parts + [result[name]])
         if done and self.prefill_listener is not None:

@@ -18,4 +18,10 @@ def small_session(model_path: Path, provider: str, threads: int, what: str = "dr
     if threads:
         opts.intra_op_num_threads = threads
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(model_path), opts, providers=resolve_provider(provider))
+    providers = resolve_provider(provider)
+    try:
+        return ort.InferenceSession(str(model_path), opts, providers=providers)
+    except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf on a damaged graph
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EdgeSpecError(f"cannot load {what} {model_path}: {first[:300]}; the bundle is damaged: run "
+                            f"edge-spec info {Path(model_path).parent.parent} --verify") from exc

@@ -39,6 +39,10 @@ _SAMPLE_BLOCK = 1024
 _BELOW_ONE = float(np.nextafter(1.0, 0.0))
 
 
+class NonFiniteLogits(ValueError):
+    """Logits (or probabilities) with NaN/inf: a model computed garbage (damaged weights)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to turn logits into the distribution a token is drawn from.
@@ -119,7 +123,7 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     rows = x.reshape(-1, x.shape[-1])
     row_max = rows.max(axis=-1)
     if not np.all(np.isfinite(row_max)):
-        raise ValueError("every logits row needs a finite maximum (no NaN or +inf, not all -inf)")
+        raise NonFiniteLogits("every logits row needs a finite maximum (no NaN or +inf, not all -inf)")
 
     out = np.zeros(rows.shape, dtype=np.float64)
     if params.greedy:
@@ -261,7 +265,7 @@ def _inverse_cdf(p: np.ndarray, u: float, cdf: np.ndarray | None = None) -> int:
         cdf = p.cumsum(dtype=np.float64)
     total = float(cdf[-1])
     if not (total > 0.0 and math.isfinite(total)):
-        raise ValueError(f"probs must have finite positive mass, got total {total!r}")
+        raise NonFiniteLogits(f"probs must have finite positive mass, got total {total!r}")
     index = int(cdf.searchsorted(u * total, side="right"))
     if index >= p.size:
         # u * total rounded up to total: take the last token that has mass.
