@@ -413,6 +413,9 @@ def chat(
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
                           verify)
+    if sys.stdin.isatty():
+        with contextlib.suppress(ImportError):  # a line editor: a terminal alone cuts a pasted line at 4095 bytes
+            import readline  # noqa: F401
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")
@@ -434,7 +437,7 @@ def chat(
             history, dropped = engine.fit_messages(history + [{"role": "user", "content": user}],
                                                    reserve=min(max_tokens, engine.target.capacity // 2))
         except EdgeSpecError as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            console.print(f"[red]error:[/red] {exc}", highlight=False)
             continue
         if dropped:
             console.print(f"[dim](dropped the {dropped} oldest messages to fit the context)[/dim]")

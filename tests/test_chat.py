@@ -97,3 +97,51 @@ def test_message_content_cannot_open_a_new_turn(engine):
     raw = tokenizer.tokenizer
     assert raw.decode(safe, skip_special_tokens=False) == raw.decode(as_text, skip_special_tokens=False)  # same text
     assert engine.prompt_ids(injected) == safe
+
+
+@pytest.mark.slow
+def test_a_long_paste_on_a_terminal_reaches_the_model_whole(int4_bundle, engine):
+    """A terminal in line mode keeps at most 4095 bytes of a line; chat reads through a line editor, so a
+    longer paste arrives whole (here: too long for the tiny context, and the error counts all of it)."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    message = "the quick brown fox " * 350  # 7000 characters
+    needed = len(engine.prompt_ids([{"role": "user", "content": message}], check_length=False))
+    main, child = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "edge_spec.cli", "chat", str(int4_bundle), "--threads", "1"],
+                               stdin=child, stdout=child, stderr=child, close_fds=True)
+    os.close(child)
+    output = b""
+    deadline = time.monotonic() + 120
+
+    def read_until(marker: bytes) -> None:
+        nonlocal output
+        while marker not in output and time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 0.5)
+            if ready:
+                try:
+                    output += os.read(main, 65536)
+                except OSError:
+                    return
+
+    try:
+        read_until(b">>> ")
+        for start in range(0, len(message), 512):  # as a terminal delivers a paste: in pieces
+            os.write(main, message[start:start + 512].encode())
+            time.sleep(0.01)
+        os.write(main, b"\n")
+        read_until(b"tokens even with only the last message")
+        read_until(b">>> ")
+        os.write(main, b"/exit\n")
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(main)
+    text = output.decode(errors="replace")
+    assert f"the prompt needs {needed} tokens" in text, text[-2000:]

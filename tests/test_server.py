@@ -400,6 +400,11 @@ def fim_bundle(int4_bundle, tmp_path_factory):
     for name in ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"):
         vocab[name] = len(vocab)
     path.write_text(json.dumps(data))
+    from edge_spec.manifest import read_manifest, tokenizer_record, write_manifest
+
+    manifest = read_manifest(bundle)
+    manifest["tokenizer"] = tokenizer_record(bundle)  # the edited file is the bundle's tokenizer now
+    write_manifest(bundle, manifest)
     return bundle
 
 
