@@ -638,7 +638,8 @@ def train_head(
     draft_vocab: int = typer.Option(16384, help="Draft vocabulary size K (most frequent target labels)."),
     intermediate: int = typer.Option(4480, help="Head MLP width."),
     epochs: float = typer.Option(2.0, help="Passes over the training data (when --steps is not given)."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps (one training sequence each)."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps (one training sequence each); with --resume: "
+                                        "continue to this many steps, the schedule stretched (a warm restart)."),
     ttt: int = typer.Option(2, help="Training-time-test steps unrolled (1 = off)."),
     lr: float = typer.Option(5e-4, help="Peak learning rate (AdamW, warm-up then cosine)."),
     hard_labels: bool = typer.Option(False, "--hard-labels", help="Cross-entropy on the greedy label instead of "
@@ -705,7 +706,7 @@ def train_head(
                                                steps=steps, ttt=ttt, lr=lr, soft=not hard_labels, seed=seed)
     target = head_training.Target.from_work(bundle, work)
     trainer = head_training.train(
-        work, target, train_options, resume=resume, threads=threads,
+        work, target, train_options, resume=resume, threads=threads, extend_steps=steps if resume else None,
         time_budget=None if train_minutes is None else train_minutes * 60,
         checkpoint_seconds=checkpoint_minutes * 60,
         log=lambda message: console.print(message, highlight=False, markup=False))

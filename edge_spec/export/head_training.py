@@ -470,11 +470,15 @@ def checkpoint_options(work_dir) -> TrainOptions | None:
 
 def train(work_dir, target: Target, options: TrainOptions, *, resume: bool = False,
           time_budget: float | None = None, checkpoint_seconds: float = 300.0, threads: int = 0,
-          log: Callable[[str], None] | None = None, stop_after: int | None = None) -> Trainer:
+          log: Callable[[str], None] | None = None, stop_after: int | None = None,
+          extend_steps: int | None = None) -> Trainer:
     """Train (or continue) the head in ``work_dir/train``; returns the trainer at the end.
 
     ``time_budget``: seconds of training in this run (the final evaluation and checkpoint follow);
-    ``stop_after``: stop at this step (tests: simulate an interruption)."""
+    ``stop_after``: stop at this step (tests: simulate an interruption); ``extend_steps`` (with
+    ``resume``): continue to this many steps in all, the cosine schedule stretched to the new end
+    (a warm restart: the learning rate goes back up to where the longer schedule would be).  A plain
+    resume keeps the checkpoint's options and schedule, so it continues bit for bit."""
     if threads:
         torch.set_num_threads(threads)
     log = log or (lambda message: None)
@@ -490,6 +494,11 @@ def train(work_dir, target: Target, options: TrainOptions, *, resume: bool = Fal
     trainer = Trainer(work_dir, target, options, log)
     if resume and checkpoint.is_file():
         trainer.load()
+        if extend_steps is not None and extend_steps != trainer.total_steps:
+            if extend_steps < trainer.step:
+                raise EdgeSpecError(f"--steps {extend_steps} is below the {trainer.step} steps already trained")
+            log(f"extending the schedule from {trainer.total_steps} to {extend_steps} steps")
+            trainer.total_steps = extend_steps
         log(f"resumed at step {trainer.step}/{trainer.total_steps}")
     else:
         log(f"draft vocabulary {len(trainer.vocab_ids)} tokens; {trainer.data.train_tokens} training / "
