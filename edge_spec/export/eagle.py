@@ -232,7 +232,8 @@ class _Attention(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(torch.float32), emb.sin().to(torch.float32)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [B, heads, T, head_dim], rotary applied and kv heads repeated."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
@@ -241,9 +242,16 @@ class _Attention(nn.Module):
         cos, sin = self.rotary(position_ids)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         rep = cfg.num_attention_heads // cfg.num_key_value_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.num_attention_heads * cfg.head_dim))
+        return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj of attention output [B, heads, T, head_dim]."""
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.cfg.num_attention_heads * self.cfg.head_dim))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, position_ids)
+        return self.output(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 class _MLP(nn.Module):

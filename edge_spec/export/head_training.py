@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.eagle import Eagle3Config, Eagle3Head, _rotate_half
+from edge_spec.export.eagle import Eagle3Config, Eagle3Head
 
 CHECKPOINT = "checkpoint.pt"
 CURVE = "curve.json"
@@ -225,14 +225,8 @@ def _attend(attn, x: torch.Tensor, positions: torch.Tensor, cache: list) -> torc
     """The head's attention for one training-time-test step (see module docstring); ``cache``
     collects each step's keys / values (after rotary)."""
     cfg = attn.cfg
-    b, t, _ = x.shape
-    q = attn.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-    cos, sin = attn.rotary(positions)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    rep = cfg.num_attention_heads // cfg.num_key_value_heads
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    t = x.shape[1]
+    q, k, v = attn.project(x, positions)
     cache.append((k, v))
     if len(cache) == 1:
         out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -247,7 +241,7 @@ def _attend(attn, x: torch.Tensor, positions: torch.Tensor, cache: list) -> torc
         out = torch.matmul(weights[..., :t], v0)
         for j, (_, vj) in enumerate(cache[1:]):
             out = out + weights[..., t + j, None] * vj
-    return attn.o_proj(out.transpose(1, 2).reshape(b, t, cfg.num_attention_heads * cfg.head_dim))
+    return attn.output(out)
 
 
 def unrolled(head: Eagle3Head, features: torch.Tensor, embeds: torch.Tensor, steps: int):
