@@ -17,13 +17,13 @@ run; absolute times on a shared machine are noisy, ratios much less so).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.prompts import read_prompt_file
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
@@ -53,25 +53,7 @@ def with_lookup(config: ChainConfig, lookup: bool) -> ChainConfig:
 
 
 def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
-    path = Path(path) if path else DEFAULT_PROMPTS
-    if not path.is_file():
-        raise EdgeSpecError(f"bench prompt file not found: {path}")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as exc:
-            raise EdgeSpecError(f"{path} line {number}: invalid JSON ({exc})") from None
-        prompt = item.get("prompt") if isinstance(item, dict) else None
-        if not (isinstance(item, dict) and isinstance(item.get("category"), str)
-                and (isinstance(prompt, str) and prompt.strip() or isinstance(prompt, list) and prompt)):
-            raise EdgeSpecError(f"{path} line {number}: expected an object with a 'category' string and a "
-                                "non-empty 'prompt' (text or chat messages)")
-        prompts.append(item)
-    if not prompts:
-        raise EdgeSpecError(f"bench prompt file {path} has no prompts")
+    prompts = read_prompt_file(path or DEFAULT_PROMPTS, "bench prompt")
     if categories:
         unknown = set(categories) - {p["category"] for p in prompts}
         if unknown:

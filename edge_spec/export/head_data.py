@@ -44,6 +44,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.prompts import as_messages, read_prompt_file
 
 PROGRESS = "progress.json"
 SHARDS = "shards"
@@ -161,30 +162,9 @@ def prepare_target(bundle_dir, work_dir, layers=None) -> Path:
 
 
 def load_prompt_set(path) -> list[dict]:
-    """``{"category", "prompt"}`` per line; ``prompt`` a string or a list of chat messages."""
-    path = Path(path)
-    if not path.is_file():
-        raise EdgeSpecError(f"prompt file not found: {path}")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EdgeSpecError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
-        prompt = record.get("prompt") if isinstance(record, dict) else None
-        if isinstance(prompt, str):
-            messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                          for m in prompt):
-            messages = prompt
-        else:
-            raise EdgeSpecError(f"{path}:{number}: 'prompt' must be a string or a list of chat messages")
-        prompts.append({"category": str(record.get("category", "")), "messages": messages})
-    if not prompts:
-        raise EdgeSpecError(f"prompt file has no prompts: {path}")
-    return prompts
+    """The prompt set as ``{"category", "messages"}`` records (see :mod:`edge_spec.prompts`)."""
+    return [{"category": item["category"], "messages": as_messages(item["prompt"])}
+            for item in read_prompt_file(path)]
 
 
 def _read_text(path: Path) -> str | None:
