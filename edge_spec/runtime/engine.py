@@ -417,7 +417,7 @@ class Engine:
         started = time.perf_counter()
         first_token_at = None
         spec_stats = SpecStats()
-        drafters = {name: self.active_drafter(config)} if (name := self.drafter_name(config)) and mode != "ar" else {}
+        drafters = {} if mode == "ar" else {self.drafter_name(config): self.active_drafter(config)}
         context = ProposerContext(self.target.vocab_size, drafters)
         tokens = generate_tokens(config, self.target, context, ids, params, np.random.default_rng(params.seed),
                                  max_new, spec_stats)
