@@ -37,12 +37,12 @@ from tqdm import tqdm
 from edge_spec.bench import load_bench_prompts, pass_prices
 from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.propose.lookup import LOOKUP_MIN_N, NgramLookup
+from edge_spec.runtime.propose.ngrams import LOOKUP_MIN_N, NgramLookup
 from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
 from edge_spec.runtime.loops.config import ChainConfig
 from edge_spec.runtime.propose.model import softmax
 
-CHAIN = 4  # longest lookup chain recorded (run = how many of its tokens the target would accept)
+CHAIN = 16  # longest lookup chain recorded (run = how many of its tokens the target would accept)
 FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
           "guess_ok", "guess_match", "lookup_ok", "lookup_match", "lookup_run", "lookup_len", "target_entropy",
           "token")
@@ -81,7 +81,7 @@ def collect(args: argparse.Namespace) -> None:
             prefix = sequence[:len(ids) + j]
             guess, match = _match(ngrams, prefix, 1)
             look, look_match = _match(ngrams, prefix, LOOKUP_MIN_N)
-            chain = ngrams.propose(prefix, CHAIN, min_n=LOOKUP_MIN_N)
+            chain = ngrams.continuation(prefix, CHAIN, min_n=LOOKUP_MIN_N)
             agreed = next((k for k, (a, b) in enumerate(zip(chain, answer[j:])) if a != b), min(len(chain), len(answer) - j))
             values = (index, item["category"], j, proposal == answer[j], float(probs[best]), float(top2[1]),
                       float(top2[1] - top2[0]), guess == answer[j], match, look == answer[j], look_match,
@@ -96,7 +96,7 @@ def collect(args: argparse.Namespace) -> None:
 def _match(ngrams: NgramLookup, prefix: list[int], min_n: int) -> tuple[int, int]:
     """(proposed token or -1, length of the matched suffix or 0)."""
     for n in range(ngrams.max_n, min_n - 1, -1):
-        proposal = ngrams.propose(prefix, 1, min_n=n)
+        proposal = ngrams.continuation(prefix, 1, min_n=n)
         if proposal:
             return proposal[0], n
     return -1, 0

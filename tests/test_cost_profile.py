@@ -52,3 +52,42 @@ def test_profiled_latencies_follow_the_measured_ones():
     recent = stats.recent_seconds()
     assert recent[2] == pytest.approx(0.084)
     assert recent[3] == pytest.approx(0.082 * 1.5) and recent[1] == pytest.approx(0.050 * 1.5)
+
+
+def profile(**verify_ms) -> cost_profile.CostProfile:
+    return cost_profile.CostProfile({int(n[1:]): ms / 1e3 for n, ms in verify_ms.items()}, 0.020, 0.001, 1.0)
+
+
+def test_a_pass_costs_its_fastest_repeat_per_cache_length():
+    # two KV lengths x three repeats: one repeat slowed by load at each length
+    assert cost_profile._typical([0.050, 0.090, 0.051, 0.060, 0.061, 0.120]) == pytest.approx(0.055)
+
+
+def test_a_profile_taken_under_load_is_corrected_by_live_passes():
+    busy = profile(n1=128, n2=140, n3=170)
+    live = {1: 0.050, 2: 0.057}
+    assert not cost_profile.correct_from_live(busy, live, {1: 3, 2: 3})  # too few live passes to judge
+    assert cost_profile.correct_from_live(busy, live, {1: 20, 2: 20})
+    assert busy.verify[1] == pytest.approx(0.050) and busy.verify[2] == pytest.approx(0.057)
+    assert busy.verify[3] == pytest.approx(0.170 * (0.050 / 0.128 + 0.057 / 0.140) / 2)  # the median ratio
+    assert busy.corrections == 1
+
+
+def test_a_right_profile_is_left_alone():
+    right = profile(n1=50, n2=57, n3=82)
+    assert not cost_profile.correct_from_live(right, {1: 0.049, 2: 0.060}, {1: 20, 2: 20})
+    assert not cost_profile.correct_from_live(right, {1: 0.030, 2: 0.056}, {1: 20, 2: 20})  # one size only
+    assert right.verify == {1: 0.050, 2: 0.057, 3: 0.082}
+
+
+def test_a_corrected_profile_is_what_the_next_load_reads(int4_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
+    key = engine._profile_key
+    slow = {n: 10 * t for n, t in engine.cost_profile.verify.items()}  # as if profiled on a busy machine
+    cost_profile.save(key, cost_profile.CostProfile(slow, 0.01, 0.001, 1.0))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
+    assert engine.cost_profile.verify == pytest.approx(slow)
+    engine.complete("one two three one two three one two three", max_new_tokens=40, temperature=0)
+    reloaded = cost_profile.load(key)
+    assert reloaded.corrections == 1 and reloaded.verify[2] < slow[2] / 2

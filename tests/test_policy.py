@@ -1,128 +1,107 @@
-"""γ policy on synthetic cost models, and losslessness with adaptive γ."""
-
-from __future__ import annotations
+"""The round planner: whole-round plans against a measured, tiled row-cost curve."""
 
 import pytest
 
+from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
 from edge_spec.runtime.schedule.policy import (
     AdaptiveGamma,
-    ConfidenceAcceptance,
     CostModel,
     DraftRound,
     best_gamma,
+    chain_tokens,
     expected_tokens,
+    plan_round,
 )
 
-# roughly this machine: target 1 row 50 ms, +12 ms per extra row, drafter step 33 ms
 CPU = CostModel(draft=0.033, verify={1: 0.050, 2: 0.062, 4: 0.086})
+# two machines of the same kind (issue 16): the README machine and a more memory-bound one
+README_MACHINE = CostModel(draft=0.0174, verify={1: 0.048, 2: 0.056, 3: 0.082, 4: 0.100, 5: 0.121})
+MEMORY_BOUND = CostModel(draft=0.0194, verify={1: 0.064, 2: 0.070, 3: 0.085, 4: 0.097, 5: 0.109})
+# two-row tiles: the third row costs a whole pass over the weights, the fourth almost nothing
+TILED = CostModel(draft=0.003, verify={1: 0.048, 2: 0.056, 3: 0.082, 4: 0.086, 5: 0.112})
+
+
+def estimates(first: float = 0.6, **calibration) -> RequestAcceptance:
+    return RequestAcceptance(AcceptanceCalibration(**calibration), first=first)
 
 
 def test_expected_tokens_geometric():
     assert expected_tokens(0.0, 5) == 1
     assert expected_tokens(1.0, 3) == 4
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert chain_tokens(0.5, 1.0, 3) == pytest.approx(2.5)  # a first draft at 0.5, then certain ones
 
 
-def test_verify_cost_interpolates_and_extrapolates():
+def test_verify_cost_interpolates_and_extends_the_curve_s_last_slope():
     assert CPU.verify_cost(3) == pytest.approx(0.074)
-    assert CPU.verify_cost(6) == pytest.approx(0.086 * (1 + 0.25 * 5) / (1 + 0.25 * 3))
-    only_four = CostModel(draft=0.01, verify={4: 0.1})
-    assert only_four.verify_cost(1) == pytest.approx(0.1 / 1.75)
+    assert CPU.verify_cost(6) == pytest.approx(0.086 + 2 * 0.012)
+    assert CostModel(draft=0.01, verify={4: 0.1}).verify_cost(1) == pytest.approx(0.1)
 
 
-def test_low_acceptance_falls_back_to_autoregressive():
-    assert best_gamma(0.3, CPU, 6) == 0
+def test_plan_is_the_exact_argmax_of_tokens_per_second():
+    for alpha in [0.05, 0.3, 0.5, 0.7, 0.9, 0.99]:
+        for costs in (CPU, README_MACHINE, MEMORY_BOUND, TILED):
+            rates = [expected_tokens(alpha, g) / costs.round_cost(g) for g in range(5)]
+            plan = plan_round(alpha, alpha, costs, 4)
+            best = max(range(1, 5), key=lambda g: rates[g])
+            assert plan.gamma in (0, best)
+            assert plan.gamma == best or rates[0] > rates[best]
+            assert plan.rate == pytest.approx(rates[plan.gamma])
 
 
-def test_high_acceptance_with_cheap_drafter_drafts_long():
-    cheap = CostModel(draft=0.005, verify={1: 0.050, 2: 0.052, 8: 0.060})
-    assert best_gamma(0.95, cheap, 6) == 6
+def test_the_machine_decides_the_draft_length():
+    # the issue's numbers: on the README machine one draft is best even at α = 0.95; on the
+    # memory-bound one the cost model favours four (21.8 / 23.0 / 23.9 / 24.1 tok/s)
+    assert best_gamma(0.95, README_MACHINE, 4) == 1
+    assert best_gamma(0.95, MEMORY_BOUND, 4) == 4
+    assert best_gamma(0.05, CPU, 4) == 0  # nearly every draft rejected: plain decoding
 
 
-def test_choice_is_the_argmax_of_rate_with_a_margin_for_drafting():
-    for alpha in (0.5, 0.7, 0.85, 0.95):
-        g = best_gamma(alpha, CPU, 5)
-        rates = [expected_tokens(alpha, k) / CPU.round_cost(k) for k in range(6)]
-        best_drafting = max(rates[1:])
-        if g == 0:
-            assert rates[0] > 1.03 * best_drafting
-        else:  # the shortest drafting length within 3% of the best
-            assert rates[g] * 1.03 >= best_drafting and rates[g] * 1.03 >= rates[0]
-            assert all(rates[k] * 1.03 < best_drafting for k in range(1, g))
-        assert best_gamma(alpha, CPU, 5, prefer_drafting=0.0, prefer_shorter=0.0) == max(
-            range(6), key=lambda k: (rates[k], -k))
+def test_look_ahead_skips_the_expensive_third_row_to_reach_the_cheap_fourth():
+    rate = plan_round(0.9, 0.9, TILED, 3).rate
+    rule = DraftRound(TILED, gamma_max=3, rate=rate, estimates=estimates())
+    # a one-step rule sees +26 ms for a second draft and stops; the third draft costs only 4 ms more
+    assert rule.best_length(acceptance=0.9, following=0.9, allow_drop=True) == 3
+    myopic_gain = 0.9 * 0.9 - rate * (TILED.draft + TILED.verify_cost(3) - TILED.verify_cost(2))
+    assert myopic_gain < 0  # the negative control: looking one draft ahead would have stopped at one
 
 
-def test_near_break_even_the_shorter_round_wins():
-    """γ = 2 beats γ = 1 by under 1% here: noise in α must not buy the longer, riskier round."""
-    costs = CostModel(draft=0.018, verify={1: 0.062, 2: 0.076, 3: 0.096})
-    rates = [expected_tokens(0.9, g) / costs.round_cost(g) for g in (1, 2)]
-    assert 1.0 < rates[1] / rates[0] < 1.03
-    assert best_gamma(0.9, costs, 2, prefer_shorter=0.0) == 2
-    assert best_gamma(0.9, costs, 2) == 1
+def test_confident_drafts_extend_a_round_past_a_pessimistic_plan():
+    calibration = AcceptanceCalibration()
+    for _ in range(200):  # this pair: confident drafts are accepted and so are the ones after them
+        calibration.record([0.999, 0.999, 0.999], 3)
+    rule = DraftRound(MEMORY_BOUND, gamma_max=4, rate=plan_round(0.5, 0.5, MEMORY_BOUND, 4).rate,
+                      estimates=RequestAcceptance(calibration, first=0.5))
+    steps = [rule.add(0.999) for _ in range(4)]
+    assert [keep for keep, _ in steps] == [True] * 4 and [more for _, more in steps] == [True] * 3 + [False]
 
 
-def test_acceptance_estimate_tracks_rounds_and_probes():
-    policy = AdaptiveGamma(gamma_max=4, alpha=0.9)
-    for _ in range(20):
-        policy.update(drafted=3, accepted=0)  # every first draft rejected
-    assert policy.alpha < 0.05
-    choices = [policy.choose(CPU) for _ in range(4 + 8 + 16 + 32)]
-    probes = [i for i, g in enumerate(choices) if g == 1]
-    assert probes == [3, 11, 27, 59] and set(choices) == {0, 1}  # probes back off: 4, 8, 16, 32 rounds
-    for _ in range(20):
-        policy.update(drafted=3, accepted=3)
-    assert policy.alpha > 0.9
-
-
-def test_draft_round_drops_a_draft_that_does_not_pay_for_its_verify_row():
-    rule = DraftRound(CPU, gamma_max=4, next_acceptance=0.8)
-    assert rule.add(0.05) == (False, False)  # a near-certain reject is not worth 12 ms of verify
+def test_a_draft_that_does_not_pay_for_its_row_is_dropped_when_greedy_only():
+    rule = DraftRound(CPU, gamma_max=4, rate=plan_round(0.8, 0.8, CPU, 4).rate, estimates=estimates(0.8))
+    assert rule.add(0.01) == (False, False)  # prior acceptance ≈ its confidence: not worth 12 ms of verify
     assert rule.kept == 0
-
-
-def test_draft_round_keeps_sampled_drafts_whatever_their_confidence():
-    rule = DraftRound(CPU, gamma_max=4, next_acceptance=0.8)
-    keep, more = rule.add(0.05, may_drop=False)
+    rule = DraftRound(CPU, gamma_max=4, rate=plan_round(0.8, 0.8, CPU, 4).rate, estimates=estimates(0.8))
+    keep, more = rule.add(0.01, may_drop=False)  # sampling: a drawn draft is never dropped for its value
     assert keep and not more and rule.kept == 1
 
 
-def test_draft_round_drafts_on_while_acceptance_is_high_and_verify_rows_are_cheap():
+def test_cheap_rows_and_high_acceptance_draft_to_the_limit():
     cheap = CostModel(draft=0.005, verify={1: 0.050, 2: 0.052, 8: 0.060})
-    rule = DraftRound(cheap, gamma_max=6, next_acceptance=0.95)
-    steps = [rule.add(0.95) for _ in range(6)]
+    rule = DraftRound(cheap, gamma_max=6, rate=plan_round(0.95, 0.95, cheap, 6).rate, estimates=estimates(0.95))
+    steps = [rule.add(0.97) for _ in range(6)]
     assert all(keep for keep, _ in steps) and [more for _, more in steps] == [True] * 5 + [False]
-    assert rule.expected == pytest.approx(expected_tokens(0.95, 6))
 
 
-def test_draft_round_stops_when_the_next_row_costs_more_than_it_can_bring():
-    rule = DraftRound(CPU, gamma_max=4, next_acceptance=0.6)
-    keep, more = rule.add(0.9)
-    # kept: (1 + 0.9) / (33 + 62 ms) beats 1 / (33 + 50 ms); another: +0.54 tokens for 45 ms, below the rate
-    assert keep and not more
-
-
-def test_confidence_bins_learn_separate_acceptance_rates():
-    table = ConfidenceAcceptance()
-    assert table.estimate(0.99, prior=0.7) == pytest.approx(0.7)  # no data: the prior
-    for _ in range(20):
-        table.update(0.99, True)
-        table.update(0.2, False)
-    assert table.estimate(0.99, prior=0.5) > 0.95
-    assert table.estimate(0.2, prior=0.5) < 0.05
-    assert table.estimate(0.6, prior=0.5) == pytest.approx(0.5)  # an untouched bin keeps the prior
-
-
-def test_adaptive_policy_updates_confidence_bins_only_for_observed_drafts():
-    policy = AdaptiveGamma(gamma_max=4)
-    policy.update(drafted=4, accepted=1, confidences=[0.99, 0.2, 0.99, 0.99])
-    assert policy.by_confidence.counts[ConfidenceAcceptance.bin(0.99)] == 1  # 3rd/4th never verified
-    assert policy.by_confidence.counts[ConfidenceAcceptance.bin(0.2)] == 1
-
-
-def test_a_round_never_drafts_past_the_geometric_optimum():
-    policy = AdaptiveGamma(gamma_max=6, alpha=0.85)
-    rule = policy.begin_round(CPU)
-    assert rule is not None and rule.gamma_max == best_gamma(0.85, CPU, 6) < 6
-    policy.alpha = 0.1
-    assert policy.begin_round(CPU) is None  # plain decoding
+def test_probes_back_off_while_plain_decoding_wins_and_stop_when_drafts_are_accepted():
+    calibration = AcceptanceCalibration()
+    policy = AdaptiveGamma(gamma_max=4, estimates=RequestAcceptance(calibration, first=0.9))
+    for _ in range(30):
+        policy.update(drafted=3, accepted=0, confidences=[0.5, 0.5, 0.5])  # every first draft rejected
+    assert policy.estimates.first < 0.05
+    rounds = [policy.begin_round(CPU) for _ in range(4 + 8 + 16 + 32)]
+    probes = [i for i, r in enumerate(rounds) if r is not None]
+    assert probes == [3, 11, 27, 59]  # probes back off: 4, 8, 16, 32 rounds
+    assert all(rounds[i].forced and rounds[i].gamma_max == 1 for i in probes)
+    for _ in range(30):
+        policy.update(drafted=3, accepted=3, confidences=[0.9, 0.9, 0.9])
+    assert policy.begin_round(CPU) is not None and not policy.probing

@@ -31,6 +31,7 @@ from edge_spec.runtime.propose.eagle import EagleDrafter
 from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
 from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.schedule.cost_profile import CostProfile
+from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
 from edge_spec.runtime.verify.sampling import NonFiniteLogits, SamplingParams, check_vocab_ids
 
@@ -103,8 +104,10 @@ class Engine:
         self._draft_body: Decoder | None = None
         self._drafters: dict[str, ModelDrafter] = {}
         self._eagle: EagleDrafter | None = None
+        self._memories: dict[str, ScheduleMemory] = {}
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
         self.cost_profile: CostProfile | None = None
+        self._profile_key = ""
         self._cancel = threading.Event()
         self._turn = threading.Condition()  # who holds the engine: one thread, possibly several times
         self._owner: int | None = None
@@ -182,8 +185,15 @@ class Engine:
                 self.target.stats.seed(n, seconds)
         if drafter.step_estimate is None:
             drafter.step_estimate = profile.draft_step
-        self.cost_profile = profile
+        self.cost_profile, self._profile_key = profile, key
         return profile
+
+    def _correct_costs(self) -> None:
+        """After a request: a cached profile that live passes keep beating was measured under load;
+        store what the passes cost now (``cost_profile.correct_from_live``)."""
+        stats = self.target.stats
+        if self.cost_profile is not None and cost_profile.correct_from_live(self.cost_profile, stats.recent, stats.calls):
+            cost_profile.save(self._profile_key, self.cost_profile)
 
     @property
     def bytes_ratio(self) -> float:
@@ -202,11 +212,19 @@ class Engine:
     def active_drafter(self, config: LoopConfig | None = None) -> ChainDrafter:
         return self.eagle if self.drafter_name(config) == "eagle" else self.drafter
 
-    def _drafter_entry(self) -> dict:
-        """What the active drafter's costs depend on (its manifest record)."""
-        if self.drafter_name() == "eagle":
+    def _drafter_entry(self, config: LoopConfig | None = None) -> dict:
+        """What the active drafter's costs and acceptance depend on (its manifest record)."""
+        if self.drafter_name(config) == "eagle":
             return self.manifest["eagle"]
         return {"head": self.manifest["draft"]["heads"][self.draft_head], "body": self.manifest["draft"]["config"]}
+
+    def schedule_memory(self, config: LoopConfig | None = None) -> ScheduleMemory:
+        """The schedule's acceptance calibration for this drafter and target, carried across requests
+        and kept beside the cost profiles (``schedule.memory``)."""
+        key = cost_profile.pair_key(self.manifest, self._drafter_entry(config))
+        if key not in self._memories:
+            self._memories[key] = ScheduleMemory(cost_profile.cache_dir() / f"acceptance-{key}.json")
+        return self._memories[key]
 
     def _check_head(self, name: str) -> str:
         heads = self.manifest["draft"]["heads"]
@@ -419,8 +437,9 @@ class Engine:
         spec_stats = SpecStats()
         drafters = {} if mode == "ar" else {self.drafter_name(config): self.active_drafter(config)}
         context = ProposerContext(self.target.vocab_size, drafters)
+        memory = None if mode == "ar" else self.schedule_memory(config)
         tokens = generate_tokens(config, self.target, context, ids, params, np.random.default_rng(params.seed),
-                                 max_new, spec_stats)
+                                 max_new, spec_stats, memory)
         self._tokens = tokens
         watched = self._watch_prefill(mode, on_prefill)
         stats.stop_reason = "length"
@@ -462,8 +481,10 @@ class Engine:
             tokens.close()
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
-            if mode != "ar":
+            if memory is not None:
                 stats.spec = spec_stats.summary(self.param_ratio, self.bytes_ratio)
+                memory.save()
+                self._correct_costs()
 
     def _watch_prefill(self, mode: str, on_prefill: Callable[[float], None] | None) -> list[Decoder]:
         """Listen to the prefill passes of the decoders this mode uses: stop between passes once

@@ -15,6 +15,7 @@ from edge_spec.runtime.loops.tree import generate_tree
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose import build_proposers
 from edge_spec.runtime.propose.context import ProposerContext
+from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.verify.sampling import SamplingParams
 
 SPECULATIVE_LOOPS = {ChainConfig: generate_chain, TreeConfig: generate_tree, SsdConfig: generate_ssd}
@@ -27,9 +28,12 @@ def proposer_names(config: LoopConfig) -> tuple[str, ...]:
 
 def generate_tokens(config: LoopConfig, target: Decoder, context: ProposerContext, prompt_ids: list[int],
                     params: SamplingParams, rng: np.random.Generator, max_new_tokens: int,
-                    stats: SpecStats | None = None) -> Iterator[int]:
-    """The token stream of one request in the loop ``config`` names."""
+                    stats: SpecStats | None = None, memory: ScheduleMemory | None = None) -> Iterator[int]:
+    """The token stream of one request in the loop ``config`` names (``memory``: the chain schedule's
+    carried calibration, see ``schedule.memory``)."""
     if isinstance(config, ArConfig):
         return generate_autoregressive(target, prompt_ids, params, rng, max_new_tokens)
     proposers = build_proposers(proposer_names(config), context)
+    if isinstance(config, ChainConfig):
+        return generate_chain(target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats, memory)
     return SPECULATIVE_LOOPS[type(config)](target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats)

@@ -26,6 +26,7 @@ from edge_spec.runtime.loops.request import Request
 from edge_spec.runtime.loops.stats import SpecStats
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import Proposer
+from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.schedule.planner import DraftPlanner
 from edge_spec.runtime.verify.chain import verify_chain
 from edge_spec.runtime.verify.sampling import SamplingParams
@@ -33,10 +34,12 @@ from edge_spec.runtime.verify.sampling import SamplingParams
 
 def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
                    rng: np.random.Generator, max_new_tokens: int, config: ChainConfig = ChainConfig(),
-                   stats: SpecStats | None = None) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
+                   stats: SpecStats | None = None, memory: ScheduleMemory | None = None) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them.
+    ``memory``: what the schedule learned in earlier requests with this drafter (updated in place)."""
     request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
-    planner = DraftPlanner(proposers, target, config.gamma, config.adaptive, config.min_confidence)
+    calibration = memory.calibration(params.greedy) if memory else None
+    planner = DraftPlanner(proposers, target, config.gamma, config.adaptive, config.min_confidence, calibration)
     yield from request.start()
     while not request.done:
         # 1. draft: the planner picks who drafts and how many

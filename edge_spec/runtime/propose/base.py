@@ -34,9 +34,7 @@ class StopRule(Protocol):
     """The schedule's rule inside a round (``schedule.policy.DraftRound``): after each draft, keep
     it or not and draft another or not, from the drafter's confidence in it."""
 
-    def acceptance(self, confidence: float) -> float: ...
-
-    def add(self, acceptance: float, may_drop: bool = True) -> tuple[bool, bool]: ...
+    def add(self, confidence: float, may_drop: bool = True) -> tuple[bool, bool]: ...
 
 
 @dataclass

@@ -67,7 +67,7 @@ class ChainDrafter:
                 confidence = float(probs[index])
             keep, more = True, confidence >= rule.min_confidence
             if rule.stop is not None:
-                keep, more = rule.stop.add(rule.stop.acceptance(confidence), may_drop=params.greedy)
+                keep, more = rule.stop.add(confidence, may_drop=params.greedy)
             if fed == 1:  # catch-up steps that feed several rows say little about one step's cost
                 self._time_step(block, time.perf_counter() - started)
             if not keep:  # not worth a verify row: the cache entry is cut after verification

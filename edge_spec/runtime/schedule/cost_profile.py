@@ -7,8 +7,11 @@ once per bundle + drafter head + provider + thread count + ONNX Runtime version
 + CPU, a target pass over 1..γ_max+1 new tokens and a drafter step (body and
 head separately), at a short and a longer KV length, and cache the result as
 JSON in the user cache directory (``$EDGE_SPEC_CACHE`` or
-``~/.cache/edge-spec/costs``).  The loop keeps refining these numbers with
-moving averages of what it measures live.
+``~/.cache/edge-spec/costs``).  Each latency is the fastest of several
+repeats: other load only ever slows a pass down, so the minimum is the
+machine's cost.  The loop keeps refining these numbers with moving averages of
+what it measures live, and a profile that live passes keep beating (it was
+taken while the machine was busy) is corrected on disk (:func:`correct_from_live`).
 
 The analytic memory-bound side (bytes of weights each step reads) is computed
 too, so that MBSU can be reported beside measured speed.
@@ -27,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 KV_LENGTHS = (48, 256)  # the profile reports the median over these cache lengths
 
 
@@ -38,6 +41,7 @@ class CostProfile:
     draft_head: float  # drafter head on one hidden state (s)
     measured_seconds: float  # how long profiling took
     cached: bool = False
+    corrections: int = 0  # times live passes replaced latencies measured under load
 
     @property
     def draft_step(self) -> float:
@@ -61,6 +65,12 @@ def cache_key(manifest: dict, drafter: dict, provider: str, threads: int | str, 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def pair_key(manifest: dict, drafter: dict) -> str:
+    """The drafter/target pair alone (what acceptance depends on, unlike latencies)."""
+    target_files = sorted(f["sha256"] for f in manifest["target"]["files"])
+    return hashlib.sha256(json.dumps([target_files, drafter], sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -71,7 +81,7 @@ def _cpu_model() -> str:
     return ""
 
 
-def measure(target, drafter, max_tokens: int, repeats: int = 2) -> CostProfile:
+def measure(target, drafter, max_tokens: int, repeats: int = 3) -> CostProfile:
     """Time target passes over 1..max_tokens new tokens and drafter body/head steps on throwaway
     tokens at each KV length in ``KV_LENGTHS`` (both caches are reset afterwards)."""
     started = time.perf_counter()
@@ -95,8 +105,15 @@ def measure(target, drafter, max_tokens: int, repeats: int = 2) -> CostProfile:
                 head.append(head_seconds)
     target.reset()
     drafter.profile_fill(0)
-    return CostProfile({n: float(np.median(t)) for n, t in verify.items()}, float(np.median(body)),
-                       float(np.median(head)), time.perf_counter() - started)
+    return CostProfile({n: _typical(t) for n, t in verify.items()}, _typical(body), _typical(head),
+                       time.perf_counter() - started)
+
+
+def _typical(seconds: list[float]) -> float:
+    """The cost of a pass as the planner should see it: the fastest repeat per KV length (load only
+    adds time), then the median over lengths (the cache grows during a request)."""
+    per_length = np.array_split(np.asarray(seconds), len(KV_LENGTHS))
+    return float(np.median([chunk.min() for chunk in per_length]))
 
 
 def _timed(fn) -> float:
@@ -107,20 +124,59 @@ def _timed(fn) -> float:
 
 def load_or_measure(key: str, target, drafter, max_tokens: int) -> CostProfile:
     path = cache_dir() / f"{key}.json"
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            data["verify"] = {int(n): t for n, t in data["verify"].items()}
-            return CostProfile(**{**data, "cached": True})
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged cache entry is measured again
+    cached = load(key)
+    if cached is not None:
+        return cached
     profile = measure(target, drafter, max_tokens)
+    save(key, profile)
+    return profile
+
+
+def load(key: str) -> CostProfile | None:
+    """The cached profile, or None (none yet, or damaged: it is measured again)."""
+    path = cache_dir() / f"{key}.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        data["verify"] = {int(n): t for n, t in data["verify"].items()}
+        return CostProfile(**{**data, "cached": True})
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def save(key: str, profile: CostProfile) -> None:
+    """Write atomically; a read-only cache directory means profiling at every load."""
+    path = cache_dir() / f"{key}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(profile), indent=1))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**asdict(profile), "cached": False}, indent=1))
+        tmp.replace(path)
     except OSError:
-        pass  # read-only home: profile every load
-    return profile
+        pass
+
+
+UNDER_LOAD = 0.85  # live passes this much cheaper than the profile, at every measured size: re-time
+
+
+def correct_from_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int],
+                      min_calls: int = 8) -> bool:
+    """Replace a profile taken while the machine was busy with what live passes cost.
+
+    Only when every size measured live (``min_calls`` passes or more) is consistently cheaper than
+    the profile: a profile slower than live at one size and right at another is noise, not load.
+    Sizes not measured live, and the drafter, are scaled by the median ratio.  Returns
+    whether the profile changed (the caller saves it)."""
+    ratios = {n: live[n] / profile.verify[n] for n in profile.verify
+              if n in live and calls.get(n, 0) >= min_calls and profile.verify[n] > 0}
+    if not ratios or max(ratios.values()) >= UNDER_LOAD:
+        return False
+    scale = float(np.median(list(ratios.values())))
+    profile.verify = {n: ratios[n] * t if n in ratios else scale * t for n, t in profile.verify.items()}
+    profile.draft_body *= scale  # the load that slowed the target slowed the drafter alike
+    profile.corrections += 1
+    return True
 
 
 def weight_bytes(bundle_dir: Path, manifest: dict, head: str) -> tuple[int, int]:

@@ -13,6 +13,7 @@ import numpy as np
 
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
+from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
 from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.verify.chain import VerifyResult
@@ -23,13 +24,16 @@ class DraftPlanner:
     """Per request; see the module docstring."""
 
     def __init__(self, proposers: list[Proposer], target: Decoder, gamma: int, adaptive: bool,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, calibration: AcceptanceCalibration | None = None) -> None:
+        """``calibration``: the drafter's acceptance calibration carried across requests
+        (``schedule.memory``) for this request's sampling regime; None starts a fresh one."""
         self.target = target
         self.gamma, self.adaptive, self.min_confidence = gamma, adaptive, min_confidence
         self.model = next((p for p in proposers if p.kind == "model"), None)
         self.sequences = [(p, LookupChoice()) for p in proposers if p.kind == "sequence"]
         self.fillers = [p for p in proposers if p.kind == "filler"]
-        self.policy = AdaptiveGamma(gamma) if adaptive else None
+        estimates = RequestAcceptance(calibration or AcceptanceCalibration())
+        self.policy = AdaptiveGamma(gamma, estimates) if adaptive else None
 
     def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> DraftBlock:
         rule = DraftRule(params, rng, self.gamma, self.min_confidence)

@@ -1,33 +1,31 @@
-"""Choosing the draft length γ each round from measured costs and the running acceptance rate.
+"""How many drafts a round gets: plan the whole round against the measured row-cost curve.
 
-On a compute-bound CPU a verify pass over γ+1 positions costs much more than
-one decoding step, and the drafter is far from free, so a fixed γ loses
-whenever acceptance drops (chat, translation).  Each round we pick
+A round of γ drafts costs ``γ·t_draft + t_verify(γ + 1)`` and emits ``1 + a1 + a1·a2 + ...`` tokens
+in expectation, where ``a_k`` is the chance that draft k is accepted once the drafts before it were.
+``t_verify(n)`` is measured for every n (``cost_profile``), and on a CPU it is far from linear: ORT's
+int8 ``MatMulNBits`` kernel works on two rows per pass over the weights, so a third row costs a whole
+pass and a fourth almost nothing.  A rule that weighs one more draft at a time stops at two rows
+where four pay; so each decision here compares every length the round could still reach.
 
-    γ* = argmax_γ  E[tokens | γ] / cost(γ),   γ in 0..γ_max
+* Before drafting (:func:`plan_round`): the γ in 0..γ_max with the most expected tokens per second,
+  from the first-draft estimate and the estimate for later drafts (``schedule.acceptance``).  Its
+  rate ``ρ`` is the price of time for the rest of the round.
+* After each draft (:class:`DraftRound`): its confidence refines its own acceptance and that of the
+  drafts that would follow; the round goes on to the length ``L`` maximizing ``E[tokens | L] −
+  ρ·cost(L)`` over every ``L`` still reachable (up to γ_max, past the plan when the drafter turns out
+  confident), keeps the draft only if ``L`` includes it, and stops when ``L`` is where it stands.
+  Maximizing tokens minus their time at the achievable rate is what maximizes tokens per second over
+  many rounds (a renewal argument); comparing raw per-round ratios instead would stop too early
+  whenever the time already spent drafting is large.
 
-with E[tokens | γ] = 1 + α + ... + α^γ for per-token acceptance α (geometric
-model, as in the speculative decoding papers) and
-cost(γ) = γ · t_draft + t_verify(γ + 1), where t_verify(n) is the measured
-latency of a target pass over n new tokens.  γ* = 0 is plain autoregressive
-decoding; while in that regime a γ = 1 probe every ``probe_every`` rounds keeps
-α up to date.  α is an exponential moving average of per-round acceptance.
-
-Inside a round the drafter's own confidence refines this (:class:`DraftRound`):
-each draft's acceptance is estimated from its confidence (drafter probability of
-the proposed token, per-request estimates per confidence bin), a draft is kept
-only if it raises the round's expected tokens per second, and drafting goes on
-only while the expected gain of one more token beats its cost (one draft step
-plus one more verify row).
-
-Exactness never depends on this choice: γ only changes how many drafts the
-verifier sees.
+Exactness never depends on this: γ only changes how many drafts the verifier sees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from edge_spec.runtime.schedule.acceptance import RequestAcceptance
 
 
 @dataclass
@@ -38,8 +36,8 @@ class CostModel:
     verify: dict[int, float] = field(default_factory=dict)
 
     def verify_cost(self, n: int) -> float:
-        """Measured latency for n new tokens; between measurements interpolate linearly, outside them
-        scale the nearest one with a prior of +25% per extra row (what int4 matmuls cost here)."""
+        """Measured latency for n new tokens; between measurements interpolate linearly, past them
+        extend the last measured step (the curve's slope at its end)."""
         if n in self.verify:
             return self.verify[n]
         known = sorted(self.verify)
@@ -50,16 +48,29 @@ class CostModel:
         if below and above:
             lo, hi = below[-1], above[0]
             return self.verify[lo] + (n - lo) / (hi - lo) * (self.verify[hi] - self.verify[lo])
-        nearest = below[-1] if below else above[0]
-        return self.verify[nearest] * (1 + 0.25 * (n - 1)) / (1 + 0.25 * (nearest - 1))
+        if not below:
+            return self.verify[known[0]]
+        last = known[-1]
+        step = (self.verify[last] - self.verify[known[-2]]) / (last - known[-2]) if len(known) > 1 else 0.25 * self.verify[last]
+        return self.verify[last] + (n - last) * max(step, 0.0)
 
     def round_cost(self, gamma: int) -> float:
         return gamma * self.draft + self.verify_cost(gamma + 1)
 
 
+def chain_tokens(first: float, later: float, gamma: int) -> float:
+    """Expected tokens of a round of γ drafts: the first accepted with ``first``, each later one (its
+    predecessors accepted) with ``later``; plus the target's own token."""
+    expected, survive = 1.0, 1.0
+    for k in range(gamma):
+        survive *= first if k == 0 else later
+        expected += survive
+    return expected
+
+
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Tokens emitted by one round of γ drafts when each draft is accepted with probability α."""
-    return sum(alpha**i for i in range(gamma + 1))
+    return chain_tokens(alpha, alpha, gamma)
 
 
 def fold_acceptance(alpha: float, smoothing: float, drafted: int, accepted: int) -> float:
@@ -72,156 +83,121 @@ def fold_acceptance(alpha: float, smoothing: float, drafted: int, accepted: int)
     return (1 - weight) * alpha + weight * (accepted / trials)
 
 
-def best_gamma(alpha: float, costs: CostModel, gamma_max: int, prefer_drafting: float = 0.03,
-               prefer_shorter: float = 0.03) -> int:
-    """The γ in 0..γ_max maximizing expected tokens per second.
-
-    Plain decoding (γ = 0) must win by ``prefer_drafting`` (relative): α is a noisy running estimate,
-    near the break-even point both choices cost about the same, and every stretch without drafts
-    leaves the drafter to catch up later and α without fresh evidence.  Among drafting lengths the
-    shortest within ``prefer_shorter`` of the best is taken: where one more draft is worth about its
-    cost (γ = 1 against 2 on a compute-bound CPU), α's noise and the geometric model's optimism
-    about the second and later drafts make the longer choice lose more often than it wins.
-    """
-    rates = [expected_tokens(alpha, g) / costs.round_cost(g) for g in range(gamma_max + 1)]
-    if not gamma_max:
-        return 0
-    top = max(rates[1:])
-    best = min(g for g in range(1, gamma_max + 1) if rates[g] * (1 + prefer_shorter) >= top)
-    return 0 if rates[0] > rates[best] * (1 + prefer_drafting) else best
+@dataclass(frozen=True)
+class RoundPlan:
+    gamma: int  # drafts planned (0: no drafter this round)
+    rate: float  # expected tokens per second of the planned round: the price of time in the round
 
 
-@dataclass
-class AdaptiveGamma:
-    """Per-request state of the γ policy (see module docstring)."""
-
-    gamma_max: int
-    alpha: float = 0.8  # optimistic start: the first rounds measure it
-    smoothing: float = 0.15  # EMA weight of the newest round
-    probe_every: int = 4  # first probe interval; doubles (up to max_probe_every) while probes keep failing
-    max_probe_every: int = 64
-    by_confidence: ConfidenceAcceptance = field(default_factory=lambda: ConfidenceAcceptance())
-    probing: bool = False  # the last choice was a probe
-    _rounds_without_draft: int = 0
-    _interval: int = 0
-
-    def choose(self, costs: CostModel) -> int:
-        self.probing = False
-        gamma = best_gamma(self.alpha, costs, self.gamma_max)
-        if gamma > 0:
-            self._rounds_without_draft = 0
-            self._interval = self.probe_every
-            return gamma
-        self._interval = self._interval or self.probe_every
-        self._rounds_without_draft += 1
-        if self._rounds_without_draft < self._interval:
-            return 0
-        # probe: one draft token keeps α current; a probe costs a drafter catch-up, so back off
-        self._rounds_without_draft = 0
-        self._interval = min(2 * self._interval, self.max_probe_every)
-        self.probing = True
-        return 1
-
-    def begin_round(self, costs: CostModel) -> "DraftRound | None":
-        """None: decode this round without drafts.  Otherwise the stop rule for this round's drafts
-        (at most the γ* above); a probe round keeps its one draft whatever its confidence (it is
-        there to measure α)."""
-        gamma = self.choose(costs)
-        if gamma == 0:
-            return None
-        if self.probing:
-            return DraftRound(costs, 1, self.alpha, forced=True, acceptance_of=self.acceptance)
-        # the round may stop earlier than γ (confidence), never later: measured sweeps show that
-        # drafting past the geometric optimum on a confident streak costs more than it brings here
-        return DraftRound(costs, gamma, self.alpha, acceptance_of=self.acceptance)
-
-    def acceptance(self, confidence: float) -> float:
-        return self.by_confidence.estimate(confidence, self.alpha)
-
-    def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
-        """Fold one round in (:func:`fold_acceptance`) and its drafts into the confidence bins."""
-        if drafted == 0:
-            return
-        self.alpha = fold_acceptance(self.alpha, self.smoothing, drafted, accepted)
-        trials = accepted + (1 if accepted < drafted else 0)
-        for i, confidence in enumerate((confidences or [])[:trials]):
-            self.by_confidence.update(confidence, i < accepted)
+def plan_round(first: float, later: float, costs: CostModel, gamma_max: int,
+               prefer_drafting: float = 0.02) -> RoundPlan:
+    """The γ in 0..γ_max with the most expected tokens per second.  Plain decoding (γ = 0) must win by
+    ``prefer_drafting`` (relative): a stretch without drafts leaves the drafter to catch up later and
+    the estimates without fresh evidence."""
+    rates = [chain_tokens(first, later, g) / costs.round_cost(g) for g in range(gamma_max + 1)]
+    if gamma_max == 0:
+        return RoundPlan(0, rates[0])
+    best = max(range(1, gamma_max + 1), key=lambda g: (rates[g], -g))
+    if rates[0] > rates[best] * (1 + prefer_drafting):
+        return RoundPlan(0, rates[0])
+    return RoundPlan(best, rates[best])
 
 
-CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.85, 0.95)  # bins of the drafter's probability of its own token
-
-
-@dataclass
-class ConfidenceAcceptance:
-    """Per-request acceptance estimate by drafter confidence bin: EMA per bin, starting from the
-    global α until a bin has seen ``min_samples`` outcomes (the two blend in between)."""
-
-    smoothing: float = 0.2
-    min_samples: int = 4
-    rates: list[float] = field(default_factory=lambda: [0.0] * (len(CONFIDENCE_EDGES) + 1))
-    counts: list[int] = field(default_factory=lambda: [0] * (len(CONFIDENCE_EDGES) + 1))
-
-    @staticmethod
-    def bin(confidence: float) -> int:
-        return sum(confidence >= edge for edge in CONFIDENCE_EDGES)
-
-    def estimate(self, confidence: float, prior: float) -> float:
-        b = self.bin(confidence)
-        weight = min(self.counts[b] / self.min_samples, 1.0)
-        return weight * self.rates[b] + (1 - weight) * prior
-
-    def update(self, confidence: float, accepted: bool) -> None:
-        b = self.bin(confidence)
-        self.counts[b] += 1
-        if self.counts[b] == 1:
-            self.rates[b] = float(accepted)
-        else:
-            self.rates[b] += self.smoothing * (float(accepted) - self.rates[b])
+def best_gamma(alpha: float, costs: CostModel, gamma_max: int) -> int:
+    """The best γ when every draft is accepted with probability α (sequence drafts, replays)."""
+    return plan_round(alpha, alpha, costs, gamma_max).gamma
 
 
 @dataclass
 class DraftRound:
-    """Stop rule inside one round: after each draft, keep it or not, and draft another or not.
-
-    ``expected`` is E[tokens] of the round so far (1 for the target's own token plus, per kept
-    draft, the probability that it and all before it are accepted); ``cost`` is what the round
-    will cost: the drafting done so far plus the verify pass over the kept drafts.
-    """
+    """One round's stop rule (see the module docstring): after each draft, keep it or not, and draft
+    another or not.  ``expected``: E[tokens] of the drafts kept so far plus the target's token;
+    ``survive``: the chance that every kept draft is accepted."""
 
     costs: CostModel
     gamma_max: int
-    next_acceptance: float  # acceptance guess for a draft not yet made (its confidence unknown)
-    forced: bool = False  # keep every draft (probe rounds)
-    acceptance_of: Callable[[float], float] | None = None  # drafter confidence -> acceptance estimate
-    margin: float = 0.03  # another draft must beat the round's rate by this much (relative)
+    rate: float  # ρ: tokens per second the round must beat to spend more time
+    estimates: RequestAcceptance
+    forced: bool = False  # keep every draft up to gamma_max (probe rounds)
     kept: int = 0
-    survive: float = 1.0  # P(all kept drafts accepted)
+    survive: float = 1.0
     expected: float = 1.0
 
-    def acceptance(self, confidence: float) -> float:
-        """Estimated acceptance of a draft the drafter proposed with this confidence."""
-        return self.acceptance_of(confidence) if self.acceptance_of else self.next_acceptance
-
-    def add(self, acceptance: float, may_drop: bool = True) -> tuple[bool, bool]:
-        """Fold in draft ``kept + 1`` with estimated ``acceptance``; return (keep it, draft another).
+    def add(self, confidence: float, may_drop: bool = True) -> tuple[bool, bool]:
+        """Fold in draft ``kept + 1``, proposed with ``confidence``; return (keep it, draft another).
 
         ``may_drop`` must be False when sampling: dropping a sampled draft because of its own value
         would bias the output (the kept drafts would no longer be plain samples of q).  Stopping
         *after* a draft, based on the drafts so far, is always safe: each position is still either
         verified against q or sampled from p directly.
         """
-        drafted = self.kept + 1
-        sunk = drafted * self.costs.draft
-        with_it = (self.expected + self.survive * acceptance) / (sunk + self.costs.verify_cost(drafted + 1))
-        without = self.expected / (sunk + self.costs.verify_cost(drafted))
-        if with_it < without and may_drop and not self.forced:
+        k = self.kept + 1
+        if self.forced:
+            self._keep(self.estimates.acceptance(confidence))
+            return True, k < self.gamma_max
+        length = self.best_length(self.estimates.acceptance(confidence), self.estimates.next_after(confidence),
+                                  allow_drop=may_drop)
+        if length < k:
             return False, False
-        self.kept = drafted
+        self._keep(self.estimates.acceptance(confidence))
+        return True, length > k
+
+    def best_length(self, acceptance: float, following: float, allow_drop: bool) -> int:
+        """Drafts the round should end with, given draft ``kept + 1`` (acceptance ``acceptance``) and
+        later drafts accepted with ``following`` each: argmax of E[tokens] − ρ·cost over every
+        reachable length (the shorter one on a tie)."""
+        k, costs = self.kept + 1, self.costs
+        sunk = k * costs.draft
+        best, best_value = k, float("-inf")
+        if allow_drop:
+            best, best_value = k - 1, self.expected - self.rate * (sunk + costs.verify_cost(k))
+        survive = self.survive * acceptance
+        expected = self.expected + survive
+        for length in range(k, self.gamma_max + 1):
+            value = expected - self.rate * (length * costs.draft + costs.verify_cost(length + 1))
+            if value > best_value + 1e-12:
+                best, best_value = length, value
+            survive *= following
+            expected += survive
+        return best
+
+    def _keep(self, acceptance: float) -> None:
+        self.kept += 1
         self.survive *= acceptance
         self.expected += self.survive
-        if drafted >= self.gamma_max:
-            return True, False
-        rate = self.expected / (sunk + self.costs.verify_cost(drafted + 1))
-        gain = self.survive * self.next_acceptance
-        extra = self.costs.draft + self.costs.verify_cost(drafted + 2) - self.costs.verify_cost(drafted + 1)
-        return True, gain / extra > rate * (1 + self.margin)  # same bias to shorter rounds as best_gamma
+
+
+@dataclass
+class AdaptiveGamma:
+    """Per-request state of the schedule: plans each round, probes while plain decoding wins."""
+
+    gamma_max: int
+    estimates: RequestAcceptance
+    probe_every: int = 4  # first probe interval; doubles (up to max_probe_every) while probes keep failing
+    max_probe_every: int = 64
+    probing: bool = False  # the last choice was a probe
+    _rounds_without_draft: int = 0
+    _interval: int = 0
+
+    def begin_round(self, costs: CostModel) -> DraftRound | None:
+        """None: decode this round without drafts.  Otherwise the round's stop rule."""
+        plan = plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.gamma_max)
+        self.probing = False
+        if plan.gamma > 0:
+            self._rounds_without_draft = 0
+            self._interval = self.probe_every
+            return DraftRound(costs, self.gamma_max, plan.rate, self.estimates)
+        self._interval = self._interval or self.probe_every
+        self._rounds_without_draft += 1
+        if self._rounds_without_draft < self._interval:
+            return None
+        # probe: one draft keeps the estimates current; a probe costs a drafter catch-up, so back off
+        self._rounds_without_draft = 0
+        self._interval = min(2 * self._interval, self.max_probe_every)
+        self.probing = True
+        return DraftRound(costs, 1, plan.rate, self.estimates, forced=True)
+
+    def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
+        """Fold one verified round into the estimates."""
+        if drafted:
+            self.estimates.record((confidences or [])[:drafted], accepted)

@@ -1,0 +1,134 @@
+"""How likely is a draft to be accepted?  Estimates the round planner prices drafts with.
+
+Three questions, each answered from counts of verified drafts:
+
+* a draft the drafter proposed with confidence ``c`` (its probability of its own token): accepted?
+  (``by_confidence``; before any evidence a bin's prior is the confidence itself, which is what a
+  well-calibrated drafter's probability means under greedy verification);
+* a draft not yet made, right after a draft of confidence ``c`` was accepted: accepted?
+  (``after``: confident drafts come in streaks -- boilerplate, copied spans -- so the last draft's
+  confidence predicts the next draft's fate better than any running average);
+* the first draft of a round, before anything is drafted: accepted? (``first``).
+
+These are properties of the drafter/target pair and the sampling regime, not of one request, so one
+:class:`AcceptanceCalibration` is carried across requests (and across processes, see
+``schedule.memory``); counts decay so that it follows what the user asks now.  Within a request the
+first-draft estimate also keeps a fast moving average (:class:`RequestAcceptance`): a prompt that
+copies code accepts far more than the mix the calibration has seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CONFIDENCE_EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.95, 0.98, 0.995)
+BINS = len(CONFIDENCE_EDGES) + 1
+PRIOR_WEIGHT = 4.0  # a prior counts as this many verified drafts
+DECAY = 0.998  # per recorded outcome: the calibration remembers roughly the last 500 drafts per table
+
+
+def confidence_bin(confidence: float) -> int:
+    return sum(confidence >= edge for edge in CONFIDENCE_EDGES)
+
+
+def bin_middle(index: int) -> float:
+    """A representative confidence of a bin (its prior acceptance)."""
+    lower = ([0.0] + list(CONFIDENCE_EDGES))[index]
+    upper = (list(CONFIDENCE_EDGES) + [1.0])[index]
+    return (lower + upper) / 2
+
+
+@dataclass
+class DecayedRate:
+    """Accepted / tried with exponentially decaying counts, shrunk towards a prior."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def estimate(self, prior: float) -> float:
+        return (self.hits + PRIOR_WEIGHT * prior) / (self.trials + PRIOR_WEIGHT)
+
+    def record(self, accepted: bool) -> None:
+        self.hits = DECAY * self.hits + float(accepted)
+        self.trials = DECAY * self.trials + 1.0
+
+
+@dataclass
+class AcceptanceCalibration:
+    """Carried across requests: see the module docstring."""
+
+    by_confidence: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(BINS)])
+    after: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(BINS)])
+    first: DecayedRate = field(default_factory=DecayedRate)
+    first_prior: float = 0.6  # before any round: drafters are chosen because they agree this often
+
+    def acceptance(self, confidence: float) -> float:
+        return self.by_confidence[confidence_bin(confidence)].estimate(confidence)
+
+    def next_after(self, confidence: float) -> float:
+        """Acceptance of the draft following an accepted draft of this confidence."""
+        return self.after[confidence_bin(confidence)].estimate(self.acceptance(confidence))
+
+    def first_draft(self) -> float:
+        return self.first.estimate(self.first_prior)
+
+    def record(self, confidences: list[float], accepted: int) -> None:
+        """One verified chain: drafts ``0..accepted-1`` accepted, draft ``accepted`` (if any) rejected;
+        drafts past the first rejection were never judged and teach nothing."""
+        judged = min(len(confidences), accepted + 1)
+        for i in range(judged):
+            ok = i < accepted
+            self.by_confidence[confidence_bin(confidences[i])].record(ok)
+            if i == 0:
+                self.first.record(ok)
+            else:
+                self.after[confidence_bin(confidences[i - 1])].record(ok)
+
+    def to_dict(self) -> dict:
+        pairs = lambda rates: [[r.hits, r.trials] for r in rates]
+        return {"by_confidence": pairs(self.by_confidence), "after": pairs(self.after),
+                "first": [self.first.hits, self.first.trials], "edges": list(CONFIDENCE_EDGES)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AcceptanceCalibration":
+        """Raises ValueError/KeyError/TypeError on data of another layout (the caller starts afresh)."""
+        if data["edges"] != list(CONFIDENCE_EDGES):
+            raise ValueError("calibration bins changed")
+        rates = lambda pairs: [DecayedRate(float(h), float(t)) for h, t in pairs]
+        calibration = cls(rates(data["by_confidence"]), rates(data["after"]), DecayedRate(*map(float, data["first"])))
+        if len(calibration.by_confidence) != BINS or len(calibration.after) != BINS:
+            raise ValueError("calibration bins changed")
+        return calibration
+
+
+@dataclass
+class RequestAcceptance:
+    """One request's view: the carried calibration, plus a fast average of this request's first drafts."""
+
+    calibration: AcceptanceCalibration
+    smoothing: float = 0.2
+    first: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.first is None:
+            self.first = self.calibration.first_draft()
+
+    def acceptance(self, confidence: float) -> float:
+        return self.calibration.acceptance(confidence)
+
+    def next_after(self, confidence: float) -> float:
+        return self.calibration.next_after(confidence)
+
+    def later_draft(self) -> float:
+        """A draft after an accepted draft whose confidence is not known yet (planning a round)."""
+        weights = [r.trials + 1e-9 for r in self.calibration.after]
+        estimates = [r.estimate(self.calibration.by_confidence[i].estimate(bin_middle(i)))
+                     for i, r in enumerate(self.calibration.after)]
+        overall = sum(w * e for w, e in zip(weights, estimates)) / sum(weights)
+        return max(overall, self.first)  # in a streak later drafts do at least as well as first ones
+
+    def record(self, confidences: list[float], accepted: int) -> None:
+        if not confidences:
+            return
+        self.calibration.record(confidences, accepted)
+        self.first += self.smoothing * (float(accepted > 0) - self.first)
