@@ -4,7 +4,8 @@ For every prompt the target-only (``ar``) answer is generated first; each
 speculative mode then answers the same prompt with the same settings.  Greedy
 answers must be token-identical to target-only decoding with the same numerics:
 the speculative modes run batch-invariant target passes (see ``runtime/decoder``),
-so next to the fast one-row ``ar`` (the speed baseline) greedy runs also time
+so next to the fast one-row ``ar`` (the speed baseline, timed in an engine loaded for
+target-only decoding alone: our fastest) greedy runs also time
 ``ar-exact``, target-only decoding with those passes, and each greedy record says
 whether it equals that (``identical_to_ar``) and the one-row ``ar`` answer
 (``identical_to_one_row_ar``: it may part from it at a numerical near-tie).
@@ -117,8 +118,14 @@ def _chain_modes(name: str, head: str, plain: ChainConfig, fixed_gammas: list[in
 
 
 def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, temperatures: list[float],
-              max_new_tokens: int, seed: int = 0, repeats: int = 1, progress=None) -> dict:
+              max_new_tokens: int, seed: int = 0, repeats: int = 1, progress=None,
+              baseline: Engine | None = None) -> dict:
     """Run every prompt in every mode and temperature; return raw records plus per-category summaries.
+
+    ``baseline``: the engine that times the ``ar`` mode -- our fastest target-only decoding, loaded for
+    it alone (its ORT threads spin between ops, as ``generate --mode ar`` runs them; an engine loaded
+    for speculative decoding turns spinning off, which costs one-row passes several percent).  The
+    same bundle, provider and threads as ``engine``; None times ``ar`` on ``engine``.
 
     With ``repeats`` > 1 each prompt goes through all modes that many times, interleaved, and each mode
     keeps its fastest run (the least disturbed by other load on the machine); the identity flags must
@@ -139,7 +146,8 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                 for mode in modes:
                     if mode.name == "ar-exact" and temperature > 0:
                         continue  # only greedy answers are compared token for token
-                    record = _run_mode(engine, mode, messages, references, max_new_tokens=max_new_tokens,
+                    runner = baseline if baseline is not None and mode.name == "ar" else engine
+                    record = _run_mode(runner, mode, messages, references, max_new_tokens=max_new_tokens,
                                        temperature=temperature, seed=seed + index)
                     record.update(category=item["category"], prompt_index=index)
                     kept = fastest.setdefault(mode.name, record)
@@ -341,6 +349,36 @@ def schedule_report(summary: list[dict]) -> str:
                      f"{best[rate] / ar:5.2f}x, schedule / best = {row[rate] / best[rate]:.3f}")
         lines.append(line)
     return "\n".join(lines)
+
+
+def per_prompt_schedule(records: list[dict]) -> list[dict]:
+    """Per (temperature, schedule mode, prompt): the schedule's decode speed over the best fixed γ of
+    the same head on that very prompt (wall clock) -- the schedule has to choose well on every prompt,
+    not only on average.  One row per schedule mode: the minimum and median ratio, and where the
+    minimum was."""
+    speed = {(r["temperature"], r["mode"], r["prompt_index"]): r for r in records}
+    rows = []
+    for temperature, mode in sorted({(t, m) for t, m, _ in speed}):
+        prompts = sorted(i for t, m, i in speed if (t, m) == (temperature, mode))
+        ratios = []
+        for index in prompts:
+            fixed = [r for (t, m, i), r in speed.items() if t == temperature and i == index and m.startswith(mode + "@γ")]
+            if fixed and mode != "ar":
+                best = max(fixed, key=lambda r: r["tokens_per_second"])
+                ratios.append((speed[(temperature, mode, index)]["tokens_per_second"] / best["tokens_per_second"],
+                               index, speed[(temperature, mode, index)]["category"]))
+        if ratios:
+            ratios.sort()
+            rows.append({"temperature": temperature, "mode": mode, "prompts": len(ratios), "min": ratios[0][0],
+                         "min_prompt": ratios[0][1], "min_category": ratios[0][2],
+                         "median": ratios[len(ratios) // 2][0]})
+    return rows
+
+
+def per_prompt_report(rows: list[dict]) -> str:
+    return "\n".join(f"{r['temperature']:>4.1f} {r['mode']:30s} schedule / best fixed γ per prompt: median "
+                     f"{r['median']:.3f}, min {r['min']:.3f} (prompt {r['min_prompt']}, {r['min_category']})"
+                     for r in rows)
 
 
 def plot(summary: list[dict], path: Path) -> bool:

@@ -197,7 +197,13 @@ def add_heads(
 @app.command()
 def info(bundle: Path,
          verify: bool = typer.Option(False, "--verify", help="Also check every file's sha256 (reads the "
-                                     "whole bundle), not only its size.")) -> None:
+                                     "whole bundle), not only its size."),
+         costs: bool = typer.Option(False, "--costs", help="Also show this machine's cost profile (measured "
+                                    "once and cached): target pass by rows, drafter step, and the draft "
+                                    "length the schedule plans at each acceptance."),
+         threads: int = ThreadsOpt,
+         gamma: int = typer.Option(4, "--gamma", help="With --costs: the longest draft to profile for."),
+         head: Optional[str] = HeadOpt) -> None:
     """Show what a bundle holds (after checking its files as `generate` does)."""
     from edge_spec.manifest import read_manifest, verify_files
 
@@ -212,6 +218,39 @@ def info(bundle: Path,
             f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {m['quantization']['weights']}, "
             f"{m['bytes'] / (1 << 20):.0f} MiB" + (f"; heads: {heads}, default {m['default_head']}" if heads else "")
         )
+    if costs:
+        _check_threads(threads)
+        _print_costs(bundle, threads, gamma, head)
+
+
+def _print_costs(bundle: Path, threads: int, gamma: int, head: str | None) -> None:
+    """The row-cost curve the schedule plans with, and what it makes of it."""
+    from edge_spec.runtime.engine import Engine
+    from edge_spec.runtime.schedule.policy import CostModel, plan_round
+
+    config = _loop_config("spec", gamma=gamma)
+    _check_gamma(bundle, config)
+    with _loading_status():
+        engine = Engine.from_bundle(bundle, threads=threads, config=config, draft_head=head)
+    profile = engine.cost_profile
+    state = "cached" if profile.cached else f"measured now in {profile.measured_seconds:.1f} s"
+    if profile.corrections:
+        state += f", corrected {profile.corrections}x from live passes (it was taken under load)"
+    out.print(f"costs  {threads or 'all'} threads, head {engine.draft_head} ({state}):")
+    base = profile.verify[1]
+    for n, seconds in sorted(profile.verify.items()):
+        out.print(f"  target pass, {n} new token{'s' if n > 1 else ' '}: {1e3 * seconds:7.1f} ms  "
+                  f"({seconds / base:4.2f}x one row)")
+    out.print(f"  drafter step: {1e3 * profile.draft_step:.1f} ms (body {1e3 * profile.draft_body:.1f}, "
+              f"head {1e3 * profile.draft_head:.2f})")
+    model = CostModel(profile.draft_step, profile.verify)
+    plans = ", ".join(f"{alpha:.2f}: γ {plan_round(alpha, alpha, model, gamma).gamma}"
+                      for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95))
+    out.print(f"  planned drafts by acceptance: {plans}")
+    learned = engine.schedule_memory().calibration(greedy=True)
+    if learned.first.trials:
+        out.print(f"  learned greedy first-draft acceptance: {learned.first_draft():.2f} "
+                  f"(over ~{learned.first.trials:.0f} recent rounds)")
 
 
 def _loop_config(mode: str, **settings):
@@ -536,7 +575,8 @@ def bench(
     """Compare ar, spec (full drafter head) and spec+VocabTrim heads per category: τ, MBSU, tokens/s, speed-up."""
     from rich.progress import Progress
 
-    from edge_spec.bench import format_table, load_bench_prompts, modes_for, plot, run_bench, schedule_report
+    from edge_spec.bench import (format_table, load_bench_prompts, modes_for, per_prompt_report, per_prompt_schedule,
+                                  plot, run_bench, schedule_report)
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.loops.config import SsdConfig, TreeConfig, loop_config
     from edge_spec.runtime.verify.sampling import SamplingParams
@@ -564,18 +604,22 @@ def bench(
     with _loading_status():
         engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=chain,
                                     draft_threads=draft_threads, exact=exact, verify=verify)
+        # the ar baseline is our fastest target-only decoding: an engine loaded for it alone
+        baseline = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="ar")
     modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference, eagle)
     engine.complete("warm up", max_new_tokens=4)
-    engine.complete("warm up", max_new_tokens=4, mode="ar", exact=False)
+    baseline.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("bench", total=len(items) * len(temperature))
         result = run_bench(engine, items, modes, temperatures=list(temperature), max_new_tokens=max_tokens,
-                           repeats=repeat,
+                           repeats=repeat, baseline=baseline,
                            progress=lambda done, total: bar.update(task, completed=done))
     out.print(format_table(result["summary"]))
     if sweep:
         out.print(schedule_report(result["summary"]))
+        result["per_prompt_schedule"] = per_prompt_schedule(result["records"])
+        out.print(per_prompt_report(result["per_prompt_schedule"]))
     output.mkdir(parents=True, exist_ok=True)
     result["bundle"] = str(bundle)
     result["threads"] = threads

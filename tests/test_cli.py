@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from edge_spec.bench import BenchMode, load_bench_prompts, modes_for, run_bench
+from edge_spec.bench import BenchMode, load_bench_prompts, modes_for, per_prompt_schedule, run_bench
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import SsdConfig, TreeConfig
@@ -118,6 +118,11 @@ def test_generate_and_info(int4_bundle):
     assert "tok/s" in result.stderr
     info = cli("info", str(int4_bundle))
     assert info.returncode == 0 and "trim-64" in info.stdout
+    costs = cli("info", str(int4_bundle), "--costs", "--gamma", "3", "--threads", "1")
+    assert costs.returncode == 0, costs.stderr
+    rows = [line for line in costs.stdout.splitlines() if "target pass," in line]
+    assert len(rows) == 4 and "drafter step" in costs.stdout and "planned drafts by acceptance" in costs.stdout
+    assert_one_line_error(cli("info", str(int4_bundle), "--costs", "--draft-head", "nope"), "no drafter head 'nope'")
 
 
 def decode_rate(records: list[dict]) -> float:
@@ -153,6 +158,24 @@ def test_bench_records_identity_and_tau(int4_bundle):
     assert all(r["new_tokens"] == max_new for r in greedy)  # greedy answers here run to max_new: no eos
     assert overall[0.0]["tau"] == pytest.approx(len(greedy) * (max_new - 1) / sum(r["target_calls"] for r in greedy))
     json.dumps(result)  # serializable
+
+
+def test_bench_times_ar_in_its_own_engine_and_reports_the_schedule_per_prompt(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
+    baseline = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
+    before = baseline.target.stats.calls.copy(), engine.target.stats.calls.copy()
+    prompts = load_bench_prompts(None, ["code", "multi-turn"], 1)
+    modes = modes_for(engine, ["trim-160"], engine.config, fixed_gammas=[1, 2])
+    result = run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=10, baseline=baseline)
+    assert sum(baseline.target.stats.calls.values()) > sum(before[0].values())  # ar ran there ...
+    ar_passes = [r["target_passes"] for r in result["records"] if r["mode"] == "ar"]
+    assert all(set(p) == {"1"} for p in ar_passes)  # ... as one-row passes: the fastest target-only decoding
+    rows = per_prompt_schedule(result["records"])
+    assert [r["mode"] for r in rows] == ["spec+trim-160"] and rows[0]["prompts"] == 2
+    by_prompt = {(r["mode"], r["prompt_index"]): r["tokens_per_second"] for r in result["records"]}
+    expected = min(by_prompt[("spec+trim-160", i)] / max(by_prompt[(f"spec+trim-160@γ{g}", i)] for g in (1, 2))
+                   for i in (0, 1))
+    assert rows[0]["min"] == pytest.approx(expected)
 
 
 @pytest.mark.slow
