@@ -38,7 +38,9 @@ from edge_spec.bench import load_bench_prompts, pass_prices
 from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose.ngrams import LOOKUP_MIN_N, NgramLookup
-from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
+from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
+from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, plan_round
+from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.loops.config import ChainConfig
 from edge_spec.runtime.propose.model import softmax
 
@@ -130,10 +132,10 @@ class Prices:
         return self.target[rows] + self.outside
 
     def drafter(self, rows: int) -> float:
-        return self.draft[min(rows, max(self.draft))] + self.head
+        return self.draft[max(k for k in self.draft if k <= rows)] + self.head  # nearest measured size below
 
 
-Choice = tuple[str, int]  # ("draft" | "lookup" | "guess", drafts)
+Choice = tuple[str, int]  # ("draft" | "lookup" | "guess" | "dropped": a guess after an unused drafter step, drafts)
 
 
 def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, dict], Choice]) -> dict[str, tuple[float, int]]:
@@ -155,12 +157,14 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
                 oks = [bool(data["draft_ok"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 accepted = next((k for k, ok in enumerate(oks) if not ok), drafts)
                 seconds += prices.drafter(unseen) + (drafts - 1) * prices.drafter(1) + prices.verify(drafts)
-                state["outcome"] = (i, drafts, accepted)
+                confidences = [float(data["draft_conf"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
+                state["outcome"] = ("draft", drafts, accepted, confidences)
                 unseen = 2 if accepted == drafts else 1
             else:
                 accepted = min(int(data["lookup_run"][i]), drafts) if kind == "lookup" else int(data["guess_ok"][i])
-                seconds += prices.verify(drafts)
-                unseen += 1 + accepted
+                seconds += prices.verify(drafts) + (prices.drafter(unseen) if kind == "dropped" else 0.0)
+                state["outcome"] = (kind, drafts, accepted, [])
+                unseen = 1 + accepted if kind == "dropped" else unseen + 1 + accepted
             j += 1 + accepted
         cell = totals[str(data["category"][rows[0]])]
         cell[0] += seconds
@@ -168,7 +172,7 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
     return {category: (s, n) for category, (s, n) in totals.items()}
 
 
-def oracle(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 3) -> dict[str, tuple[float, int]]:
+def oracle(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 4) -> dict[str, tuple[float, int]]:
     """The fastest schedule with every outcome known in advance (dynamic programming over positions;
     drafter catch-up priced at two rows): the ceiling for any policy on these answers."""
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
@@ -192,35 +196,55 @@ def oracle(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 3) -> d
     return {category: (s, n) for category, (s, n) in totals.items()}
 
 
-def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool) -> Callable[[int, dict], Choice]:
-    """The runtime's γ policy (:class:`AdaptiveGamma` with its confidence bins), fed each round's outcome."""
-    costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) for n in prices.target})
+def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, gamma_max: int = 4,
+                    calibration: AcceptanceCalibration | None = None) -> Callable[[int, dict], Choice]:
+    """The runtime's schedule as the chain's planner runs it: a lookup match when ``LookupChoice``
+    takes it, else a round planned by :class:`AdaptiveGamma` whose :class:`DraftRound` sees each
+    draft's recorded confidence, else a free guess.  One calibration is carried over every prompt, as
+    the engine carries it over requests (``calibration``: where it starts)."""
+    costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) for n in range(1, gamma_max + 2)})
+    carried = calibration or AcceptanceCalibration()
 
     def policy(i: int, state: dict) -> Choice:
-        if lookup and data["lookup_len"][i]:
-            return "lookup", 1
-        gamma_policy = state.setdefault("policy", AdaptiveGamma(3))
+        schedule = state.setdefault("policy", AdaptiveGamma(gamma_max, RequestAcceptance(carried)))
+        choice = state.setdefault("lookup", LookupChoice(carried.sequence))
         if "outcome" in state:
-            start, drafted, accepted = state.pop("outcome")
-            gamma_policy.update(drafted, accepted, [float(data["draft_conf"][start])] * drafted)
-        rule = gamma_policy.begin_round(costs)
+            kind, drafted, accepted, confidences = state.pop("outcome")
+            if kind == "draft":
+                schedule.update(drafted, accepted, confidences)
+            if kind == "lookup":
+                choice.update(state.pop("matched"), drafted, accepted)
+        if lookup and data["lookup_len"][i]:
+            estimates = schedule.estimates
+            model_rate = plan_round(estimates.first, estimates.later_draft(), costs, gamma_max).rate
+            take = choice.lookup_gamma(int(data["lookup_len"][i]), int(data["lookup_match"][i]), costs, gamma_max,
+                                       model_rate, adaptive=True)
+            if take:
+                state["matched"] = int(data["lookup_match"][i])
+                return "lookup", take
+        rule = schedule.begin_round(costs)
         if rule is None:
             return "guess", 1
-        drafts = 1
+        drafts, last = 0, len(data["prompt"]) - 1
         while True:
-            keep, more = rule.add(rule.acceptance(float(data["draft_conf"][min(i + drafts - 1, len(data["prompt"]) - 1)])))
-            if not keep:  # (never the first draft in exact mode: a lone row is padded anyway)
-                return "draft", max(drafts - 1, 1)
-            if not more:
-                return "draft", drafts
+            keep, more = rule.add(float(data["draft_conf"][min(i + drafts, last)]))
+            if not keep:
+                return ("draft", drafts) if drafts else ("dropped", 1)  # the step ran; its draft is not verified
             drafts += 1
+            if not more or i + drafts > last or data["prompt"][i + drafts] != data["prompt"][i]:
+                return "draft", drafts
 
     return policy
 
 
-def analyze(path: Path, bench_json: Path) -> None:
+def analyze(path: Path, bench_json: Path, machine: str | None = None) -> None:
     data = dict(np.load(path))
     prices = Prices(bench_json)
+    if machine:  # "48,56,82,100,121/17.4": target pass ms by rows, drafter step ms (body + head)
+        rows, step = machine.split("/")
+        prices.target = {n: float(ms) / 1e3 for n, ms in enumerate(rows.split(","), start=1)}
+        prices.draft = {n: float(step) / 1e3 for n in (1, 2, 3)}
+        prices.head, prices.outside = 0.0, 0.0
     print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
           f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
           f"outside ORT per round {1e3 * prices.outside:.2f}")
@@ -250,9 +274,11 @@ def analyze(path: Path, bench_json: Path) -> None:
     policies = {
         "fixed γ=1": lambda i, state: ("draft", 1),
         "fixed γ=2": lambda i, state: ("draft", 2),
+        "fixed γ=3": lambda i, state: ("draft", 3),
+        "fixed γ=4": lambda i, state: ("draft", 4),
         "fixed γ=1 + lookup": with_lookup,
-        "adaptive (runtime policy)": adaptive_policy(data, prices, lookup=False),
-        "adaptive, lookup on every match": adaptive_policy(data, prices, lookup=True),
+        "adaptive (runtime schedule)": adaptive_policy(data, prices, lookup=False),
+        "adaptive + lookup (runtime default)": adaptive_policy(data, prices, lookup=True),
         "skip when target top-p < 0.3": skip_unsure,
         "lookup (γ=2) only on 4-token matches": long_lookup,
         "prescient: skip when drafter conf < 0.4": lambda i, state: ("guess", 1) if data["draft_conf"][i] < 0.4
@@ -269,6 +295,18 @@ def analyze(path: Path, bench_json: Path) -> None:
         cells = " ".join(f"{_rate(result, [c]) / _rate(base, [c]):8.3f}" for c in categories)
         print(f"{name:40s} {overall:8.3f} {cells}")
     print("(speed relative to fixed γ = 1; overall leaves the low-acceptance set out)")
+    mixed = [c for c in categories if c != "low-acceptance"]
+    oracle_gain = _rate(results["oracle (every outcome known)"], mixed) / _rate(base, mixed) - 1
+    for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)"):
+        gain = _rate(results[name], mixed) / _rate(base, mixed) - 1
+        print(f"{name}: {gain / oracle_gain:.2f} of the oracle's gain over fixed γ = 1 "
+              f"({100 * gain:+.1f}% against {100 * oracle_gain:+.1f}%)")
+    fixed = [n for n in results if n.startswith("fixed γ=") and "lookup" not in n]
+    for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)"):
+        worst = min((_rate(results[name], [c]) / max(_rate(results[f], [c]) for f in fixed), c) for c in categories)
+        overall = _rate(results[name], mixed) / max(_rate(results[f], mixed) for f in fixed)
+        print(f"{name}: {overall:.3f}x the best single fixed γ overall; worst category {worst[1]} "
+              f"{worst[0]:.3f}x its best fixed γ")
 
 
 def auc(score: np.ndarray, positive: np.ndarray) -> float:
@@ -294,9 +332,11 @@ def main() -> None:
     ap.add_argument("--analyze", type=Path, help="replay policies on a file this script wrote, instead of collecting")
     ap.add_argument("--costs", type=Path, default=Path("bench-results/schedule-final/bench.json"),
                     help="bench.json whose measured pass latencies price the replayed rounds")
+    ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
+                    "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)")
     args = ap.parse_args()
     if args.analyze:
-        analyze(args.analyze, args.costs)
+        analyze(args.analyze, args.costs, args.machine)
     else:
         collect(args)
 

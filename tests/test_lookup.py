@@ -6,6 +6,7 @@ import pytest
 
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose.ngrams import NgramLookup
+from edge_spec.runtime.schedule.acceptance import SequenceCalibration
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.schedule.policy import CostModel
 from edge_spec.runtime.verify.sampling import SamplingParams
@@ -35,15 +36,27 @@ def costs() -> CostModel:
     return CostModel(draft=0.018, verify={1: 0.048, 2: 0.056, 3: 0.082, 4: 0.100})
 
 
-def test_choice_prefers_a_good_lookup_and_probes_a_bad_one():
-    choice = LookupChoice(lookup_alpha=0.8, model_alpha=0.8)
-    assert choice.lookup_gamma(costs(), 3, adaptive=True) >= 1  # same acceptance, no drafter cost
-    bad = LookupChoice(lookup_alpha=0.05, model_alpha=0.9, probe_every=4)
-    picks = [bad.lookup_gamma(costs(), 3, adaptive=True) for _ in range(8)]
+def test_choice_takes_a_long_match_and_probes_a_losing_one():
+    choice = LookupChoice(SequenceCalibration())
+    model_rate = (1 + 0.8) / costs().round_cost(1)  # the drafter's γ = 1 round at acceptance 0.8
+    assert choice.lookup_gamma(4, matched=4, costs=costs(), gamma_max=4, model_rate=model_rate, adaptive=True) >= 1
+    bad = LookupChoice(SequenceCalibration(), probe_every=4)
+    for _ in range(30):
+        bad.update(matched=2, drafted=2, accepted=0)  # this request's short matches are never right
+    picks = [bad.lookup_gamma(2, 2, costs(), 4, model_rate, adaptive=True) for _ in range(8)]
     assert picks == [0, 0, 0, 1, 0, 0, 0, 1]
-    bad.update(True, drafted=3, accepted=3)
-    assert bad.lookup_alpha > 0.05
-    assert LookupChoice(lookup_alpha=0.3).lookup_gamma(None, 2, adaptive=False) == 0
+    assert bad.lookup_gamma(4, 4, costs(), 4, model_rate=None, adaptive=False) == 4  # fixed γ and no drafter
+    assert LookupChoice(SequenceCalibration()).lookup_gamma(3, 2, None, 4, None, adaptive=True) == 3  # prior 0.5
+
+
+def test_sequence_calibration_learns_by_match_length():
+    calibration = SequenceCalibration()
+    for _ in range(200):
+        calibration.record(matched=4, drafted=4, accepted=4)
+        calibration.record(matched=2, drafted=4, accepted=0)
+    assert calibration.first_draft(4) > 0.95 and calibration.first_draft(7) == calibration.first_draft(4)
+    assert calibration.first_draft(2) < 0.05
+    assert calibration.later_draft() > 0.95  # only drafts after an accepted first count as later ones
 
 
 REPETITIVE = ["a b c d a b c d a b", "def f(x): return x def f(x): return", "one two three one two three one"]

@@ -65,6 +65,7 @@ class DraftBlock:
     steps: int = 0  # model steps this block cost (a dropped last draft still cost its step)
     alternatives: list[list[tuple[int, float]]] = field(default_factory=list)  # top (id, prob) per step, if asked
     complete: bool = True  # False when should_stop cut the block short
+    matched: int = 0  # sequence drafts: how many tokens of the sequence's suffix their source matched
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` drafts (a prefix of a chain is a valid chain)."""

@@ -21,5 +21,7 @@ class PromptLookup(SequenceProposer):
     kind = "sequence"
 
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock:
-        match = self.context.ngrams.continuation(committed, min(rule.gamma, room), min_n=LOOKUP_MIN_N)
-        return point_mass_block(self.name, match, rule.params, self.context.vocab_size)
+        drafts, matched = self.context.ngrams.match(committed, min(rule.gamma, room), min_n=LOOKUP_MIN_N)
+        block = point_mass_block(self.name, drafts, rule.params, self.context.vocab_size)
+        block.matched = matched
+        return block

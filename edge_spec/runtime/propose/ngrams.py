@@ -24,6 +24,11 @@ class NgramLookup:
         """Up to γ tokens that followed the longest (then latest) earlier occurrence of the sequence's
         suffix; [] when no suffix of ``min_n`` tokens or more occurred before (default and floor: the
         index's own ``min_n``, so one index serves callers that need longer matches)."""
+        return self.match(tokens, gamma, min_n)[0]
+
+    def match(self, tokens: list[int], gamma: int, min_n: int | None = None) -> tuple[list[int], int]:
+        """:meth:`continuation` and the length of the suffix it matched (0: none): a longer match
+        is more likely to go on as before."""
         shortest = self.min_n if min_n is None else max(min_n, self.min_n)
         end = len(tokens)
         # index every n-gram that ends before the last token: the suffix itself must not match itself
@@ -33,9 +38,9 @@ class NgramLookup:
                     self._ends[tuple(tokens[stop - n:stop])] = stop
         self._indexed = max(self._indexed, end)
         if gamma <= 0:
-            return []
+            return [], 0
         for n in range(min(self.max_n, end), shortest - 1, -1):
             start = self._ends.get(tuple(tokens[end - n:]))
             if start is not None:
-                return list(tokens[start:start + gamma])
-        return []
+                return list(tokens[start:start + gamma]), n
+        return [], 0

@@ -53,13 +53,41 @@ class DecayedRate:
         self.trials = DECAY * self.trials + 1.0
 
 
+MATCH_LENGTHS = 4  # sequence drafts are told apart by the suffix they matched: 1, 2, 3, 4+ tokens
+MATCH_PRIORS = (0.3, 0.5, 0.5, 0.8)  # a 4-token match goes on as before far more often than a shorter one
+LATER_SEQUENCE_PRIOR = 0.85  # once a copied span is confirmed, it tends to go on
+
+
+@dataclass
+class SequenceCalibration:
+    """Acceptance of drafts copied from the sequence (prompt lookup): the first by the length of the
+    suffix its source matched, later ones (the first accepted) alike for all."""
+
+    first: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(MATCH_LENGTHS)])
+    later: DecayedRate = field(default_factory=DecayedRate)
+
+    def first_draft(self, matched: int) -> float:
+        index = min(max(matched, 1), MATCH_LENGTHS) - 1
+        return self.first[index].estimate(MATCH_PRIORS[index])
+
+    def later_draft(self) -> float:
+        return self.later.estimate(LATER_SEQUENCE_PRIOR)
+
+    def record(self, matched: int, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, accepted + 1)):
+            rate = self.first[min(max(matched, 1), MATCH_LENGTHS) - 1] if i == 0 else self.later
+            rate.record(i < accepted)
+
+
 @dataclass
 class AcceptanceCalibration:
-    """Carried across requests: see the module docstring."""
+    """Carried across requests: see the module docstring.  ``sequence``: the same for prompt lookup's
+    drafts, which the schedule weighs against the drafter's."""
 
     by_confidence: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(BINS)])
     after: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(BINS)])
     first: DecayedRate = field(default_factory=DecayedRate)
+    sequence: SequenceCalibration = field(default_factory=SequenceCalibration)
     first_prior: float = 0.6  # before any round: drafters are chosen because they agree this often
 
     def acceptance(self, confidence: float) -> float:
@@ -87,7 +115,9 @@ class AcceptanceCalibration:
     def to_dict(self) -> dict:
         pairs = lambda rates: [[r.hits, r.trials] for r in rates]
         return {"by_confidence": pairs(self.by_confidence), "after": pairs(self.after),
-                "first": [self.first.hits, self.first.trials], "edges": list(CONFIDENCE_EDGES)}
+                "first": [self.first.hits, self.first.trials], "edges": list(CONFIDENCE_EDGES),
+                "sequence_first": pairs(self.sequence.first),
+                "sequence_later": [self.sequence.later.hits, self.sequence.later.trials]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "AcceptanceCalibration":
@@ -95,29 +125,42 @@ class AcceptanceCalibration:
         if data["edges"] != list(CONFIDENCE_EDGES):
             raise ValueError("calibration bins changed")
         rates = lambda pairs: [DecayedRate(float(h), float(t)) for h, t in pairs]
-        calibration = cls(rates(data["by_confidence"]), rates(data["after"]), DecayedRate(*map(float, data["first"])))
-        if len(calibration.by_confidence) != BINS or len(calibration.after) != BINS:
+        sequence = SequenceCalibration(rates(data["sequence_first"]), DecayedRate(*map(float, data["sequence_later"])))
+        calibration = cls(rates(data["by_confidence"]), rates(data["after"]), DecayedRate(*map(float, data["first"])),
+                          sequence)
+        if len(calibration.by_confidence) != BINS or len(calibration.after) != BINS or len(sequence.first) != MATCH_LENGTHS:
             raise ValueError("calibration bins changed")
         return calibration
 
 
 @dataclass
 class RequestAcceptance:
-    """One request's view: the carried calibration, plus a fast average of this request's first drafts."""
+    """One request's view: the carried calibration, scaled by how this request's drafts do against it.
+
+    Two corrections, both with a few drafts of prior weight: a slow average of this request's first
+    drafts (``first``), and the ratio of the drafts it saw accepted to the acceptance the calibration
+    predicted for them (``factor``), applied to every estimate -- translation accepts less at the same
+    drafter confidence than code does."""
 
     calibration: AcceptanceCalibration
-    smoothing: float = 0.2
+    smoothing: float = 0.1
     first: float | None = None
+    predicted: float = PRIOR_WEIGHT
+    observed: float = PRIOR_WEIGHT
 
     def __post_init__(self) -> None:
         if self.first is None:
             self.first = self.calibration.first_draft()
 
+    @property
+    def factor(self) -> float:
+        return self.observed / self.predicted
+
     def acceptance(self, confidence: float) -> float:
-        return self.calibration.acceptance(confidence)
+        return min(self.calibration.acceptance(confidence) * self.factor, 1.0)
 
     def next_after(self, confidence: float) -> float:
-        return self.calibration.next_after(confidence)
+        return min(self.calibration.next_after(confidence) * self.factor, 1.0)
 
     def later_draft(self) -> float:
         """A draft after an accepted draft whose confidence is not known yet (planning a round)."""
@@ -125,10 +168,17 @@ class RequestAcceptance:
         estimates = [r.estimate(self.calibration.by_confidence[i].estimate(bin_middle(i)))
                      for i, r in enumerate(self.calibration.after)]
         overall = sum(w * e for w, e in zip(weights, estimates)) / sum(weights)
-        return max(overall, self.first)  # in a streak later drafts do at least as well as first ones
+        return min(max(overall * self.factor, self.first), 1.0)  # in a streak later drafts do at least as well
+
+    def note_first(self, accepted: bool) -> None:
+        """A drafter round whose confidences were not computed (fixed γ): only the first-draft average."""
+        self.first += self.smoothing * (float(accepted) - self.first)
 
     def record(self, confidences: list[float], accepted: int) -> None:
         if not confidences:
             return
+        for i in range(min(len(confidences), accepted + 1)):  # before the calibration learns from them
+            self.predicted += self.calibration.acceptance(confidences[i])
+            self.observed += float(i < accepted)
         self.calibration.record(confidences, accepted)
         self.first += self.smoothing * (float(accepted > 0) - self.first)

@@ -123,7 +123,6 @@ def _timed(fn) -> float:
 
 
 def load_or_measure(key: str, target, drafter, max_tokens: int) -> CostProfile:
-    path = cache_dir() / f"{key}.json"
     cached = load(key)
     if cached is not None:
         return cached

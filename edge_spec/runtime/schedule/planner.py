@@ -14,7 +14,7 @@ import numpy as np
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
-from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
+from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, chain_tokens, plan_round
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.verify.chain import VerifyResult
 from edge_spec.runtime.verify.sampling import SamplingParams
@@ -25,28 +25,31 @@ class DraftPlanner:
 
     def __init__(self, proposers: list[Proposer], target: Decoder, gamma: int, adaptive: bool,
                  min_confidence: float = 0.0, calibration: AcceptanceCalibration | None = None) -> None:
-        """``calibration``: the drafter's acceptance calibration carried across requests
-        (``schedule.memory``) for this request's sampling regime; None starts a fresh one."""
+        """``calibration``: the acceptance calibration carried across requests (``schedule.memory``)
+        for this drafter and sampling regime; None starts a fresh one."""
         self.target = target
         self.gamma, self.adaptive, self.min_confidence = gamma, adaptive, min_confidence
+        calibration = calibration or AcceptanceCalibration()
         self.model = next((p for p in proposers if p.kind == "model"), None)
-        self.sequences = [(p, LookupChoice()) for p in proposers if p.kind == "sequence"]
+        self.sequences = [(p, LookupChoice(calibration.sequence)) for p in proposers if p.kind == "sequence"]
         self.fillers = [p for p in proposers if p.kind == "filler"]
-        estimates = RequestAcceptance(calibration or AcceptanceCalibration())
-        self.policy = AdaptiveGamma(gamma, estimates) if adaptive else None
+        self.estimates = RequestAcceptance(calibration)
+        self.policy = AdaptiveGamma(gamma, self.estimates) if adaptive else None
 
     def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> DraftBlock:
         rule = DraftRule(params, rng, self.gamma, self.min_confidence)
+        costs = self._costs()
         for proposer, choice in self.sequences:
             block = proposer.propose(committed, room, rule)
-            take = choice.lookup_gamma(self._costs(), self.gamma, self.adaptive) if block.tokens else 0
+            take = choice.lookup_gamma(len(block.tokens), block.matched, costs, self.gamma, self._model_rate(costs),
+                                       self.adaptive) if block.tokens else 0
             if take:
                 block.truncate(take)
                 return block
         block = DraftBlock()
         if self.model is not None:
-            if self.policy is not None and self.model.step_estimate is not None:
-                rule.stop = self.policy.begin_round(self._costs())
+            if self.policy is not None and costs is not None:
+                rule.stop = self.policy.begin_round(costs)
                 rule.gamma = 0 if rule.stop is None else rule.stop.gamma_max
             block = self.model.propose(committed, room, rule)
         if block.tokens or room == 0 or self.target.min_rows < 2:
@@ -61,11 +64,22 @@ class DraftPlanner:
     def update(self, block: DraftBlock, result: VerifyResult) -> None:
         """Fold a verified round into the acceptance estimates of the source that drafted it."""
         drafted = len(block.tokens)
-        if self.model is not None and block.source == self.model.name and self.policy is not None:
-            self.policy.update(drafted, result.accepted, block.confidences)
+        if self.model is not None and block.source == self.model.name and drafted:
+            if self.policy is not None:
+                self.policy.update(drafted, result.accepted, block.confidences)
+            else:  # fixed γ computes no confidences: only the first-draft average (lookup weighs against it)
+                self.estimates.note_first(result.accepted > 0)
         for proposer, choice in self.sequences:
-            if block.source in (proposer.name, getattr(self.model, "name", None)):
-                choice.update(block.source == proposer.name, drafted, result.accepted)
+            if block.source == proposer.name:
+                choice.update(block.matched, drafted, result.accepted)
+
+    def _model_rate(self, costs: CostModel | None) -> float | None:
+        """Tokens per second the drafter's round would make now (None: no drafter or no costs yet)."""
+        if self.model is None or costs is None:
+            return None
+        if self.policy is not None:
+            return plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.gamma).rate
+        return chain_tokens(self.estimates.first, self.estimates.later_draft(), self.gamma) / costs.round_cost(self.gamma)
 
     def _costs(self) -> CostModel | None:
         """What a model round costs now (None until the drafter's step and target passes are measured)."""

@@ -119,6 +119,7 @@ class DraftRound:
     rate: float  # ρ: tokens per second the round must beat to spend more time
     estimates: RequestAcceptance
     forced: bool = False  # keep every draft up to gamma_max (probe rounds)
+    margin: float = 0.0  # drafting on must gain this share of the round's tokens over stopping
     kept: int = 0
     survive: float = 1.0
     expected: float = 1.0
@@ -155,7 +156,7 @@ class DraftRound:
         expected = self.expected + survive
         for length in range(k, self.gamma_max + 1):
             value = expected - self.rate * (length * costs.draft + costs.verify_cost(length + 1))
-            if value > best_value + 1e-12:
+            if value > best_value + (self.margin * expected if length > k else 1e-12):
                 best, best_value = length, value
             survive *= following
             expected += survive

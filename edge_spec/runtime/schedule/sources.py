@@ -1,43 +1,42 @@
 """Sequence drafts or the drafter model?  Per request, per sequence proposer (prompt lookup).
 
-Both sources keep a running acceptance (EMA); a sequence round costs only its verify pass, a model
-round costs its drafter steps too.  The sequence's drafts are taken when they promise at least as
-many tokens per second as the model's.
+A lookup round costs only its verify pass; a drafter round costs its drafter steps too.  The lookup's
+drafts are taken, as many as pay, when the round they make promises at least as many tokens per
+second as the drafter's planned round.  Their acceptance comes from the carried calibration by match
+length (``schedule.acceptance.SequenceCalibration``), scaled by how this request's lookups do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge_spec.runtime.schedule.policy import CostModel, best_gamma, expected_tokens, fold_acceptance
+from edge_spec.runtime.schedule.acceptance import PRIOR_WEIGHT, SequenceCalibration
+from edge_spec.runtime.schedule.policy import CostModel, plan_round
 
 
 @dataclass
 class LookupChoice:
-    """Per request: when the sequence offers a lookup draft, take it or run the drafter?
+    """Per request: when the sequence offers drafts, take how many of them (0: use the drafter).  A
+    proposal that loses is still tried every ``probe_every``-th time, so that its estimate stays current."""
 
-    Both sources keep a running acceptance (EMA).  A lookup round costs only its verify pass; a
-    drafter round costs γ drafter steps plus its verify pass (:class:`~edge_spec.runtime.schedule.policy.CostModel`).
-    Lookup wins when its expected tokens per second are at least the drafter's.  A proposal that
-    loses is still tried every ``probe_every``-th time, so that its acceptance stays current.
-    """
-
-    lookup_alpha: float = 0.7
-    model_alpha: float = 0.8
-    smoothing: float = 0.2
+    calibration: SequenceCalibration
     probe_every: int = 8
+    predicted: float = PRIOR_WEIGHT
+    observed: float = PRIOR_WEIGHT
     _skipped: int = 0
 
-    def lookup_gamma(self, costs: CostModel | None, gamma_max: int, adaptive: bool) -> int:
-        """Lookup drafts to take this round (0: use the drafter)."""
-        if costs is None:  # nothing measured yet: trust a lookup that has been doing well
-            return gamma_max if self.lookup_alpha >= 0.5 else 0
+    def lookup_gamma(self, offered: int, matched: int, costs: CostModel | None, gamma_max: int,
+                     model_rate: float | None, adaptive: bool) -> int:
+        """Drafts to take of the ``offered`` ones (whose source matched ``matched`` tokens) when the
+        drafter's round would make ``model_rate`` tokens per second (None: no drafter, or not known)."""
+        first, later = self._estimates(matched)
+        most = min(offered, gamma_max)
+        if costs is None:  # nothing measured yet: trust a lookup that is likely right
+            return most if first >= 0.5 else 0
         lookup_costs = CostModel(0.0, costs.verify)
-        gamma = best_gamma(self.lookup_alpha, lookup_costs, gamma_max) if adaptive else gamma_max
-        model_gamma = best_gamma(self.model_alpha, costs, gamma_max) if adaptive else gamma_max
-        lookup_rate = expected_tokens(self.lookup_alpha, gamma) / lookup_costs.round_cost(gamma)
-        model_rate = expected_tokens(self.model_alpha, model_gamma) / costs.round_cost(model_gamma)
-        if gamma and lookup_rate >= model_rate:
+        gamma = plan_round(first, later, lookup_costs, most).gamma if adaptive else most
+        rate = plan_round(first, later, lookup_costs, gamma).rate if gamma else 0.0
+        if gamma and (model_rate is None or rate >= model_rate):
             return gamma
         self._skipped += 1
         if self._skipped >= self.probe_every:
@@ -45,8 +44,13 @@ class LookupChoice:
             return 1
         return 0
 
-    def update(self, from_lookup: bool, drafted: int, accepted: int) -> None:
-        if from_lookup:
-            self.lookup_alpha = fold_acceptance(self.lookup_alpha, self.smoothing, drafted, accepted)
-        else:
-            self.model_alpha = fold_acceptance(self.model_alpha, self.smoothing, drafted, accepted)
+    def update(self, matched: int, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, accepted + 1)):
+            self.predicted += self.calibration.first_draft(matched) if i == 0 else self.calibration.later_draft()
+            self.observed += float(i < accepted)
+        self.calibration.record(matched, drafted, accepted)
+
+    def _estimates(self, matched: int) -> tuple[float, float]:
+        factor = self.observed / self.predicted
+        return (min(self.calibration.first_draft(matched) * factor, 1.0),
+                min(self.calibration.later_draft() * factor, 1.0))
