@@ -35,6 +35,8 @@ DraftThreadsOpt = typer.Option(None, "--draft-threads", help="Drafter intra-op t
                                "with --mode ssd e.g. --threads 1 --draft-threads 1 on two cores.")
 DraftProviderOpt = typer.Option(None, "--draft-provider", help="Drafter execution provider (default: --provider); "
                                 "e.g. --provider cuda --draft-provider cpu.")
+ProviderOptionOpt = typer.Option([], "--provider-option", help="KEY=VALUE for the --provider's sessions, passed "
+                                 "to ONNX Runtime as is (repeatable), e.g. --provider-option device_id=1.")
 GammaOpt = typer.Option(None, "--gamma", help="Draft tokens per target pass (spec: the maximum when adaptive; "
                         "default spec 4, multi-draft 2, ssd 1).")
 ScheduleOpt = typer.Option(None, "--schedule",
@@ -195,12 +197,24 @@ def add_heads(
 
 
 @app.command()
-def info(bundle: Path,
+def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory (optional with --providers)."),
          verify: bool = typer.Option(False, "--verify", help="Also check every file's sha256 (reads the "
-                                     "whole bundle), not only its size.")) -> None:
-    """Show what a bundle holds (after checking its files as `generate` does)."""
+                                     "whole bundle), not only its size."),
+         providers: bool = typer.Option(False, "--providers", help="List the execution providers: present in "
+                                        "this onnxruntime build, and whether a session on each one runs."),
+         provider_option: list[str] = ProviderOptionOpt) -> None:
+    """Show what a bundle holds (after checking its files as `generate` does), or the execution providers."""
     from edge_spec.manifest import read_manifest, verify_files
 
+    if providers:
+        from edge_spec.runtime.model.providers import provider_report
+
+        for name, line in provider_report(_provider_options(provider_option)):
+            out.print(f"{name:9s} {line}")
+        if bundle is None:
+            return
+    if bundle is None:
+        raise EdgeSpecError("edge-spec info needs a bundle directory (or --providers)")
     manifest = read_manifest(bundle)
     verify_files(bundle, manifest, full_hash=verify)
     for role in ("target", "draft"):
@@ -269,15 +283,27 @@ def _read_prompt(prompt: str) -> str:
 
 def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: str | None,
                  draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None,
-                 verify: bool = False):
+                 verify: bool = False, provider_option: list[str] | None = None):
     from edge_spec.runtime.engine import Engine
 
     _check_threads(threads, draft_threads)
+    options = _provider_options(provider_option or [])
     _check_gamma(bundle, config)
     with _loading_status():
         return Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
                                   draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
-                                  exact=exact, verify=verify)
+                                  exact=exact, verify=verify, provider_options=options)
+
+
+def _provider_options(pairs: list[str]) -> dict[str, str]:
+    """``--provider-option KEY=VALUE`` flags as ORT's provider-options dict."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise EdgeSpecError(f"--provider-option takes KEY=VALUE, not {pair!r}")
+        options[key.strip()] = value.strip()
+    return options
 
 
 def _loading_status():
@@ -365,6 +391,7 @@ def generate(
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
@@ -375,7 +402,7 @@ def generate(
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                          verify)
+                          verify, provider_option)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -405,6 +432,7 @@ def chat(
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
@@ -412,7 +440,7 @@ def chat(
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                          verify)
+                          verify, provider_option)
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # a line editor: a terminal alone cuts a pasted line at 4095 bytes
             import readline  # noqa: F401
@@ -476,6 +504,7 @@ def serve(
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
@@ -493,7 +522,7 @@ def serve(
     sock = listen(host, port)  # a busy port fails before the (slow) load
     try:
         engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                              verify)
+                              verify, provider_option)
         run(engine, sock, name=bundle.resolve().name, api_key=api_key, max_queue=max_queue,
             shutdown_grace=shutdown_grace)
     finally:
@@ -530,6 +559,8 @@ def bench(
     output: Path = typer.Option(Path("bench-results"), "--output", help="Directory for JSON and PNG."),
     threads: int = ThreadsOpt,
     provider: str = ProviderOpt,
+    draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
@@ -543,6 +574,7 @@ def bench(
 
     # every flag is checked before the (slow) engine load
     _check_threads(threads, draft_threads)
+    options = _provider_options(provider_option)
     if repeat < 1:
         raise EdgeSpecError("--repeat must be at least 1")
     if max_tokens < 1:
@@ -563,7 +595,8 @@ def bench(
     ssds = [SsdConfig(gamma=g) for g in (gammas or [gamma or SsdConfig.gamma])] if ssd else []
     with _loading_status():
         engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=chain,
-                                    draft_threads=draft_threads, exact=exact, verify=verify)
+                                    draft_threads=draft_threads, exact=exact, verify=verify,
+                                    draft_provider=draft_provider, provider_options=options)
     modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference, eagle)
     engine.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=False)

@@ -43,7 +43,7 @@ import onnxruntime as ort
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.kv_cache import kv_storage
-from edge_spec.runtime.model.providers import resolve_provider
+from edge_spec.runtime.model.providers import open_session
 
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
@@ -151,9 +151,7 @@ class Decoder:
         # from the busy one: the engine turns spinning off whenever a drafter is in use.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         try:
-            providers = resolve_provider(provider)
-            options = [provider_options or {}] + [{}] * (len(providers) - 1)
-            self.session = ort.InferenceSession(str(model_path), opts, providers=providers, provider_options=options)
+            self.session = open_session(str(model_path), opts, provider, provider_options)
         except EdgeSpecError:
             raise
         except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf

@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from edge_spec.runtime.model.providers import resolve_provider
+from edge_spec.runtime.model.providers import open_session
 
 OPSET = 21
 IR_VERSION = 10  # what every ORT >= 1.22 loads (onnxruntime-webgpu included)
@@ -31,9 +31,7 @@ def _session(model, provider: str, provider_options: dict[str, str] | None) -> o
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    providers = resolve_provider(provider)
-    options = [provider_options or {}] + [{}] * (len(providers) - 1)
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=providers, provider_options=options)
+    return open_session(model.SerializeToString(), opts, provider, provider_options)
 
 
 def zeros_on_device(provider: str, provider_options: dict[str, str] | None, shape: Sequence[int], count: int,
