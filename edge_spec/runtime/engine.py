@@ -23,6 +23,7 @@ from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
 from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.providers import exact_min_rows
 from edge_spec.runtime.model.session import small_session
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.propose.context import ProposerContext
@@ -417,7 +418,7 @@ class Engine:
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
-        self.target.min_rows = 2 if self.exact_for(mode, exact) else 1
+        self.target.min_rows = exact_min_rows(self._provider) if self.exact_for(mode, exact) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
         self.last_stats = stats

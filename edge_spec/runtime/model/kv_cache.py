@@ -79,10 +79,11 @@ class DeviceKV:
 def kv_storage(provider: str, shape: tuple[int, int, int, int], buffers: int, device: str | None = None,
                provider_options: dict[str, str] | None = None) -> KVStorage:
     """The storage for a decoder on ``provider``: on its device where it has one, else host memory
-    (``device`` overrides: "cpu" gives device-style OrtValues in host memory, for tests)."""
+    (``device`` overrides: "host" gives numpy buffers on any provider, "cpu" device-style OrtValues in
+    host memory; both for tests and measurements)."""
     provider = provider.lower()
     device = device or DEVICE_OF_PROVIDER.get(provider)
-    if device is None:
+    if device in (None, "host"):
         return HostKV(shape, buffers, on_device_ep=provider != "cpu")
     ep = "cpu" if device == "cpu" else provider
     options = provider_options if ep == provider else None

@@ -19,6 +19,16 @@ PROVIDER_NAMES = {
     "webgpu": "WebGpuExecutionProvider",
 }
 
+# Rows from which every pass of an execution provider takes the same kernels, so that each row's result
+# does not depend on how many rows share the pass (see ``decoder``, "batch-invariant numerics"): the CPU
+# EP's kernels have a one-row path; WebGPU's int4 MatMulNBits has another path below four rows.
+EXACT_MIN_ROWS = {"webgpu": 4}
+
+
+def exact_min_rows(provider: str) -> int:
+    """How many rows a batch-invariant pass on ``provider`` needs (shorter passes are padded)."""
+    return EXACT_MIN_ROWS.get(provider.lower(), 2)
+
 
 def resolve_provider(name: str) -> list[str]:
     """Providers list for ``InferenceSession``: the requested one, with CPU as fallback for unsupported ops."""
