@@ -231,7 +231,8 @@ class Decoder:
         self.session.run_with_iobinding(b)
         self.stats.add(rows, time.perf_counter() - start, prefill)
         self.tokens.extend(int(t) for t in ids[0, :n])
-        results = [value.numpy() for value in b.get_outputs()]
+        outs = b.get_outputs()  # results first, then the present buffers, which stay where they are
+        results = [outs[i].numpy() for i in range(len(self._result_names))]
         if self.on_device:
             self._count(sum(a.nbytes for a in feeds.values()), sum(a.nbytes for a in results))
         return {name: results[i][0, :n if name in ALL_ROW_OUTPUTS else wanted]
