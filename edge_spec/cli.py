@@ -206,7 +206,7 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
     """Show what a bundle holds (after checking its files as `generate` does), or the execution providers."""
     from edge_spec.manifest import read_manifest, verify_files
 
-    if providers:
+    if providers is True:  # (a direct Python call leaves typer's OptionInfo default here)
         from edge_spec.runtime.model.providers import provider_report
 
         for name, line in provider_report(_provider_options(provider_option)):
