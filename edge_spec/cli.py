@@ -35,6 +35,8 @@ DraftThreadsOpt = typer.Option(None, "--draft-threads", help="Drafter intra-op t
                                "with --mode ssd e.g. --threads 1 --draft-threads 1 on two cores.")
 DraftProviderOpt = typer.Option(None, "--draft-provider", help="Drafter execution provider (default: --provider); "
                                 "e.g. --provider cuda --draft-provider cpu.")
+ProviderOptionOpt = typer.Option([], "--provider-option", help="KEY=VALUE for the --provider's sessions, passed "
+                                 "to ONNX Runtime as is (repeatable), e.g. --provider-option device_id=1.")
 GammaOpt = typer.Option(None, "--gamma", help="Draft tokens per target pass (spec: the maximum when adaptive; "
                         "default spec 4, multi-draft 2, ssd 1).")
 ScheduleOpt = typer.Option(None, "--schedule",
@@ -195,7 +197,7 @@ def add_heads(
 
 
 @app.command()
-def info(bundle: Path,
+def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory (optional with --providers)."),
          verify: bool = typer.Option(False, "--verify", help="Also check every file's sha256 (reads the "
                                      "whole bundle), not only its size."),
          costs: bool = typer.Option(False, "--costs", help="Also show this machine's cost profile (measured "
@@ -203,10 +205,23 @@ def info(bundle: Path,
                                     "length the schedule plans at each acceptance."),
          threads: int = ThreadsOpt,
          gamma: int = typer.Option(4, "--gamma", help="With --costs: the longest draft to profile for."),
-         head: Optional[str] = HeadOpt) -> None:
-    """Show what a bundle holds (after checking its files as `generate` does)."""
+         head: Optional[str] = HeadOpt,
+         providers: bool = typer.Option(False, "--providers", help="List the execution providers: present in "
+                                        "this onnxruntime build, and whether a session on each one runs."),
+         provider_option: list[str] = ProviderOptionOpt) -> None:
+    """Show what a bundle holds (after checking its files as `generate` does), the execution providers,
+    or this machine's costs."""
     from edge_spec.manifest import read_manifest, verify_files
 
+    if providers is True:  # (a direct Python call leaves typer's OptionInfo default here)
+        from edge_spec.runtime.model.providers import provider_report
+
+        for name, line in provider_report(_provider_options(provider_option)):
+            out.print(f"{name:9s} {line}")
+        if bundle is None:
+            return
+    if bundle is None:
+        raise EdgeSpecError("edge-spec info needs a bundle directory (or --providers)")
     manifest = read_manifest(bundle)
     verify_files(bundle, manifest, full_hash=verify)
     for role in ("target", "draft"):
@@ -308,15 +323,27 @@ def _read_prompt(prompt: str) -> str:
 
 def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: str | None,
                  draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None,
-                 verify: bool = False):
+                 verify: bool = False, provider_option: list[str] | None = None):
     from edge_spec.runtime.engine import Engine
 
     _check_threads(threads, draft_threads)
+    options = _provider_options(provider_option or [])
     _check_gamma(bundle, config)
     with _loading_status():
         return Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
                                   draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
-                                  exact=exact, verify=verify)
+                                  exact=exact, verify=verify, provider_options=options)
+
+
+def _provider_options(pairs: list[str]) -> dict[str, str]:
+    """``--provider-option KEY=VALUE`` flags as ORT's provider-options dict."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise EdgeSpecError(f"--provider-option takes KEY=VALUE, not {pair!r}")
+        options[key.strip()] = value.strip()
+    return options
 
 
 def _loading_status():
@@ -404,6 +431,7 @@ def generate(
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
@@ -414,7 +442,7 @@ def generate(
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                          verify)
+                          verify, provider_option)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -444,6 +472,7 @@ def chat(
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
@@ -451,7 +480,7 @@ def chat(
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                          verify)
+                          verify, provider_option)
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # a line editor: a terminal alone cuts a pasted line at 4095 bytes
             import readline  # noqa: F401
@@ -515,6 +544,7 @@ def serve(
     draft_head: Optional[str] = HeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
@@ -532,7 +562,7 @@ def serve(
     sock = listen(host, port)  # a busy port fails before the (slow) load
     try:
         engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                              verify)
+                              verify, provider_option)
         run(engine, sock, name=bundle.resolve().name, api_key=api_key, max_queue=max_queue,
             shutdown_grace=shutdown_grace)
     finally:
@@ -569,6 +599,8 @@ def bench(
     output: Path = typer.Option(Path("bench-results"), "--output", help="Directory for JSON and PNG."),
     threads: int = ThreadsOpt,
     provider: str = ProviderOpt,
+    draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
@@ -583,6 +615,7 @@ def bench(
 
     # every flag is checked before the (slow) engine load
     _check_threads(threads, draft_threads)
+    options = _provider_options(provider_option)
     if repeat < 1:
         raise EdgeSpecError("--repeat must be at least 1")
     if max_tokens < 1:
@@ -603,9 +636,11 @@ def bench(
     ssds = [SsdConfig(gamma=g) for g in (gammas or [gamma or SsdConfig.gamma])] if ssd else []
     with _loading_status():
         engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=chain,
-                                    draft_threads=draft_threads, exact=exact, verify=verify)
+                                    draft_threads=draft_threads, exact=exact, verify=verify,
+                                    draft_provider=draft_provider, provider_options=options)
         # the ar baseline is our fastest target-only decoding: an engine loaded for it alone
-        baseline = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="ar")
+        baseline = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="ar",
+                                      provider_options=options)
     modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference, eagle)
     engine.complete("warm up", max_new_tokens=4)
     baseline.complete("warm up", max_new_tokens=4)

@@ -23,6 +23,7 @@ from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
 from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.providers import exact_min_rows
 from edge_spec.runtime.model.session import small_session
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.propose.context import ProposerContext
@@ -91,7 +92,8 @@ class Engine:
     def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder, *,
                  provider: str = "cpu", threads: int = 0, config: LoopConfig | None = None,
                  draft_head: str | None = None, draft_provider: str | None = None,
-                 draft_threads: int | None = None, exact: bool | None = None) -> None:
+                 draft_threads: int | None = None, exact: bool | None = None,
+                 provider_options: dict[str, str] | None = None) -> None:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.tokenizer = tokenizer
@@ -100,6 +102,7 @@ class Engine:
         self.exact = exact  # None: batch-invariant target passes in the speculative modes only (see exact_for)
         self._provider, self._threads = provider, threads
         self._draft_provider = draft_provider or provider
+        self._provider_options = dict(provider_options or {})  # for sessions on the target's provider
         self._draft_threads = threads if draft_threads is None else draft_threads
         self._draft_body: Decoder | None = None
         self._drafters: dict[str, ModelDrafter] = {}
@@ -132,6 +135,7 @@ class Engine:
         draft_provider: str | None = None,
         draft_threads: int | None = None,
         exact: bool | None = None,
+        provider_options: dict[str, str] | None = None,
     ) -> "Engine":
         """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
 
@@ -149,6 +153,8 @@ class Engine:
         The drafter is loaded on first use when ``mode="ar"``.  ``mode="ssd"`` drafts the next round while
         the target verifies (:mod:`ssd`): give the two models their own cores or devices with
         ``draft_threads`` / ``draft_provider`` (default: the target's ``threads`` / ``provider``).
+        ``provider_options`` go as they are to every session on the target's provider (the drafter's too
+        when it shares that provider), e.g. ``{"device_id": "1"}``.
         """
         bundle_dir = Path(path)
         manifest = read_manifest(bundle_dir)
@@ -162,9 +168,10 @@ class Engine:
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
-                         spin=config.mode == "ar")
+                         spin=config.mode == "ar", provider_options=provider_options)
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, config=config,
-                     draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads, exact=exact)
+                     draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads, exact=exact,
+                     provider_options=provider_options)
         if isinstance(config, TreeConfig):
             check_tree(target, config, greedy=True)  # the verifier's draft count is checked per request
         if config.mode != "ar":
@@ -177,7 +184,8 @@ class Engine:
         The γ policy plans with it from the first round; live measurements refine it."""
         drafter = self.active_drafter()
         max_tokens = max(self.config.gamma + 1, 2)
-        placement = (f"{self._provider}/{self._draft_provider}", f"{self._threads}/{self._draft_threads}")
+        options = ",".join(f"{k}={v}" for k, v in sorted(self._provider_options.items()))
+        placement = (f"{self._provider}[{options}]/{self._draft_provider}", f"{self._threads}/{self._draft_threads}")
         key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *placement, max_tokens)
         profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
         for n, seconds in profile.verify.items():  # live measurements, once there are some, win
@@ -246,8 +254,8 @@ class Engine:
     def drafter(self) -> ModelDrafter:
         """The drafter for the current head, loaded on first use."""
         if self._draft_body is None:
-            self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], provider=self._draft_provider,
-                                       threads=self._draft_threads, capacity=self.target.capacity, spin=False)
+            self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], capacity=self.target.capacity,
+                                       spin=False, **self._draft_placement())
         if self.draft_head not in self._drafters:
             self._drafters[self.draft_head] = ModelDrafter(self._draft_body, self._load_head(self.draft_head),
                                                            self.target.vocab_size)
@@ -265,7 +273,7 @@ class Engine:
             if "features" not in self.target.output_names:
                 raise EdgeSpecError("this bundle's target graph has no features output for its EAGLE head; "
                                     "attach the head again with this edge-spec version")
-            where = dict(provider=self._draft_provider, threads=self._draft_threads)
+            where = self._draft_placement()
             head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, spin=False, **where)
             fc = small_session(self.bundle_dir / entry["fc_onnx"], what="EAGLE feature projection", **where)
             d2t = load_array(self.bundle_dir / entry["d2t"])
@@ -274,9 +282,14 @@ class Engine:
             self._eagle = EagleDrafter(head, fc, embedding.rows, ids, self.target.vocab_size)
         return self._eagle
 
+    def _draft_placement(self) -> dict:
+        """Where the drafter's sessions run: its provider, threads and, on the target's provider, its options."""
+        options = self._provider_options if self._draft_provider.lower() == self._provider.lower() else {}
+        return dict(provider=self._draft_provider, threads=self._draft_threads, provider_options=options)
+
     def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
         head = self.manifest["draft"]["heads"][name]
-        where = dict(provider=self._draft_provider, threads=self._draft_threads)
+        where = self._draft_placement()
         if head.get("kind") == "specvocab":
             always, universe = self._token_ids(head, "always_ids"), self._token_ids(head, "universe")
             try:
@@ -423,7 +436,7 @@ class Engine:
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
-        self.target.min_rows = 2 if self.exact_for(mode, exact) else 1
+        self.target.min_rows = exact_min_rows(self._provider) if self.exact_for(mode, exact) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
         self.last_stats = stats

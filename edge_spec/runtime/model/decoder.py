@@ -43,7 +43,7 @@ import onnxruntime as ort
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.kv_cache import kv_storage
-from edge_spec.runtime.model.providers import resolve_provider
+from edge_spec.runtime.model.providers import open_session
 
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
@@ -59,6 +59,23 @@ def damaged_weights_message(model_path: Path) -> str:
     what = f"the {role}" if role in ("target", "draft", "eagle") else str(model_path)
     return (f"{what} produced NaN/inf logits: the bundle's weights are damaged; "
             f"run edge-spec info {model_path.parent.parent} --verify")
+
+
+@dataclass
+class Transfers:
+    """Bytes copied between host and device memory by this decoder's bindings (none on the CPU EP).
+
+    Counted from what is bound: host inputs a device EP must upload, outputs fetched to the host, the
+    KV cache where it lives in host memory (read in and written back every pass), and slot moves.
+    ORT's own copies around nodes that fall back to the CPU EP are not visible here."""
+
+    host_to_device: int = 0
+    device_to_host: int = 0
+    kv: int = 0  # the part of both that is KV cache
+    passes: int = 0
+
+    def reset(self) -> None:
+        self.host_to_device = self.device_to_host = self.kv = self.passes = 0
 
 
 @dataclass
@@ -134,9 +151,7 @@ class Decoder:
         # from the busy one: the engine turns spinning off whenever a drafter is in use.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         try:
-            providers = resolve_provider(provider)
-            options = [provider_options or {}] + [{}] * (len(providers) - 1)
-            self.session = ort.InferenceSession(str(model_path), opts, providers=providers, provider_options=options)
+            self.session = open_session(str(model_path), opts, provider, provider_options)
         except EdgeSpecError:
             raise
         except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf
@@ -155,7 +170,10 @@ class Decoder:
         self.vocab_size = int(outputs["logits"].shape[-1]) if "logits" in outputs else 0
         self.tokens: list[int] = []  # ids whose keys/values are in the cache, in order
         self.stats = DecoderStats()
-        self.kv = kv_storage(provider, (1, kv_heads, capacity, head_dim), 2 * self.num_layers, kv_device)
+        self.transfers = Transfers()
+        self.on_device = provider.lower() != "cpu"  # inputs bound from host memory cross the bus
+        self.kv = kv_storage(provider, (1, kv_heads, capacity, head_dim), 2 * self.num_layers, kv_device,
+                             provider_options)
         self.supports_tree = {"position_ids", "attention_bias"} <= self.input_names
         self._binding = self.session.io_binding()
         # results are bound first so that get_outputs()[i] is result i (re-binding keeps the slot)
@@ -185,15 +203,15 @@ class Decoder:
             ids = np.concatenate([ids, np.repeat(ids[:, -1:], pad, axis=1)], axis=1)
         rows = n + pad
         total = past + rows
-        b = self._binding
+        feeds: dict[str, np.ndarray] = {}
         if "input_ids" in self.input_names:
-            b.bind_cpu_input("input_ids", ids)
+            feeds["input_ids"] = ids
         for name, rows_in in (inputs or {}).items():
-            b.bind_cpu_input(name, np.ascontiguousarray(rows_in[None]))
-        b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
-        b.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+            feeds[name] = np.ascontiguousarray(rows_in[None])
+        feeds["seqlens_k"] = np.array([total - 1], np.int32)
+        feeds["total_sequence_length"] = np.array(total, np.int32)
         wanted = min(num_logits, n)
-        b.bind_cpu_input("num_logits", np.array([wanted + pad], np.int64))
+        feeds["num_logits"] = np.array([wanted + pad], np.int64)
         if tree is not None and not self.supports_tree:
             raise EdgeSpecError("this target graph has no tree-attention inputs (position_ids, attention_bias); "
                                 "re-export the bundle with this edge-spec version for multi-draft decoding")
@@ -202,17 +220,32 @@ class Decoder:
                 raise ValueError(f"tree has {tree.size} nodes but {n} tokens were fed")
             positions = tree.positions(past) if tree is not None else np.arange(past, total, dtype=np.int64)
             bias = tree.attention_bias(past) if tree is not None else np.zeros((rows, total), np.float32)
-            b.bind_cpu_input("position_ids", positions.reshape(1, rows))
-            b.bind_cpu_input("attention_bias", bias.reshape(1, 1, rows, total))
+            feeds["position_ids"] = positions.reshape(1, rows)
+            feeds["attention_bias"] = bias.reshape(1, 1, rows, total)
+        b = self._binding
+        for name, array in feeds.items():
+            b.bind_cpu_input(name, array)
         for name in self._result_names:
             b.bind_output(name, "cpu")
         start = time.perf_counter()
         self.session.run_with_iobinding(b)
         self.stats.add(rows, time.perf_counter() - start, prefill)
         self.tokens.extend(int(t) for t in ids[0, :n])
-        outs = b.get_outputs()
-        return {name: outs[i].numpy()[0, :n if name in ALL_ROW_OUTPUTS else wanted]
+        outs = b.get_outputs()  # results first, then the present buffers, which stay where they are
+        results = [outs[i].numpy() for i in range(len(self._result_names))]
+        if self.on_device:
+            self._count(sum(a.nbytes for a in feeds.values()), sum(a.nbytes for a in results))
+        return {name: results[i][0, :n if name in ALL_ROW_OUTPUTS else wanted]
                 for i, name in enumerate(self._result_names)}
+
+    def _count(self, uploaded: int, fetched: int) -> None:
+        """File one pass's host<->device copies in :attr:`transfers` (the cache's own, where it is on
+        the host, in both directions)."""
+        t, kv = self.transfers, self.kv.crosses_per_pass
+        t.host_to_device += uploaded + kv // 2
+        t.device_to_host += fetched + kv // 2
+        t.kv += kv
+        t.passes += 1
 
     def keep_path(self, start: int, nodes: list[int]) -> None:
         """After a tree pass whose nodes were appended at ``start``: keep only ``nodes`` (pass-order
@@ -222,6 +255,8 @@ class Decoder:
         moved = [(start + d, start + n) for d, n in enumerate(nodes) if n != d]
         if moved:
             self.kv.move_slots(*(list(slots) for slots in zip(*moved)))
+            if self.on_device:
+                self.transfers.host_to_device += self.kv.last_move_bytes
         kept = [self.tokens[start + n] for n in nodes]
         del self.tokens[start:]
         self.tokens.extend(kept)

@@ -31,8 +31,8 @@ class DraftHead:
     """A static head: ``vocab_ids[j]`` is the target id of head row j (None: full vocabulary)."""
 
     def __init__(self, model_path: Path, *, provider: str = "cpu", threads: int = 0,
-                 vocab_ids: np.ndarray | None = None) -> None:
-        self.session = small_session(model_path, provider, threads)
+                 vocab_ids: np.ndarray | None = None, provider_options: dict[str, str] | None = None) -> None:
+        self.session = small_session(model_path, provider, threads, provider_options=provider_options)
         self.rows = int(self.session.get_outputs()[0].shape[-1])
         if vocab_ids is not None and len(vocab_ids) != self.rows:
             raise EdgeSpecError(f"{model_path}: head has {self.rows} rows but its vocabulary map {len(vocab_ids)}")
@@ -59,8 +59,8 @@ class SpecVocabHead:
 
     def __init__(self, scorer_path: Path, rows_path: Path, scales_path: Path, candidates: int, *,
                  always_ids: np.ndarray | None = None, universe: np.ndarray | None = None,
-                 provider: str = "cpu", threads: int = 0) -> None:
-        self.session = small_session(scorer_path, provider, threads)
+                 provider: str = "cpu", threads: int = 0, provider_options: dict[str, str] | None = None) -> None:
+        self.session = small_session(scorer_path, provider, threads, provider_options=provider_options)
         for path in (rows_path, scales_path):
             if not Path(path).is_file():
                 raise EdgeSpecError(f"SpecVocab head file not found: {path}")
