@@ -44,8 +44,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "qwen2.5-coder-1.5b-instruct-q4_k_m"
-GGUF = ROOT / "models" / "gguf" / f"{NAME}.gguf"
-HF_DIR = ROOT / "models" / "hf" / NAME
 GENAI_DIR = ROOT / "models" / "genai" / NAME
 GENAI_CACHE = ROOT / "models" / "genai" / "cache"
 GENAI_VENV = ROOT / "models" / "genai-venv"
@@ -71,15 +69,17 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- preparation (cached)
 
 
-def ensure_hf_checkpoint() -> None:
-    """GGUF -> float32 HF checkpoint (transformers' GGUF loader dequantizes Q4_K/Q6_K exactly into fp32)."""
-    if (HF_DIR / "config.json").is_file() and any(HF_DIR.glob("*.safetensors")):
-        return
-    log(f"converting {GGUF.name} to a Hugging Face checkpoint in {HF_DIR} (once)")
+def ensure_hf_checkpoint(name: str = NAME) -> Path:
+    """GGUF -> float32 HF checkpoint (transformers' GGUF loader dequantizes Q4_K/Q6_K exactly into fp32).
+    ``name``: a GGUF in models/gguf/ (without .gguf); the checkpoint goes to models/hf/<name>/."""
+    gguf, out = ROOT / "models" / "gguf" / f"{name}.gguf", ROOT / "models" / "hf" / name
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    log(f"converting {gguf.name} to a Hugging Face checkpoint in {out} (once)")
     code = f"""
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-d, f, out = {str(GGUF.parent)!r}, {GGUF.name!r}, {str(HF_DIR)!r}
+d, f, out = {str(gguf.parent)!r}, {gguf.name!r}, {str(out)!r}
 tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
 model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32)
 model.save_pretrained(out, safe_serialization=True)
@@ -87,36 +87,53 @@ tok.save_pretrained(out)
 """
     # a child process, so the ~6 GB of fp32 weights are freed before anything is timed
     subprocess.run([sys.executable, "-c", code], check=True)
+    return out
+
+
+def ensure_venv(venv: Path, requirements: list[str], modules: str) -> None:
+    """A virtual environment with ``requirements`` installed, unless ``import <modules>`` works there already."""
+    python = venv / "bin" / "python"
+    if python.is_file() and subprocess.run([str(python), "-c", f"import {modules}"], capture_output=True).returncode == 0:
+        return
+    log(f"creating {venv} with {' '.join(requirements)} (once)")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], check=True)
 
 
 def ensure_genai_venv() -> None:
-    if GENAI_PY.is_file():
-        probe = subprocess.run([str(GENAI_PY), "-c", "import onnxruntime_genai, transformers, torch, onnx_ir"],
-                               capture_output=True)
-        if probe.returncode == 0:
-            return
-    log(f"creating {GENAI_VENV} with {' '.join(GENAI_REQUIREMENTS)} (once)")
-    subprocess.run([sys.executable, "-m", "venv", str(GENAI_VENV)], check=True)
-    subprocess.run([str(GENAI_PY), "-m", "pip", "install", "-q", *GENAI_REQUIREMENTS], check=True)
+    ensure_venv(GENAI_VENV, GENAI_REQUIREMENTS, "onnxruntime_genai, transformers, torch, onnx_ir")
 
 
-def ensure_genai_model(threads: int) -> None:
-    if (GENAI_DIR / "genai_config.json").is_file() and (GENAI_DIR / "model.onnx").is_file():
-        return
-    ensure_hf_checkpoint()
-    log(f"running the onnxruntime-genai model builder into {GENAI_DIR} (once; takes minutes)")
+def ensure_genai_model(threads: int, name: str = NAME) -> Path:
+    """The builder's int4 CPU export of models/gguf/<name>.gguf in models/genai/<name>/."""
+    out = ROOT / "models" / "genai" / name
+    if (out / "genai_config.json").is_file() and (out / "model.onnx").is_file():
+        return out
+    hf = ensure_hf_checkpoint(name)
+    log(f"running the onnxruntime-genai model builder into {out} (once; takes minutes)")
     cmd = [
         str(GENAI_PY), "-m", "onnxruntime_genai.models.builder",
-        "-i", str(HF_DIR), "-o", str(GENAI_DIR), "-p", "int4", "-e", "cpu", "-c", str(GENAI_CACHE),
+        "-i", str(hf), "-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(GENAI_CACHE),
         "--extra_options", "accuracy_level=4", "block_size=32",
     ]
     log(" ".join(cmd))
     started = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
     log(f"builder done in {time.perf_counter() - started:.0f} s")
+    return out
 
 
 # --------------------------------------------------------------------------- onnxruntime-genai side
+
+
+def load_genai_model(og, model_dir: str, threads: int, blocks: tuple[str, ...] = ("decoder",)):
+    """An onnxruntime-genai model on the CPU, each of ``blocks`` (``decoder``; ``draft`` for a speculative
+    config) on ``threads`` intra-op threads."""
+    config = og.Config(model_dir)
+    config.clear_providers()  # CPU
+    session = {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}
+    config.overlay(json.dumps({"model": {block: session for block in blocks}}))
+    return og.Model(config)
 
 
 def genai_worker() -> None:
@@ -125,11 +142,7 @@ def genai_worker() -> None:
     import onnxruntime_genai as og
 
     spec = json.loads(sys.stdin.readline())
-    config = og.Config(spec["model_dir"])
-    config.clear_providers()  # CPU
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-        "intra_op_num_threads": spec["threads"], "inter_op_num_threads": 1}}}}))
-    model = og.Model(config)
+    model = load_genai_model(og, spec["model_dir"], spec["threads"])
     tokenizer = og.Tokenizer(model)
     eos = set(int(t) for t in list(tokenizer.eos_token_ids))
     prompt = spec["prompt_ids"]

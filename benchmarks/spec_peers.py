@@ -1,0 +1,521 @@
+"""The peers' speculative decoding on our bench prompts, per category, beside our modes, in one run.
+
+Same pair everywhere: target qwen2.5-coder-1.5b-instruct, drafter qwen2.5-coder-0.5b-instruct (both
+from our Q4_K_M GGUFs, same tokenizer).  Per bench prompt, one after the other (so drift in the shared
+machine's speed hits all alike), greedy, ``--new-tokens`` (64) at most, stopping at EOS, 2 threads:
+
+* **onnxruntime-genai** (``models/genai-venv``): the model builder's int4 CPU exports (``-p int4 -e cpu``,
+  block 32, accuracy level 4) of both GGUFs, plain (``genai ar``) and its base speculative decoding
+  (``genai K<k>``): a composite ``genai_config.json`` with a ``model.draft`` decoder block (the
+  drafter's own builder config) and ``speculative.max_draft_tokens`` = K set per generation through
+  ``GeneratorParams.set_speculative_options`` (fixed K: ``min_adaptive_k`` 0, no cooldown).
+* **OpenVINO GenAI** (``models/openvino-venv``): ``optimum-cli export openvino`` of the same dequantized
+  checkpoints (``OV_EXPORT_ARGS``: int4, symmetric, group 32, every layer incl. embedding and LM head,
+  as our bundle), ``LLMPipeline(target, "CPU")`` (``openvino ar``) and ``LLMPipeline(target, "CPU",
+  draft_model=draft_model(drafter, "CPU"))`` with ``GenerationConfig.num_assistant_tokens`` = K
+  (``openvino K<k>``); both on its default CPU backend (paged attention / continuous batching, which
+  keeps K fixed; its stateful backend would adapt K), ``INFERENCE_NUM_THREADS`` = threads on both
+  models, the prompt handed over as an ``ov.Tensor`` of our token ids (no chat template applied).
+* **edge-spec** (this venv): ``ar`` in an engine loaded for it alone, the bundle's default drafter head
+  at fixed γ = each K (``ours γ<k>``) and our schedule (``ours schedule``), as ``edge-spec bench`` runs
+  them (no prompt lookup unless ``--lookup``; ``--ar-exact`` adds the batch-invariant target-only
+  answer our greedy speculative modes must equal).
+
+Every engine gets the same prompt token ids (our tokenizer, chat template, computed once).  tokens/s
+is (new tokens - 1) / decode time, pooled per category like ``edge-spec bench``; the decode time starts
+when the first new token is known (it comes out of the prefill):
+
+* ours: the engine's own stats (first token yielded -> last token);
+* onnxruntime-genai: from the end of ``append_tokens`` (the prefill of target and drafter) to the
+  last ``generate_next_token``.  Its speculative ``generate_next_token`` runs a whole round on the
+  first call and hands the round's tokens out one per call, so timing from the first emitted token
+  would leave the first round out;
+* OpenVINO: a ``StreamerBase`` timestamps every ``write``; the tokens delivered after the first
+  write over the time from the first write to the last (equal to (n - 1) / ... when the first write
+  is one token).
+
+Each peer's greedy answer at every K is compared token for token with its own AR answer
+(``identical_to_ar``), the check that its speculative mode is lossless (and really ran: see its
+acceptance statistics in the JSON).
+
+Usage::
+
+    .venv/bin/python benchmarks/spec_peers.py --prepare       # venvs, exports (idempotent, resumable; long)
+    .venv/bin/python benchmarks/spec_peers.py                 # all 52 prompts: 42 bench + 10 low-acceptance
+    .venv/bin/python benchmarks/spec_peers.py --per-category 1 --k 4,16 --new-tokens 64
+    .venv/bin/python benchmarks/spec_peers.py --peers genai --no-ours --category code
+
+Results: a table per category and overall on stdout, every record in ``bench-results/peers/peers.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import ar_vs_ortgenai as shared  # the genai venv, the GGUF -> HF checkpoint and the genai builder steps
+
+ROOT = shared.ROOT
+TARGET = shared.NAME  # qwen2.5-coder-1.5b-instruct-q4_k_m
+DRAFT = "qwen2.5-coder-0.5b-instruct-q4_k_m"
+GENAI_SPEC_DIR = ROOT / "models" / "genai" / f"spec-{TARGET}+{DRAFT}"
+OV_VENV = ROOT / "models" / "openvino-venv"
+OV_PY = OV_VENV / "bin" / "python"
+OV_REQUIREMENTS = ["openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0", "nncf==3.4.0"]
+# closest to our bundle (int4, symmetric, block 32, int4 embedding and LM head): every layer int4
+OV_EXPORT_ARGS = ["--task", "text-generation-with-past", "--weight-format", "int4", "--sym", "--group-size", "32",
+                  "--ratio", "1.0", "--all-layers"]
+PROMPT_FILES = [ROOT / "models" / "bench" / "prompts.jsonl", ROOT / "models" / "bench" / "low_acceptance.jsonl"]
+OUTPUT = ROOT / "bench-results" / "peers" / "peers.json"
+PEERS = ("genai", "openvino")
+WARMUP_TOKENS = 8
+log = shared.log
+
+
+def ov_dir(name: str) -> Path:
+    return ROOT / "models" / "openvino" / name
+
+
+# --------------------------------------------------------------------------- preparation (cached)
+
+
+def ensure_genai_spec_dir(threads: int) -> Path:
+    """The composite onnxruntime-genai model: the target's config with the drafter's decoder block as
+    ``model.draft``; both ONNX files (and the tokenizer) linked in, so every path is relative to it."""
+    if (GENAI_SPEC_DIR / "genai_config.json").is_file():
+        return GENAI_SPEC_DIR
+    shared.ensure_genai_venv()
+    target, draft = shared.ensure_genai_model(threads, TARGET), shared.ensure_genai_model(threads, DRAFT)
+    log(f"writing the speculative (target + draft) onnxruntime-genai config in {GENAI_SPEC_DIR}")
+    partial = GENAI_SPEC_DIR.with_name(GENAI_SPEC_DIR.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "draft").mkdir(parents=True)
+    for source, into in ((target, partial), (draft, partial / "draft")):
+        for f in source.iterdir():
+            if f.name.startswith("model.onnx"):  # the graph and its external weights: linked, not copied
+                (into / f.name).symlink_to(os.path.relpath(f, into))
+            elif into == partial and f.is_file() and f.name != "genai_config.json":
+                shutil.copy2(f, into / f.name)  # tokenizer files
+    config = json.loads((target / "genai_config.json").read_text())
+    draft_decoder = json.loads((draft / "genai_config.json").read_text())["model"]["decoder"]
+    draft_decoder["filename"] = "draft/" + draft_decoder["filename"]
+    config["model"]["draft"] = draft_decoder
+    config["speculative"] = {"max_draft_tokens": 4}  # the default; each generation sets its own K
+    (partial / "genai_config.json").write_text(json.dumps(config, indent=2))
+    partial.rename(GENAI_SPEC_DIR)
+    return GENAI_SPEC_DIR
+
+
+def ensure_openvino_venv() -> None:
+    shared.ensure_venv(OV_VENV, OV_REQUIREMENTS, "openvino_genai, optimum.intel, nncf")
+
+
+def ensure_openvino_model(name: str) -> Path:
+    """optimum-intel's OpenVINO export of models/hf/<name> (written to a .partial dir, renamed when done)."""
+    out = ov_dir(name)
+    if (out / "openvino_model.xml").is_file() and (out / "openvino_tokenizer.xml").is_file():
+        return out
+    hf = shared.ensure_hf_checkpoint(name)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    cmd = [str(OV_VENV / "bin" / "optimum-cli"), "export", "openvino", "-m", str(hf), *OV_EXPORT_ARGS, str(partial)]
+    log(f"exporting {name} to OpenVINO in {out} (once; takes minutes): {' '.join(cmd)}")
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    partial.rename(out)
+    log(f"export done in {time.perf_counter() - started:.0f} s")
+    return out
+
+
+def prepare(peers: list[str], threads: int) -> None:
+    steps = {"genai": [lambda: ensure_genai_spec_dir(threads)],
+             "openvino": [ensure_openvino_venv, lambda: ensure_openvino_model(TARGET),
+                          lambda: ensure_openvino_model(DRAFT)]}
+    for peer in peers:
+        for number, step in enumerate(steps[peer], 1):
+            log(f"prepare {peer}: step {number}/{len(steps[peer])}")
+            step()
+    log("prepared: " + ", ".join(f"{d.relative_to(ROOT)} {du(d)}" for d in (
+        ROOT / "models" / "hf", ROOT / "models" / "genai", shared.GENAI_VENV, ROOT / "models" / "openvino", OV_VENV)
+        if d.exists()))
+
+
+def du(path: Path) -> str:
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    return f"{size / 2**30:.2f} GiB"
+
+
+# --------------------------------------------------------------------------- the peers' workers (in their venvs)
+
+
+def reply(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def serve(load, run) -> None:
+    """Worker protocol, one JSON object a line: a spec in -> {"ready", ...} out after ``load(spec)`` and
+    one warm-up per mode; then each request ``{"ids", "k"}`` (k 0: AR) in -> one timed generation out."""
+    spec = json.loads(sys.stdin.readline())
+    info = load(spec)
+    for k in [0, *spec["ks"]]:
+        run(spec["warmup_ids"], k, WARMUP_TOKENS)
+    reply({"ready": True, **info})
+    for line in sys.stdin:
+        request = json.loads(line)
+        reply(run(request["ids"], request["k"], spec["new_tokens"]))
+
+
+def result(ids: list[int], eos: set[int], decode_tokens: int, decode_seconds: float, prefill_seconds: float,
+           **extra) -> dict:
+    """One generation's record; a trailing EOS is not a new token (as in our engine)."""
+    answer = ids[:next((i for i, t in enumerate(ids) if t in eos), len(ids))]
+    dropped = len(ids) - len(answer)
+    return {"new_tokens": len(answer), "decode_tokens": max(decode_tokens - dropped, 0), "ids": answer,
+            "decode_seconds": decode_seconds, "prefill_seconds": prefill_seconds, **extra}
+
+
+def genai_worker() -> None:
+    import onnxruntime_genai as og
+
+    models, state = {}, {}
+
+    def load(spec):
+        models["ar"] = shared.load_genai_model(og, spec["ar_dir"], spec["threads"])
+        models["spec"] = shared.load_genai_model(og, spec["spec_dir"], spec["threads"], ("decoder", "draft"))
+        state["eos"] = set(int(t) for t in list(og.Tokenizer(models["ar"]).eos_token_ids))
+        return {"version": og.__version__}
+
+    def run(prompt, k, n_new):
+        model = models["spec" if k else "ar"]
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + n_new, batch_size=1)
+        if k:
+            params.set_speculative_options(max_draft_tokens=k, min_adaptive_k=0, cooldown=False)
+        gen = og.Generator(model, params)
+        start = time.perf_counter()
+        gen.append_tokens(prompt)  # prefill (target and drafter)
+        prefilled = time.perf_counter()
+        n = 0
+        while not gen.is_done():
+            gen.generate_next_token()
+            n += 1
+        end = time.perf_counter()
+        ids = [int(t) for t in gen.get_sequence(0)][len(prompt):]
+        extra = {}
+        if k:
+            stats = dict(gen.get_speculative_stats())
+            extra["stats"] = {key: stats[key] for key in (
+                "rounds", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate",
+                "target_verify_forward_passes", "target_forward_passes", "draft_forward_passes", "effective_k",
+                "tokens_emitted", "total_draft_ms", "total_target_ms") if key in stats}
+        return result(ids, state["eos"], n - 1, end - prefilled, prefilled - start, **extra)
+
+    serve(load, run)
+
+
+def openvino_worker() -> None:
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    class Stamps(ov_genai.StreamerBase):
+        """Timestamps every write (one token, or a round's accepted tokens at once)."""
+
+        def __init__(self):
+            super().__init__()
+            self.writes = []
+
+        def write(self, token):
+            self.writes.append((time.perf_counter(), 1 if isinstance(token, int) else len(token)))
+            return ov_genai.StreamingStatus.RUNNING
+
+        def end(self):
+            pass
+
+    pipes, state = {}, {}
+
+    def load(spec):
+        props = {"INFERENCE_NUM_THREADS": spec["threads"]}
+        pipes["ar"] = ov_genai.LLMPipeline(spec["target_dir"], "CPU", **props)
+        draft = ov_genai.draft_model(spec["draft_dir"], "CPU", **props)
+        pipes["spec"] = ov_genai.LLMPipeline(spec["target_dir"], "CPU", draft_model=draft, **props)
+        tokenizer = pipes["ar"].get_tokenizer()
+        state["eos"] = {int(tokenizer.get_eos_token_id())}
+        state["eos"] |= set(int(t) for t in (pipes["ar"].get_generation_config().stop_token_ids or ()))
+        return {"version": ov_genai.__version__, "eos": sorted(state["eos"])}
+
+    def run(prompt, k, n_new):
+        pipe = pipes["spec" if k else "ar"]
+        config = pipe.get_generation_config()  # a copy, with the model's EOS
+        config.max_new_tokens = n_new
+        config.do_sample = False
+        config.stop_token_ids = state["eos"]
+        if k:
+            config.num_assistant_tokens = k
+        streamer = Stamps()
+        ids_in = ov.Tensor(np.array([prompt], dtype=np.int64))
+        start = time.perf_counter()
+        out = pipe.generate(ids_in, config, streamer)
+        writes = streamer.writes
+        ids = [int(t) for t in out.tokens[0]]
+        first, last = writes[0][0], writes[-1][0]
+        extra = {"writes": len(writes), "first_write_tokens": writes[0][1]}
+        metrics = getattr(out, "extended_perf_metrics", None)
+        if k and metrics:
+            extra["stats"] = {"num_accepted_tokens": metrics.get_num_accepted_tokens(),
+                              "target_iterations": len(metrics.main_model_metrics.raw_metrics.m_durations),
+                              "draft_generated_tokens": metrics.draft_model_metrics.get_num_generated_tokens()}
+        return result(ids, state["eos"], sum(n for _, n in writes[1:]), last - first, first - start, **extra)
+
+    serve(load, run)
+
+
+class Peer:
+    """A worker process in its peer's venv, kept alive so its runs interleave with the others'."""
+
+    def __init__(self, name: str, python: Path, spec: dict) -> None:
+        self.name = name
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), "--worker", name],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = self.ask(spec)
+
+    def ask(self, obj: dict) -> dict:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise SystemExit(f"{self.name} worker failed (exit {self.proc.wait()})")
+        return json.loads(answer)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+# --------------------------------------------------------------------------- edge-spec side
+
+
+class Ours:
+    """Our ar (an engine loaded for it alone) and our drafter at fixed γ = each K plus the schedule,
+    through ``edge_spec.bench.run_bench`` one prompt at a time."""
+
+    def __init__(self, args) -> None:
+        from edge_spec.bench import modes_for
+        from edge_spec.paths import DEFAULT_BUNDLE
+        from edge_spec.runtime.engine import Engine
+        from edge_spec.runtime.loops.config import loop_config
+
+        chain = loop_config("spec", lookup=False)
+        self.engine = Engine.from_bundle(DEFAULT_BUNDLE, threads=args.threads, config=chain)
+        self.baseline = Engine.from_bundle(DEFAULT_BUNDLE, threads=args.threads, mode="ar")
+        self.modes = modes_for(self.engine, [self.engine.draft_head], chain, args.k, lookup=args.lookup,
+                               reference=args.ar_exact)
+        for engine in (self.engine, self.baseline):
+            engine.complete("warm up", max_new_tokens=4)
+        if args.ar_exact:
+            self.engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)
+        self.args = args
+
+    def run(self, item: dict) -> list[dict]:
+        from edge_spec.bench import run_bench
+
+        result = run_bench(self.engine, [item], self.modes, temperatures=[0.0], max_new_tokens=self.args.new_tokens,
+                           baseline=self.baseline)
+        return [dict(r, engine=self.label(r["mode"])) for r in result["records"]]
+
+    @staticmethod
+    def label(mode: str) -> str:
+        """``ours ar``, ``ours γ4`` (``spec+<head>@γ4``), ``ours schedule`` (``spec+<head>``), ``+lookup`` kept."""
+        if mode in ("ar", "ar-exact"):
+            return f"ours {mode}"
+        gamma = mode.partition("@")[2]
+        return f"ours {gamma or 'schedule'}{'+lookup' if '+lookup' in mode else ''}"
+
+
+def load_prompts(args) -> list[dict]:
+    from edge_spec.bench import load_bench_prompts
+
+    items = [item for path in args.prompts or PROMPT_FILES for item in load_bench_prompts(path, None, args.per_category)]
+    unknown = set(args.category) - {item["category"] for item in items}
+    if unknown:
+        raise SystemExit(f"unknown categories: {', '.join(sorted(unknown))}")
+    return [item for item in items if not args.category or item["category"] in args.category]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def peer_record(peer: str, k: int, answer: dict, ar_ids: list[int] | None) -> dict:
+    record = {key: value for key, value in answer.items() if key != "ids"}
+    record.update(engine=f"{peer} {'K' + str(k) if k else 'ar'}", peer=peer, k=k,
+                  tokens_per_second=answer["decode_tokens"] / answer["decode_seconds"]
+                  if answer["decode_seconds"] > 0 else 0.0)
+    if k:
+        record["identical_to_ar"] = answer["ids"] == ar_ids
+    return record
+
+
+def summarize(records: list[dict], engines: list[str]) -> list[dict]:
+    """Per (category, engine) and overall: pooled (new tokens - 1) / decode seconds, and its ratio to
+    the same engine family's ar and to ours."""
+    groups = defaultdict(list)
+    for r in records:
+        for category in (r["category"], "overall"):
+            groups[(category, r["engine"])].append(r)
+    speed = {key: sum(r.get("decode_tokens", max(r["new_tokens"] - 1, 0)) for r in rows)
+             / max(sum(r["decode_seconds"] for r in rows), 1e-9) for key, rows in groups.items()}
+    categories = sorted({c for c, _ in groups if c != "overall"}) + ["overall"]
+    rows = []
+    for category in categories:
+        for engine in engines:
+            if (category, engine) not in groups:
+                continue
+            family = engine.split()[0]
+            own_ar, ours_ar = speed.get((category, f"{family} ar")), speed.get((category, "ours ar"))
+            tps = speed[(category, engine)]
+            members = groups[(category, engine)]
+            flags = [r.get("identical_to_ar") for r in members]  # ours: None (no ar-exact run), see the legend
+            flags = [flag if flag is not None else r.get("identical_to_one_row_ar") for flag, r in zip(flags, members)]
+            identical = [flag for flag in flags if flag is not None]
+            rows.append({"category": category, "engine": engine, "prompts": len(members), "tokens_per_second": tps,
+                         "vs_own_ar": tps / own_ar if own_ar else None, "vs_ours_ar": tps / ours_ar if ours_ar else None,
+                         "identical_to_ar": f"{sum(identical)}/{len(identical)}" if identical else "",
+                         "mean_new_tokens": sum(r["new_tokens"] for r in members) / len(members)})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    header = f"{'category':<15} {'engine':<22} {'n':>3} {'tok/s':>7} {'vs own ar':>9} {'vs ours ar':>10} {'= ar':>6} {'tokens':>6}"
+    lines, previous = [header, "-" * len(header)], None
+    for r in rows:
+        if previous and r["category"] != previous:
+            lines.append("")
+        previous = r["category"]
+        ratio = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
+        lines.append(f"{r['category']:<15} {r['engine']:<22} {r['prompts']:>3} {r['tokens_per_second']:7.2f} "
+                     f"{ratio(r['vs_own_ar']):>9} {ratio(r['vs_ours_ar']):>10} {r['identical_to_ar']:>6} "
+                     f"{r['mean_new_tokens']:6.1f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prepare", action="store_true", help="build the venvs and exports (idempotent) and stop")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma list of peers (genai, openvino)")
+    parser.add_argument("--no-ours", dest="ours", action="store_false", help="time the peers only")
+    parser.add_argument("--k", default="4,8,16", help="draft lengths (comma list, 1-16)")
+    parser.add_argument("--lookup", action="store_true", help="our modes also draft by prompt lookup")
+    parser.add_argument("--ar-exact", action="store_true", help="also time our ar-exact (batch-invariant "
+                        "target-only decoding), the answer our greedy speculative modes must equal token for token")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=Path, action="append", help="prompt files (default: bench + low-acceptance)")
+    parser.add_argument("--category", action="append", default=[], help="only these categories (repeatable)")
+    parser.add_argument("--per-category", type=int, help="at most this many prompts per category")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and engine; the fastest is kept")
+    parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:  # we are a peer's child process, inside its venv
+        {"genai": genai_worker, "openvino": openvino_worker}[args.worker]()
+        return
+    peers = [p for p in args.peers.split(",") if p]
+    if set(peers) - set(PEERS):
+        raise SystemExit(f"--peers: choose among {', '.join(PEERS)}")
+    args.k = [int(k) for k in args.k.split(",") if k]
+    if not args.k or min(args.k) < 1 or max(args.k) > 16:
+        raise SystemExit("--k values must be 1-16 (onnxruntime-genai's limit)")
+    if args.prepare:
+        prepare(peers, args.threads)
+        return
+    for peer, ready in (("genai", GENAI_SPEC_DIR / "genai_config.json"), ("openvino", ov_dir(DRAFT) / "openvino_model.xml")):
+        if peer in peers and not ready.is_file():
+            raise SystemExit(f"{peer} is not prepared: run {Path(__file__).name} --prepare first")
+
+    sys.path.insert(0, str(ROOT))
+    from edge_spec.paths import DEFAULT_BUNDLE
+    from edge_spec.prompts import as_messages
+    from edge_spec.runtime.text import TextTokenizer
+
+    items = load_prompts(args)
+    tokenizer = TextTokenizer(DEFAULT_BUNDLE)
+    for item in items:  # tokenized once, the same ids for every engine
+        item["ids"] = tokenizer.encode_chat(as_messages(item["prompt"]))
+    warmup_ids = tokenizer.encode_chat([{"role": "user", "content": "warm up"}])
+    spec = {"threads": args.threads, "new_tokens": args.new_tokens, "ks": args.k, "warmup_ids": warmup_ids}
+    load = os.getloadavg()
+    workers = {}
+    try:
+        if "genai" in peers:
+            log("loading onnxruntime-genai (ar + speculative) in models/genai-venv")
+            workers["genai"] = Peer("genai", shared.GENAI_PY, dict(spec, ar_dir=str(shared.ensure_genai_model(
+                args.threads, TARGET)), spec_dir=str(GENAI_SPEC_DIR)))
+        if "openvino" in peers:
+            log("loading OpenVINO GenAI (ar + speculative) in models/openvino-venv")
+            workers["openvino"] = Peer("openvino", OV_PY, dict(spec, target_dir=str(ov_dir(TARGET)),
+                                                                draft_dir=str(ov_dir(DRAFT))))
+        ours = None
+        if args.ours:
+            log("loading edge-spec (ar engine + speculative engine)")
+            ours = Ours(args)
+        records = []
+        for index, item in enumerate(items):
+            fastest: dict[str, dict] = {}
+            for _ in range(args.repeats):
+                for peer, worker in workers.items():
+                    ar_ids = None
+                    for k in [0, *args.k]:
+                        answer = worker.ask({"ids": item["ids"], "k": k})
+                        ar_ids = answer["ids"] if not k else ar_ids
+                        run = peer_record(peer, k, answer, ar_ids)
+                        kept = fastest.setdefault(run["engine"], run)
+                        if run["decode_seconds"] < kept["decode_seconds"]:
+                            fastest[run["engine"]] = run
+                for run in ours.run(item) if ours else []:
+                    kept = fastest.setdefault(run["engine"], run)
+                    if run["decode_seconds"] < kept["decode_seconds"]:
+                        fastest[run["engine"]] = run
+            for run in fastest.values():
+                run.update(category=item["category"], prompt_index=index, prompt_tokens=len(item["ids"]))
+                records.append(run)
+            log(f"prompt {index + 1}/{len(items)} ({item['category']}): " + ", ".join(
+                f"{r['engine']} {r['tokens_per_second']:.1f}" for r in fastest.values()))
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+    engines = list(dict.fromkeys(r["engine"] for r in records))
+    rows = summarize(records, engines)
+    load_after = os.getloadavg()
+    print()
+    print(f"{len(items)} prompts, greedy, at most {args.new_tokens} new tokens (stop at EOS), {args.threads} threads, "
+          f"K = {', '.join(map(str, args.k))}, fastest of {args.repeats} per prompt; "
+          + ", ".join(f"{p} {w.info['version']}" for p, w in workers.items()))
+    print(f"load average 1/5/15 min: before {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
+          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} (machine has {os.cpu_count()} cores)")
+    print(format_rows(rows))
+    print("= ar: greedy answers token-identical to the same engine's ar (ours: to its one-row ar, which our exact "
+          "batch-invariant passes may leave at a numerical near-tie)")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({
+        "target": TARGET, "draft": DRAFT, "threads": args.threads, "new_tokens": args.new_tokens, "k": args.k,
+        "repeats": args.repeats, "peers": {p: w.info for p, w in workers.items()},
+        "openvino_export": OV_EXPORT_ARGS, "load_before": load, "load_after": load_after,
+        "summary": rows, "records": records}, indent=1))
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
