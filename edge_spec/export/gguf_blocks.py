@@ -1,0 +1,191 @@
+"""GGUF quantized blocks carried into ``MatMulNBits`` unchanged, so a GGUF weight is rounded once (by
+llama.cpp), not twice (dequantized, then re-quantized to our int4 blocks).
+
+Each carried format is rewritten, not approximated, into a ``MatMulNBits`` layout where ONNX Runtime
+computes ``w = scale * (code - zero_point)`` per block along K:
+
+==========  =========================================  ===========================================
+GGUF type   GGUF formula (per block)                   MatMulNBits bits / block / zero point
+==========  =========================================  ===========================================
+Q4_0        d * (q - 8),  q in 0..15, blocks of 32      4 / 32 / none (the default 8)
+Q4_1        d * q + m                                   4 / 32 / float -m/d
+Q4_K        d*sc * q - dmin*m, sub-blocks of 32         4 / 32 / float dmin*m / (d*sc)
+Q8_0        d * q,  q in -128..127, blocks of 32        8 / 32 / none (code q + 128)
+Q5_0        d * (q - 16), q in 0..31, blocks of 32      8 / 32 / uint8 16
+Q6_K        d*sc * (q - 32), sub-blocks of 16           8 / 16 / uint8 32
+==========  =========================================  ===========================================
+
+Float zero points (same type as the scales) are what ONNX Runtime accepts for 4-bit weights; it
+refuses them for 8-bit weights on CPU, so Q5_1 and Q5_K (8-bit with a fractional zero point) are
+not carried: the exporter falls back to re-quantizing those tensors and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_spec.export.quantize import pack_codes, unpack_codes
+
+MS_DOMAIN = "com.microsoft"
+QK_K = 256
+CARRIED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K")
+
+
+@dataclass(frozen=True)
+class CarriedBlocks:
+    """A weight ``[n, k]`` in ``MatMulNBits`` layout, taken over from GGUF blocks without rounding."""
+
+    packed: np.ndarray  # uint8 [n, k_blocks, block_size * bits // 8]
+    scales: np.ndarray  # float32 [n, k_blocks]
+    zero_points: np.ndarray | None  # float32 (4-bit) or uint8 (8-bit) [n, k_blocks]; None: 2**(bits-1)
+    bits: int
+    block_size: int
+    source_type: str  # the GGUF type it came from ("Q4_K", ...; "mixed" after a concatenation)
+
+    @property
+    def n(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.packed.shape[1] * self.block_size
+
+    def zero_points_or_default(self) -> np.ndarray:
+        if self.zero_points is not None:
+            return self.zero_points
+        default = 1 << (self.bits - 1)
+        dtype = np.float32 if self.bits == 4 else np.uint8
+        return np.full(self.scales.shape, default, dtype)
+
+    def dequantize(self) -> np.ndarray:
+        """Float32 ``[n, k]``: what MatMulNBits multiplies by (tests, and the check against transformers)."""
+        codes = unpack_codes(self.packed, self.bits).astype(np.float32)
+        zero = self.zero_points_or_default().astype(np.float32)
+        return ((codes - zero[..., None]) * self.scales[..., None]).reshape(self.n, -1)
+
+    def rows(self, index: np.ndarray) -> "CarriedBlocks":
+        """The output rows ``index`` (a row permutation, a split, or VocabTrim's kept rows)."""
+        zp = None if self.zero_points is None else self.zero_points[index]
+        return CarriedBlocks(self.packed[index], self.scales[index], zp, self.bits, self.block_size, self.source_type)
+
+
+def concat_blocks(parts: list[CarriedBlocks]) -> CarriedBlocks:
+    """Stack carried weights of one bits/block layout along N (a fused Q/K/V or gate/up projection)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    zero = None
+    if any(p.zero_points is not None for p in parts):
+        zero = np.concatenate([p.zero_points_or_default() for p in parts])
+    kinds = {p.source_type for p in parts}
+    return CarriedBlocks(np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]), zero,
+                         first.bits, first.block_size, kinds.pop() if len(kinds) == 1 else "mixed")
+
+
+def add_carried_linear(g, x: str, w: CarriedBlocks, name: str, opt, bias: np.ndarray | None = None) -> str:
+    """``y = x @ w.T + bias`` as one ``MatMulNBits`` over the carried blocks (``g``: the builder's Graph)."""
+    inputs = [x, g.const(name + ".qweight", w.packed), g.const(name + ".scales", w.scales.reshape(-1))]
+    if w.zero_points is not None:
+        inputs.append(g.const(name + ".zero_points", w.zero_points.reshape(-1)))
+    if bias is not None:
+        inputs += [""] * (5 - len(inputs)) + [g.const(name + ".bias", bias.astype(np.float32))]
+    out = name + "/out"
+    g.node("MatMulNBits", inputs, [out], domain=MS_DOMAIN, K=w.k, N=w.n, bits=w.bits, block_size=w.block_size,
+           accuracy_level=opt.accuracy_level)
+    return out
+
+
+# -- GGUF block layouts (ggml-common.h) -> codes, scales, zero points --------------------------------------
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF's 4-bit layout: element j in the low nibble of byte j, element j + 16 in its high nibble."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_0(b):
+    return _nibbles(b[:, 2:]), _f16(b[:, :2]), None
+
+
+def _q8_0(b):
+    return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(b[:, :2]), None
+
+
+def _q5_0(b):
+    qh = np.unpackbits(np.ascontiguousarray(b[:, 2:6]), axis=-1, bitorder="little")
+    codes = _nibbles(b[:, 6:]) | (qh << 4)
+    return codes, _f16(b[:, :2]), np.full(len(b), 16, np.uint8)
+
+
+def _affine(codes: np.ndarray, d: np.ndarray, m: np.ndarray):
+    """Blocks of ``d * q - m`` as ``d * (q - m / d)``; a block with d = 0 is the constant -m, written as
+    codes 0, scale 1, zero point m (exact too)."""
+    flat = d == 0
+    scale = np.where(flat, 1.0, d).astype(np.float32)
+    zero = np.where(flat, m, m / np.where(flat, 1.0, d)).astype(np.float32)
+    codes = np.where(flat[:, None], 0, codes).astype(np.uint8)
+    return codes, scale, zero
+
+
+def _q4_1(b):
+    return _affine(_nibbles(b[:, 4:]), _f16(b[:, :2]), -_f16(b[:, 2:4]))
+
+
+def _q4_k(b):
+    n = len(b)
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(n, 3, 4)
+    sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], axis=-1)
+    qs = b[:, 16:].reshape(n, 4, 32)  # four chunks of 64 elements: low nibbles then high nibbles
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n * 8, 32)
+    scale = (d[:, None] * sc.astype(np.float32)).reshape(-1)
+    minimum = (dmin[:, None] * mn.astype(np.float32)).reshape(-1)
+    return _affine(codes, scale, minimum)
+
+
+def _q6_k(b):
+    n = len(b)
+    ql, qh = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    low = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=2)
+    high = np.stack([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], axis=2)
+    codes = (low | (high << 4)).reshape(n * 16, 16)
+    scale = (d[:, None] * sc).reshape(-1).astype(np.float32)
+    return codes, scale, np.full(n * 16, 32, np.uint8)
+
+
+#: GGUF type -> (bytes per GGUF block, elements per GGUF block, MatMulNBits bits, block size, decoder)
+_LAYOUTS = {
+    "Q4_0": (18, 32, 4, 32, _q4_0),
+    "Q4_1": (20, 32, 4, 32, _q4_1),
+    "Q4_K": (144, QK_K, 4, 32, _q4_k),
+    "Q8_0": (34, 32, 8, 32, _q8_0),
+    "Q5_0": (22, 32, 8, 32, _q5_0),
+    "Q6_K": (210, QK_K, 8, 16, _q6_k),
+}
+
+
+def carry_gguf(raw: np.ndarray, gguf_type: str, n: int, k: int) -> CarriedBlocks | None:
+    """The GGUF tensor bytes ``raw`` of a weight ``[n, k]`` (rows of K) as :class:`CarriedBlocks`, or None
+    for a type that has no exact MatMulNBits layout."""
+    if gguf_type not in _LAYOUTS:
+        return None
+    type_size, per_block, bits, block_size, decode = _LAYOUTS[gguf_type]
+    if k % per_block:
+        return None
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, type_size)
+    if len(blocks) != n * k // per_block:
+        raise ValueError(f"{gguf_type} tensor of {len(blocks)} blocks cannot hold a [{n}, {k}] weight")
+    codes, scales, zero = decode(blocks)
+    k_blocks = k // block_size
+    zero = None if zero is None else zero.reshape(n, k_blocks)
+    return CarriedBlocks(pack_codes(codes.reshape(n, k_blocks, block_size), bits), scales.reshape(n, k_blocks),
+                         zero, bits, block_size, gguf_type)
