@@ -185,3 +185,19 @@ def test_unsupported_rope_scaling_is_refused():
                             architectures=["LlamaForCausalLM"], **COMMON)
     with pytest.raises(EdgeSpecError, match="rope scaling type 'dynamic'"):
         weights_from_state_dict(config, {})
+
+
+def test_tokenizer_mismatch_is_refused_in_one_line_naming_the_ids():
+    from edge_spec.export.sources import check_same_tokenizer
+    from tests import tiny_models
+
+    target = tiny_models.make_tokenizer()
+    other = tiny_models.make_tokenizer(specials=["<|endoftext|>", "<|im_end|>", "<|im_start|>"])
+    with pytest.raises(EdgeSpecError) as info:
+        check_same_tokenizer(target, other)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("drafter tokenizer differs from the target's at token id 1 (target '<|im_start|>' "
+                              "vs drafter '<|im_end|>'), 2 (")
+    assert "prompt lookup" in message and "train-head" in message
+    check_same_tokenizer(target, tiny_models.make_tokenizer())  # the same vocabulary passes

@@ -41,6 +41,7 @@ class ExportOptions:
     train_steps: int = 0  # SpecVocab: distillation steps after the closed-form fit
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
     scorer_vocab: tuple[int, ...] = (0,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
+    gguf_blocks: str = "carry"  # GGUF sources: "carry" their blocks into MatMulNBits exactly, or "requantize"
 
     @property
     def keep_list(self) -> list[int]:
@@ -62,6 +63,8 @@ class ExportOptions:
             if mode not in DRAFT_VOCAB_MODES:
                 raise EdgeSpecError(f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, "
                                     f"not {self.draft_vocab!r}")
+        if self.gguf_blocks not in ("carry", "requantize"):
+            raise EdgeSpecError(f"--gguf-blocks must be 'carry' or 'requantize', not {self.gguf_blocks!r}")
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
         if min(self.candidates) < 1:
@@ -74,6 +77,18 @@ DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
 def _say(progress, message: str) -> None:
     if progress is not None:
         progress(message)
+
+
+def _gguf_quant_info(model: LoadedModel, quant_info: dict, options: ExportOptions, progress) -> dict:
+    """``quant_info`` plus, for a GGUF source exported quantized, which matrices kept their GGUF blocks and
+    which were re-quantized (also said in one line of the export log)."""
+    report = model.gguf_carry
+    if report is None or options.quant == "fp32":
+        return quant_info
+    if options.gguf_blocks == "requantize":
+        return dict(quant_info, gguf_blocks="requantized")
+    _say(progress, f"{model.name}: {report.summary()}; embedding table re-quantized to int8")
+    return dict(quant_info, gguf_blocks=report.to_dict(), embedding="GatherBlockQuantized int8")
 
 
 def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: dict, stem: str = "model") -> dict:
@@ -415,14 +430,15 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         "symmetric": True,
         "embedding": "GatherBlockQuantized" if options.quant != "fp32" else "Gather",
     }
-    build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length)
+    build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
+                         gguf_blocks=options.gguf_blocks == "carry")
 
     _say(progress, f"loading target {target_source}")
     target = loader(target_source)
     _say(progress, f"building target graph ({options.quant})")
     export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
-    target_record = _model_record(target, staging, "target", quant_info)
+    target_record = _model_record(target, staging, "target", _gguf_quant_info(target, quant_info, options, progress))
     target_tokenizer, target_vocab = target.tokenizer, target.weights.config.vocab_size
     eos_ids = list(target.eos_token_ids)
     special_ids = list(getattr(target_tokenizer, "all_special_ids", []))
@@ -437,10 +453,10 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
             f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
         )
     _say(progress, f"building drafter body ({options.quant})")
-    body = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
-                        build_head=False)
+    body = dataclasses.replace(build, build_head=False)
     export_decoder(draft, staging, "draft", body, stem="body")
-    draft_record = _model_record(draft, staging, "draft", quant_info, "body")
+    draft_record = _model_record(draft, staging, "draft", _gguf_quant_info(draft, quant_info, options, progress),
+                                 "body")
     draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
     heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
                                                    always_keep=eos_ids + special_ids, progress=progress)

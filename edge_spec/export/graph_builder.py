@@ -48,6 +48,7 @@ from edge_spec.export.rope import rope_tables
 from edge_spec.export.weights import DecoderWeights, LayerWeights
 
 QUANT_BITS = {"int4": 4, "int8": 8, "fp32": None}
+EMBEDDING_BITS_WITH_GGUF = 8
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 
@@ -63,6 +64,7 @@ class BuildOptions:
     emit_hidden: bool = False  # also output the final-normed hidden states
     tree_attention: bool = False  # position_ids + attention_bias inputs: verify a draft tree in one pass
     feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
+    gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
 
 
 class Graph:
@@ -162,6 +164,7 @@ class DecoderGraphBuilder:
         self.cfg = weights.config
         self.opt = options
         self.bits = QUANT_BITS[options.quant]
+        self.carried = weights.carried if options.gguf_blocks and self.bits is not None else {}
         self.graph = Graph()
         self.inputs: list[onnx.ValueInfoProto] = []
         self.present_outputs: list[onnx.ValueInfoProto] = []  # after the graph's own outputs
@@ -176,7 +179,7 @@ class DecoderGraphBuilder:
         Q/K/V or gate/up projection).  Parts whose GGUF blocks are carried (``weights.carried``) keep
         them: one matmul when every part is carried in one layout, else one per part, concatenated."""
         parts = weight if isinstance(weight, list) else [(name, weight)]
-        carried = [self.w.carried.get(part) if self.bits is not None else None for part, _ in parts]
+        carried = [self.carried.get(part) for part, _ in parts]
         if not any(c is not None for c in carried):
             full = parts[0][1] if len(parts) == 1 else np.concatenate([w for _, w in parts], axis=0)
             return add_linear(self.graph, x, full, name, self.opt, bias)
@@ -214,13 +217,16 @@ class DecoderGraphBuilder:
             table = table.astype(np.float32) * np.float32(self.cfg.embedding_scale)
         if self.bits is None:
             return g.node("Gather", [g.const("embed.weight", table.astype(np.float32)), ids], ["embeds"])[0]
-        q = quantize_blockwise(table, self.bits, self.opt.block_size)
+        # beside carried GGUF blocks the table (which GatherBlockQuantized cannot take over) is rounded at
+        # 8 bits: a second rounding all the same, but a lookup, so it costs memory and no bandwidth
+        bits = EMBEDDING_BITS_WITH_GGUF if self.carried else self.bits
+        q = quantize_blockwise(table, bits, self.opt.block_size)
         data = q.packed.reshape(q.n, -1)
         return g.node(
             "GatherBlockQuantized",
             [g.const("embed.qweight", data), ids, g.const("embed.scales", q.scales)],
             ["embeds"], domain=MS_DOMAIN,
-            gather_axis=0, quantize_axis=1, block_size=self.opt.block_size, bits=self.bits,
+            gather_axis=0, quantize_axis=1, block_size=self.opt.block_size, bits=bits,
         )[0]
 
     def rotary_tables(self) -> tuple[str, str]:
@@ -371,7 +377,7 @@ class DecoderGraphBuilder:
 
     def logits_output(self, x: str) -> onnx.ValueInfoProto:
         """The LM head (only the ``head_rows`` of it when VocabTrim asks) as output ``logits``."""
-        head, carried = self.w.lm_head, self.w.carried.get("lm_head") if self.bits is not None else None
+        head, carried = self.w.lm_head, self.carried.get("lm_head")
         if self.opt.head_rows is not None:
             head = head[np.asarray(self.opt.head_rows)]
             carried = None if carried is None else carried.rows(np.asarray(self.opt.head_rows))

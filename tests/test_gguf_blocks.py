@@ -1,0 +1,88 @@
+"""GGUF blocks carried into MatMulNBits compute x @ W.T for W exactly as the gguf package dequantizes it
+(float rounding aside); re-quantizing the same W to our int4 blocks (the old path) does not."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+from onnx import TensorProto, helper
+
+from edge_spec.export.gguf_blocks import add_carried_linear, carry_gguf, concat_blocks
+from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model
+
+N, K = 24, 512  # K: two K-quant super-blocks
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(len(values), 2)
+
+
+def gguf_bytes(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Raw bytes of a [N, K] tensor in GGUF type ``kind``: the gguf package's quantizer where it has one,
+    hand-packed random blocks (valid scales, random codes) for the K-quants it cannot write."""
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+        return quants.quantize(rng.standard_normal((N, K)).astype(np.float32), getattr(T, kind))
+    blocks = N * K // 256
+    if kind == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+        d, dmin = _f16_bytes(rng.uniform(0.001, 0.02, blocks)), _f16_bytes(rng.uniform(0.0, 0.02, blocks))
+        rest = rng.integers(0, 256, (blocks, 140), dtype=np.uint8)
+        rest[0, :12] = 0  # one block whose sub-block scales are 0: a constant -dmin*m, carried exactly too
+        return np.concatenate([d, dmin, rest], axis=1).reshape(N, -1)
+    if kind == "Q6_K":  # 128 bytes low bits, 64 high bits, 16 int8 scales, d (f16)
+        codes = rng.integers(0, 256, (blocks, 208), dtype=np.uint8)
+        return np.concatenate([codes, _f16_bytes(rng.uniform(0.001, 0.01, blocks))], axis=1).reshape(N, -1)
+    raise ValueError(kind)
+
+
+def matmul_session(build) -> ort.InferenceSession:
+    g = Graph()
+    out = build(g)
+    graph = helper.make_graph(g.nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, K])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], g.initializers)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(make_model(graph).SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+OPTS = BuildOptions("int4", accuracy_level=0)  # fp32 activations: the weight path alone is compared
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0"])
+def test_carried_blocks_match_gguf_dequantization(kind):
+    rng = np.random.default_rng(0)
+    raw = gguf_bytes(kind, rng)
+    reference = quants.dequantize(raw, getattr(T, kind)).reshape(N, K).astype(np.float32)
+    carried = carry_gguf(raw, kind, N, K)
+    # affine formats compute scale * (q - dmin*m / (d*sc)) where GGUF has d*sc*q - dmin*m: float rounding apart
+    np.testing.assert_allclose(carried.dequantize(), reference, rtol=1e-6, atol=1e-6 * np.abs(reference).max())
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    expected = x @ reference.T
+    scale = np.abs(expected).max()
+    got = matmul_session(lambda g: add_carried_linear(g, "x", carried, "w", OPTS)).run(None, {"x": x})[0]
+    assert np.abs(got - expected).max() <= 1e-5 * scale
+    # negative control: the old path (dequantize, then re-quantize to int4 blocks of 32) is off by far more;
+    # except for Q4_0, whose rule (scale = signed extreme / -8) is ours, so its blocks came back unchanged
+    requant = matmul_session(lambda g: add_linear(g, "x", reference, "w", OPTS)).run(None, {"x": x})[0]
+    old_error = np.abs(requant - expected).max()
+    if kind == "Q4_0":
+        assert old_error <= 1e-5 * scale
+    else:
+        assert old_error > 1e-3 * scale
+
+
+def test_unsupported_types_are_not_carried():
+    raw = quants.quantize(np.ones((N, K), np.float32), T.Q5_1)
+    assert carry_gguf(raw, "Q5_1", N, K) is None
+
+
+def test_concatenated_blocks_of_two_types_keep_both_exact():
+    """A fused projection whose parts came as Q4_0 and Q4_K (one layout: 4 bits, blocks of 32)."""
+    rng = np.random.default_rng(1)
+    parts = [carry_gguf(gguf_bytes(kind, rng), kind, N, K) for kind in ("Q4_0", "Q4_K")]
+    fused = concat_blocks(parts)
+    np.testing.assert_allclose(fused.dequantize(), np.concatenate([p.dequantize() for p in parts]), rtol=1e-6)
+    rows = np.array([3, 30, 7])
+    np.testing.assert_array_equal(fused.rows(rows).dequantize(), fused.dequantize()[rows])
