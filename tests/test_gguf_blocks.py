@@ -86,3 +86,74 @@ def test_concatenated_blocks_of_two_types_keep_both_exact():
     np.testing.assert_allclose(fused.dequantize(), np.concatenate([p.dequantize() for p in parts]), rtol=1e-6)
     rows = np.array([3, 30, 7])
     np.testing.assert_array_equal(fused.rows(rows).dequantize(), fused.dequantize()[rows])
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's conversion order of a Llama q/k weight's rows (its rotary layout)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+              "ffn_up": "Q4_1", "ffn_down": "Q5_0"}
+FIELDS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
+          "ffn_down": "down"}
+
+
+def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
+    """A tiny Llama written as a GGUF file the way llama.cpp writes one (q/k rows permuted, mixed types):
+    every matrix is carried, q/k in transformers' row order, and the carried int4 graph computes what the
+    fp32 graph of the dequantized weights computes; a matrix whose bytes disagree falls back."""
+    from gguf import GGUFWriter
+
+    from edge_spec.export.gguf_carry import attach_gguf_blocks
+    from edge_spec.export.graph_builder import build_decoder, save_model
+    from edge_spec.export.quantize import quantize_blockwise
+    from edge_spec.export.weights import weights_from_state_dict
+    from edge_spec.runtime.model.decoder import Decoder
+    from tests.test_model_families import ids_for, tiny_model
+
+    model = tiny_model("llama3")
+    state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    weights = weights_from_state_dict(model.config, state)
+    cfg = weights.config
+    writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    for i, layer in enumerate(weights.layers):
+        for gguf_name, kind in GGUF_TYPES.items():
+            w = getattr(layer, FIELDS[gguf_name])
+            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(gguf_name)
+            raw = quants.quantize(_llama_permute(w, heads) if heads else w, getattr(T, kind))
+            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", raw, raw_dtype=getattr(T, kind))
+            loaded = quants.dequantize(raw, getattr(T, kind)).reshape(w.shape)  # what transformers would load
+            if heads:
+                loaded = loaded[np.argsort(_llama_permute(np.arange(w.shape[0]), heads))]
+            setattr(layer, FIELDS[gguf_name], loaded)
+    embed_raw = quants.quantize(weights.embed, T.Q8_0)
+    writer.add_tensor("token_embd.weight", embed_raw, raw_dtype=T.Q8_0)
+    weights.lm_head = quants.dequantize(embed_raw, T.Q8_0).reshape(weights.embed.shape)
+    # the lookup table is re-quantized to int8 beside carried blocks; start it on that grid so both match
+    weights.embed = quantize_blockwise(weights.lm_head, 8, 32).dequantize()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    down = weights.layers[1].down
+    weights.layers[1].down = down + 1e-3  # as if transformers had loaded other bytes for this one
+    report = attach_gguf_blocks(tmp_path / "tiny.gguf", weights)
+    assert list(report.fallback) == ["layers.1.down"] and "differ" in report.fallback["layers.1.down"]
+    weights.layers[1].down, weights.carried = down, {}
+    report = attach_gguf_blocks(tmp_path / "tiny.gguf", weights)
+    assert dict(report.carried) == {"Q8_0": 3, "Q4_0": 4, "Q4_1": 6, "Q5_0": 2} and not report.fallback
+
+    ids = ids_for(4)
+    logits = {}
+    for quant in ("int4", "fp32"):
+        path = tmp_path / f"{quant}.onnx"
+        save_model(build_decoder(weights, BuildOptions(quant, accuracy_level=0, context_length=64)), path)
+        logits[quant] = Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"]
+    np.testing.assert_allclose(logits["int4"], logits["fp32"], atol=1e-4)
+    # negative control: the same weights re-quantized to int4 blocks (the old path) are far off
+    path = tmp_path / "requant.onnx"
+    save_model(build_decoder(weights, BuildOptions("int4", accuracy_level=0, context_length=64, gguf_blocks=False)),
+               path)
+    assert np.abs(Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"] - logits["fp32"]).max() > 1e-2

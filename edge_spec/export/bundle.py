@@ -106,10 +106,13 @@ def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: d
 
 
 def _export_head(bundle_dir: Path, name: str, lm_head: np.ndarray, vocab_ids: np.ndarray | None,
-                 build: BuildOptions) -> dict:
-    """Write draft/head_<name>.onnx (+ its vocabulary map) and return its manifest entry."""
+                 build: BuildOptions, blocks=None) -> dict:
+    """Write draft/head_<name>.onnx (+ its vocabulary map) and return its manifest entry; ``blocks``: the
+    head's carried GGUF blocks, if any."""
     weight = lm_head if vocab_ids is None else lm_head[vocab_ids]
-    save_model(build_head(weight, build), bundle_dir / "draft" / f"head_{name}.onnx")
+    if blocks is not None and vocab_ids is not None:
+        blocks = blocks.rows(vocab_ids)
+    save_model(build_head(weight, build, blocks), bundle_dir / "draft" / f"head_{name}.onnx")
     files = [file_record(bundle_dir, f"draft/head_{name}.onnx"), file_record(bundle_dir, f"draft/head_{name}.onnx.data")]
     entry = {"kind": "static", "onnx": f"draft/head_{name}.onnx", "size": int(weight.shape[0]),
              "parameters": int(weight.size)}
@@ -162,7 +165,7 @@ def default_head(heads: dict, options: ExportOptions) -> str:
 
 
 def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOptions, build: BuildOptions, *,
-                       always_keep: list[int], progress=None) -> tuple[dict, list[dict], dict | None]:
+                       always_keep: list[int], progress=None, lm_head_blocks=None) -> tuple[dict, list[dict], dict | None]:
     """Build every drafter head ``options`` asks for (the full head always) into ``bundle_dir/draft``.
 
     VocabTrim and SpecVocab calibrate on text the exported target generates
@@ -173,7 +176,7 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
     from edge_spec.export import specvocab, vocabtrim
 
     modes = options.vocab_modes
-    heads = {"full": _export_head(bundle_dir, "full", lm_head, None, build)}
+    heads = {"full": _export_head(bundle_dir, "full", lm_head, None, build, lm_head_blocks)}
     calibration = None
     files: list[dict] = []
     if any(m != "full" for m in modes):
@@ -189,7 +192,7 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
             name = f"trim-{keep}"
             coverage = float(counts[vocab_ids].sum() / max(counts.sum(), 1))
             _say(progress, f"VocabTrim head {name}: covers {coverage:.1%} of calibration tokens")
-            heads[name] = _export_head(bundle_dir, name, lm_head, vocab_ids, build)
+            heads[name] = _export_head(bundle_dir, name, lm_head, vocab_ids, build, lm_head_blocks)
             heads[name].update(calibration_coverage=coverage, vocab_mode="trim")
     # per SpecVocab mode: the head-name prefix and the ids always among the candidates
     always: dict[str, tuple[str, np.ndarray]] = {}
@@ -435,10 +438,11 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
 
     _say(progress, f"loading target {target_source}")
     target = loader(target_source)
+    target_quant = _gguf_quant_info(target, quant_info, options, progress)
     _say(progress, f"building target graph ({options.quant})")
     export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
-    target_record = _model_record(target, staging, "target", _gguf_quant_info(target, quant_info, options, progress))
+    target_record = _model_record(target, staging, "target", target_quant)
     target_tokenizer, target_vocab = target.tokenizer, target.weights.config.vocab_size
     eos_ids = list(target.eos_token_ids)
     special_ids = list(getattr(target_tokenizer, "all_special_ids", []))
@@ -452,14 +456,14 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         raise EdgeSpecError(
             f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
         )
+    draft_quant = _gguf_quant_info(draft, quant_info, options, progress)
     _say(progress, f"building drafter body ({options.quant})")
-    body = dataclasses.replace(build, build_head=False)
-    export_decoder(draft, staging, "draft", body, stem="body")
-    draft_record = _model_record(draft, staging, "draft", _gguf_quant_info(draft, quant_info, options, progress),
-                                 "body")
+    export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
+    draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
     draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
     heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
-                                                   always_keep=eos_ids + special_ids, progress=progress)
+                                                   always_keep=eos_ids + special_ids, progress=progress,
+                                                   lm_head_blocks=draft.weights.carried.get("lm_head"))
     draft_record["heads"] = heads
     draft_record["default_head"] = default_head(heads, options)
     if calibration:
@@ -504,17 +508,23 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
         check_source_exists(source)
     _say(progress, f"loading drafter {source}")
     draft = loader(source)
-    if draft.weights.config.to_dict() != record["config"]:
+    from edge_spec.export.weights import DecoderConfig
+
+    # through DecoderConfig: a bundle written before a config field existed has that field's default
+    if draft.weights.config.to_dict() != DecoderConfig(**record["config"]).to_dict():
         raise EdgeSpecError(f"drafter {source} does not match the bundle's drafter ({record['name']})")
     quant = manifest["target"]["quantization"]
-    build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"])
+    carried = isinstance(record.get("quantization", {}).get("gguf_blocks"), dict)
+    build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"],
+                         gguf_blocks=carried)
     options = dataclasses.replace(options, quant=quant["weights"], block_size=quant["block_size"],
                                   accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
     staging = _staged_copy(bundle_dir, manifest)
     try:
         heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
-                                                       always_keep=always, progress=progress)
+                                                       always_keep=always, progress=progress,
+                                                       lm_head_blocks=draft.weights.carried.get("lm_head"))
         written = {f["path"] for f in files}
         for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten
             if name not in heads and any(head.get(k) in written for k in ("onnx", "universe", "vocab_ids")):

@@ -458,12 +458,18 @@ def feature_output(layers, num_layers: int, hidden_size: int) -> tuple[onnx.Node
     return node, info
 
 
-def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str) -> onnx.ModelProto:
-    """``hidden_states [1, n, H] -> output [1, n, rows]`` through a chain of (quantized) linear maps."""
+def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str,
+                  blocks=None) -> onnx.ModelProto:
+    """``hidden_states [1, n, H] -> output [1, n, rows]`` through a chain of (quantized) linear maps; a
+    single map may come as carried GGUF ``blocks`` instead of being quantized here."""
     g = Graph()
     x = "hidden_states"
     for i, weight in enumerate(weights):
-        x = add_linear(g, x, weight, f"linear{i}" if len(weights) > 1 else "lm_head", options)
+        name = f"linear{i}" if len(weights) > 1 else "lm_head"
+        if blocks is not None and options.gguf_blocks and QUANT_BITS[options.quant] is not None:
+            x = add_carried_linear(g, x, blocks, name, options)
+        else:
+            x = add_linear(g, x, weight, name, options)
     g.node("Identity", [x], [output])
     graph = helper.make_graph(
         g.nodes, graph_name,
@@ -474,10 +480,11 @@ def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: 
     return make_model(graph)
 
 
-def build_head(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
+def build_head(weight: np.ndarray, options: BuildOptions, blocks=None) -> onnx.ModelProto:
     """A stand-alone LM head ``hidden_states [1, n, H] -> logits [1, n, rows]`` (drafter heads:
-    full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it."""
-    return _linear_chain([weight], options, "edge_spec_head", "logits")
+    full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it, or its
+    GGUF ``blocks`` (the same rows) carried."""
+    return _linear_chain([weight], options, "edge_spec_head", "logits", blocks)
 
 
 def build_scorer(w_down: np.ndarray, w_vocab: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
