@@ -2,22 +2,25 @@
 llama.cpp), not twice (dequantized, then re-quantized to our int4 blocks).
 
 Each carried format is rewritten, not approximated, into a ``MatMulNBits`` layout where ONNX Runtime
-computes ``w = scale * (code - zero_point)`` per block along K:
+computes ``w = scale * (code - zero_point)`` per block along K with an integer zero point:
 
 ==========  =========================================  ===========================================
 GGUF type   GGUF formula (per block)                   MatMulNBits bits / block / zero point
 ==========  =========================================  ===========================================
 Q4_0        d * (q - 8),  q in 0..15, blocks of 32      4 / 32 / none (the default 8)
-Q4_1        d * q + m                                   4 / 32 / float -m/d
-Q4_K        d*sc * q - dmin*m, sub-blocks of 32         4 / 32 / float dmin*m / (d*sc)
+Q4_1        d * q + m                                   4 / 32 / round(-m/d), + correction
+Q4_K        d*sc * q - dmin*m, sub-blocks of 32         4 / 32 / round(dmin*m / (d*sc)), + correction
 Q8_0        d * q,  q in -128..127, blocks of 32        8 / 32 / none (code q + 128)
-Q5_0        d * (q - 16), q in 0..31, blocks of 32      8 / 32 / uint8 16
-Q6_K        d*sc * (q - 32), sub-blocks of 16           8 / 16 / uint8 32
+Q5_0        d * (q - 16), q in 0..31, blocks of 32      8 / 32 / 16
+Q6_K        d*sc * (q - 32), sub-blocks of 16           8 / 16 / 32
 ==========  =========================================  ===========================================
 
-Float zero points (same type as the scales) are what ONNX Runtime accepts for 4-bit weights; it
-refuses them for 8-bit weights on CPU, so Q5_1 and Q5_K (8-bit with a fractional zero point) are
-not carried: the exporter falls back to re-quantizing those tensors and says so.
+The affine formats' zero point is fractional.  ONNX Runtime accepts a float zero point for 4-bit
+weights, but its CPU kernel then dequantizes the whole matrix on every call (about a hundred times
+slower than the integer path), so the fraction is moved out instead: ``w = scale * (q - z) - c`` with
+``z`` the rounded zero point and ``c = scale * (exact - z)`` one float per block, and ``x @ w.T`` is
+``MatMulNBits`` minus the block sums of ``x`` times ``c`` (one small fp32 MatMul, K/32 wide).
+Q5_1 and Q5_K (5-bit, affine) are not carried: the exporter re-quantizes them and says so.
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ CARRIED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K")
 
 @dataclass(frozen=True)
 class CarriedBlocks:
-    """A weight ``[n, k]`` in ``MatMulNBits`` layout, taken over from GGUF blocks without rounding."""
+    """A weight ``[n, k]`` in ``MatMulNBits`` layout, taken over from GGUF blocks without rounding:
+    ``w = scales * (codes - zero_points) - correction`` per block."""
 
     packed: np.ndarray  # uint8 [n, k_blocks, block_size * bits // 8]
     scales: np.ndarray  # float32 [n, k_blocks]
-    zero_points: np.ndarray | None  # float32 (4-bit) or uint8 (8-bit) [n, k_blocks]; None: 2**(bits-1)
+    zero_points: np.ndarray | None  # uint8 [n, k_blocks], one code each; None: 2**(bits-1)
     bits: int
     block_size: int
     source_type: str  # the GGUF type it came from ("Q4_K", ...; "mixed" after a concatenation)
+    correction: np.ndarray | None = None  # float32 [n, k_blocks] subtracted per block (affine formats)
 
     @property
     def n(self) -> int:
@@ -55,20 +60,24 @@ class CarriedBlocks:
     def zero_points_or_default(self) -> np.ndarray:
         if self.zero_points is not None:
             return self.zero_points
-        default = 1 << (self.bits - 1)
-        dtype = np.float32 if self.bits == 4 else np.uint8
-        return np.full(self.scales.shape, default, dtype)
+        return np.full(self.scales.shape, 1 << (self.bits - 1), np.uint8)
+
+    def correction_or_zero(self) -> np.ndarray:
+        return self.correction if self.correction is not None else np.zeros(self.scales.shape, np.float32)
 
     def dequantize(self) -> np.ndarray:
-        """Float32 ``[n, k]``: what MatMulNBits multiplies by (tests, and the check against transformers)."""
+        """Float32 ``[n, k]``: what the graph multiplies by (tests, and the check against transformers)."""
         codes = unpack_codes(self.packed, self.bits).astype(np.float32)
         zero = self.zero_points_or_default().astype(np.float32)
-        return ((codes - zero[..., None]) * self.scales[..., None]).reshape(self.n, -1)
+        w = (codes - zero[..., None]) * self.scales[..., None] - self.correction_or_zero()[..., None]
+        return w.reshape(self.n, -1)
 
     def rows(self, index: np.ndarray) -> "CarriedBlocks":
         """The output rows ``index`` (a row permutation, a split, or VocabTrim's kept rows)."""
-        zp = None if self.zero_points is None else self.zero_points[index]
-        return CarriedBlocks(self.packed[index], self.scales[index], zp, self.bits, self.block_size, self.source_type)
+        def pick(a):
+            return None if a is None else a[index]
+        return CarriedBlocks(self.packed[index], self.scales[index], pick(self.zero_points), self.bits,
+                             self.block_size, self.source_type, pick(self.correction))
 
 
 def concat_blocks(parts: list[CarriedBlocks]) -> CarriedBlocks:
@@ -79,21 +88,44 @@ def concat_blocks(parts: list[CarriedBlocks]) -> CarriedBlocks:
     zero = None
     if any(p.zero_points is not None for p in parts):
         zero = np.concatenate([p.zero_points_or_default() for p in parts])
+    correction = None
+    if any(p.correction is not None for p in parts):
+        correction = np.concatenate([p.correction_or_zero() for p in parts])
     kinds = {p.source_type for p in parts}
     return CarriedBlocks(np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]), zero,
-                         first.bits, first.block_size, kinds.pop() if len(kinds) == 1 else "mixed")
+                         first.bits, first.block_size, kinds.pop() if len(kinds) == 1 else "mixed", correction)
+
+
+def _zero_point_bytes(w: CarriedBlocks) -> np.ndarray:
+    """MatMulNBits' uint8 zero points: one per byte at 8 bits, two per byte (low nibble first) at 4."""
+    zero = w.zero_points
+    if w.bits == 8:
+        return zero.reshape(-1)
+    if zero.shape[1] % 2:
+        zero = np.pad(zero, ((0, 0), (0, 1)))
+    return (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
 
 
 def add_carried_linear(g, x: str, w: CarriedBlocks, name: str, opt, bias: np.ndarray | None = None) -> str:
-    """``y = x @ w.T + bias`` as one ``MatMulNBits`` over the carried blocks (``g``: the builder's Graph)."""
+    """``y = x @ w.T + bias`` as one ``MatMulNBits`` over the carried blocks (``g``: the builder's Graph),
+    less the per-block correction (see the module docstring) where the format has one."""
     inputs = [x, g.const(name + ".qweight", w.packed), g.const(name + ".scales", w.scales.reshape(-1))]
     if w.zero_points is not None:
-        inputs.append(g.const(name + ".zero_points", w.zero_points.reshape(-1)))
+        inputs.append(g.const(name + ".zero_points", _zero_point_bytes(w)))
     if bias is not None:
         inputs += [""] * (5 - len(inputs)) + [g.const(name + ".bias", bias.astype(np.float32))]
     out = name + "/out"
-    g.node("MatMulNBits", inputs, [out], domain=MS_DOMAIN, K=w.k, N=w.n, bits=w.bits, block_size=w.block_size,
+    main = out if w.correction is None else name + "/main"
+    g.node("MatMulNBits", inputs, [main], domain=MS_DOMAIN, K=w.k, N=w.n, bits=w.bits, block_size=w.block_size,
            accuracy_level=opt.accuracy_level)
+    if w.correction is not None:
+        shape = g.const(name + ".blocks", np.array([0, 0, w.k // w.block_size, w.block_size], np.int64))
+        blocks = g.node("Reshape", [x, shape], [name + "/x_blocks"])[0]
+        sums = g.node("ReduceSum", [blocks, g.const(name + ".sum_axis", np.array([-1], np.int64))],
+                      [name + "/block_sums"], keepdims=0)[0]
+        fix = g.node("MatMul", [sums, g.const(name + ".correction", np.ascontiguousarray(w.correction.T))],
+                     [name + "/correction"])[0]
+        g.node("Sub", [main, fix], [out])
     return out
 
 
@@ -110,27 +142,27 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_0(b):
-    return _nibbles(b[:, 2:]), _f16(b[:, :2]), None
+    return _nibbles(b[:, 2:]), _f16(b[:, :2]), None, None
 
 
 def _q8_0(b):
-    return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(b[:, :2]), None
+    return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(b[:, :2]), None, None
 
 
 def _q5_0(b):
     qh = np.unpackbits(np.ascontiguousarray(b[:, 2:6]), axis=-1, bitorder="little")
     codes = _nibbles(b[:, 6:]) | (qh << 4)
-    return codes, _f16(b[:, :2]), np.full(len(b), 16, np.uint8)
+    return codes, _f16(b[:, :2]), np.full(len(b), 16, np.uint8), None
 
 
 def _affine(codes: np.ndarray, d: np.ndarray, m: np.ndarray):
-    """Blocks of ``d * q - m`` as ``d * (q - m / d)``; a block with d = 0 is the constant -m, written as
-    codes 0, scale 1, zero point m (exact too)."""
-    flat = d == 0
-    scale = np.where(flat, 1.0, d).astype(np.float32)
-    zero = np.where(flat, m, m / np.where(flat, 1.0, d)).astype(np.float32)
-    codes = np.where(flat[:, None], 0, codes).astype(np.uint8)
-    return codes, scale, zero
+    """Blocks of ``d * q - m`` as ``d * (q - z) - (m - d * z)``, z = m / d rounded into the code range
+    (see the module docstring); a block with d = 0 is the constant -m, all correction."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exact = np.where(d == 0, 0.0, m / np.where(d == 0, 1.0, d))
+    zero = np.clip(np.rint(exact), 0, 15).astype(np.uint8)
+    correction = (m - d * zero.astype(np.float32)).astype(np.float32)
+    return codes, d.astype(np.float32), zero, correction
 
 
 def _q4_1(b):
@@ -159,7 +191,7 @@ def _q6_k(b):
     high = np.stack([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], axis=2)
     codes = (low | (high << 4)).reshape(n * 16, 16)
     scale = (d[:, None] * sc).reshape(-1).astype(np.float32)
-    return codes, scale, np.full(n * 16, 32, np.uint8)
+    return codes, scale, np.full(n * 16, 32, np.uint8), None
 
 
 #: GGUF type -> (bytes per GGUF block, elements per GGUF block, MatMulNBits bits, block size, decoder)
@@ -184,8 +216,10 @@ def carry_gguf(raw: np.ndarray, gguf_type: str, n: int, k: int) -> CarriedBlocks
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, type_size)
     if len(blocks) != n * k // per_block:
         raise ValueError(f"{gguf_type} tensor of {len(blocks)} blocks cannot hold a [{n}, {k}] weight")
-    codes, scales, zero = decode(blocks)
+    codes, scales, zero, correction = decode(blocks)
     k_blocks = k // block_size
-    zero = None if zero is None else zero.reshape(n, k_blocks)
+
+    def per_block(a):
+        return None if a is None else a.reshape(n, k_blocks)
     return CarriedBlocks(pack_codes(codes.reshape(n, k_blocks, block_size), bits), scales.reshape(n, k_blocks),
-                         zero, bits, block_size, gguf_type)
+                         per_block(zero), bits, block_size, gguf_type, per_block(correction))
