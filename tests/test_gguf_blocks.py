@@ -23,12 +23,13 @@ def _f16_bytes(values: np.ndarray) -> np.ndarray:
 def gguf_bytes(kind: str, rng: np.random.Generator) -> np.ndarray:
     """Raw bytes of a [N, K] tensor in GGUF type ``kind``: the gguf package's quantizer where it has one,
     hand-packed random blocks (valid scales, random codes) for the K-quants it cannot write."""
-    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return quants.quantize(rng.standard_normal((N, K)).astype(np.float32), getattr(T, kind))
     blocks = N * K // 256
-    if kind == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin (f16), 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of high
+        # bits), 128 bytes of nibbles
         d, dmin = _f16_bytes(rng.uniform(0.001, 0.02, blocks)), _f16_bytes(rng.uniform(0.0, 0.02, blocks))
-        rest = rng.integers(0, 256, (blocks, 140), dtype=np.uint8)
+        rest = rng.integers(0, 256, (blocks, 140 if kind == "Q4_K" else 172), dtype=np.uint8)
         rest[0, :12] = 0  # one block whose sub-block scales are 0: a constant -dmin*m, carried exactly too
         return np.concatenate([d, dmin, rest], axis=1).reshape(N, -1)
     if kind == "Q6_K":  # 128 bytes low bits, 64 high bits, 16 int8 scales, d (f16)
@@ -50,7 +51,7 @@ def matmul_session(build) -> ort.InferenceSession:
 OPTS = BuildOptions("int4", accuracy_level=0)  # fp32 activations: the weight path alone is compared
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
 def test_carried_blocks_match_gguf_dequantization(kind):
     rng = np.random.default_rng(0)
     raw = gguf_bytes(kind, rng)
@@ -74,8 +75,8 @@ def test_carried_blocks_match_gguf_dequantization(kind):
 
 
 def test_unsupported_types_are_not_carried():
-    raw = quants.quantize(np.ones((N, K), np.float32), T.Q5_1)
-    assert carry_gguf(raw, "Q5_1", N, K) is None
+    raw = np.zeros((N, K // 256 * 110), np.uint8)  # Q3_K: no MatMulNBits layout here
+    assert carry_gguf(raw, "Q3_K", N, K) is None
 
 
 def test_concatenated_blocks_of_two_types_keep_both_exact():

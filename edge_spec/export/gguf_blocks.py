@@ -12,15 +12,17 @@ Q4_1        d * q + m                                   4 / 32 / round(-m/d), + 
 Q4_K        d*sc * q - dmin*m, sub-blocks of 32         4 / 32 / round(dmin*m / (d*sc)), + correction
 Q8_0        d * q,  q in -128..127, blocks of 32        8 / 32 / none (code q + 128)
 Q5_0        d * (q - 16), q in 0..31, blocks of 32      8 / 32 / 16
+Q5_1        d * q + m                                   8 / 32 / round(-m/d), + correction
+Q5_K        d*sc * q - dmin*m, sub-blocks of 32         8 / 32 / round(dmin*m / (d*sc)), + correction
 Q6_K        d*sc * (q - 32), sub-blocks of 16           8 / 16 / 32
 ==========  =========================================  ===========================================
 
 The affine formats' zero point is fractional.  ONNX Runtime accepts a float zero point for 4-bit
-weights, but its CPU kernel then dequantizes the whole matrix on every call (about a hundred times
+weights (not for 8-bit ones), but its CPU kernel then dequantizes the whole matrix on every call (about a hundred times
 slower than the integer path), so the fraction is moved out instead: ``w = scale * (q - z) - c`` with
 ``z`` the rounded zero point and ``c = scale * (exact - z)`` one float per block, and ``x @ w.T`` is
-``MatMulNBits`` minus the block sums of ``x`` times ``c`` (one small fp32 MatMul, K/32 wide).
-Q5_1 and Q5_K (5-bit, affine) are not carried: the exporter re-quantizes them and says so.
+``MatMulNBits`` minus the block sums of ``x`` times ``c`` (one small fp32 MatMul, K/32 wide).  Other
+types (Q2_K, Q3_K, the IQ family) are not carried: the exporter re-quantizes them and says so.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from edge_spec.export.quantize import pack_codes, unpack_codes
 
 MS_DOMAIN = "com.microsoft"
 QK_K = 256
-CARRIED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K")
+CARRIED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -155,12 +157,12 @@ def _q5_0(b):
     return codes, _f16(b[:, :2]), np.full(len(b), 16, np.uint8), None
 
 
-def _affine(codes: np.ndarray, d: np.ndarray, m: np.ndarray):
+def _affine(codes: np.ndarray, d: np.ndarray, m: np.ndarray, top: int = 15):
     """Blocks of ``d * q - m`` as ``d * (q - z) - (m - d * z)``, z = m / d rounded into the code range
-    (see the module docstring); a block with d = 0 is the constant -m, all correction."""
+    ``0..top`` (see the module docstring); a block with d = 0 is the constant -m, all correction."""
     with np.errstate(divide="ignore", invalid="ignore"):
         exact = np.where(d == 0, 0.0, m / np.where(d == 0, 1.0, d))
-    zero = np.clip(np.rint(exact), 0, 15).astype(np.uint8)
+    zero = np.clip(np.rint(exact), 0, top).astype(np.uint8)
     correction = (m - d * zero.astype(np.float32)).astype(np.float32)
     return codes, d.astype(np.float32), zero, correction
 
@@ -169,17 +171,36 @@ def _q4_1(b):
     return _affine(_nibbles(b[:, 4:]), _f16(b[:, :2]), -_f16(b[:, 2:4]))
 
 
-def _q4_k(b):
+def _q5_1(b):
+    qh = np.unpackbits(np.ascontiguousarray(b[:, 4:8]), axis=-1, bitorder="little")
+    return _affine(_nibbles(b[:, 8:]) | (qh << 4), _f16(b[:, :2]), -_f16(b[:, 2:4]), 255)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-block header: per sub-block scale d*sc and minimum dmin*m (6-bit sc, m packed in 12 bytes)."""
     n = len(b)
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     s = b[:, 4:16].reshape(n, 3, 4)
     sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], axis=-1)
-    qs = b[:, 16:].reshape(n, 4, 32)  # four chunks of 64 elements: low nibbles then high nibbles
-    codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n * 8, 32)
-    scale = (d[:, None] * sc.astype(np.float32)).reshape(-1)
-    minimum = (dmin[:, None] * mn.astype(np.float32)).reshape(-1)
-    return _affine(codes, scale, minimum)
+    return (d[:, None] * sc.astype(np.float32)).reshape(-1), (dmin[:, None] * mn.astype(np.float32)).reshape(-1)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K codes: four chunks of 32 bytes, low nibbles one sub-block of 32, high nibbles the next."""
+    chunks = qs.reshape(len(qs), 4, 32)
+    return np.stack([chunks & 0x0F, chunks >> 4], axis=2).reshape(len(qs), 8, 32)
+
+
+def _q4_k(b):
+    scale, minimum = _k_scales(b)
+    return _affine(_k_nibbles(b[:, 16:]).reshape(-1, 32), scale, minimum)
+
+
+def _q5_k(b):
+    scale, minimum = _k_scales(b)
+    high = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # sub-block s: bit s
+    return _affine((_k_nibbles(b[:, 48:]) | (high << 4)).reshape(-1, 32), scale, minimum, 255)
 
 
 def _q6_k(b):
@@ -201,6 +222,8 @@ _LAYOUTS = {
     "Q4_K": (144, QK_K, 4, 32, _q4_k),
     "Q8_0": (34, 32, 8, 32, _q8_0),
     "Q5_0": (22, 32, 8, 32, _q5_0),
+    "Q5_1": (24, 32, 8, 32, _q5_1),
+    "Q5_K": (176, QK_K, 8, 32, _q5_k),
     "Q6_K": (210, QK_K, 8, 16, _q6_k),
 }
 
