@@ -12,6 +12,7 @@ level 0 to show the weights alone) and compared on
 * speed: greedy tokens/s of transformers (fp32, torch threads) and of our decoder (ORT threads).
 
     python benchmarks/gguf_fidelity.py models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf [--tokens 48] [--threads 2]
+                                       [--no-level0]
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ def main() -> None:
     parser.add_argument("gguf", nargs="+", type=Path)
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-level0", action="store_true", help="skip the accuracy-level-0 export (its fp32 "
+                        "activations run slowly on large models; it only isolates the weights' share)")
     args = parser.parse_args()
+    variants = [v for v in VARIANTS if not (args.no_level0 and v[1] == 0)]
 
     from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model
 
@@ -154,7 +158,7 @@ def main() -> None:
         ref = reference_runs(model, tokenizer, text_ids, args.tokens, args.threads)
         rows.append((gguf.stem, "transformers fp32", None, ref["tps"]))
         with tempfile.TemporaryDirectory() as tmp:
-            for blocks, level in VARIANTS:
+            for blocks, level in variants:
                 options = BuildOptions("int4", accuracy_level=level, context_length=1024,
                                        gguf_blocks=blocks == "carry")
                 path = Path(tmp) / f"{blocks}{level}.onnx"
