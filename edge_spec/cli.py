@@ -125,9 +125,9 @@ def export(
     block_size: int = typer.Option(32, help="Quantization block size."),
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
     context_length: int = typer.Option(4096, help="Maximum context (KV cache capacity, rotary table size)."),
-    gguf_blocks: str = typer.Option("carry", help="GGUF sources: 'carry' their quantized blocks into MatMulNBits "
-                                    "exactly (one rounding, llama.cpp's), or 'requantize' to int4/int8 blocks of "
-                                    "--block-size."),
+    gguf_blocks: str = typer.Option("target", help="Which GGUF sources keep their quantized blocks in "
+                                    "MatMulNBits (rounded once, by llama.cpp) instead of being re-quantized to "
+                                    "--block-size blocks: target (default), both or none."),
     draft_vocab: str = DraftVocabOpt,
     keep: str = KeepOpt,
     calibration: Optional[Path] = CalibrationOpt,

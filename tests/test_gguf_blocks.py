@@ -158,3 +158,27 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
     save_model(build_decoder(weights, BuildOptions("int4", accuracy_level=0, context_length=64, gguf_blocks=False)),
                path)
     assert np.abs(Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"] - logits["fp32"]).max() > 1e-2
+
+
+def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair):
+    """One line in the export log and the manifest's quantization record per model; by default only the
+    target keeps GGUF blocks (the drafter's rounding moves acceptance, not the output)."""
+    from collections import Counter
+
+    from edge_spec.export.bundle import ExportOptions, export_bundle
+    from edge_spec.export.gguf_carry import CarryReport
+    from tests import tiny_models
+
+    tokenizer, target, draft = tiny_pair
+    models = {"t": tiny_models.loaded("t", target, tokenizer), "d": tiny_models.loaded("d", draft, tokenizer)}
+    for model in models.values():  # as load_model leaves a GGUF source (no blocks attached: graphs as usual)
+        model.gguf_carry = CarryReport(Counter({"Q4_K": 3}), {"layers.0.down": "Q3_K: no exact MatMulNBits layout"})
+    lines: list[str] = []
+    manifest = export_bundle("t", "d", tmp_path / "b", ExportOptions(context_length=64), lines.append,
+                             loader=models.__getitem__)
+    assert manifest["target"]["quantization"]["gguf_blocks"] == {
+        "carried": {"Q4_K": 3}, "requantized": {"layers.0.down": "Q3_K: no exact MatMulNBits layout"}}
+    assert manifest["draft"]["quantization"]["gguf_blocks"] == "requantized"
+    said = [line for line in lines if "GGUF blocks" in line]
+    assert said == ["t: GGUF blocks carried exactly: 3 matrices (Q4_K 3); re-quantized: layers.0.down (Q3_K: no "
+                    "exact MatMulNBits layout); embedding table re-quantized to int8"]

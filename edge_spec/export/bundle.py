@@ -41,7 +41,7 @@ class ExportOptions:
     train_steps: int = 0  # SpecVocab: distillation steps after the closed-form fit
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
     scorer_vocab: tuple[int, ...] = (0,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
-    gguf_blocks: str = "carry"  # GGUF sources: "carry" their blocks into MatMulNBits exactly, or "requantize"
+    gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
 
     @property
     def keep_list(self) -> list[int]:
@@ -63,8 +63,9 @@ class ExportOptions:
             if mode not in DRAFT_VOCAB_MODES:
                 raise EdgeSpecError(f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, "
                                     f"not {self.draft_vocab!r}")
-        if self.gguf_blocks not in ("carry", "requantize"):
-            raise EdgeSpecError(f"--gguf-blocks must be 'carry' or 'requantize', not {self.gguf_blocks!r}")
+        if self.gguf_blocks not in GGUF_BLOCK_MODES:
+            raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, "
+                                f"not {self.gguf_blocks!r}")
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
         if min(self.candidates) < 1:
@@ -72,6 +73,7 @@ class ExportOptions:
 
 
 DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
+GGUF_BLOCK_MODES = ("target", "both", "none")
 
 
 def _say(progress, message: str) -> None:
@@ -79,13 +81,20 @@ def _say(progress, message: str) -> None:
         progress(message)
 
 
-def _gguf_quant_info(model: LoadedModel, quant_info: dict, options: ExportOptions, progress) -> dict:
+def carries_gguf_blocks(options: ExportOptions, role: str) -> bool:
+    """Whether the ``role`` ("target" or "draft") model keeps its GGUF blocks.  By default only the
+    target does: its weights decide the output, while the drafter's rounding only moves acceptance, and
+    its 5/6-bit GGUF blocks widened to 8 bits cost it more speed than they buy."""
+    return options.gguf_blocks == "both" or (options.gguf_blocks == "target" and role == "target")
+
+
+def _gguf_quant_info(model: LoadedModel, quant_info: dict, carry: bool, progress) -> dict:
     """``quant_info`` plus, for a GGUF source exported quantized, which matrices kept their GGUF blocks and
     which were re-quantized (also said in one line of the export log)."""
     report = model.gguf_carry
-    if report is None or options.quant == "fp32":
+    if report is None or quant_info["weights"] == "fp32":
         return quant_info
-    if options.gguf_blocks == "requantize":
+    if not carry:
         return dict(quant_info, gguf_blocks="requantized")
     _say(progress, f"{model.name}: {report.summary()}; embedding table re-quantized to int8")
     return dict(quant_info, gguf_blocks=report.to_dict(), embedding="GatherBlockQuantized int8")
@@ -434,11 +443,11 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         "embedding": "GatherBlockQuantized" if options.quant != "fp32" else "Gather",
     }
     build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
-                         gguf_blocks=options.gguf_blocks == "carry")
+                         gguf_blocks=carries_gguf_blocks(options, "target"))
 
     _say(progress, f"loading target {target_source}")
     target = loader(target_source)
-    target_quant = _gguf_quant_info(target, quant_info, options, progress)
+    target_quant = _gguf_quant_info(target, quant_info, build.gguf_blocks, progress)
     _say(progress, f"building target graph ({options.quant})")
     export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
@@ -456,7 +465,8 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         raise EdgeSpecError(
             f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
         )
-    draft_quant = _gguf_quant_info(draft, quant_info, options, progress)
+    build = dataclasses.replace(build, gguf_blocks=carries_gguf_blocks(options, "draft"))
+    draft_quant = _gguf_quant_info(draft, quant_info, build.gguf_blocks, progress)
     _say(progress, f"building drafter body ({options.quant})")
     export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
     draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
