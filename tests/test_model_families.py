@@ -201,3 +201,13 @@ def test_tokenizer_mismatch_is_refused_in_one_line_naming_the_ids():
                               "vs drafter '<|im_end|>'), 2 (")
     assert "prompt lookup" in message and "train-head" in message
     check_same_tokenizer(target, tiny_models.make_tokenizer())  # the same vocabulary passes
+
+
+def test_registry_hub_only_entries_resolve_to_their_hub_id():
+    """Families without an offline copy are registry names for a machine with a network; fetch says so."""
+    from edge_spec import fetch
+    from edge_spec.export.sources import _locate
+
+    assert _locate("qwen3-0.6b") == ("hub", "Qwen/Qwen3-0.6B", None)
+    with pytest.raises(EdgeSpecError, match="no offline .* --target google/gemma-2-2b-it"):
+        fetch.fetch_gguf("gemma-2-2b-it")
