@@ -127,6 +127,9 @@ def export(
     block_size: int = typer.Option(32, help="Quantization block size."),
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
     context_length: int = typer.Option(4096, help="Maximum context (KV cache capacity, rotary table size)."),
+    gguf_blocks: str = typer.Option("target", help="Which GGUF sources keep their quantized blocks in "
+                                    "MatMulNBits (rounded once, by llama.cpp) instead of being re-quantized to "
+                                    "--block-size blocks: target (default), both or none."),
     draft_vocab: str = DraftVocabOpt,
     keep: str = KeepOpt,
     calibration: Optional[Path] = CalibrationOpt,
@@ -150,7 +153,7 @@ def export(
     out_dir = out_dir or bundle_dir(target, quant)
     options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
                             scorer_vocab, quant=quant, block_size=block_size, accuracy_level=accuracy_level,
-                            context_length=context_length)
+                            context_length=context_length, gguf_blocks=gguf_blocks)
     eagle = shipped_eagle_head(target) if eagle is None else (None if eagle == "none" else eagle)
     with _progress_lines("exporting") as progress:
         manifest = export_bundle(target, draft, out_dir, options, progress)

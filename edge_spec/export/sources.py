@@ -24,6 +24,7 @@ class LoadedModel:
     weights: DecoderWeights
     tokenizer: object  # transformers.PreTrainedTokenizerFast
     eos_token_ids: list[int]
+    gguf_carry: object | None = None  # gguf_carry.CarryReport for a GGUF source (its blocks ride on weights.carried)
 
 
 def _locate(source: str) -> tuple[str, str, str | None]:
@@ -44,6 +45,9 @@ def _locate(source: str) -> tuple[str, str, str | None]:
 
     registry = fetch.load_registry()
     if source in registry["models"]:
+        entry = registry["models"][source]
+        if "gguf" not in entry and entry.get("hub_id"):  # no offline copy: the hub, given a network
+            return "hub", entry["hub_id"], None
         gguf_path = fetch.fetch_gguf(source)
         return "gguf", str(gguf_path.parent), gguf_path.name
     if HUB_ID.match(source) and not source.startswith((".", "/", "~")):
@@ -142,17 +146,26 @@ def load_model(source: str) -> LoadedModel:
     if not getattr(hf_config, "architectures", None):
         hf_config.architectures = [type(model).__name__]
     weights = weights_from_state_dict(hf_config, state)
+    carry = None
+    if gguf_file:
+        from edge_spec.export.gguf_carry import attach_gguf_blocks
+
+        carry = attach_gguf_blocks(Path(location) / gguf_file, weights)
     name = Path(gguf_file).stem if gguf_file else Path(location).name
-    return LoadedModel(name, source, weights, tokenizer, _eos_ids(tokenizer, hf_config, generation_config))
+    return LoadedModel(name, source, weights, tokenizer, _eos_ids(tokenizer, hf_config, generation_config), carry)
 
 
 def check_same_tokenizer(target_tok, draft_tok) -> None:
-    """Refuse a drafter whose tokenizer differs: its token ids would mean other strings to the target."""
+    """Refuse a drafter whose tokenizer differs: its token ids would mean other strings to the target, and
+    exact verification compares ids.  The refusal names the first ids that differ."""
     t_vocab = {i: s for s, i in target_tok.get_vocab().items()}
     d_vocab = {i: s for s, i in draft_tok.get_vocab().items()}
-    for token_id in range(max(max(t_vocab), max(d_vocab)) + 1):
-        if t_vocab.get(token_id) != d_vocab.get(token_id):
-            raise EdgeSpecError(
-                f"drafter tokenizer differs from the target's at token id {token_id}: "
-                f"target {t_vocab.get(token_id)!r} vs drafter {d_vocab.get(token_id)!r}"
-            )
+    differing = [i for i in range(max(max(t_vocab), max(d_vocab)) + 1) if t_vocab.get(i) != d_vocab.get(i)]
+    if differing:
+        shown = ", ".join(f"{i} (target {t_vocab.get(i)!r} vs drafter {d_vocab.get(i)!r})" for i in differing[:3])
+        more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+        raise EdgeSpecError(
+            f"drafter tokenizer differs from the target's at token id {shown}{more}: exact verification needs "
+            "one vocabulary; pick a drafter of the target's family, or drafting that needs no second tokenizer "
+            "(prompt lookup: generate --lookup; a feature-level head: edge-spec train-head)"
+        )

@@ -1,9 +1,12 @@
 """Architecture-neutral decoder weights: the hand-off between loaders and the graph builder.
 
 Loaders (Hugging Face directory, hub id, GGUF file) all end in a
-:class:`DecoderWeights`, so the ONNX builder needs to know one layout only:
-a pre-norm decoder with RMSNorm, rotary attention with grouped KV heads and a
-SwiGLU MLP (Llama, Qwen2, Mistral families).
+:class:`DecoderWeights`, so the ONNX builder needs to know one layout only: a
+pre-norm decoder with RMSNorm, rotary attention with grouped KV heads and a
+gated MLP.  What sets the families apart (rope scaling, q/k norms, Gemma's
+extra norms and scaled embeddings, soft-capping, sliding windows, GeGLU) is a
+named field of :class:`DecoderConfig` with a neutral default, set here from the
+checkpoint's config; the builder reads the fields, never the family's name.
 """
 
 from __future__ import annotations
@@ -13,8 +16,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.export.rope import check_rope_scaling, rope_type
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+#: Architectures this module maps; the family-specific reading is in :func:`_family_fields`.
+SUPPORTED_ARCHITECTURES = (
+    "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+)
+MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass
@@ -31,9 +40,28 @@ class DecoderConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # family options: each defaults to the plain Llama/Qwen2 behaviour
+    rope_scaling: dict | None = None  # transformers' rope_scaling dict (see rope.py)
+    original_max_position_embeddings: int | None = None  # Phi-3: pretrained context apart from rope_scaling
+    partial_rotary_factor: float = 1.0  # share of head_dim that is rotated (Phi-4-mini: 0.75)
+    rope_local_theta: float | None = None  # rope base of sliding-window layers (Gemma 3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm gain is (offset + w) (Gemma: 1)
+    sandwich_norms: bool = False  # RMSNorm on attention and MLP outputs too (Gemma 2/3)
+    embedding_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
+    mlp_activation: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    attn_scale: float | None = None  # attention score scale; None: 1/sqrt(head_dim)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    sliding_window: int | None = None  # keys a sliding-window layer sees (the query's included)
+    sliding_layers: list[int] = field(default_factory=list)  # layers that use the window
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 @dataclass
@@ -43,13 +71,17 @@ class LayerWeights:
     k: np.ndarray  # [kv_heads*head_dim, hidden]
     v: np.ndarray
     o: np.ndarray  # [hidden, heads*head_dim]
-    post_norm: np.ndarray
+    post_norm: np.ndarray  # the norm before the MLP (Gemma: pre_feedforward_layernorm)
     gate: np.ndarray  # [inter, hidden]
     up: np.ndarray
     down: np.ndarray  # [hidden, inter]
     q_bias: np.ndarray | None = None
     k_bias: np.ndarray | None = None
     v_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # [head_dim], with qk_norm
+    k_norm: np.ndarray | None = None
+    attn_out_norm: np.ndarray | None = None  # [hidden], with sandwich_norms (Gemma post_attention_layernorm)
+    mlp_out_norm: np.ndarray | None = None  # [hidden], with sandwich_norms (post_feedforward_layernorm)
 
 
 @dataclass
@@ -59,6 +91,8 @@ class DecoderWeights:
     layers: list[LayerWeights] = field(default_factory=list)
     final_norm: np.ndarray | None = None
     lm_head: np.ndarray | None = None  # [vocab, hidden]; same array as embed when tied
+    #: GGUF blocks carried into the graph unchanged, by weight name ("layers.3.q", "lm_head"; see gguf_blocks.py)
+    carried: dict = field(default_factory=dict)
 
     def num_parameters(self) -> int:
         """Parameters read per token (embedding rows are a lookup, so they are not counted
@@ -69,18 +103,64 @@ class DecoderWeights:
         return int(total)
 
 
-def weights_from_state_dict(hf_config, state_dict: dict[str, np.ndarray]) -> DecoderWeights:
-    """Map a transformers state dict (``model.layers.N.self_attn.q_proj.weight`` ...) to DecoderWeights."""
-    arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+def architecture_of(hf_config) -> str:
+    return (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+
+
+def check_architecture(arch: str) -> None:
+    """Refuse, in one line, a family the builder has no options for."""
     if arch not in SUPPORTED_ARCHITECTURES:
         raise EdgeSpecError(
             f"unsupported architecture {arch!r}; edge-spec exports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+def _sliding_layers(hf_config, num_layers: int) -> tuple[int | None, list[int]]:
+    """(window, layers using it): from ``layer_types`` where the config has them (Qwen2/3, Gemma), else
+    every layer when a window is set (Mistral, Phi-3 apply theirs to all layers)."""
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        layers = [i for i, kind in enumerate(types[:num_layers]) if kind == "sliding_attention"]
+    else:
+        layers = list(range(num_layers)) if window else []
+    if not window or not layers:
+        return None, []
+    return int(window), layers
+
+
+def _family_fields(arch: str, c) -> dict:
+    """The :class:`DecoderConfig` options ``arch`` sets from its transformers config ``c``."""
+    fields: dict = {}
+    scaling = getattr(c, "rope_scaling", None)
+    if scaling and rope_type(scaling) != "default":
+        check_rope_scaling(scaling)
+        fields["rope_scaling"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(scaling).items()}
+    if getattr(c, "original_max_position_embeddings", None) and arch == "Phi3ForCausalLM":
+        fields["original_max_position_embeddings"] = int(c.original_max_position_embeddings)
+    if getattr(c, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        fields["partial_rotary_factor"] = float(c.partial_rotary_factor)
+    act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", "silu")
+    if act not in MLP_ACTIVATIONS:
+        raise EdgeSpecError(f"MLP activation {act!r} is not supported; edge-spec exports {', '.join(MLP_ACTIVATIONS)}")
+    fields["mlp_activation"] = MLP_ACTIVATIONS[act]
+    if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        fields["qk_norm"] = True
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        fields.update(norm_offset=1.0, sandwich_norms=True, embedding_scale=float(np.float32(c.hidden_size ** 0.5)),
+                      attn_scale=float(c.query_pre_attn_scalar) ** -0.5)
+        fields["attn_logit_softcap"] = getattr(c, "attn_logit_softcapping", None)
+        fields["final_logit_softcap"] = getattr(c, "final_logit_softcapping", None)
+    if arch == "Gemma3ForCausalLM":
+        fields["rope_local_theta"] = float(c.rope_local_base_freq)
+    fields["sliding_window"], fields["sliding_layers"] = _sliding_layers(c, c.num_hidden_layers)
+    return fields
+
+
+def config_from_hf(hf_config) -> DecoderConfig:
+    arch = architecture_of(hf_config)
+    check_architecture(arch)
     heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    rope_scaling = getattr(hf_config, "rope_scaling", None)
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-        raise EdgeSpecError(f"rope scaling {rope_scaling!r} is not supported yet")
     cfg = DecoderConfig(
         architecture=arch,
         vocab_size=hf_config.vocab_size,
@@ -89,12 +169,29 @@ def weights_from_state_dict(hf_config, state_dict: dict[str, np.ndarray]) -> Dec
         num_layers=hf_config.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         rope_theta=float(getattr(hf_config, "rope_theta", 10000.0)),
         rms_norm_eps=float(hf_config.rms_norm_eps),
         max_position_embeddings=int(hf_config.max_position_embeddings),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        **_family_fields(arch, hf_config),
     )
+    if cfg.rotary_dim != cfg.head_dim and cfg.rotary_dim % 16:
+        raise EdgeSpecError(f"{arch}: partial rotary dimension {cfg.rotary_dim} is not supported (ONNX Runtime's "
+                            "GroupQueryAttention needs a multiple of 16)")
+    return cfg
+
+
+def _split_rows(fused: np.ndarray, sizes: list[int], name: str) -> list[np.ndarray]:
+    """Cut a fused projection (Phi-3's qkv_proj, gate_up_proj) into its parts, rows in order."""
+    if fused.shape[0] != sum(sizes):
+        raise EdgeSpecError(f"weight {name!r} has {fused.shape[0]} rows, expected {sum(sizes)}")
+    return np.split(fused, np.cumsum(sizes)[:-1], axis=0)
+
+
+def weights_from_state_dict(hf_config, state_dict: dict[str, np.ndarray]) -> DecoderWeights:
+    """Map a transformers state dict (``model.layers.N.self_attn.q_proj.weight`` ...) to DecoderWeights."""
+    cfg = config_from_hf(hf_config)
     sd = state_dict
 
     def get(name: str) -> np.ndarray:
@@ -102,23 +199,34 @@ def weights_from_state_dict(hf_config, state_dict: dict[str, np.ndarray]) -> Dec
             raise EdgeSpecError(f"weight {name!r} missing from the checkpoint")
         return sd[name]
 
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if p + "self_attn.qkv_proj.weight" in sd:
+            q, k, v = _split_rows(sd[p + "self_attn.qkv_proj.weight"], [q_rows, kv_rows, kv_rows], p + "qkv_proj")
+        else:
+            q, k, v = (get(p + f"self_attn.{x}_proj.weight") for x in "qkv")
+        if p + "mlp.gate_up_proj.weight" in sd:
+            gate, up = _split_rows(sd[p + "mlp.gate_up_proj.weight"], [cfg.intermediate_size] * 2, p + "gate_up_proj")
+        else:
+            gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
+        sandwich = cfg.sandwich_norms
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                q=get(p + "self_attn.q_proj.weight"),
-                k=get(p + "self_attn.k_proj.weight"),
-                v=get(p + "self_attn.v_proj.weight"),
+                q=q, k=k, v=v,
                 o=get(p + "self_attn.o_proj.weight"),
-                post_norm=get(p + "post_attention_layernorm.weight"),
-                gate=get(p + "mlp.gate_proj.weight"),
-                up=get(p + "mlp.up_proj.weight"),
+                post_norm=get(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
+                gate=gate, up=up,
                 down=get(p + "mlp.down_proj.weight"),
                 q_bias=sd.get(p + "self_attn.q_proj.bias"),
                 k_bias=sd.get(p + "self_attn.k_proj.bias"),
                 v_bias=sd.get(p + "self_attn.v_proj.bias"),
+                q_norm=get(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+                k_norm=get(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+                attn_out_norm=get(p + "post_attention_layernorm.weight") if sandwich else None,
+                mlp_out_norm=get(p + "post_feedforward_layernorm.weight") if sandwich else None,
             )
         )
     embed = get("model.embed_tokens.weight")

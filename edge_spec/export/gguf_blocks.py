@@ -1,0 +1,248 @@
+"""GGUF quantized blocks carried into ``MatMulNBits`` unchanged, so a GGUF weight is rounded once (by
+llama.cpp), not twice (dequantized, then re-quantized to our int4 blocks).
+
+Each carried format is rewritten, not approximated, into a ``MatMulNBits`` layout where ONNX Runtime
+computes ``w = scale * (code - zero_point)`` per block along K with an integer zero point:
+
+==========  =========================================  ===========================================
+GGUF type   GGUF formula (per block)                   MatMulNBits bits / block / zero point
+==========  =========================================  ===========================================
+Q4_0        d * (q - 8),  q in 0..15, blocks of 32      4 / 32 / none (the default 8)
+Q4_1        d * q + m                                   4 / 32 / round(-m/d), + correction
+Q4_K        d*sc * q - dmin*m, sub-blocks of 32         4 / 32 / round(dmin*m / (d*sc)), + correction
+Q8_0        d * q,  q in -128..127, blocks of 32        8 / 32 / none (code q + 128)
+Q5_0        d * (q - 16), q in 0..31, blocks of 32      8 / 32 / 16
+Q5_1        d * q + m                                   8 / 32 / round(-m/d), + correction
+Q5_K        d*sc * q - dmin*m, sub-blocks of 32         8 / 32 / round(dmin*m / (d*sc)), + correction
+Q6_K        d*sc * (q - 32), sub-blocks of 16           8 / 16 / 32
+==========  =========================================  ===========================================
+
+The affine formats' zero point is fractional.  ONNX Runtime accepts a float zero point for 4-bit
+weights (not for 8-bit ones), but its CPU kernel then dequantizes the whole matrix on every call (about a hundred times
+slower than the integer path), so the fraction is moved out instead: ``w = scale * (q - z) - c`` with
+``z`` the rounded zero point and ``c = scale * (exact - z)`` one float per block, and ``x @ w.T`` is
+``MatMulNBits`` minus the block sums of ``x`` times ``c`` (one small fp32 MatMul, K/32 wide).  Other
+types (Q2_K, Q3_K, the IQ family) are not carried: the exporter re-quantizes them and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_spec.export.quantize import pack_codes, unpack_codes
+
+MS_DOMAIN = "com.microsoft"
+QK_K = 256
+CARRIED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class CarriedBlocks:
+    """A weight ``[n, k]`` in ``MatMulNBits`` layout, taken over from GGUF blocks without rounding:
+    ``w = scales * (codes - zero_points) - correction`` per block."""
+
+    packed: np.ndarray  # uint8 [n, k_blocks, block_size * bits // 8]
+    scales: np.ndarray  # float32 [n, k_blocks]
+    zero_points: np.ndarray | None  # uint8 [n, k_blocks], one code each; None: 2**(bits-1)
+    bits: int
+    block_size: int
+    source_type: str  # the GGUF type it came from ("Q4_K", ...; "mixed" after a concatenation)
+    correction: np.ndarray | None = None  # float32 [n, k_blocks] subtracted per block (affine formats)
+
+    @property
+    def n(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.packed.shape[1] * self.block_size
+
+    def zero_points_or_default(self) -> np.ndarray:
+        if self.zero_points is not None:
+            return self.zero_points
+        return np.full(self.scales.shape, 1 << (self.bits - 1), np.uint8)
+
+    def correction_or_zero(self) -> np.ndarray:
+        return self.correction if self.correction is not None else np.zeros(self.scales.shape, np.float32)
+
+    def dequantize(self) -> np.ndarray:
+        """Float32 ``[n, k]``: what the graph multiplies by (tests, and the check against transformers)."""
+        codes = unpack_codes(self.packed, self.bits).astype(np.float32)
+        zero = self.zero_points_or_default().astype(np.float32)
+        w = (codes - zero[..., None]) * self.scales[..., None] - self.correction_or_zero()[..., None]
+        return w.reshape(self.n, -1)
+
+    def rows(self, index: np.ndarray) -> "CarriedBlocks":
+        """The output rows ``index`` (a row permutation, a split, or VocabTrim's kept rows)."""
+        def pick(a):
+            return None if a is None else a[index]
+        return CarriedBlocks(self.packed[index], self.scales[index], pick(self.zero_points), self.bits,
+                             self.block_size, self.source_type, pick(self.correction))
+
+
+def concat_blocks(parts: list[CarriedBlocks]) -> CarriedBlocks:
+    """Stack carried weights of one bits/block layout along N (a fused Q/K/V or gate/up projection)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    zero = None
+    if any(p.zero_points is not None for p in parts):
+        zero = np.concatenate([p.zero_points_or_default() for p in parts])
+    correction = None
+    if any(p.correction is not None for p in parts):
+        correction = np.concatenate([p.correction_or_zero() for p in parts])
+    kinds = {p.source_type for p in parts}
+    return CarriedBlocks(np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]), zero,
+                         first.bits, first.block_size, kinds.pop() if len(kinds) == 1 else "mixed", correction)
+
+
+def _zero_point_bytes(w: CarriedBlocks) -> np.ndarray:
+    """MatMulNBits' uint8 zero points: one per byte at 8 bits, two per byte (low nibble first) at 4."""
+    zero = w.zero_points
+    if w.bits == 8:
+        return zero.reshape(-1)
+    if zero.shape[1] % 2:
+        zero = np.pad(zero, ((0, 0), (0, 1)))
+    return (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+
+
+def add_carried_linear(g, x: str, w: CarriedBlocks, name: str, opt, bias: np.ndarray | None = None) -> str:
+    """``y = x @ w.T + bias`` as one ``MatMulNBits`` over the carried blocks (``g``: the builder's Graph),
+    less the per-block correction (see the module docstring) where the format has one."""
+    inputs = [x, g.const(name + ".qweight", w.packed), g.const(name + ".scales", w.scales.reshape(-1))]
+    if w.zero_points is not None:
+        inputs.append(g.const(name + ".zero_points", _zero_point_bytes(w)))
+    if bias is not None:
+        inputs += [""] * (5 - len(inputs)) + [g.const(name + ".bias", bias.astype(np.float32))]
+    out = name + "/out"
+    main = out if w.correction is None else name + "/main"
+    g.node("MatMulNBits", inputs, [main], domain=MS_DOMAIN, K=w.k, N=w.n, bits=w.bits, block_size=w.block_size,
+           accuracy_level=opt.accuracy_level)
+    if w.correction is not None:
+        shape = g.const(name + ".blocks", np.array([0, 0, w.k // w.block_size, w.block_size], np.int64))
+        blocks = g.node("Reshape", [x, shape], [name + "/x_blocks"])[0]
+        sums = g.node("ReduceSum", [blocks, g.const(name + ".sum_axis", np.array([-1], np.int64))],
+                      [name + "/block_sums"], keepdims=0)[0]
+        fix = g.node("MatMul", [sums, g.const(name + ".correction", np.ascontiguousarray(w.correction.T))],
+                     [name + "/correction"])[0]
+        g.node("Sub", [main, fix], [out])
+    return out
+
+
+# -- GGUF block layouts (ggml-common.h) -> codes, scales, zero points --------------------------------------
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF's 4-bit layout: element j in the low nibble of byte j, element j + 16 in its high nibble."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_0(b):
+    return _nibbles(b[:, 2:]), _f16(b[:, :2]), None, None
+
+
+def _q8_0(b):
+    return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(b[:, :2]), None, None
+
+
+def _q5_0(b):
+    qh = np.unpackbits(np.ascontiguousarray(b[:, 2:6]), axis=-1, bitorder="little")
+    codes = _nibbles(b[:, 6:]) | (qh << 4)
+    return codes, _f16(b[:, :2]), np.full(len(b), 16, np.uint8), None
+
+
+def _affine(codes: np.ndarray, d: np.ndarray, m: np.ndarray, top: int = 15):
+    """Blocks of ``d * q - m`` as ``d * (q - z) - (m - d * z)``, z = m / d rounded into the code range
+    ``0..top`` (see the module docstring); a block with d = 0 is the constant -m, all correction."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exact = np.where(d == 0, 0.0, m / np.where(d == 0, 1.0, d))
+    zero = np.clip(np.rint(exact), 0, top).astype(np.uint8)
+    correction = (m - d * zero.astype(np.float32)).astype(np.float32)
+    return codes, d.astype(np.float32), zero, correction
+
+
+def _q4_1(b):
+    return _affine(_nibbles(b[:, 4:]), _f16(b[:, :2]), -_f16(b[:, 2:4]))
+
+
+def _q5_1(b):
+    qh = np.unpackbits(np.ascontiguousarray(b[:, 4:8]), axis=-1, bitorder="little")
+    return _affine(_nibbles(b[:, 8:]) | (qh << 4), _f16(b[:, :2]), -_f16(b[:, 2:4]), 255)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-block header: per sub-block scale d*sc and minimum dmin*m (6-bit sc, m packed in 12 bytes)."""
+    n = len(b)
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(n, 3, 4)
+    sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], axis=-1)
+    return (d[:, None] * sc.astype(np.float32)).reshape(-1), (dmin[:, None] * mn.astype(np.float32)).reshape(-1)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K codes: four chunks of 32 bytes, low nibbles one sub-block of 32, high nibbles the next."""
+    chunks = qs.reshape(len(qs), 4, 32)
+    return np.stack([chunks & 0x0F, chunks >> 4], axis=2).reshape(len(qs), 8, 32)
+
+
+def _q4_k(b):
+    scale, minimum = _k_scales(b)
+    return _affine(_k_nibbles(b[:, 16:]).reshape(-1, 32), scale, minimum)
+
+
+def _q5_k(b):
+    scale, minimum = _k_scales(b)
+    high = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # sub-block s: bit s
+    return _affine((_k_nibbles(b[:, 48:]) | (high << 4)).reshape(-1, 32), scale, minimum, 255)
+
+
+def _q6_k(b):
+    n = len(b)
+    ql, qh = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    low = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=2)
+    high = np.stack([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], axis=2)
+    codes = (low | (high << 4)).reshape(n * 16, 16)
+    scale = (d[:, None] * sc).reshape(-1).astype(np.float32)
+    return codes, scale, np.full(n * 16, 32, np.uint8), None
+
+
+#: GGUF type -> (bytes per GGUF block, elements per GGUF block, MatMulNBits bits, block size, decoder)
+_LAYOUTS = {
+    "Q4_0": (18, 32, 4, 32, _q4_0),
+    "Q4_1": (20, 32, 4, 32, _q4_1),
+    "Q4_K": (144, QK_K, 4, 32, _q4_k),
+    "Q8_0": (34, 32, 8, 32, _q8_0),
+    "Q5_0": (22, 32, 8, 32, _q5_0),
+    "Q5_1": (24, 32, 8, 32, _q5_1),
+    "Q5_K": (176, QK_K, 8, 32, _q5_k),
+    "Q6_K": (210, QK_K, 8, 16, _q6_k),
+}
+
+
+def carry_gguf(raw: np.ndarray, gguf_type: str, n: int, k: int) -> CarriedBlocks | None:
+    """The GGUF tensor bytes ``raw`` of a weight ``[n, k]`` (rows of K) as :class:`CarriedBlocks`, or None
+    for a type that has no exact MatMulNBits layout."""
+    if gguf_type not in _LAYOUTS:
+        return None
+    type_size, per_block, bits, block_size, decode = _LAYOUTS[gguf_type]
+    if k % per_block:
+        return None
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, type_size)
+    if len(blocks) != n * k // per_block:
+        raise ValueError(f"{gguf_type} tensor of {len(blocks)} blocks cannot hold a [{n}, {k}] weight")
+    codes, scales, zero, correction = decode(blocks)
+    k_blocks = k // block_size
+
+    def per_block(a):
+        return None if a is None else a.reshape(n, k_blocks)
+    return CarriedBlocks(pack_codes(codes.reshape(n, k_blocks, block_size), bits), scales.reshape(n, k_blocks),
+                         per_block(zero), bits, block_size, gguf_type, per_block(correction))

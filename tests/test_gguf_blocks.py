@@ -1,0 +1,184 @@
+"""GGUF blocks carried into MatMulNBits compute x @ W.T for W exactly as the gguf package dequantizes it
+(float rounding aside); re-quantizing the same W to our int4 blocks (the old path) does not."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+from onnx import TensorProto, helper
+
+from edge_spec.export.gguf_blocks import add_carried_linear, carry_gguf, concat_blocks
+from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model
+
+N, K = 24, 512  # K: two K-quant super-blocks
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(len(values), 2)
+
+
+def gguf_bytes(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Raw bytes of a [N, K] tensor in GGUF type ``kind``: the gguf package's quantizer where it has one,
+    hand-packed random blocks (valid scales, random codes) for the K-quants it cannot write."""
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        return quants.quantize(rng.standard_normal((N, K)).astype(np.float32), getattr(T, kind))
+    blocks = N * K // 256
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin (f16), 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of high
+        # bits), 128 bytes of nibbles
+        d, dmin = _f16_bytes(rng.uniform(0.001, 0.02, blocks)), _f16_bytes(rng.uniform(0.0, 0.02, blocks))
+        rest = rng.integers(0, 256, (blocks, 140 if kind == "Q4_K" else 172), dtype=np.uint8)
+        rest[0, :12] = 0  # one block whose sub-block scales are 0: a constant -dmin*m, carried exactly too
+        return np.concatenate([d, dmin, rest], axis=1).reshape(N, -1)
+    if kind == "Q6_K":  # 128 bytes low bits, 64 high bits, 16 int8 scales, d (f16)
+        codes = rng.integers(0, 256, (blocks, 208), dtype=np.uint8)
+        return np.concatenate([codes, _f16_bytes(rng.uniform(0.001, 0.01, blocks))], axis=1).reshape(N, -1)
+    raise ValueError(kind)
+
+
+def matmul_session(build) -> ort.InferenceSession:
+    g = Graph()
+    out = build(g)
+    graph = helper.make_graph(g.nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, K])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], g.initializers)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(make_model(graph).SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+OPTS = BuildOptions("int4", accuracy_level=0)  # fp32 activations: the weight path alone is compared
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
+def test_carried_blocks_match_gguf_dequantization(kind):
+    rng = np.random.default_rng(0)
+    raw = gguf_bytes(kind, rng)
+    reference = quants.dequantize(raw, getattr(T, kind)).reshape(N, K).astype(np.float32)
+    carried = carry_gguf(raw, kind, N, K)
+    # affine formats compute scale * (q - dmin*m / (d*sc)) where GGUF has d*sc*q - dmin*m: float rounding apart
+    np.testing.assert_allclose(carried.dequantize(), reference, rtol=1e-6, atol=1e-6 * np.abs(reference).max())
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    expected = x @ reference.T
+    scale = np.abs(expected).max()
+    got = matmul_session(lambda g: add_carried_linear(g, "x", carried, "w", OPTS)).run(None, {"x": x})[0]
+    assert np.abs(got - expected).max() <= 1e-5 * scale
+    # negative control: the old path (dequantize, then re-quantize to int4 blocks of 32) is off by far more;
+    # except for Q4_0, whose rule (scale = signed extreme / -8) is ours, so its blocks came back unchanged
+    requant = matmul_session(lambda g: add_linear(g, "x", reference, "w", OPTS)).run(None, {"x": x})[0]
+    old_error = np.abs(requant - expected).max()
+    if kind == "Q4_0":
+        assert old_error <= 1e-5 * scale
+    else:
+        assert old_error > 1e-3 * scale
+
+
+def test_unsupported_types_are_not_carried():
+    raw = np.zeros((N, K // 256 * 110), np.uint8)  # Q3_K: no MatMulNBits layout here
+    assert carry_gguf(raw, "Q3_K", N, K) is None
+
+
+def test_concatenated_blocks_of_two_types_keep_both_exact():
+    """A fused projection whose parts came as Q4_0 and Q4_K (one layout: 4 bits, blocks of 32)."""
+    rng = np.random.default_rng(1)
+    parts = [carry_gguf(gguf_bytes(kind, rng), kind, N, K) for kind in ("Q4_0", "Q4_K")]
+    fused = concat_blocks(parts)
+    np.testing.assert_allclose(fused.dequantize(), np.concatenate([p.dequantize() for p in parts]), rtol=1e-6)
+    rows = np.array([3, 30, 7])
+    np.testing.assert_array_equal(fused.rows(rows).dequantize(), fused.dequantize()[rows])
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's conversion order of a Llama q/k weight's rows (its rotary layout)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+              "ffn_up": "Q4_1", "ffn_down": "Q5_0"}
+FIELDS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
+          "ffn_down": "down"}
+
+
+def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
+    """A tiny Llama written as a GGUF file the way llama.cpp writes one (q/k rows permuted, mixed types):
+    every matrix is carried, q/k in transformers' row order, and the carried int4 graph computes what the
+    fp32 graph of the dequantized weights computes; a matrix whose bytes disagree falls back."""
+    from gguf import GGUFWriter
+
+    from edge_spec.export.gguf_carry import attach_gguf_blocks
+    from edge_spec.export.graph_builder import build_decoder, save_model
+    from edge_spec.export.quantize import quantize_blockwise
+    from edge_spec.export.weights import weights_from_state_dict
+    from edge_spec.runtime.model.decoder import Decoder
+    from tests.test_model_families import ids_for, tiny_model
+
+    model = tiny_model("llama3")
+    state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    weights = weights_from_state_dict(model.config, state)
+    cfg = weights.config
+    writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    for i, layer in enumerate(weights.layers):
+        for gguf_name, kind in GGUF_TYPES.items():
+            w = getattr(layer, FIELDS[gguf_name])
+            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(gguf_name)
+            raw = quants.quantize(_llama_permute(w, heads) if heads else w, getattr(T, kind))
+            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", raw, raw_dtype=getattr(T, kind))
+            loaded = quants.dequantize(raw, getattr(T, kind)).reshape(w.shape)  # what transformers would load
+            if heads:
+                loaded = loaded[np.argsort(_llama_permute(np.arange(w.shape[0]), heads))]
+            setattr(layer, FIELDS[gguf_name], loaded)
+    embed_raw = quants.quantize(weights.embed, T.Q8_0)
+    writer.add_tensor("token_embd.weight", embed_raw, raw_dtype=T.Q8_0)
+    weights.lm_head = quants.dequantize(embed_raw, T.Q8_0).reshape(weights.embed.shape)
+    # the lookup table is re-quantized to int8 beside carried blocks; start it on that grid so both match
+    weights.embed = quantize_blockwise(weights.lm_head, 8, 32).dequantize()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    down = weights.layers[1].down
+    weights.layers[1].down = down + 1e-3  # as if transformers had loaded other bytes for this one
+    report = attach_gguf_blocks(tmp_path / "tiny.gguf", weights)
+    assert list(report.fallback) == ["layers.1.down"] and "differ" in report.fallback["layers.1.down"]
+    weights.layers[1].down, weights.carried = down, {}
+    report = attach_gguf_blocks(tmp_path / "tiny.gguf", weights)
+    assert dict(report.carried) == {"Q8_0": 3, "Q4_0": 4, "Q4_1": 6, "Q5_0": 2} and not report.fallback
+
+    ids = ids_for(4)
+    logits = {}
+    for quant in ("int4", "fp32"):
+        path = tmp_path / f"{quant}.onnx"
+        save_model(build_decoder(weights, BuildOptions(quant, accuracy_level=0, context_length=64)), path)
+        logits[quant] = Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"]
+    np.testing.assert_allclose(logits["int4"], logits["fp32"], atol=1e-4)
+    # negative control: the same weights re-quantized to int4 blocks (the old path) are far off
+    path = tmp_path / "requant.onnx"
+    save_model(build_decoder(weights, BuildOptions("int4", accuracy_level=0, context_length=64, gguf_blocks=False)),
+               path)
+    assert np.abs(Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"] - logits["fp32"]).max() > 1e-2
+
+
+def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair):
+    """One line in the export log and the manifest's quantization record per model; by default only the
+    target keeps GGUF blocks (the drafter's rounding moves acceptance, not the output)."""
+    from collections import Counter
+
+    from edge_spec.export.bundle import ExportOptions, export_bundle
+    from edge_spec.export.gguf_carry import CarryReport
+    from tests import tiny_models
+
+    tokenizer, target, draft = tiny_pair
+    models = {"t": tiny_models.loaded("t", target, tokenizer), "d": tiny_models.loaded("d", draft, tokenizer)}
+    for model in models.values():  # as load_model leaves a GGUF source (no blocks attached: graphs as usual)
+        model.gguf_carry = CarryReport(Counter({"Q4_K": 3}), {"layers.0.down": "Q3_K: no exact MatMulNBits layout"})
+    lines: list[str] = []
+    manifest = export_bundle("t", "d", tmp_path / "b", ExportOptions(context_length=64), lines.append,
+                             loader=models.__getitem__)
+    assert manifest["target"]["quantization"]["gguf_blocks"] == {
+        "carried": {"Q4_K": 3}, "requantized": {"layers.0.down": "Q3_K: no exact MatMulNBits layout"}}
+    assert manifest["draft"]["quantization"]["gguf_blocks"] == "requantized"
+    said = [line for line in lines if "GGUF blocks" in line]
+    assert said == ["t: GGUF blocks carried exactly: 3 matrices (Q4_K 3); re-quantized: layers.0.down (Q3_K: no "
+                    "exact MatMulNBits layout); embedding table re-quantized to int8"]
