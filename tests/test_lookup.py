@@ -82,8 +82,9 @@ def test_greedy_with_lookup_equals_autoregressive(engine, gamma, adaptive):
 @pytest.mark.slow
 def test_sampled_with_lookup_matches_target_distribution(engine, monkeypatch):
     """Lookup drafts are verified against a point-mass q.  To exercise that path in every round, the
-    lookup here proposes a fixed function of the prefix (still a valid deterministic drafter)."""
-    monkeypatch.setattr(NgramLookup, "continuation", lambda self, tokens, gamma, min_n=None: [tokens[-1], 5][:gamma])
+    lookup here proposes a fixed function of the prefix (still a valid deterministic drafter), as if it
+    continued a long match."""
+    monkeypatch.setattr(NgramLookup, "match", lambda self, tokens, gamma, min_n=None: ([tokens[-1], 5][:gamma], 4))
     params = SamplingParams(temperature=1.0)
     ids = engine.tokenizer.encode(REPETITIVE[0])
     n = 1500
