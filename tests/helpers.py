@@ -205,3 +205,13 @@ def random_head(seed: int = 0, config=None):
         head.t2d.zero_()
         head.t2d[draft_ids] = True
     return head
+
+
+def decoder_greedy(decoder, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens from a bare decoder: prefill ``prompt``, then one token per pass."""
+    logits = decoder.prefill(prompt)["logits"][-1]
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = decoder.forward([out[-1]])["logits"][-1]
+    return out

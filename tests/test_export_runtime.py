@@ -14,20 +14,14 @@ from edge_spec.manifest import read_manifest, sha256_file, verify_files
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.engine import Engine
 from tests import tiny_models
-from tests.helpers import export_tiny
+from tests.helpers import decoder_greedy, export_tiny
 
 PROMPTS = [[5, 17, 42, 99], [3], list(range(10, 40))]
 
 
 def onnx_greedy(bundle, prompt, n):
     manifest = read_manifest(bundle)
-    decoder = Decoder(bundle / manifest["target"]["onnx"], capacity=128)
-    logits = decoder.prefill(prompt)["logits"][-1]
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = decoder.forward([out[-1]])["logits"][-1]
-    return out
+    return decoder_greedy(Decoder(bundle / manifest["target"]["onnx"], capacity=128), prompt, n)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -14,6 +14,7 @@ from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_mod
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.export.weights import weights_from_state_dict
 from edge_spec.runtime.model.decoder import Decoder
+from tests.helpers import decoder_greedy
 
 SEQ = 40  # tokens per test sequence; sliding windows below are shorter, so they matter
 WINDOW = 8
@@ -105,13 +106,7 @@ def torch_stepwise(model, ids: list[int]) -> np.ndarray:
 
 
 def onnx_greedy(path, prompt: list[int], n: int) -> list[int]:
-    decoder = Decoder(path, capacity=64, threads=1)
-    logits = decoder.prefill(prompt)["logits"][-1]
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = decoder.forward([out[-1]])["logits"][-1]
-    return out
+    return decoder_greedy(Decoder(path, capacity=64, threads=1), prompt, n)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -7,9 +7,7 @@ from edge_spec.runtime.schedule.policy import (
     AdaptiveGamma,
     CostModel,
     DraftRound,
-    best_gamma,
     chain_tokens,
-    expected_tokens,
     plan_round,
 )
 
@@ -19,6 +17,15 @@ README_MACHINE = CostModel(draft=0.0174, verify={1: 0.048, 2: 0.056, 3: 0.082, 4
 MEMORY_BOUND = CostModel(draft=0.0194, verify={1: 0.064, 2: 0.070, 3: 0.085, 4: 0.097, 5: 0.109})
 # two-row tiles: the third row costs a whole pass over the weights, the fourth almost nothing
 TILED = CostModel(draft=0.003, verify={1: 0.048, 2: 0.056, 3: 0.082, 4: 0.086, 5: 0.112})
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens of a round of γ drafts each accepted with probability α."""
+    return chain_tokens(alpha, alpha, gamma)
+
+
+def best_gamma(alpha: float, costs: CostModel, gamma_max: int) -> int:
+    return plan_round(alpha, alpha, costs, gamma_max).gamma
 
 
 def estimates(first: float = 0.6, **calibration) -> RequestAcceptance:

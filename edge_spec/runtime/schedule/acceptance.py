@@ -134,33 +134,44 @@ class AcceptanceCalibration:
 
 
 @dataclass
+class Agreement:
+    """How one request's drafts do against what a carried calibration predicted for them: accepted over
+    predicted, both starting from ``PRIOR_WEIGHT`` drafts of perfect agreement."""
+
+    predicted: float = PRIOR_WEIGHT
+    observed: float = PRIOR_WEIGHT
+
+    def note(self, predicted: float, accepted: bool) -> None:
+        self.predicted += predicted
+        self.observed += float(accepted)
+
+    def scale(self, estimate: float) -> float:
+        return min(estimate * self.observed / self.predicted, 1.0)
+
+
+@dataclass
 class RequestAcceptance:
     """One request's view: the carried calibration, scaled by how this request's drafts do against it.
 
     Two corrections, both with a few drafts of prior weight: a slow average of this request's first
     drafts (``first``), and the ratio of the drafts it saw accepted to the acceptance the calibration
-    predicted for them (``factor``), applied to every estimate -- translation accepts less at the same
+    predicted for them (``agreement``), applied to every estimate -- translation accepts less at the same
     drafter confidence than code does."""
 
     calibration: AcceptanceCalibration
     smoothing: float = 0.1
     first: float | None = None
-    predicted: float = PRIOR_WEIGHT
-    observed: float = PRIOR_WEIGHT
+    agreement: Agreement = field(default_factory=Agreement)
 
     def __post_init__(self) -> None:
         if self.first is None:
             self.first = self.calibration.first_draft()
 
-    @property
-    def factor(self) -> float:
-        return self.observed / self.predicted
-
     def acceptance(self, confidence: float) -> float:
-        return min(self.calibration.acceptance(confidence) * self.factor, 1.0)
+        return self.agreement.scale(self.calibration.acceptance(confidence))
 
     def next_after(self, confidence: float) -> float:
-        return min(self.calibration.next_after(confidence) * self.factor, 1.0)
+        return self.agreement.scale(self.calibration.next_after(confidence))
 
     def later_draft(self) -> float:
         """A draft after an accepted draft whose confidence is not known yet (planning a round)."""
@@ -168,7 +179,7 @@ class RequestAcceptance:
         estimates = [r.estimate(self.calibration.by_confidence[i].estimate(bin_middle(i)))
                      for i, r in enumerate(self.calibration.after)]
         overall = sum(w * e for w, e in zip(weights, estimates)) / sum(weights)
-        return min(max(overall * self.factor, self.first), 1.0)  # in a streak later drafts do at least as well
+        return max(self.agreement.scale(overall), self.first)  # in a streak later drafts do at least as well
 
     def note_first(self, accepted: bool) -> None:
         """A drafter round whose confidences were not computed (fixed γ): only the first-draft average."""
@@ -178,7 +189,6 @@ class RequestAcceptance:
         if not confidences:
             return
         for i in range(min(len(confidences), accepted + 1)):  # before the calibration learns from them
-            self.predicted += self.calibration.acceptance(confidences[i])
-            self.observed += float(i < accepted)
+            self.agreement.note(self.calibration.acceptance(confidences[i]), i < accepted)
         self.calibration.record(confidences, accepted)
         self.first += self.smoothing * (float(accepted > 0) - self.first)

@@ -58,17 +58,24 @@ def cache_dir() -> Path:
 def cache_key(manifest: dict, drafter: dict, provider: str, threads: int | str, max_tokens: int) -> str:
     """Everything the latencies depend on: the exact weights, the drafter (its manifest record), the
     device and runtime."""
-    target_files = sorted(f["sha256"] for f in manifest["target"]["files"])
-    parts = [PROFILE_VERSION, target_files, drafter, provider,
+    parts = [PROFILE_VERSION, _target_hashes(manifest), drafter, provider,
              threads, max_tokens, ort.__version__, platform.machine(), platform.processor(), os.cpu_count(),
              _cpu_model()]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return _digest(parts)
 
 
 def pair_key(manifest: dict, drafter: dict) -> str:
     """The drafter/target pair alone (what acceptance depends on, unlike latencies)."""
-    target_files = sorted(f["sha256"] for f in manifest["target"]["files"])
-    return hashlib.sha256(json.dumps([target_files, drafter], sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return _digest([_target_hashes(manifest), drafter])
+
+
+def _digest(parts: list) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _target_hashes(manifest: dict) -> list[str]:
+    """The exact target weights, as their files' sha256."""
+    return sorted(f["sha256"] for f in manifest["target"]["files"])
 
 
 def _cpu_model() -> str:

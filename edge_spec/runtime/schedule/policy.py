@@ -68,21 +68,6 @@ def chain_tokens(first: float, later: float, gamma: int) -> float:
     return expected
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Tokens emitted by one round of γ drafts when each draft is accepted with probability α."""
-    return chain_tokens(alpha, alpha, gamma)
-
-
-def fold_acceptance(alpha: float, smoothing: float, drafted: int, accepted: int) -> float:
-    """α after one verified round: a rejection at position k means k accepts and one reject, each
-    trial weighted like one EMA step of ``smoothing``.  A round without drafts leaves α as it is."""
-    if drafted == 0:
-        return alpha
-    trials = accepted + (1 if accepted < drafted else 0)
-    weight = 1 - (1 - smoothing) ** trials
-    return (1 - weight) * alpha + weight * (accepted / trials)
-
-
 @dataclass(frozen=True)
 class RoundPlan:
     gamma: int  # drafts planned (0: no drafter this round)
@@ -103,11 +88,6 @@ def plan_round(first: float, later: float, costs: CostModel, gamma_max: int,
     return RoundPlan(best, rates[best])
 
 
-def best_gamma(alpha: float, costs: CostModel, gamma_max: int) -> int:
-    """The best γ when every draft is accepted with probability α (sequence drafts, replays)."""
-    return plan_round(alpha, alpha, costs, gamma_max).gamma
-
-
 @dataclass
 class DraftRound:
     """One round's stop rule (see the module docstring): after each draft, keep it or not, and draft
@@ -119,7 +99,6 @@ class DraftRound:
     rate: float  # ρ: tokens per second the round must beat to spend more time
     estimates: RequestAcceptance
     forced: bool = False  # keep every draft up to gamma_max (probe rounds)
-    margin: float = 0.0  # drafting on must gain this share of the round's tokens over stopping
     kept: int = 0
     survive: float = 1.0
     expected: float = 1.0
@@ -156,7 +135,7 @@ class DraftRound:
         expected = self.expected + survive
         for length in range(k, self.gamma_max + 1):
             value = expected - self.rate * (length * costs.draft + costs.verify_cost(length + 1))
-            if value > best_value + (self.margin * expected if length > k else 1e-12):
+            if value > best_value + 1e-12:
                 best, best_value = length, value
             survive *= following
             expected += survive

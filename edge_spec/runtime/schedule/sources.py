@@ -8,9 +8,9 @@ length (``schedule.acceptance.SequenceCalibration``), scaled by how this request
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from edge_spec.runtime.schedule.acceptance import PRIOR_WEIGHT, SequenceCalibration
+from edge_spec.runtime.schedule.acceptance import Agreement, SequenceCalibration
 from edge_spec.runtime.schedule.policy import CostModel, plan_round
 
 
@@ -21,8 +21,7 @@ class LookupChoice:
 
     calibration: SequenceCalibration
     probe_every: int = 8
-    predicted: float = PRIOR_WEIGHT
-    observed: float = PRIOR_WEIGHT
+    agreement: Agreement = field(default_factory=Agreement)
     _skipped: int = 0
 
     def lookup_gamma(self, offered: int, matched: int, costs: CostModel | None, gamma_max: int,
@@ -34,9 +33,9 @@ class LookupChoice:
         if costs is None:  # nothing measured yet: trust a lookup that is likely right
             return most if first >= 0.5 else 0
         lookup_costs = CostModel(0.0, costs.verify)
-        gamma = plan_round(first, later, lookup_costs, most).gamma if adaptive else most
-        rate = plan_round(first, later, lookup_costs, gamma).rate if gamma else 0.0
-        if gamma and (model_rate is None or rate >= model_rate):
+        plan = plan_round(first, later, lookup_costs, most)  # its rate: what lookup can make here at best
+        gamma = plan.gamma if adaptive else most
+        if gamma and (model_rate is None or plan.rate >= model_rate):
             return gamma
         self._skipped += 1
         if self._skipped >= self.probe_every:
@@ -46,11 +45,10 @@ class LookupChoice:
 
     def update(self, matched: int, drafted: int, accepted: int) -> None:
         for i in range(min(drafted, accepted + 1)):
-            self.predicted += self.calibration.first_draft(matched) if i == 0 else self.calibration.later_draft()
-            self.observed += float(i < accepted)
+            predicted = self.calibration.first_draft(matched) if i == 0 else self.calibration.later_draft()
+            self.agreement.note(predicted, i < accepted)
         self.calibration.record(matched, drafted, accepted)
 
     def _estimates(self, matched: int) -> tuple[float, float]:
-        factor = self.observed / self.predicted
-        return (min(self.calibration.first_draft(matched) * factor, 1.0),
-                min(self.calibration.later_draft() * factor, 1.0))
+        return (self.agreement.scale(self.calibration.first_draft(matched)),
+                self.agreement.scale(self.calibration.later_draft()))
