@@ -19,7 +19,8 @@ speed of each against fixed γ = 1, per category.  The greedy sequence does not 
 (exact mode), so every policy's rounds can be replayed exactly; each round is priced at the mean
 latency a bench run measured for its passes (target rows, drafter catch-up rows) plus the run's mean
 time outside ORT per round.  Policies: fixed γ = 1 with and without lookup, the runtime's own
-:class:`AdaptiveGamma`, rules on pre-draft signals, and the oracle that knows every outcome (an upper
+:class:`AdaptiveGamma`, rules on pre-draft signals, a foresight schedule that knows every draft's confidence
+before drafting (a bound for schedules driven by it), and the oracle that knows every outcome (an upper
 bound for any schedule).
 """
 
@@ -196,6 +197,67 @@ def oracle(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 4) -> d
     return {category: (s, n) for category, (s, n) in totals.items()}
 
 
+def foresight_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 4) -> Callable[[int, dict], Choice]:
+    """The best any schedule driven by the drafter's confidence can do, and more: it knows, before
+    drafting, the confidence of every draft the round could make (the runtime learns each only after
+    paying its step), turns each into the acceptance actually measured for its confidence bin over
+    these answers (a perfect calibration), and picks the round that minimizes the expected time to the
+    end of the answer (dynamic programming over positions).  Lookup and guesses are priced the same way
+    (rates by matched length); a later draft's acceptance is measured by its own and its predecessor's
+    confidence bins, since accepted drafts come in streaks.  Outcomes stay unknown to it, unlike the
+    oracle's."""
+    from edge_spec.runtime.schedule.acceptance import confidence_bin
+
+    bins = np.array([confidence_bin(float(c)) for c in data["draft_conf"]])
+    ok = data["draft_ok"].astype(bool)
+    count = bins.max() + 1
+    rate_by_bin = np.array([ok[bins == b].mean() if (bins == b).any() else 0.0 for b in range(count)])
+    p_draft = rate_by_bin[bins]  # a round's first draft
+    # later drafts: given the draft before was accepted, by both drafts' confidence bins (streaks)
+    follows = np.r_[False, (data["prompt"][1:] == data["prompt"][:-1]) & ok[:-1]]
+    previous = np.r_[0, bins[:-1]]
+    streak = np.zeros((count, count))
+    for a in range(count):
+        for b in range(count):
+            cell = follows & (previous == a) & (bins == b)
+            streak[a, b] = ok[cell].mean() if cell.sum() >= 5 else rate_by_bin[b]
+    p_later = streak[previous, bins]
+    matched = data["lookup_match"]
+    lookup_first = {m: float((data["lookup_run"][matched == m] > 0).mean()) for m in np.unique(matched[matched > 0])}
+    runs = data["lookup_run"][data["lookup_len"] > 0]
+    lookup_later = float((runs >= 2).sum() / max((runs >= 1).sum(), 1))
+    guess_rate = {m: float(data["guess_ok"][data["guess_match"] == m].mean()) for m in np.unique(data["guess_match"])}
+    plans: dict[int, Choice] = {}
+    for prompt in np.unique(data["prompt"]):
+        rows = np.flatnonzero(data["prompt"] == prompt)
+        n = len(rows)
+        expected = np.zeros(n + gamma_max + 2)  # expected seconds from position j to the end
+        for j in range(n - 1, -1, -1):
+            i = rows[j]
+            after = lambda k: expected[min(j + 1 + k, n)]
+            g_ok = guess_rate.get(int(data["guess_match"][i]), 0.0)
+            options = [(prices.verify(1) + g_ok * after(1) + (1 - g_ok) * after(0), ("guess", 1))]
+            for g in range(1, gamma_max + 1):
+                chain = [(p_draft if k == 0 else p_later)[rows[min(j + k, n - 1)]] for k in range(g)]
+                options.append((prices.drafter(2) + (g - 1) * prices.drafter(1) + prices.verify(g)
+                                + _chain_expectation(chain, after), ("draft", g)))
+                if data["lookup_len"][i] and g <= data["lookup_len"][i]:
+                    first = lookup_first.get(int(matched[i]), 0.0)
+                    options.append((prices.verify(g) + _chain_expectation([first] + [lookup_later] * (g - 1), after),
+                                    ("lookup", g)))
+            expected[j], plans[int(i)] = min(options, key=lambda option: option[0])
+    return lambda i, state: plans[int(i)]
+
+
+def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -> float:
+    """E[time after the round] when draft k is accepted with ``acceptance[k]`` once the ones before were."""
+    total, survive = 0.0, 1.0
+    for k, a in enumerate(acceptance):
+        total += survive * (1 - a) * after(k)
+        survive *= a
+    return total + survive * after(len(acceptance))
+
+
 def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, gamma_max: int = 4,
                     calibration: AcceptanceCalibration | None = None) -> Callable[[int, dict], Choice]:
     """The runtime's schedule as the chain's planner runs it: a lookup match when ``LookupChoice``
@@ -286,6 +348,7 @@ def analyze(path: Path, bench_json: Path, machine: str | None = None) -> None:
         "prescient: extend while drafter conf ≥ .95": extend_when_sure,
     }
     results = {name: replay(data, prices, policy) for name, policy in policies.items()}
+    results["foresight: every confidence known"] = replay(data, prices, foresight_policy(data, prices))
     results["oracle (every outcome known)"] = oracle(data, prices)
     base = results["fixed γ=1"]
     categories = sorted(base)
@@ -297,7 +360,7 @@ def analyze(path: Path, bench_json: Path, machine: str | None = None) -> None:
     print("(speed relative to fixed γ = 1; overall leaves the low-acceptance set out)")
     mixed = [c for c in categories if c != "low-acceptance"]
     oracle_gain = _rate(results["oracle (every outcome known)"], mixed) / _rate(base, mixed) - 1
-    for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)"):
+    for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)", "foresight: every confidence known"):
         gain = _rate(results[name], mixed) / _rate(base, mixed) - 1
         print(f"{name}: {gain / oracle_gain:.2f} of the oracle's gain over fixed γ = 1 "
               f"({100 * gain:+.1f}% against {100 * oracle_gain:+.1f}%)")
