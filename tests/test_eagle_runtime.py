@@ -106,7 +106,7 @@ def test_a_saved_head_installs_into_another_export_of_the_same_target(eagle_bund
     shipped = save_eagle_files(eagle_bundle, tmp_path / "shipped")
     fresh = export_tiny(tmp_path / "fresh", tiny_pair, quant="int4")
     install_eagle_files(fresh, shipped)
-    for name in ("head.onnx.data", "fc.onnx.data", "d2t.npy"):
+    for name in ("layer.onnx.data", "head_full.onnx.data", "fc.onnx.data", "d2t.npy"):
         assert (fresh / "eagle" / name).read_bytes() == (eagle_bundle / "eagle" / name).read_bytes()
     other_engine = Engine.from_bundle(fresh, threads=1, config=engine.config, exact=True)
     prompt = [{"role": "user", "content": PROMPTS[1]}]
@@ -141,7 +141,7 @@ def test_add_heads_attaches_a_specforge_checkpoint_or_a_saved_head(eagle_bundle,
     saved = save_eagle_files(eagle_bundle, tmp_path / "saved")
     result = CliRunner().invoke(app, ["add-heads", str(plain), "--eagle", str(saved)])
     assert result.exit_code == 0, result.output
-    assert (plain / "eagle" / "head.onnx.data").read_bytes() == (eagle_bundle / "eagle" / "head.onnx.data").read_bytes()
+    assert (plain / "eagle" / "layer.onnx.data").read_bytes() == (eagle_bundle / "eagle" / "layer.onnx.data").read_bytes()
 
 
 def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, tmp_path, monkeypatch):
@@ -154,12 +154,12 @@ def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, 
     saved = save_eagle_files(eagle_bundle, tmp_path / "saved")
     registry = load_registry()
     registry["models"]["tiny"] = {"eagle_head": {"dir": str(saved), "sha256": {
-        name: sha256_file(saved / name) for name in ("head.onnx.data", "eagle.json")}}}
+        name: sha256_file(saved / name) for name in ("layer.onnx.data", "eagle.json")}}}
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "registry.json").write_text(json.dumps(registry))
     monkeypatch.setenv("EDGE_SPEC_MODELS", str(tmp_path / "models"))
     assert shipped_eagle_head("tiny") == saved
     assert shipped_eagle_head("qwen2.5-coder-0.5b-instruct") is None  # the registry ships none for it
-    (saved / "head.onnx.data").write_bytes(b"damaged")
+    (saved / "layer.onnx.data").write_bytes(b"damaged")
     with pytest.raises(EdgeSpecError, match="missing or damaged"):
         shipped_eagle_head("tiny")
