@@ -14,9 +14,8 @@ import pytest
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import loop_config
-from edge_spec.runtime.verify.sampling import SamplingParams
-from tests.helpers import (PROMPTS, assert_one_line_error, chain, chi_square_same_distribution, cli, export_tiny,
-                           first_tokens, random_head, run, tiny_head_config)
+from tests.helpers import (PROMPTS, assert_one_line_error, cli, eagle, export_tiny, greedy_matches_target_only,
+                           random_head, sampled_matches_target, tiny_head_config)
 
 CONFIG = tiny_head_config(feature_layers=(0, 1, 1), draft_vocab_size=256)  # the tiny target has 2 layers
 TRIM, SPECVOCAB = "trim-128", "specvocab-r16-k48-of256"
@@ -38,20 +37,8 @@ def engine(heads_bundle):
     return Engine.from_bundle(heads_bundle, threads=1, config=loop_config("spec", drafter="eagle"), exact=True)
 
 
-def eagle(gamma: int, **settings):
-    return chain(gamma, drafter="eagle", **settings)
-
-
-def greedy_equals_target_only(engine, gamma: int, prompts=PROMPTS[:2], n: int = 32) -> int:
-    engine.target.min_rows = 2  # the engine's exact passes, as generate sets them
-    drafted = 0
-    for prompt in prompts:
-        ids = engine.tokenizer.encode(prompt)
-        reference, _ = run(engine, ids, SamplingParams(), n, None)
-        got, stats = run(engine, ids, SamplingParams(), n, eagle(gamma))
-        assert got == reference, (engine.eagle_head, gamma, prompt)
-        drafted += stats.tally("eagle").drafted
-    return drafted
+def greedy_equals_target_only(engine, gamma: int, prompts=PROMPTS[:2]) -> int:
+    return greedy_matches_target_only(engine, eagle(gamma), prompts, n=32)
 
 
 @pytest.mark.parametrize("head", ["full", TRIM, SPECVOCAB])
@@ -84,12 +71,7 @@ def test_the_heads_draw_on_the_draft_vocabulary_only(engine, heads_bundle):
 @pytest.mark.slow
 def test_sampled_specvocab_eagle_matches_target_distribution(engine):
     engine.use_eagle_head(SPECVOCAB)
-    params = SamplingParams(temperature=1.0)
-    ids = engine.tokenizer.encode("The quick")
-    n = 1500
-    ar = first_tokens(engine, ids, params, None, n)
-    spec = first_tokens(engine, ids, params, eagle(2), n, seed_offset=10**6)
-    assert chi_square_same_distribution(ar, spec) > 1e-3
+    sampled_matches_target(engine, eagle(2))
 
 
 def test_the_manifest_records_the_heads_and_their_files(heads_bundle):

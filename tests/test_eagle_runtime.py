@@ -10,8 +10,8 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import loop_config
 from edge_spec.runtime.verify.sampling import SamplingParams
-from tests.helpers import (PROMPTS, chain, chi_square_same_distribution, export_tiny, first_tokens, random_head, run,
-                           tiny_head_config)
+from tests.helpers import (PROMPTS, eagle, export_tiny, greedy_matches_target_only, random_head, run,
+                           sampled_matches_target, tiny_head_config)
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +29,9 @@ def engine(eagle_bundle):
     return Engine.from_bundle(eagle_bundle, threads=1, config=loop_config("spec", drafter="eagle"), exact=True)
 
 
-def eagle(gamma: int, **settings):
-    return chain(gamma, drafter="eagle", **settings)
-
-
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4])
 def test_greedy_eagle_equals_target_only_decoding(engine, gamma):
-    engine.target.min_rows = 2  # the engine's exact passes, as generate sets them
-    drafted = 0
-    for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
-        reference, _ = run(engine, ids, SamplingParams(), 40, None)
-        got, stats = run(engine, ids, SamplingParams(), 40, eagle(gamma))
-        assert got == reference, (gamma, prompt)
-        assert max(stats.drafted) <= gamma
-        drafted += stats.tally("eagle").drafted
-    assert drafted > 0, "the head never drafted"
+    assert greedy_matches_target_only(engine, eagle(gamma)) > 0, "the head never drafted"
 
 
 def test_the_head_reads_the_features_of_every_kept_position(engine):
@@ -80,12 +67,7 @@ def test_a_chat_turn_reuses_the_prefix_and_still_equals_target_only(eagle_bundle
 
 @pytest.mark.slow
 def test_sampled_eagle_matches_target_distribution(engine):
-    params = SamplingParams(temperature=1.0)
-    ids = engine.tokenizer.encode("The quick")
-    n = 1500
-    ar = first_tokens(engine, ids, params, None, n)
-    spec = first_tokens(engine, ids, params, eagle(2), n, seed_offset=10**6)
-    assert chi_square_same_distribution(ar, spec) > 1e-3
+    sampled_matches_target(engine, eagle(2))
 
 
 def test_eagle_is_refused_where_it_cannot_draft(int4_bundle):
