@@ -40,6 +40,7 @@ class BenchMode:
     head: str | None  # drafter head, None for ar
     config: LoopConfig = ArConfig()
     exact: bool | None = None  # batch-invariant target passes (None: the engine's default for the mode)
+    eagle_head: str | None = None  # the EAGLE head's LM head, for modes drafting with it
 
 
 def with_drafter(config: ChainConfig, drafter: str) -> ChainConfig:
@@ -73,12 +74,14 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
 
 def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed_gammas: list[int] | None = None,
               trees: list[TreeConfig] = (), ssds: list[SsdConfig] = (), lookup: bool = False,
-              reference: bool = True, eagle: bool = False) -> list[BenchMode]:
+              reference: bool = True, eagle: bool = False, eagle_heads: list[str] | None = None) -> list[BenchMode]:
     """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one
     mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft configuration
     (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own schedule
     ``chain``; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``).
-    With ``eagle`` the bundle's EAGLE head gets the fixed-γ and schedule modes too (``eagle@γ2``, ``eagle``)."""
+    With ``eagle`` the bundle's EAGLE head gets the fixed-γ and schedule modes too (``eagle@γ2``, ``eagle``),
+    once per LM head in ``eagle_heads`` (default: the bundle's default EAGLE head; ``eagle`` is the full
+    head, ``eagle+trim-4096`` another)."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
@@ -96,7 +99,11 @@ def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed
     if eagle:
         if not engine.manifest.get("eagle"):
             raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
-        modes += _chain_modes("eagle", chosen[0], with_drafter(plain, "eagle"), fixed_gammas, lookup)
+        for name in eagle_heads or [None]:  # None: the bundle's default EAGLE head
+            name = engine._check_eagle_head(name)
+            label = "eagle" if name == "full" else f"eagle+{name}"
+            modes += [dataclasses.replace(mode, eagle_head=name)
+                      for mode in _chain_modes(label, chosen[0], with_drafter(plain, "eagle"), fixed_gammas, lookup)]
     return modes
 
 
@@ -172,6 +179,8 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
     if mode.head:
         engine.config = mode.config
         engine.use_draft_head(mode.head)
+        if mode.eagle_head:
+            engine.use_eagle_head(mode.eagle_head)
     decoders = {"target": engine.target, "draft": engine.active_drafter(mode.config).decoder if mode.head else None}
     before = {role: _pass_log(d) for role, d in decoders.items()}
     started = time.perf_counter()
@@ -285,6 +294,7 @@ def summarize(records: list[dict]) -> list[dict]:
             c = rows[0]["param_ratio"]
             steps = sum(r["draft_steps"] for r in rows)
             row["head_ms_per_step"] = 1e3 * sum(r["head_seconds"] for r in rows) / steps if steps else 0.0
+            row["draft_ms_per_step"] = 1e3 * sum(r["draft_seconds"] for r in rows) / steps if steps else 0.0
             row["candidate_recall"] = (sum(r["candidate_recall"] * r["draft_steps"] for r in rows) / steps
                                        if steps else 0.0)
             row.update({"tau": tau, "mbsu": tau / (c * gamma + 1), "mean_gamma": gamma, "param_ratio": c,
@@ -307,7 +317,7 @@ def format_table(summary: list[dict]) -> str:
     greedy answers equal target-only decoding with the same numerics; ``=ar1``: how many equal one-row ar."""
     lines = []
     header = (f"{'T':>4} {'category':14s} {'mode':36s} {'tau':>5} {'MBSU':>5} {'1st acc':>7} {'recall':>6} "
-              f"{'head ms':>7} "
+              f"{'draft ms':>8} {'head ms':>7} "
               f"{'tok/s':>6} {'x ar':>5} {'xar$':>5} {'same':>5} {'=ar1':>5}")
     current = None
     for row in summary:
@@ -321,7 +331,8 @@ def format_table(summary: list[dict]) -> str:
             f"{row['temperature']:>4.1f} {row['category']:14s} {row['mode']:36s} "
             f"{row.get('tau', 1.0):5.2f} {row.get('mbsu', 1.0):5.2f} {row.get('first_token_acceptance', 0.0):7.3f} "
             f"{row.get('candidate_recall', 1.0):6.3f} "
-            f"{row.get('head_ms_per_step', 0.0):7.2f} {row['tokens_per_second']:6.1f} "
+            f"{row.get('draft_ms_per_step', 0.0):8.2f} {row.get('head_ms_per_step', 0.0):7.2f} "
+            f"{row['tokens_per_second']:6.1f} "
             f"{row['speedup_vs_ar'] or 0:5.2f} {row.get('normalized_speedup_vs_ar') or 0:5.2f} "
             f"{'' if same is None else ('yes' if same else 'NO'):>5} "
             f"{one_row:>5}"

@@ -59,6 +59,8 @@ ExactOpt = typer.Option(None, "--exact/--no-exact", help="Batch-invariant target
 VerifyOpt = typer.Option(False, "--verify", help="Check every bundle file's sha256 before loading (slower; "
                          "sizes are always checked).")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")
+EagleHeadOpt = typer.Option(None, "--eagle-head", help="--drafter eagle: the EAGLE head's LM head (full, trim-N, "
+                            "specvocab-rR-kC-ofK; edge-spec info lists them); default from the bundle.")
 
 
 DraftVocabOpt = typer.Option("full", help="Drafter LM heads: comma list of full, trim (VocabTrim), specvocab, "
@@ -182,21 +184,38 @@ def add_heads(
     train_steps: int = TrainStepsOpt,
     union_keep: int = UnionKeepOpt,
     scorer_vocab: str = ScorerVocabOpt,
+    eagle_trim: Optional[str] = typer.Option(None, "--eagle-trim", help="EAGLE head: VocabTrim LM heads keeping "
+                                             "this many of its draft-vocabulary rows (comma list: one head per "
+                                             "value), ranked by the calibration text."),
+    eagle_specvocab: list[str] = typer.Option([], "--eagle-specvocab", help="EAGLE head: a SpecVocab LM head, "
+                                              "RANK:CANDIDATES (repeatable or comma list), its scorer fitted on "
+                                              "the head's own hidden states (--scorer svd: data-free)."),
 ) -> None:
-    """Add drafter heads (VocabTrim, SpecVocab, an EAGLE-3 head) to an existing bundle without re-exporting
-    the models."""
+    """Add drafter heads (VocabTrim, SpecVocab, an EAGLE-3 head, LM heads of the EAGLE head) to an existing
+    bundle without re-exporting the models."""
     from edge_spec.export.bundle import add_draft_heads, attach_eagle_source
+    from edge_spec.export.eagle_heads import EagleHeadOptions, add_eagle_heads, parse_specvocab
 
+    eagle_options = EagleHeadOptions(trim=_int_list(eagle_trim, "--eagle-trim") if eagle_trim else (),
+                                     specvocab=parse_specvocab(eagle_specvocab), scorer=scorer,
+                                     train_steps=train_steps, calibration=calibration)
+    eagle_variants = bool(eagle_options.trim or eagle_options.specvocab)
+    if calibration is not None and not calibration.is_file():
+        raise EdgeSpecError(f"calibration file not found: {calibration}")
     with _progress_lines("adding heads") as progress:
-        if draft_vocab or not eagle:
+        if draft_vocab or not (eagle or eagle_variants):
             options = _head_options(draft_vocab or "specvocab", keep, calibration, rank, candidates, scorer,
                                     train_steps, union_keep, scorer_vocab)
             manifest = add_draft_heads(bundle, options, draft, progress)
         if eagle:
             manifest = attach_eagle_source(bundle, eagle, progress)
-    console.print(f"[green]heads[/green] {', '.join(manifest['draft']['heads'])}; "
-                  f"default {manifest['draft']['default_head']}"
-                  + (f"; EAGLE-3 head {manifest['eagle']['source']}" if manifest.get("eagle") else ""))
+        if eagle_variants:
+            manifest = add_eagle_heads(bundle, eagle_options, progress)
+    line = f"[green]heads[/green] {', '.join(manifest['draft']['heads'])}; default {manifest['draft']['default_head']}"
+    if manifest.get("eagle"):
+        line += (f"; EAGLE-3 head {manifest['eagle']['source']}: {', '.join(manifest['eagle'].get('heads', ['full']))}"
+                 f", default {manifest['eagle'].get('default_head', 'full')}")
+    console.print(line)
 
 
 @app.command()
@@ -236,6 +255,15 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
             f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {m['quantization']['weights']}, "
             f"{m['bytes'] / (1 << 20):.0f} MiB" + (f"; heads: {heads}, default {m['default_head']}" if heads else "")
         )
+    if manifest.get("eagle"):
+        from edge_spec.manifest import eagle_heads
+
+        e = manifest["eagle"]
+        heads = ", ".join(f"{name} ({h['size']} rows)" for name, h in eagle_heads(manifest).items())
+        layout = "" if "heads" in e else " (single graph: add-heads --eagle-trim/--eagle-specvocab splits it)"
+        out.print(f"eagle  {e.get('source') or 'EAGLE-3 head'}: {e['parameters'] / 1e6:.0f}M params, draft vocab "
+                  f"{e.get('draft_vocab_size')}, {e['bytes'] / (1 << 20):.0f} MiB; heads: {heads}, default "
+                  f"{e.get('default_head', 'full')}{layout}")
     if costs:
         _check_threads(threads)
         _print_costs(bundle, threads, gamma, head)
@@ -326,7 +354,7 @@ def _read_prompt(prompt: str) -> str:
 
 def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: str | None,
                  draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None,
-                 verify: bool = False, provider_option: list[str] | None = None):
+                 verify: bool = False, provider_option: list[str] | None = None, eagle_head: str | None = None):
     from edge_spec.runtime.engine import Engine
 
     _check_threads(threads, draft_threads)
@@ -335,7 +363,7 @@ def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: 
     with _loading_status():
         return Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
                                   draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
-                                  exact=exact, verify=verify, provider_options=options)
+                                  exact=exact, verify=verify, provider_options=options, eagle_head=eagle_head)
 
 
 def _provider_options(pairs: list[str]) -> dict[str, str]:
@@ -432,6 +460,7 @@ def generate(
     lookup: Optional[bool] = LookupOpt,
     drafter: Optional[str] = DrafterOpt,
     draft_head: Optional[str] = HeadOpt,
+    eagle_head: Optional[str] = EagleHeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
     provider_option: list[str] = ProviderOptionOpt,
@@ -445,7 +474,7 @@ def generate(
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                          verify, provider_option)
+                          verify, provider_option, eagle_head)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop)
@@ -473,6 +502,7 @@ def chat(
     lookup: Optional[bool] = LookupOpt,
     drafter: Optional[str] = DrafterOpt,
     draft_head: Optional[str] = HeadOpt,
+    eagle_head: Optional[str] = EagleHeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
     provider_option: list[str] = ProviderOptionOpt,
@@ -483,7 +513,7 @@ def chat(
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                          verify, provider_option)
+                          verify, provider_option, eagle_head)
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # a line editor: a terminal alone cuts a pasted line at 4095 bytes
             import readline  # noqa: F401
@@ -545,6 +575,7 @@ def serve(
     lookup: Optional[bool] = LookupOpt,
     drafter: Optional[str] = DrafterOpt,
     draft_head: Optional[str] = HeadOpt,
+    eagle_head: Optional[str] = EagleHeadOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
     provider_option: list[str] = ProviderOptionOpt,
@@ -565,7 +596,7 @@ def serve(
     sock = listen(host, port)  # a busy port fails before the (slow) load
     try:
         engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
-                              verify, provider_option)
+                              verify, provider_option, eagle_head)
         run(engine, sock, name=bundle.resolve().name, api_key=api_key, max_queue=max_queue,
             shutdown_grace=shutdown_grace)
     finally:
@@ -591,6 +622,9 @@ def bench(
                              "--sweep γ (else --gamma), in the same engine (see --draft-threads)."),
     eagle: bool = typer.Option(False, "--eagle", help="Also run the bundle's EAGLE head (edge-spec train-head) at "
                                "each --sweep γ and the --schedule (modes eagle@γN, eagle; +lookup with --lookup)."),
+    eagle_head: list[str] = typer.Option([], "--eagle-head", help="EAGLE LM heads to compare (repeatable; implies "
+                                         "--eagle; default: the bundle's default EAGLE head); modes eagle (full) "
+                                         "and eagle+NAME."),
     draft_threads: Optional[int] = DraftThreadsOpt,
     category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
@@ -644,7 +678,8 @@ def bench(
         # the ar baseline is our fastest target-only decoding: an engine loaded for it alone
         baseline = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="ar",
                                       provider_options=options)
-    modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference, eagle)
+    modes = modes_for(engine, head or None, chain, gammas, trees, ssds, lookup, reference,
+                      eagle or bool(eagle_head), eagle_head or None)
     engine.complete("warm up", max_new_tokens=4)
     baseline.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)

@@ -9,8 +9,11 @@ A bundle is one directory::
     target/model.onnx(.data) target decoder
     draft/model.onnx(.data)  drafter decoder (possibly with a trimmed LM head)
     draft/*.npy              drafter side tables (vocab map, scorer matrices)
-    eagle/head.onnx(.data)   optional EAGLE-3 head (+ fc.onnx, d2t.npy, t2d.npy); the target then
-                             also outputs ``features`` (see edge_spec.export.eagle)
+    eagle/layer.onnx(.data)  optional EAGLE-3 head: its decoder layer (+ fc.onnx, d2t.npy, t2d.npy) and
+    eagle/head_*.onnx ...    its LM heads over the draft vocabulary (``eagle.heads``, ``eagle.default_head``:
+                             full, trim-N, specvocab-rR-kC-ofK, as the drafter's); the target then also
+                             outputs ``features`` (see edge_spec.export.eagle, eagle_heads).  Bundles made
+                             before the split have one graph, eagle/head.onnx, with the LM head inside
 """
 
 from __future__ import annotations
@@ -107,6 +110,39 @@ def _check_files(entry: dict, where: str) -> None:
         _field(record, "sha256", str, at)
 
 
+def _check_heads(entry: dict, where: str) -> None:
+    """A drafter's (or the EAGLE head's) ``heads`` and ``default_head``."""
+    heads = _field(entry, "heads", dict, where)
+    if not heads:
+        raise _Damaged(f"{where}heads is empty")
+    for name, head in heads.items():
+        at = f"{where}heads.{name}."
+        if not isinstance(head, dict):
+            raise _Damaged(f"{at[:-1]} is malformed")
+        _field(head, "size", int, at)
+        if _field(head, "parameters", (int, float), at) < 0:
+            raise _Damaged(f"{at}parameters is malformed ({head['parameters']!r})")
+        required = ("onnx", "rows", "scales") if head.get("kind") == "specvocab" else ("onnx",)
+        if head.get("kind") == "specvocab":
+            _field(head, "candidates", int, at)
+        for key in _HEAD_FILES:
+            if key in required or head.get(key) is not None:
+                _relative(_field(head, key, str, at), at + key)
+    default = _field(entry, "default_head", str, where)
+    if default not in heads:
+        raise _Damaged(f"{where}default_head {default!r} is not one of its heads ({', '.join(heads)})")
+
+
+def eagle_heads(manifest: dict) -> dict:
+    """The EAGLE head's LM heads by name; a bundle made before they were split off has one, ``full``,
+    inside its layer graph (kind ``builtin``)."""
+    entry = manifest.get("eagle") or {}
+    if not entry:
+        return {}
+    return entry.get("heads") or {"full": {"kind": "builtin", "onnx": entry["onnx"],
+                                           "size": int(entry.get("draft_vocab_size", 0))}}
+
+
 def check_manifest(manifest: dict, path: Path | str = MANIFEST) -> None:
     """Refuse, in one line, a manifest that lacks what the runtime reads (a damaged or hand-edited file)."""
     try:
@@ -130,32 +166,15 @@ def check_manifest(manifest: dict, path: Path | str = MANIFEST) -> None:
             config = _field(entry, "config", dict, at)
             for key in ("num_layers", "hidden_size", "vocab_size"):
                 _field(config, key, int, at + "config.")
-        draft = manifest["draft"]
-        heads = _field(draft, "heads", dict, "draft.")
-        if not heads:
-            raise _Damaged("draft.heads is empty")
-        for name, head in heads.items():
-            at = f"draft.heads.{name}."
-            if not isinstance(head, dict):
-                raise _Damaged(f"{at[:-1]} is malformed")
-            _field(head, "size", int, at)
-            if _field(head, "parameters", (int, float), at) < 0:
-                raise _Damaged(f"{at}parameters is malformed ({head['parameters']!r})")
-            required = ("onnx", "rows", "scales") if head.get("kind") == "specvocab" else ("onnx",)
-            if head.get("kind") == "specvocab":
-                _field(head, "candidates", int, at)
-            for key in _HEAD_FILES:
-                if key in required or head.get(key) is not None:
-                    _relative(_field(head, key, str, at), at + key)
-        default = _field(draft, "default_head", str, "draft.")
-        if default not in heads:
-            raise _Damaged(f"draft.default_head {default!r} is not one of its heads ({', '.join(heads)})")
+        _check_heads(manifest["draft"], "draft.")
         for role in ("tokenizer", "eagle"):
             if manifest.get(role) is not None:
                 _check_files(_field(manifest, role, dict, ""), f"{role}.")
         if manifest.get("eagle") is not None:
             for key in ("onnx", "fc_onnx", "d2t"):
                 _relative(_field(manifest["eagle"], key, str, "eagle."), "eagle." + key)
+            if manifest["eagle"].get("heads") is not None:  # bundles before the split have one graph, no heads
+                _check_heads(manifest["eagle"], "eagle.")
     except _Damaged as exc:
         raise EdgeSpecError(f"{path}: {exc}; the bundle is damaged, export it again") from None
 

@@ -65,6 +65,11 @@ def chain(gamma: int, *, adaptive: bool = False, lookup: bool = False, drafter: 
     return ChainConfig(gamma=gamma, adaptive=adaptive, proposers=proposers, **settings)
 
 
+def eagle(gamma: int, **settings):
+    """``chain`` drafting with the EAGLE head."""
+    return chain(gamma, drafter="eagle", **settings)
+
+
 def guesses_only():
     """A chain that never runs the drafter: every round verifies a free guess in its spare row (exact mode)."""
     from edge_spec.runtime.loops.config import ChainConfig
@@ -95,6 +100,34 @@ def first_tokens(engine, ids, params, spec, n_samples, n_tokens=3, seed_offset=0
         tokens, _ = run(engine, ids, params, n_tokens, spec, seed=seed)
         out.append(tuple(tokens))
     return out
+
+
+def greedy_matches_target_only(engine, config, prompts=PROMPTS, n: int = 40) -> int:
+    """Assert that greedy decoding with ``config`` gives target-only decoding's tokens for every prompt (in
+    the engine's exact passes), with drafts no longer than its γ; returns how many tokens were drafted."""
+    from edge_spec.runtime.verify.sampling import SamplingParams
+
+    engine.target.min_rows = 2  # the engine's exact passes, as generate sets them
+    drafted = 0
+    for prompt in prompts:
+        ids = engine.tokenizer.encode(prompt)
+        reference, _ = run(engine, ids, SamplingParams(), n, None)
+        got, stats = run(engine, ids, SamplingParams(), n, config)
+        assert got == reference, (config, prompt)
+        assert max(stats.drafted) <= config.gamma
+        drafted += sum(stats.tally(name).drafted for name in config.proposers)
+    return drafted
+
+
+def sampled_matches_target(engine, config, prompt: str = "The quick", n: int = 1500) -> None:
+    """Assert that the first tokens sampled (T=1) through ``config`` follow target-only sampling's joint law."""
+    from edge_spec.runtime.verify.sampling import SamplingParams
+
+    params = SamplingParams(temperature=1.0)
+    ids = engine.tokenizer.encode(prompt)
+    ar = first_tokens(engine, ids, params, None, n)
+    spec = first_tokens(engine, ids, params, config, n, seed_offset=10**6)
+    assert chi_square_same_distribution(ar, spec) > 1e-3
 
 
 # ---------------------------------------------------------------------------

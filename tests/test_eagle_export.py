@@ -226,7 +226,7 @@ def test_head_graph_matches_the_torch_head(quant):
     hidden = fc.run(["hidden"], {"features": features})[0]
     np.testing.assert_allclose(hidden, fused.numpy(), rtol=0, atol=tol * np.abs(fused.numpy()).max())
 
-    graph = session(build_eagle_head(eagle_head_weights(head), options))
+    graph = session(build_eagle_head(eagle_head_weights(head), options, logits=True))
     assert [i.name for i in graph.get_inputs()] == ["inputs_embeds", "hidden", "seqlens_k", "total_sequence_length",
                                                     "num_logits", "past_key_values.0.key", "past_key_values.0.value"]
     assert [o.name for o in graph.get_outputs()] == ["logits", "hidden_out", "present.0.key", "present.0.value"]
@@ -398,13 +398,16 @@ def test_attach_eagle_head_to_a_bundle(tmp_path, tiny_pair, monkeypatch):
     record = manifest["eagle"]
     assert record["feature_layers"] == [0, 1, 1] and manifest["target"]["feature_layers"] == [0, 1, 1]
     assert sorted(p.name for p in (bundle / "eagle").iterdir()) == [
-        "d2t.npy", "fc.onnx", "fc.onnx.data", "head.onnx", "head.onnx.data", "t2d.npy"]
+        "d2t.npy", "fc.onnx", "fc.onnx.data", "head_full.onnx", "head_full.onnx.data", "layer.onnx",
+        "layer.onnx.data", "t2d.npy", "vocab_full.npy"]
+    assert set(record["heads"]) == {"full"} and record["default_head"] == "full"
     assert not (bundle / "eagle.partial").exists() and not (bundle / "eagle.old").exists()
     assert np.array_equal(np.load(bundle / record["d2t"]), head.d2t.numpy())
     assert feature_layers_of(bundle / "target" / "model.onnx") == (0, 1, 1)
     head_session = session(str(bundle / record["onnx"]))
-    assert [o.name for o in head_session.get_outputs()][:2] == ["logits", "hidden_out"]
-    assert head_session.get_outputs()[0].shape[-1] == config.draft_vocab_size
+    assert [o.name for o in head_session.get_outputs()][:2] == ["hidden_states", "hidden_out"]
+    lm_head = session(str(bundle / record["heads"]["full"]["onnx"]))
+    assert lm_head.get_outputs()[0].shape[-1] == config.draft_vocab_size
 
     attach_eagle_head(bundle, config, random_head(seed=2, config=config))  # replacing a head works too
     verify_files(bundle, read_manifest(bundle), full_hash=True)

@@ -10,8 +10,8 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import loop_config
 from edge_spec.runtime.verify.sampling import SamplingParams
-from tests.helpers import (PROMPTS, chain, chi_square_same_distribution, export_tiny, first_tokens, random_head, run,
-                           tiny_head_config)
+from tests.helpers import (PROMPTS, eagle, export_tiny, greedy_matches_target_only, random_head, run,
+                           sampled_matches_target, tiny_head_config)
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +29,9 @@ def engine(eagle_bundle):
     return Engine.from_bundle(eagle_bundle, threads=1, config=loop_config("spec", drafter="eagle"), exact=True)
 
 
-def eagle(gamma: int, **settings):
-    return chain(gamma, drafter="eagle", **settings)
-
-
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4])
 def test_greedy_eagle_equals_target_only_decoding(engine, gamma):
-    engine.target.min_rows = 2  # the engine's exact passes, as generate sets them
-    drafted = 0
-    for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
-        reference, _ = run(engine, ids, SamplingParams(), 40, None)
-        got, stats = run(engine, ids, SamplingParams(), 40, eagle(gamma))
-        assert got == reference, (gamma, prompt)
-        assert max(stats.drafted) <= gamma
-        drafted += stats.tally("eagle").drafted
-    assert drafted > 0, "the head never drafted"
+    assert greedy_matches_target_only(engine, eagle(gamma)) > 0, "the head never drafted"
 
 
 def test_the_head_reads_the_features_of_every_kept_position(engine):
@@ -80,12 +67,7 @@ def test_a_chat_turn_reuses_the_prefix_and_still_equals_target_only(eagle_bundle
 
 @pytest.mark.slow
 def test_sampled_eagle_matches_target_distribution(engine):
-    params = SamplingParams(temperature=1.0)
-    ids = engine.tokenizer.encode("The quick")
-    n = 1500
-    ar = first_tokens(engine, ids, params, None, n)
-    spec = first_tokens(engine, ids, params, eagle(2), n, seed_offset=10**6)
-    assert chi_square_same_distribution(ar, spec) > 1e-3
+    sampled_matches_target(engine, eagle(2))
 
 
 def test_eagle_is_refused_where_it_cannot_draft(int4_bundle):
@@ -106,7 +88,7 @@ def test_a_saved_head_installs_into_another_export_of_the_same_target(eagle_bund
     shipped = save_eagle_files(eagle_bundle, tmp_path / "shipped")
     fresh = export_tiny(tmp_path / "fresh", tiny_pair, quant="int4")
     install_eagle_files(fresh, shipped)
-    for name in ("head.onnx.data", "fc.onnx.data", "d2t.npy"):
+    for name in ("layer.onnx.data", "head_full.onnx.data", "fc.onnx.data", "d2t.npy"):
         assert (fresh / "eagle" / name).read_bytes() == (eagle_bundle / "eagle" / name).read_bytes()
     other_engine = Engine.from_bundle(fresh, threads=1, config=engine.config, exact=True)
     prompt = [{"role": "user", "content": PROMPTS[1]}]
@@ -141,7 +123,7 @@ def test_add_heads_attaches_a_specforge_checkpoint_or_a_saved_head(eagle_bundle,
     saved = save_eagle_files(eagle_bundle, tmp_path / "saved")
     result = CliRunner().invoke(app, ["add-heads", str(plain), "--eagle", str(saved)])
     assert result.exit_code == 0, result.output
-    assert (plain / "eagle" / "head.onnx.data").read_bytes() == (eagle_bundle / "eagle" / "head.onnx.data").read_bytes()
+    assert (plain / "eagle" / "layer.onnx.data").read_bytes() == (eagle_bundle / "eagle" / "layer.onnx.data").read_bytes()
 
 
 def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, tmp_path, monkeypatch):
@@ -154,12 +136,12 @@ def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, 
     saved = save_eagle_files(eagle_bundle, tmp_path / "saved")
     registry = load_registry()
     registry["models"]["tiny"] = {"eagle_head": {"dir": str(saved), "sha256": {
-        name: sha256_file(saved / name) for name in ("head.onnx.data", "eagle.json")}}}
+        name: sha256_file(saved / name) for name in ("layer.onnx.data", "eagle.json")}}}
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "registry.json").write_text(json.dumps(registry))
     monkeypatch.setenv("EDGE_SPEC_MODELS", str(tmp_path / "models"))
     assert shipped_eagle_head("tiny") == saved
     assert shipped_eagle_head("qwen2.5-coder-0.5b-instruct") is None  # the registry ships none for it
-    (saved / "head.onnx.data").write_bytes(b"damaged")
+    (saved / "layer.onnx.data").write_bytes(b"damaged")
     with pytest.raises(EdgeSpecError, match="missing or damaged"):
         shipped_eagle_head("tiny")

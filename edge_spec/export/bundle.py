@@ -115,53 +115,56 @@ def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: d
 
 
 def _export_head(bundle_dir: Path, name: str, lm_head: np.ndarray, vocab_ids: np.ndarray | None,
-                 build: BuildOptions, blocks=None) -> dict:
-    """Write draft/head_<name>.onnx (+ its vocabulary map) and return its manifest entry; ``blocks``: the
-    head's carried GGUF blocks, if any."""
-    weight = lm_head if vocab_ids is None else lm_head[vocab_ids]
-    if blocks is not None and vocab_ids is not None:
-        blocks = blocks.rows(vocab_ids)
-    save_model(build_head(weight, build, blocks), bundle_dir / "draft" / f"head_{name}.onnx")
-    files = [file_record(bundle_dir, f"draft/head_{name}.onnx"), file_record(bundle_dir, f"draft/head_{name}.onnx.data")]
-    entry = {"kind": "static", "onnx": f"draft/head_{name}.onnx", "size": int(weight.shape[0]),
-             "parameters": int(weight.size)}
+                 build: BuildOptions, blocks=None, *, folder: str = "draft", rows: np.ndarray | None = None) -> dict:
+    """Write <folder>/head_<name>.onnx (+ its vocabulary map) and return its manifest entry; ``blocks``: the
+    head's carried GGUF blocks, if any.  ``rows``: the rows of ``lm_head`` the head keeps, when they are
+    not the target ids ``vocab_ids`` themselves (a head over a draft vocabulary)."""
+    rows = vocab_ids if rows is None else rows
+    weight = lm_head if rows is None else lm_head[rows]
+    if blocks is not None and rows is not None:
+        blocks = blocks.rows(rows)
+    stem = f"{folder}/head_{name}.onnx"
+    save_model(build_head(weight, build, blocks), bundle_dir / stem)
+    files = [file_record(bundle_dir, stem), file_record(bundle_dir, stem + ".data")]
+    entry = {"kind": "static", "onnx": stem, "size": int(weight.shape[0]), "parameters": int(weight.size)}
     if vocab_ids is not None:
-        np.save(bundle_dir / "draft" / f"vocab_{name}.npy", vocab_ids)
-        files.append(file_record(bundle_dir, f"draft/vocab_{name}.npy"))
-        entry["vocab_ids"] = f"draft/vocab_{name}.npy"
+        np.save(bundle_dir / folder / f"vocab_{name}.npy", vocab_ids)
+        files.append(file_record(bundle_dir, f"{folder}/vocab_{name}.npy"))
+        entry["vocab_ids"] = f"{folder}/vocab_{name}.npy"
     entry["files"] = files
     return entry
 
 
-def _export_scorer(bundle_dir: Path, scorer, build: BuildOptions, suffix: str = "") -> tuple[str, list[dict]]:
+def _export_scorer(bundle_dir: Path, scorer, build: BuildOptions, suffix: str = "", folder: str = "draft"
+                   ) -> tuple[str, list[dict]]:
     """Write one SpecVocab scorer graph (shared by every head of its rank and universe)."""
-    stem = f"draft/scorer_r{scorer.rank}{suffix}.onnx"
+    stem = f"{folder}/scorer_r{scorer.rank}{suffix}.onnx"
     save_model(build_scorer(scorer.w_down, scorer.w_vocab, build), bundle_dir / stem)
     return stem, [file_record(bundle_dir, stem), file_record(bundle_dir, stem + ".data")]
 
 
 def _specvocab_head_entry(bundle_dir: Path, name: str, scorer, scorer_onnx: str, candidates: int,
-                          always: np.ndarray) -> dict:
+                          always: np.ndarray, folder: str = "draft") -> dict:
     """Manifest entry of one SpecVocab head (+ its always-kept ids); the int8 head rows it gathers
     from are shared by all SpecVocab heads (see :func:`_export_head_rows`)."""
     hidden = scorer.w_down.shape[1]
-    np.save(bundle_dir / "draft" / f"always_{name}.npy", always)
+    np.save(bundle_dir / folder / f"always_{name}.npy", always)
     return {
         "kind": "specvocab", "onnx": scorer_onnx, "rank": scorer.rank, "candidates": candidates,
-        "rows": "draft/head_rows_int8.npy", "scales": "draft/head_scales.npy",
-        "always_ids": f"draft/always_{name}.npy", "size": candidates + len(always),
+        "rows": f"{folder}/head_rows_int8.npy", "scales": f"{folder}/head_scales.npy",
+        "always_ids": f"{folder}/always_{name}.npy", "size": candidates + len(always),
         "parameters": int(scorer.w_down.size + scorer.w_vocab.size + (candidates + len(always)) * hidden),
-        "files": [file_record(bundle_dir, f"draft/always_{name}.npy")],
+        "files": [file_record(bundle_dir, f"{folder}/always_{name}.npy")],
     }
 
 
-def _export_head_rows(bundle_dir: Path, lm_head: np.ndarray) -> list[dict]:
+def _export_head_rows(bundle_dir: Path, lm_head: np.ndarray, folder: str = "draft") -> list[dict]:
     from edge_spec.export.specvocab import quantize_rows_int8
 
     codes, scales = quantize_rows_int8(lm_head)
-    np.save(bundle_dir / "draft" / "head_rows_int8.npy", codes)
-    np.save(bundle_dir / "draft" / "head_scales.npy", scales)
-    return [file_record(bundle_dir, "draft/head_rows_int8.npy"), file_record(bundle_dir, "draft/head_scales.npy")]
+    np.save(bundle_dir / folder / "head_rows_int8.npy", codes)
+    np.save(bundle_dir / folder / "head_scales.npy", scales)
+    return [file_record(bundle_dir, f"{folder}/head_rows_int8.npy"), file_record(bundle_dir, f"{folder}/head_scales.npy")]
 
 
 def default_head(heads: dict, options: ExportOptions) -> str:
@@ -216,7 +219,6 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
         _say(progress, "SpecVocab: collecting drafter hidden states on the calibration text")
         hidden, next_tokens = specvocab.collect_hidden_states(bundle_dir / "draft" / "body.onnx", sequences,
                                                               options.context_length)
-    scorer_label = options.scorer + (f"+{options.train_steps} steps" if options.train_steps else "")
     for universe_size in options.scorer_vocab if always else ():
         universe = None if universe_size == 0 else vocabtrim.select_vocabulary(counts, universe_size, always_keep)
         rows = lm_head if universe is None else lm_head[universe]
@@ -224,37 +226,66 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
         if universe is not None:
             np.save(bundle_dir / "draft" / f"universe{suffix}.npy", universe)
             files.append(file_record(bundle_dir, f"draft/universe{suffix}.npy"))
-        for rank in options.rank:
-            scorer = specvocab.fit_scorer(rows, rank, hidden if options.scorer == "data" else None)
-            scorer = specvocab.train_scorer(scorer, rows, hidden, options.train_steps, progress=progress)
-            scorer_onnx, scorer_files = _export_scorer(bundle_dir, scorer, build, suffix)
-            files += scorer_files
-            for mode, (prefix, static) in always.items():
-                recall = specvocab.recall_at_k(scorer, hidden, next_tokens, list(options.candidates), static,
-                                               universe)
-                for k in options.candidates:
-                    name = f"{prefix}specvocab-r{rank}-k{k}{suffix}"
-                    _say(progress, f"SpecVocab head {name}: calibration recall {recall[k]:.1%}")
-                    heads[name] = _specvocab_head_entry(bundle_dir, name, scorer, scorer_onnx, k, static)
-                    heads[name].update(calibration_recall=recall[k], scorer=scorer_label, vocab_mode=mode)
-                    if universe is not None:
-                        heads[name]["universe"] = f"draft/universe{suffix}.npy"
+        specvocab_heads, specvocab_files = specvocab_heads_for(
+            bundle_dir, rows, hidden, next_tokens, always, options, build, universe=universe, suffix=suffix,
+            universe_path=f"draft/universe{suffix}.npy", progress=progress)
+        heads.update(specvocab_heads)
+        files += specvocab_files
     files += [f for h in heads.values() for f in h.pop("files")]
     return heads, files, calibration
 
 
-def _calibration_sequences(bundle_dir: Path, options: ExportOptions, progress) -> list:
+def specvocab_heads_for(bundle_dir: Path, rows: np.ndarray, hidden: np.ndarray | None, wanted: np.ndarray,
+                        always: dict[str, tuple[str, np.ndarray]], options: ExportOptions, build: BuildOptions, *,
+                        universe: np.ndarray | None, suffix: str, universe_path: str, folder: str = "draft",
+                        progress=None) -> tuple[dict, list[dict]]:
+    """SpecVocab heads over the LM-head ``rows`` (target ids ``universe``; None: the whole vocabulary):
+    one scorer per ``options.rank``, fitted on the calibration states ``hidden`` (``options.scorer``
+    "data"; plain SVD when "svd" or when ``hidden`` is None) and written to ``folder``, then one head per
+    ``options.candidates`` and per ``always`` mode (its name prefix and always-kept ids).  Returns the
+    heads (each with its ``files``) and the scorers' file records."""
+    from edge_spec.export import specvocab
+
+    data = hidden is not None and options.scorer == "data"
+    scorer_label = (options.scorer if hidden is not None else "svd") + (
+        f"+{options.train_steps} steps" if options.train_steps and hidden is not None else "")
+    heads, files = {}, []
+    for rank in options.rank:
+        scorer = specvocab.fit_scorer(rows, rank, hidden if data else None)
+        if hidden is not None:
+            scorer = specvocab.train_scorer(scorer, rows, hidden, options.train_steps, progress=progress)
+        scorer_onnx, scorer_files = _export_scorer(bundle_dir, scorer, build, suffix, folder)
+        files += scorer_files
+        for mode, (prefix, static) in always.items():
+            recall = (specvocab.recall_at_k(scorer, hidden, wanted, list(options.candidates), static, universe)
+                      if hidden is not None else {})
+            for k in options.candidates:
+                name = f"{prefix}specvocab-r{rank}-k{k}{suffix}"
+                if k in recall:
+                    _say(progress, f"SpecVocab head {name}: calibration recall {recall[k]:.1%}")
+                heads[name] = _specvocab_head_entry(bundle_dir, name, scorer, scorer_onnx, k, static, folder)
+                heads[name].update(scorer=scorer_label, vocab_mode=mode)
+                if k in recall:
+                    heads[name]["calibration_recall"] = recall[k]
+                if universe is not None:
+                    heads[name]["universe"] = universe_path
+    return heads, files
+
+
+def _calibration_sequences(bundle_dir: Path, options: ExportOptions, progress, path: Path | None = None) -> list:
+    """The calibration text: the bundle's (``draft/calibration.npz``), else generated with the exported
+    target and stored at ``path`` (default: there)."""
     from edge_spec.export import vocabtrim
 
-    path = bundle_dir / "draft" / "calibration.npz"
-    if path.is_file() and options.calibration is None:
+    stored = bundle_dir / "draft" / "calibration.npz"
+    if stored.is_file() and options.calibration is None:
         _say(progress, "reusing the bundle's calibration text")
-        return vocabtrim.load_calibration(path)
+        return vocabtrim.load_calibration(stored)
     prompts = vocabtrim.load_prompts(options.calibration)
     _say(progress, f"calibration: generating text with the exported target ({len(prompts)} prompts)")
     sequences = vocabtrim.generate_calibration(bundle_dir, prompts, options.calibration_tokens,
                                                options.context_length, progress)
-    vocabtrim.save_calibration(path, sequences)
+    vocabtrim.save_calibration(path or stored, sequences)
     return sequences
 
 
@@ -556,22 +587,28 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     return manifest
 
 
-EAGLE_FILES = ("head.onnx", "head.onnx.data", "fc.onnx", "fc.onnx.data", "d2t.npy", "t2d.npy")
+LEGACY_EAGLE_FILES = ("head.onnx", "head.onnx.data", "fc.onnx", "fc.onnx.data", "d2t.npy", "t2d.npy")
 
 
 def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | None = None, *,
-                      source: str | None = None, progress=None) -> dict:
+                      source: str | None = None, progress=None, variants=None) -> dict:
     """Add (or replace) an EAGLE-3 head in an existing bundle, without re-exporting the target.
 
-    Writes ``eagle/head.onnx(.data)``, ``eagle/fc.onnx(.data)``, ``eagle/d2t.npy`` and
-    ``eagle/t2d.npy``, gives the target graph the ``features`` output the head reads (in place,
-    graph file only: see :func:`edge_spec.export.eagle.add_feature_output`) and records both in
-    the manifest (``manifest["eagle"]``, ``manifest["target"]["feature_layers"]``).  ``options``
-    default to the target's quantization and the bundle's context length.  The head is built in
-    ``eagle.partial`` and renamed into place, and the target graph is restored if a later step
-    fails, so a failure leaves the bundle as it was.
+    Writes the layer graph ``eagle/layer.onnx(.data)`` (ending at the final-normed hidden state), its
+    ``full`` LM head ``eagle/head_full.onnx(.data)`` over the draft vocabulary (``eagle/vocab_full.npy``:
+    target ids of its rows), ``eagle/fc.onnx(.data)``, ``eagle/d2t.npy`` and ``eagle/t2d.npy``, gives the
+    target graph the ``features`` output the head reads (in place, graph file only: see
+    :func:`edge_spec.export.eagle.add_feature_output`) and records both in the manifest
+    (``manifest["eagle"]`` with ``heads`` and ``default_head``, ``manifest["target"]["feature_layers"]``).
+    ``options`` default to the target's quantization and the bundle's context length.  The head is built
+    in ``eagle.partial`` and renamed into place, and the target graph is restored if a later step fails,
+    so a failure leaves the bundle as it was.
+
+    ``variants`` (:class:`edge_spec.export.eagle_heads.EagleHeadOptions`): VocabTrim / SpecVocab heads
+    built next (:func:`~edge_spec.export.eagle_heads.add_eagle_heads`); None: the default ones when the
+    bundle has calibration text already (cheap), none otherwise.
     """
-    from edge_spec.export import eagle
+    from edge_spec.export import eagle, eagle_heads
     from edge_spec.manifest import read_manifest
 
     bundle_dir = Path(bundle_dir)
@@ -581,25 +618,34 @@ def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | No
         options = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"],
                                manifest["context_length"])
     _check_eagle_target(manifest, config)
-    staging = _eagle_staging(bundle_dir)
+    root = _eagle_staging(bundle_dir)
     weights = eagle.eagle_head_weights(head)
     _say(progress, f"building EAGLE-3 head ({options.quant}, {config.draft_vocab_size}-token draft vocabulary)")
     try:
-        save_model(eagle.build_eagle_head(weights, options), staging / "head.onnx")
-        save_model(eagle.build_eagle_fc(weights.fc, options), staging / "fc.onnx")
-        np.save(staging / "d2t.npy", weights.d2t.astype(np.int64))
-        np.save(staging / "t2d.npy", weights.t2d.astype(bool))
+        save_model(eagle.build_eagle_head(weights, options), root / eagle_heads.LAYER)
+        save_model(eagle.build_eagle_fc(weights.fc, options), root / "eagle" / "fc.onnx")
+        np.save(root / "eagle" / "d2t.npy", weights.d2t.astype(np.int64))
+        np.save(root / "eagle" / "t2d.npy", weights.t2d.astype(bool))
+        draft_ids = np.arange(len(weights.d2t)) + weights.d2t.astype(np.int64)
+        heads = {"full": eagle_heads.full_head(root, weights.lm_head, draft_ids, options)}
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
         raise
     record = {"parameters": int(sum(p.numel() for p in head.parameters())),
               "quantization": {"weights": options.quant, "block_size": options.block_size,
-                               "accuracy_level": options.accuracy_level}}
-    return _install_eagle(bundle_dir, manifest, staging, config, record, source, progress)
+                               "accuracy_level": options.accuracy_level},
+              "onnx": eagle_heads.LAYER, "heads": heads, "default_head": "full"}
+    manifest = _install_eagle(bundle_dir, manifest, root, config, record, source, progress)
+    if variants is None:
+        has_text = (bundle_dir / "draft" / "calibration.npz").is_file()
+        variants = eagle_heads.default_options(config) if has_text else eagle_heads.EagleHeadOptions()
+    if variants.trim or variants.specvocab:
+        manifest = eagle_heads.add_eagle_heads(bundle_dir, variants, progress)
+    return manifest
 
 
 def save_eagle_files(bundle_dir: Path, directory: Path) -> Path:
-    """Copy a bundle's built EAGLE head (its graphs, vocabulary maps and manifest record) into
+    """Copy a bundle's built EAGLE head (its graphs, LM heads, vocabulary maps and manifest record) into
     ``directory``, from where :func:`install_eagle_files` attaches it to another bundle of the same
     target without torch or training: how a trained head is shipped with the repository."""
     from edge_spec.manifest import read_manifest
@@ -607,11 +653,16 @@ def save_eagle_files(bundle_dir: Path, directory: Path) -> Path:
     manifest = read_manifest(bundle_dir)
     if not manifest.get("eagle"):
         raise EdgeSpecError(f"{bundle_dir} has no EAGLE head")
+    entry = manifest["eagle"]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for name in EAGLE_FILES:
+    names = [f["path"].removeprefix("eagle/") for f in entry["files"]]
+    for name in names:
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(bundle_dir) / "eagle" / name, directory / name)
-    record = {k: v for k, v in manifest["eagle"].items() if k in ("config", "parameters", "quantization", "source")}
+    record = {k: v for k, v in entry.items() if k in ("config", "parameters", "quantization", "source", "onnx",
+                                                        "heads", "default_head")}
+    record["files"] = names
     record["target_sha256"] = sorted(f["sha256"] for f in manifest["target"]["files"] if f["path"].endswith(".data"))
     (directory / "eagle.json").write_text(json.dumps(record, indent=2) + "\n")
     return directory
@@ -619,32 +670,38 @@ def save_eagle_files(bundle_dir: Path, directory: Path) -> Path:
 
 def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dict:
     """Attach a head saved by :func:`save_eagle_files` (checked: its files are complete and it was
-    built for this bundle's target weights)."""
-    from edge_spec.export import eagle
+    built for this bundle's target weights).  A head saved before the LM heads were split off (one
+    graph, ``head.onnx``) is upgraded on the way (:func:`edge_spec.export.eagle_heads.add_eagle_heads`)."""
+    from edge_spec.export import eagle, eagle_heads
     from edge_spec.manifest import read_manifest
 
     bundle_dir, directory = Path(bundle_dir), Path(directory)
-    missing = [name for name in EAGLE_FILES + ("eagle.json",) if not (directory / name).is_file()]
+    record = json.loads((directory / "eagle.json").read_text()) if (directory / "eagle.json").is_file() else {}
+    names = record.get("files") or list(LEGACY_EAGLE_FILES)
+    missing = [name for name in names + ["eagle.json"] if not (directory / name).is_file()]
     if missing:
         raise EdgeSpecError(f"EAGLE head {directory} is incomplete: {', '.join(missing)} missing")
-    record = json.loads((directory / "eagle.json").read_text())
     manifest = read_manifest(bundle_dir)
     weights = sorted(f["sha256"] for f in manifest["target"]["files"] if f["path"].endswith(".data"))
     if record.get("target_sha256") != weights:
         raise EdgeSpecError(f"EAGLE head {directory} was trained for other target weights than {bundle_dir}'s")
     config = eagle.Eagle3Config.from_hf_config(record["config"])
     _check_eagle_target(manifest, config)
-    staging = _eagle_staging(bundle_dir)
+    root = _eagle_staging(bundle_dir)
     try:
-        for name in EAGLE_FILES:
-            shutil.copyfile(directory / name, staging / name)
+        for name in names:
+            (root / "eagle" / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(directory / name, root / "eagle" / name)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
         raise
     _say(progress, f"attaching the EAGLE-3 head from {directory}")
-    return _install_eagle(bundle_dir, manifest, staging, config,
-                          {"parameters": record["parameters"], "quantization": record["quantization"]},
-                          record.get("source") or str(directory), progress)
+    kept = {k: record[k] for k in ("parameters", "quantization", "onnx", "heads", "default_head") if k in record}
+    manifest = _install_eagle(bundle_dir, manifest, root, config, kept, record.get("source") or str(directory),
+                              progress)
+    if "heads" not in manifest["eagle"]:
+        manifest = eagle_heads.add_eagle_heads(bundle_dir, eagle_heads.EagleHeadOptions(), progress)
+    return manifest
 
 
 def attach_eagle_source(bundle_dir: Path, source: str, progress=None) -> dict:
@@ -687,27 +744,51 @@ def _check_eagle_target(manifest: dict, config) -> None:
 
 
 def _eagle_staging(bundle_dir: Path) -> Path:
-    staging = bundle_dir / "eagle.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    return staging
+    """``eagle.partial``: a fresh root whose ``eagle/`` is built and then swapped in (:func:`_swap_eagle`)."""
+    root = bundle_dir / "eagle.partial"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "eagle").mkdir(parents=True)
+    return root
 
 
-def _install_eagle(bundle_dir: Path, manifest: dict, staging: Path, config, record: dict, source: str | None,
-                   progress) -> dict:
-    """Move a staged head into ``eagle/``, give the target its feature output, record both; on any
-    failure the bundle is left as it was."""
+def _swap_eagle(bundle_dir: Path, manifest: dict, root: Path) -> None:
+    """Put ``root/eagle`` in place of the bundle's ``eagle/`` and write ``manifest``; on failure the old
+    directory is put back (the caller removes ``root``)."""
     import os
 
-    from edge_spec.export import eagle
     from edge_spec.manifest import MANIFEST
 
-    target = manifest["target"]
-    files = [dict(file_record(staging, name), path=f"eagle/{name}") for name in EAGLE_FILES]
-    target_onnx = bundle_dir / target["onnx"]
-    backup = target_onnx.read_bytes()
     old = bundle_dir / "eagle.old"
     shutil.rmtree(old, ignore_errors=True)
+    try:
+        if (bundle_dir / "eagle").exists():
+            (bundle_dir / "eagle").rename(old)
+        (root / "eagle").rename(bundle_dir / "eagle")
+        tmp = bundle_dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, bundle_dir / MANIFEST)
+    except BaseException:
+        if old.exists():
+            shutil.rmtree(bundle_dir / "eagle", ignore_errors=True)
+            old.rename(bundle_dir / "eagle")
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _install_eagle(bundle_dir: Path, manifest: dict, root: Path, config, record: dict, source: str | None,
+                   progress) -> dict:
+    """Move a staged head (``root/eagle``) into ``eagle/``, give the target its feature output, record
+    both; on any failure the bundle is left as it was."""
+    from edge_spec.export import eagle
+
+    target = manifest["target"]
+    for head in record.get("heads", {}).values():
+        head.pop("files", None)
+    names = sorted(p.relative_to(root).as_posix() for p in (root / "eagle").rglob("*") if p.is_file())
+    files = [file_record(root, name) for name in names]
+    target_onnx = bundle_dir / target["onnx"]
+    backup = target_onnx.read_bytes()
     try:
         if eagle.feature_layers_of(target_onnx) != tuple(config.feature_layers):
             _say(progress, f"adding feature output (layers {list(config.feature_layers)}) to the target graph")
@@ -722,26 +803,17 @@ def _install_eagle(bundle_dir: Path, manifest: dict, staging: Path, config, reco
             "config": config.to_hf_config(),
             "feature_layers": list(config.feature_layers),
             "draft_vocab_size": config.draft_vocab_size,
-            **record,
             "onnx": "eagle/head.onnx",
+            **record,
             "fc_onnx": "eagle/fc.onnx",
             "d2t": "eagle/d2t.npy",
             "t2d": "eagle/t2d.npy",
             "files": files,
             "bytes": sum(f["bytes"] for f in files),
         }
-        if (bundle_dir / "eagle").exists():
-            (bundle_dir / "eagle").rename(old)
-        staging.rename(bundle_dir / "eagle")
-        tmp = bundle_dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, bundle_dir / MANIFEST)
+        _swap_eagle(bundle_dir, manifest, root)
     except BaseException:
         target_onnx.write_bytes(backup)
-        if old.exists():
-            shutil.rmtree(bundle_dir / "eagle", ignore_errors=True)
-            old.rename(bundle_dir / "eagle")
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
         raise
-    shutil.rmtree(old, ignore_errors=True)
     return manifest

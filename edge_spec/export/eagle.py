@@ -476,15 +476,21 @@ def eagle_head_weights(head: Eagle3Head) -> EagleHeadWeights:
                             a(head.lm_head.weight), head.d2t.numpy().copy(), head.t2d.numpy().copy())
 
 
-def build_eagle_head(weights: EagleHeadWeights, options: BuildOptions) -> onnx.ModelProto:
-    """The head's decoding graph, from the decoder builder's parts (same fused ops, int4 like the decoder).
+def build_eagle_head(weights: EagleHeadWeights, options: BuildOptions, *, logits: bool = False) -> onnx.ModelProto:
+    """The head's decoder layer graph, from the decoder builder's parts (same fused ops, int4 like the decoder).
 
     inputs  ``inputs_embeds`` [1, S, H] (target embedding of the next token per position),
             ``hidden`` [1, S, H] (fused target features, or the head's own previous ``hidden_out``),
             ``seqlens_k``, ``total_sequence_length``, ``num_logits`` (and with ``tree_attention``
             ``position_ids`` / ``attention_bias``), ``past_key_values.0.key|value`` - as the decoder;
-    outputs ``logits`` [1, num_logits, K] (draft vocabulary), ``hidden_out`` [1, num_logits, H]
-            (pre-norm), ``present.0.key|value`` (the shared past/present buffers).
+    outputs ``hidden_states`` [1, num_logits, H] (after the final norm: what an LM head reads),
+            ``hidden_out`` [1, num_logits, H] (pre-norm), ``present.0.key|value`` (the shared
+            past/present buffers).
+
+    The LM head over the draft vocabulary is a graph of its own (:func:`graph_builder.build_head`,
+    or a SpecVocab scorer), so one layer serves several heads, as the drafter's body does.  With
+    ``logits`` the graph outputs ``logits`` [1, num_logits, K] (the draft vocabulary) in place of
+    ``hidden_states``: the single-graph layout of bundles made before the heads were split off.
     """
     h = weights.config.hidden_size
     b = DecoderGraphBuilder(weights.decoder_weights(), options)
@@ -507,9 +513,49 @@ def build_eagle_head(weights: EagleHeadWeights, options: BuildOptions) -> onnx.M
     out = g.node("Add", [stream.total, b.mlp(0, layer, normed)], ["layers.0/out"])[0]
     last = b.last_positions(out)  # slice before the norm and LM head: only num_logits rows need them
     g.node("Identity", [last], ["hidden_out"])
-    logits = b.logits_output(b.final_norm(Residual(last)))
+    final = b.final_norm(Residual(last))
+    first = b.logits_output(final) if logits else b.hidden_output(final)
     hidden_out = helper.make_tensor_value_info("hidden_out", TensorProto.FLOAT, [1, "num_logits", h])
-    return b.to_model([logits, hidden_out], "edge_spec_eagle3_head")
+    return b.to_model([first, hidden_out], "edge_spec_eagle3_head")
+
+
+def split_lm_head(onnx_path, out_path) -> np.ndarray:
+    """Turn a single-graph head (``logits`` output, bundles made before the LM heads were split off)
+    into the layer graph :func:`build_eagle_head` builds now: its final-normed state becomes output
+    ``hidden_states`` and the LM head goes.  Writes ``out_path`` (+ ``.data``) and returns the LM head
+    rows [K, H] as the old graph stored them (dequantized), for the head graphs to be built from."""
+    from edge_spec.export.graph_builder import save_model
+    from edge_spec.runtime.model.embedding import TargetLMHead
+
+    path = Path(onnx_path)
+    rows = TargetLMHead.from_onnx(path).table()
+    model = onnx.load(str(path))
+    graph = model.graph
+    if "logits" not in [o.name for o in graph.output]:
+        raise EdgeSpecError(f"{path} has no logits output: it is not a single-graph EAGLE head")
+    producers = {name: n for n in graph.node for name in n.output}
+    head = next(n for n in graph.node if len(n.input) > 1 and n.input[1].startswith("lm_head."))
+    # everything between the LM head's input and ``logits`` goes (the MatMul, a softcap, the Identity)
+    drop, frontier = [], ["logits"]
+    while frontier:
+        node = producers.get(frontier.pop())
+        if node is None or node in drop:
+            continue
+        drop.append(node)
+        if node is not head:
+            frontier.extend(node.input)
+    for node in drop:
+        graph.node.remove(node)
+    used = {name for n in graph.node for name in n.input}
+    for init in [i for i in graph.initializer if i.name not in used]:
+        graph.initializer.remove(init)
+    graph.node.append(helper.make_node("Identity", [head.input[0]], ["hidden_states"]))
+    index = [o.name for o in graph.output].index("logits")
+    graph.output.remove(graph.output[index])
+    hidden = helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "num_logits", rows.shape[1]])
+    graph.output.insert(index, hidden)
+    save_model(model, out_path)
+    return rows
 
 
 def build_eagle_fc(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
@@ -591,4 +637,5 @@ def feature_layers_of(onnx_path) -> tuple[int, ...] | None:
 __all__ = [
     "Eagle3Config", "Eagle3Head", "EagleHeadWeights", "add_feature_output", "build_eagle_fc", "build_eagle_head",
     "default_feature_layers", "eagle_head_weights", "feature_layers_of", "load_specforge", "save_specforge",
+    "split_lm_head",
 ]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.manifest import read_manifest, verify_files
+from edge_spec.manifest import eagle_heads, read_manifest, verify_files
 from edge_spec.runtime.loops import generate_tokens, proposer_names
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
 from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
@@ -93,7 +93,7 @@ class Engine:
                  provider: str = "cpu", threads: int = 0, config: LoopConfig | None = None,
                  draft_head: str | None = None, draft_provider: str | None = None,
                  draft_threads: int | None = None, exact: bool | None = None,
-                 provider_options: dict[str, str] | None = None) -> None:
+                 provider_options: dict[str, str] | None = None, eagle_head: str | None = None) -> None:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.tokenizer = tokenizer
@@ -107,8 +107,10 @@ class Engine:
         self._draft_body: Decoder | None = None
         self._drafters: dict[str, ModelDrafter] = {}
         self._eagle: EagleDrafter | None = None
+        self._eagle_heads: dict[str, DraftHead | SpecVocabHead | None] = {}
         self._memories: dict[str, ScheduleMemory] = {}
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
+        self.eagle_head = self._check_eagle_head(eagle_head)
         self.cost_profile: CostProfile | None = None
         self._profile_key = ""
         self._cancel = threading.Event()
@@ -136,6 +138,7 @@ class Engine:
         draft_threads: int | None = None,
         exact: bool | None = None,
         provider_options: dict[str, str] | None = None,
+        eagle_head: str | None = None,
     ) -> "Engine":
         """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
 
@@ -143,7 +146,8 @@ class Engine:
         default settings; ``config`` (``loops.config``: ``ChainConfig``, ``TreeConfig``, ``SsdConfig``,
         or :func:`~edge_spec.runtime.loops.config.loop_config` from user settings) sets the loop and its
         settings instead.  ``draft_head`` picks one of the bundle's drafter heads,
-        e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``.
+        e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``; ``eagle_head`` one of its EAGLE
+        head's LM heads (``"full"``, ``"trim-N"``, ``"specvocab-rR-kC-ofK"``; default: the bundle's).
 
         ``exact`` makes every target pass batch-invariant (one-token passes get a throw-away second row,
         see :mod:`decoder`): greedy output is then the same bit for bit in every mode, whatever the
@@ -171,7 +175,7 @@ class Engine:
                          spin=config.mode == "ar", provider_options=provider_options)
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, config=config,
                      draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads, exact=exact,
-                     provider_options=provider_options)
+                     provider_options=provider_options, eagle_head=eagle_head)
         if isinstance(config, TreeConfig):
             check_tree(target, config, greedy=True)  # the verifier's draft count is checked per request
         if config.mode != "ar":
@@ -207,8 +211,8 @@ class Engine:
     def bytes_ratio(self) -> float:
         """c in a memory-bound model: drafter bytes read per step / target bytes read per step."""
         if self.drafter_name() == "eagle":
-            return self.manifest["eagle"]["bytes"] / cost_profile.weight_bytes(self.bundle_dir, self.manifest,
-                                                                               self.draft_head)[0]
+            return cost_profile.eagle_bytes(self.bundle_dir, self.manifest, self.eagle_head) / \
+                cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)[0]
         target, draft = cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)
         return draft / target
 
@@ -223,7 +227,11 @@ class Engine:
     def _drafter_entry(self, config: LoopConfig | None = None) -> dict:
         """What the active drafter's costs and acceptance depend on (its manifest record)."""
         if self.drafter_name(config) == "eagle":
-            return self.manifest["eagle"]
+            entry = self.manifest["eagle"]
+            if "heads" not in entry:  # one graph: its record is all there is (cache keys as before the split)
+                return entry
+            layer = {k: v for k, v in entry.items() if k not in ("heads", "default_head", "files", "bytes")}
+            return {"eagle": layer, "head": entry["heads"][self.eagle_head]}
         return {"head": self.manifest["draft"]["heads"][self.draft_head], "body": self.manifest["draft"]["config"]}
 
     def schedule_memory(self, config: LoopConfig | None = None) -> ScheduleMemory:
@@ -239,6 +247,26 @@ class Engine:
         if name not in heads:
             raise EdgeSpecError(f"bundle has no drafter head {name!r}; available: {', '.join(heads)}")
         return name
+
+    def _check_eagle_head(self, name: str | None) -> str | None:
+        heads = eagle_heads(self.manifest)
+        if not heads:
+            if name is not None:
+                raise EdgeSpecError(f"bundle has no EAGLE head, so no EAGLE head {name!r}: train one with "
+                                    "`edge-spec train-head BUNDLE`")
+            return None
+        name = name or self.manifest["eagle"].get("default_head", "full")
+        if name not in heads:
+            raise EdgeSpecError(f"bundle has no EAGLE head {name!r}; available: {', '.join(heads)}")
+        return name
+
+    def use_eagle_head(self, name: str) -> None:
+        """Switch the EAGLE head's LM head (its layer, features and KV cache are shared by all heads)."""
+        self.eagle_head = self._check_eagle_head(name)
+        if self._eagle is not None:
+            self._eagle.lm_head = self._eagle_lm_head()
+        if self.config.mode != "ar" and self.drafter_name() == "eagle":
+            self.measure_costs()
 
     def use_draft_head(self, name: str) -> None:
         """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""
@@ -279,8 +307,16 @@ class Engine:
             d2t = load_array(self.bundle_dir / entry["d2t"])
             ids = check_vocab_ids(np.arange(len(d2t)) + d2t, self.target.vocab_size)
             embedding = TargetEmbedding.from_onnx(self.bundle_dir / self.manifest["target"]["onnx"])
-            self._eagle = EagleDrafter(head, fc, embedding.rows, ids, self.target.vocab_size)
+            self._eagle = EagleDrafter(head, fc, embedding.rows, ids, self.target.vocab_size, self._eagle_lm_head())
         return self._eagle
+
+    def _eagle_lm_head(self) -> DraftHead | SpecVocabHead | None:
+        """The current EAGLE LM head, loaded on first use (None: the single graph has it inside)."""
+        name = self.eagle_head
+        if name not in self._eagle_heads:
+            head = eagle_heads(self.manifest)[name]
+            self._eagle_heads[name] = None if head.get("kind") == "builtin" else self._load_head_entry(head, name)
+        return self._eagle_heads[name]
 
     def _draft_placement(self) -> dict:
         """Where the drafter's sessions run: its provider, threads and, on the target's provider, its options."""
@@ -288,14 +324,18 @@ class Engine:
         return dict(provider=self._draft_provider, threads=self._draft_threads, provider_options=options)
 
     def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
-        head = self.manifest["draft"]["heads"][name]
+        return self._load_head_entry(self.manifest["draft"]["heads"][name], name)
+
+    def _load_head_entry(self, head: dict, name: str) -> DraftHead | SpecVocabHead:
+        """A drafter's (or the EAGLE head's) LM head from its manifest entry."""
         where = self._draft_placement()
         if head.get("kind") == "specvocab":
             always, universe = self._token_ids(head, "always_ids"), self._token_ids(head, "universe")
             try:
                 return SpecVocabHead(self.bundle_dir / head["onnx"], self.bundle_dir / head["rows"],
                                      self.bundle_dir / head["scales"], head["candidates"],
-                                     always_ids=always, universe=universe, **where)
+                                     always_ids=always, universe=universe,
+                                     rows_by_universe=head.get("rows_by") == "universe", **where)
             except (ValueError, OSError, EOFError, KeyError) as exc:  # its int8 rows or scales
                 raise EdgeSpecError(f"cannot read drafter head {name!r} ({str(exc)[:120] or type(exc).__name__}): "
                                     f"the bundle is damaged; run edge-spec info {self.bundle_dir} --verify") from None

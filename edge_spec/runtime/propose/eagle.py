@@ -11,6 +11,11 @@ hidden state), as EAGLE does.
 Only pairs built from the target's features are kept between rounds: the rows a round drafted from
 the head's own hidden states are cut before the next catch-up.  The features of each verify pass's
 kept positions arrive through :meth:`observe`.  The embedding is the target's, never a copy.
+
+The layer graph ends at the final-normed hidden state; an LM head over the draft vocabulary turns it
+into logits (``lm_head``: a :class:`~edge_spec.runtime.propose.heads.DraftHead` - full or VocabTrim -
+or a :class:`~edge_spec.runtime.propose.heads.SpecVocabHead`), switchable like the drafter model's.
+A bundle made before the split has one graph that outputs ``logits`` itself (``lm_head`` None).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
 from edge_spec.runtime.propose.model import ChainDrafter
 
 
@@ -31,12 +37,13 @@ class EagleDrafter(ChainDrafter):
     name = "eagle"
 
     def __init__(self, head: Decoder, fc: ort.InferenceSession, embed: Callable[[list[int]], np.ndarray],
-                 draft_ids: np.ndarray, vocab_size: int) -> None:
+                 draft_ids: np.ndarray, vocab_size: int, lm_head: DraftHead | SpecVocabHead | None = None) -> None:
         super().__init__(vocab_size)
-        self.head = head  # the head graph and its one-layer KV cache; its tokens are each pair's token
+        self.head = head  # the layer graph and its one-layer KV cache; its tokens are each pair's token
         self.fc = fc
         self.embed = embed  # target ids -> rows of the target's embedding
-        self.draft_ids = draft_ids  # target id of each head row (d + d2t[d])
+        self.draft_ids = draft_ids  # target id of each draft-vocabulary row (d + d2t[d])
+        self.lm_head = lm_head  # None: the layer graph outputs the draft vocabulary's logits itself
         self.feature_tokens: list[int] = []  # the target positions whose fused features are known
         self.fused = np.zeros((head.capacity, self._hidden_size()), np.float32)
         self.true_pairs = 0  # head cache rows built from the target's features (the rest are drafts)
@@ -70,12 +77,12 @@ class EagleDrafter(ChainDrafter):
         self.head.rewind(min(self.head.length, self.true_pairs))
         feed = self.head.sync(committed[1:pending + 1])  # pair t carries token t + 1
         first = pending - len(feed)
-        logits = self._run(feed, self.embed(feed), self.fused[first:pending])
+        logits, ids = self._run(feed, self.embed(feed), self.fused[first:pending])
         self.true_pairs = pending
-        return logits, self.draft_ids, len(feed)
+        return logits, ids, len(feed)
 
     def step(self, token: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._run([token], self.embed([token]), self._hidden[None]), self.draft_ids
+        return self._run([token], self.embed([token]), self._hidden[None])
 
     @property
     def decoder(self) -> Decoder:
@@ -83,7 +90,8 @@ class EagleDrafter(ChainDrafter):
 
     @property
     def head_seconds(self) -> float:
-        return self.seconds
+        """The LM head's time (a single-graph head's: all of it)."""
+        return self.seconds if self.lm_head is None else self.lm_head.seconds
 
     def profile_fill(self, length: int) -> None:
         self.head.reset()
@@ -92,19 +100,26 @@ class EagleDrafter(ChainDrafter):
             self._run([0] * length, self.embed([0] * length), np.zeros((length, self.fused.shape[1]), np.float32))
 
     def profile_step(self) -> tuple[float, float]:
+        """(layer, LM head) seconds of one step; a single-graph head's all count as head."""
         length = self.head.length
-        started = time.perf_counter()
+        layer_before, head_before = self.seconds, self.head_seconds
         self._run([0], self.embed([0]), np.zeros((1, self.fused.shape[1]), np.float32))
         self.head.rewind(length)
-        return 0.0, time.perf_counter() - started  # one graph: all of it is the head
+        head = self.head_seconds - head_before
+        if self.lm_head is None:
+            return 0.0, head
+        return self.seconds - layer_before, head
 
-    def _run(self, tokens: list[int], embeds: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    def _run(self, tokens: list[int], embeds: np.ndarray, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One layer pass, then the LM head on its last row: (logits, target ids of their rows)."""
         started = time.perf_counter()
         out = self.head.forward(tokens, 1, inputs={"inputs_embeds": embeds.astype(np.float32, copy=False),
                                                    "hidden": np.ascontiguousarray(hidden, np.float32)})
         self.seconds += time.perf_counter() - started
         self._hidden = out["hidden_out"][-1]
-        return out["logits"][-1]
+        if self.lm_head is None:
+            return out["logits"][-1], self.draft_ids
+        return self.lm_head(out["hidden_states"][-1])
 
     def _add(self, tokens: list[int], features: np.ndarray) -> None:
         start = len(self.feature_tokens)

@@ -59,7 +59,8 @@ class SpecVocabHead:
 
     def __init__(self, scorer_path: Path, rows_path: Path, scales_path: Path, candidates: int, *,
                  always_ids: np.ndarray | None = None, universe: np.ndarray | None = None,
-                 provider: str = "cpu", threads: int = 0, provider_options: dict[str, str] | None = None) -> None:
+                 rows_by_universe: bool = False, provider: str = "cpu", threads: int = 0,
+                 provider_options: dict[str, str] | None = None) -> None:
         self.session = small_session(scorer_path, provider, threads, provider_options=provider_options)
         for path in (rows_path, scales_path):
             if not Path(path).is_file():
@@ -70,6 +71,11 @@ class SpecVocabHead:
         # universe: target ids of the scorer's rows when it ranks a VocabTrim subset (None: all ids)
         self.universe = universe
         self._always_rows = rows_of(self.always, universe)
+        # rows_by_universe: the int8 table holds the universe's rows only (row j: target id universe[j]),
+        # as for the EAGLE head's draft vocabulary; else row i is target id i
+        self.rows_by_universe = rows_by_universe
+        if rows_by_universe and (universe is None or len(self._always_rows) != len(self.always)):
+            raise EdgeSpecError(f"{rows_path}: a head whose rows follow its universe needs every always-kept id in it")
         self.candidates = int(candidates)
         self._gap: float | None = None  # score spread that holds the top candidates (see _select)
         self.vocab_ids = None  # no fixed vocabulary: ids come with every call
@@ -78,13 +84,18 @@ class SpecVocabHead:
     def __call__(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         started = time.perf_counter()
         scores = self.session.run(None, {"hidden_states": hidden[None, None]})[0][0, 0]
-        ids = self._select(scores)
-        logits = (self.rows[ids].astype(np.float32) @ hidden.astype(np.float32)) * self.scales[ids]
+        chosen = self._select(scores)
+        ids = chosen if self.universe is None else self.universe[chosen]
+        if self.always.size:
+            ids = np.concatenate([ids, self.always])
+        rows = np.concatenate([chosen, self._always_rows]) if self.rows_by_universe else ids
+        logits = (self.rows[rows].astype(np.float32) @ hidden.astype(np.float32)) * self.scales[rows]
         self.seconds += time.perf_counter() - started
         return logits, ids
 
     def _select(self, scores: np.ndarray) -> np.ndarray:
-        """The ``candidates`` best-scored ids plus the always-kept ids (no duplicates).
+        """The scorer rows of the ``candidates`` best-scored ids, the always-kept ones left out (the
+        caller appends those).
 
         A full ``argpartition`` over 150k scores costs about as much as the scorer
         itself, so we first keep only scores within ``gap`` of the best (one
@@ -101,6 +112,4 @@ class SpecVocabHead:
         chosen = short[np.argpartition(scores[short], short.size - k)[short.size - k:]]
         spread = best - float(scores[chosen].min())
         self._gap = 1.5 * spread if self._gap is None else 0.8 * self._gap + 0.2 * 1.5 * spread
-        if self.universe is not None:
-            chosen = self.universe[chosen]
-        return np.concatenate([chosen, self.always]) if self.always.size else chosen
+        return chosen
