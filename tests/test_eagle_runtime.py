@@ -145,3 +145,19 @@ def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, 
     (saved / "layer.onnx.data").write_bytes(b"damaged")
     with pytest.raises(EdgeSpecError, match="missing or damaged"):
         shipped_eagle_head("tiny")
+
+
+def test_a_shipped_head_installs_into_another_quantization_of_the_same_model(eagle_bundle, tmp_path, tiny_pair):
+    """The repository ships the trained head with its full LM head only; a user's export of the same
+    model may quantize it otherwise (GGUF blocks carried), so its target bytes differ: the head still
+    installs (same model: embedding rows within quantization noise) and stays exact."""
+    from edge_spec.export.bundle import install_eagle_files, save_eagle_files
+
+    shipped = save_eagle_files(eagle_bundle, tmp_path / "shipped", heads=("full",))
+    assert not any(p.name.startswith(("scorer_", "head_trim", "head_rows")) for p in shipped.iterdir())
+    int8 = export_tiny(tmp_path / "int8", tiny_pair, quant="int8")
+    install_eagle_files(int8, shipped)
+    engine = Engine.from_bundle(int8, threads=1, config=loop_config("spec", drafter="eagle"), exact=True)
+    assert greedy_matches_target_only(engine, eagle(2), n=16) > 0
+    with pytest.raises(EdgeSpecError, match="no LM head"):
+        save_eagle_files(eagle_bundle, tmp_path / "none", heads=("nonesuch",))

@@ -644,28 +644,76 @@ def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | No
     return manifest
 
 
-def save_eagle_files(bundle_dir: Path, directory: Path) -> Path:
+def save_eagle_files(bundle_dir: Path, directory: Path, heads: tuple[str, ...] | None = None) -> Path:
     """Copy a bundle's built EAGLE head (its graphs, LM heads, vocabulary maps and manifest record) into
     ``directory``, from where :func:`install_eagle_files` attaches it to another bundle of the same
-    target without torch or training: how a trained head is shipped with the repository."""
+    target model without torch or training: how a trained head is shipped with the repository.
+
+    ``heads``: the LM heads to keep (None: all).  Shipping only ``full`` keeps the repository small; the
+    install builds the VocabTrim and SpecVocab heads from it on the user's machine."""
     from edge_spec.manifest import read_manifest
 
     manifest = read_manifest(bundle_dir)
     if not manifest.get("eagle"):
         raise EdgeSpecError(f"{bundle_dir} has no EAGLE head")
     entry = manifest["eagle"]
+    kept_heads = {n: h for n, h in entry.get("heads", {}).items() if heads is None or n in heads}
+    if heads is not None and set(heads) - set(kept_heads):
+        raise EdgeSpecError(f"{bundle_dir}'s EAGLE head has no LM head {sorted(set(heads) - set(kept_heads))}")
+    dropped = {value for n, h in entry.get("heads", {}).items() if n not in kept_heads
+               for value in h.values() if isinstance(value, str)}
+    dropped |= {path + ".data" for path in dropped}
+    used = {value for h in kept_heads.values() for value in h.values() if isinstance(value, str)}
+    names = [f["path"].removeprefix("eagle/") for f in entry["files"]
+             if f["path"] not in dropped or f["path"] in used or f["path"].removesuffix(".data") in used]
+    if heads is not None:  # scorer rows, calibration text: what only the dropped heads need
+        names = [n for n in names if not (n.startswith("scorer_") or n in ("head_rows_int8.npy", "head_scales.npy",
+                                                                            "calibration.npz"))]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    names = [f["path"].removeprefix("eagle/") for f in entry["files"]]
     for name in names:
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(bundle_dir) / "eagle" / name, directory / name)
     record = {k: v for k, v in entry.items() if k in ("config", "parameters", "quantization", "source", "onnx",
-                                                        "heads", "default_head")}
+                                                        "default_head")}
+    record["heads"] = kept_heads
+    if record.get("default_head") not in kept_heads:
+        record["default_head"] = "full"
     record["files"] = names
-    record["target_sha256"] = sorted(f["sha256"] for f in manifest["target"]["files"] if f["path"].endswith(".data"))
+    record["target_model"] = manifest["target"]["name"]
+    record["target_sha256"] = _target_weights(manifest)
+    np.save(directory / PROBE, _probe_rows(Path(bundle_dir), manifest))
+    record["files"].append(PROBE)
     (directory / "eagle.json").write_text(json.dumps(record, indent=2) + "\n")
     return directory
+
+
+PROBE = "target_probe.npy"  # a few dequantized embedding rows of the target the head was trained on
+PROBE_IDS = np.arange(0, 4096, 97)
+SAME_MODEL = 0.25  # relative difference of those rows below which two exports hold the same model
+
+
+def _target_weights(manifest: dict) -> list[str]:
+    return sorted(f["sha256"] for f in manifest["target"]["files"] if f["path"].endswith(".data"))
+
+
+def _probe_rows(bundle_dir: Path, manifest: dict) -> np.ndarray:
+    from edge_spec.runtime.model.embedding import TargetEmbedding
+
+    embedding = TargetEmbedding.from_onnx(bundle_dir / manifest["target"]["onnx"])
+    return embedding.rows(PROBE_IDS[PROBE_IDS < manifest["target"]["config"]["vocab_size"]]).astype(np.float32)
+
+
+def _same_model(directory: Path, bundle_dir: Path, manifest: dict) -> bool:
+    """Whether a saved head's target and this bundle's are exports of one model: the same weights
+    quantized another way (GGUF blocks carried or re-quantized) give embedding rows within quantization
+    noise of each other; another model's rows are as far apart as random vectors."""
+    if not (directory / PROBE).is_file():
+        return False
+    theirs, ours = np.load(directory / PROBE), _probe_rows(bundle_dir, manifest)
+    if theirs.shape != ours.shape:
+        return False
+    return float(np.linalg.norm(theirs - ours) / max(np.linalg.norm(ours), 1e-12)) < SAME_MODEL
 
 
 def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dict:
@@ -677,14 +725,17 @@ def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dic
 
     bundle_dir, directory = Path(bundle_dir), Path(directory)
     record = json.loads((directory / "eagle.json").read_text()) if (directory / "eagle.json").is_file() else {}
-    names = record.get("files") or list(LEGACY_EAGLE_FILES)
+    names = [n for n in record.get("files") or LEGACY_EAGLE_FILES if n != PROBE]  # the probe stays here
     missing = [name for name in names + ["eagle.json"] if not (directory / name).is_file()]
     if missing:
         raise EdgeSpecError(f"EAGLE head {directory} is incomplete: {', '.join(missing)} missing")
     manifest = read_manifest(bundle_dir)
-    weights = sorted(f["sha256"] for f in manifest["target"]["files"] if f["path"].endswith(".data"))
-    if record.get("target_sha256") != weights:
-        raise EdgeSpecError(f"EAGLE head {directory} was trained for other target weights than {bundle_dir}'s")
+    if record.get("target_sha256") != _target_weights(manifest):
+        # another export of the same model (e.g. GGUF blocks carried or re-quantized): its features differ
+        # by quantization noise only; drafts stay exact (the verifier decides), acceptance may move a little
+        if not _same_model(directory, bundle_dir, manifest):
+            raise EdgeSpecError(f"EAGLE head {directory} was trained for other target weights than {bundle_dir}'s")
+        _say(progress, f"the EAGLE head {directory} was trained on another export of the same target model")
     config = eagle.Eagle3Config.from_hf_config(record["config"])
     _check_eagle_target(manifest, config)
     root = _eagle_staging(bundle_dir)
@@ -701,6 +752,8 @@ def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dic
                               progress)
     if "heads" not in manifest["eagle"]:
         manifest = eagle_heads.add_eagle_heads(bundle_dir, eagle_heads.EagleHeadOptions(), progress)
+    if set(manifest["eagle"]["heads"]) == {"full"} and (bundle_dir / "draft" / "calibration.npz").is_file():
+        manifest = eagle_heads.add_eagle_heads(bundle_dir, eagle_heads.default_options(config), progress)
     return manifest
 
 
