@@ -19,7 +19,8 @@ machine's speed hits all alike), greedy, ``--new-tokens`` (64) at most, stopping
 * **edge-spec** (this venv): ``ar`` in an engine loaded for it alone, the bundle's default drafter head
   at fixed γ = each K (``ours γ<k>``) and our schedule (``ours schedule``), as ``edge-spec bench`` runs
   them (no prompt lookup unless ``--lookup``; ``--ar-exact`` adds the batch-invariant target-only
-  answer our greedy speculative modes must equal).
+  answer our greedy speculative modes must equal); ``--eagle-head NAME`` adds the bundle's EAGLE head
+  with that LM head (``ours eagle γ<k>``, ``ours eagle schedule``).
 
 Every engine gets the same prompt token ids (our tokenizer, chat template, computed once).  tokens/s
 is (new tokens - 1) / decode time, pooled per category like ``edge-spec bench``; the decode time starts
@@ -317,7 +318,7 @@ class Ours:
         self.engine = Engine.from_bundle(DEFAULT_BUNDLE, threads=args.threads, config=chain)
         self.baseline = Engine.from_bundle(DEFAULT_BUNDLE, threads=args.threads, mode="ar")
         self.modes = modes_for(self.engine, [self.engine.draft_head], chain, args.k, lookup=args.lookup,
-                               reference=args.ar_exact)
+                               reference=args.ar_exact, eagle=bool(args.eagle_head), eagle_heads=args.eagle_head)
         for engine in (self.engine, self.baseline):
             engine.complete("warm up", max_new_tokens=4)
         if args.ar_exact:
@@ -333,11 +334,13 @@ class Ours:
 
     @staticmethod
     def label(mode: str) -> str:
-        """``ours ar``, ``ours γ4`` (``spec+<head>@γ4``), ``ours schedule`` (``spec+<head>``), ``+lookup`` kept."""
+        """``ours ar``, ``ours γ4`` (``spec+<head>@γ4``), ``ours schedule`` (``spec+<head>``), ``+lookup`` kept;
+        the EAGLE head's modes as ``ours eagle γ4`` / ``ours eagle+<head> schedule``."""
         if mode in ("ar", "ar-exact"):
             return f"ours {mode}"
         gamma = mode.partition("@")[2]
-        return f"ours {gamma or 'schedule'}{'+lookup' if '+lookup' in mode else ''}"
+        drafter = mode.partition("@")[0].removesuffix("+lookup") + " " if mode.startswith("eagle") else ""
+        return f"ours {drafter}{gamma or 'schedule'}{'+lookup' if '+lookup' in mode else ''}"
 
 
 def load_prompts(args) -> list[dict]:
@@ -416,6 +419,8 @@ def main() -> None:
     parser.add_argument("--no-ours", dest="ours", action="store_false", help="time the peers only")
     parser.add_argument("--k", default="4,8,16", help="draft lengths (comma list, 1-16)")
     parser.add_argument("--lookup", action="store_true", help="our modes also draft by prompt lookup")
+    parser.add_argument("--eagle-head", action="append", help="also time our EAGLE head with this LM head "
+                        "(repeatable; fixed γ = each K and the schedule, as for the drafter)")
     parser.add_argument("--ar-exact", action="store_true", help="also time our ar-exact (batch-invariant "
                         "target-only decoding), the answer our greedy speculative modes must equal token for token")
     parser.add_argument("--threads", type=int, default=2)
