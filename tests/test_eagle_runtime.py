@@ -3,6 +3,8 @@ distribution, the head reads the target's features of every kept position (promp
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -127,8 +129,6 @@ def test_add_heads_attaches_a_specforge_checkpoint_or_a_saved_head(eagle_bundle,
 
 
 def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, tmp_path, monkeypatch):
-    import json
-
     from edge_spec.export.bundle import save_eagle_files, shipped_eagle_head
     from edge_spec.manifest import sha256_file
     from edge_spec.paths import load_registry
@@ -161,3 +161,19 @@ def test_a_shipped_head_installs_into_another_quantization_of_the_same_model(eag
     assert greedy_matches_target_only(engine, eagle(2), n=16) > 0
     with pytest.raises(EdgeSpecError, match="no LM head"):
         save_eagle_files(eagle_bundle, tmp_path / "none", heads=("nonesuch",))
+
+
+def test_the_repository_ships_a_head_for_the_default_target():
+    """`edge-spec export` of the default pair attaches the head trained here (no training on a fresh
+    clone): its files are in the repository, match the registry's sha256 and stay under 64 MB."""
+    from edge_spec.export.bundle import shipped_eagle_head
+    from edge_spec.export.eagle import Eagle3Config
+    from edge_spec.paths import default_pair
+
+    directory = shipped_eagle_head(default_pair()[0])  # raises when a file is missing or damaged
+    assert directory is not None
+    record = json.loads((directory / "eagle.json").read_text())
+    assert set(record["heads"]) == {"full"} and all((directory / name).is_file() for name in record["files"])
+    assert sum(p.stat().st_size for p in directory.iterdir()) <= 64 << 20
+    config = Eagle3Config.from_hf_config(record["config"])
+    assert config.draft_vocab_size == record["heads"]["full"]["size"]

@@ -24,7 +24,7 @@ from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.providers import exact_min_rows
-from edge_spec.runtime.model.session import small_session
+from edge_spec.runtime.model.session import numpy_on_one_thread, small_session
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
@@ -429,9 +429,10 @@ class Engine:
         self._acquire(wait)
         try:
             generation = self._take_over()
-            yield from self._generate(generation, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_k=top_k, top_p=top_p, seed=seed, stop=stop, mode=mode, exact=exact,
-                                      on_prefill=on_prefill)
+            with numpy_on_one_thread():
+                yield from self._generate(generation, prompt, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                                          mode=mode, exact=exact, on_prefill=on_prefill)
         finally:
             self._release()
 

@@ -1,10 +1,14 @@
-"""An ORT session for a small stateless graph (a drafter head, a feature projection)."""
+"""An ORT session for a small stateless graph (a drafter head, a feature projection), and numpy's own
+thread pool kept out of ORT's way while a generation runs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnxruntime as ort
+from threadpoolctl import threadpool_limits
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.providers import open_session
@@ -27,3 +31,13 @@ def small_session(model_path: Path, provider: str, threads: int, what: str = "dr
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise EdgeSpecError(f"cannot load {what} {model_path}: {first[:300]}; the bundle is damaged: run "
                             f"edge-spec info {Path(model_path).parent.parent} --verify") from exc
+
+
+@contextmanager
+def numpy_on_one_thread() -> Iterator[None]:
+    """numpy's BLAS (OpenBLAS) runs a large enough product -- a SpecVocab head's thousand candidate
+    rows -- on a pool of its own whose threads then spin-wait, on the very cores the target's next
+    ORT pass needs: on two cores that pass took a fifth longer.  The runtime's numpy products are
+    small, so one thread loses nothing; the limit holds for the duration of a generation only."""
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
