@@ -146,7 +146,8 @@ def export(
                                         "head the registry ships for this target, if any)."),
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
-    from edge_spec.export.bundle import attach_eagle_source, export_bundle, shipped_eagle_head
+    from edge_spec.export.bundle import export_bundle
+    from edge_spec.export.eagle_attach import attach_eagle_source, shipped_eagle_head
     from edge_spec.paths import bundle_dir, default_pair
 
     default_target, default_draft = default_pair()
@@ -193,7 +194,8 @@ def add_heads(
 ) -> None:
     """Add drafter heads (VocabTrim, SpecVocab, an EAGLE-3 head, LM heads of the EAGLE head) to an existing
     bundle without re-exporting the models."""
-    from edge_spec.export.bundle import add_draft_heads, attach_eagle_source
+    from edge_spec.export.bundle import add_draft_heads
+    from edge_spec.export.eagle_attach import attach_eagle_source
     from edge_spec.export.eagle_heads import EagleHeadOptions, add_eagle_heads, parse_specvocab
 
     eagle_options = EagleHeadOptions(trim=_int_list(eagle_trim, "--eagle-trim") if eagle_trim else (),
@@ -838,7 +840,7 @@ def train_head(
                   f"{final.get('acceptance_1', 0):.1%}, step 2 {final.get('acceptance_2', 0):.1%}; "
                   f"curve: {trainer.dir / head_training.CURVE}", highlight=False)
     if attach:
-        from edge_spec.export.bundle import attach_eagle_head
+        from edge_spec.export.eagle_attach import attach_eagle_head
 
         with _progress_lines("attaching the EAGLE-3 head") as progress:
             attach_eagle_head(bundle, trainer.config, trainer.head.eval(), source=str(specforge), progress=progress)

@@ -23,7 +23,7 @@ TRIM, SPECVOCAB = "trim-128", "specvocab-r16-k48-of256"
 
 @pytest.fixture(scope="module")
 def heads_bundle(tmp_path_factory, tiny_pair):
-    from edge_spec.export.bundle import attach_eagle_head
+    from edge_spec.export.eagle_attach import attach_eagle_head
     from edge_spec.export.eagle_heads import EagleHeadOptions
 
     bundle = export_tiny(tmp_path_factory.mktemp("eagle-heads") / "int4", tiny_pair, quant="int4")
@@ -121,7 +121,7 @@ def test_bench_runs_one_mode_per_eagle_head(engine):
 
 def make_single_graph(bundle, config, head) -> None:
     """Rewrite ``bundle``'s EAGLE head as bundles before the split held it: one graph with ``logits``."""
-    from edge_spec.export.bundle import LEGACY_EAGLE_FILES
+    from edge_spec.export.eagle_attach import LEGACY_EAGLE_FILES
     from edge_spec.export.eagle import build_eagle_head, eagle_head_weights
     from edge_spec.export.graph_builder import BuildOptions, save_model
     from edge_spec.manifest import file_record, read_manifest, write_manifest

@@ -302,7 +302,7 @@ def test_training_beats_the_untrained_head(trained):
 def test_a_trained_head_drafts_for_the_runtime_and_output_stays_the_targets(tmp_path, trained, bundle):
     """The trained head, attached to the bundle, drafts through the chain loop: its drafts are accepted
     (the accept path runs, not only rejections) and greedy output equals target-only decoding."""
-    from edge_spec.export.bundle import attach_eagle_head
+    from edge_spec.export.eagle_attach import attach_eagle_head
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.loops.config import loop_config
 

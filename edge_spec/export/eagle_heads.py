@@ -198,7 +198,7 @@ def _stage(bundle_dir: Path, manifest: dict, legacy: bool) -> Path:
     keep = {entry["fc_onnx"], entry["fc_onnx"] + ".data", entry["d2t"], entry.get("t2d")}
     if not legacy:
         keep |= {entry["onnx"], entry["onnx"] + ".data"}
-    root = bundle_export._eagle_staging(bundle_dir)
+    root = eagle_staging(bundle_dir)
     for record in entry["files"]:
         source, dest = bundle_dir / record["path"], root / record["path"]
         if legacy and record["path"] in (entry["onnx"], entry["onnx"] + ".data"):
@@ -275,7 +275,7 @@ def add_eagle_heads(bundle_dir: Path, options: EagleHeadOptions, progress=None) 
             raise EdgeSpecError("the bundle's target graph has no features output; attach the EAGLE head again")
         heads, files = build_variants(bundle_dir, manifest, root, entry, lm_head, draft_ids, options, build, progress)
         finish_record(root, entry, heads, files)
-        bundle_export._swap_eagle(bundle_dir, manifest, root)
+        swap_eagle(bundle_dir, manifest, root)
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
@@ -286,3 +286,36 @@ def _output_names(onnx_path: Path) -> list[str]:
     import onnx
 
     return [o.name for o in onnx.load(str(onnx_path), load_external_data=False).graph.output]
+
+
+def eagle_staging(bundle_dir: Path) -> Path:
+    """``eagle.partial``: a fresh root whose ``eagle/`` is built and then swapped in (:func:`swap_eagle`)."""
+    root = bundle_dir / "eagle.partial"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "eagle").mkdir(parents=True)
+    return root
+
+
+def swap_eagle(bundle_dir: Path, manifest: dict, root: Path) -> None:
+    """Put ``root/eagle`` in place of the bundle's ``eagle/`` and write ``manifest``; on failure the old
+    directory is put back (the caller removes ``root``)."""
+    import os
+
+    from edge_spec.manifest import MANIFEST
+
+    old = bundle_dir / "eagle.old"
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        if (bundle_dir / "eagle").exists():
+            (bundle_dir / "eagle").rename(old)
+        (root / "eagle").rename(bundle_dir / "eagle")
+        tmp = bundle_dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, bundle_dir / MANIFEST)
+    except BaseException:
+        if old.exists():
+            shutil.rmtree(bundle_dir / "eagle", ignore_errors=True)
+            old.rename(bundle_dir / "eagle")
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
