@@ -191,7 +191,8 @@ class Engine:
         options = ",".join(f"{k}={v}" for k, v in sorted(self._provider_options.items()))
         placement = (f"{self._provider}[{options}]/{self._draft_provider}", f"{self._threads}/{self._draft_threads}")
         key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *placement, max_tokens)
-        profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
+        with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
+            profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
         for n, seconds in profile.verify.items():  # live measurements, once there are some, win
             if n not in self.target.stats.recent:
                 self.target.stats.seed(n, seconds)

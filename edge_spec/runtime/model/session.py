@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 import onnxruntime as ort
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.providers import open_session
@@ -38,6 +39,14 @@ def numpy_on_one_thread() -> Iterator[None]:
     """numpy's BLAS (OpenBLAS) runs a large enough product -- a SpecVocab head's thousand candidate
     rows -- on a pool of its own whose threads then spin-wait, on the very cores the target's next
     ORT pass needs: on two cores that pass took a fifth longer.  The runtime's numpy products are
-    small, so one thread loses nothing; the limit holds for the duration of a generation only."""
-    with threadpool_limits(limits=1, user_api="blas"):
+    small, so one thread loses nothing; the limit holds only while the engine runs passes (a
+    generation, a cost profile)."""
+    with _thread_pools().limit(limits=1, user_api="blas"):
         yield
+
+
+@cache
+def _thread_pools() -> ThreadpoolController:
+    """Found once: scanning the loaded libraries costs milliseconds (with torch loaded), the limit itself
+    microseconds.  numpy's BLAS is loaded with numpy, long before the first call."""
+    return ThreadpoolController()
