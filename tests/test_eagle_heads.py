@@ -171,3 +171,17 @@ def test_a_single_graph_head_still_drafts_and_add_heads_splits_it(heads_bundle, 
         assert greedy_equals_target_only(engine, 2, PROMPTS[:1]) > 0
     info = cli("info", str(old))
     assert "trim-64 (64 rows)" in info.stdout and "single graph" not in info.stdout
+
+
+def test_a_saved_head_keeps_what_its_kept_heads_read_and_nothing_else(heads_bundle, tmp_path):
+    """Saving some LM heads copies the files those heads name (a SpecVocab head's scorer and int8 rows)
+    and leaves out what only the others need."""
+    from edge_spec.export.eagle_attach import save_eagle_files
+
+    full = {p.name for p in save_eagle_files(heads_bundle, tmp_path / "full", heads=("full",)).iterdir()}
+    assert not any(name.startswith(("scorer_", "head_rows", "always_", f"head_{TRIM}")) for name in full)
+    kept = {p.name for p in save_eagle_files(heads_bundle, tmp_path / "sv", heads=("full", SPECVOCAB)).iterdir()}
+    entry = json.loads((heads_bundle / "manifest.json").read_text())["eagle"]["heads"][SPECVOCAB]
+    for key in ("onnx", "rows", "scales", "always_ids"):
+        assert entry[key].removeprefix("eagle/") in kept
+    assert entry["onnx"].removeprefix("eagle/") + ".data" in kept and f"head_{TRIM}.onnx" not in kept

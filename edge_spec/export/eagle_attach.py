@@ -67,12 +67,7 @@ def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | No
                                "accuracy_level": options.accuracy_level},
               "onnx": eagle_heads.LAYER, "heads": heads, "default_head": "full"}
     manifest = _install_eagle(bundle_dir, manifest, root, config, record, source, progress)
-    if variants is None:
-        has_text = (bundle_dir / "draft" / "calibration.npz").is_file()
-        variants = eagle_heads.default_options(config) if has_text else eagle_heads.EagleHeadOptions()
-    if variants.trim or variants.specvocab:
-        manifest = eagle_heads.add_eagle_heads(bundle_dir, variants, progress)
-    return manifest
+    return _add_variants(bundle_dir, manifest, config, variants, progress)
 
 
 def save_eagle_files(bundle_dir: Path, directory: Path, heads: tuple[str, ...] | None = None) -> Path:
@@ -91,15 +86,13 @@ def save_eagle_files(bundle_dir: Path, directory: Path, heads: tuple[str, ...] |
     kept_heads = {n: h for n, h in entry.get("heads", {}).items() if heads is None or n in heads}
     if heads is not None and set(heads) - set(kept_heads):
         raise EdgeSpecError(f"{bundle_dir}'s EAGLE head has no LM head {sorted(set(heads) - set(kept_heads))}")
-    dropped = {value for n, h in entry.get("heads", {}).items() if n not in kept_heads
-               for value in h.values() if isinstance(value, str)}
-    dropped |= {path + ".data" for path in dropped}
-    used = {value for h in kept_heads.values() for value in h.values() if isinstance(value, str)}
-    names = [f["path"].removeprefix("eagle/") for f in entry["files"]
-             if f["path"] not in dropped or f["path"] in used or f["path"].removesuffix(".data") in used]
-    if heads is not None:  # scorer rows, calibration text: what only the dropped heads need
-        names = [n for n in names if not (n.startswith("scorer_") or n in ("head_rows_int8.npy", "head_scales.npy",
-                                                                            "calibration.npz"))]
+    paths = lambda head: {v for v in head.values() if isinstance(v, str) and v.startswith("eagle/")}
+    needed = set().union(*map(paths, kept_heads.values()))
+    unneeded = set().union(*(paths(h) for n, h in entry.get("heads", {}).items() if n not in kept_heads)) - needed
+    unneeded |= {path + ".data" for path in unneeded}  # a graph's weights go with it
+    if heads is not None:
+        unneeded.add("eagle/calibration.npz")  # the dropped heads' calibration text
+    names = [f["path"].removeprefix("eagle/") for f in entry["files"] if f["path"] not in unneeded]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -181,10 +174,20 @@ def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dic
     kept = {k: record[k] for k in ("parameters", "quantization", "onnx", "heads", "default_head") if k in record}
     manifest = _install_eagle(bundle_dir, manifest, root, config, kept, record.get("source") or str(directory),
                               progress)
-    if "heads" not in manifest["eagle"]:
-        manifest = eagle_heads.add_eagle_heads(bundle_dir, eagle_heads.EagleHeadOptions(), progress)
-    if set(manifest["eagle"]["heads"]) == {"full"} and (bundle_dir / "draft" / "calibration.npz").is_file():
-        manifest = eagle_heads.add_eagle_heads(bundle_dir, eagle_heads.default_options(config), progress)
+    shipped_full_only = set(manifest["eagle"].get("heads", {"full": None})) == {"full"}
+    return _add_variants(bundle_dir, manifest, config, None if shipped_full_only else eagle_heads.EagleHeadOptions(),
+                         progress)
+
+
+def _add_variants(bundle_dir: Path, manifest: dict, config, variants, progress) -> dict:
+    """Build ``variants`` (None: the default VocabTrim and SpecVocab heads when the bundle has calibration
+    text, which makes them cheap; none otherwise) beside a just-installed head, splitting a single-graph
+    head on the way, in one staged pass."""
+    if variants is None:
+        has_text = (bundle_dir / "draft" / "calibration.npz").is_file()
+        variants = eagle_heads.default_options(config) if has_text else eagle_heads.EagleHeadOptions()
+    if variants.trim or variants.specvocab or "heads" not in manifest["eagle"]:
+        manifest = eagle_heads.add_eagle_heads(bundle_dir, variants, progress)
     return manifest
 
 
