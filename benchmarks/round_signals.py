@@ -96,6 +96,67 @@ def collect(args: argparse.Namespace) -> None:
     print(f"wrote {args.output}: {len(rows['prompt'])} positions from {len(prompts)} prompts")
 
 
+EAGLE_CHAIN = 4  # chained EAGLE drafts recorded per position
+
+
+def add_eagle(args: argparse.Namespace) -> None:
+    """Add the EAGLE head's drafts to a signals file: at every recorded position, the chain of up to
+    ``EAGLE_CHAIN`` drafts the head would make there (fed its own drafts and hidden states, as in a
+    round), whether each is right with the ones before it, and the head's confidence in each.
+
+    The head reads the target's features of a teacher-forced pass over prompt + answer (the answers of
+    the file, whose first token the pass itself reproduces), so its first draft at each position is
+    exactly the one the runtime would make there."""
+    data = dict(np.load(args.add_eagle))
+    engine = Engine.from_bundle(args.bundle, threads=args.threads, eagle_head=args.eagle_head,
+                                config=ChainConfig(gamma=1, adaptive=False, proposers=("eagle", "guess")))
+    eagle, target = engine.eagle, engine.target
+    prompts = []
+    for path in args.prompts or [None]:
+        prompts += load_bench_prompts(path, None, None)
+    ok = np.zeros((len(data["prompt"]), EAGLE_CHAIN), bool)
+    conf = np.zeros((len(data["prompt"]), EAGLE_CHAIN), np.float32)
+    for index in tqdm(np.unique(data["prompt"]), desc="prompts"):
+        rows = np.flatnonzero(data["prompt"] == index)
+        prompt = prompts[int(index)]["prompt"]
+        ids = engine.prompt_ids(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+        target.reset()
+        head_out = target.forward(ids, 1)
+        answer = [int(np.argmax(head_out["logits"][-1]))] + [int(t) for t in data["token"][rows]]
+        tail = target.forward(answer, len(answer))
+        if not np.array_equal(tail["logits"][:-1].argmax(-1), answer[1:]):
+            raise SystemExit(f"prompt {index}: teacher-forced target does not reproduce the answer")
+        sequence = ids + answer
+        features = np.concatenate([head_out["features"], tail["features"]])
+        fused = eagle.fc.run(None, {"features": features[None].astype(np.float32)})[0][0]
+        eagle.head.reset()
+        pairs = sequence[1:]  # pair t: embedding of token t + 1, fused feature of position t
+        for row, j in zip(rows, data["position"][rows]):
+            last = len(ids) + int(j) - 2  # the last pair a round at j has: token answer[j-1], feature before it
+            eagle.head.rewind(min(eagle.head.length, last))  # forget the drafts of the previous position
+            feed = pairs[eagle.head.length:last + 1]
+            out = eagle.head.forward(feed, 1, inputs={"inputs_embeds": eagle.embed(feed).astype(np.float32),
+                                                      "hidden": np.ascontiguousarray(fused[last + 1 - len(feed):last + 1])})
+            logits, draft_ids = eagle.lm_head(out["hidden_states"][-1]) if eagle.lm_head else (out["logits"][-1], eagle.draft_ids)
+            eagle._hidden = out["hidden_out"][-1]
+            right = True
+            for k in range(EAGLE_CHAIN):
+                probs = softmax(logits)
+                best = int(np.argmax(logits))
+                token = best if draft_ids is None else int(draft_ids[best])
+                position = len(ids) + int(j) + k
+                right = right and position < len(sequence) and token == sequence[position]
+                ok[row, k], conf[row, k] = right, float(probs[best])
+                if not right:
+                    break
+                logits, draft_ids = eagle.step(token)
+    target.reset()
+    eagle.head.reset()
+    np.savez(args.add_eagle, **data, eagle_ok=ok, eagle_conf=conf)
+    print(f"added the EAGLE head's drafts ({args.eagle_head or 'default head'}) to {args.add_eagle}: first draft "
+          f"right at {ok[:, 0].mean():.3f} of {len(ok)} positions")
+
+
 def _match(ngrams: NgramLookup, prefix: list[int], min_n: int) -> tuple[int, int]:
     """(proposed token or -1, length of the matched suffix or 0)."""
     for n in range(ngrams.max_n, min_n - 1, -1):
@@ -392,13 +453,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=Path, action="append", help="prompt file(s) (default: the bench set)")
     ap.add_argument("--output", type=Path, default=Path("bench-results/signals.npz"))
+    ap.add_argument("--add-eagle", type=Path, metavar="FILE", help="add the EAGLE head's drafts to a signals file")
+    ap.add_argument("--eagle-head", help="the EAGLE head's LM head for --add-eagle (default: the bundle's)")
     ap.add_argument("--analyze", type=Path, help="replay policies on a file this script wrote, instead of collecting")
     ap.add_argument("--costs", type=Path, default=Path("bench-results/schedule-final/bench.json"),
                     help="bench.json whose measured pass latencies price the replayed rounds")
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
                     "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)")
     args = ap.parse_args()
-    if args.analyze:
+    if args.add_eagle:
+        add_eagle(args)
+    elif args.analyze:
         analyze(args.analyze, args.costs, args.machine)
     else:
         collect(args)

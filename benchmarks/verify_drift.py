@@ -39,7 +39,7 @@ def with_accuracy_level(model_path: Path, level: int) -> Path:
 
 
 def measure(path: Path, tokenizer: TextTokenizer, threads: int, new_tokens: int, rows: int) -> str:
-    decoder = Decoder(path, threads=threads, capacity=1024, spin=False)
+    decoder = Decoder(path, threads=threads, capacity=1024, takes_turns=True)
     flips = checked = 0
     drift = 0.0
     one_row, many_rows = [], []

@@ -130,8 +130,9 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
     """Run every prompt in every mode and temperature; return raw records plus per-category summaries.
 
     ``baseline``: the engine that times the ``ar`` mode -- our fastest target-only decoding, loaded for
-    it alone (its ORT threads spin between ops, as ``generate --mode ar`` runs them; an engine loaded
-    for speculative decoding turns spinning off, which costs one-row passes several percent).  The
+    it alone (its ORT threads spin on between passes, as ``generate --mode ar`` runs them; an engine
+    loaded for speculative decoding stops them at the end of every pass, so that they never spin on the
+    cores the drafter's next step needs, which costs a lone one-row pass a little).  The
     same bundle, provider and threads as ``engine``; None times ``ar`` on ``engine``.
 
     With ``repeats`` > 1 each prompt goes through all modes that many times, interleaved, and each mode

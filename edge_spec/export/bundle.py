@@ -449,7 +449,7 @@ def check_target_computes(bundle_dir: Path, manifest: dict, progress=None) -> No
     vocab = manifest["target"]["config"]["vocab_size"]
     ids = [i for i in TextTokenizer(bundle_dir).encode(SANITY_PROMPT) if 0 <= i < vocab][:8] or list(range(min(4, vocab)))
     capacity = min(manifest["context_length"], 64)
-    decoder = Decoder(bundle_dir / manifest["target"]["onnx"], threads=1, capacity=capacity, spin=False)
+    decoder = Decoder(bundle_dir / manifest["target"]["onnx"], threads=1, capacity=capacity, takes_turns=True)
     try:
         logits = decoder.forward(ids[: capacity - 1], len(ids))["logits"]
     finally:

@@ -107,8 +107,8 @@ def eagle_hidden_states(bundle_dir: Path, manifest: dict, root: Path, entry: dic
 
     capacity = manifest["context_length"]
     target_onnx = bundle_dir / manifest["target"]["onnx"]
-    target = Decoder(target_onnx, capacity=capacity, spin=False)
-    layer = Decoder(root / entry["onnx"], capacity=capacity, spin=False)
+    target = Decoder(target_onnx, capacity=capacity, takes_turns=True)
+    layer = Decoder(root / entry["onnx"], capacity=capacity, takes_turns=True)
     fc = small_session(root / entry["fc_onnx"], "cpu", 0, what="EAGLE feature projection")
     embed = TargetEmbedding.from_onnx(target_onnx)
     hidden, wanted = [], []

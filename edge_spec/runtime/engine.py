@@ -172,7 +172,7 @@ class Engine:
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
         target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
-                         spin=config.mode == "ar", provider_options=provider_options)
+                         takes_turns=config.mode != "ar", provider_options=provider_options)
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, config=config,
                      draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads, exact=exact,
                      provider_options=provider_options, eagle_head=eagle_head)
@@ -284,7 +284,7 @@ class Engine:
         """The drafter for the current head, loaded on first use."""
         if self._draft_body is None:
             self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], capacity=self.target.capacity,
-                                       spin=False, **self._draft_placement())
+                                       takes_turns=True, **self._draft_placement())
         if self.draft_head not in self._drafters:
             self._drafters[self.draft_head] = ModelDrafter(self._draft_body, self._load_head(self.draft_head),
                                                            self.target.vocab_size)
@@ -303,7 +303,7 @@ class Engine:
                 raise EdgeSpecError("this bundle's target graph has no features output for its EAGLE head; "
                                     "attach the head again with this edge-spec version")
             where = self._draft_placement()
-            head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, spin=False, **where)
+            head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, takes_turns=True, **where)
             fc = small_session(self.bundle_dir / entry["fc_onnx"], what="EAGLE feature projection", **where)
             d2t = load_array(self.bundle_dir / entry["d2t"])
             ids = check_vocab_ids(np.arange(len(d2t)) + d2t, self.target.vocab_size)

@@ -44,6 +44,7 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.kv_cache import kv_storage
 from edge_spec.runtime.model.providers import open_session
+from edge_spec.runtime.model.session import set_spinning
 
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
@@ -129,7 +130,7 @@ class Decoder:
         threads: int = 0,
         capacity: int = 4096,
         session_options: ort.SessionOptions | None = None,
-        spin: bool = True,
+        takes_turns: bool = False,
         min_rows: int = 1,
         provider_options: dict[str, str] | None = None,
         kv_device: str | None = None,
@@ -146,10 +147,7 @@ class Decoder:
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
-        # Spinning worker threads cut per-op latency for a lone session, but when target and drafter
-        # sessions alternate on the same cores, the idle session's spinning threads steal the CPU
-        # from the busy one: the engine turns spinning off whenever a drafter is in use.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        set_spinning(opts, takes_turns)  # target and drafter alternate on the same cores
         try:
             self.session = open_session(str(model_path), opts, provider, provider_options)
         except EdgeSpecError:

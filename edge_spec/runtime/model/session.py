@@ -15,15 +15,25 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.providers import open_session
 
 
+def set_spinning(opts: ort.SessionOptions, takes_turns: bool) -> None:
+    """ORT's worker threads spin between a run's ops: waking a sleeping thread for every op costs a
+    small graph (the drafter's layers, a head) a large share of its time.  A session that takes turns
+    with others on the same cores (target, drafter, heads) also stops spinning the moment its run ends:
+    threads spinning on after it would take the cores the next session's run needs.  A session alone
+    (target-only decoding) spins on into its next run, which starts a few microseconds later."""
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    opts.add_session_config_entry("session.force_spinning_stop", "1" if takes_turns else "0")
+
+
 def small_session(model_path: Path, provider: str, threads: int, what: str = "drafter head",
                   provider_options: dict[str, str] | None = None) -> ort.InferenceSession:
-    """Spinning off (see ``Decoder``): these graphs run between the target's and the drafter's passes."""
+    """These graphs run between the target's and the drafter's passes: they take turns (``set_spinning``)."""
     if not Path(model_path).is_file():
         raise EdgeSpecError(f"{what} not found: {model_path}")
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    set_spinning(opts, takes_turns=True)
     try:
         return open_session(str(model_path), opts, provider, provider_options)
     except EdgeSpecError:
