@@ -472,7 +472,8 @@ class Engine:
                   top_k: int, top_p: float, seed: int | None, stop: str | list[str] | tuple[str, ...],
                   mode: str | None, exact: bool | None,
                   on_prefill: Callable[[float], None] | None) -> Iterator[str]:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                end_ids=frozenset(self.tokenizer.eos_token_ids))
         config = self.config_for(mode)
         mode = config.mode
         if max_new_tokens < 1:

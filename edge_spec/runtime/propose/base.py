@@ -73,9 +73,19 @@ class DraftBlock:
             del rows[length:]
 
 
+def through_end(tokens: list[int], end_ids: frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first that ends the answer: a draft after it could never be
+    emitted, so verifying it would only cost a row."""
+    for i, token in enumerate(tokens):
+        if token in end_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
 def point_mass_block(source: str, tokens: list[int], params: SamplingParams, vocab_size: int) -> DraftBlock:
     """Drafts that are a function of the prefix alone (lookup, guesses): q is a point mass on each
-    (and no head rows were involved, so they have no ``candidates``)."""
+    (and no head rows were involved, so they have no ``candidates``); none past an end token."""
+    tokens = through_end(tokens, params.end_ids)
     block = DraftBlock(source, tokens=list(tokens), confidences=[1.0] * len(tokens))
     if not params.greedy:
         for token in tokens:

@@ -45,7 +45,8 @@ class ChainDrafter:
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock:
         """Up to ``min(rule.gamma, room)`` target-vocabulary tokens after ``committed``, stopping early
         when the drafter is unsure: below ``rule.min_confidence``, or when ``rule.stop`` says another
-        draft does not pay.  With ``rule.alternatives`` it also records its top tokens per step."""
+        draft does not pay; and after a draft that ends the answer (``params.end_ids``).  With
+        ``rule.alternatives`` it also records its top tokens per step."""
         params = rule.params
         block = DraftBlock(self.name)
         for _ in range(min(rule.gamma, room)):
@@ -80,7 +81,7 @@ class ChainDrafter:
                                                                             validate=False))
             if rule.alternatives:
                 block.alternatives.append(top_tokens(probs, ids, rule.alternatives))
-            if not more:
+            if not more or block.tokens[-1] in params.end_ids:  # nothing after an end token is emitted
                 break
         if block.steps == 0:
             self.start_empty(committed)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6  # 6: sessions that take turns spin within their passes
 KV_LENGTHS = (48, 256)  # the profile reports the median over these cache lengths
 
 

@@ -56,6 +56,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    end_ids: frozenset[int] = frozenset()  # tokens that end the answer: no draft after one can be emitted
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
