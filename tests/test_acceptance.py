@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance, confidence_bin
+from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, Agreement, RequestAcceptance, confidence_bin
 from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.engine import Engine
 from tests.helpers import chain
@@ -53,6 +53,23 @@ def test_a_request_keeps_its_own_first_draft_average():
         request.record([0.9], accepted=1)
     assert request.first > 0.95 > start
     assert RequestAcceptance(calibration).first > start  # the next request starts from what was learned
+
+
+def test_a_request_scales_estimates_by_odds_not_past_certainty():
+    """One lucky draft (predicted 0.35, accepted) must not make a 0.87 draft look certain, which would
+    buy long drafts; a request whose drafts keep failing sinks its estimates, one that keeps
+    succeeding lifts them, and neither reaches 0 or 1."""
+    lucky = Agreement()
+    lucky.note(0.35, True)
+    assert 0.87 < lucky.scale(0.87) < 0.95
+    assert lucky.scale(0.0) == 0.0 and lucky.scale(1.0) == 1.0
+    failing, succeeding = Agreement(), Agreement()
+    for _ in range(10):
+        failing.note(0.9, False)
+        succeeding.note(0.5, True)
+    assert 0.0 < failing.scale(0.9) < 0.5
+    assert 0.9 < succeeding.scale(0.8) < 1.0
+    assert Agreement().scale(0.6) == pytest.approx(0.6)  # no evidence: the calibration as it is
 
 
 def test_memory_round_trips_and_shrugs_off_a_damaged_file(tmp_path):

@@ -133,20 +133,31 @@ class AcceptanceCalibration:
         return calibration
 
 
+AGREEMENT_PRIOR = (4.0, 3.0)  # a request starts as if 4 drafts predicted at 0.75 had been accepted as often
+
+
 @dataclass
 class Agreement:
-    """How one request's drafts do against what a carried calibration predicted for them: accepted over
-    predicted, both starting from ``PRIOR_WEIGHT`` drafts of perfect agreement."""
+    """How one request's drafts do against what a carried calibration predicted for them, applied as an
+    odds ratio: accepted / rejected over predicted accepted / predicted rejected, from
+    ``AGREEMENT_PRIOR`` drafts of perfect agreement.  Odds, not a plain ratio of acceptances: one lucky
+    draft must not lift a 0.87 estimate to 1 (long drafts), nor one unlucky draft sink a 0.99 one."""
 
-    predicted: float = PRIOR_WEIGHT
-    observed: float = PRIOR_WEIGHT
+    drafts: float = AGREEMENT_PRIOR[0]
+    predicted: float = AGREEMENT_PRIOR[1]
+    observed: float = AGREEMENT_PRIOR[1]
 
     def note(self, predicted: float, accepted: bool) -> None:
+        self.drafts += 1.0
         self.predicted += predicted
         self.observed += float(accepted)
 
     def scale(self, estimate: float) -> float:
-        return min(estimate * self.observed / self.predicted, 1.0)
+        if not 0.0 < estimate < 1.0:
+            return min(max(estimate, 0.0), 1.0)
+        ratio = (self.observed * (self.drafts - self.predicted)) / max(self.predicted * (self.drafts - self.observed), 1e-9)
+        odds = estimate / (1.0 - estimate) * ratio
+        return odds / (1.0 + odds)
 
 
 @dataclass
