@@ -170,7 +170,12 @@ class Prices:
     """Latencies (s) measured by a bench run: target pass by rows, drafter pass by rows, head, and time
     outside ORT per round."""
 
-    def __init__(self, bench_json: Path) -> None:
+    def __init__(self, target: dict[int, float], draft: dict[int, float], head: float = 0.0, outside: float = 0.0) -> None:
+        self.target, self.draft, self.head, self.outside = target, draft, head, outside
+
+    @classmethod
+    def measured(cls, bench_json: Path) -> "Prices":
+        """The latencies a bench run measured (its fixed γ = 1 rounds price the time outside ORT)."""
         data = json.loads(bench_json.read_text())
         prices = pass_prices(data["records"])
         outside, rounds, heads, steps = 0.0, 0, 0.0, 0
@@ -181,10 +186,16 @@ class Prices:
                 rounds += record["target_calls"]
                 heads += record["head_seconds"]
                 steps += record["draft_steps"]
-        self.target = {int(n): price for (role, n), price in prices.items() if role == "target"}
-        self.draft = {int(n): price for (role, n), price in prices.items() if role == "draft"}
-        self.head = heads / steps
-        self.outside = (outside - heads) / rounds
+        return cls({int(n): price for (role, n), price in prices.items() if role == "target"},
+                   {int(n): price for (role, n), price in prices.items() if role == "draft"},
+                   heads / steps, (outside - heads) / rounds)
+
+    @classmethod
+    def of_machine(cls, machine: str) -> "Prices":
+        """``"48,56,82,100,121/17.4"``: target pass ms by rows, then the drafter step ms (body + head)."""
+        rows, step = machine.split("/")
+        return cls({n: float(ms) / 1e3 for n, ms in enumerate(rows.split(","), start=1)},
+                   {n: float(step) / 1e3 for n in (1, 2, 3)})
 
     def verify(self, drafts: int) -> float:
         rows = max(drafts + 1, 2)  # exact mode: a pass has at least two rows
@@ -362,12 +373,7 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
 
 def analyze(path: Path, bench_json: Path, machine: str | None = None) -> None:
     data = dict(np.load(path))
-    prices = Prices(bench_json)
-    if machine:  # "48,56,82,100,121/17.4": target pass ms by rows, drafter step ms (body + head)
-        rows, step = machine.split("/")
-        prices.target = {n: float(ms) / 1e3 for n, ms in enumerate(rows.split(","), start=1)}
-        prices.draft = {n: float(step) / 1e3 for n in (1, 2, 3)}
-        prices.head, prices.outside = 0.0, 0.0
+    prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
           f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
           f"outside ORT per round {1e3 * prices.outside:.2f}")
