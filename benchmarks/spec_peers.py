@@ -310,13 +310,12 @@ class Ours:
 
     def __init__(self, args) -> None:
         from edge_spec.bench import modes_for
-        from edge_spec.paths import DEFAULT_BUNDLE
         from edge_spec.runtime.engine import Engine
         from edge_spec.runtime.loops.config import loop_config
 
         chain = loop_config("spec", lookup=False)
-        self.engine = Engine.from_bundle(DEFAULT_BUNDLE, threads=args.threads, config=chain)
-        self.baseline = Engine.from_bundle(DEFAULT_BUNDLE, threads=args.threads, mode="ar")
+        self.engine = Engine.from_bundle(args.bundle, threads=args.threads, config=chain)
+        self.baseline = Engine.from_bundle(args.bundle, threads=args.threads, mode="ar")
         self.modes = modes_for(self.engine, [self.engine.draft_head], chain, args.k, lookup=args.lookup,
                                reference=args.ar_exact, eagle=bool(args.eagle_head), eagle_heads=args.eagle_head)
         for engine in (self.engine, self.baseline):
@@ -423,6 +422,8 @@ def main() -> None:
                         "(repeatable; fixed γ = each K and the schedule, as for the drafter)")
     parser.add_argument("--ar-exact", action="store_true", help="also time our ar-exact (batch-invariant "
                         "target-only decoding), the answer our greedy speculative modes must equal token for token")
+    parser.add_argument("--bundle", type=Path, help="our bundle (default: the README's export); the peers "
+                        "re-quantize the dequantized GGUFs to int4, as an export with --gguf-blocks none does")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=Path, action="append", help="prompt files (default: bench + low-acceptance)")
@@ -442,6 +443,10 @@ def main() -> None:
     args.k = [int(k) for k in args.k.split(",") if k]
     if not args.k or min(args.k) < 1 or max(args.k) > 16:
         raise SystemExit("--k values must be 1-16 (onnxruntime-genai's limit)")
+    if args.bundle is None:
+        sys.path.insert(0, str(ROOT))
+        from edge_spec.paths import DEFAULT_BUNDLE
+        args.bundle = DEFAULT_BUNDLE
     if args.prepare:
         prepare(peers, args.threads)
         return
@@ -450,12 +455,11 @@ def main() -> None:
             raise SystemExit(f"{peer} is not prepared: run {Path(__file__).name} --prepare first")
 
     sys.path.insert(0, str(ROOT))
-    from edge_spec.paths import DEFAULT_BUNDLE
     from edge_spec.prompts import as_messages
     from edge_spec.runtime.text import TextTokenizer
 
     items = load_prompts(args)
-    tokenizer = TextTokenizer(DEFAULT_BUNDLE)
+    tokenizer = TextTokenizer(args.bundle)
     for item in items:  # tokenized once, the same ids for every engine
         item["ids"] = tokenizer.encode_chat(as_messages(item["prompt"]))
     warmup_ids = tokenizer.encode_chat([{"role": "user", "content": "warm up"}])
