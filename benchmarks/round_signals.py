@@ -167,8 +167,8 @@ def _match(ngrams: NgramLookup, prefix: list[int], min_n: int) -> tuple[int, int
 
 
 class Prices:
-    """Latencies (s) measured by a bench run: target pass by rows, drafter pass by rows, head, and time
-    outside ORT per round."""
+    """Latencies (s) that price replayed rounds: target pass by rows, drafter pass by rows, head, and time
+    outside ORT per round; measured by a bench run, or given as a machine's costs."""
 
     def __init__(self, target: dict[int, float], draft: dict[int, float], head: float = 0.0, outside: float = 0.0) -> None:
         self.target, self.draft, self.head, self.outside = target, draft, head, outside

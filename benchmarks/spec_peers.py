@@ -443,10 +443,6 @@ def main() -> None:
     args.k = [int(k) for k in args.k.split(",") if k]
     if not args.k or min(args.k) < 1 or max(args.k) > 16:
         raise SystemExit("--k values must be 1-16 (onnxruntime-genai's limit)")
-    if args.bundle is None:
-        sys.path.insert(0, str(ROOT))
-        from edge_spec.paths import DEFAULT_BUNDLE
-        args.bundle = DEFAULT_BUNDLE
     if args.prepare:
         prepare(peers, args.threads)
         return
@@ -455,9 +451,11 @@ def main() -> None:
             raise SystemExit(f"{peer} is not prepared: run {Path(__file__).name} --prepare first")
 
     sys.path.insert(0, str(ROOT))
+    from edge_spec.paths import DEFAULT_BUNDLE
     from edge_spec.prompts import as_messages
     from edge_spec.runtime.text import TextTokenizer
 
+    args.bundle = args.bundle or DEFAULT_BUNDLE
     items = load_prompts(args)
     tokenizer = TextTokenizer(args.bundle)
     for item in items:  # tokenized once, the same ids for every engine
