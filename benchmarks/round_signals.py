@@ -348,15 +348,20 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
                 schedule.update(drafted, accepted, confidences)
             if kind == "lookup":
                 choice.update(state.pop("matched"), drafted, accepted)
+        if "guessed" in state:  # every round checks the guess it could have carried (as the planner does)
+            guessed = state.pop("guessed")
+            schedule.estimates.record_guess(int(data["guess_match"][guessed]), bool(data["guess_ok"][guessed]))
+        state["guessed"] = i
+        spare = schedule.estimates.guess(int(data["guess_match"][i]))
         if lookup and data["lookup_len"][i]:
             estimates = schedule.estimates
-            model_rate = plan_round(estimates.first, estimates.later_draft(), costs, gamma_max).rate
+            model_rate = plan_round(estimates.first, estimates.later_draft(), costs, gamma_max, spare=spare).rate
             take = choice.lookup_gamma(int(data["lookup_len"][i]), int(data["lookup_match"][i]), costs, gamma_max,
                                        model_rate, adaptive=True)
             if take:
                 state["matched"] = int(data["lookup_match"][i])
                 return "lookup", take
-        rule = schedule.begin_round(costs)
+        rule = schedule.begin_round(costs, spare=spare)
         if rule is None:
             return "guess", 1
         drafts, last = 0, len(data["prompt"]) - 1

@@ -97,3 +97,77 @@ def test_the_engine_carries_calibration_across_requests(int4_bundle):
     engine.complete("one two three one two three one two", max_new_tokens=16, temperature=0)
     assert memory.calibration(greedy=True).first.trials > learned  # one calibration, not one per request
     assert memory.calibration(greedy=False).first.trials == 0
+
+
+def test_free_guesses_are_calibrated_by_the_suffix_they_matched_and_carried(tmp_path):
+    calibration = AcceptanceCalibration()
+    assert calibration.guess_rate(0) < calibration.guess_rate(1) < calibration.guess_rate(4)  # priors
+    for _ in range(60):
+        calibration.record_guess(4, accepted=False)  # long matches that keep failing (a miscalibrated prior)
+        calibration.record_guess(0, accepted=True)
+        calibration.record([0.9], accepted=1)
+    assert calibration.guess_rate(4) < 0.1 and calibration.guess_rate(0) > 0.9
+    assert calibration.guess_rate(7) == calibration.guess_rate(4)  # 4+ share a bucket
+    path = tmp_path / "acceptance.json"
+    memory = ScheduleMemory(path)
+    memory.calibrations["greedy"] = calibration
+    memory.save()
+    assert ScheduleMemory(path).calibration(greedy=True).guess_rate(4) == pytest.approx(calibration.guess_rate(4))
+    older = json.loads(path.read_text())
+    del older["greedy"]["guess"]  # a file written before guesses were calibrated keeps the rest
+    path.write_text(json.dumps(older))
+    loaded = ScheduleMemory(path).calibration(greedy=True)
+    assert calibration.first.trials > 0 and loaded.first.trials == pytest.approx(calibration.first.trials)
+    assert loaded.guess[4].trials == 0
+
+
+def test_a_request_checks_its_guesses_against_the_calibration():
+    calibration = AcceptanceCalibration()
+    for _ in range(200):  # answers whose 4+ matches went on as before
+        calibration.record_guess(4, accepted=True)
+    carried = calibration.guess_rate(4)
+    translation, copying = RequestAcceptance(calibration), RequestAcceptance(calibration)
+    assert translation.guess(4) == pytest.approx(carried)  # no evidence yet: the calibration's word
+    for _ in range(8):
+        translation.record_guess(4, right=False)
+        copying.record_guess(4, right=True)
+    assert translation.guess(4) < 0.5 * calibration.guess_rate(4)  # this request's guesses fail: it stops trusting them
+    assert copying.guess(4) >= calibration.guess_rate(4) > 0.9  # negative control: right guesses keep their rate
+    assert RequestAcceptance(calibration).guess(4) == pytest.approx(calibration.guess_rate(4))  # per request
+
+
+def test_every_round_checks_the_guess_it_could_have_carried(int4_bundle, monkeypatch):
+    """Drafted or not, each round learns whether its free guess equals the token the target produced
+    there.  The guess here is right at even positions and wrong at odd ones (any function of the prefix
+    is a valid guess), so the recorded checks must follow that pattern exactly."""
+    from edge_spec.runtime.propose.base import point_mass_block
+    from edge_spec.runtime.propose.guess import FreeGuess
+    from edge_spec.runtime.verify.sampling import SamplingParams
+    from tests.helpers import run
+
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-160")
+    ids = engine.tokenizer.encode("one two three one two three one two")
+    engine.target.min_rows = 2  # batch-invariant passes: a round without drafts carries a guess
+    reference, _ = run(engine, ids, SamplingParams(), 24, None)
+    sequence = list(ids) + reference
+    guessed = []
+
+    def guess(self, committed, room, rule):
+        position = len(committed)  # committed ends at the pending token: the guess is for this position
+        guessed.append(position)
+        token = sequence[position] if position % 2 == 0 else (sequence[position] + 1) % engine.target.vocab_size
+        block = point_mass_block(self.name, [token], rule.params, self.context.vocab_size)
+        block.matched = 1
+        return block
+
+    checks = []
+    record = RequestAcceptance.record_guess
+    monkeypatch.setattr(FreeGuess, "propose", guess)
+    monkeypatch.setattr(RequestAcceptance, "record_guess",
+                        lambda self, matched, right: (checks.append(right), record(self, matched, right))[1])
+    tokens, stats = run(engine, ids, SamplingParams(), 24, chain(2, adaptive=True))
+    assert tokens == reference
+    rounds = sum(t.rounds for t in stats.sources.values())
+    assert len(checks) == len(guessed) >= rounds - 1 > 0  # every round with room for a token after the pending one
+    assert stats.tally("model").rounds > 0  # rounds the drafter drafted checked their guesses too
+    assert checks == [position % 2 == 0 for position in guessed] and any(checks) and not all(checks)

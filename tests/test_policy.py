@@ -112,3 +112,13 @@ def test_probes_back_off_while_plain_decoding_wins_and_stop_when_drafts_are_acce
     for _ in range(30):
         policy.update(drafted=3, accepted=3, confidences=[0.9, 0.9, 0.9])
     assert policy.begin_round(CPU) is not None and not policy.probing
+
+
+def test_a_draft_less_round_is_worth_its_free_guess():
+    # exact passes: a round without drafts still verifies two rows, the second a free guess
+    exact = CostModel(draft=0.013, verify={1: 0.052, 2: 0.052, 3: 0.069, 4: 0.083})
+    assert plan_round(0.45, 0.45, exact, 3).gamma == 1  # the guess ignored: the drafter looks better
+    assert plan_round(0.45, 0.45, exact, 3, spare=0.3).gamma == 0  # the guess beats a doubtful draft
+    assert plan_round(0.9, 0.9, exact, 3, spare=0.3).gamma > 0  # a confident drafter still drafts
+    policy = AdaptiveGamma(3, estimates(first=0.45, first_prior=0.45))
+    assert policy.begin_round(exact) is not None and policy.begin_round(exact, spare=0.3) is None

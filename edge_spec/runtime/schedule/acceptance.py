@@ -38,6 +38,15 @@ def bin_middle(index: int) -> float:
     return (lower + upper) / 2
 
 
+def odds(probability: float) -> float:
+    probability = min(max(probability, 1e-6), 1.0 - 1e-6)
+    return probability / (1.0 - probability)
+
+
+def probability(odds: float) -> float:
+    return odds / (1.0 + odds)
+
+
 @dataclass
 class DecayedRate:
     """Accepted / tried with exponentially decaying counts, shrunk towards a prior."""
@@ -79,16 +88,29 @@ class SequenceCalibration:
             rate.record(i < accepted)
 
 
+GUESS_PRIORS = (0.05, 0.2, 0.5, 0.6, 0.8)  # a free guess by the suffix it matched: none (the last token again), 1..4+
+
+
 @dataclass
 class AcceptanceCalibration:
     """Carried across requests: see the module docstring.  ``sequence``: the same for prompt lookup's
-    drafts, which the schedule weighs against the drafter's."""
+    drafts, which the schedule weighs against the drafter's; ``guess``: for the free guess a
+    draft-less batch-invariant pass carries, by the length of the suffix it matched (what a round
+    without drafts is worth)."""
 
     by_confidence: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(BINS)])
     after: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(BINS)])
     first: DecayedRate = field(default_factory=DecayedRate)
     sequence: SequenceCalibration = field(default_factory=SequenceCalibration)
+    guess: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in GUESS_PRIORS])
     first_prior: float = 0.6  # before any round: drafters are chosen because they agree this often
+
+    def guess_rate(self, matched: int) -> float:
+        index = min(max(matched, 0), len(GUESS_PRIORS) - 1)
+        return self.guess[index].estimate(GUESS_PRIORS[index])
+
+    def record_guess(self, matched: int, accepted: bool) -> None:
+        self.guess[min(max(matched, 0), len(GUESS_PRIORS) - 1)].record(accepted)
 
     def acceptance(self, confidence: float) -> float:
         return self.by_confidence[confidence_bin(confidence)].estimate(confidence)
@@ -117,7 +139,8 @@ class AcceptanceCalibration:
         return {"by_confidence": pairs(self.by_confidence), "after": pairs(self.after),
                 "first": [self.first.hits, self.first.trials], "edges": list(CONFIDENCE_EDGES),
                 "sequence_first": pairs(self.sequence.first),
-                "sequence_later": [self.sequence.later.hits, self.sequence.later.trials]}
+                "sequence_later": [self.sequence.later.hits, self.sequence.later.trials],
+                "guess": pairs(self.guess)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "AcceptanceCalibration":
@@ -126,14 +149,18 @@ class AcceptanceCalibration:
             raise ValueError("calibration bins changed")
         rates = lambda pairs: [DecayedRate(float(h), float(t)) for h, t in pairs]
         sequence = SequenceCalibration(rates(data["sequence_first"]), DecayedRate(*map(float, data["sequence_later"])))
+        # a file written before guesses were calibrated: they are learnt afresh, the rest is kept
+        guess = rates(data["guess"]) if "guess" in data else [DecayedRate() for _ in GUESS_PRIORS]
         calibration = cls(rates(data["by_confidence"]), rates(data["after"]), DecayedRate(*map(float, data["first"])),
-                          sequence)
-        if len(calibration.by_confidence) != BINS or len(calibration.after) != BINS or len(sequence.first) != MATCH_LENGTHS:
+                          sequence, guess)
+        if (len(calibration.by_confidence) != BINS or len(calibration.after) != BINS
+                or len(sequence.first) != MATCH_LENGTHS or len(guess) != len(GUESS_PRIORS)):
             raise ValueError("calibration bins changed")
         return calibration
 
 
 AGREEMENT_PRIOR = (4.0, 3.0)  # a request starts as if 4 drafts predicted at 0.75 had been accepted as often
+GUESS_AGREEMENT_PRIOR = (4.0, 1.0)  # guesses: as if 4 predicted at 0.25 had been right as often
 
 
 @dataclass
@@ -147,6 +174,11 @@ class Agreement:
     predicted: float = AGREEMENT_PRIOR[1]
     observed: float = AGREEMENT_PRIOR[1]
 
+    @classmethod
+    def of_prior(cls, drafts: float, predicted: float) -> "Agreement":
+        """Start from ``drafts`` outcomes of perfect agreement that were predicted ``predicted`` in all."""
+        return cls(drafts, predicted, predicted)
+
     def note(self, predicted: float, accepted: bool) -> None:
         self.drafts += 1.0
         self.predicted += predicted
@@ -156,8 +188,7 @@ class Agreement:
         if not 0.0 < estimate < 1.0:
             return min(max(estimate, 0.0), 1.0)
         ratio = (self.observed * (self.drafts - self.predicted)) / max(self.predicted * (self.drafts - self.observed), 1e-9)
-        odds = estimate / (1.0 - estimate) * ratio
-        return odds / (1.0 + odds)
+        return probability(odds(estimate) * ratio)
 
 
 @dataclass
@@ -167,12 +198,14 @@ class RequestAcceptance:
     Two corrections, both with a few drafts of prior weight: a slow average of this request's first
     drafts (``first``), and the ratio of the drafts it saw accepted to the acceptance the calibration
     predicted for them (``agreement``), applied to every estimate -- translation accepts less at the same
-    drafter confidence than code does."""
+    drafter confidence than code does.  Free guesses get their own agreement (``guess_agreement``): a
+    request's guesses can be far better (copied code) or worse (translation) than its drafts."""
 
     calibration: AcceptanceCalibration
     smoothing: float = 0.1
     first: float | None = None
     agreement: Agreement = field(default_factory=Agreement)
+    guess_agreement: Agreement = field(default_factory=lambda: Agreement.of_prior(*GUESS_AGREEMENT_PRIOR))
 
     def __post_init__(self) -> None:
         if self.first is None:
@@ -191,6 +224,20 @@ class RequestAcceptance:
                      for i, r in enumerate(self.calibration.after)]
         overall = sum(w * e for w, e in zip(weights, estimates)) / sum(weights)
         return max(self.agreement.scale(overall), self.first)  # in a streak later drafts do at least as well
+
+    def guess(self, matched: int) -> float:
+        """Chance that the free guess whose source matched ``matched`` tokens is right, in this request."""
+        return self.guess_agreement.scale(self.calibration.guess_rate(matched))
+
+    def record_guess(self, matched: int, right: bool) -> None:
+        """Whether the guess a round could have carried equals the token the target produced there.
+
+        Asked every round, not only of the guesses that were verified: a guess is right exactly when
+        the target's next token equals it (under sampling with the same probability ``p(guess)`` as a
+        point-mass draft's acceptance), so every round checks this request's guesses for free -- a
+        translation, whose guesses are rarely right, learns it before it pays for any."""
+        self.guess_agreement.note(self.calibration.guess_rate(matched), right)
+        self.calibration.record_guess(matched, right)
 
     def note_first(self, accepted: bool) -> None:
         """A drafter round whose confidences were not computed (fixed γ): only the first-draft average."""

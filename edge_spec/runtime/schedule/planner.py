@@ -3,7 +3,8 @@
 In order: a sequence proposer (prompt lookup) whose match promises more tokens per second than the
 model (:mod:`schedule.sources`); else the drafter model, with this round's stop rule from the
 adaptive policy (:mod:`schedule.policy`) or a fixed γ; and when that leaves the round without
-drafts while the verify pass has a spare row anyway (batch-invariant passes), a filler (free guess).
+drafts while the verify pass has a spare row anyway (batch-invariant passes), a filler (free guess),
+whose chance of acceptance is what the policy weighs a draft-less round with.
 After verification the outcome is folded into the estimates that made the choice.
 """
 
@@ -35,13 +36,18 @@ class DraftPlanner:
         self.fillers = [p for p in proposers if p.kind == "filler"]
         self.estimates = RequestAcceptance(calibration)
         self.policy = AdaptiveGamma(gamma, self.estimates) if adaptive else None
+        self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
 
     def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> DraftBlock:
         rule = DraftRule(params, rng, self.gamma, self.min_confidence)
         costs = self._costs()
+        spare = self._spare_row(committed, room, rule)
+        self._guessed = (spare.matched, spare.tokens[0]) if spare else None
+        spare_rate = self.estimates.guess(spare.matched) if spare else 0.0  # what a draft-less round makes
         for proposer, choice in self.sequences:
             block = proposer.propose(committed, room, rule)
-            take = choice.lookup_gamma(len(block.tokens), block.matched, costs, self.gamma, self._model_rate(costs),
+            model_rate = self._model_rate(costs, spare_rate)
+            take = choice.lookup_gamma(len(block.tokens), block.matched, costs, self.gamma, model_rate,
                                        self.adaptive) if block.tokens else 0
             if take:
                 block.truncate(take)
@@ -49,17 +55,23 @@ class DraftPlanner:
         block = DraftBlock()
         if self.model is not None:
             if self.policy is not None and costs is not None:
-                rule.stop = self.policy.begin_round(costs)
+                rule.stop = self.policy.begin_round(costs, spare=spare_rate)
                 rule.gamma = 0 if rule.stop is None else rule.stop.gamma_max
             block = self.model.propose(committed, room, rule)
-        if block.tokens or room == 0 or self.target.min_rows < 2:
+        if block.tokens or spare is None:
             return block
-        for filler in self.fillers:  # a dropped model step still counts as a step
+        spare.steps = block.steps  # a dropped model step still counts as a step
+        return spare
+
+    def _spare_row(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock | None:
+        """What fills the spare row of a draft-less pass (None: the pass has none, or nothing fills it)."""
+        if room == 0 or self.target.min_rows < 2:
+            return None
+        for filler in self.fillers:
             guess = filler.propose(committed, room, rule)
             if guess.tokens:
-                guess.steps = block.steps
                 return guess
-        return block
+        return None
 
     def update(self, block: DraftBlock, result: VerifyResult) -> None:
         """Fold a verified round into the acceptance estimates of the source that drafted it."""
@@ -72,13 +84,16 @@ class DraftPlanner:
         for proposer, choice in self.sequences:
             if block.source == proposer.name:
                 choice.update(block.matched, drafted, result.accepted)
+        if self._guessed is not None:  # verified or not, the guess was right iff the target's token equals it
+            matched, guess = self._guessed
+            self.estimates.record_guess(matched, result.tokens[0] == guess)
 
-    def _model_rate(self, costs: CostModel | None) -> float | None:
+    def _model_rate(self, costs: CostModel | None, spare: float) -> float | None:
         """Tokens per second the drafter's round would make now (None: no drafter or no costs yet)."""
         if self.model is None or costs is None:
             return None
         if self.policy is not None:
-            return plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.gamma).rate
+            return plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.gamma, spare=spare).rate
         return chain_tokens(self.estimates.first, self.estimates.later_draft(), self.gamma) / costs.round_cost(self.gamma)
 
     def _costs(self) -> CostModel | None:

@@ -75,11 +75,13 @@ class RoundPlan:
 
 
 def plan_round(first: float, later: float, costs: CostModel, gamma_max: int,
-               prefer_drafting: float = 0.02) -> RoundPlan:
+               prefer_drafting: float = 0.02, spare: float = 0.0) -> RoundPlan:
     """The γ in 0..γ_max with the most expected tokens per second.  Plain decoding (γ = 0) must win by
     ``prefer_drafting`` (relative): a stretch without drafts leaves the drafter to catch up later and
-    the estimates without fresh evidence."""
-    rates = [chain_tokens(first, later, g) / costs.round_cost(g) for g in range(gamma_max + 1)]
+    the estimates without fresh evidence.  ``spare``: the chance that what fills the spare row of a
+    draft-less batch-invariant pass (a free guess) is accepted -- that round makes ``1 + spare`` tokens."""
+    rates = [(chain_tokens(first, later, g) + (spare if g == 0 else 0.0)) / costs.round_cost(g)
+             for g in range(gamma_max + 1)]
     if gamma_max == 0:
         return RoundPlan(0, rates[0])
     best = max(range(1, gamma_max + 1), key=lambda g: (rates[g], -g))
@@ -99,6 +101,7 @@ class DraftRound:
     rate: float  # ρ: tokens per second the round must beat to spend more time
     estimates: RequestAcceptance
     forced: bool = False  # keep every draft up to gamma_max (probe rounds)
+    spare: float = 0.0  # chance that the free guess is right, should the round drop its only draft
     kept: int = 0
     survive: float = 1.0
     expected: float = 1.0
@@ -130,7 +133,8 @@ class DraftRound:
         sunk = k * costs.draft
         best, best_value = k, float("-inf")
         if allow_drop:
-            best, best_value = k - 1, self.expected - self.rate * (sunk + costs.verify_cost(k))
+            kept = self.expected + (self.spare if k == 1 else 0.0)  # no draft left: the spare row's guess
+            best, best_value = k - 1, kept - self.rate * (sunk + costs.verify_cost(k))
         survive = self.survive * acceptance
         expected = self.expected + survive
         for length in range(k, self.gamma_max + 1):
@@ -159,14 +163,15 @@ class AdaptiveGamma:
     _rounds_without_draft: int = 0
     _interval: int = 0
 
-    def begin_round(self, costs: CostModel) -> DraftRound | None:
-        """None: decode this round without drafts.  Otherwise the round's stop rule."""
-        plan = plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.gamma_max)
+    def begin_round(self, costs: CostModel, spare: float = 0.0) -> DraftRound | None:
+        """None: decode this round without drafts (a spare row's filler is accepted with ``spare``).
+        Otherwise the round's stop rule."""
+        plan = plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.gamma_max, spare=spare)
         self.probing = False
         if plan.gamma > 0:
             self._rounds_without_draft = 0
             self._interval = self.probe_every
-            return DraftRound(costs, self.gamma_max, plan.rate, self.estimates)
+            return DraftRound(costs, self.gamma_max, plan.rate, self.estimates, spare=spare)
         self._interval = self._interval or self.probe_every
         self._rounds_without_draft += 1
         if self._rounds_without_draft < self._interval:
