@@ -341,13 +341,13 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
 
     def policy(i: int, state: dict) -> Choice:
         schedule = state.setdefault("policy", AdaptiveGamma(gamma_max, RequestAcceptance(carried)))
-        choice = state.setdefault("lookup", LookupChoice(carried.sequence))
+        choice = state.setdefault("lookup", LookupChoice(carried.sequence, schedule.estimates))
         if "outcome" in state:
             kind, drafted, accepted, confidences = state.pop("outcome")
             if kind == "draft":
                 schedule.update(drafted, accepted, confidences)
             if kind == "lookup":
-                choice.update(state.pop("matched"), drafted, accepted)
+                choice.update(drafted, accepted)
         if "guessed" in state:  # every round checks the guess it could have carried (as the planner does)
             guessed = state.pop("guessed")
             schedule.estimates.record_guess(int(data["guess_match"][guessed]), bool(data["guess_ok"][guessed]))
@@ -359,7 +359,6 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
             take = choice.lookup_gamma(int(data["lookup_len"][i]), int(data["lookup_match"][i]), costs, gamma_max,
                                        model_rate, adaptive=True)
             if take:
-                state["matched"] = int(data["lookup_match"][i])
                 return "lookup", take
         rule = schedule.begin_round(costs, spare=spare)
         if rule is None:

@@ -6,7 +6,7 @@ import pytest
 
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose.ngrams import NgramLookup
-from edge_spec.runtime.schedule.acceptance import SequenceCalibration
+from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance, SequenceCalibration
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.schedule.policy import CostModel
 from edge_spec.runtime.verify.sampling import SamplingParams
@@ -36,27 +36,47 @@ def costs() -> CostModel:
     return CostModel(draft=0.018, verify={1: 0.048, 2: 0.056, 3: 0.082, 4: 0.100})
 
 
+def lookup_choice(**settings) -> LookupChoice:
+    calibration = AcceptanceCalibration()
+    return LookupChoice(calibration.sequence, RequestAcceptance(calibration), **settings)
+
+
 def test_choice_takes_a_long_match_and_probes_a_losing_one():
-    choice = LookupChoice(SequenceCalibration())
+    choice = lookup_choice()
     model_rate = (1 + 0.8) / costs().round_cost(1)  # the drafter's γ = 1 round at acceptance 0.8
     assert choice.lookup_gamma(4, matched=4, costs=costs(), gamma_max=4, model_rate=model_rate, adaptive=True) >= 1
-    bad = LookupChoice(SequenceCalibration(), probe_every=4)
+    bad = lookup_choice(probe_every=4)
     for _ in range(30):
-        bad.update(matched=2, drafted=2, accepted=0)  # this request's short matches are never right
+        bad.estimates.record_guess(2, right=False)  # this request's short matches are never right
     picks = [bad.lookup_gamma(2, 2, costs(), 4, model_rate, adaptive=True) for _ in range(8)]
     assert picks == [0, 0, 0, 1, 0, 0, 0, 1]
     assert bad.lookup_gamma(4, 4, costs(), 4, model_rate=None, adaptive=False) == 4  # fixed γ and no drafter
-    assert LookupChoice(SequenceCalibration()).lookup_gamma(3, 2, None, 4, None, adaptive=True) == 3  # prior 0.5
+    assert lookup_choice().lookup_gamma(3, 2, None, 4, None, adaptive=True) == 3  # prior 0.5
 
 
-def test_sequence_calibration_learns_by_match_length():
+def test_a_lookups_first_draft_is_judged_as_the_guess():
+    """The first lookup draft is the token the free guess carries (the same longest match): one
+    estimate, checked every round, so lookup and a draft-less round never disagree about it."""
+    model_rate = (1 + 0.8) / costs().round_cost(1)
+    copying, translating = lookup_choice(), lookup_choice()
+    for _ in range(8):
+        copying.estimates.record_guess(4, right=True)
+        translating.estimates.record_guess(4, right=False)
+    assert copying.lookup_gamma(4, 4, costs(), 4, model_rate, adaptive=True) >= 1
+    assert translating.lookup_gamma(4, 4, costs(), 4, model_rate, adaptive=True) == 0  # negative control
+
+
+def test_sequence_calibration_learns_only_from_later_drafts():
     calibration = SequenceCalibration()
     for _ in range(200):
-        calibration.record(matched=4, drafted=4, accepted=4)
-        calibration.record(matched=2, drafted=4, accepted=0)
-    assert calibration.first_draft(4) > 0.95 and calibration.first_draft(7) == calibration.first_draft(4)
-    assert calibration.first_draft(2) < 0.05
-    assert calibration.later_draft() > 0.95  # only drafts after an accepted first count as later ones
+        calibration.record(drafted=4, accepted=0)  # first draft rejected: nothing after it was judged
+    assert calibration.later.trials == 0
+    for _ in range(200):
+        calibration.record(drafted=4, accepted=1)  # the second draft rejected
+    assert calibration.later_draft() < 0.05
+    for _ in range(400):
+        calibration.record(drafted=4, accepted=4)
+    assert calibration.later_draft() > 0.95
 
 
 REPETITIVE = ["a b c d a b c d a b", "def f(x): return x def f(x): return", "one two three one two three one"]
@@ -77,6 +97,25 @@ def test_greedy_with_lookup_equals_autoregressive(engine, gamma, adaptive):
         assert got == reference, prompt
         rounds += stats.tally("lookup").rounds
     assert rounds > 0, "no round was drafted by lookup: case not exercised"
+
+
+def test_without_free_guesses_a_lookups_first_draft_is_still_checked(engine, monkeypatch):
+    """No filler configured: the lookup's first draft stands in as the round's guess, so its estimate
+    still learns in every round lookup offers drafts, taken or not."""
+    from edge_spec.runtime.loops.config import ChainConfig
+
+    checks = []
+    record = RequestAcceptance.record_guess
+    monkeypatch.setattr(RequestAcceptance, "record_guess",
+                        lambda self, matched, right: (checks.append(matched), record(self, matched, right))[1])
+    ids = engine.tokenizer.encode(REPETITIVE[0])
+    reference, _ = run(engine, ids, SamplingParams(), 24, None)
+    # a lookup that always offers (the last token again, as if after a 3-token match)
+    monkeypatch.setattr(NgramLookup, "match", lambda self, tokens, gamma, min_n=None: ([tokens[-1]] * gamma, 3))
+    got, stats = run(engine, ids, SamplingParams(), 24, ChainConfig(gamma=2, proposers=("lookup", "model")))
+    assert got == reference
+    rounds = sum(t.rounds for t in stats.sources.values())
+    assert len(checks) >= rounds - 1 > 0 and set(checks) == {3}  # every round, from the lookup's offer
 
 
 @pytest.mark.slow

@@ -62,41 +62,37 @@ class DecayedRate:
         self.trials = DECAY * self.trials + 1.0
 
 
-MATCH_LENGTHS = 4  # sequence drafts are told apart by the suffix they matched: 1, 2, 3, 4+ tokens
-MATCH_PRIORS = (0.3, 0.5, 0.5, 0.8)  # a 4-token match goes on as before far more often than a shorter one
 LATER_SEQUENCE_PRIOR = 0.85  # once a copied span is confirmed, it tends to go on
 
 
 @dataclass
 class SequenceCalibration:
-    """Acceptance of drafts copied from the sequence (prompt lookup): the first by the length of the
-    suffix its source matched, later ones (the first accepted) alike for all."""
+    """Acceptance of the drafts copied from the sequence (prompt lookup) after the first one was
+    accepted.  The first one is the free guess's token for the same matched suffix (the index returns
+    the longest match either way), so it is judged by the guess calibration, which every round checks."""
 
-    first: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(MATCH_LENGTHS)])
     later: DecayedRate = field(default_factory=DecayedRate)
-
-    def first_draft(self, matched: int) -> float:
-        index = min(max(matched, 1), MATCH_LENGTHS) - 1
-        return self.first[index].estimate(MATCH_PRIORS[index])
 
     def later_draft(self) -> float:
         return self.later.estimate(LATER_SEQUENCE_PRIOR)
 
-    def record(self, matched: int, drafted: int, accepted: int) -> None:
-        for i in range(min(drafted, accepted + 1)):
-            rate = self.first[min(max(matched, 1), MATCH_LENGTHS) - 1] if i == 0 else self.later
-            rate.record(i < accepted)
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verified lookup chain: its later drafts up to the first rejection (the first one is the
+        guess's business)."""
+        for i in range(1, min(drafted, accepted + 1)):
+            self.later.record(i < accepted)
 
 
-GUESS_PRIORS = (0.05, 0.2, 0.5, 0.6, 0.8)  # a free guess by the suffix it matched: none (the last token again), 1..4+
+# a free guess (and a lookup's first draft) by the suffix it matched: none (the last token again), 1..4+
+GUESS_PRIORS = (0.05, 0.2, 0.5, 0.6, 0.8)
 
 
 @dataclass
 class AcceptanceCalibration:
     """Carried across requests: see the module docstring.  ``sequence``: the same for prompt lookup's
-    drafts, which the schedule weighs against the drafter's; ``guess``: for the free guess a
-    draft-less batch-invariant pass carries, by the length of the suffix it matched (what a round
-    without drafts is worth)."""
+    drafts after their first, which the schedule weighs against the drafter's; ``guess``: for the
+    free guess a draft-less batch-invariant pass carries, by the length of the suffix it matched (what
+    a round without drafts is worth, and the chance of a lookup's first draft, the same token)."""
 
     by_confidence: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(BINS)])
     after: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(BINS)])
@@ -138,7 +134,6 @@ class AcceptanceCalibration:
         pairs = lambda rates: [[r.hits, r.trials] for r in rates]
         return {"by_confidence": pairs(self.by_confidence), "after": pairs(self.after),
                 "first": [self.first.hits, self.first.trials], "edges": list(CONFIDENCE_EDGES),
-                "sequence_first": pairs(self.sequence.first),
                 "sequence_later": [self.sequence.later.hits, self.sequence.later.trials],
                 "guess": pairs(self.guess)}
 
@@ -148,13 +143,13 @@ class AcceptanceCalibration:
         if data["edges"] != list(CONFIDENCE_EDGES):
             raise ValueError("calibration bins changed")
         rates = lambda pairs: [DecayedRate(float(h), float(t)) for h, t in pairs]
-        sequence = SequenceCalibration(rates(data["sequence_first"]), DecayedRate(*map(float, data["sequence_later"])))
+        sequence = SequenceCalibration(DecayedRate(*map(float, data["sequence_later"])))
         # a file written before guesses were calibrated: they are learnt afresh, the rest is kept
         guess = rates(data["guess"]) if "guess" in data else [DecayedRate() for _ in GUESS_PRIORS]
         calibration = cls(rates(data["by_confidence"]), rates(data["after"]), DecayedRate(*map(float, data["first"])),
                           sequence, guess)
         if (len(calibration.by_confidence) != BINS or len(calibration.after) != BINS
-                or len(sequence.first) != MATCH_LENGTHS or len(guess) != len(GUESS_PRIORS)):
+                or len(guess) != len(GUESS_PRIORS)):
             raise ValueError("calibration bins changed")
         return calibration
 

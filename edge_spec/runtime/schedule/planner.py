@@ -5,7 +5,9 @@ model (:mod:`schedule.sources`); else the drafter model, with this round's stop 
 adaptive policy (:mod:`schedule.policy`) or a fixed γ; and when that leaves the round without
 drafts while the verify pass has a spare row anyway (batch-invariant passes), a filler (free guess),
 whose chance of acceptance is what the policy weighs a draft-less round with.
-After verification the outcome is folded into the estimates that made the choice.
+After verification the outcome is folded into the estimates that made the choice, and every round
+checks its guess -- the free guess, which is also a lookup's first draft -- against the token the
+target produced, drafted or not, so guesses and lookups are judged from the first rounds of a request.
 """
 
 from __future__ import annotations
@@ -32,20 +34,24 @@ class DraftPlanner:
         self.gamma, self.adaptive, self.min_confidence = gamma, adaptive, min_confidence
         calibration = calibration or AcceptanceCalibration()
         self.model = next((p for p in proposers if p.kind == "model"), None)
-        self.sequences = [(p, LookupChoice(calibration.sequence)) for p in proposers if p.kind == "sequence"]
-        self.fillers = [p for p in proposers if p.kind == "filler"]
         self.estimates = RequestAcceptance(calibration)
+        self.sequences = [(p, LookupChoice(calibration.sequence, self.estimates))
+                          for p in proposers if p.kind == "sequence"]
+        self.fillers = [p for p in proposers if p.kind == "filler"]
         self.policy = AdaptiveGamma(gamma, self.estimates) if adaptive else None
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
 
     def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> DraftBlock:
         rule = DraftRule(params, rng, self.gamma, self.min_confidence)
         costs = self._costs()
-        spare = self._spare_row(committed, room, rule)
-        self._guessed = (spare.matched, spare.tokens[0]) if spare else None
+        guess = self._guess(committed, room, rule)
+        spare = guess if guess is not None and self.target.min_rows >= 2 else None  # a pass's spare row
+        self._guessed = (guess.matched, guess.tokens[0]) if guess else None  # checked whatever the round does
         spare_rate = self.estimates.guess(spare.matched) if spare else 0.0  # what a draft-less round makes
         for proposer, choice in self.sequences:
             block = proposer.propose(committed, room, rule)
+            if self._guessed is None and block.tokens:  # no filler: a lookup's first draft is the guess
+                self._guessed = (block.matched, block.tokens[0])
             model_rate = self._model_rate(costs, spare_rate)
             take = choice.lookup_gamma(len(block.tokens), block.matched, costs, self.gamma, model_rate,
                                        self.adaptive) if block.tokens else 0
@@ -63,9 +69,9 @@ class DraftPlanner:
         spare.steps = block.steps  # a dropped model step still counts as a step
         return spare
 
-    def _spare_row(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock | None:
-        """What fills the spare row of a draft-less pass (None: the pass has none, or nothing fills it)."""
-        if room == 0 or self.target.min_rows < 2:
+    def _guess(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock | None:
+        """The free guess for the next token (None: no room, or no filler proposes one)."""
+        if room == 0:
             return None
         for filler in self.fillers:
             guess = filler.propose(committed, room, rule)
@@ -83,7 +89,7 @@ class DraftPlanner:
                 self.estimates.note_first(result.accepted > 0)
         for proposer, choice in self.sequences:
             if block.source == proposer.name:
-                choice.update(block.matched, drafted, result.accepted)
+                choice.update(drafted, result.accepted)
         if self._guessed is not None:  # verified or not, the guess was right iff the target's token equals it
             matched, guess = self._guessed
             self.estimates.record_guess(matched, result.tokens[0] == guess)

@@ -2,15 +2,17 @@
 
 A lookup round costs only its verify pass; a drafter round costs its drafter steps too.  The lookup's
 drafts are taken, as many as pay, when the round they make promises at least as many tokens per
-second as the drafter's planned round.  Their acceptance comes from the carried calibration by match
-length (``schedule.acceptance.SequenceCalibration``), scaled by how this request's lookups do.
+second as the drafter's planned round.  The first draft is the token a free guess would carry (the
+same longest match), so its chance is the guess's, by match length and checked every round
+(``RequestAcceptance.guess``): lookup and a draft-less round can never disagree about it.  Later
+drafts come from the carried ``SequenceCalibration``, scaled by how this request's later drafts do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edge_spec.runtime.schedule.acceptance import Agreement, SequenceCalibration
+from edge_spec.runtime.schedule.acceptance import Agreement, RequestAcceptance, SequenceCalibration
 from edge_spec.runtime.schedule.policy import CostModel, plan_round
 
 
@@ -20,6 +22,7 @@ class LookupChoice:
     proposal that loses is still tried every ``probe_every``-th time, so that its estimate stays current."""
 
     calibration: SequenceCalibration
+    estimates: RequestAcceptance  # the request's guess estimates: a lookup's first draft is its guess
     probe_every: int = 8
     agreement: Agreement = field(default_factory=Agreement)
     _skipped: int = 0
@@ -43,12 +46,11 @@ class LookupChoice:
             return 1
         return 0
 
-    def update(self, matched: int, drafted: int, accepted: int) -> None:
-        for i in range(min(drafted, accepted + 1)):
-            predicted = self.calibration.first_draft(matched) if i == 0 else self.calibration.later_draft()
-            self.agreement.note(predicted, i < accepted)
-        self.calibration.record(matched, drafted, accepted)
+    def update(self, drafted: int, accepted: int) -> None:
+        """A verified lookup round: its later drafts (the planner checks the first as the round's guess)."""
+        for i in range(1, min(drafted, accepted + 1)):
+            self.agreement.note(self.calibration.later_draft(), i < accepted)
+        self.calibration.record(drafted, accepted)
 
     def _estimates(self, matched: int) -> tuple[float, float]:
-        return (self.agreement.scale(self.calibration.first_draft(matched)),
-                self.agreement.scale(self.calibration.later_draft()))
+        return self.estimates.guess(matched), self.agreement.scale(self.calibration.later_draft())
