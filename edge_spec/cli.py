@@ -299,6 +299,9 @@ def _print_costs(bundle: Path, threads: int, gamma: int, head: str | None) -> No
     if learned.first.trials:
         out.print(f"  learned greedy first-draft acceptance: {learned.first_draft():.2f} "
                   f"(over ~{learned.first.trials:.0f} recent rounds)")
+    if any(rate.trials for rate in learned.guess):
+        rates = ", ".join(f"{learned.guess_rate(m):.2f}" for m in range(len(learned.guess)))
+        out.print(f"  learned greedy free-guess (and first lookup draft) acceptance by suffix matched 0..4+: {rates}")
 
 
 def _loop_config(mode: str, **settings):
