@@ -91,3 +91,36 @@ def test_a_corrected_profile_is_what_the_next_load_reads(int4_bundle, tmp_path, 
     engine.complete("one two three one two three one two three", max_new_tokens=40, temperature=0)
     reloaded = cost_profile.load(key)
     assert reloaded.corrections == 1 and reloaded.verify[2] < slow[2] / 2
+
+
+def test_verify_passes_are_timed_with_every_rows_logits():
+    """A verify pass over n rows asks for n rows of logits (greedy match or rejection sampling at each),
+    and the LM head over n rows costs more than over one: the profile must time the pass the verifier
+    runs, not a prefill-like pass that keeps only the last row's logits."""
+
+    class Target:
+        capacity = 512
+
+        def __init__(self) -> None:
+            self.passes: list[tuple[int, int]] = []
+
+        def reset(self) -> None:
+            pass
+
+        def rewind(self, length: int) -> None:
+            pass
+
+        def forward(self, tokens, num_logits):
+            self.passes.append((len(tokens), num_logits))
+
+    class Drafter:
+        def profile_fill(self, length: int) -> None:
+            pass
+
+        def profile_step(self) -> tuple[float, float]:
+            return 0.01, 0.001
+
+    target = Target()
+    cost_profile.measure(target, Drafter(), max_tokens=4, repeats=1)
+    timed = [(rows, logits) for rows, logits in target.passes if rows <= 4]
+    assert sorted(set(timed)) == [(1, 1), (2, 2), (3, 3), (4, 4)]

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-PROFILE_VERSION = 6  # 6: sessions that take turns spin within their passes
+PROFILE_VERSION = 7  # 7: verify passes timed with logits for every row, as the verifier asks for them
 KV_LENGTHS = (48, 256)  # the profile reports the median over these cache lengths
 
 
@@ -105,7 +105,9 @@ def measure(target, drafter, max_tokens: int, repeats: int = 3) -> CostProfile:
             # faster, and planning with them makes long drafts look cheaper than they are)
             for n in verify:
                 drafter.profile_step()
-                verify[n].append(_timed(lambda: target.forward([0] * n, 1)))
+                # logits for every row, as a verify pass asks for them: the LM head over n rows costs
+                # more than over one, and a profile without that makes drafted rounds look cheap
+                verify[n].append(_timed(lambda: target.forward([0] * n, n)))
                 target.rewind(length)
                 body_seconds, head_seconds = drafter.profile_step()
                 body.append(body_seconds)
