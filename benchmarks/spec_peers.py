@@ -23,8 +23,11 @@ machine's speed hits all alike), greedy, ``--new-tokens`` (64) at most, stopping
   with that LM head (``ours eagle γ<k>``, ``ours eagle schedule``).
 
 Every engine gets the same prompt token ids (our tokenizer, chat template, computed once).  tokens/s
-is (new tokens - 1) / decode time, pooled per category like ``edge-spec bench``; the decode time starts
-when the first new token is known (it comes out of the prefill):
+is (answer tokens after the first) / decode time, pooled per category like ``edge-spec bench``, where
+the answer stops before EOS: the pass that produced the EOS is in every engine's decode time, its token in
+none's count (onnxruntime-genai leaves the EOS out of its sequence yet takes one more
+``generate_next_token`` call for it, so counting calls would credit it one token per finished answer).
+The decode time starts when the first new token is known (it comes out of the prefill):
 
 * ours: the engine's own stats (first token yielded -> last token);
 * onnxruntime-genai: from the end of ``append_tokens`` (the prefill of target and drafter) to the
@@ -174,13 +177,23 @@ def serve(load, run) -> None:
         reply(run(request["ids"], request["k"], spec["new_tokens"]))
 
 
-def result(ids: list[int], eos: set[int], decode_tokens: int, decode_seconds: float, prefill_seconds: float,
+def result(ids: list[int], eos: set[int], first_tokens: int, decode_seconds: float, prefill_seconds: float,
            **extra) -> dict:
-    """One generation's record; a trailing EOS is not a new token (as in our engine)."""
+    """One generation's record.  ``first_tokens``: how many answer tokens were known when the decode
+    clock started (1: the token picked from the prefill's logits).  The answer ends before any EOS,
+    whether or not the engine put the EOS in its sequence (as in our engine)."""
     answer = ids[:next((i for i, t in enumerate(ids) if t in eos), len(ids))]
-    dropped = len(ids) - len(answer)
-    return {"new_tokens": len(answer), "decode_tokens": max(decode_tokens - dropped, 0), "ids": answer,
-            "decode_seconds": decode_seconds, "prefill_seconds": prefill_seconds, **extra}
+    record = {"new_tokens": len(answer), "first_tokens": first_tokens, "ids": answer,
+              "decode_seconds": decode_seconds, "prefill_seconds": prefill_seconds, **extra}
+    return {**record, "decode_tokens": decode_tokens(record)}
+
+
+def decode_tokens(record: dict) -> int:
+    """The answer's tokens after the first ones, the numerator of every tokens/s here.  Records written
+    before ``first_tokens`` existed: OpenVINO's first write, else one token (ours, onnxruntime-genai),
+    which also corrects onnxruntime-genai's old counts (one call per token, the EOS's included)."""
+    first = record.get("first_tokens", record.get("first_write_tokens", 1))
+    return max(record["new_tokens"] - first, 0)
 
 
 def genai_worker() -> None:
@@ -204,10 +217,8 @@ def genai_worker() -> None:
         start = time.perf_counter()
         gen.append_tokens(prompt)  # prefill (target and drafter)
         prefilled = time.perf_counter()
-        n = 0
         while not gen.is_done():
             gen.generate_next_token()
-            n += 1
         end = time.perf_counter()
         ids = [int(t) for t in gen.get_sequence(0)][len(prompt):]
         extra = {}
@@ -217,7 +228,7 @@ def genai_worker() -> None:
                 "rounds", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate",
                 "target_verify_forward_passes", "target_forward_passes", "draft_forward_passes", "effective_k",
                 "tokens_emitted", "total_draft_ms", "total_target_ms") if key in stats}
-        return result(ids, state["eos"], n - 1, end - prefilled, prefilled - start, **extra)
+        return result(ids, state["eos"], 1, end - prefilled, prefilled - start, **extra)  # call 1: the prefill's pick
 
     serve(load, run)
 
@@ -274,7 +285,7 @@ def openvino_worker() -> None:
             extra["stats"] = {"num_accepted_tokens": metrics.get_num_accepted_tokens(),
                               "target_iterations": len(metrics.main_model_metrics.raw_metrics.m_durations),
                               "draft_generated_tokens": metrics.draft_model_metrics.get_num_generated_tokens()}
-        return result(ids, state["eos"], sum(n for _, n in writes[1:]), last - first, first - start, **extra)
+        return result(ids, state["eos"], writes[0][1], last - first, first - start, **extra)
 
     serve(load, run)
 
@@ -358,7 +369,7 @@ def load_prompts(args) -> list[dict]:
 def peer_record(peer: str, k: int, answer: dict, ar_ids: list[int] | None) -> dict:
     record = {key: value for key, value in answer.items() if key != "ids"}
     record.update(engine=f"{peer} {'K' + str(k) if k else 'ar'}", peer=peer, k=k,
-                  tokens_per_second=answer["decode_tokens"] / answer["decode_seconds"]
+                  tokens_per_second=decode_tokens(answer) / answer["decode_seconds"]
                   if answer["decode_seconds"] > 0 else 0.0)
     if k:
         record["identical_to_ar"] = answer["ids"] == ar_ids
@@ -372,7 +383,7 @@ def summarize(records: list[dict], engines: list[str]) -> list[dict]:
     for r in records:
         for category in (r["category"], "overall"):
             groups[(category, r["engine"])].append(r)
-    speed = {key: sum(r.get("decode_tokens", max(r["new_tokens"] - 1, 0)) for r in rows)
+    speed = {key: sum(decode_tokens(r) for r in rows)
              / max(sum(r["decode_seconds"] for r in rows), 1e-9) for key, rows in groups.items()}
     categories = sorted({c for c, _ in groups if c != "overall"}) + ["overall"]
     rows = []
@@ -408,6 +419,18 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def report(path: Path) -> str:
+    """A saved run's tables, recomputed from its records (so a counting fix reaches old runs too)."""
+    try:
+        saved = json.loads(path.read_text())
+        records = saved["records"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"{path}: not a spec_peers result ({error})") from None
+    for record in records:
+        record["tokens_per_second"] = decode_tokens(record) / record["decode_seconds"] if record["decode_seconds"] else 0.0
+    return format_rows(summarize(records, list(dict.fromkeys(r["engine"] for r in records))))
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -431,8 +454,13 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, help="at most this many prompts per category")
     parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and engine; the fastest is kept")
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--report", type=Path, help="print the tables of a saved run (its JSON) and stop")
     parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    if args.report:
+        print(report(args.report))
+        return
 
     if args.worker:  # we are a peer's child process, inside its venv
         {"genai": genai_worker, "openvino": openvino_worker}[args.worker]()
