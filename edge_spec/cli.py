@@ -767,6 +767,9 @@ def train_head(
     hard_labels: bool = typer.Option(False, "--hard-labels", help="Cross-entropy on the greedy label instead of "
                                      "the target's distribution over the draft vocabulary."),
     seed: int = typer.Option(0, help="Seed of the head's initialisation and the data order."),
+    init: Optional[str] = typer.Option(None, "--init", help="Start from this head instead of a fresh one: a saved "
+                                       "head (e.g. models/heads/NAME, or a bundle's eagle/ directory), a SpecForge "
+                                       "checkpoint or a hub id; its draft vocabulary and width are kept."),
     work: Optional[Path] = typer.Option(None, help="Working directory (default: models/eagle-work)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the training run checkpointed in WORK."),
     collect_only: bool = typer.Option(False, "--collect-only", help="Collect features, do not train."),
@@ -825,7 +828,8 @@ def train_head(
     if collect_only:
         return
     train_options = head_training.TrainOptions(draft_vocab=draft_vocab, intermediate=intermediate, epochs=epochs,
-                                               steps=steps, ttt=ttt, lr=lr, soft=not hard_labels, seed=seed)
+                                               steps=steps, ttt=ttt, lr=lr, soft=not hard_labels, seed=seed,
+                                               init=str(init) if init else None)
     target = head_training.Target.from_work(bundle, work)
     trainer = head_training.train(
         work, target, train_options, resume=resume, threads=threads, extend_steps=steps if resume else None,

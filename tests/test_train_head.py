@@ -3,6 +3,7 @@ resume after a kill), head training (learns, resumes bit for bit), the command e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -385,3 +386,85 @@ def test_user_mistakes_are_one_line(tmp_path, bundle):
                               "0,2,3", "--work", str(tmp_path / "w")), "not a directory")
     assert_one_line_error(cli("train-head", str(bundle), "--train-only", "--work", str(tmp_path / "empty")),
                           "no collected features")
+
+
+# -- a built head read back, and training from it ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_head(tmp_path_factory, trained, bundle):
+    """The trained head built into a copy of the bundle (int4) and saved as the repository ships one."""
+    from edge_spec.export.eagle_attach import attach_eagle_head, save_eagle_files
+
+    _, trainer = trained
+    root = tmp_path_factory.mktemp("saved")
+    shutil.copytree(bundle, root / "bundle")
+    attach_eagle_head(root / "bundle", trainer.config, trainer.head.eval())
+    return root / "bundle", save_eagle_files(root / "bundle", root / "head", heads=("full",))
+
+
+def test_a_saved_head_reads_back_as_the_int4_head_it_was_built_from(saved_head, trained, tmp_path):
+    """Every weight comes back as the int4 graphs hold it (the layouts of q/k/v and gate/up included),
+    from the saved directory and from the bundle alike; built again, the graphs are the same bytes."""
+    from edge_spec.export.eagle_attach import attach_eagle_head
+    from edge_spec.export.eagle_saved import load_head
+
+    bundle_with_head, directory = saved_head
+    _, trainer = trained
+    original = trainer.head.state_dict()
+    config, head = load_head(directory)
+    assert config.feature_layers == trainer.config.feature_layers
+    for name, tensor in head.state_dict().items():
+        want = original[name].numpy()
+        if name in ("d2t", "t2d") or want.ndim == 1:  # maps and norms are stored as they are
+            np.testing.assert_array_equal(tensor.numpy(), want, err_msg=name)
+        else:
+            quantized = quantize_blockwise(want, 4, 32).dequantize()
+            np.testing.assert_allclose(tensor.numpy(), quantized, rtol=0, atol=1e-6, err_msg=name)
+            if name != "lm_head.weight":  # the frozen LM head is the int4 target's rows: int4 already
+                assert not np.allclose(tensor.numpy(), want, atol=1e-6), f"{name}: not int4 (the control)"
+    _, from_bundle = load_head(bundle_with_head)
+    for name, tensor in from_bundle.state_dict().items():
+        assert torch.equal(tensor, head.state_dict()[name]), name
+    copy = tmp_path / "again"
+    shutil.copytree(bundle_with_head, copy)
+    attach_eagle_head(copy, config, head)
+    for name in ("layer.onnx", "fc.onnx", "head_full.onnx"):
+        for suffix in ("", ".data"):
+            assert (copy / "eagle" / (name + suffix)).read_bytes() == \
+                (bundle_with_head / "eagle" / (name + suffix)).read_bytes(), name + suffix
+
+
+def test_training_from_a_saved_head_starts_where_it_stands(saved_head, trained, collected, bundle, tmp_path):
+    """--init: the first evaluation is the saved head's (far above a fresh head's), its draft vocabulary
+    is kept, and a few more steps do not undo it."""
+    _, directory = saved_head
+    _, fresh = trained
+    work = tmp_path / "work"
+    shutil.copytree(collected, work, ignore=shutil.ignore_patterns("train"))
+    target = head_training.Target.from_work(bundle, collected)
+    options = dataclasses.replace(TRAIN, steps=20, lr=1e-3, init=str(directory))
+    trainer = head_training.train(work, target, options, threads=1)
+    start, end = trainer.curve[0], trainer.curve[-1]
+    assert start["acceptance_1"] > fresh.curve[0]["acceptance_1"] + 0.15
+    assert abs(start["acceptance_1"] - fresh.curve[-1]["acceptance_1"]) < 0.05  # int4 moves a few argmaxes
+    np.testing.assert_array_equal(trainer.vocab_ids, fresh.vocab_ids)
+    assert end["loss"] < start["loss"] + 0.02
+
+
+def test_an_init_for_other_features_is_one_line(saved_head, collected, bundle, tmp_path):
+    _, directory = saved_head
+    record = json.loads((directory / "eagle.json").read_text())
+    record["config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    other = tmp_path / "other"
+    shutil.copytree(directory, other)
+    (other / "eagle.json").write_text(json.dumps(record))
+    work = tmp_path / "work"
+    shutil.copytree(collected, work, ignore=shutil.ignore_patterns("train"))
+    target = head_training.Target.from_work(bundle, collected)
+    from edge_spec.errors import EdgeSpecError
+
+    with pytest.raises(EdgeSpecError, match="reads target layers"):
+        head_training.train(work, target, dataclasses.replace(TRAIN, steps=2, init=str(other)), threads=1)
+    assert_one_line_error(cli("train-head", str(bundle), "--train-only", "--work", str(work), "--init",
+                              str(tmp_path / "missing")), "not found")

@@ -71,6 +71,8 @@ class TrainOptions:
     seed: int = 0
     eval_rows: int = 4000  # labelled held-out rows evaluated at milestones (a fixed prefix of the held-out
     # items; the last point of a run uses them all)
+    init: str | None = None  # a head to start from (saved-head directory, SpecForge checkpoint or hub id):
+    # its weights, draft vocabulary and MLP width replace a fresh head's
 
     def check(self) -> None:
         if self.draft_vocab < 2:
@@ -221,6 +223,22 @@ def new_head(config: Eagle3Config, vocab_ids: np.ndarray, lm_rows: np.ndarray, f
     return head
 
 
+def initial_head(source: str, target: Target) -> Eagle3Head:
+    """The head ``--init`` names, checked against the target and the collected features."""
+    from edge_spec.export.eagle_saved import load_head
+
+    config, head = load_head(source)
+    c = target.config
+    if (config.hidden_size, config.vocab_size) != (c["hidden_size"], c["vocab_size"]):
+        raise EdgeSpecError(f"--init {source}: a head for hidden size {config.hidden_size} and vocabulary "
+                            f"{config.vocab_size}, not this target's {c['hidden_size']} / {c['vocab_size']}")
+    if tuple(config.feature_layers or ()) != tuple(target.feature_layers):
+        raise EdgeSpecError(f"--init {source}: the head reads target layers {config.feature_layers}, the collected "
+                            f"features are layers {tuple(target.feature_layers)} (collect with --feature-layers "
+                            f"{','.join(map(str, config.feature_layers or ()))})")
+    return head.train()
+
+
 def _attend(attn, x: torch.Tensor, positions: torch.Tensor, cache: list) -> torch.Tensor:
     """The head's attention for one training-time-test step (see module docstring); ``cache``
     collects each step's keys / values (after rotary)."""
@@ -278,8 +296,13 @@ class Trainer:
         self.data = load_dataset(work_dir, vocab, options)
         if options.soft and self.data.train[0].hidden is None:
             raise EdgeSpecError("the shards hold no teacher hidden states; train with soft=False")
-        self.vocab_ids = draft_vocabulary(self.data.label_counts, options.draft_vocab, target.eos_ids)
-        self.config = target.head_config(len(self.vocab_ids), options.intermediate)
+        start = initial_head(options.init, target) if options.init else None
+        if start is not None:
+            self.config = start.config
+            self.vocab_ids = start.draft_to_target(np.arange(self.config.draft_vocab_size))
+        else:
+            self.vocab_ids = draft_vocabulary(self.data.label_counts, options.draft_vocab, target.eos_ids)
+            self.config = target.head_config(len(self.vocab_ids), options.intermediate)
         lm_rows = TargetLMHead.from_onnx(target.graph).rows(self.vocab_ids)
         final_norm = np.array(read_initializer(target.graph, "final_norm"), np.float32)
         self.embedding = torch.from_numpy(TargetEmbedding.from_onnx(target.graph).rows(self.data.token_ids))
@@ -287,6 +310,8 @@ class Trainer:
         self.to_draft = torch.full((vocab,), -1, dtype=torch.int64)
         self.to_draft[torch.from_numpy(self.vocab_ids)] = torch.arange(len(self.vocab_ids))
         self.head = new_head(self.config, self.vocab_ids, lm_rows, final_norm, options.seed)
+        if start is not None:  # its weights; the LM head stays the target's own rows, as in a fresh head
+            self.head.load_state_dict({**start.state_dict(), "lm_head.weight": self.head.lm_head.weight.detach()})
         self.head.lm_head.weight.requires_grad_(options.train_lm_head)
         self.params = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=options.weight_decay,
