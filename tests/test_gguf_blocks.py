@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 from onnx import TensorProto, helper
 
-from edge_spec.export.gguf_blocks import add_carried_linear, carry_gguf, concat_blocks
+from edge_spec.export.gguf_blocks import CarriedBlocks, add_carried_linear, carry_gguf, concat_blocks, fast_layout, folded_width
 from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model
 
 N, K = 24, 512  # K: two K-quant super-blocks
@@ -48,7 +48,8 @@ def matmul_session(build) -> ort.InferenceSession:
     return ort.InferenceSession(make_model(graph).SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-OPTS = BuildOptions("int4", accuracy_level=0)  # fp32 activations: the weight path alone is compared
+OPTS = BuildOptions("int4", accuracy_level=0, carry_exact=True)  # fp32 activations: the weight path alone
+FAST = BuildOptions("int4", accuracy_level=0)  # the default: carried blocks in the layout ORT runs fastest
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
@@ -72,6 +73,60 @@ def test_carried_blocks_match_gguf_dequantization(kind):
         assert old_error <= 1e-5 * scale
     else:
         assert old_error > 1e-3 * scale
+
+
+def _rounding_bound(exact: CarriedBlocks) -> np.ndarray:
+    """Per weight, how far :func:`fast_layout` may move it: a quarter step of the larger scale of a merged
+    pair of 16-blocks, the folded correction's two digits (1/196 of the largest |c| among the 32
+    blocks it shares a scale with at 4 bits, 1/254**2 at 8)."""
+    bound = np.zeros(exact.scales.shape, np.float32)
+    if exact.bits == 8 and exact.block_size == 16:
+        pair = np.abs(exact.scales).reshape(exact.n, -1, 2).max(axis=-1)
+        bound += np.repeat(pair / 8, 2, axis=1)
+    if exact.correction is not None:
+        c = np.abs(exact.correction)
+        pad = -c.shape[1] % exact.block_size
+        groups = np.pad(c, ((0, 0), (0, pad))).reshape(exact.n, -1, exact.block_size).max(axis=-1)
+        levels = 2 ** (exact.bits - 1) - 1
+        bound += np.repeat(groups, exact.block_size, axis=1)[:, : c.shape[1]] / (2 * levels) ** 2
+    return np.repeat(bound, exact.block_size, axis=1) * (1 + 1e-5) + 1e-7
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K", "Q5_1", "Q5_K", "Q4_0"])
+def test_fast_layout_rounds_within_its_bound_and_the_graph_computes_it(kind):
+    """The default layout (16-blocks merged, correction folded into the matmul): each weight moves by at
+    most its stated bound from GGUF's value, the graph computes exactly that layout, and the whole stays
+    far closer to GGUF than re-quantizing to int4 blocks (the old path) does."""
+    rng = np.random.default_rng(2)
+    raw = gguf_bytes(kind, rng)
+    reference = quants.dequantize(raw, getattr(T, kind)).reshape(N, K).astype(np.float32)
+    exact = carry_gguf(raw, kind, N, K)
+    fast = fast_layout(exact)
+    assert fast.correction is None and fast.block_size == (32 if kind == "Q6_K" else exact.block_size)
+    assert fast.k == K + folded_width(exact)
+    effective = fast.dequantize()[:, :K]  # weights on x; the extra columns multiply x's block sums, twice
+    if exact.correction is not None:
+        sums, half = K // exact.block_size, folded_width(exact) // 2
+        digits = fast.dequantize()[:, K:K + sums] + fast.dequantize()[:, K + half:K + half + sums]
+        effective = effective + np.repeat(digits, exact.block_size, axis=1)
+    moved = np.abs(effective - reference)
+    assert (moved <= _rounding_bound(exact) + 1e-5 * np.abs(reference).max()).all()  # + float rounding
+    if kind in ("Q4_K", "Q6_K"):
+        assert moved.max() > 0  # it does round: the bound is what the test checks, not exactness
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    got = matmul_session(lambda g: add_carried_linear(g, "x", exact, "w", FAST)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, x @ effective.T, rtol=1e-4, atol=1e-4 * np.abs(x @ effective.T).max())
+    expected = x @ reference.T
+    requant = matmul_session(lambda g: add_linear(g, "x", reference, "w", FAST)).run(None, {"x": x})[0]
+    if kind != "Q4_0":  # Q4_0 is our own int4 rule: re-quantizing gives it back unchanged
+        assert np.abs(got - expected).max() < np.abs(requant - expected).max() / 4
+
+
+def test_fast_layout_leaves_blocks_without_a_correction_or_half_blocks_alone():
+    rng = np.random.default_rng(3)
+    for kind in ("Q4_0", "Q8_0", "Q5_0"):
+        exact = carry_gguf(gguf_bytes(kind, rng), kind, N, K)
+        assert fast_layout(exact) is exact
 
 
 def test_unsupported_types_are_not_carried():
@@ -148,16 +203,17 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
 
     ids = ids_for(4)
     logits = {}
-    for quant in ("int4", "fp32"):
-        path = tmp_path / f"{quant}.onnx"
-        save_model(build_decoder(weights, BuildOptions(quant, accuracy_level=0, context_length=64)), path)
-        logits[quant] = Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"]
-    np.testing.assert_allclose(logits["int4"], logits["fp32"], atol=1e-4)
-    # negative control: the same weights re-quantized to int4 blocks (the old path) are far off
-    path = tmp_path / "requant.onnx"
-    save_model(build_decoder(weights, BuildOptions("int4", accuracy_level=0, context_length=64, gguf_blocks=False)),
-               path)
-    assert np.abs(Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"] - logits["fp32"]).max() > 1e-2
+    for name, options in {"exact": dict(carry_exact=True), "fast": {}, "fp32": {}, "requant": dict(gguf_blocks=False)}.items():
+        path = tmp_path / f"{name}.onnx"
+        quant = "fp32" if name == "fp32" else "int4"
+        save_model(build_decoder(weights, BuildOptions(quant, accuracy_level=0, context_length=64, **options)), path)
+        logits[name] = Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"]
+    np.testing.assert_allclose(logits["exact"], logits["fp32"], atol=1e-4)
+    # negative control: the same weights re-quantized to int4 blocks (the old path) are far off; the default
+    # layout (Q4_1's correction folded into the matmul at 4 bits) stays much closer than that
+    requant_error = np.abs(logits["requant"] - logits["fp32"]).max()
+    assert requant_error > 1e-2
+    assert np.abs(logits["fast"] - logits["fp32"]).max() < requant_error / 4
 
 
 def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair):
@@ -180,5 +236,5 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair):
         "carried": {"Q4_K": 3}, "requantized": {"layers.0.down": "Q3_K: no exact MatMulNBits layout"}}
     assert manifest["draft"]["quantization"]["gguf_blocks"] == "requantized"
     said = [line for line in lines if "GGUF blocks" in line]
-    assert said == ["t: GGUF blocks carried exactly: 3 matrices (Q4_K 3); re-quantized: layers.0.down (Q3_K: no "
+    assert said == ["t: GGUF blocks carried: 3 matrices (Q4_K 3); re-quantized: layers.0.down (Q3_K: no "
                     "exact MatMulNBits layout); embedding table re-quantized to int8"]

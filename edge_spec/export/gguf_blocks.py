@@ -21,8 +21,21 @@ The affine formats' zero point is fractional.  ONNX Runtime accepts a float zero
 weights (not for 8-bit ones), but its CPU kernel then dequantizes the whole matrix on every call (about a hundred times
 slower than the integer path), so the fraction is moved out instead: ``w = scale * (q - z) - c`` with
 ``z`` the rounded zero point and ``c = scale * (exact - z)`` one float per block, and ``x @ w.T`` is
-``MatMulNBits`` minus the block sums of ``x`` times ``c`` (one small fp32 MatMul, K/32 wide).  Other
-types (Q2_K, Q3_K, the IQ family) are not carried: the exporter re-quantizes them and says so.
+``MatMulNBits`` minus the block sums of ``x`` times ``c``.  Other types (Q2_K, Q3_K, the IQ family) are
+not carried: the exporter re-quantizes them and says so.
+
+What ONNX Runtime runs fast is not quite that layout, so by default (``BuildOptions.carry_exact`` False)
+the graph gets it in two forms that round a second time, each far below GGUF's own step
+(:func:`fast_layout`; the export's weights are checked against transformers in the exact form first):
+
+* **blocks of 16 become blocks of 32** (Q6_K): ORT's 8-bit kernel over blocks of 16 runs about 1.5x
+  slower than over blocks of 32.  Two sub-blocks share the larger one's scale / 4, so its codes
+  (``4 * (q - 32)``) stay exact and the other's are rounded to a quarter of that step;
+* **the correction rides in the main matmul**: the block sums of ``x`` are appended to ``x`` (twice) and
+  ``-c`` to each row as blocks of its own, in two digits at the weight's bits (:func:`fold_correction`:
+  error at most 1/196 of the largest ``|c|`` among 32 blocks at 4 bits; ``|c|`` is at most half a step
+  unless the zero point was clipped).  A separate fp32 MatMul plus a Sub per projection cost about a third
+  of the int4 matmul they corrected.
 """
 
 from __future__ import annotations
@@ -110,7 +123,11 @@ def _zero_point_bytes(w: CarriedBlocks) -> np.ndarray:
 
 def add_carried_linear(g, x: str, w: CarriedBlocks, name: str, opt, bias: np.ndarray | None = None) -> str:
     """``y = x @ w.T + bias`` as one ``MatMulNBits`` over the carried blocks (``g``: the builder's Graph),
-    less the per-block correction (see the module docstring) where the format has one."""
+    less the per-block correction (see the module docstring) where the format has one: folded into the
+    matmul (default), or as a separate fp32 MatMul when ``opt.carry_exact``."""
+    if not opt.carry_exact:
+        x = _with_block_sums(g, x, w, name)
+        w = fast_layout(w)
     inputs = [x, g.const(name + ".qweight", w.packed), g.const(name + ".scales", w.scales.reshape(-1))]
     if w.zero_points is not None:
         inputs.append(g.const(name + ".zero_points", _zero_point_bytes(w)))
@@ -121,14 +138,96 @@ def add_carried_linear(g, x: str, w: CarriedBlocks, name: str, opt, bias: np.nda
     g.node("MatMulNBits", inputs, [main], domain=MS_DOMAIN, K=w.k, N=w.n, bits=w.bits, block_size=w.block_size,
            accuracy_level=opt.accuracy_level)
     if w.correction is not None:
-        shape = g.const(name + ".blocks", np.array([0, 0, w.k // w.block_size, w.block_size], np.int64))
-        blocks = g.node("Reshape", [x, shape], [name + "/x_blocks"])[0]
-        sums = g.node("ReduceSum", [blocks, g.const(name + ".sum_axis", np.array([-1], np.int64))],
-                      [name + "/block_sums"], keepdims=0)[0]
-        fix = g.node("MatMul", [sums, g.const(name + ".correction", np.ascontiguousarray(w.correction.T))],
+        fix = g.node("MatMul", [_block_sums(g, x, w, name), g.const(name + ".correction",
+                                                                     np.ascontiguousarray(w.correction.T))],
                      [name + "/correction"])[0]
         g.node("Sub", [main, fix], [out])
     return out
+
+
+def _block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
+    """``x``'s sums over each of ``w``'s K blocks: ``[1, n, k / block_size]``."""
+    shape = g.const(name + ".blocks", np.array([0, 0, w.k // w.block_size, w.block_size], np.int64))
+    blocks = g.node("Reshape", [x, shape], [name + "/x_blocks"])[0]
+    return g.node("ReduceSum", [blocks, g.const(name + ".sum_axis", np.array([-1], np.int64))],
+                  [name + "/block_sums"], keepdims=0)[0]
+
+
+def _with_block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
+    """``x`` itself, or ``[x, sums, 0, sums, 0]`` with ``x``'s block sums padded to whole blocks: the input
+    of :func:`fold_correction`'s two digits."""
+    width = folded_width(w)
+    if not width:
+        return x
+    sums = _block_sums(g, x, w, name)
+    pad = width // 2 - w.k // w.block_size
+    if pad:
+        sums = g.node("Pad", [sums, g.const(name + ".sums_pad", np.array([0, 0, 0, 0, 0, pad], np.int64))],
+                      [name + "/block_sums_padded"])[0]
+    return g.node("Concat", [x, sums, sums], [name + "/x_and_sums"], axis=-1)[0]
+
+
+def fast_layout(w: CarriedBlocks) -> CarriedBlocks:
+    """``w`` in the layout ORT's CPU kernels run fastest (see the module docstring): 8-bit blocks of 16
+    merged into blocks of 32, then the correction folded into extra K blocks."""
+    if w.bits == 8 and w.block_size == 16:
+        w = merge_half_blocks(w)
+    return fold_correction(w)
+
+
+def merge_half_blocks(w: CarriedBlocks) -> CarriedBlocks:
+    """8-bit blocks of 16 whose codes lie within 32 of their zero point (Q6_K) as symmetric blocks of 32:
+    each pair takes the signed scale of its larger-magnitude half divided by 4, so that half's codes are
+    ``4 * (q - zero)`` exactly and the other half's are rounded to the nearest quarter step of the larger.
+    Other 16-blocks are returned unchanged."""
+    centred = unpack_codes(w.packed, 8).astype(np.int32) - w.zero_points_or_default()[..., None].astype(np.int32)
+    if w.k % 32 or np.abs(centred).max(initial=0) > 32 or w.correction is not None:
+        return w
+    n, blocks = w.scales.shape
+    values = (centred * w.scales[..., None]).reshape(n, blocks // 2, 32)  # float32: what each weight is
+    pair = w.scales.reshape(n, blocks // 2, 2)
+    larger = np.take_along_axis(pair, np.abs(pair).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    scale = (larger / 4).astype(np.float32)
+    safe = np.where(scale == 0, 1, scale)
+    codes = np.clip(np.rint(values / safe[..., None]), -128, 127).astype(np.int32) + 128
+    return CarriedBlocks(codes.astype(np.uint8), scale, None, 8, 32, w.source_type)
+
+
+def fold_correction(w: CarriedBlocks) -> CarriedBlocks:
+    """``w`` with its correction ``c`` (one float per block) turned into weights that multiply ``x``'s
+    block sums appended to ``x`` twice, each copy zero-padded to whole blocks: ``-c`` quantized
+    symmetrically at ``w``'s bits in groups of one block, then what that left over quantized the same way.
+    Two digits: at most 1/196 of a group's largest ``|c|`` at 4 bits, where one digit's 1/14, multiplied
+    by block sums that outlier channels make large in every row, moved logits visibly.  The result has no
+    correction; its K is ``w.k`` plus :func:`folded_width`."""
+    if w.correction is None:
+        return w
+    n, sums = w.correction.shape
+    pad = -sums % w.block_size
+    half = 1 << (w.bits - 1)
+    remainder = np.pad(-w.correction.astype(np.float64), ((0, 0), (0, pad))).reshape(n, -1, w.block_size)
+    packed, scales = [w.packed], [w.scales]
+    for _ in range(2):
+        scale = (np.abs(remainder).max(axis=-1) / (half - 1)).astype(np.float32)  # +-absmax both representable
+        steps = np.rint(remainder / np.where(scale == 0, 1, scale)[..., None])
+        remainder = remainder - steps * scale[..., None]
+        packed.append(pack_codes((steps + half).astype(np.uint8), w.bits))
+        scales.append(scale)
+    zero = None
+    if w.zero_points is not None:
+        extra = np.full((n, sum(s.shape[1] for s in scales[1:])), half, np.uint8)
+        zero = np.concatenate([w.zero_points, extra], axis=1)
+    return CarriedBlocks(np.concatenate(packed, axis=1), np.concatenate(scales, axis=1), zero, w.bits,
+                         w.block_size, w.source_type)
+
+
+def folded_width(w: CarriedBlocks) -> int:
+    """How much wider than ``w.k`` the input of a folded correction is: two copies of the block sums,
+    each padded to whole blocks (0 without a correction)."""
+    if w.correction is None:
+        return 0
+    sums = w.k // w.block_size
+    return 2 * (sums + -sums % w.block_size)
 
 
 # -- GGUF block layouts (ggml-common.h) -> codes, scales, zero points --------------------------------------

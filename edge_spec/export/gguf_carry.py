@@ -37,7 +37,7 @@ class CarryReport:
         """One line for the export log."""
         total = sum(self.carried.values())
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.carried.items()))
-        line = f"GGUF blocks carried exactly: {total} matrices ({kinds or 'none'})"
+        line = f"GGUF blocks carried: {total} matrices ({kinds or 'none'})"
         if self.fallback:
             shown = "; ".join(f"{name} ({why})" for name, why in list(self.fallback.items())[:4])
             more = f" and {len(self.fallback) - 4} more" if len(self.fallback) > 4 else ""

@@ -65,6 +65,7 @@ class BuildOptions:
     tree_attention: bool = False  # position_ids + attention_bias inputs: verify a draft tree in one pass
     feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
     gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
+    carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf_blocks.fast_layout)
 
 
 class Graph:
