@@ -156,11 +156,10 @@ def _block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
 def _with_block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
     """``x`` itself, or ``[x, sums, 0, sums, 0]`` with ``x``'s block sums padded to whole blocks: the input
     of :func:`fold_correction`'s two digits."""
-    width = folded_width(w)
-    if not width:
+    if w.correction is None:
         return x
     sums = _block_sums(g, x, w, name)
-    pad = width // 2 - w.k // w.block_size
+    pad = _sums_width(w) - w.k // w.block_size
     if pad:
         sums = g.node("Pad", [sums, g.const(name + ".sums_pad", np.array([0, 0, 0, 0, 0, pad], np.int64))],
                       [name + "/block_sums_padded"])[0]
@@ -170,18 +169,18 @@ def _with_block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
 def fast_layout(w: CarriedBlocks) -> CarriedBlocks:
     """``w`` in the layout ORT's CPU kernels run fastest (see the module docstring): 8-bit blocks of 16
     merged into blocks of 32, then the correction folded into extra K blocks."""
-    if w.bits == 8 and w.block_size == 16:
-        w = merge_half_blocks(w)
-    return fold_correction(w)
+    return fold_correction(merge_half_blocks(w))
 
 
 def merge_half_blocks(w: CarriedBlocks) -> CarriedBlocks:
     """8-bit blocks of 16 whose codes lie within 32 of their zero point (Q6_K) as symmetric blocks of 32:
     each pair takes the signed scale of its larger-magnitude half divided by 4, so that half's codes are
     ``4 * (q - zero)`` exactly and the other half's are rounded to the nearest quarter step of the larger.
-    Other 16-blocks are returned unchanged."""
+    Any other layout is returned unchanged."""
+    if w.bits != 8 or w.block_size != 16 or w.k % 32 or w.correction is not None:
+        return w
     centred = unpack_codes(w.packed, 8).astype(np.int32) - w.zero_points_or_default()[..., None].astype(np.int32)
-    if w.k % 32 or np.abs(centred).max(initial=0) > 32 or w.correction is not None:
+    if np.abs(centred).max(initial=0) > 32:
         return w
     n, blocks = w.scales.shape
     values = (centred * w.scales[..., None]).reshape(n, blocks // 2, 32)  # float32: what each weight is
@@ -203,7 +202,7 @@ def fold_correction(w: CarriedBlocks) -> CarriedBlocks:
     if w.correction is None:
         return w
     n, sums = w.correction.shape
-    pad = -sums % w.block_size
+    pad = _sums_width(w) - sums
     half = 1 << (w.bits - 1)
     remainder = np.pad(-w.correction.astype(np.float64), ((0, 0), (0, pad))).reshape(n, -1, w.block_size)
     packed, scales = [w.packed], [w.scales]
@@ -224,10 +223,13 @@ def fold_correction(w: CarriedBlocks) -> CarriedBlocks:
 def folded_width(w: CarriedBlocks) -> int:
     """How much wider than ``w.k`` the input of a folded correction is: two copies of the block sums,
     each padded to whole blocks (0 without a correction)."""
-    if w.correction is None:
-        return 0
+    return 0 if w.correction is None else 2 * _sums_width(w)
+
+
+def _sums_width(w: CarriedBlocks) -> int:
+    """One copy of ``x``'s block sums (one per K block of ``w``) padded to whole blocks."""
     sums = w.k // w.block_size
-    return 2 * (sums + -sums % w.block_size)
+    return sums + -sums % w.block_size
 
 
 # -- GGUF block layouts (ggml-common.h) -> codes, scales, zero points --------------------------------------
