@@ -426,8 +426,6 @@ def report(path: Path) -> str:
         records = saved["records"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"{path}: not a spec_peers result ({error})") from None
-    for record in records:
-        record["tokens_per_second"] = decode_tokens(record) / record["decode_seconds"] if record["decode_seconds"] else 0.0
     return format_rows(summarize(records, list(dict.fromkeys(r["engine"] for r in records))))
 
 

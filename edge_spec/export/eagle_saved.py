@@ -20,7 +20,7 @@ import torch
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.eagle import Eagle3Config, Eagle3Head, load_specforge
-from edge_spec.runtime.model.embedding import RowTable, TargetLMHead, read_initializer
+from edge_spec.runtime.model.embedding import TargetLMHead, read_initializer
 
 SAVED_RECORD = "eagle.json"
 
@@ -90,21 +90,9 @@ class _Linears:
             raise EdgeSpecError(f"saved EAGLE-3 head file missing: {path}")
         self.path = path
         self.graph = onnx.load(str(path), load_external_data=False).graph
-        self.names = {t.name for t in self.graph.initializer}
 
     def weight(self, name: str) -> np.ndarray:
-        if name + ".weight" in self.names:  # fp32: MatMul with the weight stored transposed
-            return np.array(read_initializer(self.path, name + ".weight", self.graph), np.float32).T
-        node = next((n for n in self.graph.node if n.op_type == "MatMulNBits" and n.input[1] == name + ".qweight"), None)
-        if node is None:
-            raise EdgeSpecError(f"{self.path} has no linear layer {name!r}")
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if len(node.input) > 3 and node.input[3]:
-            raise EdgeSpecError(f"{self.path}: {name} has zero points, which edge-spec never writes")
-        table = RowTable(packed=read_initializer(self.path, name + ".qweight", self.graph),
-                         scales=read_initializer(self.path, name + ".scales", self.graph),
-                         bits=int(attrs["bits"]), block_size=int(attrs["block_size"]), hidden_size=int(attrs["K"]))
-        return table.table()
+        return TargetLMHead.from_linear(self.path, name, self.graph).table()
 
     def vector(self, name: str) -> np.ndarray:
         return np.array(read_initializer(self.path, name, self.graph), np.float32)

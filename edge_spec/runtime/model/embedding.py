@@ -149,17 +149,23 @@ class TargetLMHead(RowTable):
 
     @classmethod
     def from_onnx(cls, onnx_path) -> TargetLMHead:
+        return cls.from_linear(onnx_path, "lm_head")
+
+    @classmethod
+    def from_linear(cls, onnx_path, name: str, graph: onnx.GraphProto | None = None):
+        """The weight ``[N, K]`` of linear layer ``name`` (``name.qweight`` / ``name.scales`` of a
+        MatMulNBits node, or ``name.weight`` of a MatMul, stored transposed), as ``add_linear`` writes it."""
         onnx_path = Path(onnx_path)
-        graph = _graph(onnx_path)
+        graph = graph if graph is not None else _graph(onnx_path)
         node = next((n for n in graph.node if n.op_type in ("MatMulNBits", "MatMul")
-                     and len(n.input) > 1 and n.input[1].startswith("lm_head.")), None)
+                     and len(n.input) > 1 and n.input[1] in (name + ".qweight", name + ".weight")), None)
         if node is None:
-            raise EdgeSpecError(f"{onnx_path} has no LM head (lm_head.* MatMul / MatMulNBits)")
+            raise EdgeSpecError(f"{onnx_path} has no linear layer {name!r} ({name}.* MatMul / MatMulNBits)")
         if node.op_type == "MatMul":
             return cls(dense=read_initializer(onnx_path, node.input[1], graph), transposed=True)
         attrs = _node_attrs(node)
         if len(node.input) > 3 and any(node.input[3:]):
-            raise EdgeSpecError(f"{onnx_path}: LM head with zero points / bias is not supported")
+            raise EdgeSpecError(f"{onnx_path}: {name} with zero points / bias is not supported")
         return cls(packed=read_initializer(onnx_path, node.input[1], graph),
                    scales=read_initializer(onnx_path, node.input[2], graph),
                    bits=int(attrs["bits"]), block_size=int(attrs["block_size"]), hidden_size=int(attrs["K"]))
