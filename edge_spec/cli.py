@@ -132,6 +132,9 @@ def export(
     gguf_blocks: str = typer.Option("target", help="Which GGUF sources keep their quantized blocks in "
                                     "MatMulNBits (rounded once, by llama.cpp) instead of being re-quantized to "
                                     "--block-size blocks: target (default), both or none."),
+    gguf_layout: str = typer.Option("fast", help="Carried GGUF blocks: fast (default; Q6_K's 16-blocks merged into "
+                                    "32-blocks, the zero-point correction folded into the matmul, rounding far "
+                                    "below GGUF's step) or exact (as GGUF has them; slower)."),
     draft_vocab: str = DraftVocabOpt,
     keep: str = KeepOpt,
     calibration: Optional[Path] = CalibrationOpt,
@@ -156,7 +159,7 @@ def export(
     out_dir = out_dir or bundle_dir(target, quant)
     options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
                             scorer_vocab, quant=quant, block_size=block_size, accuracy_level=accuracy_level,
-                            context_length=context_length, gguf_blocks=gguf_blocks)
+                            context_length=context_length, gguf_blocks=gguf_blocks, gguf_layout=gguf_layout)
     eagle = shipped_eagle_head(target) if eagle is None else (None if eagle == "none" else eagle)
     with _progress_lines("exporting") as progress:
         manifest = export_bundle(target, draft, out_dir, options, progress)

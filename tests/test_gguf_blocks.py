@@ -216,10 +216,14 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
     assert np.abs(logits["fast"] - logits["fp32"]).max() < requant_error / 4
 
 
-def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair):
-    """One line in the export log and the manifest's quantization record per model; by default only the
-    target keeps GGUF blocks (the drafter's rounding moves acceptance, not the output)."""
+@pytest.mark.parametrize("layout", ["fast", "exact"])
+def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layout):
+    """One line in the export log and the manifest's quantization record per model, with the layout
+    (--gguf-layout) the target graph was built in; by default only the target keeps GGUF blocks (the
+    drafter's rounding moves acceptance, not the output)."""
     from collections import Counter
+
+    import onnx
 
     from edge_spec.export.bundle import ExportOptions, export_bundle
     from edge_spec.export.gguf_carry import CarryReport
@@ -227,14 +231,29 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair):
 
     tokenizer, target, draft = tiny_pair
     models = {"t": tiny_models.loaded("t", target, tokenizer), "d": tiny_models.loaded("d", draft, tokenizer)}
-    for model in models.values():  # as load_model leaves a GGUF source (no blocks attached: graphs as usual)
+    for model in models.values():  # as load_model leaves a GGUF source
         model.gguf_carry = CarryReport(Counter({"Q4_K": 3}), {"layers.0.down": "Q3_K: no exact MatMulNBits layout"})
+    o = models["t"].weights.layers[0].o  # one affine matrix carried, so the layout shows in the graph
+    models["t"].weights.carried["layers.0.o"] = carry_gguf(quants.quantize(o, T.Q4_1), "Q4_1", *o.shape)
     lines: list[str] = []
-    manifest = export_bundle("t", "d", tmp_path / "b", ExportOptions(context_length=64), lines.append,
-                             loader=models.__getitem__)
+    manifest = export_bundle("t", "d", tmp_path / "b", ExportOptions(context_length=64, gguf_layout=layout),
+                             lines.append, loader=models.__getitem__)
     assert manifest["target"]["quantization"]["gguf_blocks"] == {
         "carried": {"Q4_K": 3}, "requantized": {"layers.0.down": "Q3_K: no exact MatMulNBits layout"}}
+    assert manifest["target"]["quantization"]["gguf_layout"] == layout
     assert manifest["draft"]["quantization"]["gguf_blocks"] == "requantized"
     said = [line for line in lines if "GGUF blocks" in line]
-    assert said == ["t: GGUF blocks carried: 3 matrices (Q4_K 3); re-quantized: layers.0.down (Q3_K: no "
-                    "exact MatMulNBits layout); embedding table re-quantized to int8"]
+    assert said == [f"t: GGUF blocks carried: 3 matrices (Q4_K 3); re-quantized: layers.0.down (Q3_K: no "
+                    f"exact MatMulNBits layout) ({layout} layout); embedding table re-quantized to int8"]
+    graph = onnx.load(str(tmp_path / "b" / manifest["target"]["onnx"]), load_external_data=False).graph
+    nodes = {n.name for n in graph.node}
+    assert ("layers.0.o/x_and_sums/Concat" in nodes) == (layout == "fast")
+    assert ("layers.0.o/correction/MatMul" in nodes) == (layout == "exact")
+
+
+def test_an_unknown_gguf_layout_is_one_line():
+    from edge_spec.errors import EdgeSpecError
+    from edge_spec.export.bundle import ExportOptions
+
+    with pytest.raises(EdgeSpecError, match=r"^--gguf-layout must be one of fast, exact, not 'quick'$"):
+        ExportOptions(gguf_layout="quick").check()

@@ -42,6 +42,7 @@ class ExportOptions:
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
     scorer_vocab: tuple[int, ...] = (0,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
     gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
+    gguf_layout: str = "fast"  # carried blocks as ORT runs them fast, or exactly as GGUF has them (gguf_blocks.py)
 
     @property
     def keep_list(self) -> list[int]:
@@ -66,6 +67,8 @@ class ExportOptions:
         if self.gguf_blocks not in GGUF_BLOCK_MODES:
             raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, "
                                 f"not {self.gguf_blocks!r}")
+        if self.gguf_layout not in GGUF_LAYOUTS:
+            raise EdgeSpecError(f"--gguf-layout must be one of {', '.join(GGUF_LAYOUTS)}, not {self.gguf_layout!r}")
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
         if min(self.candidates) < 1:
@@ -74,6 +77,7 @@ class ExportOptions:
 
 DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
 GGUF_BLOCK_MODES = ("target", "both", "none")
+GGUF_LAYOUTS = ("fast", "exact")
 
 
 def _say(progress, message: str) -> None:
@@ -88,16 +92,17 @@ def carries_gguf_blocks(options: ExportOptions, role: str) -> bool:
     return options.gguf_blocks == "both" or (options.gguf_blocks == "target" and role == "target")
 
 
-def _gguf_quant_info(model: LoadedModel, quant_info: dict, carry: bool, progress) -> dict:
+def _gguf_quant_info(model: LoadedModel, quant_info: dict, build: BuildOptions, progress) -> dict:
     """``quant_info`` plus, for a GGUF source exported quantized, which matrices kept their GGUF blocks and
-    which were re-quantized (also said in one line of the export log)."""
+    which were re-quantized, and in which layout (also said in one line of the export log)."""
     report = model.gguf_carry
     if report is None or quant_info["weights"] == "fp32":
         return quant_info
-    if not carry:
+    if not build.gguf_blocks:
         return dict(quant_info, gguf_blocks="requantized")
-    _say(progress, f"{model.name}: {report.summary()}; embedding table re-quantized to int8")
-    return dict(quant_info, gguf_blocks=report.to_dict(), embedding="GatherBlockQuantized int8")
+    layout = "exact" if build.carry_exact else "fast"
+    _say(progress, f"{model.name}: {report.summary()} ({layout} layout); embedding table re-quantized to int8")
+    return dict(quant_info, gguf_blocks=report.to_dict(), gguf_layout=layout, embedding="GatherBlockQuantized int8")
 
 
 def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: dict, stem: str = "model") -> dict:
@@ -474,11 +479,11 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         "embedding": "GatherBlockQuantized" if options.quant != "fp32" else "Gather",
     }
     build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
-                         gguf_blocks=carries_gguf_blocks(options, "target"))
+                         gguf_blocks=carries_gguf_blocks(options, "target"), carry_exact=options.gguf_layout == "exact")
 
     _say(progress, f"loading target {target_source}")
     target = loader(target_source)
-    target_quant = _gguf_quant_info(target, quant_info, build.gguf_blocks, progress)
+    target_quant = _gguf_quant_info(target, quant_info, build, progress)
     _say(progress, f"building target graph ({options.quant})")
     export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
@@ -497,7 +502,7 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
             f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
         )
     build = dataclasses.replace(build, gguf_blocks=carries_gguf_blocks(options, "draft"))
-    draft_quant = _gguf_quant_info(draft, quant_info, build.gguf_blocks, progress)
+    draft_quant = _gguf_quant_info(draft, quant_info, build, progress)
     _say(progress, f"building drafter body ({options.quant})")
     export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
     draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
@@ -555,9 +560,11 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     if draft.weights.config.to_dict() != DecoderConfig(**record["config"]).to_dict():
         raise EdgeSpecError(f"drafter {source} does not match the bundle's drafter ({record['name']})")
     quant = manifest["target"]["quantization"]
-    carried = isinstance(record.get("quantization", {}).get("gguf_blocks"), dict)
+    draft_quant = record.get("quantization", {})
+    carried = isinstance(draft_quant.get("gguf_blocks"), dict)
+    # a bundle from before the fast layout records none: its carried heads were exact
     build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"],
-                         gguf_blocks=carried)
+                         gguf_blocks=carried, carry_exact=draft_quant.get("gguf_layout", "exact") == "exact")
     options = dataclasses.replace(options, quant=quant["weights"], block_size=quant["block_size"],
                                   accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
