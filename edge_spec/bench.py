@@ -187,7 +187,7 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
     started = time.perf_counter()
     completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                  mode=loop, exact=mode.exact)
-    exact = engine.exact_for(loop, mode.exact)
+    exact = engine.exact_for(loop, mode.exact, greedy=temperature == 0)
     stats = completion.stats
     record = {"temperature": temperature, "mode": mode.name, "new_tokens": stats.new_tokens,
               "decode_seconds": stats.decode_seconds, "wall_seconds": time.perf_counter() - started,

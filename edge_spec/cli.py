@@ -55,7 +55,8 @@ LookupOpt = typer.Option(None, "--lookup/--no-lookup", help="spec: also draft by
                          "occurrence of the last tokens) in rounds where that beats the drafter.")
 ExactOpt = typer.Option(None, "--exact/--no-exact", help="Batch-invariant target passes (one-token passes get a "
                         "throw-away second row), so greedy output is bit-identical in every mode. Default: on "
-                        "for spec/ssd, off for ar (one-row decoding is 15-25% faster but rounds differently).")
+                        "for greedy spec/ssd, off for ar and for sampling (one-row passes are 15-25% faster but "
+                        "round differently; a sampled answer depends on the draft lengths anyway).")
 VerifyOpt = typer.Option(False, "--verify", help="Check every bundle file's sha256 before loading (slower; "
                          "sizes are always checked).")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")

@@ -86,6 +86,20 @@ def test_exact_can_be_turned_off_and_on(int4_bundle):
     assert engine.target.min_rows == 2
 
 
+def test_sampled_speculative_decoding_skips_the_pad_row(int4_bundle):
+    """A sampled answer depends on the draft lengths through its random draws, so by default its
+    draft-less rounds are plain one-row passes; greedy ones keep the pad row, and --exact forces it."""
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    assert engine.exact_for("spec") and not engine.exact_for("spec", greedy=False)
+    engine.complete("def f", max_new_tokens=4, temperature=0.8, seed=1)
+    assert engine.target.min_rows == 1
+    engine.complete("def f", max_new_tokens=4)
+    assert engine.target.min_rows == 2
+    forced = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64", exact=True)
+    forced.complete("def f", max_new_tokens=4, temperature=0.8, seed=1)
+    assert forced.target.min_rows == 2
+
+
 @pytest.fixture()
 def exact_engine(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="full")

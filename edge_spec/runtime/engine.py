@@ -151,9 +151,10 @@ class Engine:
 
         ``exact`` makes every target pass batch-invariant (one-token passes get a throw-away second row,
         see :mod:`decoder`): greedy output is then the same bit for bit in every mode, whatever the
-        draft lengths.  The default (None) is exact in the speculative modes, where nearly every pass has
-        several rows anyway, and plain one-row decoding in ``"ar"`` mode, which is 15-25% faster but
-        rounds differently, so it can part from the speculative answer at a numerical near-tie.
+        draft lengths.  The default (None) is exact in greedy speculative decoding, where nearly every pass
+        has several rows anyway, and plain one-row decoding in ``"ar"`` mode, which is 15-25% faster but
+        rounds differently, so it can part from the speculative answer at a numerical near-tie; sampled
+        speculative decoding runs one-row passes where a round has no drafts (see :meth:`exact_for`).
         The drafter is loaded on first use when ``mode="ar"``.  ``mode="ssd"`` drafts the next round while
         the target verifies (:mod:`ssd`): give the two models their own cores or devices with
         ``draft_threads`` / ``draft_provider`` (default: the target's ``threads`` / ``provider``).
@@ -388,11 +389,18 @@ class Engine:
                 dropped += 1
         return system + rest, dropped
 
-    def exact_for(self, mode: str, exact: bool | None = None) -> bool:
-        """Whether a generation in ``mode`` runs batch-invariant target passes (call > engine > mode default)."""
+    def exact_for(self, mode: str, exact: bool | None = None, greedy: bool = True) -> bool:
+        """Whether a generation in ``mode`` runs batch-invariant target passes (call > engine > default).
+
+        By default only greedy speculative decoding does: there the padded passes make its answer
+        bit-identical to ``ar --exact`` whatever the draft lengths.  A sampled answer already depends on
+        the draft lengths through which random draws the verifier makes, so the pad row would buy no
+        reproducibility, only cost: a draft-less round is then the one-row pass plain decoding runs."""
         if exact is not None:
             return exact
-        return mode != "ar" if self.exact is None else self.exact
+        if self.exact is not None:
+            return self.exact
+        return mode != "ar" and greedy
 
     def config_for(self, mode: str | None) -> LoopConfig:
         """The engine's configuration, or for another ``mode`` that mode's defaults."""
@@ -479,7 +487,7 @@ class Engine:
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
-        self.target.min_rows = exact_min_rows(self._provider) if self.exact_for(mode, exact) else 1
+        self.target.min_rows = exact_min_rows(self._provider) if self.exact_for(mode, exact, params.greedy) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
         self.last_stats = stats
