@@ -122,3 +122,56 @@ def test_a_draft_less_round_is_worth_its_free_guess():
     assert plan_round(0.9, 0.9, exact, 3, spare=0.3).gamma > 0  # a confident drafter still drafts
     policy = AdaptiveGamma(3, estimates(first=0.45, first_prior=0.45))
     assert policy.begin_round(exact) is not None and policy.begin_round(exact, spare=0.3) is None
+
+
+# this machine's fast-layout bundle: a drafter step that reads two tokens costs 1.9 ms more than one
+CATCH_UP = CostModel(draft=0.0101, verify={1: 0.0446, 2: 0.0522, 3: 0.0649, 4: 0.0754, 5: 0.0887}, catch_up=0.0019)
+
+
+def test_a_round_is_charged_for_the_tokens_it_leaves_the_drafter_to_read():
+    costs = CATCH_UP
+    # the drafter's own drafts: one extra token to read only when every draft was accepted
+    assert costs.expected_cost(0.8, 0.5, 2) == pytest.approx(costs.round_cost(2) + 0.8 * 0.5 * 0.0019)
+    # a draft-less round: every token it makes (its own, and the spare row's guess when right)
+    assert costs.expected_cost(0.8, 0.5, 0, spare=0.3) == pytest.approx(costs.round_cost(0) + 1.3 * 0.0019)
+    # lookup drafts: the drafter read none of them
+    lookup = CostModel(0.0, costs.verify, costs.catch_up, drafter_drafts=False)
+    assert lookup.expected_cost(0.8, 0.5, 2) == pytest.approx(lookup.round_cost(2) + chain_tokens(0.8, 0.5, 2) * 0.0019)
+    # no catch-up measured: the plain round cost
+    assert CostModel(costs.draft, costs.verify).expected_cost(0.8, 0.5, 2) == pytest.approx(costs.round_cost(2))
+
+
+def test_the_catch_up_row_moves_confident_rounds_past_one_draft():
+    # a γ = 1 round at α = 0.8 leaves its two tokens unread four times in five; two drafts amortize that
+    assert plan_round(0.8, 0.8, CATCH_UP, 4).gamma == 2
+    assert plan_round(0.8, 0.8, CostModel(CATCH_UP.draft, CATCH_UP.verify), 4).gamma == 1  # control: no catch-up
+    # the stop rule: once the drafter proposed draft k it has read draft k - 1, so dropping a doubtful
+    # draft k leaves nothing extra to read, while keeping it leaves two tokens whenever it is right
+    slow_second_row = CostModel(CATCH_UP.draft, CATCH_UP.verify, catch_up=0.010)
+    rate = plan_round(0.8, 0.8, CostModel(CATCH_UP.draft, CATCH_UP.verify), 4).rate
+    lengths = []
+    for costs in (slow_second_row, CostModel(CATCH_UP.draft, CATCH_UP.verify)):
+        rule = DraftRound(costs, gamma_max=4, rate=rate, estimates=estimates(0.8))
+        rule.add(0.8)
+        lengths.append(rule.best_length(acceptance=0.6, following=0.6, allow_drop=True))
+    assert lengths == [1, 2]
+
+
+def test_the_drafter_prices_its_second_row_from_its_own_passes():
+    from types import SimpleNamespace
+
+    from edge_spec.runtime.model.decoder import DecoderStats
+    from edge_spec.runtime.propose.model import ModelDrafter
+
+    stats = DecoderStats()
+    drafter = ModelDrafter(SimpleNamespace(stats=stats), head=None, vocab_size=8)
+    assert drafter.catch_up_seconds == 0.0  # nothing measured
+    for _ in range(3):
+        stats.add(1, 0.010)
+    assert drafter.catch_up_seconds == 0.0  # no two-row step yet
+    for _ in range(3):
+        stats.add(2, 0.012)
+    assert drafter.catch_up_seconds == pytest.approx(0.002)
+    for _ in range(30):
+        stats.add(2, 0.009)  # a second row that costs nothing (noise below the one-row step) is free, not a refund
+    assert drafter.catch_up_seconds == 0.0

@@ -91,6 +91,13 @@ class ChainDrafter:
         """A round without drafter steps: nothing to catch up on yet (the next start does it)."""
 
     @property
+    def catch_up_seconds(self) -> float:
+        """What reading a second token in one step adds to it, as measured live (0 until both sizes
+        were): the price of each token a round leaves the drafter beyond the one it reads anyway."""
+        seconds = self.decoder.stats.recent_seconds()
+        return max(seconds[2] - seconds[1], 0.0) if 1 in seconds and 2 in seconds else 0.0
+
+    @property
     def decoder(self) -> Decoder:
         """The decoder whose passes are this drafter's steps (pass logs, prefill progress)."""
         raise NotImplementedError

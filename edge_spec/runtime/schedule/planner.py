@@ -100,9 +100,11 @@ class DraftPlanner:
             return None
         if self.policy is not None:
             return plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.gamma, spare=spare).rate
-        return chain_tokens(self.estimates.first, self.estimates.later_draft(), self.gamma) / costs.round_cost(self.gamma)
+        first, later = self.estimates.first, self.estimates.later_draft()
+        return chain_tokens(first, later, self.gamma) / costs.expected_cost(first, later, self.gamma)
 
     def _costs(self) -> CostModel | None:
         """What a model round costs now (None until the drafter's step and target passes are measured)."""
         step, verify = self.model.step_estimate if self.model else 0.0, self.target.recent_seconds()
-        return CostModel(step, verify) if step is not None and verify else None
+        catch_up = self.model.catch_up_seconds if self.model else 0.0
+        return CostModel(step, verify, catch_up) if step is not None and verify else None

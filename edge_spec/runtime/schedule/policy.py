@@ -18,6 +18,13 @@ where four pay; so each decision here compares every length the round could stil
   many rounds (a renewal argument); comparing raw per-round ratios instead would stop too early
   whenever the time already spent drafting is large.
 
+A round also leaves the drafter tokens to read at its next step: one normally (the correction or
+bonus token, read in the step that drafts the next round's first draft), two when every draft was
+accepted (the last draft too), and every token of a round it did not draft (a draft-less or lookup
+round).  A step that reads two rows costs more than one, so each token beyond the first is priced at
+``CostModel.catch_up``; it favours rounds that end in a rejection or reach further, over rounds of
+one confident draft.
+
 Exactness never depends on this: γ only changes how many drafts the verifier sees.
 """
 
@@ -34,6 +41,8 @@ class CostModel:
 
     draft: float
     verify: dict[int, float] = field(default_factory=dict)
+    catch_up: float = 0.0  # what each token the drafter reads beyond one in a step adds to that step
+    drafter_drafts: bool = True  # False: the drafts come from elsewhere (lookup), the drafter reads them all later
 
     def verify_cost(self, n: int) -> float:
         """Measured latency for n new tokens; between measurements interpolate linearly, past them
@@ -57,6 +66,18 @@ class CostModel:
     def round_cost(self, gamma: int) -> float:
         return gamma * self.draft + self.verify_cost(gamma + 1)
 
+    def expected_cost(self, first: float, later: float, gamma: int, spare: float = 0.0) -> float:
+        """A round's cost including the reading it leaves the drafter (module docstring): one extra
+        token when all γ of the drafter's drafts are accepted; every token the round makes when the
+        drafter made none of them (γ = 0, or drafts from elsewhere)."""
+        if gamma == 0:
+            unread = 1.0 + spare
+        elif self.drafter_drafts:
+            unread = chain_survival(first, later, gamma)
+        else:
+            unread = chain_tokens(first, later, gamma)
+        return self.round_cost(gamma) + unread * self.catch_up
+
 
 def chain_tokens(first: float, later: float, gamma: int) -> float:
     """Expected tokens of a round of γ drafts: the first accepted with ``first``, each later one (its
@@ -66,6 +87,11 @@ def chain_tokens(first: float, later: float, gamma: int) -> float:
         survive *= first if k == 0 else later
         expected += survive
     return expected
+
+
+def chain_survival(first: float, later: float, gamma: int) -> float:
+    """The chance that all γ drafts of a round are accepted."""
+    return first * later ** (gamma - 1) if gamma else 1.0
 
 
 @dataclass(frozen=True)
@@ -80,7 +106,7 @@ def plan_round(first: float, later: float, costs: CostModel, gamma_max: int,
     ``prefer_drafting`` (relative): a stretch without drafts leaves the drafter to catch up later and
     the estimates without fresh evidence.  ``spare``: the chance that what fills the spare row of a
     draft-less batch-invariant pass (a free guess) is accepted -- that round makes ``1 + spare`` tokens."""
-    rates = [(chain_tokens(first, later, g) + (spare if g == 0 else 0.0)) / costs.round_cost(g)
+    rates = [(chain_tokens(first, later, g) + (spare if g == 0 else 0.0)) / costs.expected_cost(first, later, g, spare)
              for g in range(gamma_max + 1)]
     if gamma_max == 0:
         return RoundPlan(0, rates[0])
@@ -132,13 +158,15 @@ class DraftRound:
         k, costs = self.kept + 1, self.costs
         sunk = k * costs.draft
         best, best_value = k, float("-inf")
-        if allow_drop:
+        if allow_drop:  # the drafter has read every kept draft: only the spare row's guess is left unread
             kept = self.expected + (self.spare if k == 1 else 0.0)  # no draft left: the spare row's guess
-            best, best_value = k - 1, kept - self.rate * (sunk + costs.verify_cost(k))
+            unread = self.spare if k == 1 else 0.0
+            best, best_value = k - 1, kept - self.rate * (sunk + costs.verify_cost(k) + unread * costs.catch_up)
         survive = self.survive * acceptance
         expected = self.expected + survive
         for length in range(k, self.gamma_max + 1):
-            value = expected - self.rate * (length * costs.draft + costs.verify_cost(length + 1))
+            value = expected - self.rate * (length * costs.draft + costs.verify_cost(length + 1)
+                                            + survive * costs.catch_up)
             if value > best_value + 1e-12:
                 best, best_value = length, value
             survive *= following
