@@ -294,8 +294,9 @@ def _print_costs(bundle: Path, threads: int, gamma: int, head: str | None) -> No
         out.print(f"  target pass, {n} new token{'s' if n > 1 else ' '}: {1e3 * seconds:7.1f} ms  "
                   f"({seconds / base:4.2f}x one row)")
     out.print(f"  drafter step: {1e3 * profile.draft_step:.1f} ms (body {1e3 * profile.draft_body:.1f}, "
-              f"head {1e3 * profile.draft_head:.2f})")
-    model = CostModel(profile.draft_step, profile.verify)
+              f"head {1e3 * profile.draft_head:.2f}); a second token read in one step: "
+              f"+{1e3 * profile.draft_catch_up:.1f} ms")
+    model = CostModel(profile.draft_step, profile.verify, profile.draft_catch_up)
     plans = ", ".join(f"{alpha:.2f}: γ {plan_round(alpha, alpha, model, gamma).gamma}"
                       for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95))
     out.print(f"  planned drafts by acceptance: {plans}")

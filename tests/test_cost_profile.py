@@ -21,6 +21,10 @@ def test_profile_is_measured_once_then_read_from_the_cache(int4_bundle, tmp_path
     # the profile seeds the live cost model the policy reads
     assert second.target.recent_seconds()[3] == first.cost_profile.verify[3]
     assert second.drafter.step_estimate == first.cost_profile.draft_step
+    # and the drafter's second row, the price of a catch-up, from the first round on
+    assert first.cost_profile.draft_catch_up >= 0
+    assert second.cost_profile.draft_catch_up == first.cost_profile.draft_catch_up
+    assert second.drafter.catch_up_seconds == pytest.approx(max(first.cost_profile.draft_catch_up, 0.0))
 
 
 def test_profile_key_depends_on_head_threads_and_gamma(int4_bundle):
@@ -117,10 +121,38 @@ def test_verify_passes_are_timed_with_every_rows_logits():
         def profile_fill(self, length: int) -> None:
             pass
 
-        def profile_step(self) -> tuple[float, float]:
+        def profile_step(self, rows: int = 1) -> tuple[float, float]:
             return 0.01, 0.001
 
     target = Target()
     cost_profile.measure(target, Drafter(), max_tokens=4, repeats=1)
     timed = [(rows, logits) for rows, logits in target.passes if rows <= 4]
     assert sorted(set(timed)) == [(1, 1), (2, 2), (3, 3), (4, 4)]
+
+
+def test_the_drafter_s_second_row_is_profiled():
+    """A round whose drafts were all accepted leaves the drafter two tokens to read: the profile times
+    that step too, and its catch-up price is what the second row adds (never negative)."""
+
+    class Target:
+        capacity = 512
+
+        def reset(self) -> None:
+            pass
+
+        def rewind(self, length: int) -> None:
+            pass
+
+        def forward(self, tokens, num_logits):
+            pass
+
+    class Drafter:
+        def profile_fill(self, length: int) -> None:
+            pass
+
+        def profile_step(self, rows: int = 1) -> tuple[float, float]:
+            return 0.010 + 0.002 * (rows - 1), 0.001
+
+    profile = cost_profile.measure(Target(), Drafter(), max_tokens=2, repeats=2)
+    assert profile.draft_body == pytest.approx(0.010)
+    assert profile.draft_catch_up == pytest.approx(0.002)

@@ -199,6 +199,10 @@ class Engine:
                 self.target.stats.seed(n, seconds)
         if drafter.step_estimate is None:
             drafter.step_estimate = profile.draft_step
+        steps = drafter.decoder.stats  # the drafter's second row (its catch-up price) until measured live
+        for rows, seconds in ((1, profile.draft_body), (2, profile.draft_body + profile.draft_catch_up)):
+            if rows not in steps.recent:
+                steps.seed(rows, seconds)
         self.cost_profile, self._profile_key = profile, key
         return profile
 

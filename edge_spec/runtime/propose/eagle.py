@@ -99,11 +99,11 @@ class EagleDrafter(ChainDrafter):
         if length:
             self._run([0] * length, self.embed([0] * length), np.zeros((length, self.fused.shape[1]), np.float32))
 
-    def profile_step(self) -> tuple[float, float]:
-        """(layer, LM head) seconds of one step; a single-graph head's all count as head."""
+    def profile_step(self, rows: int = 1) -> tuple[float, float]:
+        """(layer, LM head) seconds of one step over ``rows`` positions; a single-graph head's all count as head."""
         length = self.head.length
         layer_before, head_before = self.seconds, self.head_seconds
-        self._run([0], self.embed([0]), np.zeros((1, self.fused.shape[1]), np.float32))
+        self._run([0] * rows, self.embed([0] * rows), np.zeros((rows, self.fused.shape[1]), np.float32))
         self.head.rewind(length)
         head = self.head_seconds - head_before
         if self.lm_head is None:

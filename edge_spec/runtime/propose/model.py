@@ -111,9 +111,9 @@ class ChainDrafter:
         """Forget the request; hold ``length`` throw-away positions (cost profiling)."""
         raise NotImplementedError
 
-    def profile_step(self) -> tuple[float, float]:
-        """Time one single-row step after the profiling fill, as (body, head) seconds, leaving the
-        cache as it was."""
+    def profile_step(self, rows: int = 1) -> tuple[float, float]:
+        """Time one step that reads ``rows`` tokens after the profiling fill, as (body, head) seconds,
+        leaving the cache as it was."""
         raise NotImplementedError
 
     def _time_step(self, block: DraftBlock, seconds: float) -> None:
@@ -170,10 +170,10 @@ class ModelDrafter(ChainDrafter):
         if length:
             self.body.forward([0] * length, 1)
 
-    def profile_step(self) -> tuple[float, float]:
+    def profile_step(self, rows: int = 1) -> tuple[float, float]:
         length = self.body.length
         started = time.perf_counter()
-        hidden = self.body.forward([0], 1)["hidden_states"][-1]
+        hidden = self.body.forward([0] * rows, 1)["hidden_states"][-1]
         body_done = time.perf_counter()
         self.head(hidden)
         self.body.rewind(length)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-PROFILE_VERSION = 7  # 7: verify passes timed with logits for every row, as the verifier asks for them
+PROFILE_VERSION = 8  # 8: the drafter's step over two rows too (the catch-up a round can leave it)
 KV_LENGTHS = (48, 256)  # the profile reports the median over these cache lengths
 
 
@@ -40,6 +40,7 @@ class CostProfile:
     draft_body: float  # drafter body, one token (s)
     draft_head: float  # drafter head on one hidden state (s)
     measured_seconds: float  # how long profiling took
+    draft_catch_up: float = 0.0  # what a second row adds to a drafter body step (s; schedule.policy prices it)
     cached: bool = False
     corrections: int = 0  # times live passes replaced latencies measured under load
 
@@ -93,7 +94,7 @@ def measure(target, drafter, max_tokens: int, repeats: int = 3) -> CostProfile:
     tokens at each KV length in ``KV_LENGTHS`` (both caches are reset afterwards)."""
     started = time.perf_counter()
     verify: dict[int, list[float]] = {n: [] for n in range(1, max_tokens + 1)}
-    body, head = [], []
+    body, head, two_rows = [], [], []
     for length in KV_LENGTHS:
         length = min(length, target.capacity - max_tokens - 1)
         target.reset()
@@ -112,10 +113,12 @@ def measure(target, drafter, max_tokens: int, repeats: int = 3) -> CostProfile:
                 body_seconds, head_seconds = drafter.profile_step()
                 body.append(body_seconds)
                 head.append(head_seconds)
+            two_rows.append(drafter.profile_step(rows=2)[0])
     target.reset()
     drafter.profile_fill(0)
-    return CostProfile({n: _typical(t) for n, t in verify.items()}, _typical(body), _typical(head),
-                       time.perf_counter() - started)
+    one_row = _typical(body)
+    return CostProfile({n: _typical(t) for n, t in verify.items()}, one_row, _typical(head),
+                       time.perf_counter() - started, draft_catch_up=max(_typical(two_rows) - one_row, 0.0))
 
 
 def _typical(seconds: list[float]) -> float:
