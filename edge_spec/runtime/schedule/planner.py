@@ -98,9 +98,9 @@ class DraftPlanner:
         """Tokens per second the drafter's round would make now (None: no drafter or no costs yet)."""
         if self.model is None or costs is None:
             return None
-        if self.policy is not None:
-            return plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.gamma, spare=spare).rate
         first, later = self.estimates.first, self.estimates.later_draft()
+        if self.policy is not None:
+            return plan_round(first, later, costs, self.gamma, spare=spare).rate
         return chain_tokens(first, later, self.gamma) / costs.expected_cost(first, later, self.gamma)
 
     def _costs(self) -> CostModel | None:

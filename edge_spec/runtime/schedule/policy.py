@@ -159,9 +159,9 @@ class DraftRound:
         sunk = k * costs.draft
         best, best_value = k, float("-inf")
         if allow_drop:  # the drafter has read every kept draft: only the spare row's guess is left unread
-            kept = self.expected + (self.spare if k == 1 else 0.0)  # no draft left: the spare row's guess
-            unread = self.spare if k == 1 else 0.0
-            best, best_value = k - 1, kept - self.rate * (sunk + costs.verify_cost(k) + unread * costs.catch_up)
+            guess = self.spare if k == 1 else 0.0  # no draft left: the spare row carries the guess
+            best, best_value = k - 1, self.expected + guess - self.rate * (sunk + costs.verify_cost(k)
+                                                                          + guess * costs.catch_up)
         survive = self.survive * acceptance
         expected = self.expected + survive
         for length in range(k, self.gamma_max + 1):
