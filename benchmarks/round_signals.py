@@ -336,8 +336,8 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
     takes it, else a round planned by :class:`AdaptiveGamma` whose :class:`DraftRound` sees each
     draft's recorded confidence, else a free guess.  One calibration is carried over every prompt, as
     the engine carries it over requests (``calibration``: where it starts)."""
-    costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) for n in range(1, gamma_max + 2)},
-                      catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0))
+    costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) - prices.outside for n in range(1, gamma_max + 2)},
+                      catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0), overhead=prices.outside)
     carried = calibration or AcceptanceCalibration()
 
     def policy(i: int, state: dict) -> Choice:

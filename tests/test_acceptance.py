@@ -72,6 +72,23 @@ def test_a_request_scales_estimates_by_odds_not_past_certainty():
     assert Agreement().scale(0.6) == pytest.approx(0.6)  # no evidence: the calibration as it is
 
 
+def test_a_lucky_unsure_draft_does_not_buy_long_rounds_but_a_run_of_surprises_moves_the_request():
+    """The shift is in log-odds and averaged over a narrow and a wide prior: one unsure draft (0.2)
+    accepted leaves a 0.98 draft at about 0.98 (an odds ratio from a few drafts of prior made it
+    0.995 and bought four-draft rounds that translation then lost), while three confident drafts (0.9)
+    rejected in a row make the request's 0.9 drafts worse than even."""
+    lucky = Agreement()
+    lucky.note(0.2, True)
+    assert 0.98 < lucky.scale(0.98) < 0.986
+    surprised = Agreement()
+    surprised.note(0.9, False)
+    assert surprised.scale(0.9) > 0.85  # one rejection: the calibration is still believed
+    for _ in range(2):
+        surprised.note(0.9, False)
+    assert surprised.scale(0.9) < 0.5
+    assert surprised.scale(0.99) > surprised.scale(0.9) > surprised.scale(0.5)  # the order is kept
+
+
 def test_memory_round_trips_and_shrugs_off_a_damaged_file(tmp_path):
     path = tmp_path / "acceptance.json"
     memory = ScheduleMemory(path)
@@ -97,6 +114,16 @@ def test_the_engine_carries_calibration_across_requests(int4_bundle):
     engine.complete("one two three one two three one two", max_new_tokens=16, temperature=0)
     assert memory.calibration(greedy=True).first.trials > learned  # one calibration, not one per request
     assert memory.calibration(greedy=False).first.trials == 0
+
+
+def test_the_engine_measures_what_a_round_spends_outside_the_models(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True), draft_head="trim-160")
+    memory = engine.schedule_memory()
+    rounds = memory.overhead.rounds
+    spec = engine.complete("one two three one two three one two", max_new_tokens=16, temperature=0).stats.spec
+    assert memory.overhead.rounds == rounds + spec.target_calls  # every verify pass is a round
+    round_seconds = (spec.draft_seconds + spec.verify_seconds) / spec.target_calls
+    assert 0.0 < memory.overhead.seconds < round_seconds  # the models' time is left out
 
 
 def test_free_guesses_are_calibrated_by_the_suffix_they_matched_and_carried(tmp_path):

@@ -7,6 +7,7 @@ from edge_spec.runtime.schedule.policy import (
     AdaptiveGamma,
     CostModel,
     DraftRound,
+    RoundOverhead,
     chain_tokens,
     plan_round,
 )
@@ -175,3 +176,21 @@ def test_the_drafter_prices_its_second_row_from_its_own_passes():
     for _ in range(30):
         stats.add(2, 0.009)  # a second row that costs nothing (noise below the one-row step) is free, not a refund
     assert drafter.catch_up_seconds == 0.0
+
+
+def test_the_round_overhead_favours_fewer_longer_rounds():
+    # time spent outside the models is the same for every round: at α = 0.83 on the memory-bound
+    # machine one draft wins without it, two drafts with 2 ms of it (control: the same plan, no overhead)
+    assert plan_round(0.83, 0.83, MEMORY_BOUND, 4).gamma == 1
+    with_overhead = CostModel(MEMORY_BOUND.draft, MEMORY_BOUND.verify, overhead=0.002)
+    assert with_overhead.round_cost(1) == pytest.approx(MEMORY_BOUND.round_cost(1) + 0.002)
+    assert plan_round(0.83, 0.83, with_overhead, 4).gamma == 2
+
+
+def test_the_round_overhead_is_a_moving_average_from_its_first_round():
+    overhead = RoundOverhead()
+    overhead.record(0.004)
+    assert overhead.seconds == pytest.approx(0.004)  # the first round sets it
+    for _ in range(60):
+        overhead.record(0.001)
+    assert overhead.seconds == pytest.approx(0.001, abs=1e-5)

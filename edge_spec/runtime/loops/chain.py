@@ -39,7 +39,8 @@ def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[
     ``memory``: what the schedule learned in earlier requests with this drafter (updated in place)."""
     request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
     calibration = memory.calibration(params.greedy) if memory else None
-    planner = DraftPlanner(proposers, target, config.gamma, config.adaptive, config.min_confidence, calibration)
+    planner = DraftPlanner(proposers, target, config.gamma, config.adaptive, config.min_confidence, calibration,
+                           memory.overhead if memory else None)
     yield from request.start()
     while not request.done:
         # 1. draft: the planner picks who drafts and how many
@@ -51,7 +52,7 @@ def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[
         outputs = target.forward([request.pending] + block.tokens, len(block.tokens) + 1)
         result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng)
         clock.verified()
-        planner.update(block, result)
+        planner.update(block, result, clock.outside_seconds)
         request.record_round(block, result.accepted, result.tokens, clock)
 
         # 3. roll back to the accepted prefix; the correction/bonus token becomes pending

@@ -62,7 +62,7 @@ class Request:
         return max(min(self.max_new_tokens - emitted - 1, self.target.capacity - len(committed) - 1), 0)
 
     def clock(self) -> "RoundClock":
-        return RoundClock(self.drafter)
+        return RoundClock(self.drafter, self.target)
 
     def accept(self, accepted: int, tokens: list[int], outputs: dict[str, np.ndarray],
                path: list[int] | None = None) -> Iterator[int]:
@@ -95,13 +95,17 @@ class Request:
 
 
 class RoundClock:
-    """Where one round's time went: drafting (and the drafter's head within it), then verifying."""
+    """Where one round's time went: drafting (and the drafter's head within it), then verifying, and
+    the part of both spent outside the models (``outside_seconds``: planning, lookup, verification
+    maths -- a fixed price per round that favours rounds which emit more tokens)."""
 
-    def __init__(self, drafter: ChainDrafter | None) -> None:
+    def __init__(self, drafter: ChainDrafter | None, target: Decoder | None = None) -> None:
         self._drafter = drafter
+        self._target = target
         self._head_start = self._head()
+        self._models_start = self._models()
         self.started = time.perf_counter()
-        self.draft_seconds = self.verify_seconds = self.head_seconds = 0.0
+        self.draft_seconds = self.verify_seconds = self.head_seconds = self.outside_seconds = 0.0
         self._verify_started = self.started
 
     def drafted(self) -> None:
@@ -110,7 +114,15 @@ class RoundClock:
         self.head_seconds = self._head() - self._head_start
 
     def verified(self) -> None:
-        self.verify_seconds = time.perf_counter() - self._verify_started
+        now = time.perf_counter()
+        self.verify_seconds = now - self._verify_started
+        in_models = self._models() - self._models_start
+        self.outside_seconds = max(now - self.started - in_models, 0.0)
 
     def _head(self) -> float:
         return self._drafter.head_seconds if self._drafter is not None else 0.0
+
+    def _models(self) -> float:
+        """Seconds the target's passes and the drafter's steps (passes and head) have taken so far."""
+        target = sum(self._target.stats.seconds.values()) if self._target is not None else 0.0
+        return target + (self._drafter.busy_seconds if self._drafter is not None else 0.0)

@@ -107,6 +107,12 @@ class ChainDrafter:
         """Time spent so far in the drafter's LM head (the part VocabTrim and SpecVocab shrink)."""
         raise NotImplementedError
 
+    @property
+    def busy_seconds(self) -> float:
+        """Time spent so far in the drafter's own computation, its passes and its head: what a round's
+        time outside the models leaves out."""
+        raise NotImplementedError
+
     def profile_fill(self, length: int) -> None:
         """Forget the request; hold ``length`` throw-away positions (cost profiling)."""
         raise NotImplementedError
@@ -164,6 +170,10 @@ class ModelDrafter(ChainDrafter):
     @property
     def head_seconds(self) -> float:
         return self.head.seconds
+
+    @property
+    def busy_seconds(self) -> float:
+        return sum(self.body.stats.seconds.values()) + self.head.seconds
 
     def profile_fill(self, length: int) -> None:
         self.body.reset()

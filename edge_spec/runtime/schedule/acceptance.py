@@ -19,6 +19,7 @@ copies code accepts far more than the mix the calibration has seen.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 CONFIDENCE_EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.95, 0.98, 0.995)
@@ -154,36 +155,68 @@ class AcceptanceCalibration:
         return calibration
 
 
-AGREEMENT_PRIOR = (4.0, 3.0)  # a request starts as if 4 drafts predicted at 0.75 had been accepted as often
-GUESS_AGREEMENT_PRIOR = (4.0, 1.0)  # guesses: as if 4 predicted at 0.25 had been right as often
+# a request's log-odds shift against the carried calibration: usually small (narrow prior), now and
+# then large (a request unlike the ones calibrated on: copied code, translation), as a mixture of two
+AGREEMENT_SPREADS = (0.3, 1.5)
+WIDE_PRIOR = 0.2  # prior weight of the wide one
+
+
+@dataclass
+class LogOddsShift:
+    """One shift of every prediction's log-odds fitted to a request's outcomes under a normal prior of
+    width ``spread``: one Newton step per outcome (online Laplace: the shift's precision grows by each
+    outcome's ``p·(1 − p)``), so that a note costs the same at the thousandth token as at the first.
+    ``evidence``: the log-likelihood of the outcomes, each predicted before it was seen."""
+
+    spread: float
+    shift: float = 0.0
+    precision: float = 0.0  # 0: the prior's, set on creation
+    evidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.precision = self.precision or 1.0 / self.spread ** 2
+
+    def scale(self, estimate: float) -> float:
+        return probability(odds(estimate) * math.exp(self.shift))
+
+    def note(self, predicted: float, accepted: bool) -> None:
+        p = self.scale(predicted)
+        self.evidence += math.log(p if accepted else 1.0 - p)
+        self.precision += p * (1.0 - p)
+        self.shift += (float(accepted) - p) / self.precision
 
 
 @dataclass
 class Agreement:
-    """How one request's drafts do against what a carried calibration predicted for them, applied as an
-    odds ratio: accepted / rejected over predicted accepted / predicted rejected, from
-    ``AGREEMENT_PRIOR`` drafts of perfect agreement.  Odds, not a plain ratio of acceptances: one lucky
-    draft must not lift a 0.87 estimate to 1 (long drafts), nor one unlucky draft sink a 0.99 one."""
+    """How one request's drafts do against what a carried calibration predicted for them: a shift of
+    every prediction's log-odds, averaged over a narrow and a wide prior by how well each predicted this
+    request's outcomes (Bayesian model averaging; the calibration is right until the request shows
+    otherwise).
 
-    drafts: float = AGREEMENT_PRIOR[0]
-    predicted: float = AGREEMENT_PRIOR[1]
-    observed: float = AGREEMENT_PRIOR[1]
+    A shift of log-odds, not a ratio of rates: one lucky draft predicted at 0.2 must not lift a 0.98
+    estimate to near certainty (which buys long drafts), nor one unlucky draft sink it; a request whose
+    confident drafts keep failing (translation) sinks them all, one whose unsure drafts keep succeeding
+    (copied code) lifts them.  An outcome weighs by how surprising it was: a 0.98 draft rejected says
+    more than a 0.5 one."""
 
-    @classmethod
-    def of_prior(cls, drafts: float, predicted: float) -> "Agreement":
-        """Start from ``drafts`` outcomes of perfect agreement that were predicted ``predicted`` in all."""
-        return cls(drafts, predicted, predicted)
+    narrow: LogOddsShift = field(default_factory=lambda: LogOddsShift(AGREEMENT_SPREADS[0]))
+    wide: LogOddsShift = field(default_factory=lambda: LogOddsShift(AGREEMENT_SPREADS[1]))
+
+    @property
+    def shift(self) -> float:
+        log_odds = math.log(WIDE_PRIOR / (1.0 - WIDE_PRIOR)) + self.wide.evidence - self.narrow.evidence
+        weight = 1.0 / (1.0 + math.exp(-min(max(log_odds, -50.0), 50.0)))
+        return (1.0 - weight) * self.narrow.shift + weight * self.wide.shift
 
     def note(self, predicted: float, accepted: bool) -> None:
-        self.drafts += 1.0
-        self.predicted += predicted
-        self.observed += float(accepted)
+        predicted = min(max(predicted, 1e-6), 1.0 - 1e-6)
+        self.narrow.note(predicted, accepted)
+        self.wide.note(predicted, accepted)
 
     def scale(self, estimate: float) -> float:
         if not 0.0 < estimate < 1.0:
             return min(max(estimate, 0.0), 1.0)
-        ratio = (self.observed * (self.drafts - self.predicted)) / max(self.predicted * (self.drafts - self.observed), 1e-9)
-        return probability(odds(estimate) * ratio)
+        return probability(odds(estimate) * math.exp(self.shift))
 
 
 @dataclass
@@ -200,7 +233,7 @@ class RequestAcceptance:
     smoothing: float = 0.1
     first: float | None = None
     agreement: Agreement = field(default_factory=Agreement)
-    guess_agreement: Agreement = field(default_factory=lambda: Agreement.of_prior(*GUESS_AGREEMENT_PRIOR))
+    guess_agreement: Agreement = field(default_factory=Agreement)
 
     def __post_init__(self) -> None:
         if self.first is None:

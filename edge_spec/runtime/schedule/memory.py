@@ -1,4 +1,5 @@
-"""What the schedule carries from one request to the next: acceptance calibration per sampling regime.
+"""What the schedule carries from one request to the next: acceptance calibration per sampling regime,
+and the time a round spends outside the models.
 
 How often a drafter's tokens are accepted is a property of the drafter/target pair (and of greedy
 against sampled verification), so a request should not start from a guess: the engine keeps one
@@ -14,14 +15,17 @@ import tempfile
 from pathlib import Path
 
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration
+from edge_spec.runtime.schedule.policy import RoundOverhead
 
 
 class ScheduleMemory:
-    """Calibrations by regime ("greedy" / "sampled"), optionally persisted as one JSON file."""
+    """Calibrations by regime ("greedy" / "sampled"), optionally persisted as one JSON file; the round
+    overhead is kept in memory only (a few rounds measure it)."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self.calibrations: dict[str, AcceptanceCalibration] = {}
+        self.overhead = RoundOverhead()
         if path is not None and path.is_file():
             try:
                 data = json.loads(path.read_text())

@@ -17,7 +17,7 @@ import numpy as np
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
-from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, chain_tokens, plan_round
+from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, RoundOverhead, chain_tokens, plan_round
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.verify.chain import VerifyResult
 from edge_spec.runtime.verify.sampling import SamplingParams
@@ -27,9 +27,11 @@ class DraftPlanner:
     """Per request; see the module docstring."""
 
     def __init__(self, proposers: list[Proposer], target: Decoder, gamma: int, adaptive: bool,
-                 min_confidence: float = 0.0, calibration: AcceptanceCalibration | None = None) -> None:
-        """``calibration``: the acceptance calibration carried across requests (``schedule.memory``)
-        for this drafter and sampling regime; None starts a fresh one."""
+                 min_confidence: float = 0.0, calibration: AcceptanceCalibration | None = None,
+                 overhead: RoundOverhead | None = None) -> None:
+        """``calibration`` and ``overhead``: the acceptance calibration for this drafter and sampling
+        regime, and the round's time outside the models, carried across requests (``schedule.memory``);
+        None starts afresh."""
         self.target = target
         self.gamma, self.adaptive, self.min_confidence = gamma, adaptive, min_confidence
         calibration = calibration or AcceptanceCalibration()
@@ -39,6 +41,7 @@ class DraftPlanner:
                           for p in proposers if p.kind == "sequence"]
         self.fillers = [p for p in proposers if p.kind == "filler"]
         self.policy = AdaptiveGamma(gamma, self.estimates) if adaptive else None
+        self.overhead = overhead or RoundOverhead()
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
 
     def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> DraftBlock:
@@ -79,8 +82,10 @@ class DraftPlanner:
                 return guess
         return None
 
-    def update(self, block: DraftBlock, result: VerifyResult) -> None:
-        """Fold a verified round into the acceptance estimates of the source that drafted it."""
+    def update(self, block: DraftBlock, result: VerifyResult, outside_seconds: float = 0.0) -> None:
+        """Fold a verified round into the acceptance estimates of the source that drafted it, and its
+        time outside the models into the round overhead."""
+        self.overhead.record(outside_seconds)
         drafted = len(block.tokens)
         if self.model is not None and block.source == self.model.name and drafted:
             if self.policy is not None:
@@ -107,4 +112,4 @@ class DraftPlanner:
         """What a model round costs now (None until the drafter's step and target passes are measured)."""
         step, verify = self.model.step_estimate if self.model else 0.0, self.target.recent_seconds()
         catch_up = self.model.catch_up_seconds if self.model else 0.0
-        return CostModel(step, verify, catch_up) if step is not None and verify else None
+        return CostModel(step, verify, catch_up, overhead=self.overhead.seconds) if step is not None and verify else None

@@ -1,11 +1,13 @@
 """How many drafts a round gets: plan the whole round against the measured row-cost curve.
 
-A round of γ drafts costs ``γ·t_draft + t_verify(γ + 1)`` and emits ``1 + a1 + a1·a2 + ...`` tokens
-in expectation, where ``a_k`` is the chance that draft k is accepted once the drafts before it were.
-``t_verify(n)`` is measured for every n (``cost_profile``), and on a CPU it is far from linear: ORT's
-int8 ``MatMulNBits`` kernel works on two rows per pass over the weights, so a third row costs a whole
-pass and a fourth almost nothing.  A rule that weighs one more draft at a time stops at two rows
-where four pay; so each decision here compares every length the round could still reach.
+A round of γ drafts costs ``γ·t_draft + t_verify(γ + 1) + t_round`` and emits ``1 + a1 + a1·a2 + ...``
+tokens in expectation, where ``a_k`` is the chance that draft k is accepted once the drafts before it
+were.  ``t_round`` is what every round spends outside the models (planning, lookup, verification
+maths; ``RoundOverhead``, measured live).  ``t_verify(n)`` is measured for every n (``cost_profile``),
+and on a CPU it is far from linear: ORT's int8 ``MatMulNBits`` kernel works on two rows per pass over
+the weights, so a third row costs a whole pass and a fourth almost nothing.  A rule that weighs one
+more draft at a time stops at two rows where four pay; so each decision here compares every length
+the round could still reach.
 
 * Before drafting (:func:`plan_round`): the γ in 0..γ_max with the most expected tokens per second,
   from the first-draft estimate and the estimate for later drafts (``schedule.acceptance``).  Its
@@ -43,6 +45,7 @@ class CostModel:
     verify: dict[int, float] = field(default_factory=dict)
     catch_up: float = 0.0  # what each token the drafter reads beyond one in a step adds to that step
     drafter_drafts: bool = True  # False: the drafts come from elsewhere (lookup), the drafter reads them all later
+    overhead: float = 0.0  # what every round spends outside the models (``RoundOverhead``)
 
     def verify_cost(self, n: int) -> float:
         """Measured latency for n new tokens; between measurements interpolate linearly, past them
@@ -64,7 +67,7 @@ class CostModel:
         return self.verify[last] + (n - last) * max(step, 0.0)
 
     def round_cost(self, gamma: int) -> float:
-        return gamma * self.draft + self.verify_cost(gamma + 1)
+        return gamma * self.draft + self.verify_cost(gamma + 1) + self.overhead
 
     def expected_cost(self, first: float, later: float, gamma: int, spare: float = 0.0) -> float:
         """A round's cost including the reading it leaves the drafter (module docstring): one extra
@@ -77,6 +80,24 @@ class CostModel:
         else:
             unread = chain_tokens(first, later, gamma)
         return self.round_cost(gamma) + unread * self.catch_up
+
+
+OVERHEAD_SMOOTHING = 0.1  # weight of the newest round in the overhead's moving average
+
+
+@dataclass
+class RoundOverhead:
+    """What a round spends outside the models: planning, lookup, the verification maths.  The same
+    for a round of one draft as for one of four, so it makes fewer, longer rounds cheaper per token;
+    a property of the machine and the interpreter, carried across requests (``schedule.memory``)."""
+
+    seconds: float = 0.0
+    rounds: int = 0
+
+    def record(self, seconds: float) -> None:
+        self.rounds += 1
+        weight = 1.0 if self.rounds == 1 else OVERHEAD_SMOOTHING
+        self.seconds += weight * (seconds - self.seconds)
 
 
 def chain_tokens(first: float, later: float, gamma: int) -> float:

@@ -10,7 +10,7 @@ drafts come from the carried ``SequenceCalibration``, scaled by how this request
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from edge_spec.runtime.schedule.acceptance import Agreement, RequestAcceptance, SequenceCalibration
 from edge_spec.runtime.schedule.policy import CostModel, plan_round
@@ -35,7 +35,7 @@ class LookupChoice:
         most = min(offered, gamma_max)
         if costs is None:  # nothing measured yet: trust a lookup that is likely right
             return most if first >= 0.5 else 0
-        lookup_costs = CostModel(0.0, costs.verify, costs.catch_up, drafter_drafts=False)
+        lookup_costs = replace(costs, draft=0.0, drafter_drafts=False)
         plan = plan_round(first, later, lookup_costs, most)  # its rate: what lookup can make here at best
         gamma = plan.gamma if adaptive else most
         if gamma and (model_rate is None or plan.rate >= model_rate):
