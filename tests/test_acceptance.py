@@ -126,6 +126,43 @@ def test_the_engine_measures_what_a_round_spends_outside_the_models(int4_bundle)
     assert 0.0 < memory.overhead.seconds < round_seconds  # the models' time is left out
 
 
+def test_the_round_clock_leaves_the_drafter_s_whole_steps_out_of_the_overhead():
+    """A draft step's own Python (confidence, stop rule) is in the step's cost already; only what the
+    round spends outside its steps and the target's pass is the round's overhead."""
+    import time
+
+    import numpy as np
+
+    from edge_spec.runtime.loops.request import RoundClock
+    from edge_spec.runtime.propose.base import DraftRule
+    from edge_spec.runtime.propose.model import ChainDrafter
+    from edge_spec.runtime.verify.sampling import SamplingParams
+
+    class SlowDrafter(ChainDrafter):
+        name = "slow"
+        head_seconds = 0.0
+
+        def start(self, committed):
+            return self.step(0) + (2,)  # a catch-up step over two rows counts too
+
+        def step(self, token):
+            time.sleep(0.02)
+            return np.eye(8)[3] * 10.0, None
+
+    drafter = SlowDrafter(8)
+    rule = DraftRule(SamplingParams(), np.random.default_rng(0), gamma=3)
+    clock = RoundClock(drafter)
+    drafter.propose([1, 2], room=8, rule=rule)
+    clock.drafted()
+    clock.verified()
+    assert clock.draft_seconds >= 0.06 and clock.outside_seconds < 0.01
+    unaware = RoundClock(None)  # the control: a clock that does not know the drafter counts its steps
+    drafter.propose([1, 2], room=8, rule=rule)
+    unaware.drafted()
+    unaware.verified()
+    assert unaware.outside_seconds >= 0.06
+
+
 def test_free_guesses_are_calibrated_by_the_suffix_they_matched_and_carried(tmp_path):
     calibration = AcceptanceCalibration()
     assert calibration.guess_rate(0) < calibration.guess_rate(1) < calibration.guess_rate(4)  # priors

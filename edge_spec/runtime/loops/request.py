@@ -96,8 +96,9 @@ class Request:
 
 class RoundClock:
     """Where one round's time went: drafting (and the drafter's head within it), then verifying, and
-    the part of both spent outside the models (``outside_seconds``: planning, lookup, verification
-    maths -- a fixed price per round that favours rounds which emit more tokens)."""
+    the part of both spent outside the target's pass and the drafter's steps (``outside_seconds``:
+    planning, lookup, verification maths -- a price per round, whatever its length, that favours rounds
+    which emit more tokens; each draft step's own Python is in the step's cost already)."""
 
     def __init__(self, drafter: ChainDrafter | None, target: Decoder | None = None) -> None:
         self._drafter = drafter
@@ -123,6 +124,6 @@ class RoundClock:
         return self._drafter.head_seconds if self._drafter is not None else 0.0
 
     def _models(self) -> float:
-        """Seconds the target's passes and the drafter's steps (passes and head) have taken so far."""
+        """Seconds the target's passes and the drafter's whole steps have taken so far."""
         target = sum(self._target.stats.seconds.values()) if self._target is not None else 0.0
         return target + (self._drafter.busy_seconds if self._drafter is not None else 0.0)

@@ -93,10 +93,6 @@ class EagleDrafter(ChainDrafter):
         """The LM head's time (a single-graph head's: all of it)."""
         return self.seconds if self.lm_head is None else self.lm_head.seconds
 
-    @property
-    def busy_seconds(self) -> float:
-        return self.seconds + (self.lm_head.seconds if self.lm_head is not None else 0.0)
-
     def profile_fill(self, length: int) -> None:
         self.head.reset()
         self.true_pairs = 0

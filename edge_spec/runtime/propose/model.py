@@ -31,6 +31,7 @@ class ChainDrafter:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size  # the target's: q rows are scattered over it
         self.step_estimate: float | None = None  # moving average of one single-row draft step, s
+        self.busy_seconds = 0.0  # all draft steps so far, whole (pass, head, confidence, stop rule)
 
     def covered(self, prompt_ids: list[int]) -> int:
         """A drafter that reads tokens catches up on any prompt by itself."""
@@ -69,8 +70,10 @@ class ChainDrafter:
             keep, more = True, confidence >= rule.min_confidence
             if rule.stop is not None:
                 keep, more = rule.stop.add(confidence, may_drop=params.greedy)
+            elapsed = time.perf_counter() - started
+            self.busy_seconds += elapsed  # what a round's time outside the drafter leaves out
             if fed == 1:  # catch-up steps that feed several rows say little about one step's cost
-                self._time_step(block, time.perf_counter() - started)
+                self._time_step(block, elapsed)
             if not keep:  # not worth a verify row: the cache entry is cut after verification
                 break
             block.tokens.append(int(index) if ids is None else int(ids[index]))
@@ -105,12 +108,6 @@ class ChainDrafter:
     @property
     def head_seconds(self) -> float:
         """Time spent so far in the drafter's LM head (the part VocabTrim and SpecVocab shrink)."""
-        raise NotImplementedError
-
-    @property
-    def busy_seconds(self) -> float:
-        """Time spent so far in the drafter's own computation, its passes and its head: what a round's
-        time outside the models leaves out."""
         raise NotImplementedError
 
     def profile_fill(self, length: int) -> None:
@@ -171,9 +168,6 @@ class ModelDrafter(ChainDrafter):
     def head_seconds(self) -> float:
         return self.head.seconds
 
-    @property
-    def busy_seconds(self) -> float:
-        return sum(self.body.stats.seconds.values()) + self.head.seconds
 
     def profile_fill(self, length: int) -> None:
         self.body.reset()
