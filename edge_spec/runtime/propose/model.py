@@ -168,7 +168,6 @@ class ModelDrafter(ChainDrafter):
     def head_seconds(self) -> float:
         return self.head.seconds
 
-
     def profile_fill(self, length: int) -> None:
         self.body.reset()
         if length:

@@ -48,6 +48,11 @@ def probability(odds: float) -> float:
     return odds / (1.0 + odds)
 
 
+def shifted(estimate: float, shift: float) -> float:
+    """``estimate`` with its log-odds moved by ``shift``."""
+    return probability(odds(estimate) * math.exp(shift))
+
+
 @dataclass
 class DecayedRate:
     """Accepted / tried with exponentially decaying counts, shrunk towards a prior."""
@@ -177,7 +182,7 @@ class LogOddsShift:
         self.precision = self.precision or 1.0 / self.spread ** 2
 
     def scale(self, estimate: float) -> float:
-        return probability(odds(estimate) * math.exp(self.shift))
+        return shifted(estimate, self.shift)
 
     def note(self, predicted: float, accepted: bool) -> None:
         p = self.scale(predicted)
@@ -209,14 +214,13 @@ class Agreement:
         return (1.0 - weight) * self.narrow.shift + weight * self.wide.shift
 
     def note(self, predicted: float, accepted: bool) -> None:
-        predicted = min(max(predicted, 1e-6), 1.0 - 1e-6)
         self.narrow.note(predicted, accepted)
         self.wide.note(predicted, accepted)
 
     def scale(self, estimate: float) -> float:
         if not 0.0 < estimate < 1.0:
             return min(max(estimate, 0.0), 1.0)
-        return probability(odds(estimate) * math.exp(self.shift))
+        return shifted(estimate, self.shift)
 
 
 @dataclass
