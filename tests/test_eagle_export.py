@@ -175,7 +175,8 @@ def test_add_feature_output_upgrades_an_exported_target(tmp_path, tiny_pair):
     assert sha256(bundle / "target" / "model.onnx.data") == data_hash  # weights untouched
     assert sorted(p.name for p in path.parent.iterdir()) == ["model.onnx", "model.onnx.data"]  # no temp left
 
-    fresh_options = BuildOptions("int4", context_length=256, tree_attention=True, feature_layers=layers)
+    fresh_options = BuildOptions("int4", context_length=256, tree_attention=True, attention_pad=True,
+                                 feature_layers=layers)  # as the exporter builds the target
     upgraded, fresh = Decoder(str(path), cfg, 256), Decoder(build_decoder(weights, fresh_options), cfg, 256)
     assert upgraded.names == fresh.names
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 10)

@@ -485,7 +485,7 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
     target = loader(target_source)
     target_quant = _gguf_quant_info(target, quant_info, build, progress)
     _say(progress, f"building target graph ({options.quant})")
-    export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True))
+    export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True, attention_pad=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
     target_record = _model_record(target, staging, "target", target_quant)
     target_tokenizer, target_vocab = target.tokenizer, target.weights.config.vocab_size

@@ -42,6 +42,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from edge_spec.export.attention_pad import pad_attention
 from edge_spec.export.gguf_blocks import add_carried_linear, concat_blocks
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.export.rope import rope_tables
@@ -63,6 +64,7 @@ class BuildOptions:
     build_head: bool = True  # False: body only, emit hidden_states (SpecVocab scorer runs outside)
     emit_hidden: bool = False  # also output the final-normed hidden states
     tree_attention: bool = False  # position_ids + attention_bias inputs: verify a draft tree in one pass
+    attention_pad: bool = False  # attention gets a throw-away query row (see export.attention_pad; needs tree_attention)
     feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
     gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
     carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf_blocks.fast_layout)
@@ -426,7 +428,8 @@ class DecoderGraphBuilder:
             outputs.append(self.hidden_output(last))
         if self.opt.feature_layers:
             outputs.append(self.features_output(tuple(self.opt.feature_layers)))
-        return self.to_model(outputs, "edge_spec_decoder")
+        model = self.to_model(outputs, "edge_spec_decoder")
+        return pad_attention(model) if self.opt.attention_pad else model
 
 
 FEATURES = "features"

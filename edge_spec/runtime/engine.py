@@ -24,6 +24,7 @@ from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.providers import exact_min_rows
+from edge_spec.runtime.model.row_invariance import one_row_passes_match
 from edge_spec.runtime.model.session import numpy_on_one_thread, small_session
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.propose.context import ProposerContext
@@ -112,6 +113,7 @@ class Engine:
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
         self.eagle_head = self._check_eagle_head(eagle_head)
         self.cost_profile: CostProfile | None = None
+        self._one_row_exact: bool | None = None  # see exact_rows
         self._profile_key = ""
         self._cancel = threading.Event()
         self._turn = threading.Condition()  # who holds the engine: one thread, possibly several times
@@ -150,11 +152,12 @@ class Engine:
         head's LM heads (``"full"``, ``"trim-N"``, ``"specvocab-rR-kC-ofK"``; default: the bundle's).
 
         ``exact`` makes every target pass batch-invariant (one-token passes get a throw-away second row,
-        see :mod:`decoder`): greedy output is then the same bit for bit in every mode, whatever the
-        draft lengths.  The default (None) is exact in greedy speculative decoding, where nearly every pass
-        has several rows anyway, and plain one-row decoding in ``"ar"`` mode, which is 15-25% faster but
-        rounds differently, so it can part from the speculative answer at a numerical near-tie; sampled
-        speculative decoding runs one-row passes where a round has no drafts (see :meth:`exact_for`).
+        see :mod:`decoder`, unless this device's one-row passes were found exact: :meth:`exact_rows`):
+        greedy output is then the same bit for bit in every mode, whatever the draft lengths.  The
+        default (None) is exact in greedy speculative decoding, where nearly every pass has several rows
+        anyway, and plain one-row decoding in ``"ar"`` mode, which is faster where the pad row is needed
+        but rounds differently there, so it can part from the speculative answer at a numerical near-tie;
+        sampled speculative decoding runs one-row passes where a round has no drafts (see :meth:`exact_for`).
         The drafter is loaded on first use when ``mode="ar"``.  ``mode="ssd"`` drafts the next round while
         the target verifies (:mod:`ssd`): give the two models their own cores or devices with
         ``draft_threads`` / ``draft_provider`` (default: the target's ``threads`` / ``provider``).
@@ -180,6 +183,7 @@ class Engine:
         if isinstance(config, TreeConfig):
             check_tree(target, config, greedy=True)  # the verifier's draft count is checked per request
         if config.mode != "ar":
+            engine.exact_rows()  # checked before the first answer, which it would delay
             engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
         return engine
 
@@ -189,9 +193,7 @@ class Engine:
         The γ policy plans with it from the first round; live measurements refine it."""
         drafter = self.active_drafter()
         max_tokens = max(self.config.gamma + 1, 2)
-        options = ",".join(f"{k}={v}" for k, v in sorted(self._provider_options.items()))
-        placement = (f"{self._provider}[{options}]/{self._draft_provider}", f"{self._threads}/{self._draft_threads}")
-        key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *placement, max_tokens)
+        key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *self._placement(), max_tokens)
         with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
             profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
         for n, seconds in profile.verify.items():  # live measurements, once there are some, win
@@ -205,6 +207,21 @@ class Engine:
                 steps.seed(rows, seconds)
         self.cost_profile, self._profile_key = profile, key
         return profile
+
+    def _placement(self) -> tuple[str, str]:
+        """Where the models run, as the cached device facts are keyed: providers (with options), threads."""
+        options = ",".join(f"{k}={v}" for k, v in sorted(self._provider_options.items()))
+        return f"{self._provider}[{options}]/{self._draft_provider}", f"{self._threads}/{self._draft_threads}"
+
+    def exact_rows(self) -> int:
+        """Rows a batch-invariant target pass needs on this device: one where one-row passes were found
+        equal to multi-row ones bit for bit (a graph that pads its own attention, on kernels without a
+        one-row path; checked once per device and cached: ``row_invariance``), else the provider's."""
+        if self._one_row_exact is None:
+            key = cost_profile.target_key(self.manifest, *self._placement())
+            self._one_row_exact = self.target.pads_attention and cost_profile.remembered(
+                key, lambda: one_row_passes_match(self.target))
+        return 1 if self._one_row_exact else exact_min_rows(self._provider)
 
     def _correct_costs(self) -> None:
         """After a request: a cached profile that live passes keep beating was measured under load;
@@ -491,7 +508,7 @@ class Engine:
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
-        self.target.min_rows = exact_min_rows(self._provider) if self.exact_for(mode, exact, params.greedy) else 1
+        self.target.min_rows = self.exact_rows() if self.exact_for(mode, exact, params.greedy) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
         self.last_stats = stats

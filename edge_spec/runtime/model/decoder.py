@@ -28,6 +28,13 @@ sequence alone, whatever the draft lengths were, and greedy speculative decoding
 target-only decoding run the same way bit for bit.  Draft trees keep that only for the first branch:
 the nodes of later branches sit at other cache slots than a chain would put them, so attention sums
 their terms in another order.
+
+Where only the attention has a one-row path (``MatMulNBits`` is row-invariant on some CPUs, e.g. with
+AVX-512 VNNI), a target graph that pads its attention itself (``export.attention_pad``: metadata
+``edge_spec.attention_pad``) makes one-row passes exact at the price of one attention row instead of
+one row through every matmul; whether this machine is such a CPU is measured, not assumed
+(:mod:`row_invariance`), and ``min_rows`` is 1 then.  Such a graph writes its pad row's keys one slot
+past the sequence, so its cache has one spare slot.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from edge_spec.runtime.model.providers import open_session
 from edge_spec.runtime.model.session import set_spinning
 
 
+ATTENTION_PAD_KEY = "edge_spec.attention_pad"  # graph metadata "1": the graph pads its attention (see above)
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
 # outputs given for every row fed (not only the last ``num_logits``): the target's hidden states of chosen
 # layers, which a feature-level drafter needs for every verified (and every prompt) position
@@ -161,6 +169,7 @@ class Decoder:
         self.num_layers = len(kv_inputs) // 2
         _, kv_heads, _, head_dim = kv_inputs[0].shape
         self.capacity = capacity
+        self.pads_attention = self.session.get_modelmeta().custom_metadata_map.get(ATTENTION_PAD_KEY) == "1"
         self.min_rows = min_rows  # 2: pad one-token passes so every pass takes the multi-row kernels
         self.prefill_chunk = PREFILL_CHUNK  # most tokens per prefill pass (see prefill)
         self.prefill_listener: Callable[[int, int], None] | None = None  # (tokens read, prompt tokens)
@@ -170,7 +179,8 @@ class Decoder:
         self.stats = DecoderStats()
         self.transfers = Transfers()
         self.on_device = provider.lower() != "cpu"  # inputs bound from host memory cross the bus
-        self.kv = kv_storage(provider, (1, kv_heads, capacity, head_dim), 2 * self.num_layers, kv_device,
+        slots = capacity + int(self.pads_attention)  # the attention pad row's keys go one slot past the sequence
+        self.kv = kv_storage(provider, (1, kv_heads, slots, head_dim), 2 * self.num_layers, kv_device,
                              provider_options)
         self.supports_tree = {"position_ids", "attention_bias"} <= self.input_names
         self._binding = self.session.io_binding()

@@ -1,7 +1,7 @@
 """Free guesses: a draft for the spare row of a batch-invariant verify pass.
 
-A round without drafts still runs a two-row pass when the target is batch-invariant
-(``Decoder.min_rows``).  Instead of a throw-away copy, that row carries a guess -- what followed the
+A round without drafts still runs a two-row pass when the target is batch-invariant and this device
+needs the pad row for it (``Decoder.min_rows``; not where one-row passes were found exact).  Instead of a throw-away copy, that row carries a guess -- what followed the
 latest earlier occurrence of the last tokens, else the last token again -- verified like a lookup
 draft (a point mass q), so it costs nothing and is kept whenever the target agrees.
 """

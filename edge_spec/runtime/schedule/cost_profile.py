@@ -59,10 +59,36 @@ def cache_dir() -> Path:
 def cache_key(manifest: dict, drafter: dict, provider: str, threads: int | str, max_tokens: int) -> str:
     """Everything the latencies depend on: the exact weights, the drafter (its manifest record), the
     device and runtime."""
-    parts = [PROFILE_VERSION, _target_hashes(manifest), drafter, provider,
-             threads, max_tokens, ort.__version__, platform.machine(), platform.processor(), os.cpu_count(),
-             _cpu_model()]
+    parts = [PROFILE_VERSION, _target_hashes(manifest), drafter, provider, threads, max_tokens, *_runtime()]
     return _digest(parts)
+
+
+def target_key(manifest: dict, provider: str, threads: int | str) -> str:
+    """Everything the target's kernels depend on (which ones run, so how they round): its graph and
+    weights, the device and runtime."""
+    return _digest(["target", _target_hashes(manifest), provider, threads, *_runtime()])
+
+
+def _runtime() -> list:
+    return [ort.__version__, platform.machine(), platform.processor(), os.cpu_count(), _cpu_model()]
+
+
+def remembered(key: str, check) -> bool:
+    """A yes/no fact about this device, checked once (``check()``) and cached beside the profiles."""
+    path = cache_dir() / f"fact-{key}.json"
+    try:
+        return bool(json.loads(path.read_text())["value"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    value = bool(check())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"value": value}))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return value
 
 
 def pair_key(manifest: dict, drafter: dict) -> str:

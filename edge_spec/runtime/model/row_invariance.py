@@ -1,0 +1,63 @@
+"""Whether a target's one-token passes give bit for bit the logits its multi-row passes give, here.
+
+Why measured and not assumed: which kernel ONNX Runtime runs for a one-row matmul depends on the CPU
+(on AVX-512 VNNI machines ``MatMulNBits`` is row-invariant, on AVX2 ones it has a one-row path that
+rounds differently) and on the execution provider.  Greedy speculative decoding promises the answer
+of target-only decoding bit for bit, so the runtime pads one-token passes (``Decoder.min_rows``)
+unless this check, run through the decoder exactly as the loop runs it, finds one-row passes equal to
+multi-row ones.  It only runs for a graph that pads its own attention (``Decoder.pads_attention``):
+without that, attention's one-query path differs on every CPU measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_spec.runtime.model.decoder import Decoder
+
+PROBE_LENGTHS = (40, 300)  # cache lengths the probe decodes at (short and past a prefill's worth of keys)
+PROBE_TOKENS = 6  # tokens decoded one at a time, then again in one pass
+
+
+def one_row_passes_match(decoder: Decoder, lengths: tuple[int, ...] = PROBE_LENGTHS,
+                         tokens: int = PROBE_TOKENS) -> bool:
+    """Decode ``tokens`` seeded tokens after a cache of each length in ``lengths``: one per pass, in
+    passes of two and three rows (kernels may have a path per row count), and all in one pass; True
+    when every row's logits are equal bit for bit.  The decoder's cache is reset and its
+    ``min_rows`` restored afterwards."""
+    saved = decoder.min_rows
+    rng = np.random.default_rng(0)
+    vocab = max(min(decoder.vocab_size, 32000), 2)
+    try:
+        decoder.min_rows = 1
+        for length in lengths:
+            length = max(min(length, decoder.capacity - tokens - 1), 1)
+            ids = [int(t) for t in rng.integers(0, vocab, length + tokens)]
+            decoder.reset()
+            decoder.forward(ids[:length])
+            together = decoder.forward(ids[length:], tokens)["logits"]
+            for sizes in ([1] * tokens, _small_passes(tokens)):
+                decoder.rewind(length)
+                if not np.array_equal(_by_passes(decoder, ids[length:], sizes), together):
+                    return False
+        return True
+    finally:
+        decoder.reset()
+        decoder.min_rows = saved
+
+
+def _small_passes(tokens: int) -> list[int]:
+    """Pass sizes of two and three rows covering ``tokens`` (a one-row pass for an odd remainder)."""
+    sizes, left = [], tokens
+    while left > 1:
+        sizes.append(3 if left >= 5 or left == 3 else 2)
+        left -= sizes[-1]
+    return sizes + [1] * left
+
+
+def _by_passes(decoder: Decoder, ids: list[int], sizes: list[int]) -> np.ndarray:
+    rows, start = [], 0
+    for size in sizes:
+        rows.append(decoder.forward(ids[start:start + size], size)["logits"])
+        start += size
+    return np.concatenate(rows)

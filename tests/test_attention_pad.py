@@ -1,0 +1,183 @@
+"""A target graph that pads its own attention (``export.attention_pad``), and the per-device check that
+decides whether its one-token passes are exact (``runtime.model.row_invariance``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import onnx
+import pytest
+
+from edge_spec.export.attention_pad import has_attention_pad, pad_attention, pad_bundle_target
+from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model
+from edge_spec.manifest import read_manifest, verify_files
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.row_invariance import one_row_passes_match
+from tests import tiny_models
+
+CAPACITY = 48
+
+
+@pytest.fixture(scope="module")
+def graphs(tmp_path_factory):
+    """The same tiny int4 target built twice: attention padded by the graph, and not."""
+    weights = tiny_models.loaded("target", tiny_models.make_qwen2(seed=3, layers=3), tiny_models.make_tokenizer()).weights
+    options = BuildOptions("int4", context_length=CAPACITY, tree_attention=True)
+    root = tmp_path_factory.mktemp("pad")
+    paths = {}
+    for name, pad in (("plain", False), ("padded", True)):
+        (root / name).mkdir()
+        paths[name] = root / name / "model.onnx"
+        save_model(build_decoder(weights, dataclasses.replace(options, attention_pad=pad)), paths[name])
+    return paths
+
+
+def logits(decoder: Decoder, chunks: list[list[int]]) -> np.ndarray:
+    decoder.reset()
+    return np.concatenate([decoder.forward(chunk, len(chunk))["logits"] for chunk in chunks])
+
+
+def test_padding_the_attention_changes_no_multi_row_pass(graphs):
+    """With two or more rows a pass is row-invariant already: the graph's own pad row changes nothing."""
+    plain, padded = (Decoder(graphs[name], threads=1, capacity=CAPACITY, min_rows=2) for name in ("plain", "padded"))
+    assert padded.pads_attention and not plain.pads_attention
+    chunks = [[5, 17, 42, 99, 7, 3], [11, 12], [301], [77, 8, 8], [140]]  # one-row passes padded by min_rows
+    assert np.array_equal(logits(plain, chunks), logits(padded, chunks))
+
+
+def test_the_padded_graph_keeps_a_spare_slot_so_the_context_still_fills(graphs):
+    decoder = Decoder(graphs["padded"], threads=1, capacity=8)
+    decoder.forward([5, 17, 42, 99, 7, 3, 250], 1)
+    assert decoder.forward([11], 1)["logits"].shape == (1, decoder.vocab_size)  # the pad row's keys: slot 8
+    assert decoder.length == decoder.capacity
+
+
+def test_one_row_passes_of_the_padded_graph_match_where_its_matmuls_are_row_invariant(graphs):
+    """Whatever this CPU's kernels are, the check reports what a direct comparison finds, and an
+    unpadded graph (attention's one-query path) is never reported row-invariant by it alone."""
+    padded = Decoder(graphs["padded"], threads=1, capacity=CAPACITY)
+    sequence = [[5, 17, 42, 99, 7, 3], [11], [12], [301], [77]]
+    direct = np.array_equal(logits(padded, sequence), logits(padded, [sequence[0], [11, 12, 301, 77]]))
+    assert one_row_passes_match(padded, lengths=(6, 30), tokens=4) == direct
+    assert padded.min_rows == 1 and padded.length == 0  # restored, and the cache left empty
+
+
+class PerturbedOneRow:
+    """A decoder whose one-row passes round differently (the negative control of the check)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.inner = decoder
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, ids, num_logits: int = 1, **kw):
+        out = self.inner.forward(ids, num_logits, **kw)
+        if len(ids) == 1 and self.inner.min_rows == 1:
+            out = dict(out, logits=np.nextafter(out["logits"], np.inf))
+        return out
+
+
+def test_a_one_row_path_that_rounds_differently_is_caught(graphs):
+    padded = Decoder(graphs["padded"], threads=1, capacity=CAPACITY)
+    assert not one_row_passes_match(PerturbedOneRow(padded), lengths=(6,), tokens=3)
+
+
+def test_the_exported_target_pads_its_attention(target_path):
+    assert has_attention_pad(onnx.load(str(target_path), load_external_data=False))
+    assert Decoder(target_path, threads=1, capacity=16).pads_attention
+
+
+def test_the_engine_pads_one_row_passes_only_where_the_check_failed(int4_bundle, monkeypatch):
+    """exact_rows is 1 exactly when the check passed; its answer is cached per device, so a second
+    engine does not check again; greedy speculative output equals ar --exact either way."""
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    expected = 1 if one_row_passes_match(engine.target) else 2
+    assert engine.exact_rows() == expected
+    reference = engine.complete("def is_prime", max_new_tokens=20, mode="ar", exact=True).token_ids
+    assert engine.target.min_rows == expected
+    assert engine.complete("def is_prime", max_new_tokens=20).token_ids == reference
+
+    def no_second_check(decoder):
+        raise AssertionError("checked again although the answer is cached")
+
+    monkeypatch.setattr("edge_spec.runtime.engine.one_row_passes_match", no_second_check)
+    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").exact_rows() == expected
+
+
+def test_a_failed_check_keeps_the_pad_row(int4_bundle, monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
+    monkeypatch.setattr("edge_spec.runtime.engine.one_row_passes_match", lambda decoder: False)
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    assert engine.exact_rows() == 2
+    reference = engine.complete("def f", max_new_tokens=16, mode="ar", exact=True).token_ids
+    assert engine.target.min_rows == 2
+    assert engine.complete("def f", max_new_tokens=16).token_ids == reference
+
+
+def test_an_older_bundle_gets_the_pad_in_place(int4_bundle, tmp_path):
+    """A bundle whose target graph lacks the pad is rewritten (graph only) and its manifest updated,
+    so that the bundle still verifies; a second call changes nothing."""
+    import shutil
+
+    bundle = tmp_path / "old"
+    shutil.copytree(int4_bundle, bundle)
+    graph = bundle / read_manifest(bundle)["target"]["onnx"]
+    model = onnx.load(str(graph), load_external_data=False)
+    unpadded = _without_pad(model)
+    onnx.save_model(unpadded, str(graph))
+    assert not Decoder(graph, threads=1, capacity=16).pads_attention
+    assert pad_bundle_target(bundle) and not pad_bundle_target(bundle)
+    manifest = read_manifest(bundle)
+    verify_files(bundle, manifest, full_hash=True)
+    assert Decoder(graph, threads=1, capacity=16).pads_attention
+    assert json.loads((bundle / "manifest.json").read_text())["target"]["bytes"] == manifest["target"]["bytes"]
+
+
+def test_only_a_target_graph_with_tree_inputs_is_padded(graphs):
+    model = onnx.load(str(graphs["plain"]), load_external_data=False)
+    assert not has_attention_pad(model)
+    twice = pad_attention(pad_attention(model))
+    assert sum(n.op_type == "GroupQueryAttention" for n in twice.graph.node) == 3
+    assert sum(n.name.endswith("/cut") for n in twice.graph.node) == 3  # padded once, not twice
+    assert sum(n.op_type == "Concat" and n.output[0].startswith("attention_pad/rotary") for n in twice.graph.node) == 2
+    model = onnx.load(str(graphs["plain"]), load_external_data=False)
+    model.graph.input.remove(next(i for i in model.graph.input if i.name == "position_ids"))
+    with pytest.raises(Exception, match="tree-attention inputs"):
+        pad_attention(model)
+
+
+def _without_pad(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph as exports before the pad wrote it: GQA fed the step inputs directly, no pad nodes."""
+    renamed = {}
+    keep = []
+    for node in model.graph.node:
+        if node.name.startswith("attention_pad/") or re.search(r"/pad\d(/|$)", node.name):
+            continue
+        if node.name.endswith("/cut"):
+            renamed[node.input[0]] = node.output[0]
+            continue
+        keep.append(node)
+    for node in keep:
+        if node.op_type == "GroupQueryAttention":
+            node.output[0] = renamed[node.output[0]]
+            for i in range(3):
+                if node.input[i]:
+                    node.input[i] = _source(model, node.input[i])
+            for i, name in enumerate(node.input):
+                if name.startswith("attention_pad/"):
+                    node.input[i] = name.removeprefix("attention_pad/")
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    del model.metadata_props[:]
+    return model
+
+
+def _source(model: onnx.ModelProto, padded: str) -> str:
+    """The tensor a pad Concat appended a row to."""
+    concat = next(n for n in model.graph.node if n.output[0] == padded)
+    return concat.input[0]
