@@ -21,7 +21,8 @@ latency a bench run measured for its passes (target rows, drafter catch-up rows)
 time outside ORT per round.  Policies: fixed γ = 1 with and without lookup, the runtime's own
 :class:`AdaptiveGamma`, rules on pre-draft signals, a foresight schedule that knows every draft's confidence
 before drafting (a bound for schedules driven by it), and the oracle that knows every outcome (an upper
-bound for any schedule).
+bound for any schedule).  ``--analyze FILE --fit-on OTHER`` asks whether any recorded signal adds to
+the drafter's confidence (a logistic model fitted on OTHER, scored on FILE).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class Prices:
 
     def __init__(self, target: dict[int, float], draft: dict[int, float], head: float = 0.0, outside: float = 0.0) -> None:
         self.target, self.draft, self.head, self.outside = target, draft, head, outside
+        self.min_rows = 2  # exact passes pad one-row passes (1: one-row passes are exact on the machine priced)
 
     @classmethod
     def measured(cls, bench_json: Path) -> "Prices":
@@ -198,7 +200,7 @@ class Prices:
                    {n: float(step) / 1e3 for n in (1, 2, 3)})
 
     def verify(self, drafts: int) -> float:
-        rows = max(drafts + 1, 2)  # exact mode: a pass has at least two rows
+        rows = max(drafts + 1, self.min_rows)  # exact mode: a pass has at least min_rows rows
         if rows not in self.target:  # beyond the measured sizes: extend the last step linearly
             last = max(self.target)
             return self.target[last] + (rows - last) * (self.target[last] - self.target[last - 1]) + self.outside
@@ -208,7 +210,9 @@ class Prices:
         return self.draft[max(k for k in self.draft if k <= rows)] + self.head  # nearest measured size below
 
 
-Choice = tuple[str, int]  # ("draft" | "lookup" | "guess" | "dropped": a guess after an unused drafter step, drafts)
+# ("draft" | "lookup" | "guess" | "plain": a one-row pass | "dropped": a guess, or with 0 drafts a one-row
+# pass, after an unused drafter step, drafts)
+Choice = tuple[str, int]
 
 
 def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, dict], Choice]) -> dict[str, tuple[float, int]]:
@@ -225,7 +229,7 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
         while j < len(rows):
             i = rows[j]
             kind, drafts = policy(i, state)
-            drafts = max(1, min(drafts, len(rows) - j))
+            drafts = 0 if kind == "plain" or (kind, drafts) == ("dropped", 0) else max(1, min(drafts, len(rows) - j))
             if kind == "draft":
                 oks = [bool(data["draft_ok"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 accepted = next((k for k, ok in enumerate(oks) if not ok), drafts)
@@ -233,8 +237,13 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
                 confidences = [float(data["draft_conf"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 state["outcome"] = ("draft", drafts, accepted, confidences)
                 unseen = 2 if accepted == drafts else 1
+            elif kind == "plain":  # a one-row pass (one-row passes exact, and the guess not worth its row)
+                accepted = 0
+                seconds += prices.verify(0)
+                state["outcome"] = (kind, 0, 0, [])
+                unseen += 1
             else:
-                accepted = min(int(data["lookup_run"][i]), drafts) if kind == "lookup" else int(data["guess_ok"][i])
+                accepted = min(int(data["lookup_run"][i]), drafts) if kind == "lookup" else int(data["guess_ok"][i]) * drafts
                 seconds += prices.verify(drafts) + (prices.drafter(unseen) if kind == "dropped" else 0.0)
                 state["outcome"] = (kind, drafts, accepted, [])
                 unseen = 1 + accepted if kind == "dropped" else unseen + 1 + accepted
@@ -255,7 +264,7 @@ def oracle(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 4) -> d
         best = np.zeros(n + gamma_max + 2)
         for j in range(n - 1, -1, -1):
             i = rows[j]
-            options = [(prices.verify(1), int(data["guess_ok"][i]))]
+            options = [(prices.verify(1), int(data["guess_ok"][i])), (prices.verify(0), 0)]
             for g in range(1, gamma_max + 1):
                 oks = [bool(data["draft_ok"][rows[min(j + k, n - 1)]]) for k in range(g)]
                 accepted = next((k for k, ok in enumerate(oks) if not ok), g)
@@ -308,7 +317,8 @@ def foresight_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int
             i = rows[j]
             after = lambda k: expected[min(j + 1 + k, n)]
             g_ok = guess_rate.get(int(data["guess_match"][i]), 0.0)
-            options = [(prices.verify(1) + g_ok * after(1) + (1 - g_ok) * after(0), ("guess", 1))]
+            options = [(prices.verify(1) + g_ok * after(1) + (1 - g_ok) * after(0), ("guess", 1)),
+                       (prices.verify(0) + after(0), ("plain", 0))]
             for g in range(1, gamma_max + 1):
                 chain = [(p_draft if k == 0 else p_later)[rows[min(j + k, n - 1)]] for k in range(g)]
                 options.append((prices.drafter(2) + (g - 1) * prices.drafter(1) + prices.verify(g)
@@ -354,6 +364,8 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
             schedule.estimates.record_guess(int(data["guess_match"][guessed]), bool(data["guess_ok"][guessed]))
         state["guessed"] = i
         spare = schedule.estimates.guess(int(data["guess_match"][i]))
+        if prices.min_rows < 2 and not _guess_pays(costs, spare):  # no pad row: the guess must pay its row
+            spare = 0.0
         if lookup and data["lookup_len"][i]:
             estimates = schedule.estimates
             model_rate = plan_round(estimates.first, estimates.later_draft(), costs, gamma_max, spare=spare).rate
@@ -363,12 +375,14 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
                 return "lookup", take
         rule = schedule.begin_round(costs, spare=spare)
         if rule is None:
-            return "guess", 1
+            return ("guess", 1) if spare or prices.min_rows >= 2 else ("plain", 0)
         drafts, last = 0, len(data["prompt"]) - 1
         while True:
             keep, more = rule.add(float(data["draft_conf"][min(i + drafts, last)]))
             if not keep:
-                return ("draft", drafts) if drafts else ("dropped", 1)  # the step ran; its draft is not verified
+                if drafts:
+                    return "draft", drafts
+                return "dropped", int(bool(spare) or prices.min_rows >= 2)  # the step ran; its draft is not verified
             drafts += 1
             if not more or i + drafts > last or data["prompt"][i + drafts] != data["prompt"][i]:
                 return "draft", drafts
@@ -376,9 +390,16 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
     return policy
 
 
-def analyze(path: Path, bench_json: Path, machine: str | None = None) -> None:
+def _guess_pays(costs: CostModel, rate: float) -> bool:
+    """Whether a draft-less round's guess (right with chance ``rate``) is worth a second row: (1 + rate)
+    tokens in a two-row pass against one token in a one-row pass."""
+    return rate > 0 and (1 + rate) / costs.expected_cost(0, 0, 0, spare=rate) > 1 / costs.expected_cost(0, 0, 0)
+
+
+def analyze(path: Path, bench_json: Path, machine: str | None = None, one_row: bool = False) -> None:
     data = dict(np.load(path))
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
+    prices.min_rows = 1 if one_row else 2
     print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
           f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
           f"outside ORT per round {1e3 * prices.outside:.2f}")
@@ -444,6 +465,34 @@ def analyze(path: Path, bench_json: Path, machine: str | None = None) -> None:
               f"{worst[0]:.3f}x its best fixed γ")
 
 
+def signal_value(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> None:
+    """Does any signal the runtime could read add to the drafter's confidence?  A logistic model of
+    'draft accepted' on the confidence's log-odds alone, and with the target's top-p, margin and
+    entropy at the pending token and the previous position's outcome, fitted on ``train`` (Newton's
+    method) and scored on ``test``: held-out log-loss and AUC of each."""
+
+    def columns(data: dict[str, np.ndarray], extra: bool) -> np.ndarray:
+        odds = lambda p: np.log(np.clip(p, 1e-4, 1 - 1e-4) / (1 - np.clip(p, 1e-4, 1 - 1e-4)))
+        same = np.r_[False, data["prompt"][1:] == data["prompt"][:-1]]
+        previous = np.where(same, np.r_[1.0, data["draft_ok"][:-1].astype(float)], 0.5)
+        cols = [np.ones(len(data["draft_ok"])), odds(data["draft_conf"])]
+        if extra:
+            cols += [odds(data["target_top"]), data["target_margin"], -data["target_entropy"], previous - 0.5]
+        return np.stack(cols, axis=1)
+
+    for extra in (False, True):
+        x, y = columns(train, extra), train["draft_ok"].astype(float)
+        w = np.zeros(x.shape[1])
+        for _ in range(30):
+            p = 1 / (1 + np.exp(-x @ w))
+            w -= np.linalg.solve((x * (p * (1 - p))[:, None]).T @ x + 1e-6 * np.eye(len(w)), x.T @ (p - y))
+        xt, yt = columns(test, extra), test["draft_ok"].astype(bool)
+        p = np.clip(1 / (1 + np.exp(-xt @ w)), 1e-9, 1 - 1e-9)
+        loss = -np.mean(np.where(yt, np.log(p), np.log(1 - p)))
+        name = "drafter confidence + target top-p, margin, entropy, previous outcome" if extra else "drafter confidence"
+        print(f"held-out 'draft accepted' from {name}: log-loss {loss:.4f}, AUC {auc(xt @ w, yt):.3f}")
+
+
 def auc(score: np.ndarray, positive: np.ndarray) -> float:
     """Probability that a random positive scores above a random negative (ties count half)."""
     pos, neg = np.sort(score[positive]), np.sort(score[~positive])
@@ -469,13 +518,19 @@ def main() -> None:
     ap.add_argument("--analyze", type=Path, help="replay policies on a file this script wrote, instead of collecting")
     ap.add_argument("--costs", type=Path, default=Path("bench-results/schedule-final/bench.json"),
                     help="bench.json whose measured pass latencies price the replayed rounds")
+    ap.add_argument("--one-row", action="store_true", help="with --analyze: price one-row passes as exact (no pad "
+                    "row: a draft-less round is one row unless its guess pays for a second)")
+    ap.add_argument("--fit-on", type=Path, metavar="FILE", help="with --analyze: fit a model of acceptance on "
+                    "every signal on this signals file and score it on the analyzed one (see signal_value)")
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
                     "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)")
     args = ap.parse_args()
     if args.add_eagle:
         add_eagle(args)
+    elif args.analyze and args.fit_on:
+        signal_value(dict(np.load(args.fit_on)), dict(np.load(args.analyze)))
     elif args.analyze:
-        analyze(args.analyze, args.costs, args.machine)
+        analyze(args.analyze, args.costs, args.machine, args.one_row)
     else:
         collect(args)
 

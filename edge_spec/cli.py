@@ -296,6 +296,12 @@ def _print_costs(bundle: Path, threads: int, gamma: int, head: str | None) -> No
     out.print(f"  drafter step: {1e3 * profile.draft_step:.1f} ms (body {1e3 * profile.draft_body:.1f}, "
               f"head {1e3 * profile.draft_head:.2f}); a second token read in one step: "
               f"+{1e3 * profile.draft_catch_up:.1f} ms")
+    rows = engine.exact_rows()
+    why = ("one-row passes equal multi-row ones bit for bit on this device" if rows == 1
+           else "this device's one-row kernels round differently" if engine.target.pads_attention
+           else "the target graph predates the attention pad: re-export, or "
+                "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)")
+    out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")
     model = CostModel(profile.draft_step, profile.verify, profile.draft_catch_up)
     plans = ", ".join(f"{alpha:.2f}: γ {plan_round(alpha, alpha, model, gamma).gamma}"
                       for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95))

@@ -94,13 +94,17 @@ def test_the_exported_target_pads_its_attention(target_path):
 
 def test_the_engine_pads_one_row_passes_only_where_the_check_failed(int4_bundle, monkeypatch):
     """exact_rows is 1 exactly when the check passed; its answer is cached per device, so a second
-    engine does not check again; greedy speculative output equals ar --exact either way."""
+    engine does not check again; greedy speculative output equals ar --exact either way, and plain ar
+    where the check passed."""
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
     expected = 1 if one_row_passes_match(engine.target) else 2
     assert engine.exact_rows() == expected
     reference = engine.complete("def is_prime", max_new_tokens=20, mode="ar", exact=True).token_ids
     assert engine.target.min_rows == expected
     assert engine.complete("def is_prime", max_new_tokens=20).token_ids == reference
+    assert engine.target.min_rows == 2  # speculative passes keep a second row for the free guess
+    if expected == 1:  # then plain one-row decoding is that same answer too
+        assert engine.complete("def is_prime", max_new_tokens=20, mode="ar").token_ids == reference
 
     def no_second_check(decoder):
         raise AssertionError("checked again although the answer is cached")

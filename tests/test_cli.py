@@ -122,6 +122,7 @@ def test_generate_and_info(int4_bundle):
     assert costs.returncode == 0, costs.stderr
     rows = [line for line in costs.stdout.splitlines() if "target pass," in line]
     assert len(rows) == 4 and "drafter step" in costs.stdout and "planned drafts by acceptance" in costs.stdout
+    assert "exact greedy passes: " in costs.stdout  # how many rows exactness costs on this device, and why
     assert_one_line_error(cli("info", str(int4_bundle), "--costs", "--draft-head", "nope"), "no drafter head 'nope'")
 
 

@@ -125,6 +125,14 @@ def test_a_draft_less_round_is_worth_its_free_guess():
     assert policy.begin_round(exact) is not None and policy.begin_round(exact, spare=0.3) is None
 
 
+def test_a_draft_less_round_that_carries_a_guess_pays_for_two_rows():
+    """Where one-row passes are exact and nothing pads them, a draft-less round's guess rides a
+    second row, which the plan must price (with a pad row, one and two rows cost the same)."""
+    one_row = CostModel(draft=0.010, verify={1: 0.045, 2: 0.052, 3: 0.065})
+    assert one_row.expected_cost(0.5, 0.5, 0, spare=0.2) == pytest.approx(0.052)
+    assert one_row.expected_cost(0.5, 0.5, 0) == pytest.approx(0.045)
+
+
 # this machine's fast-layout bundle: a drafter step that reads two tokens costs 1.9 ms more than one
 CATCH_UP = CostModel(draft=0.0101, verify={1: 0.0446, 2: 0.0522, 3: 0.0649, 4: 0.0754, 5: 0.0887}, catch_up=0.0019)
 
@@ -134,7 +142,7 @@ def test_a_round_is_charged_for_the_tokens_it_leaves_the_drafter_to_read():
     # the drafter's own drafts: one extra token to read only when every draft was accepted
     assert costs.expected_cost(0.8, 0.5, 2) == pytest.approx(costs.round_cost(2) + 0.8 * 0.5 * 0.0019)
     # a draft-less round: every token it makes (its own, and the spare row's guess when right)
-    assert costs.expected_cost(0.8, 0.5, 0, spare=0.3) == pytest.approx(costs.round_cost(0) + 1.3 * 0.0019)
+    assert costs.expected_cost(0.8, 0.5, 0, spare=0.3) == pytest.approx(costs.round_cost(0, guessed=True) + 1.3 * 0.0019)
     # lookup drafts: the drafter read none of them
     lookup = CostModel(0.0, costs.verify, costs.catch_up, drafter_drafts=False)
     assert lookup.expected_cost(0.8, 0.5, 2) == pytest.approx(lookup.round_cost(2) + chain_tokens(0.8, 0.5, 2) * 0.0019)

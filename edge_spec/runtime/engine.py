@@ -38,6 +38,9 @@ from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, T
 from edge_spec.runtime.verify.sampling import NonFiniteLogits, SamplingParams, check_vocab_ids
 
 
+GUESS_ROWS = 2  # a speculative pass's rows at least: the target's own token and the free guess
+
+
 def load_array(path: Path) -> np.ndarray:
     """A bundle's ``.npy`` table; a damaged one is a one-line error naming it."""
     try:
@@ -222,6 +225,14 @@ class Engine:
             self._one_row_exact = self.target.pads_attention and cost_profile.remembered(
                 key, lambda: one_row_passes_match(self.target))
         return 1 if self._one_row_exact else exact_min_rows(self._provider)
+
+    def pass_rows(self, mode: str) -> int:
+        """The fewest rows of an exact target pass in ``mode``: what exactness needs here
+        (:meth:`exact_rows`), and in speculative decoding at least two, because a draft-less round
+        that verifies the free guess in a second row was measured faster than a one-row round
+        (README, *Bit-identical greedy output*); target-only decoding has no guess to carry."""
+        rows = self.exact_rows()
+        return rows if mode == "ar" else max(rows, GUESS_ROWS)
 
     def _correct_costs(self) -> None:
         """After a request: a cached profile that live passes keep beating was measured under load;
@@ -508,7 +519,7 @@ class Engine:
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
-        self.target.min_rows = self.exact_rows() if self.exact_for(mode, exact, params.greedy) else 1
+        self.target.min_rows = self.pass_rows(mode) if self.exact_for(mode, exact, params.greedy) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
         self.last_stats = stats

@@ -66,20 +66,24 @@ class CostModel:
         step = (self.verify[last] - self.verify[known[-2]]) / (last - known[-2]) if len(known) > 1 else 0.25 * self.verify[last]
         return self.verify[last] + (n - last) * max(step, 0.0)
 
-    def round_cost(self, gamma: int) -> float:
-        return gamma * self.draft + self.verify_cost(gamma + 1) + self.overhead
+    def round_cost(self, gamma: int, guessed: bool = False) -> float:
+        """``guessed``: a draft-less round whose pass carries a guess in a second row."""
+        rows = 2 if gamma == 0 and guessed else gamma + 1
+        return gamma * self.draft + self.verify_cost(rows) + self.overhead
 
     def expected_cost(self, first: float, later: float, gamma: int, spare: float = 0.0) -> float:
         """A round's cost including the reading it leaves the drafter (module docstring): one extra
         token when all γ of the drafter's drafts are accepted; every token the round makes when the
-        drafter made none of them (γ = 0, or drafts from elsewhere)."""
+        drafter made none of them (γ = 0, or drafts from elsewhere).  ``spare`` > 0: a draft-less
+        round carries a guess (right with that chance) in a second row."""
         if gamma == 0:
             unread = 1.0 + spare
         elif self.drafter_drafts:
             unread = chain_survival(first, later, gamma)
         else:
             unread = chain_tokens(first, later, gamma)
-        return self.round_cost(gamma) + unread * self.catch_up
+        return self.round_cost(gamma, guessed=spare > 0) + unread * self.catch_up
+
 
 
 OVERHEAD_SMOOTHING = 0.1  # weight of the newest round in the overhead's moving average
