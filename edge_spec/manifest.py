@@ -41,6 +41,13 @@ def file_record(bundle_dir: Path, relative: str) -> dict:
     return {"path": relative, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
+def rerecord_file(bundle_dir: Path, entry: dict, relative: str) -> None:
+    """After ``relative`` was rewritten in place: its record in ``entry["files"]`` and the entry's byte
+    total follow it."""
+    entry["files"] = [file_record(bundle_dir, f["path"]) if f["path"] == relative else f for f in entry["files"]]
+    entry["bytes"] = sum(f["bytes"] for f in entry["files"])
+
+
 def write_manifest(bundle_dir: Path, manifest: dict) -> None:
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 

@@ -20,7 +20,6 @@ of their last, folded at load), because attention wants as many as the padded se
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +28,11 @@ from onnx import helper, numpy_helper
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.decoder import ATTENTION_PAD_KEY as PAD_KEY
+
 _INPUTS = ("seqlens_k", "total_sequence_length", "position_ids", "attention_bias")
 _ROTARY_TABLES = (7, 8)  # GroupQueryAttention's cos and sin cache inputs
 _PREFIX = "attention_pad/"
+_AXIS = {1: _PREFIX + "rows_axis", 0: _PREFIX + "table_axis"}  # [1, S, ...] rows; a rotary table's rows
 
 
 def has_attention_pad(model: onnx.ModelProto) -> bool:
@@ -50,8 +51,7 @@ def pad_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     names = {i.name for i in graph.input}
     if not set(_INPUTS) <= names:
         raise EdgeSpecError("only a target graph with tree-attention inputs can pad its attention; re-export the bundle")
-    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
-    if not attention:
+    if not any(n.op_type == "GroupQueryAttention" for n in graph.node):
         raise EdgeSpecError("this graph has no GroupQueryAttention node to pad")
     shared, padded_input = _padded_step_inputs()
     nodes: list[onnx.NodeProto] = list(shared)
@@ -74,19 +74,15 @@ def pad_attention(model: onnx.ModelProto) -> onnx.ModelProto:
 def add_attention_pad(onnx_path: Path | str) -> bool:
     """Rewrite an exported graph file in place (written beside it, then renamed over it); returns
     whether it changed (False: padded already)."""
+    from edge_spec.export.eagle import _write_atomic  # lazily, as head_data does: eagle imports torch
+
     path = Path(onnx_path)
     if not path.is_file():
         raise EdgeSpecError(f"ONNX model not found: {path}")
     model = onnx.load(str(path), load_external_data=False)
     if has_attention_pad(model):
         return False
-    pad_attention(model)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        onnx.save_model(model, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_atomic(path, lambda tmp: onnx.save_model(pad_attention(model), tmp))
     return True
 
 
@@ -98,9 +94,6 @@ def _constants() -> list[onnx.TensorProto]:
             numpy_helper.from_array(np.array([0], np.int64), _PREFIX + "start"),
             *(numpy_helper.from_array(np.array([axis], np.int64), name) for axis, name in _AXIS.items()),
             numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64), _PREFIX + "bias_pads")]
-
-
-_AXIS = {1: _PREFIX + "rows_axis", 0: _PREFIX + "table_axis"}  # [1, S, ...] rows; a rotary table's rows
 
 
 def _with_last_row(x: str, out: str, axis: int = 1) -> list[onnx.NodeProto]:
@@ -155,7 +148,7 @@ def pad_bundle_target(bundle_dir: Path | str) -> bool:
     """Give a bundle exported before targets padded their attention that pad: its target graph is
     rewritten (weights untouched) and the manifest's record of it updated; on any failure the bundle
     is left as it was.  Returns whether it changed."""
-    from edge_spec.manifest import file_record, read_manifest, write_manifest
+    from edge_spec.manifest import read_manifest, rerecord_file, write_manifest
 
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
@@ -165,9 +158,7 @@ def pad_bundle_target(bundle_dir: Path | str) -> bool:
     try:
         if not add_attention_pad(graph):
             return False
-        target["files"] = [file_record(bundle_dir, f["path"]) if f["path"] == target["onnx"] else f
-                           for f in target["files"]]
-        target["bytes"] = sum(f["bytes"] for f in target["files"])
+        rerecord_file(bundle_dir, target, target["onnx"])
         write_manifest(bundle_dir, manifest)
     except BaseException:
         graph.write_bytes(backup)

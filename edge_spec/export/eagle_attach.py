@@ -15,7 +15,7 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.export import eagle_heads
 from edge_spec.export.bundle import _say
 from edge_spec.export.graph_builder import BuildOptions, save_model
-from edge_spec.manifest import file_record
+from edge_spec.manifest import file_record, rerecord_file
 
 
 LEGACY_EAGLE_FILES = ("head.onnx", "head.onnx.data", "fc.onnx", "fc.onnx.data", "d2t.npy", "t2d.npy")
@@ -247,9 +247,7 @@ def _install_eagle(bundle_dir: Path, manifest: dict, root: Path, config, record:
         if eagle.feature_layers_of(target_onnx) != tuple(config.feature_layers):
             _say(progress, f"adding feature output (layers {list(config.feature_layers)}) to the target graph")
             eagle.add_feature_output(target_onnx, config.feature_layers)
-        target["files"] = [file_record(bundle_dir, f["path"]) if f["path"] == target["onnx"] else f
-                           for f in target["files"]]
-        target["bytes"] = sum(f["bytes"] for f in target["files"])
+        rerecord_file(bundle_dir, target, target["onnx"])
         target["feature_layers"] = list(config.feature_layers)
         manifest["eagle"] = {
             "kind": "eagle3",

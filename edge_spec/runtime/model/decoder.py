@@ -33,7 +33,8 @@ Where only the attention has a one-row path (``MatMulNBits`` is row-invariant on
 AVX-512 VNNI), a target graph that pads its attention itself (``export.attention_pad``: metadata
 ``edge_spec.attention_pad``) makes one-row passes exact at the price of one attention row instead of
 one row through every matmul; whether this machine is such a CPU is measured, not assumed
-(:mod:`row_invariance`), and ``min_rows`` is 1 then.  Such a graph writes its pad row's keys one slot
+(:mod:`row_invariance`), and exact target-only passes take ``min_rows`` 1 then (speculative ones keep
+a second row for the free guess: ``Engine.pass_rows``).  Such a graph writes its pad row's keys one slot
 past the sequence, so its cache has one spare slot.
 """
 

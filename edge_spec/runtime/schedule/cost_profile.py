@@ -81,13 +81,7 @@ def remembered(key: str, check) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     value = bool(check())
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"value": value}))
-        tmp.replace(path)
-    except OSError:
-        pass
+    _store(path, {"value": value})
     return value
 
 
@@ -184,11 +178,15 @@ def load(key: str) -> CostProfile | None:
 
 def save(key: str, profile: CostProfile) -> None:
     """Write atomically; a read-only cache directory means profiling at every load."""
-    path = cache_dir() / f"{key}.json"
+    _store(cache_dir() / f"{key}.json", {**asdict(profile), "cached": False})
+
+
+def _store(path: Path, data: dict) -> None:
+    """Write ``data`` as JSON through a temp file, then rename; a cache that cannot be written is skipped."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**asdict(profile), "cached": False}, indent=1))
+        tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)
     except OSError:
         pass

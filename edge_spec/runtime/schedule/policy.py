@@ -85,7 +85,6 @@ class CostModel:
         return self.round_cost(gamma, guessed=spare > 0) + unread * self.catch_up
 
 
-
 OVERHEAD_SMOOTHING = 0.1  # weight of the newest round in the overhead's moving average
 
 
