@@ -38,7 +38,7 @@ DraftProviderOpt = typer.Option(None, "--draft-provider", help="Drafter executio
 ProviderOptionOpt = typer.Option([], "--provider-option", help="KEY=VALUE for the --provider's sessions, passed "
                                  "to ONNX Runtime as is (repeatable), e.g. --provider-option device_id=1.")
 GammaOpt = typer.Option(None, "--gamma", help="Draft tokens per target pass (spec: the maximum when adaptive; "
-                        "default spec 4, multi-draft 2, ssd 1).")
+                        "default spec: adaptive up to 8, fixed 4; multi-draft 2, ssd 1).")
 ScheduleOpt = typer.Option(None, "--schedule",
                            help="spec: adaptive (γ per round from measured costs and acceptance) or fixed.")
 TemperatureOpt = typer.Option(0.0, help="0 = greedy.")
@@ -232,7 +232,8 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
                                     "once and cached): target pass by rows, drafter step, and the draft "
                                     "length the schedule plans at each acceptance."),
          threads: int = ThreadsOpt,
-         gamma: int = typer.Option(4, "--gamma", help="With --costs: the longest draft to profile for."),
+         gamma: Optional[int] = typer.Option(None, "--gamma", help="With --costs: the longest draft to profile "
+                                              "for (default: the adaptive schedule's, 8)."),
          head: Optional[str] = HeadOpt,
          providers: bool = typer.Option(False, "--providers", help="List the execution providers: present in "
                                         "this onnxruntime build, and whether a session on each one runs."),
@@ -275,13 +276,14 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
         _print_costs(bundle, threads, gamma, head)
 
 
-def _print_costs(bundle: Path, threads: int, gamma: int, head: str | None) -> None:
+def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None) -> None:
     """The row-cost curve the schedule plans with, and what it makes of it."""
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.schedule.policy import CostModel, plan_round
 
     config = _loop_config("spec", gamma=gamma)
     _check_gamma(bundle, config)
+    gamma = config.gamma
     with _loading_status():
         engine = Engine.from_bundle(bundle, threads=threads, config=config, draft_head=head)
     profile = engine.cost_profile
@@ -304,7 +306,7 @@ def _print_costs(bundle: Path, threads: int, gamma: int, head: str | None) -> No
     out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")
     model = CostModel(profile.draft_step, profile.verify, profile.draft_catch_up)
     plans = ", ".join(f"{alpha:.2f}: γ {plan_round(alpha, alpha, model, gamma).gamma}"
-                      for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95))
+                      for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98))
     out.print(f"  planned drafts by acceptance: {plans}")
     learned = engine.schedule_memory().calibration(greedy=True)
     if learned.first.trials:

@@ -31,6 +31,16 @@ def test_unset_settings_give_each_loop_its_own_defaults():
     assert loop_config("ar") == ArConfig()
 
 
+def test_the_adaptive_ceiling_is_longer_than_the_fixed_default():
+    # the adaptive schedule only drafts long where the curve and the acceptance pay for it (test_policy);
+    # a fixed schedule drafts its γ every round, so its default stays short
+    adaptive, fixed = loop_config("spec"), loop_config("spec", schedule="fixed")
+    assert (adaptive.adaptive, adaptive.gamma) == (True, 8)
+    assert (fixed.adaptive, fixed.gamma) == (False, 4)
+    assert loop_config("spec", schedule="fixed", gamma=6).gamma == 6  # a given γ wins either way
+    assert loop_config("spec", schedule="adaptive", gamma=3).gamma == 3
+
+
 def test_user_settings_reach_the_loop():
     chain = loop_config("spec", gamma=2, schedule="fixed", lookup=False)
     assert (chain.gamma, chain.adaptive, "lookup" in chain.proposers) == (2, False, False)

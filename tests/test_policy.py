@@ -65,6 +65,20 @@ def test_the_machine_decides_the_draft_length():
     assert best_gamma(0.05, CPU, 4) == 0  # nearly every draft rejected: plain decoding
 
 
+# 2026-11-25 AMD EPYC profile of the first-command bundle: one-row pass 28 ms, about 6.5 ms a row after
+# the second, drafter step 7.4 ms (edge-spec info --costs --gamma 8)
+AMD_2026_11_25 = CostModel(draft=0.0074, verify={1: 0.028, 2: 0.0333, 3: 0.041, 4: 0.0473, 5: 0.0541,
+                                                  6: 0.0605, 7: 0.0693, 8: 0.0738, 9: 0.0809})
+
+
+def test_a_cheap_row_curve_plans_past_four_drafts_where_an_expensive_one_does_not():
+    # where a verify row costs less than a draft step saves, confident stretches pay for long rounds
+    assert best_gamma(0.98, AMD_2026_11_25, 8) > 4
+    assert best_gamma(0.98, AMD_2026_11_25, 8) > best_gamma(0.98, AMD_2026_11_25, 4) == 4
+    assert best_gamma(0.80, AMD_2026_11_25, 8) <= 4  # the ceiling is no target: middling acceptance stays short
+    assert best_gamma(0.98, README_MACHINE, 8) <= 2  # rows that cost a pass each: long rounds never pay
+
+
 def test_look_ahead_skips_the_expensive_third_row_to_reach_the_cheap_fourth():
     rate = plan_round(0.9, 0.9, TILED, 3).rate
     rule = DraftRound(TILED, gamma_max=3, rate=rate, estimates=estimates())

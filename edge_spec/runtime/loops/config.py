@@ -15,6 +15,12 @@ from edge_spec.runtime.propose import DRAFTERS, PROPOSERS
 from edge_spec.runtime.verify.tree import VERIFIERS
 
 MODES = ("ar", "spec", "ssd")  # the user's word for the loop family; spec runs a chain or (drafts > 1) a tree
+# The adaptive schedule's ceiling is only a ceiling: each round's length comes from the measured row-cost
+# curve and the running acceptance (``schedule.policy``), so a machine whose extra verify rows are cheap
+# drafts long on confident stretches and one where they are dear never gets there.  A fixed schedule
+# drafts its γ every round, whatever the acceptance, so its default stays short.
+ADAPTIVE_GAMMA_MAX = 8
+FIXED_GAMMA = 4
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,7 @@ class ChainConfig:
     """One chain of drafts per round (``loops.chain``)."""
 
     mode: ClassVar[str] = "spec"
-    gamma: int = 4  # drafts per round; the most per round when adaptive
+    gamma: int = ADAPTIVE_GAMMA_MAX  # drafts per round; the most per round when adaptive
     adaptive: bool = True  # choose each round's drafts from measured costs and running acceptance
     min_confidence: float = 0.0  # stop drafting once the drafter's top probability falls below this
     proposers: tuple[str, ...] = ("lookup", "model", "guess")  # in order of preference (propose.PROPOSERS)
@@ -122,6 +128,8 @@ def loop_config(mode: str, **settings) -> LoopConfig:
         if drafter not in DRAFTERS:
             raise EdgeSpecError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}")
         proposers = tuple(drafter if p == "model" else p for p in ChainConfig.proposers if lookup or p != "lookup")
+        if schedule == "fixed":
+            given.setdefault("gamma", FIXED_GAMMA)
         return ChainConfig(adaptive=schedule == "adaptive", proposers=proposers, **given)
     known = {f.name for f in fields(loop)}
     return loop(**{k: v for k, v in given.items() if k in known})
