@@ -1,6 +1,6 @@
 """How close an exported GGUF model stays to transformers' fp32 forward of the same GGUF weights: the old
 path (dequantize, re-quantize to int4 blocks of 32) against carrying the GGUF blocks into MatMulNBits, exactly
-and in the faster default layout.
+and in the faster default layout (and the small one, its 8-bit blocks rounded to 4 bits).
 
 For each GGUF file: transformers loads it (dequantizing every tensor to fp32) and is the reference; the
 same weights are exported as ONNX decoders (re-quantized / carried, at accuracy level 4 as shipped and at
@@ -44,7 +44,8 @@ PROMPTS = [
 ]
 #: (GGUF blocks, MatMulNBits accuracy level): "carry" is the default layout (16-blocks merged, the affine
 #: formats' correction folded into the matmul: gguf_blocks.fast_layout), "carry-exact" GGUF's blocks as they are
-VARIANTS = [("requantize", 4), ("carry-exact", 4), ("carry", 4), ("carry-exact", 0)]
+#: "carry-small" the small layout (8-bit blocks rounded to 4 bits: gguf_blocks.narrow_to_4bit)
+VARIANTS = [("requantize", 4), ("carry-exact", 4), ("carry", 4), ("carry-small", 4), ("carry-exact", 0)]
 
 
 def load_reference(gguf: Path):
@@ -163,7 +164,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for blocks, level in variants:
                 options = BuildOptions("int4", accuracy_level=level, context_length=1024,
-                                       gguf_blocks=blocks != "requantize", carry_exact=blocks == "carry-exact")
+                                       gguf_blocks=blocks != "requantize", carry_exact=blocks == "carry-exact",
+                                       carry_narrow=blocks == "carry-small")
                 path = Path(tmp) / f"{blocks}{level}.onnx"
                 save_model(build_decoder(weights, options), path)
                 result = compare(ref, onnx_runs(path, tokenizer, text_ids, args.tokens, args.threads), text_ids)

@@ -135,7 +135,8 @@ def export(
                                     "--block-size blocks: target (default), both or none."),
     gguf_layout: str = typer.Option("fast", help="Carried GGUF blocks: fast (default; Q6_K's 16-blocks merged into "
                                     "32-blocks, the zero-point correction folded into the matmul, rounding far "
-                                    "below GGUF's step) or exact (as GGUF has them; slower)."),
+                                    "below GGUF's step), exact (as GGUF has them; slower) or small (as fast, "
+                                    "with the 8-bit blocks, Q6_K's, rounded to 4 bits: faster, less faithful)."),
     draft_vocab: str = DraftVocabOpt,
     keep: str = KeepOpt,
     calibration: Optional[Path] = CalibrationOpt,

@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 from onnx import TensorProto, helper
 
-from edge_spec.export.gguf_blocks import CarriedBlocks, add_carried_linear, carry_gguf, concat_blocks, fast_layout, folded_width
+from edge_spec.export.gguf_blocks import (CarriedBlocks, add_carried_linear, carry_gguf, concat_blocks, fast_layout,
+                                         folded_width, narrow_to_4bit)
 from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model
 
 N, K = 24, 512  # K: two K-quant super-blocks
@@ -122,6 +123,35 @@ def test_fast_layout_rounds_within_its_bound_and_the_graph_computes_it(kind):
         assert np.abs(got - expected).max() < np.abs(requant - expected).max() / 4
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0", "Q5_K", "Q5_1"])
+def test_the_small_layout_rounds_8_bit_blocks_to_4_bits_closer_than_re_quantizing(kind):
+    """``--gguf-layout small``: an 8-bit carried weight becomes 4-bit blocks of 32 with a zero point (half a
+    byte a weight); its rounding error is that of one 4-bit step (about step / sqrt(12) RMS), below what
+    re-quantizing GGUF's values to our symmetric int4 blocks (the old path, the negative control) leaves,
+    and the graph computes exactly the narrowed weights."""
+    rng = np.random.default_rng(3)
+    raw = gguf_bytes(kind, rng)
+    reference = quants.dequantize(raw, getattr(T, kind)).reshape(N, K).astype(np.float32)
+    small = narrow_to_4bit(carry_gguf(raw, kind, N, K))
+    assert (small.bits, small.block_size, small.correction) == (4, 32, None) and small.zero_points is not None
+    assert small.packed.nbytes == N * K // 2
+    error = small.dequantize() - reference
+    steps = np.repeat(np.abs(small.scales), 32, axis=1)
+    assert np.sqrt(np.mean((error / steps) ** 2)) < 0.35  # one rounding at a 4-bit step: 0.29 for a uniform spread
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    got = matmul_session(lambda g: add_carried_linear(g, "x", small, "w", FAST)).run(None, {"x": x})[0]
+    narrowed = x @ small.dequantize().T
+    np.testing.assert_allclose(got, narrowed, rtol=1e-4, atol=1e-4 * np.abs(narrowed).max())
+    expected = x @ reference.T
+    requant = matmul_session(lambda g: add_linear(g, "x", reference, "w", FAST)).run(None, {"x": x})[0]
+    assert np.sqrt(np.mean((got - expected) ** 2)) < np.sqrt(np.mean((requant - expected) ** 2))
+
+
+def test_the_small_layout_leaves_4_bit_blocks_as_they_are():
+    exact = carry_gguf(gguf_bytes("Q4_K", np.random.default_rng(4)), "Q4_K", N, K)
+    assert narrow_to_4bit(exact) is exact
+
+
 def test_fast_layout_leaves_blocks_without_a_correction_or_half_blocks_alone():
     rng = np.random.default_rng(3)
     for kind in ("Q4_0", "Q8_0", "Q5_0"):
@@ -216,7 +246,7 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
     assert np.abs(logits["fast"] - logits["fp32"]).max() < requant_error / 4
 
 
-@pytest.mark.parametrize("layout", ["fast", "exact"])
+@pytest.mark.parametrize("layout", ["fast", "exact", "small"])
 def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layout):
     """One line in the export log and the manifest's quantization record per model, with the layout
     (--gguf-layout) the target graph was built in; by default only the target keeps GGUF blocks (the
@@ -235,6 +265,8 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layou
         model.gguf_carry = CarryReport(Counter({"Q4_K": 3}), {"layers.0.down": "Q3_K: no exact MatMulNBits layout"})
     o = models["t"].weights.layers[0].o  # one affine matrix carried, so the layout shows in the graph
     models["t"].weights.carried["layers.0.o"] = carry_gguf(quants.quantize(o, T.Q4_1), "Q4_1", *o.shape)
+    head = models["t"].weights.lm_head  # and one 8-bit matrix: the small layout rounds it to 4 bits
+    models["t"].weights.carried["lm_head"] = carry_gguf(quants.quantize(head, T.Q8_0), "Q8_0", *head.shape)
     lines: list[str] = []
     manifest = export_bundle("t", "d", tmp_path / "b", ExportOptions(context_length=64, gguf_layout=layout),
                              lines.append, loader=models.__getitem__)
@@ -247,13 +279,15 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layou
                     f"exact MatMulNBits layout) ({layout} layout); embedding table re-quantized to int8"]
     graph = onnx.load(str(tmp_path / "b" / manifest["target"]["onnx"]), load_external_data=False).graph
     nodes = {n.name for n in graph.node}
-    assert ("layers.0.o/x_and_sums/Concat" in nodes) == (layout == "fast")
+    assert ("layers.0.o/x_and_sums/Concat" in nodes) == (layout in ("fast", "small"))
     assert ("layers.0.o/correction/MatMul" in nodes) == (layout == "exact")
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"}
+    assert bits["lm_head/out/MatMulNBits"] == (4 if layout == "small" else 8)
 
 
 def test_an_unknown_gguf_layout_is_one_line():
     from edge_spec.errors import EdgeSpecError
     from edge_spec.export.bundle import ExportOptions
 
-    with pytest.raises(EdgeSpecError, match=r"^--gguf-layout must be one of fast, exact, not 'quick'$"):
+    with pytest.raises(EdgeSpecError, match=r"^--gguf-layout must be one of fast, exact, small, not 'quick'$"):
         ExportOptions(gguf_layout="quick").check()

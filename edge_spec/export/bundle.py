@@ -42,7 +42,7 @@ class ExportOptions:
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
     scorer_vocab: tuple[int, ...] = (0,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
     gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
-    gguf_layout: str = "fast"  # carried blocks as ORT runs them fast, or exactly as GGUF has them (gguf_blocks.py)
+    gguf_layout: str = "fast"  # carried blocks as ORT runs them fast, exactly as GGUF has them, or small (gguf_blocks.py)
 
     @property
     def keep_list(self) -> list[int]:
@@ -77,7 +77,7 @@ class ExportOptions:
 
 DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
 GGUF_BLOCK_MODES = ("target", "both", "none")
-GGUF_LAYOUTS = ("fast", "exact")
+GGUF_LAYOUTS = ("fast", "exact", "small")
 
 
 def _say(progress, message: str) -> None:
@@ -100,7 +100,7 @@ def _gguf_quant_info(model: LoadedModel, quant_info: dict, build: BuildOptions, 
         return quant_info
     if not build.gguf_blocks:
         return dict(quant_info, gguf_blocks="requantized")
-    layout = "exact" if build.carry_exact else "fast"
+    layout = "exact" if build.carry_exact else "small" if build.carry_narrow else "fast"
     _say(progress, f"{model.name}: {report.summary()} ({layout} layout); embedding table re-quantized to int8")
     return dict(quant_info, gguf_blocks=report.to_dict(), gguf_layout=layout, embedding="GatherBlockQuantized int8")
 
@@ -479,7 +479,8 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         "embedding": "GatherBlockQuantized" if options.quant != "fp32" else "Gather",
     }
     build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
-                         gguf_blocks=carries_gguf_blocks(options, "target"), carry_exact=options.gguf_layout == "exact")
+                         gguf_blocks=carries_gguf_blocks(options, "target"), carry_exact=options.gguf_layout == "exact",
+                         carry_narrow=options.gguf_layout == "small")
 
     _say(progress, f"loading target {target_source}")
     target = loader(target_source)
@@ -564,7 +565,8 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     carried = isinstance(draft_quant.get("gguf_blocks"), dict)
     # a bundle from before the fast layout records none: its carried heads were exact
     build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"],
-                         gguf_blocks=carried, carry_exact=draft_quant.get("gguf_layout", "exact") == "exact")
+                         gguf_blocks=carried, carry_exact=draft_quant.get("gguf_layout", "exact") == "exact",
+                         carry_narrow=draft_quant.get("gguf_layout") == "small")
     options = dataclasses.replace(options, quant=quant["weights"], block_size=quant["block_size"],
                                   accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))

@@ -36,6 +36,10 @@ the graph gets it in two forms that round a second time, each far below GGUF's o
   error at most 1/196 of the largest ``|c|`` among 32 blocks at 4 bits; ``|c|`` is at most half a step
   unless the zero point was clipped).  A separate fp32 MatMul plus a Sub per projection cost about a third
   of the int4 matmul they corrected.
+
+The ``small`` layout (``BuildOptions.carry_narrow``) goes one step further: the 8-bit blocks (Q6_K, Q5_*,
+Q8_0) are rounded to 4-bit blocks of 32 (:func:`narrow_to_4bit`), a second rounding at a 4-bit step, so
+that every matrix reads half a byte a weight; the 4-bit formats stay as in the fast layout.
 """
 
 from __future__ import annotations
@@ -164,6 +168,63 @@ def _with_block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
         sums = g.node("Pad", [sums, g.const(name + ".sums_pad", np.array([0, 0, 0, 0, 0, pad], np.int64))],
                       [name + "/block_sums_padded"])[0]
     return g.node("Concat", [x, sums, sums], [name + "/x_and_sums"], axis=-1)[0]
+
+
+NARROW_SCALES = (15.0, 14.5, 14.0, 13.5, 13.0)  # a block's range over these many steps: candidate scales
+
+
+def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlocks:
+    """An 8-bit carried weight (Q6_K, Q5_*, Q8_0) rounded once more, to 4-bit blocks of 32 with an integer
+    zero point, so every matrix of a Q4_K_M model reads half a byte a weight: decoding is bound by the
+    bytes the weights take, and on a Q4_K_M model those 8-bit rows (the LM head, half the down and V
+    projections) are a third of what a step reads.  Per block the scale is the one, among the block's
+    range split into :data:`NARROW_SCALES` steps (a slightly finer step clips the extremes), with the
+    least squared error, and is then refitted by least squares to the codes it chose; a 4-bit weight is
+    returned unchanged.  This moves each weight by up to half a 4-bit step of its block: the ``small``
+    layout (``--gguf-layout small``) trades that fidelity for speed."""
+    if w.bits != 8:
+        return w
+    n, width = w.n, 32
+    packed, scales, zeros = [], [], []
+    for start in range(0, n, rows_per_chunk):
+        part = w.rows(np.arange(start, min(start + rows_per_chunk, n)))
+        values = part.dequantize().reshape(part.n, -1, width).astype(np.float32)
+        # an integer zero point puts 0 on the code grid: the range must reach it
+        low, high = np.minimum(values.min(axis=-1), 0), np.maximum(values.max(axis=-1), 0)
+        span = np.maximum(high - low, np.finfo(np.float32).tiny)
+        best = None
+        for steps in NARROW_SCALES:
+            scale = span / steps
+            codes, zero = _codes_for(values, low, scale)
+            centred = codes - zero[..., None]
+            # least squares refit of the scale to the chosen codes (zero point held)
+            norm = (centred * centred).sum(axis=-1)
+            fitted = np.where(norm > 0, (values * centred).sum(axis=-1) / np.maximum(norm, 1e-30), scale)
+            codes, zero = _codes_for(values, low, np.where(fitted > 0, fitted, scale))
+            scale = np.where(fitted > 0, fitted, scale)
+            error = (((codes - zero[..., None]) * scale[..., None] - values) ** 2).sum(axis=-1)
+            if best is None:
+                best = [codes, zero, scale, error]
+            else:
+                better = error < best[3]
+                best[0] = np.where(better[..., None], codes, best[0])
+                for i, new in ((1, zero), (2, scale), (3, error)):
+                    best[i] = np.where(better, new, best[i])
+        codes, zero, scale, _ = best
+        packed.append(pack_codes(codes.astype(np.uint8), 4))
+        scales.append(scale.astype(np.float32))
+        zeros.append(zero.astype(np.uint8))
+    return CarriedBlocks(np.concatenate(packed), np.concatenate(scales), np.concatenate(zeros), 4, width,
+                         w.source_type)
+
+
+def _codes_for(values: np.ndarray, low: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """4-bit codes and the integer zero point of blocks ``values`` at ``scale`` (lowest value at code 0
+    or the zero point rounded)."""
+    safe = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    zero = np.clip(np.rint(-low / safe), 0, 15).astype(np.float32)
+    codes = np.clip(np.rint(values / safe[..., None]) + zero[..., None], 0, 15)
+    return codes, zero
 
 
 def fast_layout(w: CarriedBlocks) -> CarriedBlocks:

@@ -43,7 +43,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edge_spec.export.attention_pad import pad_attention
-from edge_spec.export.gguf_blocks import add_carried_linear, concat_blocks
+from edge_spec.export.gguf_blocks import add_carried_linear, concat_blocks, narrow_to_4bit
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.export.rope import rope_tables
 from edge_spec.export.weights import DecoderWeights, LayerWeights
@@ -68,6 +68,7 @@ class BuildOptions:
     feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
     gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
     carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf_blocks.fast_layout)
+    carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf_blocks.narrow_to_4bit)
 
 
 class Graph:
@@ -168,6 +169,8 @@ class DecoderGraphBuilder:
         self.opt = options
         self.bits = QUANT_BITS[options.quant]
         self.carried = weights.carried if options.gguf_blocks and self.bits is not None else {}
+        if options.carry_narrow:  # before fusing: a narrowed V then shares Q's and K's layout
+            self.carried = {name: narrow_to_4bit(blocks) for name, blocks in self.carried.items()}
         self.graph = Graph()
         self.inputs: list[onnx.ValueInfoProto] = []
         self.present_outputs: list[onnx.ValueInfoProto] = []  # after the graph's own outputs
@@ -471,7 +474,7 @@ def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: 
     for i, weight in enumerate(weights):
         name = f"linear{i}" if len(weights) > 1 else "lm_head"
         if blocks is not None and options.gguf_blocks and QUANT_BITS[options.quant] is not None:
-            x = add_carried_linear(g, x, blocks, name, options)
+            x = add_carried_linear(g, x, narrow_to_4bit(blocks) if options.carry_narrow else blocks, name, options)
         else:
             x = add_linear(g, x, weight, name, options)
     g.node("Identity", [x], [output])
