@@ -1,0 +1,86 @@
+"""Two (or more) engine configurations on the same prompts, interleaved per prompt in one process.
+
+Why: on a shared two-core machine the speed drifts by several percent within minutes, as much as a
+schedule change moves it; running the configurations back to back on each prompt, in alternating order,
+puts the drift on both sides alike.  Each configuration gets an engine of its own (``ar`` one loaded for
+target-only decoding, as ``generate --mode ar`` has it); greedy answers are compared token for token.
+
+    python benchmarks/config_ab.py --config g4=spec:gamma=4 --config g8=spec:gamma=8 --config ar=ar \\
+        [--prompts models/bench/prompts.jsonl --prompts models/bench/prime.jsonl] [--max-tokens 64]
+
+A configuration is ``NAME=MODE[:SETTING=VALUE,...]`` with ``loop_config``'s settings (gamma, schedule,
+lookup, ...).  Prints per prompt and per category the decode tokens/s, and each configuration's geometric
+mean ratio to the first one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edge_spec.bench import load_bench_prompts  # noqa: E402
+from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
+from edge_spec.prompts import as_messages  # noqa: E402
+from edge_spec.runtime.engine import Engine  # noqa: E402
+from edge_spec.runtime.loops.config import loop_config  # noqa: E402
+
+
+def parse_config(text: str):
+    """``NAME=MODE[:KEY=VALUE,...]`` -> (name, loop configuration)."""
+    name, _, spec = text.partition("=")
+    mode, _, settings = spec.partition(":")
+    values = {}
+    for item in filter(None, settings.split(",")):
+        key, _, value = item.partition("=")
+        values[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return name, loop_config(mode, **values)
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
+    parser.add_argument("--config", action="append", required=True, help="NAME=MODE[:KEY=VALUE,...] (repeatable)")
+    parser.add_argument("--prompts", action="append", type=Path, help="prompt files (default: the bench prompts)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    configs = dict(parse_config(text) for text in args.config)
+    engines = {name: Engine.from_bundle(args.bundle, threads=args.threads, config=config)
+               for name, config in configs.items()}
+    items = [item for path in (args.prompts or [None]) for item in load_bench_prompts(path, None, None)]
+    names = list(engines)
+    speed: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    same = {name: 0 for name in names}
+    for index, item in enumerate(items):
+        answers = {}
+        for name in names if index % 2 == 0 else names[::-1]:
+            engine = engines[name]
+            "".join(engine.generate(as_messages(item["prompt"]), max_new_tokens=args.max_tokens))
+            answers[name] = list(engine.last_token_ids)
+            speed[item["category"]][name].append(engine.last_stats.tokens_per_second)
+        for name in names:
+            same[name] += answers[name] == answers[names[0]]
+        print(index, item["category"], {n: round(speed[item["category"]][n][-1], 1) for n in names}, flush=True)
+    overall: dict[str, list[float]] = defaultdict(list)
+    for category, by_name in speed.items():
+        ratios = {n: [b / a for a, b in zip(by_name[names[0]], by_name[n])] for n in names}
+        for n in names:
+            overall[n] += ratios[n]
+        print(f"{category:<15}", {n: round(sum(v) / len(v), 1) for n, v in by_name.items()},
+              f"/ {names[0]}:", {n: round(geometric_mean(r), 3) for n, r in ratios.items()})
+    print(f"{'overall':<15} / {names[0]}:", {n: round(geometric_mean(r), 3) for n, r in overall.items()},
+          f"answers equal to {names[0]}'s:", {n: f"{same[n]}/{len(items)}" for n in names})
+
+
+if __name__ == "__main__":
+    main()
