@@ -396,7 +396,8 @@ def _guess_pays(costs: CostModel, rate: float) -> bool:
     return rate > 0 and (1 + rate) / costs.expected_cost(0, 0, 0, spare=rate) > 1 / costs.expected_cost(0, 0, 0)
 
 
-def analyze(path: Path, bench_json: Path, machine: str | None = None, one_row: bool = False) -> None:
+def analyze(path: Path, bench_json: Path, machine: str | None = None, one_row: bool = False,
+            gamma_max: int = ChainConfig.gamma) -> None:
     data = dict(np.load(path))
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     prices.min_rows = 1 if one_row else 2
@@ -426,23 +427,21 @@ def analyze(path: Path, bench_json: Path, machine: str | None = None, one_row: b
             drafts += 1
         return "draft", drafts
 
-    policies = {
-        "fixed γ=1": lambda i, state: ("draft", 1),
-        "fixed γ=2": lambda i, state: ("draft", 2),
-        "fixed γ=3": lambda i, state: ("draft", 3),
-        "fixed γ=4": lambda i, state: ("draft", 4),
+    policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g)
+                for g in sorted({1, 2, 3, 4, gamma_max // 2 + 2, gamma_max}) if g <= gamma_max}
+    policies.update({
         "fixed γ=1 + lookup": with_lookup,
-        "adaptive (runtime schedule)": adaptive_policy(data, prices, lookup=False),
-        "adaptive + lookup (runtime default)": adaptive_policy(data, prices, lookup=True),
+        "adaptive (runtime schedule)": adaptive_policy(data, prices, lookup=False, gamma_max=gamma_max),
+        "adaptive + lookup (runtime default)": adaptive_policy(data, prices, lookup=True, gamma_max=gamma_max),
         "skip when target top-p < 0.3": skip_unsure,
         "lookup (γ=2) only on 4-token matches": long_lookup,
         "prescient: skip when drafter conf < 0.4": lambda i, state: ("guess", 1) if data["draft_conf"][i] < 0.4
         else ("draft", 1),
         "prescient: extend while drafter conf ≥ .95": extend_when_sure,
-    }
+    })
     results = {name: replay(data, prices, policy) for name, policy in policies.items()}
-    results["foresight: every confidence known"] = replay(data, prices, foresight_policy(data, prices))
-    results["oracle (every outcome known)"] = oracle(data, prices)
+    results["foresight: every confidence known"] = replay(data, prices, foresight_policy(data, prices, gamma_max))
+    results["oracle (every outcome known)"] = oracle(data, prices, gamma_max)
     base = results["fixed γ=1"]
     categories = sorted(base)
     print(f"{'policy':40s} {'overall':>8s} " + " ".join(f"{c[:8]:>8s}" for c in categories))
@@ -518,6 +517,9 @@ def main() -> None:
     ap.add_argument("--analyze", type=Path, help="replay policies on a file this script wrote, instead of collecting")
     ap.add_argument("--costs", type=Path, default=Path("bench-results/schedule-final/bench.json"),
                     help="bench.json whose measured pass latencies price the replayed rounds")
+    ap.add_argument("--gamma-max", type=int, default=ChainConfig.gamma, help="with --analyze: the longest round "
+                    "the schedule, the foresight and the oracle may plan, and the longest fixed γ replayed "
+                    "(default: the runtime's ceiling)")
     ap.add_argument("--one-row", action="store_true", help="with --analyze: price one-row passes as exact (no pad "
                     "row: a draft-less round is one row unless its guess pays for a second)")
     ap.add_argument("--fit-on", type=Path, metavar="FILE", help="with --analyze: fit a model of acceptance on "
@@ -530,7 +532,7 @@ def main() -> None:
     elif args.analyze and args.fit_on:
         signal_value(dict(np.load(args.fit_on)), dict(np.load(args.analyze)))
     elif args.analyze:
-        analyze(args.analyze, args.costs, args.machine, args.one_row)
+        analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max)
     else:
         collect(args)
 
