@@ -10,6 +10,7 @@ from edge_spec.runtime.schedule.policy import (
     RoundOverhead,
     chain_tokens,
     plan_round,
+    reach,
 )
 
 CPU = CostModel(draft=0.033, verify={1: 0.050, 2: 0.062, 4: 0.086})
@@ -77,6 +78,21 @@ def test_a_cheap_row_curve_plans_past_four_drafts_where_an_expensive_one_does_no
     assert best_gamma(0.98, AMD_2026_11_25, 8) > best_gamma(0.98, AMD_2026_11_25, 4) == 4
     assert best_gamma(0.80, AMD_2026_11_25, 8) <= 4  # the ceiling is no target: middling acceptance stays short
     assert best_gamma(0.98, README_MACHINE, 8) <= 2  # rows that cost a pass each: long rounds never pay
+
+
+def test_how_far_a_round_may_reach_follows_the_row_cost_curve():
+    # cheap rows: past four drafts; rows that cost a pass each: the floor of four, whatever the ceiling
+    assert reach(AMD_2026_11_25, 8) > 4 and reach(MEMORY_BOUND, 8) == 8
+    assert reach(README_MACHINE, 8) == 4 and reach(README_MACHINE, 3) == 3  # never above the configured ceiling
+    confident = AcceptanceCalibration()
+    for _ in range(200):
+        confident.record([0.999] * 4, 4)
+    for costs, expected in ((README_MACHINE, 4), (AMD_2026_11_25, reach(AMD_2026_11_25, 8))):
+        policy = AdaptiveGamma(gamma_max=8, estimates=RequestAcceptance(confident, first=0.99))
+        rule = policy.begin_round(costs)
+        assert rule is not None and rule.gamma_max == expected
+        steps = [rule.add(0.999) for _ in range(expected)]
+        assert steps[-1] == (True, False)  # the round stops at its reach, not at the configured ceiling
 
 
 def test_look_ahead_skips_the_expensive_third_row_to_reach_the_cheap_fourth():
