@@ -177,11 +177,12 @@ def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlock
     """An 8-bit carried weight (Q6_K, Q5_*, Q8_0) rounded once more, to 4-bit blocks of 32 with an integer
     zero point, so every matrix of a Q4_K_M model reads half a byte a weight: decoding is bound by the
     bytes the weights take, and on a Q4_K_M model those 8-bit rows (the LM head, half the down and V
-    projections) are a third of what a step reads.  Per block the scale is the one, among the block's
-    range split into :data:`NARROW_SCALES` steps (a slightly finer step clips the extremes), with the
-    least squared error, and is then refitted by least squares to the codes it chose; a 4-bit weight is
-    returned unchanged.  This moves each weight by up to half a 4-bit step of its block: the ``small``
-    layout (``--gguf-layout small``) trades that fidelity for speed."""
+    projections) are a large share of what a step reads.  Per block the scale is the one, among the
+    block's range split into :data:`NARROW_SCALES` steps (a slightly finer step clips the extremes), with
+    the least squared error, after a least-squares refit to the codes it chose; a 4-bit weight is
+    returned unchanged.  Each weight moves by about half a 4-bit step of its block (more where a clipped
+    extreme lowers the block's error): the ``small`` layout (``--gguf-layout small``) trades that
+    fidelity for speed."""
     if w.bits != 8:
         return w
     n, width = w.n, 32
@@ -200,8 +201,8 @@ def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlock
             # least squares refit of the scale to the chosen codes (zero point held)
             norm = (centred * centred).sum(axis=-1)
             fitted = np.where(norm > 0, (values * centred).sum(axis=-1) / np.maximum(norm, 1e-30), scale)
-            codes, zero = _codes_for(values, low, np.where(fitted > 0, fitted, scale))
             scale = np.where(fitted > 0, fitted, scale)
+            codes, zero = _codes_for(values, low, scale)
             error = (((codes - zero[..., None]) * scale[..., None] - values) ** 2).sum(axis=-1)
             if best is None:
                 best = [codes, zero, scale, error]

@@ -210,10 +210,9 @@ REACH_FLOOR = 4  # the reach where the curve makes even such rounds short
 def reach(costs: CostModel, gamma_max: int) -> int:
     """How many drafts a round may reach on this machine: the plan for drafts accepted with
     ``REACH_ACCEPTANCE`` each, at least ``REACH_FLOOR``, at most ``gamma_max``.  Where a verify row costs
-    a pass (the README machine) that is the floor; where rows are cheap, up to the ceiling.  Planning
-    on estimates, a round past this reach loses more when a long streak ends early than it wins when it
-    does not: replayed at the README machine's costs, a ceiling of 8 ran the prime prompt at 0.97 of
-    its best fixed γ against 0.98 for a ceiling of 4."""
+    about a pass that is the floor; where rows are cheap, up to the ceiling.  The stop rule plans on
+    estimates: where rows are dear, a round extended past this reach loses more when a long streak ends
+    early than it wins when it does not (the replay in the README)."""
     planned = plan_round(REACH_ACCEPTANCE, REACH_ACCEPTANCE, costs, gamma_max).gamma
     return min(gamma_max, max(REACH_FLOOR, planned))
 
