@@ -41,7 +41,7 @@ from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose.ngrams import LOOKUP_MIN_N, NgramLookup
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
-from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, plan_round
+from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.loops.config import ChainConfig
 from edge_spec.runtime.propose.model import softmax
@@ -367,8 +367,7 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
         if prices.min_rows < 2 and not _guess_pays(costs, spare):  # no pad row: the guess must pay its row
             spare = 0.0
         if lookup and data["lookup_len"][i]:
-            estimates = schedule.estimates
-            model_rate = plan_round(estimates.first, estimates.later_draft(), costs, gamma_max, spare=spare).rate
+            model_rate = schedule.plan(costs, spare).rate
             take = choice.lookup_gamma(int(data["lookup_len"][i]), int(data["lookup_match"][i]), costs, gamma_max,
                                        model_rate, adaptive=True)
             if take:
@@ -427,8 +426,8 @@ def analyze(path: Path, bench_json: Path, machine: str | None = None, one_row: b
             drafts += 1
         return "draft", drafts
 
-    policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g)
-                for g in sorted({1, 2, 3, 4, gamma_max // 2 + 2, gamma_max}) if g <= gamma_max}
+    fixed = sorted({g for g in (1, 2, 3, 4, 6, 8) if g <= gamma_max} | {gamma_max})  # as the bench sweeps
+    policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g) for g in fixed}
     policies.update({
         "fixed γ=1 + lookup": with_lookup,
         "adaptive (runtime schedule)": adaptive_policy(data, prices, lookup=False, gamma_max=gamma_max),

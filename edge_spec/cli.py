@@ -280,7 +280,7 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
 def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None) -> None:
     """The row-cost curve the schedule plans with, and what it makes of it."""
     from edge_spec.runtime.engine import Engine
-    from edge_spec.runtime.schedule.policy import CostModel, plan_round
+    from edge_spec.runtime.schedule.policy import REACH_ACCEPTANCE, REACH_FLOOR, CostModel, plan_round, reach
 
     config = _loop_config("spec", gamma=gamma)
     _check_gamma(bundle, config)
@@ -308,7 +308,8 @@ def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None
     model = CostModel(profile.draft_step, profile.verify, profile.draft_catch_up)
     plans = ", ".join(f"{alpha:.2f}: γ {plan_round(alpha, alpha, model, gamma).gamma}"
                       for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98))
-    out.print(f"  planned drafts by acceptance: {plans}")
+    out.print(f"  planned drafts by acceptance: {plans}; a round reaches at most {reach(model, gamma)} "
+              f"(the plan at {REACH_ACCEPTANCE}, at least {REACH_FLOOR})")
     learned = engine.schedule_memory().calibration(greedy=True)
     if learned.first.trials:
         out.print(f"  learned greedy first-draft acceptance: {learned.first_draft():.2f} "

@@ -193,30 +193,31 @@ def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlock
         # an integer zero point puts 0 on the code grid: the range must reach it
         low, high = np.minimum(values.min(axis=-1), 0), np.maximum(values.max(axis=-1), 0)
         span = np.maximum(high - low, np.finfo(np.float32).tiny)
-        best = None
-        for steps in NARROW_SCALES:
-            scale = span / steps
-            codes, zero = _codes_for(values, low, scale)
-            centred = codes - zero[..., None]
-            # least squares refit of the scale to the chosen codes (zero point held)
-            norm = (centred * centred).sum(axis=-1)
-            fitted = np.where(norm > 0, (values * centred).sum(axis=-1) / np.maximum(norm, 1e-30), scale)
-            scale = np.where(fitted > 0, fitted, scale)
-            codes, zero = _codes_for(values, low, scale)
-            error = (((codes - zero[..., None]) * scale[..., None] - values) ** 2).sum(axis=-1)
-            if best is None:
-                best = [codes, zero, scale, error]
-            else:
-                better = error < best[3]
-                best[0] = np.where(better[..., None], codes, best[0])
-                for i, new in ((1, zero), (2, scale), (3, error)):
-                    best[i] = np.where(better, new, best[i])
-        codes, zero, scale, _ = best
+        codes, zero, scale, error = _fit_block_scale(values, low, span / NARROW_SCALES[0])
+        for steps in NARROW_SCALES[1:]:  # per block, the candidate with the least error (the first on a tie)
+            other_codes, other_zero, other_scale, other_error = _fit_block_scale(values, low, span / steps)
+            better = other_error < error
+            codes = np.where(better[..., None], other_codes, codes)
+            zero, scale, error = (np.where(better, new, old) for new, old in
+                                  ((other_zero, zero), (other_scale, scale), (other_error, error)))
         packed.append(pack_codes(codes.astype(np.uint8), 4))
         scales.append(scale.astype(np.float32))
         zeros.append(zero.astype(np.uint8))
     return CarriedBlocks(np.concatenate(packed), np.concatenate(scales), np.concatenate(zeros), 4, width,
                          w.source_type)
+
+
+def _fit_block_scale(values: np.ndarray, low: np.ndarray, scale: np.ndarray):
+    """Codes, zero points, scales and squared errors of blocks ``values`` starting from ``scale``,
+    refitted by least squares to the codes it chose (zero point held)."""
+    codes, zero = _codes_for(values, low, scale)
+    centred = codes - zero[..., None]
+    norm = (centred * centred).sum(axis=-1)
+    fitted = np.where(norm > 0, (values * centred).sum(axis=-1) / np.maximum(norm, 1e-30), scale)
+    scale = np.where(fitted > 0, fitted, scale)
+    codes, zero = _codes_for(values, low, scale)
+    error = (((codes - zero[..., None]) * scale[..., None] - values) ** 2).sum(axis=-1)
+    return codes, zero, scale, error
 
 
 def _codes_for(values: np.ndarray, low: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

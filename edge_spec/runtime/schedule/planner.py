@@ -17,7 +17,7 @@ import numpy as np
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
-from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, RoundOverhead, chain_tokens, plan_round
+from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, RoundOverhead, chain_tokens
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.verify.chain import VerifyResult
 from edge_spec.runtime.verify.sampling import SamplingParams
@@ -103,9 +103,9 @@ class DraftPlanner:
         """Tokens per second the drafter's round would make now (None: no drafter or no costs yet)."""
         if self.model is None or costs is None:
             return None
-        first, later = self.estimates.first, self.estimates.later_draft()
         if self.policy is not None:
-            return plan_round(first, later, costs, self.gamma, spare=spare).rate
+            return self.policy.plan(costs, spare).rate
+        first, later = self.estimates.first, self.estimates.later_draft()
         return chain_tokens(first, later, self.gamma) / costs.expected_cost(first, later, self.gamma)
 
     def _costs(self) -> CostModel | None:

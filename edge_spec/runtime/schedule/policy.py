@@ -232,17 +232,25 @@ class AdaptiveGamma:
     _interval: int = 0
     _reach: int | None = None
 
+    def ceiling(self, costs: CostModel) -> int:
+        """The most drafts this request's rounds may have: :func:`reach`, fixed from its first costs."""
+        if self._reach is None:
+            self._reach = reach(costs, self.gamma_max)
+        return self._reach
+
+    def plan(self, costs: CostModel, spare: float = 0.0) -> RoundPlan:
+        """The round this request would draft now (also what a lookup match must beat)."""
+        return plan_round(self.estimates.first, self.estimates.later_draft(), costs, self.ceiling(costs), spare=spare)
+
     def begin_round(self, costs: CostModel, spare: float = 0.0) -> DraftRound | None:
         """None: decode this round without drafts (a spare row's filler is accepted with ``spare``).
         Otherwise the round's stop rule."""
-        if self._reach is None:
-            self._reach = reach(costs, self.gamma_max)
-        plan = plan_round(self.estimates.first, self.estimates.later_draft(), costs, self._reach, spare=spare)
+        plan = self.plan(costs, spare)
         self.probing = False
         if plan.gamma > 0:
             self._rounds_without_draft = 0
             self._interval = self.probe_every
-            return DraftRound(costs, self._reach, plan.rate, self.estimates, spare=spare)
+            return DraftRound(costs, self.ceiling(costs), plan.rate, self.estimates, spare=spare)
         self._interval = self._interval or self.probe_every
         self._rounds_without_draft += 1
         if self._rounds_without_draft < self._interval:
