@@ -228,6 +228,7 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
         j, seconds, unseen = 0, 0.0, 1
         while j < len(rows):
             i = rows[j]
+            state["unread"] = unseen
             kind, drafts = policy(i, state)
             drafts = 0 if kind == "plain" or (kind, drafts) == ("dropped", 0) else max(1, min(drafts, len(rows) - j))
             if kind == "draft":
@@ -255,25 +256,32 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
 
 
 def oracle(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 4) -> dict[str, tuple[float, int]]:
-    """The fastest schedule with every outcome known in advance (dynamic programming over positions;
-    drafter catch-up priced at two rows): the ceiling for any policy on these answers."""
+    """The fastest schedule with every outcome known in advance (dynamic programming over positions and
+    the tokens the drafter has yet to read, priced as :func:`replay` prices them): the ceiling for any
+    policy on these answers."""
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    unread = max(prices.draft)  # a catch-up over more rows costs what the longest measured one does
     for prompt in np.unique(data["prompt"]):
         rows = np.flatnonzero(data["prompt"] == prompt)
         n = len(rows)
-        best = np.zeros(n + gamma_max + 2)
+        best = np.zeros((n + 1, unread + 1))  # [position, unread tokens]: seconds to the end
         for j in range(n - 1, -1, -1):
             i = rows[j]
-            options = [(prices.verify(1), int(data["guess_ok"][i])), (prices.verify(0), 0)]
-            for g in range(1, gamma_max + 1):
-                oks = [bool(data["draft_ok"][rows[min(j + k, n - 1)]]) for k in range(g)]
-                accepted = next((k for k, ok in enumerate(oks) if not ok), g)
-                options.append((prices.drafter(2) + (g - 1) * prices.drafter(1) + prices.verify(g), accepted))
-                if data["lookup_len"][i]:
-                    options.append((prices.verify(g), min(int(data["lookup_run"][i]), g)))
-            best[j] = min(cost + best[min(j + 1 + accepted, n)] for cost, accepted in options)
+            for u in range(1, unread + 1):
+                after = lambda accepted, u_next: best[min(j + 1 + accepted, n), min(u_next, unread)]
+                guessed = int(data["guess_ok"][i])
+                options = [prices.verify(1) + after(guessed, u + 1 + guessed), prices.verify(0) + after(0, u + 1)]
+                for g in range(1, gamma_max + 1):
+                    oks = [bool(data["draft_ok"][rows[min(j + k, n - 1)]]) for k in range(g)]
+                    accepted = next((k for k, ok in enumerate(oks) if not ok), g)
+                    options.append(prices.drafter(u) + (g - 1) * prices.drafter(1) + prices.verify(g)
+                                   + after(accepted, 2 if accepted == g else 1))
+                    if data["lookup_len"][i]:
+                        run = min(int(data["lookup_run"][i]), g)
+                        options.append(prices.verify(g) + after(run, u + 1 + run))
+                best[j, u] = min(options)
         cell = totals[str(data["category"][rows[0]])]
-        cell[0] += best[0]
+        cell[0] += best[0, 1]
         cell[1] += n
     return {category: (s, n) for category, (s, n) in totals.items()}
 
@@ -283,7 +291,8 @@ def foresight_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int
     drafting, the confidence of every draft the round could make (the runtime learns each only after
     paying its step), turns each into the acceptance actually measured for its confidence bin over
     these answers (a perfect calibration), and picks the round that minimizes the expected time to the
-    end of the answer (dynamic programming over positions).  Lookup and guesses are priced the same way
+    end of the answer (dynamic programming over positions and the tokens the drafter has yet to read,
+    priced as :func:`replay` prices them).  Lookup and guesses are priced the same way
     (rates by matched length); a later draft's acceptance is measured by its own and its predecessor's
     confidence bins, since accepted drafts come in streaks.  Outcomes stay unknown to it, unlike the
     oracle's."""
@@ -308,27 +317,30 @@ def foresight_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int
     runs = data["lookup_run"][data["lookup_len"] > 0]
     lookup_later = float((runs >= 2).sum() / max((runs >= 1).sum(), 1))
     guess_rate = {m: float(data["guess_ok"][data["guess_match"] == m].mean()) for m in np.unique(data["guess_match"])}
-    plans: dict[int, Choice] = {}
+    plans: dict[tuple[int, int], Choice] = {}
+    unread = max(prices.draft)  # a catch-up over more rows costs what the longest measured one does
     for prompt in np.unique(data["prompt"]):
         rows = np.flatnonzero(data["prompt"] == prompt)
         n = len(rows)
-        expected = np.zeros(n + gamma_max + 2)  # expected seconds from position j to the end
+        expected = np.zeros((n + 1, unread + 1))  # [position, unread tokens]: expected seconds to the end
         for j in range(n - 1, -1, -1):
             i = rows[j]
-            after = lambda k: expected[min(j + 1 + k, n)]
             g_ok = guess_rate.get(int(data["guess_match"][i]), 0.0)
-            options = [(prices.verify(1) + g_ok * after(1) + (1 - g_ok) * after(0), ("guess", 1)),
-                       (prices.verify(0) + after(0), ("plain", 0))]
-            for g in range(1, gamma_max + 1):
-                chain = [(p_draft if k == 0 else p_later)[rows[min(j + k, n - 1)]] for k in range(g)]
-                options.append((prices.drafter(2) + (g - 1) * prices.drafter(1) + prices.verify(g)
-                                + _chain_expectation(chain, after), ("draft", g)))
-                if data["lookup_len"][i] and g <= data["lookup_len"][i]:
-                    first = lookup_first.get(int(matched[i]), 0.0)
-                    options.append((prices.verify(g) + _chain_expectation([first] + [lookup_later] * (g - 1), after),
-                                    ("lookup", g)))
-            expected[j], plans[int(i)] = min(options, key=lambda option: option[0])
-    return lambda i, state: plans[int(i)]
+            for u in range(1, unread + 1):
+                state = lambda k, u_next: expected[min(j + 1 + k, n), min(u_next, unread)]
+                options = [(prices.verify(1) + g_ok * state(1, u + 2) + (1 - g_ok) * state(0, u + 1), ("guess", 1)),
+                           (prices.verify(0) + state(0, u + 1), ("plain", 0))]
+                for g in range(1, gamma_max + 1):
+                    chain = [(p_draft if k == 0 else p_later)[rows[min(j + k, n - 1)]] for k in range(g)]
+                    options.append((prices.drafter(u) + (g - 1) * prices.drafter(1) + prices.verify(g)
+                                    + _chain_expectation(chain, lambda k: state(k, 2 if k == g else 1)), ("draft", g)))
+                    if data["lookup_len"][i] and g <= data["lookup_len"][i]:
+                        first = lookup_first.get(int(matched[i]), 0.0)
+                        options.append((prices.verify(g) + _chain_expectation([first] + [lookup_later] * (g - 1),
+                                                                              lambda k: state(k, u + 1 + k)),
+                                        ("lookup", g)))
+                expected[j, u], plans[int(i), u] = min(options, key=lambda option: option[0])
+    return lambda i, state: plans[int(i), min(state["unread"], unread)]
 
 
 def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -> float:

@@ -1,0 +1,97 @@
+"""The replay's oracle is a ceiling: no schedule replayed on the same answers, priced the same way, may
+beat it.
+
+``round_signals.py`` reports how much of the oracle's gain over fixed γ = 1 the runtime's schedule reaches.
+That ratio only means something if the oracle prices a round exactly as the replay prices the schedule's
+rounds -- in particular the drafter's catch-up, which is one row after a rejected draft, two after a fully
+accepted round, and every token of a round the drafter did not draft.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def signals():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("round_signals")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def recorded_answers(seed: int, prompts: int = 12, length: int = 48) -> dict[str, np.ndarray]:
+    """Answers with confident streaks (drafts right), unsure stretches, and copied spans for lookup."""
+    rng = np.random.default_rng(seed)
+    columns: dict[str, list] = {k: [] for k in ("prompt", "category", "draft_ok", "draft_conf", "guess_ok",
+                                                "guess_match", "lookup_len", "lookup_run", "lookup_match")}
+    for p in range(prompts):
+        easy = rng.random(length) < 0.5
+        easy = np.convolve(easy, np.ones(4), "same") >= 2  # streaks
+        conf = np.where(easy, rng.uniform(0.85, 1.0, length), rng.uniform(0.1, 0.8, length))
+        ok = rng.random(length) < np.where(easy, 0.92, 0.35)
+        copied = rng.random(length) < 0.15
+        run = np.where(copied, rng.integers(0, 6, length), 0)
+        columns["prompt"] += [p] * length
+        columns["category"] += [("code", "chat", "translation")[p % 3]] * length
+        columns["draft_ok"] += list(ok)
+        columns["draft_conf"] += list(conf)
+        columns["guess_ok"] += list(rng.random(length) < 0.2)
+        columns["guess_match"] += list(rng.integers(0, 4, length))
+        columns["lookup_len"] += list(np.where(copied, 6, 0))
+        columns["lookup_run"] += list(run)
+        columns["lookup_match"] += list(np.where(copied, rng.integers(1, 5, length), 0))
+    return {k: np.asarray(v) for k, v in columns.items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("catch_up", [0.005, 0.020])
+def test_no_replayed_schedule_beats_the_oracle(signals, seed, catch_up):
+    data = recorded_answers(seed)
+    # a drafter step over two rows costs more than over one: the catch-up the oracle must price as replayed
+    drafter = {1: 0.008, 2: 0.008 + catch_up, 3: 0.008 + 1.5 * catch_up}
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, drafter, head=0.0005, outside=0.001)
+    policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g) for g in (1, 2, 4)}
+    policies["lookup when matched"] = lambda i, state: ("lookup", 2) if data["lookup_len"][i] else ("draft", 1)
+    policies["guess only"] = lambda i, state: ("guess", 1)
+    policies["adaptive"] = signals.adaptive_policy(data, prices, lookup=True, gamma_max=4)
+    policies["foresight"] = signals.foresight_policy(data, prices, gamma_max=4)
+    ceiling = signals.oracle(data, prices, gamma_max=4)
+    for name, policy in policies.items():
+        replayed = signals.replay(data, prices, policy)
+        for category, (seconds, tokens) in replayed.items():
+            assert ceiling[category][1] == tokens
+            assert ceiling[category][0] <= seconds + 1e-12, (name, category, ceiling[category][0], seconds)
+
+
+def test_the_oracle_gains_where_outcomes_vary(signals):
+    """Negative control: knowing the outcomes is worth something on these answers (the ceiling is not
+    merely equal to the best fixed γ)."""
+    data = recorded_answers(0)
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.013, 3: 0.016})
+    total = lambda result: sum(s for s, _ in result.values())
+    best_fixed = min(total(signals.replay(data, prices, (lambda g: lambda i, state: ("draft", g))(g))) for g in (1, 2, 3, 4))
+    assert total(signals.oracle(data, prices, gamma_max=4)) < 0.95 * best_fixed
+
+
+def test_when_every_draft_is_right_the_oracle_is_the_replayed_chain(signals):
+    """Every draft right, no guesses or lookups: the best one-draft schedule drafts every round, and the
+    oracle must price it exactly as the replay does -- the first round's drafter step reads one token,
+    every later one two (the previous draft and the bonus token)."""
+    data = recorded_answers(0, prompts=3)
+    data["draft_ok"][:] = True
+    data["guess_ok"][:] = False
+    data["lookup_len"][:] = 0
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036}, {1: 0.008, 2: 0.020, 3: 0.024})
+    chained = signals.replay(data, prices, lambda i, state: ("draft", 1))
+    ceiling = signals.oracle(data, prices, gamma_max=1)
+    for category, (seconds, _) in chained.items():
+        assert ceiling[category][0] == pytest.approx(seconds, rel=1e-12)
