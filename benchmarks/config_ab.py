@@ -29,6 +29,7 @@ from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
 from edge_spec.prompts import as_messages  # noqa: E402
 from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.runtime.loops.config import loop_config  # noqa: E402
+from edge_spec.runtime.model import huge_pages  # noqa: E402
 
 
 def parse_config(text: str):
@@ -57,6 +58,7 @@ def main() -> None:
     configs = dict(parse_config(text) for text in args.config)
     engines = {name: Engine.from_bundle(args.bundle, threads=args.threads, config=config)
                for name, config in configs.items()}
+    huge_pages.wait_all()  # every engine timed on the pages it keeps (model/huge_pages.py)
     items = [item for path in (args.prompts or [None]) for item in load_bench_prompts(path, None, None)]
     names = list(engines)
     speed: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))

@@ -28,6 +28,7 @@ from edge_spec.prompts import read_prompt_file
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
+from edge_spec.runtime.model import huge_pages
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "bench" / "prompts.jsonl"
 
@@ -183,6 +184,7 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
         if mode.eagle_head:
             engine.use_eagle_head(mode.eagle_head)
     decoders = {"target": engine.target, "draft": engine.active_drafter(mode.config).decoder if mode.head else None}
+    huge_pages.wait_all()  # a model loaded just now is timed on the pages it will keep (model/huge_pages.py)
     before = {role: _pass_log(d) for role, d in decoders.items()}
     started = time.perf_counter()
     completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,

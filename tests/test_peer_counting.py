@@ -7,23 +7,17 @@ one engine a token per finished answer, which on 3-15 token answers decides a ca
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import benchmark_module
+
 EOS = {151645}
 
 
 @pytest.fixture(scope="module")
 def peers():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("spec_peers")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("spec_peers") as module:
+        yield module
 
 
 def test_an_answer_counts_the_same_with_or_without_its_eos_in_the_sequence(peers):

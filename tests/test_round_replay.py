@@ -9,23 +9,17 @@ accepted round, and every token of a round the drafter did not draft.
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import benchmark_module
+
 
 
 @pytest.fixture(scope="module")
 def signals():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("round_signals")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("round_signals") as module:
+        yield module
 
 
 def recorded_answers(seed: int, prompts: int = 12, length: int = 48) -> dict[str, np.ndarray]:

@@ -50,6 +50,7 @@ import onnxruntime as ort
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.draft_tree import DraftTree
+from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
 from edge_spec.runtime.model.providers import open_session
 from edge_spec.runtime.model.session import set_spinning
@@ -151,6 +152,7 @@ class Decoder:
         self.model_path = model_path
         if not model_path.is_file():
             raise EdgeSpecError(f"model file not found: {model_path}")
+        self.huge_pages = HugePagePromotion()  # what the session and the cache allocate goes to 2 MiB pages
         opts = session_options or ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -190,6 +192,7 @@ class Decoder:
         for name in self._result_names:
             self._binding.bind_output(name, "cpu")
         self.kv.bind(self._binding, self.num_layers)
+        self.huge_pages.start()
 
     def forward(self, token_ids, num_logits: int = 1, tree: DraftTree | None = None,
                 prefill: bool = False, inputs: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
