@@ -27,14 +27,6 @@ def anon_huge_kib() -> int:
     return 0
 
 
-def thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "absent"
-    return text[text.index("[") + 1:text.index("]")]
-
-
 def touched_private_mapping() -> mmap.mmap:
     """Anonymous private memory, written (as ONNX Runtime writes its weights), with a pattern to check."""
     memory = mmap.mmap(-1, SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -68,8 +60,8 @@ def test_what_a_block_allocated_goes_to_huge_pages_unchanged(monkeypatch):
 
 def test_memory_nobody_promotes_stays_on_small_pages(monkeypatch):
     """Negative control: the same allocation without a promotion gains no huge pages."""
-    if thp_mode() != "madvise":
-        pytest.skip(f"THP mode is {thp_mode()!r}: the kernel decides alone")
+    if huge_pages.thp_mode() != "madvise":
+        pytest.skip(f"THP mode is {huge_pages.thp_mode()!r}: the kernel decides alone")
     before = anon_huge_kib()
     memory = touched_private_mapping()
     assert anon_huge_kib() - before < (SIZE // 4) >> 10
@@ -83,6 +75,21 @@ def test_switched_off_it_does_nothing(monkeypatch):
     promotion.start()
     assert promotion.wait() == huge_pages.Promotion()
     memory.close()
+
+
+def test_a_system_that_turned_huge_pages_off_is_respected(monkeypatch, tmp_path):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_SETTING", str(setting))
+    monkeypatch.delenv(huge_pages.ENV_SWITCH, raising=False)
+    assert huge_pages.thp_mode() == "never"
+    promotion = huge_pages.HugePagePromotion()
+    memory = touched_private_mapping()
+    promotion.start()
+    assert promotion.wait() == huge_pages.Promotion()
+    memory.close()
+    setting.write_text("[always] madvise never\n")
+    assert huge_pages.thp_mode() == "always" and huge_pages.enabled()
 
 
 def test_only_whole_huge_pages_inside_a_region_are_asked_for():

@@ -34,10 +34,24 @@ ENV_SWITCH = "EDGE_SPEC_HUGE_PAGES"  # "0": leave the pages as the allocator mad
 Region = tuple[int, int]  # [start, end) addresses
 
 
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str:
+    """The system's transparent huge page mode: "always", "madvise", "never", or "absent"."""
+    try:
+        with open(THP_SETTING) as handle:
+            text = handle.read()
+        return text[text.index("[") + 1:text.index("]")]
+    except (OSError, ValueError):
+        return "absent"
+
+
 def enabled() -> bool:
-    """Whether this process may promote: Linux with ``/proc`` and not switched off."""
+    """Whether this process may promote: Linux with ``/proc``, huge pages not turned off by the system's
+    owner (mode "never": ``MADV_COLLAPSE`` would ignore that), and not switched off for edge-spec."""
     return (sys.platform.startswith("linux") and os.path.exists("/proc/self/maps")
-            and os.environ.get(ENV_SWITCH, "1") != "0")
+            and thp_mode() in ("always", "madvise") and os.environ.get(ENV_SWITCH, "1") != "0")
 
 
 def anonymous_regions() -> list[Region]:
