@@ -13,8 +13,9 @@ then ``MADV_COLLAPSE`` (Linux 6.1+: done now, a copy of the pages).  The collaps
 its own, so that loading is not slower; :meth:`HugePagePromotion.wait` joins it, which benchmarks do
 before they time anything.  The contents never change, only the pages under them.
 
-Elsewhere (macOS, Windows, no ``/proc``), or with ``EDGE_SPEC_HUGE_PAGES=0``, nothing happens.
-The measured effect is in the README's table (``benchmarks/huge_pages_ab.py``).
+Elsewhere (macOS, Windows, no ``/proc``), where the system's THP mode is "never", or with
+``EDGE_SPEC_HUGE_PAGES=0``, nothing happens.  What it is worth is measured in the README (*The schedule
+follows the machine*, with ``benchmarks/huge_pages_ab.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ MADV_COLLAPSE = 25
 ENV_SWITCH = "EDGE_SPEC_HUGE_PAGES"  # "0": leave the pages as the allocator made them
 
 Region = tuple[int, int]  # [start, end) addresses
-
-
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
