@@ -327,17 +327,17 @@ def foresight_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int
             i = rows[j]
             g_ok = guess_rate.get(int(data["guess_match"][i]), 0.0)
             for u in range(1, unread + 1):
-                state = lambda k, u_next: expected[min(j + 1 + k, n), min(u_next, unread)]
-                options = [(prices.verify(1) + g_ok * state(1, u + 2) + (1 - g_ok) * state(0, u + 1), ("guess", 1)),
-                           (prices.verify(0) + state(0, u + 1), ("plain", 0))]
+                after = lambda k, u_next: expected[min(j + 1 + k, n), min(u_next, unread)]
+                options = [(prices.verify(1) + g_ok * after(1, u + 2) + (1 - g_ok) * after(0, u + 1), ("guess", 1)),
+                           (prices.verify(0) + after(0, u + 1), ("plain", 0))]
                 for g in range(1, gamma_max + 1):
                     chain = [(p_draft if k == 0 else p_later)[rows[min(j + k, n - 1)]] for k in range(g)]
                     options.append((prices.drafter(u) + (g - 1) * prices.drafter(1) + prices.verify(g)
-                                    + _chain_expectation(chain, lambda k: state(k, 2 if k == g else 1)), ("draft", g)))
+                                    + _chain_expectation(chain, lambda k: after(k, 2 if k == g else 1)), ("draft", g)))
                     if data["lookup_len"][i] and g <= data["lookup_len"][i]:
                         first = lookup_first.get(int(matched[i]), 0.0)
                         options.append((prices.verify(g) + _chain_expectation([first] + [lookup_later] * (g - 1),
-                                                                              lambda k: state(k, u + 1 + k)),
+                                                                              lambda k: after(k, u + 1 + k)),
                                         ("lookup", g)))
                 expected[j, u], plans[int(i), u] = min(options, key=lambda option: option[0])
     return lambda i, state: plans[int(i), min(state["unread"], unread)]
