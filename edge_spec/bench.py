@@ -127,7 +127,7 @@ def _chain_modes(name: str, head: str, plain: ChainConfig, fixed_gammas: list[in
 
 def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, temperatures: list[float],
               max_new_tokens: int, seed: int = 0, repeats: int = 1, progress=None,
-              baseline: Engine | None = None) -> dict:
+              baseline: Engine | None = None, sampler: str = "rejection") -> dict:
     """Run every prompt in every mode and temperature; return raw records plus per-category summaries.
 
     ``baseline``: the engine that times the ``ar`` mode -- our fastest target-only decoding, loaded for
@@ -138,7 +138,8 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
 
     With ``repeats`` > 1 each prompt goes through all modes that many times, interleaved, and each mode
     keeps its fastest run (the least disturbed by other load on the machine); the identity flags must
-    hold in every run."""
+    hold in every run.  ``sampler`` "coupled": sampled answers are fixed by the seed, so every mode
+    gives the same text, compared token for token like greedy answers (``verify.coupled``)."""
     if repeats < 1:
         raise EdgeSpecError("repeats must be at least 1")
     records = []
@@ -153,11 +154,11 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
             fastest: dict[str, dict] = {}
             for _ in range(repeats):
                 for mode in modes:
-                    if mode.name == "ar-exact" and temperature > 0:
-                        continue  # only greedy answers are compared token for token
+                    if mode.name == "ar-exact" and temperature > 0 and sampler != "coupled":
+                        continue  # only greedy and coupled answers are compared token for token
                     runner = baseline if baseline is not None and mode.name == "ar" else engine
                     record = _run_mode(runner, mode, messages, references, max_new_tokens=max_new_tokens,
-                                       temperature=temperature, seed=seed + index)
+                                       temperature=temperature, seed=seed + index, sampler=sampler)
                     record.update(category=item["category"], prompt_index=index)
                     kept = fastest.setdefault(mode.name, record)
                     for flag in ("identical_to_ar", "identical_to_one_row_ar"):
@@ -171,11 +172,12 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                 progress(done, total)
     engine.config = schedule
     return {"records": records, "summary": summarize(records), "gamma": schedule.gamma,
-            "adaptive": getattr(schedule, "adaptive", False), "max_new_tokens": max_new_tokens, "repeats": repeats}
+            "adaptive": getattr(schedule, "adaptive", False), "max_new_tokens": max_new_tokens, "repeats": repeats,
+            "sampler": sampler}
 
 
 def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references: dict[bool, list[int]], *,
-              max_new_tokens: int, temperature: float, seed: int) -> dict:
+              max_new_tokens: int, temperature: float, seed: int, sampler: str = "rejection") -> dict:
     """One answer in one mode; the first target-only answer per numerics becomes the reference."""
     loop = mode.config.mode
     if mode.head:
@@ -188,10 +190,10 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
     before = {role: _pass_log(d) for role, d in decoders.items()}
     started = time.perf_counter()
     completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                 mode=loop, exact=mode.exact)
-    exact = engine.exact_for(loop, mode.exact, greedy=temperature == 0)
+                                 sampler=sampler, mode=loop, exact=mode.exact)
+    exact = engine.exact_for(loop, mode.exact, deterministic=temperature == 0 or sampler == "coupled")
     stats = completion.stats
-    record = {"temperature": temperature, "mode": mode.name, "new_tokens": stats.new_tokens,
+    record = {"temperature": temperature, "sampler": sampler, "mode": mode.name, "new_tokens": stats.new_tokens,
               "decode_seconds": stats.decode_seconds, "wall_seconds": time.perf_counter() - started,
               "tokens_per_second": stats.tokens_per_second}
     for role, decoder in decoders.items():  # ORT passes of this answer by rows, prompt processing left out
@@ -210,6 +212,11 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
     record["identical_to_ar"] = None if reference is None else completion.token_ids == reference
     record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
     return record
+
+
+def _deterministic(record: dict) -> bool:
+    """Whether a record's answer is fixed by its prompt and seed: greedy, or coupled sampling."""
+    return record["temperature"] == 0 or record.get("sampler") == "coupled"
 
 
 def _pass_log(decoder) -> dict[int, tuple[int, float]]:
@@ -294,6 +301,7 @@ def summarize(records: list[dict]) -> list[dict]:
             emitted = sum(r["tau"] * r["target_calls"] for r in rows)
             tau = emitted / calls if calls else 0.0
             gamma = sum(r["mean_gamma"] * r["target_calls"] for r in rows) / calls if calls else 0.0
+            compared = all(_deterministic(r) for r in rows)  # answers that must equal target-only decoding
             c = rows[0]["param_ratio"]
             steps = sum(r["draft_steps"] for r in rows)
             row["head_ms_per_step"] = 1e3 * sum(r["head_seconds"] for r in rows) / steps if steps else 0.0
@@ -306,10 +314,10 @@ def summarize(records: list[dict]) -> list[dict]:
                                            / calls if calls else 0.0),
                         "first_token_acceptance": (sum(r.get("first_token_acceptance", 0.0) * r["target_calls"]
                                                        for r in rows) / calls if calls else 0.0),
-                        "identical_to_ar": (all(r["identical_to_ar"] for r in rows) if temperature == 0 and all(
+                        "identical_to_ar": (all(r["identical_to_ar"] for r in rows) if compared and all(
                             r["identical_to_ar"] is not None for r in rows) else None),
                         "identical_to_one_row_ar": (sum(r["identical_to_one_row_ar"] for r in rows)
-                                                    if temperature == 0 else None)})
+                                                    if compared else None)})
         out.append(row)
     return out
 

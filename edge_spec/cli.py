@@ -45,6 +45,9 @@ TemperatureOpt = typer.Option(0.0, help="0 = greedy.")
 TopKOpt = typer.Option(0, help="Keep the k most likely tokens (0 = off).")
 TopPOpt = typer.Option(1.0, help="Nucleus sampling mass (1 = off).")
 SeedOpt = typer.Option(None, help="Random seed for sampling.")
+SamplerOpt = typer.Option("rejection", "--sampler", help="How sampled tokens are drawn: rejection (drafts pass by "
+                          "rejection sampling) or coupled (each position's noise fixed by the seed: the same answer "
+                          "in every mode, equal to --mode ar with that seed; drafts pass a little less often).")
 DraftsOpt = typer.Option(None, "--drafts", help="spec: drafts per step; > 1 verifies a tree of that many branches, "
                          "each --gamma long, in one target pass (multi-draft; fixed γ).")
 VerifierOpt = typer.Option(None, "--verifier", help="Multi-draft sampling verifier: rrs, rrs-wor or spechub "
@@ -310,7 +313,7 @@ def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None
                       for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98))
     out.print(f"  planned drafts by acceptance: {plans}; a round reaches at most {reach(model, gamma)} "
               f"(the plan at {REACH_ACCEPTANCE}, at least {REACH_FLOOR})")
-    learned = engine.schedule_memory().calibration(greedy=True)
+    learned = engine.schedule_memory().calibration("greedy")
     if learned.first.trials:
         out.print(f"  learned greedy first-draft acceptance: {learned.first_draft():.2f} "
                   f"(over ~{learned.first.trials:.0f} recent rounds)")
@@ -459,6 +462,14 @@ def _stream(engine, prompt, **kwargs) -> str:
     return "".join(chunks)
 
 
+def _check_sampler(sampler: str) -> None:
+    """A misspelt --sampler is refused before any model is loaded."""
+    from edge_spec.runtime.verify.sampling import SAMPLERS
+
+    if sampler not in SAMPLERS:
+        raise EdgeSpecError(f"--sampler must be one of {', '.join(SAMPLERS)}, not {sampler!r}")
+
+
 @app.command()
 def generate(
     bundle: Path,
@@ -468,6 +479,7 @@ def generate(
     top_k: int = TopKOpt,
     top_p: float = TopPOpt,
     seed: Optional[int] = SeedOpt,
+    sampler: str = SamplerOpt,
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, help="Send the prompt as is, without the chat template."),
     provider: str = ProviderOpt,
@@ -491,13 +503,14 @@ def generate(
     prompt = _read_prompt(prompt)
     if any(not s for s in stop):
         raise EdgeSpecError("--stop must not be empty")
+    _check_sampler(sampler)
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
                           verify, provider_option, eagle_head)
     request = prompt if raw else [{"role": "user", "content": prompt}]
     _stream(engine, request, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, stop=stop)
+            seed=seed, sampler=sampler, stop=stop)
     if engine.last_stats.stop_reason == "cancelled":
         console.print("[red]cancelled[/red]")
         raise typer.Exit(130)
@@ -511,6 +524,7 @@ def chat(
     top_k: int = TopKOpt,
     top_p: float = TopPOpt,
     seed: Optional[int] = SeedOpt,
+    sampler: str = SamplerOpt,
     system: Optional[str] = typer.Option(None, help="System prompt."),
     provider: str = ProviderOpt,
     threads: int = ThreadsOpt,
@@ -530,6 +544,7 @@ def chat(
     verify: bool = VerifyOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
+    _check_sampler(sampler)
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
@@ -564,7 +579,7 @@ def chat(
             console.print(f"[dim](dropped the {dropped} oldest messages to fit the context)[/dim]")
         try:  # any per-turn failure ends the turn; the conversation before it is kept
             answer = _stream(engine, history, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed)
+                             top_p=top_p, seed=seed, sampler=sampler)
         except EdgeSpecError as exc:
             console.print(f"[red]error:[/red] {exc}", highlight=False)
             history.pop()
@@ -628,6 +643,8 @@ def bench(
     bundle: Path,
     max_tokens: int = typer.Option(64, help="New tokens per prompt."),
     temperature: list[float] = typer.Option([0.0, 0.7], help="Temperatures (repeatable)."),
+    sampler: str = typer.Option("rejection", "--sampler", help="How sampled answers are drawn (see generate); "
+                                "coupled: every mode gives the same answer, compared token for token."),
     gamma: Optional[int] = GammaOpt,
     schedule: Optional[str] = ScheduleOpt,
     head: list[str] = typer.Option([], "--head", help="Drafter heads to compare (repeatable; default all)."),
@@ -681,6 +698,7 @@ def bench(
         raise EdgeSpecError("--per-category must be at least 1")
     for t in temperature:
         SamplingParams(temperature=t)  # raises on a bad value
+    _check_sampler(sampler)
     chain = loop_config("spec", gamma=gamma, schedule=schedule, lookup=False)  # the run's schedule
     _check_gamma(bundle, chain)
     if output.exists() and not output.is_dir():
@@ -706,7 +724,7 @@ def bench(
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("bench", total=len(items) * len(temperature))
         result = run_bench(engine, items, modes, temperatures=list(temperature), max_new_tokens=max_tokens,
-                           repeats=repeat, baseline=baseline,
+                           repeats=repeat, baseline=baseline, sampler=sampler,
                            progress=lambda done, total: bar.update(task, completed=done))
     out.print(format_table(result["summary"]))
     if sweep:

@@ -93,27 +93,27 @@ def test_memory_round_trips_and_shrugs_off_a_damaged_file(tmp_path):
     path = tmp_path / "acceptance.json"
     memory = ScheduleMemory(path)
     for _ in range(50):
-        memory.calibration(greedy=True).record([0.97, 0.97], accepted=2)
+        memory.calibration("greedy").record([0.97, 0.97], accepted=2)
     memory.save()
     again = ScheduleMemory(path)
-    assert again.calibration(greedy=True).to_dict() == memory.calibration(greedy=True).to_dict()
-    assert again.calibration(greedy=False).first.trials == 0  # sampled verification learns on its own
+    assert again.calibration("greedy").to_dict() == memory.calibration("greedy").to_dict()
+    assert again.calibration("sampled").first.trials == 0  # sampled verification learns on its own
     path.write_text(json.dumps({"greedy": {"edges": [0.5]}}))
-    assert ScheduleMemory(path).calibration(greedy=True).first.trials == 0
+    assert ScheduleMemory(path).calibration("greedy").first.trials == 0
     assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_the_engine_carries_calibration_across_requests(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True), draft_head="trim-160")
     memory = engine.schedule_memory()
-    before = memory.calibration(greedy=True).first.trials
+    before = memory.calibration("greedy").first.trials
     engine.complete("one two three one two three one two", max_new_tokens=16, temperature=0)
-    learned = memory.calibration(greedy=True).first.trials
+    learned = memory.calibration("greedy").first.trials
     assert learned > before
-    assert ScheduleMemory(memory.path).calibration(greedy=True).first.trials == pytest.approx(learned)
+    assert ScheduleMemory(memory.path).calibration("greedy").first.trials == pytest.approx(learned)
     engine.complete("one two three one two three one two", max_new_tokens=16, temperature=0)
-    assert memory.calibration(greedy=True).first.trials > learned  # one calibration, not one per request
-    assert memory.calibration(greedy=False).first.trials == 0
+    assert memory.calibration("greedy").first.trials > learned  # one calibration, not one per request
+    assert memory.calibration("sampled").first.trials == 0
 
 
 def test_the_engine_measures_what_a_round_spends_outside_the_models(int4_bundle):
@@ -176,11 +176,11 @@ def test_free_guesses_are_calibrated_by_the_suffix_they_matched_and_carried(tmp_
     memory = ScheduleMemory(path)
     memory.calibrations["greedy"] = calibration
     memory.save()
-    assert ScheduleMemory(path).calibration(greedy=True).guess_rate(4) == pytest.approx(calibration.guess_rate(4))
+    assert ScheduleMemory(path).calibration("greedy").guess_rate(4) == pytest.approx(calibration.guess_rate(4))
     older = json.loads(path.read_text())
     del older["greedy"]["guess"]  # a file written before guesses were calibrated keeps the rest
     path.write_text(json.dumps(older))
-    loaded = ScheduleMemory(path).calibration(greedy=True)
+    loaded = ScheduleMemory(path).calibration("greedy")
     assert calibration.first.trials > 0 and loaded.first.trials == pytest.approx(calibration.first.trials)
     assert loaded.guess[4].trials == 0
 

@@ -91,7 +91,7 @@ def test_sampled_speculative_decoding_skips_the_pad_row(int4_bundle):
     draft-less rounds are plain one-row passes; greedy ones keep the pad row (where this device needs it
     for exactness: ``exact_rows``), and --exact forces it."""
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
-    assert engine.exact_for("spec") and not engine.exact_for("spec", greedy=False)
+    assert engine.exact_for("spec") and not engine.exact_for("spec", deterministic=False)
     engine.complete("def f", max_new_tokens=4, temperature=0.8, seed=1)
     assert engine.target.min_rows == 1
     engine.complete("def f", max_new_tokens=4)

@@ -305,3 +305,9 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
 
     assert cli_module._stream(Engine(), "hi") == "x = arr[i] + d[bold] [/]"
     assert capsys.readouterr().out == "x = arr[i] + d[bold] [/]\n"
+
+
+@pytest.mark.slow
+def test_misspelt_sampler_is_one_line_before_any_load(tmp_path):
+    assert_one_line_error(cli("generate", str(tmp_path / "nope"), "hi", "--temperature", "0.7", "--sampler", "gumbel"),
+                          "--sampler must be one of rejection, coupled")

@@ -184,7 +184,7 @@ class Engine:
                      draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads, exact=exact,
                      provider_options=provider_options, eagle_head=eagle_head)
         if isinstance(config, TreeConfig):
-            check_tree(target, config, greedy=True)  # the verifier's draft count is checked per request
+            check_tree(target, config)  # the verifier's draft count and the sampler are checked per request
         if config.mode != "ar":
             engine.exact_rows()  # checked before the first answer, which it would delay
             engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
@@ -421,18 +421,19 @@ class Engine:
                 dropped += 1
         return system + rest, dropped
 
-    def exact_for(self, mode: str, exact: bool | None = None, greedy: bool = True) -> bool:
+    def exact_for(self, mode: str, exact: bool | None = None, deterministic: bool = True) -> bool:
         """Whether a generation in ``mode`` runs batch-invariant target passes (call > engine > default).
 
-        By default only greedy speculative decoding does: there the padded passes make its answer
-        bit-identical to ``ar --exact`` whatever the draft lengths.  A sampled answer already depends on
-        the draft lengths through which random draws the verifier makes, so the pad row would buy no
-        reproducibility, only cost: a draft-less round is then the one-row pass plain decoding runs."""
+        By default only deterministic speculative decoding does (greedy, or coupled sampling): there the
+        padded passes make its answer bit-identical to ``ar --exact`` whatever the draft lengths.  A
+        rejection-sampled answer already depends on the draft lengths through which random draws the
+        verifier makes, so the pad row would buy no reproducibility, only cost: a draft-less round is
+        then the one-row pass plain decoding runs."""
         if exact is not None:
             return exact
         if self.exact is not None:
             return self.exact
-        return mode != "ar" and greedy
+        return mode != "ar" and deterministic
 
     def config_for(self, mode: str | None) -> LoopConfig:
         """The engine's configuration, or for another ``mode`` that mode's defaults."""
@@ -456,6 +457,7 @@ class Engine:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        sampler: str = "rejection",
         stop: list[str] | tuple[str, ...] = (),
         mode: str | None = None,
         exact: bool | None = None,
@@ -465,14 +467,16 @@ class Engine:
         """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
         ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
         a prompt too long for one pass (see ``Decoder.prefill``); :meth:`cancel` also stops that.
-        ``stop`` is one stop string or several.  While another thread generates, the call waits for it
-        (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
+        ``stop`` is one stop string or several.  ``sampler`` "coupled" makes a sampled answer a function
+        of the seed alone, the same in every mode (``SamplingParams``).  While another thread generates,
+        the call waits for it (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
         self._acquire(wait)
         try:
             generation = self._take_over()
             with numpy_on_one_thread():
                 yield from self._generate(generation, prompt, max_new_tokens=max_new_tokens,
-                                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                          sampler=sampler, stop=stop,
                                           mode=mode, exact=exact, on_prefill=on_prefill)
         finally:
             self._release()
@@ -509,17 +513,17 @@ class Engine:
                                        "(finish or close a generator before starting the next)")
 
     def _generate(self, generation: int, prompt: str | list[Message], *, max_new_tokens: int, temperature: float,
-                  top_k: int, top_p: float, seed: int | None, stop: str | list[str] | tuple[str, ...],
+                  top_k: int, top_p: float, seed: int | None, sampler: str, stop: str | list[str] | tuple[str, ...],
                   mode: str | None, exact: bool | None,
                   on_prefill: Callable[[float], None] | None) -> Iterator[str]:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                end_ids=frozenset(self.tokenizer.eos_token_ids))
+                                end_ids=frozenset(self.tokenizer.eos_token_ids), sampler=sampler)
         config = self.config_for(mode)
         mode = config.mode
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
-        self.target.min_rows = self.pass_rows(mode) if self.exact_for(mode, exact, params.greedy) else 1
+        self.target.min_rows = self.pass_rows(mode) if self.exact_for(mode, exact, params.deterministic) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
         self.last_stats = stats

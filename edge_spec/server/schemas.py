@@ -27,10 +27,11 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    sampler: str = "rejection"  # not OpenAI's: "coupled" fixes a sampled answer by its seed (SamplingParams)
 
     def engine_kwargs(self, capacity: int) -> dict:
         return dict(max_new_tokens=self.max_tokens or capacity, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop=list(self.stop))
+                    top_k=self.top_k, seed=self.seed, sampler=self.sampler, stop=list(self.stop))
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | N
     top_p = _number(body, "top_p", 1.0)
     top_k = _typed(body, "top_k", int)  # not OpenAI's, but vLLM and llama.cpp take it
     seed = _typed(body, "seed", int)
+    sampler = _typed(body, "sampler", str)
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -135,14 +137,15 @@ def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | N
         stop = tuple(stop)
     else:
         raise bad_request("'stop' must be a string or an array of strings", param="stop")
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("sampler", sampler)):
         if value is not None:
             try:
                 SamplingParams(**{name: value})  # the engine's own range checks
             except EdgeSpecError as exc:
                 raise bad_request(f"'{name}': {exc}", param=name) from None
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k or 0, seed=seed,
-                    stop=stop)
+                    stop=stop, sampler=sampler or "rejection")
 
 
 def _typed(body: dict, key: str, kind: type):

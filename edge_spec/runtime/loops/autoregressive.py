@@ -7,14 +7,19 @@ from collections.abc import Iterator
 import numpy as np
 
 from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.verify.coupled import coupled_index
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
 
 
-def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Greedy = first argmax (no softmax needed); otherwise sample from the processed distribution."""
+def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, position: int) -> int:
+    """The token at sequence index ``position``: greedy = first argmax (no softmax needed); coupled =
+    the race with that position's noise; otherwise drawn from the processed distribution."""
     if params.greedy:
         return int(np.argmax(logits))
-    return sample(logits_to_probs(logits, params), rng)
+    probs = logits_to_probs(logits, params)
+    if params.coupled:
+        return coupled_index(probs, params.seed, position, probs.shape[-1])
+    return sample(probs, rng)
 
 
 def generate_autoregressive(
@@ -23,7 +28,7 @@ def generate_autoregressive(
     """Yield up to ``max_new_tokens`` ids; the caller stops early (eos, stop string, cancel) by closing us."""
     logits = target.prefill(prompt_ids)["logits"][-1]
     for step in range(max_new_tokens):
-        token = choose_token(logits, params, rng)
+        token = choose_token(logits, params, rng, len(prompt_ids) + step)
         yield token
         if step + 1 < max_new_tokens:
             logits = target.forward([token])["logits"][-1]

@@ -5,8 +5,8 @@ Read it top to bottom like gpt-fast's ``speculative_decode`` or llama.cpp's ``co
 1. Draft: the planner (``schedule.planner``) picks the proposer -- a prompt-lookup match that pays,
    else the drafter model with this round's stop rule, else a free guess for the spare row of a
    batch-invariant pass -- and the proposer drafts (``propose``).
-2. Verify: one target pass over ``[pending, d1..dγ]`` gives γ + 1 rows; greedy match or rejection
-   sampling (``verify.chain``) returns the accepted drafts plus one correction/bonus token.
+2. Verify: one target pass over ``[pending, d1..dγ]`` gives γ + 1 rows; greedy or coupled match, or
+   rejection sampling (``verify.chain``) returns the accepted drafts plus one correction/bonus token.
 3. Roll back the caches to the accepted prefix, show the proposers the target's outputs, emit.
 
 Exactness does not depend on the proposer: greedy output equals target-only greedy output, and
@@ -38,7 +38,7 @@ def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[
     """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them.
     ``memory``: what the schedule learned in earlier requests with this drafter (updated in place)."""
     request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
-    calibration = memory.calibration(params.greedy) if memory else None
+    calibration = memory.calibration(params.regime) if memory else None
     planner = DraftPlanner(proposers, target, config.gamma, config.adaptive, config.min_confidence, calibration,
                            memory.overhead if memory else None)
     yield from request.start()
@@ -50,7 +50,7 @@ def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[
 
         # 2. verify: one target pass over [pending, d1..dγ] -> γ + 1 rows
         outputs = target.forward([request.pending] + block.tokens, len(block.tokens) + 1)
-        result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng)
+        result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng, len(request.committed))
         clock.verified()
         planner.update(block, result, clock.outside_seconds)
         request.record_round(block, result.accepted, result.tokens, clock)

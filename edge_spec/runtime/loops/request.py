@@ -15,11 +15,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from edge_spec.runtime.loops.autoregressive import choose_token
 from edge_spec.runtime.loops.stats import SpecStats
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, Proposer
 from edge_spec.runtime.propose.model import ChainDrafter
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
+from edge_spec.runtime.verify.sampling import SamplingParams
 
 
 class Request:
@@ -50,8 +51,7 @@ class Request:
         outputs = self.target.prefill(self.prompt_ids)
         for proposer in self.proposers:
             proposer.begin(self.prompt_ids, outputs)
-        first = outputs["logits"][-1]
-        token = int(np.argmax(first)) if self.params.greedy else sample(logits_to_probs(first, self.params), self.rng)
+        token = choose_token(outputs["logits"][-1], self.params, self.rng, len(self.prompt_ids))
         self.committed = self.prompt_ids + [token]
         yield from self.emit([token])
 

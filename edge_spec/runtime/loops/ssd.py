@@ -115,7 +115,7 @@ def generate_ssd(target: Decoder, proposers: list[Proposer], prompt_ids: list[in
                          room_after=lambda prefix: request.room(prefix, request.emitted + len(prefix)
                                                                 - len(request.committed)))
             outputs = pending.result()
-            result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng)
+            result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng, len(request.committed))
             clock.verified()
             request.record_round(block, result.accepted, result.tokens, clock)
 

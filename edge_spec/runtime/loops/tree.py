@@ -44,10 +44,14 @@ from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, s
 from edge_spec.runtime.verify.tree import draw_first_tokens, ladder_for
 
 
-def check_tree(target: Decoder, config: TreeConfig, greedy: bool = False) -> None:
+def check_tree(target: Decoder, config: TreeConfig, params: SamplingParams | None = None) -> None:
     """Refuse what the tree loop cannot honour on this target, in one clear line (greedy decoding
-    branches on the drafter's top-k, so the verifier's draft count matters only when sampling)."""
-    if config.verifier == "spechub" and config.drafts != 2 and not greedy:
+    branches on the drafter's top-k, so the verifier's draft count matters only when sampling;
+    ``params`` None: checked again per request)."""
+    if params is not None and params.coupled:
+        raise EdgeSpecError("--sampler coupled applies to --mode ar, ssd and one-chain spec; multi-draft trees "
+                            "draw their branches for rejection sampling (--drafts 1, or --sampler rejection)")
+    if config.verifier == "spechub" and config.drafts != 2 and params is not None and not params.greedy:
         raise EdgeSpecError("SpecHub verifies exactly 2 drafts per step (--drafts 2)")
     if not target.supports_tree:
         raise EdgeSpecError("this bundle's target graph has no tree-attention inputs; re-export it with this "
@@ -99,7 +103,7 @@ def generate_tree(target: Decoder, proposers: list[Proposer], prompt_ids: list[i
                   rng: np.random.Generator, max_new_tokens: int, config: TreeConfig,
                   stats: SpecStats | None = None) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
-    check_tree(target, config, params.greedy)
+    check_tree(target, config, params)
     request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
     if request.drafter is None:
         raise EdgeSpecError("multi-draft decoding needs the drafter model among the proposers")
@@ -122,7 +126,7 @@ def generate_tree(target: Decoder, proposers: list[Proposer], prompt_ids: list[i
         if hit:
             branch = [b.tokens[0] for b in branches].index(token)
             chain, nodes = branches[branch], tree.nodes(branch)
-            result = verify_chain(chain.tokens[1:], chain.q_rows, rows[nodes], params, rng)
+            result = verify_chain(chain.tokens[1:], chain.q_rows, rows[nodes], params, rng, len(request.committed) + 1)
             path += nodes[:1 + result.accepted]
             tokens = [token] + result.tokens
         clock.verified()

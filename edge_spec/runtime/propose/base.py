@@ -87,7 +87,7 @@ def point_mass_block(source: str, tokens: list[int], params: SamplingParams, voc
     (and no head rows were involved, so they have no ``candidates``); none past an end token."""
     tokens = through_end(tokens, params.end_ids)
     block = DraftBlock(source, tokens=list(tokens), confidences=[1.0] * len(tokens))
-    if not params.greedy:
+    if not params.deterministic:
         for token in tokens:
             row = np.zeros(vocab_size)
             row[token] = 1.0

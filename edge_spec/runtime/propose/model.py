@@ -14,6 +14,7 @@ import numpy as np
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule
 from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
+from edge_spec.runtime.verify.coupled import coupled_index
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 
 STEP_SMOOTHING = 0.2  # weight of the newest single-token step in the drafter's step estimate
@@ -65,11 +66,12 @@ class ChainDrafter:
                 confidence = top_probability(logits) if (rule.min_confidence > 0 or rule.stop) else 1.0
             else:  # sampling, or alternatives that need the whole distribution: the confidence comes with it
                 probs = drafter_probs(logits, params)
-                index = int(np.argmax(logits)) if params.greedy else sample(probs, rule.rng)
+                index = draw_index(probs, logits, ids, params, rule, len(committed) + len(block.tokens),
+                                   self.vocab_size)
                 confidence = float(probs[index])
             keep, more = True, confidence >= rule.min_confidence
-            if rule.stop is not None:
-                keep, more = rule.stop.add(confidence, may_drop=params.greedy)
+            if rule.stop is not None:  # a draft whose outcome is fixed by the prefix may be left unverified
+                keep, more = rule.stop.add(confidence, may_drop=params.deterministic)
             elapsed = time.perf_counter() - started
             self.busy_seconds += elapsed  # what a round's time outside the drafter leaves out
             if fed == 1:  # catch-up steps that feed several rows say little about one step's cost
@@ -79,7 +81,7 @@ class ChainDrafter:
             block.tokens.append(int(index) if ids is None else int(ids[index]))
             block.candidates.append(ids)
             block.confidences.append(confidence)
-            if not params.greedy:
+            if not params.deterministic:
                 block.q_rows.append(probs if ids is None else scatter_probs(probs, ids, self.vocab_size,
                                                                             validate=False))
             if rule.alternatives:
@@ -185,6 +187,17 @@ class ModelDrafter(ChainDrafter):
     def _forward(self, feed: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
         hidden = self.body.forward(feed, 1)["hidden_states"]
         return self.head(hidden[-1])
+
+
+def draw_index(probs: np.ndarray, logits: np.ndarray, ids: np.ndarray | None, params: SamplingParams,
+               rule: DraftRule, position: int, vocab_size: int) -> int:
+    """The head row drafted for sequence index ``position``: the argmax when greedy, the coupled race
+    with that position's noise (the target's own choice whenever the two agree), else a draw from q."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    if params.coupled:
+        return coupled_index(probs, params.seed, position, vocab_size, ids)
+    return sample(probs, rule.rng)
 
 
 def top_tokens(probs: np.ndarray, ids: np.ndarray | None, n: int) -> list[tuple[int, float]]:

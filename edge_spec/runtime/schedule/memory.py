@@ -19,7 +19,7 @@ from edge_spec.runtime.schedule.policy import RoundOverhead
 
 
 class ScheduleMemory:
-    """Calibrations by regime ("greedy" / "sampled"), optionally persisted as one JSON file; the round
+    """Calibrations by regime ("greedy" / "coupled" / "sampled"), optionally persisted as one JSON file; the round
     overhead is kept in memory only (a few rounds measure it)."""
 
     def __init__(self, path: Path | None = None) -> None:
@@ -33,8 +33,10 @@ class ScheduleMemory:
             except (OSError, ValueError, KeyError, TypeError):
                 self.calibrations = {}  # damaged or of an older layout: learn afresh
 
-    def calibration(self, greedy: bool) -> AcceptanceCalibration:
-        return self.calibrations.setdefault("greedy" if greedy else "sampled", AcceptanceCalibration())
+    def calibration(self, regime: str) -> AcceptanceCalibration:
+        """``regime``: ``SamplingParams.regime`` -- greedy, coupled and rejection-sampled verification
+        accept at different rates, so each learns its own."""
+        return self.calibrations.setdefault(regime, AcceptanceCalibration())
 
     def save(self) -> None:
         """Write atomically (a reader never sees half a file); a read-only cache is left alone."""

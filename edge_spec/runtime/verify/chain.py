@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_spec.runtime.verify.coupled import verify_coupled
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
 
 # Below this residual mass, max(0, p - q) is rounding noise rather than a
@@ -152,10 +153,13 @@ def _check_token_range(tokens: list[int], vocab_size: int) -> None:
 
 
 def verify_chain(drafts: list[int], q_rows: list[np.ndarray], rows: np.ndarray, params: SamplingParams,
-                 rng: np.random.Generator) -> VerifyResult:
-    """Verify one chain of drafts against the target's rows for it (γ + 1 of them): greedy match, or
+                 rng: np.random.Generator, position: int) -> VerifyResult:
+    """Verify one chain of drafts against the target's rows for it (γ + 1 of them, the first predicting
+    the token at sequence index ``position``): greedy match, coupled match (``verify.coupled``), or
     rejection sampling against the q rows the drafts were drawn from."""
     if params.greedy:
         return verify_greedy(drafts, rows)
+    if params.coupled:
+        return VerifyResult(*verify_coupled(drafts, rows, params, position))
     q = np.array(q_rows) if q_rows else np.zeros((0, rows.shape[-1]))
     return verify_speculative(drafts, q, logits_to_probs(rows, params), rng)

@@ -21,11 +21,14 @@ Conventions:
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
+
+SAMPLERS = ("rejection", "coupled")
 
 # Top-p first looks at this many of the largest probabilities and widens the
 # window only when their mass is below top_p.  Real LLM distributions put the
@@ -50,6 +53,13 @@ class SamplingParams:
     ``temperature <= 0`` means greedy decoding; ``top_k = 0`` and
     ``top_p = 1`` disable those filters.  ``seed`` makes a run reproducible.  Invalid values raise :class:`EdgeSpecError`
     because they come straight from the user (CLI flags, config files).
+
+    ``sampler`` says how a sampled token is drawn.  ``"rejection"`` (the default): each draw takes the
+    next uniforms of the request's stream, and drafts pass by rejection sampling, so the answer depends
+    on how the rounds fell.  ``"coupled"`` (``verify.coupled``): the token at each position is the
+    argmax of ``p / E`` for exponential noise ``E`` fixed by (seed, position), so the answer is a
+    function of the seed alone -- the same whatever drafted it, and equal to target-only decoding with
+    that seed -- at some cost in acceptance.  Without a seed, a coupled request draws one.
     """
 
     temperature: float = 0.0
@@ -57,17 +67,38 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     end_ids: frozenset[int] = frozenset()  # tokens that end the answer: no draft after one can be emitted
+    sampler: str = "rejection"
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
         _check_top_k(self.top_k)
         _check_top_p(self.top_p)
         _check_seed(self.seed)
+        if self.sampler not in SAMPLERS:
+            raise EdgeSpecError(f"sampler must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}")
+        if self.coupled and self.seed is None:  # the noise needs a seed; frozen, hence object.__setattr__
+            object.__setattr__(self, "seed", secrets.randbits(63))
 
     @property
     def greedy(self) -> bool:
         """True when decoding is deterministic argmax (temperature <= 0)."""
         return self.temperature <= 0.0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampling whose token at each position is fixed by (seed, position) (see the class docstring)."""
+        return self.sampler == "coupled" and not self.greedy
+
+    @property
+    def deterministic(self) -> bool:
+        """Each token is a function of its distribution (and the seed and position): greedy or coupled.
+        Drafts then pass when they equal it, and need no q rows."""
+        return self.greedy or self.coupled
+
+    @property
+    def regime(self) -> str:
+        """How drafts are verified, which sets how often they pass: "greedy", "coupled" or "sampled"."""
+        return "greedy" if self.greedy else "coupled" if self.coupled else "sampled"
 
 
 def _is_real(value: object) -> bool:
