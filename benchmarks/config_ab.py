@@ -9,8 +9,13 @@ target-only decoding, as ``generate --mode ar`` has it); greedy answers are comp
         [--prompts models/bench/prompts.jsonl --prompts models/bench/prime.jsonl] [--max-tokens 64]
 
 A configuration is ``NAME=MODE[:SETTING=VALUE,...]`` with ``loop_config``'s settings (gamma, schedule,
-lookup, ...).  Prints per prompt and per category the decode tokens/s, and each configuration's geometric
-mean ratio to the first one.
+lookup, ...) and the sampling settings ``temperature`` (a number: T=0.7 is written ``temperature=0.7``) and
+``sampler``.  ``--seeds N`` answers every prompt N times (seeds 0..N-1, the same for every configuration).
+Prints per prompt and per category the decode tokens/s, and each configuration's geometric mean ratio to
+the first one and its mean τ.
+
+    python benchmarks/config_ab.py --config rejection=spec:temperature=0.7 \
+        --config coupled=spec:temperature=0.7,sampler=coupled --config ar=ar:temperature=0.7 --seeds 2
 """
 
 from __future__ import annotations
@@ -32,15 +37,21 @@ from edge_spec.runtime.loops.config import loop_config  # noqa: E402
 from edge_spec.runtime.model import huge_pages  # noqa: E402
 
 
+SAMPLING = {"temperature": float, "sampler": str}  # per-answer settings, not the loop's
+
+
 def parse_config(text: str):
-    """``NAME=MODE[:KEY=VALUE,...]`` -> (name, loop configuration)."""
+    """``NAME=MODE[:KEY=VALUE,...]`` -> (name, loop configuration, sampling settings)."""
     name, _, spec = text.partition("=")
     mode, _, settings = spec.partition(":")
-    values = {}
+    values, sampling = {}, {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition("=")
+        if key in SAMPLING:
+            sampling[key] = SAMPLING[key](value)
+            continue
         values[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
-    return name, loop_config(mode, **values)
+    return name, loop_config(mode, **values), sampling
 
 
 def geometric_mean(values: list[float]) -> float:
@@ -54,22 +65,29 @@ def main() -> None:
     parser.add_argument("--prompts", action="append", type=Path, help="prompt files (default: the bench prompts)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=1, help="answers per prompt (seeds 0..N-1 for every config)")
     args = parser.parse_args()
-    configs = dict(parse_config(text) for text in args.config)
+    parsed = [parse_config(text) for text in args.config]
+    sampling = {name: settings for name, _, settings in parsed}
     engines = {name: Engine.from_bundle(args.bundle, threads=args.threads, config=config)
-               for name, config in configs.items()}
+               for name, config, _ in parsed}
     huge_pages.wait_all()  # every engine timed on the pages it keeps (model/huge_pages.py)
-    items = [item for path in (args.prompts or [None]) for item in load_bench_prompts(path, None, None)]
+    items = [(item, seed) for path in (args.prompts or [None]) for item in load_bench_prompts(path, None, None)
+             for seed in range(args.seeds)]
     names = list(engines)
     speed: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    taus: dict[str, list[float]] = defaultdict(list)
     same = {name: 0 for name in names}
-    for index, item in enumerate(items):
+    for index, (item, seed) in enumerate(items):
         answers = {}
         for name in names if index % 2 == 0 else names[::-1]:
             engine = engines[name]
-            "".join(engine.generate(as_messages(item["prompt"]), max_new_tokens=args.max_tokens))
+            "".join(engine.generate(as_messages(item["prompt"]), max_new_tokens=args.max_tokens, seed=seed,
+                                    **sampling[name]))
             answers[name] = list(engine.last_token_ids)
             speed[item["category"]][name].append(engine.last_stats.tokens_per_second)
+            if engine.last_stats.spec is not None and engine.last_stats.spec.tau:
+                taus[name].append(engine.last_stats.spec.tau)
         for name in names:
             same[name] += answers[name] == answers[names[0]]
         print(index, item["category"], {n: round(speed[item["category"]][n][-1], 1) for n in names}, flush=True)
@@ -82,6 +100,7 @@ def main() -> None:
               f"/ {names[0]}:", {n: round(geometric_mean(r), 3) for n, r in ratios.items()})
     print(f"{'overall':<15} / {names[0]}:", {n: round(geometric_mean(r), 3) for n, r in overall.items()},
           f"answers equal to {names[0]}'s:", {n: f"{same[n]}/{len(items)}" for n in names})
+    print("mean τ:", {n: round(sum(t) / len(t), 2) for n, t in taus.items()})
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ as much as a cheap predictor of rejections can find.  This script collects, for 
 position of the bench prompts, the signals the runtime has at the start of a round there, and whether
 the drafter's and the free guess's token would be the target's:
 
-* greedy answers come from the engine (spec, exact: identical to target-only decoding);
+* greedy answers come from the engine (spec, exact: identical to target-only decoding); with
+  ``--temperature T`` sampled answers, drawn by coupled sampling (``verify.coupled``), which makes them
+  as independent of the schedule as greedy ones, so they replay exactly too;
 * the target's rows come from one teacher-forced pass over prompt + answer (batch-invariant, so the
-  same as in decoding; checked: its argmax must reproduce the answer);
+  same as in decoding; checked: its choices must reproduce the answer);
 * the drafter's proposal and confidence at each position come from one teacher-forced drafter pass.
 
     python benchmarks/round_signals.py [BUNDLE] --head specvocab-r192-k128-of32768 --output bench-results/signals.npz
@@ -44,7 +46,9 @@ from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, Request
 from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.loops.config import ChainConfig
-from edge_spec.runtime.propose.model import softmax
+from edge_spec.runtime.loops.autoregressive import choose_token
+from edge_spec.runtime.propose.model import draw_index, drafter_probs, softmax
+from edge_spec.runtime.verify.sampling import SamplingParams
 
 CHAIN = 16  # longest lookup chain recorded (run = how many of its tokens the target would accept)
 FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
@@ -62,7 +66,9 @@ def collect(args: argparse.Namespace) -> None:
     for index, item in enumerate(tqdm(prompts, desc="prompts")):
         prompt = item["prompt"]
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        answer = engine.complete(messages, max_new_tokens=args.max_tokens).token_ids
+        params = SamplingParams(temperature=args.temperature, seed=args.seed + index, sampler="coupled")
+        answer = engine.complete(messages, max_new_tokens=args.max_tokens, temperature=params.temperature,
+                                 seed=params.seed, sampler=params.sampler).token_ids
         ids = engine.prompt_ids(messages)
         sequence = ids + answer
         target, body = engine.target, engine.drafter.body
@@ -72,13 +78,14 @@ def collect(args: argparse.Namespace) -> None:
         hidden = body.forward(sequence, len(answer) + 1)["hidden_states"]
         target.reset()
         body.reset()
-        if not np.array_equal(logits[:len(answer)].argmax(-1), answer):
+        chosen = [choose_token(logits[j], params, None, len(ids) + j) for j in range(len(answer))]
+        if chosen != answer:
             raise SystemExit(f"prompt {index}: teacher-forced target does not reproduce the answer")
         ngrams = NgramLookup(min_n=1)
         for j in range(1, len(answer)):  # a round at j: answer[j-1] is pending, answer[j] is next
             head_logits, head_ids = engine.drafter.head(hidden[j])
-            probs = softmax(head_logits)
-            best = int(np.argmax(head_logits))
+            probs = drafter_probs(head_logits, params)
+            best = draw_index(probs, head_logits, head_ids, params, None, len(ids) + j, engine.target.vocab_size)
             proposal = best if head_ids is None else int(head_ids[best])
             previous = softmax(logits[j - 1].astype(np.float64))  # the target row that produced answer[j-1]
             top2 = np.sort(previous)[-2:]
@@ -407,9 +414,19 @@ def _guess_pays(costs: CostModel, rate: float) -> bool:
     return rate > 0 and (1 + rate) / costs.expected_cost(0, 0, 0, spare=rate) > 1 / costs.expected_cost(0, 0, 0)
 
 
-def analyze(path: Path, bench_json: Path, machine: str | None = None, one_row: bool = False,
+def load_signals(paths: list[Path]) -> dict[str, np.ndarray]:
+    """One or more signals files as one set of answers (each file's prompts numbered apart, so that the
+    replay keeps every answer to itself): several seeds of sampled answers make a category's figures
+    depend less on which answers one seed happened to draw."""
+    parts = [dict(np.load(path)) for path in paths]
+    for k, part in enumerate(parts):
+        part["prompt"] = part["prompt"] + k * (1 + max(int(p["prompt"].max()) for p in parts))
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+
+
+def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one_row: bool = False,
             gamma_max: int = ChainConfig.gamma) -> None:
-    data = dict(np.load(path))
+    data = load_signals(paths)
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     prices.min_rows = 1 if one_row else 2
     print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
@@ -521,11 +538,15 @@ def main() -> None:
     ap.add_argument("--head", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="record sampled answers (coupled sampling, "
+                    "so that they replay exactly), seeded as bench seeds them")
+    ap.add_argument("--seed", type=int, default=0, help="with --temperature: prompt i's answer uses seed + i")
     ap.add_argument("--prompts", type=Path, action="append", help="prompt file(s) (default: the bench set)")
     ap.add_argument("--output", type=Path, default=Path("bench-results/signals.npz"))
     ap.add_argument("--add-eagle", type=Path, metavar="FILE", help="add the EAGLE head's drafts to a signals file")
     ap.add_argument("--eagle-head", help="the EAGLE head's LM head for --add-eagle (default: the bundle's)")
-    ap.add_argument("--analyze", type=Path, help="replay policies on a file this script wrote, instead of collecting")
+    ap.add_argument("--analyze", type=Path, nargs="+", help="replay policies on files this script wrote (several: "
+                    "one set of answers, e.g. sampled with several seeds), instead of collecting")
     ap.add_argument("--costs", type=Path, default=Path("bench-results/schedule-final/bench.json"),
                     help="bench.json whose measured pass latencies price the replayed rounds")
     ap.add_argument("--gamma-max", type=int, default=ChainConfig.gamma, help="with --analyze: the longest round "
@@ -541,7 +562,7 @@ def main() -> None:
     if args.add_eagle:
         add_eagle(args)
     elif args.analyze and args.fit_on:
-        signal_value(dict(np.load(args.fit_on)), dict(np.load(args.analyze)))
+        signal_value(dict(np.load(args.fit_on)), load_signals(args.analyze))
     elif args.analyze:
         analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max)
     else:

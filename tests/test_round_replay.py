@@ -89,3 +89,21 @@ def test_when_every_draft_is_right_the_oracle_is_the_replayed_chain(signals):
     ceiling = signals.oracle(data, prices, gamma_max=1)
     for category, (seconds, _) in chained.items():
         assert ceiling[category][0] == pytest.approx(seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_recorded_answers_are_reproduced_by_the_teacher_forced_pass(signals, int4_bundle, tmp_path, temperature):
+    """Recording checks that the target's choices over the teacher-forced pass give the engine's answer (it
+    exits otherwise), greedy and coupled-sampled; the drafter's proposals are right at some positions only."""
+    import argparse
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"category": "code", "prompt": p}) + "\n"
+                               for p in ("def is_prime(n):", "The quick brown fox")))
+    output = tmp_path / "signals.npz"
+    signals.collect(argparse.Namespace(bundle=int4_bundle, threads=1, head="trim-64", prompts=[prompts],
+                                       max_tokens=24, temperature=temperature, seed=3, output=output))
+    data = np.load(output)
+    assert len(data["prompt"]) == 2 * 23
+    assert 0 < data["draft_ok"].mean() < 1

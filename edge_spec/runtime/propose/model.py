@@ -66,7 +66,7 @@ class ChainDrafter:
                 confidence = top_probability(logits) if (rule.min_confidence > 0 or rule.stop) else 1.0
             else:  # sampling, or alternatives that need the whole distribution: the confidence comes with it
                 probs = drafter_probs(logits, params)
-                index = draw_index(probs, logits, ids, params, rule, len(committed) + len(block.tokens),
+                index = draw_index(probs, logits, ids, params, rule.rng, len(committed) + len(block.tokens),
                                    self.vocab_size)
                 confidence = float(probs[index])
             keep, more = True, confidence >= rule.min_confidence
@@ -190,14 +190,15 @@ class ModelDrafter(ChainDrafter):
 
 
 def draw_index(probs: np.ndarray, logits: np.ndarray, ids: np.ndarray | None, params: SamplingParams,
-               rule: DraftRule, position: int, vocab_size: int) -> int:
+               rng: np.random.Generator | None, position: int, vocab_size: int) -> int:
     """The head row drafted for sequence index ``position``: the argmax when greedy, the coupled race
-    with that position's noise (the target's own choice whenever the two agree), else a draw from q."""
+    with that position's noise (the target's own choice whenever the two agree), else a draw from q
+    (the only case that needs ``rng``)."""
     if params.greedy:
         return int(np.argmax(logits))
     if params.coupled:
         return coupled_index(probs, params.seed, position, vocab_size, ids)
-    return sample(probs, rule.rng)
+    return sample(probs, rng)
 
 
 def top_tokens(probs: np.ndarray, ids: np.ndarray | None, n: int) -> list[tuple[int, float]]:
