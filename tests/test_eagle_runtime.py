@@ -36,6 +36,20 @@ def test_greedy_eagle_equals_target_only_decoding(engine, gamma):
     assert greedy_matches_target_only(engine, eagle(gamma)) > 0, "the head never drafted"
 
 
+def test_coupled_sampled_eagle_equals_coupled_target_only_decoding(engine):
+    """The head races with the noise of the position it drafts, like the drafter model (verify.coupled)."""
+    engine.target.min_rows = engine.pass_rows("spec")
+    drafted = 0
+    for seed, prompt in enumerate(PROMPTS):
+        params = SamplingParams(temperature=0.8, sampler="coupled", seed=seed)
+        ids = engine.tokenizer.encode(prompt)
+        reference, _ = run(engine, ids, params, 30, None)
+        got, stats = run(engine, ids, params, 30, eagle(3))
+        assert got == reference, prompt
+        drafted += sum(stats.drafted)
+    assert drafted > 0, "the head never drafted"
+
+
 def test_the_head_reads_the_features_of_every_kept_position(engine):
     """After a request, the head holds one fused feature per target position, computed from the
     target's own hidden states: the same rows a fresh teacher-forced target pass gives."""

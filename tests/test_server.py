@@ -371,6 +371,8 @@ def test_request_parsing():
     assert chat.messages == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": ""}]
     assert chat.sampling.max_tokens == 7 and chat.sampling.stop == ("x",) and chat.sampling.seed == 3
     assert chat.sampling.temperature == 1.0 and not chat.stream  # OpenAI's defaults
+    assert chat.sampling.sampler == "rejection"
+    assert parse_chat({"messages": CHAT, "sampler": "coupled"}).sampling.engine_kwargs(64)["sampler"] == "coupled"
     completion = parse_completion({"prompt": ["p"], "suffix": "s", "stream": True,
                                    "stream_options": {"include_usage": True}})
     assert (completion.prompt, completion.suffix, completion.sampling.max_tokens) == ("p", "s", 16)
@@ -378,7 +380,8 @@ def test_request_parsing():
     for bad, param in (({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": ""}]},
                                                         "messages[0].role"),
                        ({"messages": CHAT, "stop": [1]}, "stop"), ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
-                       ({"messages": CHAT, "top_p": 0}, "top_p"), ({"messages": CHAT, "stream": "yes"}, "stream")):
+                       ({"messages": CHAT, "top_p": 0}, "top_p"), ({"messages": CHAT, "stream": "yes"}, "stream"),
+                       ({"messages": CHAT, "sampler": "gumbel"}, "sampler")):
         with pytest.raises(ApiError) as error:
             parse_chat(bad)
         assert error.value.status == 400 and error.value.param == param
