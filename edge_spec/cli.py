@@ -462,12 +462,17 @@ def _stream(engine, prompt, **kwargs) -> str:
     return "".join(chunks)
 
 
-def _check_sampler(sampler: str) -> None:
-    """A misspelt --sampler is refused before any model is loaded."""
-    from edge_spec.runtime.verify.sampling import SAMPLERS
+def _check_sampler(sampler: str, temperatures: list[float], configs: list) -> None:
+    """A misspelt --sampler, or one a loop of the run cannot honour, is refused before any model is loaded."""
+    from edge_spec.runtime.loops.config import check_sampling
+    from edge_spec.runtime.verify.sampling import SAMPLERS, SamplingParams
 
     if sampler not in SAMPLERS:
         raise EdgeSpecError(f"--sampler must be one of {', '.join(SAMPLERS)}, not {sampler!r}")
+    for temperature in temperatures:
+        params = SamplingParams(temperature=temperature, sampler=sampler, seed=0)
+        for config in configs:
+            check_sampling(config, params)
 
 
 @app.command()
@@ -503,9 +508,9 @@ def generate(
     prompt = _read_prompt(prompt)
     if any(not s for s in stop):
         raise EdgeSpecError("--stop must not be empty")
-    _check_sampler(sampler)
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
+    _check_sampler(sampler, [temperature], [config])
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
                           verify, provider_option, eagle_head)
     request = prompt if raw else [{"role": "user", "content": prompt}]
@@ -544,9 +549,9 @@ def chat(
     verify: bool = VerifyOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
-    _check_sampler(sampler)
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
+    _check_sampler(sampler, [temperature], [config])
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
                           verify, provider_option, eagle_head)
     if sys.stdin.isatty():
@@ -698,7 +703,6 @@ def bench(
         raise EdgeSpecError("--per-category must be at least 1")
     for t in temperature:
         SamplingParams(temperature=t)  # raises on a bad value
-    _check_sampler(sampler)
     chain = loop_config("spec", gamma=gamma, schedule=schedule, lookup=False)  # the run's schedule
     _check_gamma(bundle, chain)
     if output.exists() and not output.is_dir():
@@ -709,6 +713,7 @@ def bench(
         raise EdgeSpecError("--sweep values must be at least 1")
     trees = [TreeConfig(gamma=g, drafts=drafts, verifier=v) for v in verifier for g in (gammas or [gamma or 2])]
     ssds = [SsdConfig(gamma=g) for g in (gammas or [gamma or SsdConfig.gamma])] if ssd else []
+    _check_sampler(sampler, list(temperature), [chain, *trees, *ssds])
     with _loading_status():
         engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=chain,
                                     draft_threads=draft_threads, exact=exact, verify=verify,

@@ -308,6 +308,8 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
 
 
 @pytest.mark.slow
-def test_misspelt_sampler_is_one_line_before_any_load(tmp_path):
+def test_misspelt_or_unhonoured_sampler_is_one_line_before_any_load(tmp_path):
     assert_one_line_error(cli("generate", str(tmp_path / "nope"), "hi", "--temperature", "0.7", "--sampler", "gumbel"),
                           "--sampler must be one of rejection, coupled")
+    assert_one_line_error(cli("generate", str(tmp_path / "nope"), "hi", "--temperature", "0.7", "--sampler", "coupled",
+                              "--drafts", "2"), "--sampler coupled applies to --mode ar, ssd and one-chain spec")

@@ -12,6 +12,7 @@ from typing import ClassVar, Union
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.propose import DRAFTERS, PROPOSERS
+from edge_spec.runtime.verify.sampling import SamplingParams
 from edge_spec.runtime.verify.tree import VERIFIERS
 
 MODES = ("ar", "spec", "ssd")  # the user's word for the loop family; spec runs a chain or (drafts > 1) a tree
@@ -133,6 +134,14 @@ def loop_config(mode: str, **settings) -> LoopConfig:
         return ChainConfig(adaptive=schedule == "adaptive", proposers=proposers, **given)
     known = {f.name for f in fields(loop)}
     return loop(**{k: v for k, v in given.items() if k in known})
+
+
+def check_sampling(config: LoopConfig, params: SamplingParams) -> None:
+    """Refuse, in one line, a sampling setting the loop cannot honour: multi-draft trees draw their
+    branches for rejection sampling, so coupled sampling (``verify.coupled``) has no tree verifier."""
+    if params.coupled and isinstance(config, TreeConfig):
+        raise EdgeSpecError("--sampler coupled applies to --mode ar, ssd and one-chain spec; multi-draft trees "
+                            "draw their branches for rejection sampling (--drafts 1, or --sampler rejection)")
 
 
 def _describe(loop: type) -> str:

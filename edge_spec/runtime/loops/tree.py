@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.loops.config import TreeConfig
+from edge_spec.runtime.loops.config import TreeConfig, check_sampling
 from edge_spec.runtime.loops.request import Request
 from edge_spec.runtime.loops.stats import SpecStats
 from edge_spec.runtime.model.decoder import Decoder
@@ -48,9 +48,8 @@ def check_tree(target: Decoder, config: TreeConfig, params: SamplingParams | Non
     """Refuse what the tree loop cannot honour on this target, in one clear line (greedy decoding
     branches on the drafter's top-k, so the verifier's draft count matters only when sampling;
     ``params`` None: checked again per request)."""
-    if params is not None and params.coupled:
-        raise EdgeSpecError("--sampler coupled applies to --mode ar, ssd and one-chain spec; multi-draft trees "
-                            "draw their branches for rejection sampling (--drafts 1, or --sampler rejection)")
+    if params is not None:
+        check_sampling(config, params)
     if config.verifier == "spechub" and config.drafts != 2 and params is not None and not params.greedy:
         raise EdgeSpecError("SpecHub verifies exactly 2 drafts per step (--drafts 2)")
     if not target.supports_tree:
