@@ -165,3 +165,21 @@ def test_unlikely_tokens_win_the_race_as_rarely_as_their_probability():
         zero_prone = sum(int(np.argmax(probs / np.random.default_rng([8, t]).standard_exponential(
             vocab, dtype=np.float32))) not in (5, 77, 901) for t in range(1500))
     assert zero_prone >= 3  # the negative control: the flaw this guards against is real
+
+
+@pytest.mark.slow
+def test_coupled_speculative_answers_follow_the_targets_joint_law(engine):
+    """Across seeds, the first three tokens of coupled speculative decoding (drafts verified by matching) have
+    the joint law of target-only sampling (a temperature of 0.85 instead of 1 fails it at p ~ 1e-15); a coupled sampler that reused one seed for every
+    answer would give a single answer (the negative control: the law needs fresh noise per request)."""
+    from tests.helpers import chi_square_same_distribution, first_tokens
+
+    engine.target.min_rows = engine.pass_rows("spec")
+    ids = engine.tokenizer.encode("The quick")
+    target = first_tokens(engine, ids, SamplingParams(temperature=1.0), None, 1500)
+    coupled = [tuple(run(engine, ids, SamplingParams(temperature=1.0, sampler="coupled", seed=seed), 3, chain(2))[0])
+               for seed in range(10**6, 10**6 + 1500)]
+    assert chi_square_same_distribution(target, coupled) > 1e-3
+    same_seed = [tuple(run(engine, ids, SamplingParams(temperature=1.0, sampler="coupled", seed=7), 3, chain(2))[0])
+                 for _ in range(20)]
+    assert len(set(same_seed)) == 1 and len(set(coupled)) > 20
