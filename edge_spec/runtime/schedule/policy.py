@@ -159,8 +159,9 @@ class DraftRound:
     def add(self, confidence: float, may_drop: bool = True) -> tuple[bool, bool]:
         """Fold in draft ``kept + 1``, proposed with ``confidence``; return (keep it, draft another).
 
-        ``may_drop`` must be False when sampling: dropping a sampled draft because of its own value
-        would bias the output (the kept drafts would no longer be plain samples of q).  Stopping
+        ``may_drop`` must be False under rejection sampling: dropping a sampled draft because of its own
+        value would bias the output (the kept drafts would no longer be plain samples of q).  Greedy and
+        coupled drafts may be dropped: the token at each position is fixed whatever is verified.  Stopping
         *after* a draft, based on the drafts so far, is always safe: each position is still either
         verified against q or sampled from p directly.
         """
