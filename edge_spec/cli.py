@@ -458,6 +458,8 @@ def _stream(engine, prompt, **kwargs) -> str:
     line = f"[{stats.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, prefill {stats.prefill_seconds:.2f} s"
     if stats.spec is not None and stats.spec.tau:
         line += f", τ {stats.spec.tau:.2f}"
+    if stats.coupled_seed is not None:
+        line += f", seed {stats.coupled_seed}"  # a coupled answer is remade by its seed
     console.print(f"[dim]{line}, {stats.stop_reason}][/dim]")
     return "".join(chunks)
 

@@ -183,3 +183,15 @@ def test_coupled_speculative_answers_follow_the_targets_joint_law(engine):
     same_seed = [tuple(run(engine, ids, SamplingParams(temperature=1.0, sampler="coupled", seed=7), 3, chain(2))[0])
                  for _ in range(20)]
     assert len(set(same_seed)) == 1 and len(set(coupled)) > 20
+
+
+def test_an_unseeded_coupled_answer_reports_the_seed_that_remakes_it(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(3, adaptive=True))
+    first = engine.complete("The quick brown fox", max_new_tokens=20, temperature=0.9, sampler="coupled")
+    seed = first.stats.coupled_seed
+    assert seed is not None
+    again = engine.complete("The quick brown fox", max_new_tokens=20, temperature=0.9, sampler="coupled", seed=seed,
+                            mode="ar")
+    assert again.token_ids == first.token_ids and again.stats.coupled_seed == seed
+    plain = engine.complete("The quick brown fox", max_new_tokens=20, temperature=0.9)
+    assert plain.stats.coupled_seed is None  # rejection sampling has no such seed

@@ -72,6 +72,7 @@ class GenerationStats:
     stop_reason: str = ""
     mode: str = "ar"
     spec: SpecSummary | None = None  # what the speculative loop did (τ, acceptance, MBSU, ...); None in ar
+    coupled_seed: int | None = None  # a coupled sampled answer's seed (drawn when none was given): it remakes the answer
 
     @property
     def tokens_per_second(self) -> float:
@@ -525,7 +526,7 @@ class Engine:
         ids = self.prompt_ids(prompt)
         self.target.min_rows = self.pass_rows(mode) if self.exact_for(mode, exact, params.deterministic) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
-        stats = GenerationStats(prompt_tokens=len(ids), mode=mode)
+        stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
         self.last_stats = stats
         self.last_token_ids = []
         self._cancel.clear()

@@ -48,6 +48,7 @@ def edge_spec_stats(stats: GenerationStats, queue_seconds: float) -> dict:
         "tau": round(spec.tau, 4) if speculative else None,
         "target_calls": spec.target_calls if speculative else None,
         "draft_steps": spec.draft_steps if speculative else None,
+        "coupled_seed": stats.coupled_seed,  # with "sampler": "coupled", the seed that gives this answer again
     }
 
 
