@@ -47,7 +47,8 @@ TopPOpt = typer.Option(1.0, help="Nucleus sampling mass (1 = off).")
 SeedOpt = typer.Option(None, help="Random seed for sampling.")
 SamplerOpt = typer.Option("rejection", "--sampler", help="How sampled tokens are drawn: rejection (drafts pass by "
                           "rejection sampling) or coupled (each position's noise fixed by the seed: the same answer "
-                          "in every mode, equal to target-only decoding with that seed; drafts may pass a little less often).")
+                          "in every mode, equal to target-only decoding with that seed; drafts may pass a little "
+                          "less often).")
 DraftsOpt = typer.Option(None, "--drafts", help="spec: drafts per step; > 1 verifies a tree of that many branches, "
                          "each --gamma long, in one target pass (multi-draft; fixed γ).")
 VerifierOpt = typer.Option(None, "--verifier", help="Multi-draft sampling verifier: rrs, rrs-wor or spechub "

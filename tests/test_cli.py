@@ -294,8 +294,8 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
     from edge_spec import cli as cli_module
 
     class Engine:
-        last_stats = SimpleNamespace(new_tokens=3, tokens_per_second=1.0, prefill_seconds=0.1, spec=None, coupled_seed=None,
-                                     stop_reason="eos")
+        last_stats = SimpleNamespace(new_tokens=3, tokens_per_second=1.0, prefill_seconds=0.1, spec=None,
+                                     coupled_seed=None, stop_reason="eos")
 
         def generate(self, prompt, **kwargs):
             yield from ["x = arr[i]", " + d[bold]", " [/]"]

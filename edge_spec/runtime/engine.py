@@ -72,7 +72,7 @@ class GenerationStats:
     stop_reason: str = ""
     mode: str = "ar"
     spec: SpecSummary | None = None  # what the speculative loop did (τ, acceptance, MBSU, ...); None in ar
-    coupled_seed: int | None = None  # a coupled sampled answer's seed (drawn when none was given): it remakes the answer
+    coupled_seed: int | None = None  # a coupled sampled answer's seed (drawn if none was given): it remakes the answer
 
     @property
     def tokens_per_second(self) -> float:
