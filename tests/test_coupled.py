@@ -171,7 +171,8 @@ def test_unlikely_tokens_win_the_race_as_rarely_as_their_probability():
 def test_coupled_speculative_answers_follow_the_targets_joint_law(engine):
     """Across seeds, the first three tokens of coupled speculative decoding (drafts verified by matching) have
     the joint law of target-only sampling (a temperature of 0.85 instead of 1 fails it at p ~ 1e-15); a coupled
-    sampler that reused one seed for every answer would give a single answer (the negative control: the law needs fresh noise per request)."""
+    sampler that reused one seed for every answer would give a single answer (the negative control: the law
+    needs fresh noise per request)."""
     from tests.helpers import chi_square_same_distribution, first_tokens
 
     engine.target.min_rows = engine.pass_rows("spec")
