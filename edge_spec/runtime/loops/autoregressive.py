@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.verify.coupled import coupled_index
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
+from edge_spec.runtime.verify.coupled import draw_sampled
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, position: int) -> int:
@@ -17,9 +17,7 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     if params.greedy:
         return int(np.argmax(logits))
     probs = logits_to_probs(logits, params)
-    if params.coupled:
-        return coupled_index(probs, params.seed, position, probs.shape[-1])
-    return sample(probs, rng)
+    return draw_sampled(probs, params, rng, position, probs.shape[-1])
 
 
 def generate_autoregressive(

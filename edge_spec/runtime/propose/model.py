@@ -14,8 +14,8 @@ import numpy as np
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule
 from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
-from edge_spec.runtime.verify.coupled import coupled_index
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
+from edge_spec.runtime.verify.coupled import draw_sampled
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, scatter_probs
 
 STEP_SMOOTHING = 0.2  # weight of the newest single-token step in the drafter's step estimate
 
@@ -196,9 +196,7 @@ def draw_index(probs: np.ndarray, logits: np.ndarray, ids: np.ndarray | None, pa
     (the only case that needs ``rng``)."""
     if params.greedy:
         return int(np.argmax(logits))
-    if params.coupled:
-        return coupled_index(probs, params.seed, position, vocab_size, ids)
-    return sample(probs, rng)
+    return draw_sampled(probs, params, rng, position, vocab_size, ids)
 
 
 def top_tokens(probs: np.ndarray, ids: np.ndarray | None, n: int) -> list[tuple[int, float]]:

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
 
 # A round reads the noise of the positions it drafts, and its verify pass the same positions again.
 _NOISE_CACHE = 24
@@ -47,6 +47,16 @@ def coupled_index(probs: np.ndarray, seed: int, position: int, vocab_size: int,
     ``ids`` (None: the full vocabulary in order).  Rows with no mass can never win."""
     noise = position_noise(seed, position, vocab_size)
     return int(np.argmax(probs / (noise if ids is None else noise[ids])))
+
+
+def draw_sampled(probs: np.ndarray, params: SamplingParams, rng: np.random.Generator | None, position: int,
+                 vocab_size: int, ids: np.ndarray | None = None) -> int:
+    """The row a sampled token takes at sequence index ``position``: the coupled race, or a draw from
+    ``probs`` with ``rng`` (rejection sampling, the only case that needs it).  One rule for the target's
+    tokens and the drafter's drafts, which must race alike."""
+    if params.coupled:
+        return coupled_index(probs, params.seed, position, vocab_size, ids)
+    return sample(probs, rng)
 
 
 def verify_coupled(draft_tokens: Sequence[int], target_logits: np.ndarray, params: SamplingParams,
