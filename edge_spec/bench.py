@@ -154,7 +154,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
             fastest: dict[str, dict] = {}
             for _ in range(repeats):
                 for mode in modes:
-                    if mode.name == "ar-exact" and temperature > 0 and sampler != "coupled":
+                    if mode.name == "ar-exact" and not _deterministic(temperature, sampler):
                         continue  # only greedy and coupled answers are compared token for token
                     runner = baseline if baseline is not None and mode.name == "ar" else engine
                     record = _run_mode(runner, mode, messages, references, max_new_tokens=max_new_tokens,
@@ -191,7 +191,7 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
     started = time.perf_counter()
     completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                  sampler=sampler, mode=loop, exact=mode.exact)
-    exact = engine.exact_for(loop, mode.exact, deterministic=temperature == 0 or sampler == "coupled")
+    exact = engine.exact_for(loop, mode.exact, deterministic=_deterministic(temperature, sampler))
     stats = completion.stats
     record = {"temperature": temperature, "sampler": sampler, "mode": mode.name, "new_tokens": stats.new_tokens,
               "decode_seconds": stats.decode_seconds, "wall_seconds": time.perf_counter() - started,
@@ -214,9 +214,10 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
     return record
 
 
-def _deterministic(record: dict) -> bool:
-    """Whether a record's answer is fixed by its prompt and seed: greedy, or coupled sampling."""
-    return record["temperature"] == 0 or record.get("sampler") == "coupled"
+def _deterministic(temperature: float, sampler: str) -> bool:
+    """Whether an answer is fixed by its prompt and seed (``SamplingParams.deterministic``): greedy, or
+    coupled sampling."""
+    return temperature == 0 or sampler == "coupled"
 
 
 def _pass_log(decoder) -> dict[int, tuple[int, float]]:
@@ -301,7 +302,7 @@ def summarize(records: list[dict]) -> list[dict]:
             emitted = sum(r["tau"] * r["target_calls"] for r in rows)
             tau = emitted / calls if calls else 0.0
             gamma = sum(r["mean_gamma"] * r["target_calls"] for r in rows) / calls if calls else 0.0
-            compared = all(_deterministic(r) for r in rows)  # answers that must equal target-only decoding
+            compared = all(_deterministic(r["temperature"], r.get("sampler", "rejection")) for r in rows)
             c = rows[0]["param_ratio"]
             steps = sum(r["draft_steps"] for r in rows)
             row["head_ms_per_step"] = 1e3 * sum(r["head_seconds"] for r in rows) / steps if steps else 0.0

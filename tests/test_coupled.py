@@ -8,6 +8,7 @@ import pytest
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import SsdConfig, TreeConfig
+from edge_spec.runtime.propose.model import ChainDrafter
 from edge_spec.runtime.verify.chain import verify_chain
 from edge_spec.runtime.verify.coupled import coupled_index, position_noise, verify_coupled
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs
@@ -120,22 +121,20 @@ def test_multi_draft_tree_refuses_coupled_sampling_in_one_line(int4_bundle):
         engine.complete("The quick", max_new_tokens=5, temperature=0.8, sampler="coupled")
 
 
-class _FixedDrafter:
+class _FixedDrafter(ChainDrafter):
     """A drafter whose head gives the same logits at every step (what ChainDrafter.propose draws from)."""
 
+    name = "fixed"
+
     def __init__(self, logits: np.ndarray) -> None:
-        from edge_spec.runtime.propose.model import ChainDrafter
+        super().__init__(logits.size)
+        self.logits = logits
 
-        class Drafter(ChainDrafter):
-            name = "fixed"
+    def start(self, committed):
+        return self.logits, None, 1
 
-            def start(self, committed):
-                return logits, None, 1
-
-            def step(self, token):
-                return logits, None
-
-        self.drafter = Drafter(logits.size)
+    def step(self, token):
+        return self.logits, None
 
 
 def test_drafter_races_with_the_noise_of_the_position_it_drafts():
@@ -144,7 +143,7 @@ def test_drafter_races_with_the_noise_of_the_position_it_drafts():
     from edge_spec.runtime.propose.base import DraftRule
 
     logits = np.random.default_rng(2).normal(size=64).astype(np.float32)
-    drafter = _FixedDrafter(logits).drafter
+    drafter = _FixedDrafter(logits)
     committed = list(range(9))
     block = drafter.propose(committed, 5, DraftRule(COUPLED, np.random.default_rng(0), 5))
     probs = logits_to_probs(logits, COUPLED)
