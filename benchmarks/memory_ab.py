@@ -1,0 +1,115 @@
+"""Decode speed with one of the runtime's memory settings on against off, each side in processes of its own.
+
+``--switch huge-pages``: the models on 2 MiB pages against 4 KiB pages (``runtime/model/huge_pages.py``,
+``EDGE_SPEC_HUGE_PAGES``).  ``--switch heap``: freed row-sized arrays kept in the heap against glibc's
+defaults (``runtime/model/heap.py``, ``EDGE_SPEC_KEEP_HEAP``).  Both are fixed when a process allocates,
+so the two sides cannot share a process: each run is a fresh child process with the switch at ``1`` or
+``0``, the two kinds alternating, so that drift on a shared machine falls on both alike.  A child loads
+the bundle, waits for the huge-page promotion, answers the prompts in target-only ``ar`` (an engine
+loaded for it alone) and in the default speculative mode, and reports decode tokens/s; the answers must
+be identical across all runs (the settings change nothing else; sampled answers are drawn by coupled
+sampling with fixed seeds, so they must be identical too).
+
+    python benchmarks/memory_ab.py [--switch huge-pages|heap] [--bundle B] [--runs 4] [--per-category 2]
+        [--max-tokens 64] [--temperature 0.7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SWITCHES = {"huge-pages": "EDGE_SPEC_HUGE_PAGES", "heap": "EDGE_SPEC_KEEP_HEAP"}
+
+
+def child(args: argparse.Namespace) -> None:
+    from edge_spec.bench import load_bench_prompts
+    from edge_spec.prompts import as_messages
+    from edge_spec.runtime.engine import Engine
+    from edge_spec.runtime.model import huge_pages
+
+    engines = {"ar": Engine.from_bundle(args.bundle, threads=args.threads, mode="ar"),
+               "spec": Engine.from_bundle(args.bundle, threads=args.threads, mode="spec")}  # the CLI default
+    for engine in engines.values():
+        engine.complete("warm up", max_new_tokens=4)
+    moved = huge_pages.wait_all()
+    items = load_bench_prompts(None, None, args.per_category)
+    result = {"collapsed_mib": moved.collapsed >> 20, "advised_mib": moved.advised >> 20, "answers": {},
+              "tokens_per_second": {}, "rss_mib": 0}
+    sampling = {"temperature": args.temperature, "sampler": "coupled"} if args.temperature > 0 else {}
+    for name, engine in engines.items():
+        tokens, seconds, answers = 0, 0.0, []
+        for index, item in enumerate(items):
+            seed = {"seed": index} if sampling else {}
+            completion = engine.complete(as_messages(item["prompt"]), max_new_tokens=args.max_tokens, **sampling, **seed)
+            tokens += completion.stats.new_tokens
+            seconds += completion.stats.decode_seconds
+            answers.append(completion.token_ids)
+        result["tokens_per_second"][name] = tokens / seconds
+        result["answers"][name] = answers
+    result["rss_mib"] = _resident_mib()
+    print(json.dumps(result))
+
+
+def _resident_mib() -> int:
+    """The child's peak resident memory (MiB), so that a setting's memory price shows beside its speed."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) >> 10
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--switch", choices=sorted(SWITCHES), default="huge-pages")
+    parser.add_argument("--bundle", type=Path, default=None)
+    parser.add_argument("--runs", type=int, default=4, help="runs of each kind, alternating")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: coupled sampling, prompt i seeded i")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bundle is None:
+        from edge_spec.paths import DEFAULT_BUNDLE
+        args.bundle = DEFAULT_BUNDLE
+    if args.child:
+        child(args)
+        return
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    command = [sys.executable, __file__, "--child", "--bundle", str(args.bundle), "--per-category",
+               str(args.per_category), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
+               "--temperature", str(args.temperature)]
+    for index in range(2 * args.runs):
+        kind = ("on", "off")[index % 2] if index // 2 % 2 == 0 else ("off", "on")[index % 2]
+        env = dict(os.environ, **{SWITCHES[args.switch]: "1" if kind == "on" else "0"})
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        run = json.loads(out.strip().splitlines()[-1])
+        runs[kind].append(run)
+        print(f"run {index + 1} ({args.switch} {kind}, {run['collapsed_mib']} of {run['advised_mib']} MiB collapsed, "
+              f"peak RSS {run['rss_mib']} MiB): "
+              + ", ".join(f"{name} {tps:.1f} tok/s" for name, tps in run["tokens_per_second"].items()), flush=True)
+    reference = runs["off"][0]["answers"]
+    same = all(run["answers"] == reference for kind in runs.values() for run in kind)
+    for name in ("ar", "spec"):
+        on = statistics.median(r["tokens_per_second"][name] for r in runs["on"])
+        off = statistics.median(r["tokens_per_second"][name] for r in runs["off"])
+        paired = [a["tokens_per_second"][name] / b["tokens_per_second"][name] for a, b in zip(runs["on"], runs["off"])]
+        print(f"{name}: {args.switch} on {on:.1f} tok/s, off {off:.1f} tok/s (medians): {on / off:.3f}x; "
+              f"per back-to-back pair: median {statistics.median(paired):.3f}x, {min(paired):.3f}-{max(paired):.3f}x")
+    print(f"peak RSS (medians): on {statistics.median(r['rss_mib'] for r in runs['on'])} MiB, "
+          f"off {statistics.median(r['rss_mib'] for r in runs['off'])} MiB")
+    print(f"answers identical in every run: {same}")
+
+
+if __name__ == "__main__":
+    main()
