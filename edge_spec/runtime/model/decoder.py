@@ -50,7 +50,6 @@ import onnxruntime as ort
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.draft_tree import DraftTree
-from edge_spec.runtime.model.heap import keep_heap
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
 from edge_spec.runtime.model.providers import open_session
@@ -153,7 +152,6 @@ class Decoder:
         self.model_path = model_path
         if not model_path.is_file():
             raise EdgeSpecError(f"model file not found: {model_path}")
-        keep_heap()  # a round's row-sized arrays reuse freed pages (model/heap.py)
         self.huge_pages = HugePagePromotion()  # what the session and the cache allocate goes to 2 MiB pages
         opts = session_options or ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

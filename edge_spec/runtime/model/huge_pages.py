@@ -15,7 +15,7 @@ before they time anything.  The contents never change, only the pages under them
 
 Elsewhere (macOS, Windows, no ``/proc``), where the system's THP mode is "never", or with
 ``EDGE_SPEC_HUGE_PAGES=0``, nothing happens.  What it is worth is measured in the README (*The schedule
-follows the machine*, with ``benchmarks/memory_ab.py``).
+follows the machine*, with ``benchmarks/huge_pages_ab.py``).
 """
 
 from __future__ import annotations
