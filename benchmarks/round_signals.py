@@ -425,10 +425,11 @@ def load_signals(paths: list[Path]) -> dict[str, np.ndarray]:
 
 
 def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one_row: bool = False,
-            gamma_max: int = ChainConfig.gamma) -> None:
+            gamma_max: int = ChainConfig.gamma, warm_up: list[Path] = (), warm_up_category: str | None = None) -> None:
     data = load_signals(paths)
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     prices.min_rows = 1 if one_row else 2
+    start = {lookup: warmed_calibration(warm_up, warm_up_category, prices, lookup, gamma_max) for lookup in (False, True)}
     print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
           f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
           f"outside ORT per round {1e3 * prices.outside:.2f}")
@@ -459,8 +460,10 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
     policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g) for g in fixed}
     policies.update({
         "fixed γ=1 + lookup": with_lookup,
-        "adaptive (runtime schedule)": adaptive_policy(data, prices, lookup=False, gamma_max=gamma_max),
-        "adaptive + lookup (runtime default)": adaptive_policy(data, prices, lookup=True, gamma_max=gamma_max),
+        "adaptive (runtime schedule)": adaptive_policy(data, prices, lookup=False, gamma_max=gamma_max,
+                                                       calibration=start[False]),
+        "adaptive + lookup (runtime default)": adaptive_policy(data, prices, lookup=True, gamma_max=gamma_max,
+                                                               calibration=start[True]),
         "skip when target top-p < 0.3": skip_unsure,
         "lookup (γ=2) only on 4-token matches": long_lookup,
         "prescient: skip when drafter conf < 0.4": lambda i, state: ("guess", 1) if data["draft_conf"][i] < 0.4
@@ -490,6 +493,24 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
         overall = _rate(results[name], mixed) / max(_rate(results[f], mixed) for f in fixed)
         print(f"{name}: {overall:.3f}x the best single fixed γ overall; worst category {worst[1]} "
               f"{worst[0]:.3f}x its best fixed γ")
+
+
+def warmed_calibration(paths: list[Path], category: str | None, prices: Prices, lookup: bool,
+                       gamma_max: int) -> AcceptanceCalibration | None:
+    """The calibration the schedule carries out of replaying ``paths`` (only their ``category`` answers,
+    if given): the state a user's earlier requests leave, which the engine keeps across requests and
+    processes.  None without ``paths`` (a fresh calibration)."""
+    if not paths:
+        return None
+    warm = load_signals(paths)
+    if category is not None:
+        keep = warm["category"] == category
+        if not keep.any():
+            raise SystemExit(f"--warm-up-category {category!r}: no such answers in the warm-up files")
+        warm = {name: values[keep] for name, values in warm.items()}
+    calibration = AcceptanceCalibration()
+    replay(warm, prices, adaptive_policy(warm, prices, lookup, gamma_max, calibration))
+    return calibration
 
 
 def signal_value(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> None:
@@ -554,6 +575,9 @@ def main() -> None:
                     "(default: the runtime's ceiling)")
     ap.add_argument("--one-row", action="store_true", help="with --analyze: price one-row passes as exact (no pad "
                     "row: a draft-less round is one row unless its guess pays for a second)")
+    ap.add_argument("--warm-up", type=Path, nargs="+", default=[], metavar="FILE", help="with --analyze: replay "
+                    "these signals files first, so that the schedule starts from the calibration they leave")
+    ap.add_argument("--warm-up-category", help="with --warm-up: only this category's answers (e.g. translation)")
     ap.add_argument("--fit-on", type=Path, metavar="FILE", help="with --analyze: fit a model of acceptance on "
                     "every signal on this signals file and score it on the analyzed one (see signal_value)")
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
@@ -564,7 +588,8 @@ def main() -> None:
     elif args.analyze and args.fit_on:
         signal_value(dict(np.load(args.fit_on)), load_signals(args.analyze))
     elif args.analyze:
-        analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max)
+        analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max, args.warm_up,
+                args.warm_up_category)
     else:
         collect(args)
 

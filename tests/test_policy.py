@@ -114,6 +114,33 @@ def test_confident_drafts_extend_a_round_past_a_pessimistic_plan():
     assert [keep for keep, _ in steps] == [True] * 4 and [more for _, more in steps] == [True] * 3 + [False]
 
 
+def test_a_request_whose_streaks_hold_escapes_a_calibration_whose_streaks_broke():
+    """The trap: a calibration carried from translation (confident first drafts accepted, the drafts
+    after them rejected) plans a request one draft a round, and one-draft rounds never teach the table of
+    later drafts.  The request's own first-draft average is the floor of a later draft's estimate, as when
+    the round is planned, so a request whose first drafts keep being accepted goes on drafting."""
+    calibration = AcceptanceCalibration()
+    for _ in range(300):
+        calibration.record([0.999, 0.999], 1)  # streaks break after one draft
+    assert calibration.next_after(0.999) < 0.2
+    policy = AdaptiveGamma(gamma_max=8, estimates=RequestAcceptance(calibration))
+    lengths = []
+    for _ in range(40):  # this request: every first draft accepted, one draft a round while the trap holds
+        rule = policy.begin_round(MEMORY_BOUND)
+        drafted = 0
+        while True:
+            keep, more = rule.add(0.999)
+            drafted += keep
+            if not (keep and more):
+                break
+        lengths.append(drafted)
+        policy.update(drafted, accepted=drafted, confidences=[0.999] * drafted)
+    assert lengths[0] == 1  # the carried calibration's word, until the request's own outcomes outweigh it
+    assert max(lengths[-10:]) >= 3
+    # the negative control: the table alone (no floor) would keep every round at one draft
+    assert policy.estimates.agreement.scale(calibration.next_after(0.999)) < policy.estimates.next_after(0.999)
+
+
 def test_a_draft_that_does_not_pay_for_its_row_is_dropped_when_greedy_only():
     rule = DraftRound(CPU, gamma_max=4, rate=plan_round(0.8, 0.8, CPU, 4).rate, estimates=estimates(0.8))
     assert rule.add(0.01) == (False, False)  # prior acceptance ≈ its confidence: not worth 12 ms of verify

@@ -247,7 +247,12 @@ class RequestAcceptance:
         return self.agreement.scale(self.calibration.acceptance(confidence))
 
     def next_after(self, confidence: float) -> float:
-        return self.agreement.scale(self.calibration.next_after(confidence))
+        """A draft after an accepted draft of this confidence, in this request: at least what its first
+        drafts do, as :meth:`later_draft` assumes when the round is planned.  Without that floor, a
+        calibration carried from requests whose streaks broke early (translation) keeps a request whose
+        streaks do not (code, at T > 0 too) at one draft a round, and one-draft rounds never teach the
+        table of later drafts otherwise."""
+        return max(self.agreement.scale(self.calibration.next_after(confidence)), self.first)
 
     def later_draft(self) -> float:
         """A draft after an accepted draft whose confidence is not known yet (planning a round)."""
