@@ -242,6 +242,8 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
          head: Optional[str] = HeadOpt,
          providers: bool = typer.Option(False, "--providers", help="List the execution providers: present in "
                                         "this onnxruntime build, and whether a session on each one runs."),
+         provider: str = ProviderOpt,
+         draft_provider: Optional[str] = DraftProviderOpt,
          provider_option: list[str] = ProviderOptionOpt) -> None:
     """Show what a bundle holds (after checking its files as `generate` does), the execution providers,
     or this machine's costs."""
@@ -277,25 +279,24 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
                   f"{e.get('draft_vocab_size')}, {e['bytes'] / (1 << 20):.0f} MiB; heads: {heads}, default "
                   f"{e.get('default_head', 'full')}{layout}")
     if costs:
-        _check_threads(threads)
-        _print_costs(bundle, threads, gamma, head)
+        _print_costs(bundle, threads, gamma, head, provider, draft_provider, provider_option)
 
 
-def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None) -> None:
-    """The row-cost curve the schedule plans with, and what it makes of it."""
-    from edge_spec.runtime.engine import Engine
+def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None, provider: str = "cpu",
+                 draft_provider: str | None = None, provider_option: list[str] | None = None) -> None:
+    """The row-cost curve the schedule plans with, and what it makes of it (on the placement given:
+    a GPU's curve is nearly flat, and the plan drafts longer there)."""
     from edge_spec.runtime.schedule.policy import REACH_ACCEPTANCE, REACH_FLOOR, CostModel, plan_round, reach
 
     config = _loop_config("spec", gamma=gamma)
-    _check_gamma(bundle, config)
     gamma = config.gamma
-    with _loading_status():
-        engine = Engine.from_bundle(bundle, threads=threads, config=config, draft_head=head)
+    engine = _load_engine(bundle, provider, threads, config, head, draft_provider, provider_option=provider_option)
     profile = engine.cost_profile
     state = "cached" if profile.cached else f"measured now in {profile.measured_seconds:.1f} s"
     if profile.corrections:
         state += f", corrected {profile.corrections}x from live passes (it was taken under load)"
-    out.print(f"costs  {threads or 'all'} threads, head {engine.draft_head} ({state}):")
+    placement = provider if (draft_provider or provider) == provider else f"{provider}, drafter on {draft_provider}"
+    out.print(f"costs  {placement}, {threads or 'all'} threads, head {engine.draft_head} ({state}):")
     base = profile.verify[1]
     for n, seconds in sorted(profile.verify.items()):
         out.print(f"  target pass, {n} new token{'s' if n > 1 else ' '}: {1e3 * seconds:7.1f} ms  "

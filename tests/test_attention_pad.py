@@ -16,7 +16,8 @@ from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_mod
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.model.row_invariance import one_row_passes_match
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
 from tests import tiny_models
 
 CAPACITY = 48
@@ -185,3 +186,42 @@ def _source(model: onnx.ModelProto, padded: str) -> str:
     """The tensor a pad Concat appended a row to."""
     concat = next(n for n in model.graph.node if n.output[0] == padded)
     return concat.input[0]
+
+
+class PassSizeDependent(PerturbedOneRow):
+    """A decoder whose rows round differently in passes of three tokens, as a GPU EP's kernels were found
+    to (the negative control of the padded-pass check)."""
+
+    def forward(self, ids, num_logits: int = 1, **kw):
+        out = self.inner.forward(ids, num_logits, **kw)
+        return dict(out, logits=np.nextafter(out["logits"], np.inf)) if len(ids) == 3 else out
+
+
+def test_the_padded_pass_check_passes_on_the_cpu_and_catches_a_pass_size_dependence(graphs):
+    padded = Decoder(graphs["padded"], threads=1, capacity=CAPACITY)
+    assert padded_passes_match(padded, 2)  # the CPU EP's passes of two rows and more are batch-invariant
+    assert padded.min_rows == 1 and padded.length == 0  # restored, and the cache left empty
+    assert not padded_passes_match(PassSizeDependent(padded), 2)
+
+
+def test_where_padded_passes_differ_exact_is_refused_and_greedy_runs_unpadded(int4_bundle, monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
+    monkeypatch.setattr("edge_spec.runtime.engine.padded_passes_match", lambda decoder, rows: False)
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    engine.complete("def f", max_new_tokens=8)
+    assert engine.target.min_rows == 1  # a pad would buy nothing here, only cost
+    for mode in ("ar", "spec"):
+        with pytest.raises(EdgeSpecError, match="exact decoding is not available on cpu here"):
+            engine.complete("def f", max_new_tokens=8, mode=mode, exact=True)
+
+
+def test_the_engine_checks_padded_passes_once_per_device(int4_bundle, monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr("edge_spec.runtime.engine.padded_passes_match",
+                        lambda decoder, rows: calls.append(rows) or True)
+    for _ in range(2):
+        engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+        reference = engine.complete("def f", max_new_tokens=12, mode="ar", exact=True).token_ids
+        assert engine.complete("def f", max_new_tokens=12).token_ids == reference
+    assert calls == [engine.exact_rows()]

@@ -10,6 +10,9 @@ result however the sequence is cut, which ``test_webgpu_passes_are_batch_invaria
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -78,6 +81,17 @@ def test_keep_path_on_device_moves_exactly_the_kept_slots(int4_bundle):
         new = value.numpy()
         np.testing.assert_array_equal(new[:, :, start + 1:start + 3], old[:, :, [start + 3, start + 4]])
         np.testing.assert_array_equal(new[:, :, :start + 1], old[:, :, :start + 1])
+
+
+def test_a_decoder_can_be_dropped_when_it_holds_the_last_session(int4_bundle):
+    """Its cache buffers must go before its session: freed after the device's last session closed, they
+    crashed the process (a segfault, so the check runs in a child process)."""
+    code = ("import sys; from edge_spec.runtime.model.decoder import Decoder\n"
+            "d = Decoder(sys.argv[1], provider='webgpu', capacity=32); d.forward([5, 17, 42], 1)\n"
+            "del d; print('dropped')")
+    done = subprocess.run([sys.executable, "-c", code, str(_target(int4_bundle))], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "dropped" in done.stdout, done.stderr[-500:]
 
 
 def test_rewind_on_device_equals_a_fresh_forward(int4_bundle):

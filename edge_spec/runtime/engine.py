@@ -24,7 +24,7 @@ from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.providers import exact_min_rows
-from edge_spec.runtime.model.row_invariance import one_row_passes_match
+from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
 from edge_spec.runtime.model.session import numpy_on_one_thread, small_session
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.propose.context import ProposerContext
@@ -118,6 +118,7 @@ class Engine:
         self.eagle_head = self._check_eagle_head(eagle_head)
         self.cost_profile: CostProfile | None = None
         self._one_row_exact: bool | None = None  # see exact_rows
+        self._padded_exact: bool | None = None  # see exact_available
         self._profile_key = ""
         self._cancel = threading.Event()
         self._turn = threading.Condition()  # who holds the engine: one thread, possibly several times
@@ -226,6 +227,18 @@ class Engine:
             self._one_row_exact = self.target.pads_attention and cost_profile.remembered(
                 key, lambda: one_row_passes_match(self.target))
         return 1 if self._one_row_exact else exact_min_rows(self._provider)
+
+    def exact_available(self) -> bool:
+        """Whether target passes padded to :meth:`exact_rows` give every row the same logits whatever pass
+        carries it, here (checked once per device and cached: ``row_invariance.padded_passes_match``).
+        Where they do not, no pad makes greedy speculative output bit-identical to target-only decoding:
+        exact mode is refused and the default runs unpadded, as fast as it can."""
+        if self._padded_exact is None:
+            rows = self.exact_rows()
+            placement, threads = self._placement()
+            key = cost_profile.target_key(self.manifest, f"{placement}#padded-to-{rows}", threads)
+            self._padded_exact = cost_profile.remembered(key, lambda: padded_passes_match(self.target, rows))
+        return self._padded_exact
 
     def pass_rows(self, mode: str) -> int:
         """The fewest rows of an exact target pass in ``mode``: what exactness needs here
@@ -430,11 +443,15 @@ class Engine:
         rejection-sampled answer already depends on the draft lengths through which random draws the
         verifier makes, so the pad row would buy no reproducibility, only cost: a draft-less round is
         then the one-row pass plain decoding runs."""
-        if exact is not None:
-            return exact
-        if self.exact is not None:
-            return self.exact
-        return mode != "ar" and deterministic
+        wanted = exact if exact is not None else self.exact
+        if wanted is None:
+            return mode != "ar" and deterministic and self.exact_available()
+        if wanted and not self.exact_available():
+            raise EdgeSpecError(f"exact decoding is not available on {self._provider} here: its kernels give a "
+                                "token's logits that depend on how many tokens share the pass (checked at the first "
+                                "request), so no padding makes passes batch-invariant; greedy output matches "
+                                "target-only decoding up to that rounding (--provider cpu is exact)")
+        return wanted
 
     def config_for(self, mode: str | None) -> LoopConfig:
         """The engine's configuration, or for another ``mode`` that mode's defaults."""

@@ -194,6 +194,13 @@ class Decoder:
         self.kv.bind(self._binding, self.num_layers)
         self.huge_pages.start()
 
+    def __del__(self) -> None:
+        """Free the cache's device buffers (and the binding that holds them) before the session: on WebGPU a
+        buffer freed after its device's last session closed crashes the process, and attribute order would
+        drop the session first."""
+        self.__dict__.pop("_binding", None)
+        self.__dict__.pop("kv", None)
+
     def forward(self, token_ids, num_logits: int = 1, tree: DraftTree | None = None,
                 prefill: bool = False, inputs: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Append ``token_ids`` to the cache and return outputs for the last ``num_logits`` positions.

@@ -46,6 +46,39 @@ def one_row_passes_match(decoder: Decoder, lengths: tuple[int, ...] = PROBE_LENG
         decoder.min_rows = saved
 
 
+VERIFY_PASSES = (2, 3, 5, 9, 4, 7)  # verify passes of rounds of 1..8 drafts, each starting where the last ended
+
+
+def padded_passes_match(decoder: Decoder, rows: int, lengths: tuple[int, ...] = PROBE_LENGTHS[:1],
+                        sizes: tuple[int, ...] = VERIFY_PASSES) -> bool:
+    """Decode ``sum(sizes)`` seeded tokens after a cache of each length, one per pass and then in passes of
+    ``sizes`` (unaligned: each starts where the last ended), every pass padded to ``rows``; True when every
+    row's logits are equal bit for bit, the premise of exact greedy speculative decoding.
+
+    Why checked and not assumed: on WebGPU over a real GPU (an H200, real-sized layers), a row's logits
+    were found to depend on the pass that carried it whatever the pad, so speculative greedy output
+    drifted from ``ar --exact``; the CPU EP and WebGPU over a software driver passed."""
+    saved = decoder.min_rows
+    rng = np.random.default_rng(1)
+    vocab = max(min(decoder.vocab_size, 32000), 2)
+    tokens = sum(sizes)
+    try:
+        decoder.min_rows = rows
+        for length in lengths:
+            length = max(min(length, decoder.capacity - tokens - rows - 1), 1)
+            ids = [int(t) for t in rng.integers(0, vocab, length + tokens)]
+            decoder.reset()
+            decoder.forward(ids[:length])
+            one_by_one = _by_passes(decoder, ids[length:], [1] * tokens)
+            decoder.rewind(length)
+            if not np.array_equal(_by_passes(decoder, ids[length:], list(sizes)), one_by_one):
+                return False
+        return True
+    finally:
+        decoder.reset()
+        decoder.min_rows = saved
+
+
 def _small_passes(tokens: int) -> list[int]:
     """Pass sizes of two and three rows covering ``tokens`` (a one-row pass for an odd remainder)."""
     sizes, left = [], tokens

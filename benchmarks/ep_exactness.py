@@ -1,0 +1,119 @@
+"""On one execution provider and bundle: which target pass sizes give each row the same logits bit for bit
+(the row classes its kernels make), and whether greedy speculative decoding then equals exact target-only
+decoding at short and long drafts.
+
+Why: exact greedy speculative decoding pads every target pass to ``providers.exact_min_rows`` rows and
+assumes that every pass of at least that many rows computes each row the same way.  That was measured on
+the CPU EP and on WebGPU over a software Vulkan driver; a real GPU's kernels may switch paths at other row
+counts (tiles of 8 or 16 rows, say), and a long draft would then verify in another class than the pass
+the reference decoded with.  This finds out where a GPU is at hand.
+
+    python benchmarks/ep_exactness.py BUNDLE --provider webgpu [--tokens 48] [--answer-tokens 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from edge_spec.manifest import read_manifest
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.loops.config import ChainConfig
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.providers import EXACT_MIN_ROWS, exact_min_rows
+
+SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 24, 32)
+PROMPTS = ["Write a Python function that checks whether a number is prime.",
+           "Repeat after me: one two three four five six seven eight nine ten."]
+
+
+def logits_by_pass_size(decoder: Decoder, sizes: tuple[int, ...], tokens: int, context: int = 40,
+                        pad_to: int = 1) -> dict[int, np.ndarray]:
+    """Each row's logits when ``tokens`` seeded tokens after a ``context``-token prefill are decoded in
+    passes of each size, padded to ``pad_to`` rows as exact passes are (the rows a size cannot cover
+    whole are left out)."""
+    rng = np.random.default_rng(0)
+    vocab = min(decoder.vocab_size, 32000)
+    ids = [int(t) for t in rng.integers(0, vocab, context + tokens)]
+    decoder.min_rows = pad_to
+    out = {}
+    for size in sizes:
+        decoder.reset()
+        decoder.forward(ids[:context], 1)
+        out[size] = np.concatenate([decoder.forward(ids[at:at + size], size)["logits"]
+                                    for at in range(context, context + tokens - size + 1, size)])
+    return out
+
+
+def row_classes(results: dict[int, np.ndarray]) -> list[list[int]]:
+    """Pass sizes grouped so that sizes in one group give every row they share the same logits bit for bit."""
+    classes: list[list[int]] = []
+    for size, rows in results.items():
+        for group in classes:
+            first = results[group[0]]
+            n = min(len(rows), len(first))
+            if np.array_equal(rows[:n], first[:n]):
+                group.append(size)
+                break
+        else:
+            classes.append([size])
+    return classes
+
+
+def greedy_equality(engine: Engine, answer_tokens: int, longest: int = 15) -> list[tuple[str, str, bool, float]]:
+    """(prompt, schedule, equal to exact target-only, tokens per target pass) per prompt and schedule."""
+    schedules = [(f"γ={g}", ChainConfig(gamma=g, adaptive=False)) for g in sorted({1, min(4, longest), longest})]
+    schedules.append(("adaptive", ChainConfig(gamma=min(longest, ChainConfig().gamma))))
+    out = []
+    for prompt in PROMPTS:
+        reference = engine.complete(prompt, max_new_tokens=answer_tokens, mode="ar", exact=True).token_ids
+        for label, config in schedules:
+            engine.config = config
+            done = engine.complete(prompt, max_new_tokens=answer_tokens, mode="spec")
+            out.append((prompt[:24], label, done.token_ids == reference, done.stats.spec.tau))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bundle", type=Path)
+    parser.add_argument("--provider", default="webgpu")
+    parser.add_argument("--tokens", type=int, default=48, help="rows decoded per pass size")
+    parser.add_argument("--answer-tokens", type=int, default=40, help="0: row classes only")
+    parser.add_argument("--sizes", type=int, nargs="*", help=f"pass sizes to compare (default: {SIZES})")
+    parser.add_argument("--pad", type=int, default=0, help="pad exact passes to this many rows instead of the "
+                        "provider's minimum (the greedy check then drafts at most pad - 1)")
+    args = parser.parse_args()
+    manifest = read_manifest(args.bundle)
+    reference_rows = exact_min_rows(args.provider)
+    decoder = Decoder(args.bundle / manifest["target"]["onnx"], provider=args.provider, capacity=256)
+    if args.pad:  # what exact passes would be with this pad instead (longer passes are not padded)
+        EXACT_MIN_ROWS[args.provider] = reference_rows = args.pad
+    sizes = tuple(args.sizes or SIZES)
+    results = logits_by_pass_size(decoder, sizes, args.tokens, pad_to=reference_rows)
+    again = logits_by_pass_size(decoder, (reference_rows,), args.tokens, pad_to=reference_rows)[reference_rows]
+    del decoder
+    repeat = "the same" if np.array_equal(again, results.get(reference_rows, again)) else "NOT the same"
+    print(f"row classes on {args.provider}, passes padded to {reference_rows} rows (sizes whose rows agree bit "
+          f"for bit; a repeat of the "
+          f"{reference_rows}-row passes gave {repeat} logits):")
+    reference = results.get(reference_rows)
+    for group in row_classes(results):
+        rows = results[group[0]]
+        n = min(len(rows), len(reference)) if reference is not None else 0
+        apart = f"up to {np.max(np.abs(rows[:n] - reference[:n])):.3g} from {reference_rows}-row passes" if n else ""
+        print(f"  {{{', '.join(map(str, group))}}} {apart}", flush=True)
+    if args.answer_tokens <= 0:
+        return
+    engine = Engine.from_bundle(args.bundle, provider=args.provider, mode="spec")
+    print(f"greedy spec against ar --exact on {args.provider} (exact passes: {engine.exact_rows()} rows at least):")
+    longest = args.pad - 1 if args.pad else 15
+    for prompt, label, equal, per_round in greedy_equality(engine, args.answer_tokens, longest):
+        print(f"  {prompt!r:28s} {label:9s} {'equal' if equal else 'DIFFERENT':9s} {per_round:.2f} tokens/pass",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
