@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -897,15 +898,48 @@ def train_head(
 
 
 def main() -> None:
-    """Console entry point: one-line errors for user mistakes."""
+    """Console entry point: one-line errors for user mistakes, a mistyped flag or argument included (click
+    would draw a usage box around it)."""
+    click = _click_exceptions()
     try:
-        app()
+        code = app(standalone_mode=False, prog_name="edge-spec")
+    except click.NoArgsIsHelpError as exc:  # bare `edge-spec` or `edge-spec generate`: the help
+        out.print(exc.format_message(), markup=False)
+        sys.exit(2)
+    except click.UsageError as exc:
+        where = f"; see {exc.ctx.command_path} --help" if exc.ctx else ""
+        _error(exc.format_message().rstrip(".") + where)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        _error(exc.format_message())
+        sys.exit(exc.exit_code)
     except EdgeSpecError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        _error(str(exc))
         sys.exit(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, click.Abort):
         console.print("[red]interrupted[/red]")
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _error(message: str) -> None:
+    """One line on stderr; the message is printed as is (a path or a flag may hold brackets)."""
+    from rich.text import Text
+
+    console.print(Text.assemble(("error:", "red"), " ", message))
+
+
+def _click_exceptions():
+    """The exceptions of the click that typer runs on (recent typer has its own copy of click), with
+    ``Abort`` beside them."""
+    try:
+        from typer._click import exceptions
+        from typer.exceptions import Abort
+    except ImportError:
+        from click import exceptions
+        from click.exceptions import Abort
+    return SimpleNamespace(NoArgsIsHelpError=exceptions.NoArgsIsHelpError, UsageError=exceptions.UsageError,
+                           ClickException=exceptions.ClickException, Abort=Abort)
 
 
 if __name__ == "__main__":

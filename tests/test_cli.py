@@ -72,6 +72,20 @@ def test_bad_flag_value(int4_bundle):
     assert_one_line_error(result, "temperature")
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (("generate", "BUNDLE", "hi", "--bogus"), "No such option: --bogus; see edge-spec generate --help"),
+    (("info", "BUNDLE", "--costs", "--head", "full"), "No such option: --head (Possible options: --draft-head"),
+    (("generate", "BUNDLE", "hi", "--temperature", "warm"), "Invalid value for '--temperature'"),
+    (("generate",), "Missing argument 'bundle'; see edge-spec generate --help"),
+])
+def test_a_mistyped_flag_or_argument_is_one_line_too(int4_bundle, args, fragment):
+    """Click draws a usage box around these; the CLI says them in one line, with the help to read."""
+    result = cli(*(str(int4_bundle) if a == "BUNDLE" else a for a in args))
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
+
+
 @pytest.mark.slow
 def test_prompt_from_standard_input(int4_bundle):
     piped = cli("generate", str(int4_bundle), "-", "--max-tokens", "6", "--threads", "1", "--mode", "ar",
