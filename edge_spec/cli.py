@@ -310,7 +310,11 @@ def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None
            else "this device's one-row kernels round differently" if engine.target.pads_attention
            else "the target graph predates the attention pad: re-export, or "
                 "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)")
-    out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")
+    if engine.exact_available():
+        out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")
+    else:
+        out.print("  exact greedy passes: none here (a token's logits depend on the pass that carries it, whatever "
+                  "the pad): greedy spec runs unpadded, --exact is refused")
     model = CostModel(profile.draft_step, profile.verify, profile.draft_catch_up)
     plans = ", ".join(f"{alpha:.2f}: γ {plan_round(alpha, alpha, model, gamma).gamma}"
                       for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98))
