@@ -285,8 +285,8 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
 
 def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None, provider: str = "cpu",
                  draft_provider: str | None = None, provider_option: list[str] | None = None) -> None:
-    """The row-cost curve the schedule plans with, and what it makes of it (on the placement given:
-    a GPU's curve is nearly flat, and the plan drafts longer there)."""
+    """The row-cost curve the schedule plans with, and what it makes of it, on the placement given (a GPU's
+    curve has its own steps: the plan follows them)."""
     from edge_spec.runtime.schedule.policy import REACH_ACCEPTANCE, REACH_FLOOR, CostModel, plan_round, reach
 
     config = _loop_config("spec", gamma=gamma)

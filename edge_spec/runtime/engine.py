@@ -447,10 +447,11 @@ class Engine:
         if wanted is None:
             return mode != "ar" and deterministic and self.exact_available()
         if wanted and not self.exact_available():
+            elsewhere = " (the cpu provider is exact)" if self._provider != "cpu" else ""
             raise EdgeSpecError(f"exact decoding is not available on {self._provider} here: its kernels give a "
                                 "token's logits that depend on how many tokens share the pass (checked at the first "
                                 "request), so no padding makes passes batch-invariant; greedy output matches "
-                                "target-only decoding up to that rounding (--provider cpu is exact)")
+                                f"target-only decoding up to that rounding{elsewhere}")
         return wanted
 
     def config_for(self, mode: str | None) -> LoopConfig:
