@@ -97,6 +97,30 @@ def test_a_corrected_profile_is_what_the_next_load_reads(int4_bundle, tmp_path, 
     assert reloaded.corrections == 1 and reloaded.verify[2] < slow[2] / 2
 
 
+def test_a_machine_that_became_slower_than_its_profile_is_profiled_again():
+    fast = profile(n1=26, n2=32, n3=39)
+    slowed = {1: 0.132, 2: 0.127}  # five times dearer at one row, four at two (memory throttled)
+    assert not cost_profile.outgrown_by_live(fast, slowed, {1: 3, 2: 3})  # too few live passes to judge
+    assert cost_profile.outgrown_by_live(fast, slowed, {1: 20, 2: 20})
+    assert not cost_profile.outgrown_by_live(fast, {1: 0.031, 2: 0.037}, {1: 20, 2: 20})  # live averages' usual margin
+    assert not cost_profile.outgrown_by_live(fast, {1: 0.132, 2: 0.037}, {1: 20, 2: 20})  # one size only
+    assert fast.verify == {1: 0.026, 2: 0.032, 3: 0.039}  # judged, not changed
+
+
+def test_an_outgrown_profile_is_measured_again_at_the_next_load(int4_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
+    key = engine._profile_key
+    fast = {n: t / 10 for n, t in engine.cost_profile.verify.items()}  # as if profiled on a faster day
+    cost_profile.save(key, cost_profile.CostProfile(fast, 0.0001, 0.00001, 1.0))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
+    assert engine.cost_profile.cached and engine.cost_profile.verify == pytest.approx(fast)
+    engine.complete("one two three one two three one two three", max_new_tokens=40, temperature=0)
+    assert cost_profile.load(key) is None  # forgotten
+    again = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
+    assert not again.cost_profile.cached and again.cost_profile.verify[1] > 2 * fast[1]
+
+
 def test_verify_passes_are_timed_with_every_rows_logits():
     """A verify pass over n rows asks for n rows of logits (greedy match or rejection sampling at each),
     and the LM head over n rows costs more than over one: the profile must time the pass the verifier

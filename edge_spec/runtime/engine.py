@@ -249,11 +249,17 @@ class Engine:
         return rows if mode == "ar" else max(rows, GUESS_ROWS)
 
     def _correct_costs(self) -> None:
-        """After a request: a cached profile that live passes keep beating was measured under load;
-        store what the passes cost now (``cost_profile.correct_from_live``)."""
-        stats = self.target.stats
-        if self.cost_profile is not None and cost_profile.correct_from_live(self.cost_profile, stats.recent, stats.calls):
-            cost_profile.save(self._profile_key, self.cost_profile)
+        """After a request: a cached profile that live passes keep beating was measured under load, so
+        store what the passes cost now (``cost_profile.correct_from_live``); one that they keep losing to
+        belongs to a faster machine than this one is now, so the next load measures it again
+        (``cost_profile.outgrown_by_live``)."""
+        stats, profile = self.target.stats, self.cost_profile
+        if profile is None:
+            return
+        if cost_profile.correct_from_live(profile, stats.recent, stats.calls):
+            cost_profile.save(self._profile_key, profile)
+        elif cost_profile.outgrown_by_live(profile, stats.recent, stats.calls):
+            cost_profile.forget(self._profile_key)
 
     @property
     def bytes_ratio(self) -> float:

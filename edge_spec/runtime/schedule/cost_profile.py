@@ -11,7 +11,9 @@ JSON in the user cache directory (``$EDGE_SPEC_CACHE`` or
 repeats: other load only ever slows a pass down, so the minimum is the
 machine's cost.  The loop keeps refining these numbers with moving averages of
 what it measures live, and a profile that live passes keep beating (it was
-taken while the machine was busy) is corrected on disk (:func:`correct_from_live`).
+taken while the machine was busy) is corrected on disk (:func:`correct_from_live`); one that live
+passes keep losing to (the machine became slower) is measured again at the next load
+(:func:`outgrown_by_live`).
 
 The analytic memory-bound side (bytes of weights each step reads) is computed
 too, so that MBSU can be reported beside measured speed.
@@ -212,6 +214,29 @@ def correct_from_live(profile: CostProfile, live: dict[int, float], calls: dict[
     profile.draft_body *= scale  # the load that slowed the target slowed the drafter alike
     profile.corrections += 1
     return True
+
+
+OUTGROWN = 1.5  # live passes this much dearer than the profile, at every measured size: measure again
+
+
+def outgrown_by_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int = 8) -> bool:
+    """Whether the machine has become slower than its profile says, at every size measured live
+    (``min_calls`` passes or more), by more than ``OUTGROWN``: throttled memory, another power mode,
+    other tenants.  Live moving averages run 10-20% above a profile of fastest repeats on a quiet
+    machine, hence the margin.  Scaling such a profile would keep its old shape, and a slowdown does not
+    keep it (a memory-bound machine prices extra rows cheaper), so the caller forgets the profile and the
+    next load measures it again; until then the loop plans with live latencies (``DecoderStats``)."""
+    ratios = [live[n] / profile.verify[n] for n in profile.verify
+              if n in live and calls.get(n, 0) >= min_calls and profile.verify[n] > 0]
+    return bool(ratios) and min(ratios) > OUTGROWN
+
+
+def forget(key: str) -> None:
+    """Drop a cached profile (the next load measures it again); one that cannot be removed stays."""
+    try:
+        (cache_dir() / f"{key}.json").unlink()
+    except OSError:
+        pass
 
 
 def weight_bytes(bundle_dir: Path, manifest: dict, head: str) -> tuple[int, int]:
