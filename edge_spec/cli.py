@@ -391,9 +391,12 @@ def _load_engine(bundle: Path, provider: str, threads: int, config, draft_head: 
     options = _provider_options(provider_option or [])
     _check_gamma(bundle, config)
     with _loading_status():
-        return Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
-                                  draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
-                                  exact=exact, verify=verify, provider_options=options, eagle_head=eagle_head)
+        engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
+                                    draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
+                                    exact=exact, verify=verify, provider_options=options, eagle_head=eagle_head)
+        if exact:  # refused now, not at every request of a chat or a server (Engine.exact_for)
+            engine.exact_for(engine.config.mode, exact)
+    return engine
 
 
 def _provider_options(pairs: list[str]) -> dict[str, str]:

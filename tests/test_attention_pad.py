@@ -4,6 +4,7 @@ decides whether its one-token passes are exact (``runtime.model.row_invariance``
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import re
 
@@ -225,3 +226,18 @@ def test_the_engine_checks_padded_passes_once_per_device(int4_bundle, monkeypatc
         reference = engine.complete("def f", max_new_tokens=12, mode="ar", exact=True).token_ids
         assert engine.complete("def f", max_new_tokens=12).token_ids == reference
     assert calls == [engine.exact_rows()]
+
+
+def test_the_command_line_refuses_exact_at_load_where_padded_passes_differ(int4_bundle, monkeypatch, tmp_path, capsys):
+    """A chat or a server started with --exact is refused before its first request, in one line."""
+    from edge_spec import cli
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr("edge_spec.runtime.engine.padded_passes_match", lambda decoder, rows: False)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # a chat that would end without a request
+    monkeypatch.setattr("sys.argv", ["edge-spec", "chat", str(int4_bundle), "--exact", "--threads", "1"])
+    with pytest.raises(SystemExit) as stopped:
+        cli.main()
+    assert stopped.value.code == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: exact decoding is not available on cpu here")
