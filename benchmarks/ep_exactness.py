@@ -23,6 +23,7 @@ from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import ChainConfig
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.providers import EXACT_MIN_ROWS, exact_min_rows
+from edge_spec.runtime.model.row_invariance import logits_by_passes
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 24, 32)
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
@@ -42,8 +43,7 @@ def logits_by_pass_size(decoder: Decoder, sizes: tuple[int, ...], tokens: int, c
     for size in sizes:
         decoder.reset()
         decoder.forward(ids[:context], 1)
-        out[size] = np.concatenate([decoder.forward(ids[at:at + size], size)["logits"]
-                                    for at in range(context, context + tokens - size + 1, size)])
+        out[size] = logits_by_passes(decoder, ids[context:], [size] * (tokens // size))
     return out
 
 

@@ -25,25 +25,7 @@ def one_row_passes_match(decoder: Decoder, lengths: tuple[int, ...] = PROBE_LENG
     passes of two and three rows (kernels may have a path per row count), and all in one pass; True
     when every row's logits are equal bit for bit.  The decoder's cache is reset and its
     ``min_rows`` restored afterwards."""
-    saved = decoder.min_rows
-    rng = np.random.default_rng(0)
-    vocab = max(min(decoder.vocab_size, 32000), 2)
-    try:
-        decoder.min_rows = 1
-        for length in lengths:
-            length = max(min(length, decoder.capacity - tokens - 1), 1)
-            ids = [int(t) for t in rng.integers(0, vocab, length + tokens)]
-            decoder.reset()
-            decoder.forward(ids[:length])
-            together = decoder.forward(ids[length:], tokens)["logits"]
-            for sizes in ([1] * tokens, _small_passes(tokens)):
-                decoder.rewind(length)
-                if not np.array_equal(_by_passes(decoder, ids[length:], sizes), together):
-                    return False
-        return True
-    finally:
-        decoder.reset()
-        decoder.min_rows = saved
+    return _cuts_agree(decoder, 1, lengths, [[tokens], [1] * tokens, _small_passes(tokens)], seed=0, spare=1)
 
 
 VERIFY_PASSES = (2, 3, 5, 9, 4, 7)  # verify passes of rounds of 1..8 drafts, each starting where the last ended
@@ -58,21 +40,32 @@ def padded_passes_match(decoder: Decoder, rows: int, lengths: tuple[int, ...] = 
     Why checked and not assumed: on WebGPU over a real GPU (an H200, real-sized layers), a row's logits
     were found to depend on the pass that carried it whatever the pad, so speculative greedy output
     drifted from ``ar --exact``; the CPU EP and WebGPU over a software driver passed."""
-    saved = decoder.min_rows
-    rng = np.random.default_rng(1)
-    vocab = max(min(decoder.vocab_size, 32000), 2)
     tokens = sum(sizes)
+    return _cuts_agree(decoder, rows, lengths, [[1] * tokens, list(sizes)], seed=1, spare=rows + 1)
+
+
+def _cuts_agree(decoder: Decoder, rows: int, lengths: tuple[int, ...], cuts: list[list[int]], seed: int,
+                spare: int) -> bool:
+    """After a seeded cache of each length, the same seeded tokens decoded cut into passes each way in
+    ``cuts`` (the first is the reference), every pass padded to ``rows``: True when every cut gives every
+    row the same logits bit for bit.  ``spare`` slots stay free past the tokens; the decoder's cache is
+    reset and its ``min_rows`` restored afterwards."""
+    saved = decoder.min_rows
+    rng = np.random.default_rng(seed)
+    vocab = max(min(decoder.vocab_size, 32000), 2)
+    tokens = sum(cuts[0])
     try:
         decoder.min_rows = rows
         for length in lengths:
-            length = max(min(length, decoder.capacity - tokens - rows - 1), 1)
+            length = max(min(length, decoder.capacity - tokens - spare), 1)
             ids = [int(t) for t in rng.integers(0, vocab, length + tokens)]
             decoder.reset()
             decoder.forward(ids[:length])
-            one_by_one = _by_passes(decoder, ids[length:], [1] * tokens)
-            decoder.rewind(length)
-            if not np.array_equal(_by_passes(decoder, ids[length:], list(sizes)), one_by_one):
-                return False
+            reference = logits_by_passes(decoder, ids[length:], cuts[0])
+            for sizes in cuts[1:]:
+                decoder.rewind(length)
+                if not np.array_equal(logits_by_passes(decoder, ids[length:], sizes), reference):
+                    return False
         return True
     finally:
         decoder.reset()
@@ -88,7 +81,8 @@ def _small_passes(tokens: int) -> list[int]:
     return sizes + [1] * left
 
 
-def _by_passes(decoder: Decoder, ids: list[int], sizes: list[int]) -> np.ndarray:
+def logits_by_passes(decoder: Decoder, ids: list[int], sizes: list[int]) -> np.ndarray:
+    """``ids`` appended to the cache in passes of ``sizes`` tokens, every row's logits in order."""
     rows, start = [], 0
     for size in sizes:
         rows.append(decoder.forward(ids[start:start + size], size)["logits"])

@@ -205,8 +205,7 @@ def correct_from_live(profile: CostProfile, live: dict[int, float], calls: dict[
     the profile: a profile slower than live at one size and right at another is noise, not load.
     Sizes not measured live, and the drafter, are scaled by the median ratio.  Returns
     whether the profile changed (the caller saves it)."""
-    ratios = {n: live[n] / profile.verify[n] for n in profile.verify
-              if n in live and calls.get(n, 0) >= min_calls and profile.verify[n] > 0}
+    ratios = _live_ratios(profile, live, calls, min_calls)
     if not ratios or max(ratios.values()) >= UNDER_LOAD:
         return False
     scale = float(np.median(list(ratios.values())))
@@ -226,9 +225,15 @@ def outgrown_by_live(profile: CostProfile, live: dict[int, float], calls: dict[i
     machine, hence the margin.  Scaling such a profile would keep its old shape, and a slowdown does not
     keep it (a memory-bound machine prices extra rows cheaper), so the caller forgets the profile and the
     next load measures it again; until then the loop plans with live latencies (``DecoderStats``)."""
-    ratios = [live[n] / profile.verify[n] for n in profile.verify
-              if n in live and calls.get(n, 0) >= min_calls and profile.verify[n] > 0]
-    return bool(ratios) and min(ratios) > OUTGROWN
+    ratios = _live_ratios(profile, live, calls, min_calls)
+    return bool(ratios) and min(ratios.values()) > OUTGROWN
+
+
+def _live_ratios(profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int
+                 ) -> dict[int, float]:
+    """Live latency / profiled latency per pass size measured live ``min_calls`` times or more."""
+    return {n: live[n] / profile.verify[n] for n in profile.verify
+            if n in live and calls.get(n, 0) >= min_calls and profile.verify[n] > 0}
 
 
 def forget(key: str) -> None:
