@@ -208,9 +208,14 @@ class Prices:
 
     def verify(self, drafts: int) -> float:
         rows = max(drafts + 1, self.min_rows)  # exact mode: a pass has at least min_rows rows
-        if rows not in self.target:  # beyond the measured sizes: extend the last step linearly
-            last = max(self.target)
-            return self.target[last] + (rows - last) * (self.target[last] - self.target[last - 1]) + self.outside
+        if rows not in self.target:  # between or beyond the measured sizes: interpolate, or extend the last step
+            known = sorted(self.target)
+            lower = max((k for k in known if k < rows), default=known[0])
+            upper = min((k for k in known if k > rows), default=None)
+            if upper is None:
+                upper, lower = lower, max((k for k in known if k < lower), default=lower)
+            slope = (self.target[upper] - self.target[lower]) / (upper - lower) if upper != lower else 0.0
+            return self.target[lower] + (rows - lower) * slope + self.outside
         return self.target[rows] + self.outside
 
     def drafter(self, rows: int) -> float:

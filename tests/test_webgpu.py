@@ -28,6 +28,7 @@ from edge_spec.runtime.loops.config import SsdConfig  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
 from edge_spec.runtime.model.draft_tree import DraftTree  # noqa: E402
 from edge_spec.runtime.model.kv_cache import DeviceKV, HostKV  # noqa: E402
+from edge_spec.runtime.model.row_invariance import logits_by_passes  # noqa: E402
 from edge_spec.runtime.verify.sampling import SamplingParams  # noqa: E402
 from tests.helpers import chain, chi_square_same_distribution, first_tokens, run  # noqa: E402
 
@@ -113,11 +114,7 @@ def test_webgpu_passes_are_batch_invariant(int4_bundle):
     for sizes in cuts:
         decoder.reset()
         decoder.forward(PROMPT, 1)
-        rows, at = [], len(PROMPT)
-        for size in sizes:
-            rows.append(decoder.forward(SEQUENCE[at:at + size], size)["logits"])
-            at += size
-        results.append(np.concatenate(rows))
+        results.append(logits_by_passes(decoder, SEQUENCE[len(PROMPT):], sizes))
     for sizes, got in zip(cuts[1:], results[1:]):
         np.testing.assert_array_equal(got, results[0], err_msg=f"passes {sizes} vs {cuts[0]}")
 
