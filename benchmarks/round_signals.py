@@ -232,7 +232,8 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
 
     A drafter round's first step feeds every committed token the drafter has not seen (a catch-up pass
     over that many rows); further drafts are one-row steps whose proposals are the teacher-forced ones
-    (the same as long as the earlier drafts were right, which is all that acceptance depends on)."""
+    (the same as long as the earlier drafts were right, which is all that acceptance depends on).  A draft
+    the stop rule drafted and then dropped costs its step too (the policy marks it in ``state``)."""
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for prompt in np.unique(data["prompt"]):
         rows = np.flatnonzero(data["prompt"] == prompt)
@@ -247,6 +248,7 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
                 oks = [bool(data["draft_ok"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 accepted = next((k for k, ok in enumerate(oks) if not ok), drafts)
                 seconds += prices.drafter(unseen) + (drafts - 1) * prices.drafter(1) + prices.verify(drafts)
+                seconds += prices.drafter(1) if state.pop("dropped_step", False) else 0.0  # a step whose draft was dropped
                 confidences = [float(data["draft_conf"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 state["outcome"] = ("draft", drafts, accepted, confidences)
                 unseen = 2 if accepted == drafts else 1
@@ -404,6 +406,7 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
             keep, more = rule.add(float(data["draft_conf"][min(i + drafts, last)]))
             if not keep:
                 if drafts:
+                    state["dropped_step"] = True  # the step that drafted it ran: replay charges it
                     return "draft", drafts
                 return "dropped", int(bool(spare) or prices.min_rows >= 2)  # the step ran; its draft is not verified
             drafts += 1

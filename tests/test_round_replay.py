@@ -91,6 +91,32 @@ def test_when_every_draft_is_right_the_oracle_is_the_replayed_chain(signals):
         assert ceiling[category][0] == pytest.approx(seconds, rel=1e-12)
 
 
+def test_a_draft_the_stop_rule_drops_costs_its_step(signals):
+    """The schedule can draft a draft and then drop it (its confidence too low to verify): the drafter's
+    step ran, so the replay charges it, exactly one step per dropped draft, and the schedule's replay
+    therefore costs what its rounds cost live."""
+    data = recorded_answers(0, prompts=3)
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036}, {1: 0.008, 2: 0.012})
+
+    def one_draft(drop: bool):
+        def policy(i, state):
+            if drop:
+                state["dropped_step"] = True  # as adaptive_policy marks a round that dropped its second draft
+            return "draft", 1
+        return policy
+
+    kept, dropped = signals.replay(data, prices, one_draft(False)), signals.replay(data, prices, one_draft(True))
+    rounds = {c: 0 for c in kept}
+    for prompt in np.unique(data["prompt"]):  # one-draft rounds: one per rejected draft, one per accepted pair
+        rows = np.flatnonzero(data["prompt"] == prompt)
+        j = 0
+        while j < len(rows):
+            rounds[str(data["category"][rows[0]])] += 1
+            j += 1 + int(data["draft_ok"][rows[j]])
+    for category in kept:
+        assert dropped[category][0] - kept[category][0] == pytest.approx(rounds[category] * 0.008, rel=1e-9)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_recorded_answers_are_reproduced_by_the_teacher_forced_pass(signals, int4_bundle, tmp_path, temperature):
     """Recording checks that the target's choices over the teacher-forced pass give the engine's answer (it
