@@ -50,6 +50,7 @@ from edge_spec.runtime.loops.autoregressive import choose_token
 from edge_spec.runtime.propose.model import draw_index, drafter_probs, softmax
 from edge_spec.runtime.verify.sampling import SamplingParams
 
+DROPS_TEACH = True  # the schedule learns from the drafts it dropped (as the runtime's planner does)
 CHAIN = 16  # longest lookup chain recorded (run = how many of its tokens the target would accept)
 FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
           "guess_ok", "guess_match", "lookup_ok", "lookup_match", "lookup_run", "lookup_len", "target_entropy",
@@ -248,7 +249,9 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
                 oks = [bool(data["draft_ok"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 accepted = next((k for k, ok in enumerate(oks) if not ok), drafts)
                 seconds += prices.drafter(unseen) + (drafts - 1) * prices.drafter(1) + prices.verify(drafts)
-                seconds += prices.drafter(1) if state.pop("dropped_step", False) else 0.0  # a step whose draft was dropped
+                if state.pop("dropped_step", False):  # a step whose draft was dropped
+                    seconds += prices.drafter(1)
+                    state["dropped"] = DROPS_TEACH
                 confidences = [float(data["draft_conf"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 state["outcome"] = ("draft", drafts, accepted, confidences)
                 unseen = 2 if accepted == drafts else 1
@@ -382,7 +385,7 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
         if "outcome" in state:
             kind, drafted, accepted, confidences = state.pop("outcome")
             if kind == "draft":
-                schedule.update(drafted, accepted, confidences)
+                schedule.update(drafted, accepted, confidences, dropped=state.pop("dropped", False))
             if kind == "lookup":
                 choice.update(drafted, accepted)
         if "guessed" in state:  # every round checks the guess it could have carried (as the planner does)

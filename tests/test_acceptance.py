@@ -235,3 +235,23 @@ def test_every_round_checks_the_guess_it_could_have_carried(int4_bundle, monkeyp
     assert len(checks) == len(guessed) >= rounds - 1 > 0  # every round with room for a token after the pending one
     assert stats.tally("model").rounds > 0  # rounds the drafter drafted checked their guesses too
     assert checks == [position % 2 == 0 for position in guessed] and any(checks) and not all(checks)
+
+
+def test_a_dropped_draft_after_accepted_ones_counts_against_the_table_of_later_drafts():
+    """The later-draft table prices a draft before its confidence is known; a draft the stop rule then
+    dropped bought nothing for its step, so it counts as a miss there -- but only where it would have been
+    judged (every verified draft accepted), and never in the by-confidence table (it was not verified)."""
+    calibration = AcceptanceCalibration()
+    calibration.record([0.99, 0.97], accepted=2, dropped=True)
+    after = calibration.after[confidence_bin(0.97)]
+    assert after.trials == pytest.approx(1) and after.hits == 0
+    assert sum(r.trials for r in calibration.by_confidence) == pytest.approx(2)
+    rejected = AcceptanceCalibration()
+    rejected.record([0.99, 0.97], accepted=1, dropped=True)  # the drop followed a rejection: never judged
+    assert rejected.after[confidence_bin(0.97)].trials == 0
+    kept = AcceptanceCalibration()
+    kept.record([0.99, 0.97], accepted=2)  # control: nothing dropped, nothing counted after the last draft
+    assert kept.after[confidence_bin(0.97)].trials == 0
+    for _ in range(100):  # streaks whose successors keep being dropped: later drafts priced low
+        calibration.record([0.99], accepted=1, dropped=True)
+    assert calibration.next_after(0.99) < 0.2 < kept.next_after(0.99)

@@ -124,9 +124,13 @@ class AcceptanceCalibration:
     def first_draft(self) -> float:
         return self.first.estimate(self.first_prior)
 
-    def record(self, confidences: list[float], accepted: int) -> None:
+    def record(self, confidences: list[float], accepted: int, dropped: bool = False) -> None:
         """One verified chain: drafts ``0..accepted-1`` accepted, draft ``accepted`` (if any) rejected;
-        drafts past the first rejection were never judged and teach nothing."""
+        drafts past the first rejection were never judged and teach nothing.  ``dropped``: the round drafted
+        one more draft and dropped it unverified (the stop rule found it too unsure).  When every verified
+        draft was accepted, that draft counts against the table of later drafts: the table prices a draft
+        before its confidence is known, and one that ends up dropped buys nothing for its step.  Counting
+        only the drafts that were kept would learn from the confident ones alone."""
         judged = min(len(confidences), accepted + 1)
         for i in range(judged):
             ok = i < accepted
@@ -135,6 +139,8 @@ class AcceptanceCalibration:
                 self.first.record(ok)
             else:
                 self.after[confidence_bin(confidences[i - 1])].record(ok)
+        if dropped and confidences and accepted == len(confidences):
+            self.after[confidence_bin(confidences[-1])].record(False)
 
     def to_dict(self) -> dict:
         pairs = lambda rates: [[r.hits, r.trials] for r in rates]
@@ -280,10 +286,10 @@ class RequestAcceptance:
         """A drafter round whose confidences were not computed (fixed γ): only the first-draft average."""
         self.first += self.smoothing * (float(accepted) - self.first)
 
-    def record(self, confidences: list[float], accepted: int) -> None:
+    def record(self, confidences: list[float], accepted: int, dropped: bool = False) -> None:
         if not confidences:
             return
         for i in range(min(len(confidences), accepted + 1)):  # before the calibration learns from them
             self.agreement.note(self.calibration.acceptance(confidences[i]), i < accepted)
-        self.calibration.record(confidences, accepted)
+        self.calibration.record(confidences, accepted, dropped)
         self.first += self.smoothing * (float(accepted > 0) - self.first)

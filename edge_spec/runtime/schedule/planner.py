@@ -89,7 +89,7 @@ class DraftPlanner:
         drafted = len(block.tokens)
         if self.model is not None and block.source == self.model.name and drafted:
             if self.policy is not None:
-                self.policy.update(drafted, result.accepted, block.confidences)
+                self.policy.update(drafted, result.accepted, block.confidences, dropped=block.steps > drafted)
             else:  # fixed γ computes no confidences: only the first-draft average (lookup weighs against it)
                 self.estimates.note_first(result.accepted > 0)
         for proposer, choice in self.sequences:

@@ -262,7 +262,8 @@ class AdaptiveGamma:
         self.probing = True
         return DraftRound(costs, 1, plan.rate, self.estimates, forced=True)
 
-    def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
-        """Fold one verified round into the estimates."""
+    def update(self, drafted: int, accepted: int, confidences: list[float] | None = None,
+               dropped: bool = False) -> None:
+        """Fold one verified round into the estimates (``dropped``: it drafted one more draft and dropped it)."""
         if drafted:
-            self.estimates.record((confidences or [])[:drafted], accepted)
+            self.estimates.record((confidences or [])[:drafted], accepted, dropped)
