@@ -50,7 +50,7 @@ from edge_spec.runtime.loops.autoregressive import choose_token
 from edge_spec.runtime.propose.model import draw_index, drafter_probs, softmax
 from edge_spec.runtime.verify.sampling import SamplingParams
 
-DROPS_TEACH = True  # the schedule learns from the drafts it dropped (as the runtime's planner does)
+DROPS_TEACH = True  # the schedule learns from the drafts it dropped, as the runtime's planner does (--ignore-drops: not)
 CHAIN = 16  # longest lookup chain recorded (run = how many of its tokens the target would accept)
 FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
           "guess_ok", "guess_match", "lookup_ok", "lookup_match", "lookup_run", "lookup_len", "target_entropy",
@@ -602,11 +602,15 @@ def main() -> None:
     ap.add_argument("--warm-up", type=Path, nargs="+", default=[], metavar="FILE", help="with --analyze: replay "
                     "these signals files first, so that the schedule starts from the calibration they leave")
     ap.add_argument("--warm-up-category", help="with --warm-up: only this category's answers (e.g. translation)")
+    ap.add_argument("--ignore-drops", action="store_true", help="with --analyze: the schedule does not learn from "
+                    "the drafts it dropped (as before commit 'dropped drafts teach the table of later drafts')")
     ap.add_argument("--fit-on", type=Path, metavar="FILE", help="with --analyze: fit a model of acceptance on "
                     "every signal on this signals file and score it on the analyzed one (see signal_value)")
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
                     "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)")
     args = ap.parse_args()
+    global DROPS_TEACH
+    DROPS_TEACH = not args.ignore_drops
     if args.add_eagle:
         add_eagle(args)
     elif args.analyze and args.fit_on:
