@@ -50,7 +50,6 @@ from edge_spec.runtime.loops.autoregressive import choose_token
 from edge_spec.runtime.propose.model import draw_index, drafter_probs, softmax
 from edge_spec.runtime.verify.sampling import SamplingParams
 
-DROPS_TEACH = True  # the schedule learns from the drafts it dropped, as the runtime's planner does (--ignore-drops: not)
 CHAIN = 16  # longest lookup chain recorded (run = how many of its tokens the target would accept)
 FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
           "guess_ok", "guess_match", "lookup_ok", "lookup_match", "lookup_run", "lookup_len", "target_entropy",
@@ -181,6 +180,7 @@ class Prices:
 
     def __init__(self, target: dict[int, float], draft: dict[int, float], head: float = 0.0, outside: float = 0.0) -> None:
         self.target, self.draft, self.head, self.outside = target, draft, head, outside
+        self._curve = CostModel(0.0, target)  # between or past the measured sizes, priced as the planner prices them
         self.min_rows = 2  # exact passes pad one-row passes (1: one-row passes are exact on the machine priced)
 
     @classmethod
@@ -209,15 +209,7 @@ class Prices:
 
     def verify(self, drafts: int) -> float:
         rows = max(drafts + 1, self.min_rows)  # exact mode: a pass has at least min_rows rows
-        if rows not in self.target:  # between or beyond the measured sizes: interpolate, or extend the last step
-            known = sorted(self.target)
-            lower = max((k for k in known if k < rows), default=known[0])
-            upper = min((k for k in known if k > rows), default=None)
-            if upper is None:
-                upper, lower = lower, max((k for k in known if k < lower), default=lower)
-            slope = (self.target[upper] - self.target[lower]) / (upper - lower) if upper != lower else 0.0
-            return self.target[lower] + (rows - lower) * slope + self.outside
-        return self.target[rows] + self.outside
+        return self._curve.verify_cost(rows) + self.outside
 
     def drafter(self, rows: int) -> float:
         return self.draft[max(k for k in self.draft if k <= rows)] + self.head  # nearest measured size below
@@ -249,9 +241,8 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
                 oks = [bool(data["draft_ok"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 accepted = next((k for k, ok in enumerate(oks) if not ok), drafts)
                 seconds += prices.drafter(unseen) + (drafts - 1) * prices.drafter(1) + prices.verify(drafts)
-                if state.pop("dropped_step", False):  # a step whose draft was dropped
+                if state.get("dropped"):  # the round drafted one more draft and dropped it: its step ran
                     seconds += prices.drafter(1)
-                    state["dropped"] = DROPS_TEACH
                 confidences = [float(data["draft_conf"][rows[min(j + k, len(rows) - 1)]]) for k in range(drafts)]
                 state["outcome"] = ("draft", drafts, accepted, confidences)
                 unseen = 2 if accepted == drafts else 1
@@ -370,11 +361,13 @@ def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -
 
 
 def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, gamma_max: int = 4,
-                    calibration: AcceptanceCalibration | None = None) -> Callable[[int, dict], Choice]:
+                    calibration: AcceptanceCalibration | None = None, learn_drops: bool = True
+                    ) -> Callable[[int, dict], Choice]:
     """The runtime's schedule as the chain's planner runs it: a lookup match when ``LookupChoice``
     takes it, else a round planned by :class:`AdaptiveGamma` whose :class:`DraftRound` sees each
     draft's recorded confidence, else a free guess.  One calibration is carried over every prompt, as
-    the engine carries it over requests (``calibration``: where it starts)."""
+    the engine carries it over requests (``calibration``: where it starts).  ``learn_drops`` False: the
+    schedule as it was before the drafts it dropped taught its table of later drafts (``--ignore-drops``)."""
     costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) - prices.outside for n in range(1, gamma_max + 2)},
                       catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0), overhead=prices.outside)
     carried = calibration or AcceptanceCalibration()
@@ -382,10 +375,11 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
     def policy(i: int, state: dict) -> Choice:
         schedule = state.setdefault("policy", AdaptiveGamma(gamma_max, RequestAcceptance(carried)))
         choice = state.setdefault("lookup", LookupChoice(carried.sequence, schedule.estimates))
+        dropped = state.pop("dropped", False)  # the last round's, priced by replay
         if "outcome" in state:
             kind, drafted, accepted, confidences = state.pop("outcome")
             if kind == "draft":
-                schedule.update(drafted, accepted, confidences, dropped=state.pop("dropped", False))
+                schedule.update(drafted, accepted, confidences, dropped=dropped and learn_drops)
             if kind == "lookup":
                 choice.update(drafted, accepted)
         if "guessed" in state:  # every round checks the guess it could have carried (as the planner does)
@@ -409,7 +403,7 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
             keep, more = rule.add(float(data["draft_conf"][min(i + drafts, last)]))
             if not keep:
                 if drafts:
-                    state["dropped_step"] = True  # the step that drafted it ran: replay charges it
+                    state["dropped"] = True  # the step that drafted it ran: replay charges it
                     return "draft", drafts
                 return "dropped", int(bool(spare) or prices.min_rows >= 2)  # the step ran; its draft is not verified
             drafts += 1
@@ -447,11 +441,14 @@ def load_signals(paths: list[Path]) -> dict[str, np.ndarray]:
 
 
 def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one_row: bool = False,
-            gamma_max: int = ChainConfig.gamma, warm_up: list[Path] = (), warm_up_category: str | None = None) -> None:
+            gamma_max: int = ChainConfig.gamma, warm_up: list[Path] = (), warm_up_category: str | None = None,
+            learn_drops: bool = True) -> None:
     data = load_signals(paths)
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     prices.min_rows = 1 if one_row else 2
-    start = {lookup: warmed_calibration(warm_up, warm_up_category, prices, lookup, gamma_max) for lookup in (False, True)}
+    start = {lookup: warmed_calibration(warm_up, warm_up_category, prices, lookup, gamma_max, learn_drops)
+             for lookup in (False, True)}
+    schedule = lambda lookup: adaptive_policy(data, prices, lookup, gamma_max, start[lookup], learn_drops)
     print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
           f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
           f"outside ORT per round {1e3 * prices.outside:.2f}")
@@ -482,12 +479,9 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
     policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g) for g in fixed}
     policies.update({
         "fixed γ=1 + lookup": with_lookup,
-        "adaptive (runtime schedule)": adaptive_policy(data, prices, lookup=False, gamma_max=gamma_max,
-                                                       calibration=start[False]),
-        "adaptive + lookup (runtime default)": adaptive_policy(data, prices, lookup=True, gamma_max=gamma_max,
-                                                               calibration=start[True]),
-        "default, one draft when target top-p < .5": one_draft_when_unsure(
-            adaptive_policy(data, prices, lookup=True, gamma_max=gamma_max, calibration=start[True]), data),
+        "adaptive (runtime schedule)": schedule(lookup=False),
+        "adaptive + lookup (runtime default)": schedule(lookup=True),
+        "default, one draft when target top-p < .5": one_draft_when_unsure(schedule(lookup=True), data),
         "skip when target top-p < 0.3": skip_unsure,
         "lookup (γ=2) only on 4-token matches": long_lookup,
         "prescient: skip when drafter conf < 0.4": lambda i, state: ("guess", 1) if data["draft_conf"][i] < 0.4
@@ -520,7 +514,7 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
 
 
 def warmed_calibration(paths: list[Path], category: str | None, prices: Prices, lookup: bool,
-                       gamma_max: int) -> AcceptanceCalibration | None:
+                       gamma_max: int, learn_drops: bool = True) -> AcceptanceCalibration | None:
     """The calibration the schedule carries out of replaying ``paths`` (only their ``category`` answers,
     if given): the state a user's earlier requests leave, which the engine keeps across requests and
     processes.  None without ``paths`` (a fresh calibration)."""
@@ -533,7 +527,7 @@ def warmed_calibration(paths: list[Path], category: str | None, prices: Prices, 
             raise SystemExit(f"--warm-up-category {category!r}: no such answers in the warm-up files")
         warm = {name: values[keep] for name, values in warm.items()}
     calibration = AcceptanceCalibration()
-    replay(warm, prices, adaptive_policy(warm, prices, lookup, gamma_max, calibration))
+    replay(warm, prices, adaptive_policy(warm, prices, lookup, gamma_max, calibration, learn_drops))
     return calibration
 
 
@@ -609,15 +603,13 @@ def main() -> None:
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
                     "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)")
     args = ap.parse_args()
-    global DROPS_TEACH
-    DROPS_TEACH = not args.ignore_drops
     if args.add_eagle:
         add_eagle(args)
     elif args.analyze and args.fit_on:
         signal_value(dict(np.load(args.fit_on)), load_signals(args.analyze))
     elif args.analyze:
         analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max, args.warm_up,
-                args.warm_up_category)
+                args.warm_up_category, learn_drops=not args.ignore_drops)
     else:
         collect(args)
 

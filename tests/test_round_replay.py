@@ -101,7 +101,7 @@ def test_a_draft_the_stop_rule_drops_costs_its_step(signals):
     def one_draft(drop: bool):
         def policy(i, state):
             if drop:
-                state["dropped_step"] = True  # as adaptive_policy marks a round that dropped its second draft
+                state["dropped"] = True  # as adaptive_policy marks a round that dropped its second draft
             return "draft", 1
         return policy
 
