@@ -53,7 +53,7 @@ from edge_spec.runtime.verify.sampling import SamplingParams
 CHAIN = 16  # longest lookup chain recorded (run = how many of its tokens the target would accept)
 FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
           "guess_ok", "guess_match", "lookup_ok", "lookup_match", "lookup_run", "lookup_len", "target_entropy",
-          "token")
+          "token", "draft_second", "draft_entropy", "pending_q", "draft_hidden")
 
 
 def collect(args: argparse.Namespace) -> None:
@@ -82,9 +82,11 @@ def collect(args: argparse.Namespace) -> None:
         if chosen != answer:
             raise SystemExit(f"prompt {index}: teacher-forced target does not reproduce the answer")
         ngrams = NgramLookup(min_n=1)
+        pending_row = engine.drafter.head(hidden[0])  # the drafter's guess at answer[0]
         for j in range(1, len(answer)):  # a round at j: answer[j-1] is pending, answer[j] is next
             head_logits, head_ids = engine.drafter.head(hidden[j])
             probs = drafter_probs(head_logits, params)
+            own = np.sort(softmax(head_logits))  # the drafter's own distribution, whatever the sampling
             best = draw_index(probs, head_logits, head_ids, params, None, len(ids) + j, engine.target.vocab_size)
             proposal = best if head_ids is None else int(head_ids[best])
             previous = softmax(logits[j - 1].astype(np.float64))  # the target row that produced answer[j-1]
@@ -96,12 +98,21 @@ def collect(args: argparse.Namespace) -> None:
             agreed = next((k for k, (a, b) in enumerate(zip(chain, answer[j:])) if a != b), min(len(chain), len(answer) - j))
             values = (index, item["category"], j, proposal == answer[j], float(probs[best]), float(top2[1]),
                       float(top2[1] - top2[0]), guess == answer[j], match, look == answer[j], look_match,
-                      agreed, len(chain), float(-(previous * np.log(previous + 1e-30)).sum()), answer[j])
+                      agreed, len(chain), float(-(previous * np.log(previous + 1e-30)).sum()), answer[j],
+                      float(own[-2]) if len(own) > 1 else 0.0, float(-(own * np.log(own + 1e-30)).sum()),
+                      _probability_of(*pending_row, answer[j - 1]), np.asarray(hidden[j], np.float16))
+            pending_row = head_logits, head_ids
             for name, value in zip(FIELDS, values):
                 rows[name].append(value)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     np.savez(args.output, **{name: np.array(values) for name, values in rows.items()})
     print(f"wrote {args.output}: {len(rows['prompt'])} positions from {len(prompts)} prompts")
+
+
+def _probability_of(logits: np.ndarray, ids: np.ndarray | None, token: int) -> float:
+    """The drafter's own probability of ``token`` (0 when its head did not score that row)."""
+    where = np.flatnonzero(ids == token) if ids is not None else [token]
+    return float(softmax(logits)[where[0]]) if len(where) else 0.0
 
 
 EAGLE_CHAIN = 4  # chained EAGLE drafts recorded per position
@@ -361,13 +372,15 @@ def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -
 
 
 def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, gamma_max: int = 4,
-                    calibration: AcceptanceCalibration | None = None, learn_drops: bool = True
-                    ) -> Callable[[int, dict], Choice]:
+                    calibration: AcceptanceCalibration | None = None, learn_drops: bool = True,
+                    rate_scale: float = 1.0) -> Callable[[int, dict], Choice]:
     """The runtime's schedule as the chain's planner runs it: a lookup match when ``LookupChoice``
     takes it, else a round planned by :class:`AdaptiveGamma` whose :class:`DraftRound` sees each
     draft's recorded confidence, else a free guess.  One calibration is carried over every prompt, as
     the engine carries it over requests (``calibration``: where it starts).  ``learn_drops`` False: the
-    schedule as it was before the drafts it dropped taught its table of later drafts (``--ignore-drops``)."""
+    schedule as it was before the drafts it dropped taught its table of later drafts (``--ignore-drops``).
+    ``rate_scale``: the stop rule's price of time (the rate a round must beat) scaled, to ask whether the
+    rule is tuned (``--rate-scale``)."""
     costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) - prices.outside for n in range(1, gamma_max + 2)},
                       catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0), overhead=prices.outside)
     carried = calibration or AcceptanceCalibration()
@@ -396,6 +409,8 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
             if take:
                 return "lookup", take
         rule = schedule.begin_round(costs, spare=spare)
+        if rule is not None and not rule.forced:
+            rule.rate *= rate_scale
         if rule is None:
             return ("guess", 1) if spare or prices.min_rows >= 2 else ("plain", 0)
         drafts, last = 0, len(data["prompt"]) - 1
@@ -437,18 +452,19 @@ def load_signals(paths: list[Path]) -> dict[str, np.ndarray]:
     parts = [dict(np.load(path)) for path in paths]
     for k, part in enumerate(parts):
         part["prompt"] = part["prompt"] + k * (1 + max(int(p["prompt"].max()) for p in parts))
-    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    shared = [name for name in parts[0] if all(name in part for part in parts)]  # older files lack newer fields
+    return {name: np.concatenate([part[name] for part in parts]) for name in shared}
 
 
 def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one_row: bool = False,
             gamma_max: int = ChainConfig.gamma, warm_up: list[Path] = (), warm_up_category: str | None = None,
-            learn_drops: bool = True) -> None:
+            learn_drops: bool = True, rate_scale: float = 1.0) -> None:
     data = load_signals(paths)
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     prices.min_rows = 1 if one_row else 2
     start = {lookup: warmed_calibration(warm_up, warm_up_category, prices, lookup, gamma_max, learn_drops)
              for lookup in (False, True)}
-    schedule = lambda lookup: adaptive_policy(data, prices, lookup, gamma_max, start[lookup], learn_drops)
+    schedule = lambda lookup: adaptive_policy(data, prices, lookup, gamma_max, start[lookup], learn_drops, rate_scale)
     print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
           f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
           f"outside ORT per round {1e3 * prices.outside:.2f}")
@@ -461,8 +477,15 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
                data["target_top"], "target margin top1-top2": data["target_margin"],
                "minus target entropy": -data["target_entropy"], "previous position accepted": previous_ok,
                "n-gram match length": data["guess_match"].astype(float)}
+    if "pending_q" in data:  # the drafter's probability of the token the round starts from (known before its step)
+        signals["drafter's probability of the pending token"] = data["pending_q"]
     for name, score in signals.items():
         print(f"AUC for 'draft accepted', {name}: {auc(score, accepted):.3f}")
+    after_miss = same_prompt & (previous_ok == 0)  # the rounds that start from a target's correction
+    if "pending_q" in data and 0 < accepted[after_miss].mean() < 1:
+        print(f"  after a rejected draft ({after_miss.sum()} positions): drafter confidence "
+              f"{auc(data['draft_conf'][after_miss], accepted[after_miss]):.3f}, drafter's probability of the "
+              f"pending token {auc(data['pending_q'][after_miss], accepted[after_miss]):.3f}")
     with_lookup = lambda i, state: ("lookup", 1) if data["lookup_len"][i] else ("draft", 1)
     skip_unsure = lambda i, state: ("guess", 1) if data["target_top"][i] < 0.3 else ("draft", 1)
     long_lookup = lambda i, state: ("lookup", 2) if data["lookup_match"][i] >= 4 else ("draft", 1)
@@ -532,31 +555,53 @@ def warmed_calibration(paths: list[Path], category: str | None, prices: Prices, 
 
 
 def signal_value(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> None:
-    """Does any signal the runtime could read add to the drafter's confidence?  A logistic model of
-    'draft accepted' on the confidence's log-odds alone, and with the target's top-p, margin and
-    entropy at the pending token and the previous position's outcome, fitted on ``train`` (Newton's
-    method) and scored on ``test``: held-out log-loss and AUC of each."""
+    """Does any signal the runtime could read add to the drafter's confidence?  Logistic models of
+    'draft accepted' fitted on ``train`` (Newton's method) and scored on ``test`` (held-out log-loss and
+    AUC): the confidence's log-odds alone; with the target's top-p, margin and entropy at the pending
+    token and the previous position's outcome; with the drafter's second probability and entropy; and
+    with the drafter's whole hidden state, a linear probe as SpecDec++ trains one (standardized, at a few
+    ridge strengths; files recorded before these fields existed skip the models that need them)."""
+    odds = lambda p: np.log(np.clip(p, 1e-4, 1 - 1e-4) / (1 - np.clip(p, 1e-4, 1 - 1e-4)))
 
-    def columns(data: dict[str, np.ndarray], extra: bool) -> np.ndarray:
-        odds = lambda p: np.log(np.clip(p, 1e-4, 1 - 1e-4) / (1 - np.clip(p, 1e-4, 1 - 1e-4)))
+    def target_side(data: dict[str, np.ndarray]) -> list[np.ndarray]:
         same = np.r_[False, data["prompt"][1:] == data["prompt"][:-1]]
         previous = np.where(same, np.r_[1.0, data["draft_ok"][:-1].astype(float)], 0.5)
-        cols = [np.ones(len(data["draft_ok"])), odds(data["draft_conf"])]
-        if extra:
-            cols += [odds(data["target_top"]), data["target_margin"], -data["target_entropy"], previous - 0.5]
-        return np.stack(cols, axis=1)
+        return [odds(data["target_top"]), data["target_margin"], -data["target_entropy"], previous - 0.5]
 
-    for extra in (False, True):
-        x, y = columns(train, extra), train["draft_ok"].astype(float)
-        w = np.zeros(x.shape[1])
-        for _ in range(30):
-            p = 1 / (1 + np.exp(-x @ w))
-            w -= np.linalg.solve((x * (p * (1 - p))[:, None]).T @ x + 1e-6 * np.eye(len(w)), x.T @ (p - y))
-        xt, yt = columns(test, extra), test["draft_ok"].astype(bool)
-        p = np.clip(1 / (1 + np.exp(-xt @ w)), 1e-9, 1 - 1e-9)
+    drafter_side = lambda data: [np.log(np.clip(data["draft_second"], 1e-6, 1)), data["draft_entropy"]]
+    hidden = lambda data: list(data["draft_hidden"].astype(np.float64).T)
+    models = {"drafter confidence": ([], (), 0.0),
+              "drafter confidence + target top-p, margin, entropy, previous outcome": ([target_side], (), 0.0),
+              "drafter confidence + its second probability and entropy": ([drafter_side], ("draft_second",), 0.0)}
+    for ridge in (0.003, 0.03, 0.3):
+        models[f"drafter confidence + its hidden state (ridge {ridge})"] = ([drafter_side, hidden], ("draft_hidden",), ridge)
+    for name, (parts, needs, ridge) in models.items():
+        if any(field not in train or field not in test for field in needs):
+            continue
+        columns = lambda data: np.stack([odds(data["draft_conf"])] + [c for part in parts for c in part(data)], axis=1)
+        x, y = columns(train), train["draft_ok"].astype(float)
+        weights, bias, mean, scale = _fit_logistic(x, y, ridge)
+        xt, yt = columns(test), test["draft_ok"].astype(bool)
+        score = ((xt - mean) / scale) @ weights + bias
+        p = np.clip(1 / (1 + np.exp(-score)), 1e-9, 1 - 1e-9)
         loss = -np.mean(np.where(yt, np.log(p), np.log(1 - p)))
-        name = "drafter confidence + target top-p, margin, entropy, previous outcome" if extra else "drafter confidence"
-        print(f"held-out 'draft accepted' from {name}: log-loss {loss:.4f}, AUC {auc(xt @ w, yt):.3f}")
+        print(f"held-out 'draft accepted' from {name}: log-loss {loss:.4f}, AUC {auc(score, yt):.3f}")
+
+
+def _fit_logistic(x: np.ndarray, y: np.ndarray, ridge: float) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """Logistic regression on standardized columns by Newton's method, with ``ridge`` times the squared
+    weights (not the bias) added to the mean log-loss."""
+    mean, scale = x.mean(axis=0), x.std(axis=0) + 1e-9
+    z = np.c_[np.ones(len(x)), (x - mean) / scale]
+    penalty = 2 * ridge * len(x) * np.diag(np.r_[0.0, np.ones(x.shape[1])]) + 1e-6 * np.eye(z.shape[1])
+    w = np.zeros(z.shape[1])
+    for _ in range(30):
+        p = 1 / (1 + np.exp(-z @ w))
+        step = np.linalg.solve((z * (p * (1 - p))[:, None]).T @ z + penalty, z.T @ (p - y) + penalty @ w)
+        w -= step
+        if np.abs(step).max() < 1e-8:
+            break
+    return w[1:], float(w[0]), mean, scale
 
 
 def auc(score: np.ndarray, positive: np.ndarray) -> float:
@@ -598,6 +643,8 @@ def main() -> None:
     ap.add_argument("--warm-up-category", help="with --warm-up: only this category's answers (e.g. translation)")
     ap.add_argument("--ignore-drops", action="store_true", help="with --analyze: the schedule does not learn from "
                     "the drafts it dropped (as before commit 'dropped drafts teach the table of later drafts')")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="with --analyze: replay the schedule with its "
+                    "stop rule's price of time scaled by this (is the rule tuned?)")
     ap.add_argument("--fit-on", type=Path, metavar="FILE", help="with --analyze: fit a model of acceptance on "
                     "every signal on this signals file and score it on the analyzed one (see signal_value)")
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
@@ -606,10 +653,10 @@ def main() -> None:
     if args.add_eagle:
         add_eagle(args)
     elif args.analyze and args.fit_on:
-        signal_value(dict(np.load(args.fit_on)), load_signals(args.analyze))
+        signal_value(load_signals([args.fit_on]), load_signals(args.analyze))
     elif args.analyze:
         analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max, args.warm_up,
-                args.warm_up_category, learn_drops=not args.ignore_drops)
+                args.warm_up_category, learn_drops=not args.ignore_drops, rate_scale=args.rate_scale)
     else:
         collect(args)
 

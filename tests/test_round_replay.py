@@ -133,3 +133,55 @@ def test_recorded_answers_are_reproduced_by_the_teacher_forced_pass(signals, int
     data = np.load(output)
     assert len(data["prompt"]) == 2 * 23
     assert 0 < data["draft_ok"].mean() < 1
+
+
+def probe_answers(seed: int, informative: bool, n: int = 3000, width: int = 6) -> dict[str, np.ndarray]:
+    """Drafts whose acceptance the confidence predicts in part; with ``informative`` one direction of the
+    drafter's hidden state carries the rest, else the hidden state is noise."""
+    rng = np.random.default_rng(seed)
+    conf = rng.uniform(0.05, 0.99, n)
+    hidden = rng.normal(size=(n, width))
+    logit = np.log(conf / (1 - conf)) + (2.5 * hidden[:, 0] if informative else 0.0)
+    ok = rng.random(n) < 1 / (1 + np.exp(-logit))
+    return {"prompt": np.arange(n) // 40, "draft_ok": ok, "draft_conf": conf, "target_top": rng.uniform(0.2, 1, n),
+            "target_margin": rng.uniform(0, 1, n), "target_entropy": rng.uniform(0, 3, n),
+            "draft_second": rng.uniform(0, 0.3, n) * (1 - conf), "draft_entropy": rng.uniform(0, 2, n),
+            "draft_hidden": hidden.astype(np.float16)}
+
+
+def held_out_aucs(signals, capsys, train: dict, test: dict) -> dict[str, float]:
+    signals.signal_value(train, test)
+    lines = capsys.readouterr().out.splitlines()
+    return {line.split(" from ")[1].split(":")[0]: float(line.rsplit("AUC ", 1)[1]) for line in lines}
+
+
+def test_the_hidden_state_probe_finds_what_the_confidence_misses_and_only_that(signals, capsys):
+    """The probe behind the README's 'a probe on the drafter's hidden state adds nothing': it must find
+    acceptance carried by the hidden state when it is there (held out), and not invent it from noise."""
+    found = held_out_aucs(signals, capsys, probe_answers(1, True), probe_answers(2, True))
+    probe = "drafter confidence + its hidden state (ridge 0.003)"
+    assert found[probe] > found["drafter confidence"] + 0.05
+    noise = held_out_aucs(signals, capsys, probe_answers(3, False), probe_answers(4, False))
+    assert abs(noise[probe] - noise["drafter confidence"]) < 0.02
+    old = probe_answers(5, True)
+    del old["draft_hidden"], old["draft_second"], old["draft_entropy"]  # a file recorded before these fields
+    assert set(held_out_aucs(signals, capsys, old, old)) == {
+        "drafter confidence", "drafter confidence + target top-p, margin, entropy, previous outcome"}
+
+
+def test_a_dearer_price_of_time_makes_the_replayed_rounds_shorter(signals):
+    """``--rate-scale`` reaches the stop rule: a round that must beat a higher rate drafts fewer tokens
+    (the question it answers, whether ρ is tuned, needs the knob to move the schedule both ways)."""
+    data = recorded_answers(0)
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.013, 3: 0.016})
+
+    def drafted(scale: float) -> float:
+        policy, counts = signals.adaptive_policy(data, prices, lookup=False, gamma_max=4, rate_scale=scale), []
+        def counted(i, state):
+            choice = policy(i, state)
+            counts.append(choice[1] if choice[0] == "draft" else 0)
+            return choice
+        signals.replay(data, prices, counted)
+        return float(np.mean(counts))
+
+    assert drafted(0.5) > drafted(1.0) > drafted(2.0)
