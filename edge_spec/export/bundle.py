@@ -278,19 +278,26 @@ def specvocab_heads_for(bundle_dir: Path, rows: np.ndarray, hidden: np.ndarray |
 
 
 def _calibration_sequences(bundle_dir: Path, options: ExportOptions, progress, path: Path | None = None) -> list:
-    """The calibration text: the bundle's (``draft/calibration.npz``), else generated with the exported
-    target and stored at ``path`` (default: there)."""
-    from edge_spec.export import vocabtrim
+    """The calibration text: the bundle's (``draft/calibration.npz``), else the shipped text this target
+    made from these prompts (``calibration_store``), else generated with the exported target; stored at
+    ``path`` (default: there)."""
+    from edge_spec.export import calibration_store, vocabtrim
 
     stored = bundle_dir / "draft" / "calibration.npz"
     if stored.is_file() and options.calibration is None:
         _say(progress, "reusing the bundle's calibration text")
         return vocabtrim.load_calibration(stored)
     prompts = vocabtrim.load_prompts(options.calibration)
-    _say(progress, f"calibration: generating text with the exported target ({len(prompts)} prompts)")
-    sequences = vocabtrim.generate_calibration(bundle_dir, prompts, options.calibration_tokens,
-                                               options.context_length, progress)
-    vocabtrim.save_calibration(path or stored, sequences)
+    key = calibration_store.calibration_key(bundle_dir, prompts, options.calibration_tokens, options.context_length)
+    shipped = calibration_store.find_shipped(key)
+    if shipped is not None:
+        _say(progress, f"calibration: the text this target generated from these prompts ships in {shipped}")
+        sequences = vocabtrim.load_calibration(shipped)
+    else:
+        _say(progress, f"calibration: generating text with the exported target ({len(prompts)} prompts)")
+        sequences = vocabtrim.generate_calibration(bundle_dir, prompts, options.calibration_tokens,
+                                                   options.context_length, progress)
+    vocabtrim.save_calibration(path or stored, sequences, key)
     return sequences
 
 

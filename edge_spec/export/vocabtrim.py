@@ -83,12 +83,13 @@ def count_tokens(sequences: list[tuple[list[int], list[int]]], vocab_size: int) 
     return counts
 
 
-def save_calibration(path: Path, sequences: list[tuple[list[int], list[int]]]) -> None:
-    """Store calibration sequences in the bundle, so heads can be added later without regenerating."""
+def save_calibration(path: Path, sequences: list[tuple[list[int], list[int]]], key: str = "") -> None:
+    """Store calibration sequences in the bundle, so heads can be added later without regenerating;
+    ``key``: what made them (``calibration_store.calibration_key``), so that the file can be shipped."""
     flat = [t for prompt, generated in sequences for t in prompt + generated]
     np.savez(path, tokens=np.asarray(flat, np.int64),
              prompt_lengths=np.asarray([len(p) for p, _ in sequences], np.int64),
-             generated_lengths=np.asarray([len(g) for _, g in sequences], np.int64))
+             generated_lengths=np.asarray([len(g) for _, g in sequences], np.int64), key=np.asarray(key))
 
 
 def load_calibration(path: Path) -> list[tuple[list[int], list[int]]]:
