@@ -291,3 +291,49 @@ def test_an_unknown_gguf_layout_is_one_line():
 
     with pytest.raises(EdgeSpecError, match=r"^--gguf-layout must be one of fast, exact, small, not 'quick'$"):
         ExportOptions(gguf_layout="quick").check()
+
+
+def test_a_gguf_file_is_parsed_once_per_load(tmp_path, monkeypatch):
+    """transformers and the exporter open a GGUF file seven times a load; inside ``gguf_parsed_once``
+    they share one reader (also through ``from gguf import GGUFReader`` inside a function, as transformers
+    imports it), a file that fails to parse is not remembered, and outside it every call parses again."""
+    import gguf
+    from gguf import GGUFWriter
+
+    from edge_spec.errors import EdgeSpecError
+    from edge_spec.export.sources import check_gguf, gguf_parsed_once
+
+    path = tmp_path / "one.gguf"
+    writer = GGUFWriter(path, "llama")
+    raw = quants.quantize(np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32), T.Q8_0)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=T.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 12)
+
+    parses = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+
+    def as_transformers_opens_it(p):
+        from gguf import GGUFReader
+        return GGUFReader(p)
+
+    with gguf_parsed_once():
+        check_gguf(path)
+        first = as_transformers_opens_it(path)
+        assert as_transformers_opens_it(str(path)) is first and len(parses) == 1
+        for _ in range(2):
+            with pytest.raises(EdgeSpecError, match="not a valid GGUF file"):
+                check_gguf(broken)
+        assert len(parses) == 3
+    assert gguf.GGUFReader is Counted
+    assert as_transformers_opens_it(path) is not first and len(parses) == 4

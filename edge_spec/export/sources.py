@@ -8,6 +8,8 @@ same float32 state dict: GGUF files are dequantized by transformers' GGUF loader
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,8 +113,41 @@ def check_gguf(path: Path) -> None:
                             "fetch or download it again") from None
 
 
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within it, every ``gguf.GGUFReader`` of one file is the same reader.  transformers reads a GGUF
+    file's header anew for the config (three times), the tokenizer and the weights, and so do the file
+    check and the block carrier: seven parses, each walking a vocabulary's worth of metadata strings in
+    Python (about ten seconds each for a 151k-token vocabulary).  Readers only read (a read-only memory
+    map), so sharing one changes nothing but the time."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared(path, mode: str = "r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def load_model(source: str) -> LoadedModel:
     """Load ``source`` as float32 weights and a fast tokenizer (see module docstring)."""
+    with gguf_parsed_once():
+        return _load_model(source)
+
+
+def _load_model(source: str) -> LoadedModel:
     kind, location, gguf_file = _locate(source)
     if kind == "gguf":
         check_gguf(Path(location) / gguf_file)
