@@ -68,10 +68,11 @@ class EagleHeadOptions:
 
 
 def default_options(config) -> EagleHeadOptions:
-    """The variants built beside ``full`` when a head is attached: a quarter of the draft vocabulary,
-    and a rank-H/16 scorer with K/16 candidates."""
-    k, h = config.draft_vocab_size, config.hidden_size
-    return EagleHeadOptions(trim=(max(k // 4, 1),), specvocab=((max(h // 16, 1), max(k // 16, 1)),))
+    """The variant built beside ``full`` when a head is attached: a quarter of the draft vocabulary.
+    No SpecVocab head by default: over a draft vocabulary this small its scorer costs more than the rows
+    it saves (the README's EAGLE table: the slowest head, no better τ), and fitting it runs the target over
+    the calibration text, most of a minute of every export; ``add-heads --eagle-specvocab R:C`` builds one."""
+    return EagleHeadOptions(trim=(max(config.draft_vocab_size // 4, 1),))
 
 
 def parse_specvocab(values: list[str]) -> tuple[tuple[int, int], ...]:
