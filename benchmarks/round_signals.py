@@ -409,10 +409,10 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
             if take:
                 return "lookup", take
         rule = schedule.begin_round(costs, spare=spare)
-        if rule is not None and not rule.forced:
-            rule.rate *= rate_scale
         if rule is None:
             return ("guess", 1) if spare or prices.min_rows >= 2 else ("plain", 0)
+        if not rule.forced:
+            rule.rate *= rate_scale
         drafts, last = 0, len(data["prompt"]) - 1
         while True:
             keep, more = rule.add(float(data["draft_conf"][min(i + drafts, last)]))
