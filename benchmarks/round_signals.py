@@ -428,17 +428,6 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
     return policy
 
 
-def one_draft_when_unsure(policy: Callable[[int, dict], Choice], data: dict[str, np.ndarray],
-                          unsure: float = 0.5) -> Callable[[int, dict], Choice]:
-    """``policy`` with its rounds cut to one draft where the target's top probability at the pending token
-    is below ``unsure`` (known before drafting): a lead for estimating later drafts, whose acceptance the
-    carried calibration overstates in unsure stretches (translation at T = 0.7)."""
-    def policy_cut(i: int, state: dict) -> Choice:
-        kind, drafts = policy(i, state)
-        return (kind, 1) if kind == "draft" and drafts > 1 and data["target_top"][i] < unsure else (kind, drafts)
-    return policy_cut
-
-
 def _guess_pays(costs: CostModel, rate: float) -> bool:
     """Whether a draft-less round's guess (right with chance ``rate``) is worth a second row: (1 + rate)
     tokens in a two-row pass against one token in a one-row pass."""
@@ -504,7 +493,6 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
         "fixed γ=1 + lookup": with_lookup,
         "adaptive (runtime schedule)": schedule(lookup=False),
         "adaptive + lookup (runtime default)": schedule(lookup=True),
-        "default, one draft when target top-p < .5": one_draft_when_unsure(schedule(lookup=True), data),
         "skip when target top-p < 0.3": skip_unsure,
         "lookup (γ=2) only on 4-token matches": long_lookup,
         "prescient: skip when drafter conf < 0.4": lambda i, state: ("guess", 1) if data["draft_conf"][i] < 0.4
