@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.manifest import sha256_file
-from edge_spec.paths import models_dir
+from edge_spec.paths import REPO_MODELS
 
 TARGET_GRAPH = ("target/model.onnx", "target/model.onnx.data")
 
 
 def shipped_dir() -> Path:
-    return models_dir() / "calibration" / "shipped"
+    """In the repository, as the shipped EAGLE head is (``$EDGE_SPEC_MODELS`` moves downloads, not this)."""
+    return REPO_MODELS / "calibration" / "shipped"
 
 
 def calibration_key(bundle_dir: Path, prompts: list[str], new_tokens: int, context_length: int) -> str:
