@@ -82,11 +82,13 @@ def collect(args: argparse.Namespace) -> None:
         if chosen != answer:
             raise SystemExit(f"prompt {index}: teacher-forced target does not reproduce the answer")
         ngrams = NgramLookup(min_n=1)
-        pending_row = engine.drafter.head(hidden[0])  # the drafter's guess at answer[0]
+        first_logits, first_ids = engine.drafter.head(hidden[0])
+        pending = softmax(first_logits), first_ids  # the drafter's own distribution at answer[0]
         for j in range(1, len(answer)):  # a round at j: answer[j-1] is pending, answer[j] is next
             head_logits, head_ids = engine.drafter.head(hidden[j])
             probs = drafter_probs(head_logits, params)
-            own = np.sort(softmax(head_logits))  # the drafter's own distribution, whatever the sampling
+            own = softmax(head_logits)  # the drafter's own distribution, whatever the sampling
+            ranked = np.sort(own)
             best = draw_index(probs, head_logits, head_ids, params, None, len(ids) + j, engine.target.vocab_size)
             proposal = best if head_ids is None else int(head_ids[best])
             previous = softmax(logits[j - 1].astype(np.float64))  # the target row that produced answer[j-1]
@@ -99,9 +101,9 @@ def collect(args: argparse.Namespace) -> None:
             values = (index, item["category"], j, proposal == answer[j], float(probs[best]), float(top2[1]),
                       float(top2[1] - top2[0]), guess == answer[j], match, look == answer[j], look_match,
                       agreed, len(chain), float(-(previous * np.log(previous + 1e-30)).sum()), answer[j],
-                      float(own[-2]) if len(own) > 1 else 0.0, float(-(own * np.log(own + 1e-30)).sum()),
-                      _probability_of(*pending_row, answer[j - 1]), np.asarray(hidden[j], np.float16))
-            pending_row = head_logits, head_ids
+                      float(ranked[-2]) if len(own) > 1 else 0.0, float(-(ranked * np.log(ranked + 1e-30)).sum()),
+                      _probability_of(*pending, answer[j - 1]), np.asarray(hidden[j], np.float16))
+            pending = own, head_ids
             for name, value in zip(FIELDS, values):
                 rows[name].append(value)
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -109,10 +111,11 @@ def collect(args: argparse.Namespace) -> None:
     print(f"wrote {args.output}: {len(rows['prompt'])} positions from {len(prompts)} prompts")
 
 
-def _probability_of(logits: np.ndarray, ids: np.ndarray | None, token: int) -> float:
-    """The drafter's own probability of ``token`` (0 when its head did not score that row)."""
+def _probability_of(probs: np.ndarray, ids: np.ndarray | None, token: int) -> float:
+    """The drafter's own probability of ``token`` over its head's rows ``ids`` (0 when the head did not
+    score that row)."""
     where = np.flatnonzero(ids == token) if ids is not None else [token]
-    return float(softmax(logits)[where[0]]) if len(where) else 0.0
+    return float(probs[where[0]]) if len(where) else 0.0
 
 
 EAGLE_CHAIN = 4  # chained EAGLE drafts recorded per position
