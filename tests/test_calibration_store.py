@@ -52,14 +52,17 @@ def test_an_export_of_the_same_target_uses_the_shipped_text_and_builds_the_same_
 
 
 def test_text_made_otherwise_is_not_used(tmp_path, tiny_pair, shipped, generations):
-    """Negative controls: text generated with other settings (here fewer tokens per prompt), a file from
-    before keys and a file that is not a calibration file are all passed over."""
+    """Negative controls: text generated with other settings (here fewer tokens per prompt), a file with an
+    empty key, a file from before keys and a file that is not a calibration file are all passed over."""
     first = export_tiny(tmp_path / "first", tiny_pair, **dict(HEADS, calibration_tokens=8))
     shutil.copy(first / "draft" / "calibration.npz", shipped / "other-settings.npz")
     sequences = vocabtrim.load_calibration(first / "draft" / "calibration.npz")
     vocabtrim.save_calibration(shipped / "no-key.npz", sequences)
+    with np.load(first / "draft" / "calibration.npz") as made:  # the layout written before keys existed
+        np.savez(shipped / "before-keys.npz", **{name: made[name] for name in made.files if name != "key"})
     (shipped / "broken.npz").write_bytes(b"not a zip file")
     assert calibration_store.stored_key(shipped / "no-key.npz") == ""
+    assert calibration_store.stored_key(shipped / "before-keys.npz") is None
     assert calibration_store.stored_key(shipped / "broken.npz") is None
 
     export_tiny(tmp_path / "second", tiny_pair, **HEADS)
