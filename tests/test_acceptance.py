@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, Agreement, RequestAcceptance, confidence_bin
+from edge_spec.runtime.schedule.acceptance import (REQUEST_PRIOR_SHIFT, AcceptanceCalibration, Agreement,
+                                                   RequestAcceptance, confidence_bin, shifted)
 from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.engine import Engine
 from tests.helpers import chain
@@ -191,13 +192,34 @@ def test_a_request_checks_its_guesses_against_the_calibration():
         calibration.record_guess(4, accepted=True)
     carried = calibration.guess_rate(4)
     translation, copying = RequestAcceptance(calibration), RequestAcceptance(calibration)
-    assert translation.guess(4) == pytest.approx(carried)  # no evidence yet: the calibration's word
+    fresh = translation.guess(4)
+    assert fresh == pytest.approx(shifted(carried, REQUEST_PRIOR_SHIFT))  # no evidence yet: the calibration's word, from below
     for _ in range(8):
         translation.record_guess(4, right=False)
         copying.record_guess(4, right=True)
     assert translation.guess(4) < 0.5 * calibration.guess_rate(4)  # this request's guesses fail: it stops trusting them
-    assert copying.guess(4) >= calibration.guess_rate(4) > 0.9  # negative control: right guesses keep their rate
-    assert RequestAcceptance(calibration).guess(4) == pytest.approx(calibration.guess_rate(4))  # per request
+    assert copying.guess(4) >= shifted(calibration.guess_rate(4), REQUEST_PRIOR_SHIFT) > 0.9  # negative control: right guesses keep their rate
+    assert RequestAcceptance(calibration).guess(4) == pytest.approx(shifted(calibration.guess_rate(4), REQUEST_PRIOR_SHIFT))
+
+
+def test_a_request_starts_below_the_calibration_and_its_own_drafts_lift_it_back():
+    """A new request prices every draft a little below what the calibration says (``for_request``);
+    drafts that do as the calibration predicts bring its estimates back towards the calibration, drafts
+    that do worse take them further down.  A bare ``Agreement`` (no request prior) starts neutral."""
+    calibration = AcceptanceCalibration()
+    for k in range(300):
+        calibration.record([0.9], accepted=int(k % 5 != 0))  # 0.9 drafts accepted four times in five
+    predicted = calibration.acceptance(0.9)
+    request = RequestAcceptance(calibration)
+    start = request.acceptance(0.9)
+    assert start == pytest.approx(shifted(predicted, REQUEST_PRIOR_SHIFT)) and start < predicted - 0.01
+    assert Agreement().scale(predicted) == pytest.approx(predicted)
+    doing_as_predicted, doing_worse = RequestAcceptance(calibration), RequestAcceptance(calibration)
+    for k in range(60):
+        doing_as_predicted.record([0.9], accepted=int(k % 10 < round(10 * predicted)))
+        doing_worse.record([0.9], accepted=int(k % 2))
+    assert start < doing_as_predicted.acceptance(0.9) <= predicted + 0.02
+    assert doing_worse.acceptance(0.9) < start
 
 
 def test_every_round_checks_the_guess_it_could_have_carried(int4_bundle, monkeypatch):

@@ -51,7 +51,9 @@ def test_choice_takes_a_long_match_and_probes_a_losing_one():
     picks = [bad.lookup_gamma(2, 2, costs(), 4, model_rate, adaptive=True) for _ in range(8)]
     assert picks == [0, 0, 0, 1, 0, 0, 0, 1]
     assert bad.lookup_gamma(4, 4, costs(), 4, model_rate=None, adaptive=False) == 4  # fixed γ and no drafter
-    assert lookup_choice().lookup_gamma(3, 2, None, 4, None, adaptive=True) == 3  # prior 0.5
+    # nothing measured yet: a match likely right is taken (a request starts below the priors, 0.8 and 0.5)
+    assert lookup_choice().lookup_gamma(3, 4, None, 4, None, adaptive=True) == 3
+    assert lookup_choice().lookup_gamma(3, 2, None, 4, None, adaptive=True) == 0
 
 
 def test_a_lookups_first_draft_is_judged_as_the_guess():

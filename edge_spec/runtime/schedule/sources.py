@@ -24,7 +24,7 @@ class LookupChoice:
     calibration: SequenceCalibration
     estimates: RequestAcceptance  # the request's guess estimates: a lookup's first draft is its guess
     probe_every: int = 8
-    agreement: Agreement = field(default_factory=Agreement)
+    agreement: Agreement = field(default_factory=Agreement.for_request)
     _skipped: int = 0
 
     def lookup_gamma(self, offered: int, matched: int, costs: CostModel | None, gamma_max: int,
