@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from edge_spec.runtime.schedule.acceptance import (REQUEST_PRIOR_SHIFT, AcceptanceCalibration, Agreement,
+from edge_spec.runtime.schedule.acceptance import (AGREEMENT_SPREADS, CAUTION_FADE, REQUEST_CAUTION,
+                                                   AcceptanceCalibration, Agreement, LogOddsShift,
                                                    RequestAcceptance, confidence_bin, shifted)
 from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.engine import Engine
@@ -193,33 +194,41 @@ def test_a_request_checks_its_guesses_against_the_calibration():
     carried = calibration.guess_rate(4)
     translation, copying = RequestAcceptance(calibration), RequestAcceptance(calibration)
     fresh = translation.guess(4)
-    assert fresh == pytest.approx(shifted(carried, REQUEST_PRIOR_SHIFT))  # no evidence yet: the calibration's word, from below
+    assert fresh == pytest.approx(shifted(carried, REQUEST_CAUTION))  # no evidence yet: the calibration's word, from below
     for _ in range(8):
         translation.record_guess(4, right=False)
         copying.record_guess(4, right=True)
     assert translation.guess(4) < 0.5 * calibration.guess_rate(4)  # this request's guesses fail: it stops trusting them
-    assert copying.guess(4) >= shifted(calibration.guess_rate(4), REQUEST_PRIOR_SHIFT) > 0.9  # negative control: right guesses keep their rate
-    assert RequestAcceptance(calibration).guess(4) == pytest.approx(shifted(calibration.guess_rate(4), REQUEST_PRIOR_SHIFT))
+    assert copying.guess(4) >= shifted(calibration.guess_rate(4), REQUEST_CAUTION) > 0.9  # negative control: right guesses keep their rate
+    assert RequestAcceptance(calibration).guess(4) == pytest.approx(shifted(calibration.guess_rate(4), REQUEST_CAUTION))
 
 
-def test_a_request_starts_below_the_calibration_and_its_own_drafts_lift_it_back():
-    """A new request prices every draft a little below what the calibration says (``for_request``);
-    drafts that do as the calibration predicts bring its estimates back towards the calibration, drafts
-    that do worse take them further down.  A bare ``Agreement`` (no request prior) starts neutral."""
+def test_a_request_starts_cautious_and_the_caution_fades_with_its_judged_drafts():
+    """A new request prices every draft below what the calibration says (``for_request``).  The caution
+    fades with the drafts judged, whatever they show: a predictable request whose confident drafts are
+    accepted as predicted is back at the calibration within a few rounds (as evidence, those drafts
+    would barely move it), while drafts that do worse than predicted take it further down.  A bare
+    ``Agreement`` (no request caution) starts neutral."""
     calibration = AcceptanceCalibration()
     for k in range(300):
         calibration.record([0.9], accepted=int(k % 5 != 0))  # 0.9 drafts accepted four times in five
-    predicted = calibration.acceptance(0.9)
-    request = RequestAcceptance(calibration)
-    start = request.acceptance(0.9)
-    assert start == pytest.approx(shifted(predicted, REQUEST_PRIOR_SHIFT)) and start < predicted - 0.01
+        calibration.record([0.99], accepted=int(k % 50 != 0))  # 0.99 drafts 49 times in 50
+    predicted, sure = calibration.acceptance(0.9), calibration.acceptance(0.99)
+    start = RequestAcceptance(calibration).acceptance(0.9)
+    assert start == pytest.approx(shifted(predicted, REQUEST_CAUTION)) and start < predicted - 0.05
     assert Agreement().scale(predicted) == pytest.approx(predicted)
-    doing_as_predicted, doing_worse = RequestAcceptance(calibration), RequestAcceptance(calibration)
-    for k in range(60):
-        doing_as_predicted.record([0.9], accepted=int(k % 10 < round(10 * predicted)))
-        doing_worse.record([0.9], accepted=int(k % 2))
-    assert start < doing_as_predicted.acceptance(0.9) <= predicted + 0.02
+    predictable, doing_worse = RequestAcceptance(calibration), RequestAcceptance(calibration)
+    assert predictable.acceptance(0.99) < sure - 0.01
+    for _ in range(int(3 * CAUTION_FADE)):
+        predictable.record([0.99], accepted=1)
+        doing_worse.record([0.9], accepted=0)
+    assert sure - 0.002 < predictable.acceptance(0.99) <= 1.0  # the caution is gone, not outweighed
     assert doing_worse.acceptance(0.9) < start
+    held_as_evidence = Agreement(LogOddsShift(AGREEMENT_SPREADS[0], REQUEST_CAUTION),
+                                 LogOddsShift(AGREEMENT_SPREADS[1], REQUEST_CAUTION))
+    for _ in range(int(3 * CAUTION_FADE)):
+        held_as_evidence.note(sure, True)
+    assert held_as_evidence.scale(sure) < sure - 0.003  # negative control: a prior mean would still hold it down
 
 
 def test_every_round_checks_the_guess_it_could_have_carried(int4_bundle, monkeypatch):

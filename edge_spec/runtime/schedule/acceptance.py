@@ -170,10 +170,10 @@ class AcceptanceCalibration:
 # then large (a request unlike the ones calibrated on: copied code, translation), as a mixture of two
 AGREEMENT_SPREADS = (0.3, 1.5)
 WIDE_PRIOR = 0.2  # prior weight of the wide one
-# where a request's shift starts (see Agreement.for_request): below the calibration, which is unbiased over
-# requests, because a request that does worse than it loses more to rounds planned too long than one that
-# does better loses to rounds planned too short
-REQUEST_PRIOR_SHIFT = -0.5
+# a new request's caution (see Agreement.for_request): its estimates start this far below the calibration in
+# log-odds, and the gap fades by 1/e over every CAUTION_FADE outcomes the request has had judged
+REQUEST_CAUTION = -0.75
+CAUTION_FADE = 16.0
 
 
 @dataclass
@@ -216,23 +216,33 @@ class Agreement:
 
     narrow: LogOddsShift = field(default_factory=lambda: LogOddsShift(AGREEMENT_SPREADS[0]))
     wide: LogOddsShift = field(default_factory=lambda: LogOddsShift(AGREEMENT_SPREADS[1]))
+    caution: float = 0.0  # log-odds taken off every estimate before any outcome, fading (for_request)
+    judged: int = 0  # outcomes noted so far
 
     @classmethod
     def for_request(cls) -> "Agreement":
-        """A new request's agreement: both priors centred ``REQUEST_PRIOR_SHIFT`` below the calibration.
+        """A new request's agreement: cautious at first (``REQUEST_CAUTION``), less so with every outcome.
 
         The calibration is right on average over requests, but the two ways of being wrong do not cost
-        alike.  A request that does worse than the average (translation, open questions: short answers
-        that give the evidence few rounds) loses whole rounds to drafts planned too long; one that does
-        better loses little, since the stop rule still extends a round while confident drafts come, and
-        a few accepted drafts lift the shift.  Replayed over recorded answers (README, *The schedule
-        follows the machine*) the start below leaves the overall speed as it was and lifts the worst
-        category."""
-        return cls(LogOddsShift(AGREEMENT_SPREADS[0], REQUEST_PRIOR_SHIFT),
-                   LogOddsShift(AGREEMENT_SPREADS[1], REQUEST_PRIOR_SHIFT))
+        alike at a request's start.  One that does worse than the average (translation, open questions:
+        short answers, whose few rounds leave the evidence little time) loses whole rounds to drafts
+        planned too long; one that does better loses little to rounds planned short, since the stop rule
+        still extends a round while confident drafts come.  The caution fades with the number of outcomes
+        judged, whatever they were: confident drafts accepted say little about the shift (each moves it
+        by ``1 − p``), so a caution held as evidence would keep a predictable request's rounds short for
+        hundreds of drafts.  It only offsets what the planner is told; the shift learns as before.
+        Replayed over recorded answers (README, *A request starts below the calibration*) it lifts the
+        worst category and leaves the overall speed and the prime prompt as they were."""
+        return cls(caution=REQUEST_CAUTION)
 
     @property
     def shift(self) -> float:
+        """The request's shift as the planner uses it: the averaged fit plus what is left of the caution."""
+        return self.fitted + self.caution * math.exp(-self.judged / CAUTION_FADE)
+
+    @property
+    def fitted(self) -> float:
+        """The shift the outcomes support, averaged over the two priors."""
         log_odds = math.log(WIDE_PRIOR / (1.0 - WIDE_PRIOR)) + self.wide.evidence - self.narrow.evidence
         weight = 1.0 / (1.0 + math.exp(-min(max(log_odds, -50.0), 50.0)))
         return (1.0 - weight) * self.narrow.shift + weight * self.wide.shift
@@ -240,6 +250,7 @@ class Agreement:
     def note(self, predicted: float, accepted: bool) -> None:
         self.narrow.note(predicted, accepted)
         self.wide.note(predicted, accepted)
+        self.judged += 1
 
     def scale(self, estimate: float) -> float:
         if not 0.0 < estimate < 1.0:
@@ -253,9 +264,9 @@ class RequestAcceptance:
 
     Two corrections, both with a few drafts of prior weight: a slow average of this request's first
     drafts (``first``), and a shift of the log-odds of every estimate fitted to how the drafts it saw did
-    against what the calibration predicted for them (``agreement``, starting a little below the
-    calibration: :meth:`Agreement.for_request`) -- translation accepts less at the same drafter confidence
-    than code does.  Free guesses get their own agreement (``guess_agreement``): a
+    against what the calibration predicted for them (``agreement``, cautious over its first outcomes:
+    :meth:`Agreement.for_request`) -- translation accepts less at the same drafter confidence than code
+    does.  Free guesses get their own agreement (``guess_agreement``): a
     request's guesses can be far better (copied code) or worse (translation) than its drafts."""
 
     calibration: AcceptanceCalibration
