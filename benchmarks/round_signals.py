@@ -450,7 +450,7 @@ def load_signals(paths: list[Path]) -> dict[str, np.ndarray]:
 
 def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one_row: bool = False,
             gamma_max: int = ChainConfig.gamma, warm_up: list[Path] = (), warm_up_category: str | None = None,
-            learn_drops: bool = True, rate_scale: float = 1.0) -> None:
+            learn_drops: bool = True, rate_scale: float = 1.0, orders: int = 1) -> None:
     data = load_signals(paths)
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     prices.min_rows = 1 if one_row else 2
@@ -490,8 +490,8 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
             drafts += 1
         return "draft", drafts
 
-    fixed = sorted({g for g in (1, 2, 3, 4, 6, 8) if g <= gamma_max} | {gamma_max})  # as the bench sweeps
-    policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g) for g in fixed}
+    sweep = sorted({g for g in (1, 2, 3, 4, 6, 8) if g <= gamma_max} | {gamma_max})  # as the bench sweeps
+    policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g) for g in sweep}
     policies.update({
         "fixed γ=1 + lookup": with_lookup,
         "adaptive (runtime schedule)": schedule(lookup=False),
@@ -525,6 +525,40 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
         overall = _rate(results[name], mixed) / max(_rate(results[f], mixed) for f in fixed)
         print(f"{name}: {overall:.3f}x the best single fixed γ overall; worst category {worst[1]} "
               f"{worst[0]:.3f}x its best fixed γ")
+    if orders > 1:
+        order_spread(data, prices, sweep, orders, {lookup: (lambda d, lookup=lookup: adaptive_policy(
+            d, prices, lookup, gamma_max, start[lookup], learn_drops, rate_scale)) for lookup in (False, True)})
+
+
+def shuffled(data: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """The same answers met in another order: prompts renumbered by a seeded permutation (the replay
+    walks them by number, and the calibration it carries from one answer to the next meets them so)."""
+    numbers = np.unique(data["prompt"])
+    renumber = dict(zip(numbers, np.random.default_rng(seed).permutation(len(numbers))))
+    return {**data, "prompt": np.array([renumber[p] for p in data["prompt"]])}
+
+
+def order_spread(data: dict[str, np.ndarray], prices: Prices, fixed: list[int], orders: int,
+                 schedules: dict[bool, Callable[[dict], Callable[[int, dict], Choice]]]) -> None:
+    """The schedule against the best single fixed γ, overall and in its worst category, over ``orders``
+    orders of the answers (the file's own, then seeded shuffles): the carried calibration makes a
+    category's figure depend on which answers came before it."""
+    rows: dict[bool, list[tuple[float, float, str]]] = {False: [], True: []}
+    for k in range(orders):
+        order = data if k == 0 else shuffled(data, k)
+        results = {g: replay(order, prices, (lambda g: lambda i, state: ("draft", g))(g)) for g in fixed}
+        categories = sorted(results[fixed[0]])
+        mixed = [c for c in categories if c != "low-acceptance"]
+        for lookup, schedule in schedules.items():
+            result = replay(order, prices, schedule(order))
+            overall = _rate(result, mixed) / max(_rate(results[g], mixed) for g in fixed)
+            worst = min((_rate(result, [c]) / max(_rate(results[g], [c]) for g in fixed), c) for c in categories)
+            rows[lookup].append((overall, *worst))
+    for lookup, name in ((False, "adaptive (runtime schedule)"), (True, "adaptive + lookup (runtime default)")):
+        overall, worst, where = zip(*rows[lookup])
+        print(f"{name}, {orders} orders: {np.mean(overall):.3f}x the best single fixed γ overall (lowest "
+              f"{min(overall):.3f}); worst category {np.mean(worst):.3f}x its best fixed γ (lowest {min(worst):.3f}, "
+              f"{where[int(np.argmin(worst))]})")
 
 
 def warmed_calibration(paths: list[Path], category: str | None, prices: Prices, lookup: bool,
@@ -636,6 +670,8 @@ def main() -> None:
                     "the drafts it dropped (as before commit 'dropped drafts teach the table of later drafts')")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="with --analyze: replay the schedule with its "
                     "stop rule's price of time scaled by this (is the rule tuned?)")
+    ap.add_argument("--orders", type=int, default=1, help="with --analyze: also replay the schedule over this many "
+                    "orders of the answers (the file's own, then seeded shuffles) and report the mean and lowest")
     ap.add_argument("--fit-on", type=Path, metavar="FILE", help="with --analyze: fit a model of acceptance on "
                     "every signal on this signals file and score it on the analyzed one (see signal_value)")
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
@@ -647,7 +683,8 @@ def main() -> None:
         signal_value(load_signals([args.fit_on]), load_signals(args.analyze))
     elif args.analyze:
         analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max, args.warm_up,
-                args.warm_up_category, learn_drops=not args.ignore_drops, rate_scale=args.rate_scale)
+                args.warm_up_category, learn_drops=not args.ignore_drops, rate_scale=args.rate_scale,
+                orders=args.orders)
     else:
         collect(args)
 

@@ -185,3 +185,40 @@ def test_a_dearer_price_of_time_makes_the_replayed_rounds_shorter(signals):
         return float(np.mean(counts))
 
     assert drafted(0.5) > drafted(1.0) > drafted(2.0)
+
+
+def test_another_order_meets_the_same_answers_and_moves_only_what_the_carried_calibration_learnt(signals, capsys):
+    """``--orders``: a shuffled order keeps every answer whole and in its own order (only the prompts'
+    numbers change), so fixed γ, which carries nothing from one answer to the next, replays exactly as
+    before; and the spread line reports each adaptive mode once."""
+    data = recorded_answers(0)
+    again = signals.shuffled(data, 3)
+    assert not np.array_equal(again["prompt"], data["prompt"])
+    for prompt in np.unique(data["prompt"]):
+        rows = np.flatnonzero(data["prompt"] == prompt)
+        renumbered = np.unique(again["prompt"][rows])
+        assert len(renumbered) == 1 and np.array_equal(np.flatnonzero(again["prompt"] == renumbered[0]), rows)
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.013, 3: 0.016})
+    fixed = lambda i, state: ("draft", 2)
+    before, after = signals.replay(data, prices, fixed), signals.replay(again, prices, fixed)
+    assert {c: (pytest.approx(s), n) for c, (s, n) in before.items()} == after
+    schedules = {lookup: (lambda d, lookup=lookup: signals.adaptive_policy(d, prices, lookup, gamma_max=4))
+                 for lookup in (False, True)}
+    signals.order_spread(data, prices, [1, 2, 4], 3, schedules)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(", 3 orders: " in line for line in lines)
+
+
+def test_with_constant_sets_a_schedule_number_and_refuses_anything_else():
+    from edge_spec.runtime.schedule import acceptance
+
+    with benchmark_module("with_constant") as module:
+        saved = acceptance.CAUTION_FADE
+        try:
+            module.override("CAUTION_FADE=24")
+            assert acceptance.CAUTION_FADE == 24.0 and isinstance(acceptance.CAUTION_FADE, float)
+        finally:
+            acceptance.CAUTION_FADE = saved
+        for bad in ("NO_SUCH_NAME=1", "CAUTION_FADE", "Agreement=1"):
+            with pytest.raises(SystemExit):
+                module.override(bad)
