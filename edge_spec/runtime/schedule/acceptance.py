@@ -231,7 +231,7 @@ class Agreement:
         judged, whatever they were: confident drafts accepted say little about the shift (each moves it
         by ``1 − p``), so a caution held as evidence would keep a predictable request's rounds short for
         hundreds of drafts.  It only offsets what the planner is told; the shift learns as before.
-        Replayed over recorded answers (README, *A request starts below the calibration*) it lifts the
+        Replayed over recorded answers (README, *A request starts cautious*) it lifts the
         worst category and leaves the overall speed and the prime prompt as they were."""
         return cls(caution=REQUEST_CAUTION)
 
