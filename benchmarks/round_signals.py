@@ -456,7 +456,8 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
     prices.min_rows = 1 if one_row else 2
     start = {lookup: warmed_calibration(warm_up, warm_up_category, prices, lookup, gamma_max, learn_drops)
              for lookup in (False, True)}
-    schedule = lambda lookup: adaptive_policy(data, prices, lookup, gamma_max, start[lookup], learn_drops, rate_scale)
+    schedule = lambda lookup, answers=data: adaptive_policy(answers, prices, lookup, gamma_max, start[lookup],
+                                                           learn_drops, rate_scale)
     print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
           f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
           f"outside ORT per round {1e3 * prices.outside:.2f}")
@@ -491,7 +492,7 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
         return "draft", drafts
 
     sweep = sorted({g for g in (1, 2, 3, 4, 6, 8) if g <= gamma_max} | {gamma_max})  # as the bench sweeps
-    policies = {f"fixed γ={g}": (lambda g: lambda i, state: ("draft", g))(g) for g in sweep}
+    policies = {f"fixed γ={g}": fixed_gamma(g) for g in sweep}
     policies.update({
         "fixed γ=1 + lookup": with_lookup,
         "adaptive (runtime schedule)": schedule(lookup=False),
@@ -519,15 +520,29 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
         gain = _rate(results[name], mixed) / _rate(base, mixed) - 1
         print(f"{name}: {gain / oracle_gain:.2f} of the oracle's gain over fixed γ = 1 "
               f"({100 * gain:+.1f}% against {100 * oracle_gain:+.1f}%)")
-    fixed = [n for n in results if n.startswith("fixed γ=") and "lookup" not in n]
+    fixed = [results[f"fixed γ={g}"] for g in sweep]
     for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)"):
-        worst = min((_rate(results[name], [c]) / max(_rate(results[f], [c]) for f in fixed), c) for c in categories)
-        overall = _rate(results[name], mixed) / max(_rate(results[f], mixed) for f in fixed)
-        print(f"{name}: {overall:.3f}x the best single fixed γ overall; worst category {worst[1]} "
-              f"{worst[0]:.3f}x its best fixed γ")
+        overall, worst, where = against_best_fixed(results[name], fixed)
+        print(f"{name}: {overall:.3f}x the best single fixed γ overall; worst category {where} "
+              f"{worst:.3f}x its best fixed γ")
     if orders > 1:
-        order_spread(data, prices, sweep, orders, {lookup: (lambda d, lookup=lookup: adaptive_policy(
-            d, prices, lookup, gamma_max, start[lookup], learn_drops, rate_scale)) for lookup in (False, True)})
+        order_spread(data, prices, sweep, orders, schedule)
+
+
+def fixed_gamma(gamma: int) -> Callable[[int, dict], Choice]:
+    """The policy that drafts ``gamma`` drafts every round."""
+    return lambda i, state: ("draft", gamma)
+
+
+def against_best_fixed(result: dict[str, tuple[float, int]], fixed: list[dict[str, tuple[float, int]]]
+                       ) -> tuple[float, float, str]:
+    """``result`` against the best of the ``fixed`` γ replays: overall (the low-acceptance set left out),
+    and in its worst category against that category's best (ratio, category)."""
+    categories = sorted(result)
+    mixed = [c for c in categories if c != "low-acceptance"]
+    overall = _rate(result, mixed) / max(_rate(f, mixed) for f in fixed)
+    worst, where = min((_rate(result, [c]) / max(_rate(f, [c]) for f in fixed), c) for c in categories)
+    return overall, worst, where
 
 
 def shuffled(data: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -538,22 +553,18 @@ def shuffled(data: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
     return {**data, "prompt": np.array([renumber[p] for p in data["prompt"]])}
 
 
-def order_spread(data: dict[str, np.ndarray], prices: Prices, fixed: list[int], orders: int,
-                 schedules: dict[bool, Callable[[dict], Callable[[int, dict], Choice]]]) -> None:
-    """The schedule against the best single fixed γ, overall and in its worst category, over ``orders``
-    orders of the answers (the file's own, then seeded shuffles): the carried calibration makes a
-    category's figure depend on which answers came before it."""
+def order_spread(data: dict[str, np.ndarray], prices: Prices, sweep: list[int], orders: int,
+                 schedule: Callable[..., Callable[[int, dict], Choice]]) -> None:
+    """The schedule (``schedule(lookup, answers)``, with and without lookup) against the best single fixed
+    γ of ``sweep``, overall and in its worst category, over ``orders`` orders of the answers (the file's
+    own, then seeded shuffles): the carried calibration makes a category's figure depend on which answers
+    came before it."""
     rows: dict[bool, list[tuple[float, float, str]]] = {False: [], True: []}
     for k in range(orders):
         order = data if k == 0 else shuffled(data, k)
-        results = {g: replay(order, prices, (lambda g: lambda i, state: ("draft", g))(g)) for g in fixed}
-        categories = sorted(results[fixed[0]])
-        mixed = [c for c in categories if c != "low-acceptance"]
-        for lookup, schedule in schedules.items():
-            result = replay(order, prices, schedule(order))
-            overall = _rate(result, mixed) / max(_rate(results[g], mixed) for g in fixed)
-            worst = min((_rate(result, [c]) / max(_rate(results[g], [c]) for g in fixed), c) for c in categories)
-            rows[lookup].append((overall, *worst))
+        fixed = [replay(order, prices, fixed_gamma(g)) for g in sweep]
+        for lookup in rows:
+            rows[lookup].append(against_best_fixed(replay(order, prices, schedule(lookup, order)), fixed))
     for lookup, name in ((False, "adaptive (runtime schedule)"), (True, "adaptive + lookup (runtime default)")):
         overall, worst, where = zip(*rows[lookup])
         print(f"{name}, {orders} orders: {np.mean(overall):.3f}x the best single fixed γ overall (lowest "

@@ -202,9 +202,8 @@ def test_another_order_meets_the_same_answers_and_moves_only_what_the_carried_ca
     fixed = lambda i, state: ("draft", 2)
     before, after = signals.replay(data, prices, fixed), signals.replay(again, prices, fixed)
     assert {c: (pytest.approx(s), n) for c, (s, n) in before.items()} == after
-    schedules = {lookup: (lambda d, lookup=lookup: signals.adaptive_policy(d, prices, lookup, gamma_max=4))
-                 for lookup in (False, True)}
-    signals.order_spread(data, prices, [1, 2, 4], 3, schedules)
+    schedule = lambda lookup, answers: signals.adaptive_policy(answers, prices, lookup, gamma_max=4)
+    signals.order_spread(data, prices, [1, 2, 4], 3, schedule)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(", 3 orders: " in line for line in lines)
 
