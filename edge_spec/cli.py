@@ -132,7 +132,9 @@ def export(
     draft: Optional[str] = typer.Option(None, help="Drafter: same kinds of source; must share the target's tokenizer."),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Bundle directory (default models/bundles/<target>-<quant>)."),
     quant: str = typer.Option("int4", help="Weight quantization: int4 (MatMulNBits), int8 or fp32."),
-    block_size: int = typer.Option(32, help="Quantization block size."),
+    block_size: int = typer.Option(32, help="Quantization block size (the target's re-quantized matrices)."),
+    draft_block_size: int = typer.Option(128, help="The drafter's quantization block size: its rounding moves "
+                                         "acceptance only, and larger blocks make a draft step faster."),
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
     context_length: int = typer.Option(4096, help="Maximum context (KV cache capacity, rotary table size)."),
     gguf_blocks: str = typer.Option("target", help="Which GGUF sources keep their quantized blocks in "
@@ -165,7 +167,8 @@ def export(
     draft = draft or default_draft
     out_dir = out_dir or bundle_dir(target, quant)
     options = _head_options(draft_vocab, keep, calibration, rank, candidates, scorer, train_steps, union_keep,
-                            scorer_vocab, quant=quant, block_size=block_size, accuracy_level=accuracy_level,
+                            scorer_vocab, quant=quant, block_size=block_size,
+                            draft_block_size=draft_block_size, accuracy_level=accuracy_level,
                             context_length=context_length, gguf_blocks=gguf_blocks, gguf_layout=gguf_layout)
     eagle = shipped_eagle_head(target) if eagle is None else (None if eagle == "none" else eagle)
     with _progress_lines("exporting") as progress:

@@ -13,6 +13,7 @@ from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.manifest import read_manifest, sha256_file, verify_files
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.engine import Engine
+from tests.helpers import export_tiny
 from tests import tiny_models
 from tests.helpers import decoder_greedy, export_tiny
 
@@ -185,3 +186,42 @@ def test_tokenizer_mismatch_is_rejected(tmp_path, tiny_pair):
     }
     with pytest.raises(EdgeSpecError, match="token id 1"):
         export_bundle("t", "d", tmp_path / "x", ExportOptions(context_length=64), loader=models.__getitem__)
+
+
+def _blocks_of(onnx_path, k_wide: int) -> set[tuple[int, int]]:
+    """(K, block size) of every MatMulNBits node, and the GatherBlockQuantized table's (hidden, block)."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    found = set()
+    for node in graph.node:
+        attrs = {a.name: a.i for a in node.attribute}
+        if node.op_type == "MatMulNBits":
+            found.add((attrs["K"], attrs["block_size"]))
+        elif node.op_type == "GatherBlockQuantized":
+            found.add((k_wide, attrs["block_size"]))
+    return found
+
+
+def test_drafter_blocks_are_its_own(int4_bundle, tmp_path, tiny_pair):
+    """The drafter is re-quantized at ``draft_block_size`` (default 128: its rounding moves acceptance
+    only), the target keeps ``block_size``; both are recorded, and the drafter's heads follow its body.
+    A K (or an embedding row) narrower than the block gets the widest block that divides it: the tiny
+    models' K are 64 and 128."""
+    from edge_spec.export.graph_builder import row_block_size
+
+    manifest = read_manifest(int4_bundle)
+    assert manifest["target"]["quantization"]["block_size"] == 32
+    assert manifest["draft"]["quantization"]["block_size"] == 128
+    hidden = manifest["draft"]["config"]["hidden_size"]
+    target = _blocks_of(int4_bundle / manifest["target"]["onnx"], hidden)
+    drafter = _blocks_of(int4_bundle / manifest["draft"]["onnx"], hidden)
+    head = _blocks_of(int4_bundle / manifest["draft"]["heads"]["trim-64"]["onnx"], hidden)
+    assert {block for _, block in target} == {32}
+    assert drafter == {(64, 64), (128, 128)} and head == {(64, 64)}
+    assert row_block_size(896, 128) == 128 and row_block_size(192, 128) == 64 and row_block_size(40, 128) == 16
+
+    other = export_tiny(tmp_path / "b32", tiny_pair, draft_block_size=32, draft_vocab="trim", keep=(64,))
+    again = read_manifest(other)
+    assert again["draft"]["quantization"]["block_size"] == 32
+    assert {block for _, block in _blocks_of(other / again["draft"]["onnx"], hidden)} == {32}

@@ -330,6 +330,7 @@ def test_generate_interrupted_exits_130(monkeypatch, capsys, fp32_bundle):
     ({"context_length": -5}, "--context-length"),
     ({"quant": "int4", "block_size": 7}, "--block-size"),
     ({"quant": "int8", "block_size": 0}, "--block-size"),
+    ({"quant": "int4", "draft_block_size": 24}, "--draft-block-size"),
 ])
 def test_export_flags_checked_before_loading(tmp_path, tiny_pair, options, fragment):
     with pytest.raises(EdgeSpecError, match=fragment):

@@ -29,6 +29,9 @@ from edge_spec.manifest import FORMAT, MANIFEST, file_record, tokenizer_record, 
 class ExportOptions:
     quant: str = "int4"
     block_size: int = 32
+    # the drafter's re-quantized blocks: its rounding moves acceptance, not the output, and at 128 its small
+    # matrices run a draft step faster than at 32 for the same acceptance (README, *A cheaper drafter step*)
+    draft_block_size: int = 128
     accuracy_level: int = 4
     context_length: int = 4096
     draft_vocab: str = "full"  # comma list of: full, trim, specvocab, trim+specvocab (first non-full: default)
@@ -55,9 +58,9 @@ class ExportOptions:
     def check(self) -> None:
         if self.quant not in ("int4", "int8", "fp32"):
             raise EdgeSpecError(f"--quant must be int4, int8 or fp32, not {self.quant!r}")
-        if self.quant != "fp32" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
-            raise EdgeSpecError(f"--block-size must be a power of two, 16 or more (MatMulNBits), "
-                                f"not {self.block_size}")
+        for flag, size in (("--block-size", self.block_size), ("--draft-block-size", self.draft_block_size)):
+            if self.quant != "fp32" and (size < 16 or size & (size - 1)):
+                raise EdgeSpecError(f"{flag} must be a power of two, 16 or more (MatMulNBits), not {size}")
         if self.context_length < 16:
             raise EdgeSpecError(f"--context-length must be at least 16 tokens, not {self.context_length}")
         for mode in self.vocab_modes or ["?"]:
@@ -509,8 +512,9 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         raise EdgeSpecError(
             f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
         )
-    build = dataclasses.replace(build, gguf_blocks=carries_gguf_blocks(options, "draft"))
-    draft_quant = _gguf_quant_info(draft, quant_info, build, progress)
+    build = dataclasses.replace(build, gguf_blocks=carries_gguf_blocks(options, "draft"),
+                                block_size=options.draft_block_size)
+    draft_quant = _gguf_quant_info(draft, dict(quant_info, block_size=options.draft_block_size), build, progress)
     _say(progress, f"building drafter body ({options.quant})")
     export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
     draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
@@ -571,10 +575,11 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     draft_quant = record.get("quantization", {})
     carried = isinstance(draft_quant.get("gguf_blocks"), dict)
     # a bundle from before the fast layout records none: its carried heads were exact
-    build = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"],
+    block_size = draft_quant.get("block_size", quant["block_size"])  # the drafter's own blocks, where recorded
+    build = BuildOptions(quant["weights"], block_size, quant["accuracy_level"], manifest["context_length"],
                          gguf_blocks=carried, carry_exact=draft_quant.get("gguf_layout", "exact") == "exact",
                          carry_narrow=draft_quant.get("gguf_layout") == "small")
-    options = dataclasses.replace(options, quant=quant["weights"], block_size=quant["block_size"],
+    options = dataclasses.replace(options, quant=quant["weights"], block_size=block_size, draft_block_size=block_size,
                                   accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
     staging = _staged_copy(bundle_dir, manifest)

@@ -40,6 +40,7 @@ class SpecSummary:
     speculation_misses: int = 0
     speculations_prepared: int = 0
     prepare_seconds: float = 0.0  # SSD: drafting off the critical path
+    drafted_lengths: list[int] = field(default_factory=list)  # drafts per verify pass, beside accepted_lengths
 
     @property
     def cache_hit_rate(self) -> float:
@@ -114,4 +115,4 @@ class SpecStats:
             sources={name: SourceTally(**vars(t)) for name, t in self.sources.items()},
             accepted_lengths=list(self.accepted), speculation_hits=self.speculation_hits,
             speculation_misses=self.speculation_misses, speculations_prepared=self.speculations_prepared,
-            prepare_seconds=self.prepare_seconds)
+            prepare_seconds=self.prepare_seconds, drafted_lengths=list(self.drafted))
