@@ -13,7 +13,6 @@ from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.manifest import read_manifest, sha256_file, verify_files
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.engine import Engine
-from tests.helpers import export_tiny
 from tests import tiny_models
 from tests.helpers import decoder_greedy, export_tiny
 

@@ -105,7 +105,7 @@ def test_engine_multidraft_mode_and_errors(int4_bundle):
     ar = engine.complete("def is_prime", max_new_tokens=20, mode="ar")
     assert got.token_ids == ar.token_ids
     # the rate is the share of the target calls with drafts that accepted their first position, i.e.
-    # accepted anything (a last round left no room drafts nothing); the second branch makes it higher
+    # accepted anything (a round with no room left drafts nothing); the second branch makes it higher
     # than one chain's
     summary = got.stats.spec
     accepted, drafted = summary.accepted_lengths, summary.drafted_lengths

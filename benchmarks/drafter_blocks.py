@@ -1,0 +1,93 @@
+"""Which quantization blocks should the drafter get?  Its step cost and its acceptance, bundle by bundle.
+
+The drafter's rounding moves acceptance only, never the output, so its block size is a speed trade:
+larger blocks make ORT's int8-activation kernel cheaper per weight, and round the weights coarser.
+Give bundles that differ only in their drafter (export the same pair with ``--draft-block-size 32`` /
+``64`` / ``128``); this measures, for each:
+
+* the drafter body's one-token step alone (``Decoder`` on ``draft/body.onnx`` after a 40-token prompt,
+  median of ``--steps``), the bundles taking turns ``--rounds`` times so that a drift of the machine
+  reaches them all alike;
+* with ``--acceptance``: fixed γ = ``--gamma``, no lookup, over the bench prompts (deterministic when
+  greedy, since the target is the same): τ, acceptance at each draft position, and a whole draft step
+  in the loop (body, head, Python).
+
+    python benchmarks/drafter_blocks.py BUNDLE_32 BUNDLE_128 [--acceptance] [--temperature 0.7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_spec.bench import load_bench_prompts
+from edge_spec.manifest import read_manifest
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.loops.config import loop_config
+from edge_spec.runtime.model.decoder import Decoder
+
+PROMPT_TOKENS = 40
+
+
+def drafter_blocks(bundle: Path) -> int:
+    return read_manifest(bundle)["draft"]["quantization"]["block_size"]
+
+
+def step_median_ms(body: Decoder, steps: int) -> float:
+    """Median one-token step after a fixed prompt (the first steps left out: caches warming)."""
+    body.reset()
+    body.forward(list(range(100, 100 + PROMPT_TOKENS)), 1)
+    times = []
+    for i in range(steps):
+        started = time.perf_counter()
+        body.forward([200 + i], 1)
+        times.append(time.perf_counter() - started)
+    return 1e3 * float(np.median(times[5:]))
+
+
+def acceptance(bundle: Path, gamma: int, temperature: float, threads: int, max_tokens: int) -> str:
+    engine = Engine.from_bundle(bundle, threads=threads,
+                                config=loop_config("spec", schedule="fixed", gamma=gamma, lookup=False))
+    accepted, steps, draft_seconds = [], 0, 0.0
+    sampled = {} if temperature == 0 else {"seed": 7, "sampler": "coupled"}
+    for item in load_bench_prompts(None, None, None):
+        summary = engine.complete(item.get("messages") or item["prompt"], max_new_tokens=max_tokens,
+                                  temperature=temperature, **sampled).stats.spec
+        accepted += summary.accepted_lengths
+        steps += summary.draft_steps
+        draft_seconds += summary.draft_seconds
+    lengths = np.array(accepted)
+    by_position = [float(np.mean(lengths[lengths >= i] >= i + 1)) for i in range(gamma)]
+    return (f"τ {1 + lengths.mean():.3f} over {len(lengths)} rounds, acceptance by position "
+            f"{' / '.join(f'{a:.3f}' for a in by_position)}, draft step in the loop {1e3 * draft_seconds / steps:.2f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bundles", nargs="+", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--acceptance", action="store_true", help="also fixed-γ acceptance over the bench prompts")
+    parser.add_argument("--gamma", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    bodies = {bundle: Decoder(bundle / read_manifest(bundle)["draft"]["onnx"], threads=args.threads, takes_turns=True)
+              for bundle in args.bundles}
+    for turn in range(args.rounds):
+        print(f"round {turn + 1}: " + ", ".join(f"blocks of {drafter_blocks(b)} {step_median_ms(body, args.steps):.2f} ms"
+                                               for b, body in bodies.items()), flush=True)
+    del bodies
+    if args.acceptance:
+        for bundle in args.bundles:
+            print(f"{bundle} (blocks of {drafter_blocks(bundle)}), γ {args.gamma}, T {args.temperature}: "
+                  f"{acceptance(bundle, args.gamma, args.temperature, args.threads, args.max_tokens)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
