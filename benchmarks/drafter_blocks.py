@@ -8,9 +8,9 @@ Give bundles that differ only in their drafter (export the same pair with ``--dr
 * the drafter body's one-token step alone (``Decoder`` on ``draft/body.onnx`` after a 40-token prompt,
   median of ``--steps``), the bundles taking turns ``--rounds`` times so that a drift of the machine
   reaches them all alike;
-* with ``--acceptance``: fixed γ = ``--gamma``, no lookup, over the bench prompts (deterministic when
-  greedy, since the target is the same): τ, acceptance at each draft position, and a whole draft step
-  in the loop (body, head, Python).
+* with ``--acceptance``: fixed γ = ``--gamma``, no lookup, over the bench prompts as chat messages, as
+  ``bench`` sends them (deterministic when greedy, since the target is the same): τ, acceptance at
+  each draft position, and a whole draft step in the loop (body, head, Python).
 
     python benchmarks/drafter_blocks.py BUNDLE_32 BUNDLE_128 [--acceptance] [--temperature 0.7]
 """
@@ -25,6 +25,7 @@ import numpy as np
 
 from edge_spec.bench import load_bench_prompts
 from edge_spec.manifest import read_manifest
+from edge_spec.prompts import as_messages
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import loop_config
 from edge_spec.runtime.model.decoder import Decoder
@@ -54,7 +55,7 @@ def acceptance(bundle: Path, gamma: int, temperature: float, threads: int, max_t
     accepted, steps, draft_seconds = [], 0, 0.0
     sampled = {} if temperature == 0 else {"seed": 7, "sampler": "coupled"}
     for item in load_bench_prompts(None, None, None):
-        summary = engine.complete(item.get("messages") or item["prompt"], max_new_tokens=max_tokens,
+        summary = engine.complete(as_messages(item["prompt"]), max_new_tokens=max_tokens,
                                   temperature=temperature, **sampled).stats.spec
         accepted += summary.accepted_lengths
         steps += summary.draft_steps
@@ -77,15 +78,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
+    blocks = {bundle: drafter_blocks(bundle) for bundle in args.bundles}
     bodies = {bundle: Decoder(bundle / read_manifest(bundle)["draft"]["onnx"], threads=args.threads, takes_turns=True)
               for bundle in args.bundles}
     for turn in range(args.rounds):
-        print(f"round {turn + 1}: " + ", ".join(f"blocks of {drafter_blocks(b)} {step_median_ms(body, args.steps):.2f} ms"
+        print(f"round {turn + 1}: " + ", ".join(f"blocks of {blocks[b]} {step_median_ms(body, args.steps):.2f} ms"
                                                for b, body in bodies.items()), flush=True)
     del bodies
     if args.acceptance:
         for bundle in args.bundles:
-            print(f"{bundle} (blocks of {drafter_blocks(bundle)}), γ {args.gamma}, T {args.temperature}: "
+            print(f"{bundle} (blocks of {blocks[bundle]}), γ {args.gamma}, T {args.temperature}: "
                   f"{acceptance(bundle, args.gamma, args.temperature, args.threads, args.max_tokens)}", flush=True)
 
 

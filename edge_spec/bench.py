@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.prompts import read_prompt_file
+from edge_spec.prompts import as_messages, read_prompt_file
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
@@ -148,8 +148,7 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
     done = 0
     for temperature in temperatures:
         for index, item in enumerate(prompts):
-            prompt = item["prompt"]
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            messages = as_messages(item["prompt"])
             references: dict[bool, list[int]] = {}  # target-only answers by numerics (exact or one-row)
             fastest: dict[str, dict] = {}
             for _ in range(repeats):
