@@ -29,8 +29,8 @@ from edge_spec.manifest import FORMAT, MANIFEST, file_record, tokenizer_record, 
 class ExportOptions:
     quant: str = "int4"
     block_size: int = 32
-    # the drafter's re-quantized blocks: its rounding moves acceptance, not the output, and at 128 its small
-    # matrices run a draft step faster than at 32 for the same acceptance (README, *A cheaper drafter step*)
+    # the drafter's re-quantized blocks: its rounding moves acceptance, not the output, and at 128 its narrow
+    # matrices make a draft step cheaper than at 32 by more than the acceptance lost (README, *A cheaper drafter step*)
     draft_block_size: int = 128
     accuracy_level: int = 4
     context_length: int = 4096
