@@ -62,6 +62,15 @@ def run_steps(decoder: Decoder, prompt_ids: list[int], steps: int) -> tuple[floa
     return prefill, walls
 
 
+def profiled_decoder(onnx_path: Path, threads: int, capacity: int = 4096) -> Decoder:
+    """A ``Decoder`` whose session writes ORT's profile (into a fresh temporary directory) until
+    ``decoder.session.end_profiling()`` returns its path."""
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="edge-spec-profile-")) / "target")
+    return Decoder(onnx_path, threads=threads, capacity=capacity, session_options=options)
+
+
 def role_of(node: str) -> str:
     """'layers.3.gate_up/out/MatMulNBits' -> 'gate_up'; 'lm_head/out/MatMulNBits' -> 'lm_head'."""
     if "lm_head" in node:
@@ -123,11 +132,7 @@ def main() -> None:
     del plain
 
     # ---- profiled session
-    tmp = Path(tempfile.mkdtemp(prefix="edge-spec-profile-"))
-    opts = ort.SessionOptions()
-    opts.enable_profiling = True
-    opts.profile_file_prefix = str(tmp / "target")
-    decoder = Decoder(onnx_path, threads=args.threads, capacity=capacity, session_options=opts)
+    decoder = profiled_decoder(onnx_path, args.threads, capacity)
     run_steps(decoder, prompt_ids[:8], 4)  # same warm-up (its 5 runs are dropped from the profile below)
     prefill, walls = run_steps(decoder, prompt_ids, args.steps)
     profile = Path(decoder.session.end_profiling())

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,12 +23,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
-import onnxruntime as ort  # noqa: E402
 
 from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
-from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
-from profile_step import parse_profile, role_of  # noqa: E402
+from profile_step import parse_profile, profiled_decoder, role_of  # noqa: E402
 
 
 def matmul_bits(onnx_path: Path) -> dict[str, int]:
@@ -48,10 +45,7 @@ def main() -> None:
     args = parser.parse_args()
 
     onnx_path = args.bundle / read_manifest(args.bundle)["target"]["onnx"]
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="edge-spec-rows-")) / "target")
-    decoder = Decoder(onnx_path, threads=args.threads, capacity=4096, session_options=options)
+    decoder = profiled_decoder(onnx_path, args.threads)
     decoder.reset()
     decoder.forward(list(range(100, 160)))
     row_counts = range(1, args.rows + 1)
