@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from gguf import GGMLQuantizationType as T
-from gguf import quants
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (the export extra) reads GGUF blocks")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import quants  # noqa: E402
 from onnx import TensorProto, helper
 
 from edge_spec.export.gguf_blocks import (CarriedBlocks, add_carried_linear, carry_gguf, concat_blocks, fast_layout,
