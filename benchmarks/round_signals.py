@@ -269,6 +269,9 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
                 accepted = min(int(data["lookup_run"][i]), drafts) if kind == "lookup" else int(data["guess_ok"][i]) * drafts
                 seconds += prices.verify(drafts) + (prices.drafter(unseen) if kind == "dropped" else 0.0)
                 state["outcome"] = (kind, drafts, accepted, [])
+                if kind == "lookup":  # the next offered token against the round's bonus token (checked for free)
+                    state["lookup_next"] = (int(data["lookup_run"][i]) > drafts
+                                            if accepted == drafts and int(data["lookup_len"][i]) > drafts else None)
                 unseen = 1 + accepted if kind == "dropped" else unseen + 1 + accepted
             j += 1 + accepted
         cell = totals[str(data["category"][rows[0]])]
@@ -376,14 +379,15 @@ def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -
 
 def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, gamma_max: int = 4,
                     calibration: AcceptanceCalibration | None = None, learn_drops: bool = True,
-                    rate_scale: float = 1.0) -> Callable[[int, dict], Choice]:
+                    rate_scale: float = 1.0, check_next: bool = True) -> Callable[[int, dict], Choice]:
     """The runtime's schedule as the chain's planner runs it: a lookup match when ``LookupChoice``
     takes it, else a round planned by :class:`AdaptiveGamma` whose :class:`DraftRound` sees each
     draft's recorded confidence, else a free guess.  One calibration is carried over every prompt, as
     the engine carries it over requests (``calibration``: where it starts).  ``learn_drops`` False: the
     schedule as it was before the drafts it dropped taught its table of later drafts (``--ignore-drops``).
     ``rate_scale``: the stop rule's price of time (the rate a round must beat) scaled, to ask whether the
-    rule is tuned (``--rate-scale``)."""
+    rule is tuned (``--rate-scale``).  ``check_next`` False: lookup rounds do not check the offered token
+    after the taken ones against the round's bonus token (as before that check)."""
     costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) - prices.outside for n in range(1, gamma_max + 2)},
                       catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0), overhead=prices.outside)
     carried = calibration or AcceptanceCalibration()
@@ -396,8 +400,10 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
             kind, drafted, accepted, confidences = state.pop("outcome")
             if kind == "draft":
                 schedule.update(drafted, accepted, confidences, dropped=dropped and learn_drops)
+            if kind == "dropped" and learn_drops:  # the round's only draft dropped: what it was worth
+                schedule.update(0, 0, dropped=True)
             if kind == "lookup":
-                choice.update(drafted, accepted)
+                choice.update(drafted, accepted, state.pop("lookup_next", None) if check_next else None)
         if "guessed" in state:  # every round checks the guess it could have carried (as the planner does)
             guessed = state.pop("guessed")
             schedule.estimates.record_guess(int(data["guess_match"][guessed]), bool(data["guess_ok"][guessed]))

@@ -81,6 +81,45 @@ def test_sequence_calibration_learns_only_from_later_drafts():
     assert calibration.later_draft() > 0.95
 
 
+def test_a_round_that_took_one_lookup_draft_checks_the_next_offered_token_for_free():
+    """All drafts taken were accepted and the sequence offered one more: the round's bonus token says
+    whether that draft would have been accepted, so the table of later drafts learns even from rounds
+    that take a single draft (else a table pulled down once keeps a copying request at one draft)."""
+    choice = lookup_choice()
+    for _ in range(100):
+        choice.update(drafted=1, accepted=1, next_right=False)
+    assert choice.calibration.later_draft() < 0.1 and choice.calibration.later.trials == pytest.approx(100, rel=0.2)
+    for _ in range(300):
+        choice.update(drafted=1, accepted=1, next_right=True)
+    assert choice.calibration.later_draft() > 0.75
+    silent = lookup_choice()  # negative controls: no offer beyond the taken drafts, or a rejected draft
+    silent.update(drafted=1, accepted=1)
+    silent.update(drafted=2, accepted=1, next_right=True)  # the caller passes None here; nothing is judged anyway
+    assert silent.calibration.later.trials == pytest.approx(1)  # only the rejected second draft
+
+
+def test_the_planner_checks_the_lookup_token_after_the_taken_ones(engine, monkeypatch):
+    """Through the chain loop: every lookup round whose drafts were all accepted hands its choice the
+    comparison of the next offered token with the target's bonus token.  The sequence here offers the
+    reference answer itself, so every such check must say right."""
+    from edge_spec.runtime.loops.config import ChainConfig
+
+    ids = engine.tokenizer.encode(REPETITIVE[1])
+    reference, _ = run(engine, ids, SamplingParams(), 24, None)
+    sequence = list(ids) + reference
+    monkeypatch.setattr(NgramLookup, "match", lambda self, tokens, gamma, min_n=None: (
+        sequence[len(tokens):len(tokens) + gamma], 4))
+    monkeypatch.setattr(LookupChoice, "lookup_gamma", lambda self, offered, *args, **kwargs: 1)  # take 1 of 4
+    checks = []
+    update = LookupChoice.update
+    monkeypatch.setattr(LookupChoice, "update", lambda self, drafted, accepted, next_right=None: (
+        checks.append(next_right), update(self, drafted, accepted, next_right))[1])
+    got, stats = run(engine, ids, SamplingParams(), 24, ChainConfig(gamma=4, adaptive=False, proposers=("lookup", "model")))
+    assert got == reference
+    assert stats.tally("lookup").rounds > 0 and True in checks
+    assert all(check in (True, None) for check in checks)  # an offer past the answer's end has no check
+
+
 REPETITIVE = ["a b c d a b c d a b", "def f(x): return x def f(x): return", "one two three one two three one"]
 
 

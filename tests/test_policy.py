@@ -172,6 +172,36 @@ def test_probes_back_off_while_plain_decoding_wins_and_stop_when_drafts_are_acce
     assert policy.begin_round(CPU) is not None and not policy.probing
 
 
+def test_a_request_whose_every_draft_is_dropped_stops_paying_for_the_step():
+    """Rounds whose only draft the stop rule drops (the drafter unsure at every step) teach the
+    first-draft estimate what those drafts were worth (their estimated acceptance), so the plan stops
+    paying a step to drop a draft; a confident draft dropped only for a likely guess does not count
+    against the drafter."""
+    def steps_paid(told: bool) -> int:
+        policy = AdaptiveGamma(gamma_max=4, estimates=RequestAcceptance(AcceptanceCalibration(), first=0.8))
+        paid = 0
+        for _ in range(40):
+            rule = policy.begin_round(README_MACHINE)
+            if rule is None or rule.forced:
+                continue
+            paid += 1
+            assert rule.add(0.05) == (False, False)  # dropped: not worth its verify row
+            if told:
+                policy.update(0, 0, dropped=True)
+        return paid
+
+    assert 0 < steps_paid(told=True) <= 8
+    assert steps_paid(told=False) == 40  # negative control: a plan never told pays a step every round
+    calibration = AcceptanceCalibration()
+    before = calibration.first_draft()
+    unsure, confident = RequestAcceptance(calibration, first=0.8), RequestAcceptance(calibration, first=0.8)
+    unsure.record_dropped_first(0.05)
+    confident.record_dropped_first(0.99)  # dropped only because the free guess was worth more
+    assert unsure.first == pytest.approx(0.8 + 0.1 * (unsure.acceptance(0.05) - 0.8)) and unsure.first < 0.73
+    assert confident.first > 0.8  # what such a draft was worth: more than the request's average
+    assert calibration.first_draft() == before  # the carried estimate is the verified drafts' alone
+
+
 def test_a_draft_less_round_is_worth_its_free_guess():
     # exact passes: a round without drafts still verifies two rows, the second a free guess
     exact = CostModel(draft=0.013, verify={1: 0.052, 2: 0.052, 3: 0.069, 4: 0.083})

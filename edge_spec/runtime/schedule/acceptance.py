@@ -316,6 +316,16 @@ class RequestAcceptance:
         """A drafter round whose confidences were not computed (fixed γ): only the first-draft average."""
         self.first += self.smoothing * (float(accepted) - self.first)
 
+    def record_dropped_first(self, confidence: float) -> None:
+        """A round whose only draft the stop rule dropped unverified, at ``confidence``.  The first-draft
+        estimate prices the step that starts a round; learning it from kept drafts alone would learn it
+        from the confident ones, so a request whose drafter is unsure at every step (a script it hardly
+        knows, a word spelt backwards) would pay a step in every round and drop each draft.  The dropped
+        draft's outcome is unknown, so it teaches what it was expected to be worth: its acceptance as
+        this request's calibration estimates it (low for an unsure draft; high for a confident one
+        dropped only because the free guess was worth more, which says nothing against the drafter)."""
+        self.first += self.smoothing * (self.acceptance(confidence) - self.first)
+
     def record(self, confidences: list[float], accepted: int, dropped: bool = False) -> None:
         if not confidences:
             return

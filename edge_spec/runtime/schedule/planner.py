@@ -43,6 +43,7 @@ class DraftPlanner:
         self.policy = AdaptiveGamma(gamma, self.estimates) if adaptive else None
         self.overhead = overhead or RoundOverhead()
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
+        self._offered: list[int] = []  # what the sequence offered this round, before the round took its share
 
     def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> DraftBlock:
         rule = DraftRule(params, rng, self.gamma, self.min_confidence)
@@ -59,6 +60,7 @@ class DraftPlanner:
             take = choice.lookup_gamma(len(block.tokens), block.matched, costs, self.gamma, model_rate,
                                        self.adaptive) if block.tokens else 0
             if take:
+                self._offered = list(block.tokens)
                 block.truncate(take)
                 return block
         block = DraftBlock()
@@ -92,9 +94,14 @@ class DraftPlanner:
                 self.policy.update(drafted, result.accepted, block.confidences, dropped=block.steps > drafted)
             else:  # fixed γ computes no confidences: only the first-draft average (lookup weighs against it)
                 self.estimates.note_first(result.accepted > 0)
+        elif self.policy is not None and block.steps:  # the drafter stepped and the stop rule dropped its draft
+            self.policy.update(0, 0, dropped=True)
         for proposer, choice in self.sequences:
             if block.source == proposer.name:
-                choice.update(drafted, result.accepted)
+                offered_next = self._offered[drafted] if len(self._offered) > drafted else None
+                next_right = (None if offered_next is None or result.accepted < drafted
+                              else result.tokens[drafted] == offered_next)
+                choice.update(drafted, result.accepted, next_right)
         if self._guessed is not None:  # verified or not, the guess was right iff the target's token equals it
             matched, guess = self._guessed
             self.estimates.record_guess(matched, result.tokens[0] == guess)

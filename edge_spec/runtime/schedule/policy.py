@@ -152,6 +152,7 @@ class DraftRound:
     estimates: RequestAcceptance
     forced: bool = False  # keep every draft up to gamma_max (probe rounds)
     spare: float = 0.0  # chance that the free guess is right, should the round drop its only draft
+    dropped: float | None = None  # the confidence of the draft the rule dropped, if it dropped one
     kept: int = 0
     survive: float = 1.0
     expected: float = 1.0
@@ -172,6 +173,7 @@ class DraftRound:
         length = self.best_length(self.estimates.acceptance(confidence), self.estimates.next_after(confidence),
                                   allow_drop=may_drop)
         if length < k:
+            self.dropped = confidence
             return False, False
         self._keep(self.estimates.acceptance(confidence))
         return True, length > k
@@ -232,6 +234,7 @@ class AdaptiveGamma:
     _rounds_without_draft: int = 0
     _interval: int = 0
     _reach: int | None = None
+    _round: DraftRound | None = None  # the stop rule of the round begun last (None: a draft-less round)
 
     def ceiling(self, costs: CostModel) -> int:
         """The most drafts this request's rounds may have: :func:`reach`, fixed from its first costs."""
@@ -246,6 +249,10 @@ class AdaptiveGamma:
     def begin_round(self, costs: CostModel, spare: float = 0.0) -> DraftRound | None:
         """None: decode this round without drafts (a spare row's filler is accepted with ``spare``).
         Otherwise the round's stop rule."""
+        self._round = self._begin(costs, spare)
+        return self._round
+
+    def _begin(self, costs: CostModel, spare: float) -> DraftRound | None:
         plan = self.plan(costs, spare)
         self.probing = False
         if plan.gamma > 0:
@@ -264,6 +271,9 @@ class AdaptiveGamma:
 
     def update(self, drafted: int, accepted: int, confidences: list[float] | None = None,
                dropped: bool = False) -> None:
-        """Fold one verified round into the estimates (``dropped``: it drafted one more draft and dropped it)."""
+        """Fold one round of the drafter's into the estimates (``dropped``: it drafted one more draft and
+        dropped it; with no draft kept, the round's first step bought nothing)."""
         if drafted:
             self.estimates.record((confidences or [])[:drafted], accepted, dropped)
+        elif dropped and self._round is not None and self._round.dropped is not None:
+            self.estimates.record_dropped_first(self._round.dropped)

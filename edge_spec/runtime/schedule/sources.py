@@ -46,11 +46,19 @@ class LookupChoice:
             return 1
         return 0
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """A verified lookup round: its later drafts (the planner checks the first as the round's guess)."""
+    def update(self, drafted: int, accepted: int, next_right: bool | None = None) -> None:
+        """A verified lookup round: its later drafts (the planner checks the first as the round's guess).
+        ``next_right``: every draft taken was accepted and the sequence offered one more, which equals
+        the target's own next token (the round's bonus) or not -- the fate that draft would have had,
+        checked for free.  Without it a request whose rounds take one lookup draft never learns whether
+        a second would pay: a table of later drafts that a translation's failed copies pulled down keeps
+        the next request's copied summary at one draft a round."""
         for i in range(1, min(drafted, accepted + 1)):
             self.agreement.note(self.calibration.later_draft(), i < accepted)
         self.calibration.record(drafted, accepted)
+        if next_right is not None and drafted and accepted == drafted:
+            self.agreement.note(self.calibration.later_draft(), next_right)
+            self.calibration.later.record(next_right)
 
     def _estimates(self, matched: int) -> tuple[float, float]:
         return self.estimates.guess(matched), self.agreement.scale(self.calibration.later_draft())
