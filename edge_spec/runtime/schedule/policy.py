@@ -152,7 +152,7 @@ class DraftRound:
     estimates: RequestAcceptance
     forced: bool = False  # keep every draft up to gamma_max (probe rounds)
     spare: float = 0.0  # chance that the free guess is right, should the round drop its only draft
-    dropped: float | None = None  # the confidence of the draft the rule dropped, if it dropped one
+    dropped_confidence: float | None = None  # of the draft the rule dropped, if it dropped one
     kept: int = 0
     survive: float = 1.0
     expected: float = 1.0
@@ -173,7 +173,7 @@ class DraftRound:
         length = self.best_length(self.estimates.acceptance(confidence), self.estimates.next_after(confidence),
                                   allow_drop=may_drop)
         if length < k:
-            self.dropped = confidence
+            self.dropped_confidence = confidence
             return False, False
         self._keep(self.estimates.acceptance(confidence))
         return True, length > k
@@ -275,5 +275,5 @@ class AdaptiveGamma:
         dropped it; with no draft kept, the round's first step bought nothing)."""
         if drafted:
             self.estimates.record((confidences or [])[:drafted], accepted, dropped)
-        elif dropped and self._round is not None and self._round.dropped is not None:
-            self.estimates.record_dropped_first(self._round.dropped)
+        elif dropped and self._round is not None and self._round.dropped_confidence is not None:
+            self.estimates.record_dropped_first(self._round.dropped_confidence)
