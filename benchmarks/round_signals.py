@@ -384,7 +384,8 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
     takes it, else a round planned by :class:`AdaptiveGamma` whose :class:`DraftRound` sees each
     draft's recorded confidence, else a free guess.  One calibration is carried over every prompt, as
     the engine carries it over requests (``calibration``: where it starts).  ``learn_drops`` False: the
-    schedule as it was before the drafts it dropped taught its table of later drafts (``--ignore-drops``).
+    schedule as it was before the drafts it dropped taught it anything: the table of later drafts, and the
+    request's first-draft estimate when a round's only draft was dropped (``--ignore-drops``).
     ``rate_scale``: the stop rule's price of time (the rate a round must beat) scaled, to ask whether the
     rule is tuned (``--rate-scale``).  ``check_next`` False: lookup rounds do not check the offered token
     after the taken ones against the round's bonus token (as before that check)."""
@@ -684,7 +685,7 @@ def main() -> None:
                     "these signals files first, so that the schedule starts from the calibration they leave")
     ap.add_argument("--warm-up-category", help="with --warm-up: only this category's answers (e.g. translation)")
     ap.add_argument("--ignore-drops", action="store_true", help="with --analyze: the schedule does not learn from "
-                    "the drafts it dropped (as before commit 'dropped drafts teach the table of later drafts')")
+                    "the drafts it dropped (neither the table of later drafts nor a request's first-draft estimate)")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="with --analyze: replay the schedule with its "
                     "stop rule's price of time scaled by this (is the rule tuned?)")
     ap.add_argument("--orders", type=int, default=1, help="with --analyze: also replay the schedule over this many "
