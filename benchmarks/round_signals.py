@@ -23,7 +23,8 @@ latency a bench run measured for its passes (target rows, drafter catch-up rows)
 time outside ORT per round.  Policies: fixed γ = 1 with and without lookup, the runtime's own
 :class:`AdaptiveGamma`, rules on pre-draft signals, a foresight schedule that knows every draft's confidence
 before drafting (a bound for schedules driven by it), and the oracle that knows every outcome (an upper
-bound for any schedule).  ``--analyze FILE --fit-on OTHER`` asks whether any recorded signal adds to
+bound for any schedule), and the default told one kind of outcome at a time (where the rest of the
+oracle's gain lies: ``informed_policy``).  ``--analyze FILE --fit-on OTHER`` asks whether any recorded signal adds to
 the drafter's confidence (a logistic model fitted on OTHER, scored on FILE).
 """
 
@@ -368,6 +369,42 @@ def foresight_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int
     return lambda i, state: plans[int(i), min(state["unread"], unread)]
 
 
+KNOWLEDGE = {"lookup": "how far each lookup match runs", "skip": "which first drafts the target rejects",
+             "stop": "where each chain of accepted drafts breaks"}
+
+
+def informed_policy(data: dict[str, np.ndarray], schedule: Callable[[int, dict], Choice], know: str,
+                    gamma_max: int) -> Callable[[int, dict], Choice]:
+    """The schedule told one kind of outcome (``KNOWLEDGE``), to ask where the oracle's gain lies: take
+    every lookup match exactly as far as the target accepts it ("lookup"); give a round whose first draft
+    the target would reject a guess instead of the drafter step ("skip"); draft a round whose first draft
+    is accepted exactly as far as its drafts are ("stop").  Otherwise the schedule decides, and it learns
+    from every round as it would."""
+    last = len(data["prompt"]) - 1
+
+    def run(i: int) -> int:
+        k = 0
+        while k < gamma_max and i + k <= last and data["prompt"][i + k] == data["prompt"][i] and data["draft_ok"][i + k]:
+            k += 1
+        return k
+
+    def policy(i: int, state: dict) -> Choice:
+        kind, drafts = schedule(i, state)
+        if know == "lookup" and data["lookup_len"][i]:
+            taken = min(int(data["lookup_run"][i]), int(data["lookup_len"][i]), gamma_max)
+            if taken:
+                return "lookup", taken
+            if kind == "lookup":
+                return "guess", 1
+        drafter_round = kind == "draft" or (kind == "dropped" and know == "skip")
+        if drafter_round and know in ("skip", "stop") and (know == "stop") == bool(data["draft_ok"][i]):
+            state.pop("dropped", None)  # the round is replaced: the step the schedule dropped did not run
+            return ("draft", run(i)) if know == "stop" else ("guess", 1)
+        return kind, drafts
+
+    return policy
+
+
 def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -> float:
     """E[time after the round] when draft k is accepted with ``acceptance[k]`` once the ones before were."""
     total, survive = 0.0, 1.0
@@ -527,6 +564,9 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
         gain = _rate(results[name], mixed) / _rate(base, mixed) - 1
         print(f"{name}: {gain / oracle_gain:.2f} of the oracle's gain over fixed γ = 1 "
               f"({100 * gain:+.1f}% against {100 * oracle_gain:+.1f}%)")
+    for know, what in KNOWLEDGE.items():  # where the rest of the oracle's gain lies
+        gain = _rate(replay(data, prices, informed_policy(data, schedule(lookup=True), know, gamma_max)), mixed) / _rate(base, mixed) - 1
+        print(f"  the default told {what}: {gain / oracle_gain:.2f} of the oracle's gain ({100 * gain:+.1f}%)")
     fixed = [results[f"fixed γ={g}"] for g in sweep]
     for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)"):
         overall, worst, where = against_best_fixed(results[name], fixed)

@@ -58,6 +58,9 @@ def test_no_replayed_schedule_beats_the_oracle(signals, seed, catch_up):
     policies["guess only"] = lambda i, state: ("guess", 1)
     policies["adaptive"] = signals.adaptive_policy(data, prices, lookup=True, gamma_max=4)
     policies["foresight"] = signals.foresight_policy(data, prices, gamma_max=4)
+    for know in signals.KNOWLEDGE:  # told one kind of outcome, still no faster than told them all
+        schedule = signals.adaptive_policy(data, prices, lookup=True, gamma_max=4)
+        policies[f"told {know}"] = signals.informed_policy(data, schedule, know, gamma_max=4)
     ceiling = signals.oracle(data, prices, gamma_max=4)
     for name, policy in policies.items():
         replayed = signals.replay(data, prices, policy)
@@ -89,6 +92,33 @@ def test_when_every_draft_is_right_the_oracle_is_the_replayed_chain(signals):
     ceiling = signals.oracle(data, prices, gamma_max=1)
     for category, (seconds, _) in chained.items():
         assert ceiling[category][0] == pytest.approx(seconds, rel=1e-12)
+
+
+def test_the_schedule_told_where_chains_break_drafts_exactly_the_accepted_run(signals):
+    """The decomposition of the oracle's gain is only as good as what each informed schedule is told:
+    told where chains break, a round whose first draft is accepted drafts exactly the accepted run (up to
+    the ceiling), so no such round verifies a rejected draft; and that knowledge is worth time (the
+    schedule untold is slower on these answers)."""
+    data = recorded_answers(1)
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.010, 3: 0.012})
+    told = signals.informed_policy(data, signals.adaptive_policy(data, prices, lookup=True, gamma_max=4), "stop", 4)
+    rounds = []
+
+    def watched(i, state):
+        choice = told(i, state)
+        rounds.append((i, choice))
+        return choice
+
+    informed = signals.replay(data, prices, watched)
+    drafted = [(i, n) for i, (kind, n) in rounds if kind == "draft" and data["draft_ok"][i]]
+    assert drafted
+    for i, n in drafted:
+        same = data["prompt"] == data["prompt"][i]
+        assert all(data["draft_ok"][i:i + n]) and same[i:i + n].all()
+        assert n == 4 or i + n >= len(same) or not same[i + n] or not data["draft_ok"][i + n]
+    untold = signals.replay(data, prices, signals.adaptive_policy(data, prices, lookup=True, gamma_max=4))
+    total = lambda result: sum(s for s, _ in result.values())
+    assert total(informed) < 0.97 * total(untold)
 
 
 def test_a_draft_the_stop_rule_drops_costs_its_step(signals):
