@@ -95,6 +95,27 @@ def test_how_far_a_round_may_reach_follows_the_row_cost_curve():
         assert steps[-1] == (True, False)  # the round stops at its reach, not at the configured ceiling
 
 
+def test_a_request_whose_streaks_never_break_reaches_further_and_one_whose_streaks_break_does_not():
+    """The reach is set for the average request; one whose drafter reproduces the target (every later
+    draft accepted) earns a longer reach from its own rounds, up to the ceiling, where rows are cheap.
+    Controls: streaks that break in every round keep the machine's reach, and rows that cost a pass
+    each keep the floor however long the streaks."""
+    calibration = AcceptanceCalibration()
+
+    def reach_after(costs: CostModel, rounds: int, accepted_of_each: int) -> tuple[int, int]:
+        policy = AdaptiveGamma(gamma_max=16, estimates=RequestAcceptance(calibration))
+        first = policy.ceiling(costs)
+        for _ in range(rounds):
+            drafts = policy.ceiling(costs)
+            policy.update(drafts, min(accepted_of_each, drafts), [0.99] * drafts)
+        return first, policy.ceiling(costs)
+
+    base, grown = reach_after(AMD_2026_11_25, 12, accepted_of_each=16)
+    assert base == reach(AMD_2026_11_25, 16) and base < grown <= 16
+    assert reach_after(AMD_2026_11_25, 12, accepted_of_each=3) == (base, base)  # a rejection every round
+    assert reach_after(README_MACHINE, 12, accepted_of_each=16) == (4, 4)
+
+
 def test_look_ahead_skips_the_expensive_third_row_to_reach_the_cheap_fourth():
     rate = plan_round(0.9, 0.9, TILED, 3).rate
     rule = DraftRound(TILED, gamma_max=3, rate=rate, estimates=estimates())

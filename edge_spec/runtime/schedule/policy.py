@@ -208,23 +208,27 @@ class DraftRound:
 
 REACH_ACCEPTANCE = 0.98  # the acceptance at which the machine's curve sets how far a round may reach
 REACH_FLOOR = 4  # the reach where the curve makes even such rounds short
+REACH_PRIOR_WEIGHT = 20.0  # later drafts a request must show before its own streaks move its reach much
 
 
-def reach(costs: CostModel, gamma_max: int) -> int:
+def reach(costs: CostModel, gamma_max: int, acceptance: float = REACH_ACCEPTANCE) -> int:
     """How many drafts a round may reach on this machine: the plan for drafts accepted with
-    ``REACH_ACCEPTANCE`` each, at least ``REACH_FLOOR``, at most ``gamma_max``.  Where a verify row costs
-    about a pass that is the floor; where rows are cheap, up to the ceiling.  The stop rule plans on
-    estimates: where rows are dear, a round extended past this reach loses more when a long streak ends
-    early than it wins when it does not (the replay in the README)."""
-    planned = plan_round(REACH_ACCEPTANCE, REACH_ACCEPTANCE, costs, gamma_max).gamma
+    ``acceptance`` each (``REACH_ACCEPTANCE`` unless a request has shown better), at least
+    ``REACH_FLOOR``, at most ``gamma_max``.  Where a verify row costs about a pass that is the floor;
+    where rows are cheap, up to the ceiling.  The stop rule plans on estimates: where rows are dear, a
+    round extended past this reach loses more when a long streak ends early than it wins when it does
+    not (the replay in the README)."""
+    planned = plan_round(acceptance, acceptance, costs, gamma_max).gamma
     return min(gamma_max, max(REACH_FLOOR, planned))
 
 
 @dataclass
 class AdaptiveGamma:
     """Per-request state of the schedule: plans each round, probes while plain decoding wins.
-    ``gamma_max`` is the configured ceiling; rounds reach at most :func:`reach` of it, fixed for the
-    request from its first round's costs."""
+    ``gamma_max`` is the configured ceiling; rounds reach at most :func:`reach` of it, set from the
+    request's first round's costs and raised while the request's own later drafts are accepted more often
+    than ``REACH_ACCEPTANCE`` (a drafter that reproduces the target's answer, as on a textbook function,
+    loses a pass every few rounds to a reach set for the average request)."""
 
     gamma_max: int
     estimates: RequestAcceptance
@@ -235,12 +239,21 @@ class AdaptiveGamma:
     _interval: int = 0
     _reach: int | None = None
     _round: DraftRound | None = None  # the stop rule of the round begun last (None: a draft-less round)
+    _later_accepted: float = 0.0  # this request's later drafts (after an accepted one): accepted ...
+    _later_judged: float = 0.0  # ... of judged
 
     def ceiling(self, costs: CostModel) -> int:
-        """The most drafts this request's rounds may have: :func:`reach`, fixed from its first costs."""
+        """The most drafts this request's rounds may have: :func:`reach` from its first costs, or the plan
+        at the acceptance its own later drafts have shown (shrunk towards ``REACH_ACCEPTANCE`` by
+        ``REACH_PRIOR_WEIGHT`` drafts) when that is higher.  Only later drafts count: they are what a
+        long round is made of, and a first draft after a correction says little about a streak."""
         if self._reach is None:
             self._reach = reach(costs, self.gamma_max)
-        return self._reach
+        shown = ((self._later_accepted + REACH_PRIOR_WEIGHT * REACH_ACCEPTANCE)
+                 / (self._later_judged + REACH_PRIOR_WEIGHT))
+        if shown <= REACH_ACCEPTANCE or self._reach >= self.gamma_max:
+            return self._reach
+        return max(self._reach, reach(costs, self.gamma_max, shown))
 
     def plan(self, costs: CostModel, spare: float = 0.0) -> RoundPlan:
         """The round this request would draft now (also what a lookup match must beat)."""
@@ -275,5 +288,8 @@ class AdaptiveGamma:
         dropped it; with no draft kept, the round's first step bought nothing)."""
         if drafted:
             self.estimates.record((confidences or [])[:drafted], accepted, dropped)
+            judged = min(drafted, accepted + 1) - 1  # later drafts judged: up to the first rejection
+            self._later_judged += judged
+            self._later_accepted += min(accepted, drafted) - 1 if accepted else 0
         elif dropped and self._round is not None and self._round.dropped_confidence is not None:
             self.estimates.record_dropped_first(self._round.dropped_confidence)
