@@ -274,6 +274,8 @@ class RequestAcceptance:
     first: float | None = None
     agreement: Agreement = field(default_factory=Agreement.for_request)
     guess_agreement: Agreement = field(default_factory=Agreement.for_request)
+    later_accepted: int = 0  # this request's later drafts (each after an accepted one): accepted ...
+    later_judged: int = 0  # ... of judged
 
     def __post_init__(self) -> None:
         if self.first is None:
@@ -312,6 +314,12 @@ class RequestAcceptance:
         self.guess_agreement.note(self.calibration.guess_rate(matched), right)
         self.calibration.record_guess(matched, right)
 
+    def streak_rate(self, prior: float, weight: float) -> float:
+        """How often this request's later drafts were accepted, shrunk towards ``prior`` by ``weight``
+        drafts: raw rates, not the calibration's, since a request whose drafter reproduces the target is
+        what the carried tables know least about."""
+        return (self.later_accepted + weight * prior) / (self.later_judged + weight)
+
     def note_first(self, accepted: bool) -> None:
         """A drafter round whose confidences were not computed (fixed γ): only the first-draft average."""
         self.first += self.smoothing * (float(accepted) - self.first)
@@ -331,5 +339,8 @@ class RequestAcceptance:
             return
         for i in range(min(len(confidences), accepted + 1)):  # before the calibration learns from them
             self.agreement.note(self.calibration.acceptance(confidences[i]), i < accepted)
+            if i:  # a later draft: what a long round is made of
+                self.later_judged += 1
+                self.later_accepted += i < accepted
         self.calibration.record(confidences, accepted, dropped)
         self.first += self.smoothing * (float(accepted > 0) - self.first)

@@ -239,8 +239,6 @@ class AdaptiveGamma:
     _interval: int = 0
     _reach: int | None = None
     _round: DraftRound | None = None  # the stop rule of the round begun last (None: a draft-less round)
-    _later_accepted: float = 0.0  # this request's later drafts (after an accepted one): accepted ...
-    _later_judged: float = 0.0  # ... of judged
 
     def ceiling(self, costs: CostModel) -> int:
         """The most drafts this request's rounds may have: :func:`reach` from its first costs, or the plan
@@ -249,8 +247,7 @@ class AdaptiveGamma:
         long round is made of, and a first draft after a correction says little about a streak."""
         if self._reach is None:
             self._reach = reach(costs, self.gamma_max)
-        shown = ((self._later_accepted + REACH_PRIOR_WEIGHT * REACH_ACCEPTANCE)
-                 / (self._later_judged + REACH_PRIOR_WEIGHT))
+        shown = self.estimates.streak_rate(REACH_ACCEPTANCE, REACH_PRIOR_WEIGHT)
         if shown <= REACH_ACCEPTANCE or self._reach >= self.gamma_max:
             return self._reach
         return max(self._reach, reach(costs, self.gamma_max, shown))
@@ -288,8 +285,5 @@ class AdaptiveGamma:
         dropped it; with no draft kept, the round's first step bought nothing)."""
         if drafted:
             self.estimates.record((confidences or [])[:drafted], accepted, dropped)
-            judged = min(drafted, accepted + 1) - 1  # later drafts judged: up to the first rejection
-            self._later_judged += judged
-            self._later_accepted += min(accepted, drafted) - 1 if accepted else 0
         elif dropped and self._round is not None and self._round.dropped_confidence is not None:
             self.estimates.record_dropped_first(self._round.dropped_confidence)
