@@ -25,7 +25,9 @@ time outside ORT per round.  Policies: fixed γ = 1 with and without lookup, the
 before drafting (a bound for schedules driven by it), and the oracle that knows every outcome (an upper
 bound for any schedule), and the default told one kind of outcome at a time (where the rest of the
 oracle's gain lies: ``informed_policy``).  ``--analyze FILE --fit-on OTHER`` asks whether any recorded signal adds to
-the drafter's confidence (a logistic model fitted on OTHER, scored on FILE).
+the drafter's confidence (a logistic model fitted on OTHER, scored on FILE), and what a schedule could know
+of a draft before it pays the step that makes it (``before_the_step``); ``--fit-on halves`` fits on the
+answers to FILE's even-numbered prompts and scores on the others.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ def _probability_of(probs: np.ndarray, ids: np.ndarray | None, token: int) -> fl
     return float(probs[where[0]]) if len(where) else 0.0
 
 
+HALVES = Path("halves")  # --fit-on: split the analyzed answers by prompt instead of reading a second file
 EAGLE_CHAIN = 4  # chained EAGLE drafts recorded per position
 
 
@@ -662,13 +665,74 @@ def signal_value(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> N
         if any(field not in train or field not in test for field in needs):
             continue
         columns = lambda data: np.stack([odds(data["draft_conf"])] + [c for part in parts for c in part(data)], axis=1)
-        x, y = columns(train), train["draft_ok"].astype(float)
-        weights, bias, mean, scale = _fit_logistic(x, y, ridge)
-        xt, yt = columns(test), test["draft_ok"].astype(bool)
-        score = ((xt - mean) / scale) @ weights + bias
-        p = np.clip(1 / (1 + np.exp(-score)), 1e-9, 1 - 1e-9)
-        loss = -np.mean(np.where(yt, np.log(p), np.log(1 - p)))
-        print(f"held-out 'draft accepted' from {name}: log-loss {loss:.4f}, AUC {auc(score, yt):.3f}")
+        loss, score = _held_out(columns(train), train["draft_ok"].astype(float), columns(test),
+                                test["draft_ok"].astype(bool), ridge)
+        print(f"held-out 'draft accepted' from {name}: log-loss {loss:.4f}, AUC {score:.3f}")
+    before_the_step(train, test)
+
+
+def _held_out(x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.ndarray, ridge: float) -> tuple[float, float]:
+    """(log-loss, AUC) on ``xt, yt`` of a logistic model of ``y`` fitted on ``x`` (see :func:`_fit_logistic`)."""
+    weights, bias, mean, scale = _fit_logistic(x, y, ridge)
+    score = ((xt - mean) / scale) @ weights + bias
+    p = np.clip(1 / (1 + np.exp(-score)), 1e-9, 1 - 1e-9)
+    return float(-np.mean(np.where(yt, np.log(p), np.log(1 - p)))), auc(score, yt)
+
+
+def _streak_pairs(data: dict[str, np.ndarray]) -> np.ndarray:
+    """Positions j whose draft was accepted and whose answer goes on: the draft at j + 1 is a later draft of
+    a round that could continue past j (its predecessor accepted)."""
+    same = np.r_[data["prompt"][1:] == data["prompt"][:-1], False]
+    return np.flatnonzero(same & data["draft_ok"].astype(bool))
+
+
+def _correction_pairs(data: dict[str, np.ndarray]) -> np.ndarray:
+    """Positions j whose draft was rejected and whose answer goes on: the target's correction at j is the
+    pending token of a round whose first draft is at j + 1."""
+    same = np.r_[data["prompt"][1:] == data["prompt"][:-1], False]
+    return np.flatnonzero(same & ~data["draft_ok"].astype(bool))
+
+
+def before_the_step(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> None:
+    """What a schedule can know of a draft before it pays the drafter step that makes it.  The oracle's gain
+    lies mostly in where a chain of accepted drafts breaks (``informed_policy``); a schedule that learns each
+    draft's confidence only by paying its step sees, when it decides whether to take that step, the drafts
+    before it.  Held-out models of 'the next draft is accepted' (a later draft, its predecessor accepted):
+    from the previous draft's confidence (what the schedule's table of later drafts reads), with the
+    previous step's hidden state (a linear probe, the most a step already paid for can tell), against the
+    next draft's own confidence, which only its step reveals (what the foresight bound is given).  The same
+    for a round's first draft after a rejection, from what the target's correction tells before the step.  A
+    schedule could only pass the foresight bound with a model before the step better than the last of each."""
+    odds = lambda p: np.log(np.clip(p, 1e-4, 1 - 1e-4) / (1 - np.clip(p, 1e-4, 1 - 1e-4)))
+    previous = lambda data, at: [odds(data["draft_conf"][at])]
+    probe = lambda data, at: previous(data, at) + list(data["draft_hidden"][at].astype(np.float64).T)
+    revealed = lambda data, at: [odds(data["draft_conf"][at + 1])]
+    models = {"the previous draft's confidence": (previous, (), 0.0),
+              "the previous draft's confidence and hidden state (ridge 0.3)": (probe, ("draft_hidden",), 0.3),
+              "its own confidence, which its step reveals": (revealed, (), 0.0)}
+    target = lambda data, at: [odds(data["target_top"][at + 1]), data["target_margin"][at + 1],
+                               -data["target_entropy"][at + 1]]
+    pending = lambda data, at: target(data, at) + [odds(data["pending_q"][at + 1])]
+    first = {"the target's top-p, margin and entropy at the correction": (target, (), 0.0),
+             "those and the drafter's probability of the correction": (pending, ("pending_q",), 0.0),
+             "its own confidence, which its step reveals": (revealed, (), 0.0)}
+    for what, pairs, kinds in (("next draft accepted", _streak_pairs, models),
+                               ("first draft after a rejection accepted", _correction_pairs, first)):
+        at, test_at = pairs(train), pairs(test)
+        y, yt = train["draft_ok"][at + 1].astype(float), test["draft_ok"][test_at + 1].astype(bool)
+        for name, (columns, needs, ridge) in kinds.items():
+            if any(field not in train or field not in test for field in needs):
+                continue
+            loss, score = _held_out(np.stack(columns(train, at), axis=1), y,
+                                    np.stack(columns(test, test_at), axis=1), yt, ridge)
+            print(f"held-out '{what}' (before its step) from {name}: log-loss {loss:.4f}, AUC {score:.3f}")
+
+
+def prompt_halves(data: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The answers to even-numbered prompts and those to odd-numbered ones: a held-out split of one file
+    in which no answer is on both sides."""
+    even = data["prompt"] % 2 == 0
+    return {k: v[even] for k, v in data.items()}, {k: v[~even] for k, v in data.items()}
 
 
 def _fit_logistic(x: np.ndarray, y: np.ndarray, ridge: float) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
@@ -731,14 +795,16 @@ def main() -> None:
     ap.add_argument("--orders", type=int, default=1, help="with --analyze: also replay the schedule over this many "
                     "orders of the answers (the file's own, then seeded shuffles) and report the mean and lowest")
     ap.add_argument("--fit-on", type=Path, metavar="FILE", help="with --analyze: fit a model of acceptance on "
-                    "every signal on this signals file and score it on the analyzed one (see signal_value)")
+                    "every signal on this signals file and score it on the analyzed one (see signal_value); "
+                    f"'{HALVES}': fit on the answers to even-numbered prompts, score on the others")
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
                     "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)")
     args = ap.parse_args()
     if args.add_eagle:
         add_eagle(args)
     elif args.analyze and args.fit_on:
-        signal_value(load_signals([args.fit_on]), load_signals(args.analyze))
+        data = load_signals(args.analyze)
+        signal_value(*(prompt_halves(data) if args.fit_on == HALVES else (load_signals([args.fit_on]), data)))
     elif args.analyze:
         analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max, args.warm_up,
                 args.warm_up_category, learn_drops=not args.ignore_drops, rate_scale=args.rate_scale,

@@ -196,7 +196,56 @@ def test_the_hidden_state_probe_finds_what_the_confidence_misses_and_only_that(s
     old = probe_answers(5, True)
     del old["draft_hidden"], old["draft_second"], old["draft_entropy"]  # a file recorded before these fields
     assert set(held_out_aucs(signals, capsys, old, old)) == {
-        "drafter confidence", "drafter confidence + target top-p, margin, entropy, previous outcome"}
+        "drafter confidence", "drafter confidence + target top-p, margin, entropy, previous outcome",
+        "the previous draft's confidence", "the target's top-p, margin and entropy at the correction",
+        "its own confidence, which its step reveals"}
+
+
+def step_answers(seed: int, informative: bool, n: int = 4000, width: int = 6) -> dict[str, np.ndarray]:
+    """Answers whose drafts the confidence predicts in part (as ``probe_answers``); with ``informative`` one
+    direction of each step's hidden state also carries the next draft's fate (something the drafter knows a
+    step ahead), and the drafter's probability of the pending token carries the first draft's after a
+    rejection; else both are noise."""
+    data = probe_answers(seed, False, n, width)
+    rng = np.random.default_rng(seed + 100)
+    hidden = data["draft_hidden"].astype(np.float64)
+    ahead = np.r_[0.0, 2.5 * hidden[:-1, 0]] if informative else 0.0
+    pending_q = rng.uniform(0.01, 0.99, n)
+    after_miss = np.r_[False, ~data["draft_ok"][:-1]]
+    pending = np.where(after_miss, np.log(pending_q / (1 - pending_q)), 0.0) if informative else 0.0
+    conf = data["draft_conf"]
+    logit = np.log(conf / (1 - conf)) + ahead + 2.0 * pending
+    data["draft_ok"] = rng.random(n) < 1 / (1 + np.exp(-logit))
+    data["pending_q"] = pending_q
+    return data
+
+
+def before_step_aucs(signals, capsys, data: dict) -> dict[str, float]:
+    signals.before_the_step(*signals.prompt_halves(data))
+    lines = capsys.readouterr().out.splitlines()
+    return {line.split("' (before its step) from ")[0].split("'")[1] + ": " + line.split(" from ")[1].split(":")[0]:
+            float(line.rsplit("AUC ", 1)[1]) for line in lines}
+
+
+def test_before_the_step_finds_what_a_paid_step_or_the_correction_tells_and_only_that(signals, capsys):
+    """The analysis behind the README's 'nothing known before a step predicts its draft': where the previous
+    step's hidden state (or the drafter's probability of the target's correction) carries the next draft's
+    fate, the held-out models must find it; where they are noise, they must not invent it.  The draft's own
+    confidence, which only its step reveals, stays ahead of any model of what came before it."""
+    next_probe = "next draft accepted: the previous draft's confidence and hidden state (ridge 0.3)"
+    next_plain = "next draft accepted: the previous draft's confidence"
+    first_probe = "first draft after a rejection accepted: those and the drafter's probability of the correction"
+    first_plain = "first draft after a rejection accepted: the target's top-p, margin and entropy at the correction"
+    found = before_step_aucs(signals, capsys, step_answers(1, True))
+    assert found[next_probe] > found[next_plain] + 0.1
+    assert found[first_probe] > found[first_plain] + 0.1
+    noise = before_step_aucs(signals, capsys, step_answers(2, False))
+    assert abs(noise[next_probe] - noise[next_plain]) < 0.03
+    assert abs(noise[first_probe] - noise[first_plain]) < 0.03
+    revealed = "next draft accepted: its own confidence, which its step reveals"
+    assert noise[revealed] > noise[next_probe] + 0.1
+    halves = signals.prompt_halves(step_answers(3, False))
+    assert not set(halves[0]["prompt"]) & set(halves[1]["prompt"])  # no answer on both sides
 
 
 def test_a_dearer_price_of_time_makes_the_replayed_rounds_shorter(signals):
