@@ -408,6 +408,49 @@ def informed_policy(data: dict[str, np.ndarray], schedule: Callable[[int, dict],
     return policy
 
 
+def peeking_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int,
+                   calibration: AcceptanceCalibration | None = None) -> Callable[[int, dict], Choice]:
+    """The default told, before each round, the confidence of every draft the round could make -- the
+    foresight's knowledge, but planned with the runtime's own per-request estimates, lookup choice and price
+    of time (the foresight plans with the whole set's rates, so it cannot follow one request as the runtime
+    does).  Whenever the default would draft, the round's length is the ``L`` (0: the free guess instead)
+    maximizing ``E[tokens | L] − ρ·cost(L)`` with each draft's acceptance estimated from its known confidence,
+    as the stop rule weighs a draft it has paid for; so it never pays a step it then drops.  What this
+    reaches bounds what learning confidences earlier could add to the runtime's schedule."""
+    schedule = adaptive_policy(data, prices, True, gamma_max, calibration)
+    costs = _schedule_costs(prices, gamma_max)
+    last = len(data["prompt"]) - 1
+
+    def policy(i: int, state: dict) -> Choice:
+        kind, drafts = schedule(i, state)
+        state.pop("dropped", None)  # no step is paid for a draft the round does not keep
+        if kind not in ("draft", "dropped"):
+            return kind, drafts
+        plan, estimates = state["policy"], state["policy"].estimates
+        spare = estimates.guess(int(data["guess_match"][i]))
+        rate = plan.plan(costs, spare).rate
+        best, best_value = 0, 1 + spare - rate * costs.expected_cost(0, 0, 0, spare)
+        survive, expected = 1.0, 1.0
+        for length in range(1, plan.ceiling(costs) + 1):
+            k = i + length - 1
+            if k > last or data["prompt"][k] != data["prompt"][i]:
+                break
+            survive *= estimates.acceptance(float(data["draft_conf"][k]))
+            expected += survive
+            value = expected - rate * (length * costs.draft + costs.verify_cost(length + 1) + survive * costs.catch_up)
+            if value > best_value:
+                best, best_value = length, value
+        return ("draft", best) if best else ("guess", 1)
+
+    return policy
+
+
+def _schedule_costs(prices: Prices, gamma_max: int) -> CostModel:
+    """The cost model the runtime's schedule would measure at these prices."""
+    return CostModel(prices.drafter(1), {n: prices.verify(n - 1) - prices.outside for n in range(1, gamma_max + 2)},
+                     catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0), overhead=prices.outside)
+
+
 def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -> float:
     """E[time after the round] when draft k is accepted with ``acceptance[k]`` once the ones before were."""
     total, survive = 0.0, 1.0
@@ -429,8 +472,7 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
     ``rate_scale``: the stop rule's price of time (the rate a round must beat) scaled, to ask whether the
     rule is tuned (``--rate-scale``).  ``check_next`` False: lookup rounds do not check the offered token
     after the taken ones against the round's bonus token (as before that check)."""
-    costs = CostModel(prices.drafter(1), {n: prices.verify(n - 1) - prices.outside for n in range(1, gamma_max + 2)},
-                      catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0), overhead=prices.outside)
+    costs = _schedule_costs(prices, gamma_max)
     carried = calibration or AcceptanceCalibration()
 
     def policy(i: int, state: dict) -> Choice:
@@ -567,8 +609,10 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
         gain = _rate(results[name], mixed) / _rate(base, mixed) - 1
         print(f"{name}: {gain / oracle_gain:.2f} of the oracle's gain over fixed γ = 1 "
               f"({100 * gain:+.1f}% against {100 * oracle_gain:+.1f}%)")
-    for know, what in KNOWLEDGE.items():  # where the rest of the oracle's gain lies
-        gain = _rate(replay(data, prices, informed_policy(data, schedule(lookup=True), know, gamma_max)), mixed) / _rate(base, mixed) - 1
+    told = {what: informed_policy(data, schedule(lookup=True), know, gamma_max) for know, what in KNOWLEDGE.items()}
+    told["every draft's confidence of a round before its steps"] = peeking_policy(data, prices, gamma_max, start[True])
+    for what, policy in told.items():  # where the rest of the oracle's gain lies
+        gain = _rate(replay(data, prices, policy), mixed) / _rate(base, mixed) - 1
         print(f"  the default told {what}: {gain / oracle_gain:.2f} of the oracle's gain ({100 * gain:+.1f}%)")
     fixed = [results[f"fixed γ={g}"] for g in sweep]
     for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)"):

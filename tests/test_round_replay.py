@@ -58,6 +58,7 @@ def test_no_replayed_schedule_beats_the_oracle(signals, seed, catch_up):
     policies["guess only"] = lambda i, state: ("guess", 1)
     policies["adaptive"] = signals.adaptive_policy(data, prices, lookup=True, gamma_max=4)
     policies["foresight"] = signals.foresight_policy(data, prices, gamma_max=4)
+    policies["told every confidence"] = signals.peeking_policy(data, prices, gamma_max=4)
     for know in signals.KNOWLEDGE:  # told one kind of outcome, still no faster than told them all
         schedule = signals.adaptive_policy(data, prices, lookup=True, gamma_max=4)
         policies[f"told {know}"] = signals.informed_policy(data, schedule, know, gamma_max=4)
@@ -119,6 +120,34 @@ def test_the_schedule_told_where_chains_break_drafts_exactly_the_accepted_run(si
     untold = signals.replay(data, prices, signals.adaptive_policy(data, prices, lookup=True, gamma_max=4))
     total = lambda result: sum(s for s, _ in result.values())
     assert total(informed) < 0.97 * total(untold)
+
+
+def test_the_schedule_told_every_confidence_pays_no_step_it_drops_and_gains_where_confidence_tells(signals):
+    """``peeking_policy`` bounds what learning confidences before their steps could add to the runtime's
+    schedule: it must never be charged a step whose draft it does not keep, and where the confidence says
+    exactly which drafts the target rejects it must beat the schedule that pays to learn them.  Negative
+    control: where every confidence is the same, knowing it early changes nothing about the rounds."""
+    data = recorded_answers(2)
+    data["draft_conf"] = np.where(data["draft_ok"], 0.97, 0.08)  # the confidence tells the outcome
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.010, 3: 0.012})
+    peeking = signals.peeking_policy(data, prices, gamma_max=4)
+    charged = []
+
+    def watched(i, state):
+        kind, drafts = peeking(i, state)
+        charged.append(kind == "dropped" or bool(state.get("dropped")))
+        return kind, drafts
+
+    told = signals.replay(data, prices, watched)
+    assert charged and not any(charged)
+    untold = signals.replay(data, prices, signals.adaptive_policy(data, prices, lookup=True, gamma_max=4))
+    total = lambda result: sum(s for s, _ in result.values())
+    assert total(told) < 0.97 * total(untold)
+    flat = recorded_answers(2)
+    flat["draft_conf"][:] = 0.9
+    early = total(signals.replay(flat, prices, signals.peeking_policy(flat, prices, gamma_max=4)))
+    late = total(signals.replay(flat, prices, signals.adaptive_policy(flat, prices, lookup=True, gamma_max=4)))
+    assert early == pytest.approx(late, rel=0.03)
 
 
 def test_a_draft_the_stop_rule_drops_costs_its_step(signals):
