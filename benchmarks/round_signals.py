@@ -691,7 +691,7 @@ def signal_value(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> N
     token and the previous position's outcome; with the drafter's second probability and entropy; and
     with the drafter's whole hidden state, a linear probe as SpecDec++ trains one (standardized, at a few
     ridge strengths; files recorded before these fields existed skip the models that need them)."""
-    odds = lambda p: np.log(np.clip(p, 1e-4, 1 - 1e-4) / (1 - np.clip(p, 1e-4, 1 - 1e-4)))
+    odds = _log_odds
 
     def target_side(data: dict[str, np.ndarray]) -> list[np.ndarray]:
         same = np.r_[False, data["prompt"][1:] == data["prompt"][:-1]]
@@ -723,18 +723,17 @@ def _held_out(x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.ndarray, ridg
     return float(-np.mean(np.where(yt, np.log(p), np.log(1 - p)))), auc(score, yt)
 
 
-def _streak_pairs(data: dict[str, np.ndarray]) -> np.ndarray:
-    """Positions j whose draft was accepted and whose answer goes on: the draft at j + 1 is a later draft of
-    a round that could continue past j (its predecessor accepted)."""
+def _followed(data: dict[str, np.ndarray], accepted: bool) -> np.ndarray:
+    """Positions j whose draft was accepted (``accepted``; else rejected) and whose answer goes on: the draft
+    at j + 1 is then a later draft of a round that could continue past j, or the first draft of a round
+    whose pending token is the target's correction at j."""
     same = np.r_[data["prompt"][1:] == data["prompt"][:-1], False]
-    return np.flatnonzero(same & data["draft_ok"].astype(bool))
+    return np.flatnonzero(same & (data["draft_ok"].astype(bool) == accepted))
 
 
-def _correction_pairs(data: dict[str, np.ndarray]) -> np.ndarray:
-    """Positions j whose draft was rejected and whose answer goes on: the target's correction at j is the
-    pending token of a round whose first draft is at j + 1."""
-    same = np.r_[data["prompt"][1:] == data["prompt"][:-1], False]
-    return np.flatnonzero(same & ~data["draft_ok"].astype(bool))
+def _log_odds(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-4, 1 - 1e-4)
+    return np.log(p / (1 - p))
 
 
 def before_the_step(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> None:
@@ -747,7 +746,7 @@ def before_the_step(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -
     next draft's own confidence, which only its step reveals (what the foresight bound is given).  The same
     for a round's first draft after a rejection, from what the target's correction tells before the step.  A
     schedule could only pass the foresight bound with a model before the step better than the last of each."""
-    odds = lambda p: np.log(np.clip(p, 1e-4, 1 - 1e-4) / (1 - np.clip(p, 1e-4, 1 - 1e-4)))
+    odds = _log_odds
     previous = lambda data, at: [odds(data["draft_conf"][at])]
     probe = lambda data, at: previous(data, at) + list(data["draft_hidden"][at].astype(np.float64).T)
     revealed = lambda data, at: [odds(data["draft_conf"][at + 1])]
@@ -760,9 +759,9 @@ def before_the_step(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -
     first = {"the target's top-p, margin and entropy at the correction": (target, (), 0.0),
              "those and the drafter's probability of the correction": (pending, ("pending_q",), 0.0),
              "its own confidence, which its step reveals": (revealed, (), 0.0)}
-    for what, pairs, kinds in (("next draft accepted", _streak_pairs, models),
-                               ("first draft after a rejection accepted", _correction_pairs, first)):
-        at, test_at = pairs(train), pairs(test)
+    for what, after_accepted, kinds in (("next draft accepted", True, models),
+                                        ("first draft after a rejection accepted", False, first)):
+        at, test_at = _followed(train, after_accepted), _followed(test, after_accepted)
         y, yt = train["draft_ok"][at + 1].astype(float), test["draft_ok"][test_at + 1].astype(bool)
         for name, (columns, needs, ridge) in kinds.items():
             if any(field not in train or field not in test for field in needs):
