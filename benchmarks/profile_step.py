@@ -229,7 +229,7 @@ def main() -> None:
     else:
         profile.unlink()
         try:
-            tmp.rmdir()
+            profile.parent.rmdir()  # the mkdtemp folder the profile prefix pointed into
         except OSError:
             pass
 
