@@ -225,6 +225,13 @@ class Prices:
         return cls({n: float(ms) / 1e3 for n, ms in enumerate(rows.split(","), start=1)},
                    {n: float(step) / 1e3 for n in (1, 2, 3)})
 
+    def with_drafter(self, seconds: float) -> "Prices":
+        """The same target, with every drafter step (a catch-up pass too, head included) at ``seconds``: what
+        a schedule would reach with a cheaper drafter of the same acceptance, such as a feature-level head."""
+        prices = Prices(self.target, {n: seconds for n in self.draft}, 0.0, self.outside)
+        prices.min_rows = self.min_rows
+        return prices
+
     def verify(self, drafts: int) -> float:
         rows = max(drafts + 1, self.min_rows)  # exact mode: a pass has at least min_rows rows
         return self._curve.verify_cost(rows) + self.outside
@@ -539,10 +546,13 @@ def load_signals(paths: list[Path]) -> dict[str, np.ndarray]:
 
 def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one_row: bool = False,
             gamma_max: int = ChainConfig.gamma, warm_up: list[Path] = (), warm_up_category: str | None = None,
-            learn_drops: bool = True, rate_scale: float = 1.0, orders: int = 1) -> None:
+            learn_drops: bool = True, rate_scale: float = 1.0, orders: int = 1,
+            drafter_ms: float | None = None) -> None:
     data = load_signals(paths)
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     prices.min_rows = 1 if one_row else 2
+    if drafter_ms is not None:
+        prices = prices.with_drafter(drafter_ms / 1e3)
     start = {lookup: warmed_calibration(warm_up, warm_up_category, prices, lookup, gamma_max, learn_drops)
              for lookup in (False, True)}
     schedule = lambda lookup, answers=data: adaptive_policy(answers, prices, lookup, gamma_max, start[lookup],
@@ -842,7 +852,12 @@ def main() -> None:
                     f"'{HALVES}': fit on the answers to even-numbered prompts, score on the others")
     ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
                     "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)")
+    ap.add_argument("--drafter-ms", type=float, help="with --analyze: price every drafter step at this many ms "
+                    "(the same drafts and confidences: what the schedule and the oracle would reach with a "
+                    "drafter that cheap)")
     args = ap.parse_args()
+    if args.drafter_ms is not None and args.drafter_ms <= 0:
+        ap.error("--drafter-ms must be positive")
     if args.add_eagle:
         add_eagle(args)
     elif args.analyze and args.fit_on:
@@ -851,7 +866,7 @@ def main() -> None:
     elif args.analyze:
         analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max, args.warm_up,
                 args.warm_up_category, learn_drops=not args.ignore_drops, rate_scale=args.rate_scale,
-                orders=args.orders)
+                orders=args.orders, drafter_ms=args.drafter_ms)
     else:
         collect(args)
 

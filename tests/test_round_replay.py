@@ -176,6 +176,27 @@ def test_a_draft_the_stop_rule_drops_costs_its_step(signals):
         assert dropped[category][0] - kept[category][0] == pytest.approx(rounds[category] * 0.008, rel=1e-9)
 
 
+def test_a_cheaper_drafter_is_priced_step_by_step_and_only_the_drafter_moves(signals):
+    """``--drafter-ms`` asks what the same drafts would be worth from a cheaper drafter: each fixed-γ round
+    then saves exactly the drafter steps it runs (the catch-up pass included), the target's passes cost what
+    they did, and the oracle's ceiling can only fall; priced at the drafter's own cost nothing moves
+    (negative control)."""
+    data = recorded_answers(0, prompts=4)
+    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.008, 3: 0.008},
+                            head=0.0, outside=0.001)
+    cheap, same = prices.with_drafter(0.002), prices.with_drafter(0.008)
+    assert cheap.target == prices.target and cheap.outside == prices.outside and cheap.min_rows == prices.min_rows
+    total = lambda result: sum(s for s, _ in result.values())
+    for gamma in (1, 3):
+        policy = lambda i, state, g=gamma: ("draft", g)
+        base, fast = signals.replay(data, prices, policy), signals.replay(data, cheap, policy)
+        assert total(signals.replay(data, same, policy)) == pytest.approx(total(base), rel=1e-12)
+        steps = (total(base) - total(fast)) / 0.006  # every step saved the same 6 ms: a whole number of steps
+        assert steps == pytest.approx(round(steps), abs=1e-6) and round(steps) >= len(data["prompt"]) / (gamma + 1)
+    assert total(signals.oracle(data, cheap, gamma_max=4)) < total(signals.oracle(data, prices, gamma_max=4))
+    assert total(signals.oracle(data, same, gamma_max=4)) == pytest.approx(total(signals.oracle(data, prices, gamma_max=4)))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_recorded_answers_are_reproduced_by_the_teacher_forced_pass(signals, int4_bundle, tmp_path, temperature):
     """Recording checks that the target's choices over the teacher-forced pass give the engine's answer (it
