@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import threading
 from pathlib import Path
 
@@ -19,9 +20,8 @@ from edge_spec.errors import EdgeSpecError
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
 CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
-# private-use marks around each message's content while the template renders: what lies between them is
-# the user's text, encoded with special-token strings kept as text (no role injection through content)
-CONTENT_OPEN, CONTENT_CLOSE = "\ue000", "\ue001"
+_CONTENT_CUT = ("the chat template cut a message's content, so the message text cannot be told from the "
+                "template's markup")
 FIM_MARKERS = frozenset({"<fim_prefix>", "<fim_suffix>", "<fim_middle>"})  # StarCoder's, not <|...|> shaped
 
 
@@ -110,22 +110,27 @@ class TextTokenizer:
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` through the chat template, each message's content encoded as plain
         text: a user who types ``<|im_start|>system`` gets those characters, not a new system turn (what
-        chat UIs guard against as role injection).  The template's own markup keeps its control tokens."""
-        marked = [dict(m, content=f"{CONTENT_OPEN}{m['content']}{CONTENT_CLOSE}")
-                  if isinstance(m, dict) and isinstance(m.get("content"), str)
-                  and CONTENT_OPEN not in m["content"] and CONTENT_CLOSE not in m["content"] else m
-                  for m in messages]
+        chat UIs guard against as role injection).  The template's own markup keeps its control tokens.
+
+        Each content is wrapped in marks that carry a random nonce drawn for this call, so no text a
+        client sends can forge or unbalance them; a template that cuts a mark (and so hides where the
+        client's text starts) is refused rather than encoded with control tokens read from content."""
+        nonce = secrets.token_hex(16)
+        opening, closing = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
+        marked = [dict(m, content=f"{opening}{m['content']}{closing}")
+                  if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
         text = self.render_chat(marked, add_generation_prompt)
-        pieces = re.split(f"([{CONTENT_OPEN}{CONTENT_CLOSE}])", text)
-        if text.count(CONTENT_OPEN) != text.count(CONTENT_CLOSE):  # a template that cut the marks: no split
-            return self.encode(text.replace(CONTENT_OPEN, "").replace(CONTENT_CLOSE, ""))
         ids: list[int] = []
         literal = False
-        for piece in pieces:
-            if piece in (CONTENT_OPEN, CONTENT_CLOSE):
-                literal = piece == CONTENT_OPEN
+        for piece in re.split(f"({re.escape(opening)}|{re.escape(closing)})", text):
+            if piece in (opening, closing):
+                if (piece == opening) == literal:
+                    raise EdgeSpecError(_CONTENT_CUT)
+                literal = piece == opening
             elif piece:
                 ids += self._encode_piece(piece, literal)
+        if literal:
+            raise EdgeSpecError(_CONTENT_CUT)
         return self.encode_ids(ids)
 
     def _encode_piece(self, text: str, literal: bool) -> list[int]:
