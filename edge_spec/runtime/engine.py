@@ -543,6 +543,7 @@ class Engine:
                   on_prefill: Callable[[float], None] | None) -> Iterator[str]:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 end_ids=frozenset(self.tokenizer.eos_token_ids), sampler=sampler)
+        self._cancel.clear()  # before any work: a cancel from here on, during the set-up too, stops this answer
         config = self.config_for(mode)
         mode = config.mode
         if max_new_tokens < 1:
@@ -553,7 +554,6 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
         self.last_stats = stats
         self.last_token_ids = []
-        self._cancel.clear()
         detok = StreamingDetokenizer(self.tokenizer)
         stopper = StopMatcher([stop] if isinstance(stop, str) else list(stop))
         eos = self.tokenizer.eos_token_ids
@@ -563,6 +563,9 @@ class Engine:
         drafters = {} if mode == "ar" else {self.drafter_name(config): self.active_drafter(config)}
         context = ProposerContext(self.target.vocab_size, drafters)
         memory = None if mode == "ar" else self.schedule_memory(config)
+        if self._cancel.is_set():  # cancelled during the set-up (a first request's checks and measurements)
+            stats.stop_reason = "cancelled"
+            return
         tokens = generate_tokens(config, self.target, context, ids, params, np.random.default_rng(params.seed),
                                  max_new, spec_stats, memory)
         self._tokens = tokens
