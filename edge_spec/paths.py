@@ -19,6 +19,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 REPO_MODELS = REPO_ROOT / "models"
 
 
+def cache_root() -> Path:
+    """edge-spec's user cache: measured cost profiles, weight-check stamps (``$EDGE_SPEC_CACHE`` wins)."""
+    root = os.environ.get("EDGE_SPEC_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edge-spec"
+
+
 def models_dir() -> Path:
     """Where models live.
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.integrity import WeightCheck
 from edge_spec.manifest import eagle_heads, read_manifest, verify_files
 from edge_spec.runtime.loops import generate_tokens, proposer_names
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
@@ -120,6 +121,7 @@ class Engine:
         self._one_row_exact: bool | None = None  # see exact_rows
         self._padded_exact: bool | None = None  # see exact_available
         self._profile_key = ""
+        self._weight_check: WeightCheck | None = None  # see from_bundle: answers wait for its verdict
         self._cancel = threading.Event()
         self._turn = threading.Condition()  # who holds the engine: one thread, possibly several times
         self._owner: int | None = None
@@ -172,6 +174,7 @@ class Engine:
         bundle_dir = Path(path)
         manifest = read_manifest(bundle_dir)
         verify_files(bundle_dir, manifest, full_hash=verify)
+        weight_check = None if verify else WeightCheck(bundle_dir, manifest)  # hashes changed files meanwhile
         if config is None:
             config = loop_config(mode or "ar")
         elif mode is not None and mode != config.mode:
@@ -185,6 +188,7 @@ class Engine:
         engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, config=config,
                      draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads, exact=exact,
                      provider_options=provider_options, eagle_head=eagle_head)
+        engine._weight_check = weight_check
         if isinstance(config, TreeConfig):
             check_tree(target, config)  # the verifier's draft count and the sampler are checked per request
         if config.mode != "ar":
@@ -544,6 +548,8 @@ class Engine:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 end_ids=frozenset(self.tokenizer.eos_token_ids), sampler=sampler)
         self._cancel.clear()  # before any work: a cancel from here on, during the set-up too, stops this answer
+        if self._weight_check is not None:  # a bundle damaged in place answers nothing
+            self._weight_check.result()
         config = self.config_for(mode)
         mode = config.mode
         if max_new_tokens < 1:

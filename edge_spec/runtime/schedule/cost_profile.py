@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edge_spec.paths import cache_root
+
 PROFILE_VERSION = 8  # 8: the drafter's step over two rows too (the catch-up a round can leave it)
 KV_LENGTHS = (48, 256)  # the profile reports the median over these cache lengths
 
@@ -52,10 +54,7 @@ class CostProfile:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("EDGE_SPEC_CACHE")
-    if root:
-        return Path(root) / "costs"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edge-spec" / "costs"
+    return cache_root() / "costs"
 
 
 def cache_key(manifest: dict, drafter: dict, provider: str, threads: int | str, max_tokens: int) -> str:
