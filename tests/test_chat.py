@@ -12,7 +12,7 @@ from tests.helpers import cli
 
 @pytest.fixture(scope="module")
 def engine(int4_bundle):
-    return Engine.from_bundle(int4_bundle, threads=1)  # the tiny bundle's context: 256 tokens
+    return Engine.from_bundle(int4_bundle, threads=1, mode="ar")  # the tiny bundle's context: 256 tokens
 
 
 def turns(n: int, words: int = 3) -> list[dict]:

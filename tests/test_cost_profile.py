@@ -30,7 +30,7 @@ def test_profile_is_measured_once_then_read_from_the_cache(int4_bundle, tmp_path
 
 
 def test_profile_key_depends_on_head_threads_and_gamma(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1)
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
     heads = engine.manifest["draft"]["heads"]
     keys = {cost_profile.cache_key(engine.manifest, heads[head], "cpu", threads, gamma)
             for head in ("full", "trim-64") for threads in (1, 2) for gamma in (3, 5)}

@@ -108,7 +108,7 @@ def test_kv_rollback_equals_fresh_forward(int4_bundle):
 
 
 def test_engine_generate_streams_text_and_stats(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1)
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
     chunks = list(engine.generate([{"role": "user", "content": "def is_prime"}], max_new_tokens=12))
     completion = engine.complete([{"role": "user", "content": "def is_prime"}], max_new_tokens=12)
     assert "".join(chunks) == completion.text
@@ -120,7 +120,7 @@ def test_engine_generate_streams_text_and_stats(int4_bundle):
 
 
 def test_engine_prefix_reuse_gives_same_answer(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1)
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
     first = engine.complete("The quick brown fox", max_new_tokens=10).token_ids
     engine.complete("Summarize: speculative", max_new_tokens=5)
     again = engine.complete("The quick brown fox", max_new_tokens=10).token_ids
@@ -128,7 +128,7 @@ def test_engine_prefix_reuse_gives_same_answer(int4_bundle):
 
 
 def test_stop_string_truncates(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1)
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
     answer = engine.complete("What is 12", max_new_tokens=20)
     full = answer.text
     # precondition (greedy, so fixed): the answer runs to the limit and has text to cut
@@ -140,14 +140,14 @@ def test_stop_string_truncates(int4_bundle):
 
 
 def test_sampling_is_reproducible_with_seed(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1)
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
     a = engine.complete("hello", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=3).token_ids
     b = engine.complete("hello", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=3).token_ids
     assert a == b
 
 
 def test_cancel_from_another_thread(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1)
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
     uncancelled = engine.complete("hello", max_new_tokens=200, temperature=1.0, seed=0)
     stream = engine.generate("hello", max_new_tokens=200, temperature=1.0, seed=0)
     next(stream)  # the stream is paused after its first chunk while another thread cancels
@@ -164,9 +164,14 @@ def test_cancel_from_another_thread(int4_bundle):
 
 
 def test_prompt_longer_than_context_is_rejected(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1, context_length=16)
+    engine = Engine.from_bundle(int4_bundle, threads=1, context_length=16, mode="ar")
     with pytest.raises(EdgeSpecError, match="longer than the context"):
         engine.complete("word " * 40)
+
+
+def test_a_context_too_short_to_draft_in_is_one_clear_error(int4_bundle):
+    with pytest.raises(EdgeSpecError, match="too short for speculative decoding"):
+        Engine.from_bundle(int4_bundle, threads=1, context_length=16, mode="spec")
 
 
 def test_unknown_provider_is_rejected(int4_bundle):
@@ -224,3 +229,38 @@ def test_drafter_blocks_are_its_own(int4_bundle, tmp_path, tiny_pair):
     again = read_manifest(other)
     assert again["draft"]["quantization"]["block_size"] == 32
     assert {block for _, block in _blocks_of(other / again["draft"]["onnx"], hidden)} == {32}
+
+
+def test_the_python_api_runs_speculative_decoding_by_default(int4_bundle):
+    """The same default as the CLI and the server: a user who names no mode gets speculation."""
+    with Engine.from_bundle(int4_bundle, threads=1) as engine:
+        assert engine.mode == "spec"
+        answer = engine.complete("def is_prime", max_new_tokens=8)
+        assert answer.stats.spec is not None and answer.stats.spec.target_calls > 0
+
+
+def test_close_releases_the_sessions_and_refuses_later_calls(int4_bundle):
+    """After close() the ONNX Runtime sessions are gone even while something (a timer's callback) still
+    holds the engine; a later call is one clear error."""
+    import gc
+    import weakref
+
+    from edge_spec.runtime.engine import EngineClosed
+
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
+    engine.complete("hello", max_new_tokens=4)
+    sessions = [weakref.ref(engine.target.session), weakref.ref(engine.active_drafter().decoder.session)]
+    keeps_it_alive = engine.cancel  # a bound method holds the engine, as a threading.Timer would
+    engine.close()
+    gc.collect()
+    assert [ref() for ref in sessions] == [None, None]
+    with pytest.raises(EngineClosed, match="closed"):
+        engine.complete("hello", max_new_tokens=4)
+    keeps_it_alive()  # cancel stays harmless
+
+
+def test_a_context_manager_closes_the_engine(int4_bundle):
+    with Engine.from_bundle(int4_bundle, threads=1, mode="ar") as engine:
+        assert engine.complete("hello", max_new_tokens=2).token_ids
+    with pytest.raises(EdgeSpecError, match="closed"):
+        engine.complete("hello", max_new_tokens=2)

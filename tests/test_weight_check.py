@@ -37,27 +37,27 @@ def test_a_block_zeroed_inside_the_weights_is_refused_before_any_answer(bundle):
     before = path.stat().st_size
     zero_block(path)
     assert path.stat().st_size == before  # the cheap size check cannot see it
-    engine = Engine.from_bundle(bundle, threads=1)
+    engine = Engine.from_bundle(bundle, threads=1, mode="ar")
     with pytest.raises(EdgeSpecError, match="corrupted.*" + path.name):
         engine.complete("hello", max_new_tokens=4)
 
 
 def test_a_whole_bundle_answers_and_is_hashed_once(bundle):
-    first = Engine.from_bundle(bundle, threads=1)
+    first = Engine.from_bundle(bundle, threads=1, mode="ar")
     assert first._weight_check.files_to_hash  # never seen: every recorded file
     assert first.complete("hello", max_new_tokens=4).token_ids
-    second = Engine.from_bundle(bundle, threads=1)
+    second = Engine.from_bundle(bundle, threads=1, mode="ar")
     assert second._weight_check.files_to_hash == []  # unchanged since found whole: nothing to hash
     path = weights_file(bundle)
     os.utime(path)  # rewritten (here: touched): hashed again, that file alone
-    third = Engine.from_bundle(bundle, threads=1)
+    third = Engine.from_bundle(bundle, threads=1, mode="ar")
     assert third._weight_check.files_to_hash == [str(path.relative_to(bundle))]
     assert third.complete("hello", max_new_tokens=4).token_ids
 
 
 def test_damage_after_a_clean_check_is_still_caught(bundle):
     """Negative control for the stamps: a file changed after it was stamped is hashed again."""
-    Engine.from_bundle(bundle, threads=1).complete("hello", max_new_tokens=2)
+    Engine.from_bundle(bundle, threads=1, mode="ar").complete("hello", max_new_tokens=2)
     zero_block(weights_file(bundle))
     with pytest.raises(EdgeSpecError, match="corrupted"):
-        Engine.from_bundle(bundle, threads=1).complete("hello", max_new_tokens=2)
+        Engine.from_bundle(bundle, threads=1, mode="ar").complete("hello", max_new_tokens=2)

@@ -88,6 +88,13 @@ class Completion:
     stats: GenerationStats
 
 
+DEFAULT_MODE = "spec"  # what the CLI, the server and the Python API run when no mode is named
+
+
+class EngineClosed(EdgeSpecError):
+    """A generation asked of an engine after :meth:`Engine.close`."""
+
+
 class Engine:
     """A loaded bundle ready to generate.  One generation runs at a time: :meth:`generate` holds the
     engine from its first chunk until the generator is exhausted or closed; a caller in another thread
@@ -122,6 +129,7 @@ class Engine:
         self._padded_exact: bool | None = None  # see exact_available
         self._profile_key = ""
         self._weight_check: WeightCheck | None = None  # see from_bundle: answers wait for its verdict
+        self._closed = False
         self._cancel = threading.Event()
         self._turn = threading.Condition()  # who holds the engine: one thread, possibly several times
         self._owner: int | None = None
@@ -151,8 +159,8 @@ class Engine:
     ) -> "Engine":
         """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
 
-        ``mode`` is ``"ar"`` (the target alone, the default), ``"spec"`` or ``"ssd"`` with that loop's
-        default settings; ``config`` (``loops.config``: ``ChainConfig``, ``TreeConfig``, ``SsdConfig``,
+        ``mode`` is ``"spec"`` (speculative decoding, the default, as in the CLI and the server), ``"ar"``
+        (the target alone) or ``"ssd"`` with that loop's default settings; ``config`` (``loops.config``: ``ChainConfig``, ``TreeConfig``, ``SsdConfig``,
         or :func:`~edge_spec.runtime.loops.config.loop_config` from user settings) sets the loop and its
         settings instead.  ``draft_head`` picks one of the bundle's drafter heads,
         e.g. ``"full"``, ``"trim-16384"`` or ``"specvocab-r128-k2048"``; ``eagle_head`` one of its EAGLE
@@ -176,7 +184,7 @@ class Engine:
         verify_files(bundle_dir, manifest, full_hash=verify)
         weight_check = None if verify else WeightCheck(bundle_dir, manifest)  # hashes changed files meanwhile
         if config is None:
-            config = loop_config(mode or "ar")
+            config = loop_config(mode or DEFAULT_MODE)
         elif mode is not None and mode != config.mode:
             raise EdgeSpecError(f"mode {mode!r} does not match the {type(config).__name__} given (mode {config.mode!r})")
         if threads < 0 or (draft_threads is not None and draft_threads < 0):
@@ -200,8 +208,12 @@ class Engine:
         """Load (or measure once and cache) this device's cost profile for the current drafter head:
         target passes over 1..γ_max+1 tokens, drafter body and head steps (see ``cost_profile``).
         The γ policy plans with it from the first round; live measurements refine it."""
-        drafter = self.active_drafter()
         max_tokens = max(self.config.gamma + 1, 2)
+        if self.target.capacity < 2 * max_tokens + 2:  # a draft of γ and its verify pass need the room
+            raise EdgeSpecError(f"a context of {self.target.capacity} tokens is too short for speculative decoding "
+                                f"with drafts of up to {max_tokens - 1} tokens: give a context of at least "
+                                f"{2 * max_tokens + 2} tokens, or run mode 'ar'")
+        drafter = self.active_drafter()
         key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *self._placement(), max_tokens)
         with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
             profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
@@ -409,6 +421,37 @@ class Engine:
         """Stop the generation in progress (safe to call from another thread)."""
         self._cancel.set()
 
+    def close(self) -> None:
+        """Release the ONNX Runtime sessions and KV buffers now, not when the last reference goes: a timer
+        or callback holding ``engine.cancel`` would otherwise keep gigabytes alive.  A generation in
+        progress in another thread is cancelled and waited for; later calls raise :class:`EngineClosed`."""
+        self.cancel()
+        self._acquire(wait=True)
+        try:
+            if self._tokens is not None:
+                self._tokens.close()
+                self._tokens = None
+            for memory in self._memories.values():
+                memory.save()
+            self._memories.clear()
+            self._drafters.clear()
+            self._eagle_heads.clear()
+            self._draft_body = self._eagle = None
+            self.target = None
+            self._closed = True
+        finally:
+            self._release()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"this engine was closed; load the bundle again: Engine.from_bundle({str(self.bundle_dir)!r})")
+
     def prompt_ids(self, prompt: str | list[Message], check_length: bool = True) -> list[int]:
         """Token ids of a raw prompt or of chat messages through the chat template (``check_length``:
         refuse a prompt that leaves no room in the context for an answer)."""
@@ -501,6 +544,7 @@ class Engine:
         the call waits for it (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
         self._acquire(wait)
         try:
+            self._check_open()
             generation = self._take_over()
             with numpy_on_one_thread():
                 yield from self._generate(generation, prompt, max_new_tokens=max_new_tokens,
