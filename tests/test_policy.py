@@ -14,7 +14,7 @@ from edge_spec.runtime.schedule.policy import (
 )
 
 CPU = CostModel(draft=0.033, verify={1: 0.050, 2: 0.062, 4: 0.086})
-# two machines of the same kind (issue 16): the README machine and a more memory-bound one
+# two machines of the same kind: a measured reference machine and a more memory-bound one
 README_MACHINE = CostModel(draft=0.0174, verify={1: 0.048, 2: 0.056, 3: 0.082, 4: 0.100, 5: 0.121})
 MEMORY_BOUND = CostModel(draft=0.0194, verify={1: 0.064, 2: 0.070, 3: 0.085, 4: 0.097, 5: 0.109})
 # two-row tiles: the third row costs a whole pass over the weights, the fourth almost nothing

@@ -1,4 +1,4 @@
-"""Reliability (issue #17): what export and add-heads do to the paths they are given, partial work left
+"""Reliability: what export and add-heads do to the paths they are given, partial work left
 behind, one engine shared by threads, and flags and inputs refused in one line before any slow work."""
 
 from __future__ import annotations
@@ -365,7 +365,7 @@ def test_bench_output_must_be_a_directory(monkeypatch, capsys, no_load, tmp_path
     assert taken.read_text() == "x"
 
 
-# -- damaged bundles: one line, never a traceback or an empty answer (issue #17) ---------------------
+# -- damaged bundles: one line, never a traceback or an empty answer --------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -234,8 +234,8 @@ def test_speculative_rejects_mismatched_shapes(drafts: list[int], q_shape: tuple
 # Toy language model over V = 5 tokens, first-order Markov: the target's
 # distribution for absolute position ``pos`` given the previous token ``prev``
 # is ``TARGET[pos, prev]`` = BASE_P[pos] rotated by ``prev``; the drafter is
-# built the same way from BASE_Q.  The brief allowed target rows independent of
-# the drafted tokens; making them depend on the previous token is stronger: a
+# built the same way from BASE_Q.  Target rows independent of
+# the drafted tokens would do; making them depend on the previous token is stronger: a
 # verifier that used the wrong row (e.g. for the bonus token) is caught.
 # The rows deliberately include a token the target forbids but the drafter
 # likes (target top-k), and a token the drafter can never propose (reduced

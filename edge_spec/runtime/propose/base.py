@@ -1,8 +1,8 @@
 """What every proposer answers: the interface the loops draft through, and the block of drafts it returns.
 
 A proposer is anything that can guess the next tokens of the sequence: a drafter model, the
-sequence itself (prompt lookup), a free guess for an otherwise wasted verify row, and tomorrow a
-feature-level head that reads the target's hidden states.  The loops see only this interface, in
+sequence itself (prompt lookup), a free guess for an otherwise wasted verify row, and a
+feature-level head that reads the target's hidden states (EAGLE-3).  The loops see only this interface, in
 the spirit of llama.cpp's ``common_speculative`` (begin / draft / accept) and HF's
 ``CandidateGenerator``:
 
