@@ -177,6 +177,10 @@ def _load_model(source: str) -> LoadedModel:
         generation_config = None
     if not getattr(tokenizer, "is_fast", False):
         raise EdgeSpecError(f"{source!r}: only models with a fast (tokenizer.json) tokenizer are supported")
+    if gguf_file:  # transformers' conversion of a GGUF vocabulary is not always the file's tokenizer
+        from edge_spec.export.gguf_tokenizer import fix_gguf_tokenizer
+
+        fix_gguf_tokenizer(Path(location) / gguf_file, tokenizer, source)
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if not getattr(hf_config, "architectures", None):
         hf_config.architectures = [type(model).__name__]
