@@ -395,6 +395,10 @@ def replace_backend(tokenizer, backend) -> None:
 # -- the export-time check ------------------------------------------------------------------------------
 
 
+def _ids_from(ids: list[int], at: int) -> str:
+    return " ".join(map(str, ids[at:at + 4])) or "(none)"
+
+
 def check_matches_reference(backend, reference: ReferenceTokenizer, label: str,
                             sentences: Sequence[str] = CHECK_SENTENCES) -> None:
     """Refuse (one line) a shipped tokenizer that splits any of ``sentences`` other than the reference:
@@ -404,10 +408,9 @@ def check_matches_reference(backend, reference: ReferenceTokenizer, label: str,
         want = reference.encode(text)
         if got != want:
             at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            shown = lambda ids: " ".join(map(str, ids[at:at + 4])) or "(end)"  # noqa: E731
             raise EdgeSpecError(
                 f"{label}: the tokenizer the bundle would ship splits {text!r:.70} unlike the GGUF's own "
-                f"tokenizer (from token {at}: ids {shown(got)} instead of {shown(want)}); "
+                f"tokenizer (from token {at}: ids {_ids_from(got, at)} instead of {_ids_from(want, at)}); "
                 "refusing to export a model that would be fed token ids it was not trained on")
 
 
