@@ -18,48 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_spec.benchmarking.row_classes import logits_by_pass_size, row_classes
 from edge_spec.manifest import read_manifest
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import ChainConfig
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.providers import EXACT_MIN_ROWS, exact_min_rows
-from edge_spec.runtime.model.row_invariance import logits_by_passes
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 24, 32)
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
            "Repeat after me: one two three four five six seven eight nine ten."]
-
-
-def logits_by_pass_size(decoder: Decoder, sizes: tuple[int, ...], tokens: int, context: int = 40,
-                        pad_to: int = 1) -> dict[int, np.ndarray]:
-    """Each row's logits when ``tokens`` seeded tokens after a ``context``-token prefill are decoded in
-    passes of each size, padded to ``pad_to`` rows as exact passes are (the rows a size cannot cover
-    whole are left out)."""
-    rng = np.random.default_rng(0)
-    vocab = min(decoder.vocab_size, 32000)
-    ids = [int(t) for t in rng.integers(0, vocab, context + tokens)]
-    decoder.min_rows = pad_to
-    out = {}
-    for size in sizes:
-        decoder.reset()
-        decoder.forward(ids[:context], 1)
-        out[size] = logits_by_passes(decoder, ids[context:], [size] * (tokens // size))
-    return out
-
-
-def row_classes(results: dict[int, np.ndarray]) -> list[list[int]]:
-    """Pass sizes grouped so that sizes in one group give every row they share the same logits bit for bit."""
-    classes: list[list[int]] = []
-    for size, rows in results.items():
-        for group in classes:
-            first = results[group[0]]
-            n = min(len(rows), len(first))
-            if np.array_equal(rows[:n], first[:n]):
-                group.append(size)
-                break
-        else:
-            classes.append([size])
-    return classes
 
 
 def greedy_equality(engine: Engine, answer_tokens: int, longest: int = 15) -> list[tuple[str, str, bool, float]]:

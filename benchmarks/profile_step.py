@@ -24,11 +24,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -39,6 +36,12 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
+from edge_spec.benchmarking.ort_profile import (  # noqa: E402
+    matmul_weight_bytes,
+    parse_profile,
+    profiled_decoder,
+    role_of,
+)
 from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
@@ -60,53 +63,6 @@ def run_steps(decoder: Decoder, prompt_ids: list[int], steps: int) -> tuple[floa
         logits = decoder.forward([token])["logits"][-1]
         walls.append(time.perf_counter() - start)
     return prefill, walls
-
-
-def profiled_decoder(onnx_path: Path, threads: int, capacity: int = 4096) -> Decoder:
-    """A ``Decoder`` whose session writes ORT's profile (into a fresh temporary directory) until
-    ``decoder.session.end_profiling()`` returns its path."""
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="edge-spec-profile-")) / "target")
-    return Decoder(onnx_path, threads=threads, capacity=capacity, session_options=options)
-
-
-def role_of(node: str) -> str:
-    """'layers.3.gate_up/out/MatMulNBits' -> 'gate_up'; 'lm_head/out/MatMulNBits' -> 'lm_head'."""
-    if "lm_head" in node:
-        return "lm_head"
-    m = re.match(r"layers\.\d+\.([A-Za-z_]+)", node)
-    return m.group(1) if m else node
-
-
-def matmul_weight_bytes(onnx_path: Path) -> dict[str, int]:
-    """Bytes of packed weights + scales (+ zero points) each MatMulNBits node reads per call."""
-    import onnx
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    size = {t.name: int(np.prod(t.dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-            for t in model.graph.initializer}
-    return {n.name: sum(size.get(x, 0) for x in n.input[1:]) for n in model.graph.node if n.op_type == "MatMulNBits"}
-
-
-def parse_profile(path: Path) -> list[dict]:
-    """One dict per model_run, in order: {'dur': µs, 'kernels': [(node, op, µs), ...]}."""
-    events = json.loads(path.read_text())
-    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
-                  key=lambda e: e["ts"])
-    kernels = sorted((e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")),
-                     key=lambda e: e["ts"])
-    out = [{"ts": r["ts"], "end": r["ts"] + r["dur"], "dur": r["dur"], "kernels": []} for r in runs]
-    i = 0
-    for k in kernels:
-        while i < len(out) and k["ts"] > out[i]["end"]:
-            i += 1
-        if i == len(out):
-            break
-        if k["ts"] >= out[i]["ts"]:
-            node = k["name"][: -len("_kernel_time")]
-            out[i]["kernels"].append((node, k.get("args", {}).get("op_name", "?"), k["dur"]))
-    return out
 
 
 def main() -> None:

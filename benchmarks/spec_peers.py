@@ -61,12 +61,14 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import ar_vs_ortgenai as shared  # the genai venv, the GGUF -> HF checkpoint and the genai builder steps
 
 ROOT = shared.ROOT
+sys.path.insert(0, str(ROOT))  # the peers' workers run in venvs without edge-spec installed
+from edge_spec.benchmarking.peers import format_rows, peer_record, report, result, summarize  # noqa: E402
+
 TARGET = shared.NAME  # qwen2.5-coder-1.5b-instruct-q4_k_m
 DRAFT = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 GENAI_SPEC_DIR = ROOT / "models" / "genai" / f"spec-{TARGET}+{DRAFT}"
@@ -175,25 +177,6 @@ def serve(load, run) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         reply(run(request["ids"], request["k"], spec["new_tokens"]))
-
-
-def result(ids: list[int], eos: set[int], first_tokens: int, decode_seconds: float, prefill_seconds: float,
-           **extra) -> dict:
-    """One generation's record.  ``first_tokens``: how many answer tokens were known when the decode
-    clock started (1: the token picked from the prefill's logits).  The answer ends before any EOS,
-    whether or not the engine put the EOS in its sequence (as in our engine)."""
-    answer = ids[:next((i for i, t in enumerate(ids) if t in eos), len(ids))]
-    record = {"new_tokens": len(answer), "first_tokens": first_tokens, "ids": answer,
-              "decode_seconds": decode_seconds, "prefill_seconds": prefill_seconds, **extra}
-    return {**record, "decode_tokens": decode_tokens(record)}
-
-
-def decode_tokens(record: dict) -> int:
-    """The answer's tokens after the first ones, the numerator of every tokens/s here.  Records written
-    before ``first_tokens`` existed: OpenVINO's first write, else one token (ours, onnxruntime-genai),
-    which also corrects onnxruntime-genai's old counts (one call per token, the EOS's included)."""
-    first = record.get("first_tokens", record.get("first_write_tokens", 1))
-    return max(record["new_tokens"] - first, 0)
 
 
 def genai_worker() -> None:
@@ -363,72 +346,6 @@ def load_prompts(args) -> list[dict]:
     return [item for item in items if not args.category or item["category"] in args.category]
 
 
-# --------------------------------------------------------------------------- report
-
-
-def peer_record(peer: str, k: int, answer: dict, ar_ids: list[int] | None) -> dict:
-    record = {key: value for key, value in answer.items() if key != "ids"}
-    record.update(engine=f"{peer} {'K' + str(k) if k else 'ar'}", peer=peer, k=k,
-                  tokens_per_second=decode_tokens(answer) / answer["decode_seconds"]
-                  if answer["decode_seconds"] > 0 else 0.0)
-    if k:
-        record["identical_to_ar"] = answer["ids"] == ar_ids
-    return record
-
-
-def summarize(records: list[dict], engines: list[str]) -> list[dict]:
-    """Per (category, engine) and overall: pooled (new tokens - 1) / decode seconds, and its ratio to
-    the same engine family's ar and to ours."""
-    groups = defaultdict(list)
-    for r in records:
-        for category in (r["category"], "overall"):
-            groups[(category, r["engine"])].append(r)
-    speed = {key: sum(decode_tokens(r) for r in rows)
-             / max(sum(r["decode_seconds"] for r in rows), 1e-9) for key, rows in groups.items()}
-    categories = sorted({c for c, _ in groups if c != "overall"}) + ["overall"]
-    rows = []
-    for category in categories:
-        for engine in engines:
-            if (category, engine) not in groups:
-                continue
-            family = engine.split()[0]
-            own_ar, ours_ar = speed.get((category, f"{family} ar")), speed.get((category, "ours ar"))
-            tps = speed[(category, engine)]
-            members = groups[(category, engine)]
-            flags = [r.get("identical_to_ar") for r in members]  # ours: None (no ar-exact run), see the legend
-            flags = [flag if flag is not None else r.get("identical_to_one_row_ar") for flag, r in zip(flags, members)]
-            identical = [flag for flag in flags if flag is not None]
-            rows.append({"category": category, "engine": engine, "prompts": len(members), "tokens_per_second": tps,
-                         "vs_own_ar": tps / own_ar if own_ar else None, "vs_ours_ar": tps / ours_ar if ours_ar else None,
-                         "identical_to_ar": f"{sum(identical)}/{len(identical)}" if identical else "",
-                         "mean_new_tokens": sum(r["new_tokens"] for r in members) / len(members)})
-    return rows
-
-
-def format_rows(rows: list[dict]) -> str:
-    header = f"{'category':<15} {'engine':<22} {'n':>3} {'tok/s':>7} {'vs own ar':>9} {'vs ours ar':>10} {'= ar':>6} {'tokens':>6}"
-    lines, previous = [header, "-" * len(header)], None
-    for r in rows:
-        if previous and r["category"] != previous:
-            lines.append("")
-        previous = r["category"]
-        ratio = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
-        lines.append(f"{r['category']:<15} {r['engine']:<22} {r['prompts']:>3} {r['tokens_per_second']:7.2f} "
-                     f"{ratio(r['vs_own_ar']):>9} {ratio(r['vs_ours_ar']):>10} {r['identical_to_ar']:>6} "
-                     f"{r['mean_new_tokens']:6.1f}")
-    return "\n".join(lines)
-
-
-def report(path: Path) -> str:
-    """A saved run's tables, recomputed from its records (so a counting fix reaches old runs too)."""
-    try:
-        saved = json.loads(path.read_text())
-        records = saved["records"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise SystemExit(f"{path}: not a spec_peers result ({error})") from None
-    return format_rows(summarize(records, list(dict.fromkeys(r["engine"] for r in records))))
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -457,7 +374,10 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.report:
-        print(report(args.report))
+        try:
+            print(report(args.report))
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
         return
 
     if args.worker:  # we are a peer's child process, inside its venv
@@ -476,7 +396,6 @@ def main() -> None:
         if peer in peers and not ready.is_file():
             raise SystemExit(f"{peer} is not prepared: run {Path(__file__).name} --prepare first")
 
-    sys.path.insert(0, str(ROOT))
     from edge_spec.paths import DEFAULT_BUNDLE
     from edge_spec.prompts import as_messages
     from edge_spec.runtime.text import TextTokenizer

@@ -13,26 +13,13 @@ per op type.
 from __future__ import annotations
 
 import argparse
-import sys
-from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-import onnx  # noqa: E402
-
-from edge_spec.manifest import read_manifest  # noqa: E402
-from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
-from profile_step import parse_profile, profiled_decoder, role_of  # noqa: E402
-
-
-def matmul_bits(onnx_path: Path) -> dict[str, int]:
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    return {node.name: next(a.i for a in node.attribute if a.name == "bits")
-            for node in model.graph.node if node.op_type == "MatMulNBits"}
+from edge_spec.benchmarking.ort_profile import ProfileMismatch, profile_rows
+from edge_spec.manifest import read_manifest
+from edge_spec.paths import DEFAULT_BUNDLE
 
 
 def main() -> None:
@@ -45,40 +32,20 @@ def main() -> None:
     args = parser.parse_args()
 
     onnx_path = args.bundle / read_manifest(args.bundle)["target"]["onnx"]
-    decoder = profiled_decoder(onnx_path, args.threads)
-    decoder.reset()
-    decoder.forward(list(range(100, 160)))
-    row_counts = range(1, args.rows + 1)
-    order = []
-    for step in range(args.steps):
-        for rows in row_counts:
-            decoder.forward([1000 + step] * rows, rows)
-            decoder.rewind(decoder.length - rows)
-            order.append(rows)
-    runs = parse_profile(Path(decoder.session.end_profiling()))[1:]  # the prompt's pass first
-    if len(runs) != len(order):
-        raise SystemExit(f"expected {len(order)} passes in the profile, found {len(runs)}")
-
-    bits = matmul_bits(onnx_path)
-    calls: dict[int, dict[tuple[str, str], list[float]]] = {r: defaultdict(list) for r in row_counts}
-    walls: dict[int, list[float]] = {r: [] for r in row_counts}
-    for rows, run in zip(order, runs):
-        walls[rows].append(run["dur"])
-        for node, op, duration in run["kernels"]:
-            calls[rows][node, op].append(duration)
-    groups: dict[int, dict[str, float]] = {r: defaultdict(float) for r in row_counts}
-    for rows in row_counts:
-        for (node, op), durations in calls[rows].items():
-            group = f"{role_of(node)}/{bits[node]}bit" if op == "MatMulNBits" else op
-            groups[rows][group] += float(np.median(durations)) / 1e3
+    try:
+        profile = profile_rows(onnx_path, args.threads, args.steps, args.rows)
+    except ProfileMismatch as error:
+        raise SystemExit(str(error)) from None
+    row_counts = sorted(profile.walls)
+    groups = profile.groups
 
     print(f"{onnx_path}, {args.threads} threads, {args.steps} passes of each row count (medians, ms)")
     header = f"{'':<34}" + "".join(f"{r:>6} row{'s' if r > 1 else ' '}" for r in row_counts)
     print(header)
-    print(f"{'pass (model_run)':<34}" + "".join(f"{np.median(walls[r]) / 1e3:10.2f}" for r in row_counts))
+    print(f"{'pass (model_run)':<34}" + "".join(f"{np.median(profile.walls[r]) / 1e3:10.2f}" for r in row_counts))
     print(f"{'sum of node medians':<34}" + "".join(f"{sum(groups[r].values()):10.2f}" for r in row_counts))
     for group in sorted(groups[1], key=lambda g: -groups[1][g])[:args.top]:
-        print(f"{group:<34}" + "".join(f"{groups[r][group]:10.3f}" for r in row_counts))
+        print(f"{group:<34}" + "".join(f"{groups[r].get(group, 0.0):10.3f}" for r in row_counts))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
+from edge_spec.benchmarking.ort_profile import profile_rows
+from edge_spec.manifest import read_manifest
 from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.engine import Engine
-from tests.helpers import benchmark_module, chain
+from tests.helpers import chain
 
 
 def test_profile_is_measured_once_then_read_from_the_cache(int4_bundle, tmp_path, monkeypatch):
@@ -184,14 +184,14 @@ def test_the_drafter_s_second_row_is_profiled():
     assert profile.draft_catch_up == pytest.approx(0.002)
 
 
-def test_verify_rows_profile_splits_every_row_count_by_bit_width(int4_bundle, monkeypatch, capsys):
-    """The row-cost profiler (``benchmarks/verify_rows_profile.py``) must attribute every interleaved pass to
-    its row count: it refuses a profile whose passes it cannot match, and lists matmuls by role and bits."""
-    with benchmark_module("verify_rows_profile") as script:
-        monkeypatch.setattr(sys, "argv", ["verify_rows_profile.py", "--bundle", str(int4_bundle),
-                                          "--steps", "3", "--rows", "3", "--threads", "1"])
-        script.main()
-    out = capsys.readouterr().out.splitlines()
-    passes = next(line for line in out if line.startswith("pass (model_run)"))
-    assert len(passes.split()[2:]) == 3 and all(float(ms) > 0 for ms in passes.split()[2:])
-    assert any(line.split()[0].endswith("/4bit") for line in out if line.strip()), out
+def test_verify_rows_profile_splits_every_row_count_by_bit_width(int4_bundle):
+    """The row-cost profiler (``edge_spec.benchmarking.ort_profile``, behind ``verify_rows_profile.py``) must
+    attribute every interleaved pass to its row count (it refuses a profile whose passes it cannot match),
+    and list matmuls by role and bits."""
+    onnx_path = int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]
+    profile = profile_rows(onnx_path, threads=1, steps=3, rows=3)
+    assert sorted(profile.walls) == sorted(profile.groups) == [1, 2, 3]
+    assert all(len(walls) == 3 and min(walls) > 0 for walls in profile.walls.values())
+    for groups in profile.groups.values():
+        assert any(group.endswith("/4bit") for group in groups), groups
+        assert "MatMulNBits" not in groups  # every matmul is attributed to its role and bits
