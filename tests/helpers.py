@@ -3,34 +3,13 @@ tokenizer in ``tiny_models.py``): bundle export, the CLI in a subprocess, token 
 
 from __future__ import annotations
 
-import importlib
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 
 from tests import tiny_models
-
-# ---------------------------------------------------------------------------
-# benchmark scripts
-# ---------------------------------------------------------------------------
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-@contextmanager
-def benchmark_module(name: str) -> Iterator:
-    """A script of ``benchmarks/`` imported as a module (its siblings importable while it is in use)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
 
 # ---------------------------------------------------------------------------
 # bundles

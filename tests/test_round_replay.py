@@ -1,10 +1,11 @@
 """The replay's oracle is a ceiling: no schedule replayed on the same answers, priced the same way, may
 beat it.
 
-``round_signals.py`` reports how much of the oracle's gain over fixed γ = 1 the runtime's schedule reaches.
-That ratio only means something if the oracle prices a round exactly as the replay prices the schedule's
-rounds -- in particular the drafter's catch-up, which is one row after a rejected draft, two after a fully
-accepted round, and every token of a round the drafter did not draft.
+The round-signals study (``tools/round_replay.py``, run by ``benchmarks/studies/round_signals.py``) reports
+how much of the oracle's gain over fixed γ = 1 the runtime's schedule reaches.  That ratio only means
+something if the oracle prices a round exactly as the replay prices the schedule's rounds -- in particular
+the drafter's catch-up, which is one row after a rejected draft, two after a fully accepted round, and
+every token of a round the drafter did not draft.
 """
 
 from __future__ import annotations
@@ -12,14 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers import benchmark_module
-
-
-
-@pytest.fixture(scope="module")
-def signals():
-    with benchmark_module("round_signals") as module:
-        yield module
+from tools import round_replay as signals
+from tools import with_constant
 
 
 def recorded_answers(seed: int, prompts: int = 12, length: int = 48) -> dict[str, np.ndarray]:
@@ -48,7 +43,7 @@ def recorded_answers(seed: int, prompts: int = 12, length: int = 48) -> dict[str
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("catch_up", [0.005, 0.020])
-def test_no_replayed_schedule_beats_the_oracle(signals, seed, catch_up):
+def test_no_replayed_schedule_beats_the_oracle(seed, catch_up):
     data = recorded_answers(seed)
     # a drafter step over two rows costs more than over one: the catch-up the oracle must price as replayed
     drafter = {1: 0.008, 2: 0.008 + catch_up, 3: 0.008 + 1.5 * catch_up}
@@ -70,7 +65,7 @@ def test_no_replayed_schedule_beats_the_oracle(signals, seed, catch_up):
             assert ceiling[category][0] <= seconds + 1e-12, (name, category, ceiling[category][0], seconds)
 
 
-def test_the_oracle_gains_where_outcomes_vary(signals):
+def test_the_oracle_gains_where_outcomes_vary():
     """Negative control: knowing the outcomes is worth something on these answers (the ceiling is not
     merely equal to the best fixed γ)."""
     data = recorded_answers(0)
@@ -80,7 +75,7 @@ def test_the_oracle_gains_where_outcomes_vary(signals):
     assert total(signals.oracle(data, prices, gamma_max=4)) < 0.95 * best_fixed
 
 
-def test_when_every_draft_is_right_the_oracle_is_the_replayed_chain(signals):
+def test_when_every_draft_is_right_the_oracle_is_the_replayed_chain():
     """Every draft right, no guesses or lookups: the best one-draft schedule drafts every round, and the
     oracle must price it exactly as the replay does -- the first round's drafter step reads one token,
     every later one two (the previous draft and the bonus token)."""
@@ -95,7 +90,7 @@ def test_when_every_draft_is_right_the_oracle_is_the_replayed_chain(signals):
         assert ceiling[category][0] == pytest.approx(seconds, rel=1e-12)
 
 
-def test_the_schedule_told_where_chains_break_drafts_exactly_the_accepted_run(signals):
+def test_the_schedule_told_where_chains_break_drafts_exactly_the_accepted_run():
     """The decomposition of the oracle's gain is only as good as what each informed schedule is told:
     told where chains break, a round whose first draft is accepted drafts exactly the accepted run (up to
     the ceiling), so no such round verifies a rejected draft; and that knowledge is worth time (the
@@ -122,7 +117,7 @@ def test_the_schedule_told_where_chains_break_drafts_exactly_the_accepted_run(si
     assert total(informed) < 0.97 * total(untold)
 
 
-def test_the_schedule_told_every_confidence_pays_no_step_it_drops_and_gains_where_confidence_tells(signals):
+def test_the_schedule_told_every_confidence_pays_no_step_it_drops_and_gains_where_confidence_tells():
     """``peeking_policy`` bounds what learning confidences before their steps could add to the runtime's
     schedule: it must never be charged a step whose draft it does not keep, and where the confidence says
     exactly which drafts the target rejects it must beat the schedule that pays to learn them.  Negative
@@ -150,7 +145,7 @@ def test_the_schedule_told_every_confidence_pays_no_step_it_drops_and_gains_wher
     assert early == pytest.approx(late, rel=0.03)
 
 
-def test_a_draft_the_stop_rule_drops_costs_its_step(signals):
+def test_a_draft_the_stop_rule_drops_costs_its_step():
     """The schedule can draft a draft and then drop it (its confidence too low to verify): the drafter's
     step ran, so the replay charges it, exactly one step per dropped draft, and the schedule's replay
     therefore costs what its rounds cost live."""
@@ -176,7 +171,7 @@ def test_a_draft_the_stop_rule_drops_costs_its_step(signals):
         assert dropped[category][0] - kept[category][0] == pytest.approx(rounds[category] * 0.008, rel=1e-9)
 
 
-def test_a_cheaper_drafter_is_priced_step_by_step_and_only_the_drafter_moves(signals):
+def test_a_cheaper_drafter_is_priced_step_by_step_and_only_the_drafter_moves():
     """``--drafter-ms`` asks what the same drafts would be worth from a cheaper drafter: each fixed-γ round
     then saves exactly the drafter steps it runs (the catch-up pass included), the target's passes cost what
     they did, and the oracle's ceiling can only fall; priced at the drafter's own cost nothing moves
@@ -198,7 +193,7 @@ def test_a_cheaper_drafter_is_priced_step_by_step_and_only_the_drafter_moves(sig
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_recorded_answers_are_reproduced_by_the_teacher_forced_pass(signals, int4_bundle, tmp_path, temperature):
+def test_recorded_answers_are_reproduced_by_the_teacher_forced_pass(int4_bundle, tmp_path, temperature):
     """Recording checks that the target's choices over the teacher-forced pass give the engine's answer (it
     exits otherwise), greedy and coupled-sampled; the drafter's proposals are right at some positions only."""
     import argparse
@@ -229,23 +224,23 @@ def probe_answers(seed: int, informative: bool, n: int = 3000, width: int = 6) -
             "draft_hidden": hidden.astype(np.float16)}
 
 
-def held_out_aucs(signals, capsys, train: dict, test: dict) -> dict[str, float]:
+def held_out_aucs(capsys, train: dict, test: dict) -> dict[str, float]:
     signals.signal_value(train, test)
     lines = capsys.readouterr().out.splitlines()
     return {line.split(" from ")[1].split(":")[0]: float(line.rsplit("AUC ", 1)[1]) for line in lines}
 
 
-def test_the_hidden_state_probe_finds_what_the_confidence_misses_and_only_that(signals, capsys):
+def test_the_hidden_state_probe_finds_what_the_confidence_misses_and_only_that(capsys):
     """The probe behind the README's 'a probe on the drafter's hidden state adds nothing': it must find
     acceptance carried by the hidden state when it is there (held out), and not invent it from noise."""
-    found = held_out_aucs(signals, capsys, probe_answers(1, True), probe_answers(2, True))
+    found = held_out_aucs(capsys, probe_answers(1, True), probe_answers(2, True))
     probe = "drafter confidence + its hidden state (ridge 0.003)"
     assert found[probe] > found["drafter confidence"] + 0.05
-    noise = held_out_aucs(signals, capsys, probe_answers(3, False), probe_answers(4, False))
+    noise = held_out_aucs(capsys, probe_answers(3, False), probe_answers(4, False))
     assert abs(noise[probe] - noise["drafter confidence"]) < 0.02
     old = probe_answers(5, True)
     del old["draft_hidden"], old["draft_second"], old["draft_entropy"]  # a file recorded before these fields
-    assert set(held_out_aucs(signals, capsys, old, old)) == {
+    assert set(held_out_aucs(capsys, old, old)) == {
         "drafter confidence", "drafter confidence + target top-p, margin, entropy, previous outcome",
         "the previous draft's confidence", "the target's top-p, margin and entropy at the correction",
         "its own confidence, which its step reveals"}
@@ -270,14 +265,14 @@ def step_answers(seed: int, informative: bool, n: int = 4000, width: int = 6) ->
     return data
 
 
-def before_step_aucs(signals, capsys, data: dict) -> dict[str, float]:
+def before_step_aucs(capsys, data: dict) -> dict[str, float]:
     signals.before_the_step(*signals.prompt_halves(data))
     lines = capsys.readouterr().out.splitlines()
     return {line.split("' (before its step) from ")[0].split("'")[1] + ": " + line.split(" from ")[1].split(":")[0]:
             float(line.rsplit("AUC ", 1)[1]) for line in lines}
 
 
-def test_before_the_step_finds_what_a_paid_step_or_the_correction_tells_and_only_that(signals, capsys):
+def test_before_the_step_finds_what_a_paid_step_or_the_correction_tells_and_only_that(capsys):
     """The analysis behind the README's 'nothing known before a step predicts its draft': where the previous
     step's hidden state (or the drafter's probability of the target's correction) carries the next draft's
     fate, the held-out models must find it; where they are noise, they must not invent it.  The draft's own
@@ -286,10 +281,10 @@ def test_before_the_step_finds_what_a_paid_step_or_the_correction_tells_and_only
     next_plain = "next draft accepted: the previous draft's confidence"
     first_probe = "first draft after a rejection accepted: those and the drafter's probability of the correction"
     first_plain = "first draft after a rejection accepted: the target's top-p, margin and entropy at the correction"
-    found = before_step_aucs(signals, capsys, step_answers(1, True))
+    found = before_step_aucs(capsys, step_answers(1, True))
     assert found[next_probe] > found[next_plain] + 0.1
     assert found[first_probe] > found[first_plain] + 0.1
-    noise = before_step_aucs(signals, capsys, step_answers(2, False))
+    noise = before_step_aucs(capsys, step_answers(2, False))
     assert abs(noise[next_probe] - noise[next_plain]) < 0.03
     assert abs(noise[first_probe] - noise[first_plain]) < 0.03
     revealed = "next draft accepted: its own confidence, which its step reveals"
@@ -298,7 +293,7 @@ def test_before_the_step_finds_what_a_paid_step_or_the_correction_tells_and_only
     assert not set(halves[0]["prompt"]) & set(halves[1]["prompt"])  # no answer on both sides
 
 
-def test_a_dearer_price_of_time_makes_the_replayed_rounds_shorter(signals):
+def test_a_dearer_price_of_time_makes_the_replayed_rounds_shorter():
     """``--rate-scale`` reaches the stop rule: a round that must beat a higher rate drafts fewer tokens
     (the question it answers, whether ρ is tuned, needs the knob to move the schedule both ways)."""
     data = recorded_answers(0)
@@ -316,7 +311,7 @@ def test_a_dearer_price_of_time_makes_the_replayed_rounds_shorter(signals):
     assert drafted(0.5) > drafted(1.0) > drafted(2.0)
 
 
-def test_another_order_meets_the_same_answers_and_moves_only_what_the_carried_calibration_learnt(signals, capsys):
+def test_another_order_meets_the_same_answers_and_moves_only_what_the_carried_calibration_learnt(capsys):
     """``--orders``: a shuffled order keeps every answer whole and in its own order (only the prompts'
     numbers change), so fixed γ, which carries nothing from one answer to the next, replays exactly as
     before; and the spread line reports each adaptive mode once."""
@@ -340,13 +335,12 @@ def test_another_order_meets_the_same_answers_and_moves_only_what_the_carried_ca
 def test_with_constant_sets_a_schedule_number_and_refuses_anything_else():
     from edge_spec.runtime.schedule import acceptance
 
-    with benchmark_module("with_constant") as module:
-        saved = acceptance.CAUTION_FADE
-        try:
-            module.override("CAUTION_FADE=24")
-            assert acceptance.CAUTION_FADE == 24.0 and isinstance(acceptance.CAUTION_FADE, float)
-        finally:
-            acceptance.CAUTION_FADE = saved
-        for bad in ("NO_SUCH_NAME=1", "CAUTION_FADE", "Agreement=1"):
-            with pytest.raises(SystemExit):
-                module.override(bad)
+    saved = acceptance.CAUTION_FADE
+    try:
+        with_constant.override("CAUTION_FADE=24")
+        assert acceptance.CAUTION_FADE == 24.0 and isinstance(acceptance.CAUTION_FADE, float)
+    finally:
+        acceptance.CAUTION_FADE = saved
+    for bad in ("NO_SUCH_NAME=1", "CAUTION_FADE", "Agreement=1"):
+        with pytest.raises(SystemExit):
+            with_constant.override(bad)

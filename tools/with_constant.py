@@ -1,8 +1,8 @@
 """Run ``edge-spec`` or a benchmark script with one of the schedule's constants set otherwise, for A/B
 runs of the schedule's tuning without editing the package.
 
-    python benchmarks/with_constant.py REQUEST_CAUTION=0 -- edge-spec bench BUNDLE --prompts ...
-    python benchmarks/with_constant.py CAUTION_FADE=24 -- benchmarks/round_signals.py --analyze FILE ...
+    python tools/with_constant.py REQUEST_CAUTION=0 -- edge-spec bench BUNDLE --prompts ...
+    python tools/with_constant.py CAUTION_FADE=24 -- benchmarks/studies/round_signals.py --analyze FILE ...
 
 A name must be a module-level number in ``runtime/schedule`` (``acceptance``, ``policy``); the modules
 read them at call time, so the override reaches every request the command makes.
@@ -20,6 +20,8 @@ MODULES = (acceptance, policy)
 
 
 def override(assignment: str) -> None:
+    """Set ``NAME=NUMBER`` in every schedule module that has ``NAME`` as a public number, keeping its type
+    (an int stays an int); anything else exits with one line, before the command runs."""
     name, _, value = assignment.partition("=")
     owners = [m for m in MODULES if isinstance(getattr(m, name, None), (int, float)) and not name.startswith("_")]
     if not owners or not value:
@@ -30,6 +32,8 @@ def override(assignment: str) -> None:
 
 
 def main() -> None:
+    """``ASSIGNMENT... -- COMMAND...``: apply the assignments, then run the command in this process (the
+    ``edge-spec`` CLI, or a script by its path), so that the changed numbers are the ones it reads."""
     args = sys.argv[1:]
     if "--" not in args or args.index("--") == len(args) - 1:
         raise SystemExit(__doc__)
