@@ -8,7 +8,7 @@ verifier averaged over how its drafts are drawn.  With branches of length 1 this
 number of accepted tokens per target call (τ - 1), so the table compares the verifiers' tokens per
 step directly; `edge-spec bench --verifier ...` measures the same loop end to end with wall-clock.
 
-    python benchmarks/multidraft_acceptance.py BUNDLE --temperature 0.7 --temperature 1.0 --head full
+    python benchmarks/studies/multidraft_acceptance.py BUNDLE --temperature 0.7 --temperature 1.0 --head full
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ cores, as they do in production), one with the cores split between target and dr
 answered in every mode back to back, so machine noise hits all modes alike; the script prints decode
 tokens/s, speed-up vs ar and vs spec, τ and the speculation-cache hit rate per category.
 
-    python benchmarks/ssd_vs_spec.py [BUNDLE] --gamma 1 --threads 2 --target-threads 1 --draft-threads 1
+    python benchmarks/studies/ssd_vs_spec.py [BUNDLE] --gamma 1 --threads 2 --target-threads 1 --draft-threads 1
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Why: SpecVocab only pays if scoring 150k tokens at rank R, picking the top k and
 logits costs much less than the full head.  This measures each piece on real drafter hidden states
 (the drafter body run over a calibration answer), one head at a time, in one process.
 
-    python benchmarks/specvocab_head_cost.py [BUNDLE] --threads 2
+    python benchmarks/studies/specvocab_head_cost.py [BUNDLE] --threads 2
 """
 
 from __future__ import annotations

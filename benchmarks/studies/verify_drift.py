@@ -5,7 +5,7 @@ positions scores each position exactly as a one-token step would.  With int8 act
 (accuracy level 4) ONNX Runtime's kernels round differently for one row and several rows; this
 measures the drift, the argmax flips it causes, and what an fp32-activation build costs instead.
 
-    python benchmarks/verify_drift.py [BUNDLE] --levels 4,1
+    python benchmarks/studies/verify_drift.py [BUNDLE] --levels 4,1
 """
 
 from __future__ import annotations

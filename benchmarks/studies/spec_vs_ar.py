@@ -1,6 +1,6 @@
 """Speculative vs autoregressive on the same bundle, measured in one run (wraps `edge-spec bench`).
 
-    python benchmarks/spec_vs_ar.py [BUNDLE] [--max-tokens 64] [--temperature 0 --temperature 0.7] ...
+    python benchmarks/studies/spec_vs_ar.py [BUNDLE] [--max-tokens 64] [--temperature 0 --temperature 0.7] ...
 
 Prints per-category τ, MBSU, tokens/s and the wall-clock speed-up of every
 drafter head against `ar`, writes bench-results/bench.json and bench.png.

@@ -13,7 +13,7 @@ replaces.  This script measures exactly those numbers on the bundle:
 * the resulting round times for γ = 1, 2: sequential ``γ·draft(2t) + verify(2t)`` against the SSD
   best case ``max(verify(1t, contended), γ·draft(1t, contended))`` (every speculation a cache hit).
 
-    python benchmarks/thread_split.py [BUNDLE] [--head specvocab-r192-k128-of32768]
+    python benchmarks/studies/thread_split.py [BUNDLE] [--head specvocab-r192-k128-of32768]
 """
 
 from __future__ import annotations

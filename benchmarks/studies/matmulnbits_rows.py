@@ -5,7 +5,7 @@ costs (memory-bound).  This times one isolated node of the target's shapes for M
 accuracy level and block size, and a small node whose weights stay in cache: if the in-cache node grows
 linearly with M too, the kernel is compute-bound for M >= 2, and no schedule can make long drafts pay.
 
-    python benchmarks/matmulnbits_rows.py --threads 2
+    python benchmarks/studies/matmulnbits_rows.py --threads 2
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ level 0 to show the weights alone) and compared on
   the first difference, and the prompts whose answers are identical;
 * speed: greedy tokens/s of transformers (fp32, torch threads) and of our decoder (ORT threads).
 
-    python benchmarks/gguf_fidelity.py models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf [--tokens 48] [--threads 2]
-                                       [--no-level0]
+    python benchmarks/studies/gguf_fidelity.py models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf [--tokens 48] [--threads 2]
+                                               [--no-level0]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 TEXT = (
     "The printing press, developed by Johannes Gutenberg around 1440, changed how knowledge spread across "

@@ -13,7 +13,7 @@ itself (bit-identical rows for every row count and thread count), and times both
 Not wired into the runtime: that needs an ONNX Runtime custom-op library, built against ORT's C API
 headers, which no local package ships.
 
-    python benchmarks/kernels/int4_rows.py [--k 1536 --n 8960] [--threads 2]
+    python benchmarks/studies/kernels/int4_rows.py [--k 1536 --n 8960] [--threads 2]
 """
 
 from __future__ import annotations

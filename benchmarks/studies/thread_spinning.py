@@ -13,7 +13,7 @@ Each policy loads the target and the drafter body afresh, then times drafter ste
 over 1..5 rows alternately, as rounds run them (median of ``--repeats``), and the policies take turns
 ``--rounds`` times, so that a drift of the machine reaches them all alike.
 
-    python benchmarks/thread_spinning.py [BUNDLE] --threads 2
+    python benchmarks/studies/thread_spinning.py [BUNDLE] --threads 2
 """
 
 from __future__ import annotations

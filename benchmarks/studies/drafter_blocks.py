@@ -12,7 +12,7 @@ Give bundles that differ only in their drafter (export the same pair with ``--dr
   ``bench`` sends them (deterministic when greedy, since the target is the same): τ, acceptance at
   each draft position, and a whole draft step in the loop (body, head, Python).
 
-    python benchmarks/drafter_blocks.py BUNDLE_32 BUNDLE_128 [--acceptance] [--temperature 0.7]
+    python benchmarks/studies/drafter_blocks.py BUNDLE_32 BUNDLE_128 [--acceptance] [--temperature 0.7]
 """
 
 from __future__ import annotations
