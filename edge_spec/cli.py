@@ -612,7 +612,9 @@ def chat(
 @app.command()
 def serve(
     bundle: Path,
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (default: this machine only)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (default: this machine only). On any other "
+                             "address (0.0.0.0: every interface) requests for localhost and for any IP address are "
+                             "answered; for a host name, add --allowed-host NAME."),
     port: int = typer.Option(8000, help="Port (0: any free port, printed at start)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="EDGE_SPEC_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' (default: any key or none)."),
@@ -620,6 +622,16 @@ def serve(
                                   "HTTP 429 with Retry-After."),
     shutdown_grace: float = typer.Option(10.0, help="On SIGINT/SIGTERM, seconds the answer in progress gets "
                                          "to finish before it is stopped."),
+    allowed_host: list[str] = typer.Option([], "--allowed-host", help="Also answer requests whose Host header is "
+                                           "NAME (repeatable; *.example.com: its subdomains; *: any host). "
+                                           "Default: localhost names, loopback addresses and the --host address "
+                                           "(any IP address when --host is not loopback), so a web page cannot "
+                                           "reach the server by rebinding its own name to it."),
+    cors_origin: list[str] = typer.Option([], "--cors-origin", help="Let web pages from ORIGIN (such as "
+                                          "http://localhost:3000) call the API from a browser (repeatable; * "
+                                          "needs --api-key). Default: none, cross-origin requests get 403."),
+    max_body: str = typer.Option("4M", "--max-body", help="Largest request body accepted (K, M, G suffixes); "
+                                 "larger ones get HTTP 413."),
     provider: str = ProviderOpt,
     threads: int = ThreadsOpt,
     mode: str = ModeOpt,
@@ -638,6 +650,7 @@ def serve(
     verify: bool = VerifyOpt,
 ) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (FIM too), /v1/models, /health."""
+    from edge_spec.server.guard import make_policy
     from edge_spec.server.serve import listen, run
 
     if max_queue < 0:
@@ -650,10 +663,13 @@ def serve(
                           drafter=drafter)
     sock = listen(host, port)  # a busy port fails before the (slow) load
     try:
+        allowed_host = [*allowed_host, host]  # the name the server was started with is its own
+        make_policy(bind_host=host, allowed_hosts=allowed_host, cors_origins=cors_origin, max_body=max_body,
+                    api_key=api_key)  # bad options fail before the (slow) load too
         engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
                               verify, provider_option, eagle_head)
         run(engine, sock, name=bundle.resolve().name, api_key=api_key, max_queue=max_queue,
-            shutdown_grace=shutdown_grace)
+            shutdown_grace=shutdown_grace, allowed_hosts=allowed_host, cors_origins=cors_origin, max_body=max_body)
     finally:
         sock.close()
 

@@ -230,7 +230,8 @@ def test_concurrent_clients_get_their_sequential_answers(server, engine):
 def _post(server, path: str, content, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if isinstance(content, (bytes, str)):
-        return httpx.post(server.url + path, content=content, headers=headers, timeout=30)
+        return httpx.post(server.url + path, content=content, timeout=30,
+                          headers={**headers, "Content-Type": "application/json"})
     return httpx.post(server.url + path, json=content, headers=headers, timeout=30)
 
 
@@ -250,7 +251,7 @@ def test_request_errors(server, int4_bundle):
     long_chat = [{"role": "user", "content": "word " * 400}]
     error = _error(_post(server, "/v1/chat/completions", {"messages": long_chat}), 400)
     assert error["code"] == "context_length_exceeded"
-    assert re.search(r"context length is 256 tokens, but the prompt is \d{3,} tokens", error["message"])
+    assert re.search(r"context length is 256 tokens, but the prompt is (at least )?\d{3,} tokens", error["message"])
     assert _error(_post(server, "/v1/completions", {"prompt": "x", "suffix": "y"}), 400)["param"] == "suffix"
     assert _error(_post(server, "/v1/chat/completions", {"messages": CHAT}, key="wrong"), 401)["code"] == \
         "invalid_api_key"
@@ -439,7 +440,7 @@ def test_fim_completion_in_process(fim_bundle):
     before, after = "def f(x):\n    ", "\n    return y\n"
     prompt = "<|fim_prefix|>" + before + "<|fim_suffix|>" + after + "<|fim_middle|>"
     expected = greedy(fim_engine, prompt, 12)  # the markers are special tokens since build_app
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client:
         body = {"model": "tiny-fim", "prompt": before, "suffix": after, "max_tokens": 12, "temperature": 0,
                 "stop": ["\n\n"] * 3}
         response = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer any"})

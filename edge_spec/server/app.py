@@ -1,7 +1,9 @@
 """The routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/health``.
 
-A request is checked (body, fields, API key, prompt length) on the event loop, then queued for the
-engine worker (:mod:`queue`).  While it waits or runs, a client that disconnects cancels it: a watcher
+Every request first passes the HTTP policy (:mod:`guard`: host, origin, content type, body size).  It is
+then checked (body, fields, API key, prompt length), the slow parts (decoding the body, counting the
+prompt's tokens) in worker threads so that no request holds up the others, and queued for the engine
+worker (:mod:`queue`).  While it waits or runs, a client that disconnects cancels it: a watcher
 task for non-streamed answers and queued streams, Starlette's own disconnect handling once a stream
 is under way.
 """
@@ -15,16 +17,20 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.server.body import read_request
 from edge_spec.server.errors import ApiError, bad_request, shutting_down
 from edge_spec.server.fim import FimTokens
+from edge_spec.server.guard import Guard, GuardPolicy
 from edge_spec.server.openai_format import DONE, ResponseFormat, model_card, model_list, sse
+from edge_spec.server.prompt_size import PromptFloor
 from edge_spec.server.queue import EngineWorker, Job
-from edge_spec.server.schemas import Sampling, parse_chat, parse_completion, parse_json
+from edge_spec.server.schemas import Sampling, parse_chat, parse_completion
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -36,9 +42,11 @@ class ServerState:
     created: int
     api_key: str | None = None  # None: any bearer token (or none) is accepted
     fim: FimTokens | None = None
+    floor: PromptFloor | None = None  # None: prompts are only counted exactly
 
 
-def create_app(state: ServerState) -> Starlette:
+def create_app(state: ServerState, policy: GuardPolicy | None = None) -> Starlette:
+    """The app; ``policy`` (default: loopback only, no CORS, 4 MiB bodies) guards every request."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.worker.start()
@@ -54,6 +62,7 @@ def create_app(state: ServerState) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
         ],
         exception_handlers={ApiError: api_error, HTTPException: http_error},
+        middleware=[Middleware(Guard, policy=policy or GuardPolicy())],
         lifespan=lifespan,
     )
     app.state.server = state
@@ -87,13 +96,13 @@ async def model(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     state = _authorized(request)
-    chat = parse_chat(parse_json(await request.body()))
+    chat = await read_request(request, parse_chat)
     return await _answer(request, state, "chat", chat.messages, chat.sampling, chat.stream, chat.include_usage)
 
 
 async def completions(request: Request) -> Response:
     state = _authorized(request)
-    req = parse_completion(parse_json(await request.body()))
+    req = await read_request(request, parse_completion)
     prompt = req.prompt
     if req.suffix is not None:
         if state.fim is None:
@@ -108,7 +117,7 @@ async def completions(request: Request) -> Response:
 
 async def _answer(request: Request, state: ServerState, kind: str, prompt: str | list[dict], sampling: Sampling,
                   stream: bool, include_usage: bool, echo: str = "") -> Response:
-    _check_length(state, prompt, "messages" if kind == "chat" else "prompt")
+    await _check_length(state, prompt, "messages" if kind == "chat" else "prompt")
     form = ResponseFormat(kind, state.model, include_usage=include_usage and stream)
     job = Job(prompt, sampling, label=f"{kind} {form.id}", loop=asyncio.get_running_loop())
     state.worker.submit(job)
@@ -130,19 +139,34 @@ async def _answer(request: Request, state: ServerState, kind: str, prompt: str |
             state.worker.cancel(job, "disconnect")
 
 
-def _check_length(state: ServerState, prompt: str | list[dict], param: str) -> None:
+async def _check_length(state: ServerState, prompt: str | list[dict], param: str) -> None:
     """400 with the token counts when the prompt leaves no room for an answer (checked before queueing;
-    the tokenizer is safe to use beside the worker thread)."""
-    engine = state.worker.engine
+    the tokenizer is safe to use beside the worker thread).  Lower bounds come first (:mod:`prompt_size`),
+    so a prompt far over the context is refused without the exact count, which holds the GIL."""
+    capacity = state.worker.engine.target.capacity
+    if state.floor is not None:
+        floor = state.floor.by_characters(prompt)
+        if floor < capacity:
+            floor = await asyncio.to_thread(state.floor.by_tokenizing, prompt)
+        if floor >= capacity:
+            raise _too_long(capacity, floor, param, exact=False)
+    count = await asyncio.to_thread(_count_tokens, state, prompt, param)
+    if count >= capacity:
+        raise _too_long(capacity, count, param, exact=True)
+
+
+def _count_tokens(state: ServerState, prompt: str | list[dict], param: str) -> int:
     try:
-        count = len(engine.prompt_ids(prompt, check_length=False))
+        return len(state.worker.engine.prompt_ids(prompt, check_length=False))
     except EdgeSpecError as exc:  # empty prompt, chat template refusing the messages
         raise bad_request(str(exc), param=param) from None
-    capacity = engine.target.capacity
-    if count >= capacity:
-        raise bad_request(f"this model's maximum context length is {capacity} tokens, but the prompt is {count} "
-                          f"tokens: shorten the {param} by at least {count - capacity + 1} tokens (one must remain "
-                          "for the answer)", param=param, code="context_length_exceeded")
+
+
+def _too_long(capacity: int, count: int, param: str, exact: bool) -> ApiError:
+    return bad_request(f"this model's maximum context length is {capacity} tokens, but the prompt is "
+                       f"{'' if exact else 'at least '}{count} tokens: shorten the {param} by at least "
+                       f"{count - capacity + 1} tokens (one must remain for the answer)", param=param,
+                       code="context_length_exceeded")
 
 
 async def _collect(job: Job):

@@ -4,6 +4,11 @@ Shutdown on SIGINT / SIGTERM: uvicorn stops accepting connections and waits for 
 worker refuses queued requests (503) and gives the answer in progress ``shutdown_grace`` seconds to
 finish before stopping it at its next token (a stream then ends with an error event).  The process
 exits 0, without a traceback.
+
+Connections are bounded too: request headers must be complete within ``HEADER_TIMEOUT`` seconds
+(:mod:`protocol`), an idle keep-alive connection closes after ``KEEP_ALIVE_TIMEOUT``, headers are capped at
+``MAX_HEADER_BYTES``, and past ``limit_concurrency`` connections uvicorn answers 503.  None of these cut an
+answer that streams for minutes.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ import uvicorn
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
+from edge_spec.server.guard import BODY_IDLE_TIMEOUT, DEFAULT_MAX_BODY, make_policy
+from edge_spec.server.protocol import HEADER_TIMEOUT, with_header_timeout
 
 log = logging.getLogger("edge_spec.server")
+KEEP_ALIVE_TIMEOUT = 5  # seconds an idle connection is kept between two requests
+MAX_HEADER_BYTES = 32 * 1024  # request line + headers (an API key and a browser's headers fit many times)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -43,31 +52,57 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_app(engine: Engine, *, name: str, api_key: str | None = None, max_queue: int = 16):
-    """The Starlette app serving ``engine`` (its worker starts with the app's lifespan) and its state."""
+def build_app(engine: Engine, *, name: str, api_key: str | None = None, max_queue: int = 16,
+              bind_host: str = "127.0.0.1", allowed_hosts=(), cors_origins=(), max_body: str | int = DEFAULT_MAX_BODY,
+              body_timeout: float = BODY_IDLE_TIMEOUT):
+    """The Starlette app serving ``engine`` (its worker starts with the app's lifespan) and its state;
+    ``bind_host`` and the rest are the HTTP policy's options (:func:`guard.make_policy`)."""
     from edge_spec.server.app import ServerState, create_app
     from edge_spec.server.fim import fim_tokens
+    from edge_spec.server.prompt_size import PromptFloor
     from edge_spec.server.queue import EngineWorker
 
+    policy = make_policy(bind_host=bind_host, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
+                         max_body=max_body, api_key=api_key, body_timeout=body_timeout)
     state = ServerState(worker=EngineWorker(engine, max_queue), model=name, created=int(time.time()),
-                        api_key=api_key, fim=fim_tokens(engine.tokenizer))
+                        api_key=api_key, fim=fim_tokens(engine.tokenizer),
+                        floor=PromptFloor(engine.tokenizer.tokenizer))
     log.info("model %s: mode %s, context %d tokens, FIM %s", name, engine.mode, engine.target.capacity,
              "yes" if state.fim else "no")
-    return create_app(state), state
+    return create_app(state, policy), state
+
+
+def server_config(app, host: str, port: int, *, max_queue: int = 16, shutdown_grace: float = 10.0,
+                  header_timeout: float = HEADER_TIMEOUT, keep_alive: int = KEEP_ALIVE_TIMEOUT,
+                  **options) -> uvicorn.Config:
+    """uvicorn's settings for ``app``: the connection bounds of this module's docstring (``options``: more
+    ``uvicorn.Config`` arguments)."""
+    return uvicorn.Config(app, host=host, port=port, http=with_header_timeout(header_timeout),
+                          timeout_keep_alive=keep_alive, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                          limit_concurrency=connection_limit(max_queue),
+                          timeout_graceful_shutdown=shutdown_grace + 5, **options)
+
+
+def connection_limit(max_queue: int) -> int:
+    """Connections (and tasks) past which uvicorn answers 503.  Idle and half-open connections count too,
+    so the limit leaves room for many of those (each is closed within the header or keep-alive deadline)
+    beside every queued request and its stream, yet stays well below the usual 1024 file descriptors."""
+    return max(256, 4 * (max_queue + 1))
 
 
 def run(engine: Engine, sock: socket.socket, *, name: str, api_key: str | None, max_queue: int,
-        shutdown_grace: float) -> None:
+        shutdown_grace: float, allowed_hosts=(), cors_origins=(), max_body: str | int = DEFAULT_MAX_BODY) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT / SIGTERM."""
     if shutdown_grace < 0:
         raise EdgeSpecError("--shutdown-grace must not be negative")
     _configure_logging()
-    app, state = build_app(engine, name=name, api_key=api_key, max_queue=max_queue)
-    engine.complete("warm up", max_new_tokens=4)  # the first request is not the one paying for cold caches
     host, port = sock.getsockname()[:2]
+    app, state = build_app(engine, name=name, api_key=api_key, max_queue=max_queue, bind_host=host,
+                           allowed_hosts=allowed_hosts, cors_origins=cors_origins, max_body=max_body)
+    engine.complete("warm up", max_new_tokens=4)  # the first request is not the one paying for cold caches
     if not _is_loopback(host) and not api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace + 5)
+    config = server_config(app, host, port, max_queue=max_queue, shutdown_grace=shutdown_grace)
     server = _Server(config, on_exit=lambda: state.worker.begin_shutdown(shutdown_grace))
     previous = signal.signal(signal.SIGTERM, _exit_quietly)  # uvicorn re-raises the signal once it has shut down
     try:
