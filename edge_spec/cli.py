@@ -160,6 +160,7 @@ def export(
     """Export a target and a drafter into one quantized ONNX bundle."""
     from edge_spec.export.bundle import export_bundle
     from edge_spec.export.eagle_attach import attach_eagle_source, shipped_eagle_head
+    from edge_spec.export.install import explained_os_errors
     from edge_spec.paths import bundle_dir, default_pair
 
     default_target, default_draft = default_pair()
@@ -174,12 +175,19 @@ def export(
     with _progress_lines("exporting") as progress:
         manifest = export_bundle(target, draft, out_dir, options, progress)
         if eagle:
-            manifest = attach_eagle_source(out_dir, eagle, progress)
+            with explained_os_errors(out_dir, f"the bundle at {out_dir} was exported without its EAGLE-3 head "
+                                              f"(attach it later: edge-spec add-heads {out_dir} --eagle {eagle})"):
+                manifest = attach_eagle_source(out_dir, eagle, progress)
     mib = 1 << 20
     console.print(
         f"[green]bundle[/green] {out_dir}: target {manifest['target']['bytes'] / mib:.0f} MiB, "
         f"drafter {manifest['draft']['bytes'] / mib:.0f} MiB, {manifest['export_seconds']} s"
     )
+
+
+def _kept(bundle: Path, added: list[str]) -> str:
+    """What a failed add-heads step leaves: the bundle as it was, or with what the steps before added."""
+    return f"the bundle at {bundle} was kept " + (f"with {' and '.join(added)}" if added else "as it was")
 
 
 @app.command("add-heads")
@@ -210,6 +218,7 @@ def add_heads(
     from edge_spec.export.bundle import add_draft_heads
     from edge_spec.export.eagle_attach import attach_eagle_source
     from edge_spec.export.eagle_heads import EagleHeadOptions, add_eagle_heads, parse_specvocab
+    from edge_spec.export.install import explained_os_errors, prepare
 
     eagle_options = EagleHeadOptions(trim=_int_list(eagle_trim, "--eagle-trim") if eagle_trim else (),
                                      specvocab=parse_specvocab(eagle_specvocab), scorer=scorer,
@@ -218,14 +227,20 @@ def add_heads(
     if calibration is not None and not calibration.is_file():
         raise EdgeSpecError(f"calibration file not found: {calibration}")
     with _progress_lines("adding heads") as progress:
+        prepare(bundle, progress)  # what a killed export or add-heads left at or beside the bundle
+        added: list[str] = []  # what this run put in the bundle before a later step failed
         if draft_vocab or not (eagle or eagle_variants):
             options = _head_options(draft_vocab or "specvocab", keep, calibration, rank, candidates, scorer,
                                     train_steps, union_keep, scorer_vocab)
             manifest = add_draft_heads(bundle, options, draft, progress)
+            added.append("its new drafter heads")
         if eagle:
-            manifest = attach_eagle_source(bundle, eagle, progress)
+            with explained_os_errors(bundle, _kept(bundle, added)):
+                manifest = attach_eagle_source(bundle, eagle, progress)
+            added.append("the EAGLE-3 head")
         if eagle_variants:
-            manifest = add_eagle_heads(bundle, eagle_options, progress)
+            with explained_os_errors(bundle, _kept(bundle, added)):
+                manifest = add_eagle_heads(bundle, eagle_options, progress)
     line = f"[green]heads[/green] {', '.join(manifest['draft']['heads'])}; default {manifest['draft']['default_head']}"
     if manifest.get("eagle"):
         line += (f"; EAGLE-3 head {manifest['eagle']['source']}: {', '.join(manifest['eagle'].get('heads', ['full']))}"
@@ -858,6 +873,7 @@ def train_head(
     (resumable: WORK/progress.json, WORK/shards/), trains the head (resumable: WORK/train/,
     --resume), writes it in SpecForge format to WORK/specforge/ and attaches it to the bundle."""
     from edge_spec.export import head_data, head_training
+    from edge_spec.export.install import explained_os_errors, prepare
     from edge_spec.manifest import read_manifest
     from edge_spec.paths import models_dir
 
@@ -869,6 +885,7 @@ def train_head(
     for minutes, flag in ((collect_minutes, "--collect-minutes"), (train_minutes, "--train-minutes")):
         if minutes is not None and minutes < 0:
             raise EdgeSpecError(f"{flag} must not be negative")
+    prepare(bundle, lambda message: console.print(message, highlight=False, markup=False))  # killed runs' leftovers
     read_manifest(bundle)  # a missing bundle is a one-line error before any work
     layers = _int_list(feature_layers, "--feature-layers") if feature_layers else None
     if layers is not None and len(layers) != 3:
@@ -918,7 +935,9 @@ def train_head(
     if attach:
         from edge_spec.export.eagle_attach import attach_eagle_head
 
-        with _progress_lines("attaching the EAGLE-3 head") as progress:
+        kept = (f"the bundle at {bundle} was kept as it was; the trained head is in {specforge} (attach it "
+                f"with edge-spec add-heads {bundle} --eagle {specforge})")
+        with _progress_lines("attaching the EAGLE-3 head") as progress, explained_os_errors(bundle, kept):
             attach_eagle_head(bundle, trainer.config, trainer.head.eval(), source=str(specforge), progress=progress)
         console.print(f"attached the EAGLE-3 head to {bundle}", highlight=False)
 
@@ -941,6 +960,11 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except EdgeSpecError as exc:
         _error(str(exc))
+        sys.exit(1)
+    except OSError as exc:  # a full disk, a read-only or forbidden path, no file handles left, ...
+        from edge_spec.errors import os_error_line
+
+        _error(os_error_line(exc))
         sys.exit(1)
     except (KeyboardInterrupt, click.Abort):
         console.print("[red]interrupted[/red]")

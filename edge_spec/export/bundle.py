@@ -11,7 +11,7 @@ import gc
 import json
 import os
 import shutil
-import tempfile
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +20,10 @@ import numpy as np
 
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
+from edge_spec.export import install
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, save_model
 from edge_spec.export.sources import LoadedModel, check_same_tokenizer, check_source_exists, load_model
-from edge_spec.manifest import FORMAT, MANIFEST, file_record, tokenizer_record, verify_files, write_manifest
+from edge_spec.manifest import FORMAT, file_record, tokenizer_record, verify_files, write_manifest
 
 
 @dataclass
@@ -329,16 +330,6 @@ def export_decoder(model: LoadedModel, bundle_dir: Path, role: str, options: Bui
 # -- where a bundle is written ---------------------------------------------------------------------
 
 
-def _is_bundle(path: Path) -> bool:
-    """Whether ``path`` holds an edge-spec bundle's manifest (a stray ``manifest.json`` of another tool
-    does not count)."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT and "target" in manifest
-
-
 def check_output_dir(out_dir: str | Path) -> Path:
     """The directory a bundle may be written to, resolved (``..``, ``.``, symlinks); refuses, before
     any work, a path that is a file, the filesystem root, or a non-empty directory that is not an
@@ -350,7 +341,7 @@ def check_output_dir(out_dir: str | Path) -> Path:
     if path.exists():
         if not path.is_dir():
             raise EdgeSpecError(f"output {given} is not a directory")
-        if any(path.iterdir()) and not _is_bundle(path):
+        if any(path.iterdir()) and not install.is_bundle(path):
             raise EdgeSpecError(f"output directory {given} is not empty and not an edge-spec bundle; "
                                 "choose a new or empty directory (nothing was changed)")
     elif path.parent.exists() and not path.parent.is_dir():
@@ -358,50 +349,29 @@ def check_output_dir(out_dir: str | Path) -> Path:
     return path
 
 
-def _staging_dir(final: Path) -> Path:
-    """A new hidden directory beside ``final`` (same filesystem, so it can be renamed into place)."""
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
-    except OSError as exc:
-        raise EdgeSpecError(f"cannot write beside {final}: {exc.strerror or exc}") from None
-
-
 def _install(staging: Path, final: Path) -> None:
-    """Put the complete bundle ``staging`` at ``final``: a missing or empty ``final`` receives it, an
-    existing bundle is swapped out by rename and deleted only once the new one is in place."""
+    """Put the complete bundle ``staging`` at ``final`` (a complete bundle is at the path at every
+    instant: :func:`edge_spec.export.install.install`), then remove what killed runs left beside it."""
     check_output_dir(final)  # still nothing but a bundle (or empty) there
-    if final.is_dir() and not any(final.iterdir()):  # e.g. --out . in a new directory: keep that inode
-        for child in staging.iterdir():
-            child.rename(final / child.name)
-        staging.rmdir()
-        return
-    if not final.exists():
-        staging.rename(final)
-        return
-    old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
-    final.rename(old)
-    try:
-        staging.rename(final)
-    except BaseException:
-        old.rename(final)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    install.install(staging, final)
+    install.clean_stale(final)
 
 
 def _staged_copy(bundle_dir: Path, manifest: dict) -> Path:
     """A copy of ``bundle_dir`` beside it to change instead of the bundle itself: the files add-heads
-    only reads (both models, the EAGLE head) are hard links, everything it may rewrite a real copy."""
+    only reads (both models, the EAGLE head) are hard links, everything it may rewrite a real copy.
+    Directories keep their modes (a bundle shared 0755 stays shared)."""
     body = manifest["draft"]["onnx"]
     shared = {f["path"] for role in ("target", "eagle") for f in manifest.get(role, {}).get("files", [])}
     shared |= {body, body + ".data"}
-    staging = _staging_dir(bundle_dir)
+    staging = install.staging_dir(bundle_dir, stat.S_IMODE(bundle_dir.stat().st_mode))
     try:
         for source in sorted(bundle_dir.rglob("*")):
             relative = source.relative_to(bundle_dir)
             dest = staging / relative
             if source.is_dir() and not source.is_symlink():
                 dest.mkdir(parents=True, exist_ok=True)
+                shutil.copymode(source, dest)
                 continue
             dest.parent.mkdir(parents=True, exist_ok=True)
             if relative.as_posix() in shared:
@@ -431,22 +401,28 @@ def export_bundle(
     ``loader`` maps a source string to a :class:`LoadedModel` (tests pass
     in-memory models).  ``progress`` is called with one line per step.
 
-    ``out_dir`` is checked first (:func:`check_output_dir`); the bundle is built in a hidden
-    directory beside it, removed if the export fails, and put in place only once complete.
+    ``out_dir`` is checked first (:func:`check_output_dir`), after recovering what a killed run left
+    there (:func:`edge_spec.export.install.prepare`).  The bundle is built in a hidden directory beside
+    ``out_dir``, removed if the export fails, and put in place only once complete; a failed write is
+    one line saying what was kept (:func:`edge_spec.export.install.explained_os_errors`).
     """
+    install.prepare(Path(out_dir).expanduser().resolve(), progress)
     out_dir = check_output_dir(out_dir)
     options.check()
     if loader is load_model:
         for source in (target_source, draft_source):
             check_source_exists(source)
-    staging = _staging_dir(out_dir)
-    try:
-        manifest = _export_into(staging, target_source, draft_source, options, progress, loader)
-        check_target_computes(staging, manifest, progress)
-        _install(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    kept = (f"the existing bundle at {out_dir} was kept" if install.is_bundle(out_dir)
+            else f"nothing was written to {out_dir}")
+    with install.explained_os_errors(out_dir, kept):
+        staging = install.staging_dir(out_dir)
+        try:
+            manifest = _export_into(staging, target_source, draft_source, options, progress, loader)
+            check_target_computes(staging, manifest, progress)
+            _install(staging, out_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return manifest
 
 
@@ -557,6 +533,7 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     from edge_spec.manifest import read_manifest
 
     bundle_dir = Path(bundle_dir).expanduser().resolve()
+    install.prepare(bundle_dir, progress)
     manifest = read_manifest(bundle_dir)
     verify_files(bundle_dir, manifest)
     options.check()
@@ -582,27 +559,28 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     options = dataclasses.replace(options, quant=quant["weights"], block_size=block_size, draft_block_size=block_size,
                                   accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
-    staging = _staged_copy(bundle_dir, manifest)
-    try:
-        heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
-                                                       always_keep=always, progress=progress,
-                                                       lm_head_blocks=draft.weights.carried.get("lm_head"))
-        written = {f["path"] for f in files}
-        for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten
-            if name not in heads and any(head.get(k) in written for k in ("onnx", "universe", "vocab_ids")):
-                del record["heads"][name]
-                _say(progress, f"removed head {name}: files it uses were rebuilt for other heads")
-        record["heads"].update(heads)
-        if calibration:
-            record["calibration"] = calibration
-        record["files"] = [f for f in record["files"] if f["path"] not in written] + files
-        record["bytes"] = sum(f["bytes"] for f in record["files"])
-        default = default_head(heads, options)
-        if default != "full":
-            record["default_head"] = default
-        write_manifest(staging, manifest)
-        _install(staging, bundle_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with install.explained_os_errors(bundle_dir, f"the bundle at {bundle_dir} was kept as it was"):
+        staging = _staged_copy(bundle_dir, manifest)
+        try:
+            heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
+                                                           always_keep=always, progress=progress,
+                                                           lm_head_blocks=draft.weights.carried.get("lm_head"))
+            written = {f["path"] for f in files}
+            for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten
+                if name not in heads and any(head.get(k) in written for k in ("onnx", "universe", "vocab_ids")):
+                    del record["heads"][name]
+                    _say(progress, f"removed head {name}: files it uses were rebuilt for other heads")
+            record["heads"].update(heads)
+            if calibration:
+                record["calibration"] = calibration
+            record["files"] = [f for f in record["files"] if f["path"] not in written] + files
+            record["bytes"] = sum(f["bytes"] for f in record["files"])
+            default = default_head(heads, options)
+            if default != "full":
+                record["default_head"] = default
+            write_manifest(staging, manifest)
+            _install(staging, bundle_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return manifest
