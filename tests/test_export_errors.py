@@ -1,15 +1,19 @@
 """What export, add-heads and train-head say when the system refuses a write (a full disk, a read-only
-or forbidden directory): one line, exit code 1, nothing left behind, the bundle that was there kept."""
+or forbidden directory), and a target/drafter pair refused before anything is built: one line, exit
+code 1, nothing left behind, the bundle that was there kept."""
 
 from __future__ import annotations
 
 import errno
 import functools
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from edge_spec.errors import EdgeSpecError
+from tests import tiny_models
 from tests.test_reliability import _cli, _export, _models
 
 
@@ -99,3 +103,93 @@ def test_any_other_system_error_is_one_line(monkeypatch, capsys, tmp_path, fp32_
     result = _cli(monkeypatch, capsys, "train-head", str(fp32_bundle), "--collect-only", "--work",
                   str(tmp_path / "work"))
     _one_line(result[0], result[2], os.strerror(code).lower(), str(tmp_path / "work" / "shards" / "0.npz"))
+
+
+# -- the target/drafter pair, checked before anything is built --------------------------------------
+
+
+def _hf_directory(path: Path, model, tokenizer) -> str:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("mismatch, fragment", [
+    ("tokenizer", "drafter tokenizer differs from the target's"),
+    ("vocabulary", "drafter vocabulary size 400 differs from the target's 384"),
+])
+def test_export_refuses_a_pair_before_building_anything(monkeypatch, capsys, tmp_path, tiny_pair, mismatch,
+                                                          fragment):
+    from edge_spec import paths
+    from edge_spec.export import bundle, sources
+
+    tokenizer, target, draft = tiny_pair
+    if mismatch == "tokenizer":
+        other = tiny_models.make_tokenizer(specials=["<|endoftext|>", "<|im_end|>", "<|im_start|>"])
+        target_dir = _hf_directory(tmp_path / "target", target, other)
+    else:
+        target_dir = _hf_directory(tmp_path / "target", target, tokenizer)
+        draft = tiny_models.make_qwen2(seed=2, vocab_size=400)
+    draft_dir = _hf_directory(tmp_path / "draft", draft, tokenizer)
+    monkeypatch.setattr(paths, "default_pair", lambda: ("unused", draft_dir))  # the default drafter
+
+    def never(*args, **kwargs):
+        raise AssertionError("built or loaded a model before checking the pair")
+
+    monkeypatch.setattr(sources, "_load_model", never)
+    monkeypatch.setattr(bundle, "export_decoder", never)
+    out = tmp_path / "out"
+    code, _, err = _cli(monkeypatch, capsys, "export", "--target", target_dir, "--out", str(out), "--eagle", "none")
+    _one_line(code, err, fragment)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["draft", "target"]
+    assert json.loads((Path(draft_dir) / "config.json").read_text())  # the sources are untouched
+
+
+def _tiny_gguf(path: Path, tokens: list[str]) -> str:
+    """A GGUF file with some metadata before and after its token list, and one tensor."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_string("general.note", "metadata before the tokens")
+    writer.add_array("general.numbers", [1, 2, 3])
+    writer.add_array("general.words", ["a", "bc"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["a b", "ab c"])
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_gguf_pairs_are_checked_from_their_headers(monkeypatch, capsys, tmp_path):
+    import gguf
+
+    from edge_spec.export import bundle, sources
+    from edge_spec.export.pair import check_pair, gguf_tokens, probe_pair
+
+    words = [f"tok{i}" for i in range(40)]
+    target = _tiny_gguf(tmp_path / "target.gguf", words)
+    same = _tiny_gguf(tmp_path / "same.gguf", words)
+    other = _tiny_gguf(tmp_path / "other.gguf", words[:5] + ["different"] + words[6:])
+    assert gguf_tokens(Path(target)) == list(gguf.GGUFReader(target).fields["tokenizer.ggml.tokens"].contents())
+
+    def never(*args, **kwargs):
+        raise AssertionError("parsed, converted or built more than the header")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf, "GGUFReader", never)  # the whole-file parse is the slow part of a load
+        check_pair(*probe_pair(target, same))
+        with pytest.raises(EdgeSpecError, match="at token id 5"):
+            check_pair(*probe_pair(target, other))
+    monkeypatch.setattr(sources, "_load_model", never)
+    monkeypatch.setattr(bundle, "export_decoder", never)
+    code, _, err = _cli(monkeypatch, capsys, "export", "--target", target, "--draft", other, "--out",
+                        str(tmp_path / "out"), "--eagle", "none")
+    _one_line(code, err, "drafter tokenizer differs from the target's at token id 5 (target 'tok5' vs "
+                         "drafter 'different')")
+    assert not (tmp_path / "out").exists()

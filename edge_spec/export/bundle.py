@@ -22,7 +22,8 @@ from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export import install
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, save_model
-from edge_spec.export.sources import LoadedModel, check_same_tokenizer, check_source_exists, load_model
+from edge_spec.export.pair import ModelCard, check_pair, probe_pair
+from edge_spec.export.sources import LoadedModel, check_source_exists, load_model
 from edge_spec.manifest import FORMAT, file_record, tokenizer_record, verify_files, write_manifest
 
 
@@ -402,7 +403,8 @@ def export_bundle(
     in-memory models).  ``progress`` is called with one line per step.
 
     ``out_dir`` is checked first (:func:`check_output_dir`), after recovering what a killed run left
-    there (:func:`edge_spec.export.install.prepare`).  The bundle is built in a hidden directory beside
+    there (:func:`edge_spec.export.install.prepare`), then the pair (:func:`edge_spec.export.pair.check_pair`,
+    on what the sources say without their weights).  The bundle is built in a hidden directory beside
     ``out_dir``, removed if the export fails, and put in place only once complete; a failed write is
     one line saying what was kept (:func:`edge_spec.export.install.explained_os_errors`).
     """
@@ -412,6 +414,7 @@ def export_bundle(
     if loader is load_model:
         for source in (target_source, draft_source):
             check_source_exists(source)
+    check_pair(*_cards(target_source, draft_source, loader))
     kept = (f"the existing bundle at {out_dir} was kept" if install.is_bundle(out_dir)
             else f"nothing was written to {out_dir}")
     with install.explained_os_errors(out_dir, kept):
@@ -424,6 +427,15 @@ def export_bundle(
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return manifest
+
+
+def _cards(target_source: str, draft_source: str, loader) -> tuple[ModelCard, ModelCard]:
+    """What the pair check reads of both sources before the build: their headers, config and tokenizer
+    files when the real loader would load them (:func:`edge_spec.export.pair.probe_pair`), else what
+    ``loader`` gives (tests: models in memory)."""
+    if loader is load_model:
+        return probe_pair(target_source, draft_source)
+    return ModelCard.of(loader(target_source)), ModelCard.of(loader(draft_source))
 
 
 SANITY_PROMPT = "def fibonacci(n):\n    return"
@@ -475,19 +487,15 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
     export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True, attention_pad=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
     target_record = _model_record(target, staging, "target", target_quant)
-    target_tokenizer, target_vocab = target.tokenizer, target.weights.config.vocab_size
+    target_card = ModelCard.of(target)
     eos_ids = list(target.eos_token_ids)
-    special_ids = list(getattr(target_tokenizer, "all_special_ids", []))
+    special_ids = list(getattr(target.tokenizer, "all_special_ids", []))
     del target
     gc.collect()
 
     _say(progress, f"loading drafter {draft_source}")
     draft = loader(draft_source)
-    check_same_tokenizer(target_tokenizer, draft.tokenizer)
-    if draft.weights.config.vocab_size != target_vocab:
-        raise EdgeSpecError(
-            f"drafter vocabulary size {draft.weights.config.vocab_size} differs from the target's {target_vocab}"
-        )
+    check_pair(target_card, ModelCard.of(draft))  # as probed before the build; the loaded models have the last word
     build = dataclasses.replace(build, gguf_blocks=carries_gguf_blocks(options, "draft"),
                                 block_size=options.draft_block_size)
     draft_quant = _gguf_quant_info(draft, dict(quant_info, block_size=options.draft_block_size), build, progress)
