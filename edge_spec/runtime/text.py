@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import threading
 from pathlib import Path
 
 import jinja2
@@ -86,7 +85,10 @@ class TextTokenizer:
         bundle_dir = Path(bundle_dir)
         self.tokenizer = _load_tokenizer(bundle_dir / "tokenizer.json")
         register_control_tokens(self.tokenizer)
-        self._literal = threading.Lock()  # encode_special_tokens is tokenizer state: one encoding at a time
+        # message content is encoded by a copy that reads special-token strings as text: a switch on the
+        # shared tokenizer would race with plain encodes in other threads (the server counts in threads)
+        self._literal_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+        self._literal_tokenizer.encode_special_tokens = True
         config = _load_tokenizer_config(bundle_dir / "tokenizer_config.json")
         self.eos_token_ids: set[int] = set(config.get("eos_token_ids") or [])
         self.bos_token = config.get("bos_token")
@@ -134,14 +136,8 @@ class TextTokenizer:
         return self.encode_ids(ids)
 
     def _encode_piece(self, text: str, literal: bool) -> list[int]:
-        if not literal:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        with self._literal:
-            self.tokenizer.encode_special_tokens = True
-            try:
-                return self.tokenizer.encode(text, add_special_tokens=False).ids
-            finally:
-                self.tokenizer.encode_special_tokens = False
+        tokenizer = self._literal_tokenizer if literal else self.tokenizer
+        return tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_ids(self, ids: list[int]) -> list[int]:
         """``ids`` with the beginning-of-sequence token the model wants in front."""
