@@ -22,6 +22,9 @@ import typer
 from rich.console import Console
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.export.options import ExportOptions
+
+EXPORT_DEFAULTS = ExportOptions()
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Speculative decoding for local LLMs on ONNX Runtime.")
@@ -69,18 +72,26 @@ EagleHeadOpt = typer.Option(None, "--eagle-head", help="--drafter eagle: the EAG
                             "specvocab-rR-kC-ofK; edge-spec info lists them); default from the bundle.")
 
 
-DraftVocabOpt = typer.Option("full", help="Drafter LM heads: comma list of full, trim (VocabTrim), specvocab, "
-                             "trim+specvocab; the first non-full one is the default head.")
-KeepOpt = typer.Option("16384", help="VocabTrim: vocabulary rows kept in the drafter's head; a comma list "
-                       "exports one head per value (the first is the default).")
+def _listed(values: tuple[int, ...]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+DraftVocabOpt = typer.Option(EXPORT_DEFAULTS.draft_vocab, help="Drafter LM heads: comma list of full, trim "
+                             "(VocabTrim), specvocab, trim+specvocab; the first non-full one is the default head.")
+KeepOpt = typer.Option(_listed(EXPORT_DEFAULTS.keep), help="VocabTrim: vocabulary rows kept in the drafter's head; "
+                       "a comma list exports one head per value (the first is the default).")
 CalibrationOpt = typer.Option(None, help="VocabTrim/SpecVocab: calibration prompt file (default: shipped set).")
-RankOpt = typer.Option("112", help="SpecVocab: scorer rank R (comma list: one scorer per value).")
-CandidatesOpt = typer.Option("2048", help="SpecVocab: candidates with exact logits per draft step (comma list).")
-ScorerOpt = typer.Option("data", help="SpecVocab scorer fit: data (hidden-state weighted SVD) or svd.")
-TrainStepsOpt = typer.Option(0, help="SpecVocab: distillation steps on calibration states after the fit (CPU).")
-UnionKeepOpt = typer.Option(1024, help="trim+specvocab: static VocabTrim rows always among the candidates.")
-ScorerVocabOpt = typer.Option("0", help="SpecVocab: rows the scorer ranks, the top-K calibration tokens "
-                              "(0 = the whole vocabulary; comma list).")
+RankOpt = typer.Option(_listed(EXPORT_DEFAULTS.rank), help="SpecVocab: scorer rank R (comma list: one scorer per "
+                       "value).")
+CandidatesOpt = typer.Option(_listed(EXPORT_DEFAULTS.candidates), help="SpecVocab: candidates with exact logits per "
+                             "draft step (comma list).")
+ScorerOpt = typer.Option(EXPORT_DEFAULTS.scorer, help="SpecVocab scorer fit: data (hidden-state weighted SVD) or svd.")
+TrainStepsOpt = typer.Option(EXPORT_DEFAULTS.train_steps, help="SpecVocab: distillation steps on calibration states "
+                             "after the fit (CPU).")
+UnionKeepOpt = typer.Option(EXPORT_DEFAULTS.union_keep, help="trim+specvocab: static VocabTrim rows always among the "
+                            "candidates.")
+ScorerVocabOpt = typer.Option(_listed(EXPORT_DEFAULTS.scorer_vocab), help="SpecVocab: rows the scorer ranks, the "
+                              "top-K calibration tokens (0 = the whole vocabulary; comma list).")
 
 
 @contextlib.contextmanager
@@ -102,9 +113,7 @@ def _int_list(value: str, flag: str) -> tuple[int, ...]:
 
 
 def _head_options(draft_vocab: str, keep: str, calibration: Path | None, rank: str, candidates: str, scorer: str,
-                  train_steps: int, union_keep: int, scorer_vocab: str = "0", **more):
-    from edge_spec.export.bundle import ExportOptions
-
+                  train_steps: int, union_keep: int, scorer_vocab: str, **more):
     if calibration is not None and not calibration.is_file():
         raise EdgeSpecError(f"calibration file not found: {calibration}")
     options = ExportOptions(draft_vocab=draft_vocab, keep=_int_list(keep, "--keep"), calibration=calibration,
@@ -131,16 +140,16 @@ def export(
     target: Optional[str] = typer.Option(None, help="Target: registry name, GGUF file, HF directory or hub id."),
     draft: Optional[str] = typer.Option(None, help="Drafter: same kinds of source; must share the target's tokenizer."),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Bundle directory (default models/bundles/<target>-<quant>)."),
-    quant: str = typer.Option("int4", help="Weight quantization: int4 (MatMulNBits), int8 or fp32."),
-    block_size: int = typer.Option(32, help="Quantization block size (the target's re-quantized matrices)."),
-    draft_block_size: int = typer.Option(128, help="The drafter's quantization block size: its rounding moves "
+    quant: str = typer.Option(EXPORT_DEFAULTS.quant, help="Weight quantization: int4 (MatMulNBits), int8 or fp32."),
+    block_size: int = typer.Option(EXPORT_DEFAULTS.block_size, help="Quantization block size (the target's re-quantized matrices)."),
+    draft_block_size: int = typer.Option(EXPORT_DEFAULTS.draft_block_size, help="The drafter's quantization block size: its rounding moves "
                                          "acceptance only, and larger blocks make a draft step faster."),
-    accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
-    context_length: int = typer.Option(4096, help="Maximum context (KV cache capacity, rotary table size)."),
-    gguf_blocks: str = typer.Option("target", help="Which GGUF sources keep their quantized blocks in "
+    accuracy_level: int = typer.Option(EXPORT_DEFAULTS.accuracy_level, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
+    context_length: int = typer.Option(EXPORT_DEFAULTS.context_length, help="Maximum context (KV cache capacity, rotary table size)."),
+    gguf_blocks: str = typer.Option(EXPORT_DEFAULTS.gguf_blocks, help="Which GGUF sources keep their quantized blocks in "
                                     "MatMulNBits (rounded once, by llama.cpp) instead of being re-quantized to "
                                     "--block-size blocks: target (default), both or none."),
-    gguf_layout: str = typer.Option("fast", help="Carried GGUF blocks: fast (default; Q6_K's 16-blocks merged into "
+    gguf_layout: str = typer.Option(EXPORT_DEFAULTS.gguf_layout, help="Carried GGUF blocks: fast (default; Q6_K's 16-blocks merged into "
                                     "32-blocks, the zero-point correction folded into the matmul, rounding far "
                                     "below GGUF's step), exact (as GGUF has them; slower) or small (as fast, "
                                     "with the 8-bit blocks, Q6_K's, rounded to 4 bits: faster, less faithful)."),
@@ -154,8 +163,9 @@ def export(
     union_keep: int = UnionKeepOpt,
     scorer_vocab: str = ScorerVocabOpt,
     eagle: Optional[str] = typer.Option(None, "--eagle", help="EAGLE-3 head to attach: a SpecForge checkpoint "
-                                        "(directory or hub id), a head saved from a bundle, or none (default: the "
-                                        "head the registry ships for this target, if any)."),
+                                        "(directory or hub id), a head saved from a bundle, or 'shipped' (the head "
+                                        "the registry ships for this target). Default: none; the shipped head "
+                                        "drafts slower than the drafter model (docs/methods/eagle3.md)."),
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
     from edge_spec.export.bundle import export_bundle
@@ -171,7 +181,12 @@ def export(
                             scorer_vocab, quant=quant, block_size=block_size,
                             draft_block_size=draft_block_size, accuracy_level=accuracy_level,
                             context_length=context_length, gguf_blocks=gguf_blocks, gguf_layout=gguf_layout)
-    eagle = shipped_eagle_head(target) if eagle is None else (None if eagle == "none" else eagle)
+    if eagle == "shipped":
+        eagle = shipped_eagle_head(target)
+        if eagle is None:
+            raise EdgeSpecError(f"the registry ships no EAGLE-3 head for {target}")
+    elif eagle == "none":
+        eagle = None
     with _progress_lines("exporting") as progress:
         manifest = export_bundle(target, draft, out_dir, options, progress)
         if eagle:

@@ -25,6 +25,7 @@ def export_tiny(tmp_dir, tiny_pair, **options):
         "tiny-target": tiny_models.loaded("tiny-target", target, tokenizer),
         "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer),
     }
+    options.setdefault("draft_vocab", "full")  # the tiny fixtures name the heads they need
     opts = ExportOptions(context_length=256, **options)
     export_bundle("tiny-target", "tiny-draft", tmp_dir, opts, loader=models.__getitem__)
     return tmp_dir

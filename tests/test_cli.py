@@ -327,3 +327,23 @@ def test_misspelt_or_unhonoured_sampler_is_one_line_before_any_load(tmp_path):
                           "--sampler must be one of rejection, coupled")
     assert_one_line_error(cli("generate", str(tmp_path / "nope"), "hi", "--temperature", "0.7", "--sampler", "coupled",
                               "--drafts", "2"), "--sampler coupled applies to --mode ar, ssd and one-chain spec")
+
+
+def test_export_defaults_are_the_recommended_settings_and_help_states_them():
+    """Plain ``edge-spec export`` builds the recommended bundle, and its help shows the defaults the
+    exporter really uses (taken from ExportOptions, not typed twice)."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from edge_spec import cli as cli_module
+    from edge_spec.export.options import ExportOptions
+
+    defaults = ExportOptions()
+    assert (defaults.draft_vocab, defaults.keep, defaults.rank, defaults.candidates, defaults.scorer_vocab) == (
+        "specvocab,trim", (32768,), (192,), (128,), (65536,))
+    result = CliRunner().invoke(cli_module.app, ["export", "--help"], env={"COLUMNS": "300", "NO_COLOR": "1"})
+    text = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", result.output))
+    for flag, value in (("--draft-vocab", "specvocab,trim"), ("--keep", "32768"), ("--rank", "192"),
+                        ("--candidates", "128"), ("--scorer-vocab", "65536")):
+        assert re.search(re.escape(flag) + r" \S+ .*?\[default: " + re.escape(value) + r"\]", text), flag

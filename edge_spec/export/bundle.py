@@ -13,7 +13,6 @@ import os
 import shutil
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,67 +21,10 @@ from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export import install
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, save_model
+from edge_spec.export.options import ExportOptions
 from edge_spec.export.pair import ModelCard, check_pair, probe_pair
 from edge_spec.export.sources import LoadedModel, check_source_exists, load_model
 from edge_spec.manifest import FORMAT, file_record, tokenizer_record, verify_files, write_manifest
-
-
-@dataclass
-class ExportOptions:
-    quant: str = "int4"
-    block_size: int = 32
-    # the drafter's re-quantized blocks: its rounding moves acceptance, not the output, and at 128 its narrow
-    # matrices make a draft step cheaper than at 32 by more than the acceptance lost (README, *A cheaper drafter step*)
-    draft_block_size: int = 128
-    accuracy_level: int = 4
-    context_length: int = 4096
-    draft_vocab: str = "full"  # comma list of: full, trim, specvocab, trim+specvocab (first non-full: default)
-    keep: tuple[int, ...] = (16384,)  # VocabTrim: head rows kept (one head per value; the first is the default)
-    calibration: Path | None = None  # VocabTrim/SpecVocab: prompt file (one JSON list or one prompt per line)
-    calibration_tokens: int = 96  # new tokens the target generates per calibration prompt
-    rank: tuple[int, ...] = (112,)  # SpecVocab: scorer rank(s) R (d/8 for the 0.5B drafter)
-    candidates: tuple[int, ...] = (2048,)  # SpecVocab: exact-logit candidates per step
-    scorer: str = "data"  # SpecVocab scorer fit: "data" (hidden-state weighted SVD) or "svd"
-    train_steps: int = 0  # SpecVocab: distillation steps after the closed-form fit
-    union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
-    scorer_vocab: tuple[int, ...] = (0,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
-    gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
-    gguf_layout: str = "fast"  # carried blocks as ORT runs them fast, exactly as GGUF has them, or small (gguf_blocks.py)
-
-    @property
-    def keep_list(self) -> list[int]:
-        return [self.keep] if isinstance(self.keep, int) else list(self.keep)
-
-    @property
-    def vocab_modes(self) -> list[str]:
-        return [m.strip() for m in self.draft_vocab.split(",") if m.strip()]
-
-    def check(self) -> None:
-        if self.quant not in ("int4", "int8", "fp32"):
-            raise EdgeSpecError(f"--quant must be int4, int8 or fp32, not {self.quant!r}")
-        for flag, size in (("--block-size", self.block_size), ("--draft-block-size", self.draft_block_size)):
-            if self.quant != "fp32" and (size < 16 or size & (size - 1)):
-                raise EdgeSpecError(f"{flag} must be a power of two, 16 or more (MatMulNBits), not {size}")
-        if self.context_length < 16:
-            raise EdgeSpecError(f"--context-length must be at least 16 tokens, not {self.context_length}")
-        for mode in self.vocab_modes or ["?"]:
-            if mode not in DRAFT_VOCAB_MODES:
-                raise EdgeSpecError(f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, "
-                                    f"not {self.draft_vocab!r}")
-        if self.gguf_blocks not in GGUF_BLOCK_MODES:
-            raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, "
-                                f"not {self.gguf_blocks!r}")
-        if self.gguf_layout not in GGUF_LAYOUTS:
-            raise EdgeSpecError(f"--gguf-layout must be one of {', '.join(GGUF_LAYOUTS)}, not {self.gguf_layout!r}")
-        if self.scorer not in ("data", "svd"):
-            raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
-        if min(self.candidates) < 1:
-            raise EdgeSpecError("--candidates must be positive")
-
-
-DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
-GGUF_BLOCK_MODES = ("target", "both", "none")
-GGUF_LAYOUTS = ("fast", "exact", "small")
 
 
 def _say(progress, message: str) -> None:
@@ -197,6 +139,7 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
     """
     from edge_spec.export import specvocab, vocabtrim
 
+    options = options.fitted_to(*lm_head.shape)
     modes = options.vocab_modes
     heads = {"full": _export_head(bundle_dir, "full", lm_head, None, build, lm_head_blocks)}
     calibration = None
@@ -421,7 +364,6 @@ def export_bundle(
         staging = install.staging_dir(out_dir)
         try:
             manifest = _export_into(staging, target_source, draft_source, options, progress, loader)
-            check_target_computes(staging, manifest, progress)
             _install(staging, out_dir)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -487,6 +429,9 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
     export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True, attention_pad=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
     target_record = _model_record(target, staging, "target", target_quant)
+    # before the drafter and the calibration text that the target generates: a target that computes
+    # nothing is refused as such, not as an empty calibration later
+    check_target_computes(staging, {"target": target_record, "context_length": options.context_length}, progress)
     target_card = ModelCard.of(target)
     eos_ids = list(target.eos_token_ids)
     special_ids = list(getattr(target.tokenizer, "all_special_ids", []))

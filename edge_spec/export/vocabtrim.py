@@ -60,6 +60,7 @@ def generate_calibration(bundle_dir: Path, prompts: list[str], new_tokens: int, 
     rng = np.random.default_rng(0)
     sequences = []
     distinct: set[int] = set()
+    new_tokens = min(new_tokens, context_length // 2)  # a short context keeps half of it for the prompt
     for i, prompt in enumerate(prompts):
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
         ids = ids[-(context_length - new_tokens - 1):]

@@ -1,0 +1,83 @@
+"""What ``edge-spec export`` and ``add-heads`` build, and their defaults: the settings measured best on the
+default pair (a SpecVocab drafter head of rank 192 scoring the 65,536 most frequent calibration tokens
+with 128 exact candidates per step, plus a 32,768-row VocabTrim head).  The CLI's options take their
+defaults and help from here, so a default is written once.
+
+Kept free of the exporter's heavy imports (torch, transformers): the CLI reads it to build its help.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_spec.errors import EdgeSpecError
+
+DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
+GGUF_BLOCK_MODES = ("target", "both", "none")
+GGUF_LAYOUTS = ("fast", "exact", "small")
+
+
+@dataclass
+class ExportOptions:
+    quant: str = "int4"
+    block_size: int = 32
+    # the drafter's re-quantized blocks: its rounding moves acceptance, not the output, and at 128 its narrow
+    # matrices make a draft step cheaper than at 32 by more than the acceptance lost (README, *A cheaper drafter step*)
+    draft_block_size: int = 128
+    accuracy_level: int = 4
+    context_length: int = 4096
+    draft_vocab: str = "specvocab,trim"  # comma list of: full, trim, specvocab, trim+specvocab (first non-full: default)
+    keep: tuple[int, ...] = (32768,)  # VocabTrim: head rows kept (one head per value; the first is the default)
+    calibration: Path | None = None  # VocabTrim/SpecVocab: prompt file (one JSON list or one prompt per line)
+    calibration_tokens: int = 96  # new tokens the target generates per calibration prompt
+    rank: tuple[int, ...] = (192,)  # SpecVocab: scorer rank(s) R
+    candidates: tuple[int, ...] = (128,)  # SpecVocab: exact-logit candidates per step
+    scorer: str = "data"  # SpecVocab scorer fit: "data" (hidden-state weighted SVD) or "svd"
+    train_steps: int = 0  # SpecVocab: distillation steps after the closed-form fit
+    union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
+    scorer_vocab: tuple[int, ...] = (65536,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
+    gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
+    gguf_layout: str = "fast"  # carried blocks as ORT runs them fast, exactly as GGUF has them, or small (gguf_blocks.py)
+
+    def fitted_to(self, vocab_size: int, hidden_size: int) -> "ExportOptions":
+        """These options for a drafter head of ``vocab_size`` rows of ``hidden_size``: a VocabTrim size or a
+        scorer universe at least the vocabulary means the whole vocabulary, a scorer rank at least the
+        hidden size means that size (the defaults are sized for the default pair; a small model's export
+        should not fail on them)."""
+        import dataclasses
+
+        keep = tuple(dict.fromkeys(min(k, vocab_size) for k in self.keep_list))
+        scorer_vocab = tuple(dict.fromkeys(0 if k >= vocab_size else k for k in self.scorer_vocab))
+        rank = tuple(dict.fromkeys(min(r, hidden_size) for r in self.rank))
+        return dataclasses.replace(self, keep=keep, scorer_vocab=scorer_vocab, rank=rank)
+
+    @property
+    def keep_list(self) -> list[int]:
+        return [self.keep] if isinstance(self.keep, int) else list(self.keep)
+
+    @property
+    def vocab_modes(self) -> list[str]:
+        return [m.strip() for m in self.draft_vocab.split(",") if m.strip()]
+
+    def check(self) -> None:
+        if self.quant not in ("int4", "int8", "fp32"):
+            raise EdgeSpecError(f"--quant must be int4, int8 or fp32, not {self.quant!r}")
+        for flag, size in (("--block-size", self.block_size), ("--draft-block-size", self.draft_block_size)):
+            if self.quant != "fp32" and (size < 16 or size & (size - 1)):
+                raise EdgeSpecError(f"{flag} must be a power of two, 16 or more (MatMulNBits), not {size}")
+        if self.context_length < 16:
+            raise EdgeSpecError(f"--context-length must be at least 16 tokens, not {self.context_length}")
+        for mode in self.vocab_modes or ["?"]:
+            if mode not in DRAFT_VOCAB_MODES:
+                raise EdgeSpecError(f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, "
+                                    f"not {self.draft_vocab!r}")
+        if self.gguf_blocks not in GGUF_BLOCK_MODES:
+            raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, "
+                                f"not {self.gguf_blocks!r}")
+        if self.gguf_layout not in GGUF_LAYOUTS:
+            raise EdgeSpecError(f"--gguf-layout must be one of {', '.join(GGUF_LAYOUTS)}, not {self.gguf_layout!r}")
+        if self.scorer not in ("data", "svd"):
+            raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
+        if min(self.candidates) < 1:
+            raise EdgeSpecError("--candidates must be positive")
