@@ -1,4 +1,5 @@
-"""Check that imports inside ``edge_spec.runtime`` run one way: engine -> loops -> schedule -> propose -> model/verify.
+"""Check that imports inside ``edge_spec.runtime`` run one way: engine -> loops -> schedule -> propose ->
+model/verify/constrain (the three at the bottom independent of one another).
 
 Prints every runtime module's imports of other runtime layers and exits 1 on an import that runs back
 up (a lower layer importing a higher one).  ``python tools/import_layers.py``
@@ -12,7 +13,8 @@ from pathlib import Path
 
 RUNTIME = Path(__file__).resolve().parents[1] / "edge_spec" / "runtime"
 # rank of each layer: a module may import layers of lower rank (and its own layer)
-LAYERS = {"engine": 5, "text": 0, "loops": 4, "schedule": 3, "propose": 2, "model": 1, "verify": 1}
+LAYERS = {"engine": 5, "text": 0, "loops": 4, "schedule": 3, "propose": 2, "model": 1, "verify": 1, "constrain": 1}
+BOTTOM = ("model", "verify", "constrain")  # rank 1: none of them imports another
 
 
 def layer_of(module: str) -> str | None:
@@ -41,8 +43,8 @@ def main() -> int:
             edges.add((here, target))
             if LAYERS[target] >= LAYERS[here] and not (LAYERS[here] == LAYERS[target] == 1):
                 bad.append(f"{relative}: imports {names[0]} ({here} -> {target} runs back up)")
-            if here in ("model", "verify") and target in ("model", "verify") and here != target:
-                bad.append(f"{relative}: imports {names[0]} (model and verify are independent)")
+            if here in BOTTOM and target in BOTTOM and here != target:
+                bad.append(f"{relative}: imports {names[0]} ({', '.join(BOTTOM)} are independent)")
     for here, target in sorted(edges, key=lambda e: (-LAYERS[e[0]], e[0], e[1])):
         print(f"{here:9s} -> {target}")
     for line in bad:

@@ -137,6 +137,16 @@ def _check_seed(seed: object) -> None:
 # ---------------------------------------------------------------------------
 
 
+def mask_logits(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """``logits`` with every entry where ``allowed`` is False set to -inf (a new array; ``allowed`` None:
+    the logits themselves).  A constraint's mask goes in *before* :func:`logits_to_probs`, so temperature,
+    top-k and top-p act on the allowed tokens alone, for the target's rows and the drafter's alike."""
+    if allowed is None:
+        return logits
+    x = np.asarray(logits)
+    return np.where(allowed, x, x.dtype.type(-np.inf))
+
+
 def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Apply temperature, top-k, top-p and softmax; return float64 probabilities.
 

@@ -1,0 +1,15 @@
+"""Constraints: what a request may draft and emit (structured output: a JSON schema, any JSON object).
+
+A :class:`Constraint` follows one answer token by token and says which of the target's token ids may come
+next (:meth:`Constraint.allowed`), which tokens the grammar forces (:meth:`Constraint.forced_tokens`), and
+takes tokens back when drafts are rejected (:meth:`Constraint.rollback`).  The grammar engine is
+llguidance; its tokenizer side (:class:`GrammarVocabulary`) is built once per bundle.  This layer knows
+nothing of models, proposers or loops: the loops mask the target's rows with it, the drafters their
+proposals, and the forced tokens are a proposer of their own (``propose.forced``).
+"""
+
+from edge_spec.runtime.constrain.constraint import Constraint, ConstraintViolation
+from edge_spec.runtime.constrain.grammar import RESPONSE_FORMATS, grammar_for
+from edge_spec.runtime.constrain.vocabulary import GrammarVocabulary
+
+__all__ = ["Constraint", "ConstraintViolation", "GrammarVocabulary", "RESPONSE_FORMATS", "grammar_for"]

@@ -1,0 +1,135 @@
+"""One answer's constraint: the grammar's state after the tokens so far, as masks over the target's rows.
+
+The state moves with the sequence: :meth:`Constraint.advance` after every token that is kept (emitted, or
+drafted while a drafter proposes), :meth:`Constraint.rollback` when drafts are rejected or a drafter's
+walk is over.  It is a function of the tokens consumed (:attr:`Constraint.tokens`) alone, which is what
+keeps speculative decoding lossless under a constraint: the verifier's mask at a position is the one
+target-only decoding would apply after the same tokens.
+
+End tokens are allowed where the grammar may stop, and are not handed to the grammar engine: llguidance
+takes back one token too many when asked to roll back an end token it consumed, and nothing follows an
+end token anyway (the mask after one allows only end tokens again).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llguidance import LLMatcher
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.constrain.grammar import first_line
+from edge_spec.runtime.constrain.vocabulary import GrammarVocabulary
+
+
+class ConstraintViolation(RuntimeError):
+    """A token the grammar does not allow was about to be consumed: whatever chose it ignored the mask
+    (a bug, never a user's mistake).  The constraint's state is left as it was."""
+
+
+class Constraint:
+    """See the module docstring.  ``grammar``: from :func:`~edge_spec.runtime.constrain.grammar_for`."""
+
+    def __init__(self, grammar: str, vocabulary: GrammarVocabulary) -> None:
+        self.vocabulary = vocabulary
+        self._matcher = LLMatcher(vocabulary.library, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise EdgeSpecError(f"response_format: {first_line(self._matcher.get_error())}")
+        self._bits = allocate_token_bitmask(1, vocabulary.width)
+        self._allowed: np.ndarray | None = None  # the mask of the current state, once computed
+        self._ended = 0  # end tokens consumed at the tail of ``tokens`` (the grammar engine never saw them)
+        self.tokens: list[int] = []  # consumed, in order
+
+    def allowed(self) -> np.ndarray:
+        """Boolean mask over the target's rows: the tokens that may come next (read-only; only end tokens
+        once the grammar is complete).  Raises :class:`EdgeSpecError` when the grammar allows nothing."""
+        if self._allowed is None:
+            if self._ended:
+                allowed = np.zeros(self.vocabulary.width, dtype=bool)
+                allowed[list(self.vocabulary.end_ids)] = True
+            else:
+                allowed = self.library_allowed() & self.vocabulary.usable
+            if not allowed.any():
+                raise EdgeSpecError("response_format: the grammar allows no token of this model's vocabulary "
+                                    f"after {len(self.tokens)} tokens")
+            allowed.setflags(write=False)
+            self._allowed = allowed
+        return self._allowed
+
+    def library_allowed(self) -> np.ndarray:
+        """The grammar engine's own mask, before padding rows are taken out (what :meth:`allowed` refines)."""
+        self._check()
+        fill_next_token_bitmask(self._matcher, self._bits, 0)
+        width = self.vocabulary.width
+        return np.unpackbits(self._bits.astype("<i4", copy=False).view(np.uint8), bitorder="little",
+                             count=width).view(bool)
+
+    def advance(self, token: int) -> None:
+        """Consume ``token``; :class:`ConstraintViolation` (state unchanged) if the grammar forbids it."""
+        token = int(token)
+        if self._ended or token in self.vocabulary.end_ids:
+            ok = bool(self.allowed()[token])
+        elif self._allowed is not None:
+            ok = 0 <= token < self.vocabulary.width and bool(self._allowed[token])
+        else:
+            ok = (0 <= token < self.vocabulary.width and bool(self.vocabulary.usable[token])
+                  and self._matcher.validate_tokens([token]) == 1)
+        if not ok:
+            raise ConstraintViolation(f"token {token} is not allowed by the grammar after {len(self.tokens)} tokens")
+        if token in self.vocabulary.end_ids:
+            self._ended += 1
+        elif not self._matcher.consume_token(token):
+            raise ConstraintViolation(f"the grammar engine refused token {token}: {first_line(self._matcher.get_error())}")
+        self.tokens.append(token)
+        self._allowed = None
+
+    def rollback(self, count: int) -> None:
+        """Take back the last ``count`` tokens consumed."""
+        if not 0 <= count <= len(self.tokens):
+            raise ValueError(f"cannot take back {count} of {len(self.tokens)} tokens")
+        if count == 0:
+            return
+        ended = min(count, self._ended)
+        self._ended -= ended
+        if count > ended and not self._matcher.rollback(count - ended):
+            raise RuntimeError(f"the grammar engine could not take back {count} tokens: "
+                               f"{first_line(self._matcher.get_error())}")
+        del self.tokens[-count:]
+        self._allowed = None
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces from here on (possibly none): the grammar engine's fast-forward
+        tokens, or the single token the mask allows.  Drafted, they are accepted whatever the sampling."""
+        self._check()
+        if self._ended:
+            return []
+        forced = []
+        for token in self._matcher.compute_ff_tokens():
+            if not self.vocabulary.usable[token]:
+                break
+            forced.append(int(token))
+        if not forced:
+            ids = np.flatnonzero(self.allowed())
+            if ids.size == 1:
+                forced = [int(ids[0])]
+        return forced
+
+    def is_finished(self) -> bool:
+        """The grammar is complete and takes nothing more: only an end token may follow."""
+        self._check()
+        return self._ended > 0 or self._matcher.is_stopped()
+
+    def copy(self) -> "Constraint":
+        """An independent constraint in the same state."""
+        other = Constraint.__new__(Constraint)
+        other.vocabulary = self.vocabulary
+        other._matcher = self._matcher.deep_copy()
+        other._bits = allocate_token_bitmask(1, self.vocabulary.width)
+        other._allowed = self._allowed
+        other._ended = self._ended
+        other.tokens = list(self.tokens)
+        return other
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise RuntimeError(f"the grammar engine failed: {first_line(self._matcher.get_error())}")

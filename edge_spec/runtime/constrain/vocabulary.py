@@ -1,0 +1,54 @@
+"""The grammar engine's view of a bundle's tokenizer, and which of the target's rows are real tokens.
+
+A model's logits are often wider than its tokenizer's vocabulary (Qwen2.5: 151,665 tokens, 151,936
+rows), and a bundle converted from GGUF names those padding rows ``[PAD151665]`` and so on as ordinary
+vocabulary entries.  Neither kind of row is a token the model was trained to emit, and a grammar that
+allows any text inside a JSON string would let a ``[PAD...]`` entry through, so :attr:`usable` excludes
+them and a constraint never allows them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from llguidance import LLTokenizer
+from tokenizers import Tokenizer
+
+from edge_spec.errors import EdgeSpecError
+
+
+def usable_rows(tokenizer: Tokenizer, width: int) -> np.ndarray:
+    """Boolean mask over ``width`` logit rows: True for ids the tokenizer defines, except padding entries
+    spelled ``[PAD<id>]``."""
+    usable = np.zeros(width, dtype=bool)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    ids = np.fromiter((i for i in vocab.values() if 0 <= i < width), dtype=np.int64)
+    usable[ids] = True
+    for token, i in vocab.items():
+        if 0 <= i < width and token == f"[PAD{i}]":
+            usable[i] = False
+    return usable
+
+
+class GrammarVocabulary:
+    """llguidance's tokenizer for one bundle (building it reads every token: about a second for a 150k
+    vocabulary, so it is built once and shared by every request's constraint)."""
+
+    def __init__(self, tokenizer: Tokenizer, width: int, end_ids: Iterable[int]) -> None:
+        """``width``: the target's logit rows; ``end_ids``: the tokens that end an answer (allowed once the
+        grammar is complete, never inside it)."""
+        self.width = width
+        self.end_ids = frozenset(int(i) for i in end_ids)
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        if size > width:
+            raise EdgeSpecError(f"the tokenizer has {size} tokens but the model only {width} logit rows")
+        self.usable = usable_rows(tokenizer, width)
+        self.usable.setflags(write=False)
+        copy = Tokenizer.from_str(tokenizer.to_str())
+        copy.no_padding()
+        copy.no_truncation()
+        try:
+            self.library = LLTokenizer(copy.to_str(), n_vocab=width, eos_token=sorted(self.end_ids) or None)
+        except (ValueError, RuntimeError) as exc:
+            raise EdgeSpecError(f"the grammar engine cannot read this tokenizer ({str(exc).strip()[:160]})") from None
