@@ -19,7 +19,8 @@ import numpy as np
 from edge_spec.errors import EdgeSpecError
 from edge_spec.integrity import WeightCheck
 from edge_spec.manifest import eagle_heads, read_manifest, verify_files
-from edge_spec.runtime.loops import generate_tokens, proposer_names
+from edge_spec.runtime.constrain import Constraint, GrammarVocabulary, grammar_for
+from edge_spec.runtime.loops import check_constraint, generate_tokens, proposer_names
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
 from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
@@ -129,6 +130,7 @@ class Engine:
         self._padded_exact: bool | None = None  # see exact_available
         self._profile_key = ""
         self._weight_check: WeightCheck | None = None  # see from_bundle: answers wait for its verdict
+        self._grammar_vocabulary: GrammarVocabulary | None = None  # see grammar_vocabulary
         self._closed = False
         self._cancel = threading.Event()
         self._turn = threading.Condition()  # who holds the engine: one thread, possibly several times
@@ -535,12 +537,16 @@ class Engine:
         exact: bool | None = None,
         on_prefill: Callable[[float], None] | None = None,
         wait: bool = True,
+        response_format: dict | None = None,
     ) -> Iterator[str]:
         """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
         ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
         a prompt too long for one pass (see ``Decoder.prefill``); :meth:`cancel` also stops that.
         ``stop`` is one stop string or several.  ``sampler`` "coupled" makes a sampled answer a function
-        of the seed alone, the same in every mode (``SamplingParams``).  While another thread generates,
+        of the seed alone, the same in every mode (``SamplingParams``).  ``response_format`` (OpenAI's
+        shape: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
+        see ``constrain.grammar``) constrains the answer to it, losslessly in ar and one-chain spec
+        mode (refused elsewhere, in one line).  While another thread generates,
         the call waits for it (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
         self._acquire(wait)
         try:
@@ -550,7 +556,8 @@ class Engine:
                 yield from self._generate(generation, prompt, max_new_tokens=max_new_tokens,
                                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                           sampler=sampler, stop=stop,
-                                          mode=mode, exact=exact, on_prefill=on_prefill)
+                                          mode=mode, exact=exact, on_prefill=on_prefill,
+                                          response_format=response_format)
         finally:
             self._release()
 
@@ -587,7 +594,7 @@ class Engine:
 
     def _generate(self, generation: int, prompt: str | list[Message], *, max_new_tokens: int, temperature: float,
                   top_k: int, top_p: float, seed: int | None, sampler: str, stop: str | list[str] | tuple[str, ...],
-                  mode: str | None, exact: bool | None,
+                  mode: str | None, exact: bool | None, response_format: dict | None = None,
                   on_prefill: Callable[[float], None] | None) -> Iterator[str]:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 end_ids=frozenset(self.tokenizer.eos_token_ids), sampler=sampler)
@@ -599,6 +606,7 @@ class Engine:
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt)
+        constraint = self.constraint_for(response_format, config)
         self.target.min_rows = self.pass_rows(mode) if self.exact_for(mode, exact, params.deterministic) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
@@ -617,7 +625,7 @@ class Engine:
             stats.stop_reason = "cancelled"
             return
         tokens = generate_tokens(config, self.target, context, ids, params, np.random.default_rng(params.seed),
-                                 max_new, spec_stats, memory)
+                                 max_new, spec_stats, memory, constraint)
         self._tokens = tokens
         watched = self._watch_prefill(mode, on_prefill)
         stats.stop_reason = "length"
@@ -663,6 +671,22 @@ class Engine:
                 stats.spec = spec_stats.summary(self.param_ratio, self.bytes_ratio)
                 memory.save()
                 self._correct_costs()
+
+    def constraint_for(self, response_format: dict | None, config: LoopConfig | None = None) -> Constraint | None:
+        """A fresh constraint for one answer in ``response_format`` (None: unconstrained), refused in one
+        line where the loop ``config`` cannot honour it."""
+        grammar = grammar_for(response_format)
+        if grammar is None:
+            return None
+        check_constraint(config or self.config)
+        return Constraint(grammar, self.grammar_vocabulary())
+
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """The grammar engine's view of the bundle's tokenizer, built on the first constrained request."""
+        if self._grammar_vocabulary is None:
+            self._grammar_vocabulary = GrammarVocabulary(self.tokenizer.tokenizer, self.target.vocab_size,
+                                                         self.tokenizer.eos_token_ids)
+        return self._grammar_vocabulary
 
     def _watch_prefill(self, mode: str, on_prefill: Callable[[float], None] | None) -> list[Decoder]:
         """Listen to the prefill passes of the decoders this mode uses: stop between passes once

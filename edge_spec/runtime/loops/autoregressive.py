@@ -6,14 +6,18 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from edge_spec.runtime.constrain import Constraint
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.verify.coupled import draw_sampled
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, mask_logits
 
 
-def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, position: int) -> int:
+def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, position: int,
+                 allowed: np.ndarray | None = None) -> int:
     """The token at sequence index ``position``: greedy = first argmax (no softmax needed); coupled =
-    the race with that position's noise; otherwise drawn from the processed distribution."""
+    the race with that position's noise; otherwise drawn from the processed distribution.  ``allowed``:
+    a constraint's mask, applied to the logits first."""
+    logits = mask_logits(logits, allowed)
     if params.greedy:
         return int(np.argmax(logits))
     probs = logits_to_probs(logits, params)
@@ -21,12 +25,17 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
 
 
 def generate_autoregressive(
-    target: Decoder, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, max_new_tokens: int
+    target: Decoder, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, max_new_tokens: int,
+    constraint: Constraint | None = None,
 ) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids; the caller stops early (eos, stop string, cancel) by closing us."""
+    """Yield up to ``max_new_tokens`` ids; the caller stops early (eos, stop string, cancel) by closing us.
+    ``constraint``: each token is chosen among the tokens it allows (the masked logits)."""
     logits = target.prefill(prompt_ids)["logits"][-1]
     for step in range(max_new_tokens):
-        token = choose_token(logits, params, rng, len(prompt_ids) + step)
+        allowed = constraint.allowed() if constraint is not None else None
+        token = choose_token(logits, params, rng, len(prompt_ids) + step, allowed)
+        if constraint is not None:
+            constraint.advance(token)
         yield token
         if step + 1 < max_new_tokens:
             logits = target.forward([token])["logits"][-1]

@@ -9,6 +9,10 @@ Read it top to bottom like gpt-fast's ``speculative_decode`` or llama.cpp's ``co
    rejection sampling (``verify.chain``) returns the accepted drafts plus one correction/bonus token.
 3. Roll back the caches to the accepted prefix, show the proposers the target's outputs, emit.
 
+Under a constraint (structured output) the target's rows are masked to what the grammar allows after
+each draft, the drafter draws from its masked distribution (the q the verifier gets), drafts the
+grammar forbids are cut before the pass, and tokens the grammar forces are drafted first, for free.
+
 Exactness does not depend on the proposer: greedy output equals target-only greedy output, and
 sampled output follows the target's distribution, because the verifier sees the same processed
 target distribution ``p`` the autoregressive loop samples from, and the exact ``q`` each draft was
@@ -21,6 +25,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from edge_spec.runtime.constrain import Constraint
 from edge_spec.runtime.loops.config import ChainConfig
 from edge_spec.runtime.loops.request import Request
 from edge_spec.runtime.loops.stats import SpecStats
@@ -34,10 +39,12 @@ from edge_spec.runtime.verify.sampling import SamplingParams
 
 def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
                    rng: np.random.Generator, max_new_tokens: int, config: ChainConfig = ChainConfig(),
-                   stats: SpecStats | None = None, memory: ScheduleMemory | None = None) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them.
+                   stats: SpecStats | None = None, memory: ScheduleMemory | None = None,
+                   constraint: Constraint | None = None) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them
+    (under ``constraint``: as target-only decoding masked to what it allows would).
     ``memory``: what the schedule learned in earlier requests with this drafter (updated in place)."""
-    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
+    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, constraint)
     calibration = memory.calibration(params.regime) if memory else None
     planner = DraftPlanner(proposers, target, config.gamma, config.adaptive, config.min_confidence, calibration,
                            memory.overhead if memory else None)
@@ -45,12 +52,14 @@ def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[
     while not request.done:
         # 1. draft: the planner picks who drafts and how many
         clock = request.clock()
-        block = planner.draft(request.committed, request.room(), params, rng)
+        block = planner.draft(request.committed, request.room(), params, rng, request.constraint)
+        masks = request.constrain(block)  # under a constraint: drafts it forbids go, each row's mask
         clock.drafted()
 
         # 2. verify: one target pass over [pending, d1..dγ] -> γ + 1 rows
         outputs = target.forward([request.pending] + block.tokens, len(block.tokens) + 1)
-        result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng, len(request.committed))
+        rows = request.masked(outputs["logits"], masks)
+        result = verify_chain(block.tokens, block.q_rows, rows, params, rng, len(request.committed))
         clock.verified()
         planner.update(block, result, clock.outside_seconds)
         request.record_round(block, result.accepted, result.tokens, clock)

@@ -6,6 +6,10 @@
   token, exactly as autoregressive decoding would.
 * :meth:`Request.accept` cuts the target's cache (and the proposers') to the accepted prefix, shows
   the proposers the target's outputs, and emits the accepted drafts plus the correction/bonus token.
+* Under a constraint (structured output) the request walks it along each round's drafts
+  (:meth:`Request.constrain`), masks every verified row of the target to what it allows there
+  (:meth:`Request.masked`: greedy takes the masked argmax, sampling the masked distribution), and
+  :meth:`Request.accept` takes the rejected drafts back, so the constraint always follows ``committed``.
 """
 
 from __future__ import annotations
@@ -15,20 +19,24 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from edge_spec.runtime.constrain import Constraint
 from edge_spec.runtime.loops.autoregressive import choose_token
 from edge_spec.runtime.loops.stats import SpecStats
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, Proposer
 from edge_spec.runtime.propose.model import ChainDrafter
-from edge_spec.runtime.verify.sampling import SamplingParams
+from edge_spec.runtime.verify.sampling import SamplingParams, mask_logits
 
 
 class Request:
     """One speculative request, from prompt to ``max_new_tokens`` (see the module docstring)."""
 
     def __init__(self, target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
-                 rng: np.random.Generator, max_new_tokens: int, stats: SpecStats | None = None) -> None:
+                 rng: np.random.Generator, max_new_tokens: int, stats: SpecStats | None = None,
+                 constraint: Constraint | None = None) -> None:
         self.target, self.proposers = target, proposers
+        self.constraint = constraint  # what the answer may contain; follows ``committed``
+        self._walked = 0  # drafts of this round the constraint was advanced over (see constrain)
         self.prompt_ids, self.params, self.rng = list(prompt_ids), params, rng
         self.max_new_tokens = max_new_tokens
         self.stats = stats if stats is not None else SpecStats()
@@ -51,7 +59,10 @@ class Request:
         outputs = self.target.prefill(self.prompt_ids)
         for proposer in self.proposers:
             proposer.begin(self.prompt_ids, outputs)
-        token = choose_token(outputs["logits"][-1], self.params, self.rng, len(self.prompt_ids))
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        token = choose_token(outputs["logits"][-1], self.params, self.rng, len(self.prompt_ids), allowed)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         self.committed = self.prompt_ids + [token]
         yield from self.emit([token])
 
@@ -60,6 +71,28 @@ class Request:
         committed = self.committed if committed is None else committed
         emitted = self.emitted if emitted is None else emitted
         return max(min(self.max_new_tokens - emitted - 1, self.target.capacity - len(committed) - 1), 0)
+
+    def constrain(self, block: DraftBlock) -> list[np.ndarray] | None:
+        """Walk the constraint along ``block``'s drafts, cutting the block before the first it forbids (the
+        masked target could never accept it), and return the mask of each of the round's verify rows:
+        one per draft kept, plus the row after the last (None: no constraint)."""
+        if self.constraint is None:
+            return None
+        masks = []
+        for i, token in enumerate(block.tokens):
+            allowed = self.constraint.allowed()
+            if not allowed[token]:
+                block.truncate(i)
+                break
+            masks.append(allowed)
+            self.constraint.advance(token)
+        self._walked = len(masks)
+        masks.append(self.constraint.allowed())
+        return masks
+
+    def masked(self, rows: np.ndarray, masks: list[np.ndarray] | None) -> np.ndarray:
+        """The target's verify rows with what the constraint forbids at each set to -inf."""
+        return rows if masks is None else mask_logits(rows, np.stack(masks))
 
     def clock(self) -> "RoundClock":
         return RoundClock(self.drafter, self.target)
@@ -77,6 +110,10 @@ class Request:
         for proposer in self.proposers:
             proposer.observe(fed, outputs, accepted)
             proposer.rewind(base + 1 + accepted)
+        if self.constraint is not None:  # keep the accepted drafts, then the correction/bonus token
+            self.constraint.rollback(self._walked - accepted)
+            self.constraint.advance(tokens[-1])
+            self._walked = 0
         self.committed.extend(tokens)
         yield from self.emit(tokens)
 

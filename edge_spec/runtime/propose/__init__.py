@@ -11,6 +11,7 @@ from collections.abc import Callable
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.propose.base import Proposer
 from edge_spec.runtime.propose.context import ProposerContext
+from edge_spec.runtime.propose.forced import ForcedTokens
 from edge_spec.runtime.propose.guess import FreeGuess
 from edge_spec.runtime.propose.lookup import PromptLookup
 
@@ -29,6 +30,7 @@ PROPOSERS: dict[str, Callable[[ProposerContext], Proposer]] = {
     "eagle": _loaded("eagle"),  # the EAGLE-3 head on the target's features (propose.eagle)
     "lookup": PromptLookup,
     "guess": FreeGuess,
+    "forced": ForcedTokens,  # tokens a constraint's grammar forces (drafted only under one)
 }
 DRAFTERS = ("model", "eagle")  # the proposers that are models: a chain drafts with one of them
 

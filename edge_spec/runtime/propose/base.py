@@ -27,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
+from edge_spec.runtime.constrain import Constraint
 from edge_spec.runtime.verify.sampling import SamplingParams
 
 
@@ -48,6 +49,9 @@ class DraftRule:
     stop: StopRule | None = None  # the adaptive schedule's per-draft rule (None: draft up to gamma)
     alternatives: int = 0  # > 0: also record the top tokens per step (SSD predicts outcomes from them)
     should_stop: Callable[[], bool] | None = None  # asked before every step; True ends the block, incomplete
+    # what the answer may contain (None: anything), in the state after ``committed``; a proposer that walks
+    # it along its drafts takes them back before it returns
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -100,7 +104,8 @@ class Proposer(Protocol):
 
     * ``"model"`` -- costs a step per draft (``step_estimate`` seconds); the schedule decides how many.
     * ``"sequence"`` -- free to ask; its drafts are taken when they promise more tokens per second
-      than the model's.
+      than the model's, or always, before anyone else's, when the proposer is ``certain`` (its drafts
+      cannot be rejected: tokens the grammar forces).
     * ``"filler"`` -- free; asked only when a round has no drafts but its verify pass has a spare row.
     """
 
@@ -127,6 +132,7 @@ class SequenceProposer:
     request).  Subclasses give ``name``, ``kind`` and ``propose``."""
 
     step_estimate = 0.0  # free to ask
+    certain = False  # True: every draft is accepted (the planner takes them first and whole)
 
     def __init__(self, context) -> None:
         self.context = context  # propose.context.ProposerContext: the request's shared n-gram index

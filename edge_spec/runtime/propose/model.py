@@ -15,7 +15,7 @@ from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule
 from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
 from edge_spec.runtime.verify.coupled import draw_sampled
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, scatter_probs
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, mask_logits, scatter_probs
 
 STEP_SMOOTHING = 0.2  # weight of the newest single-token step in the drafter's step estimate
 
@@ -48,9 +48,24 @@ class ChainDrafter:
         """Up to ``min(rule.gamma, room)`` target-vocabulary tokens after ``committed``, stopping early
         when the drafter is unsure: below ``rule.min_confidence``, or when ``rule.stop`` says another
         draft does not pay; and after a draft that ends the answer (``params.end_ids``).  With
-        ``rule.alternatives`` it also records its top tokens per step."""
-        params = rule.params
+        ``rule.alternatives`` it also records its top tokens per step.
+
+        Under ``rule.constraint`` each step draws from the head's distribution over the tokens the grammar
+        allows there (masked, then the sampling settings: the q the verifier gets), walking the constraint
+        along the drafts and taking them back before returning; the block ends where the grammar allows
+        none of the head's rows."""
         block = DraftBlock(self.name)
+        try:
+            self._draft(block, committed, room, rule)
+        finally:
+            if rule.constraint is not None:
+                rule.constraint.rollback(len(block.tokens))
+        if block.steps == 0:
+            self.start_empty(committed)
+        return block
+
+    def _draft(self, block: DraftBlock, committed: list[int], room: int, rule: DraftRule) -> None:
+        params, constraint = rule.params, rule.constraint
         for _ in range(min(rule.gamma, room)):
             if rule.should_stop is not None and rule.should_stop():
                 block.complete = False
@@ -61,6 +76,12 @@ class ChainDrafter:
             else:
                 (logits, ids), fed = self.step(block.tokens[-1]), 1
             block.steps += 1
+            if constraint is not None:
+                allowed = head_rows(constraint.allowed(), ids, logits.shape[-1])
+                if not allowed.any():  # the grammar allows none of this head's rows
+                    self.busy_seconds += time.perf_counter() - started
+                    break
+                logits = mask_logits(logits, allowed)
             if params.greedy and not rule.alternatives:
                 index = int(np.argmax(logits))
                 confidence = top_probability(logits) if (rule.min_confidence > 0 or rule.stop) else 1.0
@@ -78,7 +99,10 @@ class ChainDrafter:
                 self._time_step(block, elapsed)
             if not keep:  # not worth a verify row: the cache entry is cut after verification
                 break
-            block.tokens.append(int(index) if ids is None else int(ids[index]))
+            token = int(index) if ids is None else int(ids[index])
+            if constraint is not None:
+                constraint.advance(token)
+            block.tokens.append(token)
             block.candidates.append(ids)
             block.confidences.append(confidence)
             if not params.deterministic:
@@ -88,9 +112,6 @@ class ChainDrafter:
                 block.alternatives.append(top_tokens(probs, ids, rule.alternatives))
             if not more or block.tokens[-1] in params.end_ids:  # nothing after an end token is emitted
                 break
-        if block.steps == 0:
-            self.start_empty(committed)
-        return block
 
     def start_empty(self, committed: list[int]) -> None:
         """A round without drafter steps: nothing to catch up on yet (the next start does it)."""
@@ -197,6 +218,12 @@ def draw_index(probs: np.ndarray, logits: np.ndarray, ids: np.ndarray | None, pa
     if params.greedy:
         return int(np.argmax(logits))
     return draw_sampled(probs, params, rng, position, vocab_size, ids)
+
+
+def head_rows(allowed: np.ndarray, ids: np.ndarray | None, rows: int) -> np.ndarray:
+    """A target-vocabulary mask as a mask over a head's ``rows`` rows (``ids``: their target ids; None:
+    the first ``rows`` ids in order)."""
+    return allowed[:rows] if ids is None else allowed[ids]
 
 
 def top_tokens(probs: np.ndarray, ids: np.ndarray | None, n: int) -> list[tuple[int, float]]:

@@ -1,6 +1,7 @@
 """The chain loop's schedule: which proposer drafts this round, and how many drafts it may make.
 
-In order: a sequence proposer (prompt lookup) whose match promises more tokens per second than the
+In order: drafts that cannot be rejected (tokens a constraint's grammar forces, ``propose.forced``); a
+sequence proposer (prompt lookup) whose match promises more tokens per second than the
 model (:mod:`schedule.sources`); else the drafter model, with this round's stop rule from the
 adaptive policy (:mod:`schedule.policy`) or a fixed γ; and when that leaves the round without
 drafts while the verify pass has a spare row anyway (batch-invariant passes), a filler (free guess),
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge_spec.runtime.constrain import Constraint
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
@@ -37,20 +39,28 @@ class DraftPlanner:
         calibration = calibration or AcceptanceCalibration()
         self.model = next((p for p in proposers if p.kind == "model"), None)
         self.estimates = RequestAcceptance(calibration)
+        self.certain = [p for p in proposers if p.kind == "sequence" and getattr(p, "certain", False)]
         self.sequences = [(p, LookupChoice(calibration.sequence, self.estimates))
-                          for p in proposers if p.kind == "sequence"]
+                          for p in proposers if p.kind == "sequence" and p not in self.certain]
         self.fillers = [p for p in proposers if p.kind == "filler"]
         self.policy = AdaptiveGamma(gamma, self.estimates) if adaptive else None
         self.overhead = overhead or RoundOverhead()
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
         self._offered: list[int] = []  # what the sequence offered this round, before the round took its share
 
-    def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator) -> DraftBlock:
-        rule = DraftRule(params, rng, self.gamma, self.min_confidence)
+    def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator,
+              constraint: Constraint | None = None) -> DraftBlock:
+        """This round's drafts after ``committed`` (``constraint``: what the answer may contain, in its
+        state after ``committed``; the drafter draws from what it allows)."""
+        rule = DraftRule(params, rng, self.gamma, self.min_confidence, constraint=constraint)
         costs = self._costs()
         guess = self._guess(committed, room, rule)
         spare = guess if guess is not None and self.target.min_rows >= 2 else None  # a pass's spare row
         self._guessed = (guess.matched, guess.tokens[0]) if guess else None  # checked whatever the round does
+        for proposer in self.certain:  # drafts that cannot be rejected: all of them, before anyone else's
+            block = proposer.propose(committed, room, rule)
+            if block.tokens:
+                return block
         spare_rate = self.estimates.guess(spare.matched) if spare else 0.0  # what a draft-less round makes
         for proposer, choice in self.sequences:
             block = proposer.propose(committed, room, rule)
