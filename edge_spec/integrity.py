@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.files import write_text_atomic
 from edge_spec.manifest import ROLES, sha256_file
 from edge_spec.paths import cache_root
 
@@ -44,12 +44,9 @@ def _read_stamps(path: Path) -> dict:
 
 
 def _write_stamps(path: Path, stamps: dict) -> None:
-    """Atomically (temp file, rename); a cache that cannot be written only means hashing again next time."""
+    """A cache that cannot be written only means hashing again next time."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(stamps))
-        partial.replace(path)
+        write_text_atomic(path, json.dumps(stamps))
     except OSError:
         pass
 

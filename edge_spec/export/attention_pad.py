@@ -74,7 +74,7 @@ def pad_attention(model: onnx.ModelProto) -> onnx.ModelProto:
 def add_attention_pad(onnx_path: Path | str) -> bool:
     """Rewrite an exported graph file in place (written beside it, then renamed over it); returns
     whether it changed (False: padded already)."""
-    from edge_spec.export.eagle import _write_atomic  # lazily, as head_data does: eagle imports torch
+    from edge_spec.files import write_atomic
 
     path = Path(onnx_path)
     if not path.is_file():
@@ -82,7 +82,7 @@ def add_attention_pad(onnx_path: Path | str) -> bool:
     model = onnx.load(str(path), load_external_data=False)
     if has_attention_pad(model):
         return False
-    _write_atomic(path, lambda tmp: onnx.save_model(pad_attention(model), tmp))
+    write_atomic(path, lambda tmp: onnx.save_model(pad_attention(model), tmp))
     return True
 
 

@@ -34,8 +34,6 @@ captures "before layer i + 1").  Default as SpecForge: ``(1, L // 2 - 1, L - 4)`
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +55,7 @@ from edge_spec.export.graph_builder import (
     make_model,
 )
 from edge_spec.export.weights import DecoderConfig, DecoderWeights, LayerWeights
+from edge_spec.files import write_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -324,18 +323,6 @@ class Eagle3Head(nn.Module):
 # -- SpecForge checkpoints -----------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, write) -> None:
-    """Write through a temp file in the same directory, then rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_specforge(directory, config: Eagle3Config, head: Eagle3Head) -> Path:
     """Write ``config.json`` + ``model.safetensors`` as SpecForge / SGLang read them (no embedding)."""
     from safetensors.torch import save_file
@@ -345,9 +332,9 @@ def save_specforge(directory, config: Eagle3Config, head: Eagle3Head) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().contiguous() for name, tensor in head.state_dict().items()}
-    _write_atomic(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    write_atomic(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     text = json.dumps(config.to_hf_config(), indent=2) + "\n"
-    _write_atomic(directory / "config.json", lambda tmp: Path(tmp).write_text(text))
+    write_atomic(directory / "config.json", lambda tmp: Path(tmp).write_text(text))
     return directory
 
 
@@ -620,7 +607,7 @@ def add_feature_output(onnx_path, layers) -> None:
     # after the other non-cache outputs, before present.* - where the builder puts it
     position = next((i for i, o in enumerate(graph.output) if o.name.startswith("present.")), len(graph.output))
     graph.output.insert(position, info)
-    _write_atomic(path, lambda tmp: onnx.save_model(model, tmp))
+    write_atomic(path, lambda tmp: onnx.save_model(model, tmp))
 
 
 def feature_layers_of(onnx_path) -> tuple[int, ...] | None:

@@ -94,7 +94,7 @@ class Item:
 def add_hidden_output(onnx_path) -> None:
     """Give a decoder graph the ``hidden_states`` output (final-normed hidden states of the last
     ``num_logits`` rows, the LM head's input), in place, graph file only."""
-    from edge_spec.export.eagle import _write_atomic
+    from edge_spec.files import write_atomic
 
     path = Path(onnx_path)
     model = onnx.load(str(path), load_external_data=False)
@@ -109,7 +109,7 @@ def add_hidden_output(onnx_path) -> None:
     info = helper.make_tensor_value_info(HIDDEN_OUTPUT, TensorProto.FLOAT, [1, "num_logits", int(hidden)])
     position = next((i for i, o in enumerate(graph.output) if o.name.startswith("present.")), len(graph.output))
     graph.output.insert(position, info)
-    _write_atomic(path, lambda tmp: onnx.save_model(model, tmp))
+    write_atomic(path, lambda tmp: onnx.save_model(model, tmp))
 
 
 def _link_data(source: Path, link: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edge_spec.files import write_text_atomic
 from edge_spec.paths import cache_root
 
 PROFILE_VERSION = 8  # 8: the drafter's step over two rows too (the catch-up a round can leave it)
@@ -183,12 +184,9 @@ def save(key: str, profile: CostProfile) -> None:
 
 
 def _store(path: Path, data: dict) -> None:
-    """Write ``data`` as JSON through a temp file, then rename; a cache that cannot be written is skipped."""
+    """Write ``data`` as JSON atomically; a cache that cannot be written is skipped."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(data, indent=1))
     except OSError:
         pass
 
