@@ -6,7 +6,7 @@ puts the drift on both sides alike.  Each configuration gets an engine of its ow
 target-only decoding, as ``generate --mode ar`` has it); greedy answers are compared token for token.
 
     python benchmarks/config_ab.py --config g4=spec:gamma=4 --config g8=spec:gamma=8 --config ar=ar \\
-        [--prompts models/bench/prompts.jsonl --prompts models/bench/prime.jsonl] [--max-tokens 64]
+        [--prompts edge_spec/data/bench/prompts.jsonl --prompts edge_spec/data/bench/prime.jsonl] [--max-tokens 64]
 
 A configuration is ``NAME=MODE[:SETTING=VALUE,...]`` with ``loop_config``'s settings (gamma, schedule,
 lookup, ...) and the sampling settings ``temperature`` (a number: T=0.7 is written ``temperature=0.7``) and

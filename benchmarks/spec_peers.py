@@ -78,7 +78,7 @@ OV_REQUIREMENTS = ["openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0
 # closest to our bundle (int4, symmetric, block 32, int4 embedding and LM head): every layer int4
 OV_EXPORT_ARGS = ["--task", "text-generation-with-past", "--weight-format", "int4", "--sym", "--group-size", "32",
                   "--ratio", "1.0", "--all-layers"]
-PROMPT_FILES = [ROOT / "models" / "bench" / "prompts.jsonl", ROOT / "models" / "bench" / "low_acceptance.jsonl"]
+PROMPT_FILES = [ROOT / "edge_spec" / "data" / "bench" / name for name in ("prompts.jsonl", "low_acceptance.jsonl")]
 OUTPUT = ROOT / "bench-results" / "peers" / "peers.json"
 PEERS = ("genai", "openvino")
 WARMUP_TOKENS = 8

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.paths import PACKAGE_DATA
 from edge_spec.prompts import as_messages, read_prompt_file
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
 from edge_spec.runtime.model import huge_pages
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "bench" / "prompts.jsonl"
+DEFAULT_PROMPTS = PACKAGE_DATA / "bench" / "prompts.jsonl"
 
 
 @dataclass(frozen=True)

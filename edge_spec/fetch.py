@@ -9,7 +9,7 @@ and concatenate the slices.  The wheels are never installed, imported or
 executed: they are only containers of bytes, and the final sha256 check is
 what we trust, not the package.
 
-Registry (``models/registry.json``)::
+Registry (``edge_spec/data/registry.json``, or ``registry.json`` in the models directory)::
 
     {
       "default_pair": {"target": "<model name>", "draft": "<model name>"},
@@ -17,7 +17,7 @@ Registry (``models/registry.json``)::
         "<model name>": {
           "hub_id": "<Hugging Face repo id, for reference/export>",
           "gguf": {
-            "file": "<file name written under models/gguf/>",
+            "file": "<file name written under gguf/ in the models directory>",
             "size": <total size in bytes>,
             "sha256": "<hex digest of the whole file>",
             "pypi_parts": ["<wheel project name>", ...],  # in file order
@@ -27,7 +27,7 @@ Registry (``models/registry.json``)::
       }
     }
 
-Layout under :func:`edge_spec.paths.models_dir`: ``registry.json``, ``downloads/`` (wheels,
+Layout under :func:`edge_spec.paths.models_dir`: ``registry.json`` (optional), ``downloads/`` (wheels,
 reused by pip and by us) and ``gguf/`` (verified files plus a
 ``<file>.sha256-ok`` marker so a 1 GB file is hashed once, not every run).
 """
@@ -109,14 +109,14 @@ def _gguf_fields(name: str, gguf: dict) -> tuple[int, str, list[str]]:
     missing = [key for key in ("file", "size", "sha256", "pypi_parts") if key not in gguf]
     if missing:
         raise EdgeSpecError(f"registry entry {name!r} lacks gguf.{', gguf.'.join(missing)} "
-                            "(models/registry.json is damaged)")
+                            "(the model registry is damaged)")
     size, sha256, parts, file = gguf["size"], gguf["sha256"], gguf["pypi_parts"], gguf["file"]
     if (not isinstance(gguf.get("pypi_member", DEFAULT_MEMBER), str) or not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha256, str)
             or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256) or not isinstance(file, str) or not file
             or Path(file).name != file or not isinstance(parts, list) or not parts
             or not all(isinstance(p, str) and p for p in parts)):
         raise EdgeSpecError(f"registry entry {name!r} has a malformed gguf record (size, sha256, file or "
-                            "pypi_parts; models/registry.json is damaged)")
+                            "pypi_parts; the model registry is damaged)")
     return size, sha256.lower(), parts
 
 

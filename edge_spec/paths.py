@@ -1,10 +1,23 @@
-"""Where the repository, its models and the default bundle are.
+"""Where edge-spec's shipped data, its models, bundles and caches are.
 
-One module for these so that the bundle ``edge-spec export`` writes by default and the bundle the
-benchmarks read by default are one computation: a new default target in ``models/registry.json``
-or a ``$EDGE_SPEC_MODELS`` moves both together.
+Shipped with the package (``edge_spec/data/``, :data:`PACKAGE_DATA`): the model registry, the calibration,
+bench and training prompts, the shipped calibration text and EAGLE-3 head.  Made or downloaded here
+(:func:`models_dir`): GGUF files (``gguf/``), their part wheels (``downloads/``), bundles (``bundles/``),
+head training work (``eagle-work/``).  That directory is, first match wins:
 
-``DEFAULT_BUNDLE`` is computed on first use, not at import: it reads the registry.
+* ``$EDGE_SPEC_MODELS``;
+* ``$EDGE_SPEC_HOME``, which also holds the cache (``cache/``) and the bench results, so that nothing is
+  written anywhere else, the current directory included;
+* ``models/`` of a source checkout, when edge-spec runs from one;
+* the platform's user data directory (``platformdirs.user_data_dir("edge-spec")``: ``~/.local/share/edge-spec``
+  on Linux).
+
+A ``registry.json`` in that directory is read instead of the shipped one (a private list of models).
+
+One module for these so that the bundle ``edge-spec export`` writes by default and the bundle the other
+commands and the benchmarks read by default are one computation: a new default target in the registry or
+another models directory moves both together.  ``DEFAULT_BUNDLE`` is computed on first use, not at
+import: it reads the registry.
 """
 
 from __future__ import annotations
@@ -13,46 +26,66 @@ import json
 import os
 from pathlib import Path
 
-from edge_spec.errors import EdgeSpecError
+import platformdirs
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-REPO_MODELS = REPO_ROOT / "models"
+from edge_spec.errors import EdgeSpecError
+from edge_spec.manifest import MANIFEST
+
+APP = "edge-spec"
+PACKAGE_DATA = Path(__file__).resolve().parent / "data"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # a source checkout, or site-packages in an installed package
+
+
+def in_checkout() -> bool:
+    """Whether edge-spec runs from its source checkout (an editable install included)."""
+    try:
+        return 'name = "edge-spec"' in (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+def home() -> Path | None:
+    """``$EDGE_SPEC_HOME``: models, bundles and caches all under one directory (None: not set)."""
+    root = os.environ.get("EDGE_SPEC_HOME")
+    return Path(root).expanduser() if root else None
 
 
 def cache_root() -> Path:
-    """edge-spec's user cache: measured cost profiles, weight-check stamps (``$EDGE_SPEC_CACHE`` wins)."""
+    """edge-spec's user cache: measured cost profiles, weight-check stamps (``$EDGE_SPEC_CACHE`` wins, then
+    ``$EDGE_SPEC_HOME/cache``, then the platform's user cache directory)."""
     root = os.environ.get("EDGE_SPEC_CACHE")
     if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edge-spec"
+        return Path(root).expanduser()
+    if home() is not None:
+        return home() / "cache"
+    return Path(platformdirs.user_cache_dir(APP, appauthor=False))
 
 
 def models_dir() -> Path:
-    """Where models live.
-
-    ``$EDGE_SPEC_MODELS`` wins so CI and users can put gigabytes elsewhere;
-    otherwise a source checkout keeps everything in its own ``models/``;
-    an installed package (no registry next to it) falls back to a user cache.
-    """
+    """Where models and bundles live (see the module's docstring for the order)."""
     env = os.environ.get("EDGE_SPEC_MODELS")
     if env:
         return Path(env).expanduser()
-    if (REPO_MODELS / "registry.json").is_file():
-        return REPO_MODELS
-    return Path.home() / ".cache" / "edge-spec" / "models"
+    if home() is not None:
+        return home()
+    if in_checkout():
+        return REPO_ROOT / "models"
+    return Path(platformdirs.user_data_dir(APP, appauthor=False))
+
+
+def bench_results_dir() -> Path:
+    """Where ``edge-spec bench`` writes when not given ``--output``: ``bench-results`` in the current
+    directory, or under ``$EDGE_SPEC_HOME`` when that is set."""
+    return (home() or Path()) / "bench-results"
 
 
 def load_registry(path: Path | None = None) -> dict:
-    """Read the model registry.
-
-    Defaults to ``models_dir()/registry.json`` and falls back to the one in
-    the source tree, so pointing ``$EDGE_SPEC_MODELS`` at an empty disk still
-    knows which models exist.
-    """
+    """Read the model registry: ``path``, else ``models_dir()/registry.json`` when there is one, else the
+    shipped registry."""
     if path is None:
         path = models_dir() / "registry.json"
         if not path.is_file():
-            path = REPO_MODELS / "registry.json"
+            path = PACKAGE_DATA / "registry.json"
     try:
         registry = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -75,10 +108,31 @@ def bundle_dir(target: str, quant: str) -> Path:
     named after the source (a registry name, or a path's last part without ``.gguf``)."""
     name = Path(target.rstrip("/")).name
     name = name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
-    return models_dir() / "bundles" / f"{name}-{quant}"
+    return bundles_dir() / f"{name}-{quant}"
+
+
+def bundles_dir() -> Path:
+    return models_dir() / "bundles"
+
+
+def default_bundle() -> Path:
+    """What ``edge-spec export`` writes with no arguments (int4 is its ``--quant`` default), and what the
+    commands and ``Engine.from_bundle()`` read when given no bundle."""
+    return bundle_dir(default_pair()[0], "int4")
+
+
+def find_bundle(path: str | Path | None = None) -> Path:
+    """``path``, or the default bundle when None; a default bundle not made yet is a one-line error that
+    says how to make it (a given path is checked where it is read)."""
+    if path is not None:
+        return Path(path)
+    bundle = default_bundle()
+    if not (bundle / MANIFEST).is_file():
+        raise EdgeSpecError(f"no bundle at {bundle}: run `edge-spec fetch && edge-spec export` first")
+    return bundle
 
 
 def __getattr__(name: str) -> Path:
-    if name == "DEFAULT_BUNDLE":  # what `edge-spec export` writes with no arguments (int4 is its --quant default)
-        return bundle_dir(default_pair()[0], "int4")
+    if name == "DEFAULT_BUNDLE":
+        return default_bundle()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,12 +1,12 @@
-"""Calibration text shipped with the repository, so that an export of a known target skips generating it.
+"""Calibration text shipped with the package, so that an export of a known target skips generating it.
 
 VocabTrim and SpecVocab calibrate on text the exported target generates greedily.  On a laptop that is
 minutes of target-only decoding, and the same minutes for everyone who exports the same target graph:
 the exporter is deterministic, so the same GGUF file and options give the same graph bytes.  Each
 bundle's ``draft/calibration.npz`` records what made it (:func:`calibration_key`: the target's graph
 files by sha256, the prompts, the tokens per prompt, the context); a file under
-``models/calibration/shipped/`` whose key matches is used instead of generating.  Shipping one is a copy
-of a bundle's file.  Text made on another CPU can differ from what this one would generate at a
+``edge_spec/data/calibration/shipped/`` whose key matches is used instead of generating.  Shipping one is
+a copy of a bundle's file.  Text made on another CPU can differ from what this one would generate at a
 near-tie, which the heads, fitted on token statistics, do not notice; the lossless guarantee never
 depends on them.
 """
@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.manifest import sha256_file
-from edge_spec.paths import REPO_MODELS
+from edge_spec.paths import PACKAGE_DATA
 
 TARGET_GRAPH = ("target/model.onnx", "target/model.onnx.data")
 
 
 def shipped_dir() -> Path:
-    """In the repository, as the shipped EAGLE head is (``$EDGE_SPEC_MODELS`` moves downloads, not this)."""
-    return REPO_MODELS / "calibration" / "shipped"
+    """In the package, as the shipped EAGLE head is (``$EDGE_SPEC_MODELS`` moves downloads, not this)."""
+    return PACKAGE_DATA / "calibration" / "shipped"
 
 
 def calibration_key(bundle_dir: Path, prompts: list[str], new_tokens: int, context_length: int) -> str:

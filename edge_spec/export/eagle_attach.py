@@ -210,17 +210,17 @@ def shipped_eagle_head(target: str) -> Path | None:
     """The head the registry ships for registry model ``target`` (None: none, or not a registry name),
     its files checked against the registry's sha256."""
     from edge_spec.manifest import sha256_file
-    from edge_spec.paths import REPO_ROOT, load_registry
+    from edge_spec.paths import PACKAGE_DATA, load_registry
 
     entry = load_registry()["models"].get(target, {}).get("eagle_head")
     if not entry:
         return None
-    directory = REPO_ROOT / entry["dir"]
+    directory = PACKAGE_DATA / entry["dir"]  # shipped with the package (an absolute path: anywhere)
     for name, digest in entry["sha256"].items():
         path = directory / name
         if not path.is_file() or sha256_file(path) != digest:
             raise EdgeSpecError(f"the shipped EAGLE head {path} is missing or damaged (sha256 differs from "
-                                f"models/registry.json); restore it from the repository or pass --eagle none")
+                                f"the registry); reinstall edge-spec or pass --eagle none")
     return directory
 
 

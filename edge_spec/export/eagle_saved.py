@@ -1,4 +1,4 @@
-"""Read a built EAGLE-3 head (ONNX, as a bundle or ``models/heads/`` keeps it) back into a torch head.
+"""Read a built EAGLE-3 head (ONNX, as a bundle or ``edge_spec/data/heads/`` keeps it) back into a torch head.
 
 A head is shipped as its int4 graphs only, so that is all a machine may have of it.  Reading it back
 lets ``train-head --init`` go on training the shipped head on new data (a user's own code, more

@@ -44,12 +44,13 @@ import onnx
 from onnx import TensorProto, helper
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.paths import PACKAGE_DATA
 from edge_spec.prompts import as_messages, read_prompt_file
 
 PROGRESS = "progress.json"
 SHARDS = "shards"
 HIDDEN_OUTPUT = "hidden_states"
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "models" / "train" / "prompts.jsonl"
+DEFAULT_PROMPTS = PACKAGE_DATA / "train" / "prompts.jsonl"
 TEXT_SUFFIXES_SKIPPED = {".pyc", ".so", ".png", ".jpg", ".jpeg", ".gif", ".ico", ".pdf", ".zip", ".whl", ".onnx",
                          ".data", ".npz", ".npy", ".bin", ".safetensors", ".pt", ".tar", ".xz", ".bz2", ".woff",
                          ".ttf", ".exe", ".dll", ".a", ".o"}

@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.paths import PACKAGE_DATA
 
-DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "models" / "calibration" / "prompts.jsonl"
+DEFAULT_CALIBRATION = PACKAGE_DATA / "calibration" / "prompts.jsonl"
 
 
 def load_prompts(path: Path | None) -> list[str]:
