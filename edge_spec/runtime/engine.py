@@ -454,10 +454,17 @@ class Engine:
         if self._closed:
             raise EngineClosed(f"this engine was closed; load the bundle again: Engine.from_bundle({str(self.bundle_dir)!r})")
 
-    def prompt_ids(self, prompt: str | list[Message], check_length: bool = True) -> list[int]:
-        """Token ids of a raw prompt or of chat messages through the chat template (``check_length``:
-        refuse a prompt that leaves no room in the context for an answer)."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.tokenizer.encode_chat(list(prompt))
+    def prompt_ids(self, prompt: str | list[Message], check_length: bool = True,
+                   tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a raw prompt or of chat messages through the chat template, which gets ``tools``
+        (OpenAI's function schemas) when given (``check_length``: refuse a prompt that leaves no room in
+        the context for an answer)."""
+        if isinstance(prompt, str):
+            if tools:
+                raise EdgeSpecError("tools need chat messages, not a raw prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = self.tokenizer.encode_chat(list(prompt), tools=tools)
         if not ids:
             raise EdgeSpecError("empty prompt")
         if check_length and len(ids) >= self.target.capacity:
@@ -538,6 +545,7 @@ class Engine:
         on_prefill: Callable[[float], None] | None = None,
         wait: bool = True,
         response_format: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> Iterator[str]:
         """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
         ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
@@ -546,7 +554,8 @@ class Engine:
         of the seed alone, the same in every mode (``SamplingParams``).  ``response_format`` (OpenAI's
         shape: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
         see ``constrain.grammar``) constrains the answer to it, losslessly in ar and one-chain spec
-        mode (refused elsewhere, in one line).  While another thread generates,
+        mode (refused elsewhere, in one line).  ``tools`` (OpenAI's function schemas) go to the chat
+        template, which tells the model how to call them.  While another thread generates,
         the call waits for it (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
         self._acquire(wait)
         try:
@@ -557,7 +566,7 @@ class Engine:
                                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                           sampler=sampler, stop=stop,
                                           mode=mode, exact=exact, on_prefill=on_prefill,
-                                          response_format=response_format)
+                                          response_format=response_format, tools=tools)
         finally:
             self._release()
 
@@ -595,7 +604,7 @@ class Engine:
     def _generate(self, generation: int, prompt: str | list[Message], *, max_new_tokens: int, temperature: float,
                   top_k: int, top_p: float, seed: int | None, sampler: str, stop: str | list[str] | tuple[str, ...],
                   mode: str | None, exact: bool | None, response_format: dict | None = None,
-                  on_prefill: Callable[[float], None] | None) -> Iterator[str]:
+                  on_prefill: Callable[[float], None] | None, tools: list[dict] | None = None) -> Iterator[str]:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 end_ids=frozenset(self.tokenizer.eos_token_ids), sampler=sampler)
         self._cancel.clear()  # before any work: a cancel from here on, during the set-up too, stops this answer
@@ -605,7 +614,7 @@ class Engine:
         mode = config.mode
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
-        ids = self.prompt_ids(prompt)
+        ids = self.prompt_ids(prompt, tools=tools)
         constraint = self.constraint_for(response_format, config)
         self.target.min_rows = self.pass_rows(mode) if self.exact_for(mode, exact, params.deterministic) else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)

@@ -12,6 +12,7 @@ import secrets
 from pathlib import Path
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
@@ -22,6 +23,7 @@ CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
 _CONTENT_CUT = ("the chat template cut a message's content, so the message text cannot be told from the "
                 "template's markup")
 FIM_MARKERS = frozenset({"<fim_prefix>", "<fim_suffix>", "<fim_middle>"})  # StarCoder's, not <|...|> shaped
+TOOL_MARKERS = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"})  # Qwen's, Hermes'
 
 
 def _raise(message: str):
@@ -31,13 +33,13 @@ def _raise(message: str):
 def register_control_tokens(backend: Tokenizer) -> list[str]:
     """A bundle exported from GGUF has the model's control tokens (``<|fim_prefix|>``, ``<|file_sep|>``,
     ...) in its vocabulary but not among the tokenizer's added tokens, so raw text naming them would be
-    split into ordinary tokens.  Make every ``<|name|>`` (or FIM marker) entry of the vocabulary that is not yet an added token one
+    split into ordinary tokens.  Make every ``<|name|>`` (or FIM or tool-call marker) entry of the vocabulary that is not yet an added token one
     (same id; read as one token in raw text and, as in Qwen's own tokenizer, not special: kept in decoded text,
     so stop strings naming them can match).  Returns the tokens registered."""
     added = {token.content for token in backend.get_added_tokens_decoder().values()}
     vocab = backend.get_vocab(with_added_tokens=False)
     missing = sorted((i, t) for t, i in vocab.items()
-                     if (CONTROL_TOKEN.fullmatch(t) or t in FIM_MARKERS) and t not in added)
+                     if (CONTROL_TOKEN.fullmatch(t) or t in FIM_MARKERS or t in TOOL_MARKERS) and t not in added)
     if missing:
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for _, t in missing])
     return [t for _, t in missing]
@@ -89,18 +91,24 @@ class TextTokenizer:
         # shared tokenizer would race with plain encodes in other threads (the server counts in threads)
         self._literal_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
         self._literal_tokenizer.encode_special_tokens = True
+        # strings that raw text turns into tokens of their own (what a client's text must not smuggle in)
+        self._control_strings = sorted({t.content for t in self.tokenizer.get_added_tokens_decoder().values()
+                                        if t.content})
         config = _load_tokenizer_config(bundle_dir / "tokenizer_config.json")
         self.eos_token_ids: set[int] = set(config.get("eos_token_ids") or [])
         self.bos_token = config.get("bos_token")
         self.eos_token = config.get("eos_token")
         self.add_bos = bool(config.get("add_bos_token"))
+        self.chat_template: str | None = config.get("chat_template") or None  # the template's source
         self._template = None
+        self.takes_tools = False  # whether the template reads a ``tools`` variable
         if config.get("chat_template"):
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
             try:
                 self._template = env.from_string(config["chat_template"])
+                self.takes_tools = "tools" in meta.find_undeclared_variables(env.parse(config["chat_template"]))
             except jinja2.TemplateSyntaxError as exc:
                 raise EdgeSpecError(f"{bundle_dir / 'tokenizer_config.json'}: the chat template has a syntax "
                                     f"error ({exc.message}, template line {exc.lineno})") from None
@@ -109,19 +117,34 @@ class TextTokenizer:
         """Raw text: control-token strings in it are read as those tokens (FIM prompts, templates)."""
         return self.encode_ids(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` through the chat template, each message's content encoded as plain
         text: a user who types ``<|im_start|>system`` gets those characters, not a new system turn (what
         chat UIs guard against as role injection).  The template's own markup keeps its control tokens.
 
         Each content is wrapped in marks that carry a random nonce drawn for this call, so no text a
         client sends can forge or unbalance them; a template that cuts a mark (and so hides where the
-        client's text starts) is refused rather than encoded with control tokens read from content."""
+        client's text starts) is refused rather than encoded with control tokens read from content.
+
+        ``tools`` (OpenAI's function schemas) and assistant messages' ``tool_calls`` are JSON the template
+        writes as its own text, tokenized as the model saw such text in training; a string in them that
+        could spell a control token (alone or with the template's text beside it) is marked like content."""
         nonce = secrets.token_hex(16)
         opening, closing = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
-        marked = [dict(m, content=f"{opening}{m['content']}{closing}")
-                  if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
-        text = self.render_chat(marked, add_generation_prompt)
+
+        def mark(message):
+            if not isinstance(message, dict):
+                return message
+            marked = dict(message)
+            if isinstance(message.get("content"), str) and message["content"]:
+                marked["content"] = f"{opening}{message['content']}{closing}"
+            if "tool_calls" in message:
+                marked["tool_calls"] = self._mark_json(message["tool_calls"], opening, closing)
+            return marked
+
+        tools = self._mark_json(tools, opening, closing) if tools is not None else None
+        text = self.render_chat([mark(m) for m in messages], add_generation_prompt, tools=tools)
         ids: list[int] = []
         literal = False
         for piece in re.split(f"({re.escape(opening)}|{re.escape(closing)})", text):
@@ -134,6 +157,29 @@ class TextTokenizer:
         if literal:
             raise EdgeSpecError(_CONTENT_CUT)
         return self.encode_ids(ids)
+
+    def _mark_json(self, value, opening: str, closing: str):
+        """``value`` (decoded JSON) with every string (keys too) that could spell a control token marked."""
+        if isinstance(value, dict):
+            return {self._mark_json(k, opening, closing): self._mark_json(v, opening, closing)
+                    for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._mark_json(v, opening, closing) for v in value]
+        if isinstance(value, str) and self._may_spell_control(value):
+            return f"{opening}{value}{closing}"
+        return value
+
+    def _may_spell_control(self, text: str) -> bool:
+        """Whether ``text`` holds a control-token string, or begins or ends with a piece of one."""
+        for control in self._control_strings:
+            if control in text or any(text.endswith(control[:k]) or text.startswith(control[k:])
+                                      for k in range(1, len(control))):
+                return True
+        return False
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Raw text with control-token strings read as characters (no beginning-of-sequence token)."""
+        return self._encode_piece(text, literal=True)
 
     def _encode_piece(self, text: str, literal: bool) -> list[int]:
         tokenizer = self._literal_tokenizer if literal else self.tokenizer
@@ -150,17 +196,22 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """Apply the model's chat template (a plain "role: content" transcript when it has none)."""
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """Apply the model's chat template (a plain "role: content" transcript when it has none).  ``tools``
+        goes to the template as Hugging Face templates expect it (OpenAI's function schemas); a template
+        that reads no ``tools`` would drop them, so they are refused there."""
         for message in messages:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise EdgeSpecError("each chat message must be a dict with 'role' and 'content'")
+        if tools and not self.takes_tools:
+            raise EdgeSpecError("this model's chat template takes no tools")
         if self._template is None:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as exc:

@@ -1,0 +1,340 @@
+"""Tool calls in a model's own output format, turned into OpenAI's ``tool_calls``.
+
+Each model family was trained to write calls its own way, which its chat template spells out; the server
+reads them back with one parser per format (:data:`FORMATS`), picked by :func:`detect_format` from the
+markers the template or the vocabulary holds:
+
+* ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  possibly several, possibly after some text;
+* ``llama3`` (Llama 3.1 - 3.3): the whole answer is ``{"name": ..., "parameters": {...}}`` (after
+  ``<|python_tag|>`` or not; several separated by ``;``);
+* ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a special token, so
+  decoded text usually starts at the ``[``).
+
+A parser is fed the answer as it streams and returns pieces: text to show, or a complete
+:class:`ToolCall`.  Text that may be the start of a call is held back until it is clear, and whitespace
+between text and a call is dropped, so parsing a whole answer is feeding it in one piece: streamed and
+non-streamed answers agree.  A block that does not parse as a call stays text, as the model wrote it.
+
+Forcing a call (``tool_choice`` "required" or a named function) constrains the answer with
+:meth:`ToolFormat.forced_grammar`: the model's own format around a JSON schema of the calls allowed, with
+the separators its template writes (so a forced call reads like one the model wrote of its own accord).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from typing import Protocol, Union
+
+import jinja2
+from jinja2 import meta
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+_JSON = json.JSONDecoder(strict=False)  # models write raw newlines inside strings (code arguments)
+# the separators chat templates render JSON with (Python's json.dumps defaults, as their tojson does)
+_TEMPLATE_JSON = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # the arguments object as JSON text, as OpenAI sends it
+    id: str
+
+
+Piece = Union[str, ToolCall]
+
+
+class CallParser(Protocol):
+    def feed(self, text: str) -> list[Piece]:
+        """The pieces ``text`` completes (text held back earlier included)."""
+
+    def finish(self) -> list[Piece]:
+        """The pieces still held at the end of the answer."""
+
+
+def openai_id() -> str:
+    return "call_" + "".join(secrets.choice(_ALPHANUMERIC) for _ in range(24))
+
+
+def mistral_id() -> str:
+    """Mistral's templates refuse call ids that are not nine letters or digits."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+
+
+def make_call(data, new_id: Callable[[], str]) -> ToolCall | None:
+    """A call from a decoded ``{"name": ..., "arguments" or "parameters": ...}``, None if it is none."""
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    elif not isinstance(arguments, str):  # a string is JSON text already (some models quote the object)
+        return None
+    return ToolCall(data["name"], arguments, new_id())
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (without being all of it)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class TaggedCalls:
+    """Calls wrapped in an opening and a closing tag, anywhere in the answer (hermes)."""
+
+    def __init__(self, opening: str, closing: str, new_id: Callable[[], str] = openai_id) -> None:
+        self.opening, self.closing, self.new_id = opening, closing, new_id
+        self._pending = ""  # text not yet shown or parsed
+        self._in_call = False  # inside an opening tag whose closing tag has not come yet
+        self._spaces = ""  # whitespace before the current opening tag: dropped if a call follows
+        self._after_call = False  # whitespace that follows a call is dropped too
+
+    def feed(self, text: str) -> list[Piece]:
+        self._pending += text
+        out: list[Piece] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(self.closing)
+                if end < 0:
+                    return out
+                block, self._pending = self._pending[:end], self._pending[end + len(self.closing):]
+                out += self._resolve(block, closed=True)
+                continue
+            if self._after_call:
+                self._pending = self._pending.lstrip()
+                if not self._pending:
+                    return out
+                self._after_call = False
+            start = self._pending.find(self.opening)
+            if start < 0:
+                held = _partial_suffix(self._pending, self.opening)
+                shown = self._pending[:len(self._pending) - held]
+                held += len(shown) - len(shown.rstrip())  # trailing whitespace waits for what follows it
+                out += _text(self._pending[:len(self._pending) - held])
+                self._pending = self._pending[len(self._pending) - held:]
+                return out
+            before = self._pending[:start]
+            out += _text(before.rstrip())
+            self._spaces = before[len(before.rstrip()):]
+            self._pending = self._pending[start + len(self.opening):]
+            self._in_call = True
+
+    def finish(self) -> list[Piece]:
+        if self._in_call:
+            block = self._pending[:len(self._pending) - _partial_suffix(self._pending, self.closing)]
+            call = self._parse(block)
+            out = self._resolve(self._pending, closed=False) if call is None else self._resolve(block, False, call)
+        else:
+            out = [] if self._after_call else _text(self._pending)
+        self._pending = ""
+        return out
+
+    def _resolve(self, block: str, closed: bool, call: ToolCall | None = None) -> list[Piece]:
+        self._in_call = False
+        call = call or self._parse(block)
+        spaces, self._spaces = self._spaces, ""
+        if call is None:  # not a call after all: the text as the model wrote it
+            return [spaces + self.opening + block + (self.closing if closed else "")]
+        self._after_call = True
+        return [call]
+
+    def _parse(self, block: str) -> ToolCall | None:
+        try:
+            data = json.loads(block.strip(), strict=False)
+        except ValueError:
+            return None
+        return make_call(data, self.new_id)
+
+
+class LeadingCalls:
+    """An answer that is calls and nothing else, recognised by how it starts (llama3, mistral): it is held
+    until its end once it starts like a call, and streams as text at once otherwise."""
+
+    def __init__(self, starts: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None]) -> None:
+        self.starts, self.parse = starts, parse
+        self._pending = ""
+        self._mode: str | None = None  # "text" or "calls" once the answer's start tells
+
+    def feed(self, text: str) -> list[Piece]:
+        if self._mode == "text":
+            return _text(text)
+        self._pending += text
+        head = self._pending.lstrip()
+        if self._mode == "calls" or not head:
+            return []
+        if any(head.startswith(s) for s in self.starts):
+            self._mode = "calls"
+            return []
+        if any(s.startswith(head) for s in self.starts):
+            return []  # may still become one
+        self._mode, shown, self._pending = "text", self._pending, ""
+        return _text(shown)
+
+    def finish(self) -> list[Piece]:
+        text, self._pending = self._pending, ""
+        calls = self.parse(text) if self._mode == "calls" else None
+        return list(calls) if calls else _text(text)
+
+
+class AtMost:
+    """A parser passing on its first ``limit`` calls only (``parallel_tool_calls: false``)."""
+
+    def __init__(self, parser: CallParser, limit: int) -> None:
+        self.parser, self.limit = parser, limit
+
+    def feed(self, text: str) -> list[Piece]:
+        return self._keep(self.parser.feed(text))
+
+    def finish(self) -> list[Piece]:
+        return self._keep(self.parser.finish())
+
+    def _keep(self, pieces: list[Piece]) -> list[Piece]:
+        kept = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                if self.limit <= 0:
+                    continue
+                self.limit -= 1
+            kept.append(piece)
+        return kept
+
+
+def _text(text: str) -> list[Piece]:
+    return [text] if text else []
+
+
+def _json_values(text: str, separators: str) -> list | None:
+    """The JSON values ``text`` holds one after another (separated by whitespace or ``separators``)."""
+    values, position = [], 0
+    while True:
+        while position < len(text) and (text[position].isspace() or text[position] in separators):
+            position += 1
+        if position == len(text):
+            return values
+        try:
+            value, position = _JSON.raw_decode(text, position)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _all_calls(items, new_id: Callable[[], str]) -> list[ToolCall] | None:
+    calls = [make_call(item, new_id) for item in items]
+    return calls if calls and all(calls) else None
+
+
+def parse_llama3(text: str) -> list[ToolCall] | None:
+    values = _json_values(text.strip().removeprefix("<|python_tag|>"), ";")
+    return _all_calls(values or [], openai_id)
+
+
+def parse_mistral(text: str) -> list[ToolCall] | None:
+    values = _json_values(text.strip().removeprefix("[TOOL_CALLS]"), "")
+    if not values or len(values) != 1:
+        return None
+    return _all_calls(values[0] if isinstance(values[0], list) else values, mistral_id)
+
+
+# -- forcing a call --------------------------------------------------------------------------------
+
+
+def call_schema(tools: list[dict], arguments_key: str) -> dict:
+    """JSON schema of one call to any of ``tools`` (OpenAI tool objects), name first as templates write it."""
+    options = []
+    for tool in tools:
+        function = tool["function"]
+        options.append({"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                        "properties": {"name": {"const": function["name"]},
+                                       arguments_key: function.get("parameters") or {"type": "object"}}})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": _TEMPLATE_JSON}
+
+
+def _lark_json(schema: dict) -> str:
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def hermes_grammar(tools: list[dict], parallel: bool) -> str:
+    more = ' ("\\n" call)*' if parallel else ""
+    return (f"start: call{more}\n"
+            f'call: "<tool_call>\\n" {_lark_json(call_schema(tools, "arguments"))} "\\n</tool_call>"\n')
+
+
+def llama3_grammar(tools: list[dict], parallel: bool) -> str:
+    more = ' ("; " call)*' if parallel else ""
+    return f"start: call{more}\ncall: {_lark_json(call_schema(tools, 'parameters'))}\n"
+
+
+def mistral_grammar(tools: list[dict], parallel: bool) -> str:
+    # the [TOOL_CALLS] marker is a special token, which a grammar over text cannot name: the list alone
+    more = ' (", " call)*' if parallel else ""
+    return f'start: "[" call{more} "]"\ncall: {_lark_json(call_schema(tools, "arguments"))}\n'
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    markers: tuple[str, ...]  # in a chat template or a vocabulary, they say the model writes this format
+    make_parser: Callable[[], CallParser]
+    grammar: Callable[[list[dict], bool], str]
+    closing: str | None = None  # a stop string that ends the answer after one call
+
+    def parser(self, parallel: bool = True) -> CallParser:
+        parser = self.make_parser()
+        return parser if parallel else AtMost(parser, 1)
+
+    def forced_grammar(self, tools: list[dict], *, only: str | None = None, parallel: bool = True) -> str:
+        """A Lark grammar (llguidance's dialect) for an answer that is one call to ``only`` or, without it,
+        one call or more (one when not ``parallel``) to any of ``tools``."""
+        if only is not None:
+            tools, parallel = [t for t in tools if t["function"]["name"] == only], False
+        return self.grammar(tools, parallel)
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
+    ToolFormat("hermes", ("<tool_call>",), lambda: TaggedCalls("<tool_call>", "</tool_call>"), hermes_grammar,
+               closing="</tool_call>"),
+    ToolFormat("mistral", ("[TOOL_CALLS]",), lambda: LeadingCalls(("[TOOL_CALLS]", "[{"), parse_mistral),
+               mistral_grammar),
+    ToolFormat("llama3", ("<|python_tag|>",), lambda: LeadingCalls(("<|python_tag|>", "{"), parse_llama3),
+               llama3_grammar),
+)}
+
+
+def takes_tools(template: str) -> bool:
+    """Whether a chat template reads a ``tools`` variable (one that does not would drop them silently)."""
+    try:
+        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:  # a tag this parser lacks: fall back to the name
+        return "tools" in template
+
+
+def detect_format(template: str | None, vocabulary: Container[str]) -> ToolFormat | None:
+    """The format a model writes calls in: the first whose markers its chat template holds, else the first
+    whose markers its vocabulary holds; None when the template takes no tools or no format is known."""
+    if not template or not takes_tools(template):
+        return None
+    for where in (template, vocabulary):
+        for tool_format in FORMATS.values():
+            if any(marker in where for marker in tool_format.markers):
+                return tool_format
+    return None
+
+
+def split_answer(tool_format: ToolFormat, text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer as OpenAI's message has it: the text outside calls (None when there is none) and the
+    calls."""
+    parser = tool_format.parser(parallel)
+    pieces = parser.feed(text) + parser.finish()
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return content or None, [p for p in pieces if isinstance(p, ToolCall)]

@@ -1,0 +1,171 @@
+"""Tool calls in a model's own output format, parsed into OpenAI's ``tool_calls``: one parser per format,
+the format picked from the chat template or the vocabulary, streaming equal to parsing the whole answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+
+from edge_spec.server.tool_calls import FORMATS, ToolCall, detect_format, split_answer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def streamed(format_name: str, text: str, cuts: list[int]) -> list[str | ToolCall]:
+    """The pieces a parser gives for ``text`` fed in chunks cut at ``cuts``, adjacent text merged."""
+    parser = FORMATS[format_name].parser()
+    bounds = [0, *cuts, len(text)]
+    pieces = [p for a, b in zip(bounds, bounds[1:]) for p in parser.feed(text[a:b])] + parser.finish()
+    merged: list[str | ToolCall] = []
+    for piece in pieces:
+        if isinstance(piece, str) and merged and isinstance(merged[-1], str):
+            merged[-1] += piece
+        elif piece != "":
+            merged.append(piece)
+    return merged
+
+
+def shape(pieces: list[str | ToolCall]) -> list:
+    """Pieces with calls as (name, arguments object): ids are random."""
+    return [p if isinstance(p, str) else (p.name, json.loads(p.arguments)) for p in pieces]
+
+
+# -- Qwen2.5 / Qwen3 (hermes): <tool_call> JSON </tool_call> ---------------------------------------
+
+
+def test_hermes_one_call_no_content():
+    content, calls = split_answer(FORMATS["hermes"], HERMES_CALL)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0].id.startswith("call_") and len(calls[0].id) > 10
+
+
+def test_hermes_several_calls_and_text_around_them():
+    second = HERMES_CALL.replace("Paris", "Rome")
+    content, calls = split_answer(FORMATS["hermes"], f"Let me check both.\n{HERMES_CALL}\n{second}\n")
+    assert content == "Let me check both."
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+    assert calls[0].id != calls[1].id
+
+
+def test_hermes_answer_without_calls_is_kept_exactly():
+    text = "  Here is <b>bold</b> and a <tool mention, then\n\n"
+    assert split_answer(FORMATS["hermes"], text) == (text, [])
+
+
+def test_hermes_call_cut_before_its_closing_tag_is_still_a_call():
+    """A stop string at the closing tag (one call only) or an end token right after the JSON."""
+    content, calls = split_answer(FORMATS["hermes"], HERMES_CALL.removesuffix("\n</tool_call>"))
+    assert content is None and calls[0].name == "get_weather"
+
+
+def test_hermes_block_that_is_not_a_call_stays_text():
+    text = "<tool_call>\n{not json}\n</tool_call>"
+    assert split_answer(FORMATS["hermes"], text) == (text, [])
+    truncated = '<tool_call>\n{"name": "get_weather", "argu'  # the answer ran out of tokens
+    assert split_answer(FORMATS["hermes"], truncated) == (truncated, [])
+
+
+def test_hermes_arguments_given_as_a_json_string_are_passed_on():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>'
+    _, calls = split_answer(FORMATS["hermes"], text)
+    assert json.loads(calls[0].arguments) == {"city": "Oslo"}
+
+
+def test_hermes_streaming_holds_back_a_marker_and_equals_the_whole_parse():
+    text = f"Checking.\n{HERMES_CALL}\n{HERMES_CALL.replace('Paris', 'Lyon')} done <tool"
+    whole = shape(streamed("hermes", text, []))
+    assert whole == ["Checking.", ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"}),
+                     "done <tool"]
+    for cut in range(1, len(text)):
+        assert shape(streamed("hermes", text, [cut])) == whole, cut
+    assert shape(streamed("hermes", text, list(range(1, len(text))))) == whole  # a character at a time
+
+
+def test_hermes_streamed_text_never_shows_a_marker_piece():
+    parser = FORMATS["hermes"].parser()
+    shown = ""
+    for char in "Sure.\n" + HERMES_CALL:
+        shown += "".join(p for p in parser.feed(char) if isinstance(p, str))
+        assert "<" not in shown, shown
+    assert [p.name for p in parser.finish() if isinstance(p, ToolCall)] == [] and shown == "Sure."
+
+
+# -- Llama 3.x: the whole answer is {"name": ..., "parameters": ...} -------------------------------
+
+
+@pytest.mark.parametrize("text", ['{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                                  '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                                  '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'])
+def test_llama3_json_call(text):
+    content, calls = split_answer(FORMATS["llama3"], text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
+                                                                                         {"city": "Paris"})]
+
+
+def test_llama3_several_calls_separated_by_semicolons():
+    text = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}'
+    assert shape(streamed("llama3", text, [5, 30])) == [("a", {}), ("b", {"x": 1})]
+
+
+@pytest.mark.parametrize("text", ["Hello there", "{not a call}", '{"answer": 42}', " [1, 2]"])
+def test_llama3_text_that_is_no_call_is_content(text):
+    assert split_answer(FORMATS["llama3"], text) == (text, [])
+
+
+def test_llama3_plain_text_streams_at_once():
+    parser = FORMATS["llama3"].parser()
+    assert parser.feed("Hel") == ["Hel"]
+    assert parser.feed("lo {") == ["lo {"]  # a brace later in the answer is text
+
+
+# -- Mistral: [TOOL_CALLS][{"name": ..., "arguments": ...}] ----------------------------------------
+
+
+@pytest.mark.parametrize("text", ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+                                  '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'])  # marker decoded away
+def test_mistral_call(text):
+    content, calls = split_answer(FORMATS["mistral"], text)
+    assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum()  # Mistral's templates refuse other ids
+
+
+@pytest.mark.parametrize("text", ["[link](http://x)", "[TOOL_CALLS] broken", "Plain"])
+def test_mistral_text_that_is_no_call_is_content(text):
+    assert split_answer(FORMATS["mistral"], text) == (text, [])
+
+
+# -- which format a model writes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template, vocabulary, expected", [
+    ("{% if tools %}<tool_call>{% endif %}", [], "hermes"),
+    ("{{ tools }}", ["<tool_call>", "</tool_call>"], "hermes"),
+    ("{{ tools }}", ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]"], "mistral"),
+    ("{{ tools }}", ["<|python_tag|>", "<|eom_id|>"], "llama3"),
+    ("{{ tools }} <tool_call>", ["<|python_tag|>"], "hermes"),  # the template's own markup decides first
+])
+def test_format_from_template_and_vocabulary(template, vocabulary, expected):
+    assert detect_format(template, vocabulary).name == expected
+
+
+def test_no_format_without_tool_support():
+    assert detect_format("{{ messages }}", ["<tool_call>"]) is None  # the template takes no tools
+    assert detect_format("{{ tools }}", ["<|im_start|>"]) is None  # tools, but no format this server reads
+    assert detect_format(None, ["<tool_call>"]) is None
+
+
+# -- forcing a call (tool_choice "required" or a named function) -----------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("only, parallel", [(None, True), (None, False), ("get_time", False)])
+def test_forced_call_grammars_compile(name, only, parallel):
+    grammar = FORMATS[name].forced_grammar([WEATHER, CLOCK], only=only, parallel=parallel)
+    assert LLMatcher.validate_grammar(grammar) == ""
