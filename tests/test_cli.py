@@ -76,7 +76,7 @@ def test_bad_flag_value(int4_bundle):
     (("generate", "BUNDLE", "hi", "--bogus"), "No such option: --bogus; see edge-spec generate --help"),
     (("info", "BUNDLE", "--costs", "--head", "full"), "No such option: --head (Possible options: --draft-head"),
     (("generate", "BUNDLE", "hi", "--temperature", "warm"), "Invalid value for '--temperature'"),
-    (("generate",), "Missing argument 'bundle'; see edge-spec generate --help"),
+    (("generate",), "Missing argument '[BUNDLE] PROMPT'; see edge-spec generate --help"),
 ])
 def test_a_mistyped_flag_or_argument_is_one_line_too(int4_bundle, args, fragment):
     """Click draws a usage box around these; the CLI says them in one line, with the help to read."""

@@ -19,6 +19,7 @@ import numpy as np
 from edge_spec.errors import EdgeSpecError
 from edge_spec.integrity import WeightCheck
 from edge_spec.manifest import eagle_heads, read_manifest, verify_files
+from edge_spec.paths import find_bundle
 from edge_spec.runtime.constrain import Constraint, GrammarVocabulary, grammar_for
 from edge_spec.runtime.loops import check_constraint, generate_tokens, proposer_names
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
@@ -144,7 +145,7 @@ class Engine:
     @classmethod
     def from_bundle(
         cls,
-        path: str | Path,
+        path: str | Path | None = None,
         *,
         provider: str = "cpu",
         threads: int = 0,
@@ -159,7 +160,9 @@ class Engine:
         provider_options: dict[str, str] | None = None,
         eagle_head: str | None = None,
     ) -> "Engine":
-        """Load a bundle.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes every file first.
+        """Load a bundle: ``path``, or the default bundle (the one ``edge-spec export`` makes with no arguments,
+        :func:`edge_spec.paths.default_bundle`) when None.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes
+        every file first.
 
         ``mode`` is ``"spec"`` (speculative decoding, the default, as in the CLI and the server), ``"ar"``
         (the target alone) or ``"ssd"`` with that loop's default settings; ``config`` (``loops.config``: ``ChainConfig``, ``TreeConfig``, ``SsdConfig``,
@@ -181,7 +184,7 @@ class Engine:
         ``provider_options`` go as they are to every session on the target's provider (the drafter's too
         when it shares that provider), e.g. ``{"device_id": "1"}``.
         """
-        bundle_dir = Path(path)
+        bundle_dir = find_bundle(path)
         manifest = read_manifest(bundle_dir)
         verify_files(bundle_dir, manifest, full_hash=verify)
         weight_check = None if verify else WeightCheck(bundle_dir, manifest)  # hashes changed files meanwhile
