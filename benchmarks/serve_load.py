@@ -76,7 +76,9 @@ class Server:
     def __init__(self, bundle: str, threads: int, start_timeout: float) -> None:
         self.log_path = Path(tempfile.mkstemp(prefix="edge-spec-serve-", suffix=".log")[1])
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cli("serve", bundle, "--threads", str(threads), "--port", "0"),
+            # the clients below name the model "bundle": an alias of the served one
+            self.proc = subprocess.Popen(cli("serve", bundle, "--threads", str(threads), "--port", "0",
+                                             "--alias", "bundle"),
                                          stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:

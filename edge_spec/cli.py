@@ -746,6 +746,9 @@ def serve(
                                           "needs --api-key). Default: none, cross-origin requests get 403."),
     max_body: str = typer.Option("4M", "--max-body", help="Largest request body accepted (K, M, G suffixes); "
                                  "larger ones get HTTP 413."),
+    alias: list[str] = typer.Option([], "--alias", help="Another name requests may give the model, such as the "
+                                    "one a client is configured with (repeatable; *: any name). Default: only the "
+                                    "bundle's directory name; another name gets 404 model_not_found."),
     provider: str = ProviderOpt,
     threads: int = ThreadsOpt,
     mode: str = ModeOpt,
@@ -763,9 +766,10 @@ def serve(
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
-    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (FIM too), /v1/models, /health."""
+    """OpenAI-compatible HTTP server: /v1/chat/completions (tools too), /v1/completions (FIM too), /v1/models,
+    /tokenize, /detokenize, /metrics, /health."""
     from edge_spec.server.guard import make_policy
-    from edge_spec.server.serve import listen, run
+    from edge_spec.server.serve import check_aliases, listen, run
 
     bundle = _bundle(bundle)
     if max_queue < 0:
@@ -774,6 +778,7 @@ def serve(
         raise EdgeSpecError("--shutdown-grace must not be negative")
     if api_key is not None and not api_key.strip():
         raise EdgeSpecError("--api-key must not be empty")
+    aliases = check_aliases(alias)
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     sock = listen(host, port)  # a busy port fails before the (slow) load
@@ -784,7 +789,8 @@ def serve(
         engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
                               verify, provider_option, eagle_head)
         run(engine, sock, name=bundle.resolve().name, api_key=api_key, max_queue=max_queue,
-            shutdown_grace=shutdown_grace, allowed_hosts=allowed_host, cors_origins=cors_origin, max_body=max_body)
+            shutdown_grace=shutdown_grace, allowed_hosts=allowed_host, cors_origins=cors_origin, max_body=max_body,
+            aliases=aliases)
     finally:
         sock.close()
 

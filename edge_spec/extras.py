@@ -17,7 +17,7 @@ from edge_spec.errors import EdgeSpecError
 MODULES = {
     "export": ("torch", "transformers", "gguf", "accelerate", "onnx_ir", "safetensors", "huggingface_hub"),
     "bench": ("matplotlib",),
-    "test": ("pytest", "scipy", "openai", "httpx"),
+    "test": ("pytest", "scipy", "openai", "httpx", "langchain_openai"),
 }
 #: the modules edge-spec itself imports from each extra: present means the extra is usable
 REQUIRED = {"export": ("torch", "transformers", "gguf"), "bench": ("matplotlib",), "test": ("pytest",)}

@@ -26,7 +26,8 @@ def export_tiny(tmp_dir, tiny_pair, **options):
         "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer),
     }
     options.setdefault("draft_vocab", "full")  # the tiny fixtures name the heads they need
-    opts = ExportOptions(context_length=256, **options)
+    options.setdefault("context_length", 256)
+    opts = ExportOptions(**options)
     export_bundle("tiny-target", "tiny-draft", tmp_dir, opts, loader=models.__getitem__)
     return tmp_dir
 

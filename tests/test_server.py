@@ -123,7 +123,7 @@ def greedy(engine, prompt, n: int, **kwargs) -> str:
 
 @pytest.fixture(scope="module")
 def server(int4_bundle, tmp_path_factory):
-    srv = Server(int4_bundle, tmp_path_factory.mktemp("server"), api_key=KEY)
+    srv = Server(int4_bundle, tmp_path_factory.mktemp("server"), "--alias", "m", api_key=KEY)
     yield srv
     assert srv.stop() == 0
     assert "Traceback" not in srv.log()
@@ -132,7 +132,7 @@ def server(int4_bundle, tmp_path_factory):
 @pytest.fixture(scope="module")
 def slow_server(int4_bundle, tmp_path_factory):
     """No API key, one place in the queue, 10 ms per chunk: a 200-token answer takes about 2 s."""
-    srv = Server(int4_bundle, tmp_path_factory.mktemp("slow"), "--max-queue", "1", delay=0.01)
+    srv = Server(int4_bundle, tmp_path_factory.mktemp("slow"), "--max-queue", "1", "--alias", "m", delay=0.01)
     yield srv
     assert srv.stop() == 0
     assert "Traceback" not in srv.log()
@@ -141,15 +141,18 @@ def slow_server(int4_bundle, tmp_path_factory):
 # -- answers ---------------------------------------------------------------------------------------
 
 
-def test_models_lists_the_bundle_by_name(server, int4_bundle):
+def test_models_lists_the_bundle_by_name_and_its_alias(server, int4_bundle):
     client = server.client()
-    assert [m.id for m in client.models.list().data] == [int4_bundle.name]
+    assert [m.id for m in client.models.list().data] == [int4_bundle.name, "m"]
     assert client.models.retrieve(int4_bundle.name).id == int4_bundle.name
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    assert missing.value.body["code"] == "model_not_found"
 
 
-def test_chat_equals_engine_greedy(server, engine):
+def test_chat_equals_engine_greedy(server, engine, int4_bundle):
     expected = greedy(engine, CHAT, 24)
-    response = server.client().chat.completions.create(model="whatever", messages=CHAT, max_tokens=24,
+    response = server.client().chat.completions.create(model=int4_bundle.name, messages=CHAT, max_tokens=24,
                                                        temperature=0)
     assert response.choices[0].message.content == expected
     assert response.choices[0].finish_reason == "length"
@@ -260,8 +263,10 @@ def test_request_errors(server, int4_bundle):
     _error(httpx.get(server.url + "/v1/nothing", timeout=10), 404)
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").chat.completions.create(model="m", messages=CHAT, max_tokens=2)
-    # unknown and unused fields are ignored
-    body = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "presence_penalty": 0.5, "logit_bias": {},
+    # unknown fields and fields that change nothing are ignored; one that would change the answer is refused
+    assert _error(_post(server, "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}),
+                  400)["param"] == "presence_penalty"
+    body = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "presence_penalty": 0, "logit_bias": {},
             "user": "u", "tools": [], "some_future_field": {"x": 1}}
     assert _post(server, "/v1/chat/completions", body).status_code == 200
     assert server.health()["requests"].get("failed", 0) == 0
@@ -323,7 +328,7 @@ def test_sigterm_during_stream_exits_cleanly(int4_bundle, tmp_path, engine, grac
     """Grace 10 s: the answer in progress is finished; grace 0: it stops at the next token and the
     stream ends with an error event.  Either way exit status 0 and no traceback."""
     expected = greedy(engine, CHAT, 120)
-    srv = Server(int4_bundle, tmp_path, "--shutdown-grace", grace, delay=0.01)
+    srv = Server(int4_bundle, tmp_path, "--shutdown-grace", grace, "--alias", "m", delay=0.01)
     try:
         stream = srv.client().chat.completions.create(model="m", messages=CHAT, max_tokens=120, temperature=0,
                                                       stream=True)
@@ -372,7 +377,9 @@ def test_request_parsing():
     assert chat.messages == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": ""}]
     assert chat.sampling.max_tokens == 7 and chat.sampling.stop == ("x",) and chat.sampling.seed == 3
     assert chat.sampling.temperature == 1.0 and not chat.stream  # OpenAI's defaults
-    assert chat.sampling.sampler == "rejection"
+    assert chat.sampling.sampler is None and chat.sampling.resolved().sampler == "coupled"  # seeded: reproducible
+    assert chat.sampling.resolved(coupled_available=False).sampler == "rejection"
+    assert parse_chat({"messages": CHAT}).sampling.resolved().sampler == "rejection"
     assert parse_chat({"messages": CHAT, "sampler": "coupled"}).sampling.engine_kwargs(64)["sampler"] == "coupled"
     completion = parse_completion({"prompt": ["p"], "suffix": "s", "stream": True,
                                    "stream_options": {"include_usage": True}})

@@ -1,11 +1,12 @@
-"""The routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/health``.
+"""The routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``,
+``/metrics``, ``/health``.
 
-Every request first passes the HTTP policy (:mod:`guard`: host, origin, content type, body size).  It is
-then checked (body, fields, API key, prompt length), the slow parts (decoding the body, counting the
-prompt's tokens) in worker threads so that no request holds up the others, and queued for the engine
-worker (:mod:`queue`).  While it waits or runs, a client that disconnects cancels it: a watcher
-task for non-streamed answers and queued streams, Starlette's own disconnect handling once a stream
-is under way.
+Every request is counted (:mod:`metrics`) and first passes the HTTP policy (:mod:`guard`: host, origin,
+content type, body size).  It is then checked (body, fields, API key, model name, tools, prompt length),
+the slow parts (decoding the body, counting the prompt's tokens) in worker threads so that no request holds
+up the others, and queued for the engine worker (:mod:`queue`).  While it waits or runs, a client that
+disconnects cancels it: a watcher task for non-streamed answers and queued streams, Starlette's own
+disconnect handling once a stream is under way.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -23,16 +24,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.loops import check_constraint
+from edge_spec.runtime.loops.config import TreeConfig
 from edge_spec.server.body import read_request
 from edge_spec.server.errors import ApiError, bad_request, shutting_down
 from edge_spec.server.fim import FimTokens
 from edge_spec.server.guard import Guard, GuardPolicy
-from edge_spec.server.openai_format import DONE, ResponseFormat, model_card, model_list, sse
+from edge_spec.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from edge_spec.server.openai_format import DONE, ResponseFormat, fingerprint, model_card, model_list, sse
 from edge_spec.server.prompt_size import PromptFloor
 from edge_spec.server.queue import EngineWorker, Job
 from edge_spec.server.schemas import Sampling, parse_chat, parse_completion
+from edge_spec.server.tokens import TokenPieces, detokenize, parse_detokenize, parse_tokenize, tokenize
+from edge_spec.server.tool_calls import CallParser, ToolCall, ToolFormat
+from edge_spec.server.tool_use import ToolUse, plan_tools
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+ANY_MODEL = "*"  # the alias that makes any model name this server's model
 
 
 @dataclass
@@ -43,6 +53,30 @@ class ServerState:
     api_key: str | None = None  # None: any bearer token (or none) is accepted
     fim: FimTokens | None = None
     floor: PromptFloor | None = None  # None: prompts are only counted exactly
+    aliases: tuple[str, ...] = ()  # other names requests may give the model (ANY_MODEL: any name)
+    tool_format: ToolFormat | None = None  # how the model writes tool calls (None: it cannot, or unknown)
+    metrics: ServerMetrics | None = None
+    _pieces: TokenPieces | None = field(default=None, repr=False)
+
+    @property
+    def names(self) -> list[str]:
+        """The model's names, as ``/v1/models`` lists them."""
+        return list(dict.fromkeys([self.model, *(a for a in self.aliases if a != ANY_MODEL)]))
+
+    def knows(self, name: str) -> bool:
+        return name in self.names or ANY_MODEL in self.aliases
+
+    def check_model(self, name: str | None) -> None:
+        """404 ``model_not_found`` for a name that is not this server's model (no name: this model)."""
+        if name is not None and not self.knows(name):
+            also = f" (also named {', '.join(repr(a) for a in self.names[1:])})" if len(self.names) > 1 else ""
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {self.model!r}{also}",
+                           param="model", code="model_not_found")
+
+    def pieces(self) -> TokenPieces:
+        if self._pieces is None:
+            self._pieces = TokenPieces(self.worker.engine.tokenizer.tokenizer)
+        return self._pieces
 
 
 def create_app(state: ServerState, policy: GuardPolicy | None = None) -> Starlette:
@@ -53,16 +87,24 @@ def create_app(state: ServerState, policy: GuardPolicy | None = None) -> Starlet
         yield
         await asyncio.to_thread(state.worker.stop)
 
+    if state.metrics is None:
+        state.metrics = ServerMetrics(state.worker)
+    state.worker.on_answered = state.metrics.answered
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", models),
+        Route("/v1/models/{model:path}", model),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+    ]
     app = Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/models/{model:path}", model),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-        ],
+        routes=routes,
         exception_handlers={ApiError: api_error, HTTPException: http_error},
-        middleware=[Middleware(Guard, policy=policy or GuardPolicy())],
+        middleware=[Middleware(RequestCounter, metrics=state.metrics, routes=routes),
+                    Middleware(Guard, policy=policy or GuardPolicy())],
         lifespan=lifespan,
     )
     app.state.server = state
@@ -81,28 +123,51 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=503 if worker.closing else 200)
 
 
+async def metrics(request: Request) -> Response:
+    state = _authorized(request)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
 async def models(request: Request) -> Response:
     state = _authorized(request)
-    return JSONResponse(model_list(state.model, state.created))
+    return JSONResponse(model_list(state.names, state.created))
 
 
 async def model(request: Request) -> Response:
     state = _authorized(request)
-    if request.path_params["model"] != state.model:
-        raise ApiError(404, f"the model {request.path_params['model']!r} does not exist; this server has "
-                            f"{state.model!r}", param="model", code="model_not_found")
-    return JSONResponse(model_card(state.model, state.created))
+    name = request.path_params["model"]
+    state.check_model(name)
+    return JSONResponse(model_card(name, state.created))
 
 
 async def chat_completions(request: Request) -> Response:
     state = _authorized(request)
     chat = await read_request(request, parse_chat)
-    return await _answer(request, state, "chat", chat.messages, chat.sampling, chat.stream, chat.include_usage)
+    state.check_model(chat.model)
+    engine = state.worker.engine
+    tool_use = plan_tools(chat.tools, state.tool_format, engine.tokenizer.takes_tools)
+    sampling = chat.sampling
+    if tool_use is not None and tool_use.grammar is not None:  # a forced call: the answer is the call
+        _check_constrainable(state, "tool_choice")
+        sampling = replace(sampling, response_format=tool_use.response_format)
+    elif sampling.response_format is not None:
+        if tool_use is not None:
+            raise bad_request("response_format together with tools the model may call (tool_choice \"auto\") is "
+                              "not supported yet: send tool_choice \"none\" or \"required\", or no "
+                              "response_format", param="response_format")
+        _check_constrainable(state, "response_format")
+    if tool_use is not None and tool_use.stop:
+        sampling = replace(sampling, stop=sampling.stop + tool_use.stop)
+    return await _answer(request, state, "chat", chat.messages, sampling, chat.stream, chat.include_usage,
+                         tool_use=tool_use)
 
 
 async def completions(request: Request) -> Response:
     state = _authorized(request)
     req = await read_request(request, parse_completion)
+    state.check_model(req.model)
+    if req.sampling.response_format is not None:
+        _check_constrainable(state, "response_format")
     prompt = req.prompt
     if req.suffix is not None:
         if state.fim is None:
@@ -112,14 +177,41 @@ async def completions(request: Request) -> Response:
                          echo=req.prompt if req.echo else "")
 
 
+async def tokenize_route(request: Request) -> Response:
+    state = _authorized(request)
+    req = await read_request(request, parse_tokenize)
+    text = state.worker.engine.tokenizer
+    return JSONResponse(await asyncio.to_thread(tokenize, text, req, state.pieces))
+
+
+async def detokenize_route(request: Request) -> Response:
+    state = _authorized(request)
+    text = state.worker.engine.tokenizer
+    size = text.tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = await read_request(request, lambda body: parse_detokenize(body, size))
+    return JSONResponse(await asyncio.to_thread(detokenize, text, ids))
+
+
+def _check_constrainable(state: ServerState, param: str) -> None:
+    """400 when the engine's decoding loop cannot constrain an answer (multi-draft spec, ssd)."""
+    try:
+        check_constraint(state.worker.engine.config)
+    except EdgeSpecError as exc:
+        raise bad_request(f"'{param}' needs constrained decoding: {exc}", param=param) from None
+
+
 # -- answering -------------------------------------------------------------------------------------
 
 
 async def _answer(request: Request, state: ServerState, kind: str, prompt: str | list[dict], sampling: Sampling,
-                  stream: bool, include_usage: bool, echo: str = "") -> Response:
-    await _check_length(state, prompt, "messages" if kind == "chat" else "prompt")
-    form = ResponseFormat(kind, state.model, include_usage=include_usage and stream)
-    job = Job(prompt, sampling, label=f"{kind} {form.id}", loop=asyncio.get_running_loop())
+                  stream: bool, include_usage: bool, echo: str = "", tool_use: ToolUse | None = None) -> Response:
+    tools = tool_use.tools if tool_use is not None else None
+    await _check_length(state, prompt, "messages" if kind == "chat" else "prompt", tools)
+    engine = state.worker.engine
+    sampling = sampling.resolved(coupled_available=not isinstance(engine.config, TreeConfig))
+    form = ResponseFormat(kind, state.model, include_usage=include_usage and stream,
+                          fingerprint=fingerprint(engine.mode, sampling.sampler_name), sampler=sampling.sampler_name)
+    job = Job(prompt, sampling, label=f"{kind} {form.id}", loop=asyncio.get_running_loop(), tools=tools)
     state.worker.submit(job)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, job))
     streaming = False
@@ -129,17 +221,25 @@ async def _answer(request: Request, state: ServerState, kind: str, prompt: str |
             if first.kind == "error":
                 raise first.error
             streaming = True
-            return _JobStream(_events(job, form, echo), cancel=lambda: state.worker.cancel(job, "disconnect"),
+            parser = tool_use.parser() if tool_use is not None else None
+            return _JobStream(_events(job, form, echo, parser), cancel=lambda: state.worker.cancel(job, "disconnect"),
                               media_type="text/event-stream", headers=STREAM_HEADERS)
         text, stats = await _collect(job)
-        return JSONResponse(form.full(echo + text, stats, job.queue_seconds))
+        if tool_use is None:
+            return JSONResponse(form.full(echo + text, stats, job.queue_seconds))
+        parser = tool_use.parser()
+        pieces = parser.feed(text) + parser.finish()
+        content = "".join(p for p in pieces if isinstance(p, str)) or None
+        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        return JSONResponse(form.full(content, stats, job.queue_seconds, tool_calls=calls))
     finally:
         watcher.cancel()
         if not streaming:  # this handler was cancelled or failed: the job must not run on (no-op once done)
             state.worker.cancel(job, "disconnect")
 
 
-async def _check_length(state: ServerState, prompt: str | list[dict], param: str) -> None:
+async def _check_length(state: ServerState, prompt: str | list[dict], param: str,
+                        tools: list[dict] | None = None) -> None:
     """400 with the token counts when the prompt leaves no room for an answer (checked before queueing;
     the tokenizer is safe to use beside the worker thread).  Lower bounds come first (:mod:`prompt_size`),
     so a prompt far over the context is refused without the exact count, which holds the GIL."""
@@ -150,14 +250,14 @@ async def _check_length(state: ServerState, prompt: str | list[dict], param: str
             floor = await asyncio.to_thread(state.floor.by_tokenizing, prompt)
         if floor >= capacity:
             raise _too_long(capacity, floor, param, exact=False)
-    count = await asyncio.to_thread(_count_tokens, state, prompt, param)
+    count = await asyncio.to_thread(_count_tokens, state, prompt, param, tools)
     if count >= capacity:
         raise _too_long(capacity, count, param, exact=True)
 
 
-def _count_tokens(state: ServerState, prompt: str | list[dict], param: str) -> int:
+def _count_tokens(state: ServerState, prompt: str | list[dict], param: str, tools: list[dict] | None) -> int:
     try:
-        return len(state.worker.engine.prompt_ids(prompt, check_length=False))
+        return len(state.worker.engine.prompt_ids(prompt, check_length=False, tools=tools))
     except EdgeSpecError as exc:  # empty prompt, chat template refusing the messages
         raise bad_request(str(exc), param=param) from None
 
@@ -183,20 +283,35 @@ async def _collect(job: Job):
             raise event.error
 
 
-async def _events(job: Job, form: ResponseFormat, echo: str):
-    """The SSE stream: content chunks, a last chunk with the finish reason and ``x_edge_spec``, the
-    usage chunk when asked for, ``[DONE]``; an error (the server shut down mid-answer) as an error event."""
+async def _events(job: Job, form: ResponseFormat, echo: str, parser: CallParser | None = None):
+    """The SSE stream: content chunks (tool calls as OpenAI streams them, when ``parser`` reads them), a
+    last chunk with the finish reason and ``x_edge_spec``, the usage chunk when asked for, ``[DONE]``; an
+    error (the server shut down mid-answer) as an error event."""
+    calls = 0
+
+    def chunks(pieces):
+        nonlocal calls
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                yield from form.call_chunks(piece, calls)
+                calls += 1
+            elif piece:
+                yield form.chunk(piece)
+
     if form.kind == "chat" or echo:
         yield sse(form.chunk(echo, first=True))
     while True:
         event = await job.events.get()
         if event.kind == "text":
-            yield sse(form.chunk(event.text))
+            for chunk in chunks(parser.feed(event.text) if parser else [event.text]):
+                yield sse(chunk)
         elif event.kind == "done":
             if event.stats.stop_reason == "cancelled":
                 yield sse(shutting_down().body())
                 return
-            yield sse(form.chunk("", stats=event.stats, queue_seconds=job.queue_seconds))
+            for chunk in chunks(parser.finish() if parser else []):
+                yield sse(chunk)
+            yield sse(form.chunk("", stats=event.stats, queue_seconds=job.queue_seconds, called=calls > 0))
             if form.include_usage:
                 yield sse(form.usage_chunk(event.stats))
             yield DONE

@@ -1,14 +1,17 @@
 """OpenAI response bodies and stream chunks (``chat.completion``, ``chat.completion.chunk``,
-``text_completion``), the ``usage`` record and the ``x_edge_spec`` statistics."""
+``text_completion``), tool calls in them, the ``usage`` record and the ``x_edge_spec`` statistics."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from edge_spec import __version__
 from edge_spec.runtime.engine import GenerationStats
+from edge_spec.server.tool_calls import ToolCall
 
 DONE = b"data: [DONE]\n\n"
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -19,8 +22,20 @@ def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def finish_reason(stats: GenerationStats) -> str:
-    return FINISH_REASONS.get(stats.stop_reason, "stop")
+def finish_reason(stats: GenerationStats, called: bool = False) -> str:
+    """OpenAI's reason: "tool_calls" when the answer ended with calls (not cut by the length limit)."""
+    reason = FINISH_REASONS.get(stats.stop_reason, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def fingerprint(mode: str, sampler: str) -> str:
+    """``system_fingerprint``: the set-up an answer depends on beside the request (with ``seed``, the same
+    fingerprint and request give the same answer): the server's version, the decoding mode, the sampler."""
+    return f"edge-spec-{__version__}-{mode}-{sampler}"
+
+
+def call_body(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def usage(stats: GenerationStats) -> dict:
@@ -61,33 +76,43 @@ class ResponseFormat:
     include_usage: bool = False  # streams: every chunk has "usage": null, then one usage chunk
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    fingerprint: str | None = None  # system_fingerprint
+    sampler: str | None = None  # "greedy", "coupled" or "rejection": reported in x_edge_spec
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+                "system_fingerprint": self.fingerprint}
 
-    def full(self, text: str, stats: GenerationStats, queue_seconds: float) -> dict:
-        """The non-streamed response (``usage`` always present)."""
+    def _stats(self, stats: GenerationStats, queue_seconds: float) -> dict:
+        return {**edge_spec_stats(stats, queue_seconds), "sampler": self.sampler}
+
+    def full(self, text: str | None, stats: GenerationStats, queue_seconds: float,
+             tool_calls: Sequence[ToolCall] = ()) -> dict:
+        """The non-streamed response (``usage`` always present); ``text`` None: the answer is calls only."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish_reason(stats)}
+            message = {"role": "assistant", "content": text, "refusal": None}
+            if tool_calls:
+                message["tool_calls"] = [call_body(call) for call in tool_calls]
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason(stats, bool(tool_calls))}
             body = self._head("chat.completion")
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(stats)}
             body = self._head("text_completion")
-        return {**body, "choices": [choice], "usage": usage(stats),
-                "x_edge_spec": edge_spec_stats(stats, queue_seconds)}
+        return {**body, "choices": [choice], "usage": usage(stats), "x_edge_spec": self._stats(stats, queue_seconds)}
 
     def chunk(self, text: str, *, first: bool = False, stats: GenerationStats | None = None,
-              queue_seconds: float = 0.0) -> dict:
-        """A stream chunk carrying ``text``; the last one (``stats`` given) has the finish reason and
-        ``x_edge_spec``.  A chat stream's first chunk carries the assistant role."""
-        reason = finish_reason(stats) if stats is not None else None
+              queue_seconds: float = 0.0, called: bool = False, delta: dict | None = None) -> dict:
+        """A stream chunk carrying ``text`` (or a chat ``delta`` as given); the last one (``stats`` given) has
+        the finish reason (``called``: the answer made tool calls) and ``x_edge_spec``.  A chat stream's
+        first chunk carries the assistant role."""
+        reason = finish_reason(stats, called) if stats is not None else None
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             body = self._head("chat.completion.chunk")
         else:
@@ -97,8 +122,15 @@ class ResponseFormat:
         if self.include_usage:
             body["usage"] = None
         if stats is not None:
-            body["x_edge_spec"] = edge_spec_stats(stats, queue_seconds)
+            body["x_edge_spec"] = self._stats(stats, queue_seconds)
         return body
+
+    def call_chunks(self, call: ToolCall, index: int) -> list[dict]:
+        """A tool call streamed as OpenAI streams one: its index, id, type, name and empty arguments first,
+        then the arguments."""
+        head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        arguments = {"index": index, "function": {"arguments": call.arguments}}
+        return [self.chunk("", delta={"tool_calls": [head]}), self.chunk("", delta={"tool_calls": [arguments]})]
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
         """``stream_options.include_usage``: the stream's last chunk, with no choices."""
@@ -106,8 +138,8 @@ class ResponseFormat:
         return {**body, "choices": [], "usage": usage(stats)}
 
 
-def model_list(name: str, created: int) -> dict:
-    return {"object": "list", "data": [model_card(name, created)]}
+def model_list(names: Sequence[str], created: int) -> dict:
+    return {"object": "list", "data": [model_card(name, created) for name in names]}
 
 
 def model_card(name: str, created: int) -> dict:

@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edge_spec.errors import EdgeSpecError
@@ -43,15 +44,22 @@ class Job:
     sampling: Sampling
     label: str  # for the log: "chat" / "completion" and the response id
     loop: asyncio.AbstractEventLoop
+    tools: list[dict] | None = None  # for the chat template
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str | None = None  # "disconnect" or "shutdown"
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
+    first_text: float | None = None  # when the first text of the answer left the engine
 
     @property
     def queue_seconds(self) -> float:
         return (self.started or time.perf_counter()) - self.submitted
+
+    @property
+    def time_to_first_text(self) -> float | None:
+        """Seconds from the request's arrival in the queue to its first text (queue, prefill, first tokens)."""
+        return None if self.first_text is None else self.first_text - self.submitted
 
     def emit(self, event: Event) -> None:
         """Hand an event to the request's coroutine (from any thread)."""
@@ -70,6 +78,8 @@ class EngineWorker:
         self.engine = engine
         self.max_queue = max_queue
         self.counts: collections.Counter[str] = collections.Counter()  # completed, cancelled, failed, refused
+        # called on the worker thread after each answer the engine finished (metrics): (job, stats)
+        self.on_answered: Callable[[Job, GenerationStats], None] | None = None
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._current: Job | None = None
@@ -183,8 +193,10 @@ class EngineWorker:
         try:
             if job.cancelled.is_set():  # cancelled between leaving the queue and here
                 raise _Cancelled
-            for text in engine.generate(job.prompt, on_prefill=stop_if_cancelled,
+            for text in engine.generate(job.prompt, on_prefill=stop_if_cancelled, tools=job.tools,
                                         **job.sampling.engine_kwargs(engine.target.capacity)):
+                if job.first_text is None:
+                    job.first_text = time.perf_counter()
                 job.emit(Event("text", text))
                 stop_if_cancelled()
         except _Cancelled:
@@ -207,6 +219,11 @@ class EngineWorker:
         self.counts["cancelled" if stats.stop_reason == "cancelled" else "completed"] += 1
         job.emit(Event("done", stats=stats))
         log.info("%s", describe(job, stats, seconds))
+        if self.on_answered is not None:
+            try:
+                self.on_answered(job, stats)
+            except Exception:  # a bug in the observer: log it, keep serving
+                log.exception("recording %s failed", job.label)
 
 
 class _Cancelled(Exception):

@@ -1,20 +1,52 @@
 """Request bodies → typed records, checked field by field (a wrong field is a 400 naming it).
 
-Fields this server does not know or does not use (``model``, ``user``, ``presence_penalty``, ...) are
-ignored rather than refused, since every client sends some.  ``n`` / ``best_of`` > 1 and prompts the
-engine cannot take (token arrays, several prompts, non-text message parts) are refused clearly.
+Fields that change nothing in the answer (``user``, ``metadata``, ``store``, ``service_tier``, fields of
+future API versions, ...) are accepted and ignored, since every client sends some.  A field that would
+change the answer and is not supported (:data:`UNSUPPORTED`: ``logprobs``, ``logit_bias``, penalties,
+audio, ...) is refused with a 400 naming it whenever its value asks for something, never ignored; so are
+``n`` / ``best_of`` > 1 and prompts the engine cannot take (token arrays, several prompts, non-text message
+parts).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
+
+from llguidance import LLMatcher
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.constrain import grammar_for
 from edge_spec.runtime.verify.sampling import SamplingParams
 from edge_spec.server.errors import bad_request
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _never(value) -> bool:
+    return False
+
+
+# field -> (whether its value asks for nothing, why it is refused otherwise); null always asks for nothing
+UNSUPPORTED = {
+    "logit_bias": (lambda v: v == {}, "this server does not bias token probabilities"),
+    "presence_penalty": (lambda v: v == 0, "this server applies no repetition penalties"),
+    "frequency_penalty": (lambda v: v == 0, "this server applies no repetition penalties"),
+    "logprobs": (lambda v: v is False, "not supported yet: this server does not return token log-probabilities"),
+    "top_logprobs": (lambda v: v == 0, "not supported yet: this server does not return token log-probabilities"),
+    "audio": (_never, "this model answers in text only"),
+    "modalities": (lambda v: v == ["text"], "this model answers in text only"),
+    "prediction": (_never, "predicted outputs are not supported"),
+    "web_search_options": (_never, "this server does not search the web"),
+    "reasoning_effort": (_never, "this model is not a reasoning model"),
+    "verbosity": (_never, "this model has no verbosity setting"),
+    "functions": (_never, "the deprecated functions API is not supported: send 'tools'"),
+    "function_call": (_never, "the deprecated functions API is not supported: send 'tool_choice'"),
+}
+COMPLETION_UNSUPPORTED = ("logit_bias", "presence_penalty", "frequency_penalty", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -27,19 +59,48 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    sampler: str = "rejection"  # not OpenAI's: "coupled" fixes a sampled answer by its seed (SamplingParams)
+    # not OpenAI's: "coupled" fixes a sampled answer by its seed (SamplingParams); None: see :meth:`resolved`
+    sampler: str | None = None
+    response_format: dict | None = None  # OpenAI's shape (constrain.grammar); None: free text
+
+    def resolved(self, coupled_available: bool = True) -> "Sampling":
+        """The sampler that runs: the one asked for by name, else "coupled" for a sampled answer with a
+        seed (so the seed gives the same answer again, in every mode: what OpenAI's ``seed`` promises),
+        else "rejection".  ``coupled_available``: False where the engine's loop has no coupled verifier."""
+        if self.sampler is not None:
+            return self
+        seeded = self.seed is not None and self.temperature > 0 and coupled_available
+        return replace(self, sampler="coupled" if seeded else "rejection")
+
+    @property
+    def sampler_name(self) -> str:
+        """What draws the tokens: "greedy", "coupled" or "rejection" (for responses and logs)."""
+        return "greedy" if self.temperature == 0 else self.sampler or "rejection"
 
     def engine_kwargs(self, capacity: int) -> dict:
         return dict(max_new_tokens=self.max_tokens or capacity, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, sampler=self.sampler, stop=list(self.stop))
+                    top_k=self.top_k, seed=self.seed, sampler=self.sampler or "rejection", stop=list(self.stop),
+                    response_format=self.response_format)
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools, checked: what the server does with them depends on the model (``tool_use``)."""
+
+    tools: list[dict]  # OpenAI function tools, as sent (they go to the chat template as they are)
+    choice: str  # "none", "auto" or "required"; "required" too when a function is named
+    function: str | None = None  # the function tool_choice names
+    parallel: bool = True  # parallel_tool_calls
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict]  # {"role", "content": str}, roles as the chat template expects them
+    messages: list[dict]  # {"role", "content", ...}, roles and tool calls as chat templates expect them
     sampling: Sampling
     stream: bool = False
     include_usage: bool = False
+    model: str | None = None
+    tools: ToolRequest | None = None  # None: no tools sent
 
 
 @dataclass(frozen=True)
@@ -50,6 +111,7 @@ class CompletionRequest:
     echo: bool = False
     stream: bool = False
     include_usage: bool = False
+    model: str | None = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -69,9 +131,11 @@ def parse_chat(body: dict) -> ChatRequest:
         raise bad_request("'messages' is a required property", param="messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", param="messages")
+    _refuse_unsupported(body, UNSUPPORTED)
     return ChatRequest(messages=[_message(m, i) for i, m in enumerate(messages)],
                        sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
-                       stream=_stream(body), include_usage=_include_usage(body))
+                       stream=_stream(body), include_usage=_include_usage(body), model=_typed(body, "model", str),
+                       tools=_tool_request(body))
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -85,9 +149,18 @@ def parse_completion(body: dict) -> CompletionRequest:
                           "supported)", param="prompt")
     suffix = _typed(body, "suffix", str)
     _only_one(body, "best_of")
+    _refuse_unsupported(body, {key: UNSUPPORTED[key] for key in COMPLETION_UNSUPPORTED})
     return CompletionRequest(prompt=prompt, sampling=_sampling(body, max_tokens_keys=("max_tokens",), default_max=16),
                              suffix=suffix, echo=bool(_typed(body, "echo", bool)), stream=_stream(body),
-                             include_usage=_include_usage(body))
+                             include_usage=_include_usage(body), model=_typed(body, "model", str))
+
+
+def _refuse_unsupported(body: dict, fields: dict) -> None:
+    for key, (harmless, why) in fields.items():
+        value = body.get(key)
+        if value is not None and not harmless(value):
+            raise bad_request(f"'{key}' is {why}" if why.startswith("not supported") else
+                              f"'{key}' is not supported: {why}", param=key)
 
 
 def _message(message, index: int) -> dict:
@@ -99,8 +172,9 @@ def _message(message, index: int) -> dict:
         raise bad_request(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
                           param=f"{where}.role")
     content = message.get("content")
+    calls = _tool_calls(message.get("tool_calls"), where) if role == "assistant" else []
     if content is None and role == "assistant":
-        content = ""
+        content = None if calls else ""  # a template writes no empty text before the calls
     elif isinstance(content, list):  # content parts: text only
         texts = []
         for part in content:
@@ -110,7 +184,110 @@ def _message(message, index: int) -> dict:
         content = "".join(texts)
     elif not isinstance(content, str):
         raise bad_request(f"{where}.content must be a string or an array of text parts", param=f"{where}.content")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    checked = {"role": "system" if role == "developer" else role, "content": content}
+    if calls:
+        checked["tool_calls"] = calls
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise bad_request(f"{where}.tool_call_id must be the id of the call this message answers",
+                              param=f"{where}.tool_call_id")
+        checked["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):  # some templates name the function answered
+            checked["name"] = message["name"]
+    return checked
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` as chat templates take them: ``arguments`` as the object its
+    JSON text encodes (templates write it with ``tojson``), or as the text when that is not an object."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise bad_request(f"{where}.tool_calls must be an array", param=f"{where}.tool_calls")
+    checked = []
+    for i, call in enumerate(calls):
+        here = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{here}.function must be an object with the function's name and arguments",
+                              param=f"{here}.function")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except ValueError:
+                decoded = None
+            arguments = decoded if isinstance(decoded, dict) else arguments
+        elif not isinstance(arguments, dict):
+            raise bad_request(f"{here}.function.arguments must be a JSON string", param=f"{here}.function.arguments")
+        checked.append({"id": str(call.get("id", "")), "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments}})
+    return checked
+
+
+def _tool_request(body: dict) -> ToolRequest | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked as OpenAI checks them."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = _typed(body, "parallel_tool_calls", bool)
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request("'tools' must be an array of function tools", param="tools")
+    tools = [_tool(tool, i) for i, tool in enumerate(tools or [])]
+    names = [t["function"]["name"] for t in tools]
+    function = None
+    if isinstance(choice, dict):
+        named = choice.get("function") if choice.get("type") == "function" else None
+        function = named.get("name") if isinstance(named, dict) else None
+        if function not in names:
+            raise bad_request("'tool_choice' names a function that is not among 'tools' (give "
+                              "{\"type\": \"function\", \"function\": {\"name\": NAME}} with a tool's name)",
+                              param="tool_choice")
+        choice = "required"
+    elif choice is not None and choice not in TOOL_CHOICES:
+        raise bad_request(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or names a function",
+                          param="tool_choice")
+    if not tools:
+        if choice == "required":
+            raise bad_request("'tool_choice' asks for a tool call, but no 'tools' are given", param="tool_choice")
+        return None
+    return ToolRequest(tools=tools, choice=choice or "auto", function=function,
+                       parallel=True if parallel is None else parallel)
+
+
+def _tool(tool, index: int) -> dict:
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise bad_request(f"{where}.type: only function tools are supported", param=f"{where}.type")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise bad_request(f"{where}.function must be an object", param=f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise bad_request(f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes, got "
+                          f"{name!r}", param=f"{where}.function.name")
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise bad_request(f"{where}.function.description must be a string", param=f"{where}.function.description")
+    parameters = function.get("parameters")
+    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+        raise bad_request(f"{where}.function.parameters must be a JSON schema of type object",
+                          param=f"{where}.function.parameters")
+    return tool
+
+
+def _response_format(body: dict) -> dict | None:
+    """``response_format`` checked and compiled once here (a 400 naming it), None for free text."""
+    value = body.get("response_format")
+    try:
+        grammar = grammar_for(value)
+    except EdgeSpecError as exc:
+        raise bad_request(str(exc), param="response_format") from None
+    if grammar is None:
+        return None
+    problem = LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise bad_request(f"response_format: {problem.strip().splitlines()[-1][:300]}", param="response_format")
+    return value
 
 
 def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | None = None) -> Sampling:
@@ -145,7 +322,7 @@ def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | N
             except EdgeSpecError as exc:
                 raise bad_request(f"'{name}': {exc}", param=name) from None
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k or 0, seed=seed,
-                    stop=stop, sampler=sampler or "rejection")
+                    stop=stop, sampler=sampler, response_format=_response_format(body))
 
 
 def _typed(body: dict, key: str, kind: type):

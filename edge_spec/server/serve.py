@@ -52,23 +52,35 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_app(engine: Engine, *, name: str, api_key: str | None = None, max_queue: int = 16,
+def check_aliases(aliases) -> tuple[str, ...]:
+    """``--alias`` values: non-empty names without surrounding spaces (``*``: any name)."""
+    for alias in aliases:
+        if not alias or alias != alias.strip():
+            raise EdgeSpecError(f"--alias must be a model name without surrounding spaces, got {alias!r}")
+    return tuple(dict.fromkeys(aliases))
+
+
+def build_app(engine: Engine, *, name: str, aliases=(), api_key: str | None = None, max_queue: int = 16,
               bind_host: str = "127.0.0.1", allowed_hosts=(), cors_origins=(), max_body: str | int = DEFAULT_MAX_BODY,
               body_timeout: float = BODY_IDLE_TIMEOUT):
     """The Starlette app serving ``engine`` (its worker starts with the app's lifespan) and its state;
-    ``bind_host`` and the rest are the HTTP policy's options (:func:`guard.make_policy`)."""
+    requests name the model ``name`` or one of ``aliases`` (``*``: any name); ``bind_host`` and the rest are
+    the HTTP policy's options (:func:`guard.make_policy`)."""
     from edge_spec.server.app import ServerState, create_app
     from edge_spec.server.fim import fim_tokens
     from edge_spec.server.prompt_size import PromptFloor
     from edge_spec.server.queue import EngineWorker
+    from edge_spec.server.tool_calls import detect_format
 
     policy = make_policy(bind_host=bind_host, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
                          max_body=max_body, api_key=api_key, body_timeout=body_timeout)
+    text = engine.tokenizer
+    tool_format = detect_format(text.chat_template, text.tokenizer.get_vocab(with_added_tokens=True))
     state = ServerState(worker=EngineWorker(engine, max_queue), model=name, created=int(time.time()),
-                        api_key=api_key, fim=fim_tokens(engine.tokenizer),
-                        floor=PromptFloor(engine.tokenizer.tokenizer))
-    log.info("model %s: mode %s, context %d tokens, FIM %s", name, engine.mode, engine.target.capacity,
-             "yes" if state.fim else "no")
+                        api_key=api_key, fim=fim_tokens(text), floor=PromptFloor(text.tokenizer),
+                        aliases=check_aliases(aliases), tool_format=tool_format)
+    log.info("model %s: mode %s, context %d tokens, FIM %s, tool calls %s", name, engine.mode, engine.target.capacity,
+             "yes" if state.fim else "no", tool_format.name if tool_format else "no")
     return create_app(state, policy), state
 
 
@@ -91,13 +103,14 @@ def connection_limit(max_queue: int) -> int:
 
 
 def run(engine: Engine, sock: socket.socket, *, name: str, api_key: str | None, max_queue: int,
-        shutdown_grace: float, allowed_hosts=(), cors_origins=(), max_body: str | int = DEFAULT_MAX_BODY) -> None:
+        shutdown_grace: float, allowed_hosts=(), cors_origins=(), max_body: str | int = DEFAULT_MAX_BODY,
+        aliases=()) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT / SIGTERM."""
     if shutdown_grace < 0:
         raise EdgeSpecError("--shutdown-grace must not be negative")
     _configure_logging()
     host, port = sock.getsockname()[:2]
-    app, state = build_app(engine, name=name, api_key=api_key, max_queue=max_queue, bind_host=host,
+    app, state = build_app(engine, name=name, aliases=aliases, api_key=api_key, max_queue=max_queue, bind_host=host,
                            allowed_hosts=allowed_hosts, cors_origins=cors_origins, max_body=max_body)
     engine.complete("warm up", max_new_tokens=4)  # the first request is not the one paying for cold caches
     if not _is_loopback(host) and not api_key:

@@ -1,0 +1,61 @@
+"""What one chat request does with its tools, given what the model can do (:mod:`tool_calls`).
+
+* ``tool_choice: "none"``: the template gets no tools and the answer is text, as without tools.
+* ``"auto"`` (the default): the template gets the tools; calls in the answer are parsed out.
+* ``"required"`` or a named function: the same, and the answer is constrained to be calls (one to the
+  named function) in the model's own format, so a call is certain rather than hoped for.
+* ``parallel_tool_calls: false``: at most one call is returned, and the answer stops after it where the
+  format has a closing marker.
+
+A request whose tools the model cannot take (its template reads no ``tools``, or writes calls in a format
+this server does not read) is refused (400 naming ``tools``), never answered as if no tools were sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llguidance import LLMatcher
+
+from edge_spec.server.errors import bad_request
+from edge_spec.server.schemas import ToolRequest
+from edge_spec.server.tool_calls import CallParser, ToolFormat
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    tools: list[dict]  # for the chat template
+    format: ToolFormat
+    parallel: bool
+    grammar: str | None = None  # a Lark grammar the answer must follow (a call is forced)
+    stop: tuple[str, ...] = ()  # stop strings to add
+
+    def parser(self) -> CallParser:
+        return self.format.parser(self.parallel)
+
+    @property
+    def response_format(self) -> dict | None:
+        """The constraint as ``Engine.generate`` takes it."""
+        return None if self.grammar is None else {"type": "lark", "lark": self.grammar}
+
+
+def plan_tools(request: ToolRequest | None, tool_format: ToolFormat | None, takes_tools: bool) -> ToolUse | None:
+    """How to answer ``request``'s tools on a model whose template ``takes_tools`` and writes calls in
+    ``tool_format``; None: answer without tools."""
+    if request is None or request.choice == "none":
+        return None
+    if not takes_tools:
+        raise bad_request("this model's chat template takes no tools, so it cannot call them (send "
+                          "tool_choice \"none\", or no tools)", param="tools")
+    if tool_format is None:
+        raise bad_request("this server does not know the format this model writes tool calls in (it reads "
+                          "Qwen's <tool_call>, Llama 3's JSON and Mistral's [TOOL_CALLS])", param="tools")
+    stop = (tool_format.closing,) if not request.parallel and tool_format.closing else ()
+    grammar = None
+    if request.choice == "required":
+        grammar = tool_format.forced_grammar(request.tools, only=request.function, parallel=request.parallel)
+        problem = LLMatcher.validate_grammar(grammar)
+        if problem:
+            raise bad_request(f"cannot force a call to these tools: {problem.strip().splitlines()[-1][:300]}",
+                              param="tools")
+    return ToolUse(list(request.tools), tool_format, request.parallel, grammar, stop)

@@ -1,0 +1,266 @@
+"""Tool calling through the server, as OpenAI's client and LangChain see it.
+
+The tiny model writes no tool call of its own accord, so most tests script what ``Engine.generate``
+returns (:class:`Scripted`: the engine's real prompt encoding, answer text in chunks, stop strings
+honoured) and check what the server makes of it; ``tool_choice`` "required" and a named function run the
+real engine, whose constrained answer must be a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from edge_spec.manifest import read_manifest, tokenizer_record, write_manifest  # noqa: E402
+from edge_spec.runtime.engine import Engine, GenerationStats  # noqa: E402
+from edge_spec.server.serve import build_app  # noqa: E402
+from tests.chat_templates import QWEN25_SHORT  # noqa: E402
+from tests.helpers import export_tiny  # noqa: E402
+
+BASE = "http://127.0.0.1:8000"
+NAME = "tiny-tools"
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now",
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tools_bundle(tiny_pair, tmp_path_factory):
+    """The tiny models with a 512-token context and Qwen2.5's tool markup in their chat template (the
+    tiny tokenizer spends about a token per character on tool schemas)."""
+    bundle = export_tiny(tmp_path_factory.mktemp("tools") / NAME, tiny_pair, quant="int4", context_length=512)
+    path = bundle / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": QWEN25_SHORT}))
+    manifest = read_manifest(bundle)
+    manifest["tokenizer"] = tokenizer_record(bundle)
+    write_manifest(bundle, manifest)
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def engine(tools_bundle):
+    return Engine.from_bundle(tools_bundle, mode="spec", threads=1)
+
+
+@contextlib.contextmanager
+def serving(engine, **options):
+    """The app in process; yields an ``openai`` client talking to it and the raw HTTP client."""
+    app, _ = build_app(engine, name=NAME, **options)
+    with TestClient(app, base_url=BASE) as http:
+        yield openai.OpenAI(base_url=f"{BASE}/v1", api_key="any", http_client=http, max_retries=0), http
+
+
+class Scripted:
+    """Stands in for ``Engine.generate``: answers with the next scripted text, in chunks of ``chunk``
+    characters, cut at the first stop string as the engine cuts it; records each call's prompt and tools."""
+
+    def __init__(self, engine: Engine, answers: list[str], chunk: int = 5) -> None:
+        self.engine, self.answers, self.chunk = engine, list(answers), chunk
+        self.calls: list[dict] = []
+
+    def __call__(self, prompt, *, tools=None, stop=(), **kwargs):
+        ids = self.engine.prompt_ids(prompt, tools=tools)  # the real encoding: the template must take it
+        self.calls.append({"prompt": prompt, "tools": tools, "stop": list(stop),
+                           "text": self.engine.tokenizer.render_chat(prompt, tools=tools)})
+        text, reason = self.answers.pop(0), "eos"
+        cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if cuts:
+            text, reason = text[:min(cuts)], "stop"
+        self.engine.last_stats = GenerationStats(prompt_tokens=len(ids), new_tokens=max(1, len(text) // 3),
+                                                 stop_reason=reason, mode="spec")
+        for i in range(0, len(text), self.chunk):
+            yield text[i:i + self.chunk]
+
+
+@pytest.fixture
+def scripted(engine, monkeypatch):
+    def script(*answers: str, chunk: int = 5) -> Scripted:
+        fake = Scripted(engine, list(answers), chunk)
+        monkeypatch.setattr(engine, "generate", fake)
+        return fake
+
+    return script
+
+
+def streamed_message(stream) -> tuple[str | None, list[dict], str, list]:
+    """Content, tool calls and finish reason assembled from stream chunks as OpenAI's docs show, and the
+    tool-call deltas themselves."""
+    content, calls, finish, deltas = None, {}, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        if choice.delta.content:
+            content = (content or "") + choice.delta.content
+        for delta in choice.delta.tool_calls or []:
+            deltas.append(delta)
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            if delta.id:
+                call["id"] = delta.id
+            if delta.function and delta.function.name:
+                call["name"] = delta.function.name
+            if delta.function and delta.function.arguments:
+                call["arguments"] += delta.function.arguments
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish, deltas
+
+
+# -- a call, its result, the answer ----------------------------------------------------------------
+
+
+def test_tool_call_round_trip(engine, scripted):
+    fake = scripted(CALL, "It is 18 °C in Paris.")
+    with serving(engine) as (client, _):
+        first = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER])
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls"
+        assert message.content is None and len(message.tool_calls) == 1
+        call = message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18}'}
+        second = client.chat.completions.create(model=NAME, tools=[WEATHER],
+                                                messages=[*ASK, message.model_dump(exclude_none=True), result])
+    assert second.choices[0].message.content == "It is 18 °C in Paris."
+    assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls
+    assert fake.calls[0]["tools"] == [WEATHER] and "<tools>" in fake.calls[0]["text"]
+    replay = fake.calls[1]["text"]  # the call and its result, as the template writes them
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in replay
+    assert '<tool_response>\n{"temperature_c": 18}\n</tool_response>' in replay
+
+
+def test_streamed_tool_call(engine, scripted):
+    scripted("Let me look that up.\n" + CALL + "\n" + CALL.replace("Paris", "Rome"), chunk=3)
+    with serving(engine) as (client, _):
+        stream = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], stream=True)
+        content, calls, finish, deltas = streamed_message(stream)
+    assert content == "Let me look that up." and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                         ("get_weather", {"city": "Rome"})]
+    assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
+    head = deltas[0]  # as OpenAI streams a call: index, id, type, name and empty arguments first
+    assert (head.index, head.type, head.function.name, head.function.arguments) == (0, "function", "get_weather", "")
+    assert all(d.id is None and d.function.name is None for d in deltas if d.function.arguments)
+
+
+def test_streamed_and_whole_answers_agree_on_raw_sse(engine, scripted):
+    scripted(CALL, CALL)
+    with serving(engine) as (_, http):
+        body = {"model": NAME, "messages": ASK, "tools": [WEATHER]}
+        whole = http.post("/v1/chat/completions", json=body).json()
+        events = http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert events[-2] == "data: [DONE]"
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["type"] == "function"
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    assert arguments == whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert all("content" not in c["choices"][0]["delta"] or not c["choices"][0]["delta"]["content"] for c in chunks)
+
+
+def test_tool_choice_none_renders_no_tools_and_parses_nothing(engine, scripted):
+    fake = scripted(CALL)
+    with serving(engine) as (client, _):
+        response = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], tool_choice="none")
+    assert fake.calls[0]["tools"] is None and "<tools>" not in fake.calls[0]["text"]
+    assert response.choices[0].message.content == CALL and response.choices[0].finish_reason == "stop"
+
+
+def test_no_parallel_calls_stops_after_the_first(engine, scripted):
+    fake = scripted(CALL + "\n" + CALL.replace("Paris", "Rome"))
+    with serving(engine) as (client, _):
+        response = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
+                                                  parallel_tool_calls=False)
+    calls = response.choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]
+    assert response.choices[0].finish_reason == "tool_calls" and "</tool_call>" in fake.calls[0]["stop"]
+
+
+# -- forcing a call: the real engine under a constraint --------------------------------------------
+
+
+@pytest.mark.parametrize("choice, name", [("required", "get_weather"),
+                                          ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_call_is_a_call(engine, choice, name, stream):
+    tools = [WEATHER] if choice == "required" else [WEATHER, CLOCK]
+    with serving(engine) as (client, _):
+        kwargs = dict(model=NAME, messages=ASK, tools=tools, tool_choice=choice, parallel_tool_calls=False,
+                      max_tokens=120, temperature=0)
+        if stream:
+            content, calls, finish, _ = streamed_message(client.chat.completions.create(stream=True, **kwargs))
+        else:
+            message = (response := client.chat.completions.create(**kwargs)).choices[0].message
+            content, finish = message.content, response.choices[0].finish_reason
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []]
+    assert finish == "tool_calls" and content is None
+    assert [c["name"] for c in calls] == [name]
+    arguments = json.loads(calls[0]["arguments"])
+    assert arguments == {} if name == "get_time" else arguments["city"] in ("Paris", "Rome")
+
+
+# -- refused -----------------------------------------------------------------------------------------
+
+
+def test_tools_for_a_template_without_tool_support_are_refused(int4_bundle):
+    plain = Engine.from_bundle(int4_bundle, mode="ar", threads=1)
+    with serving(plain) as (client, _):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER])
+        assert refused.value.body["param"] == "tools" and "tool" in refused.value.body["message"]
+        answer = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                                max_tokens=3)
+    assert answer.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
+     "messages[0].tool_calls[0].function"),
+    ({"messages": [{"role": "tool", "content": "18"}]}, "messages[0].tool_call_id"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_malformed_tool_requests_are_400_naming_the_field(engine, body, param):
+    with serving(engine) as (_, http):
+        response = http.post("/v1/chat/completions", json={"model": NAME, "messages": ASK, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+# -- LangChain -------------------------------------------------------------------------------------
+
+
+def test_langchain_bind_tools(engine, scripted):
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    scripted(CALL)
+
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return "18 °C"
+
+    with serving(engine) as (_, http):
+        llm = langchain_openai.ChatOpenAI(model=NAME, api_key="any", base_url=f"{BASE}/v1", http_client=http,
+                                          max_retries=0)
+        reply = llm.bind_tools([get_weather]).invoke("What's the weather in Paris?")
+    assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
