@@ -137,6 +137,37 @@ def test_greedy_constrained_adaptive_with_lookup_equals_autoregressive(engine, v
         assert got == reference
 
 
+@pytest.mark.parametrize("head", ["trim-64", "specvocab-r16-k48"])
+def test_greedy_constrained_with_reduced_heads_equals_autoregressive(int4_bundle, head):
+    """A trimmed head or a SpecVocab head drafts among its rows the grammar allows (none: the block ends)."""
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head=head)
+    vocabulary = GrammarVocabulary(engine.tokenizer.tokenizer, engine.target.vocab_size, engine.tokenizer.eos_token_ids)
+    greedy = SamplingParams(end_ids=frozenset(engine.tokenizer.eos_token_ids))
+    engine.target.min_rows = 2
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        reference, _ = run(engine, vocabulary, ids, greedy, 80, None)
+        got, stats = run(engine, vocabulary, ids, greedy, 80, chain(3))
+        assert got == reference, (head, prompt)
+
+
+def test_coupled_constrained_speculative_is_constrained_ar_with_the_same_seed(engine, vocabulary):
+    """Coupled sampling fixes each token by (seed, position) on the masked distribution: spec must give
+    target-only decoding's very answer, sampled, for every seed."""
+    differs = 0
+    for seed in range(6):
+        params = SamplingParams(temperature=1.0, seed=seed, sampler="coupled",
+                                end_ids=frozenset(engine.tokenizer.eos_token_ids))
+        ids = engine.tokenizer.encode(PROMPTS[seed % len(PROMPTS)])
+        reference, _ = run(engine, vocabulary, ids, params, 80, None)
+        got, _ = run(engine, vocabulary, ids, params, 80, chain(3), seed=seed + 100)
+        assert got == reference
+        assert conforms(answer(engine, got), SCHEMA)
+        greedy, _ = run(engine, vocabulary, ids, SamplingParams(end_ids=params.end_ids), 80, None)
+        differs += got != greedy
+    assert differs > 0, "sampling never left the greedy answer: the test would not tell them apart"
+
+
 def test_unconstrained_answers_break_the_schema(engine, vocabulary):
     """Negative control for the checks above: the same prompts without a constraint are no such JSON."""
     from tests.helpers import run as plain_run

@@ -45,10 +45,11 @@ class GrammarVocabulary:
             raise EdgeSpecError(f"the tokenizer has {size} tokens but the model only {width} logit rows")
         self.usable = usable_rows(tokenizer, width)
         self.usable.setflags(write=False)
-        copy = Tokenizer.from_str(tokenizer.to_str())
-        copy.no_padding()
-        copy.no_truncation()
+        if tokenizer.padding is not None or tokenizer.truncation is not None:  # neither belongs in a grammar's view
+            tokenizer = Tokenizer.from_str(tokenizer.to_str())
+            tokenizer.no_padding()
+            tokenizer.no_truncation()
         try:
-            self.library = LLTokenizer(copy.to_str(), n_vocab=width, eos_token=sorted(self.end_ids) or None)
+            self.library = LLTokenizer(tokenizer.to_str(), n_vocab=width, eos_token=sorted(self.end_ids) or None)
         except (ValueError, RuntimeError) as exc:
             raise EdgeSpecError(f"the grammar engine cannot read this tokenizer ({str(exc).strip()[:160]})") from None
