@@ -92,7 +92,8 @@ def test_shipped_data_lives_in_the_package_and_pyproject_declares_all_of_it():
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["edge_spec"]
     files = [p.relative_to(data.parent).as_posix() for p in data.rglob("*") if p.is_file()]
     undeclared = [f for f in files if not any(fnmatch.fnmatch(f, pattern) for pattern in patterns)]
-    assert files and not undeclared
+    # the EAGLE-3 head alone stays out of the wheel: attached only on request, and slower than the drafter
+    assert files and all(f.startswith("data/heads/") for f in undeclared)
     assert not (ROOT / "models" / "registry.json").exists()  # models/ holds downloads and bundles only
 
 
@@ -384,7 +385,7 @@ def test_the_wheel_carries_the_shipped_data(installed):
     for name in SHIPPED:
         assert f"edge_spec/data/{name}" in names, name
     assert any(n.startswith("edge_spec/data/calibration/shipped/") and n.endswith(".npz") for n in names)
-    assert "edge_spec/data/heads/qwen2.5-coder-1.5b-instruct/eagle.json" in names
+    assert not any(n.startswith("edge_spec/data/heads/") for n in names)  # 38 MB that only --eagle shipped uses
     assert not any(n.startswith(("models/", "tests/")) for n in names)
 
 
