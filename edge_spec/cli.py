@@ -174,7 +174,7 @@ def export(
     """Export a target and a drafter into one quantized ONNX bundle."""
     extras.require("export", "export")
     from edge_spec.export.bundle import export_bundle
-    from edge_spec.export.eagle_attach import attach_eagle_source, shipped_eagle_head
+    from edge_spec.export.eagle.attach import attach_eagle_source, shipped_eagle_head
     from edge_spec.export.install import explained_os_errors
     from edge_spec.paths import bundle_dir, default_pair
 
@@ -237,8 +237,8 @@ def add_heads(
     bundle without re-exporting the models."""
     extras.require("add-heads", "export")
     from edge_spec.export.bundle import add_draft_heads
-    from edge_spec.export.eagle_attach import attach_eagle_source
-    from edge_spec.export.eagle_heads import EagleHeadOptions, add_eagle_heads, parse_specvocab
+    from edge_spec.export.eagle.attach import attach_eagle_source
+    from edge_spec.export.eagle.lm_heads import EagleHeadOptions, add_eagle_heads, parse_specvocab
     from edge_spec.export.install import explained_os_errors, prepare
 
     eagle_options = EagleHeadOptions(trim=_int_list(eagle_trim, "--eagle-trim") if eagle_trim else (),
@@ -983,7 +983,8 @@ def train_head(
     (resumable: WORK/progress.json, WORK/shards/), trains the head (resumable: WORK/train/,
     --resume), writes it in SpecForge format to WORK/specforge/ and attaches it to the bundle."""
     extras.require("train-head", "export")
-    from edge_spec.export import head_data, head_training
+    from edge_spec.export.eagle import features as head_data
+    from edge_spec.export.eagle import training as head_training
     from edge_spec.export.install import explained_os_errors, prepare
     from edge_spec.manifest import read_manifest
     from edge_spec.paths import models_dir
@@ -1037,14 +1038,14 @@ def train_head(
     if trainer.step < trainer.total_steps:
         console.print(f"training stopped at step {trainer.step}/{trainer.total_steps}; "
                       "run again with --train-only --resume to continue", highlight=False)
-    from edge_spec.export.eagle import save_specforge
+    from edge_spec.export.eagle.model import save_specforge
 
     specforge = save_specforge(work / "specforge", trainer.config, trainer.head)
     console.print(f"wrote {specforge} (SpecForge format); held-out acceptance step 1 "
                   f"{final.get('acceptance_1', 0):.1%}, step 2 {final.get('acceptance_2', 0):.1%}; "
                   f"curve: {trainer.dir / head_training.CURVE}", highlight=False)
     if attach:
-        from edge_spec.export.eagle_attach import attach_eagle_head
+        from edge_spec.export.eagle.attach import attach_eagle_head
 
         kept = (f"the bundle at {bundle} was kept as it was; the trained head is in {specforge} (attach it "
                 f"with edge-spec add-heads {bundle} --eagle {specforge})")

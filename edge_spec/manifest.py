@@ -12,7 +12,7 @@ A bundle is one directory::
     eagle/layer.onnx(.data)  optional EAGLE-3 head: its decoder layer (+ fc.onnx, d2t.npy, t2d.npy) and
     eagle/head_*.onnx ...    its LM heads over the draft vocabulary (``eagle.heads``, ``eagle.default_head``:
                              full, trim-N, specvocab-rR-kC-ofK, as the drafter's); the target then also
-                             outputs ``features`` (see edge_spec.export.eagle, eagle_heads).  Bundles made
+                             outputs ``features`` (see edge_spec.export.eagle.model, eagle_heads).  Bundles made
                              before the split have one graph, eagle/head.onnx, with the LM head inside
 """
 

@@ -212,7 +212,7 @@ def tiny_head_config(**changes):
     """An EAGLE-3 head configuration for the tiny target (vocab 384, hidden 64)."""
     import dataclasses
 
-    from edge_spec.export.eagle import Eagle3Config
+    from edge_spec.export.eagle.model import Eagle3Config
 
     config = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=384, draft_vocab_size=96,
@@ -224,7 +224,7 @@ def random_head(seed: int = 0, config=None):
     """A head with every weight random (norm gains too) and a non-trivial vocabulary map."""
     import torch
 
-    from edge_spec.export.eagle import Eagle3Head
+    from edge_spec.export.eagle.model import Eagle3Head
 
     config = config or tiny_head_config()
     torch.manual_seed(seed)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.eagle import (
+from edge_spec.export.eagle.model import (
     Eagle3Config,
     Eagle3Head,
     add_feature_output,
@@ -374,8 +374,8 @@ def test_config_reads_feature_layers_in_each_convention():
 
 
 def test_attach_eagle_head_to_a_bundle(tmp_path, tiny_pair, monkeypatch):
-    from edge_spec.export import eagle
-    from edge_spec.export.eagle_attach import attach_eagle_head
+    from edge_spec.export.eagle import model as eagle
+    from edge_spec.export.eagle.attach import attach_eagle_head
     from edge_spec.manifest import read_manifest, verify_files
     from tests.conftest import export_tiny
 

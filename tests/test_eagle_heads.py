@@ -23,8 +23,8 @@ TRIM, SPECVOCAB = "trim-128", "specvocab-r16-k48-of256"
 
 @pytest.fixture(scope="module")
 def heads_bundle(tmp_path_factory, tiny_pair):
-    from edge_spec.export.eagle_attach import attach_eagle_head
-    from edge_spec.export.eagle_heads import EagleHeadOptions
+    from edge_spec.export.eagle.attach import attach_eagle_head
+    from edge_spec.export.eagle.lm_heads import EagleHeadOptions
 
     bundle = export_tiny(tmp_path_factory.mktemp("eagle-heads") / "int4", tiny_pair, quant="int4")
     variants = EagleHeadOptions(trim=(128,), specvocab=((16, 48),), calibration_tokens=24)
@@ -121,8 +121,8 @@ def test_bench_runs_one_mode_per_eagle_head(engine):
 
 def make_single_graph(bundle, config, head) -> None:
     """Rewrite ``bundle``'s EAGLE head as bundles before the split held it: one graph with ``logits``."""
-    from edge_spec.export.eagle_attach import LEGACY_EAGLE_FILES
-    from edge_spec.export.eagle import build_eagle_head, eagle_head_weights
+    from edge_spec.export.eagle.attach import LEGACY_EAGLE_FILES
+    from edge_spec.export.eagle.model import build_eagle_head, eagle_head_weights
     from edge_spec.export.graph_builder import BuildOptions, save_model
     from edge_spec.manifest import file_record, read_manifest, write_manifest
 
@@ -176,7 +176,7 @@ def test_a_single_graph_head_still_drafts_and_add_heads_splits_it(heads_bundle, 
 def test_a_saved_head_keeps_what_its_kept_heads_read_and_nothing_else(heads_bundle, tmp_path):
     """Saving some LM heads copies the files those heads name (a SpecVocab head's scorer and int8 rows)
     and leaves out what only the others need."""
-    from edge_spec.export.eagle_attach import save_eagle_files
+    from edge_spec.export.eagle.attach import save_eagle_files
 
     full = {p.name for p in save_eagle_files(heads_bundle, tmp_path / "full", heads=("full",)).iterdir()}
     assert not any(name.startswith(("scorer_", "head_rows", "always_", f"head_{TRIM}")) for name in full)

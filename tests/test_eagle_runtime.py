@@ -18,7 +18,7 @@ from tests.helpers import (PROMPTS, eagle, export_tiny, greedy_matches_target_on
 
 @pytest.fixture(scope="module")
 def eagle_bundle(tmp_path_factory, tiny_pair):
-    from edge_spec.export.eagle_attach import attach_eagle_head
+    from edge_spec.export.eagle.attach import attach_eagle_head
 
     bundle = export_tiny(tmp_path_factory.mktemp("eagle") / "int4", tiny_pair, quant="int4")
     config = tiny_head_config(feature_layers=(0, 1, 1), draft_vocab_size=384)  # the tiny target has 2 layers
@@ -98,7 +98,7 @@ def test_eagle_is_refused_where_it_cannot_draft(int4_bundle):
 def test_a_saved_head_installs_into_another_export_of_the_same_target(eagle_bundle, engine, tmp_path, tiny_pair):
     """How a trained head ships: saved from one bundle, installed into a fresh export of the same target
     weights without torch, it drafts the same tokens; a bundle of other weights refuses it."""
-    from edge_spec.export.eagle_attach import install_eagle_files, save_eagle_files
+    from edge_spec.export.eagle.attach import install_eagle_files, save_eagle_files
     from tests import tiny_models
 
     shipped = save_eagle_files(eagle_bundle, tmp_path / "shipped")
@@ -124,8 +124,8 @@ def test_add_heads_attaches_a_specforge_checkpoint_or_a_saved_head(eagle_bundle,
     from typer.testing import CliRunner
 
     from edge_spec.cli import app
-    from edge_spec.export.eagle_attach import save_eagle_files
-    from edge_spec.export.eagle import save_specforge
+    from edge_spec.export.eagle.attach import save_eagle_files
+    from edge_spec.export.eagle.model import save_specforge
     from edge_spec.manifest import read_manifest
 
     config = tiny_head_config(feature_layers=(0, 1, 1))
@@ -143,7 +143,7 @@ def test_add_heads_attaches_a_specforge_checkpoint_or_a_saved_head(eagle_bundle,
 
 
 def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, tmp_path, monkeypatch):
-    from edge_spec.export.eagle_attach import save_eagle_files, shipped_eagle_head
+    from edge_spec.export.eagle.attach import save_eagle_files, shipped_eagle_head
     from edge_spec.manifest import sha256_file
     from edge_spec.paths import load_registry
 
@@ -165,7 +165,7 @@ def test_a_shipped_head_installs_into_another_quantization_of_the_same_model(eag
     """The repository ships the trained head with its full LM head only; a user's export of the same
     model may quantize it otherwise (GGUF blocks carried), so its target bytes differ: the head still
     installs (same model: embedding rows within quantization noise) and stays exact."""
-    from edge_spec.export.eagle_attach import install_eagle_files, save_eagle_files
+    from edge_spec.export.eagle.attach import install_eagle_files, save_eagle_files
 
     shipped = save_eagle_files(eagle_bundle, tmp_path / "shipped", heads=("full",))
     assert not any(p.name.startswith(("scorer_", "head_trim", "head_rows")) for p in shipped.iterdir())
@@ -180,8 +180,8 @@ def test_a_shipped_head_installs_into_another_quantization_of_the_same_model(eag
 def test_the_repository_ships_a_head_for_the_default_target():
     """`edge-spec export` of the default pair attaches the head trained here (no training on a fresh
     clone): its files are in the repository, match the registry's sha256 and stay under 64 MB."""
-    from edge_spec.export.eagle_attach import shipped_eagle_head
-    from edge_spec.export.eagle import Eagle3Config
+    from edge_spec.export.eagle.attach import shipped_eagle_head
+    from edge_spec.export.eagle.model import Eagle3Config
     from edge_spec.paths import default_pair
 
     directory = shipped_eagle_head(default_pair()[0])  # raises when a file is missing or damaged

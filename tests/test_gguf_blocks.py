@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 from onnx import TensorProto, helper
 
-from edge_spec.export.gguf_blocks import (CarriedBlocks, add_carried_linear, carry_gguf, concat_blocks, fast_layout,
+from edge_spec.export.gguf.blocks import (CarriedBlocks, add_carried_linear, carry_gguf, concat_blocks, fast_layout,
                                          folded_width, narrow_to_4bit)
 from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model
 
@@ -193,7 +193,7 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
     fp32 graph of the dequantized weights computes; a matrix whose bytes disagree falls back."""
     from gguf import GGUFWriter
 
-    from edge_spec.export.gguf_carry import attach_gguf_blocks
+    from edge_spec.export.gguf.carry import attach_gguf_blocks
     from edge_spec.export.graph_builder import build_decoder, save_model
     from edge_spec.export.quantize import quantize_blockwise
     from edge_spec.export.weights import weights_from_state_dict
@@ -258,7 +258,7 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layou
     import onnx
 
     from edge_spec.export.bundle import ExportOptions, export_bundle
-    from edge_spec.export.gguf_carry import CarryReport
+    from edge_spec.export.gguf.carry import CarryReport
     from tests import tiny_models
 
     tokenizer, target, draft = tiny_pair

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export import gguf_tokenizer as gt
+from edge_spec.export.gguf import tokenizer as gt
 
 S = gt.SPACE
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]

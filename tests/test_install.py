@@ -99,7 +99,8 @@ def test_shipped_data_lives_in_the_package_and_pyproject_declares_all_of_it():
 
 def test_defaults_read_the_shipped_files():
     from edge_spec import bench
-    from edge_spec.export import calibration_store, head_data, vocabtrim
+    from edge_spec.export import calibration_store, vocabtrim
+    from edge_spec.export.eagle import features as head_data
 
     data = paths.PACKAGE_DATA
     assert bench.DEFAULT_PROMPTS == data / "bench" / "prompts.jsonl"

@@ -14,7 +14,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edge_spec.export import head_data, head_training
+from edge_spec.export.eagle import features as head_data
+from edge_spec.export.eagle import training as head_training
 from edge_spec.export.graph_builder import MS_DOMAIN, make_model
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.runtime.model.embedding import TargetEmbedding, TargetLMHead
@@ -303,7 +304,7 @@ def test_training_beats_the_untrained_head(trained):
 def test_a_trained_head_drafts_for_the_runtime_and_output_stays_the_targets(tmp_path, trained, bundle):
     """The trained head, attached to the bundle, drafts through the chain loop: its drafts are accepted
     (the accept path runs, not only rejections) and greedy output equals target-only decoding."""
-    from edge_spec.export.eagle_attach import attach_eagle_head
+    from edge_spec.export.eagle.attach import attach_eagle_head
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.loops.config import loop_config
 
@@ -355,7 +356,7 @@ def test_resumed_training_equals_uninterrupted(tmp_path, collected, bundle):
 
 
 def test_train_head_command_end_to_end(tmp_path, bundle, sources):
-    from edge_spec.export.eagle import load_specforge
+    from edge_spec.export.eagle.model import load_specforge
     from edge_spec.manifest import read_manifest
 
     copy = tmp_path / "bundle"
@@ -394,7 +395,7 @@ def test_user_mistakes_are_one_line(tmp_path, bundle):
 @pytest.fixture(scope="module")
 def saved_head(tmp_path_factory, trained, bundle):
     """The trained head built into a copy of the bundle (int4) and saved as the repository ships one."""
-    from edge_spec.export.eagle_attach import attach_eagle_head, save_eagle_files
+    from edge_spec.export.eagle.attach import attach_eagle_head, save_eagle_files
 
     _, trainer = trained
     root = tmp_path_factory.mktemp("saved")
@@ -406,8 +407,8 @@ def saved_head(tmp_path_factory, trained, bundle):
 def test_a_saved_head_reads_back_as_the_int4_head_it_was_built_from(saved_head, trained, tmp_path):
     """Every weight comes back as the int4 graphs hold it (the layouts of q/k/v and gate/up included),
     from the saved directory and from the bundle alike; built again, the graphs are the same bytes."""
-    from edge_spec.export.eagle_attach import attach_eagle_head
-    from edge_spec.export.eagle_saved import load_head
+    from edge_spec.export.eagle.attach import attach_eagle_head
+    from edge_spec.export.eagle.saved import load_head
 
     bundle_with_head, directory = saved_head
     _, trainer = trained

@@ -53,7 +53,7 @@ def load_reference(gguf: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from edge_spec.export.gguf_carry import attach_gguf_blocks
+    from edge_spec.export.gguf.carry import attach_gguf_blocks
     from edge_spec.export.weights import weights_from_state_dict
 
     kwargs = {"gguf_file": gguf.name}

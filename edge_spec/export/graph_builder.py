@@ -43,7 +43,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edge_spec.export.attention_pad import pad_attention
-from edge_spec.export.gguf_blocks import add_carried_linear, concat_blocks, narrow_to_4bit
+from edge_spec.export.gguf.blocks import add_carried_linear, concat_blocks, narrow_to_4bit
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.export.rope import rope_tables
 from edge_spec.export.weights import DecoderWeights, LayerWeights
@@ -67,8 +67,8 @@ class BuildOptions:
     attention_pad: bool = False  # attention gets a throw-away query row (see export.attention_pad; needs tree_attention)
     feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
     gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
-    carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf_blocks.fast_layout)
-    carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf_blocks.narrow_to_4bit)
+    carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf.blocks.fast_layout)
+    carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf.blocks.narrow_to_4bit)
 
 
 class Graph:

@@ -26,7 +26,7 @@ class LoadedModel:
     weights: DecoderWeights
     tokenizer: object  # transformers.PreTrainedTokenizerFast
     eos_token_ids: list[int]
-    gguf_carry: object | None = None  # gguf_carry.CarryReport for a GGUF source (its blocks ride on weights.carried)
+    gguf_carry: object | None = None  # gguf.carry.CarryReport for a GGUF source (its blocks ride on weights.carried)
 
 
 def _locate(source: str) -> tuple[str, str, str | None]:
@@ -178,7 +178,7 @@ def _load_model(source: str) -> LoadedModel:
     if not getattr(tokenizer, "is_fast", False):
         raise EdgeSpecError(f"{source!r}: only models with a fast (tokenizer.json) tokenizer are supported")
     if gguf_file:  # transformers' conversion of a GGUF vocabulary is not always the file's tokenizer
-        from edge_spec.export.gguf_tokenizer import fix_gguf_tokenizer
+        from edge_spec.export.gguf.tokenizer import fix_gguf_tokenizer
 
         fix_gguf_tokenizer(Path(location) / gguf_file, tokenizer, source)
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -187,7 +187,7 @@ def _load_model(source: str) -> LoadedModel:
     weights = weights_from_state_dict(hf_config, state)
     carry = None
     if gguf_file:
-        from edge_spec.export.gguf_carry import attach_gguf_blocks
+        from edge_spec.export.gguf.carry import attach_gguf_blocks
 
         carry = attach_gguf_blocks(Path(location) / gguf_file, weights)
     name = Path(gguf_file).stem if gguf_file else Path(location).name

@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 head on collected target features (:mod:`edge_spec.export.head_data`), on CPU.
+"""Train an EAGLE-3 head on collected target features (:mod:`edge_spec.export.eagle.features`), on CPU.
 
 * **Draft vocabulary**: the ``K`` most frequent labels of the training shards (ties by id, as
   VocabTrim) plus the end-of-turn ids; ``d2t`` / ``t2d`` accordingly.
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.eagle import Eagle3Config, Eagle3Head
+from edge_spec.export.eagle.model import Eagle3Config, Eagle3Head
 
 CHECKPOINT = "checkpoint.pt"
 CURVE = "curve.json"
@@ -128,7 +128,7 @@ def _cut(arrays: dict, seq_len: int, soft: bool) -> list[dict]:
 
 
 def load_dataset(work_dir, vocab_size: int, options: TrainOptions) -> Dataset:
-    from edge_spec.export.head_data import SHARDS, read_progress
+    from edge_spec.export.eagle.features import SHARDS, read_progress
 
     work_dir = Path(work_dir)
     progress = read_progress(work_dir)
@@ -185,8 +185,8 @@ class Target:
 
     @classmethod
     def from_work(cls, bundle_dir, work_dir) -> Target:
-        from edge_spec.export.eagle import feature_layers_of
-        from edge_spec.export.head_data import read_progress
+        from edge_spec.export.eagle.model import feature_layers_of
+        from edge_spec.export.eagle.features import read_progress
         from edge_spec.manifest import read_manifest
 
         manifest = read_manifest(Path(bundle_dir))
@@ -225,7 +225,7 @@ def new_head(config: Eagle3Config, vocab_ids: np.ndarray, lm_rows: np.ndarray, f
 
 def initial_head(source: str, target: Target) -> Eagle3Head:
     """The head ``--init`` names, checked against the target and the collected features."""
-    from edge_spec.export.eagle_saved import load_head
+    from edge_spec.export.eagle.saved import load_head
 
     config, head = load_head(source)
     c = target.config

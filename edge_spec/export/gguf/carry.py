@@ -1,5 +1,5 @@
 """Attach a GGUF file's quantized blocks to the weights transformers loaded from it, so the graph builder
-carries them into ``MatMulNBits`` instead of re-quantizing the dequantized floats (see gguf_blocks.py).
+carries them into ``MatMulNBits`` instead of re-quantizing the dequantized floats (see gguf/blocks.py).
 
 Every carried matrix is checked against the float weight transformers produced for the same name (its
 GGUF loader dequantizes, and for Llama-family files undoes llama.cpp's Q/K row permutation): a matrix is
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_spec.export.gguf_blocks import CarriedBlocks, carry_gguf
+from edge_spec.export.gguf.blocks import CarriedBlocks, carry_gguf
 from edge_spec.export.weights import DecoderWeights
 
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")

@@ -6,7 +6,7 @@ answers) instead of starting over, and lets it be written in the SpecForge forma
 engine.  The weights come back dequantized: training resumes from the int4 point, which the head was
 exported at anyway.
 
-Sits beside :mod:`export.eagle` (the head and its SpecForge checkpoints), below :mod:`export.head_training`.
+Sits beside :mod:`export.eagle.model` (the head and its SpecForge checkpoints), below :mod:`export.eagle.training`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import onnx
 import torch
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.eagle import Eagle3Config, Eagle3Head, load_specforge
+from edge_spec.export.eagle.model import Eagle3Config, Eagle3Head, load_specforge
 from edge_spec.runtime.model.embedding import TargetLMHead, read_initializer
 
 SAVED_RECORD = "eagle.json"

@@ -1,7 +1,7 @@
 """Attach an EAGLE-3 head to an existing bundle: from a trained torch head, a SpecForge checkpoint or a
 head saved from another bundle (how the repository ships one), without re-exporting the target.
 
-Sits above :mod:`export.bundle` (the bundle's export) and :mod:`export.eagle_heads` (the head's LM heads)."""
+Sits above :mod:`export.bundle` (the bundle's export) and :mod:`export.eagle.lm_heads` (the head's LM heads)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export import eagle_heads
+from edge_spec.export.eagle import lm_heads as eagle_heads
 from edge_spec.export.bundle import _say
 from edge_spec.export.graph_builder import BuildOptions, save_model
 from edge_spec.manifest import file_record, rerecord_file
@@ -29,17 +29,17 @@ def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | No
     ``full`` LM head ``eagle/head_full.onnx(.data)`` over the draft vocabulary (``eagle/vocab_full.npy``:
     target ids of its rows), ``eagle/fc.onnx(.data)``, ``eagle/d2t.npy`` and ``eagle/t2d.npy``, gives the
     target graph the ``features`` output the head reads (in place, graph file only: see
-    :func:`edge_spec.export.eagle.add_feature_output`) and records both in the manifest
+    :func:`edge_spec.export.eagle.model.add_feature_output`) and records both in the manifest
     (``manifest["eagle"]`` with ``heads`` and ``default_head``, ``manifest["target"]["feature_layers"]``).
     ``options`` default to the target's quantization and the bundle's context length.  The head is built
     in ``eagle.partial`` and renamed into place, and the target graph is restored if a later step fails,
     so a failure leaves the bundle as it was.
 
-    ``variants`` (:class:`edge_spec.export.eagle_heads.EagleHeadOptions`): VocabTrim / SpecVocab heads
-    built next (:func:`~edge_spec.export.eagle_heads.add_eagle_heads`); None: the default ones when the
+    ``variants`` (:class:`edge_spec.export.eagle.lm_heads.EagleHeadOptions`): VocabTrim / SpecVocab heads
+    built next (:func:`~edge_spec.export.eagle.lm_heads.add_eagle_heads`); None: the default ones when the
     bundle has calibration text already (cheap), none otherwise.
     """
-    from edge_spec.export import eagle
+    from edge_spec.export.eagle import model as eagle
     from edge_spec.manifest import read_manifest
 
     bundle_dir = Path(bundle_dir)
@@ -143,8 +143,8 @@ def _same_model(directory: Path, bundle_dir: Path, manifest: dict) -> bool:
 def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dict:
     """Attach a head saved by :func:`save_eagle_files` (checked: its files are complete and it was
     built for this bundle's target weights).  A head saved before the LM heads were split off (one
-    graph, ``head.onnx``) is upgraded on the way (:func:`edge_spec.export.eagle_heads.add_eagle_heads`)."""
-    from edge_spec.export import eagle
+    graph, ``head.onnx``) is upgraded on the way (:func:`edge_spec.export.eagle.lm_heads.add_eagle_heads`)."""
+    from edge_spec.export.eagle import model as eagle
     from edge_spec.manifest import read_manifest
 
     bundle_dir, directory = Path(bundle_dir), Path(directory)
@@ -194,7 +194,7 @@ def _add_variants(bundle_dir: Path, manifest: dict, config, variants, progress) 
 def attach_eagle_source(bundle_dir: Path, source: str, progress=None) -> dict:
     """Attach the EAGLE head ``source`` names: a head saved by :func:`save_eagle_files` (it holds
     ``eagle.json``), or a SpecForge / EAGLE-3 checkpoint directory or hub id, converted here."""
-    from edge_spec.export import eagle
+    from edge_spec.export.eagle import model as eagle
     from edge_spec.export.weights import DecoderConfig
     from edge_spec.manifest import read_manifest
 
@@ -234,7 +234,7 @@ def _install_eagle(bundle_dir: Path, manifest: dict, root: Path, config, record:
                    progress) -> dict:
     """Move a staged head (``root/eagle``) into ``eagle/``, give the target its feature output, record
     both; on any failure the bundle is left as it was."""
-    from edge_spec.export import eagle
+    from edge_spec.export.eagle import model as eagle
 
     target = manifest["target"]
     for head in record.get("heads", {}).values():

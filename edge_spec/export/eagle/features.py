@@ -136,7 +136,7 @@ def prepare_target(bundle_dir, work_dir, layers=None) -> Path:
     link to the bundle's data file (ONNX Runtime refuses external data reached through a symlink
     leading out of the model's directory; a copy where a link is impossible).  The bundle itself
     is not touched."""
-    from edge_spec.export.eagle import add_feature_output, default_feature_layers, feature_layers_of
+    from edge_spec.export.eagle.model import add_feature_output, default_feature_layers, feature_layers_of
     from edge_spec.manifest import read_manifest
 
     bundle_dir, work_dir = Path(bundle_dir), Path(work_dir)
@@ -377,7 +377,7 @@ def collect(bundle_dir, out_dir, *, prompts=None, text_dirs=(), options: Collect
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
     manifest = read_manifest(bundle_dir)
     graph = prepare_target(bundle_dir, out_dir, layers)
-    from edge_spec.export.eagle import feature_layers_of
+    from edge_spec.export.eagle.model import feature_layers_of
 
     capacity = int(manifest["context_length"])
     if options.window > capacity:  # a window is one pass: it must fit the target's context

@@ -18,7 +18,7 @@ state into logits is a head of the same kinds the drafter model has (``runtime.p
 
 Heads are added to an installed head (the data-aware fit needs the target's ``features`` output) in a
 copy of ``eagle/`` that replaces it only once complete.  A head from before the split (one graph with
-``logits``, ``eagle/head.onnx``) is upgraded on the way: :func:`edge_spec.export.eagle.split_lm_head`.
+``logits``, ``eagle/head.onnx``) is upgraded on the way: :func:`edge_spec.export.eagle.model.split_lm_head`.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def _stage(bundle_dir: Path, manifest: dict, legacy: bool) -> Path:
 def upgrade_legacy(root: Path, bundle_dir: Path, entry: dict, build: BuildOptions, progress=None) -> np.ndarray:
     """Split a single-graph head into ``eagle/layer.onnx`` + ``eagle/head_full.onnx`` inside ``root``;
     updates ``entry`` (``onnx``, ``heads``, ``default_head``) and returns the LM head rows."""
-    from edge_spec.export.eagle import split_lm_head
+    from edge_spec.export.eagle.model import split_lm_head
 
     bundle_export._say(progress, "upgrading the bundle's EAGLE head to switchable LM heads "
                                  "(eagle/head.onnx -> eagle/layer.onnx + eagle/head_full.onnx)")
@@ -249,7 +249,7 @@ def finish_record(root: Path, entry: dict, heads: dict, files: list[dict]) -> No
 def add_eagle_heads(bundle_dir: Path, options: EagleHeadOptions, progress=None) -> dict:
     """Add (or rebuild) VocabTrim / SpecVocab heads of the bundle's EAGLE head, upgrading a single-graph
     head first; the bundle changes only once everything is built (``eagle.partial`` swapped in)."""
-    from edge_spec.export.eagle import Eagle3Config
+    from edge_spec.export.eagle.model import Eagle3Config
 
     bundle_dir = Path(bundle_dir).expanduser().resolve()
     manifest = read_manifest(bundle_dir)
