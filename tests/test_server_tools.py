@@ -39,10 +39,17 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 @pytest.fixture(scope="module")
 def tools_bundle(tiny_pair, tmp_path_factory):
     """The tiny models with a 512-token context and Qwen2.5's tool markup in their chat template (the
-    tiny tokenizer spends about a token per character on tool schemas)."""
+    tiny tokenizer spends about a token per character on tool schemas), and <tool_call> and </tool_call>
+    in their vocabulary, one token each as in Qwen's."""
     bundle = export_tiny(tmp_path_factory.mktemp("tools") / NAME, tiny_pair, quant="int4", context_length=512)
     path = bundle / "tokenizer_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": QWEN25_SHORT}))
+    path = bundle / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    for marker in ("<tool_call>", "</tool_call>"):
+        vocab[marker] = len(vocab)
+    path.write_text(json.dumps(data))
     manifest = read_manifest(bundle)
     manifest["tokenizer"] = tokenizer_record(bundle)
     write_manifest(bundle, manifest)
@@ -171,6 +178,22 @@ def test_streamed_and_whole_answers_agree_on_raw_sse(engine, scripted):
     assert all("content" not in c["choices"][0]["delta"] or not c["choices"][0]["delta"]["content"] for c in chunks)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_written_as_a_json_block_is_a_call(engine, scripted, stream):
+    """What Qwen2.5-Coder 1.5B answers to a weather question: the call without its tags."""
+    scripted('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```')
+    with serving(engine) as (client, _):
+        kwargs = dict(model=NAME, messages=ASK, tools=[WEATHER])
+        if stream:
+            content, calls, finish, _ = streamed_message(client.chat.completions.create(stream=True, **kwargs))
+        else:
+            message = (response := client.chat.completions.create(**kwargs)).choices[0].message
+            content, finish = message.content, response.choices[0].finish_reason
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    assert content is None and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
 def test_tool_choice_none_renders_no_tools_and_parses_nothing(engine, scripted):
     fake = scripted(CALL)
     with serving(engine) as (client, _):
@@ -210,6 +233,14 @@ def test_forced_tool_call_is_a_call(engine, choice, name, stream):
     assert [c["name"] for c in calls] == [name]
     arguments = json.loads(calls[0]["arguments"])
     assert arguments == {} if name == "get_time" else arguments["city"] in ("Paris", "Rome")
+
+
+def test_tool_markers_are_single_tokens_of_the_prompt(engine):
+    """The template's <tool_call> is the vocabulary's token, as the model read it in training."""
+    marker = engine.tokenizer.tokenizer.token_to_id("<tool_call>")
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]
+    assert engine.prompt_ids(history, tools=[WEATHER]).count(marker) == 1
 
 
 # -- refused -----------------------------------------------------------------------------------------

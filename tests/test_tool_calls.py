@@ -164,8 +164,57 @@ def test_no_format_without_tool_support():
 # -- forcing a call (tool_choice "required" or a named function) -----------------------------------
 
 
+MARKER_IDS = {"<tool_call>": 5, "</tool_call>": 6, "[TOOL_CALLS]": 7}
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("only, parallel", [(None, True), (None, False), ("get_time", False)])
-def test_forced_call_grammars_compile(name, only, parallel):
-    grammar = FORMATS[name].forced_grammar([WEATHER, CLOCK], only=only, parallel=parallel)
+@pytest.mark.parametrize("ids", [{}, MARKER_IDS])
+def test_forced_call_grammars_compile(name, only, parallel, ids):
+    grammar = FORMATS[name].forced_grammar([WEATHER, CLOCK], only=only, parallel=parallel, token_id=ids.get)
     assert LLMatcher.validate_grammar(grammar) == ""
+
+
+def test_forced_call_markers_are_their_tokens_where_the_vocabulary_has_them():
+    """A grammar engine reads added tokens as special ones, which no text literal matches: a marker the
+    vocabulary has is named by its id."""
+    assert "<[5]>" in FORMATS["hermes"].forced_grammar([WEATHER], token_id=MARKER_IDS.get)
+    assert "<[7]>" in FORMATS["mistral"].forced_grammar([WEATHER], token_id=MARKER_IDS.get)
+    assert '"<tool_call>' in FORMATS["hermes"].forced_grammar([WEATHER])
+
+
+# -- hermes: a whole answer that is a call without the tags (small Qwen2.5-Coder models write so) -----
+
+FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+NAMES = frozenset({"get_weather"})
+
+
+@pytest.mark.parametrize("text", [FENCED, '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                                  "\n" + FENCED + "\n"])
+def test_hermes_an_answer_that_is_only_a_call_to_a_given_tool_is_a_call(text):
+    content, calls = split_answer(FORMATS["hermes"], text, names=NAMES)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
+                                                                                         {"city": "Paris"})]
+    for cut in range(1, len(text)):
+        parser = FORMATS["hermes"].parser(names=NAMES)
+        pieces = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        assert [p.name for p in pieces if isinstance(p, ToolCall)] == ["get_weather"] and not [
+            p for p in pieces if isinstance(p, str) and p], cut
+
+
+@pytest.mark.parametrize("text", [FENCED.replace("get_weather", "other_tool"), '```json\n{"a": 1}\n```',
+                                  '{"name": "get_weather"}', FENCED + "\nThat is the call."])
+def test_hermes_json_that_is_no_call_to_a_given_tool_stays_text(text):
+    assert split_answer(FORMATS["hermes"], text, names=NAMES) == (text, [])
+    assert split_answer(FORMATS["hermes"], text) == (text, [])
+
+
+def test_hermes_untagged_calls_are_read_only_with_the_tool_names():
+    assert split_answer(FORMATS["hermes"], FENCED) == (FENCED, [])
+
+
+def test_hermes_code_answers_still_stream_at_once():
+    parser = FORMATS["hermes"].parser(names=NAMES)
+    assert parser.feed("```") == []  # may be a ```json call
+    assert parser.feed("python\nx = 1") == ["```python\nx = 1"]
+    assert FORMATS["hermes"].parser(names=NAMES).feed("Sure: ") == ["Sure:"]

@@ -145,7 +145,8 @@ async def chat_completions(request: Request) -> Response:
     chat = await read_request(request, parse_chat)
     state.check_model(chat.model)
     engine = state.worker.engine
-    tool_use = plan_tools(chat.tools, state.tool_format, engine.tokenizer.takes_tools)
+    tool_use = plan_tools(chat.tools, state.tool_format, engine.tokenizer.takes_tools,
+                          engine.tokenizer.tokenizer.token_to_id)
     sampling = chat.sampling
     if tool_use is not None and tool_use.grammar is not None:  # a forced call: the answer is the call
         _check_constrainable(state, "tool_choice")

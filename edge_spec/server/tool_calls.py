@@ -5,7 +5,9 @@ reads them back with one parser per format (:data:`FORMATS`), picked by :func:`d
 markers the template or the vocabulary holds:
 
 * ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-  possibly several, possibly after some text;
+  possibly several, possibly after some text; and, as llama.cpp reads these models too, an answer that is
+  nothing but such a call to one of the request's tools, bare or in a ```json block (small Qwen2.5-Coder
+  models often answer so);
 * ``llama3`` (Llama 3.1 - 3.3): the whole answer is ``{"name": ..., "parameters": {...}}`` (after
   ``<|python_tag|>`` or not; several separated by ``;``);
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a special token, so
@@ -19,6 +21,8 @@ non-streamed answers agree.  A block that does not parse as a call stays text, a
 Forcing a call (``tool_choice`` "required" or a named function) constrains the answer with
 :meth:`ToolFormat.forced_grammar`: the model's own format around a JSON schema of the calls allowed, with
 the separators its template writes (so a forced call reads like one the model wrote of its own accord).
+A marker the vocabulary has as a token of its own is named by its id there: the grammar engine reads
+such tokens as special ones, which no text literal matches.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Protocol, Union
 
@@ -66,9 +70,12 @@ def mistral_id() -> str:
     return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
 
-def make_call(data, new_id: Callable[[], str]) -> ToolCall | None:
-    """A call from a decoded ``{"name": ..., "arguments" or "parameters": ...}``, None if it is none."""
+def make_call(data, new_id: Callable[[], str], names: Container[str] | None = None) -> ToolCall | None:
+    """A call from a decoded ``{"name": ..., "arguments" or "parameters": ...}``, None if it is none
+    (``names``: only a call that names one of them and gives its arguments)."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
+        return None
+    if names is not None and (data["name"] not in names or not ("arguments" in data or "parameters" in data)):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, dict):
@@ -162,6 +169,11 @@ class LeadingCalls:
         self._pending = ""
         self._mode: str | None = None  # "text" or "calls" once the answer's start tells
 
+    @property
+    def is_text(self) -> bool:
+        """Whether the answer's start has shown it is no call."""
+        return self._mode == "text"
+
     def feed(self, text: str) -> list[Piece]:
         if self._mode == "text":
             return _text(text)
@@ -181,6 +193,34 @@ class LeadingCalls:
         text, self._pending = self._pending, ""
         calls = self.parse(text) if self._mode == "calls" else None
         return list(calls) if calls else _text(text)
+
+
+class WholeOrTagged:
+    """An answer that is calls and nothing else (``whole``), else text with tagged calls in it (``tagged``)."""
+
+    def __init__(self, whole: LeadingCalls, tagged: TaggedCalls) -> None:
+        self.whole, self.tagged = whole, tagged
+        self._held = ""  # the answer so far, while it may be a whole call
+        self._tagged_only = False
+
+    def feed(self, text: str) -> list[Piece]:
+        if self._tagged_only:
+            return self.tagged.feed(text)
+        self._held += text
+        self.whole.feed(text)
+        if not self.whole.is_text:
+            return []
+        self._tagged_only = True
+        return self.tagged.feed(self._held)
+
+    def finish(self) -> list[Piece]:
+        if not self._tagged_only:
+            calls = [p for p in self.whole.finish() if isinstance(p, ToolCall)]
+            if calls:
+                return list(calls)
+            self._tagged_only = True
+            return self.tagged.feed(self._held) + self.tagged.finish()
+        return self.tagged.finish()
 
 
 class AtMost:
@@ -225,9 +265,19 @@ def _json_values(text: str, separators: str) -> list | None:
         values.append(value)
 
 
-def _all_calls(items, new_id: Callable[[], str]) -> list[ToolCall] | None:
-    calls = [make_call(item, new_id) for item in items]
+def _all_calls(items, new_id: Callable[[], str], names: Container[str] | None = None) -> list[ToolCall] | None:
+    calls = [make_call(item, new_id, names) for item in items]
     return calls if calls and all(calls) else None
+
+
+def parse_untagged(text: str, names: Container[str]) -> list[ToolCall] | None:
+    """Hermes calls written without their tags: JSON objects, bare or in one ```json block, to ``names``."""
+    text = text.strip()
+    if text.startswith("```"):
+        if not text.endswith("```") or "\n" not in text:
+            return None
+        text = text[text.index("\n"):-3]
+    return _all_calls(_json_values(text, "") or [], openai_id, names)
 
 
 def parse_llama3(text: str) -> list[ToolCall] | None:
@@ -257,25 +307,35 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
     return {**schema, "x-guidance": _TEMPLATE_JSON}
 
 
+TokenId = Callable[[str], "int | None"]  # a marker's token id in the model's vocabulary, if it has one
+
+
 def _lark_json(schema: dict) -> str:
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
-def hermes_grammar(tools: list[dict], parallel: bool) -> str:
+def _marker(text: str, token_id: TokenId) -> str:
+    """A marker in a Lark grammar: its token (``<[id]>``) where the vocabulary has one, else its text."""
+    found = token_id(text)
+    return f"<[{found}]>" if found is not None else json.dumps(text)
+
+
+def hermes_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str:
     more = ' ("\\n" call)*' if parallel else ""
+    opening, closing = _marker("<tool_call>", token_id), _marker("</tool_call>", token_id)
     return (f"start: call{more}\n"
-            f'call: "<tool_call>\\n" {_lark_json(call_schema(tools, "arguments"))} "\\n</tool_call>"\n')
+            f'call: {opening} "\\n" {_lark_json(call_schema(tools, "arguments"))} "\\n" {closing}\n')
 
 
-def llama3_grammar(tools: list[dict], parallel: bool) -> str:
+def llama3_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str:
     more = ' ("; " call)*' if parallel else ""
     return f"start: call{more}\ncall: {_lark_json(call_schema(tools, 'parameters'))}\n"
 
 
-def mistral_grammar(tools: list[dict], parallel: bool) -> str:
-    # the [TOOL_CALLS] marker is a special token, which a grammar over text cannot name: the list alone
+def mistral_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str:
+    marker = "" if token_id("[TOOL_CALLS]") is None else _marker("[TOOL_CALLS]", token_id) + " "  # else the list alone
     more = ' (", " call)*' if parallel else ""
-    return f'start: "[" call{more} "]"\ncall: {_lark_json(call_schema(tools, "arguments"))}\n'
+    return f'start: {marker}"[" call{more} "]"\ncall: {_lark_json(call_schema(tools, "arguments"))}\n'
 
 
 # -- the table -------------------------------------------------------------------------------------
@@ -285,28 +345,38 @@ def mistral_grammar(tools: list[dict], parallel: bool) -> str:
 class ToolFormat:
     name: str
     markers: tuple[str, ...]  # in a chat template or a vocabulary, they say the model writes this format
-    make_parser: Callable[[], CallParser]
-    grammar: Callable[[list[dict], bool], str]
+    make_parser: Callable[[frozenset[str] | None], CallParser]  # given the request's tool names, if known
+    grammar: Callable[[list[dict], bool, TokenId], str]
     closing: str | None = None  # a stop string that ends the answer after one call
 
-    def parser(self, parallel: bool = True) -> CallParser:
-        parser = self.make_parser()
+    def parser(self, parallel: bool = True, names: Iterable[str] | None = None) -> CallParser:
+        """A parser for one answer; ``names``: the request's tools (formats that read calls written loosely
+        accept only calls to these)."""
+        parser = self.make_parser(None if names is None else frozenset(names))
         return parser if parallel else AtMost(parser, 1)
 
-    def forced_grammar(self, tools: list[dict], *, only: str | None = None, parallel: bool = True) -> str:
+    def forced_grammar(self, tools: list[dict], *, only: str | None = None, parallel: bool = True,
+                       token_id: TokenId = lambda text: None) -> str:
         """A Lark grammar (llguidance's dialect) for an answer that is one call to ``only`` or, without it,
-        one call or more (one when not ``parallel``) to any of ``tools``."""
+        one call or more (one when not ``parallel``) to any of ``tools``; ``token_id``: the vocabulary's
+        id of a marker that is one token."""
         if only is not None:
             tools, parallel = [t for t in tools if t["function"]["name"] == only], False
-        return self.grammar(tools, parallel)
+        return self.grammar(tools, parallel, token_id)
+
+
+def hermes_parser(names: frozenset[str] | None) -> CallParser:
+    tagged = TaggedCalls("<tool_call>", "</tool_call>")
+    if names is None:
+        return tagged
+    return WholeOrTagged(LeadingCalls(("```json", "{"), lambda text: parse_untagged(text, names)), tagged)
 
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
-    ToolFormat("hermes", ("<tool_call>",), lambda: TaggedCalls("<tool_call>", "</tool_call>"), hermes_grammar,
-               closing="</tool_call>"),
-    ToolFormat("mistral", ("[TOOL_CALLS]",), lambda: LeadingCalls(("[TOOL_CALLS]", "[{"), parse_mistral),
+    ToolFormat("hermes", ("<tool_call>",), hermes_parser, hermes_grammar, closing="</tool_call>"),
+    ToolFormat("mistral", ("[TOOL_CALLS]",), lambda names: LeadingCalls(("[TOOL_CALLS]", "[{"), parse_mistral),
                mistral_grammar),
-    ToolFormat("llama3", ("<|python_tag|>",), lambda: LeadingCalls(("<|python_tag|>", "{"), parse_llama3),
+    ToolFormat("llama3", ("<|python_tag|>",), lambda names: LeadingCalls(("<|python_tag|>", "{"), parse_llama3),
                llama3_grammar),
 )}
 
@@ -331,10 +401,11 @@ def detect_format(template: str | None, vocabulary: Container[str]) -> ToolForma
     return None
 
 
-def split_answer(tool_format: ToolFormat, text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+def split_answer(tool_format: ToolFormat, text: str, parallel: bool = True,
+                 names: Iterable[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """A whole answer as OpenAI's message has it: the text outside calls (None when there is none) and the
     calls."""
-    parser = tool_format.parser(parallel)
+    parser = tool_format.parser(parallel, names)
     pieces = parser.feed(text) + parser.finish()
     content = "".join(p for p in pieces if isinstance(p, str))
     return content or None, [p for p in pieces if isinstance(p, ToolCall)]

@@ -19,7 +19,7 @@ from llguidance import LLMatcher
 
 from edge_spec.server.errors import bad_request
 from edge_spec.server.schemas import ToolRequest
-from edge_spec.server.tool_calls import CallParser, ToolFormat
+from edge_spec.server.tool_calls import CallParser, TokenId, ToolFormat
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class ToolUse:
     stop: tuple[str, ...] = ()  # stop strings to add
 
     def parser(self) -> CallParser:
-        return self.format.parser(self.parallel)
+        return self.format.parser(self.parallel, names=[tool["function"]["name"] for tool in self.tools])
 
     @property
     def response_format(self) -> dict | None:
@@ -39,9 +39,11 @@ class ToolUse:
         return None if self.grammar is None else {"type": "lark", "lark": self.grammar}
 
 
-def plan_tools(request: ToolRequest | None, tool_format: ToolFormat | None, takes_tools: bool) -> ToolUse | None:
+def plan_tools(request: ToolRequest | None, tool_format: ToolFormat | None, takes_tools: bool,
+               token_id: TokenId = lambda text: None) -> ToolUse | None:
     """How to answer ``request``'s tools on a model whose template ``takes_tools`` and writes calls in
-    ``tool_format``; None: answer without tools."""
+    ``tool_format`` (``token_id``: the vocabulary's id of a call marker, if it is one token); None: answer
+    without tools."""
     if request is None or request.choice == "none":
         return None
     if not takes_tools:
@@ -53,7 +55,8 @@ def plan_tools(request: ToolRequest | None, tool_format: ToolFormat | None, take
     stop = (tool_format.closing,) if not request.parallel and tool_format.closing else ()
     grammar = None
     if request.choice == "required":
-        grammar = tool_format.forced_grammar(request.tools, only=request.function, parallel=request.parallel)
+        grammar = tool_format.forced_grammar(request.tools, only=request.function, parallel=request.parallel,
+                                             token_id=token_id)
         problem = LLMatcher.validate_grammar(grammar)
         if problem:
             raise bad_request(f"cannot force a call to these tools: {problem.strip().splitlines()[-1][:300]}",
