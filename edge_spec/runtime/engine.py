@@ -23,7 +23,7 @@ from edge_spec.paths import find_bundle
 from edge_spec.runtime.constrain import Constraint, GrammarVocabulary, grammar_for
 from edge_spec.runtime.loops import check_constraint, generate_tokens, proposer_names
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
-from edge_spec.runtime.loops.stats import SpecStats, SpecSummary
+from edge_spec.runtime.loops.stats import TARGET, SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.providers import exact_min_rows
@@ -34,6 +34,7 @@ from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
 from edge_spec.runtime.propose.eagle import EagleDrafter
 from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
+from edge_spec.runtime.provenance import SourcedText
 from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.schedule.cost_profile import CostProfile
 from edge_spec.runtime.schedule.memory import ScheduleMemory
@@ -549,6 +550,7 @@ class Engine:
         wait: bool = True,
         response_format: dict | None = None,
         tools: list[dict] | None = None,
+        on_sources: Callable[[list[list[str]]], None] | None = None,
     ) -> Iterator[str]:
         """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
         ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
@@ -558,8 +560,12 @@ class Engine:
         shape: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
         see ``constrain.grammar``) constrains the answer to it, losslessly in ar and one-chain spec
         mode (refused elsewhere, in one line).  ``tools`` (OpenAI's function schemas) go to the chat
-        template, which tells the model how to call them.  While another thread generates,
-        the call waits for it (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
+        template, which tells the model how to call them.  ``on_sources(pieces)`` is called before each
+        text chunk is yielded with where its text came from, token by token: ``[[text, source], ...]``
+        joining to the chunk, source "target" or the proposer of an accepted draft ("model", "lookup",
+        "forced", ...; see :mod:`provenance`); it reads the tokens, never changes them.  While another
+        thread generates, the call waits for it (``wait=False``: raises :class:`EngineBusy`); see the class
+        docstring."""
         self._acquire(wait)
         try:
             self._check_open()
@@ -569,7 +575,7 @@ class Engine:
                                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                           sampler=sampler, stop=stop,
                                           mode=mode, exact=exact, on_prefill=on_prefill,
-                                          response_format=response_format, tools=tools)
+                                          response_format=response_format, tools=tools, on_sources=on_sources)
         finally:
             self._release()
 
@@ -607,7 +613,8 @@ class Engine:
     def _generate(self, generation: int, prompt: str | list[Message], *, max_new_tokens: int, temperature: float,
                   top_k: int, top_p: float, seed: int | None, sampler: str, stop: str | list[str] | tuple[str, ...],
                   mode: str | None, exact: bool | None, response_format: dict | None = None,
-                  on_prefill: Callable[[float], None] | None, tools: list[dict] | None = None) -> Iterator[str]:
+                  on_prefill: Callable[[float], None] | None, tools: list[dict] | None = None,
+                  on_sources: Callable[[list[list[str]]], None] | None = None) -> Iterator[str]:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 end_ids=frozenset(self.tokenizer.eos_token_ids), sampler=sampler)
         self._cancel.clear()  # before any work: a cancel from here on, during the set-up too, stops this answer
@@ -624,12 +631,13 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
         self.last_stats = stats
         self.last_token_ids = []
-        detok = StreamingDetokenizer(self.tokenizer)
+        detok = StreamingDetokenizer(self.tokenizer) if on_sources is None else SourcedText(self.tokenizer)
         stopper = StopMatcher([stop] if isinstance(stop, str) else list(stop))
         eos = self.tokenizer.eos_token_ids
         started = time.perf_counter()
         first_token_at = None
-        spec_stats = SpecStats()
+        spec_stats = SpecStats(token_sources=[] if on_sources is not None else None)
+        sources = spec_stats.token_sources if mode != "ar" else None  # ar: every token is the target's
         drafters = {} if mode == "ar" else {self.drafter_name(config): self.active_drafter(config)}
         context = ProposerContext(self.target.vocab_size, drafters)
         memory = None if mode == "ar" else self.schedule_memory(config)
@@ -651,8 +659,14 @@ class Engine:
                     break
                 self.last_token_ids.append(token)
                 stats.new_tokens += 1
-                text, stopped = stopper.feed(detok.push(token))
+                if on_sources is None:
+                    text, stopped = stopper.feed(detok.push(token))
+                else:
+                    source = sources[stats.new_tokens - 1] if sources is not None else TARGET
+                    text, stopped = stopper.feed(detok.push(token, source))
                 if text:
+                    if on_sources is not None:
+                        on_sources(detok.take(len(text)))
                     yield text
                     self._check_active(generation)
                 if stopped:
@@ -665,6 +679,8 @@ class Engine:
                 text, stopped = stopper.feed(detok.flush())
                 text += "" if stopped else stopper.flush()
                 if text:
+                    if on_sources is not None:
+                        on_sources(detok.take(len(text)))
                     yield text
         except PrefillCancelled:
             stats.stop_reason = "cancelled"

@@ -6,6 +6,9 @@
   token, exactly as autoregressive decoding would.
 * :meth:`Request.accept` cuts the target's cache (and the proposers') to the accepted prefix, shows
   the proposers the target's outputs, and emits the accepted drafts plus the correction/bonus token.
+  When the stats keep ``token_sources``, every emitted token's source goes there just before it is
+  yielded: the proposer of the round :meth:`Request.record_round` recorded for an accepted draft,
+  "target" for the first token and each correction/bonus.
 * Under a constraint (structured output) the request walks it along each round's drafts
   (:meth:`Request.constrain`), masks every verified row of the target to what it allows there
   (:meth:`Request.masked`: greedy takes the masked argmax, sampling the masked distribution), and
@@ -21,7 +24,7 @@ import numpy as np
 
 from edge_spec.runtime.constrain import Constraint
 from edge_spec.runtime.loops.autoregressive import choose_token
-from edge_spec.runtime.loops.stats import SpecStats
+from edge_spec.runtime.loops.stats import TARGET, SpecStats
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, Proposer
 from edge_spec.runtime.propose.model import ChainDrafter
@@ -43,6 +46,7 @@ class Request:
         self.committed: list[int] = []
         self.emitted = 0
         self.drafter = next((p for p in proposers if isinstance(p, ChainDrafter)), None)  # whose head is timed
+        self._round_source = "none"  # who drafted the round being accepted (set by record_round)
 
     @property
     def pending(self) -> int:
@@ -115,17 +119,23 @@ class Request:
             self.constraint.advance(tokens[-1])
             self._walked = 0
         self.committed.extend(tokens)
-        yield from self.emit(tokens)
+        yield from self.emit(tokens, [self._round_source] * accepted + [TARGET])
 
-    def emit(self, tokens: list[int]) -> Iterator[int]:
-        for token in tokens:
+    def emit(self, tokens: list[int], sources: list[str] | None = None) -> Iterator[int]:
+        """Yield ``tokens`` up to the budget; ``sources`` (default: all the target's) go to the stats'
+        ``token_sources`` when kept, one per token yielded."""
+        kept = self.stats.token_sources
+        for i, token in enumerate(tokens):
             if self.done:
                 return
             self.emitted += 1
+            if kept is not None:
+                kept.append(sources[i] if sources is not None else TARGET)
             yield token
 
     def record_round(self, block: DraftBlock, accepted: int, emitted: list[int], clock: "RoundClock",
                      drafted: int | None = None, first_accepted: bool | None = None) -> None:
+        self._round_source = block.source or "none"
         self.stats.record_round(block, accepted, accepted > 0 if first_accepted is None else first_accepted,
                                 emitted, drafted=drafted, draft_seconds=clock.draft_seconds,
                                 verify_seconds=clock.verify_seconds, head_seconds=clock.head_seconds)

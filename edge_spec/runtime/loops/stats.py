@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from edge_spec.runtime.propose.base import DraftBlock
 
+TARGET = "target"  # the source of the tokens the target itself chose (first token, corrections, bonuses)
+
 
 @dataclass
 class SourceTally:
@@ -73,6 +75,9 @@ class SpecStats:
     verify_seconds: float = 0.0
     candidate_hits: int = 0
     candidate_checks: int = 0
+    # who each emitted token came from, in emission order, when asked for (None: not kept): the proposer
+    # that drafted it ("model", "lookup", "forced", ...) or "target" (the first token, corrections, bonuses)
+    token_sources: list[str] | None = None
 
     def record_round(self, block: DraftBlock, accepted: int, first_accepted: bool, emitted: list[int], *,
                      drafted: int | None = None, draft_seconds: float = 0.0, verify_seconds: float = 0.0,
