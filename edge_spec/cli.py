@@ -11,9 +11,7 @@ import dataclasses
 import json
 import os
 import resource
-import signal
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -530,61 +528,12 @@ def _loading_status():
     return console.status("[dim]loading the bundle (a first load also times this machine)[/dim]")
 
 
-class _PromptProgress:
-    """A transient bar on stderr while a long prompt is read (shown only for prompts read in several passes)."""
+def _stream(engine, prompt, *, markdown: bool = False, interrupt=None, **kwargs) -> str:
+    """Print a streamed answer (raw, or as Markdown on a terminal) and return it; Ctrl-C cancels this
+    answer only (``interrupt``: the chat's turn holds Ctrl-C already)."""
+    from edge_spec.chat.render import stream_answer
 
-    def __init__(self) -> None:
-        self._bar = None
-        self._task = None
-
-    def update(self, fraction: float) -> None:
-        if not console.is_terminal:  # nobody to show it to; a bar would leave a blank line in a log
-            return
-        if self._bar is None:
-            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(TextColumn("[dim]reading the prompt[/dim]"), BarColumn(), TaskProgressColumn(),
-                                 TimeElapsedColumn(), console=console, transient=True)
-            self._bar.start()
-            self._task = self._bar.add_task("prompt", total=1.0)
-        self._bar.update(self._task, completed=fraction)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-
-
-def _stream(engine, prompt, **kwargs) -> str:
-    """Print a streamed answer and return it; Ctrl-C cancels this answer only."""
-    previous = signal.getsignal(signal.SIGINT)
-
-    def on_interrupt(signum, frame):
-        engine.cancel()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, on_interrupt)
-    chunks: list[str] = []
-    reading = _PromptProgress()
-    try:
-        for chunk in engine.generate(prompt, on_prefill=reading.update, **kwargs):
-            reading.close()
-            chunks.append(chunk)
-            out.print(chunk, end="", markup=False)  # model text is never rich markup: "d[bold]" stays
-            sys.stdout.flush()
-    finally:
-        reading.close()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, previous)
-    out.print()
-    stats = engine.last_stats
-    line = f"[{stats.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, prefill {stats.prefill_seconds:.2f} s"
-    if stats.spec is not None and stats.spec.tau:
-        line += f", τ {stats.spec.tau:.2f}"
-    if stats.coupled_seed is not None:
-        line += f", seed {stats.coupled_seed}"  # a coupled answer is remade by its seed
-    console.print(f"[dim]{line}, {stats.stop_reason}][/dim]")
-    return "".join(chunks)
+    return stream_answer(engine, prompt, out=out, console=console, markdown=markdown, interrupt=interrupt, **kwargs)
 
 
 def _check_sampler(sampler: str, temperatures: list[float], configs: list) -> None:
@@ -675,50 +624,24 @@ def chat(
     provider_option: list[str] = ProviderOptionOpt,
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
+    plain: bool = typer.Option(False, "--plain", help="Print answers as raw text, not rendered as Markdown "
+                               "(they are raw anyway when the output is not a terminal)."),
 ) -> None:
-    """Interactive chat: /reset clears the history, /exit quits, Ctrl-C stops the current answer."""
+    """Interactive chat: /help lists the commands, Ctrl-C stops the current answer, Ctrl-D leaves."""
     bundle = _bundle(bundle)
     config = _loop_config(mode, gamma=gamma, schedule=schedule, drafts=drafts, verifier=verifier, lookup=lookup,
                           drafter=drafter)
     _check_sampler(sampler, [temperature], [config])
     engine = _load_engine(bundle, provider, threads, config, draft_head, draft_provider, draft_threads, exact,
                           verify, provider_option, eagle_head)
-    if sys.stdin.isatty():
-        with contextlib.suppress(ImportError):  # a line editor: a terminal alone cuts a pasted line at 4095 bytes
-            import readline  # noqa: F401
-    base = [{"role": "system", "content": system}] if system else []
-    history = list(base)
-    console.print("[dim]edge-spec chat - /reset clears history, /exit quits, Ctrl-C stops an answer[/dim]")
-    while True:
-        try:
-            user = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
-            out.print()
-            break
-        if not user.strip():
-            continue
-        if user.strip() == "/exit":
-            break
-        if user.strip() == "/reset":
-            history = list(base)
-            console.print("[dim]history cleared[/dim]")
-            continue
-        try:  # a turn's mistake (a message too long for the context) ends the turn, not the chat
-            history, dropped = engine.fit_messages(history + [{"role": "user", "content": user}],
-                                                   reserve=min(max_tokens, engine.target.capacity // 2))
-        except EdgeSpecError as exc:
-            console.print(f"[red]error:[/red] {exc}", highlight=False)
-            continue
-        if dropped:
-            console.print(f"[dim](dropped the {dropped} oldest messages to fit the context)[/dim]")
-        try:  # any per-turn failure ends the turn; the conversation before it is kept
-            answer = _stream(engine, history, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, sampler=sampler)
-        except EdgeSpecError as exc:
-            console.print(f"[red]error:[/red] {exc}", highlight=False)
-            history.pop()
-            continue
-        history.append({"role": "assistant", "content": answer})
+    from edge_spec.chat.loop import run_chat
+    from edge_spec.chat.terminal import open_input
+
+    def answer(messages, interrupt):  # _stream looked up at each turn (tests replace it)
+        return _stream(engine, messages, markdown=not plain, interrupt=interrupt, max_new_tokens=max_tokens,
+                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sampler=sampler)
+
+    run_chat(engine, open_input().read, answer, console=console, system=system, max_tokens=max_tokens)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     console.print(f"[dim]peak RSS {peak_mib:.0f} MiB[/dim]")
 
