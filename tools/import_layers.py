@@ -1,5 +1,5 @@
-"""Check that imports inside ``edge_spec.runtime`` run one way: engine -> loops -> schedule -> propose ->
-model/verify/constrain (the three at the bottom independent of one another).
+"""Check that imports inside ``edge_spec.runtime`` run one way: engine -> provenance -> loops -> schedule ->
+propose -> model/verify/constrain (the three at the bottom independent of one another).
 
 Prints every runtime module's imports of other runtime layers and exits 1 on an import that runs back
 up (a lower layer importing a higher one).  ``python tools/import_layers.py``
@@ -13,7 +13,8 @@ from pathlib import Path
 
 RUNTIME = Path(__file__).resolve().parents[1] / "edge_spec" / "runtime"
 # rank of each layer: a module may import layers of lower rank (and its own layer)
-LAYERS = {"engine": 5, "text": 0, "loops": 4, "schedule": 3, "propose": 2, "model": 1, "verify": 1, "constrain": 1}
+LAYERS = {"engine": 6, "provenance": 5, "text": 0, "loops": 4, "schedule": 3, "propose": 2, "model": 1, "verify": 1,
+          "constrain": 1}  # provenance: the engine's per-token sources (reads loops.stats and text)
 BOTTOM = ("model", "verify", "constrain")  # rank 1: none of them imports another
 
 
