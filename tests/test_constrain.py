@@ -195,3 +195,22 @@ def test_regex_and_lark_formats(vocabulary, hf_tokenizer):
     assert lark.is_finished()
     with pytest.raises(ConstraintViolation):
         constraint(vocabulary, {"type": "regex", "regex": "(yes|no)"}).advance(hf_tokenizer.convert_tokens_to_ids("{"))
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "regex", "regex": r"<\|im_start\|>x"},
+    {"type": "regex", "regex": r"(<\|im_end\|>|ab)+"},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "string"}}},
+])
+def test_every_allowed_token_can_be_consumed(vocabulary, response_format):
+    """What ``allowed`` lets through, ``advance`` must take: the grammar engine reads added tokens as special,
+    so one whose text a grammar spells can pass its mask and then be refused (a failure mid-answer)."""
+    try:
+        c = constraint(vocabulary, response_format)
+        ids = allowed_ids(c)
+    except EdgeSpecError:
+        return  # a grammar only an added token could start is refused up front: no failure mid-answer
+    for token in ids:
+        probe = c.copy()
+        probe.advance(token)  # raises ConstraintViolation where allowed() and advance() disagree
+    assert ids

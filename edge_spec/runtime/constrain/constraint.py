@@ -49,6 +49,11 @@ class Constraint:
                 allowed[list(self.vocabulary.end_ids)] = True
             else:
                 allowed = self.library_allowed() & self.vocabulary.usable
+                # the grammar engine reads added tokens as special: its mask can pass one whose text the
+                # grammar spells and then refuse to consume it, so each such token is asked directly
+                for token in self.vocabulary.added_ids[allowed[self.vocabulary.added_ids]].tolist():
+                    if token not in self.vocabulary.end_ids and self._matcher.validate_tokens([token]) != 1:
+                        allowed[token] = False
             if not allowed.any():
                 raise EdgeSpecError("response_format: the grammar allows no token of this model's vocabulary "
                                     f"after {len(self.tokens)} tokens")
