@@ -563,9 +563,10 @@ class Engine:
         template, which tells the model how to call them.  ``on_sources(pieces)`` is called before each
         text chunk is yielded with where its text came from, token by token: ``[[text, source], ...]``
         joining to the chunk, source "target" or the proposer of an accepted draft ("model", "lookup",
-        "forced", ...; see :mod:`provenance`); it reads the tokens, never changes them.  While another
-        thread generates, the call waits for it (``wait=False``: raises :class:`EngineBusy`); see the class
-        docstring."""
+        "forced", ...; see :mod:`provenance`), and once more after the last chunk when the answer ends
+        with tokens whose text is empty (their pieces join to ""); it reads the tokens, never changes
+        them.  While another thread generates, the call waits for it (``wait=False``: raises
+        :class:`EngineBusy`); see the class docstring."""
         self._acquire(wait)
         try:
             self._check_open()
@@ -682,6 +683,8 @@ class Engine:
                     if on_sources is not None:
                         on_sources(detok.take(len(text)))
                     yield text
+                if on_sources is not None and not stopped and detok.waiting():
+                    on_sources(detok.take_rest())  # the last tokens, whose text is empty
         except PrefillCancelled:
             stats.stop_reason = "cancelled"
         except NonFiniteLogits:  # met while sampling: a model of the bundle computes garbage

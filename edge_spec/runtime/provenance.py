@@ -10,7 +10,9 @@ the text the engine yields can be handed out with its pieces: ``[[text, source],
 token, whose texts join to exactly the yielded text.
 
 A token whose text is empty completed no character on its own (the first bytes of a character another
-token ends); a token whose text a stop-string hold-back cut in two appears in two consecutive hand-outs.
+token ends, or a token that decodes to nothing) and goes with the next hand-out, or with the rest
+(:meth:`SourcedText.take_rest`) at the end of the answer; a token whose text a stop-string hold-back cut
+in two appears in two consecutive hand-outs, and tokens after a stop string in none.
 Nothing here touches which tokens are generated: it only reads them.
 """
 
@@ -45,6 +47,8 @@ class SourcedText(StreamingDetokenizer):
         delta = super().flush()
         if delta:
             self._split(start, read, delta)
+        else:  # the last tokens decode to nothing
+            self._pieces.extend(["", source] for source in self.sources[read:])
         return delta
 
     def take(self, length: int) -> list[list[str]]:
@@ -60,6 +64,16 @@ class SourcedText(StreamingDetokenizer):
             out.append(self._pieces.popleft())
             length -= len(text)
         return out
+
+    def waiting(self) -> bool:
+        """Whether pieces are left that no hand-out took (at the end: tokens whose text is empty)."""
+        return bool(self._pieces)
+
+    def take_rest(self) -> list[list[str]]:
+        """Every piece left, for the end of the answer."""
+        rest = [piece for piece in self._pieces]
+        self._pieces.clear()
+        return rest
 
     def _split(self, start: int, read: int, delta: str) -> None:
         """Queue ``delta`` (the text of ``ids[read:]`` after the window ``ids[start:read]``) token by token:

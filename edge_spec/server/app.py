@@ -1,5 +1,5 @@
 """The routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``,
-``/metrics``, ``/health``.
+``/metrics``, ``/health``, and the chat page (``/`` and its files under ``/static/``, :mod:`page`).
 
 Every request is counted (:mod:`metrics`) and first passes the HTTP policy (:mod:`guard`: host, origin,
 content type, body size).  It is then checked (body, fields, API key, model name, tools, prompt length),
@@ -32,6 +32,7 @@ from edge_spec.server.fim import FimTokens
 from edge_spec.server.guard import Guard, GuardPolicy
 from edge_spec.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from edge_spec.server.openai_format import DONE, ResponseFormat, fingerprint, model_card, model_list, sse
+from edge_spec.server.page import chat_page, page_file
 from edge_spec.server.prompt_size import PromptFloor
 from edge_spec.server.queue import EngineWorker, Job
 from edge_spec.server.schemas import Sampling, parse_chat, parse_completion
@@ -91,6 +92,8 @@ def create_app(state: ServerState, policy: GuardPolicy | None = None) -> Starlet
         state.metrics = ServerMetrics(state.worker)
     state.worker.on_answered = state.metrics.answered
     routes = [
+        Route("/", chat_page),
+        Route("/static/{name}", page_file),
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", models),
@@ -160,7 +163,7 @@ async def chat_completions(request: Request) -> Response:
     if tool_use is not None and tool_use.stop:
         sampling = replace(sampling, stop=sampling.stop + tool_use.stop)
     return await _answer(request, state, "chat", chat.messages, sampling, chat.stream, chat.include_usage,
-                         tool_use=tool_use)
+                         tool_use=tool_use, provenance=chat.provenance)
 
 
 async def completions(request: Request) -> Response:
@@ -175,7 +178,7 @@ async def completions(request: Request) -> Response:
             raise bad_request("'suffix' needs fill-in-the-middle tokens, and this model has none", param="suffix")
         prompt = state.fim.prompt(req.prompt, req.suffix)
     return await _answer(request, state, "completion", prompt, req.sampling, req.stream, req.include_usage,
-                         echo=req.prompt if req.echo else "")
+                         echo=req.prompt if req.echo else "", provenance=req.provenance)
 
 
 async def tokenize_route(request: Request) -> Response:
@@ -205,14 +208,17 @@ def _check_constrainable(state: ServerState, param: str) -> None:
 
 
 async def _answer(request: Request, state: ServerState, kind: str, prompt: str | list[dict], sampling: Sampling,
-                  stream: bool, include_usage: bool, echo: str = "", tool_use: ToolUse | None = None) -> Response:
+                  stream: bool, include_usage: bool, echo: str = "", tool_use: ToolUse | None = None,
+                  provenance: bool = False) -> Response:
     tools = tool_use.tools if tool_use is not None else None
     await _check_length(state, prompt, "messages" if kind == "chat" else "prompt", tools)
     engine = state.worker.engine
     sampling = sampling.resolved(coupled_available=not isinstance(engine.config, TreeConfig))
     form = ResponseFormat(kind, state.model, include_usage=include_usage and stream,
                           fingerprint=fingerprint(engine.mode, sampling.sampler_name), sampler=sampling.sampler_name)
-    job = Job(prompt, sampling, label=f"{kind} {form.id}", loop=asyncio.get_running_loop(), tools=tools)
+    provenance = provenance and tool_use is None  # a tool-call parser rewrites the text: no pieces to match
+    job = Job(prompt, sampling, label=f"{kind} {form.id}", loop=asyncio.get_running_loop(), tools=tools,
+              provenance=provenance)
     state.worker.submit(job)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, job))
     streaming = False
@@ -225,9 +231,10 @@ async def _answer(request: Request, state: ServerState, kind: str, prompt: str |
             parser = tool_use.parser() if tool_use is not None else None
             return _JobStream(_events(job, form, echo, parser), cancel=lambda: state.worker.cancel(job, "disconnect"),
                               media_type="text/event-stream", headers=STREAM_HEADERS)
-        text, stats = await _collect(job)
+        text, stats, sources = await _collect(job)
         if tool_use is None:
-            return JSONResponse(form.full(echo + text, stats, job.queue_seconds))
+            return JSONResponse(form.full(echo + text, stats, job.queue_seconds,
+                                          sources=sources if provenance else None))
         parser = tool_use.parser()
         pieces = parser.feed(text) + parser.finish()
         content = "".join(p for p in pieces if isinstance(p, str)) or None
@@ -271,15 +278,18 @@ def _too_long(capacity: int, count: int, param: str, exact: bool) -> ApiError:
 
 
 async def _collect(job: Job):
-    chunks = []
+    """The answer's text, statistics and (when the job asked for them) its tokens' sources."""
+    chunks, sources = [], []
     while True:
         event = await job.events.get()
         if event.kind == "text":
             chunks.append(event.text)
+            sources.extend(event.sources or ())
         elif event.kind == "done":
             if event.stats.stop_reason == "cancelled":
                 raise shutting_down()  # (a client that went away reads no answer)
-            return "".join(chunks), event.stats
+            sources.extend(event.sources or ())
+            return "".join(chunks), event.stats, sources
         elif event.kind == "error":
             raise event.error
 
@@ -304,6 +314,9 @@ async def _events(job: Job, form: ResponseFormat, echo: str, parser: CallParser 
     while True:
         event = await job.events.get()
         if event.kind == "text":
+            if parser is None and event.sources is not None:  # the chunk names its tokens' sources
+                yield sse(form.chunk(event.text, sources=event.sources))
+                continue
             for chunk in chunks(parser.feed(event.text) if parser else [event.text]):
                 yield sse(chunk)
         elif event.kind == "done":
@@ -312,7 +325,8 @@ async def _events(job: Job, form: ResponseFormat, echo: str, parser: CallParser 
                 return
             for chunk in chunks(parser.finish() if parser else []):
                 yield sse(chunk)
-            yield sse(form.chunk("", stats=event.stats, queue_seconds=job.queue_seconds, called=calls > 0))
+            yield sse(form.chunk("", stats=event.stats, queue_seconds=job.queue_seconds, called=calls > 0,
+                                 sources=event.sources if parser is None else None))
             if form.include_usage:
                 yield sse(form.usage_chunk(event.stats))
             yield DONE

@@ -1,5 +1,14 @@
 """OpenAI response bodies and stream chunks (``chat.completion``, ``chat.completion.chunk``,
-``text_completion``), tool calls in them, the ``usage`` record and the ``x_edge_spec`` statistics."""
+``text_completion``), tool calls in them, the ``usage`` record and the ``x_edge_spec`` statistics.
+
+A request with ``x_edge_spec: {"provenance": true}`` also gets where its tokens came from: every content
+chunk's ``x_edge_spec.provenance`` is ``[[text, source], ...]``, one entry per token whose text the chunk
+delivers, the texts joining to the chunk's content; source "target" for the target's own tokens (the first,
+corrections, bonuses), else the proposer whose draft the target accepted ("model": the drafter model,
+"lookup", "forced": a grammar's forced token, "guess", "eagle").  Tokens whose text is empty go with the
+next chunk, or with the last one (beside the statistics) at the end of the answer.  A non-streamed answer
+carries the whole list.  Answers whose text a tool-call parser rewrites carry none.
+"""
 
 from __future__ import annotations
 
@@ -90,8 +99,9 @@ class ResponseFormat:
         return {**edge_spec_stats(stats, queue_seconds), "sampler": self.sampler}
 
     def full(self, text: str | None, stats: GenerationStats, queue_seconds: float,
-             tool_calls: Sequence[ToolCall] = ()) -> dict:
-        """The non-streamed response (``usage`` always present); ``text`` None: the answer is calls only."""
+             tool_calls: Sequence[ToolCall] = (), sources: list[list[str]] | None = None) -> dict:
+        """The non-streamed response (``usage`` always present); ``text`` None: the answer is calls only;
+        ``sources``: the answer's provenance (module docstring)."""
         if self.kind == "chat":
             message = {"role": "assistant", "content": text, "refusal": None}
             if tool_calls:
@@ -102,13 +112,18 @@ class ResponseFormat:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(stats)}
             body = self._head("text_completion")
-        return {**body, "choices": [choice], "usage": usage(stats), "x_edge_spec": self._stats(stats, queue_seconds)}
+        extra = self._stats(stats, queue_seconds)
+        if sources is not None:
+            extra["provenance"] = sources
+        return {**body, "choices": [choice], "usage": usage(stats), "x_edge_spec": extra}
 
     def chunk(self, text: str, *, first: bool = False, stats: GenerationStats | None = None,
-              queue_seconds: float = 0.0, called: bool = False, delta: dict | None = None) -> dict:
+              queue_seconds: float = 0.0, called: bool = False, delta: dict | None = None,
+              sources: list[list[str]] | None = None) -> dict:
         """A stream chunk carrying ``text`` (or a chat ``delta`` as given); the last one (``stats`` given) has
-        the finish reason (``called``: the answer made tool calls) and ``x_edge_spec``.  A chat stream's
-        first chunk carries the assistant role."""
+        the finish reason (``called``: the answer made tool calls) and ``x_edge_spec``; ``sources``: the
+        provenance of ``text``, in ``x_edge_spec`` (module docstring).  A chat stream's first chunk carries
+        the assistant role."""
         reason = finish_reason(stats, called) if stats is not None else None
         if self.kind == "chat":
             if delta is None:
@@ -123,6 +138,8 @@ class ResponseFormat:
             body["usage"] = None
         if stats is not None:
             body["x_edge_spec"] = self._stats(stats, queue_seconds)
+        if sources is not None:
+            body.setdefault("x_edge_spec", {})["provenance"] = sources
         return body
 
     def call_chunks(self, call: ToolCall, index: int) -> list[dict]:

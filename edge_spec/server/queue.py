@@ -34,6 +34,9 @@ class Event:
     text: str = ""
     stats: GenerationStats | None = None
     error: ApiError | None = None
+    # [[text, source], ...] when the job asked for them: a text event's; a done event's for the answer's last
+    # tokens when their text is empty
+    sources: list[list[str]] | None = None
 
 
 @dataclass(eq=False)
@@ -45,6 +48,7 @@ class Job:
     label: str  # for the log: "chat" / "completion" and the response id
     loop: asyncio.AbstractEventLoop
     tools: list[dict] | None = None  # for the chat template
+    provenance: bool = False  # text events carry their tokens' sources (Engine.generate's on_sources)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str | None = None  # "disconnect" or "shutdown"
@@ -190,14 +194,17 @@ class EngineWorker:
             if job.cancelled.is_set():
                 engine.cancel()
 
+        sources: list[list[list[str]]] = []  # the pieces of the chunk about to be yielded
+
         try:
             if job.cancelled.is_set():  # cancelled between leaving the queue and here
                 raise _Cancelled
             for text in engine.generate(job.prompt, on_prefill=stop_if_cancelled, tools=job.tools,
+                                        on_sources=sources.append if job.provenance else None,
                                         **job.sampling.engine_kwargs(engine.target.capacity)):
                 if job.first_text is None:
                     job.first_text = time.perf_counter()
-                job.emit(Event("text", text))
+                job.emit(Event("text", text, sources=sources.pop() if sources else None))
                 stop_if_cancelled()
         except _Cancelled:
             self.counts["cancelled"] += 1
@@ -217,7 +224,7 @@ class EngineWorker:
         seconds = time.perf_counter() - job.started
         self._durations.append(seconds)
         self.counts["cancelled" if stats.stop_reason == "cancelled" else "completed"] += 1
-        job.emit(Event("done", stats=stats))
+        job.emit(Event("done", stats=stats, sources=sources.pop() if sources else None))  # tokens with no text
         log.info("%s", describe(job, stats, seconds))
         if self.on_answered is not None:
             try:

@@ -101,6 +101,7 @@ class ChatRequest:
     include_usage: bool = False
     model: str | None = None
     tools: ToolRequest | None = None  # None: no tools sent
+    provenance: bool = False  # x_edge_spec.provenance: each chunk names its tokens' sources
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    provenance: bool = False
 
 
 def parse_json(raw: bytes) -> dict:
@@ -135,7 +137,7 @@ def parse_chat(body: dict) -> ChatRequest:
     return ChatRequest(messages=[_message(m, i) for i, m in enumerate(messages)],
                        sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
                        stream=_stream(body), include_usage=_include_usage(body), model=_typed(body, "model", str),
-                       tools=_tool_request(body))
+                       tools=_tool_request(body), provenance=_provenance(body))
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -152,7 +154,8 @@ def parse_completion(body: dict) -> CompletionRequest:
     _refuse_unsupported(body, {key: UNSUPPORTED[key] for key in COMPLETION_UNSUPPORTED})
     return CompletionRequest(prompt=prompt, sampling=_sampling(body, max_tokens_keys=("max_tokens",), default_max=16),
                              suffix=suffix, echo=bool(_typed(body, "echo", bool)), stream=_stream(body),
-                             include_usage=_include_usage(body), model=_typed(body, "model", str))
+                             include_usage=_include_usage(body), model=_typed(body, "model", str),
+                             provenance=_provenance(body))
 
 
 def _refuse_unsupported(body: dict, fields: dict) -> None:
@@ -363,3 +366,17 @@ def _stream(body: dict) -> bool:
 def _include_usage(body: dict) -> bool:
     options = _typed(body, "stream_options", dict) or {}
     return bool(_typed(options, "include_usage", bool))
+
+
+def _provenance(body: dict) -> bool:
+    """``x_edge_spec: {"provenance": true}`` (this server's own field, which no OpenAI client sends): name the
+    source of every token of the answer (see ``openai_format``)."""
+    options = _typed(body, "x_edge_spec", dict) or {}
+    unknown = sorted(set(options) - {"provenance"})
+    if unknown:
+        raise bad_request(f"'x_edge_spec.{unknown[0]}' is not a field of this server: x_edge_spec takes "
+                          "'provenance'", param=f"x_edge_spec.{unknown[0]}")
+    value = options.get("provenance")
+    if value is not None and not isinstance(value, bool):
+        raise bad_request("'x_edge_spec.provenance' must be a boolean", param="x_edge_spec.provenance")
+    return bool(value)

@@ -1,0 +1,396 @@
+"""The chat page of ``edge-spec serve`` (``GET /``) and the per-token provenance it shows.
+
+In process (Starlette's TestClient): the page and its files are served with a strict content policy, the
+page's own requests pass the guard while a cross-site page's are refused, and ``x_edge_spec.provenance``
+gives every streamed chunk its tokens' sources.  In a real browser (headless Chromium through selenium,
+marked slow): a question streams into a Markdown answer with coloured tokens and the τ and tok/s status
+line, the stop button ends a long answer and the server goes idle, settings survive a reload, a server
+with an API key gets it from the page's dialog, and a page of another origin is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from edge_spec.runtime.engine import Engine  # noqa: E402
+from edge_spec.runtime.loops.config import loop_config  # noqa: E402
+from edge_spec.server.serve import build_app, listen, server_config  # noqa: E402
+
+BASE = "http://127.0.0.1:8000"
+EVIL = "http://evil.example"
+STATIC = Path(__file__).parent.parent / "edge_spec" / "server" / "static"
+SOURCES = {"target", "model", "lookup", "forced", "guess", "eagle"}
+PROMPT = "hello world"  # the tiny drafter has some of its drafts accepted here
+
+
+def drafting_engine(bundle) -> Engine:
+    """The drafter model drafts every round (the adaptive schedule soon stops asking the tiny drafter)."""
+    return Engine.from_bundle(bundle, threads=1, config=loop_config("spec", gamma=4, schedule="fixed"))
+
+
+@pytest.fixture(scope="module")
+def engine(int4_bundle):
+    return drafting_engine(int4_bundle)
+
+
+def in_process(engine, **options):
+    app, state = build_app(engine, name="tiny", **options)
+    return TestClient(app, base_url=BASE), state
+
+
+def chat_body(**extra):
+    return {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": 60, **extra}
+
+
+def stream_chunks(response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    events = [line[6:] for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# -- the page's files ------------------------------------------------------------------------------
+
+
+def test_page_and_its_files_are_served_same_origin_with_a_strict_policy(engine):
+    client, _ = in_process(engine, api_key="secret")
+    with client:
+        page = client.get("/")
+        html = page.text
+        files = re.findall(r'(?:src|href)="(/static/[^"]+)"', html)
+        served = {path: client.get(path) for path in files}
+        module_imports = re.findall(r'from "\./([^"]+)"', served["/static/app.js"].text)
+        for name in module_imports:
+            served[f"/static/{name}"] = client.get(f"/static/{name}")
+        missing = client.get("/static/nothing.js")
+        hidden = client.get("/static/.hidden.js")
+        no_suffix = client.get("/static/LICENSE")
+        models = client.get("/v1/models")  # the API still needs the key; the page does not
+        cross_site = client.get("/", headers={"Origin": EVIL})
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    policy = page.headers["content-security-policy"]
+    for rule in ("default-src 'none'", "script-src 'self'", "connect-src 'self'", "frame-ancestors 'none'"):
+        assert rule in policy
+    assert "<script>" not in html and " style=" not in html  # nothing inline: the policy allows none
+    assert "http://" not in html and "https://" not in html  # nothing from elsewhere (works offline)
+    assert set(files) == {"/static/style.css", "/static/app.js"} and module_imports == ["markdown.js"]
+    for path, response in served.items():
+        assert response.status_code == 200, path
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert response.text == (STATIC / path.rsplit("/", 1)[1]).read_text()
+    assert served["/static/app.js"].headers["content-type"].startswith("text/javascript")
+    assert served["/static/style.css"].headers["content-type"].startswith("text/css")
+    assert missing.status_code == hidden.status_code == no_suffix.status_code == 404
+    assert models.status_code == 401
+    assert cross_site.status_code == 403
+
+
+def test_the_page_s_request_passes_the_guard_and_a_cross_site_one_does_not(engine):
+    """What app.js sends: a JSON POST with the page's own origin; the same from another site is refused
+    before anything runs, and so is its preflight."""
+    client, state = in_process(engine)
+    body = chat_body(stream=True, x_edge_spec={"provenance": True})
+    with client:
+        own = client.post("/v1/chat/completions", json=body, headers={"Origin": BASE})
+        localhost = TestClient(client.app, base_url="http://localhost:8000")
+        own_name = localhost.post("/v1/chat/completions", json=body, headers={"Origin": "http://localhost:8000"})
+        evil = client.post("/v1/chat/completions", json=body, headers={"Origin": EVIL})
+        other_port = client.post("/v1/chat/completions", json=body, headers={"Origin": "http://127.0.0.1:8001"})
+        preflight = client.options("/v1/chat/completions", headers={
+            "Origin": EVIL, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+        answered = dict(state.worker.counts)
+    assert stream_chunks(own) and stream_chunks(own_name)
+    for refused in (evil, other_port, preflight):
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "origin_not_allowed"
+        assert "access-control-allow-origin" not in refused.headers
+    assert answered.get("completed") == 2  # the refused requests never reached the engine
+
+
+# -- provenance over HTTP --------------------------------------------------------------------------
+
+
+def test_streamed_chunks_carry_their_tokens_sources(engine):
+    client, _ = in_process(engine)
+    with client:
+        plain = stream_chunks(client.post("/v1/chat/completions", json=chat_body(stream=True)))
+        sourced = stream_chunks(client.post("/v1/chat/completions",
+                                            json=chat_body(stream=True, x_edge_spec={"provenance": True})))
+        full = client.post("/v1/chat/completions", json=chat_body(x_edge_spec={"provenance": True})).json()
+        refused = [client.post("/v1/chat/completions", json=chat_body(x_edge_spec=value))
+                   for value in ({"provenance": "yes"}, {"colours": True}, [True])]
+
+    def content(chunks):
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+    assert content(sourced) == content(plain) == full["choices"][0]["message"]["content"]  # the same answer
+    assert all("provenance" not in c.get("x_edge_spec", {}) for c in plain)  # only when asked for
+    pieces = []
+    for chunk in sourced[1:-1]:  # between the role chunk and the last one (finish reason, statistics)
+        text = chunk["choices"][0]["delta"]["content"]
+        provenance = chunk["x_edge_spec"]["provenance"]
+        assert "".join(piece for piece, _ in provenance) == text
+        pieces += provenance
+    stats = sourced[-1]["x_edge_spec"]
+    assert stats["stop_reason"] == "length" and "provenance" not in stats
+    counts = collections.Counter(source for _, source in pieces)
+    assert set(counts) <= SOURCES and counts["model"] > 0
+    assert sum(counts.values()) == stats["new_tokens"]
+    assert stats["new_tokens"] - counts["target"] == stats["accepted"]  # every accepted draft, named
+    assert counts["target"] == stats["target_calls"] + 1  # a correction or bonus per pass, and the first token
+    assert full["x_edge_spec"]["provenance"] == pieces  # the same answer, unstreamed: the same sources
+    for response in refused:
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith("x_edge_spec")
+
+
+def test_ar_mode_tokens_are_the_target_s(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, mode="ar", threads=1)
+    client, _ = in_process(engine)
+    with client:
+        chunks = stream_chunks(client.post("/v1/chat/completions",
+                                           json=chat_body(stream=True, x_edge_spec={"provenance": True})))
+    sources = [s for c in chunks if "provenance" in c.get("x_edge_spec", {}) for _, s in c["x_edge_spec"]["provenance"]]
+    assert len(sources) == chunks[-1]["x_edge_spec"]["new_tokens"] and set(sources) == {"target"}
+
+
+# -- in a real browser -----------------------------------------------------------------------------
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+def _browser_missing() -> str | None:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (pip install -e '.[test]')"
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not (os.path.exists(path) or shutil.which(Path(path).name)):
+            return f"{path} is missing (apt-get install chromium chromium-driver)"
+    return None
+
+
+browser_test = pytest.mark.skipif(_browser_missing() is not None, reason=_browser_missing() or "")
+
+
+class LiveServer:
+    """``serve``'s app under uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        self.sock = listen("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, log_config=None))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+class Slowed:
+    """The engine with a pause after each text chunk while ``delay`` is set (a long answer to stop)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.delay = 0.0
+        generate = engine.generate
+
+        def slowed(*args, **kwargs):
+            for chunk in generate(*args, **kwargs):
+                if self.delay:
+                    time.sleep(self.delay)
+                yield chunk
+
+        engine.generate = slowed
+
+
+@pytest.fixture(scope="module")
+def slowed_engine(int4_bundle):
+    engine = drafting_engine(int4_bundle)
+    engine.slowed = Slowed(engine)
+    return engine
+
+
+@pytest.fixture
+def browser(tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--window-size=1280,900", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_script_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def wait(driver, condition, timeout: float = 60, what: str = "the page"):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d),
+                                                                       f"timed out waiting for {what}")
+
+
+def text_of(driver, element_id: str) -> str:
+    return driver.find_element("id", element_id).text
+
+
+def send(driver, prompt: str) -> None:
+    box = driver.find_element("id", "prompt")
+    box.clear()
+    box.send_keys(prompt)
+    driver.find_element("id", "send").click()
+
+
+def save_artifact(driver, tmp_path: Path, name: str) -> Path:
+    shot = tmp_path / name
+    assert driver.save_screenshot(str(shot))
+    if os.environ.get("EDGE_SPEC_ARTIFACTS"):
+        target = Path(os.environ["EDGE_SPEC_ARTIFACTS"])
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, target / name)
+    return shot
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=10).json()
+
+
+@pytest.mark.slow
+@browser_test
+def test_chat_page_in_a_browser(slowed_engine, browser, tmp_path):
+    app, state = build_app(slowed_engine, name="tiny")
+    server = LiveServer(app)
+    driver = browser
+    try:
+        driver.get(server.url + "/")
+        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true",
+             what="the page to start")
+        assert text_of(driver, "model-name") == "tiny" and text_of(driver, "model-mode") == "spec"
+        legend = driver.find_element("class name", "legend").text
+        for label in ("drafter model", "prompt lookup", "forced by the grammar", "target"):
+            assert label in legend
+
+        # settings: greedy, a short answer; kept in localStorage
+        driver.find_element("id", "settings-button").click()
+        for field, value in (("temperature", "0"), ("max-tokens", "48")):
+            box = driver.find_element("id", field)
+            box.clear()
+            box.send_keys(value)
+        driver.find_element("id", "settings-close").click()
+
+        # a question: the answer streams in, coloured by source, with τ and tok/s
+        send(driver, PROMPT)
+        wait(driver, lambda d: text_of(d, "stat-state") in ("done", "stopped at max tokens"), what="the answer")
+        answer = driver.find_element("css selector", ".msg.assistant .body")
+        assert answer.text.strip()
+        tokens = driver.find_elements("css selector", ".msg.assistant .body .tok")
+        sources = collections.Counter(t.get_attribute("data-src") for t in tokens)
+        assert set(sources) <= SOURCES and sources["target"] > 0 and sources["model"] > 0
+        assert all(f"src-{source}" in t.get_attribute("class") for t in tokens[:20]
+                   for source in [t.get_attribute("data-src")])
+        colours = {driver.execute_script("return getComputedStyle(arguments[0]).backgroundColor", t)
+                   for t in tokens}
+        assert len(colours) >= 2  # drafted and target tokens look different
+        assert re.fullmatch(r"τ \d+\.\d\d", text_of(driver, "stat-tau"))
+        assert float(text_of(driver, "stat-tau")[2:]) >= 1.0
+        assert re.fullmatch(r"\d+\.\d tok/s", text_of(driver, "stat-tps"))
+        assert text_of(driver, "stat-tokens") == "48 tokens"
+        save_artifact(driver, tmp_path, "chat-page.png")
+
+        # a long answer, stopped: the stream closes, the server cancels it and goes idle
+        driver.find_element("id", "settings-button").click()
+        box = driver.find_element("id", "max-tokens")
+        box.clear()
+        box.send_keys("100000")
+        driver.find_element("id", "settings-close").click()
+        slowed_engine.slowed.delay = 0.15
+        send(driver, "tell me a long story about the cat and the mat")
+        wait(driver, lambda d: len(d.find_elements("css selector", ".msg.assistant")) == 2 and
+             len(d.find_elements("css selector", ".msg.assistant:last-child .tok")) >= 3, what="the long answer")
+        assert health(server.url)["busy"]
+        driver.find_element("id", "stop").click()
+        wait(driver, lambda d: text_of(d, "stat-state") == "stopped", what="the stop")
+        shown = len(driver.find_elements("css selector", ".msg.assistant:last-child .tok"))
+        deadline = time.monotonic() + 20
+        while health(server.url)["busy"]:
+            assert time.monotonic() < deadline, "the server kept answering after the stop"
+            time.sleep(0.05)
+        after = health(server.url)
+        assert after["busy"] is False and after["waiting"] == 0 and after["requests"].get("cancelled") == 1
+        time.sleep(0.5)
+        assert len(driver.find_elements("css selector", ".msg.assistant:last-child .tok")) == shown < 200
+        assert driver.find_element("id", "send").is_enabled() and not driver.find_element("id", "stop").is_enabled()
+        save_artifact(driver, tmp_path, "chat-page-stopped.png")
+
+        # settings survive a reload
+        slowed_engine.slowed.delay = 0.0
+        driver.refresh()
+        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
+        assert driver.find_element("id", "max-tokens").get_attribute("value") == "100000"
+    finally:
+        slowed_engine.slowed.delay = 0.0
+        server.stop()
+
+
+@pytest.mark.slow
+@browser_test
+def test_chat_page_asks_for_the_api_key_and_refuses_other_origins(slowed_engine, browser, tmp_path):
+    app, state = build_app(slowed_engine, name="tiny", api_key="page-key")
+    server = LiveServer(app)
+    driver = browser
+    try:
+        driver.get(server.url + "/")
+        dialog = driver.find_element("id", "key-dialog")
+        wait(driver, lambda d: dialog.is_displayed(), what="the key dialog")
+        driver.find_element("id", "api-key").send_keys("wrong")
+        driver.find_element("id", "key-save").click()
+        wait(driver, lambda d: "refused" in text_of(d, "key-error"), what="the refusal of a wrong key")
+        driver.find_element("id", "api-key").send_keys("page-key")
+        driver.find_element("id", "key-save").click()
+        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
+        assert driver.execute_script("return sessionStorage.getItem('edge-spec-api-key')") == "page-key"
+        driver.find_element("id", "settings-button").click()
+        box = driver.find_element("id", "max-tokens")
+        box.clear()
+        box.send_keys("12")
+        driver.find_element("id", "settings-close").click()
+        send(driver, PROMPT)
+        wait(driver, lambda d: text_of(d, "stat-state") in ("done", "stopped at max tokens"), what="the answer")
+        assert text_of(driver, "stat-tokens") == "12 tokens"
+        assert state.worker.counts["completed"] == 1
+
+        # a page of another origin (localhost is not 127.0.0.1 to a browser) cannot use the API
+        driver.get(f"http://localhost:{server.port}/")
+        outcome = driver.execute_async_script("""
+            const done = arguments[arguments.length - 1];
+            fetch(arguments[0] + "/v1/chat/completions", {method: "POST",
+                  headers: {"Content-Type": "application/json", "Authorization": "Bearer page-key"},
+                  body: JSON.stringify({messages: [{role: "user", content: "hi"}], max_tokens: 2})})
+              .then(r => done("answered " + r.status), e => done("refused " + e.name));
+        """, server.url)
+        assert outcome == "refused TypeError"  # the preflight got 403: the browser never sent the POST
+        assert state.worker.counts["completed"] == 1
+    finally:
+        server.stop()
