@@ -394,3 +394,91 @@ def test_chat_page_asks_for_the_api_key_and_refuses_other_origins(slowed_engine,
         assert state.worker.counts["completed"] == 1
     finally:
         server.stop()
+
+
+MARKDOWN = """# Primes
+Use `is_prime(n)` with **care** and *thought*; snake_case_names stay as they are.
+
+1. Check small numbers:
+   ```python
+   if n < 2:
+       return False
+   ```
+2. Then the rest
+   - nested item with [docs](https://docs.python.org/3/)
+
+<script>alert(1)</script> <img src=x onerror=alert(1)> [bad](javascript:alert(1))
+
+> a quote
+---
+```js
+unfinished("fence"
+"""
+
+
+@pytest.mark.slow
+@browser_test
+def test_markdown_renderer_builds_safe_dom(slowed_engine, browser):
+    """The page's renderer on a typical answer with hostile bits: structure as Markdown, every hostile
+    string as plain text, and each token's characters wrapped in its source's class."""
+    app, _ = build_app(slowed_engine, name="tiny")
+    server = LiveServer(app)
+    driver = browser
+    try:
+        driver.get(server.url + "/")
+        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
+        result = driver.execute_async_script("""
+            const [text, done] = [arguments[0], arguments[arguments.length - 1]];
+            import("/static/markdown.js").then(({renderMarkdown}) => {
+              const tokens = [];  // one token per 7 characters, sources alternating
+              for (let i = 0; i < text.length; i += 7)
+                tokens.push({start: i, end: Math.min(i + 7, text.length), source: i % 14 ? "model" : "target"});
+              const plain = document.createElement("div");
+              plain.append(renderMarkdown(text));
+              const painted = document.createElement("div");
+              painted.append(renderMarkdown(text, tokens));
+              const q = (root, css) => [...root.querySelectorAll(css)];
+              done({
+                html: plain.innerHTML, text: plain.textContent,
+                h1: q(plain, "h1").map(e => e.textContent),
+                code: q(plain, "p code").map(e => e.textContent),
+                strong: q(plain, "strong").map(e => e.textContent), em: q(plain, "em").map(e => e.textContent),
+                ol: q(plain, "ol > li").length, nestedUl: q(plain, "ol li ul > li").length,
+                blocks: q(plain, ".code-block").map(b => [b.querySelector(".code-lang").textContent,
+                                                          b.querySelector("code").textContent]),
+                blockInItem: q(plain, "ol li .code-block").length,
+                links: q(plain, "a").map(a => [a.textContent, a.getAttribute("href"), a.rel, a.target]),
+                elements: [...new Set(q(plain, "*").map(e => e.tagName.toLowerCase()))].sort(),
+                quote: q(plain, "blockquote").map(e => e.textContent), rules: q(plain, "hr").length,
+                paintedText: painted.textContent,
+                sourceText: (() => {  // the text that came from the answer: no code labels or buttons
+                  const copy = painted.cloneNode(true);
+                  copy.querySelectorAll(".code-head").forEach(h => h.remove());
+                  return copy.textContent;
+                })(),
+                spans: q(painted, "span.tok").map(s => [s.className, s.dataset.src, s.textContent]),
+              });
+            }, e => done({error: String(e)}));
+        """, MARKDOWN)
+    finally:
+        server.stop()
+    assert "error" not in result, result
+    assert result["h1"] == ["Primes"]
+    assert result["code"] == ["is_prime(n)"] and result["strong"] == ["care"] and result["em"] == ["thought"]
+    assert "snake_case_names" in result["text"]
+    assert result["ol"] == 2 and result["nestedUl"] == 1 and result["blockInItem"] == 1
+    assert result["blocks"] == [["python", "if n < 2:\n    return False"], ["js", 'unfinished("fence"']]
+    assert result["links"] == [["docs", "https://docs.python.org/3/", "noopener noreferrer", "_blank"]]
+    assert result["quote"] == ["a quote"] and result["rules"] == 1
+    # hostile text stays text: no element beyond the renderer's own, no handler, no script URL
+    assert set(result["elements"]) <= {"h1", "p", "code", "strong", "em", "ol", "ul", "li", "div", "span", "pre",
+                                       "button", "a", "blockquote", "hr", "br"}
+    assert "<script>alert(1)</script> <img src=x onerror=alert(1)> [bad](javascript:alert(1))" in result["text"]
+    assert "onerror=" not in result["html"].replace("onerror=alert(1)&gt;", "")
+    assert "javascript:" not in result["html"].replace("(javascript:alert(1))", "")
+    # painting by source keeps the text and wraps every visible character in its token's class
+    assert result["paintedText"] == result["text"]
+    assert result["spans"] and all(cls == f"tok src-{src}" for cls, src, _ in result["spans"])
+    assert {src for _, src, _ in result["spans"]} == {"model", "target"}
+    painted = "".join(text for _, _, text in result["spans"])
+    assert painted == result["sourceText"].replace("\n", "")  # all but the code blocks' line breaks

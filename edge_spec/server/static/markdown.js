@@ -142,12 +142,14 @@ class Renderer {
     head.append(language, copy);
     const pre = el("pre");
     const code = el("code");
-    for (let k = i + 1; k < j; k++) {  // each line without the fence's own indentation
+    let last = j;
+    if (j >= to) while (last > i + 1 && this.blank(last - 1)) last -= 1;  // unclosed (streaming): no blank tail
+    for (let k = i + 1; k < last; k++) {  // each line without the fence's own indentation
       const { s, e } = this.lines[k];
       let strip = 0;
       while (strip < indent && s + strip < e && this.text[s + strip] === " ") strip += 1;
       this.paint(code, s + strip, e);
-      if (k + 1 < j) code.append("\n");
+      if (k + 1 < last) code.append("\n");
     }
     pre.append(code);
     block.append(head, pre);
