@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from edge_spec.benchmarking.ort_profile import profile_rows
 from edge_spec.manifest import read_manifest
-from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.schedule import cost_profile
 from tests.helpers import chain
 
 
@@ -64,18 +65,14 @@ def profile(**verify_ms) -> cost_profile.CostProfile:
     return cost_profile.CostProfile({int(n[1:]): ms / 1e3 for n, ms in verify_ms.items()}, 0.020, 0.001, 1.0)
 
 
-def test_a_pass_costs_its_fastest_repeat_per_cache_length():
-    # two KV lengths x three repeats: one repeat slowed by load at each length
-    assert cost_profile._typical([0.050, 0.090, 0.051, 0.060, 0.061, 0.120]) == pytest.approx(0.055)
-
-
 def test_a_profile_taken_under_load_is_corrected_by_live_passes():
     busy = profile(n1=128, n2=140, n3=170)
     live = {1: 0.050, 2: 0.057}
     assert not cost_profile.correct_from_live(busy, live, {1: 3, 2: 3})  # too few live passes to judge
     assert cost_profile.correct_from_live(busy, live, {1: 20, 2: 20})
     assert busy.verify[1] == pytest.approx(0.050) and busy.verify[2] == pytest.approx(0.057)
-    assert busy.verify[3] == pytest.approx(0.170 * (0.050 / 0.128 + 0.057 / 0.140) / 2)  # the median ratio
+    assert busy.verify[3] == pytest.approx(0.170 * 0.057 / 0.140)  # the old shape through the nearest live size
+    assert busy.estimated == [3]  # for live passes to replace in turn
     assert busy.corrections == 1
 
 
@@ -151,7 +148,7 @@ def test_verify_passes_are_timed_with_every_rows_logits():
             return 0.01, 0.001
 
     target = Target()
-    cost_profile.measure(target, Drafter(), max_tokens=4, repeats=1)
+    cost_profile.measure(target, Drafter(), max_tokens=4)
     timed = [(rows, logits) for rows, logits in target.passes if rows <= 4]
     assert sorted(set(timed)) == [(1, 1), (2, 2), (3, 3), (4, 4)]
 
@@ -179,7 +176,7 @@ def test_the_drafter_s_second_row_is_profiled():
         def profile_step(self, rows: int = 1) -> tuple[float, float]:
             return 0.010 + 0.002 * (rows - 1), 0.001
 
-    profile = cost_profile.measure(Target(), Drafter(), max_tokens=2, repeats=2)
+    profile = cost_profile.measure(Target(), Drafter(), max_tokens=2)
     assert profile.draft_body == pytest.approx(0.010)
     assert profile.draft_catch_up == pytest.approx(0.002)
 
@@ -195,3 +192,262 @@ def test_verify_rows_profile_splits_every_row_count_by_bit_width(int4_bundle):
     for groups in profile.groups.values():
         assert any(group.endswith("/4bit") for group in groups), groups
         assert "MatMulNBits" not in groups  # every matmul is attributed to its role and bits
+
+
+# --- the quick profile ---------------------------------------------------------------------------------
+
+INTEL = {1: 68.0, 2: 77.7, 3: 95.5, 4: 108.3, 5: 131.2, 6: 135.6, 7: 150.0, 8: 168.6, 9: 182.0, 10: 194.0,
+         11: 206.0, 12: 218.7, 13: 233.0, 14: 248.0, 15: 262.0, 16: 277.3, 17: 292.0}  # ms by rows
+
+
+class CurveTarget:
+    """A target whose pass over n rows costs ``curve[n]`` ms times ``load`` (as ``cost_profile._timed``
+    reports it, patched by :func:`timed_by`), counting its passes."""
+
+    capacity = 512
+
+    def __init__(self, curve: dict[int, float], load: float = 1.0) -> None:
+        self.curve, self.load = curve, load
+        self.passes: list[int] = []
+        self.last = 0.0
+
+    def reset(self) -> None:
+        pass
+
+    def rewind(self, length: int) -> None:
+        pass
+
+    def forward(self, tokens, num_logits):
+        self.passes.append(len(tokens))
+        self.last = self.curve.get(len(tokens), 0.0) * self.load / 1e3
+
+
+class StepDrafter:
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def profile_fill(self, length: int) -> None:
+        pass
+
+    def profile_step(self, rows: int = 1) -> tuple[float, float]:
+        self.steps += 1
+        return 0.014 + 0.003 * (rows - 1), 0.001
+
+
+def timed_by(monkeypatch, target: CurveTarget) -> None:
+    def timed(fn):
+        fn()
+        return target.last
+
+    monkeypatch.setattr(cost_profile, "_timed", timed)
+
+
+def test_the_quick_profile_times_a_few_row_counts_once(monkeypatch):
+    target, drafter = CurveTarget(INTEL), StepDrafter()
+    timed_by(monkeypatch, target)
+    profile = cost_profile.measure(target, drafter, max_tokens=17)
+    timed = [1, 2, 3, 4, 5, 6, 8, 12, 17]
+    assert cost_profile.quick_rows(17) == timed
+    assert target.passes == [cost_profile.QUICK_LENGTH] + timed  # one warm-up, then one pass per row count
+    assert drafter.steps <= 2 * len(timed) + 4
+    assert profile.quick and sorted(profile.verify) == list(range(1, 18))
+    assert profile.estimated == [7, 9, 10, 11, 13, 14, 15, 16]
+    for n in timed:  # exact where timed
+        assert profile.verify[n] == pytest.approx(INTEL[n] / 1e3)
+    costs = [profile.verify[n] for n in range(1, 18)]
+    assert costs == sorted(costs)  # non-decreasing
+    assert profile.verify[10] == pytest.approx((INTEL[8] + (INTEL[12] - INTEL[8]) / 2) / 1e3)
+    assert profile.draft_body == pytest.approx(0.014) and profile.draft_catch_up == pytest.approx(0.003)
+
+
+def test_interpolation_is_monotone_and_a_pass_slowed_by_other_load_is_lowered():
+    timed = {1: 0.068, 2: 0.078, 3: 0.200, 4: 0.108, 8: 0.170}  # the 3-row pass met other load
+    curve = cost_profile.interpolate(timed, 10)
+    assert curve[1] == 0.068 and curve[2] == 0.078 and curve[4] == 0.108 and curve[8] == 0.170
+    assert curve[3] == 0.108  # no dearer than a pass over more rows
+    assert [curve[n] for n in range(1, 11)] == sorted(curve.values())
+    assert curve[6] == pytest.approx(0.108 + 2 / 4 * (0.170 - 0.108))
+    assert curve[10] == 0.170  # past the last timed count: flat
+
+
+def quick(**verify_ms) -> cost_profile.CostProfile:
+    """A quick profile timed at the sizes given, the rest of 1..max interpolated."""
+    timed = {int(n[1:]): ms / 1e3 for n, ms in verify_ms.items()}
+    verify = cost_profile.interpolate(timed, max(timed))
+    return cost_profile.CostProfile(verify, 0.014, 0.001, 1.0, quick=True,
+                                    estimated=[n for n in verify if n not in timed])
+
+
+def test_live_passes_replace_interpolated_values():
+    profile = quick(**{f"n{n}": INTEL[n] for n in cost_profile.quick_rows(17)})
+    assert profile.estimated == [7, 9, 10, 11, 13, 14, 15, 16]
+    level = 1.1  # live moving averages run above a profile of single passes
+    live = {n: level * INTEL[n] / 1e3 for n in (2, 3, 4, 9)}
+    assert not cost_profile.refine_from_live(profile, live, {n: 3 for n in live})  # too few to judge
+    assert cost_profile.refine_from_live(profile, live, {n: 20 for n in live})
+    assert profile.verify[9] == pytest.approx(INTEL[9] / 1e3)  # live, at the profile's level
+    assert 9 not in profile.estimated and profile.estimated == [7, 10, 11, 13, 14, 15, 16]
+    assert profile.verify[2] == INTEL[2] / 1e3 and profile.verify[8] == INTEL[8] / 1e3  # timed sizes stay
+    # the estimates left are drawn again through the new point, and stay monotone
+    assert INTEL[9] / 1e3 <= profile.verify[10] <= profile.verify[11] <= INTEL[12] / 1e3
+    assert profile.corrections == 0
+    assert not cost_profile.refine_from_live(profile, live, {n: 20 for n in live})  # nothing new
+
+
+def test_the_planner_reads_live_latencies_at_every_row_count():
+    """Sizes the profile only estimated are seeded like the timed ones, and a live measurement of any
+    size replaces its seed; sizes not measured live follow the measured ones."""
+    from edge_spec.runtime.model.decoder import DecoderStats
+
+    profile = quick(n1=68, n2=78, n3=96, n6=136)
+    stats = DecoderStats()
+    for n, seconds in profile.verify.items():
+        stats.seed(n, seconds)
+    for _ in range(10):
+        stats.add(5, 0.140)  # an estimated size
+        stats.add(3, 0.096)
+    recent = stats.recent_seconds()
+    assert recent[5] == pytest.approx(0.140) and recent[3] == pytest.approx(0.096)
+    assert recent[4] == pytest.approx(profile.verify[4] * 0.140 / profile.verify[5])  # the upper median ratio
+
+
+QUIET = {n: ms / 1e3 for n, ms in INTEL.items()}
+
+
+def test_a_busy_machine_s_profile_converges_to_the_quiet_numbers():
+    """Measured while other processes took the cores (each size slowed by its own amount), then refined by
+    the live passes of successive requests on the quiet machine: every size measured live takes the quiet
+    latency, and the estimates between follow them until those are measured too."""
+    rng = np.random.default_rng(0)
+    busy = {n: t * rng.uniform(1.6, 3.0) for n, t in QUIET.items() if n in cost_profile.quick_rows(17)}
+    profile = cost_profile.CostProfile(cost_profile.interpolate(busy, 17), 0.030, 0.002, 1.0, quick=True,
+                                       estimated=[n for n in range(1, 18) if n not in busy])
+    requests = [(2, 3, 4), (1, 5, 6), (7, 8, 9), (10, 11, 12, 13), (14, 15, 16, 17)]
+    steps = {1: 0.014, 2: 0.017}
+    for number, sizes in enumerate(requests):
+        live = {n: QUIET[n] for n in sizes}
+        assert cost_profile.refine_from_live(profile, live, {n: 20 for n in sizes}, steps, {1: 50, 2: 20})
+        if number == 0:  # replaced, not scaled: the live sizes as they are, the drafter's live step
+            assert profile.corrections == 1 and not profile.suspect
+            assert profile.draft_body == 0.014 and profile.draft_catch_up == pytest.approx(0.003)
+            assert [profile.verify[n] for n in (2, 3, 4)] == [QUIET[2], QUIET[3], QUIET[4]]
+            assert profile.estimated == [1, *range(5, 18)]
+        costs = [profile.verify[n] for n in range(1, 18)]
+        assert costs == sorted(costs)
+    assert profile.verify == pytest.approx(QUIET) and profile.estimated == []
+    assert profile.corrections == 1  # once replaced, refined like any profile
+    assert not cost_profile.refine_from_live(profile, {n: 1.1 * t for n, t in QUIET.items()}, {n: 20 for n in QUIET})
+
+
+def test_a_profile_that_matches_live_passes_is_kept_as_it_is():
+    right = quick(n1=68, n2=78, n3=96, n4=108)
+    kept = dict(right.verify)
+    for margin in (1.0, 1.05, 1.2, 1.4):  # live moving averages run at or above the profile
+        live = {n: margin * t for n, t in kept.items()}
+        assert not cost_profile.refine_from_live(right, live, {n: 20 for n in live})
+        assert not cost_profile.outgrown_by_live(right, live, {n: 20 for n in live})
+    assert not cost_profile.refine_from_live(right, {n: 0.9 * t for n, t in kept.items()}, {n: 20 for n in kept})
+    assert right.verify == kept and right.corrections == 0
+
+
+def test_a_suspect_profile_gives_way_to_any_faster_live_passes():
+    """Evidence of load when it was measured (other processes busy, or slower than the profile measured
+    before it): live passes that beat it at every size replace it, even by less than a trusted one needs."""
+    trusted, suspect = quick(n1=68, n2=78, n3=96), quick(n1=68, n2=78, n3=96)
+    suspect.suspect = True
+    live = {1: 0.062, 2: 0.072, 3: 0.090}  # 7-9% faster
+    assert not cost_profile.refine_from_live(trusted, live, {n: 20 for n in live})
+    assert cost_profile.refine_from_live(suspect, live, {n: 20 for n in live})
+    assert suspect.verify == live and not suspect.suspect and suspect.corrections == 1
+    confirmed = quick(n1=68, n2=78, n3=96)
+    confirmed.suspect = True
+    assert not cost_profile.refine_from_live(confirmed, {1: 0.070, 2: 0.080, 3: 0.100}, {1: 20, 2: 20, 3: 20})
+    assert confirmed.suspect  # not faster anywhere: nothing to replace it with
+
+
+def test_a_profile_measured_while_others_were_busy_is_suspect(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    target = CurveTarget(INTEL)
+    timed_by(monkeypatch, target)
+    monkeypatch.setattr(cost_profile._CpuClock, "others", lambda self: 0.0)
+    assert not cost_profile.load_or_measure("quiet", target, StepDrafter(), 17).suspect
+    monkeypatch.setattr(cost_profile._CpuClock, "others", lambda self: 0.6)
+    busy = cost_profile.load_or_measure("busy", target, StepDrafter(), 17)
+    assert busy.suspect and busy.busy == 0.6
+    assert cost_profile.load("busy").suspect  # saved as such, for the next load's live passes
+
+
+def test_a_profile_much_slower_than_the_one_before_it_is_suspect(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost_profile._CpuClock, "others", lambda self: 0.0)
+    target = CurveTarget(INTEL)
+    timed_by(monkeypatch, target)
+    cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    cost_profile.forget("key")
+    target.load = 1.1  # about as fast: not suspect
+    assert not cost_profile.load_or_measure("key", target, StepDrafter(), 17).suspect
+    cost_profile.forget("key")
+    target.load = 2.0
+    assert cost_profile.load_or_measure("key", target, StepDrafter(), 17).suspect
+
+
+def test_the_machine_is_measured_in_a_few_passes_with_a_word_for_the_spinner(int4_bundle, tmp_path, monkeypatch):
+    """A first load on the tiny bundle at the default γ ceiling: the quick profile's passes only, announced
+    while they run; a second load measures nothing."""
+    from edge_spec.runtime.model.decoder import Decoder
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    Engine.from_bundle(int4_bundle, threads=1, mode="ar").exact_rows()  # the device checks, cached first
+    passes = []
+    forward = Decoder.forward
+
+    def counted(self, token_ids, *args, **kwargs):
+        passes.append((self.model_path.parent.name, len(token_ids)))
+        return forward(self, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(Decoder, "forward", counted)
+    said = []
+    with cost_profile.on_measure(said.append):
+        engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(16, adaptive=True))
+    assert said == ["measuring this machine's speed (first run, a few seconds)", ""]
+    profile = engine.cost_profile
+    assert profile.quick and not profile.cached and sorted(profile.verify) == list(range(1, 18))
+    assert profile.estimated == [7, 9, 10, 11, 13, 14, 15, 16]
+    target = engine.manifest["target"]["onnx"].split("/")[0]
+    assert len([p for p in passes if p[0] == target]) == 1 + len(cost_profile.quick_rows(17))
+    passes.clear()
+    with cost_profile.on_measure(said.append):
+        again = Engine.from_bundle(int4_bundle, threads=1, config=chain(16, adaptive=True))
+    assert again.cost_profile.cached and len(said) == 2
+    assert not [p for p in passes if p[0] == target]
+    # every size, estimated or timed, seeds the cost model the planner reads
+    assert again.target.recent_seconds()[10] == profile.verify[10]
+
+
+PROMPTS = ["def is_prime(n):", "one two three one two three one two", "The quick brown fox"]
+
+
+def test_a_profile_measured_under_load_is_replaced_and_greedy_output_never_changes(int4_bundle, tmp_path,
+                                                                                   monkeypatch):
+    """Profile passes 10 ms slower each (as when other processes hold the cores; the tiny model's passes
+    take a fraction of that): the answers are target-only decoding's all the same (the schedule changes
+    speed, not tokens), and the live passes of the first requests replace the profile with what they
+    cost, saved for the next load."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    timed = cost_profile._timed
+    monkeypatch.setattr(cost_profile, "_timed", lambda fn: timed(fn) + 0.010)
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
+    monkeypatch.setattr(cost_profile, "_timed", timed)
+    slow = dict(engine.cost_profile.verify)
+    for prompt in PROMPTS:
+        reference = engine.complete(prompt, max_new_tokens=40, mode="ar", exact=True).token_ids
+        assert engine.complete(prompt, max_new_tokens=40, temperature=0).token_ids == reference
+    saved = cost_profile.load(engine._profile_key)
+    assert saved.corrections >= 1
+    live = [n for n in saved.verify if n not in saved.estimated]
+    assert live and all(saved.verify[n] < slow[n] / 2 for n in live)
+    again = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
+    assert again.cost_profile.verify == pytest.approx(saved.verify)
+    for prompt in PROMPTS:
+        reference = again.complete(prompt, max_new_tokens=40, mode="ar", exact=True).token_ids
+        assert again.complete(prompt, max_new_tokens=40, temperature=0).token_ids == reference

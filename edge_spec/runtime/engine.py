@@ -131,6 +131,7 @@ class Engine:
         self._one_row_exact: bool | None = None  # see exact_rows
         self._padded_exact: bool | None = None  # see exact_available
         self._profile_key = ""
+        self._profile_calls: tuple[dict[int, int], dict[int, int]] = ({}, {})  # passes before the live ones
         self._weight_check: WeightCheck | None = None  # see from_bundle: answers wait for its verdict
         self._grammar_vocabulary: GrammarVocabulary | None = None  # see grammar_vocabulary
         self._closed = False
@@ -211,9 +212,10 @@ class Engine:
         return engine
 
     def measure_costs(self) -> CostProfile:
-        """Load (or measure once and cache) this device's cost profile for the current drafter head:
+        """Load (or measure quickly once and cache) this device's cost profile for the current drafter head:
         target passes over 1..γ_max+1 tokens, drafter body and head steps (see ``cost_profile``).
-        The γ policy plans with it from the first round; live measurements refine it."""
+        The γ policy plans with it from the first round; live measurements refine it, and the cached
+        profile after each request (:meth:`_correct_costs`)."""
         max_tokens = max(self.config.gamma + 1, 2)
         if self.target.capacity < 2 * max_tokens + 2:  # a draft of γ and its verify pass need the room
             raise EdgeSpecError(f"a context of {self.target.capacity} tokens is too short for speculative decoding "
@@ -222,7 +224,7 @@ class Engine:
         drafter = self.active_drafter()
         key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *self._placement(), max_tokens)
         with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
-            profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens)
+            profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens, self._settle)
         for n, seconds in profile.verify.items():  # live measurements, once there are some, win
             if n not in self.target.stats.recent:
                 self.target.stats.seed(n, seconds)
@@ -233,7 +235,18 @@ class Engine:
             if rows not in steps.recent:
                 steps.seed(rows, seconds)
         self.cost_profile, self._profile_key = profile, key
+        # the passes counted so far (the profile's, the device checks') are not live ones
+        self._profile_calls = (dict(self.target.stats.calls), dict(steps.calls))
         return profile
+
+    def _settle(self) -> None:
+        """Before the machine is timed: let the weight check finish hashing, on a core the passes need (the
+        first answer waits for its verdict anyway, and gives it)."""
+        if self._weight_check is not None:
+            try:
+                self._weight_check.result()
+            except EdgeSpecError:
+                pass
 
     def _placement(self) -> tuple[str, str]:
         """Where the models run, as the cached device facts are keyed: providers (with options), threads."""
@@ -271,17 +284,23 @@ class Engine:
         return rows if mode == "ar" else max(rows, GUESS_ROWS)
 
     def _correct_costs(self) -> None:
-        """After a request: a cached profile that live passes keep beating was measured under load, so
-        store what the passes cost now (``cost_profile.correct_from_live``); one that they keep losing to
-        belongs to a faster machine than this one is now, so the next load measures it again
-        (``cost_profile.outgrown_by_live``)."""
+        """After a request, judge the cost profile by the live passes since it was loaded: one that they
+        keep losing to belongs to a faster machine than this one is now, so the next load measures it
+        again (``cost_profile.outgrown_by_live``); else store what they taught it: a profile they keep
+        beating was measured under load and is replaced, estimated sizes take their live latencies
+        (``cost_profile.refine_from_live``)."""
         stats, profile = self.target.stats, self.cost_profile
         if profile is None:
             return
-        if cost_profile.correct_from_live(profile, stats.recent, stats.calls):
-            cost_profile.save(self._profile_key, profile)
-        elif cost_profile.outgrown_by_live(profile, stats.recent, stats.calls):
+        target_calls, step_calls = self._profile_calls
+        calls = {n: c - target_calls.get(n, 0) for n, c in stats.calls.items()}
+        if cost_profile.outgrown_by_live(profile, stats.recent, calls):
             cost_profile.forget(self._profile_key)
+            return
+        steps = self.active_drafter().decoder.stats
+        drafted = {n: c - step_calls.get(n, 0) for n, c in steps.calls.items()}
+        if cost_profile.refine_from_live(profile, stats.recent, calls, steps.recent, drafted):
+            cost_profile.save(self._profile_key, profile)
 
     @property
     def bytes_ratio(self) -> float:

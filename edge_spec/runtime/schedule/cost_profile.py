@@ -4,15 +4,25 @@ Why measured and not analytic: on a 2-core AVX2 CPU a target pass over 3+
 new tokens is compute-bound (int8-activation matmuls), so a memory-bound model
 (every pass costs one weight read) badly underestimates verification.  We time,
 once per bundle + drafter head + provider + thread count + ONNX Runtime version
-+ CPU, a target pass over 1..γ_max+1 new tokens and a drafter step (body and
-head separately), at a short and a longer KV length, and cache the result as
-JSON in the user cache directory (``$EDGE_SPEC_CACHE`` or
-``~/.cache/edge-spec/costs``).  Each latency is the fastest of several
-repeats: other load only ever slows a pass down, so the minimum is the
-machine's cost.  The loop keeps refining these numbers with moving averages of
-what it measures live, and a profile that live passes keep beating (it was
-taken while the machine was busy) is corrected on disk (:func:`correct_from_live`); one that live
-passes keep losing to (the machine became slower) is measured again at the next load
++ CPU, target passes over a few row counts and drafter steps (body and head
+separately), and cache the result as JSON in the user cache directory
+(``$EDGE_SPEC_CACHE`` or ``~/.cache/edge-spec/costs``).
+
+The first answer waits for it, so it is quick (:func:`measure`, about twenty passes' worth): once
+the models' pages are on huge pages (until then a pass runs at half speed), one warm-up pass, then
+one pass per row count in :func:`quick_rows` (every count up to six, where kernels that tile rows in
+pairs make neighbours differ most and where most rounds land, then a few up to the ceiling), each
+right after a drafter step as in a round.  Row counts between are interpolated (the curve is near
+linear between them) and listed in ``estimated``; live passes replace them
+(:func:`refine_from_live`), so the saved profile fills in with use, with no measuring that competes
+with an answer for the cores.
+
+A profile taken while the machine was busy is not kept as its truth.  Other processes' share of the
+CPU while it was measured (``busy``), or a profile much slower than the one measured before it for the
+same key, mark it ``suspect``; live passes that beat it (any suspect profile, by 15% a trusted one, at
+every size measured live) replace it: the sizes measured live take their live latencies and the rest
+follow the old shape through them, as estimates the next passes replace in turn.  One that live passes
+keep losing to (the machine became slower) is measured again at the next load
 (:func:`outgrown_by_live`).
 
 The analytic memory-bound side (bytes of weights each step reads) is computed
@@ -21,12 +31,14 @@ too, so that MBSU can be reported beside measured speed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +46,15 @@ import onnxruntime as ort
 
 from edge_spec.files import write_text_atomic
 from edge_spec.paths import cache_root
+from edge_spec.runtime.model import huge_pages
 
-PROFILE_VERSION = 8  # 8: the drafter's step over two rows too (the catch-up a round can leave it)
-KV_LENGTHS = (48, 256)  # the profile reports the median over these cache lengths
+PROFILE_VERSION = 9  # 9: quick profiles (a few row counts timed once, the rest estimated, refined live)
+QUICK_LENGTH = 32  # cache length the quick profile times its passes at (its warm-up pass fills it)
+DENSE_ROWS = 6  # every row count up to this one is timed
+SPARSE_ROWS = (8, 12, 16, 24, 32, 48, 64, 96, 128)  # past it, these (and the ceiling)
+BUSY = 0.25  # other processes took this share of the CPU while a profile was measured: suspect
+SLOWER = 1.3  # a profile this much slower than the one measured before it for the same key: suspect
+MIN_CALLS = 8  # live passes of a size before they judge or refine the profile
 
 
 @dataclass
@@ -48,10 +66,40 @@ class CostProfile:
     draft_catch_up: float = 0.0  # what a second row adds to a drafter body step (s; schedule.policy prices it)
     cached: bool = False
     corrections: int = 0  # times live passes replaced latencies measured under load
+    quick: bool = False  # measured by :func:`measure`: a few row counts timed once, the rest estimated
+    estimated: list[int] = field(default_factory=list)  # row counts interpolated, not timed nor measured live yet
+    busy: float = 0.0  # share of the CPU other processes used while it was measured (0 where unknown)
+    suspect: bool = False  # evidence that it was measured under load: live passes that beat it replace it
 
     @property
     def draft_step(self) -> float:
         return self.draft_body + self.draft_head
+
+
+_listeners: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def on_measure(callback: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, ``callback(what)`` is called when this machine starts being measured (a first
+    load: its speed, or a device fact), ``what`` saying so in a few words (a spinner shows it), and
+    ``callback("")`` when that is done."""
+    _listeners.append(callback)
+    try:
+        yield
+    finally:
+        _listeners.remove(callback)
+
+
+@contextlib.contextmanager
+def _measuring(what: str) -> Iterator[None]:
+    for callback in _listeners:
+        callback(what)
+    try:
+        yield
+    finally:
+        for callback in _listeners:
+            callback("")
 
 
 def cache_dir() -> Path:
@@ -82,7 +130,8 @@ def remembered(key: str, check) -> bool:
         return bool(json.loads(path.read_text())["value"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    value = bool(check())
+    with _measuring("checking this machine's arithmetic (first run)"):
+        value = bool(check())
     _store(path, {"value": value})
     return value
 
@@ -111,43 +160,103 @@ def _cpu_model() -> str:
     return ""
 
 
-def measure(target, drafter, max_tokens: int, repeats: int = 3) -> CostProfile:
-    """Time target passes over 1..max_tokens new tokens and drafter body/head steps on throwaway
-    tokens at each KV length in ``KV_LENGTHS`` (both caches are reset afterwards)."""
+def quick_rows(max_tokens: int) -> list[int]:
+    """The row counts :func:`measure` times: every count up to ``DENSE_ROWS``, then ``SPARSE_ROWS`` short
+    of the ceiling by two or more, and the ceiling ``max_tokens``."""
+    dense = range(1, min(DENSE_ROWS, max_tokens) + 1)
+    return sorted({*dense, *(n for n in SPARSE_ROWS if n <= max_tokens - 2), max_tokens})
+
+
+def measure(target, drafter, max_tokens: int) -> CostProfile:
+    """The quick profile: after the pages of the models just loaded are on huge pages, a warm-up pass of
+    ``QUICK_LENGTH`` throw-away tokens (the cache the passes are timed at), then one pass over each row
+    count in :func:`quick_rows`, each between two drafter steps as in a round; the row counts between
+    are interpolated (:func:`interpolate`) and listed as ``estimated``.  Both caches are reset afterwards."""
     started = time.perf_counter()
-    verify: dict[int, list[float]] = {n: [] for n in range(1, max_tokens + 1)}
-    body, head, two_rows = [], [], []
-    for length in KV_LENGTHS:
-        length = min(length, target.capacity - max_tokens - 1)
-        target.reset()
-        target.forward([0] * length, 1)
-        drafter.profile_fill(length)
-        for _ in range(repeats):
-            # alternate the two models as the loop does: each pass is timed right after the other
-            # model ran, which is what it costs in a round (back-to-back passes of one model are
-            # faster, and planning with them makes long drafts look cheaper than they are)
-            for n in verify:
-                drafter.profile_step()
-                # logits for every row, as a verify pass asks for them: the LM head over n rows costs
-                # more than over one, and a profile without that makes drafted rounds look cheap
-                verify[n].append(_timed(lambda: target.forward([0] * n, n)))
-                target.rewind(length)
-                body_seconds, head_seconds = drafter.profile_step()
-                body.append(body_seconds)
-                head.append(head_seconds)
-            two_rows.append(drafter.profile_step(rows=2)[0])
+    huge_pages.wait_all()  # meanwhile the pages are being copied, on one of the cores the passes need
+    length = min(QUICK_LENGTH, target.capacity - max_tokens - 1)
+    clock = _CpuClock()
+    target.reset()
+    # logits for every row, as a verify pass asks for them: the LM head over n rows costs more than over one
+    target.forward([0] * length, max_tokens)
+    drafter.profile_fill(length)
+    body, head = [], []
+
+    def drafter_step() -> None:
+        body_seconds, head_seconds = drafter.profile_step()
+        body.append(body_seconds)
+        head.append(head_seconds)
+
+    drafter_step()  # its warm-up
+    timed = {}
+    for n in quick_rows(max_tokens):
+        # alternate the two models as the loop does: each pass is timed right after the other model ran,
+        # which is what it costs in a round (back-to-back passes of one model are faster)
+        drafter_step()
+        timed[n] = _timed(lambda n=n: target.forward([0] * n, n))
+        target.rewind(length)
+    drafter_step()
+    two_rows = min(drafter.profile_step(rows=2)[0] for _ in range(2))
     target.reset()
     drafter.profile_fill(0)
-    one_row = _typical(body)
-    return CostProfile({n: _typical(t) for n, t in verify.items()}, one_row, _typical(head),
-                       time.perf_counter() - started, draft_catch_up=max(_typical(two_rows) - one_row, 0.0))
+    one_row = min(body[1:])
+    verify = interpolate(timed, max_tokens)
+    return CostProfile(verify, one_row, min(head[1:]), time.perf_counter() - started,
+                       draft_catch_up=max(two_rows - one_row, 0.0), quick=True,
+                       estimated=[n for n in verify if n not in timed], busy=clock.others())
 
 
-def _typical(seconds: list[float]) -> float:
-    """The cost of a pass as the planner should see it: the fastest repeat per KV length (load only
-    adds time), then the median over lengths (the cache grows during a request)."""
-    per_length = np.array_split(np.asarray(seconds), len(KV_LENGTHS))
-    return float(np.median([chunk.min() for chunk in per_length]))
+def interpolate(timed: dict[int, float], max_tokens: int) -> dict[int, float]:
+    """Latencies for 1..``max_tokens`` rows from those ``timed``: first each timed one lowered to the
+    cheapest timed at as many rows or more (a pass over more rows never costs less: a dearer one was
+    slowed by something else), then straight lines between them, so the curve is non-decreasing and
+    exact at every timed point that needed no lowering."""
+    sizes = sorted(timed)
+    floor = {}
+    cheapest = float("inf")
+    for n in reversed(sizes):
+        cheapest = min(cheapest, timed[n])
+        floor[n] = cheapest
+    out = {}
+    for n in range(1, max_tokens + 1):
+        below = [k for k in sizes if k <= n]
+        above = [k for k in sizes if k >= n]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            out[n] = floor[lo] if lo == hi else floor[lo] + (n - lo) / (hi - lo) * (floor[hi] - floor[lo])
+        else:
+            out[n] = floor[(below or above)[-1 if below else 0]]
+    return out
+
+
+class _CpuClock:
+    """The share of the machine's CPU that other processes used since it was made (Linux: ``/proc/stat``
+    against this process's own CPU time; 0 where either cannot be read)."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float, int] | None:
+        try:
+            lines = Path("/proc/stat").read_text().splitlines()
+            fields = [int(x) for x in lines[0].split()[1:9]]
+            cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+            tick = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, AttributeError):
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        mine = os.times()
+        # steal: time the hypervisor gave other machines, which slows this one alike
+        return ((user + nice + system + irq + softirq + steal) / tick, mine.user + mine.system,
+                time.monotonic(), max(cpus, 1))
+
+    def others(self) -> float:
+        end = self._read()
+        if self.start is None or end is None or end[2] <= self.start[2]:
+            return 0.0
+        busy, mine, wall = (e - s for e, s in zip(end[:3], self.start[:3]))
+        return float(min(max((busy - mine) / (wall * end[3]), 0.0), 1.0))
 
 
 def _timed(fn) -> float:
@@ -156,25 +265,46 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def load_or_measure(key: str, target, drafter, max_tokens: int) -> CostProfile:
+def load_or_measure(key: str, target, drafter, max_tokens: int,
+                    settle: Callable[[], None] | None = None) -> CostProfile:
+    """The cached profile, else one measured now (:func:`measure`, after ``settle()``: waiting for the
+    process's own background work) and cached: suspect when other processes were busy meanwhile, or when
+    it is much slower than the one measured before it for this key (kept by :func:`forget`)."""
     cached = load(key)
     if cached is not None:
         return cached
-    profile = measure(target, drafter, max_tokens)
+    with _measuring("measuring this machine's speed (first run, a few seconds)"):
+        if settle is not None:
+            settle()
+        profile = measure(target, drafter, max_tokens)
+    before = _read(cache_dir() / f"previous-{key}.json")
+    slower = before is not None and _median_ratio(profile.verify, before.verify) > SLOWER
+    profile.suspect = profile.busy >= BUSY or slower
     save(key, profile)
     return profile
 
 
+def _median_ratio(now: dict[int, float], before: dict[int, float]) -> float:
+    ratios = [now[n] / before[n] for n in now if before.get(n, 0) > 0]
+    return float(np.median(ratios)) if ratios else 1.0
+
+
 def load(key: str) -> CostProfile | None:
     """The cached profile, or None (none yet, or damaged: it is measured again)."""
-    path = cache_dir() / f"{key}.json"
+    profile = _read(cache_dir() / f"{key}.json")
+    if profile is not None:
+        profile.cached = True
+    return profile
+
+
+def _read(path: Path) -> CostProfile | None:
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
         data["verify"] = {int(n): t for n, t in data["verify"].items()}
-        return CostProfile(**{**data, "cached": True})
-    except (ValueError, KeyError, TypeError):
+        return CostProfile(**data)
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -191,52 +321,125 @@ def _store(path: Path, data: dict) -> None:
         pass
 
 
-UNDER_LOAD = 0.85  # live passes this much cheaper than the profile, at every measured size: re-time
+UNDER_LOAD = 0.85  # live passes this much cheaper than a trusted profile, at every size measured live: replace it
+
+
+def refine_from_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int],
+                     steps: dict[int, float] | None = None, step_calls: dict[int, int] | None = None,
+                     min_calls: int = MIN_CALLS) -> bool:
+    """Bring the profile to what live passes cost (``live``: latency by rows; ``calls``: live passes by rows,
+    only those since the profile was loaded; ``steps``/``step_calls`` the same for the drafter's body).
+    Sizes count once measured live ``min_calls`` times or more.  Returns whether the profile changed (the
+    caller saves it).
+
+    * Taken under load (:func:`correct_from_live`): replaced.
+    * Else the estimated sizes measured live take their live latencies, brought to the profile's level
+      (live moving averages run above a profile of single passes: the median ratio over the timed sizes
+      measured live), and the estimates left are drawn again through them."""
+    if correct_from_live(profile, live, calls, steps, step_calls, min_calls):
+        return True
+    measured = _measured(profile, live, calls, min_calls)
+    fresh = {n: t for n, t in measured.items() if n in profile.estimated}
+    if not fresh:
+        return False
+    timed = [measured[n] / profile.verify[n] for n in measured if n not in profile.estimated]
+    level = float(np.median(timed)) if timed else 1.0
+    anchors = {n: t for n, t in profile.verify.items() if n not in profile.estimated}
+    anchors.update({n: t / level for n, t in fresh.items()})
+    profile.verify = reshape(profile.verify, anchors)
+    profile.estimated = [n for n in profile.verify if n not in anchors]
+    return True
 
 
 def correct_from_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int],
-                      min_calls: int = 8) -> bool:
+                      steps: dict[int, float] | None = None, step_calls: dict[int, int] | None = None,
+                      min_calls: int = MIN_CALLS) -> bool:
     """Replace a profile taken while the machine was busy with what live passes cost.
 
-    Only when every size measured live (``min_calls`` passes or more) is consistently cheaper than
-    the profile: a profile slower than live at one size and right at another is noise, not load.
-    Sizes not measured live, and the drafter, are scaled by the median ratio.  Returns
-    whether the profile changed (the caller saves it)."""
-    ratios = _live_ratios(profile, live, calls, min_calls)
-    if not ratios or max(ratios.values()) >= UNDER_LOAD:
+    Taken under load: every size measured live ``min_calls`` times or more is cheaper live than profiled,
+    by ``UNDER_LOAD`` at least for a trusted profile (a profile slower than live at one size and right at
+    another is noise, not load), by anything for a suspect one.  The sizes measured live take their live
+    latencies as they are; the others keep the old shape through them (:func:`reshape`) and become
+    estimates, for live passes to replace in turn; the drafter takes its live step where measured, else
+    the median ratio.  Returns whether the profile changed (the caller saves it)."""
+    measured = _measured(profile, live, calls, min_calls)
+    if not measured:
         return False
-    scale = float(np.median(list(ratios.values())))
-    profile.verify = {n: ratios[n] * t if n in ratios else scale * t for n, t in profile.verify.items()}
-    profile.draft_body *= scale  # the load that slowed the target slowed the drafter alike
+    ratios = [t / profile.verify[n] for n, t in measured.items()]
+    if max(ratios) >= (1.0 if profile.suspect else UNDER_LOAD):
+        return False
+    profile.verify = reshape(profile.verify, measured)
+    profile.estimated = [n for n in profile.verify if n not in measured]
+    steps, step_calls = steps or {}, step_calls or {}
+    if steps.get(1, 0) > 0 and step_calls.get(1, 0) >= min_calls:
+        scale = steps[1] / profile.draft_body if profile.draft_body > 0 else 1.0
+        if steps.get(2, 0) > 0 and step_calls.get(2, 0) >= min_calls:
+            profile.draft_catch_up = max(steps[2] - steps[1], 0.0)
+        profile.draft_body = steps[1]
+    else:  # the load that slowed the target slowed the drafter alike
+        scale = float(np.median(ratios))
+        profile.draft_body *= scale
+        profile.draft_catch_up *= scale
+    profile.draft_head *= scale
     profile.corrections += 1
+    profile.suspect = False
     return True
+
+
+def reshape(old: dict[int, float], anchors: dict[int, float]) -> dict[int, float]:
+    """``old`` redrawn through ``anchors`` (new latencies at some sizes): each other size keeps its
+    ratio to the anchors around it, that ratio interpolated between theirs (the nearest anchor's past
+    the last or before the first), and stays between the anchors around it."""
+    known = sorted(n for n in anchors if old.get(n, 0) > 0)
+    if not known:
+        return dict(old)
+    out = {}
+    for n, seconds in old.items():
+        if n in anchors:
+            out[n] = anchors[n]
+            continue
+        lo = max((k for k in known if k < n), default=None)
+        hi = min((k for k in known if k > n), default=None)
+        ratio_lo = anchors[lo] / old[lo] if lo is not None else None
+        ratio_hi = anchors[hi] / old[hi] if hi is not None else None
+        if ratio_lo is not None and ratio_hi is not None:
+            ratio = ratio_lo + (n - lo) / (hi - lo) * (ratio_hi - ratio_lo)
+        else:
+            ratio = ratio_lo if ratio_lo is not None else ratio_hi
+        value = seconds * ratio
+        low = anchors[lo] if lo is not None else 0.0
+        high = anchors[hi] if hi is not None else float("inf")
+        out[n] = min(max(value, low), high) if low <= high else value
+    return out
 
 
 OUTGROWN = 1.5  # live passes this much dearer than the profile, at every measured size: measure again
 
 
-def outgrown_by_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int = 8) -> bool:
+def outgrown_by_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int],
+                     min_calls: int = MIN_CALLS) -> bool:
     """Whether the machine has become slower than its profile says, at every size measured live
     (``min_calls`` passes or more), by more than ``OUTGROWN``: throttled memory, another power mode,
-    other tenants.  Live moving averages run 10-20% above a profile of fastest repeats on a quiet
+    other tenants.  Live moving averages run 10-20% above a profile of single passes on a quiet
     machine, hence the margin.  Scaling such a profile would keep its old shape, and a slowdown does not
     keep it (a memory-bound machine prices extra rows cheaper), so the caller forgets the profile and the
     next load measures it again; until then the loop plans with live latencies (``DecoderStats``)."""
-    ratios = _live_ratios(profile, live, calls, min_calls)
-    return bool(ratios) and min(ratios.values()) > OUTGROWN
+    ratios = [t / profile.verify[n] for n, t in _measured(profile, live, calls, min_calls).items()]
+    return bool(ratios) and min(ratios) > OUTGROWN
 
 
-def _live_ratios(profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int
-                 ) -> dict[int, float]:
-    """Live latency / profiled latency per pass size measured live ``min_calls`` times or more."""
-    return {n: live[n] / profile.verify[n] for n in profile.verify
-            if n in live and calls.get(n, 0) >= min_calls and profile.verify[n] > 0}
+def _measured(profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int
+              ) -> dict[int, float]:
+    """Live latency per profiled pass size measured live ``min_calls`` times or more."""
+    return {n: live[n] for n in profile.verify
+            if live.get(n, 0) > 0 and calls.get(n, 0) >= min_calls and profile.verify[n] > 0}
 
 
 def forget(key: str) -> None:
-    """Drop a cached profile (the next load measures it again); one that cannot be removed stays."""
+    """Drop a cached profile: the next load measures it again, and compares the new one with it (kept as
+    ``previous-KEY.json``).  One that cannot be moved stays."""
     try:
-        (cache_dir() / f"{key}.json").unlink()
+        (cache_dir() / f"{key}.json").replace(cache_dir() / f"previous-{key}.json")
     except OSError:
         pass
 
