@@ -521,11 +521,18 @@ def _provider_options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
+@contextlib.contextmanager
 def _loading_status():
-    """A spinner while a bundle loads: the first load on a machine also times its passes (several seconds)."""
+    """A spinner while a bundle loads, saying what the time goes to: a first load on a machine also
+    measures the machine (``cost_profile.on_measure``)."""
     if not console.is_terminal:
-        return contextlib.nullcontext()
-    return console.status("[dim]loading the bundle (a first load also times this machine)[/dim]")
+        yield
+        return
+    from edge_spec.runtime.schedule import cost_profile
+
+    with console.status("[dim]loading the bundle[/dim]") as status, \
+            cost_profile.on_measure(lambda what: status.update(f"[dim]{what or 'loading the bundle'}[/dim]")):
+        yield
 
 
 def _stream(engine, prompt, *, markdown: bool = False, interrupt=None, **kwargs) -> str:

@@ -114,6 +114,11 @@ class PromptSpinner:
         if self._status is not None:
             self._status.update(f"[dim]reading the prompt {fraction:.0%}[/dim]")
 
+    def say(self, what: str) -> None:
+        """Show ``what`` instead while it lasts (a first run's device check; "" when done)."""
+        if self._status is not None:
+            self._status.update(f"[dim]{what or 'reading the prompt'}[/dim]")
+
     def stop(self) -> None:
         if self._status is not None:
             self._status.stop()
@@ -135,6 +140,8 @@ def stream_answer(engine, prompt, *, out: Console, console: Console, markdown: b
     """Show ``engine``'s answer to ``prompt`` as it streams (on ``out``; the spinner and the footer on
     ``console``) and return it.  Ctrl-C stops this answer only: ``interrupt`` holds SIGINT for the
     caller's turn, else it is held here from before the generation starts to the footer."""
+    from edge_spec.runtime.schedule.cost_profile import on_measure  # with the runtime, not with the chat
+
     spinner = PromptSpinner(console)
     with contextlib.ExitStack() as stack:
         if interrupt is None:
@@ -147,6 +154,7 @@ def stream_answer(engine, prompt, *, out: Console, console: Console, markdown: b
         shown = stack.enter_context(MarkdownStream(out, markdown=markdown))
         stack.callback(spinner.stop)  # stopped before the answer is finished on the screen
         spinner.start()
+        stack.enter_context(on_measure(spinner.say))  # a first answer may check the machine first
         for chunk in engine.generate(prompt, on_prefill=on_prefill, **kwargs):
             spinner.stop()
             interrupt.renew()
