@@ -1044,7 +1044,3 @@ def _click_exceptions():
         from click.exceptions import Abort
     return SimpleNamespace(NoArgsIsHelpError=exceptions.NoArgsIsHelpError, UsageError=exceptions.UsageError,
                            ClickException=exceptions.ClickException, Abort=Abort)
-
-
-if __name__ == "__main__":
-    main()
