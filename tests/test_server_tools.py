@@ -279,6 +279,17 @@ def test_malformed_tool_requests_are_400_naming_the_field(engine, body, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_logprobs_with_tools_the_model_may_call_are_refused(engine):
+    """A call's text is not the answer's content, so its tokens' log-probabilities have no place: a 400 naming
+    logprobs; with tool_choice "none" the answer is text and its log-probabilities come back."""
+    ask = {"model": NAME, "messages": ASK, "tools": [WEATHER], "logprobs": True, "max_tokens": 4}
+    with serving(engine) as (client, http):
+        refused = http.post("/v1/chat/completions", json=ask)
+        answer = client.chat.completions.create(**ask, tool_choice="none", temperature=0)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+    assert len(answer.choices[0].logprobs.content) == answer.usage.completion_tokens
+
+
 # -- LangChain -------------------------------------------------------------------------------------
 
 

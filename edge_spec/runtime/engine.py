@@ -21,6 +21,7 @@ from edge_spec.integrity import WeightCheck
 from edge_spec.manifest import eagle_heads, read_manifest, verify_files
 from edge_spec.paths import find_bundle
 from edge_spec.runtime.constrain import Constraint, GrammarVocabulary, grammar_for
+from edge_spec.runtime.logprobs import ChunkLogprobs, LogprobRecorder, TokenLogprob
 from edge_spec.runtime.loops import check_constraint, generate_tokens, proposer_names
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
 from edge_spec.runtime.loops.stats import TARGET, SpecStats, SpecSummary
@@ -143,6 +144,7 @@ class Engine:
         self._tokens: Iterator[int] | None = None  # the active generation's token loop
         self.last_stats = GenerationStats()
         self.last_token_ids: list[int] = []
+        self.last_logprobs: list[TokenLogprob] = []  # one per last_token_ids entry, when asked for
 
     @classmethod
     def from_bundle(
@@ -570,6 +572,8 @@ class Engine:
         response_format: dict | None = None,
         tools: list[dict] | None = None,
         on_sources: Callable[[list[list[str]]], None] | None = None,
+        logprobs: int | None = None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
     ) -> Iterator[str]:
         """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
         ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
@@ -584,8 +588,14 @@ class Engine:
         joining to the chunk, source "target" or the proposer of an accepted draft ("model", "lookup",
         "forced", ...; see :mod:`provenance`), and once more after the last chunk when the answer ends
         with tokens whose text is empty (their pieces join to ""); it reads the tokens, never changes
-        them.  While another thread generates, the call waits for it (``wait=False``: raises
-        :class:`EngineBusy`); see the class docstring."""
+        them.  ``logprobs`` (0 to 20; None: nothing computed) keeps each token's log-probability and that
+        many most likely alternatives under the target's own distribution there (its raw logits, whatever
+        the sampling settings or constraint: :mod:`logprobs`) in :attr:`last_logprobs`, one per
+        :attr:`last_token_ids` entry; ``on_logprobs(entries)`` is called before each text chunk is yielded
+        with the entries of the tokens whose text begins in it (``text_offset`` set), and once more at the
+        end for tokens whose text is empty, as ``on_sources`` is; tokens cut off with a stop string are
+        never handed out.  Neither changes a token.  While another thread generates, the call waits for it
+        (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
         self._acquire(wait)
         try:
             self._check_open()
@@ -595,7 +605,8 @@ class Engine:
                                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                           sampler=sampler, stop=stop,
                                           mode=mode, exact=exact, on_prefill=on_prefill,
-                                          response_format=response_format, tools=tools, on_sources=on_sources)
+                                          response_format=response_format, tools=tools, on_sources=on_sources,
+                                          logprobs=logprobs, on_logprobs=on_logprobs)
         finally:
             self._release()
 
@@ -634,7 +645,8 @@ class Engine:
                   top_k: int, top_p: float, seed: int | None, sampler: str, stop: str | list[str] | tuple[str, ...],
                   mode: str | None, exact: bool | None, response_format: dict | None = None,
                   on_prefill: Callable[[float], None] | None, tools: list[dict] | None = None,
-                  on_sources: Callable[[list[list[str]]], None] | None = None) -> Iterator[str]:
+                  on_sources: Callable[[list[list[str]]], None] | None = None, logprobs: int | None = None,
+                  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> Iterator[str]:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 end_ids=frozenset(self.tokenizer.eos_token_ids), sampler=sampler)
         self._cancel.clear()  # before any work: a cancel from here on, during the set-up too, stops this answer
@@ -651,13 +663,25 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
         self.last_stats = stats
         self.last_token_ids = []
-        detok = StreamingDetokenizer(self.tokenizer) if on_sources is None else SourcedText(self.tokenizer)
+        self.last_logprobs = []
+        recorder = LogprobRecorder(logprobs or 0) if logprobs is not None or on_logprobs is not None else None
+        chunk_logprobs = ChunkLogprobs(self.last_logprobs) if on_logprobs is not None else None
+        tracked = on_sources is not None or on_logprobs is not None  # text pieces labelled by token index
+        detok = SourcedText(self.tokenizer) if tracked else StreamingDetokenizer(self.tokenizer)
         stopper = StopMatcher([stop] if isinstance(stop, str) else list(stop))
         eos = self.tokenizer.eos_token_ids
         started = time.perf_counter()
         first_token_at = None
-        spec_stats = SpecStats(token_sources=[] if on_sources is not None else None)
+        spec_stats = SpecStats(token_sources=[] if on_sources is not None else None, token_logprobs=recorder)
         sources = spec_stats.token_sources if mode != "ar" else None  # ar: every token is the target's
+
+        def hand_out(pieces: list[list]) -> None:
+            """The side channels asked for, for the tokens of ``pieces`` ([[text, token index], ...])."""
+            if on_sources is not None:
+                on_sources([[piece, sources[i] if sources is not None else TARGET] for piece, i in pieces])
+            if chunk_logprobs is not None:
+                on_logprobs(chunk_logprobs.take(pieces))
+
         drafters = {} if mode == "ar" else {self.drafter_name(config): self.active_drafter(config)}
         context = ProposerContext(self.target.vocab_size, drafters)
         memory = None if mode == "ar" else self.schedule_memory(config)
@@ -678,15 +702,16 @@ class Engine:
                     stats.stop_reason = "eos"
                     break
                 self.last_token_ids.append(token)
+                if recorder is not None:
+                    self.last_logprobs.append(recorder.entries[stats.new_tokens])
                 stats.new_tokens += 1
-                if on_sources is None:
+                if not tracked:
                     text, stopped = stopper.feed(detok.push(token))
                 else:
-                    source = sources[stats.new_tokens - 1] if sources is not None else TARGET
-                    text, stopped = stopper.feed(detok.push(token, source))
+                    text, stopped = stopper.feed(detok.push(token, stats.new_tokens - 1))
                 if text:
-                    if on_sources is not None:
-                        on_sources(detok.take(len(text)))
+                    if tracked:
+                        hand_out(detok.take(len(text)))
                     yield text
                     self._check_active(generation)
                 if stopped:
@@ -699,11 +724,11 @@ class Engine:
                 text, stopped = stopper.feed(detok.flush())
                 text += "" if stopped else stopper.flush()
                 if text:
-                    if on_sources is not None:
-                        on_sources(detok.take(len(text)))
+                    if tracked:
+                        hand_out(detok.take(len(text)))
                     yield text
-                if on_sources is not None and not stopped and detok.waiting():
-                    on_sources(detok.take_rest())  # the last tokens, whose text is empty
+                if tracked and not stopped and detok.waiting():
+                    hand_out(detok.take_rest())  # the last tokens, whose text is empty
         except PrefillCancelled:
             stats.stop_reason = "cancelled"
         except NonFiniteLogits:  # met while sampling: a model of the bundle computes garbage

@@ -163,7 +163,7 @@ async def chat_completions(request: Request) -> Response:
     if tool_use is not None and tool_use.stop:
         sampling = replace(sampling, stop=sampling.stop + tool_use.stop)
     return await _answer(request, state, "chat", chat.messages, sampling, chat.stream, chat.include_usage,
-                         tool_use=tool_use, provenance=chat.provenance)
+                         tool_use=tool_use, provenance=chat.provenance, logprobs=chat.logprobs)
 
 
 async def completions(request: Request) -> Response:
@@ -178,7 +178,7 @@ async def completions(request: Request) -> Response:
             raise bad_request("'suffix' needs fill-in-the-middle tokens, and this model has none", param="suffix")
         prompt = state.fim.prompt(req.prompt, req.suffix)
     return await _answer(request, state, "completion", prompt, req.sampling, req.stream, req.include_usage,
-                         echo=req.prompt if req.echo else "", provenance=req.provenance)
+                         echo=req.prompt if req.echo else "", provenance=req.provenance, logprobs=req.logprobs)
 
 
 async def tokenize_route(request: Request) -> Response:
@@ -209,16 +209,20 @@ def _check_constrainable(state: ServerState, param: str) -> None:
 
 async def _answer(request: Request, state: ServerState, kind: str, prompt: str | list[dict], sampling: Sampling,
                   stream: bool, include_usage: bool, echo: str = "", tool_use: ToolUse | None = None,
-                  provenance: bool = False) -> Response:
+                  provenance: bool = False, logprobs: int | None = None) -> Response:
+    if logprobs is not None and tool_use is not None:
+        raise bad_request("'logprobs' together with tools the model may call is not supported: a tool call's "
+                          "text is not the answer's content (send tool_choice \"none\" or no tools)", param="logprobs")
     tools = tool_use.tools if tool_use is not None else None
     await _check_length(state, prompt, "messages" if kind == "chat" else "prompt", tools)
     engine = state.worker.engine
     sampling = sampling.resolved(coupled_available=not isinstance(engine.config, TreeConfig))
     form = ResponseFormat(kind, state.model, include_usage=include_usage and stream,
-                          fingerprint=fingerprint(engine.mode, sampling.sampler_name), sampler=sampling.sampler_name)
+                          fingerprint=fingerprint(engine.mode, sampling.sampler_name), sampler=sampling.sampler_name,
+                          pieces=await asyncio.to_thread(state.pieces) if logprobs is not None else None)
     provenance = provenance and tool_use is None  # a tool-call parser rewrites the text: no pieces to match
     job = Job(prompt, sampling, label=f"{kind} {form.id}", loop=asyncio.get_running_loop(), tools=tools,
-              provenance=provenance)
+              provenance=provenance, logprobs=logprobs)
     state.worker.submit(job)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, job))
     streaming = False
@@ -231,10 +235,11 @@ async def _answer(request: Request, state: ServerState, kind: str, prompt: str |
             parser = tool_use.parser() if tool_use is not None else None
             return _JobStream(_events(job, form, echo, parser), cancel=lambda: state.worker.cancel(job, "disconnect"),
                               media_type="text/event-stream", headers=STREAM_HEADERS)
-        text, stats, sources = await _collect(job)
+        text, stats, sources, logged = await _collect(job)
         if tool_use is None:
             return JSONResponse(form.full(echo + text, stats, job.queue_seconds,
-                                          sources=sources if provenance else None))
+                                          sources=sources if provenance else None,
+                                          logprobs=logged if logprobs is not None else None))
         parser = tool_use.parser()
         pieces = parser.feed(text) + parser.finish()
         content = "".join(p for p in pieces if isinstance(p, str)) or None
@@ -278,18 +283,21 @@ def _too_long(capacity: int, count: int, param: str, exact: bool) -> ApiError:
 
 
 async def _collect(job: Job):
-    """The answer's text, statistics and (when the job asked for them) its tokens' sources."""
-    chunks, sources = [], []
+    """The answer's text, statistics and (when the job asked for them) its tokens' sources and
+    log-probabilities."""
+    chunks, sources, logprobs = [], [], []
     while True:
         event = await job.events.get()
         if event.kind == "text":
             chunks.append(event.text)
             sources.extend(event.sources or ())
+            logprobs.extend(event.logprobs or ())
         elif event.kind == "done":
             if event.stats.stop_reason == "cancelled":
                 raise shutting_down()  # (a client that went away reads no answer)
             sources.extend(event.sources or ())
-            return "".join(chunks), event.stats, sources
+            logprobs.extend(event.logprobs or ())
+            return "".join(chunks), event.stats, sources, logprobs
         elif event.kind == "error":
             raise event.error
 
@@ -314,8 +322,8 @@ async def _events(job: Job, form: ResponseFormat, echo: str, parser: CallParser 
     while True:
         event = await job.events.get()
         if event.kind == "text":
-            if parser is None and event.sources is not None:  # the chunk names its tokens' sources
-                yield sse(form.chunk(event.text, sources=event.sources))
+            if parser is None and (event.sources is not None or event.logprobs is not None):  # per-token extras
+                yield sse(form.chunk(event.text, sources=event.sources, logprobs=event.logprobs))
                 continue
             for chunk in chunks(parser.feed(event.text) if parser else [event.text]):
                 yield sse(chunk)
@@ -326,7 +334,8 @@ async def _events(job: Job, form: ResponseFormat, echo: str, parser: CallParser 
             for chunk in chunks(parser.finish() if parser else []):
                 yield sse(chunk)
             yield sse(form.chunk("", stats=event.stats, queue_seconds=job.queue_seconds, called=calls > 0,
-                                 sources=event.sources if parser is None else None))
+                                 sources=event.sources if parser is None else None,
+                                 logprobs=event.logprobs or None))
             if form.include_usage:
                 yield sse(form.usage_chunk(event.stats))
             yield DONE

@@ -8,6 +8,13 @@ corrections, bonuses), else the proposer whose draft the target accepted ("model
 "lookup", "forced": a grammar's forced token, "guess", "eagle").  Tokens whose text is empty go with the
 next chunk, or with the last one (beside the statistics) at the end of the answer.  A non-streamed answer
 carries the whole list.  Answers whose text a tool-call parser rewrites carry none.
+
+Log-probabilities (``logprobs`` in the request) go in each choice's ``logprobs`` in OpenAI's shapes: chat's
+``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal":
+null}`` and the legacy completions' ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+"text_offset"}`` (each dict holds the top alternatives and the token itself), a streamed chunk's for the
+tokens whose text begins in it.  A token's ``token`` is its text, or where its bytes are not whole UTF-8
+(part of a character) those bytes written ``\\xNN``; ``bytes`` are always its bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from dataclasses import dataclass, field
 
 from edge_spec import __version__
 from edge_spec.runtime.engine import GenerationStats
+from edge_spec.runtime.logprobs import TokenLogprob
+from edge_spec.server.tokens import TokenPieces
 from edge_spec.server.tool_calls import ToolCall
 
 DONE = b"data: [DONE]\n\n"
@@ -76,6 +85,14 @@ def edge_spec_stats(stats: GenerationStats, queue_seconds: float) -> dict:
     }
 
 
+def token_text(pieces: TokenPieces, token_id: int) -> tuple[str, list[int]]:
+    """A token's ``token`` and ``bytes`` in a log-probability entry (module docstring)."""
+    piece = pieces.piece(token_id)
+    if isinstance(piece, str):
+        return piece, list(piece.encode())
+    return bytes(piece).decode("utf-8", errors="backslashreplace"), list(piece)
+
+
 @dataclass
 class ResponseFormat:
     """Builds one response's bodies: ``kind`` "chat" (chat.completion) or "completion" (text_completion)."""
@@ -87,6 +104,7 @@ class ResponseFormat:
     created: int = field(default_factory=lambda: int(time.time()))
     fingerprint: str | None = None  # system_fingerprint
     sampler: str | None = None  # "greedy", "coupled" or "rejection": reported in x_edge_spec
+    pieces: TokenPieces | None = None  # the tokens' texts, when log-probabilities are reported
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -95,22 +113,46 @@ class ResponseFormat:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """A choice's ``logprobs`` for the tokens of ``entries`` (None: not asked for), in this kind's shape."""
+        if entries is None or self.pieces is None:
+            return None
+        if self.kind == "chat":
+            def entry(token_id: int, logprob: float) -> dict:
+                text, raw = token_text(self.pieces, token_id)
+                return {"token": text, "logprob": logprob, "bytes": raw}
+
+            return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(*t) for t in e.top]}
+                                for e in entries], "refusal": None}
+        tokens = [token_text(self.pieces, e.token_id)[0] for e in entries]
+        top = []
+        for token, e in zip(tokens, entries):
+            alternatives = {}
+            for token_id, logprob in e.top:
+                alternatives.setdefault(token_text(self.pieces, token_id)[0], logprob)
+            alternatives.setdefault(token, e.logprob)  # the token itself, as OpenAI adds it
+            top.append(alternatives)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+                "text_offset": [e.text_offset for e in entries]}
+
     def _stats(self, stats: GenerationStats, queue_seconds: float) -> dict:
         return {**edge_spec_stats(stats, queue_seconds), "sampler": self.sampler}
 
     def full(self, text: str | None, stats: GenerationStats, queue_seconds: float,
-             tool_calls: Sequence[ToolCall] = (), sources: list[list[str]] | None = None) -> dict:
+             tool_calls: Sequence[ToolCall] = (), sources: list[list[str]] | None = None,
+             logprobs: list[TokenLogprob] | None = None) -> dict:
         """The non-streamed response (``usage`` always present); ``text`` None: the answer is calls only;
-        ``sources``: the answer's provenance (module docstring)."""
+        ``sources``: the answer's provenance, ``logprobs`` its tokens' log-probabilities (module docstring)."""
         if self.kind == "chat":
             message = {"role": "assistant", "content": text, "refusal": None}
             if tool_calls:
                 message["tool_calls"] = [call_body(call) for call in tool_calls]
-            choice = {"index": 0, "message": message, "logprobs": None,
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs),
                       "finish_reason": finish_reason(stats, bool(tool_calls))}
             body = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(stats)}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason(stats)}
             body = self._head("text_completion")
         extra = self._stats(stats, queue_seconds)
         if sources is not None:
@@ -119,19 +161,19 @@ class ResponseFormat:
 
     def chunk(self, text: str, *, first: bool = False, stats: GenerationStats | None = None,
               queue_seconds: float = 0.0, called: bool = False, delta: dict | None = None,
-              sources: list[list[str]] | None = None) -> dict:
+              sources: list[list[str]] | None = None, logprobs: list[TokenLogprob] | None = None) -> dict:
         """A stream chunk carrying ``text`` (or a chat ``delta`` as given); the last one (``stats`` given) has
         the finish reason (``called``: the answer made tool calls) and ``x_edge_spec``; ``sources``: the
-        provenance of ``text``, in ``x_edge_spec`` (module docstring).  A chat stream's first chunk carries
-        the assistant role."""
+        provenance of ``text``, in ``x_edge_spec``; ``logprobs``: its tokens' log-probabilities (module
+        docstring).  A chat stream's first chunk carries the assistant role."""
         reason = finish_reason(stats, called) if stats is not None else None
         if self.kind == "chat":
             if delta is None:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
         if self.include_usage:

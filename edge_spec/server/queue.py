@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine, GenerationStats
+from edge_spec.runtime.logprobs import TokenLogprob
 from edge_spec.server.errors import ApiError, bad_request, shutting_down
 from edge_spec.server.openai_format import edge_spec_stats
 from edge_spec.server.schemas import Sampling
@@ -37,6 +38,7 @@ class Event:
     # [[text, source], ...] when the job asked for them: a text event's; a done event's for the answer's last
     # tokens when their text is empty
     sources: list[list[str]] | None = None
+    logprobs: list[TokenLogprob] | None = None  # the same tokens' log-probabilities, when the job asked for them
 
 
 @dataclass(eq=False)
@@ -49,6 +51,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     tools: list[dict] | None = None  # for the chat template
     provenance: bool = False  # text events carry their tokens' sources (Engine.generate's on_sources)
+    logprobs: int | None = None  # text events carry their tokens' log-probabilities with this many alternatives
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str | None = None  # "disconnect" or "shutdown"
@@ -195,16 +198,24 @@ class EngineWorker:
                 engine.cancel()
 
         sources: list[list[list[str]]] = []  # the pieces of the chunk about to be yielded
+        logged: list[TokenLogprob] = []  # the log-probabilities of its tokens
+
+        def logprobs() -> list[TokenLogprob] | None:
+            taken = list(logged)
+            logged.clear()
+            return taken if job.logprobs is not None else None
 
         try:
             if job.cancelled.is_set():  # cancelled between leaving the queue and here
                 raise _Cancelled
             for text in engine.generate(job.prompt, on_prefill=stop_if_cancelled, tools=job.tools,
                                         on_sources=sources.append if job.provenance else None,
+                                        logprobs=job.logprobs,
+                                        on_logprobs=logged.extend if job.logprobs is not None else None,
                                         **job.sampling.engine_kwargs(engine.target.capacity)):
                 if job.first_text is None:
                     job.first_text = time.perf_counter()
-                job.emit(Event("text", text, sources=sources.pop() if sources else None))
+                job.emit(Event("text", text, sources=sources.pop() if sources else None, logprobs=logprobs()))
                 stop_if_cancelled()
         except _Cancelled:
             self.counts["cancelled"] += 1
@@ -224,7 +235,8 @@ class EngineWorker:
         seconds = time.perf_counter() - job.started
         self._durations.append(seconds)
         self.counts["cancelled" if stats.stop_reason == "cancelled" else "completed"] += 1
-        job.emit(Event("done", stats=stats, sources=sources.pop() if sources else None))  # tokens with no text
+        job.emit(Event("done", stats=stats, sources=sources.pop() if sources else None,  # tokens with no text
+                       logprobs=logprobs()))
         log.info("%s", describe(job, stats, seconds))
         if self.on_answered is not None:
             try:

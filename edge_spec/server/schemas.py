@@ -2,10 +2,10 @@
 
 Fields that change nothing in the answer (``user``, ``metadata``, ``store``, ``service_tier``, fields of
 future API versions, ...) are accepted and ignored, since every client sends some.  A field that would
-change the answer and is not supported (:data:`UNSUPPORTED`: ``logprobs``, ``logit_bias``, penalties,
-audio, ...) is refused with a 400 naming it whenever its value asks for something, never ignored; so are
-``n`` / ``best_of`` > 1 and prompts the engine cannot take (token arrays, several prompts, non-text message
-parts).
+change the answer and is not supported (:data:`UNSUPPORTED`: ``logit_bias``, penalties, audio, ...) is
+refused with a 400 naming it whenever its value asks for something, never ignored; so are ``n`` /
+``best_of`` > 1 and prompts the engine cannot take (token arrays, several prompts, non-text message parts).  ``logprobs`` / ``top_logprobs`` ask for token log-probabilities (:func:`_chat_logprobs`,
+:func:`_completion_logprobs`); a value out of range is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from llguidance import LLMatcher
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.constrain import grammar_for
+from edge_spec.runtime.logprobs import MAX_TOP_LOGPROBS
 from edge_spec.runtime.verify.sampling import SamplingParams
 from edge_spec.server.errors import bad_request
 
@@ -35,8 +36,6 @@ UNSUPPORTED = {
     "logit_bias": (lambda v: v == {}, "this server does not bias token probabilities"),
     "presence_penalty": (lambda v: v == 0, "this server applies no repetition penalties"),
     "frequency_penalty": (lambda v: v == 0, "this server applies no repetition penalties"),
-    "logprobs": (lambda v: v is False, "not supported yet: this server does not return token log-probabilities"),
-    "top_logprobs": (lambda v: v == 0, "not supported yet: this server does not return token log-probabilities"),
     "audio": (_never, "this model answers in text only"),
     "modalities": (lambda v: v == ["text"], "this model answers in text only"),
     "prediction": (_never, "predicted outputs are not supported"),
@@ -46,7 +45,8 @@ UNSUPPORTED = {
     "functions": (_never, "the deprecated functions API is not supported: send 'tools'"),
     "function_call": (_never, "the deprecated functions API is not supported: send 'tool_choice'"),
 }
-COMPLETION_UNSUPPORTED = ("logit_bias", "presence_penalty", "frequency_penalty", "logprobs")
+COMPLETION_UNSUPPORTED = ("logit_bias", "presence_penalty", "frequency_penalty")
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,7 @@ class ChatRequest:
     model: str | None = None
     tools: ToolRequest | None = None  # None: no tools sent
     provenance: bool = False  # x_edge_spec.provenance: each chunk names its tokens' sources
+    logprobs: int | None = None  # top_logprobs when logprobs is true (None: no log-probabilities)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class CompletionRequest:
     include_usage: bool = False
     model: str | None = None
     provenance: bool = False
+    logprobs: int | None = None  # the alternatives per token to report (None: no log-probabilities)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -137,7 +139,7 @@ def parse_chat(body: dict) -> ChatRequest:
     return ChatRequest(messages=[_message(m, i) for i, m in enumerate(messages)],
                        sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
                        stream=_stream(body), include_usage=_include_usage(body), model=_typed(body, "model", str),
-                       tools=_tool_request(body), provenance=_provenance(body))
+                       tools=_tool_request(body), provenance=_provenance(body), logprobs=_chat_logprobs(body))
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -155,7 +157,7 @@ def parse_completion(body: dict) -> CompletionRequest:
     return CompletionRequest(prompt=prompt, sampling=_sampling(body, max_tokens_keys=("max_tokens",), default_max=16),
                              suffix=suffix, echo=bool(_typed(body, "echo", bool)), stream=_stream(body),
                              include_usage=_include_usage(body), model=_typed(body, "model", str),
-                             provenance=_provenance(body))
+                             provenance=_provenance(body), logprobs=_completion_logprobs(body))
 
 
 def _refuse_unsupported(body: dict, fields: dict) -> None:
@@ -380,3 +382,29 @@ def _provenance(body: dict) -> bool:
     if value is not None and not isinstance(value, bool):
         raise bad_request("'x_edge_spec.provenance' must be a boolean", param="x_edge_spec.provenance")
     return bool(value)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs: true`` and ``top_logprobs`` (0 to 20): the number of alternatives per token to
+    report, None when log-probabilities are not asked for."""
+    wanted = _typed(body, "logprobs", bool)
+    top = _typed(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
+    if top and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """The legacy completions' ``logprobs`` (0 to 5): the alternatives per token, None when not asked for.
+    The prompt's own log-probabilities are not computed, so ``echo`` with them is refused."""
+    top = _typed(body, "logprobs", int)
+    if top is None:
+        return None
+    if not 0 <= top <= MAX_COMPLETION_LOGPROBS:
+        raise bad_request(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {top}", param="logprobs")
+    if _typed(body, "echo", bool):
+        raise bad_request("'logprobs' with 'echo' is not supported: the prompt's tokens get no log-probabilities "
+                          "here; send one without the other", param="echo")
+    return top

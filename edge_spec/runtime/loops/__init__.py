@@ -46,7 +46,8 @@ def generate_tokens(config: LoopConfig, target: Decoder, context: ProposerContex
     if constraint is not None:
         check_constraint(config)
     if isinstance(config, ArConfig):
-        return generate_autoregressive(target, prompt_ids, params, rng, max_new_tokens, constraint)
+        return generate_autoregressive(target, prompt_ids, params, rng, max_new_tokens, constraint,
+                                       stats.token_logprobs if stats is not None else None)
     names = proposer_names(config)
     if constraint is not None and "forced" not in names:
         names = ("forced",) + names

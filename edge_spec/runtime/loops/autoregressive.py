@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from edge_spec.runtime.constrain import Constraint
+from edge_spec.runtime.logprobs import LogprobRecorder
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.verify.coupled import draw_sampled
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, mask_logits
@@ -26,16 +27,19 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
 
 def generate_autoregressive(
     target: Decoder, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, max_new_tokens: int,
-    constraint: Constraint | None = None,
+    constraint: Constraint | None = None, logprobs: LogprobRecorder | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` ids; the caller stops early (eos, stop string, cancel) by closing us.
-    ``constraint``: each token is chosen among the tokens it allows (the masked logits)."""
+    ``constraint``: each token is chosen among the tokens it allows (the masked logits).  ``logprobs``:
+    records each token's entry from its raw row before the token is yielded."""
     logits = target.prefill(prompt_ids)["logits"][-1]
     for step in range(max_new_tokens):
         allowed = constraint.allowed() if constraint is not None else None
         token = choose_token(logits, params, rng, len(prompt_ids) + step, allowed)
         if constraint is not None:
             constraint.advance(token)
+        if logprobs is not None:
+            logprobs.record(logits, token)
         yield token
         if step + 1 < max_new_tokens:
             logits = target.forward([token])["logits"][-1]

@@ -8,7 +8,9 @@
   the proposers the target's outputs, and emits the accepted drafts plus the correction/bonus token.
   When the stats keep ``token_sources``, every emitted token's source goes there just before it is
   yielded: the proposer of the round :meth:`Request.record_round` recorded for an accepted draft,
-  "target" for the first token and each correction/bonus.
+  "target" for the first token and each correction/bonus.  When the stats keep ``token_logprobs``,
+  every emitted token's entry goes there too, from the target's raw row for it: the prefill's last row
+  for the first token, the verify pass's row of its position for the others (``logprobs``).
 * Under a constraint (structured output) the request walks it along each round's drafts
   (:meth:`Request.constrain`), masks every verified row of the target to what it allows there
   (:meth:`Request.masked`: greedy takes the masked argmax, sampling the masked distribution), and
@@ -68,7 +70,7 @@ class Request:
         if self.constraint is not None:
             self.constraint.advance(token)
         self.committed = self.prompt_ids + [token]
-        yield from self.emit([token])
+        yield from self.emit([token], rows=outputs["logits"][-1:])
 
     def room(self, committed: list[int] | None = None, emitted: int | None = None) -> int:
         """Most drafts a round may verify: one more token is always emitted, and the context must hold them."""
@@ -119,18 +121,24 @@ class Request:
             self.constraint.advance(tokens[-1])
             self._walked = 0
         self.committed.extend(tokens)
-        yield from self.emit(tokens, [self._round_source] * accepted + [TARGET])
+        rows = outputs["logits"][path] if path is not None else outputs["logits"]  # token i's row: i, or path[i]
+        yield from self.emit(tokens, [self._round_source] * accepted + [TARGET], rows)
 
-    def emit(self, tokens: list[int], sources: list[str] | None = None) -> Iterator[int]:
+    def emit(self, tokens: list[int], sources: list[str] | None = None,
+             rows: np.ndarray | None = None) -> Iterator[int]:
         """Yield ``tokens`` up to the budget; ``sources`` (default: all the target's) go to the stats'
-        ``token_sources`` when kept, one per token yielded."""
+        ``token_sources`` when kept, one per token yielded; ``rows[i]``, the target's raw row that
+        ``tokens[i]`` was chosen from, gives its entry in ``token_logprobs`` when kept."""
         kept = self.stats.token_sources
+        logprobs = self.stats.token_logprobs
         for i, token in enumerate(tokens):
             if self.done:
                 return
             self.emitted += 1
             if kept is not None:
                 kept.append(sources[i] if sources is not None else TARGET)
+            if logprobs is not None:
+                logprobs.record(rows[i], token)
             yield token
 
     def record_round(self, block: DraftBlock, accepted: int, emitted: list[int], clock: "RoundClock",

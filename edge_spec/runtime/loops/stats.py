@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edge_spec.runtime.logprobs import LogprobRecorder
 from edge_spec.runtime.propose.base import DraftBlock
 
 TARGET = "target"  # the source of the tokens the target itself chose (first token, corrections, bonuses)
@@ -78,6 +79,9 @@ class SpecStats:
     # who each emitted token came from, in emission order, when asked for (None: not kept): the proposer
     # that drafted it ("model", "lookup", "forced", ...) or "target" (the first token, corrections, bonuses)
     token_sources: list[str] | None = None
+    # each emitted token's log-probability and top alternatives under the target's raw row, in emission
+    # order, when asked for (None: nothing computed; see ``logprobs``)
+    token_logprobs: LogprobRecorder | None = None
 
     def record_round(self, block: DraftBlock, accepted: int, first_accepted: bool, emitted: list[int], *,
                      drafted: int | None = None, draft_seconds: float = 0.0, verify_seconds: float = 0.0,
