@@ -280,7 +280,7 @@ def health(url: str) -> dict:
 @pytest.mark.slow
 @browser_test
 def test_chat_page_in_a_browser(slowed_engine, browser, tmp_path):
-    app, state = build_app(slowed_engine, name="tiny")
+    app, _ = build_app(slowed_engine, name="tiny")
     server = LiveServer(app)
     driver = browser
     try:

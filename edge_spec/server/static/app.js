@@ -8,6 +8,7 @@ import { renderMarkdown } from "./markdown.js";
 const SETTINGS_KEY = "edge-spec-chat-settings";
 const API_KEY = "edge-spec-api-key";
 const DEFAULTS = { temperature: 0, maxTokens: 1024, system: "", colour: true };
+const RENDER_MS = 150;
 const DRAFTED = { model: "drafter", eagle: "EAGLE head", lookup: "lookup", forced: "forced", guess: "guess" };
 
 const $ = (id) => document.getElementById(id);
@@ -165,7 +166,8 @@ class Answer {
     this.counts = {};
     this.firstAt = null;
     this.final = null;  // the last chunk's x_edge_spec
-    this.pending = false;
+    this.timer = null;  // a rendering to come
+    this.finished = false;
   }
 
   add(piece, source) {
@@ -182,13 +184,19 @@ class Answer {
     return Object.values(this.counts).reduce((a, b) => a + b, 0);
   }
 
-  render() {  // at most once a frame
-    if (this.pending) return;
-    this.pending = true;
-    requestAnimationFrame(() => {
-      this.pending = false;
-      this.renderNow();
-    });
+  render() {  // at most every RENDER_MS: the browser shares the CPU with the model on a small machine
+    if (this.timer !== null || this.finished) return;
+    this.timer = setTimeout(() => {
+      this.timer = null;
+      if (!this.finished) this.renderNow();
+    }, RENDER_MS);
+  }
+
+  finish() {  // the last rendering: nothing redraws the answer after it
+    this.finished = true;
+    clearTimeout(this.timer);
+    this.timer = null;
+    this.renderNow();
   }
 
   renderNow() {
@@ -223,7 +231,10 @@ function showStats(answer, stateText) {
   $("stat-tokens").textContent = (x ? x.new_tokens : n) + " tokens";
   const shares = Object.entries(answer.counts)
     .sort((a, b) => b[1] - a[1])
-    .map(([source, count]) => `${DRAFTED[source] || source} ${Math.round((100 * count) / Math.max(n, 1))}%`);
+    .map(([source, count]) => {
+      const share = (100 * count) / Math.max(n, 1);
+      return `${DRAFTED[source] || source} ${share > 0 && share < 1 ? "<1" : Math.round(share)}%`;
+    });
   $("stat-sources").textContent = shares.length ? "· " + shares.join(" · ") : "";
   if (stateText) $("stat-state").textContent = stateText;
 }
@@ -329,7 +340,7 @@ async function send(text) {
   } finally {
     state.controller = null;
     setBusy(false);
-    answer.renderNow();
+    answer.finish();
     showStats(answer, outcome || "done");
     const x = answer.final;
     node.querySelector(".foot").textContent = x
