@@ -76,14 +76,16 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
 
 def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed_gammas: list[int] | None = None,
               trees: list[TreeConfig] = (), ssds: list[SsdConfig] = (), lookup: bool = False,
-              reference: bool = True, eagle: bool = False, eagle_heads: list[str] | None = None) -> list[BenchMode]:
+              reference: bool = True, eagle: bool = False, eagle_heads: list[str] | None = None,
+              spec: bool = True) -> list[BenchMode]:
     """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one
     mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft configuration
     (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own schedule
     ``chain``; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``).
     With ``eagle`` the bundle's EAGLE head gets the fixed-γ and schedule modes too (``eagle@γ2``, ``eagle``),
     once per LM head in ``eagle_heads`` (default: the bundle's default EAGLE head; ``eagle`` is the full
-    head, ``eagle+trim-4096`` another)."""
+    head, ``eagle+trim-4096`` another).  With ``spec`` False the drafter model's chains without lookup
+    (``spec``, ``spec@γ2``) are left out; its ``+lookup``, multi-draft and SSD modes still run."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
@@ -97,7 +99,7 @@ def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed
         name = "spec" if head == "full" else f"spec+{head}"
         others = [BenchMode(f"{name}+k{tree.drafts}-{tree.verifier}@γ{tree.gamma}", head, tree) for tree in trees]
         others += [BenchMode(f"{name}+ssd@γ{ssd.gamma}", head, ssd) for ssd in ssds]
-        modes += _chain_modes(name, head, plain, fixed_gammas, lookup, others)
+        modes += _chain_modes(name, head, plain, fixed_gammas, lookup, others, without_lookup=spec)
     if eagle:
         if not engine.manifest.get("eagle"):
             raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
@@ -110,17 +112,19 @@ def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed
 
 
 def _chain_modes(name: str, head: str, plain: ChainConfig, fixed_gammas: list[int] | None,
-                 lookup: bool, others: list[BenchMode] = ()) -> list[BenchMode]:
-    """One mode per fixed γ, then ``others``, then the run's schedule as ``name`` (each also with
-    lookup: ``name+lookup``)."""
+                 lookup: bool, others: list[BenchMode] = (), without_lookup: bool = True) -> list[BenchMode]:
+    """One mode per fixed γ, then ``others``, then the run's schedule as ``name``: each without prompt
+    lookup (unless ``without_lookup`` is False) and, with ``lookup``, with it (``name+lookup``)."""
     modes = []
     for gamma in fixed_gammas or []:
         fixed = dataclasses.replace(plain, gamma=gamma, adaptive=False)
-        modes.append(BenchMode(f"{name}@γ{gamma}", head, fixed))
+        if without_lookup:
+            modes.append(BenchMode(f"{name}@γ{gamma}", head, fixed))
         if lookup:
             modes.append(BenchMode(f"{name}+lookup@γ{gamma}", head, with_lookup(fixed, True)))
     modes += others
-    modes.append(BenchMode(name, head, plain))
+    if without_lookup:
+        modes.append(BenchMode(name, head, plain))
     if lookup:
         modes.append(BenchMode(f"{name}+lookup", head, with_lookup(plain, True)))
     return modes

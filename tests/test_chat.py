@@ -63,9 +63,9 @@ def test_chat_command_on_piped_input(int4_bundle):
 def test_a_turn_that_fails_mid_answer_ends_that_turn_not_the_chat(int4_bundle, monkeypatch):
     from typer.testing import CliRunner
 
-    from edge_spec import cli as cli_module
+    from edge_spec.cli import app, ask
 
-    real = cli_module._stream
+    real = ask._stream
     seen = []
 
     def failing_once(engine, messages, **kwargs):
@@ -74,8 +74,8 @@ def test_a_turn_that_fails_mid_answer_ends_that_turn_not_the_chat(int4_bundle, m
             raise EdgeSpecError("context full: 257 tokens exceed the context length 256")
         return real(engine, messages, **kwargs)
 
-    monkeypatch.setattr(cli_module, "_stream", failing_once)
-    result = CliRunner().invoke(cli_module.app, ["chat", str(int4_bundle), "--threads", "1", "--max-tokens", "4"],
+    monkeypatch.setattr(ask, "_stream", failing_once)
+    result = CliRunner().invoke(app, ["chat", str(int4_bundle), "--threads", "1", "--max-tokens", "4"],
                                 input="first\nsecond\n/exit\n")
     assert result.exit_code == 0, result.output
     assert "context full" in result.output

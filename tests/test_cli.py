@@ -109,6 +109,8 @@ def test_negative_threads(int4_bundle):
     (["--per-category", "0"], "--per-category must be at least 1"),
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["--temperature", "-2"], "temperature"),
+    (["--modes", "ar,medusa"], "--modes: unknown mode 'medusa'; choose from ar, ar-exact, spec"),
+    (["--eagle-head", "full"], "--eagle-head applies to --modes eagle"),
 ])
 def test_bad_bench_flags_fail_before_loading(tmp_path, int4_bundle, flags, fragment):
     """Checked before the engine loads: a bundle whose target cannot load proves nothing was loaded."""
@@ -121,7 +123,7 @@ def test_bad_bench_flags_fail_before_loading(tmp_path, int4_bundle, flags, fragm
 
 @pytest.mark.slow
 def test_missing_gguf_source(tmp_path):
-    assert_one_line_error(cli("export", "--target", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "b")),
+    assert_one_line_error(cli("export", "--target", str(tmp_path / "missing.gguf"), "--output", str(tmp_path / "b")),
                           "not found")
 
 
@@ -219,6 +221,21 @@ def test_bench_multidraft_modes(int4_bundle):
         assert r["first_token_acceptance"] * r["target_calls"] >= accepted / 2 - 1e-9, r
 
 
+def test_bench_modes_without_spec_keep_the_drafter_s_other_modes(int4_bundle):
+    """``--modes`` without spec leaves out the drafter model's chains without lookup, not its +lookup,
+    multi-draft or SSD modes."""
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
+    tree = TreeConfig(gamma=2, drafts=2, verifier="rrs")
+
+    def names(**kinds) -> list[str]:
+        return [m.name for m in modes_for(engine, ["full"], chain(2), [2], [tree], **kinds)]
+
+    assert names(lookup=True) == ["ar", "ar-exact", "spec@γ2", "spec+lookup@γ2", "spec+k2-rrs@γ2", "spec",
+                                  "spec+lookup"]
+    assert names(lookup=True, reference=False, spec=False) == ["ar", "spec+lookup@γ2", "spec+k2-rrs@γ2",
+                                                               "spec+lookup"]
+
+
 @pytest.mark.slow
 def test_generate_ssd_with_split_threads(int4_bundle):
     result = cli("generate", str(int4_bundle), "def is_prime", "--max-tokens", "8", "--mode", "ssd", "--threads", "1",
@@ -265,10 +282,11 @@ def test_bench_without_matplotlib_writes_the_json_and_says_how_to_get_the_plot(i
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # any import of matplotlib raises ImportError
     output = tmp_path / "results"
     result = CliRunner().invoke(app, ["bench", str(int4_bundle), "--max-tokens", "3", "--temperature", "0",
-                                      "--head", "trim-64", "--category", "code", "--per-category", "1",
-                                      "--no-reference", "--threads", "1", "--output", str(output)])
+                                      "--draft-head", "trim-64", "--modes", "ar,spec", "--category", "code",
+                                      "--per-category", "1", "--threads", "1", "--output", str(output)])
     assert result.exit_code == 0 and result.exception is None, (result.exception, result.output)
-    assert json.loads((output / "bench.json").read_text())["records"]
+    records = json.loads((output / "bench.json").read_text())["records"]
+    assert {r["mode"] for r in records} == {"ar", "spec+trim-64"}  # --modes ar,spec: no ar-exact reference
     assert not (output / "bench.png").exists()
     skipped = [line for line in result.output.splitlines() if "plot" in line and "skipped" in line]
     assert len(skipped) == 1, result.output
@@ -305,7 +323,7 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
     """Model text is printed verbatim: code such as ``d[bold]`` or ``arr[i]`` is not console markup."""
     from types import SimpleNamespace
 
-    from edge_spec import cli as cli_module
+    from edge_spec.cli import ask
 
     class Engine:
         last_stats = SimpleNamespace(new_tokens=3, tokens_per_second=1.0, prefill_seconds=0.1, spec=None,
@@ -317,7 +335,7 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
         def cancel(self):
             pass
 
-    assert cli_module._stream(Engine(), "hi") == "x = arr[i] + d[bold] [/]"
+    assert ask._stream(Engine(), "hi") == "x = arr[i] + d[bold] [/]"
     assert capsys.readouterr().out == "x = arr[i] + d[bold] [/]\n"
 
 

@@ -61,7 +61,7 @@ def test_export_on_a_refusing_disk_is_one_line_and_keeps_the_bundle(monkeypatch,
         _export(out, tiny_pair)
         before = (out / "manifest.json").read_text()
     monkeypatch.setattr(in_memory, "save_model", _refusing_writer(code))
-    result = _cli(monkeypatch, capsys, "export", "--target", "tiny-target", "--draft", "tiny-draft", "--out",
+    result = _cli(monkeypatch, capsys, "export", "--target", "tiny-target", "--draft", "tiny-draft", "--output",
                   str(out), "--quant", "fp32", "--context-length", "64", "--eagle", "none")
     kept = f"the existing bundle at {out} was kept" if existing else f"nothing was written to {out}"
     line = _one_line(result[0], result[2], REASONS[code], f"writing {out}", kept)
@@ -139,7 +139,7 @@ def test_export_refuses_a_pair_before_building_anything(monkeypatch, capsys, tmp
     monkeypatch.setattr(sources, "_load_model", never)
     monkeypatch.setattr(bundle, "export_decoder", never)
     out = tmp_path / "out"
-    code, _, err = _cli(monkeypatch, capsys, "export", "--target", target_dir, "--out", str(out), "--eagle", "none")
+    code, _, err = _cli(monkeypatch, capsys, "export", "--target", target_dir, "--output", str(out), "--eagle", "none")
     _one_line(code, err, fragment)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["draft", "target"]
     assert json.loads((Path(draft_dir) / "config.json").read_text())  # the sources are untouched
@@ -188,7 +188,7 @@ def test_gguf_pairs_are_checked_from_their_headers(monkeypatch, capsys, tmp_path
             check_pair(*probe_pair(target, other))
     monkeypatch.setattr(sources, "_load_model", never)
     monkeypatch.setattr(bundle, "export_decoder", never)
-    code, _, err = _cli(monkeypatch, capsys, "export", "--target", target, "--draft", other, "--out",
+    code, _, err = _cli(monkeypatch, capsys, "export", "--target", target, "--draft", other, "--output",
                         str(tmp_path / "out"), "--eagle", "none")
     _one_line(code, err, "drafter tokenizer differs from the target's at token id 5 (target 'tok5' vs "
                          "drafter 'different')")

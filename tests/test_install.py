@@ -205,8 +205,8 @@ def test_generate_given_only_a_bundle_asks_for_the_prompt(default_bundle, monkey
 def test_bench_without_an_output_writes_under_edge_spec_home(default_bundle, monkeypatch, capsys, tmp_path):
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    code, _, err = _cli(monkeypatch, capsys, "bench", "--max-tokens", "2", "--temperature", "0", "--head", "full",
-                        "--category", "code", "--per-category", "1", "--no-reference", "--threads", "1")
+    code, _, err = _cli(monkeypatch, capsys, "bench", "--max-tokens", "2", "--temperature", "0", "--draft-head", "full",
+                        "--modes", "ar,spec", "--category", "code", "--per-category", "1", "--threads", "1")
     assert code == 0, err
     assert json.loads((default_bundle.parents[1] / "bench-results" / "bench.json").read_text())["records"]
     assert sorted((tmp_path / "cwd").iterdir()) == []

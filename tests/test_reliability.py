@@ -26,14 +26,14 @@ def _export(out, tiny_pair, loader=None, **options):
 
 
 def _never(source):
-    raise AssertionError(f"loaded {source} before checking --out")
+    raise AssertionError(f"loaded {source} before checking --output")
 
 
 def _siblings(path):
     return sorted(p.name for p in path.parent.iterdir())
 
 
-# -- export --out -----------------------------------------------------------------------------------
+# -- export --output --------------------------------------------------------------------------------
 
 
 def test_export_refuses_a_directory_that_is_not_a_bundle(tmp_path, tiny_pair):
@@ -137,14 +137,14 @@ def test_add_heads_interrupted_leaves_the_bundle_as_it_was(tmp_path, tiny_pair):
 
 
 def test_info_checks_the_files_like_generate(tmp_path, fp32_bundle):
-    from edge_spec import cli
+    from edge_spec.cli.info import info
 
     broken = tmp_path / "broken"
     shutil.copytree(fp32_bundle, broken)
     data = broken / "draft" / "head_full.onnx.data"
     data.write_bytes(data.read_bytes()[:-10])
     with pytest.raises(EdgeSpecError, match="size differs"):
-        cli.info(broken)
+        info(broken)
 
 
 # -- one engine, several callers --------------------------------------------------------------------
@@ -298,7 +298,7 @@ def test_generate_interrupted_exits_130(monkeypatch, capsys, fp32_bundle):
     import signal
     import time
 
-    from edge_spec import cli
+    from edge_spec.cli import ask
     from edge_spec.runtime.engine import GenerationStats
 
     class Interrupted:
@@ -319,7 +319,7 @@ def test_generate_interrupted_exits_130(monkeypatch, capsys, fp32_bundle):
                 time.sleep(0.001)
             self.last_stats = GenerationStats(new_tokens=1, stop_reason="cancelled" if self.cancelled else "length")
 
-    monkeypatch.setattr(cli, "_load_engine", lambda *args, **kwargs: Interrupted())
+    monkeypatch.setattr(ask, "load_engine", lambda *args, **kwargs: Interrupted())
     code, out, err = _cli(monkeypatch, capsys, "generate", str(fp32_bundle), "hi")
     assert code == 130
     assert "partial" in out and "cancelled" in err.splitlines()[-1]
@@ -548,7 +548,7 @@ def test_bad_gguf_through_the_cli(monkeypatch, capsys, tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(_gguf_bytes("random"))
     code, _, err = _cli(monkeypatch, capsys, "export", "--target", str(path), "--draft", str(path),
-                        "--out", str(tmp_path / "out"))
+                        "--output", str(tmp_path / "out"))
     _one_line(code, err, "not a valid GGUF file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 

@@ -363,7 +363,7 @@ def test_train_head_command_end_to_end(tmp_path, bundle, sources):
     shutil.copytree(bundle, copy)
     work = tmp_path / "work"
     args = ["train-head", str(copy), "--prompts", str(sources / "prompts.jsonl"), "--text", str(sources / "text"),
-            "--answer-tokens", "16", "--feature-layers", "0,2,3", "--draft-vocab", "64", "--intermediate", "32",
+            "--max-tokens", "16", "--feature-layers", "0,2,3", "--vocab-size", "64", "--intermediate", "32",
             "--steps", "4", "--held-out-every", "3", "--max-items", "12", "--work", str(work), "--threads", "1"]
     result = cli(*args)
     assert result.returncode == 0, result.stderr
@@ -382,7 +382,7 @@ def test_train_head_command_end_to_end(tmp_path, bundle, sources):
 def test_user_mistakes_are_one_line(tmp_path, bundle):
     assert_one_line_error(cli("train-head", str(tmp_path / "missing")), "bundle not found")
     assert_one_line_error(cli("train-head", str(bundle), "--collect-only", "--train-only"), "exclude")
-    assert_one_line_error(cli("train-head", str(bundle), "--text", str(tmp_path / "nope"), "--answer-tokens", "16",
+    assert_one_line_error(cli("train-head", str(bundle), "--text", str(tmp_path / "nope"), "--max-tokens", "16",
                               "--feature-layers",
                               "0,2,3", "--work", str(tmp_path / "w")), "not a directory")
     assert_one_line_error(cli("train-head", str(bundle), "--train-only", "--work", str(tmp_path / "empty")),

@@ -70,7 +70,7 @@ class CollectOptions:
 
     def check(self) -> None:
         if self.answer_tokens < 2:
-            raise EdgeSpecError("--answer-tokens must be at least 2")
+            raise EdgeSpecError("--max-tokens must be at least 2")
         if not 16 <= self.window <= 4096:
             raise EdgeSpecError("text windows must be between 16 and 4096 tokens")
         if self.held_out_every < 2:
@@ -383,7 +383,7 @@ def collect(bundle_dir, out_dir, *, prompts=None, text_dirs=(), options: Collect
     if options.window > capacity:  # a window is one pass: it must fit the target's context
         options = dataclasses.replace(options, window=capacity)
     if options.answer_tokens + 2 > capacity:
-        raise EdgeSpecError(f"--answer-tokens {options.answer_tokens} does not fit the target's context {capacity}")
+        raise EdgeSpecError(f"--max-tokens {options.answer_tokens} does not fit the target's context {capacity}")
     tokenizer = TextTokenizer(bundle_dir)
     prompt_list = [] if prompts is False or prompts == "" else load_prompt_set(prompts or DEFAULT_PROMPTS)
     items = interleave(prompt_items(prompt_list, options), text_items(text_dirs, tokenizer, options))

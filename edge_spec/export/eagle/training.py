@@ -76,7 +76,7 @@ class TrainOptions:
 
     def check(self) -> None:
         if self.draft_vocab < 2:
-            raise EdgeSpecError("--draft-vocab must be at least 2")
+            raise EdgeSpecError("--vocab-size must be at least 2")
         if self.intermediate < 1:
             raise EdgeSpecError("--intermediate must be positive")
         if self.steps is not None and self.steps < 1:

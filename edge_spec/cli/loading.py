@@ -1,0 +1,120 @@
+"""From the engine options to a loaded engine: the bundle, the loop, the placement, each checked before
+the (slow) load, with a spinner saying where the load's time goes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from edge_spec.cli.options import EngineFlags
+from edge_spec.cli.output import console
+from edge_spec.errors import EdgeSpecError
+
+
+def find_bundle(bundle: Path | None) -> Path:
+    """The bundle given, or the default one (a one-line error saying how to make it when it is not there)."""
+    from edge_spec.paths import find_bundle as find
+
+    return find(bundle)
+
+
+def loop_config(mode: str, **settings):
+    """The loop ``mode`` runs, with the settings given on the command line (None: not given); a flag
+    the loop cannot honour is refused in one line (``loops.config.loop_config``)."""
+    from edge_spec.runtime.loops.config import loop_config as config
+
+    return config(mode, **settings)
+
+
+def engine_config(flags: EngineFlags):
+    """The loop the engine options ask for."""
+    return loop_config(flags.mode, **flags.loop_settings())
+
+
+def check_threads(threads: int, draft_threads: int | None = None) -> None:
+    """Thread counts from 0 (all cores) to 4 x this machine's cores: more only oversubscribes (a huge
+    count hangs ORT creating threads, one past int32 overflows it)."""
+    most = 4 * (os.cpu_count() or 1)
+    for value, flag in ((threads, "--threads"), (draft_threads, "--draft-threads")):
+        if value is not None and not 0 <= value <= most:
+            raise EdgeSpecError(f"{flag} must be 0 (all cores) to {most} (4 x the {most // 4} cores here), "
+                                f"not {value}")
+
+
+def check_gamma(bundle: Path, config) -> None:
+    """Refuse, before the load, draft lengths whose target pass does not fit the bundle's context (the
+    cost measurement times passes of γ+1 tokens after at least one cached token)."""
+    from edge_spec.manifest import read_manifest
+
+    gamma = getattr(config, "gamma", 0)
+    if not gamma:
+        return
+    context = read_manifest(bundle)["context_length"]
+    if gamma + 3 > context:
+        raise EdgeSpecError(f"--gamma {gamma} does not fit the bundle's context of {context} tokens "
+                            f"(at most {max(context - 3, 0)})")
+
+
+def check_sampler(sampler: str, temperatures: list[float], configs: list) -> None:
+    """A misspelt --sampler, or one a loop of the run cannot honour, is refused before any model is loaded."""
+    from edge_spec.runtime.loops.config import check_sampling
+    from edge_spec.runtime.verify.sampling import SAMPLERS, SamplingParams
+
+    if sampler not in SAMPLERS:
+        raise EdgeSpecError(f"--sampler must be one of {', '.join(SAMPLERS)}, not {sampler!r}")
+    for temperature in temperatures:
+        params = SamplingParams(temperature=temperature, sampler=sampler, seed=0)
+        for config in configs:
+            check_sampling(config, params)
+
+
+def provider_options(pairs: list[str]) -> dict[str, str]:
+    """``--provider-option KEY=VALUE`` flags as ORT's provider-options dict."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise EdgeSpecError(f"--provider-option takes KEY=VALUE, not {pair!r}")
+        options[key.strip()] = value.strip()
+    return options
+
+
+@contextlib.contextmanager
+def loading_status() -> Iterator[None]:
+    """A spinner while a bundle loads, saying what the time goes to: a first load on a machine also
+    measures the machine (``cost_profile.on_measure``)."""
+    if not console.is_terminal:
+        yield
+        return
+    from edge_spec.runtime.schedule import cost_profile
+
+    with console.status("[dim]loading the bundle[/dim]") as status, \
+            cost_profile.on_measure(lambda what: status.update(f"[dim]{what or 'loading the bundle'}[/dim]")):
+        yield
+
+
+def open_engine(bundle: Path, config, *, provider: str = "cpu", threads: int = 0, draft_head: str | None = None,
+                draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None,
+                verify: bool = False, provider_option: list[str] | None = None, eagle_head: str | None = None):
+    """The engine for ``bundle`` running ``config``, its flags checked before the load."""
+    from edge_spec.runtime.engine import Engine
+
+    check_threads(threads, draft_threads)
+    options = provider_options(provider_option or [])
+    check_gamma(bundle, config)
+    with loading_status():
+        engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
+                                    draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
+                                    exact=exact, verify=verify, provider_options=options, eagle_head=eagle_head)
+        if exact:  # refused now, not at every request of a chat or a server (Engine.exact_for)
+            engine.exact_for(engine.config.mode, exact)
+    return engine
+
+
+def load_engine(bundle: Path, flags: EngineFlags, config):
+    """The engine the engine options ask for, running ``config`` (``engine_config(flags)``)."""
+    return open_engine(bundle, config, provider=flags.provider, threads=flags.threads, draft_head=flags.draft_head,
+                       draft_provider=flags.draft_provider, draft_threads=flags.draft_threads, exact=flags.exact,
+                       verify=flags.verify, provider_option=flags.provider_option, eagle_head=flags.eagle_head)
