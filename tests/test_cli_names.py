@@ -34,7 +34,7 @@ CONCEPTS: dict[str, str] = {
     "--schedule": r"draft length schedule|spec: adaptive",
     "--drafts": r"(spec: |multi-draft modes: )?drafts per step",
     "--verifier": r"multi-draft (sampling )?verifier",
-    "--lookup": r"(spec: also draft by )?prompt lookup drafting|spec: also draft by prompt lookup",
+    "--lookup": r"prompt lookup drafting|spec: also draft by prompt lookup",
     "--drafter": r"drafter kind|spec: what drafts",
     "--draft-head": r"(spec: )?drafter heads?\b",
     "--eagle-head": r"eagle lm heads?\b|--drafter eagle: the eagle head's lm head",

@@ -6,7 +6,8 @@ target's processed distribution p and the drafter's q (through the chosen head) 
 :func:`edge_spec.runtime.verify.tree.expected_acceptance`, the exact acceptance probability of each
 verifier averaged over how its drafts are drawn.  With branches of length 1 this is the expected
 number of accepted tokens per target call (τ - 1), so the table compares the verifiers' tokens per
-step directly; `edge-spec bench --verifier ...` measures the same loop end to end with wall-clock.
+step directly; `edge-spec bench --modes ar,spec,rrs,rrs-wor,spechub` measures the same loop end to end with
+wall-clock.
 
     python benchmarks/studies/multidraft_acceptance.py BUNDLE --temperature 0.7 --temperature 1.0 --head full
 """

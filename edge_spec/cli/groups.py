@@ -1,7 +1,8 @@
 """Option groups: a frozen dataclass whose fields are typer options, taken by a command as one parameter.
 
 ``@takes_groups`` shows typer the group's options in the parameter's place and, when the command runs,
-hands the command one instance of the group, so options several commands share are declared once.
+hands the command one instance of the group, so options several commands share are declared once.  A
+command writes such a parameter as ``engine: EngineFlags = ...`` (typer never sees its default).
 """
 
 from __future__ import annotations
