@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -71,9 +76,30 @@ def test_a_profile_taken_under_load_is_corrected_by_live_passes():
     assert not cost_profile.correct_from_live(busy, live, {1: 3, 2: 3})  # too few live passes to judge
     assert cost_profile.correct_from_live(busy, live, {1: 20, 2: 20})
     assert busy.verify[1] == pytest.approx(0.050) and busy.verify[2] == pytest.approx(0.057)
-    assert busy.verify[3] == pytest.approx(0.170 * 0.057 / 0.140)  # the old shape through the nearest live size
+    # past the live sizes (too close together for a slope of their own): the old slope (fitted: 21 ms a
+    # row) at the level of the nearest live size
+    assert busy.verify[3] == pytest.approx(0.057 + 0.021 * 0.057 / 0.140)
     assert busy.estimated == [3]  # for live passes to replace in turn
     assert busy.corrections == 1
+
+
+def test_a_busy_profile_is_redrawn_through_the_live_sizes():
+    """Between sizes measured live, a busy machine's values are noise: straight lines between the live
+    latencies replace them; past the live sizes the line goes on with their slope (rising where the busy
+    curve was flat, left by passes lowered to a cheaper one over more rows)."""
+    busy = {1: 0.120, 2: 0.137, 3: 0.207, 4: 0.207, 5: 0.253, 6: 0.253, 7: 0.276, 8: 0.366, 9: 0.366,
+            10: 0.366, 11: 0.366, 12: 0.366, 13: 0.401}
+    live = {2: 0.082, 5: 0.131}
+    redrawn = cost_profile.reshape(busy, live)
+    assert redrawn[2] == 0.082 and redrawn[5] == 0.131
+    assert redrawn[3] == pytest.approx(0.082 + 0.049 / 3) and redrawn[4] == pytest.approx(0.082 + 2 * 0.049 / 3)
+    for n in range(6, 14):
+        assert redrawn[n] == pytest.approx(0.131 + (n - 5) * 0.049 / 3)
+    assert redrawn[1] == pytest.approx(0.082 - 0.049 / 3)
+    # one live size: the busy curve's slope (fitted over all its sizes), at the live size's level
+    alone = cost_profile.reshape(busy, {2: 0.082})
+    slope = np.polyfit(list(busy), list(busy.values()), 1)[0] * 0.082 / 0.137
+    assert alone[13] == pytest.approx(0.082 + 11 * slope) and alone[1] == pytest.approx(0.082 - slope)
 
 
 def test_a_right_profile_is_left_alone():
@@ -377,6 +403,17 @@ def test_a_profile_measured_while_others_were_busy_is_suspect(tmp_path, monkeypa
     assert cost_profile.load("busy").suspect  # saved as such, for the next load's live passes
 
 
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="reads /proc/stat")
+def test_other_processes_share_of_the_cpu_is_measured():
+    """Another process spinning on a core while the profile would be measured: its share shows (a
+    quarter of the CPU or more is what marks a profile suspect); over too short a time nothing is said."""
+    assert cost_profile._CpuClock().others() == 0.0  # ticks are 10 ms: too short to tell
+    clock = cost_profile._CpuClock()
+    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    assert clock.others() >= min(0.9 / (os.cpu_count() or 1), cost_profile.BUSY)
+
+
 def test_a_profile_much_slower_than_the_one_before_it_is_suspect(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(cost_profile._CpuClock, "others", lambda self: 0.0)
@@ -431,7 +468,7 @@ def test_a_profile_measured_under_load_is_replaced_and_greedy_output_never_chang
                                                                                    monkeypatch):
     """Profile passes 10 ms slower each (as when other processes hold the cores; the tiny model's passes
     take a fraction of that): the answers are target-only decoding's all the same (the schedule changes
-    speed, not tokens), and the live passes of the first requests replace the profile with what they
+    speed, not tokens), and the live passes of the first request replace the profile with what they
     cost, saved for the next load."""
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     timed = cost_profile._timed
@@ -439,15 +476,38 @@ def test_a_profile_measured_under_load_is_replaced_and_greedy_output_never_chang
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
     monkeypatch.setattr(cost_profile, "_timed", timed)
     slow = dict(engine.cost_profile.verify)
-    for prompt in PROMPTS:
-        reference = engine.complete(prompt, max_new_tokens=40, mode="ar", exact=True).token_ids
-        assert engine.complete(prompt, max_new_tokens=40, temperature=0).token_ids == reference
+    reference = engine.complete(PROMPTS[0], max_new_tokens=40, mode="ar", exact=True).token_ids
+    assert engine.complete(PROMPTS[0], max_new_tokens=40, temperature=0).token_ids == reference
     saved = cost_profile.load(engine._profile_key)
-    assert saved.corrections >= 1
+    assert saved.corrections == 1
     live = [n for n in saved.verify if n not in saved.estimated]
     assert live and all(saved.verify[n] < slow[n] / 2 for n in live)
     again = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
-    assert again.cost_profile.verify == pytest.approx(saved.verify)
-    for prompt in PROMPTS:
-        reference = again.complete(prompt, max_new_tokens=40, mode="ar", exact=True).token_ids
+    assert again.cost_profile.cached and again.cost_profile.verify == pytest.approx(saved.verify)
+    for prompt in PROMPTS[1:]:
+        reference = engine.complete(prompt, max_new_tokens=40, mode="ar", exact=True).token_ids
+        assert engine.complete(prompt, max_new_tokens=40, temperature=0).token_ids == reference
         assert again.complete(prompt, max_new_tokens=40, temperature=0).token_ids == reference
+
+
+def test_once_a_busy_profile_is_replaced_the_planner_plans_with_the_new_one(int4_bundle, tmp_path, monkeypatch):
+    """The sizes not measured live are priced from the replaced profile in the same process too, not from
+    the busy seeds scaled by how far the live ones moved (which keeps the busy machine's shape)."""
+    from edge_spec.runtime.model.decoder import DecoderStats
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
+    busy = {1: 0.200, 2: 0.300, 3: 0.500, 4: 0.500, 5: 0.900}
+    engine.cost_profile = cost_profile.CostProfile(dict(busy), 0.020, 0.001, 1.0, quick=True, suspect=True)
+    engine.target.stats = stats = DecoderStats()
+    engine._profile_calls = ({}, {})
+    for n, seconds in busy.items():
+        stats.seed(n, seconds)
+    for _ in range(10):
+        stats.add(2, 0.050)
+        stats.add(4, 0.070)
+    engine._correct_costs()
+    assert engine.cost_profile.corrections == 1
+    expected = {1: 0.040, 2: 0.050, 3: 0.060, 4: 0.070, 5: 0.080}
+    assert engine.cost_profile.verify == pytest.approx(expected)
+    assert engine.target.recent_seconds() == pytest.approx(expected)

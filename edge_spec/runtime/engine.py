@@ -303,6 +303,10 @@ class Engine:
         drafted = {n: c - step_calls.get(n, 0) for n, c in steps.calls.items()}
         if cost_profile.refine_from_live(profile, stats.recent, calls, steps.recent, drafted):
             cost_profile.save(self._profile_key, profile)
+            for n, seconds in profile.verify.items():  # and price the sizes not measured live from it now
+                stats.profile[n] = seconds  # (what DecoderStats scales them by: live / this, where measured)
+                if stats.calls.get(n, 0) < 2:
+                    stats.recent[n] = seconds
 
     @property
     def bytes_ratio(self) -> float:

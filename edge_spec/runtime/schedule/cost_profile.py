@@ -20,8 +20,9 @@ with an answer for the cores.
 A profile taken while the machine was busy is not kept as its truth.  Other processes' share of the
 CPU while it was measured (``busy``), or a profile much slower than the one measured before it for the
 same key, mark it ``suspect``; live passes that beat it (any suspect profile, by 15% a trusted one, at
-every size measured live) replace it: the sizes measured live take their live latencies and the rest
-follow the old shape through them, as estimates the next passes replace in turn.  One that live passes
+every size measured live) replace it: the sizes measured live take their live latencies, the sizes
+between them lie on straight lines between those, and past them the line goes on with their slope (the
+old curve's at the new level where they are too few), as estimates the next passes replace in turn.  One that live passes
 keep losing to (the machine became slower) is measured again at the next load
 (:func:`outgrown_by_live`).
 
@@ -229,9 +230,13 @@ def interpolate(timed: dict[int, float], max_tokens: int) -> dict[int, float]:
     return out
 
 
+CPU_CLOCK_SPAN = 1.0  # seconds: over less, the kernel's 10 ms ticks say nothing about a share
+
+
 class _CpuClock:
     """The share of the machine's CPU that other processes used since it was made (Linux: ``/proc/stat``
-    against this process's own CPU time; 0 where either cannot be read)."""
+    against this process's own CPU time; 0 where either cannot be read, or after less than
+    ``CPU_CLOCK_SPAN``)."""
 
     def __init__(self) -> None:
         self.start = self._read()
@@ -253,7 +258,7 @@ class _CpuClock:
 
     def others(self) -> float:
         end = self._read()
-        if self.start is None or end is None or end[2] <= self.start[2]:
+        if self.start is None or end is None or end[2] - self.start[2] < CPU_CLOCK_SPAN:
             return 0.0
         busy, mine, wall = (e - s for e, s in zip(end[:3], self.start[:3]))
         return float(min(max((busy - mine) / (wall * end[3]), 0.0), 1.0))
@@ -359,8 +364,8 @@ def correct_from_live(profile: CostProfile, live: dict[int, float], calls: dict[
     Taken under load: every size measured live ``min_calls`` times or more is cheaper live than profiled,
     by ``UNDER_LOAD`` at least for a trusted profile (a profile slower than live at one size and right at
     another is noise, not load), by anything for a suspect one.  The sizes measured live take their live
-    latencies as they are; the others keep the old shape through them (:func:`reshape`) and become
-    estimates, for live passes to replace in turn; the drafter takes its live step where measured, else
+    latencies as they are; the others are drawn through them (:func:`reshape`: a busy machine's values
+    between live sizes are noise, so lines between those) and become estimates, for live passes to replace in turn; the drafter takes its live step where measured, else
     the median ratio.  Returns whether the profile changed (the caller saves it)."""
     measured = _measured(profile, live, calls, min_calls)
     if not measured:
@@ -387,30 +392,39 @@ def correct_from_live(profile: CostProfile, live: dict[int, float], calls: dict[
 
 
 def reshape(old: dict[int, float], anchors: dict[int, float]) -> dict[int, float]:
-    """``old`` redrawn through ``anchors`` (new latencies at some sizes): each other size keeps its
-    ratio to the anchors around it, that ratio interpolated between theirs (the nearest anchor's past
-    the last or before the first), and stays between the anchors around it."""
+    """``old`` redrawn through ``anchors`` (new latencies at some sizes): a size between two anchors lies
+    on the straight line between them (the curve is near linear between row counts a few apart, and the
+    old values there may be a busy machine's noise); past the last anchor, or before the first, the line
+    goes on with the anchors' slope where they span two rows or more, else the old curve's at the nearest
+    anchor's level (fitted over all sizes, so that one noisy size or a flat stretch does not set it)."""
     known = sorted(n for n in anchors if old.get(n, 0) > 0)
     if not known:
         return dict(old)
+    sizes = sorted(old)
+    fitted = _slope({n: anchors[n] for n in known}) if known[-1] - known[0] >= 2 else None
+    slope = _slope(old)
     out = {}
-    for n, seconds in old.items():
+    for n in sizes:
+        lo = max((k for k in known if k <= n), default=None)
+        hi = min((k for k in known if k >= n), default=None)
         if n in anchors:
             out[n] = anchors[n]
-            continue
-        lo = max((k for k in known if k < n), default=None)
-        hi = min((k for k in known if k > n), default=None)
-        ratio_lo = anchors[lo] / old[lo] if lo is not None else None
-        ratio_hi = anchors[hi] / old[hi] if hi is not None else None
-        if ratio_lo is not None and ratio_hi is not None:
-            ratio = ratio_lo + (n - lo) / (hi - lo) * (ratio_hi - ratio_lo)
-        else:
-            ratio = ratio_lo if ratio_lo is not None else ratio_hi
-        value = seconds * ratio
-        low = anchors[lo] if lo is not None else 0.0
-        high = anchors[hi] if hi is not None else float("inf")
-        out[n] = min(max(value, low), high) if low <= high else value
+        elif lo is not None and hi is not None:
+            out[n] = anchors[lo] + (n - lo) / (hi - lo) * (anchors[hi] - anchors[lo])
+        elif lo is not None:
+            out[n] = anchors[lo] + (n - lo) * (fitted if fitted is not None else slope * anchors[lo] / old[lo])
+        else:  # never below half the first anchor: a pass over fewer rows still reads every weight
+            step = fitted if fitted is not None else slope * anchors[hi] / old[hi]
+            out[n] = max(anchors[hi] - (hi - n) * step, anchors[hi] / 2)
     return out
+
+
+def _slope(curve: dict[int, float]) -> float:
+    """The least-squares slope of latency over rows (never negative; 0 for one point)."""
+    if len(curve) < 2:
+        return 0.0
+    sizes = sorted(curve)
+    return max(float(np.polyfit(sizes, [curve[n] for n in sizes], 1)[0]), 0.0)
 
 
 OUTGROWN = 1.5  # live passes this much dearer than the profile, at every measured size: measure again
