@@ -93,7 +93,10 @@ tok.save_pretrained(out)
 def ensure_venv(venv: Path, requirements: list[str], modules: str) -> None:
     """A virtual environment with ``requirements`` installed, unless ``import <modules>`` works there already."""
     python = venv / "bin" / "python"
-    if python.is_file() and subprocess.run([str(python), "-c", f"import {modules}"], capture_output=True).returncode == 0:
+    if (
+        python.is_file()
+        and subprocess.run([str(python), "-c", f"import {modules}"], capture_output=True).returncode == 0
+    ):
         return
     log(f"creating {venv} with {' '.join(requirements)} (once)")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -112,9 +115,22 @@ def ensure_genai_model(threads: int, name: str = NAME) -> Path:
     hf = ensure_hf_checkpoint(name)
     log(f"running the onnxruntime-genai model builder into {out} (once; takes minutes)")
     cmd = [
-        str(GENAI_PY), "-m", "onnxruntime_genai.models.builder",
-        "-i", str(hf), "-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(GENAI_CACHE),
-        "--extra_options", "accuracy_level=4", "block_size=32",
+        str(GENAI_PY),
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(hf),
+        "-o",
+        str(out),
+        "-p",
+        "int4",
+        "-e",
+        "cpu",
+        "-c",
+        str(GENAI_CACHE),
+        "--extra_options",
+        "accuracy_level=4",
+        "block_size=32",
     ]
     log(" ".join(cmd))
     started = time.perf_counter()
@@ -162,10 +178,15 @@ def genai_worker() -> None:
             gen.generate_next_token()  # one decode step + greedy pick
             n += 1
         end = time.perf_counter()
-        ids = [int(t) for t in gen.get_sequence(0)][len(prompt):]
-        return {"new_tokens": n, "prefill_seconds": first - start, "decode_seconds": end - first,
-                "tokens_per_second": (n - 1) / (end - first) if n > 1 else 0.0, "text": tokenizer.decode(ids),
-                "first_eos_at": next((i for i, t in enumerate(ids) if t in eos), None)}
+        ids = [int(t) for t in gen.get_sequence(0)][len(prompt) :]
+        return {
+            "new_tokens": n,
+            "prefill_seconds": first - start,
+            "decode_seconds": end - first,
+            "tokens_per_second": (n - 1) / (end - first) if n > 1 else 0.0,
+            "text": tokenizer.decode(ids),
+            "first_eos_at": next((i for i, t in enumerate(ids) if t in eos), None),
+        }
 
     def reply(obj: dict) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -183,10 +204,18 @@ class GenaiSide:
     """The worker process in models/genai-venv, kept alive so its runs can alternate with ours."""
 
     def __init__(self, prompt_ids: list[int], args) -> None:
-        self.proc = subprocess.Popen([str(GENAI_PY), str(Path(__file__).resolve()), "--genai-worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        spec = {"model_dir": str(GENAI_DIR), "prompt_ids": prompt_ids, "threads": args.threads,
-                "new_tokens": args.new_tokens}
+        self.proc = subprocess.Popen(
+            [str(GENAI_PY), str(Path(__file__).resolve()), "--genai-worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        spec = {
+            "model_dir": str(GENAI_DIR),
+            "prompt_ids": prompt_ids,
+            "threads": args.threads,
+            "new_tokens": args.new_tokens,
+        }
         self.version = self._ask(json.dumps(spec))["version"]
 
     def _ask(self, line: str) -> dict:
@@ -228,10 +257,16 @@ class OursSide:
         c = self.engine.complete(self.messages, max_new_tokens=n_new, temperature=0.0)
         s = c.stats
         if s.new_tokens >= n_new:
-            return {"new_tokens": s.new_tokens, "prefill_seconds": s.prefill_seconds,
-                    "decode_seconds": s.decode_seconds, "tokens_per_second": s.tokens_per_second, "text": c.text}
+            return {
+                "new_tokens": s.new_tokens,
+                "prefill_seconds": s.prefill_seconds,
+                "decode_seconds": s.decode_seconds,
+                "tokens_per_second": s.tokens_per_second,
+                "text": c.text,
+            }
         # the answer ended (EOS) early: time the same target with the bare token loop, which ignores EOS
         import numpy as np
+
         from edge_spec.runtime.loops.autoregressive import generate_autoregressive
         from edge_spec.runtime.verify.sampling import SamplingParams
 
@@ -239,14 +274,20 @@ class OursSide:
         target = self.engine.target
         target.reset()
         start = time.perf_counter()
-        loop = generate_autoregressive(target, self.prompt_ids, SamplingParams(temperature=0.0),
-                                       np.random.default_rng(0), n_new)
+        loop = generate_autoregressive(
+            target, self.prompt_ids, SamplingParams(temperature=0.0), np.random.default_rng(0), n_new
+        )
         next(loop)
         first = time.perf_counter()
         n = 1 + sum(1 for _ in loop)
         end = time.perf_counter()
-        return {"new_tokens": n, "prefill_seconds": first - start, "decode_seconds": end - first,
-                "tokens_per_second": (n - 1) / (end - first), "text": c.text}
+        return {
+            "new_tokens": n,
+            "prefill_seconds": first - start,
+            "decode_seconds": end - first,
+            "tokens_per_second": (n - 1) / (end - first),
+            "text": c.text,
+        }
 
 
 # --------------------------------------------------------------------------- report
@@ -254,9 +295,14 @@ class OursSide:
 
 def summarize(name: str, result: dict) -> dict:
     tps = [r["tokens_per_second"] for r in result["runs"]]
-    return {"engine": name, "median": statistics.median(tps), "best": max(tps), "all": tps,
-            "new_tokens": result["runs"][-1]["new_tokens"],
-            "prefill_ms": statistics.median(r["prefill_seconds"] for r in result["runs"]) * 1e3}
+    return {
+        "engine": name,
+        "median": statistics.median(tps),
+        "best": max(tps),
+        "all": tps,
+        "new_tokens": result["runs"][-1]["new_tokens"],
+        "prefill_ms": statistics.median(r["prefill_seconds"] for r in result["runs"]) * 1e3,
+    }
 
 
 def main() -> None:
@@ -298,21 +344,30 @@ def main() -> None:
     rows = [summarize("edge-spec (ours, AR)", ours), summarize(f"onnxruntime-genai {genai['version']}", genai)]
     base = rows[0]["median"]
     print()
-    print(f"prompt: {PROMPT!r} via the chat template ({len(prompt_ids)} prompt tokens), greedy, "
-          f"{args.new_tokens} new tokens, {args.threads} threads, median of {args.repeats} alternating runs after 1 warm-up each")
-    print(f"load average 1/5/15 min: before {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
-          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}  (machine has {os.cpu_count()} cores)")
-    sizes = [sum(f.stat().st_size for f in d.glob("model.onnx*")) / 2**30
-             for d in (ours_side.bundle / "target", GENAI_DIR)]
-    print(f"on-disk model: ours {sizes[0]:.2f} GiB (int4 embedding via GatherBlockQuantized), "
-          f"genai {sizes[1]:.2f} GiB (builder default: fp32 embedding table)")
+    print(
+        f"prompt: {PROMPT!r} via the chat template ({len(prompt_ids)} prompt tokens), greedy, "
+        f"{args.new_tokens} new tokens, {args.threads} threads, median of {args.repeats} alternating runs after 1 warm-up each"
+    )
+    print(
+        f"load average 1/5/15 min: before {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
+        f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}  (machine has {os.cpu_count()} cores)"
+    )
+    sizes = [
+        sum(f.stat().st_size for f in d.glob("model.onnx*")) / 2**30 for d in (ours_side.bundle / "target", GENAI_DIR)
+    ]
+    print(
+        f"on-disk model: ours {sizes[0]:.2f} GiB (int4 embedding via GatherBlockQuantized), "
+        f"genai {sizes[1]:.2f} GiB (builder default: fp32 embedding table)"
+    )
     print()
     header = f"{'engine':<44} {'tok/s':>7} {'best':>7} {'vs ours':>8} {'prefill ms':>11} {'tokens':>7}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['engine']:<44} {r['median']:7.2f} {r['best']:7.2f} {r['median'] / base:7.2f}x "
-              f"{r['prefill_ms']:11.0f} {r['new_tokens']:7d}")
+        print(
+            f"{r['engine']:<44} {r['median']:7.2f} {r['best']:7.2f} {r['median'] / base:7.2f}x "
+            f"{r['prefill_ms']:11.0f} {r['new_tokens']:7d}"
+        )
     print()
     print("reference numbers from the issue (measured earlier on this machine, not in this run):")
     for name, tps in REFERENCE:
@@ -321,13 +376,17 @@ def main() -> None:
     for r in rows:
         print(f"{r['engine']}: all runs tok/s = {', '.join(f'{t:.2f}' for t in r['all'])}")
     paired = [g / o for g, o in zip(rows[1]["all"], rows[0]["all"])]
-    print(f"paired ratio genai/ours, run by run (robust to drift in machine speed): median "
-          f"{statistics.median(paired):.3f}, range {min(paired):.3f}-{max(paired):.3f}")
+    print(
+        f"paired ratio genai/ours, run by run (robust to drift in machine speed): median "
+        f"{statistics.median(paired):.3f}, range {min(paired):.3f}-{max(paired):.3f}"
+    )
     if ours["note"]:
         print(f"note (ours): {ours['note']}")
     if genai.get("first_eos_at") is not None:
-        print(f"note (genai): its greedy answer would have ended at token {genai['first_eos_at']}; "
-              f"EOS was masked (min_length) to time all {args.new_tokens}")
+        print(
+            f"note (genai): its greedy answer would have ended at token {genai['first_eos_at']}; "
+            f"EOS was masked (min_length) to time all {args.new_tokens}"
+        )
     print()
     print("ours, first 160 chars:  " + repr(ours["text"][:160]))
     print("genai, first 160 chars: " + repr(genai["text"][:160]))

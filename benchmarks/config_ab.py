@@ -36,7 +36,6 @@ from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.runtime.loops.config import loop_config  # noqa: E402
 from edge_spec.runtime.model import huge_pages  # noqa: E402
 
-
 SAMPLING = {"temperature": float, "sampler": str}  # per-answer settings, not the loop's
 
 
@@ -69,11 +68,14 @@ def main() -> None:
     args = parser.parse_args()
     parsed = [parse_config(text) for text in args.config]
     sampling = {name: settings for name, _, settings in parsed}
-    engines = {name: Engine.from_bundle(args.bundle, threads=args.threads, config=config)
-               for name, config, _ in parsed}
+    engines = {name: Engine.from_bundle(args.bundle, threads=args.threads, config=config) for name, config, _ in parsed}
     huge_pages.wait_all()  # every engine timed on the pages it keeps (model/huge_pages.py)
-    items = [(item, seed) for path in (args.prompts or [None]) for item in load_bench_prompts(path, None, None)
-             for seed in range(args.seeds)]
+    items = [
+        (item, seed)
+        for path in (args.prompts or [None])
+        for item in load_bench_prompts(path, None, None)
+        for seed in range(args.seeds)
+    ]
     names = list(engines)
     speed: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     taus: dict[str, list[float]] = defaultdict(list)
@@ -82,8 +84,11 @@ def main() -> None:
         answers = {}
         for name in names if index % 2 == 0 else names[::-1]:
             engine = engines[name]
-            "".join(engine.generate(as_messages(item["prompt"]), max_new_tokens=args.max_tokens, seed=seed,
-                                    **sampling[name]))
+            "".join(
+                engine.generate(
+                    as_messages(item["prompt"]), max_new_tokens=args.max_tokens, seed=seed, **sampling[name]
+                )
+            )
             answers[name] = list(engine.last_token_ids)
             speed[item["category"]][name].append(engine.last_stats.tokens_per_second)
             if engine.last_stats.spec is not None and engine.last_stats.spec.tau:
@@ -96,10 +101,18 @@ def main() -> None:
         ratios = {n: [b / a for a, b in zip(by_name[names[0]], by_name[n])] for n in names}
         for n in names:
             overall[n] += ratios[n]
-        print(f"{category:<15}", {n: round(sum(v) / len(v), 1) for n, v in by_name.items()},
-              f"/ {names[0]}:", {n: round(geometric_mean(r), 3) for n, r in ratios.items()})
-    print(f"{'overall':<15} / {names[0]}:", {n: round(geometric_mean(r), 3) for n, r in overall.items()},
-          f"answers equal to {names[0]}'s:", {n: f"{same[n]}/{len(items)}" for n in names})
+        print(
+            f"{category:<15}",
+            {n: round(sum(v) / len(v), 1) for n, v in by_name.items()},
+            f"/ {names[0]}:",
+            {n: round(geometric_mean(r), 3) for n, r in ratios.items()},
+        )
+    print(
+        f"{'overall':<15} / {names[0]}:",
+        {n: round(geometric_mean(r), 3) for n, r in overall.items()},
+        f"answers equal to {names[0]}'s:",
+        {n: f"{same[n]}/{len(items)}" for n in names},
+    )
     print("mean τ:", {n: round(sum(t) / len(t), 2) for n, t in taus.items()})
 
 

@@ -26,8 +26,10 @@ from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.providers import EXACT_MIN_ROWS, exact_min_rows
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 24, 32)
-PROMPTS = ["Write a Python function that checks whether a number is prime.",
-           "Repeat after me: one two three four five six seven eight nine ten."]
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Repeat after me: one two three four five six seven eight nine ten.",
+]
 
 
 def greedy_equality(engine: Engine, answer_tokens: int, longest: int = 15) -> list[tuple[str, str, bool, float]]:
@@ -51,8 +53,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="rows decoded per pass size")
     parser.add_argument("--answer-tokens", type=int, default=40, help="0: row classes only")
     parser.add_argument("--sizes", type=int, nargs="*", help=f"pass sizes to compare (default: {SIZES})")
-    parser.add_argument("--pad", type=int, default=0, help="pad exact passes to this many rows instead of the "
-                        "provider's minimum (the greedy check then drafts at most pad - 1)")
+    parser.add_argument(
+        "--pad",
+        type=int,
+        default=0,
+        help="pad exact passes to this many rows instead of the "
+        "provider's minimum (the greedy check then drafts at most pad - 1)",
+    )
     args = parser.parse_args()
     manifest = read_manifest(args.bundle)
     reference_rows = exact_min_rows(args.provider)
@@ -64,9 +71,11 @@ def main() -> None:
     again = logits_by_pass_size(decoder, (reference_rows,), args.tokens, pad_to=reference_rows)[reference_rows]
     del decoder
     repeat = "the same" if np.array_equal(again, results.get(reference_rows, again)) else "NOT the same"
-    print(f"row classes on {args.provider}, passes padded to {reference_rows} rows (sizes whose rows agree bit "
-          f"for bit; a repeat of the "
-          f"{reference_rows}-row passes gave {repeat} logits):")
+    print(
+        f"row classes on {args.provider}, passes padded to {reference_rows} rows (sizes whose rows agree bit "
+        f"for bit; a repeat of the "
+        f"{reference_rows}-row passes gave {repeat} logits):"
+    )
     reference = results.get(reference_rows)
     for group in row_classes(results):
         rows = results[group[0]]
@@ -81,8 +90,10 @@ def main() -> None:
     print(f"greedy spec against ar --exact on {args.provider} (exact passes: {engine.exact_rows()} rows at least):")
     longest = args.pad - 1 if args.pad else 15
     for prompt, label, equal, per_round in greedy_equality(engine, args.answer_tokens, longest):
-        print(f"  {prompt!r:28s} {label:9s} {'equal' if equal else 'DIFFERENT':9s} {per_round:.2f} tokens/pass",
-              flush=True)
+        print(
+            f"  {prompt!r:28s} {label:9s} {'equal' if equal else 'DIFFERENT':9s} {per_round:.2f} tokens/pass",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

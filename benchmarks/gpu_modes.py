@@ -17,10 +17,12 @@ from pathlib import Path
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, SsdConfig, TreeConfig
 
-PROMPTS = ["Write a Python function that checks whether a number is prime.",
-           "Explain the difference between a list and a tuple in Python.",
-           "Write a SQL query that returns the ten most recent orders per customer.",
-           "Summarize what speculative decoding does in three sentences."]
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a SQL query that returns the ten most recent orders per customer.",
+    "Summarize what speculative decoding does in three sentences.",
+]
 
 
 def modes() -> list[tuple[str, object, str | None]]:
@@ -44,8 +46,11 @@ def run_mode(engine: Engine, config, prompts: list[str], tokens: int) -> tuple[f
         seconds += done.stats.decode_seconds + done.stats.prefill_seconds
     t = target.transfers
     per = max(generated, 1)
-    return generated / seconds, generated, {"h2d": t.host_to_device / per, "d2h": t.device_to_host / per,
-                                            "kv": t.kv / per}
+    return (
+        generated / seconds,
+        generated,
+        {"h2d": t.host_to_device / per, "d2h": t.device_to_host / per, "kv": t.kv / per},
+    )
 
 
 def main() -> None:
@@ -59,7 +64,7 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[], help="run only modes whose label starts so")
     args = parser.parse_args()
     options = dict(pair.split("=", 1) for pair in args.provider_option)
-    prompts = PROMPTS[:args.prompts]
+    prompts = PROMPTS[: args.prompts]
     engines: dict[str | None, Engine] = {}
     rows = []
     for label, config, draft_provider in modes():
@@ -67,14 +72,22 @@ def main() -> None:
             continue
         if draft_provider not in engines:
             engines[draft_provider] = Engine.from_bundle(
-                args.bundle, provider=args.provider, draft_provider=draft_provider, provider_options=options,
-                draft_threads=args.draft_threads or None, mode="spec")
+                args.bundle,
+                provider=args.provider,
+                draft_provider=draft_provider,
+                provider_options=options,
+                draft_threads=args.draft_threads or None,
+                mode="spec",
+            )
         started = time.perf_counter()
         speed, generated, bytes_per_token = run_mode(engines[draft_provider], config, prompts, args.tokens)
         rows.append((label, speed, generated, bytes_per_token, time.perf_counter() - started))
-        print(f"{label:26s} {speed:7.2f} tok/s  {generated:5d} tokens  host->device {bytes_per_token['h2d']:9.0f} "
-              f"B/token  device->host {bytes_per_token['d2h']:9.0f} B/token  target KV {bytes_per_token['kv']:.0f} "
-              f"B/token", flush=True)
+        print(
+            f"{label:26s} {speed:7.2f} tok/s  {generated:5d} tokens  host->device {bytes_per_token['h2d']:9.0f} "
+            f"B/token  device->host {bytes_per_token['d2h']:9.0f} B/token  target KV {bytes_per_token['kv']:.0f} "
+            f"B/token",
+            flush=True,
+        )
     base = next((speed for label, speed, *_ in rows if label == "ar"), None)
     if base:
         print("speed-up against ar: " + ", ".join(f"{label} {speed / base:.2f}x" for label, speed, *_ in rows))

@@ -29,13 +29,20 @@ def child(args: argparse.Namespace) -> None:
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.model import huge_pages
 
-    engines = {"ar": Engine.from_bundle(args.bundle, threads=args.threads, mode="ar"),
-               "spec": Engine.from_bundle(args.bundle, threads=args.threads, mode="spec")}  # the CLI default
+    engines = {
+        "ar": Engine.from_bundle(args.bundle, threads=args.threads, mode="ar"),
+        "spec": Engine.from_bundle(args.bundle, threads=args.threads, mode="spec"),
+    }  # the CLI default
     for engine in engines.values():
         engine.complete("warm up", max_new_tokens=4)
     moved = huge_pages.wait_all()
     items = load_bench_prompts(None, None, args.per_category)
-    result = {"collapsed_mib": moved.collapsed >> 20, "advised_mib": moved.advised >> 20, "answers": {}, "tokens_per_second": {}}
+    result = {
+        "collapsed_mib": moved.collapsed >> 20,
+        "advised_mib": moved.advised >> 20,
+        "answers": {},
+        "tokens_per_second": {},
+    }
     for name, engine in engines.items():
         tokens, seconds, answers = 0, 0.0, []
         for item in items:
@@ -59,29 +66,48 @@ def main() -> None:
     args = parser.parse_args()
     if args.bundle is None:
         from edge_spec.paths import DEFAULT_BUNDLE
+
         args.bundle = DEFAULT_BUNDLE
     if args.child:
         child(args)
         return
     runs: dict[str, list[dict]] = {"huge": [], "small": []}
-    command = [sys.executable, __file__, "--child", "--bundle", str(args.bundle), "--per-category",
-               str(args.per_category), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--bundle",
+        str(args.bundle),
+        "--per-category",
+        str(args.per_category),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--threads",
+        str(args.threads),
+    ]
     for index in range(2 * args.runs):
         kind = ("huge", "small")[index % 2] if index // 2 % 2 == 0 else ("small", "huge")[index % 2]
         env = dict(os.environ, EDGE_SPEC_HUGE_PAGES="1" if kind == "huge" else "0")
         out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
         run = json.loads(out.strip().splitlines()[-1])
         runs[kind].append(run)
-        print(f"run {index + 1} ({kind} pages, {run['collapsed_mib']} of {run['advised_mib']} MiB collapsed): "
-              + ", ".join(f"{name} {tps:.1f} tok/s" for name, tps in run["tokens_per_second"].items()), flush=True)
+        print(
+            f"run {index + 1} ({kind} pages, {run['collapsed_mib']} of {run['advised_mib']} MiB collapsed): "
+            + ", ".join(f"{name} {tps:.1f} tok/s" for name, tps in run["tokens_per_second"].items()),
+            flush=True,
+        )
     reference = runs["small"][0]["answers"]
     same = all(run["answers"] == reference for kind in runs.values() for run in kind)
     for name in ("ar", "spec"):
         huge = statistics.median(r["tokens_per_second"][name] for r in runs["huge"])
         small = statistics.median(r["tokens_per_second"][name] for r in runs["small"])
-        paired = [h["tokens_per_second"][name] / s["tokens_per_second"][name] for h, s in zip(runs["huge"], runs["small"])]
-        print(f"{name}: huge pages {huge:.1f} tok/s, small pages {small:.1f} tok/s (medians): {huge / small:.3f}x; "
-              f"per back-to-back pair: median {statistics.median(paired):.3f}x, {min(paired):.3f}-{max(paired):.3f}x")
+        paired = [
+            h["tokens_per_second"][name] / s["tokens_per_second"][name] for h, s in zip(runs["huge"], runs["small"])
+        ]
+        print(
+            f"{name}: huge pages {huge:.1f} tok/s, small pages {small:.1f} tok/s (medians): {huge / small:.3f}x; "
+            f"per back-to-back pair: median {statistics.median(paired):.3f}x, {min(paired):.3f}-{max(paired):.3f}x"
+        )
     print(f"answers identical in every run: {same}")
 
 

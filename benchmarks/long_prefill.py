@@ -33,9 +33,13 @@ def measure(bundle: Path, tokens: int, chunk: int, threads: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     logits = target.prefill(ids)["logits"][-1]
-    return {"chunk": chunk, "seconds": time.perf_counter() - started,
-            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "loaded_mib": before / 1024,
-            "logits_sha": hashlib.sha256(logits.tobytes()).hexdigest()[:16]}
+    return {
+        "chunk": chunk,
+        "seconds": time.perf_counter() - started,
+        "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "loaded_mib": before / 1024,
+        "logits_sha": hashlib.sha256(logits.tobytes()).hexdigest()[:16],
+    }
 
 
 def main() -> None:
@@ -51,16 +55,33 @@ def main() -> None:
         return
     results = []
     for chunk in (args.tokens, args.chunk):  # one pass, then chunks
-        run = subprocess.run([sys.executable, __file__, str(args.bundle), "--tokens", str(args.tokens),
-                              "--threads", str(args.threads), "--one", str(chunk)],
-                             capture_output=True, text=True, check=True)
+        run = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                str(args.bundle),
+                "--tokens",
+                str(args.tokens),
+                "--threads",
+                str(args.threads),
+                "--one",
+                str(chunk),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results.append(json.loads(run.stdout.strip().splitlines()[-1]))
         r = results[-1]
-        print(f"passes of {r['chunk']:5d}: {r['seconds']:6.1f} s, peak RSS {r['peak_mib']:.0f} MiB "
-              f"(after load {r['loaded_mib']:.0f}), last logits sha256 {r['logits_sha']}")
+        print(
+            f"passes of {r['chunk']:5d}: {r['seconds']:6.1f} s, peak RSS {r['peak_mib']:.0f} MiB "
+            f"(after load {r['loaded_mib']:.0f}), last logits sha256 {r['logits_sha']}"
+        )
     one, chunked = results
-    print(f"chunked / one pass: time {chunked['seconds'] / one['seconds']:.2f}, peak memory "
-          f"{chunked['peak_mib'] - one['peak_mib']:+.0f} MiB, logits identical: {one['logits_sha'] == chunked['logits_sha']}")
+    print(
+        f"chunked / one pass: time {chunked['seconds'] / one['seconds']:.2f}, peak memory "
+        f"{chunked['peak_mib'] - one['peak_mib']:+.0f} MiB, logits identical: {one['logits_sha'] == chunked['logits_sha']}"
+    )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def main() -> None:
     runs = runs[5:]
     weight_bytes = matmul_weight_bytes(onnx_path)
 
-    decode_runs = runs[1 + args.skip:]
-    decode_walls = walls[args.skip:]
+    decode_runs = runs[1 + args.skip :]
+    decode_walls = walls[args.skip :]
     n = len(decode_runs)
     wall_ms = sum(decode_walls) / n * 1e3
     run_ms = sum(r["dur"] for r in decode_runs) / n / 1e3
@@ -123,15 +123,21 @@ def main() -> None:
 
     print(f"model: {onnx_path.relative_to(ROOT) if onnx_path.is_relative_to(ROOT) else onnx_path}")
     q = manifest["target"].get("quantization", {})
-    print(f"       {manifest['target']['name']}, {q.get('weights')} block {q.get('block_size')} "
-          f"acc level {q.get('accuracy_level')}; ORT {ort.__version__}, {args.threads} threads, "
-          f"{len(prompt_ids)} prompt tokens, {args.steps} decode steps (first {args.skip} skipped -> {n} averaged)")
-    print(f"unprofiled session : prefill {plain_prefill * 1e3:7.1f} ms, decode "
-          f"{statistics.mean(plain_walls[args.skip:]) * 1e3:6.2f} ms/step "
-          f"(median {statistics.median(plain_walls[args.skip:]) * 1e3:.2f}) = "
-          f"{1 / statistics.mean(plain_walls[args.skip:]):.2f} tok/s")
-    print(f"profiled session   : prefill {prefill * 1e3:7.1f} ms, decode {wall_ms:6.2f} ms/step "
-          f"(median {statistics.median(decode_walls) * 1e3:.2f}) = {1e3 / wall_ms:.2f} tok/s")
+    print(
+        f"       {manifest['target']['name']}, {q.get('weights')} block {q.get('block_size')} "
+        f"acc level {q.get('accuracy_level')}; ORT {ort.__version__}, {args.threads} threads, "
+        f"{len(prompt_ids)} prompt tokens, {args.steps} decode steps (first {args.skip} skipped -> {n} averaged)"
+    )
+    print(
+        f"unprofiled session : prefill {plain_prefill * 1e3:7.1f} ms, decode "
+        f"{statistics.mean(plain_walls[args.skip :]) * 1e3:6.2f} ms/step "
+        f"(median {statistics.median(plain_walls[args.skip :]) * 1e3:.2f}) = "
+        f"{1 / statistics.mean(plain_walls[args.skip :]):.2f} tok/s"
+    )
+    print(
+        f"profiled session   : prefill {prefill * 1e3:7.1f} ms, decode {wall_ms:6.2f} ms/step "
+        f"(median {statistics.median(decode_walls) * 1e3:.2f}) = {1e3 / wall_ms:.2f} tok/s"
+    )
     print()
 
     header = f"{'op type':<36} {'nodes/step':>10} {'ms/step':>9} {'% of step':>9}"
@@ -141,13 +147,21 @@ def main() -> None:
     for op, us in sorted(by_op.items(), key=lambda kv: -kv[1]):
         print(f"{op:<36} {count_op[op] / n:10.0f} {ms(us):9.3f} {ms(us) / wall_ms * 100:8.1f}%")
     print("-" * len(header))
-    print(f"{'sum of kernels':<36} {sum(count_op.values()) / n:10.0f} {kernel_ms:9.3f} {kernel_ms / wall_ms * 100:8.1f}%")
-    print(f"{'non-op overhead inside model_run':<36} {'':>10} {run_ms - kernel_ms:9.3f} "
-          f"{(run_ms - kernel_ms) / wall_ms * 100:8.1f}%")
-    print(f"{'non-op overhead outside model_run':<36} {'':>10} {wall_ms - run_ms:9.3f} "
-          f"{(wall_ms - run_ms) / wall_ms * 100:8.1f}%")
-    print(f"{'non-op overhead (wall - kernels)':<36} {'':>10} {wall_ms - kernel_ms:9.3f} "
-          f"{(wall_ms - kernel_ms) / wall_ms * 100:8.1f}%")
+    print(
+        f"{'sum of kernels':<36} {sum(count_op.values()) / n:10.0f} {kernel_ms:9.3f} {kernel_ms / wall_ms * 100:8.1f}%"
+    )
+    print(
+        f"{'non-op overhead inside model_run':<36} {'':>10} {run_ms - kernel_ms:9.3f} "
+        f"{(run_ms - kernel_ms) / wall_ms * 100:8.1f}%"
+    )
+    print(
+        f"{'non-op overhead outside model_run':<36} {'':>10} {wall_ms - run_ms:9.3f} "
+        f"{(wall_ms - run_ms) / wall_ms * 100:8.1f}%"
+    )
+    print(
+        f"{'non-op overhead (wall - kernels)':<36} {'':>10} {wall_ms - kernel_ms:9.3f} "
+        f"{(wall_ms - kernel_ms) / wall_ms * 100:8.1f}%"
+    )
     print(f"{'total (wall step time)':<36} {'':>10} {wall_ms:9.3f} {100.0:8.1f}%")
     print()
 
@@ -156,18 +170,24 @@ def main() -> None:
     print("-" * (len(header) + 15))
     for role, us in sorted(by_role.items(), key=lambda kv: -kv[1]):
         mb = bytes_role[role] / n / 1e6
-        print(f"{role:<36} {count_role[role] / n:10.0f} {ms(us):9.3f} {ms(us) / wall_ms * 100:8.1f}% "
-              f"{mb:7.1f} {mb / ms(us):6.1f}")
+        print(
+            f"{role:<36} {count_role[role] / n:10.0f} {ms(us):9.3f} {ms(us) / wall_ms * 100:8.1f}% "
+            f"{mb:7.1f} {mb / ms(us):6.1f}"
+        )
     total_mb = sum(bytes_role.values()) / n / 1e6
     mm_ms = ms(by_op["MatMulNBits"])
-    print(f"{'all MatMulNBits':<36} {sum(count_role.values()) / n:10.0f} {mm_ms:9.3f} "
-          f"{mm_ms / wall_ms * 100:8.1f}% {total_mb:7.1f} {total_mb / mm_ms:6.1f}")
+    print(
+        f"{'all MatMulNBits':<36} {sum(count_role.values()) / n:10.0f} {mm_ms:9.3f} "
+        f"{mm_ms / wall_ms * 100:8.1f}% {total_mb:7.1f} {total_mb / mm_ms:6.1f}"
+    )
     print()
 
     lm = [(node, us) for (node, op), us in by_node.items() if op == "MatMulNBits" and "lm_head" in node]
     for node, us in lm:
-        print(f"LM head: {node}  {ms(us):.3f} ms/step ({ms(us) / wall_ms * 100:.1f}% of the step, "
-              f"{ms(us) / kernel_ms * 100:.1f}% of kernel time)")
+        print(
+            f"LM head: {node}  {ms(us):.3f} ms/step ({ms(us) / wall_ms * 100:.1f}% of the step, "
+            f"{ms(us) / kernel_ms * 100:.1f}% of kernel time)"
+        )
     print()
     print(f"top {args.top} nodes")
     for (node, op), us in sorted(by_node.items(), key=lambda kv: -kv[1])[: args.top]:
@@ -178,8 +198,10 @@ def main() -> None:
     for _, op, dur in prefill_run["kernels"]:
         pre_ops[op] += dur
     print()
-    print(f"prefill ({len(prompt_ids)} tokens, profiled): model_run {prefill_run['dur'] / 1e3:.1f} ms; "
-          + ", ".join(f"{op} {us / 1e3:.1f} ms" for op, us in sorted(pre_ops.items(), key=lambda kv: -kv[1])[:4]))
+    print(
+        f"prefill ({len(prompt_ids)} tokens, profiled): model_run {prefill_run['dur'] / 1e3:.1f} ms; "
+        + ", ".join(f"{op} {us / 1e3:.1f} ms" for op, us in sorted(pre_ops.items(), key=lambda kv: -kv[1])[:4])
+    )
     if args.keep_json:
         print(f"profile JSON: {profile}")
     else:

@@ -60,16 +60,25 @@ def cli(*args: str) -> list[str]:
 
 def run_generate(bundle: str, prompt: str, threads: int, max_tokens: int, timeout: float) -> dict:
     started = time.perf_counter()
-    result = subprocess.run(cli("generate", bundle, prompt, "--threads", str(threads), "--max-tokens",
-                                str(max_tokens)), capture_output=True, text=True, timeout=timeout,
-                            stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        cli("generate", bundle, prompt, "--threads", str(threads), "--max-tokens", str(max_tokens)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
     wall = time.perf_counter() - started
     found = STATS_LINE.search(result.stderr)
     if result.returncode != 0 or found is None:
         raise SystemExit(f"generate failed ({result.returncode}):\n{result.stderr[-2000:]}")
-    return {"new_tokens": int(found.group(1)), "tokens_per_second": float(found.group(2)),
-            "ttft_seconds": float(found.group(3)), "tau": float(found.group(4) or 0), "stop": found.group(5),
-            "process_seconds": round(wall, 2)}
+    return {
+        "new_tokens": int(found.group(1)),
+        "tokens_per_second": float(found.group(2)),
+        "ttft_seconds": float(found.group(3)),
+        "tau": float(found.group(4) or 0),
+        "stop": found.group(5),
+        "process_seconds": round(wall, 2),
+    }
 
 
 class Server:
@@ -77,9 +86,12 @@ class Server:
         self.log_path = Path(tempfile.mkstemp(prefix="edge-spec-serve-", suffix=".log")[1])
         with open(self.log_path, "w") as log:
             # the clients below name the model "bundle": an alias of the served one
-            self.proc = subprocess.Popen(cli("serve", bundle, "--threads", str(threads), "--port", "0",
-                                             "--alias", "bundle"),
-                                         stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                cli("serve", bundle, "--threads", str(threads), "--port", "0", "--alias", "bundle"),
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+            )
         deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
             found = re.search(r"serving on (http://\S+)", self.log_path.read_text())
@@ -104,8 +116,14 @@ class Server:
 
 def stream_once(client, messages: list[dict], max_tokens: int) -> dict:
     sent = time.perf_counter()
-    stream = client.chat.completions.create(model="bundle", messages=messages, max_tokens=max_tokens,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="bundle",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     first = last = None
     stats, usage = None, None
     for chunk in stream:
@@ -118,10 +136,17 @@ def stream_once(client, messages: list[dict], max_tokens: int) -> dict:
             usage = chunk.usage
     tokens = usage.completion_tokens
     client_tps = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
-    return {"new_tokens": tokens, "ttft_seconds": round(first - sent, 4), "tokens_per_second": round(client_tps, 2),
-            "engine_ttft_seconds": stats["prefill_seconds"], "engine_tokens_per_second": stats["tokens_per_second"],
-            "request_overhead_seconds": round((last - sent) - stats["prefill_seconds"] - stats["decode_seconds"], 4),
-            "tau": stats["tau"], "stop": stats["stop_reason"], "total_seconds": round(last - sent, 3)}
+    return {
+        "new_tokens": tokens,
+        "ttft_seconds": round(first - sent, 4),
+        "tokens_per_second": round(client_tps, 2),
+        "engine_ttft_seconds": stats["prefill_seconds"],
+        "engine_tokens_per_second": stats["tokens_per_second"],
+        "request_overhead_seconds": round((last - sent) - stats["prefill_seconds"] - stats["decode_seconds"], 4),
+        "tau": stats["tau"],
+        "stop": stats["stop_reason"],
+        "total_seconds": round(last - sent, 3),
+    }
 
 
 def load_run(url: str, requests: int, clients: int, max_tokens: int, timeout: float) -> dict:
@@ -140,15 +165,22 @@ def load_run(url: str, requests: int, clients: int, max_tokens: int, timeout: fl
                 i = todo.pop(0)
             prompt = f"{LOAD_PROMPTS[i % len(LOAD_PROMPTS)]} (request {i})"
             sent = time.perf_counter()
-            response = client.chat.completions.create(model="bundle", max_tokens=max_tokens, temperature=0,
-                                                      messages=[{"role": "user", "content": prompt}])
+            response = client.chat.completions.create(
+                model="bundle", max_tokens=max_tokens, temperature=0, messages=[{"role": "user", "content": prompt}]
+            )
             seconds = time.perf_counter() - sent
             stats = response.model_extra["x_edge_spec"]
             with lock:
-                results.append({"request": i, "seconds": seconds, "queue_seconds": stats["queue_seconds"],
-                                "new_tokens": response.usage.completion_tokens,
-                                "finish_reason": response.choices[0].finish_reason,
-                                "tokens_per_second": stats["tokens_per_second"]})
+                results.append(
+                    {
+                        "request": i,
+                        "seconds": seconds,
+                        "queue_seconds": stats["queue_seconds"],
+                        "new_tokens": response.usage.completion_tokens,
+                        "finish_reason": response.choices[0].finish_reason,
+                        "tokens_per_second": stats["tokens_per_second"],
+                    }
+                )
 
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -156,16 +188,19 @@ def load_run(url: str, requests: int, clients: int, max_tokens: int, timeout: fl
             future.result(timeout=timeout * requests)
     wall = time.perf_counter() - started
     latencies = sorted(r["seconds"] for r in results)
-    return {"requests": requests, "clients": clients, "completed": len(results),
-            "all_complete": len(results) == requests and all(r["finish_reason"] in ("stop", "length")
-                                                             for r in results),
-            "p50_seconds": round(statistics.median(latencies), 2),
-            "p95_seconds": round(latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))], 2),
-            "max_seconds": round(latencies[-1], 2),
-            "mean_queue_seconds": round(statistics.mean(r["queue_seconds"] for r in results), 2),
-            "wall_seconds": round(wall, 2),
-            "throughput_tokens_per_second": round(sum(r["new_tokens"] for r in results) / wall, 2),
-            "mean_engine_tokens_per_second": round(statistics.mean(r["tokens_per_second"] for r in results), 2)}
+    return {
+        "requests": requests,
+        "clients": clients,
+        "completed": len(results),
+        "all_complete": len(results) == requests and all(r["finish_reason"] in ("stop", "length") for r in results),
+        "p50_seconds": round(statistics.median(latencies), 2),
+        "p95_seconds": round(latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))], 2),
+        "max_seconds": round(latencies[-1], 2),
+        "mean_queue_seconds": round(statistics.mean(r["queue_seconds"] for r in results), 2),
+        "wall_seconds": round(wall, 2),
+        "throughput_tokens_per_second": round(sum(r["new_tokens"] for r in results) / wall, 2),
+        "mean_engine_tokens_per_second": round(statistics.mean(r["tokens_per_second"] for r in results), 2),
+    }
 
 
 def main() -> None:
@@ -183,8 +218,13 @@ def main() -> None:
 
     import openai
 
-    result: dict = {"bundle": args.bundle, "threads": args.threads, "max_tokens": args.max_tokens,
-                    "generate": [], "serve": []}
+    result: dict = {
+        "bundle": args.bundle,
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "generate": [],
+        "serve": [],
+    }
     server = Server(args.bundle, args.threads, start_timeout=args.timeout)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=args.timeout)
@@ -209,10 +249,12 @@ def main() -> None:
         "serve_engine_tok_s": med(s["engine_tokens_per_second"] for s in srv),
         "serve_request_overhead_s": med(s["request_overhead_seconds"] for s in srv),  # client wall - engine
     }
-    summary["overhead_ms_per_token"] = round(1e3 / summary["serve_client_tok_s"]
-                                             - 1e3 / summary["serve_engine_tok_s"], 3)
-    summary["overhead_ms_per_token_vs_generate"] = round(1e3 / summary["serve_client_tok_s"]
-                                                         - 1e3 / summary["generate_tok_s"], 3)
+    summary["overhead_ms_per_token"] = round(
+        1e3 / summary["serve_client_tok_s"] - 1e3 / summary["serve_engine_tok_s"], 3
+    )
+    summary["overhead_ms_per_token_vs_generate"] = round(
+        1e3 / summary["serve_client_tok_s"] - 1e3 / summary["generate_tok_s"], 3
+    )
     result["summary"] = {k: round(v, 4) for k, v in summary.items()}
     print(json.dumps(result, indent=1))
     if args.output:

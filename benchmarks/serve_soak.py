@@ -50,8 +50,13 @@ JSON = {"Content-Type": "application/json"}
 
 
 def chat_body(prompt: str, max_tokens: int, stream: bool) -> dict:
-    return {"model": "bundle", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": stream}
+    return {
+        "model": "bundle",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
 
 
 def streamed_text(client: httpx.Client, url: str, body: dict, stop_after: int | None) -> str | None:
@@ -88,8 +93,9 @@ class Tally:
             self.failures.append(what)
 
 
-def honest_client(url: str, seed: int, references: dict[str, str], deadline: float, tally: Tally,
-                  max_tokens: int, timeout: float) -> None:
+def honest_client(
+    url: str, seed: int, references: dict[str, str], deadline: float, tally: Tally, max_tokens: int, timeout: float
+) -> None:
     rng = random.Random(seed)
     with httpx.Client(timeout=timeout) as client:
         while time.monotonic() < deadline:
@@ -120,16 +126,31 @@ def hostile_requests(url: str) -> list[tuple[str, dict, set[int]]]:
     big = json.dumps(chat_body("x" * (64 << 20), 8, False)).encode()
     return [
         ("oversized body", dict(method="POST", url=f"{url}/v1/chat/completions", content=big, headers=JSON), {413}),
-        ("nested JSON", dict(method="POST", url=f"{url}/v1/chat/completions", content=b"[" * 100_000,
-                             headers=JSON), {400}),
-        ("malformed JSON", dict(method="POST", url=f"{url}/v1/chat/completions", content=b'{"messages": [',
-                                headers=JSON), {400}),
-        ("not JSON at all", dict(method="POST", url=f"{url}/v1/chat/completions", content=b"\xff\xfe\x00",
-                                 headers=JSON), {400}),
-        ("huge prompt under the cap", dict(method="POST", url=f"{url}/v1/chat/completions",
-                                           json=chat_body("word " * 600_000, 8, False)), {400, 413}),
-        ("wrong field types", dict(method="POST", url=f"{url}/v1/chat/completions",
-                                   json={"messages": "hi", "max_tokens": "many"}), {400}),
+        (
+            "nested JSON",
+            dict(method="POST", url=f"{url}/v1/chat/completions", content=b"[" * 100_000, headers=JSON),
+            {400},
+        ),
+        (
+            "malformed JSON",
+            dict(method="POST", url=f"{url}/v1/chat/completions", content=b'{"messages": [', headers=JSON),
+            {400},
+        ),
+        (
+            "not JSON at all",
+            dict(method="POST", url=f"{url}/v1/chat/completions", content=b"\xff\xfe\x00", headers=JSON),
+            {400},
+        ),
+        (
+            "huge prompt under the cap",
+            dict(method="POST", url=f"{url}/v1/chat/completions", json=chat_body("word " * 600_000, 8, False)),
+            {400, 413},
+        ),
+        (
+            "wrong field types",
+            dict(method="POST", url=f"{url}/v1/chat/completions", json={"messages": "hi", "max_tokens": "many"}),
+            {400},
+        ),
     ]
 
 
@@ -137,23 +158,52 @@ def cross_site_requests(url: str) -> list[tuple[str, dict, set[int]]]:
     body = json.dumps(chat_body("hi", 4, False))
     host = url.split("//", 1)[1]
     return [
-        ("cross-site Origin", dict(method="POST", url=f"{url}/v1/chat/completions", content=body,
-                                   headers={**JSON, "Origin": "http://evil.example"}), {403}),
-        ("rebinding Host", dict(method="POST", url=f"{url}/v1/chat/completions", content=body,
-                                headers={**JSON, "Host": "rebind.attacker.example"}), {403, 421}),
-        ("text/plain POST", dict(method="POST", url=f"{url}/v1/chat/completions", content=body,
-                                 headers={"Content-Type": "text/plain", "Origin": "http://evil.example"}),
-         {403, 415}),
-        ("preflight", dict(method="OPTIONS", url=f"{url}/v1/chat/completions",
-                           headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}),
-         {403}),
-        ("same-origin page", dict(method="GET", url=f"{url}/v1/models", headers={"Origin": f"http://{host}"}),
-         {200}),
+        (
+            "cross-site Origin",
+            dict(
+                method="POST",
+                url=f"{url}/v1/chat/completions",
+                content=body,
+                headers={**JSON, "Origin": "http://evil.example"},
+            ),
+            {403},
+        ),
+        (
+            "rebinding Host",
+            dict(
+                method="POST",
+                url=f"{url}/v1/chat/completions",
+                content=body,
+                headers={**JSON, "Host": "rebind.attacker.example"},
+            ),
+            {403, 421},
+        ),
+        (
+            "text/plain POST",
+            dict(
+                method="POST",
+                url=f"{url}/v1/chat/completions",
+                content=body,
+                headers={"Content-Type": "text/plain", "Origin": "http://evil.example"},
+            ),
+            {403, 415},
+        ),
+        (
+            "preflight",
+            dict(
+                method="OPTIONS",
+                url=f"{url}/v1/chat/completions",
+                headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+            ),
+            {403},
+        ),
+        ("same-origin page", dict(method="GET", url=f"{url}/v1/models", headers={"Origin": f"http://{host}"}), {200}),
     ]
 
 
-def sender(requests: list[tuple[str, dict, set[int]]], deadline: float, tally: Tally, timeout: float,
-           pause: float) -> None:
+def sender(
+    requests: list[tuple[str, dict, set[int]]], deadline: float, tally: Tally, timeout: float, pause: float
+) -> None:
     with httpx.Client(timeout=timeout) as client:
         while time.monotonic() < deadline:
             for label, arguments, accepted in requests:
@@ -208,22 +258,30 @@ def main() -> int:
         with httpx.Client(timeout=args.timeout) as client:
             references = {}
             for prompt in PROMPTS:  # one client alone: the answers every soak answer must equal
-                response = client.post(f"{server.url}/v1/chat/completions",
-                                       json=chat_body(prompt, args.max_tokens, False))
+                response = client.post(
+                    f"{server.url}/v1/chat/completions", json=chat_body(prompt, args.max_tokens, False)
+                )
                 response.raise_for_status()
                 references[prompt] = response.json()["choices"][0]["message"]["content"]
         rss_start = rss_mib(server.proc.pid)
         tally, latencies, rss = Tally(), [], [rss_start]
         deadline = time.monotonic() + args.duration
-        threads = [threading.Thread(target=honest_client, args=(server.url, args.seed + i, references, deadline,
-                                                                 tally, args.max_tokens, args.timeout))
-                   for i in range(args.clients)]
-        threads.append(threading.Thread(target=sender, args=(hostile_requests(server.url), deadline, tally,
-                                                              args.timeout, 0.5)))
-        threads.append(threading.Thread(target=sender, args=(cross_site_requests(server.url), deadline, tally,
-                                                              args.timeout, 0.5)))
-        threads.append(threading.Thread(target=probe, args=(server.url, deadline, args.probe_interval, latencies,
-                                                             tally)))
+        threads = [
+            threading.Thread(
+                target=honest_client,
+                args=(server.url, args.seed + i, references, deadline, tally, args.max_tokens, args.timeout),
+            )
+            for i in range(args.clients)
+        ]
+        threads.append(
+            threading.Thread(target=sender, args=(hostile_requests(server.url), deadline, tally, args.timeout, 0.5))
+        )
+        threads.append(
+            threading.Thread(target=sender, args=(cross_site_requests(server.url), deadline, tally, args.timeout, 0.5))
+        )
+        threads.append(
+            threading.Thread(target=probe, args=(server.url, deadline, args.probe_interval, latencies, tally))
+        )
         for thread in threads:
             thread.start()
         while any(t.is_alive() for t in threads):
@@ -238,16 +296,30 @@ def main() -> int:
     ordered = sorted(latencies)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("inf")
     summary = {
-        "duration_seconds": args.duration, "clients": args.clients, "counts": tally.counts,
-        "failures": tally.failures, "health_probes": len(ordered),
-        "health_ms": {"p50": round(1000 * statistics.median(ordered), 2) if ordered else None,
-                      "p99": round(1000 * p99, 2), "max": round(1000 * ordered[-1], 2) if ordered else None},
-        "rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1), "max": round(max(rss), 1),
-                    "end_over_start": round(rss_end / rss_start, 3)},
+        "duration_seconds": args.duration,
+        "clients": args.clients,
+        "counts": tally.counts,
+        "failures": tally.failures,
+        "health_probes": len(ordered),
+        "health_ms": {
+            "p50": round(1000 * statistics.median(ordered), 2) if ordered else None,
+            "p99": round(1000 * p99, 2),
+            "max": round(1000 * ordered[-1], 2) if ordered else None,
+        },
+        "rss_mib": {
+            "start": round(rss_start, 1),
+            "end": round(rss_end, 1),
+            "max": round(max(rss), 1),
+            "end_over_start": round(rss_end / rss_start, 3),
+        },
         "server_exit_code": exit_code,
     }
-    passed = (not tally.failures and p99 < 0.1 and abs(rss_end / rss_start - 1) <= 0.10
-              and tally.counts.get("answers equal to the reference", 0) > 0)
+    passed = (
+        not tally.failures
+        and p99 < 0.1
+        and abs(rss_end / rss_start - 1) <= 0.10
+        and tally.counts.get("answers equal to the reference", 0) > 0
+    )
     summary["passed"] = passed
     print(json.dumps(summary, indent=1))
     if args.output:

@@ -41,8 +41,14 @@ def main() -> None:
     if args.out:
         started = time.perf_counter()
         try:
-            build(args.shapes or args.save_shapes, args.out, args.layers, args.context_length, args.seed,
-                  args.accuracy_level)
+            build(
+                args.shapes or args.save_shapes,
+                args.out,
+                args.layers,
+                args.context_length,
+                args.seed,
+                args.accuracy_level,
+            )
         except UnsupportedShapes as error:
             raise SystemExit(str(error)) from None
         print(f"bundle {args.out} in {time.perf_counter() - started:.0f} s", flush=True)

@@ -76,8 +76,18 @@ OV_VENV = ROOT / "models" / "openvino-venv"
 OV_PY = OV_VENV / "bin" / "python"
 OV_REQUIREMENTS = ["openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0", "nncf==3.4.0"]
 # closest to our bundle (int4, symmetric, block 32, int4 embedding and LM head): every layer int4
-OV_EXPORT_ARGS = ["--task", "text-generation-with-past", "--weight-format", "int4", "--sym", "--group-size", "32",
-                  "--ratio", "1.0", "--all-layers"]
+OV_EXPORT_ARGS = [
+    "--task",
+    "text-generation-with-past",
+    "--weight-format",
+    "int4",
+    "--sym",
+    "--group-size",
+    "32",
+    "--ratio",
+    "1.0",
+    "--all-layers",
+]
 PROMPT_FILES = [ROOT / "edge_spec" / "data" / "bench" / name for name in ("prompts.jsonl", "low_acceptance.jsonl")]
 OUTPUT = ROOT / "bench-results" / "peers" / "peers.json"
 PEERS = ("genai", "openvino")
@@ -141,16 +151,28 @@ def ensure_openvino_model(name: str) -> Path:
 
 
 def prepare(peers: list[str], threads: int) -> None:
-    steps = {"genai": [lambda: ensure_genai_spec_dir(threads)],
-             "openvino": [ensure_openvino_venv, lambda: ensure_openvino_model(TARGET),
-                          lambda: ensure_openvino_model(DRAFT)]}
+    steps = {
+        "genai": [lambda: ensure_genai_spec_dir(threads)],
+        "openvino": [ensure_openvino_venv, lambda: ensure_openvino_model(TARGET), lambda: ensure_openvino_model(DRAFT)],
+    }
     for peer in peers:
         for number, step in enumerate(steps[peer], 1):
             log(f"prepare {peer}: step {number}/{len(steps[peer])}")
             step()
-    log("prepared: " + ", ".join(f"{d.relative_to(ROOT)} {du(d)}" for d in (
-        ROOT / "models" / "hf", ROOT / "models" / "genai", shared.GENAI_VENV, ROOT / "models" / "openvino", OV_VENV)
-        if d.exists()))
+    log(
+        "prepared: "
+        + ", ".join(
+            f"{d.relative_to(ROOT)} {du(d)}"
+            for d in (
+                ROOT / "models" / "hf",
+                ROOT / "models" / "genai",
+                shared.GENAI_VENV,
+                ROOT / "models" / "openvino",
+                OV_VENV,
+            )
+            if d.exists()
+        )
+    )
 
 
 def du(path: Path) -> str:
@@ -203,14 +225,27 @@ def genai_worker() -> None:
         while not gen.is_done():
             gen.generate_next_token()
         end = time.perf_counter()
-        ids = [int(t) for t in gen.get_sequence(0)][len(prompt):]
+        ids = [int(t) for t in gen.get_sequence(0)][len(prompt) :]
         extra = {}
         if k:
             stats = dict(gen.get_speculative_stats())
-            extra["stats"] = {key: stats[key] for key in (
-                "rounds", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate",
-                "target_verify_forward_passes", "target_forward_passes", "draft_forward_passes", "effective_k",
-                "tokens_emitted", "total_draft_ms", "total_target_ms") if key in stats}
+            extra["stats"] = {
+                key: stats[key]
+                for key in (
+                    "rounds",
+                    "draft_tokens_proposed",
+                    "draft_tokens_accepted",
+                    "acceptance_rate",
+                    "target_verify_forward_passes",
+                    "target_forward_passes",
+                    "draft_forward_passes",
+                    "effective_k",
+                    "tokens_emitted",
+                    "total_draft_ms",
+                    "total_target_ms",
+                )
+                if key in stats
+            }
         return result(ids, state["eos"], 1, end - prefilled, prefilled - start, **extra)  # call 1: the prefill's pick
 
     serve(load, run)
@@ -265,9 +300,11 @@ def openvino_worker() -> None:
         extra = {"writes": len(writes), "first_write_tokens": writes[0][1]}
         metrics = getattr(out, "extended_perf_metrics", None)
         if k and metrics:
-            extra["stats"] = {"num_accepted_tokens": metrics.get_num_accepted_tokens(),
-                              "target_iterations": len(metrics.main_model_metrics.raw_metrics.m_durations),
-                              "draft_generated_tokens": metrics.draft_model_metrics.get_num_generated_tokens()}
+            extra["stats"] = {
+                "num_accepted_tokens": metrics.get_num_accepted_tokens(),
+                "target_iterations": len(metrics.main_model_metrics.raw_metrics.m_durations),
+                "draft_generated_tokens": metrics.draft_model_metrics.get_num_generated_tokens(),
+            }
         return result(ids, state["eos"], writes[0][1], last - first, first - start, **extra)
 
     serve(load, run)
@@ -278,8 +315,12 @@ class Peer:
 
     def __init__(self, name: str, python: Path, spec: dict) -> None:
         self.name = name
-        self.proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), "--worker", name],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [str(python), str(Path(__file__).resolve()), "--worker", name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.info = self.ask(spec)
 
     def ask(self, obj: dict) -> dict:
@@ -310,8 +351,16 @@ class Ours:
         chain = loop_config("spec", lookup=False)
         self.engine = Engine.from_bundle(args.bundle, threads=args.threads, config=chain)
         self.baseline = Engine.from_bundle(args.bundle, threads=args.threads, mode="ar")
-        self.modes = modes_for(self.engine, [self.engine.draft_head], chain, args.k, lookup=args.lookup,
-                               reference=args.ar_exact, eagle=bool(args.eagle_head), eagle_heads=args.eagle_head)
+        self.modes = modes_for(
+            self.engine,
+            [self.engine.draft_head],
+            chain,
+            args.k,
+            lookup=args.lookup,
+            reference=args.ar_exact,
+            eagle=bool(args.eagle_head),
+            eagle_heads=args.eagle_head,
+        )
         for engine in (self.engine, self.baseline):
             engine.complete("warm up", max_new_tokens=4)
         if args.ar_exact:
@@ -321,8 +370,14 @@ class Ours:
     def run(self, item: dict) -> list[dict]:
         from edge_spec.bench import run_bench
 
-        result = run_bench(self.engine, [item], self.modes, temperatures=[0.0], max_new_tokens=self.args.new_tokens,
-                           baseline=self.baseline)
+        result = run_bench(
+            self.engine,
+            [item],
+            self.modes,
+            temperatures=[0.0],
+            max_new_tokens=self.args.new_tokens,
+            baseline=self.baseline,
+        )
         return [dict(r, engine=self.label(r["mode"])) for r in result["records"]]
 
     @staticmethod
@@ -339,7 +394,9 @@ class Ours:
 def load_prompts(args) -> list[dict]:
     from edge_spec.bench import load_bench_prompts
 
-    items = [item for path in args.prompts or PROMPT_FILES for item in load_bench_prompts(path, None, args.per_category)]
+    items = [
+        item for path in args.prompts or PROMPT_FILES for item in load_bench_prompts(path, None, args.per_category)
+    ]
     unknown = set(args.category) - {item["category"] for item in items}
     if unknown:
         raise SystemExit(f"unknown categories: {', '.join(sorted(unknown))}")
@@ -356,12 +413,24 @@ def main() -> None:
     parser.add_argument("--no-ours", dest="ours", action="store_false", help="time the peers only")
     parser.add_argument("--k", default="4,8,16", help="draft lengths (comma list, 1-16)")
     parser.add_argument("--lookup", action="store_true", help="our modes also draft by prompt lookup")
-    parser.add_argument("--eagle-head", action="append", help="also time our EAGLE head with this LM head "
-                        "(repeatable; fixed γ = each K and the schedule, as for the drafter)")
-    parser.add_argument("--ar-exact", action="store_true", help="also time our ar-exact (batch-invariant "
-                        "target-only decoding), the answer our greedy speculative modes must equal token for token")
-    parser.add_argument("--bundle", type=Path, help="our bundle (default: the README's export); the peers "
-                        "re-quantize the dequantized GGUFs to int4, as an export with --gguf-blocks none does")
+    parser.add_argument(
+        "--eagle-head",
+        action="append",
+        help="also time our EAGLE head with this LM head "
+        "(repeatable; fixed γ = each K and the schedule, as for the drafter)",
+    )
+    parser.add_argument(
+        "--ar-exact",
+        action="store_true",
+        help="also time our ar-exact (batch-invariant "
+        "target-only decoding), the answer our greedy speculative modes must equal token for token",
+    )
+    parser.add_argument(
+        "--bundle",
+        type=Path,
+        help="our bundle (default: the README's export); the peers "
+        "re-quantize the dequantized GGUFs to int4, as an export with --gguf-blocks none does",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=Path, action="append", help="prompt files (default: bench + low-acceptance)")
@@ -392,7 +461,10 @@ def main() -> None:
     if args.prepare:
         prepare(peers, args.threads)
         return
-    for peer, ready in (("genai", GENAI_SPEC_DIR / "genai_config.json"), ("openvino", ov_dir(DRAFT) / "openvino_model.xml")):
+    for peer, ready in (
+        ("genai", GENAI_SPEC_DIR / "genai_config.json"),
+        ("openvino", ov_dir(DRAFT) / "openvino_model.xml"),
+    ):
         if peer in peers and not ready.is_file():
             raise SystemExit(f"{peer} is not prepared: run {Path(__file__).name} --prepare first")
 
@@ -412,12 +484,16 @@ def main() -> None:
     try:
         if "genai" in peers:
             log("loading onnxruntime-genai (ar + speculative) in models/genai-venv")
-            workers["genai"] = Peer("genai", shared.GENAI_PY, dict(spec, ar_dir=str(shared.ensure_genai_model(
-                args.threads, TARGET)), spec_dir=str(GENAI_SPEC_DIR)))
+            workers["genai"] = Peer(
+                "genai",
+                shared.GENAI_PY,
+                dict(spec, ar_dir=str(shared.ensure_genai_model(args.threads, TARGET)), spec_dir=str(GENAI_SPEC_DIR)),
+            )
         if "openvino" in peers:
             log("loading OpenVINO GenAI (ar + speculative) in models/openvino-venv")
-            workers["openvino"] = Peer("openvino", OV_PY, dict(spec, target_dir=str(ov_dir(TARGET)),
-                                                                draft_dir=str(ov_dir(DRAFT))))
+            workers["openvino"] = Peer(
+                "openvino", OV_PY, dict(spec, target_dir=str(ov_dir(TARGET)), draft_dir=str(ov_dir(DRAFT)))
+            )
         ours = None
         if args.ours:
             log("loading edge-spec (ar engine + speculative engine)")
@@ -442,8 +518,10 @@ def main() -> None:
             for run in fastest.values():
                 run.update(category=item["category"], prompt_index=index, prompt_tokens=len(item["ids"]))
                 records.append(run)
-            log(f"prompt {index + 1}/{len(items)} ({item['category']}): " + ", ".join(
-                f"{r['engine']} {r['tokens_per_second']:.1f}" for r in fastest.values()))
+            log(
+                f"prompt {index + 1}/{len(items)} ({item['category']}): "
+                + ", ".join(f"{r['engine']} {r['tokens_per_second']:.1f}" for r in fastest.values())
+            )
     finally:
         for worker in workers.values():
             worker.close()
@@ -452,20 +530,40 @@ def main() -> None:
     rows = summarize(records, engines)
     load_after = os.getloadavg()
     print()
-    print(f"{len(items)} prompts, greedy, at most {args.new_tokens} new tokens (stop at EOS), {args.threads} threads, "
-          f"K = {', '.join(map(str, args.k))}, fastest of {args.repeats} per prompt; "
-          + ", ".join(f"{p} {w.info['version']}" for p, w in workers.items()))
-    print(f"load average 1/5/15 min: before {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
-          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} (machine has {os.cpu_count()} cores)")
+    print(
+        f"{len(items)} prompts, greedy, at most {args.new_tokens} new tokens (stop at EOS), {args.threads} threads, "
+        f"K = {', '.join(map(str, args.k))}, fastest of {args.repeats} per prompt; "
+        + ", ".join(f"{p} {w.info['version']}" for p, w in workers.items())
+    )
+    print(
+        f"load average 1/5/15 min: before {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
+        f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} (machine has {os.cpu_count()} cores)"
+    )
     print(format_rows(rows))
-    print("= ar: greedy answers token-identical to the same engine's ar (ours: to its one-row ar, which our exact "
-          "batch-invariant passes may leave at a numerical near-tie)")
+    print(
+        "= ar: greedy answers token-identical to the same engine's ar (ours: to its one-row ar, which our exact "
+        "batch-invariant passes may leave at a numerical near-tie)"
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({
-        "target": TARGET, "draft": DRAFT, "threads": args.threads, "new_tokens": args.new_tokens, "k": args.k,
-        "repeats": args.repeats, "peers": {p: w.info for p, w in workers.items()},
-        "openvino_export": OV_EXPORT_ARGS, "load_before": load, "load_after": load_after,
-        "summary": rows, "records": records}, indent=1))
+    args.output.write_text(
+        json.dumps(
+            {
+                "target": TARGET,
+                "draft": DRAFT,
+                "threads": args.threads,
+                "new_tokens": args.new_tokens,
+                "k": args.k,
+                "repeats": args.repeats,
+                "peers": {p: w.info for p, w in workers.items()},
+                "openvino_export": OV_EXPORT_ARGS,
+                "load_before": load,
+                "load_after": load_after,
+                "summary": rows,
+                "records": records,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {args.output}")
 
 

@@ -44,7 +44,7 @@ def main() -> None:
     print(header)
     print(f"{'pass (model_run)':<34}" + "".join(f"{np.median(profile.walls[r]) / 1e3:10.2f}" for r in row_counts))
     print(f"{'sum of node medians':<34}" + "".join(f"{sum(groups[r].values()):10.2f}" for r in row_counts))
-    for group in sorted(groups[1], key=lambda g: -groups[1][g])[:args.top]:
+    for group in sorted(groups[1], key=lambda g: -groups[1][g])[: args.top]:
         print(f"{group:<34}" + "".join(f"{groups[r].get(group, 0.0):10.3f}" for r in row_counts))
 
 

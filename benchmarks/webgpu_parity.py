@@ -24,8 +24,9 @@ PROMPT = "Write a Python function that checks whether a number is prime."
 
 def greedy(bundle: Path, role: str, provider: str, ids: list[int], tokens: int, rows: int):
     manifest = read_manifest(bundle)
-    decoder = Decoder(bundle / manifest[role]["onnx"], provider=provider, capacity=len(ids) + tokens + 8,
-                      min_rows=rows, threads=0)
+    decoder = Decoder(
+        bundle / manifest[role]["onnx"], provider=provider, capacity=len(ids) + tokens + 8, min_rows=rows, threads=0
+    )
     head = None
     if role == "draft":
         head = small_session(bundle / manifest["draft"]["heads"]["full"]["onnx"], provider, 0)
@@ -33,8 +34,11 @@ def greedy(bundle: Path, role: str, provider: str, ids: list[int], tokens: int, 
     result = decoder.prefill(ids)
     started = time.perf_counter()
     for _ in range(tokens):
-        logits = result["logits"][-1] if head is None else \
-            head.run(None, {"hidden_states": result["hidden_states"][-1][None, None]})[0][0, 0]
+        logits = (
+            result["logits"][-1]
+            if head is None
+            else head.run(None, {"hidden_states": result["hidden_states"][-1][None, None]})[0][0, 0]
+        )
         all_logits.append(logits)
         out.append(int(np.argmax(logits)))
         result = decoder.forward([out[-1]], 1)
@@ -59,14 +63,20 @@ def main() -> None:
         print(f"identical greedy answers: {tokenizer.decode(cpu)!r}")
     else:
         top = np.sort(cpu_logits[first])[-2:]
-        print(f"first divergence at token {first}: CPU {cpu[first]} / WebGPU {gpu[first]}, CPU margin "
-              f"{top[1] - top[0]:.3f}, WebGPU logit gap there {gpu_logits[first][gpu[first]] - gpu_logits[first][cpu[first]]:.3f}")
+        print(
+            f"first divergence at token {first}: CPU {cpu[first]} / WebGPU {gpu[first]}, CPU margin "
+            f"{top[1] - top[0]:.3f}, WebGPU logit gap there {gpu_logits[first][gpu[first]] - gpu_logits[first][cpu[first]]:.3f}"
+        )
         print(f"  shared prefix: {tokenizer.decode(cpu[:first])!r}")
     per = transfers.passes or 1
-    print(f"WebGPU host->device {transfers.host_to_device / per:.0f} B/pass, device->host "
-          f"{transfers.device_to_host / per:.0f} B/pass, KV {transfers.kv} B in all, over {transfers.passes} passes")
-    print(f"max |logit| difference CPU vs WebGPU over the shared prefix: "
-          f"{max(float(np.abs(a - b).max()) for a, b in zip(cpu_logits[:first or None], gpu_logits[:first or None])):.3f}")
+    print(
+        f"WebGPU host->device {transfers.host_to_device / per:.0f} B/pass, device->host "
+        f"{transfers.device_to_host / per:.0f} B/pass, KV {transfers.kv} B in all, over {transfers.passes} passes"
+    )
+    print(
+        f"max |logit| difference CPU vs WebGPU over the shared prefix: "
+        f"{max(float(np.abs(a - b).max()) for a, b in zip(cpu_logits[: first or None], gpu_logits[: first or None])):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.paths import PACKAGE_DATA
 from edge_spec.prompts import as_messages, read_prompt_file
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
 from edge_spec.runtime.model import huge_pages
+from edge_spec.runtime.propose import DRAFTERS
 
 DEFAULT_PROMPTS = PACKAGE_DATA / "bench" / "prompts.jsonl"
 
@@ -74,10 +74,19 @@ def load_bench_prompts(path: Path | None, categories: list[str] | None, per_cate
     return prompts
 
 
-def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed_gammas: list[int] | None = None,
-              trees: list[TreeConfig] = (), ssds: list[SsdConfig] = (), lookup: bool = False,
-              reference: bool = True, eagle: bool = False, eagle_heads: list[str] | None = None,
-              spec: bool = True) -> list[BenchMode]:
+def modes_for(
+    engine: Engine,
+    heads: list[str] | None,
+    chain: ChainConfig,
+    fixed_gammas: list[int] | None = None,
+    trees: list[TreeConfig] = (),
+    ssds: list[SsdConfig] = (),
+    lookup: bool = False,
+    reference: bool = True,
+    eagle: bool = False,
+    eagle_heads: list[str] | None = None,
+    spec: bool = True,
+) -> list[BenchMode]:
     """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one
     mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft configuration
     (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own schedule
@@ -106,13 +115,22 @@ def modes_for(engine: Engine, heads: list[str] | None, chain: ChainConfig, fixed
         for name in eagle_heads or [None]:  # None: the bundle's default EAGLE head
             name = engine._check_eagle_head(name)
             label = "eagle" if name == "full" else f"eagle+{name}"
-            modes += [dataclasses.replace(mode, eagle_head=name)
-                      for mode in _chain_modes(label, chosen[0], with_drafter(plain, "eagle"), fixed_gammas, lookup)]
+            modes += [
+                dataclasses.replace(mode, eagle_head=name)
+                for mode in _chain_modes(label, chosen[0], with_drafter(plain, "eagle"), fixed_gammas, lookup)
+            ]
     return modes
 
 
-def _chain_modes(name: str, head: str, plain: ChainConfig, fixed_gammas: list[int] | None,
-                 lookup: bool, others: list[BenchMode] = (), without_lookup: bool = True) -> list[BenchMode]:
+def _chain_modes(
+    name: str,
+    head: str,
+    plain: ChainConfig,
+    fixed_gammas: list[int] | None,
+    lookup: bool,
+    others: list[BenchMode] = (),
+    without_lookup: bool = True,
+) -> list[BenchMode]:
     """One mode per fixed γ, then ``others``, then the run's schedule as ``name``: each without prompt
     lookup (unless ``without_lookup`` is False) and, with ``lookup``, with it (``name+lookup``)."""
     modes = []
@@ -130,9 +148,19 @@ def _chain_modes(name: str, head: str, plain: ChainConfig, fixed_gammas: list[in
     return modes
 
 
-def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, temperatures: list[float],
-              max_new_tokens: int, seed: int = 0, repeats: int = 1, progress=None,
-              baseline: Engine | None = None, sampler: str = "rejection") -> dict:
+def run_bench(
+    engine: Engine,
+    prompts: list[dict],
+    modes: list[BenchMode],
+    *,
+    temperatures: list[float],
+    max_new_tokens: int,
+    seed: int = 0,
+    repeats: int = 1,
+    progress=None,
+    baseline: Engine | None = None,
+    sampler: str = "rejection",
+) -> dict:
     """Run every prompt in every mode and temperature; return raw records plus per-category summaries.
 
     ``baseline``: the engine that times the ``ar`` mode -- our fastest target-only decoding, loaded for
@@ -161,8 +189,16 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
                     if mode.name == "ar-exact" and not _deterministic(temperature, sampler):
                         continue  # only greedy and coupled answers are compared token for token
                     runner = baseline if baseline is not None and mode.name == "ar" else engine
-                    record = _run_mode(runner, mode, messages, references, max_new_tokens=max_new_tokens,
-                                       temperature=temperature, seed=seed + index, sampler=sampler)
+                    record = _run_mode(
+                        runner,
+                        mode,
+                        messages,
+                        references,
+                        max_new_tokens=max_new_tokens,
+                        temperature=temperature,
+                        seed=seed + index,
+                        sampler=sampler,
+                    )
                     record.update(category=item["category"], prompt_index=index)
                     kept = fastest.setdefault(mode.name, record)
                     for flag in ("identical_to_ar", "identical_to_one_row_ar"):
@@ -175,13 +211,28 @@ def run_bench(engine: Engine, prompts: list[dict], modes: list[BenchMode], *, te
             if progress:
                 progress(done, total)
     engine.config = schedule
-    return {"records": records, "summary": summarize(records), "gamma": schedule.gamma,
-            "adaptive": getattr(schedule, "adaptive", False), "max_new_tokens": max_new_tokens, "repeats": repeats,
-            "sampler": sampler}
+    return {
+        "records": records,
+        "summary": summarize(records),
+        "gamma": schedule.gamma,
+        "adaptive": getattr(schedule, "adaptive", False),
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "sampler": sampler,
+    }
 
 
-def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references: dict[bool, list[int]], *,
-              max_new_tokens: int, temperature: float, seed: int, sampler: str = "rejection") -> dict:
+def _run_mode(
+    engine: Engine,
+    mode: BenchMode,
+    messages: list[dict],
+    references: dict[bool, list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    sampler: str = "rejection",
+) -> dict:
     """One answer in one mode; the first target-only answer per numerics becomes the reference."""
     loop = mode.config.mode
     if mode.head:
@@ -193,25 +244,58 @@ def _run_mode(engine: Engine, mode: BenchMode, messages: list[dict], references:
     huge_pages.wait_all()  # a model loaded just now is timed on the pages it will keep (model/huge_pages.py)
     before = {role: _pass_log(d) for role, d in decoders.items()}
     started = time.perf_counter()
-    completion = engine.complete(messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                 sampler=sampler, mode=loop, exact=mode.exact)
+    completion = engine.complete(
+        messages,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        sampler=sampler,
+        mode=loop,
+        exact=mode.exact,
+    )
     exact = engine.exact_for(loop, mode.exact, deterministic=_deterministic(temperature, sampler))
     stats = completion.stats
-    record = {"temperature": temperature, "sampler": sampler, "mode": mode.name, "new_tokens": stats.new_tokens,
-              "decode_seconds": stats.decode_seconds, "wall_seconds": time.perf_counter() - started,
-              "tokens_per_second": stats.tokens_per_second}
+    record = {
+        "temperature": temperature,
+        "sampler": sampler,
+        "mode": mode.name,
+        "new_tokens": stats.new_tokens,
+        "decode_seconds": stats.decode_seconds,
+        "wall_seconds": time.perf_counter() - started,
+        "tokens_per_second": stats.tokens_per_second,
+    }
     for role, decoder in decoders.items():  # ORT passes of this answer by rows, prompt processing left out
         record[f"{role}_passes"] = _decode_passes(before[role], _pass_log(decoder))
     if mode.head is None:
         references.setdefault(exact, completion.token_ids)
         return record
     spec = stats.spec
-    record.update({k: getattr(spec, k) for k in ("tau", "mbsu", "acceptance_rate", "mean_gamma", "param_ratio",
-                                                 "target_calls", "draft_seconds", "verify_seconds", "head_seconds",
-                                                 "draft_steps", "candidate_recall", "first_token_acceptance",
-                                                 "cache_hit_rate")})
-    record.update(guess_rounds=spec.tally("guess").rounds, guess_accepted=spec.tally("guess").accepted,
-                  lookup_rounds=spec.tally("lookup").rounds, lookup_accepted=spec.tally("lookup").accepted)
+    record.update(
+        {
+            k: getattr(spec, k)
+            for k in (
+                "tau",
+                "mbsu",
+                "acceptance_rate",
+                "mean_gamma",
+                "param_ratio",
+                "target_calls",
+                "draft_seconds",
+                "verify_seconds",
+                "head_seconds",
+                "draft_steps",
+                "candidate_recall",
+                "first_token_acceptance",
+                "cache_hit_rate",
+            )
+        }
+    )
+    record.update(
+        guess_rounds=spec.tally("guess").rounds,
+        guess_accepted=spec.tally("guess").accepted,
+        lookup_rounds=spec.tally("lookup").rounds,
+        lookup_accepted=spec.tally("lookup").accepted,
+    )
     reference = references.get(exact)  # None: no target-only run with these numerics (--no-reference)
     record["identical_to_ar"] = None if reference is None else completion.token_ids == reference
     record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
@@ -229,8 +313,10 @@ def _pass_log(decoder) -> dict[int, tuple[int, float]]:
     if decoder is None:
         return {}
     stats = decoder.stats
-    return {n: (stats.calls[n] - stats.prefill_calls.get(n, 0), stats.seconds[n] - stats.prefill_seconds.get(n, 0.0))
-            for n in stats.calls}
+    return {
+        n: (stats.calls[n] - stats.prefill_calls.get(n, 0), stats.seconds[n] - stats.prefill_seconds.get(n, 0.0))
+        for n in stats.calls
+    }
 
 
 def _decode_passes(before: dict, after: dict) -> dict[str, list[float]]:
@@ -292,9 +378,16 @@ def summarize(records: list[dict]) -> list[dict]:
             seconds = sum(normalized[id(r)] for r in rows)
             priced[key] = tokens / seconds if seconds else 0.0
     out = []
-    for (temperature, category, mode), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] == "overall", kv[0][1], kv[0][2] != "ar", kv[0][2])):
-        row = {"temperature": temperature, "category": category, "mode": mode, "prompts": len(rows),
-               "tokens_per_second": throughput[(temperature, category, mode)]}
+    for (temperature, category, mode), rows in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1] == "overall", kv[0][1], kv[0][2] != "ar", kv[0][2])
+    ):
+        row = {
+            "temperature": temperature,
+            "category": category,
+            "mode": mode,
+            "prompts": len(rows),
+            "tokens_per_second": throughput[(temperature, category, mode)],
+        }
         ar = throughput.get((temperature, category, "ar"))
         row["speedup_vs_ar"] = row["tokens_per_second"] / ar if ar else None
         key, ar_key = (temperature, category, mode), (temperature, category, "ar")
@@ -311,18 +404,32 @@ def summarize(records: list[dict]) -> list[dict]:
             steps = sum(r["draft_steps"] for r in rows)
             row["head_ms_per_step"] = 1e3 * sum(r["head_seconds"] for r in rows) / steps if steps else 0.0
             row["draft_ms_per_step"] = 1e3 * sum(r["draft_seconds"] for r in rows) / steps if steps else 0.0
-            row["candidate_recall"] = (sum(r["candidate_recall"] * r["draft_steps"] for r in rows) / steps
-                                       if steps else 0.0)
-            row.update({"tau": tau, "mbsu": tau / (c * gamma + 1), "mean_gamma": gamma, "param_ratio": c,
-                        "acceptance_rate": sum(r["acceptance_rate"] for r in rows) / len(rows),
-                        "cache_hit_rate": (sum(r.get("cache_hit_rate", 0.0) * r["target_calls"] for r in rows)
-                                           / calls if calls else 0.0),
-                        "first_token_acceptance": (sum(r.get("first_token_acceptance", 0.0) * r["target_calls"]
-                                                       for r in rows) / calls if calls else 0.0),
-                        "identical_to_ar": (all(r["identical_to_ar"] for r in rows) if compared and all(
-                            r["identical_to_ar"] is not None for r in rows) else None),
-                        "identical_to_one_row_ar": (sum(r["identical_to_one_row_ar"] for r in rows)
-                                                    if compared else None)})
+            row["candidate_recall"] = (
+                sum(r["candidate_recall"] * r["draft_steps"] for r in rows) / steps if steps else 0.0
+            )
+            row.update(
+                {
+                    "tau": tau,
+                    "mbsu": tau / (c * gamma + 1),
+                    "mean_gamma": gamma,
+                    "param_ratio": c,
+                    "acceptance_rate": sum(r["acceptance_rate"] for r in rows) / len(rows),
+                    "cache_hit_rate": (
+                        sum(r.get("cache_hit_rate", 0.0) * r["target_calls"] for r in rows) / calls if calls else 0.0
+                    ),
+                    "first_token_acceptance": (
+                        sum(r.get("first_token_acceptance", 0.0) * r["target_calls"] for r in rows) / calls
+                        if calls
+                        else 0.0
+                    ),
+                    "identical_to_ar": (
+                        all(r["identical_to_ar"] for r in rows)
+                        if compared and all(r["identical_to_ar"] is not None for r in rows)
+                        else None
+                    ),
+                    "identical_to_one_row_ar": (sum(r["identical_to_one_row_ar"] for r in rows) if compared else None),
+                }
+            )
         out.append(row)
     return out
 
@@ -332,9 +439,11 @@ def format_table(summary: list[dict]) -> str:
     every ORT pass priced at the run's mean latency (see :func:`cost_normalized_seconds`); ``same``:
     greedy answers equal target-only decoding with the same numerics; ``=ar1``: how many equal one-row ar."""
     lines = []
-    header = (f"{'T':>4} {'category':14s} {'mode':36s} {'tau':>5} {'MBSU':>5} {'1st acc':>7} {'recall':>6} "
-              f"{'draft ms':>8} {'head ms':>7} "
-              f"{'tok/s':>6} {'x ar':>5} {'xar$':>5} {'same':>5} {'=ar1':>5}")
+    header = (
+        f"{'T':>4} {'category':14s} {'mode':36s} {'tau':>5} {'MBSU':>5} {'1st acc':>7} {'recall':>6} "
+        f"{'draft ms':>8} {'head ms':>7} "
+        f"{'tok/s':>6} {'x ar':>5} {'xar$':>5} {'same':>5} {'=ar1':>5}"
+    )
     current = None
     for row in summary:
         if row["temperature"] != current:
@@ -362,8 +471,9 @@ def schedule_report(summary: list[dict]) -> str:
     lines = []
     by_key = {(r["temperature"], r["category"], r["mode"]): r for r in summary}
     for (temperature, category, mode), row in by_key.items():
-        fixed = [r for (t, c, m), r in by_key.items() if t == temperature and c == category
-                 and m.startswith(mode + "@γ")]
+        fixed = [
+            r for (t, c, m), r in by_key.items() if t == temperature and c == category and m.startswith(mode + "@γ")
+        ]
         if not fixed or mode == "ar":
             continue
         line = f"{temperature:>4.1f} {category:14s} {mode:30s}"
@@ -372,8 +482,10 @@ def schedule_report(summary: list[dict]) -> str:
                 continue
             best = max(fixed, key=lambda r: r[rate])
             ar = by_key[(temperature, category, "ar")][rate]
-            line += (f" | {label}: {row[rate] / ar:5.2f}x ar, best fixed {best['mode'].rsplit('@', 1)[1]} "
-                     f"{best[rate] / ar:5.2f}x, schedule / best = {row[rate] / best[rate]:.3f}")
+            line += (
+                f" | {label}: {row[rate] / ar:5.2f}x ar, best fixed {best['mode'].rsplit('@', 1)[1]} "
+                f"{best[rate] / ar:5.2f}x, schedule / best = {row[rate] / best[rate]:.3f}"
+            )
         lines.append(line)
     return "\n".join(lines)
 
@@ -389,23 +501,40 @@ def per_prompt_schedule(records: list[dict]) -> list[dict]:
         prompts = sorted(i for t, m, i in speed if (t, m) == (temperature, mode))
         ratios = []
         for index in prompts:
-            fixed = [r for (t, m, i), r in speed.items() if t == temperature and i == index and m.startswith(mode + "@γ")]
+            fixed = [
+                r for (t, m, i), r in speed.items() if t == temperature and i == index and m.startswith(mode + "@γ")
+            ]
             if fixed and mode != "ar":
                 best = max(fixed, key=lambda r: r["tokens_per_second"])
-                ratios.append((speed[(temperature, mode, index)]["tokens_per_second"] / best["tokens_per_second"],
-                               index, speed[(temperature, mode, index)]["category"]))
+                ratios.append(
+                    (
+                        speed[(temperature, mode, index)]["tokens_per_second"] / best["tokens_per_second"],
+                        index,
+                        speed[(temperature, mode, index)]["category"],
+                    )
+                )
         if ratios:
             ratios.sort()
-            rows.append({"temperature": temperature, "mode": mode, "prompts": len(ratios), "min": ratios[0][0],
-                         "min_prompt": ratios[0][1], "min_category": ratios[0][2],
-                         "median": ratios[len(ratios) // 2][0]})
+            rows.append(
+                {
+                    "temperature": temperature,
+                    "mode": mode,
+                    "prompts": len(ratios),
+                    "min": ratios[0][0],
+                    "min_prompt": ratios[0][1],
+                    "min_category": ratios[0][2],
+                    "median": ratios[len(ratios) // 2][0],
+                }
+            )
     return rows
 
 
 def per_prompt_report(rows: list[dict]) -> str:
-    return "\n".join(f"{r['temperature']:>4.1f} {r['mode']:30s} schedule / best fixed γ per prompt: median "
-                     f"{r['median']:.3f}, min {r['min']:.3f} (prompt {r['min_prompt']}, {r['min_category']})"
-                     for r in rows)
+    return "\n".join(
+        f"{r['temperature']:>4.1f} {r['mode']:30s} schedule / best fixed γ per prompt: median "
+        f"{r['median']:.3f}, min {r['min']:.3f} (prompt {r['min_prompt']}, {r['min_category']})"
+        for r in rows
+    )
 
 
 def plot(summary: list[dict], path: Path) -> bool:
@@ -423,14 +552,21 @@ def plot(summary: list[dict], path: Path) -> bool:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for temperature in sorted({r["temperature"] for r in summary}):
-        rows = sorted((r for r in summary if r["temperature"] == temperature and r["category"] == "overall"
-                       and "tau" in r), key=lambda r: r["head_ms_per_step"])
+        rows = sorted(
+            (r for r in summary if r["temperature"] == temperature and r["category"] == "overall" and "tau" in r),
+            key=lambda r: r["head_ms_per_step"],
+        )
         cost = [r["head_ms_per_step"] for r in rows]
         ax1.plot(cost, [r["speedup_vs_ar"] for r in rows], marker="o", ls=":", label=f"T={temperature}")
         ax2.plot(cost, [r["tau"] for r in rows], marker="o", ls=":", label=f"T={temperature}")
         for r in rows:
-            ax2.annotate(r["mode"].removeprefix("spec+"), (r["head_ms_per_step"], r["tau"]), fontsize=7,
-                         xytext=(3, 3), textcoords="offset points")
+            ax2.annotate(
+                r["mode"].removeprefix("spec+"),
+                (r["head_ms_per_step"], r["tau"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
     for ax, title in ((ax1, "wall-clock speed-up vs ar"), (ax2, "τ (tokens per target call)")):
         ax.set_xlabel("drafter head ms per draft step (measured)")
         ax.set_title(title)

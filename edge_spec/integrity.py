@@ -85,7 +85,8 @@ class WeightCheck:
             if not whole:
                 self._error = EdgeSpecError(
                     f"bundle file corrupted (its sha256 differs from the manifest's, its size does not): {path}; "
-                    "export the bundle again (edge-spec info BUNDLE --verify checks every file)")
+                    "export the bundle again (edge-spec info BUNDLE --verify checks every file)"
+                )
                 return
             self._stamps[relative] = [expected, identity]
         _write_stamps(self._stamp_file, self._stamps)

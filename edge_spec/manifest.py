@@ -68,17 +68,21 @@ def read_manifest(bundle_dir: Path) -> dict:
         raise EdgeSpecError(f"bundle not found: {bundle_dir}")
     path = bundle_dir / MANIFEST
     if not path.is_file():
-        raise EdgeSpecError(f"{bundle_dir} is not an edge-spec bundle (no {MANIFEST}); create one with `edge-spec export`")
+        raise EdgeSpecError(
+            f"{bundle_dir} is not an edge-spec bundle (no {MANIFEST}); create one with `edge-spec export`"
+        )
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise EdgeSpecError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from exc
     except (UnicodeDecodeError, RecursionError, OSError) as exc:
-        raise EdgeSpecError(f"{path}: not a readable JSON text ({type(exc).__name__}); the bundle is damaged, "
-                            "export it again") from None
+        raise EdgeSpecError(
+            f"{path}: not a readable JSON text ({type(exc).__name__}); the bundle is damaged, export it again"
+        ) from None
     if not isinstance(manifest, dict):
-        raise EdgeSpecError(f"{path}: not a JSON object (got {type(manifest).__name__}); the bundle is damaged, "
-                            "export it again")
+        raise EdgeSpecError(
+            f"{path}: not a JSON object (got {type(manifest).__name__}); the bundle is damaged, export it again"
+        )
     if manifest.get("format") != FORMAT:
         raise EdgeSpecError(f"{path}: bundle format {manifest.get('format')!r} is not supported (expected {FORMAT})")
     check_manifest(manifest, path)
@@ -146,8 +150,9 @@ def eagle_heads(manifest: dict) -> dict:
     entry = manifest.get("eagle") or {}
     if not entry:
         return {}
-    return entry.get("heads") or {"full": {"kind": "builtin", "onnx": entry["onnx"],
-                                           "size": int(entry.get("draft_vocab_size", 0))}}
+    return entry.get("heads") or {
+        "full": {"kind": "builtin", "onnx": entry["onnx"], "size": int(entry.get("draft_vocab_size", 0))}
+    }
 
 
 def check_manifest(manifest: dict, path: Path | str = MANIFEST) -> None:
@@ -195,8 +200,10 @@ def verify_files(bundle_dir: Path, manifest: dict, *, full_hash: bool = False) -
             if not path.is_file():
                 raise EdgeSpecError(f"bundle file missing: {path}")
             if path.stat().st_size != record["bytes"]:
-                raise EdgeSpecError(f"bundle file corrupted (size differs from manifest): {path}; "
-                                    "export the bundle again")
+                raise EdgeSpecError(
+                    f"bundle file corrupted (size differs from manifest): {path}; export the bundle again"
+                )
             if full_hash and sha256_file(path) != record["sha256"]:
-                raise EdgeSpecError(f"bundle file corrupted (sha256 differs from manifest): {path}; "
-                                    "export the bundle again")
+                raise EdgeSpecError(
+                    f"bundle file corrupted (sha256 differs from manifest): {path}; export the bundle again"
+                )

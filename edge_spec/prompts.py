@@ -27,8 +27,10 @@ def read_prompt_file(path, what: str = "prompt") -> list[dict]:
         except ValueError as exc:
             raise EdgeSpecError(f"{path} line {number}: invalid JSON ({exc})") from None
         if not (isinstance(item, dict) and isinstance(item.get("category"), str) and _is_prompt(item.get("prompt"))):
-            raise EdgeSpecError(f"{path} line {number}: expected an object with a 'category' string and a "
-                                "non-empty 'prompt' (text or chat messages)")
+            raise EdgeSpecError(
+                f"{path} line {number}: expected an object with a 'category' string and a "
+                "non-empty 'prompt' (text or chat messages)"
+            )
         prompts.append(item)
     if not prompts:
         raise EdgeSpecError(f"{what} file {path} has no prompts")
@@ -43,5 +45,8 @@ def as_messages(prompt: str | list[dict]) -> list[dict]:
 def _is_prompt(prompt) -> bool:
     if isinstance(prompt, str):
         return bool(prompt.strip())
-    return (isinstance(prompt, list) and bool(prompt)
-            and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt))
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt)
+    )

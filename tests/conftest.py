@@ -33,9 +33,18 @@ def int4_bundle(tmp_path_factory, tiny_pair):
     """int4 bundle with drafter heads: full, VocabTrim at 160 and 64 rows (of 384), SpecVocab (rank 16,
     48 candidates) over all 384 tokens or the 160 most frequent ones, alone and united with a
     32-row VocabTrim set."""
-    return export_tiny(tmp_path_factory.mktemp("b") / "int4", tiny_pair, quant="int4",
-                       draft_vocab="trim,specvocab,trim+specvocab", keep=(160, 64), calibration_tokens=24,
-                       rank=(16,), candidates=(48,), union_keep=32, scorer_vocab=(0, 160))
+    return export_tiny(
+        tmp_path_factory.mktemp("b") / "int4",
+        tiny_pair,
+        quant="int4",
+        draft_vocab="trim,specvocab,trim+specvocab",
+        keep=(160, 64),
+        calibration_tokens=24,
+        rank=(16,),
+        candidates=(48,),
+        union_keep=32,
+        scorer_vocab=(0, 160),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -39,8 +39,14 @@ def export_tiny(tmp_dir, tiny_pair, **options):
 
 def cli(*args: str, timeout: int = 300, input_text: str | None = None) -> subprocess.CompletedProcess:
     """Run the CLI in a subprocess (stdin: ``input_text``, else nothing)."""
-    return subprocess.run([sys.executable, "-m", "edge_spec.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, input=input_text, stdin=None if input_text is not None else subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "edge_spec.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input_text,
+        stdin=None if input_text is not None else subprocess.DEVNULL,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
@@ -208,15 +214,26 @@ class FixedUniform:
 # EAGLE heads
 # ---------------------------------------------------------------------------
 
+
 def tiny_head_config(**changes):
     """An EAGLE-3 head configuration for the tiny target (vocab 384, hidden 64)."""
     import dataclasses
 
     from edge_spec.export.eagle.model import Eagle3Config
 
-    config = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=384, draft_vocab_size=96,
-                          feature_layers=(0, 2, 3), max_position_embeddings=512)
+    config = Eagle3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=384,
+        draft_vocab_size=96,
+        feature_layers=(0, 2, 3),
+        max_position_embeddings=512,
+    )
     return dataclasses.replace(config, **changes)
 
 
@@ -235,7 +252,7 @@ def random_head(seed: int = 0, config=None):
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
             else:
                 param.copy_(torch.randn_like(param) / np.sqrt(param.shape[1]))
-        draft_ids = torch.sort(torch.randperm(config.vocab_size)[:config.draft_vocab_size]).values
+        draft_ids = torch.sort(torch.randperm(config.vocab_size)[: config.draft_vocab_size]).values
         head.d2t.copy_(draft_ids - torch.arange(config.draft_vocab_size))
         head.t2d.zero_()
         head.t2d[draft_ids] = True

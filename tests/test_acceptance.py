@@ -4,11 +4,19 @@ import json
 
 import pytest
 
-from edge_spec.runtime.schedule.acceptance import (AGREEMENT_SPREADS, CAUTION_FADE, REQUEST_CAUTION,
-                                                   AcceptanceCalibration, Agreement, LogOddsShift,
-                                                   RequestAcceptance, confidence_bin, shifted)
-from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.schedule.acceptance import (
+    AGREEMENT_SPREADS,
+    CAUTION_FADE,
+    REQUEST_CAUTION,
+    AcceptanceCalibration,
+    Agreement,
+    LogOddsShift,
+    RequestAcceptance,
+    confidence_bin,
+    shifted,
+)
+from edge_spec.runtime.schedule.memory import ScheduleMemory
 from tests.helpers import chain
 
 
@@ -194,12 +202,16 @@ def test_a_request_checks_its_guesses_against_the_calibration():
     carried = calibration.guess_rate(4)
     translation, copying = RequestAcceptance(calibration), RequestAcceptance(calibration)
     fresh = translation.guess(4)
-    assert fresh == pytest.approx(shifted(carried, REQUEST_CAUTION))  # no evidence yet: the calibration's word, from below
+    assert fresh == pytest.approx(
+        shifted(carried, REQUEST_CAUTION)
+    )  # no evidence yet: the calibration's word, from below
     for _ in range(8):
         translation.record_guess(4, right=False)
         copying.record_guess(4, right=True)
     assert translation.guess(4) < 0.5 * calibration.guess_rate(4)  # this request's guesses fail: it stops trusting them
-    assert copying.guess(4) >= shifted(calibration.guess_rate(4), REQUEST_CAUTION) > 0.9  # negative control: right guesses keep their rate
+    assert (
+        copying.guess(4) >= shifted(calibration.guess_rate(4), REQUEST_CAUTION) > 0.9
+    )  # negative control: right guesses keep their rate
     assert RequestAcceptance(calibration).guess(4) == pytest.approx(shifted(calibration.guess_rate(4), REQUEST_CAUTION))
 
 
@@ -224,8 +236,9 @@ def test_a_request_starts_cautious_and_the_caution_fades_with_its_judged_drafts(
         doing_worse.record([0.9], accepted=0)
     assert sure - 0.002 < predictable.acceptance(0.99) <= 1.0  # the caution is gone, not outweighed
     assert doing_worse.acceptance(0.9) < start
-    held_as_evidence = Agreement(LogOddsShift(AGREEMENT_SPREADS[0], REQUEST_CAUTION),
-                                 LogOddsShift(AGREEMENT_SPREADS[1], REQUEST_CAUTION))
+    held_as_evidence = Agreement(
+        LogOddsShift(AGREEMENT_SPREADS[0], REQUEST_CAUTION), LogOddsShift(AGREEMENT_SPREADS[1], REQUEST_CAUTION)
+    )
     for _ in range(int(3 * CAUTION_FADE)):
         held_as_evidence.note(sure, True)
     assert held_as_evidence.scale(sure) < sure - 0.003  # negative control: a prior mean would still hold it down
@@ -258,8 +271,11 @@ def test_every_round_checks_the_guess_it_could_have_carried(int4_bundle, monkeyp
     checks = []
     record = RequestAcceptance.record_guess
     monkeypatch.setattr(FreeGuess, "propose", guess)
-    monkeypatch.setattr(RequestAcceptance, "record_guess",
-                        lambda self, matched, right: (checks.append(right), record(self, matched, right))[1])
+    monkeypatch.setattr(
+        RequestAcceptance,
+        "record_guess",
+        lambda self, matched, right: (checks.append(right), record(self, matched, right))[1],
+    )
     tokens, stats = run(engine, ids, SamplingParams(), 24, chain(2, adaptive=True))
     assert tokens == reference
     rounds = sum(t.rounds for t in stats.sources.values())

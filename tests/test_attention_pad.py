@@ -12,12 +12,12 @@ import numpy as np
 import onnx
 import pytest
 
+from edge_spec.errors import EdgeSpecError
 from edge_spec.export.attention_pad import has_attention_pad, pad_attention, pad_bundle_target
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
 from tests import tiny_models
 
@@ -27,7 +27,9 @@ CAPACITY = 48
 @pytest.fixture(scope="module")
 def graphs(tmp_path_factory):
     """The same tiny int4 target built twice: attention padded by the graph, and not."""
-    weights = tiny_models.loaded("target", tiny_models.make_qwen2(seed=3, layers=3), tiny_models.make_tokenizer()).weights
+    weights = tiny_models.loaded(
+        "target", tiny_models.make_qwen2(seed=3, layers=3), tiny_models.make_tokenizer()
+    ).weights
     options = BuildOptions("int4", context_length=CAPACITY, tree_attention=True)
     root = tmp_path_factory.mktemp("pad")
     paths = {}
@@ -219,8 +221,9 @@ def test_where_padded_passes_differ_exact_is_refused_and_greedy_runs_unpadded(in
 def test_the_engine_checks_padded_passes_once_per_device(int4_bundle, monkeypatch, tmp_path):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr("edge_spec.runtime.engine.padded_passes_match",
-                        lambda decoder, rows: calls.append(rows) or True)
+    monkeypatch.setattr(
+        "edge_spec.runtime.engine.padded_passes_match", lambda decoder, rows: calls.append(rows) or True
+    )
     for _ in range(2):
         engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
         reference = engine.complete("def f", max_new_tokens=12, mode="ar", exact=True).token_ids

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import SsdConfig
+from edge_spec.runtime.model.decoder import Decoder
 from tests.helpers import PROMPTS, chain, chi_square_same_distribution, first_tokens, guesses_only, run
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 61]
@@ -22,7 +22,7 @@ def logits_by_chunks(decoder: Decoder, chunks: list[int]) -> np.ndarray:
     decoder.forward(PROMPT, 1)
     rows, start = [], 0
     for size in chunks:
-        rows.append(decoder.forward(CONTINUATION[start:start + size], size)["logits"])
+        rows.append(decoder.forward(CONTINUATION[start : start + size], size)["logits"])
         assert decoder.length == len(PROMPT) + start + size  # the padding row is not part of the sequence
         start += size
     assert start == len(CONTINUATION)
@@ -66,8 +66,7 @@ def test_one_token_cost_is_the_padded_pass_cost(target_path):
     assert decoder.recent_seconds()[1] == 0.013  # what the γ policy must plan with for a γ = 0 round
 
 
-@pytest.mark.parametrize("config", [chain(1), chain(3), chain(4, adaptive=True),
-                                    chain(2, adaptive=True, lookup=True)])
+@pytest.mark.parametrize("config", [chain(1), chain(3), chain(4, adaptive=True), chain(2, adaptive=True, lookup=True)])
 def test_exact_speculative_equals_exact_target_only(int4_bundle, config):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=config, draft_head="trim-64")
     assert engine.exact_for("spec") and not engine.exact_for("ar")

@@ -52,7 +52,7 @@ def _variant(bundle: Path, dest: Path, label: str) -> Path:
 
 
 def _which(path: Path) -> str:
-    """"old" or "new": the complete, undamaged bundle at ``path`` (fails the test when there is none)."""
+    """ "old" or "new": the complete, undamaged bundle at ``path`` (fails the test when there is none)."""
     from edge_spec.manifest import read_manifest, verify_files
 
     manifest = read_manifest(path)
@@ -95,8 +95,19 @@ def test_a_writer_killed_at_any_step_leaves_a_bundle_at_the_path(tmp_path, varia
         final.mkdir(parents=True)
     else:
         shutil.copytree(old, final)
-    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(new), str(final), step,
-                             "fallback" if mode == "fallback" else "exchange"], capture_output=True, text=True)
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KILLED_WRITER,
+            str(new),
+            str(final),
+            step,
+            "fallback" if mode == "fallback" else "exchange",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert killed.returncode == -9, killed.stderr
     if mode == "exchange" or (mode == "fallback" and step != "moved aside"):
         assert _which(final) in ("old", "new")  # at that very instant, before any recovery
@@ -202,8 +213,10 @@ def test_add_heads_and_train_head_clean_up_first(monkeypatch, capsys, tmp_path, 
 
     monkeypatch.setattr(bundle_module, "add_draft_heads", stop)
     monkeypatch.setattr(head_data, "collect", stop)
-    for command in (["add-heads", str(copy), "--draft-vocab", "trim"],
-                    ["train-head", str(copy), "--collect-only", "--work", str(tmp_path / "work")]):
+    for command in (
+        ["add-heads", str(copy), "--draft-vocab", "trim"],
+        ["train-head", str(copy), "--collect-only", "--work", str(tmp_path / "work")],
+    ):
         dead = _stale(copy, _dead_pid())
         code, _, err = _cli(monkeypatch, capsys, *command)
         assert code == 1 and "stopped here" in err
@@ -242,7 +255,11 @@ def test_add_heads_keeps_the_bundle_directory_mode(tmp_path, tiny_pair, fp32_bun
     calibration = tmp_path / "calibration.txt"
     calibration.write_text("def f(x):\nThe quick brown fox\n")
     umask(0o077)
-    add_draft_heads(copy, ExportOptions(draft_vocab="trim", keep=(64,), calibration=calibration,
-                                        calibration_tokens=8), "tiny-draft", loader=_models(tiny_pair).__getitem__)
+    add_draft_heads(
+        copy,
+        ExportOptions(draft_vocab="trim", keep=(64,), calibration=calibration, calibration_tokens=8),
+        "tiny-draft",
+        loader=_models(tiny_pair).__getitem__,
+    )
     assert _mode(copy) == 0o755 and _mode(copy / "draft") == 0o750
     assert (copy / "draft" / "vocab_trim-64.npy").is_file()

@@ -37,7 +37,8 @@ def generations(monkeypatch):
 
 
 def test_an_export_of_the_same_target_uses_the_shipped_text_and_builds_the_same_heads(
-        tmp_path, tiny_pair, shipped, generations):
+    tmp_path, tiny_pair, shipped, generations
+):
     first = export_tiny(tmp_path / "first", tiny_pair, **HEADS)
     assert len(generations) == 1
     made = first / "draft" / "calibration.npz"

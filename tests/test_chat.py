@@ -35,12 +35,14 @@ def test_oldest_turns_go_first_and_the_system_message_stays(engine):
     reserve = 32
     assert len(engine.prompt_ids(messages, check_length=False)) + reserve > engine.target.capacity
     kept, dropped = engine.fit_messages(messages, reserve=reserve)
-    assert dropped > 0 and kept == messages[:1] + messages[1 + dropped:]  # a suffix, behind the system message
+    assert dropped > 0 and kept == messages[:1] + messages[1 + dropped :]  # a suffix, behind the system message
     assert kept[1]["role"] == "user" and kept[-1]["content"] == "last one"
     assert len(engine.prompt_ids(kept)) + reserve <= engine.target.capacity
     # dropping one message fewer would not fit: only what had to go went
-    assert len(engine.prompt_ids(messages[:1] + messages[dropped - 1:], check_length=False)) + reserve \
+    assert (
+        len(engine.prompt_ids(messages[:1] + messages[dropped - 1 :], check_length=False)) + reserve
         > engine.target.capacity
+    )
 
 
 def test_a_last_message_too_long_for_the_context_is_refused_in_one_line(engine):
@@ -75,8 +77,9 @@ def test_a_turn_that_fails_mid_answer_ends_that_turn_not_the_chat(int4_bundle, m
         return real(engine, messages, **kwargs)
 
     monkeypatch.setattr(ask, "_stream", failing_once)
-    result = CliRunner().invoke(app, ["chat", str(int4_bundle), "--threads", "1", "--max-tokens", "4"],
-                                input="first\nsecond\n/exit\n")
+    result = CliRunner().invoke(
+        app, ["chat", str(int4_bundle), "--threads", "1", "--max-tokens", "4"], input="first\nsecond\n/exit\n"
+    )
     assert result.exit_code == 0, result.output
     assert "context full" in result.output
     # the failed turn left no trace: the second turn's prompt is the second message alone
@@ -113,8 +116,13 @@ def test_a_long_paste_on_a_terminal_reaches_the_model_whole(int4_bundle, engine)
     message = "the quick brown fox " * 350  # 7000 characters
     needed = len(engine.prompt_ids([{"role": "user", "content": message}], check_length=False))
     main, child = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "edge_spec.cli", "chat", str(int4_bundle), "--threads", "1"],
-                               stdin=child, stdout=child, stderr=child, close_fds=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "edge_spec.cli", "chat", str(int4_bundle), "--threads", "1"],
+        stdin=child,
+        stdout=child,
+        stderr=child,
+        close_fds=True,
+    )
     os.close(child)
     output = b""
     deadline = time.monotonic() + 120
@@ -132,7 +140,7 @@ def test_a_long_paste_on_a_terminal_reaches_the_model_whole(int4_bundle, engine)
     try:
         read_until(b">>> ")
         for start in range(0, len(message), 512):  # as a terminal delivers a paste: in pieces
-            os.write(main, message[start:start + 512].encode())
+            os.write(main, message[start : start + 512].encode())
             time.sleep(0.01)
         os.write(main, b"\n")
         read_until(b"tokens even with only the last message")

@@ -110,8 +110,14 @@ def test_the_page_s_request_passes_the_guard_and_a_cross_site_one_does_not(engin
         own_name = localhost.post("/v1/chat/completions", json=body, headers={"Origin": "http://localhost:8000"})
         evil = client.post("/v1/chat/completions", json=body, headers={"Origin": EVIL})
         other_port = client.post("/v1/chat/completions", json=body, headers={"Origin": "http://127.0.0.1:8001"})
-        preflight = client.options("/v1/chat/completions", headers={
-            "Origin": EVIL, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+        preflight = client.options(
+            "/v1/chat/completions",
+            headers={
+                "Origin": EVIL,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type",
+            },
+        )
         answered = dict(state.worker.counts)
     assert stream_chunks(own) and stream_chunks(own_name)
     for refused in (evil, other_port, preflight):
@@ -127,11 +133,14 @@ def test_streamed_chunks_carry_their_tokens_sources(engine):
     client, _ = in_process(engine)
     with client:
         plain = stream_chunks(client.post("/v1/chat/completions", json=chat_body(stream=True)))
-        sourced = stream_chunks(client.post("/v1/chat/completions",
-                                            json=chat_body(stream=True, x_edge_spec={"provenance": True})))
+        sourced = stream_chunks(
+            client.post("/v1/chat/completions", json=chat_body(stream=True, x_edge_spec={"provenance": True}))
+        )
         full = client.post("/v1/chat/completions", json=chat_body(x_edge_spec={"provenance": True})).json()
-        refused = [client.post("/v1/chat/completions", json=chat_body(x_edge_spec=value))
-                   for value in ({"provenance": "yes"}, {"colours": True}, [True])]
+        refused = [
+            client.post("/v1/chat/completions", json=chat_body(x_edge_spec=value))
+            for value in ({"provenance": "yes"}, {"colours": True}, [True])
+        ]
 
     def content(chunks):
         return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
@@ -160,8 +169,9 @@ def test_ar_mode_tokens_are_the_target_s(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, mode="ar", threads=1)
     client, _ = in_process(engine)
     with client:
-        chunks = stream_chunks(client.post("/v1/chat/completions",
-                                           json=chat_body(stream=True, x_edge_spec={"provenance": True})))
+        chunks = stream_chunks(
+            client.post("/v1/chat/completions", json=chat_body(stream=True, x_edge_spec={"provenance": True}))
+        )
     sources = [s for c in chunks if "provenance" in c.get("x_edge_spec", {}) for _, s in c["x_edge_spec"]["provenance"]]
     assert len(sources) == chunks[-1]["x_edge_spec"]["new_tokens"] and set(sources) == {"target"}
 
@@ -236,8 +246,14 @@ def browser(tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     "--window-size=1280,900", f"--user-data-dir={tmp_path / 'profile'}"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1280,900",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
         options.add_argument(argument)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_script_timeout(30)
@@ -248,8 +264,9 @@ def browser(tmp_path):
 def wait(driver, condition, timeout: float = 60, what: str = "the page"):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d),
-                                                                       f"timed out waiting for {what}")
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(
+        lambda d: condition(d), f"timed out waiting for {what}"
+    )
 
 
 def text_of(driver, element_id: str) -> str:
@@ -285,8 +302,11 @@ def test_chat_page_in_a_browser(slowed_engine, browser, tmp_path):
     driver = browser
     try:
         driver.get(server.url + "/")
-        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true",
-             what="the page to start")
+        wait(
+            driver,
+            lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true",
+            what="the page to start",
+        )
         assert text_of(driver, "model-name") == "tiny" and text_of(driver, "model-mode") == "spec"
         legend = driver.find_element("class name", "legend").text
         for label in ("drafter model", "prompt lookup", "forced by the grammar", "target"):
@@ -308,10 +328,10 @@ def test_chat_page_in_a_browser(slowed_engine, browser, tmp_path):
         tokens = driver.find_elements("css selector", ".msg.assistant .body .tok")
         sources = collections.Counter(t.get_attribute("data-src") for t in tokens)
         assert set(sources) <= SOURCES and sources["target"] > 0 and sources["model"] > 0
-        assert all(f"src-{source}" in t.get_attribute("class") for t in tokens[:20]
-                   for source in [t.get_attribute("data-src")])
-        colours = {driver.execute_script("return getComputedStyle(arguments[0]).backgroundColor", t)
-                   for t in tokens}
+        assert all(
+            f"src-{source}" in t.get_attribute("class") for t in tokens[:20] for source in [t.get_attribute("data-src")]
+        )
+        colours = {driver.execute_script("return getComputedStyle(arguments[0]).backgroundColor", t) for t in tokens}
         assert len(colours) >= 2  # drafted and target tokens look different
         assert re.fullmatch(r"τ \d+\.\d\d", text_of(driver, "stat-tau"))
         assert float(text_of(driver, "stat-tau")[2:]) >= 1.0
@@ -327,8 +347,14 @@ def test_chat_page_in_a_browser(slowed_engine, browser, tmp_path):
         driver.find_element("id", "settings-close").click()
         slowed_engine.slowed.delay = 0.15
         send(driver, "tell me a long story about the cat and the mat")
-        wait(driver, lambda d: len(d.find_elements("css selector", ".msg.assistant")) == 2 and
-             len(d.find_elements("css selector", ".msg.assistant:last-child .tok")) >= 3, what="the long answer")
+        wait(
+            driver,
+            lambda d: (
+                len(d.find_elements("css selector", ".msg.assistant")) == 2
+                and len(d.find_elements("css selector", ".msg.assistant:last-child .tok")) >= 3
+            ),
+            what="the long answer",
+        )
         assert health(server.url)["busy"]
         driver.find_element("id", "stop").click()
         wait(driver, lambda d: text_of(d, "stat-state") == "stopped", what="the stop")
@@ -383,13 +409,16 @@ def test_chat_page_asks_for_the_api_key_and_refuses_other_origins(slowed_engine,
 
         # a page of another origin (localhost is not 127.0.0.1 to a browser) cannot use the API
         driver.get(f"http://localhost:{server.port}/")
-        outcome = driver.execute_async_script("""
+        outcome = driver.execute_async_script(
+            """
             const done = arguments[arguments.length - 1];
             fetch(arguments[0] + "/v1/chat/completions", {method: "POST",
                   headers: {"Content-Type": "application/json", "Authorization": "Bearer page-key"},
                   body: JSON.stringify({messages: [{role: "user", content: "hi"}], max_tokens: 2})})
               .then(r => done("answered " + r.status), e => done("refused " + e.name));
-        """, server.url)
+        """,
+            server.url,
+        )
         assert outcome == "refused TypeError"  # the preflight got 403: the browser never sent the POST
         assert state.worker.counts["completed"] == 1
     finally:
@@ -427,7 +456,8 @@ def test_markdown_renderer_builds_safe_dom(slowed_engine, browser):
     try:
         driver.get(server.url + "/")
         wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
-        result = driver.execute_async_script("""
+        result = driver.execute_async_script(
+            """
             const [text, done] = [arguments[0], arguments[arguments.length - 1]];
             import("/static/markdown.js").then(({renderMarkdown}) => {
               const tokens = [];  // one token per 7 characters, sources alternating
@@ -459,7 +489,9 @@ def test_markdown_renderer_builds_safe_dom(slowed_engine, browser):
                 spans: q(painted, "span.tok").map(s => [s.className, s.dataset.src, s.textContent]),
               });
             }, e => done({error: String(e)}));
-        """, MARKDOWN)
+        """,
+            MARKDOWN,
+        )
     finally:
         server.stop()
     assert "error" not in result, result
@@ -471,8 +503,24 @@ def test_markdown_renderer_builds_safe_dom(slowed_engine, browser):
     assert result["links"] == [["docs", "https://docs.python.org/3/", "noopener noreferrer", "_blank"]]
     assert result["quote"] == ["a quote"] and result["rules"] == 1
     # hostile text stays text: no element beyond the renderer's own, no handler, no script URL
-    assert set(result["elements"]) <= {"h1", "p", "code", "strong", "em", "ol", "ul", "li", "div", "span", "pre",
-                                       "button", "a", "blockquote", "hr", "br"}
+    assert set(result["elements"]) <= {
+        "h1",
+        "p",
+        "code",
+        "strong",
+        "em",
+        "ol",
+        "ul",
+        "li",
+        "div",
+        "span",
+        "pre",
+        "button",
+        "a",
+        "blockquote",
+        "hr",
+        "br",
+    }
     assert "<script>alert(1)</script> <img src=x onerror=alert(1)> [bad](javascript:alert(1))" in result["text"]
     assert "onerror=" not in result["html"].replace("onerror=alert(1)&gt;", "")
     assert "javascript:" not in result["html"].replace("(javascript:alert(1))", "")

@@ -141,14 +141,17 @@ def text_of(row) -> str:
 
 
 def test_a_streamed_answer_is_markdown_with_highlighted_code_shown_once():
-    answer = "Here it is:\n\n```python\n" + "".join(f"value_{i} = {i}  # line {i}\n" for i in range(40)) + \
-             "```\n\nA **bold** end.\n"
+    answer = (
+        "Here it is:\n\n```python\n"
+        + "".join(f"value_{i} = {i}  # line {i}\n" for i in range(40))
+        + "```\n\nA **bold** end.\n"
+    )
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=60, height=12, color_system="truecolor")
     stream = MarkdownStream(console, min_interval=0)  # every chunk re-rendered: the hardest case
     with stream:
         for start in range(0, len(answer), 7):
-            stream.add(answer[start:start + 7])
+            stream.add(answer[start : start + 7])
     rows = screen_lines(buffer.getvalue(), 60, 12)
     lines = [text_of(row) for row in rows]
     for i in range(40):  # each line once, in order, whatever the re-renders drew meanwhile
@@ -308,12 +311,19 @@ main()
 def spawn_chat(tmp_path, bundle, *args, slow=False, env=None):
     import pexpect
 
-    environment = dict(os.environ, EDGE_SPEC_HOME=str(tmp_path), TERM="xterm-256color",
-                       PROMPT_TOOLKIT_NO_CPR="1", **(env or {}))  # pexpect answers no cursor position requests
+    environment = dict(
+        os.environ, EDGE_SPEC_HOME=str(tmp_path), TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", **(env or {})
+    )  # pexpect answers no cursor position requests
     environment.pop("NO_COLOR", None)
     command = ["-c", SLOW_CHAT] if slow else ["-m", "edge_spec.cli"]
-    child = pexpect.spawn(sys.executable, [*command, "chat", str(bundle), "--threads", "1", *args],
-                          env=environment, dimensions=(30, 100), encoding="utf-8", timeout=120)
+    child = pexpect.spawn(
+        sys.executable,
+        [*command, "chat", str(bundle), "--threads", "1", *args],
+        env=environment,
+        dimensions=(30, 100),
+        encoding="utf-8",
+        timeout=120,
+    )
     child.expect_exact(">>> ")
     return child
 

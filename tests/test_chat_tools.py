@@ -12,13 +12,23 @@ from edge_spec.server.schemas import parse_chat
 from tests import tiny_models
 from tests.chat_templates import QWEN25
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CONVERSATION = [
     {"role": "user", "content": "What's the weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 18}'},
 ]
 
@@ -27,8 +37,11 @@ def tokenizer_dir(tmp_path_factory, template: str):
     directory = tmp_path_factory.mktemp("tools-tokenizer")
     hf = tiny_models.make_tokenizer()
     hf.backend_tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"chat_template": template, "eos_token": "<|im_end|>",
-              "eos_token_ids": [hf.convert_tokens_to_ids("<|im_end|>")]}
+    config = {
+        "chat_template": template,
+        "eos_token": "<|im_end|>",
+        "eos_token_ids": [hf.convert_tokens_to_ids("<|im_end|>")],
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
 
@@ -61,8 +74,10 @@ def test_tools_are_rendered_in_the_system_turn(qwen):
 
 def test_tool_calls_and_results_round_trip_into_the_template(qwen):
     text = qwen.render_chat(messages(CONVERSATION), tools=[WEATHER])
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            '</tool_call><|im_end|>\n') in text  # content null: no empty line, arguments as the object they encode
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n"
+    ) in text  # content null: no empty line, arguments as the object they encode
     assert '<|im_start|>user\n<tool_response>\n{"temperature_c": 18}\n</tool_response><|im_end|>\n' in text
     assert text.endswith("<|im_start|>assistant\n")
 

@@ -72,12 +72,15 @@ def test_bad_flag_value(int4_bundle):
     assert_one_line_error(result, "temperature")
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (("generate", "BUNDLE", "hi", "--bogus"), "No such option: --bogus; see edge-spec generate --help"),
-    (("info", "BUNDLE", "--costs", "--head", "full"), "No such option: --head (Possible options: --draft-head"),
-    (("generate", "BUNDLE", "hi", "--temperature", "warm"), "Invalid value for '--temperature'"),
-    (("generate",), "Missing argument '[BUNDLE] PROMPT'; see edge-spec generate --help"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("generate", "BUNDLE", "hi", "--bogus"), "No such option: --bogus; see edge-spec generate --help"),
+        (("info", "BUNDLE", "--costs", "--head", "full"), "No such option: --head (Possible options: --draft-head"),
+        (("generate", "BUNDLE", "hi", "--temperature", "warm"), "Invalid value for '--temperature'"),
+        (("generate",), "Missing argument '[BUNDLE] PROMPT'; see edge-spec generate --help"),
+    ],
+)
 def test_a_mistyped_flag_or_argument_is_one_line_too(int4_bundle, args, fragment):
     """Click draws a usage box around these; the CLI says them in one line, with the help to read."""
     result = cli(*(str(int4_bundle) if a == "BUNDLE" else a for a in args))
@@ -88,10 +91,21 @@ def test_a_mistyped_flag_or_argument_is_one_line_too(int4_bundle, args, fragment
 
 @pytest.mark.slow
 def test_prompt_from_standard_input(int4_bundle):
-    piped = cli("generate", str(int4_bundle), "-", "--max-tokens", "6", "--threads", "1", "--mode", "ar",
-                input_text="def is_prime(n):\n")
-    direct = cli("generate", str(int4_bundle), "def is_prime(n):\n", "--max-tokens", "6", "--threads", "1",
-                 "--mode", "ar")
+    piped = cli(
+        "generate",
+        str(int4_bundle),
+        "-",
+        "--max-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--mode",
+        "ar",
+        input_text="def is_prime(n):\n",
+    )
+    direct = cli(
+        "generate", str(int4_bundle), "def is_prime(n):\n", "--max-tokens", "6", "--threads", "1", "--mode", "ar"
+    )
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == direct.stdout and piped.stdout.strip()
     assert_one_line_error(cli("generate", str(int4_bundle), "-", input_text="  \n"), "standard input is empty")
@@ -103,15 +117,18 @@ def test_negative_threads(int4_bundle):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, fragment", [
-    (["--repeat", "0"], "--repeat must be at least 1"),
-    (["--sweep", "0,1"], "--sweep values must be at least 1"),
-    (["--per-category", "0"], "--per-category must be at least 1"),
-    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
-    (["--temperature", "-2"], "temperature"),
-    (["--modes", "ar,medusa"], "--modes: unknown mode 'medusa'; choose from ar, ar-exact, spec"),
-    (["--eagle-head", "full"], "--eagle-head applies to --modes eagle"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--repeat", "0"], "--repeat must be at least 1"),
+        (["--sweep", "0,1"], "--sweep values must be at least 1"),
+        (["--per-category", "0"], "--per-category must be at least 1"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--temperature", "-2"], "temperature"),
+        (["--modes", "ar,medusa"], "--modes: unknown mode 'medusa'; choose from ar, ar-exact, spec"),
+        (["--eagle-head", "full"], "--eagle-head applies to --modes eagle"),
+    ],
+)
 def test_bad_bench_flags_fail_before_loading(tmp_path, int4_bundle, flags, fragment):
     """Checked before the engine loads: a bundle whose target cannot load proves nothing was loaded."""
     broken = tmp_path / "broken"
@@ -123,8 +140,9 @@ def test_bad_bench_flags_fail_before_loading(tmp_path, int4_bundle, flags, fragm
 
 @pytest.mark.slow
 def test_missing_gguf_source(tmp_path):
-    assert_one_line_error(cli("export", "--target", str(tmp_path / "missing.gguf"), "--output", str(tmp_path / "b")),
-                          "not found")
+    assert_one_line_error(
+        cli("export", "--target", str(tmp_path / "missing.gguf"), "--output", str(tmp_path / "b")), "not found"
+    )
 
 
 @pytest.mark.slow
@@ -151,8 +169,9 @@ def test_bench_records_identity_and_tau(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(3, adaptive=True))
     prompts = load_bench_prompts(None, ["code", "multi-turn"], 1)
     max_new = 16
-    result = run_bench(engine, prompts, modes_for(engine, None, engine.config), temperatures=[0.0, 0.7],
-                       max_new_tokens=max_new)
+    result = run_bench(
+        engine, prompts, modes_for(engine, None, engine.config), temperatures=[0.0, 0.7], max_new_tokens=max_new
+    )
     records = result["records"]
     greedy_spec = [r for r in records if "tau" in r and r["temperature"] == 0.0]
     assert greedy_spec and all(r["identical_to_ar"] for r in greedy_spec)
@@ -161,7 +180,11 @@ def test_bench_records_identity_and_tau(int4_bundle):
     assert {r["temperature"] for r in records if r["mode"] == "ar-exact"} == {0.0}
     # every row's speed-up is its decode rate over the one-row ar's in the same temperature and category
     for row in result["summary"]:
-        group = [r for r in records if r["temperature"] == row["temperature"] and row["category"] in ("overall", r["category"])]
+        group = [
+            r
+            for r in records
+            if r["temperature"] == row["temperature"] and row["category"] in ("overall", r["category"])
+        ]
         own, ar = [r for r in group if r["mode"] == row["mode"]], [r for r in group if r["mode"] == "ar"]
         assert row["speedup_vs_ar"] == pytest.approx(decode_rate(own) / decode_rate(ar)), row
     # τ is tokens per target call: a speculative answer that ran to max_new decoded new_tokens - 1 tokens after
@@ -190,17 +213,22 @@ def test_bench_times_ar_in_its_own_engine_and_reports_the_schedule_per_prompt(in
     rows = per_prompt_schedule(result["records"])
     assert [r["mode"] for r in rows] == ["spec+trim-160"] and rows[0]["prompts"] == 2
     by_prompt = {(r["mode"], r["prompt_index"]): r["tokens_per_second"] for r in result["records"]}
-    expected = min(by_prompt[("spec+trim-160", i)] / max(by_prompt[(f"spec+trim-160@γ{g}", i)] for g in (1, 2))
-                   for i in (0, 1))
+    expected = min(
+        by_prompt[("spec+trim-160", i)] / max(by_prompt[(f"spec+trim-160@γ{g}", i)] for g in (1, 2)) for i in (0, 1)
+    )
     assert rows[0]["min"] == pytest.approx(expected)
 
 
 @pytest.mark.slow
 def test_bad_multidraft_flags(int4_bundle):
-    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--drafts", "2", "--verifier", "beam"),
-                          "unknown multi-draft verifier 'beam'")
-    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--drafts", "3", "--temperature", "0.7",
-                              "--threads", "1"), "exactly 2 drafts")
+    assert_one_line_error(
+        cli("generate", str(int4_bundle), "hi", "--drafts", "2", "--verifier", "beam"),
+        "unknown multi-draft verifier 'beam'",
+    )
+    assert_one_line_error(
+        cli("generate", str(int4_bundle), "hi", "--drafts", "3", "--temperature", "0.7", "--threads", "1"),
+        "exactly 2 drafts",
+    )
 
 
 def test_bench_multidraft_modes(int4_bundle):
@@ -230,20 +258,40 @@ def test_bench_modes_without_spec_keep_the_drafter_s_other_modes(int4_bundle):
     def names(**kinds) -> list[str]:
         return [m.name for m in modes_for(engine, ["full"], chain(2), [2], [tree], **kinds)]
 
-    assert names(lookup=True) == ["ar", "ar-exact", "spec@γ2", "spec+lookup@γ2", "spec+k2-rrs@γ2", "spec",
-                                  "spec+lookup"]
-    assert names(lookup=True, reference=False, spec=False) == ["ar", "spec+lookup@γ2", "spec+k2-rrs@γ2",
-                                                               "spec+lookup"]
+    assert names(lookup=True) == [
+        "ar",
+        "ar-exact",
+        "spec@γ2",
+        "spec+lookup@γ2",
+        "spec+k2-rrs@γ2",
+        "spec",
+        "spec+lookup",
+    ]
+    assert names(lookup=True, reference=False, spec=False) == ["ar", "spec+lookup@γ2", "spec+k2-rrs@γ2", "spec+lookup"]
 
 
 @pytest.mark.slow
 def test_generate_ssd_with_split_threads(int4_bundle):
-    result = cli("generate", str(int4_bundle), "def is_prime", "--max-tokens", "8", "--mode", "ssd", "--threads", "1",
-                 "--draft-threads", "1", "--gamma", "2")
+    result = cli(
+        "generate",
+        str(int4_bundle),
+        "def is_prime",
+        "--max-tokens",
+        "8",
+        "--mode",
+        "ssd",
+        "--threads",
+        "1",
+        "--draft-threads",
+        "1",
+        "--gamma",
+        "2",
+    )
     assert result.returncode == 0, result.stderr
     assert "tok/s" in result.stderr
-    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--mode", "ssd", "--draft-threads", "-2"),
-                          "--draft-threads")
+    assert_one_line_error(
+        cli("generate", str(int4_bundle), "hi", "--mode", "ssd", "--draft-threads", "-2"), "--draft-threads"
+    )
 
 
 def test_bench_ssd_modes(int4_bundle):
@@ -281,9 +329,29 @@ def test_bench_without_matplotlib_writes_the_json_and_says_how_to_get_the_plot(i
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # any import of matplotlib raises ImportError
     output = tmp_path / "results"
-    result = CliRunner().invoke(app, ["bench", str(int4_bundle), "--max-tokens", "3", "--temperature", "0",
-                                      "--draft-head", "trim-64", "--modes", "ar,spec", "--category", "code",
-                                      "--per-category", "1", "--threads", "1", "--output", str(output)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(int4_bundle),
+            "--max-tokens",
+            "3",
+            "--temperature",
+            "0",
+            "--draft-head",
+            "trim-64",
+            "--modes",
+            "ar,spec",
+            "--category",
+            "code",
+            "--per-category",
+            "1",
+            "--threads",
+            "1",
+            "--output",
+            str(output),
+        ],
+    )
     assert result.exit_code == 0 and result.exception is None, (result.exception, result.output)
     records = json.loads((output / "bench.json").read_text())["records"]
     assert {r["mode"] for r in records} == {"ar", "spec+trim-64"}  # --modes ar,spec: no ar-exact reference
@@ -297,11 +365,32 @@ def test_cost_normalized_rates_price_every_pass_alike():
     from edge_spec.bench import cost_normalized_seconds, summarize
 
     # two runs of the same passes, the second slowed down by other load: one price per (decoder, rows)
-    fast = {"category": "code", "temperature": 0.0, "mode": "ar", "new_tokens": 11, "decode_seconds": 1.05,
-            "target_passes": {"1": [10, 1.0]}, "draft_passes": {}}
-    slow = dict(fast, mode="spec@γ1", decode_seconds=1.55, target_passes={"1": [10, 1.5]}, tau=1.0,
-                mbsu=1.0, mean_gamma=0.0, param_ratio=0.2, target_calls=10, acceptance_rate=0.0, head_seconds=0.0,
-                draft_steps=0, candidate_recall=1.0, identical_to_ar=True, identical_to_one_row_ar=True)
+    fast = {
+        "category": "code",
+        "temperature": 0.0,
+        "mode": "ar",
+        "new_tokens": 11,
+        "decode_seconds": 1.05,
+        "target_passes": {"1": [10, 1.0]},
+        "draft_passes": {},
+    }
+    slow = dict(
+        fast,
+        mode="spec@γ1",
+        decode_seconds=1.55,
+        target_passes={"1": [10, 1.5]},
+        tau=1.0,
+        mbsu=1.0,
+        mean_gamma=0.0,
+        param_ratio=0.2,
+        target_calls=10,
+        acceptance_rate=0.0,
+        head_seconds=0.0,
+        draft_steps=0,
+        candidate_recall=1.0,
+        identical_to_ar=True,
+        identical_to_one_row_ar=True,
+    )
     seconds = cost_normalized_seconds([fast, slow])
     assert seconds[id(fast)] == pytest.approx(1.25 + 0.05) and seconds[id(slow)] == pytest.approx(1.25 + 0.05)
     rows = {r["mode"]: r for r in summarize([fast, slow]) if r["category"] == "code"}
@@ -311,12 +400,17 @@ def test_cost_normalized_rates_price_every_pass_alike():
 
 @pytest.mark.slow
 def test_flags_a_mode_cannot_honour_are_refused_not_ignored(int4_bundle):
-    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--mode", "ssd", "--schedule", "adaptive"),
-                          "--schedule does not apply to --mode ssd")
-    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--mode", "ssd", "--lookup"),
-                          "--lookup does not apply to --mode ssd")
-    assert_one_line_error(cli("generate", str(int4_bundle), "hi", "--drafts", "2", "--lookup"),
-                          "--lookup does not apply to multi-draft spec")
+    assert_one_line_error(
+        cli("generate", str(int4_bundle), "hi", "--mode", "ssd", "--schedule", "adaptive"),
+        "--schedule does not apply to --mode ssd",
+    )
+    assert_one_line_error(
+        cli("generate", str(int4_bundle), "hi", "--mode", "ssd", "--lookup"), "--lookup does not apply to --mode ssd"
+    )
+    assert_one_line_error(
+        cli("generate", str(int4_bundle), "hi", "--drafts", "2", "--lookup"),
+        "--lookup does not apply to multi-draft spec",
+    )
 
 
 def test_streamed_answers_print_brackets_as_they_are(capsys):
@@ -326,8 +420,9 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
     from edge_spec.cli import ask
 
     class Engine:
-        last_stats = SimpleNamespace(new_tokens=3, tokens_per_second=1.0, prefill_seconds=0.1, spec=None,
-                                     coupled_seed=None, stop_reason="eos")
+        last_stats = SimpleNamespace(
+            new_tokens=3, tokens_per_second=1.0, prefill_seconds=0.1, spec=None, coupled_seed=None, stop_reason="eos"
+        )
 
         def generate(self, prompt, **kwargs):
             yield from ["x = arr[i]", " + d[bold]", " [/]"]
@@ -341,10 +436,14 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
 
 @pytest.mark.slow
 def test_misspelt_or_unhonoured_sampler_is_one_line_before_any_load(tmp_path):
-    assert_one_line_error(cli("generate", str(tmp_path / "nope"), "hi", "--temperature", "0.7", "--sampler", "gumbel"),
-                          "--sampler must be one of rejection, coupled")
-    assert_one_line_error(cli("generate", str(tmp_path / "nope"), "hi", "--temperature", "0.7", "--sampler", "coupled",
-                              "--drafts", "2"), "--sampler coupled applies to --mode ar, ssd and one-chain spec")
+    assert_one_line_error(
+        cli("generate", str(tmp_path / "nope"), "hi", "--temperature", "0.7", "--sampler", "gumbel"),
+        "--sampler must be one of rejection, coupled",
+    )
+    assert_one_line_error(
+        cli("generate", str(tmp_path / "nope"), "hi", "--temperature", "0.7", "--sampler", "coupled", "--drafts", "2"),
+        "--sampler coupled applies to --mode ar, ssd and one-chain spec",
+    )
 
 
 def test_export_defaults_are_the_recommended_settings_and_help_states_them():
@@ -359,9 +458,19 @@ def test_export_defaults_are_the_recommended_settings_and_help_states_them():
 
     defaults = ExportOptions()
     assert (defaults.draft_vocab, defaults.keep, defaults.rank, defaults.candidates, defaults.scorer_vocab) == (
-        "specvocab,trim", (32768,), (192,), (128,), (65536,))
+        "specvocab,trim",
+        (32768,),
+        (192,),
+        (128,),
+        (65536,),
+    )
     result = CliRunner().invoke(cli_module.app, ["export", "--help"], env={"COLUMNS": "300", "NO_COLOR": "1"})
     text = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", result.output))
-    for flag, value in (("--draft-vocab", "specvocab,trim"), ("--keep", "32768"), ("--rank", "192"),
-                        ("--candidates", "128"), ("--scorer-vocab", "65536")):
+    for flag, value in (
+        ("--draft-vocab", "specvocab,trim"),
+        ("--keep", "32768"),
+        ("--rank", "192"),
+        ("--candidates", "128"),
+        ("--scorer-vocab", "65536"),
+    ):
         assert re.search(re.escape(flag) + r" \S+ .*?\[default: " + re.escape(value) + r"\]", text), flag

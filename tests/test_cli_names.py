@@ -85,14 +85,17 @@ def _concepts_of(help_text: str) -> list[str]:
 def _parameters() -> list[tuple[str, object]]:
     """(command, parameter) for every visible parameter of every command."""
     group = typer.main.get_command(app)
-    return [(name, param) for name, command in sorted(group.commands.items()) for param in command.params
-            if not getattr(param, "hidden", False) and param.name != "help"]
+    return [
+        (name, param)
+        for name, command in sorted(group.commands.items())
+        for param in command.params
+        if not getattr(param, "hidden", False) and param.name != "help"
+    ]
 
 
 def _options() -> list[tuple[str, str, object]]:
     """(command, flag, option) for every visible option."""
-    return [(command, param.opts[0], param) for command, param in _parameters()
-            if param.param_type_name == "option"]
+    return [(command, param.opts[0], param) for command, param in _parameters() if param.param_type_name == "option"]
 
 
 def test_every_option_says_what_it_is():
@@ -117,8 +120,11 @@ def test_a_concept_has_one_name():
 
 def test_a_flag_named_after_a_concept_means_it():
     """An option spelt as a concept's canonical flag is that concept."""
-    wrong = [f"{command} {flag}: {_lead(param.help or '')!r}" for command, flag, param in _options()
-             if flag in CONCEPTS and not re.match(CONCEPTS[flag], param.help or "", re.IGNORECASE)]
+    wrong = [
+        f"{command} {flag}: {_lead(param.help or '')!r}"
+        for command, flag, param in _options()
+        if flag in CONCEPTS and not re.match(CONCEPTS[flag], param.help or "", re.IGNORECASE)
+    ]
     assert not wrong, "flags used for another meaning:\n" + "\n".join(wrong)
 
 
@@ -159,8 +165,13 @@ def test_every_command_has_a_help():
 
 @pytest.mark.parametrize("args", [["--help"], ["bench", "--help"]])
 def test_the_package_runs_as_a_module(args):
-    result = subprocess.run([sys.executable, "-m", "edge_spec.cli", *args], capture_output=True, text=True,
-                            timeout=120, env={"COLUMNS": "300", "NO_COLOR": "1", "PATH": ""})
+    result = subprocess.run(
+        [sys.executable, "-m", "edge_spec.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"COLUMNS": "300", "NO_COLOR": "1", "PATH": ""},
+    )
     assert result.returncode == 0, result.stderr
     assert "Usage:" in result.stdout
     if args[0] == "bench":

@@ -148,15 +148,23 @@ def test_flexible_whitespace_is_the_default(vocabulary, hf_tokenizer):
     assert allowed_ids(compact) == [hf_tokenizer.convert_tokens_to_ids('"')]
 
 
-@pytest.mark.parametrize("response_format, fragment", [
-    ("json", "response_format must be an object"),
-    ({"type": "yaml"}, "response_format type 'yaml'"),
-    ({"type": "json_schema"}, "json_schema.schema"),
-    ({"type": "json_schema", "json_schema": {"schema": "not a schema"}}, "json_schema.schema"),
-    ({"type": "json_object", "whitespace": "tabs"}, "whitespace"),
-    ({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}},
-     "nonsense"),
-])
+@pytest.mark.parametrize(
+    "response_format, fragment",
+    [
+        ("json", "response_format must be an object"),
+        ({"type": "yaml"}, "response_format type 'yaml'"),
+        ({"type": "json_schema"}, "json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"schema": "not a schema"}}, "json_schema.schema"),
+        ({"type": "json_object", "whitespace": "tabs"}, "whitespace"),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+            },
+            "nonsense",
+        ),
+    ],
+)
 def test_bad_response_formats_are_one_line_errors(vocabulary, response_format, fragment):
     with pytest.raises(EdgeSpecError) as info:
         Constraint(grammar_for(response_format), vocabulary)
@@ -197,11 +205,14 @@ def test_regex_and_lark_formats(vocabulary, hf_tokenizer):
         constraint(vocabulary, {"type": "regex", "regex": "(yes|no)"}).advance(hf_tokenizer.convert_tokens_to_ids("{"))
 
 
-@pytest.mark.parametrize("response_format", [
-    {"type": "regex", "regex": r"<\|im_start\|>x"},
-    {"type": "regex", "regex": r"(<\|im_end\|>|ab)+"},
-    {"type": "json_schema", "json_schema": {"schema": {"type": "string"}}},
-])
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "regex", "regex": r"<\|im_start\|>x"},
+        {"type": "regex", "regex": r"(<\|im_end\|>|ab)+"},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "string"}}},
+    ],
+)
 def test_every_allowed_token_can_be_consumed(vocabulary, response_format):
     """What ``allowed`` lets through, ``advance`` must take: the grammar engine reads added tokens as special,
     so one whose text a grammar spells can pass its mask and then be refused (a failure mid-answer)."""

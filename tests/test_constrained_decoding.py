@@ -36,9 +36,13 @@ SCHEMA = {
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}, "whitespace": "compact"}
 # free choices from the first tokens on (for the distribution tests)
-CHOICES = {"type": "json_schema", "whitespace": "compact",
-           "json_schema": {"schema": {"type": "array", "minItems": 2,
-                                      "items": {"enum": ["fox", "dog", "prime", "lazy", "brown", "quick"]}}}}
+CHOICES = {
+    "type": "json_schema",
+    "whitespace": "compact",
+    "json_schema": {
+        "schema": {"type": "array", "minItems": 2, "items": {"enum": ["fox", "dog", "prime", "lazy", "brown", "quick"]}}
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +59,9 @@ def new_constraint(vocabulary, response_format=FORMAT) -> Constraint:
     return Constraint(grammar_for(response_format), vocabulary)
 
 
-def run(engine, vocabulary, prompt_ids, params, n, config, seed=0, response_format=FORMAT, proposers=None,
-        constraint=None):
+def run(
+    engine, vocabulary, prompt_ids, params, n, config, seed=0, response_format=FORMAT, proposers=None, constraint=None
+):
     """Tokens of one constrained generation up to the first end token (included), and the loop's stats."""
     stats = None if config is None else SpecStats()
     drafters = {} if config is None else {"model": engine.drafter}
@@ -65,8 +70,17 @@ def run(engine, vocabulary, prompt_ids, params, n, config, seed=0, response_form
     context = ProposerContext(engine.target.vocab_size, drafters)
     constraint = constraint or new_constraint(vocabulary, response_format)
     tokens = []
-    for token in generate_tokens(config or ArConfig(), engine.target, context, prompt_ids, params,
-                                 np.random.default_rng(seed), n, stats, constraint=constraint):
+    for token in generate_tokens(
+        config or ArConfig(),
+        engine.target,
+        context,
+        prompt_ids,
+        params,
+        np.random.default_rng(seed),
+        n,
+        stats,
+        constraint=constraint,
+    ):
         tokens.append(token)
         if token in engine.tokenizer.eos_token_ids:
             break
@@ -84,16 +98,22 @@ def conforms(value, schema) -> bool:
         return value in schema["enum"]
     kind = schema["type"]
     if kind == "object":
-        return (isinstance(value, dict) and set(schema["required"]) <= set(value)
-                and (schema.get("additionalProperties", True) or set(value) <= set(schema["properties"]))
-                and all(conforms(v, schema["properties"][k]) for k, v in value.items()))
+        return (
+            isinstance(value, dict)
+            and set(schema["required"]) <= set(value)
+            and (schema.get("additionalProperties", True) or set(value) <= set(schema["properties"]))
+            and all(conforms(v, schema["properties"][k]) for k, v in value.items())
+        )
     if kind == "array":
         return isinstance(value, list) and all(conforms(v, schema["items"]) for v in value)
     if kind == "boolean":
         return isinstance(value, bool)
     if kind == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)
-                and schema.get("minimum", value) <= value <= schema.get("maximum", value))
+        return (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and schema.get("minimum", value) <= value <= schema.get("maximum", value)
+        )
     if kind == "string":
         return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
     raise AssertionError(f"schema type {kind} not covered")
@@ -102,8 +122,13 @@ def conforms(value, schema) -> bool:
 def test_the_validator_rejects_what_the_schema_excludes():
     good = {"speculative_language": "python", "verdict_is_correct": True, "count": 7, "note": "ok"}
     assert conforms(good, SCHEMA)
-    for change in ({"speculative_language": "go"}, {"verdict_is_correct": 1}, {"count": 100}, {"note": "toolong"},
-                   {"extra": 1}):
+    for change in (
+        {"speculative_language": "go"},
+        {"verdict_is_correct": 1},
+        {"count": 100},
+        {"note": "toolong"},
+        {"extra": 1},
+    ):
         assert not conforms({**good, **change}, SCHEMA)
     assert not conforms({k: v for k, v in good.items() if k != "count"}, SCHEMA)
 
@@ -156,8 +181,9 @@ def test_coupled_constrained_speculative_is_constrained_ar_with_the_same_seed(en
     target-only decoding's very answer, sampled, for every seed."""
     differs = 0
     for seed in range(6):
-        params = SamplingParams(temperature=1.0, seed=seed, sampler="coupled",
-                                end_ids=frozenset(engine.tokenizer.eos_token_ids))
+        params = SamplingParams(
+            temperature=1.0, seed=seed, sampler="coupled", end_ids=frozenset(engine.tokenizer.eos_token_ids)
+        )
         ids = engine.tokenizer.encode(PROMPTS[seed % len(PROMPTS)])
         reference, _ = run(engine, vocabulary, ids, params, 80, None)
         got, _ = run(engine, vocabulary, ids, params, 80, chain(3), seed=seed + 100)
@@ -217,8 +243,17 @@ def test_the_constraint_rolls_back_with_the_caches(engine, vocabulary, temperatu
         stats = SpecStats()
         context = ProposerContext(engine.target.vocab_size, {"model": engine.drafter})
         emitted = []
-        for token in generate_tokens(chain(4), engine.target, context, engine.tokenizer.encode(prompt), params,
-                                     np.random.default_rng(seed), 80, stats, constraint=c):
+        for token in generate_tokens(
+            chain(4),
+            engine.target,
+            context,
+            engine.tokenizer.encode(prompt),
+            params,
+            np.random.default_rng(seed),
+            80,
+            stats,
+            constraint=c,
+        ):
             emitted.append(token)
             if len(c.tokens) == len(emitted):
                 assert c.tokens == emitted
@@ -265,9 +300,22 @@ class UnmaskedQ:
 
 def first_constrained(engine, vocabulary, params, config, n_samples, n_tokens, seed_offset=0, proposers=None):
     ids = engine.tokenizer.encode("The quick")
-    return [tuple(run(engine, vocabulary, ids, params, n_tokens, config, seed=seed, response_format=CHOICES,
-                      proposers=proposers)[0])
-            for seed in range(seed_offset, seed_offset + n_samples)]
+    return [
+        tuple(
+            run(
+                engine,
+                vocabulary,
+                ids,
+                params,
+                n_tokens,
+                config,
+                seed=seed,
+                response_format=CHOICES,
+                proposers=proposers,
+            )[0]
+        )
+        for seed in range(seed_offset, seed_offset + n_samples)
+    ]
 
 
 N_TOKENS = 8  # '[' is the target's choice, '"' forced; the tokens after them choose among the enum's words
@@ -292,8 +340,16 @@ def test_sampled_constrained_speculative_follows_the_masked_target(engine, vocab
     # negative control (a): masked drafts judged against the unmasked q must fail the same test (or, where
     # top-k cut the unmasked q below the drafted token, be refused by the verifier outright)
     try:
-        broken = first_constrained(engine, vocabulary, params, chain(3), n, N_TOKENS, seed_offset=3 * 10**6,
-                                   proposers=UnmaskedQ(engine.drafter))
+        broken = first_constrained(
+            engine,
+            vocabulary,
+            params,
+            chain(3),
+            n,
+            N_TOKENS,
+            seed_offset=3 * 10**6,
+            proposers=UnmaskedQ(engine.drafter),
+        )
     except ValueError as exc:
         assert "zero drafter probability" in str(exc) and params.top_k
     else:
@@ -352,6 +408,17 @@ def test_engine_refuses_what_it_cannot_constrain(int4_bundle):
 def test_loops_without_constraint_support_refuse_in_one_line(engine, vocabulary, config):
     context = ProposerContext(engine.target.vocab_size, {"model": engine.drafter})
     with pytest.raises(EdgeSpecError) as info:
-        list(generate_tokens(config, engine.target, context, [5, 6], SamplingParams(), np.random.default_rng(0), 4,
-                             SpecStats(), constraint=new_constraint(vocabulary)))
+        list(
+            generate_tokens(
+                config,
+                engine.target,
+                context,
+                [5, 6],
+                SamplingParams(),
+                np.random.default_rng(0),
+                4,
+                SpecStats(),
+                constraint=new_constraint(vocabulary),
+            )
+        )
     assert "response_format" in str(info.value) and "\n" not in str(info.value)

@@ -38,8 +38,12 @@ def test_profile_is_measured_once_then_read_from_the_cache(int4_bundle, tmp_path
 def test_profile_key_depends_on_head_threads_and_gamma(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
     heads = engine.manifest["draft"]["heads"]
-    keys = {cost_profile.cache_key(engine.manifest, heads[head], "cpu", threads, gamma)
-            for head in ("full", "trim-64") for threads in (1, 2) for gamma in (3, 5)}
+    keys = {
+        cost_profile.cache_key(engine.manifest, heads[head], "cpu", threads, gamma)
+        for head in ("full", "trim-64")
+        for threads in (1, 2)
+        for gamma in (3, 5)
+    }
     assert len(keys) == 8
 
 
@@ -87,8 +91,21 @@ def test_a_busy_profile_is_redrawn_through_the_live_sizes():
     """Between sizes measured live, a busy machine's values are noise: straight lines between the live
     latencies replace them; past the live sizes the line goes on with their slope (rising where the busy
     curve was flat, left by passes lowered to a cheaper one over more rows)."""
-    busy = {1: 0.120, 2: 0.137, 3: 0.207, 4: 0.207, 5: 0.253, 6: 0.253, 7: 0.276, 8: 0.366, 9: 0.366,
-            10: 0.366, 11: 0.366, 12: 0.366, 13: 0.401}
+    busy = {
+        1: 0.120,
+        2: 0.137,
+        3: 0.207,
+        4: 0.207,
+        5: 0.253,
+        6: 0.253,
+        7: 0.276,
+        8: 0.366,
+        9: 0.366,
+        10: 0.366,
+        11: 0.366,
+        12: 0.366,
+        13: 0.401,
+    }
     live = {2: 0.082, 5: 0.131}
     redrawn = cost_profile.reshape(busy, live)
     assert redrawn[2] == 0.082 and redrawn[5] == 0.131
@@ -222,8 +239,25 @@ def test_verify_rows_profile_splits_every_row_count_by_bit_width(int4_bundle):
 
 # --- the quick profile ---------------------------------------------------------------------------------
 
-INTEL = {1: 68.0, 2: 77.7, 3: 95.5, 4: 108.3, 5: 131.2, 6: 135.6, 7: 150.0, 8: 168.6, 9: 182.0, 10: 194.0,
-         11: 206.0, 12: 218.7, 13: 233.0, 14: 248.0, 15: 262.0, 16: 277.3, 17: 292.0}  # ms by rows
+INTEL = {
+    1: 68.0,
+    2: 77.7,
+    3: 95.5,
+    4: 108.3,
+    5: 131.2,
+    6: 135.6,
+    7: 150.0,
+    8: 168.6,
+    9: 182.0,
+    10: 194.0,
+    11: 206.0,
+    12: 218.7,
+    13: 233.0,
+    14: 248.0,
+    15: 262.0,
+    16: 277.3,
+    17: 292.0,
+}  # ms by rows
 
 
 class CurveTarget:
@@ -300,8 +334,9 @@ def quick(**verify_ms) -> cost_profile.CostProfile:
     """A quick profile timed at the sizes given, the rest of 1..max interpolated."""
     timed = {int(n[1:]): ms / 1e3 for n, ms in verify_ms.items()}
     verify = cost_profile.interpolate(timed, max(timed))
-    return cost_profile.CostProfile(verify, 0.014, 0.001, 1.0, quick=True,
-                                    estimated=[n for n in verify if n not in timed])
+    return cost_profile.CostProfile(
+        verify, 0.014, 0.001, 1.0, quick=True, estimated=[n for n in verify if n not in timed]
+    )
 
 
 def test_live_passes_replace_interpolated_values():
@@ -346,8 +381,14 @@ def test_a_busy_machine_s_profile_converges_to_the_quiet_numbers():
     latency, and the estimates between follow them until those are measured too."""
     rng = np.random.default_rng(0)
     busy = {n: t * rng.uniform(1.6, 3.0) for n, t in QUIET.items() if n in cost_profile.quick_rows(17)}
-    profile = cost_profile.CostProfile(cost_profile.interpolate(busy, 17), 0.030, 0.002, 1.0, quick=True,
-                                       estimated=[n for n in range(1, 18) if n not in busy])
+    profile = cost_profile.CostProfile(
+        cost_profile.interpolate(busy, 17),
+        0.030,
+        0.002,
+        1.0,
+        quick=True,
+        estimated=[n for n in range(1, 18) if n not in busy],
+    )
     requests = [(2, 3, 4), (1, 5, 6), (7, 8, 9), (10, 11, 12, 13), (14, 15, 16, 17)]
     steps = {1: 0.014, 2: 0.017}
     for number, sizes in enumerate(requests):
@@ -464,8 +505,7 @@ def test_the_machine_is_measured_in_a_few_passes_with_a_word_for_the_spinner(int
 PROMPTS = ["def is_prime(n):", "one two three one two three one two", "The quick brown fox"]
 
 
-def test_a_profile_measured_under_load_is_replaced_and_greedy_output_never_changes(int4_bundle, tmp_path,
-                                                                                   monkeypatch):
+def test_a_profile_measured_under_load_is_replaced_and_greedy_output_never_changes(int4_bundle, tmp_path, monkeypatch):
     """Profile passes 10 ms slower each (as when other processes hold the cores; the tiny model's passes
     take a fraction of that): the answers are target-only decoding's all the same (the schedule changes
     speed, not tokens), and the live passes of the first request replace the profile with what they

@@ -57,8 +57,9 @@ def test_verify_coupled_accepts_exactly_the_targets_choices():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 30)).astype(np.float32) * 2
     position = 40
-    choices = [coupled_index(logits_to_probs(row, COUPLED), COUPLED.seed, position + i, 30)
-               for i, row in enumerate(logits)]
+    choices = [
+        coupled_index(logits_to_probs(row, COUPLED), COUPLED.seed, position + i, 30) for i, row in enumerate(logits)
+    ]
     assert verify_coupled(choices[:3], logits, COUPLED, position) == (3, choices)
     wrong = (choices[1] + 1) % 30
     assert verify_coupled([choices[0], wrong, 0], logits, COUPLED, position) == (1, [choices[0], choices[1]])
@@ -79,8 +80,11 @@ def engine(int4_bundle):
     return Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
 
 
-@pytest.mark.parametrize("config", [chain(1), chain(3), chain(6, adaptive=True, lookup=True), SsdConfig(gamma=2)],
-                         ids=["γ1", "γ3", "adaptive+lookup", "ssd"])
+@pytest.mark.parametrize(
+    "config",
+    [chain(1), chain(3), chain(6, adaptive=True, lookup=True), SsdConfig(gamma=2)],
+    ids=["γ1", "γ3", "adaptive+lookup", "ssd"],
+)
 def test_coupled_speculative_answer_equals_coupled_target_only(engine, config):
     engine.target.min_rows = engine.pass_rows("spec")  # the exact passes generate runs coupled spec with
     rejected = 0
@@ -161,8 +165,11 @@ def test_unlikely_tokens_win_the_race_as_rarely_as_their_probability():
     outside = sum(coupled_index(probs, 8, position, vocab) not in (5, 77, 901) for position in range(1500))
     assert outside <= 1
     with np.errstate(divide="ignore"):
-        zero_prone = sum(int(np.argmax(probs / np.random.default_rng([8, t]).standard_exponential(
-            vocab, dtype=np.float32))) not in (5, 77, 901) for t in range(1500))
+        zero_prone = sum(
+            int(np.argmax(probs / np.random.default_rng([8, t]).standard_exponential(vocab, dtype=np.float32)))
+            not in (5, 77, 901)
+            for t in range(1500)
+        )
     assert zero_prone >= 3  # the negative control: the flaw this guards against is real
 
 
@@ -177,11 +184,15 @@ def test_coupled_speculative_answers_follow_the_targets_joint_law(engine):
     engine.target.min_rows = engine.pass_rows("spec")
     ids = engine.tokenizer.encode("The quick")
     target = first_tokens(engine, ids, SamplingParams(temperature=1.0), None, 1500)
-    coupled = [tuple(run(engine, ids, SamplingParams(temperature=1.0, sampler="coupled", seed=seed), 3, chain(2))[0])
-               for seed in range(10**6, 10**6 + 1500)]
+    coupled = [
+        tuple(run(engine, ids, SamplingParams(temperature=1.0, sampler="coupled", seed=seed), 3, chain(2))[0])
+        for seed in range(10**6, 10**6 + 1500)
+    ]
     assert chi_square_same_distribution(target, coupled) > 1e-3
-    same_seed = [tuple(run(engine, ids, SamplingParams(temperature=1.0, sampler="coupled", seed=7), 3, chain(2))[0])
-                 for _ in range(20)]
+    same_seed = [
+        tuple(run(engine, ids, SamplingParams(temperature=1.0, sampler="coupled", seed=7), 3, chain(2))[0])
+        for _ in range(20)
+    ]
     assert len(set(same_seed)) == 1 and len(set(coupled)) > 20
 
 
@@ -190,8 +201,9 @@ def test_an_unseeded_coupled_answer_reports_the_seed_that_remakes_it(int4_bundle
     first = engine.complete("The quick brown fox", max_new_tokens=20, temperature=0.9, sampler="coupled")
     seed = first.stats.coupled_seed
     assert seed is not None
-    again = engine.complete("The quick brown fox", max_new_tokens=20, temperature=0.9, sampler="coupled", seed=seed,
-                            mode="ar")
+    again = engine.complete(
+        "The quick brown fox", max_new_tokens=20, temperature=0.9, sampler="coupled", seed=seed, mode="ar"
+    )
     assert again.token_ids == first.token_ids and again.stats.coupled_seed == seed
     plain = engine.complete("The quick brown fox", max_new_tokens=20, temperature=0.9)
     assert plain.stats.coupled_seed is None  # rejection sampling has no such seed

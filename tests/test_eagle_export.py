@@ -56,30 +56,41 @@ class Decoder:
         self.session = session(model)
         self.names = [o.name for o in self.session.get_outputs()]
         self.tree = any(i.name == "position_ids" for i in self.session.get_inputs())
-        self.feeds = {f"past_key_values.{i}.{kind}": np.zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim),
-                                                              np.float32)
-                      for i in range(cfg.num_layers) for kind in ("key", "value")}
+        self.feeds = {
+            f"past_key_values.{i}.{kind}": np.zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim), np.float32)
+            for i in range(cfg.num_layers)
+            for kind in ("key", "value")
+        }
 
     def run(self, ids: np.ndarray, start: int, stop: int, num_logits: int) -> dict[str, np.ndarray]:
-        feeds = {"input_ids": ids[None, start:stop], "seqlens_k": np.array([stop - 1], np.int32),
-                 "total_sequence_length": np.array(stop, np.int32), "num_logits": np.array([num_logits], np.int64),
-                 **self.feeds}
+        feeds = {
+            "input_ids": ids[None, start:stop],
+            "seqlens_k": np.array([stop - 1], np.int32),
+            "total_sequence_length": np.array(stop, np.int32),
+            "num_logits": np.array([num_logits], np.int64),
+            **self.feeds,
+        }
         if self.tree:
             feeds["position_ids"] = np.arange(start, stop, dtype=np.int64)[None]
             feeds["attention_bias"] = np.zeros((1, 1, stop - start, stop), np.float32)
         out = dict(zip(self.names, self.session.run(None, feeds)))
-        self.feeds.update({k.replace("present", "past_key_values"): v for k, v in out.items()
-                           if k.startswith("present.")})
+        self.feeds.update(
+            {k.replace("present", "past_key_values"): v for k, v in out.items() if k.startswith("present.")}
+        )
         return out
 
 
 def hf_layer_outputs(model, ids: np.ndarray, layers) -> np.ndarray:
     """[S, len(layers) * H]: the outputs of ``layers`` (forward hooks, as SpecForge's HF backend)."""
     captured = {}
-    hooks = [model.model.layers[layer].register_forward_hook(
-        lambda module, args, output, layer=layer: captured.__setitem__(layer, output[0] if isinstance(output, tuple)
-                                                                       else output))
-        for layer in set(layers)]
+    hooks = [
+        model.model.layers[layer].register_forward_hook(
+            lambda module, args, output, layer=layer: captured.__setitem__(
+                layer, output[0] if isinstance(output, tuple) else output
+            )
+        )
+        for layer in set(layers)
+    ]
     try:
         with torch.no_grad():
             hidden_states = model(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states
@@ -131,8 +142,9 @@ def test_feature_output_leaves_logits_bit_identical(tiny_target, quant):
     _, weights = tiny_target
     options = BuildOptions(quant, context_length=CAPACITY, tree_attention=True)  # as the exported target
     plain = Decoder(build_decoder(weights, options), weights.config)
-    featured = Decoder(build_decoder(weights, dataclasses.replace(options, feature_layers=FEATURE_LAYERS)),
-                       weights.config)
+    featured = Decoder(
+        build_decoder(weights, dataclasses.replace(options, feature_layers=FEATURE_LAYERS)), weights.config
+    )
     assert featured.names == ["logits", "features"] + plain.names[1:]
     ids = np.random.default_rng(2).integers(0, weights.config.vocab_size, 12)
     for start, stop, num_logits in ((0, 7, 7), (7, 8, 1), (8, 12, 4)):
@@ -175,8 +187,9 @@ def test_add_feature_output_upgrades_an_exported_target(tmp_path, tiny_pair):
     assert sha256(bundle / "target" / "model.onnx.data") == data_hash  # weights untouched
     assert sorted(p.name for p in path.parent.iterdir()) == ["model.onnx", "model.onnx.data"]  # no temp left
 
-    fresh_options = BuildOptions("int4", context_length=256, tree_attention=True, attention_pad=True,
-                                 feature_layers=layers)  # as the exporter builds the target
+    fresh_options = BuildOptions(
+        "int4", context_length=256, tree_attention=True, attention_pad=True, feature_layers=layers
+    )  # as the exporter builds the target
     upgraded, fresh = Decoder(str(path), cfg, 256), Decoder(build_decoder(weights, fresh_options), cfg, 256)
     assert upgraded.names == fresh.names
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 10)
@@ -228,17 +241,33 @@ def test_head_graph_matches_the_torch_head(quant):
     np.testing.assert_allclose(hidden, fused.numpy(), rtol=0, atol=tol * np.abs(fused.numpy()).max())
 
     graph = session(build_eagle_head(eagle_head_weights(head), options, logits=True))
-    assert [i.name for i in graph.get_inputs()] == ["inputs_embeds", "hidden", "seqlens_k", "total_sequence_length",
-                                                    "num_logits", "past_key_values.0.key", "past_key_values.0.value"]
+    assert [i.name for i in graph.get_inputs()] == [
+        "inputs_embeds",
+        "hidden",
+        "seqlens_k",
+        "total_sequence_length",
+        "num_logits",
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+    ]
     assert [o.name for o in graph.get_outputs()] == ["logits", "hidden_out", "present.0.key", "present.0.value"]
-    cache = {f"past_key_values.0.{kind}": np.zeros((1, cfg.num_key_value_heads, CAPACITY, cfg.head_dim), np.float32)
-             for kind in ("key", "value")}
+    cache = {
+        f"past_key_values.0.{kind}": np.zeros((1, cfg.num_key_value_heads, CAPACITY, cfg.head_dim), np.float32)
+        for kind in ("key", "value")
+    }
 
     def run(start: int, stop: int, num_logits: int) -> tuple[np.ndarray, np.ndarray]:
-        logits, hidden_out, key, value = graph.run(None, {
-            "inputs_embeds": embeds[:, start:stop], "hidden": hidden[:, start:stop],
-            "seqlens_k": np.array([stop - 1], np.int32), "total_sequence_length": np.array(stop, np.int32),
-            "num_logits": np.array([num_logits], np.int64), **cache})
+        logits, hidden_out, key, value = graph.run(
+            None,
+            {
+                "inputs_embeds": embeds[:, start:stop],
+                "hidden": hidden[:, start:stop],
+                "seqlens_k": np.array([stop - 1], np.int32),
+                "total_sequence_length": np.array(stop, np.int32),
+                "num_logits": np.array([num_logits], np.int64),
+                **cache,
+            },
+        )
         cache.update({"past_key_values.0.key": key, "past_key_values.0.value": value})
         return logits[0], hidden_out[0]
 
@@ -246,12 +275,14 @@ def test_head_graph_matches_the_torch_head(quant):
     assert logits.shape == (steps, cfg.draft_vocab_size) and hidden_out.shape == (steps, cfg.hidden_size)
     scale = np.abs(ref_logits.numpy()).max()
     np.testing.assert_allclose(logits, ref_logits[0, :steps].numpy(), rtol=0, atol=tol * scale)
-    np.testing.assert_allclose(hidden_out, ref_hidden[0, :steps].numpy(), rtol=0,
-                               atol=tol * np.abs(ref_hidden.numpy()).max())
+    np.testing.assert_allclose(
+        hidden_out, ref_hidden[0, :steps].numpy(), rtol=0, atol=tol * np.abs(ref_hidden.numpy()).max()
+    )
     logits, hidden_out = run(steps, steps + 1, 1)  # one more token through the KV cache
     np.testing.assert_allclose(logits, ref_logits[0, steps:].numpy(), rtol=0, atol=tol * scale)
-    np.testing.assert_allclose(hidden_out, ref_hidden[0, steps:].numpy(), rtol=0,
-                               atol=tol * np.abs(ref_hidden.numpy()).max())
+    np.testing.assert_allclose(
+        hidden_out, ref_hidden[0, steps:].numpy(), rtol=0, atol=tol * np.abs(ref_hidden.numpy()).max()
+    )
 
 
 def test_draft_to_target_uses_d2t():
@@ -266,10 +297,21 @@ def test_draft_to_target_uses_d2t():
 
 
 EXPECTED_TENSORS = {
-    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
-    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "fc.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
 }
 
 
@@ -294,8 +336,10 @@ def test_specforge_round_trip(tmp_path):
             assert torch.equal(a, b)
     assert torch.equal(head.d2t, loaded.d2t) and torch.equal(head.t2d, loaded.t2d)
     options = BuildOptions("int4", context_length=CAPACITY)
-    assert (build_eagle_head(eagle_head_weights(loaded), options).SerializeToString()
-            == build_eagle_head(eagle_head_weights(head), options).SerializeToString())
+    assert (
+        build_eagle_head(eagle_head_weights(loaded), options).SerializeToString()
+        == build_eagle_head(eagle_head_weights(head), options).SerializeToString()
+    )
 
 
 def rewrite_checkpoint(directory, edit) -> None:
@@ -306,13 +350,21 @@ def rewrite_checkpoint(directory, edit) -> None:
     save_file(state, directory / "model.safetensors")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.pop("midlayer.self_attn.k_proj.weight"), "lacks tensor 'midlayer.self_attn.k_proj.weight'"),
-    (lambda s: s.pop("d2t"), "lacks tensor 'd2t'"),
-    (lambda s: s.__setitem__("lm_head.weight", torch.zeros(95, 64)),
-     r"tensor 'lm_head.weight' has shape \(95, 64\), expected \(96, 64\)"),
-    (lambda s: s.__setitem__("midlayer.extra.weight", torch.zeros(3)), "does not use: \\['midlayer.extra.weight'\\]"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.pop("midlayer.self_attn.k_proj.weight"), "lacks tensor 'midlayer.self_attn.k_proj.weight'"),
+        (lambda s: s.pop("d2t"), "lacks tensor 'd2t'"),
+        (
+            lambda s: s.__setitem__("lm_head.weight", torch.zeros(95, 64)),
+            r"tensor 'lm_head.weight' has shape \(95, 64\), expected \(96, 64\)",
+        ),
+        (
+            lambda s: s.__setitem__("midlayer.extra.weight", torch.zeros(3)),
+            "does not use: \\['midlayer.extra.weight'\\]",
+        ),
+    ],
+)
 def test_broken_checkpoints_are_refused_by_name(tmp_path, edit, message):
     save_specforge(tmp_path, CONFIG, random_head())
     rewrite_checkpoint(tmp_path, edit)
@@ -330,8 +382,9 @@ def test_stored_embedding_is_ignored(tmp_path):
 
 def test_heads_for_another_target_and_missing_files_are_refused(tmp_path):
     save_specforge(tmp_path, CONFIG, random_head())
-    weights = tiny_models.loaded("t", tiny_models.make_qwen2(seed=0, hidden=96, layers=4),
-                                 tiny_models.make_tokenizer()).weights
+    weights = tiny_models.loaded(
+        "t", tiny_models.make_qwen2(seed=0, hidden=96, layers=4), tiny_models.make_tokenizer()
+    ).weights
     with pytest.raises(EdgeSpecError, match="hidden size 64 does not match the target's 96"):
         load_specforge(tmp_path, weights.config)
     shallow = tiny_models.loaded("t", tiny_models.make_qwen2(seed=0, layers=2), tiny_models.make_tokenizer())
@@ -399,8 +452,16 @@ def test_attach_eagle_head_to_a_bundle(tmp_path, tiny_pair, monkeypatch):
     record = manifest["eagle"]
     assert record["feature_layers"] == [0, 1, 1] and manifest["target"]["feature_layers"] == [0, 1, 1]
     assert sorted(p.name for p in (bundle / "eagle").iterdir()) == [
-        "d2t.npy", "fc.onnx", "fc.onnx.data", "head_full.onnx", "head_full.onnx.data", "layer.onnx",
-        "layer.onnx.data", "t2d.npy", "vocab_full.npy"]
+        "d2t.npy",
+        "fc.onnx",
+        "fc.onnx.data",
+        "head_full.onnx",
+        "head_full.onnx.data",
+        "layer.onnx",
+        "layer.onnx.data",
+        "t2d.npy",
+        "vocab_full.npy",
+    ]
     assert set(record["heads"]) == {"full"} and record["default_head"] == "full"
     assert not (bundle / "eagle.partial").exists() and not (bundle / "eagle.old").exists()
     assert np.array_equal(np.load(bundle / record["d2t"]), head.d2t.numpy())

@@ -14,8 +14,17 @@ import pytest
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import loop_config
-from tests.helpers import (PROMPTS, assert_one_line_error, cli, eagle, export_tiny, greedy_matches_target_only,
-                           random_head, sampled_matches_target, tiny_head_config)
+from tests.helpers import (
+    PROMPTS,
+    assert_one_line_error,
+    cli,
+    eagle,
+    export_tiny,
+    greedy_matches_target_only,
+    random_head,
+    sampled_matches_target,
+    tiny_head_config,
+)
 
 CONFIG = tiny_head_config(feature_layers=(0, 1, 1), draft_vocab_size=256)  # the tiny target has 2 layers
 TRIM, SPECVOCAB = "trim-128", "specvocab-r16-k48-of256"
@@ -110,8 +119,9 @@ def test_a_bad_eagle_head_name_is_one_clear_error(heads_bundle, engine):
 def test_bench_runs_one_mode_per_eagle_head(engine):
     from edge_spec.bench import modes_for
 
-    modes = modes_for(engine, ["full"], loop_config("spec", drafter="model"), [2], eagle=True,
-                      eagle_heads=["full", TRIM])
+    modes = modes_for(
+        engine, ["full"], loop_config("spec", drafter="model"), [2], eagle=True, eagle_heads=["full", TRIM]
+    )
     names = {m.name: m.eagle_head for m in modes}
     assert names["eagle"] == "full" and names[f"eagle+{TRIM}@γ2"] == TRIM and names["spec"] is None
     assert {m.name for m in modes_for(engine, ["full"], loop_config("spec"), eagle=True)} >= {"eagle"}
@@ -166,8 +176,9 @@ def test_a_single_graph_head_still_drafts_and_add_heads_splits_it(heads_bundle, 
     assert set(manifest["draft"]["heads"]) == {"full"}  # the drafter's heads are left alone
     assert not (old / "eagle.partial").exists() and not (old / "eagle.old").exists()
     for head in ("full", "trim-64", "specvocab-r8-k32-of256"):
-        engine = Engine.from_bundle(old, threads=1, config=loop_config("spec", drafter="eagle"), exact=True,
-                                    eagle_head=head)
+        engine = Engine.from_bundle(
+            old, threads=1, config=loop_config("spec", drafter="eagle"), exact=True, eagle_head=head
+        )
         assert greedy_equals_target_only(engine, 2, PROMPTS[:1]) > 0
     info = cli("info", str(old))
     assert "trim-64 (64 rows)" in info.stdout and "single graph" not in info.stdout

@@ -12,8 +12,16 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import loop_config
 from edge_spec.runtime.verify.sampling import SamplingParams
-from tests.helpers import (PROMPTS, eagle, export_tiny, greedy_matches_target_only, random_head, run,
-                           sampled_matches_target, tiny_head_config)
+from tests.helpers import (
+    PROMPTS,
+    eagle,
+    export_tiny,
+    greedy_matches_target_only,
+    random_head,
+    run,
+    sampled_matches_target,
+    tiny_head_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +66,18 @@ def test_the_head_reads_the_features_of_every_kept_position(engine):
     got, _ = run(engine, ids, SamplingParams(), 24, eagle(3))
     head = engine.eagle
     committed = ids + got
-    kept = committed[:engine.target.length]
+    kept = committed[: engine.target.length]
     assert head.feature_tokens == kept
     engine.target.reset()
     features = engine.target.prefill(kept, 1)["features"]
     fused = head.fc.run(None, {"features": features[None]})[0][0]
-    np.testing.assert_allclose(head.fused[:len(kept)], fused, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(head.fused[: len(kept)], fused, rtol=1e-4, atol=1e-4)
 
 
 def test_a_chat_turn_reuses_the_prefix_and_still_equals_target_only(eagle_bundle):
-    engine = Engine.from_bundle(eagle_bundle, threads=1, config=loop_config("spec", drafter="eagle", gamma=3,
-                                                                            schedule="fixed"))
+    engine = Engine.from_bundle(
+        eagle_bundle, threads=1, config=loop_config("spec", drafter="eagle", gamma=3, schedule="fixed")
+    )
     first = [{"role": "user", "content": "def is_prime(n):"}]
     answer = engine.complete(first, max_new_tokens=16)
     second = first + [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "and fib?"}]
@@ -139,7 +148,9 @@ def test_add_heads_attaches_a_specforge_checkpoint_or_a_saved_head(eagle_bundle,
     saved = save_eagle_files(eagle_bundle, tmp_path / "saved")
     result = CliRunner().invoke(app, ["add-heads", str(plain), "--eagle", str(saved)])
     assert result.exit_code == 0, result.output
-    assert (plain / "eagle" / "layer.onnx.data").read_bytes() == (eagle_bundle / "eagle" / "layer.onnx.data").read_bytes()
+    assert (plain / "eagle" / "layer.onnx.data").read_bytes() == (
+        eagle_bundle / "eagle" / "layer.onnx.data"
+    ).read_bytes()
 
 
 def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, tmp_path, monkeypatch):
@@ -149,8 +160,12 @@ def test_the_registry_ships_a_head_only_when_its_files_are_intact(eagle_bundle, 
 
     saved = save_eagle_files(eagle_bundle, tmp_path / "saved")
     registry = load_registry()
-    registry["models"]["tiny"] = {"eagle_head": {"dir": str(saved), "sha256": {
-        name: sha256_file(saved / name) for name in ("layer.onnx.data", "eagle.json")}}}
+    registry["models"]["tiny"] = {
+        "eagle_head": {
+            "dir": str(saved),
+            "sha256": {name: sha256_file(saved / name) for name in ("layer.onnx.data", "eagle.json")},
+        }
+    }
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "registry.json").write_text(json.dumps(registry))
     monkeypatch.setenv("EDGE_SPEC_MODELS", str(tmp_path / "models"))

@@ -48,7 +48,9 @@ def test_the_drafter_stops_after_an_end_token(temperature):
     block = drafter.propose([1, 2], room=10, rule=DraftRule(params, np.random.default_rng(0), gamma=4))
     assert block.tokens == [3, 7] and block.steps == 2
     # without end tokens the same script is drafted to gamma (the negative control)
-    free = ScriptedDrafter([3, 7, 5, 6]).propose([1, 2], room=10, rule=DraftRule(SamplingParams(), np.random.default_rng(0), gamma=4))
+    free = ScriptedDrafter([3, 7, 5, 6]).propose(
+        [1, 2], room=10, rule=DraftRule(SamplingParams(), np.random.default_rng(0), gamma=4)
+    )
     assert free.tokens == [3, 7, 5, 6] and free.steps == 4
 
 
@@ -64,8 +66,13 @@ def engine(int4_bundle):
     return Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-160")
 
 
-@pytest.mark.parametrize("config", [ChainConfig(gamma=4, adaptive=False, proposers=("model", "guess")),
-                                    ChainConfig(gamma=4, adaptive=False, proposers=("lookup", "guess"))])
+@pytest.mark.parametrize(
+    "config",
+    [
+        ChainConfig(gamma=4, adaptive=False, proposers=("model", "guess")),
+        ChainConfig(gamma=4, adaptive=False, proposers=("lookup", "guess")),
+    ],
+)
 def test_answers_ending_early_stay_exact_and_draft_nothing_past_the_end(engine, monkeypatch, config):
     """Make a token the answer repeats the end token: answers end where the target's own do, and no
     round verifies a draft that follows a drafted end token."""
@@ -83,5 +90,5 @@ def test_answers_ending_early_stay_exact_and_draft_nothing_past_the_end(engine, 
 
     monkeypatch.setattr(engine.target, "forward", forward)
     answer = engine.complete(messages, max_new_tokens=40, temperature=0).token_ids
-    assert answer == reference[:reference.index(end)]
+    assert answer == reference[: reference.index(end)]
     assert all(end not in tokens[1:-1] for tokens in seen[1:])  # an end token is only ever a round's last draft

@@ -28,6 +28,7 @@ def _one_line(code, err, *fragments):
 
 def _refusing_writer(code: int):
     """``save_model`` on a full disk (the write names no file) or in a forbidden directory (it does)."""
+
     def save_model(model, path):
         Path(path).write_bytes(b"\0" * 1000)  # half a file, as a write cut short leaves it
         if code == errno.ENOSPC:
@@ -52,8 +53,9 @@ def in_memory(monkeypatch, tiny_pair):
 
 
 @pytest.mark.parametrize("code, existing", [(errno.ENOSPC, True), (errno.EACCES, True), (errno.ENOSPC, False)])
-def test_export_on_a_refusing_disk_is_one_line_and_keeps_the_bundle(monkeypatch, capsys, tmp_path, tiny_pair,
-                                                                     in_memory, code, existing):
+def test_export_on_a_refusing_disk_is_one_line_and_keeps_the_bundle(
+    monkeypatch, capsys, tmp_path, tiny_pair, in_memory, code, existing
+):
     from edge_spec.manifest import read_manifest, verify_files
 
     out = tmp_path / "bundle"
@@ -61,8 +63,23 @@ def test_export_on_a_refusing_disk_is_one_line_and_keeps_the_bundle(monkeypatch,
         _export(out, tiny_pair)
         before = (out / "manifest.json").read_text()
     monkeypatch.setattr(in_memory, "save_model", _refusing_writer(code))
-    result = _cli(monkeypatch, capsys, "export", "--target", "tiny-target", "--draft", "tiny-draft", "--output",
-                  str(out), "--quant", "fp32", "--context-length", "64", "--eagle", "none")
+    result = _cli(
+        monkeypatch,
+        capsys,
+        "export",
+        "--target",
+        "tiny-target",
+        "--draft",
+        "tiny-draft",
+        "--output",
+        str(out),
+        "--quant",
+        "fp32",
+        "--context-length",
+        "64",
+        "--eagle",
+        "none",
+    )
     kept = f"the existing bundle at {out} was kept" if existing else f"nothing was written to {out}"
     line = _one_line(result[0], result[2], REASONS[code], f"writing {out}", kept)
     assert ".partial" not in line  # the hidden staging directory is not what the user named
@@ -72,8 +89,9 @@ def test_export_on_a_refusing_disk_is_one_line_and_keeps_the_bundle(monkeypatch,
         verify_files(out, read_manifest(out), full_hash=True)
 
 
-def test_add_heads_on_a_full_disk_is_one_line_and_keeps_the_bundle(monkeypatch, capsys, tmp_path, fp32_bundle,
-                                                                     in_memory):
+def test_add_heads_on_a_full_disk_is_one_line_and_keeps_the_bundle(
+    monkeypatch, capsys, tmp_path, fp32_bundle, in_memory
+):
     from edge_spec.manifest import read_manifest, verify_files
 
     copy = tmp_path / "bundle"
@@ -82,8 +100,20 @@ def test_add_heads_on_a_full_disk_is_one_line_and_keeps_the_bundle(monkeypatch, 
     calibration = tmp_path / "calibration.txt"
     calibration.write_text("def f(x):\n")
     monkeypatch.setattr(in_memory, "save_model", _refusing_writer(errno.ENOSPC))
-    code, _, err = _cli(monkeypatch, capsys, "add-heads", str(copy), "--draft", "tiny-draft", "--draft-vocab",
-                        "trim", "--keep", "64", "--calibration", str(calibration))
+    code, _, err = _cli(
+        monkeypatch,
+        capsys,
+        "add-heads",
+        str(copy),
+        "--draft",
+        "tiny-draft",
+        "--draft-vocab",
+        "trim",
+        "--keep",
+        "64",
+        "--calibration",
+        str(calibration),
+    )
     _one_line(code, err, "no space left on device", f"writing {copy}", f"the bundle at {copy} was kept as it was")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "calibration.txt"]
     assert (copy / "manifest.json").read_text() == before
@@ -100,8 +130,9 @@ def test_any_other_system_error_is_one_line(monkeypatch, capsys, tmp_path, fp32_
         raise OSError(code, os.strerror(code), str(tmp_path / "work" / "shards" / "0.npz"))
 
     monkeypatch.setattr(head_data, "collect", collect)
-    result = _cli(monkeypatch, capsys, "train-head", str(fp32_bundle), "--collect-only", "--work",
-                  str(tmp_path / "work"))
+    result = _cli(
+        monkeypatch, capsys, "train-head", str(fp32_bundle), "--collect-only", "--work", str(tmp_path / "work")
+    )
     _one_line(result[0], result[2], os.strerror(code).lower(), str(tmp_path / "work" / "shards" / "0.npz"))
 
 
@@ -114,12 +145,14 @@ def _hf_directory(path: Path, model, tokenizer) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("mismatch, fragment", [
-    ("tokenizer", "drafter tokenizer differs from the target's"),
-    ("vocabulary", "drafter vocabulary size 400 differs from the target's 384"),
-])
-def test_export_refuses_a_pair_before_building_anything(monkeypatch, capsys, tmp_path, tiny_pair, mismatch,
-                                                          fragment):
+@pytest.mark.parametrize(
+    "mismatch, fragment",
+    [
+        ("tokenizer", "drafter tokenizer differs from the target's"),
+        ("vocabulary", "drafter vocabulary size 400 differs from the target's 384"),
+    ],
+)
+def test_export_refuses_a_pair_before_building_anything(monkeypatch, capsys, tmp_path, tiny_pair, mismatch, fragment):
     from edge_spec import paths
     from edge_spec.export import bundle, sources
 
@@ -188,8 +221,20 @@ def test_gguf_pairs_are_checked_from_their_headers(monkeypatch, capsys, tmp_path
             check_pair(*probe_pair(target, other))
     monkeypatch.setattr(sources, "_load_model", never)
     monkeypatch.setattr(bundle, "export_decoder", never)
-    code, _, err = _cli(monkeypatch, capsys, "export", "--target", target, "--draft", other, "--output",
-                        str(tmp_path / "out"), "--eagle", "none")
-    _one_line(code, err, "drafter tokenizer differs from the target's at token id 5 (target 'tok5' vs "
-                         "drafter 'different')")
+    code, _, err = _cli(
+        monkeypatch,
+        capsys,
+        "export",
+        "--target",
+        target,
+        "--draft",
+        other,
+        "--output",
+        str(tmp_path / "out"),
+        "--eagle",
+        "none",
+    )
+    _one_line(
+        code, err, "drafter tokenizer differs from the target's at token id 5 (target 'tok5' vs drafter 'different')"
+    )
     assert not (tmp_path / "out").exists()

@@ -11,8 +11,8 @@ import torch
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.manifest import read_manifest, sha256_file, verify_files
-from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.model.decoder import Decoder
 from tests import tiny_models
 from tests.helpers import decoder_greedy, export_tiny
 
@@ -74,7 +74,9 @@ def test_quantize_roundtrip_error_is_small():
     i = np.abs(blocks).argmax(-1)
     np.testing.assert_allclose(
         np.take_along_axis(q.dequantize().reshape(8, 3, 32), i[..., None], -1),
-        np.take_along_axis(blocks, i[..., None], -1), rtol=1e-6)
+        np.take_along_axis(blocks, i[..., None], -1),
+        rtol=1e-6,
+    )
 
 
 def test_manifest_roundtrip(int4_bundle):
@@ -85,8 +87,15 @@ def test_manifest_roundtrip(int4_bundle):
     assert target["config"]["vocab_size"] == 384
     assert target["quantization"]["weights"] == "int4"
     heads = manifest["draft"]["heads"]
-    assert set(heads) == {"full", "trim-160", "trim-64", "specvocab-r16-k48", "trim32+specvocab-r16-k48",
-                          "specvocab-r16-k48-of160", "trim32+specvocab-r16-k48-of160"}
+    assert set(heads) == {
+        "full",
+        "trim-160",
+        "trim-64",
+        "specvocab-r16-k48",
+        "trim32+specvocab-r16-k48",
+        "specvocab-r16-k48-of160",
+        "trim32+specvocab-r16-k48-of160",
+    }
     assert manifest["draft"]["default_head"] == "trim-160"
     assert heads["trim-64"]["size"] == 64 and heads["full"]["size"] == 384
     assert (int4_bundle / "draft" / "token_counts.npy").is_file()

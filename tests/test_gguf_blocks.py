@@ -10,11 +10,18 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the gguf package (the export extra) reads GGUF blocks")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper  # noqa: E402
 
-from edge_spec.export.gguf.blocks import (CarriedBlocks, add_carried_linear, carry_gguf, concat_blocks, fast_layout,
-                                         folded_width, narrow_to_4bit)
-from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model
+from edge_spec.export.gguf.blocks import (  # noqa: E402
+    CarriedBlocks,
+    add_carried_linear,
+    carry_gguf,
+    concat_blocks,
+    fast_layout,
+    folded_width,
+    narrow_to_4bit,
+)
+from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model  # noqa: E402
 
 N, K = 24, 512  # K: two K-quant super-blocks
 
@@ -44,8 +51,13 @@ def gguf_bytes(kind: str, rng: np.random.Generator) -> np.ndarray:
 def matmul_session(build) -> ort.InferenceSession:
     g = Graph()
     out = build(g)
-    graph = helper.make_graph(g.nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, K])],
-                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], g.initializers)
+    graph = helper.make_graph(
+        g.nodes,
+        "m",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, K])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+        g.initializers,
+    )
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     return ort.InferenceSession(make_model(graph).SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -110,7 +122,7 @@ def test_fast_layout_rounds_within_its_bound_and_the_graph_computes_it(kind):
     effective = fast.dequantize()[:, :K]  # weights on x; the extra columns multiply x's block sums, twice
     if exact.correction is not None:
         sums, half = K // exact.block_size, folded_width(exact) // 2
-        digits = fast.dequantize()[:, K:K + sums] + fast.dequantize()[:, K + half:K + half + sums]
+        digits = fast.dequantize()[:, K : K + sums] + fast.dequantize()[:, K + half : K + half + sums]
         effective = effective + np.repeat(digits, exact.block_size, axis=1)
     moved = np.abs(effective - reference)
     assert (moved <= _rounding_bound(exact) + 1e-5 * np.abs(reference).max()).all()  # + float rounding
@@ -181,10 +193,24 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
-              "ffn_up": "Q4_1", "ffn_down": "Q5_0"}
-FIELDS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
-          "ffn_down": "down"}
+GGUF_TYPES = {
+    "attn_q": "Q8_0",
+    "attn_k": "Q4_0",
+    "attn_v": "Q4_1",
+    "attn_output": "Q4_0",
+    "ffn_gate": "Q4_1",
+    "ffn_up": "Q4_1",
+    "ffn_down": "Q5_0",
+}
+FIELDS = {
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
+}
 
 
 def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
@@ -235,7 +261,12 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
 
     ids = ids_for(4)
     logits = {}
-    for name, options in {"exact": dict(carry_exact=True), "fast": {}, "fp32": {}, "requant": dict(gguf_blocks=False)}.items():
+    for name, options in {
+        "exact": dict(carry_exact=True),
+        "fast": {},
+        "fp32": {},
+        "requant": dict(gguf_blocks=False),
+    }.items():
         path = tmp_path / f"{name}.onnx"
         quant = "fp32" if name == "fp32" else "int4"
         save_model(build_decoder(weights, BuildOptions(quant, accuracy_level=0, context_length=64, **options)), path)
@@ -270,20 +301,32 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layou
     head = models["t"].weights.lm_head  # and one 8-bit matrix: the small layout rounds it to 4 bits
     models["t"].weights.carried["lm_head"] = carry_gguf(quants.quantize(head, T.Q8_0), "Q8_0", *head.shape)
     lines: list[str] = []
-    manifest = export_bundle("t", "d", tmp_path / "b", ExportOptions(context_length=64, gguf_layout=layout),
-                             lines.append, loader=models.__getitem__)
+    manifest = export_bundle(
+        "t",
+        "d",
+        tmp_path / "b",
+        ExportOptions(context_length=64, gguf_layout=layout),
+        lines.append,
+        loader=models.__getitem__,
+    )
     assert manifest["target"]["quantization"]["gguf_blocks"] == {
-        "carried": {"Q4_K": 3}, "requantized": {"layers.0.down": "Q3_K: no exact MatMulNBits layout"}}
+        "carried": {"Q4_K": 3},
+        "requantized": {"layers.0.down": "Q3_K: no exact MatMulNBits layout"},
+    }
     assert manifest["target"]["quantization"]["gguf_layout"] == layout
     assert manifest["draft"]["quantization"]["gguf_blocks"] == "requantized"
     said = [line for line in lines if "GGUF blocks" in line]
-    assert said == [f"t: GGUF blocks carried: 3 matrices (Q4_K 3); re-quantized: layers.0.down (Q3_K: no "
-                    f"exact MatMulNBits layout) ({layout} layout); embedding table re-quantized to int8"]
+    assert said == [
+        f"t: GGUF blocks carried: 3 matrices (Q4_K 3); re-quantized: layers.0.down (Q3_K: no "
+        f"exact MatMulNBits layout) ({layout} layout); embedding table re-quantized to int8"
+    ]
     graph = onnx.load(str(tmp_path / "b" / manifest["target"]["onnx"]), load_external_data=False).graph
     nodes = {n.name for n in graph.node}
     assert ("layers.0.o/x_and_sums/Concat" in nodes) == (layout in ("fast", "small"))
     assert ("layers.0.o/correction/MatMul" in nodes) == (layout == "exact")
-    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"}
+    bits = {
+        n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"
+    }
     assert bits["lm_head/out/MatMulNBits"] == (4 if layout == "small" else 8)
 
 
@@ -327,6 +370,7 @@ def test_a_gguf_file_is_parsed_once_per_load(tmp_path, monkeypatch):
 
     def as_transformers_opens_it(p):
         from gguf import GGUFReader
+
         return GGUFReader(p)
 
     with gguf_parsed_once():

@@ -21,8 +21,20 @@ SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 # piece: score.  On "abc" merging by score takes "ab" (-1) first and ends at [ab, c]; Unigram maximizes the
 # summed score and takes [a, bc] (-10 + -2 beats -1 + -30).
-PIECES = {S: -5.0, "a": -10.0, "b": -11.0, "c": -30.0, "d": -12.0, "ab": -1.0, "bc": -2.0, "cd": -3.0,
-          "aa": -4.0, S + "a": -6.0, S + "ab": -0.5, "abcd": -7.0}
+PIECES = {
+    S: -5.0,
+    "a": -10.0,
+    "b": -11.0,
+    "c": -30.0,
+    "d": -12.0,
+    "ab": -1.0,
+    "bc": -2.0,
+    "cd": -3.0,
+    "aa": -4.0,
+    S + "a": -6.0,
+    S + "ab": -0.5,
+    "abcd": -7.0,
+}
 USER_DEFINED = ["\n", "  "]  # cut from raw text before anything else (Gemma writes its spaces raw)
 
 
@@ -30,8 +42,16 @@ def tiny_vocab(add_space_prefix: bool = False) -> gt.GGUFVocab:
     tokens = SPECIAL + BYTES + list(PIECES) + USER_DEFINED
     scores = [-1000.0] * 4 + [0.0] * 256 + list(PIECES.values()) + [-1000.0] * len(USER_DEFINED)
     types = [gt.CONTROL] * 4 + [gt.BYTE] * 256 + [gt.NORMAL] * len(PIECES) + [gt.USER_DEFINED] * len(USER_DEFINED)
-    return gt.GGUFVocab(model="llama", pre="default", tokens=tokens, scores=scores, types=types, merges=None,
-                        add_space_prefix=add_space_prefix, unk_id=3)
+    return gt.GGUFVocab(
+        model="llama",
+        pre="default",
+        tokens=tokens,
+        scores=scores,
+        types=types,
+        merges=None,
+        add_space_prefix=add_space_prefix,
+        unk_id=3,
+    )
 
 
 def pieces(vocab: gt.GGUFVocab, ids: list[int]) -> list[str]:
@@ -42,9 +62,15 @@ def unigram_conversion(vocab: gt.GGUFVocab):
     """What transformers builds from a Gemma GGUF's vocabulary (a Unigram model): the negative control."""
     from transformers.integrations.ggml import GGUFGemmaConverter
 
-    return GGUFGemmaConverter({"tokens": list(vocab.tokens), "scores": list(vocab.scores),
-                               "token_type": list(vocab.types), "unk_token_id": vocab.unk_id,
-                               "add_prefix_space": vocab.add_space_prefix}).converted()
+    return GGUFGemmaConverter(
+        {
+            "tokens": list(vocab.tokens),
+            "scores": list(vocab.scores),
+            "token_type": list(vocab.types),
+            "unk_token_id": vocab.unk_id,
+            "add_prefix_space": vocab.add_space_prefix,
+        }
+    ).converted()
 
 
 def random_texts(count: int, seed: int = 0) -> list[str]:
@@ -56,16 +82,19 @@ def random_texts(count: int, seed: int = 0) -> list[str]:
 # -- the reference against hand-worked cases --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("abc", ["ab", "c"]),  # the highest-scoring merge wins, not the best total
-    ("aaa", ["aa", "a"]),  # equal scores: the leftmost pair merges
-    ("abcd", ["abcd"]),  # merged pieces merge again: ab, cd, then abcd
-    ("é", ["<0xC3>", "<0xA9>"]),  # not in the vocabulary: its UTF-8 bytes
-    ("a b", ["a", S, "b"]),  # spaces become ▁; "a▁" and "▁b" are not tokens
-    (" ab", [S + "ab"]),  # ▁ab (-0.5) beats ab (-1), so ▁a never forms
-    ("a\nb", ["a", "\n", "b"]),  # user-defined tokens are cut out first
-    ("a  b", ["a", "  ", "b"]),  # so are Gemma's raw runs of spaces
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("abc", ["ab", "c"]),  # the highest-scoring merge wins, not the best total
+        ("aaa", ["aa", "a"]),  # equal scores: the leftmost pair merges
+        ("abcd", ["abcd"]),  # merged pieces merge again: ab, cd, then abcd
+        ("é", ["<0xC3>", "<0xA9>"]),  # not in the vocabulary: its UTF-8 bytes
+        ("a b", ["a", S, "b"]),  # spaces become ▁; "a▁" and "▁b" are not tokens
+        (" ab", [S + "ab"]),  # ▁ab (-0.5) beats ab (-1), so ▁a never forms
+        ("a\nb", ["a", "\n", "b"]),  # user-defined tokens are cut out first
+        ("a  b", ["a", "  ", "b"]),  # so are Gemma's raw runs of spaces
+    ],
+)
 def test_reference_spm_by_hand(text, expected):
     vocab = tiny_vocab()
     assert pieces(vocab, gt.ReferenceTokenizer(vocab).encode(text)) == expected
@@ -87,21 +116,30 @@ def test_reference_bpe_matches_a_byte_level_tokenizer():
     backend = tiny_models.make_tokenizer().backend_tokenizer
     model = json.loads(backend.to_str())["model"]
     by_id = {i: t for t, i in backend.get_vocab(with_added_tokens=True).items()}
-    vocab = gt.GGUFVocab(model="gpt2", pre="gpt2", tokens=[by_id[i] for i in range(len(by_id))], scores=None,
-                         types=None, merges=[m if isinstance(m, str) else " ".join(m) for m in model["merges"]],
-                         add_space_prefix=False)
+    vocab = gt.GGUFVocab(
+        model="gpt2",
+        pre="gpt2",
+        tokens=[by_id[i] for i in range(len(by_id))],
+        scores=None,
+        types=None,
+        merges=[m if isinstance(m, str) else " ".join(m) for m in model["merges"]],
+        add_space_prefix=False,
+    )
     reference = gt.ReferenceTokenizer(vocab)
     for text in gt.CHECK_SENTENCES + ("What is 12 * 7? Let's think step by step.",):
         assert reference.encode(text) == backend.encode(text, add_special_tokens=False).ids, text
 
 
 def test_reference_declines_what_it_does_not_cover():
-    reference, why = gt.reference_tokenizer(gt.GGUFVocab(model="gpt2", pre="deepseek-llm", tokens=["a"],
-                                                         scores=None, types=None, merges=[],
-                                                         add_space_prefix=False))
+    reference, why = gt.reference_tokenizer(
+        gt.GGUFVocab(
+            model="gpt2", pre="deepseek-llm", tokens=["a"], scores=None, types=None, merges=[], add_space_prefix=False
+        )
+    )
     assert reference is None and "deepseek-llm" in why
-    reference, why = gt.reference_tokenizer(gt.GGUFVocab(model="bert", pre=None, tokens=["a"], scores=None,
-                                                         types=None, merges=None, add_space_prefix=False))
+    reference, why = gt.reference_tokenizer(
+        gt.GGUFVocab(model="bert", pre=None, tokens=["a"], scores=None, types=None, merges=None, add_space_prefix=False)
+    )
     assert reference is None and "bert" in why
 
 
@@ -137,7 +175,8 @@ def test_control_tokens_stay_special_with_their_ids():
     backend = gt.spm_bpe_tokenizer(vocab)
     assert backend.encode("<bos>ab", add_special_tokens=False).ids == [2, vocab.tokens.index("ab")]
     assert {i: t.content for i, t in backend.get_added_tokens_decoder().items() if t.special} == dict(
-        enumerate(SPECIAL))
+        enumerate(SPECIAL)
+    )
 
 
 # -- the check ----------------------------------------------------------------------------------------------
@@ -148,8 +187,9 @@ def test_check_refuses_the_unigram_conversion_naming_the_first_differing_sentenc
     unigram = unigram_conversion(vocab)
     assert pieces(vocab, unigram.encode("abc", add_special_tokens=False).ids) == ["a", "bc"]
     with pytest.raises(EdgeSpecError, match=r"^tiny: .*splits 'xx abc' unlike the GGUF's own") as refused:
-        gt.check_matches_reference(unigram, gt.ReferenceTokenizer(vocab), "tiny",
-                                   sentences=("ab d", "xx abc", "bcd abc"))
+        gt.check_matches_reference(
+            unigram, gt.ReferenceTokenizer(vocab), "tiny", sentences=("ab d", "xx abc", "bcd abc")
+        )
     assert "\n" not in str(refused.value)
 
 
@@ -182,11 +222,13 @@ def test_fix_replaces_the_unigram_conversion_from_a_gguf_file(tmp_path):
     assert gt.read_gguf_vocab(path) == vocab
     converted = unigram_conversion(vocab)  # what AutoTokenizer.from_pretrained(gguf_file=...) holds today
     converted.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<bos>", eos_token="<eos>",
-                                        unk_token="<unk>", pad_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=converted, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
     with pytest.raises(EdgeSpecError, match="splits"):
-        gt.check_matches_reference(tokenizer.backend_tokenizer, gt.ReferenceTokenizer(vocab), "tiny",
-                                   sentences=("abc",))
+        gt.check_matches_reference(
+            tokenizer.backend_tokenizer, gt.ReferenceTokenizer(vocab), "tiny", sentences=("abc",)
+        )
     gt.fix_gguf_tokenizer(path, tokenizer, "tiny")
     assert pieces(vocab, tokenizer("abc", add_special_tokens=False).input_ids) == ["ab", "c"]
     assert tokenizer("abc").input_ids[0] == 2  # the BOS the converted tokenizer added is still added

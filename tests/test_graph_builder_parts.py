@@ -69,15 +69,23 @@ def test_head_assembled_from_parts_matches_pytorch(quant):
     hidden = rng.standard_normal((STEPS + 1, cfg.hidden_size)).astype(np.float32)
     ref = torch_reference(model, fc, ids, hidden, quant)
 
-    cache = {f"past_key_values.0.{kind}": np.zeros((1, cfg.num_kv_heads, CAPACITY, cfg.head_dim), np.float32)
-             for kind in ("key", "value")}
+    cache = {
+        f"past_key_values.0.{kind}": np.zeros((1, cfg.num_kv_heads, CAPACITY, cfg.head_dim), np.float32)
+        for kind in ("key", "value")
+    }
 
     def run(start: int, stop: int) -> np.ndarray:
-        logits, key, value = session.run(None, {
-            "input_ids": ids[None, start:stop], "hidden": hidden[None, start:stop],
-            "seqlens_k": np.array([stop - 1], np.int32), "total_sequence_length": np.array(stop, np.int32),
-            "num_logits": np.array([stop - start], np.int64), **cache,
-        })
+        logits, key, value = session.run(
+            None,
+            {
+                "input_ids": ids[None, start:stop],
+                "hidden": hidden[None, start:stop],
+                "seqlens_k": np.array([stop - 1], np.int32),
+                "total_sequence_length": np.array(stop, np.int32),
+                "num_logits": np.array([stop - start], np.int64),
+                **cache,
+            },
+        )
         cache.update({"past_key_values.0.key": key, "past_key_values.0.value": value})
         return logits[0]
 

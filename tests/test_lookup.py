@@ -7,8 +7,8 @@ import pytest
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.propose.ngrams import NgramLookup
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance, SequenceCalibration
-from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.schedule.policy import CostModel
+from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.verify.sampling import SamplingParams
 from tests.helpers import chain, chi_square_same_distribution, run
 
@@ -107,14 +107,23 @@ def test_the_planner_checks_the_lookup_token_after_the_taken_ones(engine, monkey
     ids = engine.tokenizer.encode(REPETITIVE[1])
     reference, _ = run(engine, ids, SamplingParams(), 24, None)
     sequence = list(ids) + reference
-    monkeypatch.setattr(NgramLookup, "match", lambda self, tokens, gamma, min_n=None: (
-        sequence[len(tokens):len(tokens) + gamma], 4))
+    monkeypatch.setattr(
+        NgramLookup, "match", lambda self, tokens, gamma, min_n=None: (sequence[len(tokens) : len(tokens) + gamma], 4)
+    )
     monkeypatch.setattr(LookupChoice, "lookup_gamma", lambda self, offered, *args, **kwargs: 1)  # take 1 of 4
     checks = []
     update = LookupChoice.update
-    monkeypatch.setattr(LookupChoice, "update", lambda self, drafted, accepted, next_right=None: (
-        checks.append(next_right), update(self, drafted, accepted, next_right))[1])
-    got, stats = run(engine, ids, SamplingParams(), 24, ChainConfig(gamma=4, adaptive=False, proposers=("lookup", "model")))
+    monkeypatch.setattr(
+        LookupChoice,
+        "update",
+        lambda self, drafted, accepted, next_right=None: (
+            checks.append(next_right),
+            update(self, drafted, accepted, next_right),
+        )[1],
+    )
+    got, stats = run(
+        engine, ids, SamplingParams(), 24, ChainConfig(gamma=4, adaptive=False, proposers=("lookup", "model"))
+    )
     assert got == reference
     assert stats.tally("lookup").rounds > 0 and True in checks
     assert all(check in (True, None) for check in checks)  # an offer past the answer's end has no check
@@ -147,8 +156,11 @@ def test_without_free_guesses_a_lookups_first_draft_is_still_checked(engine, mon
 
     checks = []
     record = RequestAcceptance.record_guess
-    monkeypatch.setattr(RequestAcceptance, "record_guess",
-                        lambda self, matched, right: (checks.append(matched), record(self, matched, right))[1])
+    monkeypatch.setattr(
+        RequestAcceptance,
+        "record_guess",
+        lambda self, matched, right: (checks.append(matched), record(self, matched, right))[1],
+    )
     ids = engine.tokenizer.encode(REPETITIVE[0])
     reference, _ = run(engine, ids, SamplingParams(), 24, None)
     # a lookup that always offers (the last token again, as if after a 3-token match)

@@ -8,16 +8,19 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, SsdConfig, TreeConfig, loop_config
 
 
-@pytest.mark.parametrize("mode, settings, flag", [
-    ("ssd", dict(schedule="adaptive"), "--schedule"),  # ssd drafts a fixed γ
-    ("ssd", dict(lookup=True), "--lookup"),  # ssd drafts with the model only
-    ("ssd", dict(drafts=2), "--drafts"),
-    ("spec", dict(drafts=2, lookup=True), "--lookup"),  # a tree of model drafts
-    ("spec", dict(drafts=2, schedule="adaptive"), "--schedule"),  # trees have a fixed shape
-    ("spec", dict(drafts=3, min_confidence=0.5), "--min-confidence"),
-    ("spec", dict(verifier="rrs"), "--verifier"),  # a single chain has no multi-draft verifier
-    ("ar", dict(gamma=2), "--gamma"),
-])
+@pytest.mark.parametrize(
+    "mode, settings, flag",
+    [
+        ("ssd", dict(schedule="adaptive"), "--schedule"),  # ssd drafts a fixed γ
+        ("ssd", dict(lookup=True), "--lookup"),  # ssd drafts with the model only
+        ("ssd", dict(drafts=2), "--drafts"),
+        ("spec", dict(drafts=2, lookup=True), "--lookup"),  # a tree of model drafts
+        ("spec", dict(drafts=2, schedule="adaptive"), "--schedule"),  # trees have a fixed shape
+        ("spec", dict(drafts=3, min_confidence=0.5), "--min-confidence"),
+        ("spec", dict(verifier="rrs"), "--verifier"),  # a single chain has no multi-draft verifier
+        ("ar", dict(gamma=2), "--gamma"),
+    ],
+)
 def test_a_setting_the_loop_cannot_honour_is_refused_naming_the_flag(mode, settings, flag):
     with pytest.raises(EdgeSpecError, match=f"^{flag} does not apply to"):
         loop_config(mode, **settings)
@@ -49,15 +52,18 @@ def test_user_settings_reach_the_loop():
     assert loop_config("ssd", gamma=3).gamma == 3
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: loop_config("spec", gamma=0), "--gamma must be at least 1"),
-    (lambda: loop_config("spec", schedule="eager"), "--schedule must be adaptive or fixed"),
-    (lambda: loop_config("spec", drafts=2, verifier="beam"), "unknown multi-draft verifier 'beam'"),
-    (lambda: loop_config("beam"), "unknown mode 'beam'"),
-    (lambda: ChainConfig(proposers=("model", "oracle")), "unknown proposer 'oracle'"),
-    (lambda: ChainConfig(min_confidence=1.5), "min_confidence must be in"),
-    (lambda: SsdConfig(fan_out=0), "fan_out must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: loop_config("spec", gamma=0), "--gamma must be at least 1"),
+        (lambda: loop_config("spec", schedule="eager"), "--schedule must be adaptive or fixed"),
+        (lambda: loop_config("spec", drafts=2, verifier="beam"), "unknown multi-draft verifier 'beam'"),
+        (lambda: loop_config("beam"), "unknown mode 'beam'"),
+        (lambda: ChainConfig(proposers=("model", "oracle")), "unknown proposer 'oracle'"),
+        (lambda: ChainConfig(min_confidence=1.5), "min_confidence must be in"),
+        (lambda: SsdConfig(fan_out=0), "fan_out must be at least 1"),
+    ],
+)
 def test_bad_values_fail_in_one_line(make, message):
     with pytest.raises(EdgeSpecError, match=message):
         make()

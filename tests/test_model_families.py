@@ -18,8 +18,15 @@ from tests.helpers import decoder_greedy
 
 SEQ = 40  # tokens per test sequence; sliding windows below are shorter, so they matter
 WINDOW = 8
-COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, initializer_range=0.3)
+COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.3,
+)
 MIXED_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 
 
@@ -29,27 +36,58 @@ def _config(family: str):
     if family == "qwen2":
         return tf.Qwen2Config(num_hidden_layers=2, tie_word_embeddings=True, **COMMON)
     if family == "llama3":
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 32}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
         return tf.LlamaConfig(num_hidden_layers=2, rope_scaling=scaling, tie_word_embeddings=True, **COMMON)
     if family == "qwen3":  # head_dim 32 is not hidden / heads: read from the config
         return tf.Qwen3Config(num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, **COMMON)
     if family == "phi3":  # LongRoPE switches tables at 32 tokens, inside the test sequence; partial rotary
         rotary_half = int(32 * 0.5) // 2  # GQA wants a multiple of 8 here
         rng = np.random.default_rng(5)
-        scaling = {"type": "longrope", "short_factor": list(1 + rng.random(rotary_half)),
-                   "long_factor": list(2 + 4 * rng.random(rotary_half))}
+        scaling = {
+            "type": "longrope",
+            "short_factor": list(1 + rng.random(rotary_half)),
+            "long_factor": list(2 + 4 * rng.random(rotary_half)),
+        }
         heads = dict(COMMON, num_attention_heads=2, num_key_value_heads=1)
-        return tf.Phi3Config(num_hidden_layers=2, rope_scaling=scaling, original_max_position_embeddings=32,
-                             partial_rotary_factor=0.5, pad_token_id=0, **heads)
+        return tf.Phi3Config(
+            num_hidden_layers=2,
+            rope_scaling=scaling,
+            original_max_position_embeddings=32,
+            partial_rotary_factor=0.5,
+            pad_token_id=0,
+            **heads,
+        )
     if family == "gemma2":
-        return tf.Gemma2Config(num_hidden_layers=4, tie_word_embeddings=False, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-                               layer_types=MIXED_LAYERS, final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
-                               **COMMON)
+        return tf.Gemma2Config(
+            num_hidden_layers=4,
+            tie_word_embeddings=False,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=WINDOW,
+            layer_types=MIXED_LAYERS,
+            final_logit_softcapping=3.0,
+            attn_logit_softcapping=5.0,
+            **COMMON,
+        )
     if family == "gemma3":
-        return tf.Gemma3TextConfig(num_hidden_layers=4, tie_word_embeddings=False, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-                                   layer_types=MIXED_LAYERS, rope_theta=1e6, rope_local_base_freq=100.0,
-                                   rope_scaling={"rope_type": "linear", "factor": 8.0}, **COMMON)
+        return tf.Gemma3TextConfig(
+            num_hidden_layers=4,
+            tie_word_embeddings=False,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=WINDOW,
+            layer_types=MIXED_LAYERS,
+            rope_theta=1e6,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            **COMMON,
+        )
     raise ValueError(family)
 
 
@@ -83,8 +121,9 @@ def export(model, path, quant: str, context: int = 64, accuracy_level: int = 0):
     state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
     weights = weights_from_state_dict(model.config, state)
     onnx_path = path / f"{quant}.onnx"
-    save_model(build_decoder(weights, BuildOptions(quant, accuracy_level=accuracy_level, context_length=context)),
-               onnx_path)
+    save_model(
+        build_decoder(weights, BuildOptions(quant, accuracy_level=accuracy_level, context_length=context)), onnx_path
+    )
     return onnx_path
 
 
@@ -99,8 +138,9 @@ def torch_stepwise(model, ids: list[int]) -> np.ndarray:
     cache, rows = DynamicCache(), []
     with torch.no_grad():
         for i, token in enumerate(ids):
-            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                        cache_position=torch.tensor([i]))
+            out = model(
+                torch.tensor([[token]]), past_key_values=cache, use_cache=True, cache_position=torch.tensor([i])
+            )
             rows.append(out.logits[0, -1].numpy())
     return np.stack(rows)
 
@@ -160,7 +200,7 @@ def test_sliding_window_matters():
     ids = ids_for(3)
     with torch.no_grad():
         a, b = model(torch.tensor([ids])).logits[0].numpy(), global_model(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(a[WINDOW + 1:] - b[WINDOW + 1:]).max() > 1e-2
+    assert np.abs(a[WINDOW + 1 :] - b[WINDOW + 1 :]).max() > 1e-2
 
 
 def test_unsupported_family_is_refused_in_one_line():
@@ -176,8 +216,12 @@ def test_unsupported_family_is_refused_in_one_line():
 def test_unsupported_rope_scaling_is_refused():
     import transformers as tf
 
-    config = tf.LlamaConfig(num_hidden_layers=1, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
-                            architectures=["LlamaForCausalLM"], **COMMON)
+    config = tf.LlamaConfig(
+        num_hidden_layers=1,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        architectures=["LlamaForCausalLM"],
+        **COMMON,
+    )
     with pytest.raises(EdgeSpecError, match="rope scaling type 'dynamic'"):
         weights_from_state_dict(config, {})
 
@@ -192,8 +236,9 @@ def test_tokenizer_mismatch_is_refused_in_one_line_naming_the_ids():
         check_same_tokenizer(target, other)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("drafter tokenizer differs from the target's at token id 1 (target '<|im_start|>' "
-                              "vs drafter '<|im_end|>'), 2 (")
+    assert message.startswith(
+        "drafter tokenizer differs from the target's at token id 1 (target '<|im_start|>' vs drafter '<|im_end|>'), 2 ("
+    )
     assert "prompt lookup" in message and "train-head" in message
     check_same_tokenizer(target, tiny_models.make_tokenizer())  # the same vocabulary passes
 

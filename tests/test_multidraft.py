@@ -69,8 +69,10 @@ def emitted_distribution(tuples, scheme: str, q: np.ndarray, p: np.ndarray) -> n
     return total
 
 
-CASES = [dict(seed=s, vocab=v, sharp=sh, zeros=z) for s, v, sh, z in
-         [(0, 4, 1.0, 0), (1, 5, 3.0, 0), (2, 5, 0.3, 0), (3, 6, 2.0, 2), (4, 3, 8.0, 0), (5, 6, 1.0, 1)]]
+CASES = [
+    dict(seed=s, vocab=v, sharp=sh, zeros=z)
+    for s, v, sh, z in [(0, 4, 1.0, 0), (1, 5, 3.0, 0), (2, 5, 0.3, 0), (3, 6, 2.0, 2), (4, 3, 8.0, 0), (5, 6, 1.0, 1)]
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -212,7 +214,10 @@ def test_expected_acceptance_matches_enumeration(case: dict) -> None:
 
     p, q = random_pair(**case)
     assert expected_acceptance("single", q, p) == pytest.approx(np.minimum(p, q).sum(), abs=1e-12)
-    for scheme, tuples in (("rrs", iid_tuples(q, 2)), ("rrs-wor", without_replacement_tuples(q, 2)),
-                           ("spechub", spechub_tuples(q))):
+    for scheme, tuples in (
+        ("rrs", iid_tuples(q, 2)),
+        ("rrs-wor", without_replacement_tuples(q, 2)),
+        ("spechub", spechub_tuples(q)),
+    ):
         exact = first_token_acceptance(tuples, scheme, q, p)
         assert expected_acceptance(scheme, q, p) == pytest.approx(exact, abs=1e-9), scheme

@@ -7,11 +7,11 @@ import pytest
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import read_manifest
-from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import TreeConfig
 from edge_spec.runtime.loops.tree import check_tree
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.verify.sampling import SamplingParams
 from tests.helpers import PROMPTS, chain, chi_square_same_distribution, run
 
@@ -57,8 +57,6 @@ def test_tree_pass_equals_separate_chains_and_keep_path_compacts(fp32_bundle):
     np.testing.assert_allclose(after, fresh.forward([7, 21, 22, 50, 51], 2)["logits"], atol=1e-4)
     with pytest.raises(ValueError, match="cannot keep"):
         dec.keep_path(len(prompt), [0, 9])
-
-
 
 
 @pytest.fixture(scope="module", params=["full", "trim-64", "specvocab-r16-k48"])

@@ -31,14 +31,23 @@ def test_old_records_are_recounted_from_the_answer(tmp_path):
     """A run saved with genai's per-call count is recounted; the report then ranks by the answer."""
     genai = {"engine": "genai ar", "category": "rag", "new_tokens": 3, "decode_tokens": 3, "decode_seconds": 0.2}
     ours = {"engine": "ours ar", "category": "rag", "new_tokens": 3, "decode_seconds": 0.2}
-    openvino = {"engine": "openvino ar", "category": "rag", "new_tokens": 5, "decode_tokens": 3,
-                "first_write_tokens": 2, "decode_seconds": 0.3}
+    openvino = {
+        "engine": "openvino ar",
+        "category": "rag",
+        "new_tokens": 5,
+        "decode_tokens": 3,
+        "first_write_tokens": 2,
+        "decode_seconds": 0.3,
+    }
     assert [peers.decode_tokens(r) for r in (genai, ours, openvino)] == [2, 2, 3]
     saved = tmp_path / "peers.json"
     saved.write_text(__import__("json").dumps({"records": [genai, ours, openvino]}))
     table = peers.report(saved)
-    rows = {line.split()[1] + " " + line.split()[2]: float(line.split()[4]) for line in table.splitlines()
-            if line.startswith("rag")}
+    rows = {
+        line.split()[1] + " " + line.split()[2]: float(line.split()[4])
+        for line in table.splitlines()
+        if line.startswith("rag")
+    }
     assert rows["genai ar"] == pytest.approx(10.0) and rows["ours ar"] == pytest.approx(10.0)
     assert rows["openvino ar"] == pytest.approx(10.0)
 

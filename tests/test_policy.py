@@ -68,8 +68,10 @@ def test_the_machine_decides_the_draft_length():
 
 # 2026-11-25 AMD EPYC profile of the first-command bundle: one-row pass 28 ms, about 6.5 ms a row after
 # the second, drafter step 7.4 ms (edge-spec info --costs --gamma 8)
-AMD_2026_11_25 = CostModel(draft=0.0074, verify={1: 0.028, 2: 0.0333, 3: 0.041, 4: 0.0473, 5: 0.0541,
-                                                  6: 0.0605, 7: 0.0693, 8: 0.0738, 9: 0.0809})
+AMD_2026_11_25 = CostModel(
+    draft=0.0074,
+    verify={1: 0.028, 2: 0.0333, 3: 0.041, 4: 0.0473, 5: 0.0541, 6: 0.0605, 7: 0.0693, 8: 0.0738, 9: 0.0809},
+)
 
 
 def test_a_cheap_row_curve_plans_past_four_drafts_where_an_expensive_one_does_not():
@@ -129,8 +131,12 @@ def test_confident_drafts_extend_a_round_past_a_pessimistic_plan():
     calibration = AcceptanceCalibration()
     for _ in range(200):  # this pair: confident drafts are accepted and so are the ones after them
         calibration.record([0.999, 0.999, 0.999], 3)
-    rule = DraftRound(MEMORY_BOUND, gamma_max=4, rate=plan_round(0.5, 0.5, MEMORY_BOUND, 4).rate,
-                      estimates=RequestAcceptance(calibration, first=0.5))
+    rule = DraftRound(
+        MEMORY_BOUND,
+        gamma_max=4,
+        rate=plan_round(0.5, 0.5, MEMORY_BOUND, 4).rate,
+        estimates=RequestAcceptance(calibration, first=0.5),
+    )
     steps = [rule.add(0.999) for _ in range(4)]
     assert [keep for keep, _ in steps] == [True] * 4 and [more for _, more in steps] == [True] * 3 + [False]
 
@@ -198,6 +204,7 @@ def test_a_request_whose_every_draft_is_dropped_stops_paying_for_the_step():
     first-draft estimate what those drafts were worth (their estimated acceptance), so the plan stops
     paying a step to drop a draft; a confident draft dropped only for a likely guess does not count
     against the drafter."""
+
     def steps_paid(told: bool) -> int:
         policy = AdaptiveGamma(gamma_max=4, estimates=RequestAcceptance(AcceptanceCalibration(), first=0.8))
         paid = 0
@@ -250,7 +257,9 @@ def test_a_round_is_charged_for_the_tokens_it_leaves_the_drafter_to_read():
     # the drafter's own drafts: one extra token to read only when every draft was accepted
     assert costs.expected_cost(0.8, 0.5, 2) == pytest.approx(costs.round_cost(2) + 0.8 * 0.5 * 0.0019)
     # a draft-less round: every token it makes (its own, and the spare row's guess when right)
-    assert costs.expected_cost(0.8, 0.5, 0, spare=0.3) == pytest.approx(costs.round_cost(0, guessed=True) + 1.3 * 0.0019)
+    assert costs.expected_cost(0.8, 0.5, 0, spare=0.3) == pytest.approx(
+        costs.round_cost(0, guessed=True) + 1.3 * 0.0019
+    )
     # lookup drafts: the drafter read none of them
     lookup = CostModel(0.0, costs.verify, costs.catch_up, drafter_drafts=False)
     assert lookup.expected_cost(0.8, 0.5, 2) == pytest.approx(lookup.round_cost(2) + chain_tokens(0.8, 0.5, 2) * 0.0019)

@@ -6,17 +6,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.model.decoder import Decoder
 from tests.helpers import chain
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(5, 300, 23)]
 
 
-@pytest.mark.parametrize("num_logits, progress", [
-    (1, [4, 8, 12, 16, 20, 23]),  # 23 tokens: five passes of 4, then the last 3
-    (6, [4, 8, 12, 16, 23]),  # the last pass must hold the 6 rows asked for: 7 tokens
-])
+@pytest.mark.parametrize(
+    "num_logits, progress",
+    [
+        (1, [4, 8, 12, 16, 20, 23]),  # 23 tokens: five passes of 4, then the last 3
+        (6, [4, 8, 12, 16, 23]),  # the last pass must hold the 6 rows asked for: 7 tokens
+    ],
+)
 def test_chunked_prefill_equals_one_pass_bit_for_bit(target_path, num_logits, progress):
     whole = Decoder(target_path, threads=1, capacity=64)
     expected = whole.prefill(PROMPT, num_logits)["logits"]
@@ -95,7 +98,7 @@ def test_cancel_stops_between_prefill_passes(int4_bundle):
     assert again.token_ids == fresh.complete(PROMPT_TEXT, max_new_tokens=8).token_ids
 
 
-PROMPT_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, iteratively.\"\"\"\n" * 2
+PROMPT_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, iteratively."""\n' * 2
 
 
 def test_bench_pass_logs_leave_every_prefill_pass_out(int4_bundle):

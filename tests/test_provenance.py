@@ -43,8 +43,9 @@ def test_provenance_changes_no_token(engine, mode, sampling):
     """Greedy and coupled answers are functions of the prompt and seed alone, so the two runs must agree
     token for token (a rejection-sampled spec answer also depends on the timed schedule's choices)."""
     for prompt in PROMPTS:
-        plain, _, plain_ids, plain_stats = generate(engine, prompt, sourced=False, mode=mode, max_new_tokens=40,
-                                                    **sampling)
+        plain, _, plain_ids, plain_stats = generate(
+            engine, prompt, sourced=False, mode=mode, max_new_tokens=40, **sampling
+        )
         chunks, pieces, ids, stats = generate(engine, prompt, sourced=True, mode=mode, max_new_tokens=40, **sampling)
         assert ids == plain_ids and chunks == plain
         assert stats.stop_reason == plain_stats.stop_reason
@@ -64,8 +65,13 @@ def test_spec_sources_match_the_accepted_drafts(engine, drafting, schedule):
     engine = drafting if schedule == "fixed" else engine
     totals: collections.Counter[str] = collections.Counter()
     for prompt in PROMPTS + ["def is_prime(n):"]:
-        _, pieces, ids, stats = generate(engine, prompt, sourced=True, mode="spec", max_new_tokens=60,
-                                         )
+        _, pieces, ids, stats = generate(
+            engine,
+            prompt,
+            sourced=True,
+            mode="spec",
+            max_new_tokens=60,
+        )
         assert stats.stop_reason == "length"  # every token of every round was emitted
         counts = collections.Counter(source for chunk in pieces for _, source in chunk)
         assert sum(counts.values()) == len(ids) == stats.new_tokens  # one piece per token
@@ -82,13 +88,24 @@ def test_spec_sources_match_the_accepted_drafts(engine, drafting, schedule):
 
 def test_forced_grammar_tokens_are_named(drafting):
     engine = drafting
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
-        "additionalProperties": False}}}
-    plain, _, plain_ids, _ = generate(engine, "hello", sourced=False, mode="spec", max_new_tokens=30,
-                                      response_format=schema)
-    chunks, pieces, ids, stats = generate(engine, "hello", sourced=True, mode="spec", max_new_tokens=30,
-                                          response_format=schema)
+    schema = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "x",
+            "schema": {
+                "type": "object",
+                "properties": {"answer": {"type": "string"}},
+                "required": ["answer"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    plain, _, plain_ids, _ = generate(
+        engine, "hello", sourced=False, mode="spec", max_new_tokens=30, response_format=schema
+    )
+    chunks, pieces, ids, stats = generate(
+        engine, "hello", sourced=True, mode="spec", max_new_tokens=30, response_format=schema
+    )
     assert ids == plain_ids and chunks == plain
     counts = collections.Counter(source for chunk in pieces for _, source in chunk)
     assert counts["forced"] == stats.spec.tally("forced").accepted > 0
@@ -124,14 +141,18 @@ def test_a_stop_hold_back_splits_a_token_across_hand_outs():
         released, stopped = stopper.feed(delta)
         assert not stopped
         out.append(text.take(len(released)))
-    assert out == [[["a", "model"], ["b", "model"]], [["c", "target"]], [["x", "target"], ["y", "lookup"],
-                                                                          ["!", "lookup"]]]
+    assert out == [
+        [["a", "model"], ["b", "model"]],
+        [["c", "target"]],
+        [["x", "target"], ["y", "lookup"], ["!", "lookup"]],
+    ]
 
 
 def test_tokens_without_text_at_the_end_are_handed_out_with_the_rest():
     text = SourcedText(_Bytes())
-    assert [text.push(token, source) for token, source in [(97, "target"), (300, "model"), (98, "lookup"),
-                                                            (301, "guess")]] == ["a", "", "b", ""]
+    assert [
+        text.push(token, source) for token, source in [(97, "target"), (300, "model"), (98, "lookup"), (301, "guess")]
+    ] == ["a", "", "b", ""]
     assert text.flush() == ""
     assert text.take(1) == [["a", "target"]]
     assert text.take(1) == [["", "model"], ["b", "lookup"]]  # a token without text goes with the next text

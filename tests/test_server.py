@@ -24,10 +24,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from edge_spec.runtime.engine import Engine  # noqa: E402
+from edge_spec.runtime.text import TextTokenizer  # noqa: E402
 from edge_spec.server import fim as fim_module  # noqa: E402
 from edge_spec.server.errors import ApiError  # noqa: E402
 from edge_spec.server.schemas import parse_chat, parse_completion, parse_json  # noqa: E402
-from edge_spec.runtime.text import TextTokenizer  # noqa: E402
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "def is_prime(n):"}]  # greedy answer runs past 200 tokens (no EOS)
@@ -69,8 +69,9 @@ class Server:
             command += ["--api-key", api_key]
         launcher = ["-c", SLOWED, str(delay)] if delay else ["-m", "edge_spec.cli"]
         with open(self.err_path, "w") as err, open(log_dir / "server.out", "w") as out:
-            self.proc = subprocess.Popen([sys.executable, *launcher, *command], stdout=out, stderr=err,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, *launcher, *command], stdout=out, stderr=err, stdin=subprocess.DEVNULL
+            )
         try:
             port = wait_for(self._port, 60, "the server to start", step=0.05)
         except AssertionError:
@@ -152,8 +153,9 @@ def test_models_lists_the_bundle_by_name_and_its_alias(server, int4_bundle):
 
 def test_chat_equals_engine_greedy(server, engine, int4_bundle):
     expected = greedy(engine, CHAT, 24)
-    response = server.client().chat.completions.create(model=int4_bundle.name, messages=CHAT, max_tokens=24,
-                                                       temperature=0)
+    response = server.client().chat.completions.create(
+        model=int4_bundle.name, messages=CHAT, max_tokens=24, temperature=0
+    )
     assert response.choices[0].message.content == expected
     assert response.choices[0].finish_reason == "length"
     assert response.usage.prompt_tokens == engine.last_stats.prompt_tokens
@@ -165,9 +167,14 @@ def test_chat_equals_engine_greedy(server, engine, int4_bundle):
 
 def test_streamed_chat_equals_engine_greedy_with_usage_chunk(server, engine):
     expected = greedy(engine, CHAT, 20)
-    stream = server.client().chat.completions.create(model="m", messages=CHAT, max_completion_tokens=20,
-                                                     temperature=0, stream=True,
-                                                     stream_options={"include_usage": True})
+    stream = server.client().chat.completions.create(
+        model="m",
+        messages=CHAT,
+        max_completion_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
@@ -180,8 +187,9 @@ def test_streamed_chat_equals_engine_greedy_with_usage_chunk(server, engine):
 
 def test_stream_ends_with_done(server):
     body = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, timeout=30, headers={"Authorization": f"Bearer {KEY}"}
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
@@ -200,8 +208,15 @@ def test_completions_raw_prompt_with_stop_strings(server, engine):
     response = client.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=0, stop=stops)
     assert response.choices[0].text == expected and response.choices[0].finish_reason == "stop"
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
-    stream = client.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=0, stop=stops,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="m",
+        prompt=prompt,
+        max_tokens=40,
+        temperature=0,
+        stop=stops,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == response.usage.completion_tokens
@@ -216,8 +231,9 @@ def test_concurrent_clients_get_their_sequential_answers(server, engine):
         client = server.client()
         barrier.wait()
         if i % 2:
-            stream = client.chat.completions.create(model="m", messages=prompts[i], max_tokens=24, temperature=0,
-                                                    stream=True)
+            stream = client.chat.completions.create(
+                model="m", messages=prompts[i], max_tokens=24, temperature=0, stream=True
+            )
             return "".join(c.choices[0].delta.content or "" for c in stream)
         response = client.chat.completions.create(model="m", messages=prompts[i], max_tokens=24, temperature=0)
         return response.choices[0].message.content
@@ -233,8 +249,9 @@ def test_concurrent_clients_get_their_sequential_answers(server, engine):
 def _post(server, path: str, content, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if isinstance(content, (bytes, str)):
-        return httpx.post(server.url + path, content=content, timeout=30,
-                          headers={**headers, "Content-Type": "application/json"})
+        return httpx.post(
+            server.url + path, content=content, timeout=30, headers={**headers, "Content-Type": "application/json"}
+        )
     return httpx.post(server.url + path, json=content, headers=headers, timeout=30)
 
 
@@ -249,25 +266,38 @@ def test_request_errors(server, int4_bundle):
     assert "parse the JSON" in _error(_post(server, "/v1/chat/completions", b'{"messages": [}'), 400)["message"]
     assert _error(_post(server, "/v1/chat/completions", {"model": "m"}), 400)["param"] == "messages"
     assert _error(_post(server, "/v1/chat/completions", {"messages": CHAT, "n": 2}), 400)["param"] == "n"
-    assert _error(_post(server, "/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}),
-                  400)["param"] == "temperature"
+    assert (
+        _error(_post(server, "/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}), 400)["param"]
+        == "temperature"
+    )
     long_chat = [{"role": "user", "content": "word " * 400}]
     error = _error(_post(server, "/v1/chat/completions", {"messages": long_chat}), 400)
     assert error["code"] == "context_length_exceeded"
     assert re.search(r"context length is 256 tokens, but the prompt is (at least )?\d{3,} tokens", error["message"])
     assert _error(_post(server, "/v1/completions", {"prompt": "x", "suffix": "y"}), 400)["param"] == "suffix"
-    assert _error(_post(server, "/v1/chat/completions", {"messages": CHAT}, key="wrong"), 401)["code"] == \
-        "invalid_api_key"
+    assert (
+        _error(_post(server, "/v1/chat/completions", {"messages": CHAT}, key="wrong"), 401)["code"] == "invalid_api_key"
+    )
     _error(_post(server, "/v1/chat/completions", {"messages": CHAT}, key=None), 401)
     _error(httpx.get(server.url + "/v1/models", timeout=10), 401)
     _error(httpx.get(server.url + "/v1/nothing", timeout=10), 404)
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").chat.completions.create(model="m", messages=CHAT, max_tokens=2)
     # unknown fields and fields that change nothing are ignored; one that would change the answer is refused
-    assert _error(_post(server, "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}),
-                  400)["param"] == "presence_penalty"
-    body = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "presence_penalty": 0, "logit_bias": {},
-            "user": "u", "tools": [], "some_future_field": {"x": 1}}
+    assert (
+        _error(_post(server, "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}), 400)["param"]
+        == "presence_penalty"
+    )
+    body = {
+        "messages": CHAT,
+        "max_tokens": 3,
+        "temperature": 0,
+        "presence_penalty": 0,
+        "logit_bias": {},
+        "user": "u",
+        "tools": [],
+        "some_future_field": {"x": 1},
+    }
     assert _post(server, "/v1/chat/completions", body).status_code == 200
     assert server.health()["requests"].get("failed", 0) == 0
 
@@ -289,8 +319,13 @@ def test_queue_full_gets_429_with_retry_after(slow_server, engine):
     stream = client.chat.completions.create(model="m", messages=CHAT, max_tokens=150, temperature=0, stream=True)
     # headers come once the answer has started: the engine is busy now, so the next request waits
     with ThreadPoolExecutor(1) as pool:
-        queued = pool.submit(lambda: client.chat.completions.create(model="m", messages=short, max_tokens=8,
-                                                                    temperature=0).choices[0].message.content)
+        queued = pool.submit(
+            lambda: (
+                client.chat.completions.create(model="m", messages=short, max_tokens=8, temperature=0)
+                .choices[0]
+                .message.content
+            )
+        )
         wait_for(lambda: slow_server.health()["waiting"] == 1, 10, "the second request to queue")
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model="m", messages=short, max_tokens=8, temperature=0)
@@ -330,8 +365,9 @@ def test_sigterm_during_stream_exits_cleanly(int4_bundle, tmp_path, engine, grac
     expected = greedy(engine, CHAT, 120)
     srv = Server(int4_bundle, tmp_path, "--shutdown-grace", grace, "--alias", "m", delay=0.01)
     try:
-        stream = srv.client().chat.completions.create(model="m", messages=CHAT, max_tokens=120, temperature=0,
-                                                      stream=True)
+        stream = srv.client().chat.completions.create(
+            model="m", messages=CHAT, max_tokens=120, temperature=0, stream=True
+        )
         chunks = [next(stream), next(stream)]
         srv.proc.send_signal(signal.SIGTERM)
         error = None
@@ -360,8 +396,13 @@ def test_serve_refuses_a_busy_port(int4_bundle, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "edge_spec.cli", "serve", str(int4_bundle), "--port",
-                                 str(port)], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            [sys.executable, "-m", "edge_spec.cli", "serve", str(int4_bundle), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"error: cannot listen on 127.0.0.1:{port}" in result.stderr
 
@@ -370,10 +411,19 @@ def test_serve_refuses_a_busy_port(int4_bundle, tmp_path):
 
 
 def test_request_parsing():
-    chat = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
-                                                                       {"type": "text", "text": "b"}]},
-                                    {"role": "assistant", "content": None}],
-                       "max_tokens": 5, "max_completion_tokens": 7, "stop": "x", "seed": 3, "unknown": 1})
+    chat = parse_chat(
+        {
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None},
+            ],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "stop": "x",
+            "seed": 3,
+            "unknown": 1,
+        }
+    )
     assert chat.messages == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": ""}]
     assert chat.sampling.max_tokens == 7 and chat.sampling.stop == ("x",) and chat.sampling.seed == 3
     assert chat.sampling.temperature == 1.0 and not chat.stream  # OpenAI's defaults
@@ -381,15 +431,20 @@ def test_request_parsing():
     assert chat.sampling.resolved(coupled_available=False).sampler == "rejection"
     assert parse_chat({"messages": CHAT}).sampling.resolved().sampler == "rejection"
     assert parse_chat({"messages": CHAT, "sampler": "coupled"}).sampling.engine_kwargs(64)["sampler"] == "coupled"
-    completion = parse_completion({"prompt": ["p"], "suffix": "s", "stream": True,
-                                   "stream_options": {"include_usage": True}})
+    completion = parse_completion(
+        {"prompt": ["p"], "suffix": "s", "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert (completion.prompt, completion.suffix, completion.sampling.max_tokens) == ("p", "s", 16)
     assert completion.stream and completion.include_usage
-    for bad, param in (({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": ""}]},
-                                                        "messages[0].role"),
-                       ({"messages": CHAT, "stop": [1]}, "stop"), ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
-                       ({"messages": CHAT, "top_p": 0}, "top_p"), ({"messages": CHAT, "stream": "yes"}, "stream"),
-                       ({"messages": CHAT, "sampler": "gumbel"}, "sampler")):
+    for bad, param in (
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": ""}]}, "messages[0].role"),
+        ({"messages": CHAT, "stop": [1]}, "stop"),
+        ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+        ({"messages": CHAT, "top_p": 0}, "top_p"),
+        ({"messages": CHAT, "stream": "yes"}, "stream"),
+        ({"messages": CHAT, "sampler": "gumbel"}, "sampler"),
+    ):
         with pytest.raises(ApiError) as error:
             parse_chat(bad)
         assert error.value.status == 400 and error.value.param == param
@@ -448,8 +503,14 @@ def test_fim_completion_in_process(fim_bundle):
     prompt = "<|fim_prefix|>" + before + "<|fim_suffix|>" + after + "<|fim_middle|>"
     expected = greedy(fim_engine, prompt, 12)  # the markers are special tokens since build_app
     with TestClient(app, base_url="http://127.0.0.1:8000") as client:
-        body = {"model": "tiny-fim", "prompt": before, "suffix": after, "max_tokens": 12, "temperature": 0,
-                "stop": ["\n\n"] * 3}
+        body = {
+            "model": "tiny-fim",
+            "prompt": before,
+            "suffix": after,
+            "max_tokens": 12,
+            "temperature": 0,
+            "stop": ["\n\n"] * 3,
+        }
         response = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer any"})
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == expected.split("\n\n")[0]

@@ -69,8 +69,9 @@ def test_the_response_says_which_sampler_ran(engine):
     with serving(engine) as (client, _):
         unseeded = client.chat.completions.create(model=NAME, messages=CHAT, temperature=1.0, max_tokens=4)
         greedy = client.chat.completions.create(model=NAME, messages=CHAT, temperature=0, seed=3, max_tokens=4)
-        chosen = client.chat.completions.create(model=NAME, messages=CHAT, temperature=1.0, seed=3, max_tokens=4,
-                                                extra_body={"sampler": "rejection"})
+        chosen = client.chat.completions.create(
+            model=NAME, messages=CHAT, temperature=1.0, seed=3, max_tokens=4, extra_body={"sampler": "rejection"}
+        )
     assert unseeded.model_extra["x_edge_spec"]["sampler"] == "rejection"
     assert greedy.model_extra["x_edge_spec"]["sampler"] == "greedy"
     assert chosen.model_extra["x_edge_spec"]["sampler"] == "rejection"  # asked for by name: kept
@@ -80,13 +81,23 @@ def test_the_response_says_which_sampler_ran(engine):
 # -- fields that would change the answer: refused, not ignored ------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"12": 5}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-    ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
-    ("reasoning_effort", "low"), ("function_call", "auto"), ("n", 2),
-    ("response_format", {"type": "image"}), ("response_format", {"type": "json_schema", "json_schema": {}}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {"12": 5}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {}),
+        ("reasoning_effort", "low"),
+        ("function_call", "auto"),
+        ("n", 2),
+        ("response_format", {"type": "image"}),
+        ("response_format", {"type": "json_schema", "json_schema": {}}),
+    ],
+)
 def test_unsupported_chat_fields_are_refused_naming_them(engine, field, value):
     with serving(engine) as (_, http):
         body = error(http.post("/v1/chat/completions", json={"model": NAME, "messages": CHAT, field: value}), 400)
@@ -101,22 +112,45 @@ def test_unsupported_completion_fields_are_refused(engine, field, value):
 
 
 def test_fields_that_change_nothing_are_accepted(engine):
-    harmless = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
-                "top_logprobs": 0, "modalities": ["text"], "user": "u", "metadata": {"k": "v"}, "store": False,
-                "service_tier": "auto", "parallel_tool_calls": True, "stream_options": None,
-                "safety_identifier": "s", "prompt_cache_key": "k", "response_format": {"type": "text"}}
+    harmless = {
+        "logit_bias": {},
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logprobs": False,
+        "top_logprobs": 0,
+        "modalities": ["text"],
+        "user": "u",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "parallel_tool_calls": True,
+        "stream_options": None,
+        "safety_identifier": "s",
+        "prompt_cache_key": "k",
+        "response_format": {"type": "text"},
+    }
     with serving(engine) as (_, http):
-        response = http.post("/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 2, **harmless})
+        response = http.post(
+            "/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 2, **harmless}
+        )
     assert response.status_code == 200, response.text
 
 
 def test_response_format_json_schema_constrains_the_answer(engine):
-    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
     with serving(engine) as (client, _):
-        response = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=60, temperature=0,
-                                                  response_format={"type": "json_schema", "json_schema": {
-                                                      "name": "verdict", "schema": schema}})
+        response = client.chat.completions.create(
+            model=NAME,
+            messages=CHAT,
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+        )
     assert json.loads(response.choices[0].message.content)["answer"] in ("yes", "no")
 
 
@@ -165,7 +199,7 @@ def test_tokenize_detokenize_round_trip(engine):
         assert raw.decode() == "é and ü"
         assert error(http.post("/tokenize", json={"text": "x"}), 400)["param"] == "content"
         assert error(http.post("/detokenize", json={"tokens": [1, "2"]}), 400)["param"] == "tokens"
-        assert error(http.post("/detokenize", json={"tokens": [10 ** 9]}), 400)["param"] == "tokens"
+        assert error(http.post("/detokenize", json={"tokens": [10**9]}), 400)["param"] == "tokens"
 
 
 def test_tokenize_needs_the_api_key_when_one_is_set(engine):
@@ -182,8 +216,11 @@ def test_tokenize_needs_the_api_key_when_one_is_set(engine):
 def metrics(http) -> dict[tuple[str, tuple], float]:
     response = http.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
 
 
 def test_metrics_count_requests_tokens_and_speculation(engine):
@@ -200,8 +237,11 @@ def test_metrics_count_requests_tokens_and_speculation(engine):
     assert seen[("edge_spec_drafted_tokens_total", ())] == stats["drafted"]
     assert seen[("edge_spec_accepted_tokens_total", ())] == stats["accepted"]
     assert seen[("edge_spec_target_passes_total", ())] == stats["target_calls"]
-    for histogram in ("edge_spec_tokens_per_target_pass", "edge_spec_decode_tokens_per_second",
-                      "edge_spec_time_to_first_token_seconds"):
+    for histogram in (
+        "edge_spec_tokens_per_target_pass",
+        "edge_spec_decode_tokens_per_second",
+        "edge_spec_time_to_first_token_seconds",
+    ):
         assert seen[(f"{histogram}_count", ())] == 1, histogram
     assert seen[("edge_spec_tokens_per_target_pass_sum", ())] == pytest.approx(stats["tau"], abs=1e-3)
     assert seen[("edge_spec_queue_waiting", ())] == 0
@@ -212,5 +252,7 @@ def test_each_app_counts_for_itself(engine):
         client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2)
     with serving(engine) as (_, http):
         seen = metrics(http)
-    assert not any(name == "edge_spec_http_requests_total" and dict(labels).get("route") == "/v1/chat/completions"
-                   for name, labels in seen)
+    assert not any(
+        name == "edge_spec_http_requests_total" and dict(labels).get("route") == "/v1/chat/completions"
+        for name, labels in seen
+    )

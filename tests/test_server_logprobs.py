@@ -52,8 +52,9 @@ def ar_exact(ar_engine, prompt, top, max_tokens):
     """What target-only exact decoding reports for ``prompt`` (the reference): the text and the entries
     handed out with it (``text_offset`` set)."""
     handed = []
-    text = "".join(ar_engine.generate(prompt, max_new_tokens=max_tokens, logprobs=top, exact=True,
-                                      on_logprobs=handed.extend))
+    text = "".join(
+        ar_engine.generate(prompt, max_new_tokens=max_tokens, logprobs=top, exact=True, on_logprobs=handed.extend)
+    )
     assert [e.token_id for e in handed] == ar_engine.last_token_ids
     return text, handed
 
@@ -110,8 +111,9 @@ def test_chat_logprobs_are_the_target_s_and_change_nothing(engine, ar_engine, pi
 
 def test_streamed_chat_carries_each_chunk_s_logprobs(engine, ar_engine, pieces):
     with serving(engine) as (client, _):
-        stream = client.chat.completions.create(model=NAME, messages=CHAT, temperature=0, max_tokens=24,
-                                                logprobs=True, top_logprobs=2, stream=True)
+        stream = client.chat.completions.create(
+            model=NAME, messages=CHAT, temperature=0, max_tokens=24, logprobs=True, top_logprobs=2, stream=True
+        )
         chunks = [chunk for chunk in stream if chunk.choices]
     text, entries = ar_exact(ar_engine, CHAT, 2, 24)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].logprobs is None
@@ -129,11 +131,17 @@ def test_streamed_chat_carries_each_chunk_s_logprobs(engine, ar_engine, pieces):
     assert_chat_entries(content, entries, pieces, 2)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": "yes"}, "logprobs"), ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
+    ],
+)
 def test_chat_logprobs_out_of_range_are_refused_naming_the_field(engine, body, param):
     with serving(engine) as (_, http):
         response = http.post("/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 2, **body})
@@ -143,8 +151,7 @@ def test_chat_logprobs_out_of_range_are_refused_naming_the_field(engine, body, p
 
 def test_chat_logprobs_at_the_limit_are_answered(engine):
     with serving(engine) as (client, _):
-        answer = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=3, logprobs=True,
-                                                top_logprobs=20)
+        answer = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=20)
     assert all(len(t.top_logprobs) == 20 for t in answer.choices[0].logprobs.content)
 
 
@@ -182,8 +189,9 @@ def test_completion_logprobs_in_the_legacy_shape(engine, ar_engine, pieces):
 def test_streamed_completion_logprobs_add_up_to_the_answer_s(engine):
     with serving(engine) as (client, _):
         whole = client.completions.create(model=NAME, prompt=PROMPT, temperature=0, max_tokens=20, logprobs=1)
-        stream = client.completions.create(model=NAME, prompt=PROMPT, temperature=0, max_tokens=20, logprobs=1,
-                                           stream=True)
+        stream = client.completions.create(
+            model=NAME, prompt=PROMPT, temperature=0, max_tokens=20, logprobs=1, stream=True
+        )
         chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
     tokens, offsets, values = [], [], []
     start = 0
@@ -201,10 +209,15 @@ def test_streamed_completion_logprobs_add_up_to_the_answer_s(engine):
     assert values == whole.choices[0].logprobs.token_logprobs
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"logprobs": 6}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"logprobs": 2, "echo": True}, "echo"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 2, "echo": True}, "echo"),
+    ],
+)
 def test_completion_logprobs_out_of_range_are_refused(engine, body, param):
     with serving(engine) as (_, http):
         response = http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2, **body})

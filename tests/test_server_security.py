@@ -61,9 +61,14 @@ def _error(response, status: int) -> dict:
 def test_cross_origin_preflight_refused_by_default(engine):
     client, _ = in_process(engine)
     with client:
-        response = client.options("/v1/chat/completions", headers={
-            "Origin": EVIL, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type"})
+        response = client.options(
+            "/v1/chat/completions",
+            headers={
+                "Origin": EVIL,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
     assert _error(response, 403)["code"] == "origin_not_allowed"
     assert "access-control-allow-origin" not in response.headers
 
@@ -72,13 +77,21 @@ def test_configured_origin_gets_preflight_and_cors_headers(engine):
     origin = "http://app.example:3000"
     client, state = in_process(engine, cors_origins=[origin + "/"])
     with client:
-        preflight = client.options("/v1/chat/completions", headers={
-            "Origin": origin, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
+        preflight = client.options(
+            "/v1/chat/completions",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+            },
+        )
         answer = client.post("/v1/chat/completions", json=BODY, headers={"Origin": origin})
         refused = client.post("/v1/chat/completions", json=BODY, headers={"Origin": "http://app.example:3001"})
-        too_big = client.post("/v1/chat/completions", content=b"x" * (5 << 20),
-                              headers={"Origin": origin, "Content-Type": "application/json"})
+        too_big = client.post(
+            "/v1/chat/completions",
+            content=b"x" * (5 << 20),
+            headers={"Origin": origin, "Content-Type": "application/json"},
+        )
     assert preflight.status_code == 204
     assert preflight.headers["access-control-allow-origin"] == origin
     assert "POST" in preflight.headers["access-control-allow-methods"]
@@ -99,16 +112,18 @@ def test_cross_site_post_never_runs(engine):
     client, state = in_process(engine)
     raw = json.dumps(BODY)
     with client:
-        cross = client.post("/v1/chat/completions", content=raw,
-                            headers={"Origin": EVIL, "Content-Type": "text/plain"})
+        cross = client.post("/v1/chat/completions", content=raw, headers={"Origin": EVIL, "Content-Type": "text/plain"})
         plain = client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "text/plain"})
         form = client.post("/v1/completions", data={"prompt": "x"})
         missing = client.post("/v1/chat/completions", content=raw)
         json_get = client.get("/v1/models", headers={"Origin": EVIL})
         health = client.get("/health", headers={"Origin": "null"})
         assert state.worker.counts.get("completed", 0) == 0
-        same_origin = client.post("/v1/chat/completions", content=raw,
-                                  headers={"Origin": BASE, "Content-Type": "application/json; charset=utf-8"})
+        same_origin = client.post(
+            "/v1/chat/completions",
+            content=raw,
+            headers={"Origin": BASE, "Content-Type": "application/json; charset=utf-8"},
+        )
     assert _error(cross, 403)["code"] == "origin_not_allowed"
     assert _error(plain, 415)["code"] == "unsupported_media_type"
     assert "text/plain" in plain.json()["error"]["message"]
@@ -157,8 +172,12 @@ def test_forged_host_refused_and_allowed_host_admits_it(engine):
 
 def test_host_rules_follow_the_bound_address():
     loopback = make_policy(bind_host="127.0.0.1")
-    assert [split_host(h) for h in ("LocalHost.:80", "[::1]:8000", "[fe80::1%eth0]", "a:b")] == \
-        ["localhost", "::1", "fe80::1%eth0", None]
+    assert [split_host(h) for h in ("LocalHost.:80", "[::1]:8000", "[fe80::1%eth0]", "a:b")] == [
+        "localhost",
+        "::1",
+        "fe80::1%eth0",
+        None,
+    ]
     assert not loopback.host_allowed("192.168.1.5") and not loopback.host_allowed("myhost.lan")
     lan = make_policy(bind_host="192.168.1.5")
     assert lan.host_allowed("192.168.1.5") and lan.host_allowed("localhost")
@@ -191,8 +210,14 @@ def test_body_size_cap(engine):
         assert response.headers["connection"] == "close"
     assert fits.status_code == 200
     assert state.worker.counts["completed"] == 1
-    assert [parse_size(s) for s in ("4M", "8MiB", "512k", "1048576", "1G", "2 MB")] == \
-        [4 << 20, 8 << 20, 512 << 10, 1 << 20, 1 << 30, 2 << 20]
+    assert [parse_size(s) for s in ("4M", "8MiB", "512k", "1048576", "1G", "2 MB")] == [
+        4 << 20,
+        8 << 20,
+        512 << 10,
+        1 << 20,
+        1 << 30,
+        2 << 20,
+    ]
     for bad in ("lots", "-1", "0", "4T", "1.5M"):
         with pytest.raises(EdgeSpecError, match="--max-body"):
             parse_size(bad)
@@ -203,12 +228,12 @@ def test_nesting_is_bounded(engine):
     assert nesting_depth(b"[" * 100000) == 100000
     client, _ = in_process(engine)
     with client:
-        deep = client.post("/v1/chat/completions", content=b"[" * 100000,
-                           headers={"Content-Type": "application/json"})
+        deep = client.post("/v1/chat/completions", content=b"[" * 100000, headers={"Content-Type": "application/json"})
         just_too_deep = client.post("/v1/chat/completions", json={**BODY, "x": json.loads("[" * 64 + "]" * 64)})
         deepest = client.post("/v1/chat/completions", json={**BODY, "x": json.loads("[" * 63 + "]" * 63)})
-        brackets = client.post("/v1/chat/completions", json={**BODY, "messages": [
-            {"role": "user", "content": "[" * 5000}]})
+        brackets = client.post(
+            "/v1/chat/completions", json={**BODY, "messages": [{"role": "user", "content": "[" * 5000}]}
+        )
     assert "100000 levels" in _error(deep, 400)["message"]
     assert "65 levels" in _error(just_too_deep, 400)["message"]
     assert deepest.status_code == 200, deepest.text
@@ -223,8 +248,11 @@ def test_prompt_floors_never_exceed_the_count(engine):
     assert floor.token_chars == max(len(t) for t in engine.tokenizer.tokenizer.get_vocab(with_added_tokens=True))
     assert floor.by_characters("x" * (floor.token_chars * 300)) == 300
     assert floor.by_characters([{"role": "user", "content": "ab"}, {"role": "user", "content": "c"}]) == 1
-    for prompt in ("def is_prime(n):\n    return n > 1", "<|im_start|>user hi <|im_end|> " * 5,
-                   [{"role": "system", "content": "be brief <|im_end|>"}, {"role": "user", "content": "word " * 50}]):
+    for prompt in (
+        "def is_prime(n):\n    return n > 1",
+        "<|im_start|>user hi <|im_end|> " * 5,
+        [{"role": "system", "content": "be brief <|im_end|>"}, {"role": "user", "content": "word " * 50}],
+    ):
         exact = len(engine.prompt_ids(prompt, check_length=False))
         assert floor.by_characters(prompt) <= floor.by_tokenizing(prompt) <= exact
     assert floor.by_tokenizing("word " * 50) == len(engine.tokenizer.tokenizer.encode("word " * 50).ids)
@@ -270,8 +298,9 @@ class LiveServer:
         self.sock = listen("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = server_config(app, "127.0.0.1", self.port, header_timeout=header_timeout, keep_alive=keep_alive,
-                               log_config=None)
+        config = server_config(
+            app, "127.0.0.1", self.port, header_timeout=header_timeout, keep_alive=keep_alive, log_config=None
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -327,8 +356,12 @@ def in_background(function, *args) -> tuple[threading.Thread, dict]:
 def post_raw(port: int, size: int, chunked: bool, started: threading.Event) -> tuple[bytes, int]:
     """POST ``size`` bytes of one huge JSON message through a raw socket, reading the answer while
     sending: the status line and how many bytes went out before the server stopped taking them."""
-    head = ["POST /v1/chat/completions HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
-            "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"]
+    head = [
+        "POST /v1/chat/completions HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Content-Type: application/json",
+        "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}",
+    ]
     sent = 0
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         answer = bytearray()
@@ -374,8 +407,14 @@ def test_huge_body_refused_at_once_while_health_stays_fast(live, chunked):
 
 def test_nested_json_is_a_400_and_health_stays_fast(live, caplog):
     caplog.set_level(logging.DEBUG)
-    thread, outcome = in_background(lambda: httpx.post(f"{live.url}/v1/chat/completions", content=b"[" * 100000,
-                                                       headers={"Content-Type": "application/json"}, timeout=60))
+    thread, outcome = in_background(
+        lambda: httpx.post(
+            f"{live.url}/v1/chat/completions",
+            content=b"[" * 100000,
+            headers={"Content-Type": "application/json"},
+            timeout=60,
+        )
+    )
     latencies = health_latencies(live.url, thread)
     response = outcome["result"]
     assert response.status_code == 400 and "nests 100000 levels" in response.json()["error"]["message"]
@@ -386,8 +425,11 @@ def test_nested_json_is_a_400_and_health_stays_fast(live, caplog):
 
 def test_huge_message_refused_without_blocking_health(live):
     body = json.dumps({"messages": [{"role": "user", "content": "hello world " * 250_000}]}).encode()  # 3 MB
-    thread, outcome = in_background(lambda: httpx.post(f"{live.url}/v1/chat/completions", content=body, timeout=60,
-                                                       headers={"Content-Type": "application/json"}))
+    thread, outcome = in_background(
+        lambda: httpx.post(
+            f"{live.url}/v1/chat/completions", content=body, timeout=60, headers={"Content-Type": "application/json"}
+        )
+    )
     latencies = health_latencies(live.url, thread)
     error = _error(outcome["result"], 400)
     assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
@@ -403,7 +445,7 @@ def closed_within(sock: socket.socket, seconds: float, dribble: bytes = b"") -> 
     while time.monotonic() - started < seconds:
         try:
             if position < len(dribble):
-                sock.send(dribble[position:position + 1])
+                sock.send(dribble[position : position + 1])
                 position += 1
             if sock.recv(4096) == b"":
                 return time.monotonic() - started
@@ -414,8 +456,11 @@ def closed_within(sock: socket.socket, seconds: float, dribble: bytes = b"") -> 
     return None
 
 
-@pytest.mark.parametrize("opening", [b"", b"GET /hea", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "],
-                         ids=["silent", "request-line", "headers"])
+@pytest.mark.parametrize(
+    "opening",
+    [b"", b"GET /hea", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "],
+    ids=["silent", "request-line", "headers"],
+)
 def test_slow_request_headers_are_cut_off(live, opening):
     with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
         sock.sendall(opening)
@@ -455,8 +500,10 @@ def test_many_slow_connections_neither_lock_out_others_nor_stay(live):
 
 def test_stalled_body_gets_408(live):
     with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"messages\": ")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"messages": '
+        )
         started = time.monotonic()
         answer = sock.recv(65536)
         took = time.monotonic() - started
@@ -485,7 +532,10 @@ def test_long_stream_outlives_the_connection_deadlines(int4_bundle, engine):
     finally:
         server.stop()
     assert lines[-1] == "data: [DONE]"
-    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                   for line in lines[:-1] if json.loads(line[6:])["choices"])
+    text = "".join(
+        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        for line in lines[:-1]
+        if json.loads(line[6:])["choices"]
+    )
     assert text == engine.complete(CHAT, max_new_tokens=120, temperature=0.0).text
     assert took > 1.5, took

@@ -26,13 +26,27 @@ from tests.helpers import export_tiny  # noqa: E402
 BASE = "http://127.0.0.1:8000"
 NAME = "tiny-tools"
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                   "required": ["city"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "description": "The time now",
-    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -79,16 +93,23 @@ class Scripted:
 
     def __call__(self, prompt, *, tools=None, stop=(), **kwargs):
         ids = self.engine.prompt_ids(prompt, tools=tools)  # the real encoding: the template must take it
-        self.calls.append({"prompt": prompt, "tools": tools, "stop": list(stop),
-                           "text": self.engine.tokenizer.render_chat(prompt, tools=tools)})
+        self.calls.append(
+            {
+                "prompt": prompt,
+                "tools": tools,
+                "stop": list(stop),
+                "text": self.engine.tokenizer.render_chat(prompt, tools=tools),
+            }
+        )
         text, reason = self.answers.pop(0), "eos"
         cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
         if cuts:
-            text, reason = text[:min(cuts)], "stop"
-        self.engine.last_stats = GenerationStats(prompt_tokens=len(ids), new_tokens=max(1, len(text) // 3),
-                                                 stop_reason=reason, mode="spec")
+            text, reason = text[: min(cuts)], "stop"
+        self.engine.last_stats = GenerationStats(
+            prompt_tokens=len(ids), new_tokens=max(1, len(text) // 3), stop_reason=reason, mode="spec"
+        )
         for i in range(0, len(text), self.chunk):
-            yield text[i:i + self.chunk]
+            yield text[i : i + self.chunk]
 
 
 @pytest.fixture
@@ -138,8 +159,9 @@ def test_tool_call_round_trip(engine, scripted):
         assert call.type == "function" and call.id.startswith("call_")
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
         result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18}'}
-        second = client.chat.completions.create(model=NAME, tools=[WEATHER],
-                                                messages=[*ASK, message.model_dump(exclude_none=True), result])
+        second = client.chat.completions.create(
+            model=NAME, tools=[WEATHER], messages=[*ASK, message.model_dump(exclude_none=True), result]
+        )
     assert second.choices[0].message.content == "It is 18 °C in Paris."
     assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls
     assert fake.calls[0]["tools"] == [WEATHER] and "<tools>" in fake.calls[0]["text"]
@@ -154,8 +176,10 @@ def test_streamed_tool_call(engine, scripted):
         stream = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], stream=True)
         content, calls, finish, deltas = streamed_message(stream)
     assert content == "Let me look that up." and finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
-                                                                         ("get_weather", {"city": "Rome"})]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
     assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
     head = deltas[0]  # as OpenAI streams a call: index, id, type, name and empty arguments first
     assert (head.index, head.type, head.function.name, head.function.arguments) == (0, "function", "get_weather", "")
@@ -205,8 +229,7 @@ def test_tool_choice_none_renders_no_tools_and_parses_nothing(engine, scripted):
 def test_no_parallel_calls_stops_after_the_first(engine, scripted):
     fake = scripted(CALL + "\n" + CALL.replace("Paris", "Rome"))
     with serving(engine) as (client, _):
-        response = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
-                                                  parallel_tool_calls=False)
+        response = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], parallel_tool_calls=False)
     calls = response.choices[0].message.tool_calls
     assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]
     assert response.choices[0].finish_reason == "tool_calls" and "</tool_call>" in fake.calls[0]["stop"]
@@ -215,14 +238,22 @@ def test_no_parallel_calls_stops_after_the_first(engine, scripted):
 # -- forcing a call: the real engine under a constraint --------------------------------------------
 
 
-@pytest.mark.parametrize("choice, name", [("required", "get_weather"),
-                                          ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
+@pytest.mark.parametrize(
+    "choice, name", [("required", "get_weather"), ({"type": "function", "function": {"name": "get_time"}}, "get_time")]
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_call_is_a_call(engine, choice, name, stream):
     tools = [WEATHER] if choice == "required" else [WEATHER, CLOCK]
     with serving(engine) as (client, _):
-        kwargs = dict(model=NAME, messages=ASK, tools=tools, tool_choice=choice, parallel_tool_calls=False,
-                      max_tokens=120, temperature=0)
+        kwargs = dict(
+            model=NAME,
+            messages=ASK,
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=120,
+            temperature=0,
+        )
         if stream:
             content, calls, finish, _ = streamed_message(client.chat.completions.create(stream=True, **kwargs))
         else:
@@ -238,8 +269,16 @@ def test_forced_tool_call_is_a_call(engine, choice, name, stream):
 def test_tool_markers_are_single_tokens_of_the_prompt(engine):
     """The template's <tool_call> is the vocabulary's token, as the model read it in training."""
     marker = engine.tokenizer.tokenizer.token_to_id("<tool_call>")
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+            ],
+        },
+    ]
     assert engine.prompt_ids(history, tools=[WEATHER]).count(marker) == 1
 
 
@@ -252,26 +291,36 @@ def test_tools_for_a_template_without_tool_support_are_refused(int4_bundle):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER])
         assert refused.value.body["param"] == "tools" and "tool" in refused.value.body["message"]
-        answer = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], tool_choice="none",
-                                                max_tokens=3)
+        answer = client.chat.completions.create(
+            model=NAME, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=3
+        )
     assert answer.choices[0].message.content is not None
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
-    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
-     "messages[0].tool_calls[0].function"),
-    ({"messages": [{"role": "tool", "content": "18"}]}, "messages[0].tool_call_id"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
+            "messages[0].tool_calls[0].function",
+        ),
+        ({"messages": [{"role": "tool", "content": "18"}]}, "messages[0].tool_call_id"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
 def test_malformed_tool_requests_are_400_naming_the_field(engine, body, param):
     with serving(engine) as (_, http):
         response = http.post("/v1/chat/completions", json={"model": NAME, "messages": ASK, **body})
@@ -302,7 +351,8 @@ def test_langchain_bind_tools(engine, scripted):
         return "18 °C"
 
     with serving(engine) as (_, http):
-        llm = langchain_openai.ChatOpenAI(model=NAME, api_key="any", base_url=f"{BASE}/v1", http_client=http,
-                                          max_retries=0)
+        llm = langchain_openai.ChatOpenAI(
+            model=NAME, api_key="any", base_url=f"{BASE}/v1", http_client=http, max_retries=0
+        )
         reply = llm.bind_tools([get_weather]).invoke("What's the weather in Paris?")
     assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]

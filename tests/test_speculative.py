@@ -79,4 +79,3 @@ def test_adaptive_gamma_is_lossless(any_engine):
         got, stats = run(engine, ids, SamplingParams(), 40, chain(5, adaptive=True))
         assert got == reference
         assert max(stats.drafted) <= 5
-

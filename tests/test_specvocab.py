@@ -130,8 +130,10 @@ def test_add_heads_to_an_existing_bundle(int4_bundle, tmp_path, tiny_pair):
     assert "specvocab-r8-k32" in manifest["draft"]["heads"] and "trim-64" in manifest["draft"]["heads"]
     assert json.loads((bundle / "manifest.json").read_text())["draft"]["default_head"] == "specvocab-r8-k32"
     engine = Engine.from_bundle(bundle, threads=1, mode="spec", draft_head="specvocab-r8-k32")
-    assert engine.complete("The quick", max_new_tokens=20).token_ids == \
-        engine.complete("The quick", max_new_tokens=20, mode="ar").token_ids
+    assert (
+        engine.complete("The quick", max_new_tokens=20).token_ids
+        == engine.complete("The quick", max_new_tokens=20, mode="ar").token_ids
+    )
 
 
 def test_add_heads_refuses_another_drafter(int4_bundle, tmp_path, tiny_pair):

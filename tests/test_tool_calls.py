@@ -10,9 +10,14 @@ from llguidance import LLMatcher
 
 from edge_spec.server.tool_calls import FORMATS, ToolCall, detect_format, split_answer
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -81,8 +86,7 @@ def test_hermes_arguments_given_as_a_json_string_are_passed_on():
 def test_hermes_streaming_holds_back_a_marker_and_equals_the_whole_parse():
     text = f"Checking.\n{HERMES_CALL}\n{HERMES_CALL.replace('Paris', 'Lyon')} done <tool"
     whole = shape(streamed("hermes", text, []))
-    assert whole == ["Checking.", ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"}),
-                     "done <tool"]
+    assert whole == ["Checking.", ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"}), "done <tool"]
     for cut in range(1, len(text)):
         assert shape(streamed("hermes", text, [cut])) == whole, cut
     assert shape(streamed("hermes", text, list(range(1, len(text))))) == whole  # a character at a time
@@ -100,13 +104,19 @@ def test_hermes_streamed_text_never_shows_a_marker_piece():
 # -- Llama 3.x: the whole answer is {"name": ..., "parameters": ...} -------------------------------
 
 
-@pytest.mark.parametrize("text", ['{"name": "get_weather", "parameters": {"city": "Paris"}}',
-                                  '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
-                                  '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+    ],
+)
 def test_llama3_json_call(text):
     content, calls = split_answer(FORMATS["llama3"], text)
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
-                                                                                         {"city": "Paris"})]
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
 
 
 def test_llama3_several_calls_separated_by_semicolons():
@@ -128,8 +138,13 @@ def test_llama3_plain_text_streams_at_once():
 # -- Mistral: [TOOL_CALLS][{"name": ..., "arguments": ...}] ----------------------------------------
 
 
-@pytest.mark.parametrize("text", ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-                                  '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'])  # marker decoded away
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    ],
+)  # marker decoded away
 def test_mistral_call(text):
     content, calls = split_answer(FORMATS["mistral"], text)
     assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
@@ -144,13 +159,16 @@ def test_mistral_text_that_is_no_call_is_content(text):
 # -- which format a model writes -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("template, vocabulary, expected", [
-    ("{% if tools %}<tool_call>{% endif %}", [], "hermes"),
-    ("{{ tools }}", ["<tool_call>", "</tool_call>"], "hermes"),
-    ("{{ tools }}", ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]"], "mistral"),
-    ("{{ tools }}", ["<|python_tag|>", "<|eom_id|>"], "llama3"),
-    ("{{ tools }} <tool_call>", ["<|python_tag|>"], "hermes"),  # the template's own markup decides first
-])
+@pytest.mark.parametrize(
+    "template, vocabulary, expected",
+    [
+        ("{% if tools %}<tool_call>{% endif %}", [], "hermes"),
+        ("{{ tools }}", ["<tool_call>", "</tool_call>"], "hermes"),
+        ("{{ tools }}", ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]"], "mistral"),
+        ("{{ tools }}", ["<|python_tag|>", "<|eom_id|>"], "llama3"),
+        ("{{ tools }} <tool_call>", ["<|python_tag|>"], "hermes"),  # the template's own markup decides first
+    ],
+)
 def test_format_from_template_and_vocabulary(template, vocabulary, expected):
     assert detect_format(template, vocabulary).name == expected
 
@@ -189,21 +207,31 @@ FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "P
 NAMES = frozenset({"get_weather"})
 
 
-@pytest.mark.parametrize("text", [FENCED, '{"name": "get_weather", "arguments": {"city": "Paris"}}',
-                                  "\n" + FENCED + "\n"])
+@pytest.mark.parametrize(
+    "text", [FENCED, '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n" + FENCED + "\n"]
+)
 def test_hermes_an_answer_that_is_only_a_call_to_a_given_tool_is_a_call(text):
     content, calls = split_answer(FORMATS["hermes"], text, names=NAMES)
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
-                                                                                         {"city": "Paris"})]
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
     for cut in range(1, len(text)):
         parser = FORMATS["hermes"].parser(names=NAMES)
         pieces = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
         assert [p.name for p in pieces if isinstance(p, ToolCall)] == ["get_weather"] and not [
-            p for p in pieces if isinstance(p, str) and p], cut
+            p for p in pieces if isinstance(p, str) and p
+        ], cut
 
 
-@pytest.mark.parametrize("text", [FENCED.replace("get_weather", "other_tool"), '```json\n{"a": 1}\n```',
-                                  '{"name": "get_weather"}', FENCED + "\nThat is the call."])
+@pytest.mark.parametrize(
+    "text",
+    [
+        FENCED.replace("get_weather", "other_tool"),
+        '```json\n{"a": 1}\n```',
+        '{"name": "get_weather"}',
+        FENCED + "\nThat is the call.",
+    ],
+)
 def test_hermes_json_that_is_no_call_to_a_given_tool_stays_text(text):
     assert split_answer(FORMATS["hermes"], text, names=NAMES) == (text, [])
     assert split_answer(FORMATS["hermes"], text) == (text, [])

@@ -24,11 +24,20 @@ from tests.helpers import assert_one_line_error, cli, export_tiny
 
 LAYERS = (0, 2, 3)
 PROMPTS = [
-    "What is 12 * 7?", "def is_prime(n):", "Translate to French: the brown fox", "Summarize: speculative decoding",
-    "The quick brown fox", "Let's think step by step", "Write a function that returns n > 1",
-    [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the lazy dog"},
-     {"role": "user", "content": "and the fox?"}],
-    "Translate to French: le renard brun", "What is 7 * 12? Think step by step.",
+    "What is 12 * 7?",
+    "def is_prime(n):",
+    "Translate to French: the brown fox",
+    "Summarize: speculative decoding",
+    "The quick brown fox",
+    "Let's think step by step",
+    "Write a function that returns n > 1",
+    [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "the lazy dog"},
+        {"role": "user", "content": "and the fox?"},
+    ],
+    "Translate to French: le renard brun",
+    "What is 7 * 12? Think step by step.",
 ]
 TEXTS = {
     "a.py": "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))\n" * 12,
@@ -63,8 +72,15 @@ def sources(tmp_path_factory):
 
 
 def run_collect(bundle, out, sources, **kwargs):
-    return head_data.collect(bundle, out, prompts=sources / "prompts.jsonl", text_dirs=[sources / "text"],
-                             options=COLLECT, layers=LAYERS, **kwargs)
+    return head_data.collect(
+        bundle,
+        out,
+        prompts=sources / "prompts.jsonl",
+        text_dirs=[sources / "text"],
+        options=COLLECT,
+        layers=LAYERS,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +109,15 @@ def test_embedding_rows_are_what_the_graph_gathers(bundle, tiny_target):
     init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     node = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
     graph = helper.make_graph(
-        [node], "gather",
+        [node],
+        "gather",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"])],
         [helper.make_tensor_value_info("embeds", TensorProto.FLOAT, [1, "s", table.hidden_size])],
-        [numpy_helper.from_array(init[node.input[0]], node.input[0]),
-         numpy_helper.from_array(init[node.input[2]], node.input[2])])
+        [
+            numpy_helper.from_array(init[node.input[0]], node.input[0]),
+            numpy_helper.from_array(init[node.input[2]], node.input[2]),
+        ],
+    )
     session = ort.InferenceSession(make_model(graph).SerializeToString(), providers=["CPUExecutionProvider"])
     ids = np.array([0, 5, 383, 5, 17, 200], np.int64)
     expected = session.run(None, {"input_ids": ids[None]})[0][0]
@@ -113,8 +133,9 @@ def test_fp32_embedding_and_lm_head_rows(tmp_path, tiny_target):
     path = fp32 / "target" / "model.onnx"
     model = tiny_target[1]
     ids = [3, 1, 300]
-    np.testing.assert_array_equal(TargetEmbedding.from_onnx(path).rows(ids),
-                                  model.model.embed_tokens.weight.detach().numpy()[ids])
+    np.testing.assert_array_equal(
+        TargetEmbedding.from_onnx(path).rows(ids), model.model.embed_tokens.weight.detach().numpy()[ids]
+    )
     np.testing.assert_array_equal(TargetLMHead.from_onnx(path).rows(ids), model.lm_head.weight.detach().numpy()[ids])
 
 
@@ -159,12 +180,16 @@ def test_shards_hold_the_reference_forward(collected, bundle):
         fed = prompt_ids[:1] + arrays["tokens"].tolist()
         reference.reset()
         out = reference.forward(fed, len(fed))
-        assert fed[:len(prompt_ids)] == prompt_ids
-        np.testing.assert_allclose(arrays["features"].astype(np.float32), out["features"][:n],
-                                   rtol=2e-2, atol=2e-2 * np.abs(out["features"]).max())
+        assert fed[: len(prompt_ids)] == prompt_ids
+        np.testing.assert_allclose(
+            arrays["features"].astype(np.float32),
+            out["features"][:n],
+            rtol=2e-2,
+            atol=2e-2 * np.abs(out["features"]).max(),
+        )
         labelled = arrays["labels"] >= 0
         assert labelled.sum() == n - (len(prompt_ids) - 1)  # answer rows, from the last prompt position on
-        assert not labelled[:len(prompt_ids) - 1].any()
+        assert not labelled[: len(prompt_ids) - 1].any()
         greedy = out["logits"].argmax(-1)[1:]
         top2 = np.sort(out["logits"], axis=-1)[:, -2:]
         clear = labelled & (top2[1:, 1] - top2[1:, 0] > 0.01 * np.abs(out["logits"]).max())
@@ -243,14 +268,20 @@ def test_changed_settings_are_refused(tmp_path, bundle, sources, collected):
     from edge_spec.errors import EdgeSpecError
 
     with pytest.raises(EdgeSpecError, match="other settings"):
-        head_data.collect(bundle, out, prompts=sources / "prompts.jsonl", options=head_data.CollectOptions(
-            answer_tokens=12, window=64, held_out_every=3), layers=LAYERS)
+        head_data.collect(
+            bundle,
+            out,
+            prompts=sources / "prompts.jsonl",
+            options=head_data.CollectOptions(answer_tokens=12, window=64, held_out_every=3),
+            layers=LAYERS,
+        )
 
 
 # -- training ------------------------------------------------------------------------------------
 
-TRAIN = head_training.TrainOptions(draft_vocab=256, intermediate=128, steps=200, lr=5e-3, warmup=10, seed=0,
-                                   eval_rows=100_000)
+TRAIN = head_training.TrainOptions(
+    draft_vocab=256, intermediate=128, steps=200, lr=5e-3, warmup=10, seed=0, eval_rows=100_000
+)
 
 
 def test_unrolled_first_step_is_the_heads_forward(collected, bundle):
@@ -260,12 +291,12 @@ def test_unrolled_first_step_is_the_heads_forward(collected, bundle):
     embeds = trainer._embeds(seq, 3)
     steps = head_training.unrolled(trainer.head, seq.features.float(), embeds, 3)
     hidden = trainer.head.fuse(seq.features.float())[None]
-    logits, _ = trainer.head(embeds[:len(seq.labels)][None], hidden)
+    logits, _ = trainer.head(embeds[: len(seq.labels)][None], hidden)
     torch.testing.assert_close(steps[0], logits[0], rtol=0, atol=1e-5)
     assert [s.shape for s in steps] == [logits[0].shape] * 3
     # step 2 at row t reads only rows <= t of step 1 and its own diagonal: a later row changes nothing
     cut = len(seq.labels) // 2
-    short = head_training.unrolled(trainer.head, seq.features[:cut].float(), embeds[:cut + 2], 3)
+    short = head_training.unrolled(trainer.head, seq.features[:cut].float(), embeds[: cut + 2], 3)
     for full, part in zip(steps, short):
         torch.testing.assert_close(full[:cut], part, rtol=1e-5, atol=1e-5)
 
@@ -279,7 +310,7 @@ def test_draft_vocabulary_maps(collected, bundle):
     np.testing.assert_array_equal(head.draft_to_target(np.arange(len(ids))), ids)
     assert head.t2d.sum() == len(ids) and head.t2d[torch.from_numpy(ids)].all()
     counts = trainer.data.label_counts
-    assert counts[ids].sum() >= np.sort(counts)[::-1][:len(ids) - len(target.eos_ids)].sum()
+    assert counts[ids].sum() >= np.sort(counts)[::-1][: len(ids) - len(target.eos_ids)].sum()
 
 
 @pytest.fixture(scope="module")
@@ -313,8 +344,9 @@ def test_a_trained_head_drafts_for_the_runtime_and_output_stays_the_targets(tmp_
     shutil.copytree(bundle, copy)
     attach_eagle_head(copy, trainer.config, trainer.head)
     for gamma in (1, 3):
-        engine = Engine.from_bundle(copy, threads=1, config=loop_config("spec", drafter="eagle", gamma=gamma,
-                                                                        schedule="fixed", lookup=False))
+        engine = Engine.from_bundle(
+            copy, threads=1, config=loop_config("spec", drafter="eagle", gamma=gamma, schedule="fixed", lookup=False)
+        )
         accepted = 0
         for prompt in PROMPTS[:6]:
             got = engine.complete(prompt, max_new_tokens=24)
@@ -325,8 +357,9 @@ def test_a_trained_head_drafts_for_the_runtime_and_output_stays_the_targets(tmp_
 
 
 def test_resumed_training_equals_uninterrupted(tmp_path, collected, bundle):
-    options = head_training.TrainOptions(draft_vocab=128, intermediate=64, steps=8, accum=2, lr=3e-3, warmup=2,
-                                         eval_rows=50)
+    options = head_training.TrainOptions(
+        draft_vocab=128, intermediate=64, steps=8, accum=2, lr=3e-3, warmup=2, eval_rows=50
+    )
     target = head_training.Target.from_work(bundle, collected)
     runs = {}
     for name in ("straight", "resumed"):
@@ -362,9 +395,32 @@ def test_train_head_command_end_to_end(tmp_path, bundle, sources):
     copy = tmp_path / "bundle"
     shutil.copytree(bundle, copy)
     work = tmp_path / "work"
-    args = ["train-head", str(copy), "--prompts", str(sources / "prompts.jsonl"), "--text", str(sources / "text"),
-            "--max-tokens", "16", "--feature-layers", "0,2,3", "--vocab-size", "64", "--intermediate", "32",
-            "--steps", "4", "--held-out-every", "3", "--max-items", "12", "--work", str(work), "--threads", "1"]
+    args = [
+        "train-head",
+        str(copy),
+        "--prompts",
+        str(sources / "prompts.jsonl"),
+        "--text",
+        str(sources / "text"),
+        "--max-tokens",
+        "16",
+        "--feature-layers",
+        "0,2,3",
+        "--vocab-size",
+        "64",
+        "--intermediate",
+        "32",
+        "--steps",
+        "4",
+        "--held-out-every",
+        "3",
+        "--max-items",
+        "12",
+        "--work",
+        str(work),
+        "--threads",
+        "1",
+    ]
     result = cli(*args)
     assert result.returncode == 0, result.stderr
     assert "attached the EAGLE-3 head" in result.stderr
@@ -382,11 +438,24 @@ def test_train_head_command_end_to_end(tmp_path, bundle, sources):
 def test_user_mistakes_are_one_line(tmp_path, bundle):
     assert_one_line_error(cli("train-head", str(tmp_path / "missing")), "bundle not found")
     assert_one_line_error(cli("train-head", str(bundle), "--collect-only", "--train-only"), "exclude")
-    assert_one_line_error(cli("train-head", str(bundle), "--text", str(tmp_path / "nope"), "--max-tokens", "16",
-                              "--feature-layers",
-                              "0,2,3", "--work", str(tmp_path / "w")), "not a directory")
-    assert_one_line_error(cli("train-head", str(bundle), "--train-only", "--work", str(tmp_path / "empty")),
-                          "no collected features")
+    assert_one_line_error(
+        cli(
+            "train-head",
+            str(bundle),
+            "--text",
+            str(tmp_path / "nope"),
+            "--max-tokens",
+            "16",
+            "--feature-layers",
+            "0,2,3",
+            "--work",
+            str(tmp_path / "w"),
+        ),
+        "not a directory",
+    )
+    assert_one_line_error(
+        cli("train-head", str(bundle), "--train-only", "--work", str(tmp_path / "empty")), "no collected features"
+    )
 
 
 # -- a built head read back, and training from it ----------------------------------------------
@@ -432,8 +501,9 @@ def test_a_saved_head_reads_back_as_the_int4_head_it_was_built_from(saved_head, 
     attach_eagle_head(copy, config, head)
     for name in ("layer.onnx", "fc.onnx", "head_full.onnx"):
         for suffix in ("", ".data"):
-            assert (copy / "eagle" / (name + suffix)).read_bytes() == \
-                (bundle_with_head / "eagle" / (name + suffix)).read_bytes(), name + suffix
+            assert (copy / "eagle" / (name + suffix)).read_bytes() == (
+                bundle_with_head / "eagle" / (name + suffix)
+            ).read_bytes(), name + suffix
 
 
 def test_training_from_a_saved_head_starts_where_it_stands(saved_head, trained, collected, bundle, tmp_path):
@@ -467,5 +537,7 @@ def test_an_init_for_other_features_is_one_line(saved_head, collected, bundle, t
 
     with pytest.raises(EdgeSpecError, match="reads target layers"):
         head_training.train(work, target, dataclasses.replace(TRAIN, steps=2, init=str(other)), threads=1)
-    assert_one_line_error(cli("train-head", str(bundle), "--train-only", "--work", str(work), "--init",
-                              str(tmp_path / "missing")), "not found")
+    assert_one_line_error(
+        cli("train-head", str(bundle), "--train-only", "--work", str(work), "--init", str(tmp_path / "missing")),
+        "not found",
+    )

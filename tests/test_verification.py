@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from edge_spec.runtime.verify import chain as verification
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verify.chain import (
     RESIDUAL_MIN_MASS,
     VerifyResult,
@@ -27,6 +26,7 @@ from edge_spec.runtime.verify.chain import (
     verify_greedy,
     verify_speculative,
 )
+from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from tests.helpers import FixedUniform, chi_square_pvalue
 
 # ---------------------------------------------------------------------------
@@ -424,9 +424,7 @@ correct_rule = variant(lambda u, p, q: u * q < p)  # min(1, p/q): the control
 inverted_rule = variant(lambda u, p, q: u * p < q)  # min(1, q/p): wrong
 
 
-def bonus_from_previous_row(
-    drafts: list[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator
-) -> VerifyResult:
+def bonus_from_previous_row(drafts: list[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> VerifyResult:
     """Real verifier, but the bonus token comes from row gamma - 1."""
     return verify_speculative(drafts, q, np.vstack([p[:-1], p[-2:-1]]), rng)
 

@@ -20,8 +20,10 @@ from edge_spec.manifest import read_manifest
 from edge_spec.runtime.model.providers import exact_min_rows, provider_report
 
 WHY_NOT = dict(provider_report()).get("webgpu", "")
-pytestmark = [pytest.mark.webgpu,
-              pytest.mark.skipif(not WHY_NOT.startswith("usable"), reason=f"no WebGPU execution provider: {WHY_NOT}")]
+pytestmark = [
+    pytest.mark.webgpu,
+    pytest.mark.skipif(not WHY_NOT.startswith("usable"), reason=f"no WebGPU execution provider: {WHY_NOT}"),
+]
 
 from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.runtime.loops.config import SsdConfig  # noqa: E402
@@ -80,18 +82,21 @@ def test_keep_path_on_device_moves_exactly_the_kept_slots(int4_bundle):
     decoder.keep_path(start, [0, 3, 4])
     for old, value in zip(before, decoder.kv.values):
         new = value.numpy()
-        np.testing.assert_array_equal(new[:, :, start + 1:start + 3], old[:, :, [start + 3, start + 4]])
-        np.testing.assert_array_equal(new[:, :, :start + 1], old[:, :, :start + 1])
+        np.testing.assert_array_equal(new[:, :, start + 1 : start + 3], old[:, :, [start + 3, start + 4]])
+        np.testing.assert_array_equal(new[:, :, : start + 1], old[:, :, : start + 1])
 
 
 def test_a_decoder_can_be_dropped_when_it_holds_the_last_session(int4_bundle):
     """Its cache buffers must go before its session: freed after the device's last session closed, they
     crashed the process (a segfault, so the check runs in a child process)."""
-    code = ("import sys; from edge_spec.runtime.model.decoder import Decoder\n"
-            "d = Decoder(sys.argv[1], provider='webgpu', capacity=32); d.forward([5, 17, 42], 1)\n"
-            "del d; print('dropped')")
-    done = subprocess.run([sys.executable, "-c", code, str(_target(int4_bundle))], capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        "import sys; from edge_spec.runtime.model.decoder import Decoder\n"
+        "d = Decoder(sys.argv[1], provider='webgpu', capacity=32); d.forward([5, 17, 42], 1)\n"
+        "del d; print('dropped')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(_target(int4_bundle))], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and "dropped" in done.stdout, done.stderr[-500:]
 
 
@@ -114,7 +119,7 @@ def test_webgpu_passes_are_batch_invariant(int4_bundle):
     for sizes in cuts:
         decoder.reset()
         decoder.forward(PROMPT, 1)
-        results.append(logits_by_passes(decoder, SEQUENCE[len(PROMPT):], sizes))
+        results.append(logits_by_passes(decoder, SEQUENCE[len(PROMPT) :], sizes))
     for sizes, got in zip(cuts[1:], results[1:]):
         np.testing.assert_array_equal(got, results[0], err_msg=f"passes {sizes} vs {cuts[0]}")
 

@@ -30,8 +30,10 @@ def make_tokenizer(vocab_size: int = 320, specials=SPECIALS):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
     return PreTrainedTokenizerFast(
@@ -46,9 +48,17 @@ def make_qwen2(seed: int, *, vocab_size: int = 384, hidden: int = 64, layers: in
 
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        rope_theta=10000.0, initializer_range=init, architectures=["Qwen2ForCausalLM"],
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        initializer_range=init,
+        architectures=["Qwen2ForCausalLM"],
     )
     return Qwen2ForCausalLM(config).eval()
 
@@ -87,4 +97,4 @@ def torch_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(np.argmax(logits.numpy())))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]

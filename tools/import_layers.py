@@ -13,8 +13,18 @@ from pathlib import Path
 
 RUNTIME = Path(__file__).resolve().parents[1] / "edge_spec" / "runtime"
 # rank of each layer: a module may import layers of lower rank (and its own layer)
-LAYERS = {"engine": 6, "provenance": 5, "text": 0, "loops": 4, "schedule": 3, "propose": 2, "model": 1, "verify": 1,
-          "constrain": 1, "logprobs": 0}  # provenance: the engine's per-token sources (reads loops.stats and text);
+LAYERS = {
+    "engine": 6,
+    "provenance": 5,
+    "text": 0,
+    "loops": 4,
+    "schedule": 3,
+    "propose": 2,
+    "model": 1,
+    "verify": 1,
+    "constrain": 1,
+    "logprobs": 0,
+}  # provenance: the engine's per-token sources (reads loops.stats and text);
 # logprobs: token log-probabilities from a row (numpy only), read by the loops and the engine
 BOTTOM = ("model", "verify", "constrain")  # rank 1: none of them imports another
 

@@ -14,7 +14,6 @@ from a bench run or a machine's costs; :func:`replay` walks the recorded answers
 :func:`analyze`, :func:`signal_value` and :func:`before_the_step` print the study's tables.
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -28,24 +27,46 @@ from tqdm import tqdm
 
 from edge_spec.bench import load_bench_prompts, pass_prices
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.loops.autoregressive import choose_token
+from edge_spec.runtime.loops.config import ChainConfig
+from edge_spec.runtime.propose.model import drafter_probs, draw_index, softmax
 from edge_spec.runtime.propose.ngrams import LOOKUP_MIN_N, NgramLookup
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
 from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel
 from edge_spec.runtime.schedule.sources import LookupChoice
-from edge_spec.runtime.loops.config import ChainConfig
-from edge_spec.runtime.loops.autoregressive import choose_token
-from edge_spec.runtime.propose.model import draw_index, drafter_probs, softmax
 from edge_spec.runtime.verify.sampling import SamplingParams
 
 CHAIN = 16  # longest lookup chain recorded (run = how many of its tokens the target would accept)
-FIELDS = ("prompt", "category", "position", "draft_ok", "draft_conf", "target_top", "target_margin",
-          "guess_ok", "guess_match", "lookup_ok", "lookup_match", "lookup_run", "lookup_len", "target_entropy",
-          "token", "draft_second", "draft_entropy", "pending_q", "draft_hidden")
+FIELDS = (
+    "prompt",
+    "category",
+    "position",
+    "draft_ok",
+    "draft_conf",
+    "target_top",
+    "target_margin",
+    "guess_ok",
+    "guess_match",
+    "lookup_ok",
+    "lookup_match",
+    "lookup_run",
+    "lookup_len",
+    "target_entropy",
+    "token",
+    "draft_second",
+    "draft_entropy",
+    "pending_q",
+    "draft_hidden",
+)
 
 
 def collect(args: argparse.Namespace) -> None:
-    engine = Engine.from_bundle(args.bundle, threads=args.threads, config=ChainConfig(gamma=1, adaptive=False, proposers=("model", "guess")),
-                                draft_head=args.head)
+    engine = Engine.from_bundle(
+        args.bundle,
+        threads=args.threads,
+        config=ChainConfig(gamma=1, adaptive=False, proposers=("model", "guess")),
+        draft_head=args.head,
+    )
     prompts = []
     for path in args.prompts or [None]:
         prompts += load_bench_prompts(path, None, None)
@@ -54,8 +75,13 @@ def collect(args: argparse.Namespace) -> None:
         prompt = item["prompt"]
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         params = SamplingParams(temperature=args.temperature, seed=args.seed + index, sampler="coupled")
-        answer = engine.complete(messages, max_new_tokens=args.max_tokens, temperature=params.temperature,
-                                 seed=params.seed, sampler=params.sampler).token_ids
+        answer = engine.complete(
+            messages,
+            max_new_tokens=args.max_tokens,
+            temperature=params.temperature,
+            seed=params.seed,
+            sampler=params.sampler,
+        ).token_ids
         ids = engine.prompt_ids(messages)
         sequence = ids + answer
         target, body = engine.target, engine.drafter.body
@@ -80,16 +106,34 @@ def collect(args: argparse.Namespace) -> None:
             proposal = best if head_ids is None else int(head_ids[best])
             previous = softmax(logits[j - 1].astype(np.float64))  # the target row that produced answer[j-1]
             top2 = np.sort(previous)[-2:]
-            prefix = sequence[:len(ids) + j]
+            prefix = sequence[: len(ids) + j]
             guess, match = _match(ngrams, prefix, 1)
             look, look_match = _match(ngrams, prefix, LOOKUP_MIN_N)
             chain = ngrams.continuation(prefix, CHAIN, min_n=LOOKUP_MIN_N)
-            agreed = next((k for k, (a, b) in enumerate(zip(chain, answer[j:])) if a != b), min(len(chain), len(answer) - j))
-            values = (index, item["category"], j, proposal == answer[j], float(probs[best]), float(top2[1]),
-                      float(top2[1] - top2[0]), guess == answer[j], match, look == answer[j], look_match,
-                      agreed, len(chain), float(-(previous * np.log(previous + 1e-30)).sum()), answer[j],
-                      float(ranked[-2]) if len(own) > 1 else 0.0, float(-(ranked * np.log(ranked + 1e-30)).sum()),
-                      _probability_of(*pending, answer[j - 1]), np.asarray(hidden[j], np.float16))
+            agreed = next(
+                (k for k, (a, b) in enumerate(zip(chain, answer[j:])) if a != b), min(len(chain), len(answer) - j)
+            )
+            values = (
+                index,
+                item["category"],
+                j,
+                proposal == answer[j],
+                float(probs[best]),
+                float(top2[1]),
+                float(top2[1] - top2[0]),
+                guess == answer[j],
+                match,
+                look == answer[j],
+                look_match,
+                agreed,
+                len(chain),
+                float(-(previous * np.log(previous + 1e-30)).sum()),
+                answer[j],
+                float(ranked[-2]) if len(own) > 1 else 0.0,
+                float(-(ranked * np.log(ranked + 1e-30)).sum()),
+                _probability_of(*pending, answer[j - 1]),
+                np.asarray(hidden[j], np.float16),
+            )
             pending = own, head_ids
             for name, value in zip(FIELDS, values):
                 rows[name].append(value)
@@ -118,8 +162,12 @@ def add_eagle(args: argparse.Namespace) -> None:
     the file, whose first token the pass itself reproduces), so its first draft at each position is
     exactly the one the runtime would make there."""
     data = dict(np.load(args.add_eagle))
-    engine = Engine.from_bundle(args.bundle, threads=args.threads, eagle_head=args.eagle_head,
-                                config=ChainConfig(gamma=1, adaptive=False, proposers=("eagle", "guess")))
+    engine = Engine.from_bundle(
+        args.bundle,
+        threads=args.threads,
+        eagle_head=args.eagle_head,
+        config=ChainConfig(gamma=1, adaptive=False, proposers=("eagle", "guess")),
+    )
     eagle, target = engine.eagle, engine.target
     prompts = []
     for path in args.prompts or [None]:
@@ -144,10 +192,18 @@ def add_eagle(args: argparse.Namespace) -> None:
         for row, j in zip(rows, data["position"][rows]):
             last = len(ids) + int(j) - 2  # the last pair a round at j has: token answer[j-1], feature before it
             eagle.head.rewind(min(eagle.head.length, last))  # forget the drafts of the previous position
-            feed = pairs[eagle.head.length:last + 1]
-            out = eagle.head.forward(feed, 1, inputs={"inputs_embeds": eagle.embed(feed).astype(np.float32),
-                                                      "hidden": np.ascontiguousarray(fused[last + 1 - len(feed):last + 1])})
-            logits, draft_ids = eagle.lm_head(out["hidden_states"][-1]) if eagle.lm_head else (out["logits"][-1], eagle.draft_ids)
+            feed = pairs[eagle.head.length : last + 1]
+            out = eagle.head.forward(
+                feed,
+                1,
+                inputs={
+                    "inputs_embeds": eagle.embed(feed).astype(np.float32),
+                    "hidden": np.ascontiguousarray(fused[last + 1 - len(feed) : last + 1]),
+                },
+            )
+            logits, draft_ids = (
+                eagle.lm_head(out["hidden_states"][-1]) if eagle.lm_head else (out["logits"][-1], eagle.draft_ids)
+            )
             eagle._hidden = out["hidden_out"][-1]
             right = True
             for k in range(EAGLE_CHAIN):
@@ -163,8 +219,10 @@ def add_eagle(args: argparse.Namespace) -> None:
     target.reset()
     eagle.head.reset()
     np.savez(args.add_eagle, **data, eagle_ok=ok, eagle_conf=conf)
-    print(f"added the EAGLE head's drafts ({args.eagle_head or 'default head'}) to {args.add_eagle}: first draft "
-          f"right at {ok[:, 0].mean():.3f} of {len(ok)} positions")
+    print(
+        f"added the EAGLE head's drafts ({args.eagle_head or 'default head'}) to {args.add_eagle}: first draft "
+        f"right at {ok[:, 0].mean():.3f} of {len(ok)} positions"
+    )
 
 
 def _match(ngrams: NgramLookup, prefix: list[int], min_n: int) -> tuple[int, int]:
@@ -180,7 +238,9 @@ class Prices:
     """Latencies (s) that price replayed rounds: target pass by rows, drafter pass by rows, head, and time
     outside ORT per round; measured by a bench run, or given as a machine's costs."""
 
-    def __init__(self, target: dict[int, float], draft: dict[int, float], head: float = 0.0, outside: float = 0.0) -> None:
+    def __init__(
+        self, target: dict[int, float], draft: dict[int, float], head: float = 0.0, outside: float = 0.0
+    ) -> None:
         self.target, self.draft, self.head, self.outside = target, draft, head, outside
         self._curve = CostModel(0.0, target)  # between or past the measured sizes, priced as the planner prices them
         self.min_rows = 2  # exact passes pad one-row passes (1: one-row passes are exact on the machine priced)
@@ -193,21 +253,28 @@ class Prices:
         outside, rounds, heads, steps = 0.0, 0, 0.0, 0
         for record in data["records"]:
             if record["mode"].startswith("spec") and "@γ1" in record["mode"] and "lookup" not in record["mode"]:
-                ort = sum(s for _, s in record["target_passes"].values()) + sum(s for _, s in record["draft_passes"].values())
+                ort = sum(s for _, s in record["target_passes"].values()) + sum(
+                    s for _, s in record["draft_passes"].values()
+                )
                 outside += record["decode_seconds"] - ort
                 rounds += record["target_calls"]
                 heads += record["head_seconds"]
                 steps += record["draft_steps"]
-        return cls({int(n): price for (role, n), price in prices.items() if role == "target"},
-                   {int(n): price for (role, n), price in prices.items() if role == "draft"},
-                   heads / steps, (outside - heads) / rounds)
+        return cls(
+            {int(n): price for (role, n), price in prices.items() if role == "target"},
+            {int(n): price for (role, n), price in prices.items() if role == "draft"},
+            heads / steps,
+            (outside - heads) / rounds,
+        )
 
     @classmethod
     def of_machine(cls, machine: str) -> "Prices":
         """``"48,56,82,100,121/17.4"``: target pass ms by rows, then the drafter step ms (body + head)."""
         rows, step = machine.split("/")
-        return cls({n: float(ms) / 1e3 for n, ms in enumerate(rows.split(","), start=1)},
-                   {n: float(step) / 1e3 for n in (1, 2, 3)})
+        return cls(
+            {n: float(ms) / 1e3 for n, ms in enumerate(rows.split(","), start=1)},
+            {n: float(step) / 1e3 for n in (1, 2, 3)},
+        )
 
     def with_drafter(self, seconds: float) -> "Prices":
         """The same target, with every drafter step (a catch-up pass too, head included) at ``seconds``: what
@@ -229,7 +296,9 @@ class Prices:
 Choice = tuple[str, int]
 
 
-def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, dict], Choice]) -> dict[str, tuple[float, int]]:
+def replay(
+    data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, dict], Choice]
+) -> dict[str, tuple[float, int]]:
     """Seconds and tokens per category when ``policy`` picks every round of every answer.
 
     A drafter round's first step feeds every committed token the drafter has not seen (a catch-up pass
@@ -261,12 +330,17 @@ def replay(data: dict[str, np.ndarray], prices: Prices, policy: Callable[[int, d
                 state["outcome"] = (kind, 0, 0, [])
                 unseen += 1
             else:
-                accepted = min(int(data["lookup_run"][i]), drafts) if kind == "lookup" else int(data["guess_ok"][i]) * drafts
+                accepted = (
+                    min(int(data["lookup_run"][i]), drafts) if kind == "lookup" else int(data["guess_ok"][i]) * drafts
+                )
                 seconds += prices.verify(drafts) + (prices.drafter(unseen) if kind == "dropped" else 0.0)
                 state["outcome"] = (kind, drafts, accepted, [])
                 if kind == "lookup":  # the next offered token against the round's bonus token (checked for free)
-                    state["lookup_next"] = (int(data["lookup_run"][i]) > drafts
-                                            if accepted == drafts and int(data["lookup_len"][i]) > drafts else None)
+                    state["lookup_next"] = (
+                        int(data["lookup_run"][i]) > drafts
+                        if accepted == drafts and int(data["lookup_len"][i]) > drafts
+                        else None
+                    )
                 unseen = 1 + accepted if kind == "dropped" else unseen + 1 + accepted
             j += 1 + accepted
         cell = totals[str(data["category"][rows[0]])]
@@ -294,8 +368,12 @@ def oracle(data: dict[str, np.ndarray], prices: Prices, gamma_max: int = 4) -> d
                 for g in range(1, gamma_max + 1):
                     oks = [bool(data["draft_ok"][rows[min(j + k, n - 1)]]) for k in range(g)]
                     accepted = next((k for k, ok in enumerate(oks) if not ok), g)
-                    options.append(prices.drafter(u) + (g - 1) * prices.drafter(1) + prices.verify(g)
-                                   + after(accepted, 2 if accepted == g else 1))
+                    options.append(
+                        prices.drafter(u)
+                        + (g - 1) * prices.drafter(1)
+                        + prices.verify(g)
+                        + after(accepted, 2 if accepted == g else 1)
+                    )
                     if data["lookup_len"][i]:
                         run = min(int(data["lookup_run"][i]), g)
                         options.append(prices.verify(g) + after(run, u + 1 + run))
@@ -348,27 +426,44 @@ def foresight_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int
             g_ok = guess_rate.get(int(data["guess_match"][i]), 0.0)
             for u in range(1, unread + 1):
                 after = lambda k, u_next: expected[min(j + 1 + k, n), min(u_next, unread)]
-                options = [(prices.verify(1) + g_ok * after(1, u + 2) + (1 - g_ok) * after(0, u + 1), ("guess", 1)),
-                           (prices.verify(0) + after(0, u + 1), ("plain", 0))]
+                options = [
+                    (prices.verify(1) + g_ok * after(1, u + 2) + (1 - g_ok) * after(0, u + 1), ("guess", 1)),
+                    (prices.verify(0) + after(0, u + 1), ("plain", 0)),
+                ]
                 for g in range(1, gamma_max + 1):
                     chain = [(p_draft if k == 0 else p_later)[rows[min(j + k, n - 1)]] for k in range(g)]
-                    options.append((prices.drafter(u) + (g - 1) * prices.drafter(1) + prices.verify(g)
-                                    + _chain_expectation(chain, lambda k: after(k, 2 if k == g else 1)), ("draft", g)))
+                    options.append(
+                        (
+                            prices.drafter(u)
+                            + (g - 1) * prices.drafter(1)
+                            + prices.verify(g)
+                            + _chain_expectation(chain, lambda k: after(k, 2 if k == g else 1)),
+                            ("draft", g),
+                        )
+                    )
                     if data["lookup_len"][i] and g <= data["lookup_len"][i]:
                         first = lookup_first.get(int(matched[i]), 0.0)
-                        options.append((prices.verify(g) + _chain_expectation([first] + [lookup_later] * (g - 1),
-                                                                              lambda k: after(k, u + 1 + k)),
-                                        ("lookup", g)))
+                        options.append(
+                            (
+                                prices.verify(g)
+                                + _chain_expectation([first] + [lookup_later] * (g - 1), lambda k: after(k, u + 1 + k)),
+                                ("lookup", g),
+                            )
+                        )
                 expected[j, u], plans[int(i), u] = min(options, key=lambda option: option[0])
     return lambda i, state: plans[int(i), min(state["unread"], unread)]
 
 
-KNOWLEDGE = {"lookup": "how far each lookup match runs", "skip": "which first drafts the target rejects",
-             "stop": "where each chain of accepted drafts breaks"}
+KNOWLEDGE = {
+    "lookup": "how far each lookup match runs",
+    "skip": "which first drafts the target rejects",
+    "stop": "where each chain of accepted drafts breaks",
+}
 
 
-def informed_policy(data: dict[str, np.ndarray], schedule: Callable[[int, dict], Choice], know: str,
-                    gamma_max: int) -> Callable[[int, dict], Choice]:
+def informed_policy(
+    data: dict[str, np.ndarray], schedule: Callable[[int, dict], Choice], know: str, gamma_max: int
+) -> Callable[[int, dict], Choice]:
     """The schedule told one kind of outcome (``KNOWLEDGE``), to ask where the oracle's gain lies: take
     every lookup match exactly as far as the target accepts it ("lookup"); give a round whose first draft
     the target would reject a guess instead of the drafter step ("skip"); draft a round whose first draft
@@ -378,7 +473,9 @@ def informed_policy(data: dict[str, np.ndarray], schedule: Callable[[int, dict],
 
     def run(i: int) -> int:
         k = 0
-        while k < gamma_max and i + k <= last and data["prompt"][i + k] == data["prompt"][i] and data["draft_ok"][i + k]:
+        while (
+            k < gamma_max and i + k <= last and data["prompt"][i + k] == data["prompt"][i] and data["draft_ok"][i + k]
+        ):
             k += 1
         return k
 
@@ -399,8 +496,9 @@ def informed_policy(data: dict[str, np.ndarray], schedule: Callable[[int, dict],
     return policy
 
 
-def peeking_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int,
-                   calibration: AcceptanceCalibration | None = None) -> Callable[[int, dict], Choice]:
+def peeking_policy(
+    data: dict[str, np.ndarray], prices: Prices, gamma_max: int, calibration: AcceptanceCalibration | None = None
+) -> Callable[[int, dict], Choice]:
     """The default told, before each round, the confidence of every draft the round could make -- the
     foresight's knowledge, but planned with the runtime's own per-request estimates, lookup choice and price
     of time (the foresight plans with the whole set's rates, so it cannot follow one request as the runtime
@@ -438,8 +536,12 @@ def peeking_policy(data: dict[str, np.ndarray], prices: Prices, gamma_max: int,
 
 def _schedule_costs(prices: Prices, gamma_max: int) -> CostModel:
     """The cost model the runtime's schedule would measure at these prices."""
-    return CostModel(prices.drafter(1), {n: prices.verify(n - 1) - prices.outside for n in range(1, gamma_max + 2)},
-                     catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0), overhead=prices.outside)
+    return CostModel(
+        prices.drafter(1),
+        {n: prices.verify(n - 1) - prices.outside for n in range(1, gamma_max + 2)},
+        catch_up=max(prices.drafter(2) - prices.drafter(1), 0.0),
+        overhead=prices.outside,
+    )
 
 
 def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -> float:
@@ -451,9 +553,16 @@ def _chain_expectation(acceptance: list[float], after: Callable[[int], float]) -
     return total + survive * after(len(acceptance))
 
 
-def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, gamma_max: int = 4,
-                    calibration: AcceptanceCalibration | None = None, learn_drops: bool = True,
-                    rate_scale: float = 1.0, check_next: bool = True) -> Callable[[int, dict], Choice]:
+def adaptive_policy(
+    data: dict[str, np.ndarray],
+    prices: Prices,
+    lookup: bool,
+    gamma_max: int = 4,
+    calibration: AcceptanceCalibration | None = None,
+    learn_drops: bool = True,
+    rate_scale: float = 1.0,
+    check_next: bool = True,
+) -> Callable[[int, dict], Choice]:
     """The runtime's schedule as the chain's planner runs it: a lookup match when ``LookupChoice``
     takes it, else a round planned by :class:`AdaptiveGamma` whose :class:`DraftRound` sees each
     draft's recorded confidence, else a free guess.  One calibration is carried over every prompt, as
@@ -487,8 +596,9 @@ def adaptive_policy(data: dict[str, np.ndarray], prices: Prices, lookup: bool, g
             spare = 0.0
         if lookup and data["lookup_len"][i]:
             model_rate = schedule.plan(costs, spare).rate
-            take = choice.lookup_gamma(int(data["lookup_len"][i]), int(data["lookup_match"][i]), costs, gamma_max,
-                                       model_rate, adaptive=True)
+            take = choice.lookup_gamma(
+                int(data["lookup_len"][i]), int(data["lookup_match"][i]), costs, gamma_max, model_rate, adaptive=True
+            )
             if take:
                 return "lookup", take
         rule = schedule.begin_round(costs, spare=spare)
@@ -528,64 +638,94 @@ def load_signals(paths: list[Path]) -> dict[str, np.ndarray]:
     return {name: np.concatenate([part[name] for part in parts]) for name in shared}
 
 
-def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one_row: bool = False,
-            gamma_max: int = ChainConfig.gamma, warm_up: list[Path] = (), warm_up_category: str | None = None,
-            learn_drops: bool = True, rate_scale: float = 1.0, orders: int = 1,
-            drafter_ms: float | None = None) -> None:
+def analyze(
+    paths: list[Path],
+    bench_json: Path,
+    machine: str | None = None,
+    one_row: bool = False,
+    gamma_max: int = ChainConfig.gamma,
+    warm_up: list[Path] = (),
+    warm_up_category: str | None = None,
+    learn_drops: bool = True,
+    rate_scale: float = 1.0,
+    orders: int = 1,
+    drafter_ms: float | None = None,
+) -> None:
     data = load_signals(paths)
     prices = Prices.of_machine(machine) if machine else Prices.measured(bench_json)
     prices.min_rows = 1 if one_row else 2
     if drafter_ms is not None:
         prices = prices.with_drafter(drafter_ms / 1e3)
-    start = {lookup: warmed_calibration(warm_up, warm_up_category, prices, lookup, gamma_max, learn_drops)
-             for lookup in (False, True)}
-    schedule = lambda lookup, answers=data: adaptive_policy(answers, prices, lookup, gamma_max, start[lookup],
-                                                           learn_drops, rate_scale)
-    print(f"prices (ms): target {({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())})}, drafter "
-          f"{({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())})}, head {1e3 * prices.head:.2f}, "
-          f"outside ORT per round {1e3 * prices.outside:.2f}")
-    print(f"{len(data['prompt'])} positions; drafter accepted {data['draft_ok'].mean():.3f}, "
-          f"free guess {data['guess_ok'].mean():.3f}, lookup available {(data['lookup_len'] > 0).mean():.3f}")
+    start = {
+        lookup: warmed_calibration(warm_up, warm_up_category, prices, lookup, gamma_max, learn_drops)
+        for lookup in (False, True)
+    }
+    schedule = lambda lookup, answers=data: adaptive_policy(
+        answers, prices, lookup, gamma_max, start[lookup], learn_drops, rate_scale
+    )
+    print(
+        f"prices (ms): target { ({n: round(1e3 * t, 1) for n, t in sorted(prices.target.items())}) }, drafter "
+        f"{ ({n: round(1e3 * t, 1) for n, t in sorted(prices.draft.items())}) }, head {1e3 * prices.head:.2f}, "
+        f"outside ORT per round {1e3 * prices.outside:.2f}"
+    )
+    print(
+        f"{len(data['prompt'])} positions; drafter accepted {data['draft_ok'].mean():.3f}, "
+        f"free guess {data['guess_ok'].mean():.3f}, lookup available {(data['lookup_len'] > 0).mean():.3f}"
+    )
     accepted = data["draft_ok"].astype(bool)
     same_prompt = np.r_[False, data["prompt"][1:] == data["prompt"][:-1]]
     previous_ok = np.where(same_prompt, np.r_[True, accepted[:-1]], True).astype(float)
-    signals = {"drafter confidence (costs the step)": data["draft_conf"], "target top-p of the pending token":
-               data["target_top"], "target margin top1-top2": data["target_margin"],
-               "minus target entropy": -data["target_entropy"], "previous position accepted": previous_ok,
-               "n-gram match length": data["guess_match"].astype(float)}
+    signals = {
+        "drafter confidence (costs the step)": data["draft_conf"],
+        "target top-p of the pending token": data["target_top"],
+        "target margin top1-top2": data["target_margin"],
+        "minus target entropy": -data["target_entropy"],
+        "previous position accepted": previous_ok,
+        "n-gram match length": data["guess_match"].astype(float),
+    }
     if "pending_q" in data:  # the drafter's probability of the token the round starts from (known before its step)
         signals["drafter's probability of the pending token"] = data["pending_q"]
     for name, score in signals.items():
         print(f"AUC for 'draft accepted', {name}: {auc(score, accepted):.3f}")
     after_miss = same_prompt & (previous_ok == 0)  # the rounds that start from a target's correction
     if "pending_q" in data and 0 < accepted[after_miss].mean() < 1:
-        print(f"  after a rejected draft ({after_miss.sum()} positions): drafter confidence "
-              f"{auc(data['draft_conf'][after_miss], accepted[after_miss]):.3f}, drafter's probability of the "
-              f"pending token {auc(data['pending_q'][after_miss], accepted[after_miss]):.3f}")
+        print(
+            f"  after a rejected draft ({after_miss.sum()} positions): drafter confidence "
+            f"{auc(data['draft_conf'][after_miss], accepted[after_miss]):.3f}, drafter's probability of the "
+            f"pending token {auc(data['pending_q'][after_miss], accepted[after_miss]):.3f}"
+        )
     with_lookup = lambda i, state: ("lookup", 1) if data["lookup_len"][i] else ("draft", 1)
     skip_unsure = lambda i, state: ("guess", 1) if data["target_top"][i] < 0.3 else ("draft", 1)
     long_lookup = lambda i, state: ("lookup", 2) if data["lookup_match"][i] >= 4 else ("draft", 1)
+
     def extend_when_sure(i: int, state: dict, sure: float = 0.95) -> Choice:
         """Prescient: up to three drafts while the drafter's confidence in each (known before drafting
         it only here) stays above ``sure``."""
         drafts = 1
-        while (drafts < 3 and i + drafts < len(data["prompt"]) and data["prompt"][i + drafts] == data["prompt"][i]
-               and min(data["draft_conf"][i + drafts - 1], data["draft_conf"][i + drafts]) >= sure):
+        while (
+            drafts < 3
+            and i + drafts < len(data["prompt"])
+            and data["prompt"][i + drafts] == data["prompt"][i]
+            and min(data["draft_conf"][i + drafts - 1], data["draft_conf"][i + drafts]) >= sure
+        ):
             drafts += 1
         return "draft", drafts
 
     sweep = sorted({g for g in (1, 2, 3, 4, 6, 8) if g <= gamma_max} | {gamma_max})  # as the bench sweeps
     policies = {f"fixed γ={g}": fixed_gamma(g) for g in sweep}
-    policies.update({
-        "fixed γ=1 + lookup": with_lookup,
-        "adaptive (runtime schedule)": schedule(lookup=False),
-        "adaptive + lookup (runtime default)": schedule(lookup=True),
-        "skip when target top-p < 0.3": skip_unsure,
-        "lookup (γ=2) only on 4-token matches": long_lookup,
-        "prescient: skip when drafter conf < 0.4": lambda i, state: ("guess", 1) if data["draft_conf"][i] < 0.4
-        else ("draft", 1),
-        "prescient: extend while drafter conf ≥ .95": extend_when_sure,
-    })
+    policies.update(
+        {
+            "fixed γ=1 + lookup": with_lookup,
+            "adaptive (runtime schedule)": schedule(lookup=False),
+            "adaptive + lookup (runtime default)": schedule(lookup=True),
+            "skip when target top-p < 0.3": skip_unsure,
+            "lookup (γ=2) only on 4-token matches": long_lookup,
+            "prescient: skip when drafter conf < 0.4": lambda i, state: (
+                ("guess", 1) if data["draft_conf"][i] < 0.4 else ("draft", 1)
+            ),
+            "prescient: extend while drafter conf ≥ .95": extend_when_sure,
+        }
+    )
     results = {name: replay(data, prices, policy) for name, policy in policies.items()}
     results["foresight: every confidence known"] = replay(data, prices, foresight_policy(data, prices, gamma_max))
     results["oracle (every outcome known)"] = oracle(data, prices, gamma_max)
@@ -593,16 +733,24 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
     categories = sorted(base)
     print(f"{'policy':40s} {'overall':>8s} " + " ".join(f"{c[:8]:>8s}" for c in categories))
     for name, result in results.items():
-        overall = _rate(result, [c for c in categories if c != "low-acceptance"]) / _rate(base, [c for c in categories if c != "low-acceptance"])
+        overall = _rate(result, [c for c in categories if c != "low-acceptance"]) / _rate(
+            base, [c for c in categories if c != "low-acceptance"]
+        )
         cells = " ".join(f"{_rate(result, [c]) / _rate(base, [c]):8.3f}" for c in categories)
         print(f"{name:40s} {overall:8.3f} {cells}")
     print("(speed relative to fixed γ = 1; overall leaves the low-acceptance set out)")
     mixed = [c for c in categories if c != "low-acceptance"]
     oracle_gain = _rate(results["oracle (every outcome known)"], mixed) / _rate(base, mixed) - 1
-    for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)", "foresight: every confidence known"):
+    for name in (
+        "adaptive (runtime schedule)",
+        "adaptive + lookup (runtime default)",
+        "foresight: every confidence known",
+    ):
         gain = _rate(results[name], mixed) / _rate(base, mixed) - 1
-        print(f"{name}: {gain / oracle_gain:.2f} of the oracle's gain over fixed γ = 1 "
-              f"({100 * gain:+.1f}% against {100 * oracle_gain:+.1f}%)")
+        print(
+            f"{name}: {gain / oracle_gain:.2f} of the oracle's gain over fixed γ = 1 "
+            f"({100 * gain:+.1f}% against {100 * oracle_gain:+.1f}%)"
+        )
     told = {what: informed_policy(data, schedule(lookup=True), know, gamma_max) for know, what in KNOWLEDGE.items()}
     told["every draft's confidence of a round before its steps"] = peeking_policy(data, prices, gamma_max, start[True])
     for what, policy in told.items():  # where the rest of the oracle's gain lies
@@ -611,8 +759,10 @@ def analyze(paths: list[Path], bench_json: Path, machine: str | None = None, one
     fixed = [results[f"fixed γ={g}"] for g in sweep]
     for name in ("adaptive (runtime schedule)", "adaptive + lookup (runtime default)"):
         overall, worst, where = against_best_fixed(results[name], fixed)
-        print(f"{name}: {overall:.3f}x the best single fixed γ overall; worst category {where} "
-              f"{worst:.3f}x its best fixed γ")
+        print(
+            f"{name}: {overall:.3f}x the best single fixed γ overall; worst category {where} "
+            f"{worst:.3f}x its best fixed γ"
+        )
     if orders > 1:
         order_spread(data, prices, sweep, orders, schedule)
 
@@ -622,8 +772,9 @@ def fixed_gamma(gamma: int) -> Callable[[int, dict], Choice]:
     return lambda i, state: ("draft", gamma)
 
 
-def against_best_fixed(result: dict[str, tuple[float, int]], fixed: list[dict[str, tuple[float, int]]]
-                       ) -> tuple[float, float, str]:
+def against_best_fixed(
+    result: dict[str, tuple[float, int]], fixed: list[dict[str, tuple[float, int]]]
+) -> tuple[float, float, str]:
     """``result`` against the best of the ``fixed`` γ replays: overall (the low-acceptance set left out),
     and in its worst category against that category's best (ratio, category)."""
     categories = sorted(result)
@@ -641,8 +792,13 @@ def shuffled(data: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
     return {**data, "prompt": np.array([renumber[p] for p in data["prompt"]])}
 
 
-def order_spread(data: dict[str, np.ndarray], prices: Prices, sweep: list[int], orders: int,
-                 schedule: Callable[..., Callable[[int, dict], Choice]]) -> None:
+def order_spread(
+    data: dict[str, np.ndarray],
+    prices: Prices,
+    sweep: list[int],
+    orders: int,
+    schedule: Callable[..., Callable[[int, dict], Choice]],
+) -> None:
     """The schedule (``schedule(lookup, answers)``, with and without lookup) against the best single fixed
     γ of ``sweep``, overall and in its worst category, over ``orders`` orders of the answers (the file's
     own, then seeded shuffles): the carried calibration makes a category's figure depend on which answers
@@ -655,13 +811,16 @@ def order_spread(data: dict[str, np.ndarray], prices: Prices, sweep: list[int], 
             rows[lookup].append(against_best_fixed(replay(order, prices, schedule(lookup, order)), fixed))
     for lookup, name in ((False, "adaptive (runtime schedule)"), (True, "adaptive + lookup (runtime default)")):
         overall, worst, where = zip(*rows[lookup])
-        print(f"{name}, {orders} orders: {np.mean(overall):.3f}x the best single fixed γ overall (lowest "
-              f"{min(overall):.3f}); worst category {np.mean(worst):.3f}x its best fixed γ (lowest {min(worst):.3f}, "
-              f"{where[int(np.argmin(worst))]})")
+        print(
+            f"{name}, {orders} orders: {np.mean(overall):.3f}x the best single fixed γ overall (lowest "
+            f"{min(overall):.3f}); worst category {np.mean(worst):.3f}x its best fixed γ (lowest {min(worst):.3f}, "
+            f"{where[int(np.argmin(worst))]})"
+        )
 
 
-def warmed_calibration(paths: list[Path], category: str | None, prices: Prices, lookup: bool,
-                       gamma_max: int, learn_drops: bool = True) -> AcceptanceCalibration | None:
+def warmed_calibration(
+    paths: list[Path], category: str | None, prices: Prices, lookup: bool, gamma_max: int, learn_drops: bool = True
+) -> AcceptanceCalibration | None:
     """The calibration the schedule carries out of replaying ``paths`` (only their ``category`` answers,
     if given): the state a user's earlier requests leave, which the engine keeps across requests and
     processes.  None without ``paths`` (a fresh calibration)."""
@@ -694,17 +853,24 @@ def signal_value(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> N
 
     drafter_side = lambda data: [np.log(np.clip(data["draft_second"], 1e-6, 1)), data["draft_entropy"]]
     hidden = lambda data: list(data["draft_hidden"].astype(np.float64).T)
-    models = {"drafter confidence": ([], (), 0.0),
-              "drafter confidence + target top-p, margin, entropy, previous outcome": ([target_side], (), 0.0),
-              "drafter confidence + its second probability and entropy": ([drafter_side], ("draft_second",), 0.0)}
+    models = {
+        "drafter confidence": ([], (), 0.0),
+        "drafter confidence + target top-p, margin, entropy, previous outcome": ([target_side], (), 0.0),
+        "drafter confidence + its second probability and entropy": ([drafter_side], ("draft_second",), 0.0),
+    }
     for ridge in (0.003, 0.03, 0.3):
-        models[f"drafter confidence + its hidden state (ridge {ridge})"] = ([drafter_side, hidden], ("draft_hidden",), ridge)
+        models[f"drafter confidence + its hidden state (ridge {ridge})"] = (
+            [drafter_side, hidden],
+            ("draft_hidden",),
+            ridge,
+        )
     for name, (parts, needs, ridge) in models.items():
         if any(field not in train or field not in test for field in needs):
             continue
         columns = lambda data: np.stack([odds(data["draft_conf"])] + [c for part in parts for c in part(data)], axis=1)
-        loss, score = _held_out(columns(train), train["draft_ok"].astype(float), columns(test),
-                                test["draft_ok"].astype(bool), ridge)
+        loss, score = _held_out(
+            columns(train), train["draft_ok"].astype(float), columns(test), test["draft_ok"].astype(bool), ridge
+        )
         print(f"held-out 'draft accepted' from {name}: log-loss {loss:.4f}, AUC {score:.3f}")
     before_the_step(train, test)
 
@@ -744,24 +910,34 @@ def before_the_step(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) -
     previous = lambda data, at: [odds(data["draft_conf"][at])]
     probe = lambda data, at: previous(data, at) + list(data["draft_hidden"][at].astype(np.float64).T)
     revealed = lambda data, at: [odds(data["draft_conf"][at + 1])]
-    models = {"the previous draft's confidence": (previous, (), 0.0),
-              "the previous draft's confidence and hidden state (ridge 0.3)": (probe, ("draft_hidden",), 0.3),
-              "its own confidence, which its step reveals": (revealed, (), 0.0)}
-    target = lambda data, at: [odds(data["target_top"][at + 1]), data["target_margin"][at + 1],
-                               -data["target_entropy"][at + 1]]
+    models = {
+        "the previous draft's confidence": (previous, (), 0.0),
+        "the previous draft's confidence and hidden state (ridge 0.3)": (probe, ("draft_hidden",), 0.3),
+        "its own confidence, which its step reveals": (revealed, (), 0.0),
+    }
+    target = lambda data, at: [
+        odds(data["target_top"][at + 1]),
+        data["target_margin"][at + 1],
+        -data["target_entropy"][at + 1],
+    ]
     pending = lambda data, at: target(data, at) + [odds(data["pending_q"][at + 1])]
-    first = {"the target's top-p, margin and entropy at the correction": (target, (), 0.0),
-             "those and the drafter's probability of the correction": (pending, ("pending_q",), 0.0),
-             "its own confidence, which its step reveals": (revealed, (), 0.0)}
-    for what, after_accepted, kinds in (("next draft accepted", True, models),
-                                        ("first draft after a rejection accepted", False, first)):
+    first = {
+        "the target's top-p, margin and entropy at the correction": (target, (), 0.0),
+        "those and the drafter's probability of the correction": (pending, ("pending_q",), 0.0),
+        "its own confidence, which its step reveals": (revealed, (), 0.0),
+    }
+    for what, after_accepted, kinds in (
+        ("next draft accepted", True, models),
+        ("first draft after a rejection accepted", False, first),
+    ):
         at, test_at = _followed(train, after_accepted), _followed(test, after_accepted)
         y, yt = train["draft_ok"][at + 1].astype(float), test["draft_ok"][test_at + 1].astype(bool)
         for name, (columns, needs, ridge) in kinds.items():
             if any(field not in train or field not in test for field in needs):
                 continue
-            loss, score = _held_out(np.stack(columns(train, at), axis=1), y,
-                                    np.stack(columns(test, test_at), axis=1), yt, ridge)
+            loss, score = _held_out(
+                np.stack(columns(train, at), axis=1), y, np.stack(columns(test, test_at), axis=1), yt, ridge
+            )
             print(f"held-out '{what}' (before its step) from {name}: log-loss {loss:.4f}, AUC {score:.3f}")
 
 

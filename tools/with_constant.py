@@ -25,8 +25,9 @@ def override(assignment: str) -> None:
     name, _, value = assignment.partition("=")
     owners = [m for m in MODULES if isinstance(getattr(m, name, None), (int, float)) and not name.startswith("_")]
     if not owners or not value:
-        raise SystemExit(f"with_constant: {assignment!r} is not NAME=NUMBER for a number in "
-                         f"{', '.join(m.__name__ for m in MODULES)}")
+        raise SystemExit(
+            f"with_constant: {assignment!r} is not NAME=NUMBER for a number in {', '.join(m.__name__ for m in MODULES)}"
+        )
     for module in owners:
         setattr(module, name, type(getattr(module, name))(value))
 
@@ -40,7 +41,7 @@ def main() -> None:
     split = args.index("--")
     for assignment in args[:split]:
         override(assignment)
-    command = args[split + 1:]
+    command = args[split + 1 :]
     sys.argv = command
     if command[0] == "edge-spec":
         from edge_spec.cli import main as cli

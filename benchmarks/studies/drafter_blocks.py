@@ -50,20 +50,24 @@ def step_median_ms(body: Decoder, steps: int) -> float:
 
 
 def acceptance(bundle: Path, gamma: int, temperature: float, threads: int, max_tokens: int) -> str:
-    engine = Engine.from_bundle(bundle, threads=threads,
-                                config=loop_config("spec", schedule="fixed", gamma=gamma, lookup=False))
+    engine = Engine.from_bundle(
+        bundle, threads=threads, config=loop_config("spec", schedule="fixed", gamma=gamma, lookup=False)
+    )
     accepted, steps, draft_seconds = [], 0, 0.0
     sampled = {} if temperature == 0 else {"seed": 7, "sampler": "coupled"}
     for item in load_bench_prompts(None, None, None):
-        summary = engine.complete(as_messages(item["prompt"]), max_new_tokens=max_tokens,
-                                  temperature=temperature, **sampled).stats.spec
+        summary = engine.complete(
+            as_messages(item["prompt"]), max_new_tokens=max_tokens, temperature=temperature, **sampled
+        ).stats.spec
         accepted += summary.accepted_lengths
         steps += summary.draft_steps
         draft_seconds += summary.draft_seconds
     lengths = np.array(accepted)
     by_position = [float(np.mean(lengths[lengths >= i] >= i + 1)) for i in range(gamma)]
-    return (f"τ {1 + lengths.mean():.3f} over {len(lengths)} rounds, acceptance by position "
-            f"{' / '.join(f'{a:.3f}' for a in by_position)}, draft step in the loop {1e3 * draft_seconds / steps:.2f} ms")
+    return (
+        f"τ {1 + lengths.mean():.3f} over {len(lengths)} rounds, acceptance by position "
+        f"{' / '.join(f'{a:.3f}' for a in by_position)}, draft step in the loop {1e3 * draft_seconds / steps:.2f} ms"
+    )
 
 
 def main() -> None:
@@ -79,16 +83,26 @@ def main() -> None:
     args = parser.parse_args()
 
     blocks = {bundle: drafter_blocks(bundle) for bundle in args.bundles}
-    bodies = {bundle: Decoder(bundle / read_manifest(bundle)["draft"]["onnx"], threads=args.threads, takes_turns=True)
-              for bundle in args.bundles}
+    bodies = {
+        bundle: Decoder(bundle / read_manifest(bundle)["draft"]["onnx"], threads=args.threads, takes_turns=True)
+        for bundle in args.bundles
+    }
     for turn in range(args.rounds):
-        print(f"round {turn + 1}: " + ", ".join(f"blocks of {blocks[b]} {step_median_ms(body, args.steps):.2f} ms"
-                                               for b, body in bodies.items()), flush=True)
+        print(
+            f"round {turn + 1}: "
+            + ", ".join(
+                f"blocks of {blocks[b]} {step_median_ms(body, args.steps):.2f} ms" for b, body in bodies.items()
+            ),
+            flush=True,
+        )
     del bodies
     if args.acceptance:
         for bundle in args.bundles:
-            print(f"{bundle} (blocks of {blocks[bundle]}), γ {args.gamma}, T {args.temperature}: "
-                  f"{acceptance(bundle, args.gamma, args.temperature, args.threads, args.max_tokens)}", flush=True)
+            print(
+                f"{bundle} (blocks of {blocks[bundle]}), γ {args.gamma}, T {args.temperature}: "
+                f"{acceptance(bundle, args.gamma, args.temperature, args.threads, args.max_tokens)}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -96,10 +96,18 @@ def reference_runs(model, tokenizer, text_ids: list[int], tokens: int, threads: 
         for prompt in PROMPTS:
             ids = chat_ids(tokenizer, prompt)
             start = time.perf_counter()
-            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, top_p=None,
-                                 top_k=None, temperature=None, eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=tokens,
+                do_sample=False,
+                top_p=None,
+                top_k=None,
+                temperature=None,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             seconds += time.perf_counter() - start
-            greedy.append([int(t) for t in out[0, len(ids):]])
+            greedy.append([int(t) for t in out[0, len(ids) :]])
             new += len(greedy[-1])
     return {"logits": logits, "greedy": greedy, "tps": new / seconds}
 
@@ -135,9 +143,11 @@ def compare(ref: dict, ours: dict, text_ids: list[int]) -> dict:
         prefix.append(same)
     return {
         "dlogp": float(np.abs(our_lp - ref_lp).mean()),
-        "nll_ref": float(-ref_lp.mean()), "nll": float(-our_lp.mean()),
+        "nll_ref": float(-ref_lp.mean()),
+        "nll": float(-our_lp.mean()),
         "top1": float((ref_top == our_top).mean()),
-        "prefix": prefix, "identical": sum(a == b for a, b in zip(ref["greedy"], ours["greedy"])),
+        "prefix": prefix,
+        "identical": sum(a == b for a, b in zip(ref["greedy"], ours["greedy"])),
         "tps": ours["tps"],
     }
 
@@ -147,8 +157,12 @@ def main() -> None:
     parser.add_argument("gguf", nargs="+", type=Path)
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-level0", action="store_true", help="skip the accuracy-level-0 export (its fp32 "
-                        "activations run slowly on large models; it only isolates the weights' share)")
+    parser.add_argument(
+        "--no-level0",
+        action="store_true",
+        help="skip the accuracy-level-0 export (its fp32 "
+        "activations run slowly on large models; it only isolates the weights' share)",
+    )
     args = parser.parse_args()
     variants = [v for v in VARIANTS if not (args.no_level0 and v[1] == 0)]
 
@@ -163,9 +177,14 @@ def main() -> None:
         rows.append((gguf.stem, "transformers fp32", None, ref["tps"]))
         with tempfile.TemporaryDirectory() as tmp:
             for blocks, level in variants:
-                options = BuildOptions("int4", accuracy_level=level, context_length=1024,
-                                       gguf_blocks=blocks != "requantize", carry_exact=blocks == "carry-exact",
-                                       carry_narrow=blocks == "carry-small")
+                options = BuildOptions(
+                    "int4",
+                    accuracy_level=level,
+                    context_length=1024,
+                    gguf_blocks=blocks != "requantize",
+                    carry_exact=blocks == "carry-exact",
+                    carry_narrow=blocks == "carry-small",
+                )
                 path = Path(tmp) / f"{blocks}{level}.onnx"
                 save_model(build_decoder(weights, options), path)
                 result = compare(ref, onnx_runs(path, tokenizer, text_ids, args.tokens, args.threads), text_ids)
@@ -173,15 +192,19 @@ def main() -> None:
                 print(f"  {blocks}, accuracy level {level}: done", flush=True)
         del model
 
-    print(f"\n| model | export | mean abs dlogp | NLL (ref) | top-1 agree | greedy tokens equal to transformers "
-          f"(first difference, per prompt of {args.tokens}) | identical prompts | tok/s ({args.threads} threads) |")
+    print(
+        f"\n| model | export | mean abs dlogp | NLL (ref) | top-1 agree | greedy tokens equal to transformers "
+        f"(first difference, per prompt of {args.tokens}) | identical prompts | tok/s ({args.threads} threads) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, variant, r, tps in rows:
         if r is None:
             print(f"| {name} | {variant} | | | | | | {tps:.1f} |")
             continue
-        print(f"| {name} | {variant} | {r['dlogp']:.4f} | {r['nll']:.4f} ({r['nll_ref']:.4f}) | {r['top1']:.3f} | "
-              f"{'/'.join(map(str, r['prefix']))} | {r['identical']}/{len(PROMPTS)} | {tps:.1f} |")
+        print(
+            f"| {name} | {variant} | {r['dlogp']:.4f} | {r['nll']:.4f} ({r['nll_ref']:.4f}) | {r['top1']:.3f} | "
+            f"{'/'.join(map(str, r['prefix']))} | {r['identical']}/{len(PROMPTS)} | {tps:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,27 @@ def matmul_session(k: int, n: int, block_size: int, accuracy_level: int, threads
     rng = np.random.default_rng(0)
     weights = rng.integers(0, 255, (n, k // block_size, block_size // 2), dtype=np.uint8)
     scales = (rng.random(n * k // block_size) * 0.01).astype(np.float32)
-    node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=block_size, accuracy_level=accuracy_level)
-    graph = helper.make_graph([node], "matmul", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
-                              [numpy_helper.from_array(weights, "B"), numpy_helper.from_array(scales, "scales")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    node = helper.make_node(
+        "MatMulNBits",
+        ["A", "B", "scales"],
+        ["Y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=4,
+        block_size=block_size,
+        accuracy_level=accuracy_level,
+    )
+    graph = helper.make_graph(
+        [node],
+        "matmul",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(weights, "B"), numpy_helper.from_array(scales, "scales")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -64,8 +79,11 @@ def main() -> None:
         session = matmul_session(k, n, block, level, args.threads)
         times = [median_microseconds(session, m, k, args.repeats) for m in rows]
         per_row = " ".join(f"{t / times[0]:.2f}" for t in times)
-        print(f"K={k} N={n} block {block} level {level} ({what}): "
-              + " ".join(f"{t:.0f}" for t in times) + f"   (x M=1: {per_row})")
+        print(
+            f"K={k} N={n} block {block} level {level} ({what}): "
+            + " ".join(f"{t:.0f}" for t in times)
+            + f"   (x M=1: {per_row})"
+        )
 
 
 if __name__ == "__main__":

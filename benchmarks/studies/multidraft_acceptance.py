@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from edge_spec.bench import load_bench_prompts
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.verify.tree import expected_acceptance
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
+from edge_spec.runtime.verify.tree import expected_acceptance
 
 SCHEMES = ("single", "rrs", "rrs-wor", "spechub")
 
@@ -47,8 +47,14 @@ def measure(engine: Engine, prompts: list[dict], temperature: float, tokens: int
             p = logits_to_probs(target_logits, params)
             probs = logits_to_probs(draft_logits, params)
             q = probs if draft_ids is None else scatter_probs(probs, draft_ids, len(p), validate=False)
-            rows.append({"category": item["category"], "prompt_index": index,
-                         **{s: expected_acceptance(s, q, p) for s in SCHEMES}, "q_top": float(q.max())})
+            rows.append(
+                {
+                    "category": item["category"],
+                    "prompt_index": index,
+                    **{s: expected_acceptance(s, q, p) for s in SCHEMES},
+                    "q_top": float(q.max()),
+                }
+            )
             x = sample(p, rng)
             if x in engine.tokenizer.eos_token_ids:
                 break
@@ -63,9 +69,14 @@ def summarize(rows: list[dict]) -> dict[str, dict[str, float]]:
     for r in rows:
         groups[r["category"]].append(r)
         groups["overall"].append(r)
-    return {c: {**{s: float(np.mean([r[s] for r in g])) for s in SCHEMES}, "positions": len(g),
-                "q_top": float(np.mean([r["q_top"] for r in g]))}
-            for c, g in sorted(groups.items(), key=lambda kv: (kv[0] == "overall", kv[0]))}
+    return {
+        c: {
+            **{s: float(np.mean([r[s] for r in g])) for s in SCHEMES},
+            "positions": len(g),
+            "q_top": float(np.mean([r["q_top"] for r in g])),
+        }
+        for c, g in sorted(groups.items(), key=lambda kv: (kv[0] == "overall", kv[0]))
+    }
 
 
 def main() -> None:
@@ -88,12 +99,17 @@ def main() -> None:
             summary = summarize(measure(engine, prompts, temperature, args.tokens, args.seed))
             results[f"{head}@T{temperature}"] = summary
             print(f"\nhead {head}, T = {temperature}: expected accepted first tokens per target call (k = 2)")
-            print(f"{'category':14s} {'positions':>9s} {'q top':>6s} " + " ".join(f"{s:>8s}" for s in SCHEMES)
-                  + "  spechub-rrs  spechub-wor")
+            print(
+                f"{'category':14s} {'positions':>9s} {'q top':>6s} "
+                + " ".join(f"{s:>8s}" for s in SCHEMES)
+                + "  spechub-rrs  spechub-wor"
+            )
             for category, row in summary.items():
-                print(f"{category:14s} {row['positions']:9d} {row['q_top']:6.3f} "
-                      + " ".join(f"{row[s]:8.4f}" for s in SCHEMES)
-                      + f"  {row['spechub'] - row['rrs']:+11.4f}  {row['spechub'] - row['rrs-wor']:+11.4f}")
+                print(
+                    f"{category:14s} {row['positions']:9d} {row['q_top']:6.3f} "
+                    + " ".join(f"{row[s]:8.4f}" for s in SCHEMES)
+                    + f"  {row['spechub'] - row['rrs']:+11.4f}  {row['spechub'] - row['rrs-wor']:+11.4f}"
+                )
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "acceptance.json").write_text(json.dumps(results, indent=1))
 

@@ -61,39 +61,94 @@ def main() -> None:
     ap.add_argument("--head", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0, help="record sampled answers (coupled sampling, "
-                    "so that they replay exactly), seeded as bench seeds them")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="record sampled answers (coupled sampling, so that they replay exactly), seeded as bench seeds them",
+    )
     ap.add_argument("--seed", type=int, default=0, help="with --temperature: prompt i's answer uses seed + i")
     ap.add_argument("--prompts", type=Path, action="append", help="prompt file(s) (default: the bench set)")
     ap.add_argument("--output", type=Path, default=Path("bench-results/signals.npz"))
     ap.add_argument("--add-eagle", type=Path, metavar="FILE", help="add the EAGLE head's drafts to a signals file")
     ap.add_argument("--eagle-head", help="the EAGLE head's LM head for --add-eagle (default: the bundle's)")
-    ap.add_argument("--analyze", type=Path, nargs="+", help="replay policies on files this script wrote (several: "
-                    "one set of answers, e.g. sampled with several seeds), instead of collecting")
-    ap.add_argument("--costs", type=Path, default=Path("bench-results/schedule-final/bench.json"),
-                    help="bench.json whose measured pass latencies price the replayed rounds")
-    ap.add_argument("--gamma-max", type=int, default=ChainConfig.gamma, help="with --analyze: the longest round "
-                    "the schedule, the foresight and the oracle may plan, and the longest fixed γ replayed "
-                    "(default: the runtime's ceiling)")
-    ap.add_argument("--one-row", action="store_true", help="with --analyze: price one-row passes as exact (no pad "
-                    "row: a draft-less round is one row unless its guess pays for a second)")
-    ap.add_argument("--warm-up", type=Path, nargs="+", default=[], metavar="FILE", help="with --analyze: replay "
-                    "these signals files first, so that the schedule starts from the calibration they leave")
+    ap.add_argument(
+        "--analyze",
+        type=Path,
+        nargs="+",
+        help="replay policies on files this script wrote (several: "
+        "one set of answers, e.g. sampled with several seeds), instead of collecting",
+    )
+    ap.add_argument(
+        "--costs",
+        type=Path,
+        default=Path("bench-results/schedule-final/bench.json"),
+        help="bench.json whose measured pass latencies price the replayed rounds",
+    )
+    ap.add_argument(
+        "--gamma-max",
+        type=int,
+        default=ChainConfig.gamma,
+        help="with --analyze: the longest round "
+        "the schedule, the foresight and the oracle may plan, and the longest fixed γ replayed "
+        "(default: the runtime's ceiling)",
+    )
+    ap.add_argument(
+        "--one-row",
+        action="store_true",
+        help="with --analyze: price one-row passes as exact (no pad "
+        "row: a draft-less round is one row unless its guess pays for a second)",
+    )
+    ap.add_argument(
+        "--warm-up",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="with --analyze: replay "
+        "these signals files first, so that the schedule starts from the calibration they leave",
+    )
     ap.add_argument("--warm-up-category", help="with --warm-up: only this category's answers (e.g. translation)")
-    ap.add_argument("--ignore-drops", action="store_true", help="with --analyze: the schedule does not learn from "
-                    "the drafts it dropped (neither the table of later drafts nor a request's first-draft estimate)")
-    ap.add_argument("--rate-scale", type=float, default=1.0, help="with --analyze: replay the schedule with its "
-                    "stop rule's price of time scaled by this (is the rule tuned?)")
-    ap.add_argument("--orders", type=int, default=1, help="with --analyze: also replay the schedule over this many "
-                    "orders of the answers (the file's own, then seeded shuffles) and report the mean and lowest")
-    ap.add_argument("--fit-on", type=Path, metavar="FILE", help="with --analyze: fit a model of acceptance on "
-                    "every signal on this signals file and score it on the analyzed one (see signal_value); "
-                    f"'{HALVES}': fit on the answers to even-numbered prompts, score on the others")
-    ap.add_argument("--machine", help="price rounds with another machine's costs instead: target pass ms by rows, "
-                    "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)")
-    ap.add_argument("--drafter-ms", type=float, help="with --analyze: price every drafter step at this many ms "
-                    "(the same drafts and confidences: what the schedule and the oracle would reach with a "
-                    "drafter that cheap)")
+    ap.add_argument(
+        "--ignore-drops",
+        action="store_true",
+        help="with --analyze: the schedule does not learn from "
+        "the drafts it dropped (neither the table of later drafts nor a request's first-draft estimate)",
+    )
+    ap.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="with --analyze: replay the schedule with its "
+        "stop rule's price of time scaled by this (is the rule tuned?)",
+    )
+    ap.add_argument(
+        "--orders",
+        type=int,
+        default=1,
+        help="with --analyze: also replay the schedule over this many "
+        "orders of the answers (the file's own, then seeded shuffles) and report the mean and lowest",
+    )
+    ap.add_argument(
+        "--fit-on",
+        type=Path,
+        metavar="FILE",
+        help="with --analyze: fit a model of acceptance on "
+        "every signal on this signals file and score it on the analyzed one (see signal_value); "
+        f"'{HALVES}': fit on the answers to even-numbered prompts, score on the others",
+    )
+    ap.add_argument(
+        "--machine",
+        help="price rounds with another machine's costs instead: target pass ms by rows, "
+        "then the drafter step ms, e.g. 48,56,82,100,121/17.4 (the README machine)",
+    )
+    ap.add_argument(
+        "--drafter-ms",
+        type=float,
+        help="with --analyze: price every drafter step at this many ms "
+        "(the same drafts and confidences: what the schedule and the oracle would reach with a "
+        "drafter that cheap)",
+    )
     args = ap.parse_args()
     if args.drafter_ms is not None and args.drafter_ms <= 0:
         ap.error("--drafter-ms must be positive")
@@ -103,9 +158,19 @@ def main() -> None:
         data = load_signals(args.analyze)
         signal_value(*(prompt_halves(data) if args.fit_on == HALVES else (load_signals([args.fit_on]), data)))
     elif args.analyze:
-        analyze(args.analyze, args.costs, args.machine, args.one_row, args.gamma_max, args.warm_up,
-                args.warm_up_category, learn_drops=not args.ignore_drops, rate_scale=args.rate_scale,
-                orders=args.orders, drafter_ms=args.drafter_ms)
+        analyze(
+            args.analyze,
+            args.costs,
+            args.machine,
+            args.one_row,
+            args.gamma_max,
+            args.warm_up,
+            args.warm_up_category,
+            learn_drops=not args.ignore_drops,
+            rate_scale=args.rate_scale,
+            orders=args.orders,
+            drafter_ms=args.drafter_ms,
+        )
     else:
         collect(args)
 

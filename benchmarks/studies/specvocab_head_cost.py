@@ -44,10 +44,15 @@ def onnx_gather_head(rows: np.ndarray, scales: np.ndarray, candidates: int, path
     row_scales = g.node("Gather", [g.const("scales", scales), "ids"], ["s"], axis=0)[0]
     g.node("Mul", [dots, row_scales], ["logits"])
     graph = helper.make_graph(
-        g.nodes, "gather_head",
-        [helper.make_tensor_value_info("ids", TensorProto.INT64, [candidates]),
-         helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [rows.shape[1]])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [candidates])], g.initializers)
+        g.nodes,
+        "gather_head",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [candidates]),
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [rows.shape[1]]),
+        ],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [candidates])],
+        g.initializers,
+    )
     save_model(make_model(graph), path)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
@@ -63,8 +68,9 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine.from_bundle(args.bundle, threads=args.threads, mode="ar")
     prompt = engine.prompt_ids([{"role": "user", "content": "Write a Python function that merges two sorted lists."}])
-    answer = engine.complete([{"role": "user", "content": "Write a Python function that merges two sorted lists."}],
-                             max_new_tokens=48).token_ids
+    answer = engine.complete(
+        [{"role": "user", "content": "Write a Python function that merges two sorted lists."}], max_new_tokens=48
+    ).token_ids
     body = engine.drafter.body
     body.reset()
     states = body.forward(prompt + answer, len(answer))["hidden_states"]
@@ -84,11 +90,14 @@ def main() -> None:
             select = median_ms(lambda h: head._select(next(it).copy()), states, args.repeats)
             ids = head._select(scores[0].copy())
             dot = median_ms(lambda h: (head.rows[ids].astype(np.float32) @ h) * head.scales[ids], states, args.repeats)
-            session = onnx_gather_head(head.rows, head.scales, len(ids), Path("/tmp/edge_spec_gather_head.onnx"),
-                                       args.threads)
+            session = onnx_gather_head(
+                head.rows, head.scales, len(ids), Path("/tmp/edge_spec_gather_head.onnx"), args.threads
+            )
             in_onnx = median_ms(lambda h: session.run(None, {"ids": ids, "hidden": h}), states, args.repeats)
-            pieces = (f"scorer {scorer:.3f} + select {select:.3f} + numpy gather/dot {dot:.3f} "
-                      f"(same gather/dot in ONNX: {in_onnx:.3f})")
+            pieces = (
+                f"scorer {scorer:.3f} + select {select:.3f} + numpy gather/dot {dot:.3f} "
+                f"(same gather/dot in ONNX: {in_onnx:.3f})"
+            )
         share = f" = {total / full_ms:.0%} of full" if full_ms and name != "full" else ""
         print(f"{name:34s} {entry['size']:6d} {total:7.3f}  {pieces}{share}")
 

@@ -32,15 +32,18 @@ from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.model import decoder as decoder_module
 from edge_spec.runtime.model.decoder import Decoder
 
-POLICIES = {"sleep": {"session.intra_op.allow_spinning": "0"},
-            "turns": {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"},
-            "spin": {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "0"}}
+POLICIES = {
+    "sleep": {"session.intra_op.allow_spinning": "0"},
+    "turns": {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"},
+    "spin": {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "0"},
+}
 ROWS = (1, 2, 3, 4, 5)
 CONTEXT = 200
 
 
 def decoder(path: Path, threads: int, policy: str) -> Decoder:
     """A decoder whose session spins as ``policy`` says (in place of the engine's own choice)."""
+
     def spinning(opts: ort.SessionOptions, takes_turns: bool) -> None:
         for key, value in POLICIES[policy].items():
             opts.add_session_config_entry(key, value)
@@ -74,8 +77,10 @@ def time_policy(bundle: Path, threads: int, policy: str, repeats: int) -> dict:
             target.rewind(CONTEXT)
     del target, drafter
     gc.collect()
-    return {"target_ms": {n: 1e3 * float(np.median(t)) for n, t in passes.items()},
-            "drafter_step_ms": 1e3 * float(np.median(steps))}
+    return {
+        "target_ms": {n: 1e3 * float(np.median(t)) for n, t in passes.items()},
+        "drafter_step_ms": 1e3 * float(np.median(steps)),
+    }
 
 
 def main() -> None:
@@ -94,8 +99,9 @@ def main() -> None:
     print(f"{'policy':8s} {'drafter step':>13s} " + " ".join(f"{f'target {n}':>9s}" for n in ROWS))
     for policy, runs in results.items():
         for run in runs:
-            print(f"{policy:8s} {run['drafter_step_ms']:13.1f} "
-                  + " ".join(f"{run['target_ms'][n]:9.1f}" for n in ROWS))
+            print(
+                f"{policy:8s} {run['drafter_step_ms']:13.1f} " + " ".join(f"{run['target_ms'][n]:9.1f}" for n in ROWS)
+            )
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1))

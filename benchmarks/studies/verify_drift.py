@@ -21,8 +21,11 @@ from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.text import TextTokenizer
 
-PROMPTS = ["Write a Python function that merges two sorted lists.", "Explain why the sky is blue in three sentences.",
-           "Translate to German: I would like two tickets for the evening show."]
+PROMPTS = [
+    "Write a Python function that merges two sorted lists.",
+    "Explain why the sky is blue in three sentences.",
+    "Translate to German: I would like two tickets for the evening show.",
+]
 
 
 def with_accuracy_level(model_path: Path, level: int) -> Path:
@@ -58,14 +61,16 @@ def measure(path: Path, tokenizer: TextTokenizer, threads: int, new_tokens: int,
         decoder.forward([generated[0]], 1)
         for k in range(1, new_tokens - rows + 1, rows):  # the same positions, `rows` at a time
             started = time.perf_counter()
-            out = decoder.forward(generated[k:k + rows], rows)["logits"]
+            out = decoder.forward(generated[k : k + rows], rows)["logits"]
             many_rows.append(time.perf_counter() - started)
             for j in range(rows):
                 drift = max(drift, float(np.abs(out[j] - reference[k + j]).max()))
                 flips += int(np.argmax(out[j]) != np.argmax(reference[k + j]))
                 checked += 1
-    return (f"max |logit drift| {drift:.5f}, argmax flips {flips}/{checked}, "
-            f"1-row pass {1e3 * np.median(one_row):.1f} ms, {rows}-row pass {1e3 * np.median(many_rows):.1f} ms")
+    return (
+        f"max |logit drift| {drift:.5f}, argmax flips {flips}/{checked}, "
+        f"1-row pass {1e3 * np.median(one_row):.1f} ms, {rows}-row pass {1e3 * np.median(many_rows):.1f} ms"
+    )
 
 
 def main() -> None:

@@ -47,25 +47,33 @@ def role_of(node: str) -> str:
 def matmul_weight_bytes(onnx_path: Path) -> dict[str, int]:
     """Bytes of packed weights + scales (+ zero points) each MatMulNBits node reads per call."""
     model = onnx.load(str(onnx_path), load_external_data=False)
-    size = {t.name: int(np.prod(t.dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-            for t in model.graph.initializer}
+    size = {
+        t.name: int(np.prod(t.dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+        for t in model.graph.initializer
+    }
     return {n.name: sum(size.get(x, 0) for x in n.input[1:]) for n in model.graph.node if n.op_type == "MatMulNBits"}
 
 
 def matmul_bits(onnx_path: Path) -> dict[str, int]:
     """The bit width of each MatMulNBits node (4; 8 where 8-bit GGUF blocks were carried, as Q6_K is)."""
     model = onnx.load(str(onnx_path), load_external_data=False)
-    return {node.name: next(a.i for a in node.attribute if a.name == "bits")
-            for node in model.graph.node if node.op_type == "MatMulNBits"}
+    return {
+        node.name: next(a.i for a in node.attribute if a.name == "bits")
+        for node in model.graph.node
+        if node.op_type == "MatMulNBits"
+    }
 
 
 def parse_profile(path: Path) -> list[dict]:
     """One dict per model_run, in order: {'dur': µs, 'kernels': [(node, op, µs), ...]}."""
     events = json.loads(path.read_text())
-    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
-                  key=lambda e: e["ts"])
-    kernels = sorted((e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")),
-                     key=lambda e: e["ts"])
+    runs = sorted(
+        (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"]
+    )
+    kernels = sorted(
+        (e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")),
+        key=lambda e: e["ts"],
+    )
     out = [{"ts": r["ts"], "end": r["ts"] + r["dur"], "dur": r["dur"], "kernels": []} for r in runs]
     i = 0
     for k in kernels:

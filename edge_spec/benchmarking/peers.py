@@ -18,14 +18,21 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def result(ids: list[int], eos: set[int], first_tokens: int, decode_seconds: float, prefill_seconds: float,
-           **extra) -> dict:
+def result(
+    ids: list[int], eos: set[int], first_tokens: int, decode_seconds: float, prefill_seconds: float, **extra
+) -> dict:
     """One generation's record.  ``first_tokens``: how many answer tokens were known when the decode
     clock started (1: the token picked from the prefill's logits).  The answer ends before any EOS,
     whether or not the engine put the EOS in its sequence (as in our engine)."""
-    answer = ids[:next((i for i, t in enumerate(ids) if t in eos), len(ids))]
-    record = {"new_tokens": len(answer), "first_tokens": first_tokens, "ids": answer,
-              "decode_seconds": decode_seconds, "prefill_seconds": prefill_seconds, **extra}
+    answer = ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
+    record = {
+        "new_tokens": len(answer),
+        "first_tokens": first_tokens,
+        "ids": answer,
+        "decode_seconds": decode_seconds,
+        "prefill_seconds": prefill_seconds,
+        **extra,
+    }
     return {**record, "decode_tokens": decode_tokens(record)}
 
 
@@ -42,9 +49,12 @@ def peer_record(peer: str, k: int, answer: dict, ar_ids: list[int] | None) -> di
     ``openvino K8``), its tokens/s by :func:`decode_tokens`, and at K > 0 whether it equals the peer's own
     ar answer ``ar_ids`` (the check that its speculative mode is lossless)."""
     record = {key: value for key, value in answer.items() if key != "ids"}
-    record.update(engine=f"{peer} {'K' + str(k) if k else 'ar'}", peer=peer, k=k,
-                  tokens_per_second=decode_tokens(answer) / answer["decode_seconds"]
-                  if answer["decode_seconds"] > 0 else 0.0)
+    record.update(
+        engine=f"{peer} {'K' + str(k) if k else 'ar'}",
+        peer=peer,
+        k=k,
+        tokens_per_second=decode_tokens(answer) / answer["decode_seconds"] if answer["decode_seconds"] > 0 else 0.0,
+    )
     if k:
         record["identical_to_ar"] = answer["ids"] == ar_ids
     return record
@@ -57,8 +67,10 @@ def summarize(records: list[dict], engines: list[str]) -> list[dict]:
     for r in records:
         for category in (r["category"], "overall"):
             groups[(category, r["engine"])].append(r)
-    speed = {key: sum(decode_tokens(r) for r in rows)
-             / max(sum(r["decode_seconds"] for r in rows), 1e-9) for key, rows in groups.items()}
+    speed = {
+        key: sum(decode_tokens(r) for r in rows) / max(sum(r["decode_seconds"] for r in rows), 1e-9)
+        for key, rows in groups.items()
+    }
     categories = sorted({c for c, _ in groups if c != "overall"}) + ["overall"]
     rows = []
     for category in categories:
@@ -72,10 +84,18 @@ def summarize(records: list[dict], engines: list[str]) -> list[dict]:
             flags = [r.get("identical_to_ar") for r in members]  # ours: None (no ar-exact run), see the legend
             flags = [flag if flag is not None else r.get("identical_to_one_row_ar") for flag, r in zip(flags, members)]
             identical = [flag for flag in flags if flag is not None]
-            rows.append({"category": category, "engine": engine, "prompts": len(members), "tokens_per_second": tps,
-                         "vs_own_ar": tps / own_ar if own_ar else None, "vs_ours_ar": tps / ours_ar if ours_ar else None,
-                         "identical_to_ar": f"{sum(identical)}/{len(identical)}" if identical else "",
-                         "mean_new_tokens": sum(r["new_tokens"] for r in members) / len(members)})
+            rows.append(
+                {
+                    "category": category,
+                    "engine": engine,
+                    "prompts": len(members),
+                    "tokens_per_second": tps,
+                    "vs_own_ar": tps / own_ar if own_ar else None,
+                    "vs_ours_ar": tps / ours_ar if ours_ar else None,
+                    "identical_to_ar": f"{sum(identical)}/{len(identical)}" if identical else "",
+                    "mean_new_tokens": sum(r["new_tokens"] for r in members) / len(members),
+                }
+            )
     return rows
 
 
@@ -88,9 +108,11 @@ def format_rows(rows: list[dict]) -> str:
             lines.append("")
         previous = r["category"]
         ratio = lambda v: f"{v:.2f}x" if v else "-"
-        lines.append(f"{r['category']:<15} {r['engine']:<22} {r['prompts']:>3} {r['tokens_per_second']:7.2f} "
-                     f"{ratio(r['vs_own_ar']):>9} {ratio(r['vs_ours_ar']):>10} {r['identical_to_ar']:>6} "
-                     f"{r['mean_new_tokens']:6.1f}")
+        lines.append(
+            f"{r['category']:<15} {r['engine']:<22} {r['prompts']:>3} {r['tokens_per_second']:7.2f} "
+            f"{ratio(r['vs_own_ar']):>9} {ratio(r['vs_ours_ar']):>10} {r['identical_to_ar']:>6} "
+            f"{r['mean_new_tokens']:6.1f}"
+        )
     return "\n".join(lines)
 
 

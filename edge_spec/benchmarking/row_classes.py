@@ -15,8 +15,9 @@ from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.row_invariance import logits_by_passes
 
 
-def logits_by_pass_size(decoder: Decoder, sizes: tuple[int, ...], tokens: int, context: int = 40,
-                        pad_to: int = 1) -> dict[int, np.ndarray]:
+def logits_by_pass_size(
+    decoder: Decoder, sizes: tuple[int, ...], tokens: int, context: int = 40, pad_to: int = 1
+) -> dict[int, np.ndarray]:
     """Each row's logits when ``tokens`` seeded tokens after a ``context``-token prefill are decoded in
     passes of each size, padded to ``pad_to`` rows as exact passes are (the rows a size cannot cover
     whole are left out)."""

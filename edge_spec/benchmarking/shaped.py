@@ -47,8 +47,9 @@ class BundleTokenizer:
         self.eos_token = config.get("eos_token")
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.eos_token_ids = list(config.get("eos_token_ids", []))
-        self.all_special_ids = sorted(i for i, token in self.backend_tokenizer.get_added_tokens_decoder().items()
-                                      if token.special)
+        self.all_special_ids = sorted(
+            i for i, token in self.backend_tokenizer.get_added_tokens_decoder().items() if token.special
+        )
 
     def get_vocab(self) -> dict[str, int]:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
@@ -73,26 +74,30 @@ def random_state(config: dict, seed: int) -> dict[str, np.ndarray]:
     def matrix(rows: int, cols: int) -> np.ndarray:
         return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
 
-    state = {"model.embed_tokens.weight": matrix(config["vocab_size"], hidden),
-             "model.norm.weight": np.ones(hidden, np.float32)}
+    state = {
+        "model.embed_tokens.weight": matrix(config["vocab_size"], hidden),
+        "model.norm.weight": np.ones(hidden, np.float32),
+    }
     if not config["tie_word_embeddings"]:
         state["lm_head.weight"] = matrix(config["vocab_size"], hidden)
     for i in range(config["num_layers"]):
         p = f"model.layers.{i}."
-        state.update({
-            p + "input_layernorm.weight": np.ones(hidden, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
-            p + "self_attn.q_proj.weight": matrix(q_rows, hidden),
-            p + "self_attn.k_proj.weight": matrix(kv_rows, hidden),
-            p + "self_attn.v_proj.weight": matrix(kv_rows, hidden),
-            p + "self_attn.q_proj.bias": matrix(1, q_rows)[0],
-            p + "self_attn.k_proj.bias": matrix(1, kv_rows)[0],
-            p + "self_attn.v_proj.bias": matrix(1, kv_rows)[0],
-            p + "self_attn.o_proj.weight": matrix(hidden, q_rows),
-            p + "mlp.gate_proj.weight": matrix(inter, hidden),
-            p + "mlp.up_proj.weight": matrix(inter, hidden),
-            p + "mlp.down_proj.weight": matrix(hidden, inter),
-        })
+        state.update(
+            {
+                p + "input_layernorm.weight": np.ones(hidden, np.float32),
+                p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+                p + "self_attn.q_proj.weight": matrix(q_rows, hidden),
+                p + "self_attn.k_proj.weight": matrix(kv_rows, hidden),
+                p + "self_attn.v_proj.weight": matrix(kv_rows, hidden),
+                p + "self_attn.q_proj.bias": matrix(1, q_rows)[0],
+                p + "self_attn.k_proj.bias": matrix(1, kv_rows)[0],
+                p + "self_attn.v_proj.bias": matrix(1, kv_rows)[0],
+                p + "self_attn.o_proj.weight": matrix(hidden, q_rows),
+                p + "mlp.gate_proj.weight": matrix(inter, hidden),
+                p + "mlp.up_proj.weight": matrix(inter, hidden),
+                p + "mlp.down_proj.weight": matrix(hidden, inter),
+            }
+        )
     return state
 
 
@@ -101,21 +106,39 @@ def hf_like_config(config: dict) -> SimpleNamespace:
     if config["architecture"] != "Qwen2ForCausalLM":
         raise UnsupportedShapes(f"a shaped bundle has Qwen2-family shapes only, not {config['architecture']}")
     return SimpleNamespace(
-        architectures=[config["architecture"]], vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_layers"],
-        num_attention_heads=config["num_heads"], num_key_value_heads=config["num_kv_heads"],
-        head_dim=config["head_dim"], rope_theta=config["rope_theta"], rms_norm_eps=config["rms_norm_eps"],
+        architectures=[config["architecture"]],
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_layers"],
+        num_attention_heads=config["num_heads"],
+        num_key_value_heads=config["num_kv_heads"],
+        head_dim=config["head_dim"],
+        rope_theta=config["rope_theta"],
+        rms_norm_eps=config["rms_norm_eps"],
         max_position_embeddings=config["max_position_embeddings"],
-        tie_word_embeddings=config["tie_word_embeddings"], hidden_act="silu", rope_scaling=None)
+        tie_word_embeddings=config["tie_word_embeddings"],
+        hidden_act="silu",
+        rope_scaling=None,
+    )
 
 
-def build(shapes_dir: Path, out: Path, layers: int | None, context_length: int, seed: int,
-          accuracy_level: int = 4, progress: Callable[[str], None] = _say) -> None:
+def build(
+    shapes_dir: Path,
+    out: Path,
+    layers: int | None,
+    context_length: int,
+    seed: int,
+    accuracy_level: int = 4,
+    progress: Callable[[str], None] = _say,
+) -> None:
     """Export a bundle of the shapes :func:`save_shapes` wrote, with seeded random weights, into ``out``
     (``layers``: keep at most that many layers per model); ``progress`` hears each step."""
     shapes = json.loads((shapes_dir / "shapes.json").read_text())
-    tokenizer = BundleTokenizer(lzma.decompress((shapes_dir / "tokenizer.json.xz").read_bytes()),
-                                json.loads((shapes_dir / "tokenizer_config.json").read_text()))
+    tokenizer = BundleTokenizer(
+        lzma.decompress((shapes_dir / "tokenizer.json.xz").read_bytes()),
+        json.loads((shapes_dir / "tokenizer_config.json").read_text()),
+    )
 
     def load(role: str) -> LoadedModel:
         config = dict(shapes[role]["config"])
@@ -124,9 +147,15 @@ def build(shapes_dir: Path, out: Path, layers: int | None, context_length: int, 
         started = time.perf_counter()
         weights = weights_from_state_dict(hf_like_config(config), random_state(config, seed + ROLES.index(role)))
         progress(f"{role}: random {config['num_layers']}-layer weights in {time.perf_counter() - started:.1f} s")
-        return LoadedModel(f"shaped-{shapes[role]['name']}", f"random:{role}", weights, tokenizer,
-                           tokenizer.eos_token_ids)
+        return LoadedModel(
+            f"shaped-{shapes[role]['name']}", f"random:{role}", weights, tokenizer, tokenizer.eos_token_ids
+        )
 
-    export_bundle("target", "draft", out, ExportOptions(context_length=context_length,
-                                                                accuracy_level=accuracy_level), loader=load,
-                  progress=progress)
+    export_bundle(
+        "target",
+        "draft",
+        out,
+        ExportOptions(context_length=context_length, accuracy_level=accuracy_level),
+        loader=load,
+        progress=progress,
+    )

@@ -19,8 +19,15 @@ from edge_spec.errors import EdgeSpecError
 Answer = Callable[[list[dict], CancelOnInterrupt], str]
 
 
-def run_chat(engine, read: Callable[[], str | None], answer: Answer, *, console: Console,
-             system: str | None = None, max_tokens: int = 512) -> None:
+def run_chat(
+    engine,
+    read: Callable[[], str | None],
+    answer: Answer,
+    *,
+    console: Console,
+    system: str | None = None,
+    max_tokens: int = 512,
+) -> None:
     """Converse until the input ends or /exit: ``read()`` gives the next message (None: the end),
     ``answer(messages, interrupt)`` shows the model's answer to ``messages`` and returns it."""
     base = [{"role": "system", "content": system}] if system else []
@@ -58,8 +65,9 @@ def _turn(engine, history: list[dict], text: str, answer: Answer, console: Conso
     """One exchange; returns the conversation after it."""
     with CancelOnInterrupt(engine) as interrupt:
         try:
-            messages, dropped = engine.fit_messages(history + [{"role": "user", "content": text}],
-                                                    reserve=min(max_tokens, engine.target.capacity // 2))
+            messages, dropped = engine.fit_messages(
+                history + [{"role": "user", "content": text}], reserve=min(max_tokens, engine.target.capacity // 2)
+            )
         except EdgeSpecError as exc:
             console.print(f"[red]error:[/red] {exc}", highlight=False)
             return history

@@ -37,8 +37,9 @@ class _Lines:
 class MarkdownStream:
     """Shows an answer chunk by chunk (see the module docstring); a context manager that finishes it."""
 
-    def __init__(self, console: Console, *, markdown: bool = True, min_interval: float = 0.1,
-                 code_theme: str = "monokai") -> None:
+    def __init__(
+        self, console: Console, *, markdown: bool = True, min_interval: float = 0.1, code_theme: str = "monokai"
+    ) -> None:
         self.console = console
         self.markdown = markdown and console.is_terminal and not console.is_dumb_terminal
         self.min_interval = min_interval
@@ -62,8 +63,15 @@ class MarkdownStream:
             self.console.file.flush()
             return
         if self._live is None:
-            self._live = Live(Text(""), console=self.console, auto_refresh=False, transient=True,
-                              redirect_stdout=False, redirect_stderr=False, vertical_overflow="crop")
+            self._live = Live(
+                Text(""),
+                console=self.console,
+                auto_refresh=False,
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+                vertical_overflow="crop",
+            )
             self._live.start()
         if time.monotonic() - self._rendered_at >= self._interval:
             self._render()
@@ -75,11 +83,14 @@ class MarkdownStream:
         if self._live is not None:
             self._live.stop()  # transient: the live lines go, and are printed for good below
             self._live = None
-            self.console.print(_Lines(self._lines()[self._shown:]))
+            self.console.print(_Lines(self._lines()[self._shown :]))
 
     def _lines(self) -> list[list[Segment]]:
-        lines = self.console.render_lines(Markdown(self.text, code_theme=self.code_theme),
-                                          self.console.options.update_width(self.console.width), pad=False)
+        lines = self.console.render_lines(
+            Markdown(self.text, code_theme=self.code_theme),
+            self.console.options.update_width(self.console.width),
+            pad=False,
+        )
         while lines and not "".join(segment.text for segment in lines[-1]).strip():
             lines.pop()  # the blank lines a paragraph or a block ends with
         return lines
@@ -89,9 +100,9 @@ class MarkdownStream:
         lines = self._lines()
         stable = max(self._shown, len(lines) - max(1, min(self.console.height - 2, 12)))
         if stable > self._shown:
-            self._live.console.print(_Lines(lines[self._shown:stable]))
+            self._live.console.print(_Lines(lines[self._shown : stable]))
             self._shown = stable
-        self._live.update(_Lines(lines[self._shown:]), refresh=True)
+        self._live.update(_Lines(lines[self._shown :]), refresh=True)
         self._rendered_at = time.monotonic()
         # rendering takes a fifth of the time at most: a long answer is re-rendered less often
         self._interval = max(self.min_interval, 4 * (self._rendered_at - started))
@@ -135,8 +146,16 @@ def footer(stats) -> str:
     return f"{line}, {stats.stop_reason}]"
 
 
-def stream_answer(engine, prompt, *, out: Console, console: Console, markdown: bool = False,
-                  interrupt: CancelOnInterrupt | None = None, **kwargs) -> str:
+def stream_answer(
+    engine,
+    prompt,
+    *,
+    out: Console,
+    console: Console,
+    markdown: bool = False,
+    interrupt: CancelOnInterrupt | None = None,
+    **kwargs,
+) -> str:
     """Show ``engine``'s answer to ``prompt`` as it streams (on ``out``; the spinner and the footer on
     ``console``) and return it.  Ctrl-C stops this answer only: ``interrupt`` holds SIGINT for the
     caller's turn, else it is held here from before the generation starts to the footer."""

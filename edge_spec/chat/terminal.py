@@ -101,14 +101,21 @@ def _key_bindings():
 class TerminalInput:
     """The line editor on a terminal (see the module docstring)."""
 
-    def __init__(self, history: str | os.PathLike | None = None, *, input=None, output=None,
-                 warn: Callable[[str], None] = _warn) -> None:
+    def __init__(
+        self, history: str | os.PathLike | None = None, *, input=None, output=None, warn: Callable[[str], None] = _warn
+    ) -> None:
         from prompt_toolkit import PromptSession
 
         self.session = PromptSession(
-            history=_private_history(Path(history or history_file()), warn), multiline=True,
-            key_bindings=_key_bindings(), prompt_continuation=[("ansicyan", CONTINUATION)], input=input, output=output,
-            enable_open_in_editor=False, mouse_support=False)
+            history=_private_history(Path(history or history_file()), warn),
+            multiline=True,
+            key_bindings=_key_bindings(),
+            prompt_continuation=[("ansicyan", CONTINUATION)],
+            input=input,
+            output=output,
+            enable_open_in_editor=False,
+            mouse_support=False,
+        )
 
     def read(self) -> str | None:
         """The next message; None: the user left (Ctrl-D)."""

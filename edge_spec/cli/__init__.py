@@ -18,8 +18,12 @@ from edge_spec.cli import ask, bench, info, models, serve, training
 from edge_spec.cli.output import console, out
 from edge_spec.errors import EdgeSpecError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Speculative decoding for local LLMs on ONNX Runtime.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Speculative decoding for local LLMs on ONNX Runtime.",
+)
 app.command()(models.fetch)
 app.command()(models.export)
 app.command("add-heads")(models.add_heads)
@@ -90,5 +94,9 @@ def _click_exceptions():
     except ImportError:
         from click import exceptions
         from click.exceptions import Abort
-    return SimpleNamespace(NoArgsIsHelpError=exceptions.NoArgsIsHelpError, UsageError=exceptions.UsageError,
-                           ClickException=exceptions.ClickException, Abort=Abort)
+    return SimpleNamespace(
+        NoArgsIsHelpError=exceptions.NoArgsIsHelpError,
+        UsageError=exceptions.UsageError,
+        ClickException=exceptions.ClickException,
+        Abort=Abort,
+    )

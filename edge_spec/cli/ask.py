@@ -32,14 +32,17 @@ def _bundle_and_prompt(arguments: list[str]) -> tuple[Path, str]:
     """``generate``'s positional arguments, ``[BUNDLE] PROMPT``: two are a bundle and a prompt (the bundle is
     checked where it is read), one is the prompt for the default bundle, unless it names a bundle."""
     if len(arguments) > 2:
-        raise EdgeSpecError(f"generate takes at most a bundle and a prompt, not {len(arguments)} arguments (quote a "
-                            "prompt of several words)")
+        raise EdgeSpecError(
+            f"generate takes at most a bundle and a prompt, not {len(arguments)} arguments (quote a "
+            "prompt of several words)"
+        )
     if len(arguments) == 2:
         return find_bundle(Path(arguments[0])), arguments[1]
     (prompt,) = arguments
     if prompt != "-" and _is_bundle(prompt):
-        raise EdgeSpecError(f"{prompt} is a bundle: give the prompt after the bundle (edge-spec generate {prompt} "
-                            "\"PROMPT\")")
+        raise EdgeSpecError(
+            f'{prompt} is a bundle: give the prompt after the bundle (edge-spec generate {prompt} "PROMPT")'
+        )
     return find_bundle(None), prompt
 
 
@@ -56,8 +59,9 @@ def _read_prompt(prompt: str) -> str:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError:  # bytes the terminal's encoding could not decode (kept as surrogates)
-            raise EdgeSpecError("the prompt is not UTF-8 text (check the terminal's encoding, or pipe it "
-                                "in with -)") from None
+            raise EdgeSpecError(
+                "the prompt is not UTF-8 text (check the terminal's encoding, or pipe it in with -)"
+            ) from None
         where = ""
     if not prompt.strip():
         raise EdgeSpecError(f"the prompt {where}is empty")
@@ -74,10 +78,14 @@ def _stream(engine, prompt, *, markdown: bool = False, interrupt=None, **kwargs)
 
 @takes_groups
 def generate(
-    arguments: list[str] = typer.Argument(..., metavar="[BUNDLE] PROMPT", show_default=False,
-                                          help="The bundle directory (default: the default bundle, see edge-spec "
-                                          "models) and the prompt; - reads the prompt from standard input (e.g. a "
-                                          "file piped in)."),
+    arguments: list[str] = typer.Argument(
+        ...,
+        metavar="[BUNDLE] PROMPT",
+        show_default=False,
+        help="The bundle directory (default: the default bundle, see edge-spec "
+        "models) and the prompt; - reads the prompt from standard input (e.g. a "
+        "file piped in).",
+    ),
     max_tokens: int = max_tokens_option(256),
     sampling: SamplingFlags = ...,
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
@@ -106,8 +114,12 @@ def chat(
     sampling: SamplingFlags = ...,
     system: Optional[str] = typer.Option(None, help="System prompt."),
     engine: EngineFlags = ...,
-    plain: bool = typer.Option(False, "--plain", help="Print answers as raw text, not rendered as Markdown "
-                               "(they are raw anyway when the output is not a terminal)."),
+    plain: bool = typer.Option(
+        False,
+        "--plain",
+        help="Print answers as raw text, not rendered as Markdown "
+        "(they are raw anyway when the output is not a terminal).",
+    ),
 ) -> None:
     """Interactive chat: /help lists the commands, Ctrl-C stops the current answer, Ctrl-D leaves."""
     bundle = find_bundle(bundle)
@@ -118,8 +130,14 @@ def chat(
     from edge_spec.chat.terminal import open_input
 
     def answer(messages, interrupt):  # _stream looked up at each turn (tests replace it)
-        return _stream(loaded, messages, markdown=not plain, interrupt=interrupt, max_new_tokens=max_tokens,
-                       **dataclasses.asdict(sampling))
+        return _stream(
+            loaded,
+            messages,
+            markdown=not plain,
+            interrupt=interrupt,
+            max_new_tokens=max_tokens,
+            **dataclasses.asdict(sampling),
+        )
 
     run_chat(loaded, open_input().read, answer, console=console, system=system, max_tokens=max_tokens)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -37,8 +37,10 @@ def takes_groups(command: Callable[..., Any]) -> Callable[..., Any]:
             continue
         hints = typing.get_type_hints(group)
         names = [field.name for field in dataclasses.fields(group)]
-        parameters += [inspect.Parameter(field.name, parameter.kind, default=field.metadata[_OPTION],
-                                         annotation=hints[field.name]) for field in dataclasses.fields(group)]
+        parameters += [
+            inspect.Parameter(field.name, parameter.kind, default=field.metadata[_OPTION], annotation=hints[field.name])
+            for field in dataclasses.fields(group)
+        ]
         groups[parameter.name] = (group, names)
     seen = [parameter.name for parameter in parameters]
     if len(set(seen)) < len(seen):

@@ -8,26 +8,44 @@ from typing import Optional
 import typer
 
 from edge_spec.cli.loading import find_bundle, loop_config, open_engine, provider_options
-from edge_spec.cli.options import (DRAFT_HEAD, DraftProviderOpt, GammaOpt, ProviderOpt, ProviderOptionOpt, ThreadsOpt,
-                                   VerifyOpt)
+from edge_spec.cli.options import (
+    DRAFT_HEAD,
+    DraftProviderOpt,
+    GammaOpt,
+    ProviderOpt,
+    ProviderOptionOpt,
+    ThreadsOpt,
+    VerifyOpt,
+)
 from edge_spec.cli.output import out
 
 
-def info(bundle: Optional[Path] = typer.Argument(None, help="Bundle directory (default: the default bundle; with "
-                                                 "--providers alone: none)."),
-         verify: bool = VerifyOpt,
-         costs: bool = typer.Option(False, "--costs", help="Also show this machine's cost profile (measured "
-                                    "once and cached): target pass by rows, drafter step, and the draft "
-                                    "length the schedule plans at each acceptance (up to --gamma)."),
-         threads: int = ThreadsOpt,
-         gamma: Optional[int] = GammaOpt,
-         draft_head: Optional[str] = typer.Option(None, "--draft-head", help=f"{DRAFT_HEAD}. With --costs: the "
-                                                  "head profiled; default: the bundle's default head."),
-         providers: bool = typer.Option(False, "--providers", help="List the execution providers: present in "
-                                        "this onnxruntime build, and whether a session on each one runs."),
-         provider: str = ProviderOpt,
-         draft_provider: Optional[str] = DraftProviderOpt,
-         provider_option: list[str] = ProviderOptionOpt) -> None:
+def info(
+    bundle: Optional[Path] = typer.Argument(
+        None, help="Bundle directory (default: the default bundle; with --providers alone: none)."
+    ),
+    verify: bool = VerifyOpt,
+    costs: bool = typer.Option(
+        False,
+        "--costs",
+        help="Also show this machine's cost profile (measured "
+        "once and cached): target pass by rows, drafter step, and the draft "
+        "length the schedule plans at each acceptance (up to --gamma).",
+    ),
+    threads: int = ThreadsOpt,
+    gamma: Optional[int] = GammaOpt,
+    draft_head: Optional[str] = typer.Option(
+        None, "--draft-head", help=f"{DRAFT_HEAD}. With --costs: the head profiled; default: the bundle's default head."
+    ),
+    providers: bool = typer.Option(
+        False,
+        "--providers",
+        help="List the execution providers: present in this onnxruntime build, and whether a session on each one runs.",
+    ),
+    provider: str = ProviderOpt,
+    draft_provider: Optional[str] = DraftProviderOpt,
+    provider_option: list[str] = ProviderOptionOpt,
+) -> None:
     """Show what a bundle holds (after checking its files as `generate` does), the execution providers,
     or this machine's costs."""
     from edge_spec.manifest import read_manifest, verify_files
@@ -57,23 +75,39 @@ def info(bundle: Optional[Path] = typer.Argument(None, help="Bundle directory (d
         e = manifest["eagle"]
         heads = ", ".join(f"{name} ({h['size']} rows)" for name, h in eagle_heads(manifest).items())
         layout = "" if "heads" in e else " (single graph: add-heads --eagle-trim/--eagle-specvocab splits it)"
-        out.print(f"eagle  {e.get('source') or 'EAGLE-3 head'}: {e['parameters'] / 1e6:.0f}M params, draft vocab "
-                  f"{e.get('draft_vocab_size')}, {e['bytes'] / (1 << 20):.0f} MiB; heads: {heads}, default "
-                  f"{e.get('default_head', 'full')}{layout}")
+        out.print(
+            f"eagle  {e.get('source') or 'EAGLE-3 head'}: {e['parameters'] / 1e6:.0f}M params, draft vocab "
+            f"{e.get('draft_vocab_size')}, {e['bytes'] / (1 << 20):.0f} MiB; heads: {heads}, default "
+            f"{e.get('default_head', 'full')}{layout}"
+        )
     if costs:
         _print_costs(bundle, threads, gamma, draft_head, provider, draft_provider, provider_option)
 
 
-def _print_costs(bundle: Path, threads: int, gamma: int | None, draft_head: str | None, provider: str = "cpu",
-                 draft_provider: str | None = None, provider_option: list[str] | None = None) -> None:
+def _print_costs(
+    bundle: Path,
+    threads: int,
+    gamma: int | None,
+    draft_head: str | None,
+    provider: str = "cpu",
+    draft_provider: str | None = None,
+    provider_option: list[str] | None = None,
+) -> None:
     """The row-cost curve the schedule plans with, and what it makes of it, on the placement given (a GPU's
     curve has its own steps: the plan follows them)."""
     from edge_spec.runtime.schedule.policy import REACH_ACCEPTANCE, REACH_FLOOR, CostModel, plan_round, reach
 
     config = loop_config("spec", gamma=gamma)
     gamma = config.gamma
-    engine = open_engine(bundle, config, provider=provider, threads=threads, draft_head=draft_head,
-                         draft_provider=draft_provider, provider_option=provider_option)
+    engine = open_engine(
+        bundle,
+        config,
+        provider=provider,
+        threads=threads,
+        draft_head=draft_head,
+        draft_provider=draft_provider,
+        provider_option=provider_option,
+    )
     profile = engine.cost_profile
     state = "cached" if profile.cached else f"measured now in {profile.measured_seconds:.1f} s"
     if profile.corrections:
@@ -82,30 +116,46 @@ def _print_costs(bundle: Path, threads: int, gamma: int | None, draft_head: str 
     out.print(f"costs  {placement}, {threads or 'all'} threads, head {engine.draft_head} ({state}):")
     base = profile.verify[1]
     for n, seconds in sorted(profile.verify.items()):
-        out.print(f"  target pass, {n} new token{'s' if n > 1 else ' '}: {1e3 * seconds:7.1f} ms  "
-                  f"({seconds / base:4.2f}x one row)")
-    out.print(f"  drafter step: {1e3 * profile.draft_step:.1f} ms (body {1e3 * profile.draft_body:.1f}, "
-              f"head {1e3 * profile.draft_head:.2f}); a second token read in one step: "
-              f"+{1e3 * profile.draft_catch_up:.1f} ms")
+        out.print(
+            f"  target pass, {n} new token{'s' if n > 1 else ' '}: {1e3 * seconds:7.1f} ms  "
+            f"({seconds / base:4.2f}x one row)"
+        )
+    out.print(
+        f"  drafter step: {1e3 * profile.draft_step:.1f} ms (body {1e3 * profile.draft_body:.1f}, "
+        f"head {1e3 * profile.draft_head:.2f}); a second token read in one step: "
+        f"+{1e3 * profile.draft_catch_up:.1f} ms"
+    )
     rows = engine.exact_rows()
-    why = ("one-row passes equal multi-row ones bit for bit on this device" if rows == 1
-           else "this device's one-row kernels round differently" if engine.target.pads_attention
-           else "the target graph predates the attention pad: re-export, or "
-                "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)")
+    why = (
+        "one-row passes equal multi-row ones bit for bit on this device"
+        if rows == 1
+        else "this device's one-row kernels round differently"
+        if engine.target.pads_attention
+        else "the target graph predates the attention pad: re-export, or "
+        "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)"
+    )
     if engine.exact_available():
         out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")
     else:
-        out.print("  exact greedy passes: none here (a token's logits depend on the pass that carries it, whatever "
-                  "the pad): greedy spec runs unpadded, --exact is refused")
+        out.print(
+            "  exact greedy passes: none here (a token's logits depend on the pass that carries it, whatever "
+            "the pad): greedy spec runs unpadded, --exact is refused"
+        )
     model = CostModel(profile.draft_step, profile.verify, profile.draft_catch_up)
-    plans = ", ".join(f"{alpha:.2f}: γ {plan_round(alpha, alpha, model, gamma).gamma}"
-                      for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98))
-    out.print(f"  planned drafts by acceptance: {plans}; a round reaches at most {reach(model, gamma)} "
-              f"(the plan at {REACH_ACCEPTANCE}, at least {REACH_FLOOR})")
+    plans = ", ".join(
+        f"{alpha:.2f}: γ {plan_round(alpha, alpha, model, gamma).gamma}"
+        for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+    )
+    out.print(
+        f"  planned drafts by acceptance: {plans}; a round reaches at most {reach(model, gamma)} "
+        f"(the plan at {REACH_ACCEPTANCE}, at least {REACH_FLOOR})"
+    )
     learned = engine.schedule_memory().calibration("greedy")
     if learned.first.trials:
-        out.print(f"  learned greedy first-draft acceptance: {learned.first_draft():.2f} "
-                  f"(over ~{learned.first.trials:.0f} recent rounds)")
+        out.print(
+            f"  learned greedy first-draft acceptance: {learned.first_draft():.2f} "
+            f"(over ~{learned.first.trials:.0f} recent rounds)"
+        )
     if any(rate.trials for rate in learned.guess):
         rates = ", ".join(f"{learned.guess_rate(m):.2f}" for m in range(len(learned.guess)))
         out.print(f"  learned greedy free-guess (and first lookup draft) acceptance by suffix matched 0..4+: {rates}")

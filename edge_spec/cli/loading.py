@@ -39,8 +39,7 @@ def check_threads(threads: int, draft_threads: int | None = None) -> None:
     most = 4 * (os.cpu_count() or 1)
     for value, flag in ((threads, "--threads"), (draft_threads, "--draft-threads")):
         if value is not None and not 0 <= value <= most:
-            raise EdgeSpecError(f"{flag} must be 0 (all cores) to {most} (4 x the {most // 4} cores here), "
-                                f"not {value}")
+            raise EdgeSpecError(f"{flag} must be 0 (all cores) to {most} (4 x the {most // 4} cores here), not {value}")
 
 
 def check_gamma(bundle: Path, config) -> None:
@@ -53,8 +52,9 @@ def check_gamma(bundle: Path, config) -> None:
         return
     context = read_manifest(bundle)["context_length"]
     if gamma + 3 > context:
-        raise EdgeSpecError(f"--gamma {gamma} does not fit the bundle's context of {context} tokens "
-                            f"(at most {max(context - 3, 0)})")
+        raise EdgeSpecError(
+            f"--gamma {gamma} does not fit the bundle's context of {context} tokens (at most {max(context - 3, 0)})"
+        )
 
 
 def check_sampler(sampler: str, temperatures: list[float], configs: list) -> None:
@@ -90,14 +90,27 @@ def loading_status() -> Iterator[None]:
         return
     from edge_spec.runtime.schedule import cost_profile
 
-    with console.status("[dim]loading the bundle[/dim]") as status, \
-            cost_profile.on_measure(lambda what: status.update(f"[dim]{what or 'loading the bundle'}[/dim]")):
+    with (
+        console.status("[dim]loading the bundle[/dim]") as status,
+        cost_profile.on_measure(lambda what: status.update(f"[dim]{what or 'loading the bundle'}[/dim]")),
+    ):
         yield
 
 
-def open_engine(bundle: Path, config, *, provider: str = "cpu", threads: int = 0, draft_head: str | None = None,
-                draft_provider: str | None = None, draft_threads: int | None = None, exact: bool | None = None,
-                verify: bool = False, provider_option: list[str] | None = None, eagle_head: str | None = None):
+def open_engine(
+    bundle: Path,
+    config,
+    *,
+    provider: str = "cpu",
+    threads: int = 0,
+    draft_head: str | None = None,
+    draft_provider: str | None = None,
+    draft_threads: int | None = None,
+    exact: bool | None = None,
+    verify: bool = False,
+    provider_option: list[str] | None = None,
+    eagle_head: str | None = None,
+):
     """The engine for ``bundle`` running ``config``, its flags checked before the load."""
     from edge_spec.runtime.engine import Engine
 
@@ -105,9 +118,19 @@ def open_engine(bundle: Path, config, *, provider: str = "cpu", threads: int = 0
     options = provider_options(provider_option or [])
     check_gamma(bundle, config)
     with loading_status():
-        engine = Engine.from_bundle(bundle, provider=provider, threads=threads, config=config,
-                                    draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads,
-                                    exact=exact, verify=verify, provider_options=options, eagle_head=eagle_head)
+        engine = Engine.from_bundle(
+            bundle,
+            provider=provider,
+            threads=threads,
+            config=config,
+            draft_head=draft_head,
+            draft_provider=draft_provider,
+            draft_threads=draft_threads,
+            exact=exact,
+            verify=verify,
+            provider_options=options,
+            eagle_head=eagle_head,
+        )
         if exact:  # refused now, not at every request of a chat or a server (Engine.exact_for)
             engine.exact_for(engine.config.mode, exact)
     return engine
@@ -115,6 +138,16 @@ def open_engine(bundle: Path, config, *, provider: str = "cpu", threads: int = 0
 
 def load_engine(bundle: Path, flags: EngineFlags, config):
     """The engine the engine options ask for, running ``config`` (``engine_config(flags)``)."""
-    return open_engine(bundle, config, provider=flags.provider, threads=flags.threads, draft_head=flags.draft_head,
-                       draft_provider=flags.draft_provider, draft_threads=flags.draft_threads, exact=flags.exact,
-                       verify=flags.verify, provider_option=flags.provider_option, eagle_head=flags.eagle_head)
+    return open_engine(
+        bundle,
+        config,
+        provider=flags.provider,
+        threads=flags.threads,
+        draft_head=flags.draft_head,
+        draft_provider=flags.draft_provider,
+        draft_threads=flags.draft_threads,
+        exact=flags.exact,
+        verify=flags.verify,
+        provider_option=flags.provider_option,
+        eagle_head=flags.eagle_head,
+    )

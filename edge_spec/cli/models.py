@@ -9,8 +9,15 @@ import typer
 
 from edge_spec import extras
 from edge_spec.cli.groups import takes_groups
-from edge_spec.cli.options import (DRAFT_SOURCE, DRAFT_VOCAB, EAGLE_SOURCE, EXPORT_DEFAULTS, HeadFlags, int_list,
-                                   output_option)
+from edge_spec.cli.options import (
+    DRAFT_SOURCE,
+    DRAFT_VOCAB,
+    EAGLE_SOURCE,
+    EXPORT_DEFAULTS,
+    HeadFlags,
+    int_list,
+    output_option,
+)
 from edge_spec.cli.output import console, out, progress_lines
 from edge_spec.errors import EdgeSpecError
 
@@ -27,33 +34,56 @@ def fetch(names: list[str] = typer.Argument(None, help="Registry model names (de
 
 @takes_groups
 def export(
-    target: Optional[str] = typer.Option(None, help="Target source: registry name, GGUF file, HF directory or hub "
-                                         "id."),
-    draft: Optional[str] = typer.Option(None, help=f"{DRAFT_SOURCE}: the same kinds as --target; it must share the "
-                                        "target's tokenizer."),
-    output: Optional[Path] = output_option("the bundle's", "bundles/<target>-<quant> in the models directory, "
-                                           "see edge-spec models"),
+    target: Optional[str] = typer.Option(None, help="Target source: registry name, GGUF file, HF directory or hub id."),
+    draft: Optional[str] = typer.Option(
+        None, help=f"{DRAFT_SOURCE}: the same kinds as --target; it must share the target's tokenizer."
+    ),
+    output: Optional[Path] = output_option(
+        "the bundle's", "bundles/<target>-<quant> in the models directory, see edge-spec models"
+    ),
     quant: str = typer.Option(EXPORT_DEFAULTS.quant, help="Weight quantization: int4 (MatMulNBits), int8 or fp32."),
-    block_size: int = typer.Option(EXPORT_DEFAULTS.block_size, help="Quantization block size (the target's re-quantized matrices)."),
-    draft_block_size: int = typer.Option(EXPORT_DEFAULTS.draft_block_size, help="The drafter's quantization block size: its rounding moves "
-                                         "acceptance only, and larger blocks make a draft step faster."),
-    accuracy_level: int = typer.Option(EXPORT_DEFAULTS.accuracy_level, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."),
-    context_length: int = typer.Option(EXPORT_DEFAULTS.context_length, help="Maximum context (KV cache capacity, rotary table size)."),
-    gguf_blocks: str = typer.Option(EXPORT_DEFAULTS.gguf_blocks, help="Which GGUF sources keep their quantized blocks in "
-                                    "MatMulNBits (rounded once, by llama.cpp) instead of being re-quantized to "
-                                    "--block-size blocks: target (default), both or none."),
-    gguf_layout: str = typer.Option(EXPORT_DEFAULTS.gguf_layout, help="Carried GGUF blocks: fast (default; Q6_K's 16-blocks merged into "
-                                    "32-blocks, the zero-point correction folded into the matmul, rounding far "
-                                    "below GGUF's step), exact (as GGUF has them; slower) or small (as fast, "
-                                    "with the 8-bit blocks, Q6_K's, rounded to 4 bits: faster, less faithful)."),
-    draft_vocab: str = typer.Option(EXPORT_DEFAULTS.draft_vocab, help=f"{DRAFT_VOCAB}: comma list of full, trim "
-                                    "(VocabTrim), specvocab, trim+specvocab; the first non-full one is the default "
-                                    "head."),
+    block_size: int = typer.Option(
+        EXPORT_DEFAULTS.block_size, help="Quantization block size (the target's re-quantized matrices)."
+    ),
+    draft_block_size: int = typer.Option(
+        EXPORT_DEFAULTS.draft_block_size,
+        help="The drafter's quantization block size: its rounding moves "
+        "acceptance only, and larger blocks make a draft step faster.",
+    ),
+    accuracy_level: int = typer.Option(
+        EXPORT_DEFAULTS.accuracy_level, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."
+    ),
+    context_length: int = typer.Option(
+        EXPORT_DEFAULTS.context_length, help="Maximum context (KV cache capacity, rotary table size)."
+    ),
+    gguf_blocks: str = typer.Option(
+        EXPORT_DEFAULTS.gguf_blocks,
+        help="Which GGUF sources keep their quantized blocks in "
+        "MatMulNBits (rounded once, by llama.cpp) instead of being re-quantized to "
+        "--block-size blocks: target (default), both or none.",
+    ),
+    gguf_layout: str = typer.Option(
+        EXPORT_DEFAULTS.gguf_layout,
+        help="Carried GGUF blocks: fast (default; Q6_K's 16-blocks merged into "
+        "32-blocks, the zero-point correction folded into the matmul, rounding far "
+        "below GGUF's step), exact (as GGUF has them; slower) or small (as fast, "
+        "with the 8-bit blocks, Q6_K's, rounded to 4 bits: faster, less faithful).",
+    ),
+    draft_vocab: str = typer.Option(
+        EXPORT_DEFAULTS.draft_vocab,
+        help=f"{DRAFT_VOCAB}: comma list of full, trim "
+        "(VocabTrim), specvocab, trim+specvocab; the first non-full one is the default "
+        "head.",
+    ),
     heads: HeadFlags = ...,
-    eagle: Optional[str] = typer.Option(None, "--eagle", help=f"{EAGLE_SOURCE}: a SpecForge checkpoint "
-                                        "(directory or hub id), a head saved from a bundle, or 'shipped' (the head "
-                                        "the registry ships for this target). Default: none; the shipped head "
-                                        "drafts slower than the drafter model (docs/methods/eagle3.md)."),
+    eagle: Optional[str] = typer.Option(
+        None,
+        "--eagle",
+        help=f"{EAGLE_SOURCE}: a SpecForge checkpoint "
+        "(directory or hub id), a head saved from a bundle, or 'shipped' (the head "
+        "the registry ships for this target). Default: none; the shipped head "
+        "drafts slower than the drafter model (docs/methods/eagle3.md).",
+    ),
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
     extras.require("export", "export")
@@ -66,9 +96,16 @@ def export(
     target = target or default_target
     draft = draft or default_draft
     output = output or bundle_dir(target, quant)
-    options = heads.export_options(draft_vocab, quant=quant, block_size=block_size,
-                                   draft_block_size=draft_block_size, accuracy_level=accuracy_level,
-                                   context_length=context_length, gguf_blocks=gguf_blocks, gguf_layout=gguf_layout)
+    options = heads.export_options(
+        draft_vocab,
+        quant=quant,
+        block_size=block_size,
+        draft_block_size=draft_block_size,
+        accuracy_level=accuracy_level,
+        context_length=context_length,
+        gguf_blocks=gguf_blocks,
+        gguf_layout=gguf_layout,
+    )
     if eagle == "shipped":
         eagle = shipped_eagle_head(target)
         if eagle is None:
@@ -78,8 +115,11 @@ def export(
     with progress_lines("exporting") as progress:
         manifest = export_bundle(target, draft, output, options, progress)
         if eagle:
-            with explained_os_errors(output, f"the bundle at {output} was exported without its EAGLE-3 head "
-                                             f"(attach it later: edge-spec add-heads {output} --eagle {eagle})"):
+            with explained_os_errors(
+                output,
+                f"the bundle at {output} was exported without its EAGLE-3 head "
+                f"(attach it later: edge-spec add-heads {output} --eagle {eagle})",
+            ):
                 manifest = attach_eagle_source(output, eagle, progress)
     mib = 1 << 20
     console.print(
@@ -97,17 +137,32 @@ def _kept(bundle: Path, added: list[str]) -> str:
 def add_heads(
     bundle: Path = typer.Argument(..., help="Bundle directory made by `edge-spec export`."),
     draft: Optional[str] = typer.Option(None, help=f"{DRAFT_SOURCE} (default: the one recorded in the bundle)."),
-    draft_vocab: Optional[str] = typer.Option(None, help=f"{DRAFT_VOCAB} (to add): comma list of trim, specvocab, "
-                                              "trim+specvocab (default specvocab, none with --eagle alone)."),
-    eagle: Optional[str] = typer.Option(None, "--eagle", help=f"{EAGLE_SOURCE} (as well as the drafter heads): a "
-                                        "SpecForge checkpoint (directory or hub id) or a head saved from a bundle."),
+    draft_vocab: Optional[str] = typer.Option(
+        None,
+        help=f"{DRAFT_VOCAB} (to add): comma list of trim, specvocab, "
+        "trim+specvocab (default specvocab, none with --eagle alone).",
+    ),
+    eagle: Optional[str] = typer.Option(
+        None,
+        "--eagle",
+        help=f"{EAGLE_SOURCE} (as well as the drafter heads): a "
+        "SpecForge checkpoint (directory or hub id) or a head saved from a bundle.",
+    ),
     heads: HeadFlags = ...,
-    eagle_trim: Optional[str] = typer.Option(None, "--eagle-trim", help="EAGLE head: VocabTrim LM heads keeping "
-                                             "this many of its draft-vocabulary rows (comma list: one head per "
-                                             "value), ranked by the calibration text."),
-    eagle_specvocab: list[str] = typer.Option([], "--eagle-specvocab", help="EAGLE head: a SpecVocab LM head, "
-                                              "RANK:CANDIDATES (repeatable or comma list), its scorer fitted on "
-                                              "the head's own hidden states (--scorer svd: data-free)."),
+    eagle_trim: Optional[str] = typer.Option(
+        None,
+        "--eagle-trim",
+        help="EAGLE head: VocabTrim LM heads keeping "
+        "this many of its draft-vocabulary rows (comma list: one head per "
+        "value), ranked by the calibration text.",
+    ),
+    eagle_specvocab: list[str] = typer.Option(
+        [],
+        "--eagle-specvocab",
+        help="EAGLE head: a SpecVocab LM head, "
+        "RANK:CANDIDATES (repeatable or comma list), its scorer fitted on "
+        "the head's own hidden states (--scorer svd: data-free).",
+    ),
 ) -> None:
     """Add drafter heads (VocabTrim, SpecVocab, an EAGLE-3 head, LM heads of the EAGLE head) to an existing
     bundle without re-exporting the models."""
@@ -117,9 +172,13 @@ def add_heads(
     from edge_spec.export.eagle.lm_heads import EagleHeadOptions, add_eagle_heads, parse_specvocab
     from edge_spec.export.install import explained_os_errors, prepare
 
-    eagle_options = EagleHeadOptions(trim=int_list(eagle_trim, "--eagle-trim") if eagle_trim else (),
-                                     specvocab=parse_specvocab(eagle_specvocab), scorer=heads.scorer,
-                                     train_steps=heads.train_steps, calibration=heads.calibration)
+    eagle_options = EagleHeadOptions(
+        trim=int_list(eagle_trim, "--eagle-trim") if eagle_trim else (),
+        specvocab=parse_specvocab(eagle_specvocab),
+        scorer=heads.scorer,
+        train_steps=heads.train_steps,
+        calibration=heads.calibration,
+    )
     eagle_variants = bool(eagle_options.trim or eagle_options.specvocab)
     if heads.calibration is not None and not heads.calibration.is_file():
         raise EdgeSpecError(f"calibration file not found: {heads.calibration}")
@@ -138,8 +197,10 @@ def add_heads(
                 manifest = add_eagle_heads(bundle, eagle_options, progress)
     line = f"[green]heads[/green] {', '.join(manifest['draft']['heads'])}; default {manifest['draft']['default_head']}"
     if manifest.get("eagle"):
-        line += (f"; EAGLE-3 head {manifest['eagle']['source']}: {', '.join(manifest['eagle'].get('heads', ['full']))}"
-                 f", default {manifest['eagle'].get('default_head', 'full')}")
+        line += (
+            f"; EAGLE-3 head {manifest['eagle']['source']}: {', '.join(manifest['eagle'].get('heads', ['full']))}"
+            f", default {manifest['eagle'].get('default_head', 'full')}"
+        )
     console.print(line)
 
 
@@ -174,10 +235,13 @@ def _bundle_summary(path: Path) -> str:
     target, draft = manifest["target"], manifest["draft"]
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     size_text = f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
-    heads = ", ".join(f"{name} (default)" if name == draft.get("default_head") else name
-                      for name in draft.get("heads", {}))
-    line = (f"{path.name}  {target['name']} / {draft['name']}, {target['quantization']['weights']}, {size_text}; "
-            f"drafter heads: {heads}")
+    heads = ", ".join(
+        f"{name} (default)" if name == draft.get("default_head") else name for name in draft.get("heads", {})
+    )
+    line = (
+        f"{path.name}  {target['name']} / {draft['name']}, {target['quantization']['weights']}, {size_text}; "
+        f"drafter heads: {heads}"
+    )
     if manifest.get("eagle"):
         line += f"; EAGLE-3 heads: {', '.join(eagle_heads(manifest))}"
     return line

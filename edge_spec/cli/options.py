@@ -39,36 +39,70 @@ def int_list(value: str, flag: str) -> tuple[int, ...]:
 
 # -- what several commands name alike --------------------------------------------------------------
 
-BundleArg = typer.Argument(None, help="Bundle directory (default: the default bundle, the one `edge-spec export` "
-                           "makes with no arguments; `edge-spec models` lists the bundles).", show_default=False)
+BundleArg = typer.Argument(
+    None,
+    help="Bundle directory (default: the default bundle, the one `edge-spec export` "
+    "makes with no arguments; `edge-spec models` lists the bundles).",
+    show_default=False,
+)
 DRAFT_HEAD = "Drafter head (full, trim-K, specvocab-rR-kK; edge-spec info lists a bundle's heads)"
-EAGLE_HEAD = "EAGLE LM head (the LM head of the EAGLE head: full, trim-N, specvocab-rR-kC-ofK; edge-spec info " \
-             "lists a bundle's)"
-ProviderOpt = typer.Option("cpu", "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, "
-                           "webgpu.")
+EAGLE_HEAD = (
+    "EAGLE LM head (the LM head of the EAGLE head: full, trim-N, specvocab-rR-kC-ofK; edge-spec info lists a bundle's)"
+)
+ProviderOpt = typer.Option(
+    "cpu", "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, webgpu."
+)
 ThreadsOpt = typer.Option(0, "--threads", help="Intra-op threads per session (0 = all cores).")
-DraftThreadsOpt = typer.Option(None, "--draft-threads", help="Drafter intra-op threads (default: --threads); "
-                               "with --mode ssd e.g. --threads 1 --draft-threads 1 on two cores.")
-DraftProviderOpt = typer.Option(None, "--draft-provider", help="Drafter execution provider (default: --provider); "
-                                "e.g. --provider cuda --draft-provider cpu.")
-ProviderOptionOpt = typer.Option([], "--provider-option", help="Provider option KEY=VALUE for the --provider's "
-                                 "sessions, passed to ONNX Runtime as is (repeatable), e.g. --provider-option "
-                                 "device_id=1.")
-GammaOpt = typer.Option(None, "--gamma", help="Draft tokens per target pass (the most per round when the schedule "
-                        f"is adaptive). Default: spec adaptive {ADAPTIVE_GAMMA_MAX}, fixed {FIXED_GAMMA}; multi-draft "
-                        f"{TreeConfig.gamma}; ssd {SsdConfig.gamma}.")
-ScheduleOpt = typer.Option(None, "--schedule", help="Draft length schedule (spec): adaptive (γ per round from "
-                           "measured costs and acceptance; the default) or fixed (--gamma every round).")
-ExactOpt = typer.Option(None, "--exact/--no-exact", help="Batch-invariant target passes (one-token passes get a "
-                        "throw-away second row), so greedy output is bit-identical in every mode. Default: on "
-                        "for greedy spec/ssd, off for ar and for sampling (one-row passes are 15-25% faster but "
-                        "round differently; a sampled answer depends on the draft lengths anyway).")
-VerifyOpt = typer.Option(False, "--verify", help="Check every bundle file's sha256, not only its size (reads the "
-                         "whole bundle: slower).")
-SamplerOpt = typer.Option(SAMPLING_DEFAULTS.sampler, "--sampler", help="How sampled tokens are drawn: "
-                          f"{SAMPLERS[0]} (drafts pass by rejection sampling) or {SAMPLERS[1]} (each position's "
-                          "noise fixed by the seed: the same answer in every mode, equal to target-only decoding "
-                          "with that seed; drafts may pass a little less often).")
+DraftThreadsOpt = typer.Option(
+    None,
+    "--draft-threads",
+    help="Drafter intra-op threads (default: --threads); "
+    "with --mode ssd e.g. --threads 1 --draft-threads 1 on two cores.",
+)
+DraftProviderOpt = typer.Option(
+    None,
+    "--draft-provider",
+    help="Drafter execution provider (default: --provider); e.g. --provider cuda --draft-provider cpu.",
+)
+ProviderOptionOpt = typer.Option(
+    [],
+    "--provider-option",
+    help="Provider option KEY=VALUE for the --provider's "
+    "sessions, passed to ONNX Runtime as is (repeatable), e.g. --provider-option "
+    "device_id=1.",
+)
+GammaOpt = typer.Option(
+    None,
+    "--gamma",
+    help="Draft tokens per target pass (the most per round when the schedule "
+    f"is adaptive). Default: spec adaptive {ADAPTIVE_GAMMA_MAX}, fixed {FIXED_GAMMA}; multi-draft "
+    f"{TreeConfig.gamma}; ssd {SsdConfig.gamma}.",
+)
+ScheduleOpt = typer.Option(
+    None,
+    "--schedule",
+    help="Draft length schedule (spec): adaptive (γ per round from "
+    "measured costs and acceptance; the default) or fixed (--gamma every round).",
+)
+ExactOpt = typer.Option(
+    None,
+    "--exact/--no-exact",
+    help="Batch-invariant target passes (one-token passes get a "
+    "throw-away second row), so greedy output is bit-identical in every mode. Default: on "
+    "for greedy spec/ssd, off for ar and for sampling (one-row passes are 15-25% faster but "
+    "round differently; a sampled answer depends on the draft lengths anyway).",
+)
+VerifyOpt = typer.Option(
+    False, "--verify", help="Check every bundle file's sha256, not only its size (reads the whole bundle: slower)."
+)
+SamplerOpt = typer.Option(
+    SAMPLING_DEFAULTS.sampler,
+    "--sampler",
+    help="How sampled tokens are drawn: "
+    f"{SAMPLERS[0]} (drafts pass by rejection sampling) or {SAMPLERS[1]} (each position's "
+    "noise fixed by the seed: the same answer in every mode, equal to target-only decoding "
+    "with that seed; drafts may pass a little less often).",
+)
 TEMPERATURE = "Sampling temperature (0 = greedy)"
 # export and add-heads: the same options with each command's default
 DRAFT_SOURCE = "Drafter source"
@@ -83,8 +117,9 @@ def max_tokens_option(default: int, more: str = "") -> typer.models.OptionInfo:
 
 def prompts_option(default: str) -> typer.models.OptionInfo:
     """``--prompts``, saying which prompt set is used without one."""
-    return typer.Option(None, "--prompts", help=f"Prompt file (.jsonl lines of {{category, prompt}}); default: "
-                        f"{default}.")
+    return typer.Option(
+        None, "--prompts", help=f"Prompt file (.jsonl lines of {{category, prompt}}); default: {default}."
+    )
 
 
 def output_option(what: str, default: str) -> typer.models.OptionInfo:
@@ -94,33 +129,70 @@ def output_option(what: str, default: str) -> typer.models.OptionInfo:
 
 # -- the engine: generate, chat, serve ---------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class EngineFlags:
     """How a bundle is loaded and decoded, as given on the command line (None: not given, the default)."""
 
     provider: str = option(ProviderOpt)
     threads: int = option(ThreadsOpt)
-    mode: str = option(typer.Option("spec", "--mode", help="Decoding mode: spec (speculative, lossless), ssd "
-                                    "(speculative speculative: drafts the next round while the target verifies) "
-                                    "or ar (target only)."))
+    mode: str = option(
+        typer.Option(
+            "spec",
+            "--mode",
+            help="Decoding mode: spec (speculative, lossless), ssd "
+            "(speculative speculative: drafts the next round while the target verifies) "
+            "or ar (target only).",
+        )
+    )
     gamma: Optional[int] = option(GammaOpt)
     schedule: Optional[str] = option(ScheduleOpt)
-    drafts: Optional[int] = option(typer.Option(None, "--drafts", help="Drafts per step (spec, default 1): > 1 "
-                                                "verifies a tree of that many branches, each --gamma long, in one "
-                                                "target pass (multi-draft; fixed γ)."))
-    verifier: Optional[str] = option(typer.Option(None, "--verifier", help="Multi-draft sampling verifier: "
-                                                  f"{', '.join(VERIFIERS)} (default {TreeConfig.verifier}; SpecHub: "
-                                                  "2 drafts). Greedy decoding branches on the drafter's top tokens."))
-    lookup: Optional[bool] = option(typer.Option(None, "--lookup/--no-lookup", help="Prompt lookup drafting (spec, "
-                                                 "default on): also draft by continuing an earlier occurrence of the "
-                                                 "last tokens, in rounds where that beats the drafter."))
-    drafter: Optional[str] = option(typer.Option(None, "--drafter", help="Drafter kind (spec): model (the bundle's "
-                                                 "drafter model, default) or eagle (its EAGLE head on the target's "
-                                                 "features: edge-spec train-head)."))
-    draft_head: Optional[str] = option(typer.Option(None, "--draft-head", help=f"{DRAFT_HEAD}. Default: the "
-                                                    "bundle's default head."))
-    eagle_head: Optional[str] = option(typer.Option(None, "--eagle-head", help=f"{EAGLE_HEAD}. With --drafter "
-                                                    "eagle; default: the bundle's default EAGLE LM head."))
+    drafts: Optional[int] = option(
+        typer.Option(
+            None,
+            "--drafts",
+            help="Drafts per step (spec, default 1): > 1 "
+            "verifies a tree of that many branches, each --gamma long, in one "
+            "target pass (multi-draft; fixed γ).",
+        )
+    )
+    verifier: Optional[str] = option(
+        typer.Option(
+            None,
+            "--verifier",
+            help="Multi-draft sampling verifier: "
+            f"{', '.join(VERIFIERS)} (default {TreeConfig.verifier}; SpecHub: "
+            "2 drafts). Greedy decoding branches on the drafter's top tokens.",
+        )
+    )
+    lookup: Optional[bool] = option(
+        typer.Option(
+            None,
+            "--lookup/--no-lookup",
+            help="Prompt lookup drafting (spec, "
+            "default on): also draft by continuing an earlier occurrence of the "
+            "last tokens, in rounds where that beats the drafter.",
+        )
+    )
+    drafter: Optional[str] = option(
+        typer.Option(
+            None,
+            "--drafter",
+            help="Drafter kind (spec): model (the bundle's "
+            "drafter model, default) or eagle (its EAGLE head on the target's "
+            "features: edge-spec train-head).",
+        )
+    )
+    draft_head: Optional[str] = option(
+        typer.Option(None, "--draft-head", help=f"{DRAFT_HEAD}. Default: the bundle's default head.")
+    )
+    eagle_head: Optional[str] = option(
+        typer.Option(
+            None,
+            "--eagle-head",
+            help=f"{EAGLE_HEAD}. With --drafter eagle; default: the bundle's default EAGLE LM head.",
+        )
+    )
     draft_threads: Optional[int] = option(DraftThreadsOpt)
     draft_provider: Optional[str] = option(DraftProviderOpt)
     provider_option: list[str] = option(ProviderOptionOpt)
@@ -129,8 +201,14 @@ class EngineFlags:
 
     def loop_settings(self) -> dict:
         """The loop settings given (``loops.config.loop_config``'s keywords)."""
-        return dict(gamma=self.gamma, schedule=self.schedule, drafts=self.drafts, verifier=self.verifier,
-                    lookup=self.lookup, drafter=self.drafter)
+        return dict(
+            gamma=self.gamma,
+            schedule=self.schedule,
+            drafts=self.drafts,
+            verifier=self.verifier,
+            lookup=self.lookup,
+            drafter=self.drafter,
+        )
 
 
 @dataclass(frozen=True)
@@ -138,47 +216,91 @@ class SamplingFlags:
     """How answer tokens are chosen: ``Engine.generate``'s sampling keywords."""
 
     temperature: float = option(typer.Option(SAMPLING_DEFAULTS.temperature, "--temperature", help=f"{TEMPERATURE}."))
-    top_k: int = option(typer.Option(SAMPLING_DEFAULTS.top_k, "--top-k", help="Keep the k most likely tokens "
-                                     "(0 = off)."))
+    top_k: int = option(
+        typer.Option(SAMPLING_DEFAULTS.top_k, "--top-k", help="Keep the k most likely tokens (0 = off).")
+    )
     top_p: float = option(typer.Option(SAMPLING_DEFAULTS.top_p, "--top-p", help="Nucleus sampling mass (1 = off)."))
-    seed: Optional[int] = option(typer.Option(None, "--seed", help="Random seed (fixes a sampled answer; default: "
-                                              "none)."))
+    seed: Optional[int] = option(
+        typer.Option(None, "--seed", help="Random seed (fixes a sampled answer; default: none).")
+    )
     sampler: str = option(SamplerOpt)
 
 
 # -- drafter heads: export, add-heads ------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class HeadFlags:
     """How VocabTrim and SpecVocab drafter heads are built."""
 
-    keep: str = option(typer.Option(listed(EXPORT_DEFAULTS.keep), "--keep", help="VocabTrim rows kept: vocabulary "
-                                    "rows in the drafter's head; a comma list exports one head per value (the first "
-                                    "is the default)."))
-    calibration: Optional[Path] = option(typer.Option(None, "--calibration", help="Calibration prompt file "
-                                                      "(VocabTrim, SpecVocab; default: the shipped set)."))
-    rank: str = option(typer.Option(listed(EXPORT_DEFAULTS.rank), "--rank", help="SpecVocab scorer rank R (comma "
-                                    "list: one scorer per value)."))
-    candidates: str = option(typer.Option(listed(EXPORT_DEFAULTS.candidates), "--candidates", help="SpecVocab "
-                                          "candidates with exact logits per draft step (comma list)."))
-    scorer: str = option(typer.Option(EXPORT_DEFAULTS.scorer, "--scorer", help="SpecVocab scorer fit: data "
-                                      "(hidden-state weighted SVD) or svd."))
-    train_steps: int = option(typer.Option(EXPORT_DEFAULTS.train_steps, "--train-steps", help="SpecVocab "
-                                           "distillation steps on calibration states after the fit (CPU)."))
-    union_keep: int = option(typer.Option(EXPORT_DEFAULTS.union_keep, "--union-keep", help="Static VocabTrim rows "
-                                          "always among the candidates (trim+specvocab)."))
-    scorer_vocab: str = option(typer.Option(listed(EXPORT_DEFAULTS.scorer_vocab), "--scorer-vocab", help="SpecVocab "
-                                            "scorer rows: the top-K calibration tokens it ranks (0 = the whole "
-                                            "vocabulary; comma list)."))
+    keep: str = option(
+        typer.Option(
+            listed(EXPORT_DEFAULTS.keep),
+            "--keep",
+            help="VocabTrim rows kept: vocabulary "
+            "rows in the drafter's head; a comma list exports one head per value (the first "
+            "is the default).",
+        )
+    )
+    calibration: Optional[Path] = option(
+        typer.Option(
+            None, "--calibration", help="Calibration prompt file (VocabTrim, SpecVocab; default: the shipped set)."
+        )
+    )
+    rank: str = option(
+        typer.Option(
+            listed(EXPORT_DEFAULTS.rank), "--rank", help="SpecVocab scorer rank R (comma list: one scorer per value)."
+        )
+    )
+    candidates: str = option(
+        typer.Option(
+            listed(EXPORT_DEFAULTS.candidates),
+            "--candidates",
+            help="SpecVocab candidates with exact logits per draft step (comma list).",
+        )
+    )
+    scorer: str = option(
+        typer.Option(
+            EXPORT_DEFAULTS.scorer, "--scorer", help="SpecVocab scorer fit: data (hidden-state weighted SVD) or svd."
+        )
+    )
+    train_steps: int = option(
+        typer.Option(
+            EXPORT_DEFAULTS.train_steps,
+            "--train-steps",
+            help="SpecVocab distillation steps on calibration states after the fit (CPU).",
+        )
+    )
+    union_keep: int = option(
+        typer.Option(
+            EXPORT_DEFAULTS.union_keep,
+            "--union-keep",
+            help="Static VocabTrim rows always among the candidates (trim+specvocab).",
+        )
+    )
+    scorer_vocab: str = option(
+        typer.Option(
+            listed(EXPORT_DEFAULTS.scorer_vocab),
+            "--scorer-vocab",
+            help="SpecVocab scorer rows: the top-K calibration tokens it ranks (0 = the whole vocabulary; comma list).",
+        )
+    )
 
     def export_options(self, draft_vocab: str, **more) -> ExportOptions:
         """The exporter's options for heads ``draft_vocab`` (``more``: the other export settings), checked."""
         if self.calibration is not None and not self.calibration.is_file():
             raise EdgeSpecError(f"calibration file not found: {self.calibration}")
-        options = ExportOptions(draft_vocab=draft_vocab, keep=int_list(self.keep, "--keep"),
-                                calibration=self.calibration, rank=int_list(self.rank, "--rank"),
-                                candidates=int_list(self.candidates, "--candidates"), scorer=self.scorer,
-                                train_steps=self.train_steps, union_keep=self.union_keep,
-                                scorer_vocab=int_list(self.scorer_vocab, "--scorer-vocab"), **more)
+        options = ExportOptions(
+            draft_vocab=draft_vocab,
+            keep=int_list(self.keep, "--keep"),
+            calibration=self.calibration,
+            rank=int_list(self.rank, "--rank"),
+            candidates=int_list(self.candidates, "--candidates"),
+            scorer=self.scorer,
+            train_steps=self.train_steps,
+            union_keep=self.union_keep,
+            scorer_vocab=int_list(self.scorer_vocab, "--scorer-vocab"),
+            **more,
+        )
         options.check()
         return options

@@ -15,6 +15,7 @@ out = Console(highlight=False, soft_wrap=True)
 def progress_lines(label: str) -> Iterator[Callable[[str], None]]:
     """A spinner for long exporter work, plus one printed line per step (``progress(message)``)."""
     with console.status(label) as status:
+
         def progress(message: str) -> None:
             console.print(f"[dim]-[/dim] {message}")
             status.update(message)

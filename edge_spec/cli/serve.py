@@ -16,29 +16,51 @@ from edge_spec.errors import EdgeSpecError
 @takes_groups
 def serve(
     bundle: Optional[Path] = BundleArg,
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (default: this machine only). On any other "
-                             "address (0.0.0.0: every interface) requests for localhost and for any IP address are "
-                             "answered; for a host name, add --allowed-host NAME."),
+    host: str = typer.Option(
+        "127.0.0.1",
+        help="Address to listen on (default: this machine only). On any other "
+        "address (0.0.0.0: every interface) requests for localhost and for any IP address are "
+        "answered; for a host name, add --allowed-host NAME.",
+    ),
     port: int = typer.Option(8000, help="Port (0: any free port, printed at start)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="EDGE_SPEC_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' (default: any key or none)."),
-    max_queue: int = typer.Option(16, help="Requests that may wait behind the one being answered; more get "
-                                  "HTTP 429 with Retry-After."),
-    shutdown_grace: float = typer.Option(10.0, help="On SIGINT/SIGTERM, seconds the answer in progress gets "
-                                         "to finish before it is stopped."),
-    allowed_host: list[str] = typer.Option([], "--allowed-host", help="Also answer requests whose Host header is "
-                                           "NAME (repeatable; *.example.com: its subdomains; *: any host). "
-                                           "Default: localhost names, loopback addresses and the --host address "
-                                           "(any IP address when --host is not loopback), so a web page cannot "
-                                           "reach the server by rebinding its own name to it."),
-    cors_origin: list[str] = typer.Option([], "--cors-origin", help="Let web pages from ORIGIN (such as "
-                                          "http://localhost:3000) call the API from a browser (repeatable; * "
-                                          "needs --api-key). Default: none, cross-origin requests get 403."),
-    max_body: str = typer.Option("4M", "--max-body", help="Largest request body accepted (K, M, G suffixes); "
-                                 "larger ones get HTTP 413."),
-    alias: list[str] = typer.Option([], "--alias", help="Another name requests may give the model, such as the "
-                                    "one a client is configured with (repeatable; *: any name). Default: only the "
-                                    "bundle's directory name; another name gets 404 model_not_found."),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        envvar="EDGE_SPEC_API_KEY",
+        help="Require 'Authorization: Bearer KEY' (default: any key or none).",
+    ),
+    max_queue: int = typer.Option(
+        16, help="Requests that may wait behind the one being answered; more get HTTP 429 with Retry-After."
+    ),
+    shutdown_grace: float = typer.Option(
+        10.0, help="On SIGINT/SIGTERM, seconds the answer in progress gets to finish before it is stopped."
+    ),
+    allowed_host: list[str] = typer.Option(
+        [],
+        "--allowed-host",
+        help="Also answer requests whose Host header is "
+        "NAME (repeatable; *.example.com: its subdomains; *: any host). "
+        "Default: localhost names, loopback addresses and the --host address "
+        "(any IP address when --host is not loopback), so a web page cannot "
+        "reach the server by rebinding its own name to it.",
+    ),
+    cors_origin: list[str] = typer.Option(
+        [],
+        "--cors-origin",
+        help="Let web pages from ORIGIN (such as "
+        "http://localhost:3000) call the API from a browser (repeatable; * "
+        "needs --api-key). Default: none, cross-origin requests get 403.",
+    ),
+    max_body: str = typer.Option(
+        "4M", "--max-body", help="Largest request body accepted (K, M, G suffixes); larger ones get HTTP 413."
+    ),
+    alias: list[str] = typer.Option(
+        [],
+        "--alias",
+        help="Another name requests may give the model, such as the "
+        "one a client is configured with (repeatable; *: any name). Default: only the "
+        "bundle's directory name; another name gets 404 model_not_found.",
+    ),
     engine: EngineFlags = ...,
 ) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions (tools too), /v1/completions (FIM too), /v1/models,
@@ -58,11 +80,21 @@ def serve(
     sock = listen(host, port)  # a busy port fails before the (slow) load
     try:
         allowed_host = [*allowed_host, host]  # the name the server was started with is its own
-        make_policy(bind_host=host, allowed_hosts=allowed_host, cors_origins=cors_origin, max_body=max_body,
-                    api_key=api_key)  # bad options fail before the (slow) load too
+        make_policy(
+            bind_host=host, allowed_hosts=allowed_host, cors_origins=cors_origin, max_body=max_body, api_key=api_key
+        )  # bad options fail before the (slow) load too
         loaded = load_engine(bundle, engine, config)
-        run(loaded, sock, name=bundle.resolve().name, api_key=api_key, max_queue=max_queue,
-            shutdown_grace=shutdown_grace, allowed_hosts=allowed_host, cors_origins=cors_origin, max_body=max_body,
-            aliases=aliases)
+        run(
+            loaded,
+            sock,
+            name=bundle.resolve().name,
+            api_key=api_key,
+            max_queue=max_queue,
+            shutdown_grace=shutdown_grace,
+            allowed_hosts=allowed_host,
+            cors_origins=cors_origin,
+            max_body=max_body,
+            aliases=aliases,
+        )
     finally:
         sock.close()

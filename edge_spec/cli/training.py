@@ -21,22 +21,39 @@ def _collect_reporter(stack: contextlib.ExitStack):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     if console.is_terminal:
-        bar = stack.enter_context(Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(),
-                                           TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                           TextColumn("ETA {task.fields[eta]}"), console=console))
+        bar = stack.enter_context(
+            Progress(
+                TextColumn("collect"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA {task.fields[eta]}"),
+                console=console,
+            )
+        )
         task = bar.add_task("collect", total=None, info="", eta="?")
 
         def report(r: dict) -> None:
-            bar.update(task, completed=r["done"], total=r["total"], eta=_clock(r["eta"]),
-                       info=f"{r['tokens']['train']} train / {r['tokens']['held_out']} held-out tokens, "
-                            f"{r['rate']:.0f} tok/s")
+            bar.update(
+                task,
+                completed=r["done"],
+                total=r["total"],
+                eta=_clock(r["eta"]),
+                info=f"{r['tokens']['train']} train / {r['tokens']['held_out']} held-out tokens, {r['rate']:.0f} tok/s",
+            )
+
         return report
 
     def report(r: dict) -> None:
-        console.print(f"collect {r['done']}/{r['total']} {r['kind']} +{r['labelled']}: "
-                      f"{r['tokens']['train']} train / {r['tokens']['held_out']} held-out tokens, "
-                      f"{r['rate']:.1f} tok/s, elapsed {_clock(r['elapsed'])}, ETA {_clock(r['eta'])}",
-                      highlight=False, markup=False)
+        console.print(
+            f"collect {r['done']}/{r['total']} {r['kind']} +{r['labelled']}: "
+            f"{r['tokens']['train']} train / {r['tokens']['held_out']} held-out tokens, "
+            f"{r['rate']:.1f} tok/s, elapsed {_clock(r['elapsed'])}, ETA {_clock(r['eta'])}",
+            highlight=False,
+            markup=False,
+        )
+
     return report
 
 
@@ -53,30 +70,45 @@ def train_head(
     max_items: Optional[int] = typer.Option(None, help="Collect at most this many items (prompts + text windows)."),
     max_tokens: int = max_tokens_option(256, ": the target's, to each prompt"),
     held_out_every: int = typer.Option(10, help="Hold out every n-th prompt and every n-th text file."),
-    vocab_size: int = typer.Option(16384, "--vocab-size", help="Vocabulary size K of the head's drafts (the K most "
-                                   "frequent target labels)."),
+    vocab_size: int = typer.Option(
+        16384, "--vocab-size", help="Vocabulary size K of the head's drafts (the K most frequent target labels)."
+    ),
     intermediate: int = typer.Option(4480, help="Head MLP width."),
     epochs: float = typer.Option(2.0, help="Passes over the training data (when --steps is not given)."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps (one training sequence each); with --resume: "
-                                        "continue to this many steps, the schedule stretched (a warm restart)."),
+    steps: Optional[int] = typer.Option(
+        None,
+        help="Optimizer steps (one training sequence each); with --resume: "
+        "continue to this many steps, the schedule stretched (a warm restart).",
+    ),
     ttt: int = typer.Option(2, help="Training-time-test steps unrolled (1 = off)."),
     lr: float = typer.Option(5e-4, help="Peak learning rate (AdamW, warm-up then cosine)."),
-    hard_labels: bool = typer.Option(False, "--hard-labels", help="Cross-entropy on the greedy label instead of "
-                                     "the target's distribution over the draft vocabulary."),
+    hard_labels: bool = typer.Option(
+        False,
+        "--hard-labels",
+        help="Cross-entropy on the greedy label instead of the target's distribution over the draft vocabulary.",
+    ),
     seed: int = typer.Option(0, help="Random seed (fixes the head's initialisation and the data order)."),
-    init: Optional[str] = typer.Option(None, "--init", help="Start from this head instead of a fresh one: a saved "
-                                       "head (e.g. edge_spec/data/heads/NAME, or a bundle's eagle/ directory), a "
-                                       "SpecForge checkpoint or a hub id; its draft vocabulary and width are kept."),
+    init: Optional[str] = typer.Option(
+        None,
+        "--init",
+        help="Start from this head instead of a fresh one: a saved "
+        "head (e.g. edge_spec/data/heads/NAME, or a bundle's eagle/ directory), a "
+        "SpecForge checkpoint or a hub id; its draft vocabulary and width are kept.",
+    ),
     work: Optional[Path] = typer.Option(None, help="Working directory (default: eagle-work in the models directory)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the training run checkpointed in WORK."),
     collect_only: bool = typer.Option(False, "--collect-only", help="Collect features, do not train."),
     train_only: bool = typer.Option(False, "--train-only", help="Train on the features already collected."),
     collect_minutes: Optional[float] = typer.Option(None, help="Start no new collection item after this long."),
-    train_minutes: Optional[float] = typer.Option(None, help="Stop training after this long (checkpointed; "
-                                                  "--resume continues)."),
+    train_minutes: Optional[float] = typer.Option(
+        None, help="Stop training after this long (checkpointed; --resume continues)."
+    ),
     checkpoint_minutes: float = typer.Option(5.0, help="Minutes between training checkpoints."),
-    feature_layers: Optional[str] = typer.Option(None, help="Target layers whose outputs the head fuses "
-                                                 "(three, comma-separated; default SpecForge's (1, L/2-1, L-4))."),
+    feature_layers: Optional[str] = typer.Option(
+        None,
+        help="Target layers whose outputs the head fuses "
+        "(three, comma-separated; default SpecForge's (1, L/2-1, L-4)).",
+    ),
     threads: int = ThreadsOpt,
     attach: bool = typer.Option(True, "--attach/--no-attach", help="Attach the trained head (int4) to BUNDLE."),
 ) -> None:
@@ -108,50 +140,86 @@ def train_head(
     work = work or models_dir() / "eagle-work"
     checkpoint = work / "train" / head_training.CHECKPOINT
     if not collect_only and not resume and checkpoint.is_file():
-        raise EdgeSpecError(f"{checkpoint} exists: pass --resume to continue that run, or delete "
-                            f"{checkpoint.parent} to train afresh")
+        raise EdgeSpecError(
+            f"{checkpoint} exists: pass --resume to continue that run, or delete {checkpoint.parent} to train afresh"
+        )
     work.mkdir(parents=True, exist_ok=True)
     if not train_only:
-        options = head_data.CollectOptions(answer_tokens=max_tokens, max_items=max_items, threads=threads,
-                                           held_out_every=held_out_every,
-                                           seed=seed, time_budget=None if collect_minutes is None
-                                           else collect_minutes * 60)
+        options = head_data.CollectOptions(
+            answer_tokens=max_tokens,
+            max_items=max_items,
+            threads=threads,
+            held_out_every=held_out_every,
+            seed=seed,
+            time_budget=None if collect_minutes is None else collect_minutes * 60,
+        )
         options.check()
         with contextlib.ExitStack() as stack:
             report = _collect_reporter(stack)
-            result = head_data.collect(bundle, work, prompts=False if no_prompts else prompts,
-                                       text_dirs=text or (), options=options, report=report, layers=layers)
+            result = head_data.collect(
+                bundle,
+                work,
+                prompts=False if no_prompts else prompts,
+                text_dirs=text or (),
+                options=options,
+                report=report,
+                layers=layers,
+            )
         totals = result["totals"]
-        console.print(f"collected {totals['items']} items: {totals['train']} training / {totals['held_out']} "
-                      f"held-out tokens in {_clock(result['seconds'])}"
-                      + (f"; {result['pending']} items not collected yet (run again to continue)"
-                         if result["pending"] else ""), highlight=False)
+        console.print(
+            f"collected {totals['items']} items: {totals['train']} training / {totals['held_out']} "
+            f"held-out tokens in {_clock(result['seconds'])}"
+            + (f"; {result['pending']} items not collected yet (run again to continue)" if result["pending"] else ""),
+            highlight=False,
+        )
     if collect_only:
         return
-    train_options = head_training.TrainOptions(draft_vocab=vocab_size, intermediate=intermediate, epochs=epochs,
-                                               steps=steps, ttt=ttt, lr=lr, soft=not hard_labels, seed=seed,
-                                               init=str(init) if init else None)
+    train_options = head_training.TrainOptions(
+        draft_vocab=vocab_size,
+        intermediate=intermediate,
+        epochs=epochs,
+        steps=steps,
+        ttt=ttt,
+        lr=lr,
+        soft=not hard_labels,
+        seed=seed,
+        init=str(init) if init else None,
+    )
     target = head_training.Target.from_work(bundle, work)
     trainer = head_training.train(
-        work, target, train_options, resume=resume, threads=threads, extend_steps=steps if resume else None,
+        work,
+        target,
+        train_options,
+        resume=resume,
+        threads=threads,
+        extend_steps=steps if resume else None,
         time_budget=None if train_minutes is None else train_minutes * 60,
         checkpoint_seconds=checkpoint_minutes * 60,
-        log=lambda message: console.print(message, highlight=False, markup=False))
+        log=lambda message: console.print(message, highlight=False, markup=False),
+    )
     final = trainer.curve[-1] if trainer.curve else {}
     if trainer.step < trainer.total_steps:
-        console.print(f"training stopped at step {trainer.step}/{trainer.total_steps}; "
-                      "run again with --train-only --resume to continue", highlight=False)
+        console.print(
+            f"training stopped at step {trainer.step}/{trainer.total_steps}; "
+            "run again with --train-only --resume to continue",
+            highlight=False,
+        )
     from edge_spec.export.eagle.model import save_specforge
 
     specforge = save_specforge(work / "specforge", trainer.config, trainer.head)
-    console.print(f"wrote {specforge} (SpecForge format); held-out acceptance step 1 "
-                  f"{final.get('acceptance_1', 0):.1%}, step 2 {final.get('acceptance_2', 0):.1%}; "
-                  f"curve: {trainer.dir / head_training.CURVE}", highlight=False)
+    console.print(
+        f"wrote {specforge} (SpecForge format); held-out acceptance step 1 "
+        f"{final.get('acceptance_1', 0):.1%}, step 2 {final.get('acceptance_2', 0):.1%}; "
+        f"curve: {trainer.dir / head_training.CURVE}",
+        highlight=False,
+    )
     if attach:
         from edge_spec.export.eagle.attach import attach_eagle_head
 
-        kept = (f"the bundle at {bundle} was kept as it was; the trained head is in {specforge} (attach it "
-                f"with edge-spec add-heads {bundle} --eagle {specforge})")
+        kept = (
+            f"the bundle at {bundle} was kept as it was; the trained head is in {specforge} (attach it "
+            f"with edge-spec add-heads {bundle} --eagle {specforge})"
+        )
         with progress_lines("attaching the EAGLE-3 head") as progress, explained_os_errors(bundle, kept):
             attach_eagle_head(bundle, trainer.config, trainer.head.eval(), source=str(specforge), progress=progress)
         console.print(f"attached the EAGLE-3 head to {bundle}", highlight=False)

@@ -50,7 +50,9 @@ def pad_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     names = {i.name for i in graph.input}
     if not set(_INPUTS) <= names:
-        raise EdgeSpecError("only a target graph with tree-attention inputs can pad its attention; re-export the bundle")
+        raise EdgeSpecError(
+            "only a target graph with tree-attention inputs can pad its attention; re-export the bundle"
+        )
     if not any(n.op_type == "GroupQueryAttention" for n in graph.node):
         raise EdgeSpecError("this graph has no GroupQueryAttention node to pad")
     shared, padded_input = _padded_step_inputs()
@@ -87,38 +89,54 @@ def add_attention_pad(onnx_path: Path | str) -> bool:
 
 
 def _constants() -> list[onnx.TensorProto]:
-    return [numpy_helper.from_array(np.array([1], np.int32), _PREFIX + "one"),
-            numpy_helper.from_array(np.array(1, np.int32), _PREFIX + "one_scalar"),
-            numpy_helper.from_array(np.array([-1], np.int64), _PREFIX + "last"),
-            numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), _PREFIX + "end"),
-            numpy_helper.from_array(np.array([0], np.int64), _PREFIX + "start"),
-            *(numpy_helper.from_array(np.array([axis], np.int64), name) for axis, name in _AXIS.items()),
-            numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64), _PREFIX + "bias_pads")]
+    return [
+        numpy_helper.from_array(np.array([1], np.int32), _PREFIX + "one"),
+        numpy_helper.from_array(np.array(1, np.int32), _PREFIX + "one_scalar"),
+        numpy_helper.from_array(np.array([-1], np.int64), _PREFIX + "last"),
+        numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), _PREFIX + "end"),
+        numpy_helper.from_array(np.array([0], np.int64), _PREFIX + "start"),
+        *(numpy_helper.from_array(np.array([axis], np.int64), name) for axis, name in _AXIS.items()),
+        numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64), _PREFIX + "bias_pads"),
+    ]
 
 
 def _with_last_row(x: str, out: str, axis: int = 1) -> list[onnx.NodeProto]:
     """``out`` = ``x`` with its last row along ``axis`` appended once more."""
     last = out + "/last_row"
-    return [helper.make_node("Slice", [x, _PREFIX + "last", _PREFIX + "end", _AXIS[axis]], [last], name=last),
-            helper.make_node("Concat", [x, last], [out], name=out, axis=axis)]
+    return [
+        helper.make_node("Slice", [x, _PREFIX + "last", _PREFIX + "end", _AXIS[axis]], [last], name=last),
+        helper.make_node("Concat", [x, last], [out], name=out, axis=axis),
+    ]
 
 
 def _padded_step_inputs() -> tuple[list[onnx.NodeProto], dict[str, str]]:
     """The per-pass inputs attention sees, one row longer: built once, shared by every layer."""
     p = {name: _PREFIX + name for name in _INPUTS}
-    nodes = [helper.make_node("Add", ["seqlens_k", _PREFIX + "one"], [p["seqlens_k"]], name=p["seqlens_k"]),
-             helper.make_node("Add", ["total_sequence_length", _PREFIX + "one_scalar"], [p["total_sequence_length"]],
-                              name=p["total_sequence_length"]),
-             *_with_last_row("position_ids", p["position_ids"]),
-             # one more key column (the pad's own slot: causal masking hides it from the real rows) and one
-             # more query row (the pad's, attending to everything before it)
-             helper.make_node("Pad", ["attention_bias", _PREFIX + "bias_pads"], [p["attention_bias"]],
-                              name=p["attention_bias"], mode="constant")]
+    nodes = [
+        helper.make_node("Add", ["seqlens_k", _PREFIX + "one"], [p["seqlens_k"]], name=p["seqlens_k"]),
+        helper.make_node(
+            "Add",
+            ["total_sequence_length", _PREFIX + "one_scalar"],
+            [p["total_sequence_length"]],
+            name=p["total_sequence_length"],
+        ),
+        *_with_last_row("position_ids", p["position_ids"]),
+        # one more key column (the pad's own slot: causal masking hides it from the real rows) and one
+        # more query row (the pad's, attending to everything before it)
+        helper.make_node(
+            "Pad",
+            ["attention_bias", _PREFIX + "bias_pads"],
+            [p["attention_bias"]],
+            name=p["attention_bias"],
+            mode="constant",
+        ),
+    ]
     return nodes, p
 
 
-def _pad_node(node: onnx.NodeProto, padded_input: dict[str, str],
-              tables: dict[str, str]) -> tuple[list[onnx.NodeProto], onnx.NodeProto]:
+def _pad_node(
+    node: onnx.NodeProto, padded_input: dict[str, str], tables: dict[str, str]
+) -> tuple[list[onnx.NodeProto], onnx.NodeProto]:
     """Rewire ``node`` to padded rows and inputs; returns the nodes that pad its query/key/value rows
     and, the first time a rotary table is seen, that table (``tables``: padded so far; all go before
     ``node``), and the slice that cuts its output back to the real rows (to go after it)."""
@@ -139,8 +157,12 @@ def _pad_node(node: onnx.NodeProto, padded_input: dict[str, str],
             node.input[index] = padded_input[name]
     real = node.output[0]
     node.output[0] = real + "/padded"
-    cut = helper.make_node("Slice", [node.output[0], _PREFIX + "start", _PREFIX + "last", _PREFIX + "rows_axis"],
-                           [real], name=real + "/cut")
+    cut = helper.make_node(
+        "Slice",
+        [node.output[0], _PREFIX + "start", _PREFIX + "last", _PREFIX + "rows_axis"],
+        [real],
+        name=real + "/cut",
+    )
     return before, cut
 
 

@@ -66,8 +66,17 @@ def _model_record(model: LoadedModel, bundle_dir: Path, role: str, quant_info: d
     }
 
 
-def _export_head(bundle_dir: Path, name: str, lm_head: np.ndarray, vocab_ids: np.ndarray | None,
-                 build: BuildOptions, blocks=None, *, folder: str = "draft", rows: np.ndarray | None = None) -> dict:
+def _export_head(
+    bundle_dir: Path,
+    name: str,
+    lm_head: np.ndarray,
+    vocab_ids: np.ndarray | None,
+    build: BuildOptions,
+    blocks=None,
+    *,
+    folder: str = "draft",
+    rows: np.ndarray | None = None,
+) -> dict:
     """Write <folder>/head_<name>.onnx (+ its vocabulary map) and return its manifest entry; ``blocks``: the
     head's carried GGUF blocks, if any.  ``rows``: the rows of ``lm_head`` the head keeps, when they are
     not the target ids ``vocab_ids`` themselves (a head over a draft vocabulary)."""
@@ -87,24 +96,31 @@ def _export_head(bundle_dir: Path, name: str, lm_head: np.ndarray, vocab_ids: np
     return entry
 
 
-def _export_scorer(bundle_dir: Path, scorer, build: BuildOptions, suffix: str = "", folder: str = "draft"
-                   ) -> tuple[str, list[dict]]:
+def _export_scorer(
+    bundle_dir: Path, scorer, build: BuildOptions, suffix: str = "", folder: str = "draft"
+) -> tuple[str, list[dict]]:
     """Write one SpecVocab scorer graph (shared by every head of its rank and universe)."""
     stem = f"{folder}/scorer_r{scorer.rank}{suffix}.onnx"
     save_model(build_scorer(scorer.w_down, scorer.w_vocab, build), bundle_dir / stem)
     return stem, [file_record(bundle_dir, stem), file_record(bundle_dir, stem + ".data")]
 
 
-def _specvocab_head_entry(bundle_dir: Path, name: str, scorer, scorer_onnx: str, candidates: int,
-                          always: np.ndarray, folder: str = "draft") -> dict:
+def _specvocab_head_entry(
+    bundle_dir: Path, name: str, scorer, scorer_onnx: str, candidates: int, always: np.ndarray, folder: str = "draft"
+) -> dict:
     """Manifest entry of one SpecVocab head (+ its always-kept ids); the int8 head rows it gathers
     from are shared by all SpecVocab heads (see :func:`_export_head_rows`)."""
     hidden = scorer.w_down.shape[1]
     np.save(bundle_dir / folder / f"always_{name}.npy", always)
     return {
-        "kind": "specvocab", "onnx": scorer_onnx, "rank": scorer.rank, "candidates": candidates,
-        "rows": f"{folder}/head_rows_int8.npy", "scales": f"{folder}/head_scales.npy",
-        "always_ids": f"{folder}/always_{name}.npy", "size": candidates + len(always),
+        "kind": "specvocab",
+        "onnx": scorer_onnx,
+        "rank": scorer.rank,
+        "candidates": candidates,
+        "rows": f"{folder}/head_rows_int8.npy",
+        "scales": f"{folder}/head_scales.npy",
+        "always_ids": f"{folder}/always_{name}.npy",
+        "size": candidates + len(always),
         "parameters": int(scorer.w_down.size + scorer.w_vocab.size + (candidates + len(always)) * hidden),
         "files": [file_record(bundle_dir, f"{folder}/always_{name}.npy")],
     }
@@ -116,7 +132,10 @@ def _export_head_rows(bundle_dir: Path, lm_head: np.ndarray, folder: str = "draf
     codes, scales = quantize_rows_int8(lm_head)
     np.save(bundle_dir / folder / "head_rows_int8.npy", codes)
     np.save(bundle_dir / folder / "head_scales.npy", scales)
-    return [file_record(bundle_dir, f"{folder}/head_rows_int8.npy"), file_record(bundle_dir, f"{folder}/head_scales.npy")]
+    return [
+        file_record(bundle_dir, f"{folder}/head_rows_int8.npy"),
+        file_record(bundle_dir, f"{folder}/head_scales.npy"),
+    ]
 
 
 def default_head(heads: dict, options: ExportOptions) -> str:
@@ -128,8 +147,16 @@ def default_head(heads: dict, options: ExportOptions) -> str:
     return "full"
 
 
-def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOptions, build: BuildOptions, *,
-                       always_keep: list[int], progress=None, lm_head_blocks=None) -> tuple[dict, list[dict], dict | None]:
+def export_draft_heads(
+    bundle_dir: Path,
+    lm_head: np.ndarray,
+    options: ExportOptions,
+    build: BuildOptions,
+    *,
+    always_keep: list[int],
+    progress=None,
+    lm_head_blocks=None,
+) -> tuple[dict, list[dict], dict | None]:
     """Build every drafter head ``options`` asks for (the full head always) into ``bundle_dir/draft``.
 
     VocabTrim and SpecVocab calibrate on text the exported target generates
@@ -149,8 +176,11 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
         counts = vocabtrim.count_tokens(sequences, lm_head.shape[0])
         np.save(bundle_dir / "draft" / "token_counts.npy", counts)
         files += [file_record(bundle_dir, "draft/token_counts.npy"), file_record(bundle_dir, "draft/calibration.npz")]
-        calibration = {"prompts": len(sequences), "generated_tokens": int(counts.sum()),
-                       "distinct_tokens": int((counts > 0).sum())}
+        calibration = {
+            "prompts": len(sequences),
+            "generated_tokens": int(counts.sum()),
+            "distinct_tokens": int((counts > 0).sum()),
+        }
     if "trim" in modes:
         for keep in options.keep_list:
             vocab_ids = vocabtrim.select_vocabulary(counts, keep, always_keep)
@@ -163,15 +193,18 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
     always: dict[str, tuple[str, np.ndarray]] = {}
     for mode in (m for m in modes if m.endswith("specvocab")):
         if mode == "trim+specvocab":
-            always[mode] = (f"trim{options.union_keep}+",
-                            vocabtrim.select_vocabulary(counts, options.union_keep, always_keep))
+            always[mode] = (
+                f"trim{options.union_keep}+",
+                vocabtrim.select_vocabulary(counts, options.union_keep, always_keep),
+            )
         else:
             always[mode] = ("", np.unique(np.asarray([i for i in always_keep if 0 <= i < lm_head.shape[0]], np.int64)))
     if always:
         files += _export_head_rows(bundle_dir, lm_head)
         _say(progress, "SpecVocab: collecting drafter hidden states on the calibration text")
-        hidden, next_tokens = specvocab.collect_hidden_states(bundle_dir / "draft" / "body.onnx", sequences,
-                                                              options.context_length)
+        hidden, next_tokens = specvocab.collect_hidden_states(
+            bundle_dir / "draft" / "body.onnx", sequences, options.context_length
+        )
     for universe_size in options.scorer_vocab if always else ():
         universe = None if universe_size == 0 else vocabtrim.select_vocabulary(counts, universe_size, always_keep)
         rows = lm_head if universe is None else lm_head[universe]
@@ -180,18 +213,39 @@ def export_draft_heads(bundle_dir: Path, lm_head: np.ndarray, options: ExportOpt
             np.save(bundle_dir / "draft" / f"universe{suffix}.npy", universe)
             files.append(file_record(bundle_dir, f"draft/universe{suffix}.npy"))
         specvocab_heads, specvocab_files = specvocab_heads_for(
-            bundle_dir, rows, hidden, next_tokens, always, options, build, universe=universe, suffix=suffix,
-            universe_path=f"draft/universe{suffix}.npy", progress=progress)
+            bundle_dir,
+            rows,
+            hidden,
+            next_tokens,
+            always,
+            options,
+            build,
+            universe=universe,
+            suffix=suffix,
+            universe_path=f"draft/universe{suffix}.npy",
+            progress=progress,
+        )
         heads.update(specvocab_heads)
         files += specvocab_files
     files += [f for h in heads.values() for f in h.pop("files")]
     return heads, files, calibration
 
 
-def specvocab_heads_for(bundle_dir: Path, rows: np.ndarray, hidden: np.ndarray | None, wanted: np.ndarray,
-                        always: dict[str, tuple[str, np.ndarray]], options: ExportOptions, build: BuildOptions, *,
-                        universe: np.ndarray | None, suffix: str, universe_path: str, folder: str = "draft",
-                        progress=None) -> tuple[dict, list[dict]]:
+def specvocab_heads_for(
+    bundle_dir: Path,
+    rows: np.ndarray,
+    hidden: np.ndarray | None,
+    wanted: np.ndarray,
+    always: dict[str, tuple[str, np.ndarray]],
+    options: ExportOptions,
+    build: BuildOptions,
+    *,
+    universe: np.ndarray | None,
+    suffix: str,
+    universe_path: str,
+    folder: str = "draft",
+    progress=None,
+) -> tuple[dict, list[dict]]:
     """SpecVocab heads over the LM-head ``rows`` (target ids ``universe``; None: the whole vocabulary):
     one scorer per ``options.rank``, fitted on the calibration states ``hidden`` (``options.scorer``
     "data"; plain SVD when "svd" or when ``hidden`` is None) and written to ``folder``, then one head per
@@ -201,7 +255,8 @@ def specvocab_heads_for(bundle_dir: Path, rows: np.ndarray, hidden: np.ndarray |
 
     data = hidden is not None and options.scorer == "data"
     scorer_label = (options.scorer if hidden is not None else "svd") + (
-        f"+{options.train_steps} steps" if options.train_steps and hidden is not None else "")
+        f"+{options.train_steps} steps" if options.train_steps and hidden is not None else ""
+    )
     heads, files = {}, []
     for rank in options.rank:
         scorer = specvocab.fit_scorer(rows, rank, hidden if data else None)
@@ -210,8 +265,11 @@ def specvocab_heads_for(bundle_dir: Path, rows: np.ndarray, hidden: np.ndarray |
         scorer_onnx, scorer_files = _export_scorer(bundle_dir, scorer, build, suffix, folder)
         files += scorer_files
         for mode, (prefix, static) in always.items():
-            recall = (specvocab.recall_at_k(scorer, hidden, wanted, list(options.candidates), static, universe)
-                      if hidden is not None else {})
+            recall = (
+                specvocab.recall_at_k(scorer, hidden, wanted, list(options.candidates), static, universe)
+                if hidden is not None
+                else {}
+            )
             for k in options.candidates:
                 name = f"{prefix}specvocab-r{rank}-k{k}{suffix}"
                 if k in recall:
@@ -243,8 +301,9 @@ def _calibration_sequences(bundle_dir: Path, options: ExportOptions, progress, p
         sequences = vocabtrim.load_calibration(shipped)
     else:
         _say(progress, f"calibration: generating text with the exported target ({len(prompts)} prompts)")
-        sequences = vocabtrim.generate_calibration(bundle_dir, prompts, options.calibration_tokens,
-                                                   options.context_length, progress)
+        sequences = vocabtrim.generate_calibration(
+            bundle_dir, prompts, options.calibration_tokens, options.context_length, progress
+        )
     vocabtrim.save_calibration(path or stored, sequences, key)
     return sequences
 
@@ -286,8 +345,10 @@ def check_output_dir(out_dir: str | Path) -> Path:
         if not path.is_dir():
             raise EdgeSpecError(f"output {given} is not a directory")
         if any(path.iterdir()) and not install.is_bundle(path):
-            raise EdgeSpecError(f"output directory {given} is not empty and not an edge-spec bundle; "
-                                "choose a new or empty directory (nothing was changed)")
+            raise EdgeSpecError(
+                f"output directory {given} is not empty and not an edge-spec bundle; "
+                "choose a new or empty directory (nothing was changed)"
+            )
     elif path.parent.exists() and not path.parent.is_dir():
         raise EdgeSpecError(f"output {given}: {path.parent} is not a directory")
     return path
@@ -358,8 +419,11 @@ def export_bundle(
         for source in (target_source, draft_source):
             check_source_exists(source)
     check_pair(*_cards(target_source, draft_source, loader))
-    kept = (f"the existing bundle at {out_dir} was kept" if install.is_bundle(out_dir)
-            else f"nothing was written to {out_dir}")
+    kept = (
+        f"the existing bundle at {out_dir} was kept"
+        if install.is_bundle(out_dir)
+        else f"nothing was written to {out_dir}"
+    )
     with install.explained_os_errors(out_dir, kept):
         staging = install.staging_dir(out_dir)
         try:
@@ -392,7 +456,9 @@ def check_target_computes(bundle_dir: Path, manifest: dict, progress=None) -> No
 
     _say(progress, "checking the exported target on a short prompt")
     vocab = manifest["target"]["config"]["vocab_size"]
-    ids = [i for i in TextTokenizer(bundle_dir).encode(SANITY_PROMPT) if 0 <= i < vocab][:8] or list(range(min(4, vocab)))
+    ids = [i for i in TextTokenizer(bundle_dir).encode(SANITY_PROMPT) if 0 <= i < vocab][:8] or list(
+        range(min(4, vocab))
+    )
     capacity = min(manifest["context_length"], 64)
     decoder = Decoder(bundle_dir / manifest["target"]["onnx"], threads=1, capacity=capacity, takes_turns=True)
     try:
@@ -401,15 +467,20 @@ def check_target_computes(bundle_dir: Path, manifest: dict, progress=None) -> No
         del decoder
     source = manifest["target"]["source"]
     if not np.isfinite(logits).all():
-        raise EdgeSpecError(f"the exported target produced NaN/inf logits on a test prompt: the weights of "
-                            f"{source} are damaged (check or fetch the file again); no bundle was written")
+        raise EdgeSpecError(
+            f"the exported target produced NaN/inf logits on a test prompt: the weights of "
+            f"{source} are damaged (check or fetch the file again); no bundle was written"
+        )
     if float(np.min(np.ptp(logits, axis=-1))) <= 1e-6:
-        raise EdgeSpecError(f"the exported target gives every token the same logit on a test prompt: the "
-                            f"weights of {source} are damaged or empty; no bundle was written")
+        raise EdgeSpecError(
+            f"the exported target gives every token the same logit on a test prompt: the "
+            f"weights of {source} are damaged or empty; no bundle was written"
+        )
 
 
-def _export_into(staging: Path, target_source: str, draft_source: str, options: ExportOptions, progress,
-                 loader) -> dict:
+def _export_into(
+    staging: Path, target_source: str, draft_source: str, options: ExportOptions, progress, loader
+) -> dict:
     started = time.perf_counter()
     quant_info = {
         "weights": options.quant,
@@ -418,9 +489,15 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
         "symmetric": True,
         "embedding": "GatherBlockQuantized" if options.quant != "fp32" else "Gather",
     }
-    build = BuildOptions(options.quant, options.block_size, options.accuracy_level, options.context_length,
-                         gguf_blocks=carries_gguf_blocks(options, "target"), carry_exact=options.gguf_layout == "exact",
-                         carry_narrow=options.gguf_layout == "small")
+    build = BuildOptions(
+        options.quant,
+        options.block_size,
+        options.accuracy_level,
+        options.context_length,
+        gguf_blocks=carries_gguf_blocks(options, "target"),
+        carry_exact=options.gguf_layout == "exact",
+        carry_narrow=options.gguf_layout == "small",
+    )
 
     _say(progress, f"loading target {target_source}")
     target = loader(target_source)
@@ -441,16 +518,23 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
     _say(progress, f"loading drafter {draft_source}")
     draft = loader(draft_source)
     check_pair(target_card, ModelCard.of(draft))  # as probed before the build; the loaded models have the last word
-    build = dataclasses.replace(build, gguf_blocks=carries_gguf_blocks(options, "draft"),
-                                block_size=options.draft_block_size)
+    build = dataclasses.replace(
+        build, gguf_blocks=carries_gguf_blocks(options, "draft"), block_size=options.draft_block_size
+    )
     draft_quant = _gguf_quant_info(draft, dict(quant_info, block_size=options.draft_block_size), build, progress)
     _say(progress, f"building drafter body ({options.quant})")
     export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
     draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
     draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
-    heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
-                                                   always_keep=eos_ids + special_ids, progress=progress,
-                                                   lm_head_blocks=draft.weights.carried.get("lm_head"))
+    heads, files, calibration = export_draft_heads(
+        staging,
+        draft.weights.lm_head,
+        options,
+        build,
+        always_keep=eos_ids + special_ids,
+        progress=progress,
+        lm_head_blocks=draft.weights.carried.get("lm_head"),
+    )
     draft_record["heads"] = heads
     draft_record["default_head"] = default_head(heads, options)
     if calibration:
@@ -474,8 +558,9 @@ def _export_into(staging: Path, target_source: str, draft_source: str, options: 
     return manifest
 
 
-def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str | None = None, progress=None, *,
-                    loader=load_model) -> dict:
+def add_draft_heads(
+    bundle_dir: Path, options: ExportOptions, draft_source: str | None = None, progress=None, *, loader=load_model
+) -> dict:
     """Add (or rebuild) drafter heads in an existing bundle without re-exporting either model.
 
     The drafter's float LM head is reloaded from ``draft_source`` (default: the source recorded in
@@ -506,18 +591,36 @@ def add_draft_heads(bundle_dir: Path, options: ExportOptions, draft_source: str 
     carried = isinstance(draft_quant.get("gguf_blocks"), dict)
     # a bundle from before the fast layout records none: its carried heads were exact
     block_size = draft_quant.get("block_size", quant["block_size"])  # the drafter's own blocks, where recorded
-    build = BuildOptions(quant["weights"], block_size, quant["accuracy_level"], manifest["context_length"],
-                         gguf_blocks=carried, carry_exact=draft_quant.get("gguf_layout", "exact") == "exact",
-                         carry_narrow=draft_quant.get("gguf_layout") == "small")
-    options = dataclasses.replace(options, quant=quant["weights"], block_size=block_size, draft_block_size=block_size,
-                                  accuracy_level=quant["accuracy_level"], context_length=manifest["context_length"])
+    build = BuildOptions(
+        quant["weights"],
+        block_size,
+        quant["accuracy_level"],
+        manifest["context_length"],
+        gguf_blocks=carried,
+        carry_exact=draft_quant.get("gguf_layout", "exact") == "exact",
+        carry_narrow=draft_quant.get("gguf_layout") == "small",
+    )
+    options = dataclasses.replace(
+        options,
+        quant=quant["weights"],
+        block_size=block_size,
+        draft_block_size=block_size,
+        accuracy_level=quant["accuracy_level"],
+        context_length=manifest["context_length"],
+    )
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
     with install.explained_os_errors(bundle_dir, f"the bundle at {bundle_dir} was kept as it was"):
         staging = _staged_copy(bundle_dir, manifest)
         try:
-            heads, files, calibration = export_draft_heads(staging, draft.weights.lm_head, options, build,
-                                                           always_keep=always, progress=progress,
-                                                           lm_head_blocks=draft.weights.carried.get("lm_head"))
+            heads, files, calibration = export_draft_heads(
+                staging,
+                draft.weights.lm_head,
+                options,
+                build,
+                always_keep=always,
+                progress=progress,
+                lm_head_blocks=draft.weights.carried.get("lm_head"),
+            )
             written = {f["path"] for f in files}
             for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten
                 if name not in heads and any(head.get(k) in written for k in ("onnx", "universe", "vocab_ids")):

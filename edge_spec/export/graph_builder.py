@@ -64,7 +64,9 @@ class BuildOptions:
     build_head: bool = True  # False: body only, emit hidden_states (SpecVocab scorer runs outside)
     emit_hidden: bool = False  # also output the final-normed hidden states
     tree_attention: bool = False  # position_ids + attention_bias inputs: verify a draft tree in one pass
-    attention_pad: bool = False  # attention gets a throw-away query row (see export.attention_pad; needs tree_attention)
+    attention_pad: bool = (
+        False  # attention gets a throw-away query row (see export.attention_pad; needs tree_attention)
+    )
     feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
     gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
     carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf.blocks.fast_layout)
@@ -91,15 +93,17 @@ def make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
     """Wrap ``graph`` in the one opset / IR version pairing all edge-spec graphs share, including the
     ``com.microsoft`` opset import the contrib ops need."""
     model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
         producer_name="edge-spec",
     )
     model.ir_version = 10
     return model
 
 
-def add_linear(g: Graph, x: str, weight: np.ndarray, name: str, opt: BuildOptions,
-               bias: np.ndarray | None = None) -> str:
+def add_linear(
+    g: Graph, x: str, weight: np.ndarray, name: str, opt: BuildOptions, bias: np.ndarray | None = None
+) -> str:
     """y = x @ weight.T + bias, weight [N, K]: MatMulNBits when quantized, MatMul (+Add) in fp32."""
     bits = QUANT_BITS[opt.quant]
     n, k = weight.shape
@@ -117,8 +121,15 @@ def add_linear(g: Graph, x: str, weight: np.ndarray, name: str, opt: BuildOption
     if bias is not None:
         inputs += ["", "", g.const(name + ".bias", bias.astype(np.float32))]
     g.node(
-        "MatMulNBits", inputs, [out], domain=MS_DOMAIN,
-        K=k, N=n, bits=bits, block_size=block_size, accuracy_level=opt.accuracy_level,
+        "MatMulNBits",
+        inputs,
+        [out],
+        domain=MS_DOMAIN,
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block_size,
+        accuracy_level=opt.accuracy_level,
     )
     return out
 
@@ -147,8 +158,9 @@ def _pass_through(names: tuple[str, ...], graph_name: str) -> onnx.GraphProto:
     """A subgraph (``If`` branch) that outputs the outer graph's tensors ``names`` unchanged."""
     outs = [n + "/" + graph_name for n in names]
     nodes = [helper.make_node("Identity", [n], [o]) for n, o in zip(names, outs)]
-    return helper.make_graph(nodes, graph_name, [], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
-                                                     for o in outs])
+    return helper.make_graph(
+        nodes, graph_name, [], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs]
+    )
 
 
 @dataclass(frozen=True)
@@ -191,8 +203,9 @@ class DecoderGraphBuilder:
 
     # -- building blocks -------------------------------------------------------------------------
 
-    def linear(self, x: str, weight: np.ndarray | list[tuple[str, np.ndarray]], name: str,
-               bias: np.ndarray | None = None) -> str:
+    def linear(
+        self, x: str, weight: np.ndarray | list[tuple[str, np.ndarray]], name: str, bias: np.ndarray | None = None
+    ) -> str:
         """``x @ W.T + bias`` with W one weight or the row-wise concatenation of named parts (a fused
         Q/K/V or gate/up projection).  Parts whose GGUF blocks are carried (``weights.carried``) keep
         them: one matmul when every part is carried in one layout, else one per part, concatenated."""
@@ -204,9 +217,12 @@ class DecoderGraphBuilder:
         if all(c is not None for c in carried) and len({(c.bits, c.block_size) for c in carried}) == 1:
             return add_carried_linear(self.graph, x, concat_blocks(carried), name, self.opt, bias)
         biases = [None] * len(parts) if bias is None else np.split(bias, np.cumsum([w.shape[0] for _, w in parts])[:-1])
-        outs = [add_carried_linear(self.graph, x, c, part, self.opt, b) if c is not None
-                else add_linear(self.graph, x, w, part, self.opt, b)
-                for (part, w), c, b in zip(parts, carried, biases)]
+        outs = [
+            add_carried_linear(self.graph, x, c, part, self.opt, b)
+            if c is not None
+            else add_linear(self.graph, x, w, part, self.opt, b)
+            for (part, w), c, b in zip(parts, carried, biases)
+        ]
         return self.graph.node("Concat", outs, [name + "/out"], axis=-1)[0]
 
     def step_inputs(self, token_inputs: list[onnx.ValueInfoProto] | None = None) -> None:
@@ -244,8 +260,12 @@ class DecoderGraphBuilder:
         return g.node(
             "GatherBlockQuantized",
             [g.const("embed.qweight", data), ids, g.const("embed.scales", q.scales)],
-            ["embeds"], domain=MS_DOMAIN,
-            gather_axis=0, quantize_axis=1, block_size=block_size, bits=bits,
+            ["embeds"],
+            domain=MS_DOMAIN,
+            gather_axis=0,
+            quantize_axis=1,
+            block_size=block_size,
+            bits=bits,
         )[0]
 
     def rotary_tables(self) -> tuple[str, str]:
@@ -265,21 +285,34 @@ class DecoderGraphBuilder:
         if name in self._rotary_made:
             return self._rotary_made[name]
         cfg, g = self.cfg, self.graph
-        tables = rope_tables(cfg.rotary_dim, theta, scaling, self.opt.context_length, cfg.max_position_embeddings,
-                             cfg.original_max_position_embeddings)
+        tables = rope_tables(
+            cfg.rotary_dim,
+            theta,
+            scaling,
+            self.opt.context_length,
+            cfg.max_position_embeddings,
+            cfg.original_max_position_embeddings,
+        )
         made = (g.const(name + ".cos", tables.short.cos), g.const(name + ".sin", tables.short.sin))
         if tables.long is not None:  # LongRoPE: long factors once the sequence outgrows the pretrained context
             long = (g.const(name + ".long_cos", tables.long.cos), g.const(name + ".long_sin", tables.long.sin))
             switch = g.const(name + ".switch_at", np.array(tables.switch_at, np.int32))
             use_long = g.node("Greater", ["total_sequence_length", switch], [name + "/use_long"])[0]
-            made = tuple(g.node("If", [use_long], [name + "/cos", name + "/sin"],
-                                then_branch=_pass_through(long, name + "_long"),
-                                else_branch=_pass_through(made, name + "_short")))
+            made = tuple(
+                g.node(
+                    "If",
+                    [use_long],
+                    [name + "/cos", name + "/sin"],
+                    then_branch=_pass_through(long, name + "_long"),
+                    else_branch=_pass_through(made, name + "_short"),
+                )
+            )
         self._rotary_made[name] = made
         return made
 
-    def norm(self, stream: Residual, gamma: np.ndarray, gamma_name: str,
-             outputs: tuple[str, str, str, str]) -> tuple[str, Residual]:
+    def norm(
+        self, stream: Residual, gamma: np.ndarray, gamma_name: str, outputs: tuple[str, str, str, str]
+    ) -> tuple[str, Residual]:
         """RMSNorm of the stream, folding its pending add in; returns (normed, the stream after it).
 
         ``outputs`` names the normed value, the op's mean and inverse-std outputs, and the summed
@@ -288,11 +321,17 @@ class DecoderGraphBuilder:
         weight = g.const(gamma_name, (gamma + self.cfg.norm_offset).astype(np.float32))
         eps = self.cfg.rms_norm_eps
         if stream.pending is None:
-            normed = g.node("SimplifiedLayerNormalization", [stream.total, weight], [outputs[0]],
-                            axis=-1, epsilon=eps)[0]
+            normed = g.node("SimplifiedLayerNormalization", [stream.total, weight], [outputs[0]], axis=-1, epsilon=eps)[
+                0
+            ]
             return normed, stream
-        normed, _, _, total = g.node("SkipSimplifiedLayerNormalization", [stream.pending, stream.total, weight],
-                                     list(outputs), domain=MS_DOMAIN, epsilon=eps)
+        normed, _, _, total = g.node(
+            "SkipSimplifiedLayerNormalization",
+            [stream.pending, stream.total, weight],
+            list(outputs),
+            domain=MS_DOMAIN,
+            epsilon=eps,
+        )
         return normed, Residual(total)
 
     def kv_cache(self, i: int) -> tuple[str, str, str, str]:
@@ -310,17 +349,25 @@ class DecoderGraphBuilder:
         """Self-attention of layer ``i`` over its KV cache: fused QKV projection, GQA, output projection."""
         cfg, p = self.cfg, f"layers.{i}"
         past_k, past_v, pres_k, pres_v = self.kv_cache(i)
-        attrs = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-                     scale=float(cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)))
+        attrs = dict(
+            num_heads=cfg.num_heads,
+            kv_num_heads=cfg.num_kv_heads,
+            do_rotary=1,
+            rotary_interleaved=0,
+            scale=float(cfg.attn_scale or 1.0 / np.sqrt(cfg.head_dim)),
+        )
         if cfg.attn_logit_softcap:
             attrs["softcap"] = float(cfg.attn_logit_softcap)
         if cfg.sliding_window and i in cfg.sliding_layers:
-            attrs["local_window_size"] = int(cfg.sliding_window)  # keys a query sees, its own included, as in transformers
+            attrs["local_window_size"] = int(
+                cfg.sliding_window
+            )  # keys a query sees, its own included, as in transformers
         attn = self.graph.node(
             "GroupQueryAttention",
-            [*self.qkv(i, layer, x), past_k, past_v, "seqlens_k", "total_sequence_length", *rotary,
-             *self.tree_inputs],
-            [p + "/attn", pres_k, pres_v], domain=MS_DOMAIN, **attrs,
+            [*self.qkv(i, layer, x), past_k, past_v, "seqlens_k", "total_sequence_length", *rotary, *self.tree_inputs],
+            [p + "/attn", pres_k, pres_v],
+            domain=MS_DOMAIN,
+            **attrs,
         )[0]
         return self.linear(attn, layer.o, p + ".o")
 
@@ -335,15 +382,22 @@ class DecoderGraphBuilder:
         if not cfg.qk_norm:
             return [qkv, "", ""]
         sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        q, k, v = g.node("Split", [qkv, g.const(p + ".qkv_split", np.array(sizes, np.int64))],
-                         [p + "/q", p + "/k", p + "/v"], axis=-1)
+        q, k, v = g.node(
+            "Split",
+            [qkv, g.const(p + ".qkv_split", np.array(sizes, np.int64))],
+            [p + "/q", p + "/k", p + "/v"],
+            axis=-1,
+        )
         return [self.head_norm(q, layer.q_norm, p + ".q_norm"), self.head_norm(k, layer.k_norm, p + ".k_norm"), v]
 
     def head_norm(self, x: str, gamma: np.ndarray, name: str) -> str:
         """RMSNorm over each head's ``head_dim`` channels of ``x`` [1, S, heads * head_dim]."""
         g = self.graph
-        heads = g.node("Reshape", [x, g.const(name + ".shape", np.array([0, 0, -1, self.cfg.head_dim], np.int64))],
-                       [name + "/heads"])[0]
+        heads = g.node(
+            "Reshape",
+            [x, g.const(name + ".shape", np.array([0, 0, -1, self.cfg.head_dim], np.int64))],
+            [name + "/heads"],
+        )[0]
         normed = self.norm(Residual(heads), gamma, name, (name + "/normed", "", "", ""))[0]
         return g.node("Reshape", [normed, g.const(name + ".flat", np.array([0, 0, -1], np.int64))], [name + "/out"])[0]
 
@@ -366,22 +420,27 @@ class DecoderGraphBuilder:
         """One pre-norm decoder layer; its MLP output is left pending on the returned stream.  With
         sandwich norms (Gemma) each sublayer's output is normed before it joins the stream."""
         p = f"layers.{i}"
-        normed, stream = self.norm(stream, layer.input_norm, p + ".input_norm",
-                                   (p + "/norm1", p + "/n1_mean", p + "/n1_inv", p + "/resid1"))
+        normed, stream = self.norm(
+            stream, layer.input_norm, p + ".input_norm", (p + "/norm1", p + "/n1_mean", p + "/n1_inv", p + "/resid1")
+        )
         attn = self.attention(i, layer, normed, rotary)
         if layer.attn_out_norm is not None:
-            attn = self.norm(Residual(attn), layer.attn_out_norm, p + ".attn_out_norm", (p + "/attn_normed", "", "", ""))[0]
+            attn = self.norm(
+                Residual(attn), layer.attn_out_norm, p + ".attn_out_norm", (p + "/attn_normed", "", "", "")
+            )[0]
         stream = Residual(stream.total, attn)
-        normed, stream = self.norm(stream, layer.post_norm, p + ".post_norm",
-                                   (p + "/norm2", p + "/n2_mean", p + "/n2_inv", p + "/resid2"))
+        normed, stream = self.norm(
+            stream, layer.post_norm, p + ".post_norm", (p + "/norm2", p + "/n2_mean", p + "/n2_inv", p + "/resid2")
+        )
         out = self.mlp(i, layer, normed)
         if layer.mlp_out_norm is not None:
             out = self.norm(Residual(out), layer.mlp_out_norm, p + ".mlp_out_norm", (p + "/mlp_normed", "", "", ""))[0]
         return Residual(stream.total, out)
 
     def final_norm(self, stream: Residual) -> str:
-        return self.norm(stream, self.w.final_norm, "final_norm",
-                         ("final/norm", "final/mean", "final/inv", "final/resid"))[0]
+        return self.norm(
+            stream, self.w.final_norm, "final_norm", ("final/norm", "final/mean", "final/inv", "final/resid")
+        )[0]
 
     def last_positions(self, x: str) -> str:
         """The trailing ``num_logits`` positions of ``x``: only those need the (large) LM head."""
@@ -389,8 +448,12 @@ class DecoderGraphBuilder:
         neg = g.node("Neg", ["num_logits"], ["logits_start"])[0]
         return g.node(
             "Slice",
-            [x, neg, g.const("slice.end", np.array([np.iinfo(np.int64).max], np.int64)),
-             g.const("slice.axis", np.array([1], np.int64))],
+            [
+                x,
+                neg,
+                g.const("slice.end", np.array([np.iinfo(np.int64).max], np.int64)),
+                g.const("slice.axis", np.array([1], np.int64)),
+            ],
             ["last_hidden"],
         )[0]
 
@@ -400,8 +463,11 @@ class DecoderGraphBuilder:
         if self.opt.head_rows is not None:
             head = head[np.asarray(self.opt.head_rows)]
             carried = None if carried is None else carried.rows(np.asarray(self.opt.head_rows))
-        out = (self.linear(x, head, "lm_head") if carried is None
-               else add_carried_linear(self.graph, x, carried, "lm_head", self.opt))
+        out = (
+            self.linear(x, head, "lm_head")
+            if carried is None
+            else add_carried_linear(self.graph, x, carried, "lm_head", self.opt)
+        )
         logits = softcap(self.graph, out, self.cfg.final_logit_softcap, "lm_head")
         self.graph.node("Identity", [logits], ["logits"])
         return helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", head.shape[0]])
@@ -426,8 +492,7 @@ class DecoderGraphBuilder:
     def to_model(self, outputs: list[onnx.ValueInfoProto], name: str) -> onnx.ModelProto:
         """The model of everything added so far; the KV cache outputs follow ``outputs``."""
         g = self.graph
-        return make_model(helper.make_graph(g.nodes, name, self.inputs, outputs + self.present_outputs,
-                                            g.initializers))
+        return make_model(helper.make_graph(g.nodes, name, self.inputs, outputs + self.present_outputs, g.initializers))
 
     # -- whole graph -----------------------------------------------------------------------------
 
@@ -478,8 +543,9 @@ def feature_output(layers, num_layers: int, hidden_size: int) -> tuple[onnx.Node
     return node, info
 
 
-def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str,
-                  blocks=None) -> onnx.ModelProto:
+def _linear_chain(
+    weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str, blocks=None
+) -> onnx.ModelProto:
     """``hidden_states [1, n, H] -> output [1, n, rows]`` through a chain of (quantized) linear maps; a
     single map may come as carried GGUF ``blocks`` instead of being quantized here."""
     g = Graph()
@@ -492,7 +558,8 @@ def _linear_chain(weights: list[np.ndarray], options: BuildOptions, graph_name: 
             x = add_linear(g, x, weight, name, options)
     g.node("Identity", [x], [output])
     graph = helper.make_graph(
-        g.nodes, graph_name,
+        g.nodes,
+        graph_name,
         [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "num_logits", weights[0].shape[1]])],
         [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, "num_logits", weights[-1].shape[0]])],
         g.initializers,
@@ -525,6 +592,10 @@ def save_model(model: onnx.ModelProto, path) -> None:
     data_name = path.name + ".data"
     (path.parent / data_name).unlink(missing_ok=True)
     onnx.save_model(
-        model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-        location=data_name, size_threshold=1024,
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data_name,
+        size_threshold=1024,
     )

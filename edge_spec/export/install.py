@@ -168,7 +168,7 @@ def _leftovers(final: Path) -> list[tuple[str, int, Path]]:
     for path in entries:
         if not path.name.startswith(prefix) or not path.is_dir() or path.is_symlink():
             continue
-        rest = path.name[len(prefix):]
+        rest = path.name[len(prefix) :]
         if match := _PARTIAL.fullmatch(rest):
             found.append(("partial", int(match.group(1)), path))
         elif match := _OLD.fullmatch(rest):
@@ -404,5 +404,7 @@ def prepare(final: Path, progress: Callable[[str], None] | None = None) -> None:
         progress(f"{final}: {done} (a previous run was killed)")
     removed = clean_stale(final)
     if removed and progress is not None:
-        progress(f"removed {len(removed)} staging director{'y' if len(removed) == 1 else 'ies'} "
-                 f"left by killed runs beside {final}")
+        progress(
+            f"removed {len(removed)} staging director{'y' if len(removed) == 1 else 'ies'} "
+            f"left by killed runs beside {final}"
+        )

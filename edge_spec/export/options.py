@@ -27,7 +27,9 @@ class ExportOptions:
     draft_block_size: int = 128
     accuracy_level: int = 4
     context_length: int = 4096
-    draft_vocab: str = "specvocab,trim"  # comma list of: full, trim, specvocab, trim+specvocab (first non-full: default)
+    draft_vocab: str = (
+        "specvocab,trim"  # comma list of: full, trim, specvocab, trim+specvocab (first non-full: default)
+    )
     keep: tuple[int, ...] = (32768,)  # VocabTrim: head rows kept (one head per value; the first is the default)
     calibration: Path | None = None  # VocabTrim/SpecVocab: prompt file (one JSON list or one prompt per line)
     calibration_tokens: int = 96  # new tokens the target generates per calibration prompt
@@ -38,7 +40,9 @@ class ExportOptions:
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
     scorer_vocab: tuple[int, ...] = (65536,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
     gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
-    gguf_layout: str = "fast"  # carried blocks as ORT runs them fast, exactly as GGUF has them, or small (gguf_blocks.py)
+    gguf_layout: str = (
+        "fast"  # carried blocks as ORT runs them fast, exactly as GGUF has them, or small (gguf_blocks.py)
+    )
 
     def fitted_to(self, vocab_size: int, hidden_size: int) -> "ExportOptions":
         """These options for a drafter head of ``vocab_size`` rows of ``hidden_size``: a VocabTrim size or a
@@ -70,11 +74,11 @@ class ExportOptions:
             raise EdgeSpecError(f"--context-length must be at least 16 tokens, not {self.context_length}")
         for mode in self.vocab_modes or ["?"]:
             if mode not in DRAFT_VOCAB_MODES:
-                raise EdgeSpecError(f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, "
-                                    f"not {self.draft_vocab!r}")
+                raise EdgeSpecError(
+                    f"--draft-vocab must be a comma list of {', '.join(DRAFT_VOCAB_MODES)}, not {self.draft_vocab!r}"
+                )
         if self.gguf_blocks not in GGUF_BLOCK_MODES:
-            raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, "
-                                f"not {self.gguf_blocks!r}")
+            raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, not {self.gguf_blocks!r}")
         if self.gguf_layout not in GGUF_LAYOUTS:
             raise EdgeSpecError(f"--gguf-layout must be one of {', '.join(GGUF_LAYOUTS)}, not {self.gguf_layout!r}")
         if self.scorer not in ("data", "svd"):

@@ -137,7 +137,7 @@ def _string(data, at: int) -> tuple[bytes, int]:
     end = at + 8 + length
     if end > len(data):
         raise ValueError("string past the end of the file")
-    return data[at + 8:end], end
+    return data[at + 8 : end], end
 
 
 def _skip(data, at: int, kind: int) -> int:

@@ -112,8 +112,14 @@ def _table(inv_freq: np.ndarray, positions: int, attention: float) -> RopeTable:
     return RopeTable((np.cos(freqs) * attention).astype(np.float32), (np.sin(freqs) * attention).astype(np.float32))
 
 
-def rope_tables(rotary_dim: int, theta: float, scaling: dict | None, positions: int, max_positions: int,
-                original_max_positions: int | None = None) -> RopeTables:
+def rope_tables(
+    rotary_dim: int,
+    theta: float,
+    scaling: dict | None,
+    positions: int,
+    max_positions: int,
+    original_max_positions: int | None = None,
+) -> RopeTables:
     """Tables for positions ``[0, positions)`` of a rotary embedding over ``rotary_dim`` channels.
 
     ``max_positions`` is the model's ``max_position_embeddings``; ``original_max_positions`` its

@@ -71,8 +71,11 @@ def check_source_exists(source: str) -> None:
 def _eos_ids(tokenizer, hf_config, generation_config) -> list[int]:
     """All ids that end a turn: generation config's eos list, the tokenizer's eos, and chat end markers."""
     ids: list[int] = []
-    for candidate in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id,
-                      getattr(hf_config, "eos_token_id", None)):
+    for candidate in (
+        getattr(generation_config, "eos_token_id", None),
+        tokenizer.eos_token_id,
+        getattr(hf_config, "eos_token_id", None),
+    ):
         if candidate is None:
             continue
         ids.extend(candidate if isinstance(candidate, (list, tuple)) else [candidate])
@@ -109,8 +112,9 @@ def check_gguf(path: Path) -> None:
         return
     except Exception as exc:  # the reader raises ValueError, IndexError, struct errors on bad input
         why = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise EdgeSpecError(f"{path}: not a valid GGUF file, truncated or damaged ({why}); "
-                            "fetch or download it again") from None
+        raise EdgeSpecError(
+            f"{path}: not a valid GGUF file, truncated or damaged ({why}); fetch or download it again"
+        ) from None
 
 
 @contextmanager
@@ -169,8 +173,7 @@ def _load_model(source: str) -> LoadedModel:
         if kind != "gguf":
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EdgeSpecError(f"cannot load {source!r}: not a valid GGUF file for transformers ({first[:200]})") \
-            from exc
+        raise EdgeSpecError(f"cannot load {source!r}: not a valid GGUF file for transformers ({first[:200]})") from exc
     try:
         generation_config = GenerationConfig.from_pretrained(location, **kwargs)
     except Exception:  # GGUF files and many directories carry none

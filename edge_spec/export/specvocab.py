@@ -68,8 +68,18 @@ def fit_scorer(lm_head: np.ndarray, rank: int, hidden: np.ndarray | None = None,
     return Scorer(w_down.astype(np.float32), w_vocab.astype(np.float32))
 
 
-def train_scorer(scorer: Scorer, lm_head: np.ndarray, hidden: np.ndarray, steps: int, *, batch: int = 128,
-                 lr: float = 1e-3, temperature: float = 1.0, seed: int = 0, progress=None) -> Scorer:
+def train_scorer(
+    scorer: Scorer,
+    lm_head: np.ndarray,
+    hidden: np.ndarray,
+    steps: int,
+    *,
+    batch: int = 128,
+    lr: float = 1e-3,
+    temperature: float = 1.0,
+    seed: int = 0,
+    progress=None,
+) -> Scorer:
     """Distil the scorer on calibration states: minimise KL(softmax(W h / T) || softmax(A B h / T)).
 
     Runs on CPU with torch; a few hundred steps take minutes for a 150k vocabulary.
@@ -102,11 +112,18 @@ def top_candidates(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` highest scores (unordered)."""
     if k >= scores.size:
         return np.arange(scores.size)
-    return np.argpartition(scores, scores.size - k)[scores.size - k:]
+    return np.argpartition(scores, scores.size - k)[scores.size - k :]
 
 
-def recall_at_k(scorer: Scorer, hidden: np.ndarray, wanted: np.ndarray, ks: list[int],
-                always: np.ndarray | None = None, universe: np.ndarray | None = None, chunk: int = 256) -> dict[int, float]:
+def recall_at_k(
+    scorer: Scorer,
+    hidden: np.ndarray,
+    wanted: np.ndarray,
+    ks: list[int],
+    always: np.ndarray | None = None,
+    universe: np.ndarray | None = None,
+    chunk: int = 256,
+) -> dict[int, float]:
     """Share of states whose wanted token (the target's next token, or the drafter's own argmax) is a
     candidate, with candidates picked as the runtime picks them: the top k scores, outside the
     ``always`` ids, plus the ``always`` ids.  ``universe``: the target ids of the scorer's rows
@@ -116,9 +133,9 @@ def recall_at_k(scorer: Scorer, hidden: np.ndarray, wanted: np.ndarray, ks: list
     always_rows = rows_of(always, universe)
     hits = {k: 0 for k in ks}
     for start in range(0, len(wanted), chunk):  # [chunk, V] scores at a time: 150k-wide rows are large
-        scores = scorer.scores(np.asarray(hidden[start: start + chunk], np.float32))
+        scores = scorer.scores(np.asarray(hidden[start : start + chunk], np.float32))
         scores[:, always_rows] = -np.inf
-        for row, token in zip(scores, wanted[start: start + chunk]):
+        for row, token in zip(scores, wanted[start : start + chunk]):
             for k in ks:
                 top = top_candidates(row, k)
                 ids = top if universe is None else universe[top]
@@ -126,8 +143,9 @@ def recall_at_k(scorer: Scorer, hidden: np.ndarray, wanted: np.ndarray, ks: list
     return {k: hits[k] / len(wanted) if len(wanted) else 0.0 for k in ks}
 
 
-def collect_hidden_states(body_path: Path, sequences: list[tuple[list[int], list[int]]],
-                          capacity: int, threads: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def collect_hidden_states(
+    body_path: Path, sequences: list[tuple[list[int], list[int]]], capacity: int, threads: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """The drafter body's final hidden state before each target-generated token, and that token.
 
     Returns ``hidden`` [N, H] and ``next_tokens`` [N] over all calibration sequences.

@@ -44,8 +44,9 @@ def load_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
-def generate_calibration(bundle_dir: Path, prompts: list[str], new_tokens: int, context_length: int,
-                         progress=None, threads: int = 0) -> list[tuple[list[int], list[int]]]:
+def generate_calibration(
+    bundle_dir: Path, prompts: list[str], new_tokens: int, context_length: int, progress=None, threads: int = 0
+) -> list[tuple[list[int], list[int]]]:
     """Greedy-generate up to ``new_tokens`` per prompt with the exported target (stopping at EOS).
 
     Returns ``(prompt_ids, generated_ids)`` per prompt: VocabTrim counts the
@@ -53,8 +54,8 @@ def generate_calibration(bundle_dir: Path, prompts: list[str], new_tokens: int, 
     """
     from edge_spec.runtime.loops.autoregressive import generate_autoregressive
     from edge_spec.runtime.model.decoder import Decoder
-    from edge_spec.runtime.verify.sampling import SamplingParams
     from edge_spec.runtime.text import TextTokenizer
+    from edge_spec.runtime.verify.sampling import SamplingParams
 
     tokenizer = TextTokenizer(bundle_dir)
     target = Decoder(bundle_dir / "target" / "model.onnx", threads=threads, capacity=context_length)
@@ -64,7 +65,7 @@ def generate_calibration(bundle_dir: Path, prompts: list[str], new_tokens: int, 
     new_tokens = min(new_tokens, context_length // 2)  # a short context keeps half of it for the prompt
     for i, prompt in enumerate(prompts):
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        ids = ids[-(context_length - new_tokens - 1):]
+        ids = ids[-(context_length - new_tokens - 1) :]
         generated = []
         for token in generate_autoregressive(target, ids, SamplingParams(), rng, new_tokens):
             if token in tokenizer.eos_token_ids:
@@ -89,16 +90,20 @@ def save_calibration(path: Path, sequences: list[tuple[list[int], list[int]]], k
     """Store calibration sequences in the bundle, so heads can be added later without regenerating;
     ``key``: what made them (``calibration_store.calibration_key``), so that the file can be shipped."""
     flat = [t for prompt, generated in sequences for t in prompt + generated]
-    np.savez(path, tokens=np.asarray(flat, np.int64),
-             prompt_lengths=np.asarray([len(p) for p, _ in sequences], np.int64),
-             generated_lengths=np.asarray([len(g) for _, g in sequences], np.int64), key=np.asarray(key))
+    np.savez(
+        path,
+        tokens=np.asarray(flat, np.int64),
+        prompt_lengths=np.asarray([len(p) for p, _ in sequences], np.int64),
+        generated_lengths=np.asarray([len(g) for _, g in sequences], np.int64),
+        key=np.asarray(key),
+    )
 
 
 def load_calibration(path: Path) -> list[tuple[list[int], list[int]]]:
     data = np.load(path)
     sequences, offset = [], 0
     for p, g in zip(data["prompt_lengths"].tolist(), data["generated_lengths"].tolist()):
-        chunk = data["tokens"][offset: offset + p + g].tolist()
+        chunk = data["tokens"][offset : offset + p + g].tolist()
         sequences.append((chunk[:p], chunk[p:]))
         offset += p + g
     return sequences

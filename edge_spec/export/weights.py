@@ -20,8 +20,13 @@ from edge_spec.export.rope import check_rope_scaling, rope_type
 
 #: Architectures this module maps; the family-specific reading is in :func:`_family_fields`.
 SUPPORTED_ARCHITECTURES = (
-    "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -147,8 +152,12 @@ def _family_fields(arch: str, c) -> dict:
     if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
         fields["qk_norm"] = True
     if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        fields.update(norm_offset=1.0, sandwich_norms=True, embedding_scale=float(np.float32(c.hidden_size ** 0.5)),
-                      attn_scale=float(c.query_pre_attn_scalar) ** -0.5)
+        fields.update(
+            norm_offset=1.0,
+            sandwich_norms=True,
+            embedding_scale=float(np.float32(c.hidden_size**0.5)),
+            attn_scale=float(c.query_pre_attn_scalar) ** -0.5,
+        )
         fields["attn_logit_softcap"] = getattr(c, "attn_logit_softcapping", None)
         fields["final_logit_softcap"] = getattr(c, "final_logit_softcapping", None)
     if arch == "Gemma3ForCausalLM":
@@ -177,8 +186,10 @@ def config_from_hf(hf_config) -> DecoderConfig:
         **_family_fields(arch, hf_config),
     )
     if cfg.rotary_dim != cfg.head_dim and cfg.rotary_dim % 16:
-        raise EdgeSpecError(f"{arch}: partial rotary dimension {cfg.rotary_dim} is not supported (ONNX Runtime's "
-                            "GroupQueryAttention needs a multiple of 16)")
+        raise EdgeSpecError(
+            f"{arch}: partial rotary dimension {cfg.rotary_dim} is not supported (ONNX Runtime's "
+            "GroupQueryAttention needs a multiple of 16)"
+        )
     return cfg
 
 
@@ -215,10 +226,15 @@ def weights_from_state_dict(hf_config, state_dict: dict[str, np.ndarray]) -> Dec
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                q=q, k=k, v=v,
+                q=q,
+                k=k,
+                v=v,
                 o=get(p + "self_attn.o_proj.weight"),
-                post_norm=get(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-                gate=gate, up=up,
+                post_norm=get(
+                    p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")
+                ),
+                gate=gate,
+                up=up,
                 down=get(p + "mlp.down_proj.weight"),
                 q_bias=sd.get(p + "self_attn.q_proj.bias"),
                 k_bias=sd.get(p + "self_attn.k_proj.bias"),

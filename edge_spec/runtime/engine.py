@@ -32,8 +32,8 @@ from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_
 from edge_spec.runtime.model.session import numpy_on_one_thread, small_session
 from edge_spec.runtime.propose import DRAFTERS
 from edge_spec.runtime.propose.context import ProposerContext
-from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
 from edge_spec.runtime.propose.eagle import EagleDrafter
+from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
 from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
 from edge_spec.runtime.provenance import SourcedText
 from edge_spec.runtime.schedule import cost_profile
@@ -41,7 +41,6 @@ from edge_spec.runtime.schedule.cost_profile import CostProfile
 from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
 from edge_spec.runtime.verify.sampling import NonFiniteLogits, SamplingParams, check_vocab_ids
-
 
 GUESS_ROWS = 2  # a speculative pass's rows at least: the target's own token and the free guess
 
@@ -52,8 +51,9 @@ def load_array(path: Path) -> np.ndarray:
         return np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
         why = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-        raise EdgeSpecError(f"cannot read {path} ({why}): the bundle is damaged; "
-                            f"run edge-spec info {path.parent.parent} --verify") from None
+        raise EdgeSpecError(
+            f"cannot read {path} ({why}): the bundle is damaged; run edge-spec info {path.parent.parent} --verify"
+        ) from None
 
 
 class EngineBusy(EdgeSpecError):
@@ -106,11 +106,23 @@ class Engine:
     thread takes over, and the generator it replaced raises :class:`GenerationSuperseded`.
     :meth:`cancel` may be called from any thread."""
 
-    def __init__(self, bundle_dir: Path, manifest: dict, tokenizer: TextTokenizer, target: Decoder, *,
-                 provider: str = "cpu", threads: int = 0, config: LoopConfig | None = None,
-                 draft_head: str | None = None, draft_provider: str | None = None,
-                 draft_threads: int | None = None, exact: bool | None = None,
-                 provider_options: dict[str, str] | None = None, eagle_head: str | None = None) -> None:
+    def __init__(
+        self,
+        bundle_dir: Path,
+        manifest: dict,
+        tokenizer: TextTokenizer,
+        target: Decoder,
+        *,
+        provider: str = "cpu",
+        threads: int = 0,
+        config: LoopConfig | None = None,
+        draft_head: str | None = None,
+        draft_provider: str | None = None,
+        draft_threads: int | None = None,
+        exact: bool | None = None,
+        provider_options: dict[str, str] | None = None,
+        eagle_head: str | None = None,
+    ) -> None:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.tokenizer = tokenizer
@@ -195,16 +207,36 @@ class Engine:
         if config is None:
             config = loop_config(mode or DEFAULT_MODE)
         elif mode is not None and mode != config.mode:
-            raise EdgeSpecError(f"mode {mode!r} does not match the {type(config).__name__} given (mode {config.mode!r})")
+            raise EdgeSpecError(
+                f"mode {mode!r} does not match the {type(config).__name__} given (mode {config.mode!r})"
+            )
         if threads < 0 or (draft_threads is not None and draft_threads < 0):
             raise EdgeSpecError("threads must be 0 (all cores) or more")
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
-        target = Decoder(bundle_dir / manifest["target"]["onnx"], provider=provider, threads=threads, capacity=capacity,
-                         takes_turns=config.mode != "ar", provider_options=provider_options)
-        engine = cls(bundle_dir, manifest, tokenizer, target, provider=provider, threads=threads, config=config,
-                     draft_head=draft_head, draft_provider=draft_provider, draft_threads=draft_threads, exact=exact,
-                     provider_options=provider_options, eagle_head=eagle_head)
+        target = Decoder(
+            bundle_dir / manifest["target"]["onnx"],
+            provider=provider,
+            threads=threads,
+            capacity=capacity,
+            takes_turns=config.mode != "ar",
+            provider_options=provider_options,
+        )
+        engine = cls(
+            bundle_dir,
+            manifest,
+            tokenizer,
+            target,
+            provider=provider,
+            threads=threads,
+            config=config,
+            draft_head=draft_head,
+            draft_provider=draft_provider,
+            draft_threads=draft_threads,
+            exact=exact,
+            provider_options=provider_options,
+            eagle_head=eagle_head,
+        )
         engine._weight_check = weight_check
         if isinstance(config, TreeConfig):
             check_tree(target, config)  # the verifier's draft count and the sampler are checked per request
@@ -220,9 +252,11 @@ class Engine:
         profile after each request (:meth:`_correct_costs`)."""
         max_tokens = max(self.config.gamma + 1, 2)
         if self.target.capacity < 2 * max_tokens + 2:  # a draft of γ and its verify pass need the room
-            raise EdgeSpecError(f"a context of {self.target.capacity} tokens is too short for speculative decoding "
-                                f"with drafts of up to {max_tokens - 1} tokens: give a context of at least "
-                                f"{2 * max_tokens + 2} tokens, or run mode 'ar'")
+            raise EdgeSpecError(
+                f"a context of {self.target.capacity} tokens is too short for speculative decoding "
+                f"with drafts of up to {max_tokens - 1} tokens: give a context of at least "
+                f"{2 * max_tokens + 2} tokens, or run mode 'ar'"
+            )
         drafter = self.active_drafter()
         key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *self._placement(), max_tokens)
         with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
@@ -262,7 +296,8 @@ class Engine:
         if self._one_row_exact is None:
             key = cost_profile.target_key(self.manifest, *self._placement())
             self._one_row_exact = self.target.pads_attention and cost_profile.remembered(
-                key, lambda: one_row_passes_match(self.target))
+                key, lambda: one_row_passes_match(self.target)
+            )
         return 1 if self._one_row_exact else exact_min_rows(self._provider)
 
     def exact_available(self) -> bool:
@@ -312,8 +347,10 @@ class Engine:
     def bytes_ratio(self) -> float:
         """c in a memory-bound model: drafter bytes read per step / target bytes read per step."""
         if self.drafter_name() == "eagle":
-            return cost_profile.eagle_bytes(self.bundle_dir, self.manifest, self.eagle_head) / \
-                cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)[0]
+            return (
+                cost_profile.eagle_bytes(self.bundle_dir, self.manifest, self.eagle_head)
+                / cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)[0]
+            )
         target, draft = cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)
         return draft / target
 
@@ -353,8 +390,9 @@ class Engine:
         heads = eagle_heads(self.manifest)
         if not heads:
             if name is not None:
-                raise EdgeSpecError(f"bundle has no EAGLE head, so no EAGLE head {name!r}: train one with "
-                                    "`edge-spec train-head BUNDLE`")
+                raise EdgeSpecError(
+                    f"bundle has no EAGLE head, so no EAGLE head {name!r}: train one with `edge-spec train-head BUNDLE`"
+                )
             return None
         name = name or self.manifest["eagle"].get("default_head", "full")
         if name not in heads:
@@ -383,11 +421,16 @@ class Engine:
     def drafter(self) -> ModelDrafter:
         """The drafter for the current head, loaded on first use."""
         if self._draft_body is None:
-            self._draft_body = Decoder(self.bundle_dir / self.manifest["draft"]["onnx"], capacity=self.target.capacity,
-                                       takes_turns=True, **self._draft_placement())
+            self._draft_body = Decoder(
+                self.bundle_dir / self.manifest["draft"]["onnx"],
+                capacity=self.target.capacity,
+                takes_turns=True,
+                **self._draft_placement(),
+            )
         if self.draft_head not in self._drafters:
-            self._drafters[self.draft_head] = ModelDrafter(self._draft_body, self._load_head(self.draft_head),
-                                                           self.target.vocab_size)
+            self._drafters[self.draft_head] = ModelDrafter(
+                self._draft_body, self._load_head(self.draft_head), self.target.vocab_size
+            )
         return self._drafters[self.draft_head]
 
     @property
@@ -400,8 +443,10 @@ class Engine:
             if not entry:
                 raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
             if "features" not in self.target.output_names:
-                raise EdgeSpecError("this bundle's target graph has no features output for its EAGLE head; "
-                                    "attach the head again with this edge-spec version")
+                raise EdgeSpecError(
+                    "this bundle's target graph has no features output for its EAGLE head; "
+                    "attach the head again with this edge-spec version"
+                )
             where = self._draft_placement()
             head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, takes_turns=True, **where)
             fc = small_session(self.bundle_dir / entry["fc_onnx"], what="EAGLE feature projection", **where)
@@ -433,13 +478,21 @@ class Engine:
         if head.get("kind") == "specvocab":
             always, universe = self._token_ids(head, "always_ids"), self._token_ids(head, "universe")
             try:
-                return SpecVocabHead(self.bundle_dir / head["onnx"], self.bundle_dir / head["rows"],
-                                     self.bundle_dir / head["scales"], head["candidates"],
-                                     always_ids=always, universe=universe,
-                                     rows_by_universe=head.get("rows_by") == "universe", **where)
+                return SpecVocabHead(
+                    self.bundle_dir / head["onnx"],
+                    self.bundle_dir / head["rows"],
+                    self.bundle_dir / head["scales"],
+                    head["candidates"],
+                    always_ids=always,
+                    universe=universe,
+                    rows_by_universe=head.get("rows_by") == "universe",
+                    **where,
+                )
             except (ValueError, OSError, EOFError, KeyError) as exc:  # its int8 rows or scales
-                raise EdgeSpecError(f"cannot read drafter head {name!r} ({str(exc)[:120] or type(exc).__name__}): "
-                                    f"the bundle is damaged; run edge-spec info {self.bundle_dir} --verify") from None
+                raise EdgeSpecError(
+                    f"cannot read drafter head {name!r} ({str(exc)[:120] or type(exc).__name__}): "
+                    f"the bundle is damaged; run edge-spec info {self.bundle_dir} --verify"
+                ) from None
         return DraftHead(self.bundle_dir / head["onnx"], vocab_ids=self._token_ids(head, "vocab_ids"), **where)
 
     def _token_ids(self, head: dict, key: str) -> np.ndarray | None:
@@ -481,10 +534,13 @@ class Engine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise EngineClosed(f"this engine was closed; load the bundle again: Engine.from_bundle({str(self.bundle_dir)!r})")
+            raise EngineClosed(
+                f"this engine was closed; load the bundle again: Engine.from_bundle({str(self.bundle_dir)!r})"
+            )
 
-    def prompt_ids(self, prompt: str | list[Message], check_length: bool = True,
-                   tools: list[dict] | None = None) -> list[int]:
+    def prompt_ids(
+        self, prompt: str | list[Message], check_length: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of a raw prompt or of chat messages through the chat template, which gets ``tools``
         (OpenAI's function schemas) when given (``check_length``: refuse a prompt that leaves no room in
         the context for an answer)."""
@@ -497,9 +553,7 @@ class Engine:
         if not ids:
             raise EdgeSpecError("empty prompt")
         if check_length and len(ids) >= self.target.capacity:
-            raise EdgeSpecError(
-                f"prompt is {len(ids)} tokens, longer than the context length {self.target.capacity}"
-            )
+            raise EdgeSpecError(f"prompt is {len(ids)} tokens, longer than the context length {self.target.capacity}")
         return ids
 
     def fit_messages(self, messages: list[Message], reserve: int) -> tuple[list[Message], int]:
@@ -513,12 +567,14 @@ class Engine:
         """
         messages = list(messages)
         system = messages[:1] if messages and messages[0].get("role") == "system" else []
-        rest = messages[len(system):]
+        rest = messages[len(system) :]
         dropped = 0
         while (needed := len(self.prompt_ids(system + rest, check_length=False))) + reserve > self.target.capacity:
             if len(rest) <= 1:
-                raise EdgeSpecError(f"the prompt needs {needed} tokens even with only the last message; with {reserve} "
-                                    f"kept for the answer the context holds {self.target.capacity}: shorten it")
+                raise EdgeSpecError(
+                    f"the prompt needs {needed} tokens even with only the last message; with {reserve} "
+                    f"kept for the answer the context holds {self.target.capacity}: shorten it"
+                )
             rest.pop(0)
             dropped += 1
             while len(rest) > 1 and rest[0].get("role") != "user":
@@ -539,10 +595,12 @@ class Engine:
             return mode != "ar" and deterministic and self.exact_available()
         if wanted and not self.exact_available():
             elsewhere = " (the cpu provider is exact)" if self._provider != "cpu" else ""
-            raise EdgeSpecError(f"exact decoding is not available on {self._provider} here: its kernels give a "
-                                "token's logits that depend on how many tokens share the pass (checked at the first "
-                                "request), so no padding makes passes batch-invariant; greedy output matches "
-                                f"target-only decoding up to that rounding{elsewhere}")
+            raise EdgeSpecError(
+                f"exact decoding is not available on {self._provider} here: its kernels give a "
+                "token's logits that depend on how many tokens share the pass (checked at the first "
+                "request), so no padding makes passes batch-invariant; greedy output matches "
+                f"target-only decoding up to that rounding{elsewhere}"
+            )
         return wanted
 
     def config_for(self, mode: str | None) -> LoopConfig:
@@ -605,12 +663,25 @@ class Engine:
             self._check_open()
             generation = self._take_over()
             with numpy_on_one_thread():
-                yield from self._generate(generation, prompt, max_new_tokens=max_new_tokens,
-                                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                          sampler=sampler, stop=stop,
-                                          mode=mode, exact=exact, on_prefill=on_prefill,
-                                          response_format=response_format, tools=tools, on_sources=on_sources,
-                                          logprobs=logprobs, on_logprobs=on_logprobs)
+                yield from self._generate(
+                    generation,
+                    prompt,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    seed=seed,
+                    sampler=sampler,
+                    stop=stop,
+                    mode=mode,
+                    exact=exact,
+                    on_prefill=on_prefill,
+                    response_format=response_format,
+                    tools=tools,
+                    on_sources=on_sources,
+                    logprobs=logprobs,
+                    on_logprobs=on_logprobs,
+                )
         finally:
             self._release()
 
@@ -642,17 +713,40 @@ class Engine:
 
     def _check_active(self, generation: int) -> None:
         if generation != self._generation:
-            raise GenerationSuperseded("this generation was superseded by a newer one on the same engine "
-                                       "(finish or close a generator before starting the next)")
+            raise GenerationSuperseded(
+                "this generation was superseded by a newer one on the same engine "
+                "(finish or close a generator before starting the next)"
+            )
 
-    def _generate(self, generation: int, prompt: str | list[Message], *, max_new_tokens: int, temperature: float,
-                  top_k: int, top_p: float, seed: int | None, sampler: str, stop: str | list[str] | tuple[str, ...],
-                  mode: str | None, exact: bool | None, response_format: dict | None = None,
-                  on_prefill: Callable[[float], None] | None, tools: list[dict] | None = None,
-                  on_sources: Callable[[list[list[str]]], None] | None = None, logprobs: int | None = None,
-                  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> Iterator[str]:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                end_ids=frozenset(self.tokenizer.eos_token_ids), sampler=sampler)
+    def _generate(
+        self,
+        generation: int,
+        prompt: str | list[Message],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int | None,
+        sampler: str,
+        stop: str | list[str] | tuple[str, ...],
+        mode: str | None,
+        exact: bool | None,
+        response_format: dict | None = None,
+        on_prefill: Callable[[float], None] | None,
+        tools: list[dict] | None = None,
+        on_sources: Callable[[list[list[str]]], None] | None = None,
+        logprobs: int | None = None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+    ) -> Iterator[str]:
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            end_ids=frozenset(self.tokenizer.eos_token_ids),
+            sampler=sampler,
+        )
         self._cancel.clear()  # before any work: a cancel from here on, during the set-up too, stops this answer
         if self._weight_check is not None:  # a bundle damaged in place answers nothing
             self._weight_check.result()
@@ -692,8 +786,18 @@ class Engine:
         if self._cancel.is_set():  # cancelled during the set-up (a first request's checks and measurements)
             stats.stop_reason = "cancelled"
             return
-        tokens = generate_tokens(config, self.target, context, ids, params, np.random.default_rng(params.seed),
-                                 max_new, spec_stats, memory, constraint)
+        tokens = generate_tokens(
+            config,
+            self.target,
+            context,
+            ids,
+            params,
+            np.random.default_rng(params.seed),
+            max_new,
+            spec_stats,
+            memory,
+            constraint,
+        )
         self._tokens = tokens
         watched = self._watch_prefill(mode, on_prefill)
         stats.stop_reason = "length"
@@ -736,8 +840,10 @@ class Engine:
         except PrefillCancelled:
             stats.stop_reason = "cancelled"
         except NonFiniteLogits:  # met while sampling: a model of the bundle computes garbage
-            raise EdgeSpecError(f"the target or drafter produced NaN/inf logits: the bundle's weights are "
-                                f"damaged; run edge-spec info {self.bundle_dir} --verify") from None
+            raise EdgeSpecError(
+                f"the target or drafter produced NaN/inf logits: the bundle's weights are "
+                f"damaged; run edge-spec info {self.bundle_dir} --verify"
+            ) from None
         finally:
             if generation == self._generation:  # a superseded generation leaves the newer one's hooks alone
                 for decoder in watched:
@@ -763,8 +869,9 @@ class Engine:
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The grammar engine's view of the bundle's tokenizer, built on the first constrained request."""
         if self._grammar_vocabulary is None:
-            self._grammar_vocabulary = GrammarVocabulary(self.tokenizer.tokenizer, self.target.vocab_size,
-                                                         self.tokenizer.eos_token_ids)
+            self._grammar_vocabulary = GrammarVocabulary(
+                self.tokenizer.tokenizer, self.target.vocab_size, self.tokenizer.eos_token_ids
+            )
         return self._grammar_vocabulary
 
     def _watch_prefill(self, mode: str, on_prefill: Callable[[float], None] | None) -> list[Decoder]:

@@ -39,8 +39,9 @@ class TokenLogprob:
 def check_top(top: object) -> int:
     """``top`` as the number of alternatives to report, refused in one line outside 0..20."""
     if isinstance(top, bool) or not isinstance(top, (int, np.integer)) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise EdgeSpecError(f"logprobs takes the number of top alternatives to report, 0 to {MAX_TOP_LOGPROBS}, "
-                            f"not {top!r}")
+        raise EdgeSpecError(
+            f"logprobs takes the number of top alternatives to report, 0 to {MAX_TOP_LOGPROBS}, not {top!r}"
+        )
     return int(top)
 
 

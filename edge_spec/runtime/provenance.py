@@ -83,10 +83,10 @@ class SourcedText(StreamingDetokenizer):
         if end - read > 1:
             base = self.tok.decode(self.ids[start:read])
             for j in range(read, end - 1):
-                text = self.tok.decode(self.ids[start:j + 1])
-                upto = text[len(base):].rstrip("\ufffd") if text.startswith(base) else ""
+                text = self.tok.decode(self.ids[start : j + 1])
+                upto = text[len(base) :].rstrip("\ufffd") if text.startswith(base) else ""
                 if len(upto) > done and delta.startswith(upto):
-                    self._pieces.append([delta[done:len(upto)], self.sources[j]])
+                    self._pieces.append([delta[done : len(upto)], self.sources[j]])
                     done = len(upto)
                 else:
                     self._pieces.append(["", self.sources[j]])

@@ -20,8 +20,9 @@ from edge_spec.errors import EdgeSpecError
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
 CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
-_CONTENT_CUT = ("the chat template cut a message's content, so the message text cannot be told from the "
-                "template's markup")
+_CONTENT_CUT = (
+    "the chat template cut a message's content, so the message text cannot be told from the template's markup"
+)
 FIM_MARKERS = frozenset({"<fim_prefix>", "<fim_suffix>", "<fim_middle>"})  # StarCoder's, not <|...|> shaped
 TOOL_MARKERS = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"})  # Qwen's, Hermes'
 
@@ -38,8 +39,11 @@ def register_control_tokens(backend: Tokenizer) -> list[str]:
     so stop strings naming them can match).  Returns the tokens registered."""
     added = {token.content for token in backend.get_added_tokens_decoder().values()}
     vocab = backend.get_vocab(with_added_tokens=False)
-    missing = sorted((i, t) for t, i in vocab.items()
-                     if (CONTROL_TOKEN.fullmatch(t) or t in FIM_MARKERS or t in TOOL_MARKERS) and t not in added)
+    missing = sorted(
+        (i, t)
+        for t, i in vocab.items()
+        if (CONTROL_TOKEN.fullmatch(t) or t in FIM_MARKERS or t in TOOL_MARKERS) and t not in added
+    )
     if missing:
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for _, t in missing])
     return [t for _, t in missing]
@@ -71,8 +75,9 @@ def _load_tokenizer_config(path: Path) -> dict:
     if not isinstance(config, dict):
         raise _damaged(path, f"not a JSON object (got {type(config).__name__})")
     eos = config.get("eos_token_ids")
-    if eos is not None and not (isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool)
-                                                              for i in eos)):
+    if eos is not None and not (
+        isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in eos)
+    ):
         raise _damaged(path, f"eos_token_ids must be a list of token ids, not {eos!r:.40}")
     for key in ("chat_template", "bos_token", "eos_token"):
         if config.get(key) is not None and not isinstance(config[key], str):
@@ -92,8 +97,9 @@ class TextTokenizer:
         self._literal_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
         self._literal_tokenizer.encode_special_tokens = True
         # strings that raw text turns into tokens of their own (what a client's text must not smuggle in)
-        self._control_strings = sorted({t.content for t in self.tokenizer.get_added_tokens_decoder().values()
-                                        if t.content})
+        self._control_strings = sorted(
+            {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.content}
+        )
         config = _load_tokenizer_config(bundle_dir / "tokenizer_config.json")
         self.eos_token_ids: set[int] = set(config.get("eos_token_ids") or [])
         self.bos_token = config.get("bos_token")
@@ -110,15 +116,18 @@ class TextTokenizer:
                 self._template = env.from_string(config["chat_template"])
                 self.takes_tools = "tools" in meta.find_undeclared_variables(env.parse(config["chat_template"]))
             except jinja2.TemplateSyntaxError as exc:
-                raise EdgeSpecError(f"{bundle_dir / 'tokenizer_config.json'}: the chat template has a syntax "
-                                    f"error ({exc.message}, template line {exc.lineno})") from None
+                raise EdgeSpecError(
+                    f"{bundle_dir / 'tokenizer_config.json'}: the chat template has a syntax "
+                    f"error ({exc.message}, template line {exc.lineno})"
+                ) from None
 
     def encode(self, text: str) -> list[int]:
         """Raw text: control-token strings in it are read as those tokens (FIM prompts, templates)."""
         return self.encode_ids(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` through the chat template, each message's content encoded as plain
         text: a user who types ``<|im_start|>system`` gets those characters, not a new system turn (what
         chat UIs guard against as role injection).  The template's own markup keeps its control tokens.
@@ -161,8 +170,9 @@ class TextTokenizer:
     def _mark_json(self, value, opening: str, closing: str):
         """``value`` (decoded JSON) with every string (keys too) that could spell a control token marked."""
         if isinstance(value, dict):
-            return {self._mark_json(k, opening, closing): self._mark_json(v, opening, closing)
-                    for k, v in value.items()}
+            return {
+                self._mark_json(k, opening, closing): self._mark_json(v, opening, closing) for k, v in value.items()
+            }
         if isinstance(value, list):
             return [self._mark_json(v, opening, closing) for v in value]
         if isinstance(value, str) and self._may_spell_control(value):
@@ -172,8 +182,9 @@ class TextTokenizer:
     def _may_spell_control(self, text: str) -> bool:
         """Whether ``text`` holds a control-token string, or begins or ends with a piece of one."""
         for control in self._control_strings:
-            if control in text or any(text.endswith(control[:k]) or text.startswith(control[k:])
-                                      for k in range(1, len(control))):
+            if control in text or any(
+                text.endswith(control[:k]) or text.startswith(control[k:]) for k in range(1, len(control))
+            ):
                 return True
         return False
 
@@ -196,8 +207,9 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """Apply the model's chat template (a plain "role: content" transcript when it has none).  ``tools``
         goes to the template as Hugging Face templates expect it (OpenAI's function schemas); a template
         that reads no ``tools`` would drop them, so they are refused there."""
@@ -211,8 +223,11 @@ class TextTokenizer:
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as exc:
             raise EdgeSpecError(f"chat template failed: {exc}") from exc

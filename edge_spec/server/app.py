@@ -71,8 +71,12 @@ class ServerState:
         """404 ``model_not_found`` for a name that is not this server's model (no name: this model)."""
         if name is not None and not self.knows(name):
             also = f" (also named {', '.join(repr(a) for a in self.names[1:])})" if len(self.names) > 1 else ""
-            raise ApiError(404, f"the model {name!r} does not exist; this server has {self.model!r}{also}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist; this server has {self.model!r}{also}",
+                param="model",
+                code="model_not_found",
+            )
 
     def pieces(self) -> TokenPieces:
         if self._pieces is None:
@@ -82,6 +86,7 @@ class ServerState:
 
 def create_app(state: ServerState, policy: GuardPolicy | None = None) -> Starlette:
     """The app; ``policy`` (default: loopback only, no CORS, 4 MiB bodies) guards every request."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.worker.start()
@@ -106,8 +111,10 @@ def create_app(state: ServerState, policy: GuardPolicy | None = None) -> Starlet
     app = Starlette(
         routes=routes,
         exception_handlers={ApiError: api_error, HTTPException: http_error},
-        middleware=[Middleware(RequestCounter, metrics=state.metrics, routes=routes),
-                    Middleware(Guard, policy=policy or GuardPolicy())],
+        middleware=[
+            Middleware(RequestCounter, metrics=state.metrics, routes=routes),
+            Middleware(Guard, policy=policy or GuardPolicy()),
+        ],
         lifespan=lifespan,
     )
     app.state.server = state
@@ -120,9 +127,15 @@ def create_app(state: ServerState, policy: GuardPolicy | None = None) -> Starlet
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
     worker = state.worker
-    body = {"status": "shutting_down" if worker.closing else "ok", "model": state.model, "mode": worker.engine.mode,
-            "busy": worker.busy, "waiting": worker.waiting, "max_queue": worker.max_queue,
-            "requests": dict(worker.counts)}
+    body = {
+        "status": "shutting_down" if worker.closing else "ok",
+        "model": state.model,
+        "mode": worker.engine.mode,
+        "busy": worker.busy,
+        "waiting": worker.waiting,
+        "max_queue": worker.max_queue,
+        "requests": dict(worker.counts),
+    }
     return JSONResponse(body, status_code=503 if worker.closing else 200)
 
 
@@ -148,22 +161,36 @@ async def chat_completions(request: Request) -> Response:
     chat = await read_request(request, parse_chat)
     state.check_model(chat.model)
     engine = state.worker.engine
-    tool_use = plan_tools(chat.tools, state.tool_format, engine.tokenizer.takes_tools,
-                          engine.tokenizer.tokenizer.token_to_id)
+    tool_use = plan_tools(
+        chat.tools, state.tool_format, engine.tokenizer.takes_tools, engine.tokenizer.tokenizer.token_to_id
+    )
     sampling = chat.sampling
     if tool_use is not None and tool_use.grammar is not None:  # a forced call: the answer is the call
         _check_constrainable(state, "tool_choice")
         sampling = replace(sampling, response_format=tool_use.response_format)
     elif sampling.response_format is not None:
         if tool_use is not None:
-            raise bad_request("response_format together with tools the model may call (tool_choice \"auto\") is "
-                              "not supported yet: send tool_choice \"none\" or \"required\", or no "
-                              "response_format", param="response_format")
+            raise bad_request(
+                'response_format together with tools the model may call (tool_choice "auto") is '
+                'not supported yet: send tool_choice "none" or "required", or no '
+                "response_format",
+                param="response_format",
+            )
         _check_constrainable(state, "response_format")
     if tool_use is not None and tool_use.stop:
         sampling = replace(sampling, stop=sampling.stop + tool_use.stop)
-    return await _answer(request, state, "chat", chat.messages, sampling, chat.stream, chat.include_usage,
-                         tool_use=tool_use, provenance=chat.provenance, logprobs=chat.logprobs)
+    return await _answer(
+        request,
+        state,
+        "chat",
+        chat.messages,
+        sampling,
+        chat.stream,
+        chat.include_usage,
+        tool_use=tool_use,
+        provenance=chat.provenance,
+        logprobs=chat.logprobs,
+    )
 
 
 async def completions(request: Request) -> Response:
@@ -177,8 +204,18 @@ async def completions(request: Request) -> Response:
         if state.fim is None:
             raise bad_request("'suffix' needs fill-in-the-middle tokens, and this model has none", param="suffix")
         prompt = state.fim.prompt(req.prompt, req.suffix)
-    return await _answer(request, state, "completion", prompt, req.sampling, req.stream, req.include_usage,
-                         echo=req.prompt if req.echo else "", provenance=req.provenance, logprobs=req.logprobs)
+    return await _answer(
+        request,
+        state,
+        "completion",
+        prompt,
+        req.sampling,
+        req.stream,
+        req.include_usage,
+        echo=req.prompt if req.echo else "",
+        provenance=req.provenance,
+        logprobs=req.logprobs,
+    )
 
 
 async def tokenize_route(request: Request) -> Response:
@@ -207,22 +244,47 @@ def _check_constrainable(state: ServerState, param: str) -> None:
 # -- answering -------------------------------------------------------------------------------------
 
 
-async def _answer(request: Request, state: ServerState, kind: str, prompt: str | list[dict], sampling: Sampling,
-                  stream: bool, include_usage: bool, echo: str = "", tool_use: ToolUse | None = None,
-                  provenance: bool = False, logprobs: int | None = None) -> Response:
+async def _answer(
+    request: Request,
+    state: ServerState,
+    kind: str,
+    prompt: str | list[dict],
+    sampling: Sampling,
+    stream: bool,
+    include_usage: bool,
+    echo: str = "",
+    tool_use: ToolUse | None = None,
+    provenance: bool = False,
+    logprobs: int | None = None,
+) -> Response:
     if logprobs is not None and tool_use is not None:
-        raise bad_request("'logprobs' together with tools the model may call is not supported: a tool call's "
-                          "text is not the answer's content (send tool_choice \"none\" or no tools)", param="logprobs")
+        raise bad_request(
+            "'logprobs' together with tools the model may call is not supported: a tool call's "
+            'text is not the answer\'s content (send tool_choice "none" or no tools)',
+            param="logprobs",
+        )
     tools = tool_use.tools if tool_use is not None else None
     await _check_length(state, prompt, "messages" if kind == "chat" else "prompt", tools)
     engine = state.worker.engine
     sampling = sampling.resolved(coupled_available=not isinstance(engine.config, TreeConfig))
-    form = ResponseFormat(kind, state.model, include_usage=include_usage and stream,
-                          fingerprint=fingerprint(engine.mode, sampling.sampler_name), sampler=sampling.sampler_name,
-                          pieces=await asyncio.to_thread(state.pieces) if logprobs is not None else None)
+    form = ResponseFormat(
+        kind,
+        state.model,
+        include_usage=include_usage and stream,
+        fingerprint=fingerprint(engine.mode, sampling.sampler_name),
+        sampler=sampling.sampler_name,
+        pieces=await asyncio.to_thread(state.pieces) if logprobs is not None else None,
+    )
     provenance = provenance and tool_use is None  # a tool-call parser rewrites the text: no pieces to match
-    job = Job(prompt, sampling, label=f"{kind} {form.id}", loop=asyncio.get_running_loop(), tools=tools,
-              provenance=provenance, logprobs=logprobs)
+    job = Job(
+        prompt,
+        sampling,
+        label=f"{kind} {form.id}",
+        loop=asyncio.get_running_loop(),
+        tools=tools,
+        provenance=provenance,
+        logprobs=logprobs,
+    )
     state.worker.submit(job)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, job))
     streaming = False
@@ -233,13 +295,23 @@ async def _answer(request: Request, state: ServerState, kind: str, prompt: str |
                 raise first.error
             streaming = True
             parser = tool_use.parser() if tool_use is not None else None
-            return _JobStream(_events(job, form, echo, parser), cancel=lambda: state.worker.cancel(job, "disconnect"),
-                              media_type="text/event-stream", headers=STREAM_HEADERS)
+            return _JobStream(
+                _events(job, form, echo, parser),
+                cancel=lambda: state.worker.cancel(job, "disconnect"),
+                media_type="text/event-stream",
+                headers=STREAM_HEADERS,
+            )
         text, stats, sources, logged = await _collect(job)
         if tool_use is None:
-            return JSONResponse(form.full(echo + text, stats, job.queue_seconds,
-                                          sources=sources if provenance else None,
-                                          logprobs=logged if logprobs is not None else None))
+            return JSONResponse(
+                form.full(
+                    echo + text,
+                    stats,
+                    job.queue_seconds,
+                    sources=sources if provenance else None,
+                    logprobs=logged if logprobs is not None else None,
+                )
+            )
         parser = tool_use.parser()
         pieces = parser.feed(text) + parser.finish()
         content = "".join(p for p in pieces if isinstance(p, str)) or None
@@ -251,8 +323,9 @@ async def _answer(request: Request, state: ServerState, kind: str, prompt: str |
             state.worker.cancel(job, "disconnect")
 
 
-async def _check_length(state: ServerState, prompt: str | list[dict], param: str,
-                        tools: list[dict] | None = None) -> None:
+async def _check_length(
+    state: ServerState, prompt: str | list[dict], param: str, tools: list[dict] | None = None
+) -> None:
     """400 with the token counts when the prompt leaves no room for an answer (checked before queueing;
     the tokenizer is safe to use beside the worker thread).  Lower bounds come first (:mod:`prompt_size`),
     so a prompt far over the context is refused without the exact count, which holds the GIL."""
@@ -276,10 +349,13 @@ def _count_tokens(state: ServerState, prompt: str | list[dict], param: str, tool
 
 
 def _too_long(capacity: int, count: int, param: str, exact: bool) -> ApiError:
-    return bad_request(f"this model's maximum context length is {capacity} tokens, but the prompt is "
-                       f"{'' if exact else 'at least '}{count} tokens: shorten the {param} by at least "
-                       f"{count - capacity + 1} tokens (one must remain for the answer)", param=param,
-                       code="context_length_exceeded")
+    return bad_request(
+        f"this model's maximum context length is {capacity} tokens, but the prompt is "
+        f"{'' if exact else 'at least '}{count} tokens: shorten the {param} by at least "
+        f"{count - capacity + 1} tokens (one must remain for the answer)",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 async def _collect(job: Job):
@@ -333,9 +409,16 @@ async def _events(job: Job, form: ResponseFormat, echo: str, parser: CallParser 
                 return
             for chunk in chunks(parser.finish() if parser else []):
                 yield sse(chunk)
-            yield sse(form.chunk("", stats=event.stats, queue_seconds=job.queue_seconds, called=calls > 0,
-                                 sources=event.sources if parser is None else None,
-                                 logprobs=event.logprobs or None))
+            yield sse(
+                form.chunk(
+                    "",
+                    stats=event.stats,
+                    queue_seconds=job.queue_seconds,
+                    called=calls > 0,
+                    sources=event.sources if parser is None else None,
+                    logprobs=event.logprobs or None,
+                )
+            )
             if form.include_usage:
                 yield sse(form.usage_chunk(event.stats))
             yield DONE
@@ -378,8 +461,11 @@ def _authorized(request: Request) -> ServerState:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if not header or scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "no API key given: send 'Authorization: Bearer KEY' with the key the server was "
-                            "started with (--api-key)", code="missing_api_key")
+        raise ApiError(
+            401,
+            "no API key given: send 'Authorization: Bearer KEY' with the key the server was started with (--api-key)",
+            code="missing_api_key",
+        )
     if not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
         raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
     return state
@@ -391,6 +477,9 @@ async def api_error(request: Request, exc: ApiError) -> Response:
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own 404 / 405 in OpenAI's error shape."""
-    error = ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                     code="not_found" if exc.status_code == 404 else None)
+    error = ApiError(
+        exc.status_code,
+        f"{exc.detail}: {request.method} {request.url.path}",
+        code="not_found" if exc.status_code == 404 else None,
+    )
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)

@@ -86,9 +86,15 @@ class GuardPolicy:
         return "*" in self.cors_origins or origin in self.cors_origins
 
 
-def make_policy(*, bind_host: str = "127.0.0.1", allowed_hosts=(), cors_origins=(),
-                max_body: str | int = DEFAULT_MAX_BODY, api_key: str | None = None,
-                body_timeout: float = BODY_IDLE_TIMEOUT) -> GuardPolicy:
+def make_policy(
+    *,
+    bind_host: str = "127.0.0.1",
+    allowed_hosts=(),
+    cors_origins=(),
+    max_body: str | int = DEFAULT_MAX_BODY,
+    api_key: str | None = None,
+    body_timeout: float = BODY_IDLE_TIMEOUT,
+) -> GuardPolicy:
     """The policy for these options, or an :class:`EdgeSpecError` naming the first bad one."""
     hosts = []
     for name in allowed_hosts:
@@ -102,15 +108,22 @@ def make_policy(*, bind_host: str = "127.0.0.1", allowed_hosts=(), cors_origins=
     for value in cors_origins:
         origin = "*" if value.strip() == "*" else normalize_origin(value)
         if origin is None:
-            raise EdgeSpecError(f"--cors-origin takes an origin such as https://app.example.com or "
-                                f"http://localhost:3000 (scheme, host, optional port; no path), got {value!r}")
+            raise EdgeSpecError(
+                f"--cors-origin takes an origin such as https://app.example.com or "
+                f"http://localhost:3000 (scheme, host, optional port; no path), got {value!r}"
+            )
         origins.append(origin)
     if "*" in origins and not api_key:
         raise EdgeSpecError("--cors-origin '*' lets every web page use the model: it needs --api-key too")
     if body_timeout <= 0:
         raise EdgeSpecError("the body timeout must be positive")
-    return GuardPolicy(bind_host=bind_host, allowed_hosts=tuple(hosts), cors_origins=tuple(origins),
-                       max_body=parse_size(max_body), body_timeout=body_timeout)
+    return GuardPolicy(
+        bind_host=bind_host,
+        allowed_hosts=tuple(hosts),
+        cors_origins=tuple(origins),
+        max_body=parse_size(max_body),
+        body_timeout=body_timeout,
+    )
 
 
 def split_host(value: str) -> str | None:
@@ -137,8 +150,14 @@ def normalize_origin(value: str) -> str | None:
     except ValueError:
         return None
     scheme, host = parts.scheme.lower(), (parts.hostname or "").rstrip(".")
-    if scheme not in _DEFAULT_PORTS or not host or parts.path not in ("", "/") or parts.query or parts.fragment \
-            or parts.username is not None:
+    if (
+        scheme not in _DEFAULT_PORTS
+        or not host
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
         return None
     if ":" in host:
         host = f"[{host}]"
@@ -170,10 +189,19 @@ class Guard:
         if raw_host is not None:  # HTTP/1.0 clients may send none; browsers always do
             host = split_host(raw_host)
             if host is None or not policy.host_allowed(host):
-                await _refuse(ApiError(403, f"requests for the host {raw_host!r} are refused (a web page may have "
-                                            "rebound its name to this server): start the server with "
-                                            "--allowed-host NAME to serve a name", code="host_not_allowed"),
-                              scope, receive, send, method)
+                await _refuse(
+                    ApiError(
+                        403,
+                        f"requests for the host {raw_host!r} are refused (a web page may have "
+                        "rebound its name to this server): start the server with "
+                        "--allowed-host NAME to serve a name",
+                        code="host_not_allowed",
+                    ),
+                    scope,
+                    receive,
+                    send,
+                    method,
+                )
                 return
         cors: dict[str, str] = {}
         origin_header = headers.get("origin")
@@ -183,12 +211,24 @@ class Guard:
             same_origin = origin is not None and origin == own
             if not same_origin:
                 if origin is None or not policy.origin_allowed(origin):
-                    await _refuse(ApiError(403, f"cross-origin requests from {origin_header!r} are refused: start "
-                                                "the server with --cors-origin ORIGIN to let a web page use it",
-                                           code="origin_not_allowed"), scope, receive, send, method)
+                    await _refuse(
+                        ApiError(
+                            403,
+                            f"cross-origin requests from {origin_header!r} are refused: start "
+                            "the server with --cors-origin ORIGIN to let a web page use it",
+                            code="origin_not_allowed",
+                        ),
+                        scope,
+                        receive,
+                        send,
+                        method,
+                    )
                     return
-                cors = {"Access-Control-Allow-Origin": origin_header.strip(), "Vary": "Origin",
-                        "Access-Control-Expose-Headers": "Retry-After"}
+                cors = {
+                    "Access-Control-Allow-Origin": origin_header.strip(),
+                    "Vary": "Origin",
+                    "Access-Control-Expose-Headers": "Retry-After",
+                }
                 if method == "OPTIONS" and "access-control-request-method" in headers:
                     await _preflight(cors, headers)(scope, receive, send)
                     return
@@ -196,8 +236,7 @@ class Guard:
         length = headers.get("content-length")
         if length is not None:
             if not length.strip().isdigit():
-                await _refuse(ApiError(400, "the Content-Length header is not a number"), scope, receive, send,
-                              method)
+                await _refuse(ApiError(400, "the Content-Length header is not a number"), scope, receive, send, method)
                 return
             if int(length) > policy.max_body:
                 await _refuse(_too_large(policy.max_body), scope, receive, send, method)
@@ -207,9 +246,17 @@ class Guard:
             if media_type != "application/json":
                 sent = headers.get("content-type")
                 got = "no Content-Type" if sent is None else repr(sent)
-                await _refuse(ApiError(415, "the request body must be JSON sent with 'Content-Type: "
-                                            f"application/json', got {got}", code="unsupported_media_type"),
-                              scope, receive, send, method)
+                await _refuse(
+                    ApiError(
+                        415,
+                        f"the request body must be JSON sent with 'Content-Type: application/json', got {got}",
+                        code="unsupported_media_type",
+                    ),
+                    scope,
+                    receive,
+                    send,
+                    method,
+                )
                 return
             try:
                 body = await _read_body(receive, policy)
@@ -230,8 +277,9 @@ async def _read_body(receive, policy: GuardPolicy) -> bytes | None:
         try:
             message = await asyncio.wait_for(receive(), policy.body_timeout)
         except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body stopped arriving for {policy.body_timeout:g} s",
-                           code="request_timeout") from None
+            raise ApiError(
+                408, f"the request body stopped arriving for {policy.body_timeout:g} s", code="request_timeout"
+            ) from None
         if message["type"] == "http.disconnect":
             return None
         chunk = message.get("body", b"")
@@ -274,14 +322,23 @@ def _with_headers(send, extra: dict[str, str]):
 def _preflight(cors: dict[str, str], headers: Headers) -> Response:
     requested = headers.get("access-control-request-headers", "").strip()
     allowed = requested if requested and _HEADER_LIST.fullmatch(requested) else DEFAULT_ALLOWED_HEADERS
-    return Response(status_code=204, headers={**cors, "Access-Control-Allow-Methods": ALLOWED_METHODS,
-                                              "Access-Control-Allow-Headers": allowed,
-                                              "Access-Control-Max-Age": PREFLIGHT_MAX_AGE})
+    return Response(
+        status_code=204,
+        headers={
+            **cors,
+            "Access-Control-Allow-Methods": ALLOWED_METHODS,
+            "Access-Control-Allow-Headers": allowed,
+            "Access-Control-Max-Age": PREFLIGHT_MAX_AGE,
+        },
+    )
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes (--max-body)",
-                    code="request_too_large")
+    return ApiError(
+        413,
+        f"the request body is larger than this server's limit of {limit} bytes (--max-body)",
+        code="request_too_large",
+    )
 
 
 async def _refuse(error: ApiError, scope, receive, send, method: str) -> None:

@@ -31,28 +31,44 @@ class ServerMetrics:
 
     def __init__(self, worker: EngineWorker) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("edge_spec_http_requests", "HTTP requests answered, by route and status",
-                                ["route", "status"], registry=registry)
-        waiting = Gauge("edge_spec_queue_waiting", "Requests waiting behind the one being answered",
-                        registry=registry)
+        self.requests = Counter(
+            "edge_spec_http_requests",
+            "HTTP requests answered, by route and status",
+            ["route", "status"],
+            registry=registry,
+        )
+        waiting = Gauge("edge_spec_queue_waiting", "Requests waiting behind the one being answered", registry=registry)
         waiting.set_function(lambda: worker.waiting)
         busy = Gauge("edge_spec_engine_busy", "1 while the engine is answering a request", registry=registry)
         busy.set_function(lambda: 1 if worker.busy else 0)
-        self.answers = Counter("edge_spec_answers", "Answers the engine finished, by stop reason", ["stop_reason"],
-                               registry=registry)
+        self.answers = Counter(
+            "edge_spec_answers", "Answers the engine finished, by stop reason", ["stop_reason"], registry=registry
+        )
         self.prompt_tokens = Counter("edge_spec_prompt_tokens", "Prompt tokens read", registry=registry)
         self.generated_tokens = Counter("edge_spec_generated_tokens", "Tokens generated", registry=registry)
-        self.drafted = Counter("edge_spec_drafted_tokens", "Tokens drafted for verification (speculative modes)",
-                               registry=registry)
+        self.drafted = Counter(
+            "edge_spec_drafted_tokens", "Tokens drafted for verification (speculative modes)", registry=registry
+        )
         self.accepted = Counter("edge_spec_accepted_tokens", "Drafted tokens the target accepted", registry=registry)
-        self.target_passes = Counter("edge_spec_target_passes", "Target passes that verified drafts",
-                                     registry=registry)
-        self.tau = Histogram("edge_spec_tokens_per_target_pass", "τ of each answer: tokens per target pass "
-                             "(speculative modes)", buckets=TAU_BUCKETS, registry=registry)
-        self.speed = Histogram("edge_spec_decode_tokens_per_second", "Decode speed of each answer (tokens after "
-                               "the first per decode second)", buckets=SPEED_BUCKETS, registry=registry)
-        self.ttft = Histogram("edge_spec_time_to_first_token_seconds", "From a request's arrival in the queue to "
-                              "its first text", buckets=TTFT_BUCKETS, registry=registry)
+        self.target_passes = Counter("edge_spec_target_passes", "Target passes that verified drafts", registry=registry)
+        self.tau = Histogram(
+            "edge_spec_tokens_per_target_pass",
+            "τ of each answer: tokens per target pass (speculative modes)",
+            buckets=TAU_BUCKETS,
+            registry=registry,
+        )
+        self.speed = Histogram(
+            "edge_spec_decode_tokens_per_second",
+            "Decode speed of each answer (tokens after the first per decode second)",
+            buckets=SPEED_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "edge_spec_time_to_first_token_seconds",
+            "From a request's arrival in the queue to its first text",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
 
     def answered(self, job: Job, stats: GenerationStats) -> None:
         """Record one finished answer (called on the engine worker's thread)."""

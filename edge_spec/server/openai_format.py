@@ -57,8 +57,11 @@ def call_body(call: ToolCall) -> dict:
 
 
 def usage(stats: GenerationStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+    }
 
 
 def edge_spec_stats(stats: GenerationStats, queue_seconds: float) -> dict:
@@ -110,20 +113,30 @@ class ResponseFormat:
         self.id = self.id or f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
     def _head(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint}
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+        }
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         """A choice's ``logprobs`` for the tokens of ``entries`` (None: not asked for), in this kind's shape."""
         if entries is None or self.pieces is None:
             return None
         if self.kind == "chat":
+
             def entry(token_id: int, logprob: float) -> dict:
                 text, raw = token_text(self.pieces, token_id)
                 return {"token": text, "logprob": logprob, "bytes": raw}
 
-            return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(*t) for t in e.top]}
-                                for e in entries], "refusal": None}
+            return {
+                "content": [
+                    {**entry(e.token_id, e.logprob), "top_logprobs": [entry(*t) for t in e.top]} for e in entries
+                ],
+                "refusal": None,
+            }
         tokens = [token_text(self.pieces, e.token_id)[0] for e in entries]
         top = []
         for token, e in zip(tokens, entries):
@@ -132,36 +145,63 @@ class ResponseFormat:
                 alternatives.setdefault(token_text(self.pieces, token_id)[0], logprob)
             alternatives.setdefault(token, e.logprob)  # the token itself, as OpenAI adds it
             top.append(alternatives)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
-                "text_offset": [e.text_offset for e in entries]}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": top,
+            "text_offset": [e.text_offset for e in entries],
+        }
 
     def _stats(self, stats: GenerationStats, queue_seconds: float) -> dict:
         return {**edge_spec_stats(stats, queue_seconds), "sampler": self.sampler}
 
-    def full(self, text: str | None, stats: GenerationStats, queue_seconds: float,
-             tool_calls: Sequence[ToolCall] = (), sources: list[list[str]] | None = None,
-             logprobs: list[TokenLogprob] | None = None) -> dict:
+    def full(
+        self,
+        text: str | None,
+        stats: GenerationStats,
+        queue_seconds: float,
+        tool_calls: Sequence[ToolCall] = (),
+        sources: list[list[str]] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict:
         """The non-streamed response (``usage`` always present); ``text`` None: the answer is calls only;
         ``sources``: the answer's provenance, ``logprobs`` its tokens' log-probabilities (module docstring)."""
         if self.kind == "chat":
             message = {"role": "assistant", "content": text, "refusal": None}
             if tool_calls:
                 message["tool_calls"] = [call_body(call) for call in tool_calls]
-            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs),
-                      "finish_reason": finish_reason(stats, bool(tool_calls))}
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": self.logprobs(logprobs),
+                "finish_reason": finish_reason(stats, bool(tool_calls)),
+            }
             body = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
-                      "finish_reason": finish_reason(stats)}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": self.logprobs(logprobs),
+                "finish_reason": finish_reason(stats),
+            }
             body = self._head("text_completion")
         extra = self._stats(stats, queue_seconds)
         if sources is not None:
             extra["provenance"] = sources
         return {**body, "choices": [choice], "usage": usage(stats), "x_edge_spec": extra}
 
-    def chunk(self, text: str, *, first: bool = False, stats: GenerationStats | None = None,
-              queue_seconds: float = 0.0, called: bool = False, delta: dict | None = None,
-              sources: list[list[str]] | None = None, logprobs: list[TokenLogprob] | None = None) -> dict:
+    def chunk(
+        self,
+        text: str,
+        *,
+        first: bool = False,
+        stats: GenerationStats | None = None,
+        queue_seconds: float = 0.0,
+        called: bool = False,
+        delta: dict | None = None,
+        sources: list[list[str]] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict:
         """A stream chunk carrying ``text`` (or a chat ``delta`` as given); the last one (``stats`` given) has
         the finish reason (``called``: the answer made tool calls) and ``x_edge_spec``; ``sources``: the
         provenance of ``text``, in ``x_edge_spec``; ``logprobs``: its tokens' log-probabilities (module

@@ -118,10 +118,14 @@ class EngineWorker:
                 raise shutting_down()
             if len(self._waiting) + (self._current is not None) > self.max_queue:
                 self.counts["refused"] += 1
-                raise ApiError(429, f"the server is busy: {len(self._waiting)} requests are waiting behind the one "
-                                    f"being answered (--max-queue {self.max_queue}); retry later",
-                               type="rate_limit_error", code="queue_full",
-                               headers={"Retry-After": str(self._retry_after())})
+                raise ApiError(
+                    429,
+                    f"the server is busy: {len(self._waiting)} requests are waiting behind the one "
+                    f"being answered (--max-queue {self.max_queue}); retry later",
+                    type="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": str(self._retry_after())},
+                )
             self._waiting.append(job)
             self._cond.notify()
 
@@ -135,8 +139,14 @@ class EngineWorker:
             if job in self._waiting:
                 self._waiting.remove(job)
                 self.counts["cancelled"] += 1
-                job.emit(Event("error", error=shutting_down() if reason == "shutdown" else
-                               ApiError(499, "the client went away", code="cancelled")))
+                job.emit(
+                    Event(
+                        "error",
+                        error=shutting_down()
+                        if reason == "shutdown"
+                        else ApiError(499, "the client went away", code="cancelled"),
+                    )
+                )
             elif job is self._current:
                 self.engine.cancel()
 
@@ -208,11 +218,15 @@ class EngineWorker:
         try:
             if job.cancelled.is_set():  # cancelled between leaving the queue and here
                 raise _Cancelled
-            for text in engine.generate(job.prompt, on_prefill=stop_if_cancelled, tools=job.tools,
-                                        on_sources=sources.append if job.provenance else None,
-                                        logprobs=job.logprobs,
-                                        on_logprobs=logged.extend if job.logprobs is not None else None,
-                                        **job.sampling.engine_kwargs(engine.target.capacity)):
+            for text in engine.generate(
+                job.prompt,
+                on_prefill=stop_if_cancelled,
+                tools=job.tools,
+                on_sources=sources.append if job.provenance else None,
+                logprobs=job.logprobs,
+                on_logprobs=logged.extend if job.logprobs is not None else None,
+                **job.sampling.engine_kwargs(engine.target.capacity),
+            ):
                 if job.first_text is None:
                     job.first_text = time.perf_counter()
                 job.emit(Event("text", text, sources=sources.pop() if sources else None, logprobs=logprobs()))
@@ -228,15 +242,22 @@ class EngineWorker:
         except Exception as exc:  # a bug: log it, keep serving
             log.exception("%s failed", job.label)
             self.counts["failed"] += 1
-            job.emit(Event("error", error=ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                                   type="server_error")))
+            job.emit(
+                Event("error", error=ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+            )
             return
         stats = engine.last_stats
         seconds = time.perf_counter() - job.started
         self._durations.append(seconds)
         self.counts["cancelled" if stats.stop_reason == "cancelled" else "completed"] += 1
-        job.emit(Event("done", stats=stats, sources=sources.pop() if sources else None,  # tokens with no text
-                       logprobs=logprobs()))
+        job.emit(
+            Event(
+                "done",
+                stats=stats,
+                sources=sources.pop() if sources else None,  # tokens with no text
+                logprobs=logprobs(),
+            )
+        )
         log.info("%s", describe(job, stats, seconds))
         if self.on_answered is not None:
             try:
@@ -252,12 +273,17 @@ class _Cancelled(Exception):
 def describe(job: Job, stats: GenerationStats, seconds: float) -> str:
     """One log line per request, speculative statistics included."""
     x = edge_spec_stats(stats, job.queue_seconds)
-    reason = stats.stop_reason + (f", {job.cancel_reason}" if stats.stop_reason == "cancelled" and job.cancel_reason
-                                  else "")
-    line = (f"{job.label}: {x['prompt_tokens']} prompt + {x['new_tokens']} new tokens ({reason}) in {seconds:.2f} s; "
-            f"queue {x['queue_seconds']:.2f} s, prefill {x['prefill_seconds']:.2f} s, "
-            f"{x['tokens_per_second']:.1f} tok/s, {x['mode']}")
+    reason = stats.stop_reason + (
+        f", {job.cancel_reason}" if stats.stop_reason == "cancelled" and job.cancel_reason else ""
+    )
+    line = (
+        f"{job.label}: {x['prompt_tokens']} prompt + {x['new_tokens']} new tokens ({reason}) in {seconds:.2f} s; "
+        f"queue {x['queue_seconds']:.2f} s, prefill {x['prefill_seconds']:.2f} s, "
+        f"{x['tokens_per_second']:.1f} tok/s, {x['mode']}"
+    )
     if x["target_calls"]:
-        line += (f", drafted {x['drafted']}, accepted {x['accepted']} ({x['acceptance_rate']:.0%}), "
-                 f"τ {x['tau']:.2f} over {x['target_calls']} target passes")
+        line += (
+            f", drafted {x['drafted']}, accepted {x['accepted']} ({x['acceptance_rate']:.0%}), "
+            f"τ {x['tau']:.2f} over {x['target_calls']} target passes"
+        )
     return line

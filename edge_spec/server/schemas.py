@@ -78,9 +78,16 @@ class Sampling:
         return "greedy" if self.temperature == 0 else self.sampler or "rejection"
 
     def engine_kwargs(self, capacity: int) -> dict:
-        return dict(max_new_tokens=self.max_tokens or capacity, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, sampler=self.sampler or "rejection", stop=list(self.stop),
-                    response_format=self.response_format)
+        return dict(
+            max_new_tokens=self.max_tokens or capacity,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            sampler=self.sampler or "rejection",
+            stop=list(self.stop),
+            response_format=self.response_format,
+        )
 
 
 @dataclass(frozen=True)
@@ -136,10 +143,16 @@ def parse_chat(body: dict) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", param="messages")
     _refuse_unsupported(body, UNSUPPORTED)
-    return ChatRequest(messages=[_message(m, i) for i, m in enumerate(messages)],
-                       sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
-                       stream=_stream(body), include_usage=_include_usage(body), model=_typed(body, "model", str),
-                       tools=_tool_request(body), provenance=_provenance(body), logprobs=_chat_logprobs(body))
+    return ChatRequest(
+        messages=[_message(m, i) for i, m in enumerate(messages)],
+        sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
+        stream=_stream(body),
+        include_usage=_include_usage(body),
+        model=_typed(body, "model", str),
+        tools=_tool_request(body),
+        provenance=_provenance(body),
+        logprobs=_chat_logprobs(body),
+    )
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -149,23 +162,33 @@ def parse_completion(body: dict) -> CompletionRequest:
     if prompt is None:
         raise bad_request("'prompt' is a required property", param="prompt")
     if not isinstance(prompt, str):
-        raise bad_request("'prompt' must be a string (token arrays and several prompts per request are not "
-                          "supported)", param="prompt")
+        raise bad_request(
+            "'prompt' must be a string (token arrays and several prompts per request are not supported)", param="prompt"
+        )
     suffix = _typed(body, "suffix", str)
     _only_one(body, "best_of")
     _refuse_unsupported(body, {key: UNSUPPORTED[key] for key in COMPLETION_UNSUPPORTED})
-    return CompletionRequest(prompt=prompt, sampling=_sampling(body, max_tokens_keys=("max_tokens",), default_max=16),
-                             suffix=suffix, echo=bool(_typed(body, "echo", bool)), stream=_stream(body),
-                             include_usage=_include_usage(body), model=_typed(body, "model", str),
-                             provenance=_provenance(body), logprobs=_completion_logprobs(body))
+    return CompletionRequest(
+        prompt=prompt,
+        sampling=_sampling(body, max_tokens_keys=("max_tokens",), default_max=16),
+        suffix=suffix,
+        echo=bool(_typed(body, "echo", bool)),
+        stream=_stream(body),
+        include_usage=_include_usage(body),
+        model=_typed(body, "model", str),
+        provenance=_provenance(body),
+        logprobs=_completion_logprobs(body),
+    )
 
 
 def _refuse_unsupported(body: dict, fields: dict) -> None:
     for key, (harmless, why) in fields.items():
         value = body.get(key)
         if value is not None and not harmless(value):
-            raise bad_request(f"'{key}' is {why}" if why.startswith("not supported") else
-                              f"'{key}' is not supported: {why}", param=key)
+            raise bad_request(
+                f"'{key}' is {why}" if why.startswith("not supported") else f"'{key}' is not supported: {why}",
+                param=key,
+            )
 
 
 def _message(message, index: int) -> dict:
@@ -174,8 +197,9 @@ def _message(message, index: int) -> dict:
         raise bad_request(f"{where} must be an object", param=where)
     role = message.get("role")
     if role not in CHAT_ROLES:
-        raise bad_request(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
-                          param=f"{where}.role")
+        raise bad_request(
+            f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}", param=f"{where}.role"
+        )
     content = message.get("content")
     calls = _tool_calls(message.get("tool_calls"), where) if role == "assistant" else []
     if content is None and role == "assistant":
@@ -195,8 +219,9 @@ def _message(message, index: int) -> dict:
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
-            raise bad_request(f"{where}.tool_call_id must be the id of the call this message answers",
-                              param=f"{where}.tool_call_id")
+            raise bad_request(
+                f"{where}.tool_call_id must be the id of the call this message answers", param=f"{where}.tool_call_id"
+            )
         checked["tool_call_id"] = call_id
         if isinstance(message.get("name"), str):  # some templates name the function answered
             checked["name"] = message["name"]
@@ -215,8 +240,9 @@ def _tool_calls(calls, where: str) -> list[dict]:
         here = f"{where}.tool_calls[{i}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad_request(f"{here}.function must be an object with the function's name and arguments",
-                              param=f"{here}.function")
+            raise bad_request(
+                f"{here}.function must be an object with the function's name and arguments", param=f"{here}.function"
+            )
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
@@ -226,8 +252,13 @@ def _tool_calls(calls, where: str) -> list[dict]:
             arguments = decoded if isinstance(decoded, dict) else arguments
         elif not isinstance(arguments, dict):
             raise bad_request(f"{here}.function.arguments must be a JSON string", param=f"{here}.function.arguments")
-        checked.append({"id": str(call.get("id", "")), "type": "function",
-                        "function": {"name": function["name"], "arguments": arguments}})
+        checked.append(
+            {
+                "id": str(call.get("id", "")),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
     return checked
 
 
@@ -245,19 +276,23 @@ def _tool_request(body: dict) -> ToolRequest | None:
         named = choice.get("function") if choice.get("type") == "function" else None
         function = named.get("name") if isinstance(named, dict) else None
         if function not in names:
-            raise bad_request("'tool_choice' names a function that is not among 'tools' (give "
-                              "{\"type\": \"function\", \"function\": {\"name\": NAME}} with a tool's name)",
-                              param="tool_choice")
+            raise bad_request(
+                "'tool_choice' names a function that is not among 'tools' (give "
+                '{"type": "function", "function": {"name": NAME}} with a tool\'s name)',
+                param="tool_choice",
+            )
         choice = "required"
     elif choice is not None and choice not in TOOL_CHOICES:
-        raise bad_request(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or names a function",
-                          param="tool_choice")
+        raise bad_request(
+            f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or names a function", param="tool_choice"
+        )
     if not tools:
         if choice == "required":
             raise bad_request("'tool_choice' asks for a tool call, but no 'tools' are given", param="tool_choice")
         return None
-    return ToolRequest(tools=tools, choice=choice or "auto", function=function,
-                       parallel=True if parallel is None else parallel)
+    return ToolRequest(
+        tools=tools, choice=choice or "auto", function=function, parallel=True if parallel is None else parallel
+    )
 
 
 def _tool(tool, index: int) -> dict:
@@ -269,14 +304,17 @@ def _tool(tool, index: int) -> dict:
         raise bad_request(f"{where}.function must be an object", param=f"{where}.function")
     name = function.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise bad_request(f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes, got "
-                          f"{name!r}", param=f"{where}.function.name")
+        raise bad_request(
+            f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}",
+            param=f"{where}.function.name",
+        )
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise bad_request(f"{where}.function.description must be a string", param=f"{where}.function.description")
     parameters = function.get("parameters")
     if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
-        raise bad_request(f"{where}.function.parameters must be a JSON schema of type object",
-                          param=f"{where}.function.parameters")
+        raise bad_request(
+            f"{where}.function.parameters must be a JSON schema of type object", param=f"{where}.function.parameters"
+        )
     return tool
 
 
@@ -319,15 +357,28 @@ def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | N
         stop = tuple(stop)
     else:
         raise bad_request("'stop' must be a string or an array of strings", param="stop")
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
-                        ("sampler", sampler)):
+    for name, value in (
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("sampler", sampler),
+    ):
         if value is not None:
             try:
                 SamplingParams(**{name: value})  # the engine's own range checks
             except EdgeSpecError as exc:
                 raise bad_request(f"'{name}': {exc}", param=name) from None
-    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k or 0, seed=seed,
-                    stop=stop, sampler=sampler, response_format=_response_format(body))
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k or 0,
+        seed=seed,
+        stop=stop,
+        sampler=sampler,
+        response_format=_response_format(body),
+    )
 
 
 def _typed(body: dict, key: str, kind: type):
@@ -357,8 +408,10 @@ def _number(body: dict, key: str, default: float) -> float:
 def _only_one(body: dict, key: str) -> None:
     value = _typed(body, key, int)
     if value is not None and value != 1:
-        raise bad_request(f"'{key}' must be 1: this server generates one choice per request (send {value} "
-                          "requests instead)", param=key)
+        raise bad_request(
+            f"'{key}' must be 1: this server generates one choice per request (send {value} requests instead)",
+            param=key,
+        )
 
 
 def _stream(body: dict) -> bool:
@@ -376,8 +429,10 @@ def _provenance(body: dict) -> bool:
     options = _typed(body, "x_edge_spec", dict) or {}
     unknown = sorted(set(options) - {"provenance"})
     if unknown:
-        raise bad_request(f"'x_edge_spec.{unknown[0]}' is not a field of this server: x_edge_spec takes "
-                          "'provenance'", param=f"x_edge_spec.{unknown[0]}")
+        raise bad_request(
+            f"'x_edge_spec.{unknown[0]}' is not a field of this server: x_edge_spec takes 'provenance'",
+            param=f"x_edge_spec.{unknown[0]}",
+        )
     value = options.get("provenance")
     if value is not None and not isinstance(value, bool):
         raise bad_request("'x_edge_spec.provenance' must be a boolean", param="x_edge_spec.provenance")
@@ -405,6 +460,9 @@ def _completion_logprobs(body: dict) -> int | None:
     if not 0 <= top <= MAX_COMPLETION_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {top}", param="logprobs")
     if _typed(body, "echo", bool):
-        raise bad_request("'logprobs' with 'echo' is not supported: the prompt's tokens get no log-probabilities "
-                          "here; send one without the other", param="echo")
+        raise bad_request(
+            "'logprobs' with 'echo' is not supported: the prompt's tokens get no log-probabilities "
+            "here; send one without the other",
+            param="echo",
+        )
     return top

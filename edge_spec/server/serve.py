@@ -38,8 +38,9 @@ def listen(host: str, port: int) -> socket.socket:
     if not 0 <= port <= 65535:
         raise EdgeSpecError(f"--port must be 0 (any free port) to 65535, got {port}")
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -60,9 +61,19 @@ def check_aliases(aliases) -> tuple[str, ...]:
     return tuple(dict.fromkeys(aliases))
 
 
-def build_app(engine: Engine, *, name: str, aliases=(), api_key: str | None = None, max_queue: int = 16,
-              bind_host: str = "127.0.0.1", allowed_hosts=(), cors_origins=(), max_body: str | int = DEFAULT_MAX_BODY,
-              body_timeout: float = BODY_IDLE_TIMEOUT):
+def build_app(
+    engine: Engine,
+    *,
+    name: str,
+    aliases=(),
+    api_key: str | None = None,
+    max_queue: int = 16,
+    bind_host: str = "127.0.0.1",
+    allowed_hosts=(),
+    cors_origins=(),
+    max_body: str | int = DEFAULT_MAX_BODY,
+    body_timeout: float = BODY_IDLE_TIMEOUT,
+):
     """The Starlette app serving ``engine`` (its worker starts with the app's lifespan) and its state;
     requests name the model ``name`` or one of ``aliases`` (``*``: any name); ``bind_host`` and the rest are
     the HTTP policy's options (:func:`guard.make_policy`)."""
@@ -72,27 +83,61 @@ def build_app(engine: Engine, *, name: str, aliases=(), api_key: str | None = No
     from edge_spec.server.queue import EngineWorker
     from edge_spec.server.tool_calls import detect_format
 
-    policy = make_policy(bind_host=bind_host, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
-                         max_body=max_body, api_key=api_key, body_timeout=body_timeout)
+    policy = make_policy(
+        bind_host=bind_host,
+        allowed_hosts=allowed_hosts,
+        cors_origins=cors_origins,
+        max_body=max_body,
+        api_key=api_key,
+        body_timeout=body_timeout,
+    )
     text = engine.tokenizer
     tool_format = detect_format(text.chat_template, text.tokenizer.get_vocab(with_added_tokens=True))
-    state = ServerState(worker=EngineWorker(engine, max_queue), model=name, created=int(time.time()),
-                        api_key=api_key, fim=fim_tokens(text), floor=PromptFloor(text.tokenizer),
-                        aliases=check_aliases(aliases), tool_format=tool_format)
-    log.info("model %s: mode %s, context %d tokens, FIM %s, tool calls %s", name, engine.mode, engine.target.capacity,
-             "yes" if state.fim else "no", tool_format.name if tool_format else "no")
+    state = ServerState(
+        worker=EngineWorker(engine, max_queue),
+        model=name,
+        created=int(time.time()),
+        api_key=api_key,
+        fim=fim_tokens(text),
+        floor=PromptFloor(text.tokenizer),
+        aliases=check_aliases(aliases),
+        tool_format=tool_format,
+    )
+    log.info(
+        "model %s: mode %s, context %d tokens, FIM %s, tool calls %s",
+        name,
+        engine.mode,
+        engine.target.capacity,
+        "yes" if state.fim else "no",
+        tool_format.name if tool_format else "no",
+    )
     return create_app(state, policy), state
 
 
-def server_config(app, host: str, port: int, *, max_queue: int = 16, shutdown_grace: float = 10.0,
-                  header_timeout: float = HEADER_TIMEOUT, keep_alive: int = KEEP_ALIVE_TIMEOUT,
-                  **options) -> uvicorn.Config:
+def server_config(
+    app,
+    host: str,
+    port: int,
+    *,
+    max_queue: int = 16,
+    shutdown_grace: float = 10.0,
+    header_timeout: float = HEADER_TIMEOUT,
+    keep_alive: int = KEEP_ALIVE_TIMEOUT,
+    **options,
+) -> uvicorn.Config:
     """uvicorn's settings for ``app``: the connection bounds of this module's docstring (``options``: more
     ``uvicorn.Config`` arguments)."""
-    return uvicorn.Config(app, host=host, port=port, http=with_header_timeout(header_timeout),
-                          timeout_keep_alive=keep_alive, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-                          limit_concurrency=connection_limit(max_queue),
-                          timeout_graceful_shutdown=shutdown_grace + 5, **options)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=with_header_timeout(header_timeout),
+        timeout_keep_alive=keep_alive,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        limit_concurrency=connection_limit(max_queue),
+        timeout_graceful_shutdown=shutdown_grace + 5,
+        **options,
+    )
 
 
 def connection_limit(max_queue: int) -> int:
@@ -102,16 +147,35 @@ def connection_limit(max_queue: int) -> int:
     return max(256, 4 * (max_queue + 1))
 
 
-def run(engine: Engine, sock: socket.socket, *, name: str, api_key: str | None, max_queue: int,
-        shutdown_grace: float, allowed_hosts=(), cors_origins=(), max_body: str | int = DEFAULT_MAX_BODY,
-        aliases=()) -> None:
+def run(
+    engine: Engine,
+    sock: socket.socket,
+    *,
+    name: str,
+    api_key: str | None,
+    max_queue: int,
+    shutdown_grace: float,
+    allowed_hosts=(),
+    cors_origins=(),
+    max_body: str | int = DEFAULT_MAX_BODY,
+    aliases=(),
+) -> None:
     """Serve ``engine`` on ``sock`` until SIGINT / SIGTERM."""
     if shutdown_grace < 0:
         raise EdgeSpecError("--shutdown-grace must not be negative")
     _configure_logging()
     host, port = sock.getsockname()[:2]
-    app, state = build_app(engine, name=name, aliases=aliases, api_key=api_key, max_queue=max_queue, bind_host=host,
-                           allowed_hosts=allowed_hosts, cors_origins=cors_origins, max_body=max_body)
+    app, state = build_app(
+        engine,
+        name=name,
+        aliases=aliases,
+        api_key=api_key,
+        max_queue=max_queue,
+        bind_host=host,
+        allowed_hosts=allowed_hosts,
+        cors_origins=cors_origins,
+        max_body=max_body,
+    )
     engine.complete("warm up", max_new_tokens=4)  # the first request is not the one paying for cold caches
     if not _is_loopback(host) and not api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)

@@ -111,7 +111,7 @@ class TaggedCalls:
                 end = self._pending.find(self.closing)
                 if end < 0:
                     return out
-                block, self._pending = self._pending[:end], self._pending[end + len(self.closing):]
+                block, self._pending = self._pending[:end], self._pending[end + len(self.closing) :]
                 out += self._resolve(block, closed=True)
                 continue
             if self._after_call:
@@ -122,20 +122,20 @@ class TaggedCalls:
             start = self._pending.find(self.opening)
             if start < 0:
                 held = _partial_suffix(self._pending, self.opening)
-                shown = self._pending[:len(self._pending) - held]
+                shown = self._pending[: len(self._pending) - held]
                 held += len(shown) - len(shown.rstrip())  # trailing whitespace waits for what follows it
-                out += _text(self._pending[:len(self._pending) - held])
-                self._pending = self._pending[len(self._pending) - held:]
+                out += _text(self._pending[: len(self._pending) - held])
+                self._pending = self._pending[len(self._pending) - held :]
                 return out
             before = self._pending[:start]
             out += _text(before.rstrip())
-            self._spaces = before[len(before.rstrip()):]
-            self._pending = self._pending[start + len(self.opening):]
+            self._spaces = before[len(before.rstrip()) :]
+            self._pending = self._pending[start + len(self.opening) :]
             self._in_call = True
 
     def finish(self) -> list[Piece]:
         if self._in_call:
-            block = self._pending[:len(self._pending) - _partial_suffix(self._pending, self.closing)]
+            block = self._pending[: len(self._pending) - _partial_suffix(self._pending, self.closing)]
             call = self._parse(block)
             out = self._resolve(self._pending, closed=False) if call is None else self._resolve(block, False, call)
         else:
@@ -276,7 +276,7 @@ def parse_untagged(text: str, names: Container[str]) -> list[ToolCall] | None:
     if text.startswith("```"):
         if not text.endswith("```") or "\n" not in text:
             return None
-        text = text[text.index("\n"):-3]
+        text = text[text.index("\n") : -3]
     return _all_calls(_json_values(text, "") or [], openai_id, names)
 
 
@@ -300,9 +300,17 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
     options = []
     for tool in tools:
         function = tool["function"]
-        options.append({"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-                        "properties": {"name": {"const": function["name"]},
-                                       arguments_key: function.get("parameters") or {"type": "object"}}})
+        options.append(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", arguments_key],
+                "properties": {
+                    "name": {"const": function["name"]},
+                    arguments_key: function.get("parameters") or {"type": "object"},
+                },
+            }
+        )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": _TEMPLATE_JSON}
 
@@ -323,8 +331,7 @@ def _marker(text: str, token_id: TokenId) -> str:
 def hermes_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str:
     more = ' ("\\n" call)*' if parallel else ""
     opening, closing = _marker("<tool_call>", token_id), _marker("</tool_call>", token_id)
-    return (f"start: call{more}\n"
-            f'call: {opening} "\\n" {_lark_json(call_schema(tools, "arguments"))} "\\n" {closing}\n')
+    return f'start: call{more}\ncall: {opening} "\\n" {_lark_json(call_schema(tools, "arguments"))} "\\n" {closing}\n'
 
 
 def llama3_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str:
@@ -355,8 +362,14 @@ class ToolFormat:
         parser = self.make_parser(None if names is None else frozenset(names))
         return parser if parallel else AtMost(parser, 1)
 
-    def forced_grammar(self, tools: list[dict], *, only: str | None = None, parallel: bool = True,
-                       token_id: TokenId = lambda text: None) -> str:
+    def forced_grammar(
+        self,
+        tools: list[dict],
+        *,
+        only: str | None = None,
+        parallel: bool = True,
+        token_id: TokenId = lambda text: None,
+    ) -> str:
         """A Lark grammar (llguidance's dialect) for an answer that is one call to ``only`` or, without it,
         one call or more (one when not ``parallel``) to any of ``tools``; ``token_id``: the vocabulary's
         id of a marker that is one token."""
@@ -372,13 +385,24 @@ def hermes_parser(names: frozenset[str] | None) -> CallParser:
     return WholeOrTagged(LeadingCalls(("```json", "{"), lambda text: parse_untagged(text, names)), tagged)
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
-    ToolFormat("hermes", ("<tool_call>",), hermes_parser, hermes_grammar, closing="</tool_call>"),
-    ToolFormat("mistral", ("[TOOL_CALLS]",), lambda names: LeadingCalls(("[TOOL_CALLS]", "[{"), parse_mistral),
-               mistral_grammar),
-    ToolFormat("llama3", ("<|python_tag|>",), lambda names: LeadingCalls(("<|python_tag|>", "{"), parse_llama3),
-               llama3_grammar),
-)}
+FORMATS: dict[str, ToolFormat] = {
+    f.name: f
+    for f in (
+        ToolFormat("hermes", ("<tool_call>",), hermes_parser, hermes_grammar, closing="</tool_call>"),
+        ToolFormat(
+            "mistral",
+            ("[TOOL_CALLS]",),
+            lambda names: LeadingCalls(("[TOOL_CALLS]", "[{"), parse_mistral),
+            mistral_grammar,
+        ),
+        ToolFormat(
+            "llama3",
+            ("<|python_tag|>",),
+            lambda names: LeadingCalls(("<|python_tag|>", "{"), parse_llama3),
+            llama3_grammar,
+        ),
+    )
+}
 
 
 def takes_tools(template: str) -> bool:
@@ -401,8 +425,9 @@ def detect_format(template: str | None, vocabulary: Container[str]) -> ToolForma
     return None
 
 
-def split_answer(tool_format: ToolFormat, text: str, parallel: bool = True,
-                 names: Iterable[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+def split_answer(
+    tool_format: ToolFormat, text: str, parallel: bool = True, names: Iterable[str] | None = None
+) -> tuple[str | None, list[ToolCall]]:
     """A whole answer as OpenAI's message has it: the text outside calls (None when there is none) and the
     calls."""
     parser = tool_format.parser(parallel, names)

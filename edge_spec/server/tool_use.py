@@ -39,26 +39,37 @@ class ToolUse:
         return None if self.grammar is None else {"type": "lark", "lark": self.grammar}
 
 
-def plan_tools(request: ToolRequest | None, tool_format: ToolFormat | None, takes_tools: bool,
-               token_id: TokenId = lambda text: None) -> ToolUse | None:
+def plan_tools(
+    request: ToolRequest | None,
+    tool_format: ToolFormat | None,
+    takes_tools: bool,
+    token_id: TokenId = lambda text: None,
+) -> ToolUse | None:
     """How to answer ``request``'s tools on a model whose template ``takes_tools`` and writes calls in
     ``tool_format`` (``token_id``: the vocabulary's id of a call marker, if it is one token); None: answer
     without tools."""
     if request is None or request.choice == "none":
         return None
     if not takes_tools:
-        raise bad_request("this model's chat template takes no tools, so it cannot call them (send "
-                          "tool_choice \"none\", or no tools)", param="tools")
+        raise bad_request(
+            'this model\'s chat template takes no tools, so it cannot call them (send tool_choice "none", or no tools)',
+            param="tools",
+        )
     if tool_format is None:
-        raise bad_request("this server does not know the format this model writes tool calls in (it reads "
-                          "Qwen's <tool_call>, Llama 3's JSON and Mistral's [TOOL_CALLS])", param="tools")
+        raise bad_request(
+            "this server does not know the format this model writes tool calls in (it reads "
+            "Qwen's <tool_call>, Llama 3's JSON and Mistral's [TOOL_CALLS])",
+            param="tools",
+        )
     stop = (tool_format.closing,) if not request.parallel and tool_format.closing else ()
     grammar = None
     if request.choice == "required":
-        grammar = tool_format.forced_grammar(request.tools, only=request.function, parallel=request.parallel,
-                                             token_id=token_id)
+        grammar = tool_format.forced_grammar(
+            request.tools, only=request.function, parallel=request.parallel, token_id=token_id
+        )
         problem = LLMatcher.validate_grammar(grammar)
         if problem:
-            raise bad_request(f"cannot force a call to these tools: {problem.strip().splitlines()[-1][:300]}",
-                              param="tools")
+            raise bad_request(
+                f"cannot force a call to these tools: {problem.strip().splitlines()[-1][:300]}", param="tools"
+            )
     return ToolUse(list(request.tools), tool_format, request.parallel, grammar, stop)

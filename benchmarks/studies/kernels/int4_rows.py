@@ -41,18 +41,34 @@ def build(out_dir: Path) -> ctypes.CDLL:
     if shutil.which("gcc") is None or "avx512_vnni" not in flags:
         sys.exit("needs gcc and a CPU with AVX-512 VNNI")
     library = out_dir / "libint4_rows.so"
-    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(library)],
-                   check=True)
+    subprocess.run(
+        ["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(library)], check=True
+    )
     return ctypes.CDLL(str(library))
 
 
 def mlas_session(packed: np.ndarray, scales: np.ndarray, k: int, n: int, threads: int) -> ort.InferenceSession:
-    node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=32, accuracy_level=4)
-    graph = helper.make_graph([node], "m", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
-                              [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales.reshape(-1), "scales")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    node = helper.make_node(
+        "MatMulNBits",
+        ["A", "B", "scales"],
+        ["Y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=4,
+        block_size=32,
+        accuracy_level=4,
+    )
+    graph = helper.make_graph(
+        [node],
+        "m",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales.reshape(-1), "scales")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -82,15 +98,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp))
         weights, block_scales = np.empty(n * k // 2, np.uint8), np.empty(n * k // 32, np.float32)
-        lib.q4_repack(packed.ctypes.data_as(P), scales.ctypes.data_as(P), n, k, weights.ctypes.data_as(P),
-                      block_scales.ctypes.data_as(P))
-        scratch = (np.empty(most * k, np.int8), np.empty(most * k // 32, np.int32), np.empty(most * k // 32, np.float32))
+        lib.q4_repack(
+            packed.ctypes.data_as(P),
+            scales.ctypes.data_as(P),
+            n,
+            k,
+            weights.ctypes.data_as(P),
+            block_scales.ctypes.data_as(P),
+        )
+        scratch = (
+            np.empty(most * k, np.int8),
+            np.empty(most * k // 32, np.int32),
+            np.empty(most * k // 32, np.float32),
+        )
 
         def ours(a: np.ndarray, threads: int = args.threads) -> np.ndarray:
             a = np.ascontiguousarray(a, np.float32)
             y = np.empty((a.shape[0], n), np.float32)
-            lib.q4_matmul(a.ctypes.data_as(P), a.shape[0], k, n, weights.ctypes.data_as(P), block_scales.ctypes.data_as(P),
-                          y.ctypes.data_as(P), threads, *(s.ctypes.data_as(P) for s in scratch))
+            lib.q4_matmul(
+                a.ctypes.data_as(P),
+                a.shape[0],
+                k,
+                n,
+                weights.ctypes.data_as(P),
+                block_scales.ctypes.data_as(P),
+                y.ctypes.data_as(P),
+                threads,
+                *(s.ctypes.data_as(P) for s in scratch),
+            )
             return y
 
         mlas = mlas_session(packed, scales, k, n, args.threads)
@@ -98,7 +133,7 @@ def main() -> None:
         reference, mine = mlas.run(None, {"A": a})[0], ours(a)
         print(f"max |ours - MLAS| {np.abs(reference - mine).max():.2e} (outputs up to {np.abs(reference).max():.1f})")
         rows_ok = all(np.array_equal(ours(a[:m])[i], mine[i]) for m in range(1, most + 1) for i in range(m))
-        threads_ok = all(np.array_equal(ours(a[i:i + 1], threads=1)[0], mine[i]) for i in range(most))
+        threads_ok = all(np.array_equal(ours(a[i : i + 1], threads=1)[0], mine[i]) for i in range(most))
         print(f"each row bit-identical whatever the rows: {rows_ok}; whatever the threads: {threads_ok}")
         theirs = [median_us(lambda: mlas.run(None, {"A": a[:m]})) for m in ROWS]
         ours_us = [median_us(lambda: ours(a[:m])) for m in ROWS]

@@ -12,17 +12,24 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.eagle import lm_heads as eagle_heads
 from edge_spec.export.bundle import _say
+from edge_spec.export.eagle import lm_heads as eagle_heads
 from edge_spec.export.graph_builder import BuildOptions, save_model
 from edge_spec.manifest import file_record, rerecord_file
-
 
 LEGACY_EAGLE_FILES = ("head.onnx", "head.onnx.data", "fc.onnx", "fc.onnx.data", "d2t.npy", "t2d.npy")
 
 
-def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | None = None, *,
-                      source: str | None = None, progress=None, variants=None) -> dict:
+def attach_eagle_head(
+    bundle_dir: Path,
+    config,
+    head,
+    options: BuildOptions | None = None,
+    *,
+    source: str | None = None,
+    progress=None,
+    variants=None,
+) -> dict:
     """Add (or replace) an EAGLE-3 head in an existing bundle, without re-exporting the target.
 
     Writes the layer graph ``eagle/layer.onnx(.data)`` (ending at the final-normed hidden state), its
@@ -46,8 +53,9 @@ def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | No
     manifest = read_manifest(bundle_dir)
     quant = manifest["target"]["quantization"]
     if options is None:
-        options = BuildOptions(quant["weights"], quant["block_size"], quant["accuracy_level"],
-                               manifest["context_length"])
+        options = BuildOptions(
+            quant["weights"], quant["block_size"], quant["accuracy_level"], manifest["context_length"]
+        )
     _check_eagle_target(manifest, config)
     root = eagle_heads.eagle_staging(bundle_dir)
     weights = eagle.eagle_head_weights(head)
@@ -62,10 +70,17 @@ def attach_eagle_head(bundle_dir: Path, config, head, options: BuildOptions | No
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
-    record = {"parameters": int(sum(p.numel() for p in head.parameters())),
-              "quantization": {"weights": options.quant, "block_size": options.block_size,
-                               "accuracy_level": options.accuracy_level},
-              "onnx": eagle_heads.LAYER, "heads": heads, "default_head": "full"}
+    record = {
+        "parameters": int(sum(p.numel() for p in head.parameters())),
+        "quantization": {
+            "weights": options.quant,
+            "block_size": options.block_size,
+            "accuracy_level": options.accuracy_level,
+        },
+        "onnx": eagle_heads.LAYER,
+        "heads": heads,
+        "default_head": "full",
+    }
     manifest = _install_eagle(bundle_dir, manifest, root, config, record, source, progress)
     return _add_variants(bundle_dir, manifest, config, variants, progress)
 
@@ -98,8 +113,11 @@ def save_eagle_files(bundle_dir: Path, directory: Path, heads: tuple[str, ...] |
     for name in names:
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(bundle_dir) / "eagle" / name, directory / name)
-    record = {k: v for k, v in entry.items() if k in ("config", "parameters", "quantization", "source", "onnx",
-                                                        "default_head")}
+    record = {
+        k: v
+        for k, v in entry.items()
+        if k in ("config", "parameters", "quantization", "source", "onnx", "default_head")
+    }
     record["heads"] = kept_heads
     if record.get("default_head") not in kept_heads:
         record["default_head"] = "full"
@@ -172,11 +190,13 @@ def install_eagle_files(bundle_dir: Path, directory: Path, progress=None) -> dic
         raise
     _say(progress, f"attaching the EAGLE-3 head from {directory}")
     kept = {k: record[k] for k in ("parameters", "quantization", "onnx", "heads", "default_head") if k in record}
-    manifest = _install_eagle(bundle_dir, manifest, root, config, kept, record.get("source") or str(directory),
-                              progress)
+    manifest = _install_eagle(
+        bundle_dir, manifest, root, config, kept, record.get("source") or str(directory), progress
+    )
     shipped_full_only = set(manifest["eagle"].get("heads", {"full": None})) == {"full"}
-    return _add_variants(bundle_dir, manifest, config, None if shipped_full_only else eagle_heads.EagleHeadOptions(),
-                         progress)
+    return _add_variants(
+        bundle_dir, manifest, config, None if shipped_full_only else eagle_heads.EagleHeadOptions(), progress
+    )
 
 
 def _add_variants(bundle_dir: Path, manifest: dict, config, variants, progress) -> dict:
@@ -219,8 +239,10 @@ def shipped_eagle_head(target: str) -> Path | None:
     for name, digest in entry["sha256"].items():
         path = directory / name
         if not path.is_file() or sha256_file(path) != digest:
-            raise EdgeSpecError(f"the shipped EAGLE head {path} is missing or damaged (sha256 differs from "
-                                f"the registry); reinstall edge-spec or pass --eagle none")
+            raise EdgeSpecError(
+                f"the shipped EAGLE head {path} is missing or damaged (sha256 differs from "
+                f"the registry); reinstall edge-spec or pass --eagle none"
+            )
     return directory
 
 
@@ -230,8 +252,9 @@ def _check_eagle_target(manifest: dict, config) -> None:
     config.check_target(DecoderConfig(**manifest["target"]["config"]))
 
 
-def _install_eagle(bundle_dir: Path, manifest: dict, root: Path, config, record: dict, source: str | None,
-                   progress) -> dict:
+def _install_eagle(
+    bundle_dir: Path, manifest: dict, root: Path, config, record: dict, source: str | None, progress
+) -> dict:
     """Move a staged head (``root/eagle``) into ``eagle/``, give the target its feature output, record
     both; on any failure the bundle is left as it was."""
     from edge_spec.export.eagle import model as eagle

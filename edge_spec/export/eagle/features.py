@@ -51,9 +51,34 @@ PROGRESS = "progress.json"
 SHARDS = "shards"
 HIDDEN_OUTPUT = "hidden_states"
 DEFAULT_PROMPTS = PACKAGE_DATA / "train" / "prompts.jsonl"
-TEXT_SUFFIXES_SKIPPED = {".pyc", ".so", ".png", ".jpg", ".jpeg", ".gif", ".ico", ".pdf", ".zip", ".whl", ".onnx",
-                         ".data", ".npz", ".npy", ".bin", ".safetensors", ".pt", ".tar", ".xz", ".bz2", ".woff",
-                         ".ttf", ".exe", ".dll", ".a", ".o"}
+TEXT_SUFFIXES_SKIPPED = {
+    ".pyc",
+    ".so",
+    ".png",
+    ".jpg",
+    ".jpeg",
+    ".gif",
+    ".ico",
+    ".pdf",
+    ".zip",
+    ".whl",
+    ".onnx",
+    ".data",
+    ".npz",
+    ".npy",
+    ".bin",
+    ".safetensors",
+    ".pt",
+    ".tar",
+    ".xz",
+    ".bz2",
+    ".woff",
+    ".ttf",
+    ".exe",
+    ".dll",
+    ".a",
+    ".o",
+}
 FORMAT_VERSION = 1
 
 
@@ -164,8 +189,7 @@ def prepare_target(bundle_dir, work_dir, layers=None) -> Path:
 
 def load_prompt_set(path) -> list[dict]:
     """The prompt set as ``{"category", "messages"}`` records (see :mod:`edge_spec.prompts`)."""
-    return [{"category": item["category"], "messages": as_messages(item["prompt"])}
-            for item in read_prompt_file(path)]
+    return [{"category": item["category"], "messages": as_messages(item["prompt"])} for item in read_prompt_file(path)]
 
 
 def _read_text(path: Path) -> str | None:
@@ -217,11 +241,12 @@ def text_items(directories, tokenizer, options: CollectOptions) -> list[Item]:
         digest = hashlib.sha1(text.encode()).hexdigest()[:10]
         windows = []
         for number, start in enumerate(range(0, len(ids), options.window)):
-            chunk = ids[start:start + options.window]
+            chunk = ids[start : start + options.window]
             if len(chunk) < 2 or (len(chunk) < options.min_window and start > 0):
                 continue
-            windows.append(Item(key=f"text:{digest}:{number}", kind="text", held_out=held_out, ids=chunk,
-                                category=str(path)))
+            windows.append(
+                Item(key=f"text:{digest}:{number}", kind="text", held_out=held_out, ids=chunk, category=str(path))
+            )
         if windows:
             per_file.append(windows)
     items = []
@@ -234,9 +259,15 @@ def prompt_items(prompts: list[dict], options: CollectOptions) -> list[Item]:
     items = []
     for index, prompt in enumerate(prompts):
         digest = hashlib.sha1(json.dumps(prompt["messages"], sort_keys=True).encode()).hexdigest()[:10]
-        items.append(Item(key=f"prompt:{digest}", kind="prompt",
-                          held_out=index % options.held_out_every == options.held_out_every - 1,
-                          messages=prompt["messages"], category=prompt["category"]))
+        items.append(
+            Item(
+                key=f"prompt:{digest}",
+                kind="prompt",
+                held_out=index % options.held_out_every == options.held_out_every - 1,
+                messages=prompt["messages"],
+                category=prompt["category"],
+            )
+        )
     return items
 
 
@@ -275,16 +306,26 @@ class Progress:
         except json.JSONDecodeError as exc:
             raise EdgeSpecError(f"{path}: invalid JSON ({exc.msg}); delete it to start over") from exc
         if raw.get("settings") != settings:
-            changed = sorted(k for k in set(settings) | set(raw.get("settings", {}))
-                             if settings.get(k) != raw.get("settings", {}).get(k))
-            raise EdgeSpecError(f"{out_dir} holds features collected with other settings ({', '.join(changed)}); "
-                                "use another --work directory")
+            changed = sorted(
+                k
+                for k in set(settings) | set(raw.get("settings", {}))
+                if settings.get(k) != raw.get("settings", {}).get(k)
+            )
+            raise EdgeSpecError(
+                f"{out_dir} holds features collected with other settings ({', '.join(changed)}); "
+                "use another --work directory"
+            )
         return cls(raw["settings"], raw.get("items", {}), float(raw.get("seconds", 0.0)))
 
     def save(self, out_dir: Path) -> None:
         tmp = out_dir / (PROGRESS + ".tmp")
-        tmp.write_text(json.dumps({"version": FORMAT_VERSION, "settings": self.settings, "seconds": self.seconds,
-                                   "items": self.items}, indent=1) + "\n")
+        tmp.write_text(
+            json.dumps(
+                {"version": FORMAT_VERSION, "settings": self.settings, "seconds": self.seconds, "items": self.items},
+                indent=1,
+            )
+            + "\n"
+        )
         os.replace(tmp, out_dir / PROGRESS)
 
     def totals(self) -> dict[str, int]:
@@ -311,8 +352,9 @@ def _write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-def _rows(features: np.ndarray, fed: list[int], greedy: np.ndarray, hidden: np.ndarray,
-          first_labelled: int) -> dict[str, np.ndarray]:
+def _rows(
+    features: np.ndarray, fed: list[int], greedy: np.ndarray, hidden: np.ndarray, first_labelled: int
+) -> dict[str, np.ndarray]:
     """Shard arrays from one sequence: ``fed`` tokens s_0..s_{M-1}, their features f_0..f_{M-1};
     ``greedy`` / ``hidden`` hold g_p / h_p for p >= first_labelled + 1 (g / h of later positions)."""
     m = len(fed)
@@ -322,8 +364,12 @@ def _rows(features: np.ndarray, fed: list[int], greedy: np.ndarray, hidden: np.n
     rows = np.arange(first_labelled, n)  # row t: label g_{t+1}
     labels[rows] = greedy
     teacher[rows] = hidden.astype(np.float16)
-    return {"features": features[:n].astype(np.float16), "tokens": np.asarray(fed[1:], np.int32),
-            "labels": labels, "hidden": teacher}
+    return {
+        "features": features[:n].astype(np.float16),
+        "tokens": np.asarray(fed[1:], np.int32),
+        "labels": labels,
+        "hidden": teacher,
+    }
 
 
 def collect_prompt(decoder, tokenizer, item: Item, answer_tokens: int) -> tuple[dict[str, np.ndarray], list[int]]:
@@ -331,7 +377,7 @@ def collect_prompt(decoder, tokenizer, item: Item, answer_tokens: int) -> tuple[
     Returns the shard arrays and the generated tokens."""
     ids = tokenizer.encode(tokenizer.render_chat(item.messages))
     if len(ids) + answer_tokens + 1 > decoder.capacity:
-        ids = ids[-(decoder.capacity - answer_tokens - 1):]
+        ids = ids[-(decoder.capacity - answer_tokens - 1) :]
     decoder.reset()
     out = decoder.prefill(ids, 1)
     features, greedy, hidden = [out["features"]], [], []
@@ -347,8 +393,7 @@ def collect_prompt(decoder, tokenizer, item: Item, answer_tokens: int) -> tuple[
         features.append(out["features"])
     fed = ids + generated[:-1]
     # greedy[k] = g_{P-1+k}: row t = P-2+k has label g_{t+1}; the head drafts from row P-1 on
-    arrays = _rows(np.concatenate(features), fed, np.asarray(greedy[1:], np.int32), np.stack(hidden[1:]),
-                   len(ids) - 1)
+    arrays = _rows(np.concatenate(features), fed, np.asarray(greedy[1:], np.int32), np.stack(hidden[1:]), len(ids) - 1)
     return arrays, generated
 
 
@@ -364,8 +409,17 @@ def collect_text(decoder, item: Item) -> dict[str, np.ndarray]:
 Reporter = Callable[[dict], None]
 
 
-def collect(bundle_dir, out_dir, *, prompts=None, text_dirs=(), options: CollectOptions = CollectOptions(),
-            report: Reporter | None = None, layers=None, should_stop: Callable[[], bool] | None = None) -> dict:
+def collect(
+    bundle_dir,
+    out_dir,
+    *,
+    prompts=None,
+    text_dirs=(),
+    options: CollectOptions = CollectOptions(),
+    report: Reporter | None = None,
+    layers=None,
+    should_stop: Callable[[], bool] | None = None,
+) -> dict:
     """Collect features for every item not collected yet (see module docstring); returns the
     progress record.  ``report`` gets a dict after each item (done, total, tokens, elapsed, eta).
     ``prompts``: a prompt file (None: the shipped set; "" or False: no prompts)."""
@@ -388,12 +442,16 @@ def collect(bundle_dir, out_dir, *, prompts=None, text_dirs=(), options: Collect
     prompt_list = [] if prompts is False or prompts == "" else load_prompt_set(prompts or DEFAULT_PROMPTS)
     items = interleave(prompt_items(prompt_list, options), text_items(text_dirs, tokenizer, options))
     if options.max_items is not None:
-        items = items[:options.max_items]
+        items = items[: options.max_items]
     if not items:
         raise EdgeSpecError("nothing to collect: no prompts and no text files")
-    settings = {"target": manifest["target"]["name"], "feature_layers": list(feature_layers_of(graph)),
-                "hidden_size": int(manifest["target"]["config"]["hidden_size"]),
-                "answer_tokens": options.answer_tokens, "window": options.window}
+    settings = {
+        "target": manifest["target"]["name"],
+        "feature_layers": list(feature_layers_of(graph)),
+        "hidden_size": int(manifest["target"]["config"]["hidden_size"]),
+        "answer_tokens": options.answer_tokens,
+        "window": options.window,
+    }
     (out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
     progress = Progress.load(out_dir, settings)
     todo = [item for item in items if item.key not in progress.items]
@@ -417,9 +475,14 @@ def collect(bundle_dir, out_dir, *, prompts=None, text_dirs=(), options: Collect
             name = f"{number:05d}-{item.kind}.npz"
         _write_shard(out_dir / SHARDS / name, arrays)
         labelled = int((arrays["labels"] >= 0).sum())
-        progress.items[item.key] = {"shard": name, "split": "held_out" if item.held_out else "train",
-                                    "kind": item.kind, "category": item.category, "rows": int(len(arrays["tokens"])),
-                                    "labelled": labelled}
+        progress.items[item.key] = {
+            "shard": name,
+            "split": "held_out" if item.held_out else "train",
+            "kind": item.kind,
+            "category": item.category,
+            "rows": int(len(arrays["tokens"])),
+            "labelled": labelled,
+        }
         progress.seconds = base_seconds + time.perf_counter() - started
         progress.save(out_dir)
         done_now += 1
@@ -430,11 +493,26 @@ def collect(bundle_dir, out_dir, *, prompts=None, text_dirs=(), options: Collect
             eta = elapsed / done_now * remaining
             if options.time_budget is not None:
                 eta = min(eta, max(options.time_budget - elapsed, 0.0))
-            report({"done": len(progress.items), "total": len(progress.items) + remaining, "item": item.key,
-                    "kind": item.kind, "labelled": labelled, "tokens": progress.totals(), "elapsed": elapsed,
-                    "eta": eta, "rate": rows_now / max(elapsed, 1e-9)})
-    return {"settings": progress.settings, "items": progress.items, "seconds": progress.seconds,
-            "totals": progress.totals(), "pending": len(items) - sum(1 for i in items if i.key in progress.items)}
+            report(
+                {
+                    "done": len(progress.items),
+                    "total": len(progress.items) + remaining,
+                    "item": item.key,
+                    "kind": item.kind,
+                    "labelled": labelled,
+                    "tokens": progress.totals(),
+                    "elapsed": elapsed,
+                    "eta": eta,
+                    "rate": rows_now / max(elapsed, 1e-9),
+                }
+            )
+    return {
+        "settings": progress.settings,
+        "items": progress.items,
+        "seconds": progress.seconds,
+        "totals": progress.totals(),
+        "pending": len(items) - sum(1 for i in items if i.key in progress.items),
+    }
 
 
 def load_shards(out_dir, split: str | None = None) -> list[dict[str, np.ndarray]]:
@@ -454,6 +532,18 @@ def load_shards(out_dir, split: str | None = None) -> list[dict[str, np.ndarray]
     return result
 
 
-__all__ = ["CollectOptions", "Item", "add_hidden_output", "collect", "collect_prompt", "collect_text",
-           "interleave", "load_prompt_set", "load_shards", "prepare_target", "prompt_items", "read_progress",
-           "text_items"]
+__all__ = [
+    "CollectOptions",
+    "Item",
+    "add_hidden_output",
+    "collect",
+    "collect_prompt",
+    "collect_text",
+    "interleave",
+    "load_prompt_set",
+    "load_shards",
+    "prepare_target",
+    "prompt_items",
+    "read_progress",
+    "text_items",
+]

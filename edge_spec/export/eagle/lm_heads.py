@@ -54,15 +54,20 @@ class EagleHeadOptions:
     def check(self, draft_vocab: int, hidden: int) -> None:
         for keep in self.trim:
             if not 0 < keep < draft_vocab:
-                raise EdgeSpecError(f"--eagle-trim must be between 1 and the EAGLE head's draft vocabulary "
-                                    f"{draft_vocab} (exclusive; the full head keeps all), got {keep}")
+                raise EdgeSpecError(
+                    f"--eagle-trim must be between 1 and the EAGLE head's draft vocabulary "
+                    f"{draft_vocab} (exclusive; the full head keeps all), got {keep}"
+                )
         for rank, candidates in self.specvocab:
             if not 0 < rank <= hidden:
-                raise EdgeSpecError(f"--eagle-specvocab rank must be between 1 and the hidden size {hidden}, "
-                                    f"got {rank}")
+                raise EdgeSpecError(
+                    f"--eagle-specvocab rank must be between 1 and the hidden size {hidden}, got {rank}"
+                )
             if not 0 < candidates < draft_vocab:
-                raise EdgeSpecError(f"--eagle-specvocab candidates must be between 1 and the draft vocabulary "
-                                    f"{draft_vocab} (exclusive), got {candidates}")
+                raise EdgeSpecError(
+                    f"--eagle-specvocab candidates must be between 1 and the draft vocabulary "
+                    f"{draft_vocab} (exclusive), got {candidates}"
+                )
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
 
@@ -91,14 +96,16 @@ def parse_specvocab(values: list[str]) -> tuple[tuple[int, int], ...]:
 
 def full_head(root: Path, lm_head: np.ndarray, draft_ids: np.ndarray, build: BuildOptions) -> dict:
     """``eagle/head_full.onnx``: every row of the draft vocabulary (entry with its ``files``)."""
-    entry = bundle_export._export_head(root, "full", lm_head, draft_ids, build, folder=EAGLE_DIR,
-                                       rows=np.arange(len(draft_ids)))
+    entry = bundle_export._export_head(
+        root, "full", lm_head, draft_ids, build, folder=EAGLE_DIR, rows=np.arange(len(draft_ids))
+    )
     entry["vocab_mode"] = "full"
     return entry
 
 
-def eagle_hidden_states(bundle_dir: Path, manifest: dict, root: Path, entry: dict,
-                        sequences: list[tuple[list[int], list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+def eagle_hidden_states(
+    bundle_dir: Path, manifest: dict, root: Path, entry: dict, sequences: list[tuple[list[int], list[int]]]
+) -> tuple[np.ndarray, np.ndarray]:
     """The head's final-normed hidden state before each calibration token the target generated, teacher
     forced (pair t: embedding of token t+1 with the target's fused features of position t, predicting
     token t+2), and those tokens: ``hidden`` [N, H], ``wanted`` [N] (target ids)."""
@@ -122,17 +129,32 @@ def eagle_hidden_states(bundle_dir: Path, manifest: dict, root: Path, entry: dic
         features = target.forward(seq, 1)["features"]
         fused = fc.run(None, {"features": features[None].astype(np.float32)})[0][0]
         layer.reset()
-        out = layer.forward(seq[1:], count + 1, inputs={"inputs_embeds": embed.rows(seq[1:]).astype(np.float32),
-                                                        "hidden": np.ascontiguousarray(fused[:-1])})
+        out = layer.forward(
+            seq[1:],
+            count + 1,
+            inputs={
+                "inputs_embeds": embed.rows(seq[1:]).astype(np.float32),
+                "hidden": np.ascontiguousarray(fused[:-1]),
+            },
+        )
         hidden.append(out["hidden_states"][:-1])  # the last pair predicts past the text
-        wanted.extend(seq[len(prompt):])
+        wanted.extend(seq[len(prompt) :])
     if not hidden:
         return None, None
     return np.concatenate(hidden).astype(np.float32), np.asarray(wanted, np.int64)
 
 
-def build_variants(bundle_dir: Path, manifest: dict, root: Path, entry: dict, lm_head: np.ndarray,
-                   draft_ids: np.ndarray, options: EagleHeadOptions, build: BuildOptions, progress=None) -> tuple[dict, list]:
+def build_variants(
+    bundle_dir: Path,
+    manifest: dict,
+    root: Path,
+    entry: dict,
+    lm_head: np.ndarray,
+    draft_ids: np.ndarray,
+    options: EagleHeadOptions,
+    build: BuildOptions,
+    progress=None,
+) -> tuple[dict, list]:
     """The VocabTrim and SpecVocab heads ``options`` asks for, written under ``root/eagle``; returns the
     heads (entries with their ``files``) and further file records (scorers, int8 rows)."""
     from edge_spec.export import vocabtrim
@@ -141,11 +163,15 @@ def build_variants(bundle_dir: Path, manifest: dict, root: Path, entry: dict, lm
     if not (options.trim or options.specvocab):
         return {}, []
     if np.any(np.diff(draft_ids) <= 0):
-        raise EdgeSpecError("the EAGLE head's draft vocabulary is not in token-id order; its VocabTrim and "
-                            "SpecVocab heads cannot be built")
-    export_options = bundle_export.ExportOptions(calibration=options.calibration,
-                                                 calibration_tokens=options.calibration_tokens,
-                                                 context_length=manifest["context_length"])
+        raise EdgeSpecError(
+            "the EAGLE head's draft vocabulary is not in token-id order; its VocabTrim and "
+            "SpecVocab heads cannot be built"
+        )
+    export_options = bundle_export.ExportOptions(
+        calibration=options.calibration,
+        calibration_tokens=options.calibration_tokens,
+        context_length=manifest["context_length"],
+    )
     own = root / EAGLE_DIR / "calibration.npz"  # text generated for the EAGLE heads when the bundle had none
     if own.is_file() and options.calibration is None:
         sequences = vocabtrim.load_calibration(own)
@@ -161,10 +187,13 @@ def build_variants(bundle_dir: Path, manifest: dict, root: Path, entry: dict, lm
         rows = vocabtrim.select_vocabulary(counts, keep, rows_of(always, draft_ids).tolist())
         coverage = float(counts[rows].sum() / max(counts.sum(), 1))
         name = f"trim-{keep}"
-        bundle_export._say(progress, f"EAGLE VocabTrim head {name}: covers {coverage:.1%} of calibration tokens "
-                                     "the draft vocabulary holds")
-        heads[name] = bundle_export._export_head(root, name, lm_head, draft_ids[rows], build, folder=EAGLE_DIR,
-                                                 rows=rows)
+        bundle_export._say(
+            progress,
+            f"EAGLE VocabTrim head {name}: covers {coverage:.1%} of calibration tokens the draft vocabulary holds",
+        )
+        heads[name] = bundle_export._export_head(
+            root, name, lm_head, draft_ids[rows], build, folder=EAGLE_DIR, rows=rows
+        )
         heads[name].update(calibration_coverage=coverage, vocab_mode="trim")
     if options.specvocab:
         hidden = wanted = None
@@ -174,12 +203,27 @@ def build_variants(bundle_dir: Path, manifest: dict, root: Path, entry: dict, lm
         files += bundle_export._export_head_rows(root, lm_head, EAGLE_DIR)
         suffix = f"-of{len(draft_ids)}"
         for rank, candidates in options.specvocab:
-            specvocab_options = dataclasses.replace(export_options, rank=(rank,), candidates=(candidates,),
-                                                    scorer=options.scorer, train_steps=options.train_steps)
+            specvocab_options = dataclasses.replace(
+                export_options,
+                rank=(rank,),
+                candidates=(candidates,),
+                scorer=options.scorer,
+                train_steps=options.train_steps,
+            )
             made, scorer_files = bundle_export.specvocab_heads_for(
-                root, lm_head, hidden, wanted, {"specvocab": ("", always)}, specvocab_options, build,
-                universe=draft_ids, suffix=suffix, universe_path="eagle/vocab_full.npy", folder=EAGLE_DIR,
-                progress=progress)
+                root,
+                lm_head,
+                hidden,
+                wanted,
+                {"specvocab": ("", always)},
+                specvocab_options,
+                build,
+                universe=draft_ids,
+                suffix=suffix,
+                universe_path="eagle/vocab_full.npy",
+                folder=EAGLE_DIR,
+                progress=progress,
+            )
             for head in made.values():
                 head["rows_by"] = "universe"  # the int8 rows are the K draft rows, not the target's V
             heads.update(made)
@@ -220,8 +264,11 @@ def upgrade_legacy(root: Path, bundle_dir: Path, entry: dict, build: BuildOption
     updates ``entry`` (``onnx``, ``heads``, ``default_head``) and returns the LM head rows."""
     from edge_spec.export.eagle.model import split_lm_head
 
-    bundle_export._say(progress, "upgrading the bundle's EAGLE head to switchable LM heads "
-                                 "(eagle/head.onnx -> eagle/layer.onnx + eagle/head_full.onnx)")
+    bundle_export._say(
+        progress,
+        "upgrading the bundle's EAGLE head to switchable LM heads "
+        "(eagle/head.onnx -> eagle/layer.onnx + eagle/head_full.onnx)",
+    )
     (root / EAGLE_DIR).mkdir(parents=True, exist_ok=True)
     lm_head = split_lm_head(bundle_dir / entry["onnx"], root / LAYER)
     d2t = np.load(bundle_dir / entry["d2t"])
@@ -240,8 +287,11 @@ def finish_record(root: Path, entry: dict, heads: dict, files: list[dict]) -> No
     others = [f for f in entry["files"] if f["path"] not in written]
     if entry["onnx"] == LAYER:  # a legacy graph is gone, its records too
         others = [f for f in others if f["path"] not in (LEGACY_HEAD, LEGACY_HEAD + ".data")]
-    layer = [file_record(root, p) for p in (LAYER, LAYER + ".data") if p not in written and (root / p).is_file()
-             and p not in {f["path"] for f in others}]
+    layer = [
+        file_record(root, p)
+        for p in (LAYER, LAYER + ".data")
+        if p not in written and (root / p).is_file() and p not in {f["path"] for f in others}
+    ]
     entry["files"] = others + layer + files
     entry["bytes"] = sum(f["bytes"] for f in entry["files"])
 
@@ -256,8 +306,10 @@ def add_eagle_heads(bundle_dir: Path, options: EagleHeadOptions, progress=None) 
     verify_files(bundle_dir, manifest)
     entry = manifest.get("eagle")
     if not entry:
-        raise EdgeSpecError(f"{bundle_dir} has no EAGLE head: attach one first (edge-spec add-heads --eagle "
-                            "SOURCE, or edge-spec train-head)")
+        raise EdgeSpecError(
+            f"{bundle_dir} has no EAGLE head: attach one first (edge-spec add-heads --eagle "
+            "SOURCE, or edge-spec train-head)"
+        )
     config = Eagle3Config.from_hf_config(entry["config"])
     options.check(config.draft_vocab_size, config.hidden_size)
     build = _build_options(manifest)

@@ -67,8 +67,10 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     0-based layers; SGLang's and vLLM's defaults capture the same states): (1, 13, 24) for 28 layers."""
     layers = (1, num_layers // 2 - 1, num_layers - 4)
     if len(set(layers)) != 3 or min(layers) < 0 or max(layers) >= num_layers:
-        raise EdgeSpecError(f"a {num_layers}-layer target is too shallow for the default EAGLE-3 feature layers "
-                            f"{layers}; give three distinct layer indices")
+        raise EdgeSpecError(
+            f"a {num_layers}-layer target is too shallow for the default EAGLE-3 feature layers "
+            f"{layers}; give three distinct layer indices"
+        )
     return layers
 
 
@@ -123,6 +125,7 @@ class Eagle3Config:
         SGLang: outputs of those layers); a top-level ``eagle_aux_hidden_state_layer_ids`` is read in
         vLLM's convention (id ``j`` = input of layer ``j``, so layer ``j - 1``'s output); with neither,
         SpecForge's default for a ``num_target_layers``-layer target."""
+
         def need(key: str):
             if key not in config:
                 raise EdgeSpecError(f"EAGLE-3 config.json has no {key!r}")
@@ -139,14 +142,17 @@ class Eagle3Config:
         if config.get("fc_norm") or config.get("norm_output", True) is False:
             raise EdgeSpecError("EAGLE-3 heads with fc_norm or norm_output=false are not supported")
         if config.get("num_hidden_layers", 1) != 1:
-            raise EdgeSpecError(f"EAGLE-3 head has {config['num_hidden_layers']} layers; "
-                                "only one (midlayer) is supported")
+            raise EdgeSpecError(
+                f"EAGLE-3 head has {config['num_hidden_layers']} layers; only one (midlayer) is supported"
+            )
         hidden = int(need("hidden_size"))
         target_hidden = int(config.get("target_hidden_size") or hidden)
         if target_hidden != hidden:
-            raise EdgeSpecError(f"EAGLE-3 head hidden size {hidden} differs from its target_hidden_size "
-                                f"{target_hidden}; "
-                                "only heads as wide as the target are supported")
+            raise EdgeSpecError(
+                f"EAGLE-3 head hidden size {hidden} differs from its target_hidden_size "
+                f"{target_hidden}; "
+                "only heads as wide as the target are supported"
+            )
         heads = int(need("num_attention_heads"))
         vocab = int(need("vocab_size"))
         layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -154,8 +160,10 @@ class Eagle3Config:
             layers = [int(j) - 1 for j in config["eagle_aux_hidden_state_layer_ids"]]
         if layers is None:
             if num_target_layers is None:
-                raise EdgeSpecError("EAGLE-3 config.json names no feature layers "
-                                    "(eagle_config.eagle_aux_hidden_state_layer_ids) and no target was given")
+                raise EdgeSpecError(
+                    "EAGLE-3 config.json names no feature layers "
+                    "(eagle_config.eagle_aux_hidden_state_layer_ids) and no target was given"
+                )
             layers = default_feature_layers(num_target_layers)
         layers = tuple(int(layer) for layer in layers)
         if len(layers) != 3:
@@ -177,15 +185,18 @@ class Eagle3Config:
     def check_target(self, target: DecoderConfig) -> None:
         """Refuse a head trained for another target: its features and vocabulary would not line up."""
         if self.hidden_size != target.hidden_size:
-            raise EdgeSpecError(f"EAGLE-3 head hidden size {self.hidden_size} does not match the target's "
-                                f"{target.hidden_size}")
+            raise EdgeSpecError(
+                f"EAGLE-3 head hidden size {self.hidden_size} does not match the target's {target.hidden_size}"
+            )
         if self.vocab_size != target.vocab_size:
-            raise EdgeSpecError(f"EAGLE-3 head vocabulary {self.vocab_size} does not match the target's "
-                                f"{target.vocab_size}")
+            raise EdgeSpecError(
+                f"EAGLE-3 head vocabulary {self.vocab_size} does not match the target's {target.vocab_size}"
+            )
         bad = [layer for layer in self.feature_layers if not 0 <= layer < target.num_layers]
         if bad:
-            raise EdgeSpecError(f"EAGLE-3 feature layers {bad} are out of range for the "
-                                f"{target.num_layers}-layer target")
+            raise EdgeSpecError(
+                f"EAGLE-3 feature layers {bad} are out of range for the {target.num_layers}-layer target"
+            )
 
 
 # -- PyTorch module ------------------------------------------------------------------------------
@@ -302,8 +313,9 @@ class Eagle3Head(nn.Module):
         """Target features [..., 3H] (layers concatenated in ``feature_layers`` order) -> [..., H]."""
         return self.fc(features)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``embeds`` [B, T, H] (target embedding of the *next* token at each position), ``hidden``
         [B, T, H] (fused features or the head's previous ``out_hidden``) -> (draft logits [B, T, K],
         ``out_hidden`` [B, T, H] before the final norm: the next step's ``hidden``)."""
@@ -354,8 +366,10 @@ def _resolve_source(source) -> Path:
         return Path(snapshot_download(text, allow_patterns=["config.json", "model*.safetensors", *WEIGHT_FILES[1:]]))
     except Exception as exc:  # offline, unknown repo, gated, ...: one line for the CLI
         first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]
-        raise EdgeSpecError(f"cannot download EAGLE-3 head {text!r} from the Hugging Face hub "
-                            f"({type(exc).__name__}: {first}); no network? pass a local directory") from exc
+        raise EdgeSpecError(
+            f"cannot download EAGLE-3 head {text!r} from the Hugging Face hub "
+            f"({type(exc).__name__}: {first}); no network? pass a local directory"
+        ) from exc
 
 
 def _read_state(directory: Path) -> dict[str, torch.Tensor]:
@@ -407,8 +421,10 @@ def load_specforge(source, target: DecoderConfig | None = None) -> tuple[Eagle3C
         if name not in state:
             raise EdgeSpecError(f"EAGLE-3 checkpoint {directory} lacks tensor {name!r}")
         if tuple(state[name].shape) != tuple(tensor.shape):
-            raise EdgeSpecError(f"EAGLE-3 checkpoint {directory}: tensor {name!r} has shape "
-                                f"{tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
+            raise EdgeSpecError(
+                f"EAGLE-3 checkpoint {directory}: tensor {name!r} has shape "
+                f"{tuple(state[name].shape)}, expected {tuple(tensor.shape)}"
+            )
     extra = sorted(set(state) - set(expected))
     if extra:
         raise EdgeSpecError(f"EAGLE-3 checkpoint {directory} has tensors this head does not use: {extra[:4]}")
@@ -436,10 +452,17 @@ class EagleHeadWeights:
         """The head as a one-layer :class:`DecoderWeights`, so the decoder builder's parts apply."""
         cfg = self.config
         dcfg = DecoderConfig(
-            architecture=ARCHITECTURE, vocab_size=cfg.draft_vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_layers=1, num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
-            rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+            architecture=ARCHITECTURE,
+            vocab_size=cfg.draft_vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=1,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            rope_theta=cfg.rope_theta,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=False,
         )
         no_embedding = np.zeros((0, cfg.hidden_size), np.float32)  # the target's embedding is used
@@ -448,19 +471,32 @@ class EagleHeadWeights:
 
 def eagle_head_weights(head: Eagle3Head) -> EagleHeadWeights:
     """Float32 numpy copies of ``head``'s weights (plus its vocabulary maps)."""
+
     def a(t: torch.Tensor) -> np.ndarray:
         return t.detach().to(torch.float32).numpy().copy()
 
     m = head.midlayer
     layer = LayerWeights(
         input_norm=a(m.input_layernorm.weight),
-        q=a(m.self_attn.q_proj.weight), k=a(m.self_attn.k_proj.weight), v=a(m.self_attn.v_proj.weight),
+        q=a(m.self_attn.q_proj.weight),
+        k=a(m.self_attn.k_proj.weight),
+        v=a(m.self_attn.v_proj.weight),
         o=a(m.self_attn.o_proj.weight),
         post_norm=a(m.post_attention_layernorm.weight),
-        gate=a(m.mlp.gate_proj.weight), up=a(m.mlp.up_proj.weight), down=a(m.mlp.down_proj.weight),
+        gate=a(m.mlp.gate_proj.weight),
+        up=a(m.mlp.up_proj.weight),
+        down=a(m.mlp.down_proj.weight),
     )
-    return EagleHeadWeights(head.config, a(head.fc.weight), a(m.hidden_norm.weight), layer, a(head.norm.weight),
-                            a(head.lm_head.weight), head.d2t.numpy().copy(), head.t2d.numpy().copy())
+    return EagleHeadWeights(
+        head.config,
+        a(head.fc.weight),
+        a(m.hidden_norm.weight),
+        layer,
+        a(head.norm.weight),
+        a(head.lm_head.weight),
+        head.d2t.numpy().copy(),
+        head.t2d.numpy().copy(),
+    )
 
 
 def build_eagle_head(weights: EagleHeadWeights, options: BuildOptions, *, logits: bool = False) -> onnx.ModelProto:
@@ -483,20 +519,28 @@ def build_eagle_head(weights: EagleHeadWeights, options: BuildOptions, *, logits
     b = DecoderGraphBuilder(weights.decoder_weights(), options)
     g = b.graph
     rotary = b.rotary_tables()
-    b.step_inputs([
-        helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, [1, "sequence", h]),
-        helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, "sequence", h]),
-    ])
+    b.step_inputs(
+        [
+            helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, [1, "sequence", h]),
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, "sequence", h]),
+        ]
+    )
     layer = weights.layer
-    embeds = b.norm(Residual("inputs_embeds"), layer.input_norm, "layers.0.input_layernorm",
-                    ("layers.0/embeds_norm", "", "", ""))[0]
-    hidden = b.norm(Residual("hidden"), weights.hidden_norm, "layers.0.hidden_norm",
-                    ("layers.0/hidden_norm", "", "", ""))[0]
+    embeds = b.norm(
+        Residual("inputs_embeds"), layer.input_norm, "layers.0.input_layernorm", ("layers.0/embeds_norm", "", "", "")
+    )[0]
+    hidden = b.norm(
+        Residual("hidden"), weights.hidden_norm, "layers.0.hidden_norm", ("layers.0/hidden_norm", "", "", "")
+    )[0]
     joined = g.node("Concat", [embeds, hidden], ["layers.0/joined"], axis=-1)[0]
     # the residual is the un-normed hidden; the attention output is added by the post-attention norm
     stream = Residual("hidden", b.attention(0, layer, joined, rotary))
-    normed, stream = b.norm(stream, layer.post_norm, "layers.0.post_norm",
-                            ("layers.0/norm2", "layers.0/n2_mean", "layers.0/n2_inv", "layers.0/resid2"))
+    normed, stream = b.norm(
+        stream,
+        layer.post_norm,
+        "layers.0.post_norm",
+        ("layers.0/norm2", "layers.0/n2_mean", "layers.0/n2_inv", "layers.0/resid2"),
+    )
     out = g.node("Add", [stream.total, b.mlp(0, layer, normed)], ["layers.0/out"])[0]
     last = b.last_positions(out)  # slice before the norm and LM head: only num_logits rows need them
     g.node("Identity", [last], ["hidden_out"])
@@ -554,7 +598,8 @@ def build_eagle_fc(weight: np.ndarray, options: BuildOptions) -> onnx.ModelProto
     g.node("Identity", [out], ["hidden"])
     n, k = weight.shape
     graph = helper.make_graph(
-        g.nodes, "edge_spec_eagle3_fc",
+        g.nodes,
+        "edge_spec_eagle3_fc",
         [helper.make_tensor_value_info(FEATURES, TensorProto.FLOAT, [1, "sequence", k])],
         [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, "sequence", n])],
         g.initializers,
@@ -622,7 +667,16 @@ def feature_layers_of(onnx_path) -> tuple[int, ...] | None:
 
 
 __all__ = [
-    "Eagle3Config", "Eagle3Head", "EagleHeadWeights", "add_feature_output", "build_eagle_fc", "build_eagle_head",
-    "default_feature_layers", "eagle_head_weights", "feature_layers_of", "load_specforge", "save_specforge",
+    "Eagle3Config",
+    "Eagle3Head",
+    "EagleHeadWeights",
+    "add_feature_output",
+    "build_eagle_fc",
+    "build_eagle_head",
+    "default_feature_layers",
+    "eagle_head_weights",
+    "feature_layers_of",
+    "load_specforge",
+    "save_specforge",
     "split_lm_head",
 ]

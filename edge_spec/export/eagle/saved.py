@@ -62,22 +62,26 @@ def load_saved_head(directory, record: dict | None = None) -> tuple[Eagle3Config
         "fc.weight": _Linears(directory / "fc.onnx").weight("fc"),
         "midlayer.hidden_norm.weight": layer.vector("layers.0.hidden_norm"),
         "midlayer.input_layernorm.weight": layer.vector("layers.0.input_layernorm"),
-        "midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
+        "midlayer.self_attn.q_proj.weight": q,
+        "midlayer.self_attn.k_proj.weight": k,
         "midlayer.self_attn.v_proj.weight": v,
         "midlayer.self_attn.o_proj.weight": layer.weight("layers.0.o"),
         "midlayer.post_attention_layernorm.weight": layer.vector("layers.0.post_norm"),
-        "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
+        "midlayer.mlp.gate_proj.weight": gate,
+        "midlayer.mlp.up_proj.weight": up,
         "midlayer.mlp.down_proj.weight": layer.weight("layers.0.down"),
         "norm.weight": layer.vector("final_norm"),
         "lm_head.weight": TargetLMHead.from_onnx(head_path).table(),
-        "d2t": np.load(directory / "d2t.npy"), "t2d": np.load(directory / "t2d.npy"),
+        "d2t": np.load(directory / "d2t.npy"),
+        "t2d": np.load(directory / "t2d.npy"),
     }
     head = Eagle3Head(config)
     expected = head.state_dict()
     for name, tensor in expected.items():
         if tuple(state[name].shape) != tuple(tensor.shape):
-            raise EdgeSpecError(f"{directory}: {name} has shape {tuple(state[name].shape)}, "
-                                f"its config says {tuple(tensor.shape)}")
+            raise EdgeSpecError(
+                f"{directory}: {name} has shape {tuple(state[name].shape)}, its config says {tuple(tensor.shape)}"
+            )
     head.load_state_dict({name: torch.from_numpy(np.array(state[name])).to(expected[name].dtype) for name in expected})
     return config, head.eval()
 

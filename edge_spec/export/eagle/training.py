@@ -120,8 +120,8 @@ def _cut(arrays: dict, seq_len: int, soft: bool) -> list[dict]:
     n = len(arrays["tokens"])
     out = []
     for start in range(0, n, seq_len):
-        piece = {k: arrays[k][start:start + seq_len] for k in ("features", "tokens", "labels")}
-        piece["hidden"] = arrays["hidden"][start:start + seq_len] if soft and "hidden" in arrays else None
+        piece = {k: arrays[k][start : start + seq_len] for k in ("features", "tokens", "labels")}
+        piece["hidden"] = arrays["hidden"][start : start + seq_len] if soft and "hidden" in arrays else None
         if (piece["labels"] >= 0).any():
             out.append(piece)
     return out
@@ -154,14 +154,18 @@ def load_dataset(work_dir, vocab_size: int, options: TrainOptions) -> Dataset:
 
     def seq(piece: dict) -> Sequence:
         hidden = None if piece["hidden"] is None else torch.from_numpy(np.ascontiguousarray(piece["hidden"]))
-        return Sequence(torch.from_numpy(np.ascontiguousarray(piece["features"])),
-                        torch.from_numpy(lookup(piece["tokens"])),
-                        torch.from_numpy(piece["labels"].astype(np.int64)), hidden)
+        return Sequence(
+            torch.from_numpy(np.ascontiguousarray(piece["features"])),
+            torch.from_numpy(lookup(piece["tokens"])),
+            torch.from_numpy(piece["labels"].astype(np.int64)),
+            hidden,
+        )
 
     train = [seq(p) for p in pieces["train"]]
     held_out = [seq(p) for p in pieces["held_out"]]
-    return Dataset(train, held_out, token_ids, counts, sum(s.labelled for s in train),
-                   sum(s.labelled for s in held_out), names)
+    return Dataset(
+        train, held_out, token_ids, counts, sum(s.labelled for s in train), sum(s.labelled for s in held_out), names
+    )
 
 
 def draft_vocabulary(counts: np.ndarray, size: int, always: list[int]) -> np.ndarray:
@@ -185,8 +189,8 @@ class Target:
 
     @classmethod
     def from_work(cls, bundle_dir, work_dir) -> Target:
-        from edge_spec.export.eagle.model import feature_layers_of
         from edge_spec.export.eagle.features import read_progress
+        from edge_spec.export.eagle.model import feature_layers_of
         from edge_spec.manifest import read_manifest
 
         manifest = read_manifest(Path(bundle_dir))
@@ -200,16 +204,24 @@ class Target:
 
     def head_config(self, draft_vocab: int, intermediate: int) -> Eagle3Config:
         c = self.config
-        return Eagle3Config(hidden_size=c["hidden_size"], intermediate_size=intermediate,
-                            num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"],
-                            head_dim=c["head_dim"], rms_norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
-                            vocab_size=c["vocab_size"], draft_vocab_size=draft_vocab,
-                            feature_layers=self.feature_layers,
-                            max_position_embeddings=c["max_position_embeddings"])
+        return Eagle3Config(
+            hidden_size=c["hidden_size"],
+            intermediate_size=intermediate,
+            num_attention_heads=c["num_heads"],
+            num_key_value_heads=c["num_kv_heads"],
+            head_dim=c["head_dim"],
+            rms_norm_eps=c["rms_norm_eps"],
+            rope_theta=c["rope_theta"],
+            vocab_size=c["vocab_size"],
+            draft_vocab_size=draft_vocab,
+            feature_layers=self.feature_layers,
+            max_position_embeddings=c["max_position_embeddings"],
+        )
 
 
-def new_head(config: Eagle3Config, vocab_ids: np.ndarray, lm_rows: np.ndarray, final_norm: np.ndarray,
-             seed: int) -> Eagle3Head:
+def new_head(
+    config: Eagle3Config, vocab_ids: np.ndarray, lm_rows: np.ndarray, final_norm: np.ndarray, seed: int
+) -> Eagle3Head:
     """A freshly initialised head (seeded) with the vocabulary maps, LM head and norm set."""
     torch.manual_seed(seed)
     head = Eagle3Head(config)
@@ -230,12 +242,16 @@ def initial_head(source: str, target: Target) -> Eagle3Head:
     config, head = load_head(source)
     c = target.config
     if (config.hidden_size, config.vocab_size) != (c["hidden_size"], c["vocab_size"]):
-        raise EdgeSpecError(f"--init {source}: a head for hidden size {config.hidden_size} and vocabulary "
-                            f"{config.vocab_size}, not this target's {c['hidden_size']} / {c['vocab_size']}")
+        raise EdgeSpecError(
+            f"--init {source}: a head for hidden size {config.hidden_size} and vocabulary "
+            f"{config.vocab_size}, not this target's {c['hidden_size']} / {c['vocab_size']}"
+        )
     if tuple(config.feature_layers or ()) != tuple(target.feature_layers):
-        raise EdgeSpecError(f"--init {source}: the head reads target layers {config.feature_layers}, the collected "
-                            f"features are layers {tuple(target.feature_layers)} (collect with --feature-layers "
-                            f"{','.join(map(str, config.feature_layers or ()))})")
+        raise EdgeSpecError(
+            f"--init {source}: the head reads target layers {config.feature_layers}, the collected "
+            f"features are layers {tuple(target.feature_layers)} (collect with --feature-layers "
+            f"{','.join(map(str, config.feature_layers or ()))})"
+        )
     return head.train()
 
 
@@ -272,7 +288,7 @@ def unrolled(head: Eagle3Head, features: torch.Tensor, embeds: torch.Tensor, ste
     cache: list = []
     outputs = []
     for k in range(steps):
-        emb = embeds[k:k + t][None]
+        emb = embeds[k : k + t][None]
         positions = (torch.arange(t) + k)[None]
         joined = torch.cat((m.input_layernorm(emb), m.hidden_norm(hidden)), dim=-1)
         h = hidden + _attend(m.self_attn, joined, positions, cache)
@@ -314,8 +330,9 @@ class Trainer:
             self.head.load_state_dict({**start.state_dict(), "lm_head.weight": self.head.lm_head.weight.detach()})
         self.head.lm_head.weight.requires_grad_(options.train_lm_head)
         self.params = [p for p in self.head.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=options.weight_decay,
-                                           betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95)
+        )
         n = len(self.data.train)
         self.total_steps = options.steps or max(1, math.ceil(options.epochs * n / options.accum))
         self.step = 0
@@ -401,7 +418,7 @@ class Trainer:
         for j in range(o.accum):
             seq = self.sequence_at(self.step * o.accum + j)
             losses = self._losses(seq, o.ttt, o.soft)
-            loss = sum((o.ttt_decay ** k) * l for k, (l, _, _, _) in enumerate(losses)) / o.accum
+            loss = sum((o.ttt_decay**k) * step_loss for k, (step_loss, _, _, _) in enumerate(losses)) / o.accum
             loss.backward()
             total += float(loss.detach())
             self.tokens_seen += seq.labelled
@@ -430,31 +447,58 @@ class Trainer:
                 both += int((first & h2).sum())
             loss_sum += float(l1) * int(n1)
             loss_rows += int(n1)
-        return {"acceptance_1": hits1 / max(rows1, 1), "acceptance_2": hits2 / max(rows2, 1),
-                "acceptance_2_given_1": both / max(first_ok, 1), "loss": loss_sum / max(loss_rows, 1),
-                "rows": rows1}
+        return {
+            "acceptance_1": hits1 / max(rows1, 1),
+            "acceptance_2": hits2 / max(rows2, 1),
+            "acceptance_2_given_1": both / max(first_ok, 1),
+            "loss": loss_sum / max(loss_rows, 1),
+            "rows": rows1,
+        }
 
     def record(self, evaluation: dict, reason: str) -> dict:
-        entry = {"step": self.step, "tokens": self.tokens_seen,
-                 "distinct_tokens": min(self.tokens_seen, self.data.train_tokens),
-                 "epoch": round(self.step * self.options.accum / len(self.data.train), 3),
-                 "seconds": round(self.seconds, 1), "reason": reason, **evaluation}
+        entry = {
+            "step": self.step,
+            "tokens": self.tokens_seen,
+            "distinct_tokens": min(self.tokens_seen, self.data.train_tokens),
+            "epoch": round(self.step * self.options.accum / len(self.data.train), 3),
+            "seconds": round(self.seconds, 1),
+            "reason": reason,
+            **evaluation,
+        }
         self.curve.append(entry)
         tmp = self.dir / (CURVE + ".tmp")
-        tmp.write_text(json.dumps({"train_tokens": self.data.train_tokens,
-                                   "held_out_tokens": self.data.held_out_tokens,
-                                   "eval_rows": evaluation.get("rows"), "points": self.curve}, indent=1) + "\n")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "train_tokens": self.data.train_tokens,
+                    "held_out_tokens": self.data.held_out_tokens,
+                    "eval_rows": evaluation.get("rows"),
+                    "points": self.curve,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         os.replace(tmp, self.dir / CURVE)
         return entry
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                "tokens_seen": self.tokens_seen, "seconds": self.seconds, "curve": self.curve,
-                "total_steps": self.total_steps, "options": dataclasses.asdict(self.options),
-                "vocab_ids": self.vocab_ids, "shards": self.data.shards, "torch_rng": torch.get_rng_state(),
-                "config": self.config.to_hf_config()}
+        return {
+            "head": self.head.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "seconds": self.seconds,
+            "curve": self.curve,
+            "total_steps": self.total_steps,
+            "options": dataclasses.asdict(self.options),
+            "vocab_ids": self.vocab_ids,
+            "shards": self.data.shards,
+            "torch_rng": torch.get_rng_state(),
+            "config": self.config.to_hf_config(),
+        }
 
     def save(self) -> Path:
         path = self.dir / CHECKPOINT
@@ -467,8 +511,10 @@ class Trainer:
         path = path or self.dir / CHECKPOINT
         state = torch.load(path, map_location="cpu", weights_only=False)
         if state["shards"] != self.data.shards:
-            raise EdgeSpecError(f"{path} was trained on other shards than {self.dir.parent} holds now; "
-                                "train afresh (delete the train directory) or restore the shards")
+            raise EdgeSpecError(
+                f"{path} was trained on other shards than {self.dir.parent} holds now; "
+                "train afresh (delete the train directory) or restore the shards"
+            )
         if not np.array_equal(state["vocab_ids"], self.vocab_ids):
             raise EdgeSpecError(f"{path}: draft vocabulary differs from the one the shards give")
         self.head.load_state_dict(state["head"])
@@ -487,10 +533,19 @@ def checkpoint_options(work_dir) -> TrainOptions | None:
     return TrainOptions(**state["options"])
 
 
-def train(work_dir, target: Target, options: TrainOptions, *, resume: bool = False,
-          time_budget: float | None = None, checkpoint_seconds: float = 300.0, threads: int = 0,
-          log: Callable[[str], None] | None = None, stop_after: int | None = None,
-          extend_steps: int | None = None) -> Trainer:
+def train(
+    work_dir,
+    target: Target,
+    options: TrainOptions,
+    *,
+    resume: bool = False,
+    time_budget: float | None = None,
+    checkpoint_seconds: float = 300.0,
+    threads: int = 0,
+    log: Callable[[str], None] | None = None,
+    stop_after: int | None = None,
+    extend_steps: int | None = None,
+) -> Trainer:
     """Train (or continue) the head in ``work_dir/train``; returns the trainer at the end.
 
     ``time_budget``: seconds of training in this run (the final evaluation and checkpoint follow);
@@ -503,8 +558,9 @@ def train(work_dir, target: Target, options: TrainOptions, *, resume: bool = Fal
     log = log or (lambda message: None)
     checkpoint = Path(work_dir) / "train" / CHECKPOINT
     if checkpoint.is_file() and not resume:
-        raise EdgeSpecError(f"{checkpoint} exists: pass --resume to continue that run, or delete "
-                            f"{checkpoint.parent} to train afresh")
+        raise EdgeSpecError(
+            f"{checkpoint} exists: pass --resume to continue that run, or delete {checkpoint.parent} to train afresh"
+        )
     if resume and checkpoint.is_file():
         stored = checkpoint_options(work_dir)
         if stored != options:
@@ -520,9 +576,11 @@ def train(work_dir, target: Target, options: TrainOptions, *, resume: bool = Fal
             trainer.total_steps = extend_steps
         log(f"resumed at step {trainer.step}/{trainer.total_steps}")
     else:
-        log(f"draft vocabulary {len(trainer.vocab_ids)} tokens; {trainer.data.train_tokens} training / "
+        log(
+            f"draft vocabulary {len(trainer.vocab_ids)} tokens; {trainer.data.train_tokens} training / "
             f"{trainer.data.held_out_tokens} held-out tokens in {len(trainer.data.train)} / "
-            f"{len(trainer.data.held_out)} sequences; {trainer.total_steps} steps")
+            f"{len(trainer.data.held_out)} sequences; {trainer.total_steps} steps"
+        )
         entry = trainer.record(trainer.evaluate(), "start")
         log(_describe(entry))
     started = time.perf_counter()
@@ -541,8 +599,10 @@ def train(work_dir, target: Target, options: TrainOptions, *, resume: bool = Fal
         if now - last_log >= 30:
             rate = (trainer.step) / max(trainer.seconds, 1e-9)
             eta = (trainer.total_steps - trainer.step) / max(rate, 1e-9)
-            log(f"step {trainer.step}/{trainer.total_steps} loss {loss:.3f} lr {trainer.lr_at(trainer.step):.2e} "
-                f"tokens {trainer.tokens_seen} elapsed {_clock(trainer.seconds)} eta {_clock(eta)}")
+            log(
+                f"step {trainer.step}/{trainer.total_steps} loss {loss:.3f} lr {trainer.lr_at(trainer.step):.2e} "
+                f"tokens {trainer.tokens_seen} elapsed {_clock(trainer.seconds)} eta {_clock(eta)}"
+            )
             last_log = now
         if milestones and trainer.tokens_seen >= milestones[0]:
             while milestones and trainer.tokens_seen >= milestones[0]:
@@ -554,8 +614,13 @@ def train(work_dir, target: Target, options: TrainOptions, *, resume: bool = Fal
             last_save = time.perf_counter()
     if trainer.step > 0 and (not trainer.curve or trainer.curve[-1]["step"] != trainer.step):
         # the last point is evaluated on every held-out row, the milestones on a fixed subset
-        log(_describe(trainer.record(trainer.evaluate(trainer.data.held_out),
-                                     "end" if trainer.step >= trainer.total_steps else "stop")))
+        log(
+            _describe(
+                trainer.record(
+                    trainer.evaluate(trainer.data.held_out), "end" if trainer.step >= trainer.total_steps else "stop"
+                )
+            )
+        )
     trainer.save()
     return trainer
 
@@ -566,10 +631,22 @@ def _clock(seconds: float) -> str:
 
 
 def _describe(entry: dict) -> str:
-    return (f"[{entry['reason']}] step {entry['step']} tokens {entry['tokens']}: held-out acceptance "
-            f"step 1 {entry['acceptance_1']:.1%}, step 2 {entry['acceptance_2']:.1%} "
-            f"(given step 1: {entry['acceptance_2_given_1']:.1%}), loss {entry['loss']:.3f}")
+    return (
+        f"[{entry['reason']}] step {entry['step']} tokens {entry['tokens']}: held-out acceptance "
+        f"step 1 {entry['acceptance_1']:.1%}, step 2 {entry['acceptance_2']:.1%} "
+        f"(given step 1: {entry['acceptance_2_given_1']:.1%}), loss {entry['loss']:.3f}"
+    )
 
 
-__all__ = ["Dataset", "Target", "TrainOptions", "Trainer", "checkpoint_options", "draft_vocabulary",
-           "load_dataset", "new_head", "train", "unrolled"]
+__all__ = [
+    "Dataset",
+    "Target",
+    "TrainOptions",
+    "Trainer",
+    "checkpoint_options",
+    "draft_vocabulary",
+    "load_dataset",
+    "new_head",
+    "train",
+    "unrolled",
+]

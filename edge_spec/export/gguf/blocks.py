@@ -93,10 +93,19 @@ class CarriedBlocks:
 
     def rows(self, index: np.ndarray) -> "CarriedBlocks":
         """The output rows ``index`` (a row permutation, a split, or VocabTrim's kept rows)."""
+
         def pick(a):
             return None if a is None else a[index]
-        return CarriedBlocks(self.packed[index], self.scales[index], pick(self.zero_points), self.bits,
-                             self.block_size, self.source_type, pick(self.correction))
+
+        return CarriedBlocks(
+            self.packed[index],
+            self.scales[index],
+            pick(self.zero_points),
+            self.bits,
+            self.block_size,
+            self.source_type,
+            pick(self.correction),
+        )
 
 
 def concat_blocks(parts: list[CarriedBlocks]) -> CarriedBlocks:
@@ -111,8 +120,15 @@ def concat_blocks(parts: list[CarriedBlocks]) -> CarriedBlocks:
     if any(p.correction is not None for p in parts):
         correction = np.concatenate([p.correction_or_zero() for p in parts])
     kinds = {p.source_type for p in parts}
-    return CarriedBlocks(np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]), zero,
-                         first.bits, first.block_size, kinds.pop() if len(kinds) == 1 else "mixed", correction)
+    return CarriedBlocks(
+        np.concatenate([p.packed for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        zero,
+        first.bits,
+        first.block_size,
+        kinds.pop() if len(kinds) == 1 else "mixed",
+        correction,
+    )
 
 
 def _zero_point_bytes(w: CarriedBlocks) -> np.ndarray:
@@ -139,12 +155,23 @@ def add_carried_linear(g, x: str, w: CarriedBlocks, name: str, opt, bias: np.nda
         inputs += [""] * (5 - len(inputs)) + [g.const(name + ".bias", bias.astype(np.float32))]
     out = name + "/out"
     main = out if w.correction is None else name + "/main"
-    g.node("MatMulNBits", inputs, [main], domain=MS_DOMAIN, K=w.k, N=w.n, bits=w.bits, block_size=w.block_size,
-           accuracy_level=opt.accuracy_level)
+    g.node(
+        "MatMulNBits",
+        inputs,
+        [main],
+        domain=MS_DOMAIN,
+        K=w.k,
+        N=w.n,
+        bits=w.bits,
+        block_size=w.block_size,
+        accuracy_level=opt.accuracy_level,
+    )
     if w.correction is not None:
-        fix = g.node("MatMul", [_block_sums(g, x, w, name), g.const(name + ".correction",
-                                                                     np.ascontiguousarray(w.correction.T))],
-                     [name + "/correction"])[0]
+        fix = g.node(
+            "MatMul",
+            [_block_sums(g, x, w, name), g.const(name + ".correction", np.ascontiguousarray(w.correction.T))],
+            [name + "/correction"],
+        )[0]
         g.node("Sub", [main, fix], [out])
     return out
 
@@ -153,8 +180,9 @@ def _block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
     """``x``'s sums over each of ``w``'s K blocks: ``[1, n, k / block_size]``."""
     shape = g.const(name + ".blocks", np.array([0, 0, w.k // w.block_size, w.block_size], np.int64))
     blocks = g.node("Reshape", [x, shape], [name + "/x_blocks"])[0]
-    return g.node("ReduceSum", [blocks, g.const(name + ".sum_axis", np.array([-1], np.int64))],
-                  [name + "/block_sums"], keepdims=0)[0]
+    return g.node(
+        "ReduceSum", [blocks, g.const(name + ".sum_axis", np.array([-1], np.int64))], [name + "/block_sums"], keepdims=0
+    )[0]
 
 
 def _with_block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
@@ -165,8 +193,11 @@ def _with_block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
     sums = _block_sums(g, x, w, name)
     pad = _sums_width(w) - w.k // w.block_size
     if pad:
-        sums = g.node("Pad", [sums, g.const(name + ".sums_pad", np.array([0, 0, 0, 0, 0, pad], np.int64))],
-                      [name + "/block_sums_padded"])[0]
+        sums = g.node(
+            "Pad",
+            [sums, g.const(name + ".sums_pad", np.array([0, 0, 0, 0, 0, pad], np.int64))],
+            [name + "/block_sums_padded"],
+        )[0]
     return g.node("Concat", [x, sums, sums], [name + "/x_and_sums"], axis=-1)[0]
 
 
@@ -198,13 +229,14 @@ def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlock
             other_codes, other_zero, other_scale, other_error = _fit_block_scale(values, low, span / steps)
             better = other_error < error
             codes = np.where(better[..., None], other_codes, codes)
-            zero, scale, error = (np.where(better, new, old) for new, old in
-                                  ((other_zero, zero), (other_scale, scale), (other_error, error)))
+            zero, scale, error = (
+                np.where(better, new, old)
+                for new, old in ((other_zero, zero), (other_scale, scale), (other_error, error))
+            )
         packed.append(pack_codes(codes.astype(np.uint8), 4))
         scales.append(scale.astype(np.float32))
         zeros.append(zero.astype(np.uint8))
-    return CarriedBlocks(np.concatenate(packed), np.concatenate(scales), np.concatenate(zeros), 4, width,
-                         w.source_type)
+    return CarriedBlocks(np.concatenate(packed), np.concatenate(scales), np.concatenate(zeros), 4, width, w.source_type)
 
 
 def _fit_block_scale(values: np.ndarray, low: np.ndarray, scale: np.ndarray):
@@ -279,8 +311,9 @@ def fold_correction(w: CarriedBlocks) -> CarriedBlocks:
     if w.zero_points is not None:
         extra = np.full((n, sum(s.shape[1] for s in scales[1:])), half, np.uint8)
         zero = np.concatenate([w.zero_points, extra], axis=1)
-    return CarriedBlocks(np.concatenate(packed, axis=1), np.concatenate(scales, axis=1), zero, w.bits,
-                         w.block_size, w.source_type)
+    return CarriedBlocks(
+        np.concatenate(packed, axis=1), np.concatenate(scales, axis=1), zero, w.bits, w.block_size, w.source_type
+    )
 
 
 def folded_width(w: CarriedBlocks) -> int:
@@ -408,5 +441,13 @@ def carry_gguf(raw: np.ndarray, gguf_type: str, n: int, k: int) -> CarriedBlocks
 
     def per_block(a):
         return None if a is None else a.reshape(n, k_blocks)
-    return CarriedBlocks(pack_codes(codes.reshape(n, k_blocks, block_size), bits), scales.reshape(n, k_blocks),
-                         per_block(zero), bits, block_size, gguf_type, per_block(correction))
+
+    return CarriedBlocks(
+        pack_codes(codes.reshape(n, k_blocks, block_size), bits),
+        scales.reshape(n, k_blocks),
+        per_block(zero),
+        bits,
+        block_size,
+        gguf_type,
+        per_block(correction),
+    )

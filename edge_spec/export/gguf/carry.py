@@ -23,8 +23,14 @@ from edge_spec.export.weights import DecoderWeights
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 #: GGUF tensor name (per layer) -> the LayerWeights fields it holds, in row order
 _LAYER_PARTS = {
-    "attn_q": ("q",), "attn_k": ("k",), "attn_v": ("v",), "attn_output": ("o",), "attn_qkv": ("q", "k", "v"),
-    "ffn_gate": ("gate",), "ffn_up": ("up",), "ffn_down": ("down",),
+    "attn_q": ("q",),
+    "attn_k": ("k",),
+    "attn_v": ("v",),
+    "attn_output": ("o",),
+    "attn_qkv": ("q", "k", "v"),
+    "ffn_gate": ("gate",),
+    "ffn_up": ("up",),
+    "ffn_down": ("down",),
 }
 
 

@@ -43,10 +43,10 @@ SPACE = "\u2581"  # "▁", SentencePiece's whitespace mark
 CHECK_SENTENCES: tuple[str, ...] = (
     "The capital of France is",
     "Hello, world! How are you doing today?",
-    "def add(a, b):\n    return a + b\n\n\nif __name__ == \"__main__\":\n\tprint(add(2, 3))\n",
+    'def add(a, b):\n    return a + b\n\n\nif __name__ == "__main__":\n\tprint(add(2, 3))\n',
     "for (int i = 0; i < n; ++i) {\n        total += values[i] * 0.5f;\n}",
     "In 2024, 1,234,567 people paid $3.50 each (about 12.5% of 99999).",
-    "Wait... what?! \"Quoted\" text -- with dashes; semicolons: and (parentheses) [brackets] {braces}.",
+    'Wait... what?! "Quoted" text -- with dashes; semicolons: and (parentheses) [brackets] {braces}.',
     "ประเทศไทยมีกรุงเทพมหานครเป็นเมืองหลวง",
     "北京是中华人民共和国的首都，也是全国的政治中心。",
     "こんにちは、世界！ Привет, мир! مرحبا بالعالم",
@@ -100,12 +100,18 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
     # llama.cpp's default: SentencePiece vocabularies prefix a space unless the file says otherwise
     add_space_prefix = bool(value("tokenizer.ggml.add_space_prefix", model == "llama"))
     unk = value("tokenizer.ggml.unknown_token_id")
-    return GGUFVocab(model=model, pre=value("tokenizer.ggml.pre"), tokens=list(tokens),
-                     scores=[float(s) for s in scores] if scores is not None else None,
-                     types=[int(t) for t in value("tokenizer.ggml.token_type")]
-                     if "tokenizer.ggml.token_type" in reader.fields else None,
-                     merges=value("tokenizer.ggml.merges"), add_space_prefix=add_space_prefix,
-                     unk_id=int(unk) if unk is not None else None)
+    return GGUFVocab(
+        model=model,
+        pre=value("tokenizer.ggml.pre"),
+        tokens=list(tokens),
+        scores=[float(s) for s in scores] if scores is not None else None,
+        types=[int(t) for t in value("tokenizer.ggml.token_type")]
+        if "tokenizer.ggml.token_type" in reader.fields
+        else None,
+        merges=value("tokenizer.ggml.merges"),
+        add_space_prefix=add_space_prefix,
+        unk_id=int(unk) if unk is not None else None,
+    )
 
 
 # -- the reference: llama.cpp's algorithms -------------------------------------------------------------
@@ -153,10 +159,14 @@ def _byte_to_unicode() -> dict[int, str]:
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, ``llm_tokenizer_bpe``), applied in order: each one
 # splits the fragments the previous left, keeping unmatched stretches as fragments of their own.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {  # name: (regexes, ignore_merges)
     "gpt2": ((_GPT2,), False),
     "qwen2": ((_QWEN2,), False),
@@ -179,7 +189,7 @@ def _regex_split(text: str, patterns: Sequence[str]) -> list[str]:
             at = 0
             for match in compiled.finditer(word):
                 if match.start() > at:
-                    split.append(word[at:match.start()])
+                    split.append(word[at : match.start()])
                 if match.end() > match.start():
                     split.append(match.group())
                 at = match.end()
@@ -200,8 +210,11 @@ class ReferenceTokenizer:
         self.ids = _token_ids(vocab.tokens)
         types = vocab.types or [NORMAL] * len(vocab.tokens)
         # user-defined tokens are cut out of raw text even when special tokens are not parsed
-        self.specials = sorted(((t, i) for i, t in enumerate(vocab.tokens) if types[i] == USER_DEFINED and t),
-                               key=lambda item: len(item[0].encode("utf-8")), reverse=True)
+        self.specials = sorted(
+            ((t, i) for i, t in enumerate(vocab.tokens) if types[i] == USER_DEFINED and t),
+            key=lambda item: len(item[0].encode("utf-8")),
+            reverse=True,
+        )
         if vocab.model == "llama":
             if vocab.scores is None:
                 raise ValueError("a SentencePiece vocabulary needs scores")
@@ -293,11 +306,13 @@ class ReferenceTokenizer:
                 continue
             symbols = list(encoded)
             while len(symbols) > 1:
-                best = min(range(len(symbols) - 1),
-                           key=lambda k: (self.ranks.get((symbols[k], symbols[k + 1]), float("inf")), k))
+                best = min(
+                    range(len(symbols) - 1),
+                    key=lambda k: (self.ranks.get((symbols[k], symbols[k + 1]), float("inf")), k),
+                )
                 if (symbols[best], symbols[best + 1]) not in self.ranks:
                     break
-                symbols[best:best + 2] = [symbols[best] + symbols[best + 1]]
+                symbols[best : best + 2] = [symbols[best] + symbols[best + 1]]
             for symbol in symbols:
                 if symbol in self.ids:
                     out.append(self.ids[symbol])
@@ -353,8 +368,15 @@ def spm_bpe_tokenizer(vocab: GGUFVocab):
         raise ValueError("spm_bpe_tokenizer needs a llama-type vocabulary with scores and no merges")
     types = vocab.types or [NORMAL] * len(vocab.tokens)
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None and vocab.unk_id < len(vocab.tokens) else None
-    backend = Tokenizer(BPE(_token_ids(vocab.tokens), spm_merges(vocab.tokens, vocab.scores), unk_token=unk,
-                            fuse_unk=True, byte_fallback=True))
+    backend = Tokenizer(
+        BPE(
+            _token_ids(vocab.tokens),
+            spm_merges(vocab.tokens, vocab.scores),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     steps = [normalizers.Prepend(SPACE)] if vocab.add_space_prefix else []
     backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", SPACE)])
     # Gemma's own pre-tokenizer: after the normalizer there is no space left to split at, so the whole
@@ -362,10 +384,20 @@ def spm_bpe_tokenizer(vocab: GGUFVocab):
     backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if vocab.add_space_prefix else []))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(vocab.tokens, types) if kind in (CONTROL, UNKNOWN) and t])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind in zip(vocab.tokens, types) if kind == USER_DEFINED and t])
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(vocab.tokens, types)
+            if kind in (CONTROL, UNKNOWN) and t
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(vocab.tokens, types)
+            if kind == USER_DEFINED and t
+        ]
+    )
     return backend
 
 
@@ -383,10 +415,20 @@ def replace_backend(tokenizer, backend) -> None:
     kept = []
     for token_id, added in sorted(old.get_added_tokens_decoder().items()):
         if backend.token_to_id(added.content) != token_id:
-            raise EdgeSpecError(f"the rebuilt tokenizer gives {added.content!r} id "
-                                f"{backend.token_to_id(added.content)}, the converted one {token_id}")
-        kept.append(AddedToken(added.content, single_word=added.single_word, lstrip=added.lstrip,
-                               rstrip=added.rstrip, normalized=added.normalized, special=added.special))
+            raise EdgeSpecError(
+                f"the rebuilt tokenizer gives {added.content!r} id "
+                f"{backend.token_to_id(added.content)}, the converted one {token_id}"
+            )
+        kept.append(
+            AddedToken(
+                added.content,
+                single_word=added.single_word,
+                lstrip=added.lstrip,
+                rstrip=added.rstrip,
+                normalized=added.normalized,
+                special=added.special,
+            )
+        )
     backend.add_special_tokens([t for t in kept if t.special])
     backend.add_tokens([t for t in kept if not t.special])
     tokenizer._tokenizer = backend
@@ -396,11 +438,12 @@ def replace_backend(tokenizer, backend) -> None:
 
 
 def _ids_from(ids: list[int], at: int) -> str:
-    return " ".join(map(str, ids[at:at + 4])) or "(none)"
+    return " ".join(map(str, ids[at : at + 4])) or "(none)"
 
 
-def check_matches_reference(backend, reference: ReferenceTokenizer, label: str,
-                            sentences: Sequence[str] = CHECK_SENTENCES) -> None:
+def check_matches_reference(
+    backend, reference: ReferenceTokenizer, label: str, sentences: Sequence[str] = CHECK_SENTENCES
+) -> None:
     """Refuse (one line) a shipped tokenizer that splits any of ``sentences`` other than the reference:
     the model would be fed token sequences it never saw in training."""
     for text in sentences:
@@ -411,7 +454,8 @@ def check_matches_reference(backend, reference: ReferenceTokenizer, label: str,
             raise EdgeSpecError(
                 f"{label}: the tokenizer the bundle would ship splits {text!r:.70} unlike the GGUF's own "
                 f"tokenizer (from token {at}: ids {_ids_from(got, at)} instead of {_ids_from(want, at)}); "
-                "refusing to export a model that would be fed token ids it was not trained on")
+                "refusing to export a model that would be fed token ids it was not trained on"
+            )
 
 
 def fix_gguf_tokenizer(path: Path, tokenizer, label: str | None = None) -> None:

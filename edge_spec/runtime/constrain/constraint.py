@@ -55,8 +55,10 @@ class Constraint:
                     if token not in self.vocabulary.end_ids and self._matcher.validate_tokens([token]) != 1:
                         allowed[token] = False
             if not allowed.any():
-                raise EdgeSpecError("response_format: the grammar allows no token of this model's vocabulary "
-                                    f"after {len(self.tokens)} tokens")
+                raise EdgeSpecError(
+                    "response_format: the grammar allows no token of this model's vocabulary "
+                    f"after {len(self.tokens)} tokens"
+                )
             allowed.setflags(write=False)
             self._allowed = allowed
         return self._allowed
@@ -66,8 +68,9 @@ class Constraint:
         self._check()
         fill_next_token_bitmask(self._matcher, self._bits, 0)
         width = self.vocabulary.width
-        return np.unpackbits(self._bits.astype("<i4", copy=False).view(np.uint8), bitorder="little",
-                             count=width).view(bool)
+        return np.unpackbits(self._bits.astype("<i4", copy=False).view(np.uint8), bitorder="little", count=width).view(
+            bool
+        )
 
     def advance(self, token: int) -> None:
         """Consume ``token``; :class:`ConstraintViolation` (state unchanged) if the grammar forbids it."""
@@ -77,14 +80,19 @@ class Constraint:
         elif self._allowed is not None:
             ok = 0 <= token < self.vocabulary.width and bool(self._allowed[token])
         else:
-            ok = (0 <= token < self.vocabulary.width and bool(self.vocabulary.usable[token])
-                  and self._matcher.validate_tokens([token]) == 1)
+            ok = (
+                0 <= token < self.vocabulary.width
+                and bool(self.vocabulary.usable[token])
+                and self._matcher.validate_tokens([token]) == 1
+            )
         if not ok:
             raise ConstraintViolation(f"token {token} is not allowed by the grammar after {len(self.tokens)} tokens")
         if token in self.vocabulary.end_ids:
             self._ended += 1
         elif not self._matcher.consume_token(token):
-            raise ConstraintViolation(f"the grammar engine refused token {token}: {first_line(self._matcher.get_error())}")
+            raise ConstraintViolation(
+                f"the grammar engine refused token {token}: {first_line(self._matcher.get_error())}"
+            )
         self.tokens.append(token)
         self._allowed = None
 
@@ -97,8 +105,9 @@ class Constraint:
         ended = min(count, self._ended)
         self._ended -= ended
         if count > ended and not self._matcher.rollback(count - ended):
-            raise RuntimeError(f"the grammar engine could not take back {count} tokens: "
-                               f"{first_line(self._matcher.get_error())}")
+            raise RuntimeError(
+                f"the grammar engine could not take back {count} tokens: {first_line(self._matcher.get_error())}"
+            )
         del self.tokens[-count:]
         self._allowed = None
 

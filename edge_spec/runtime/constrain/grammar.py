@@ -29,12 +29,14 @@ def grammar_for(response_format: dict | None) -> str | None:
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
-        raise EdgeSpecError(f"response_format must be an object such as {{\"type\": \"json_object\"}}, "
-                            f"not {type(response_format).__name__}")
+        raise EdgeSpecError(
+            f'response_format must be an object such as {{"type": "json_object"}}, not {type(response_format).__name__}'
+        )
     kind = response_format.get("type")
     if kind not in RESPONSE_FORMATS:
-        raise EdgeSpecError(f"response_format type {kind!r} is not supported; choose one of: "
-                            f"{', '.join(RESPONSE_FORMATS)}")
+        raise EdgeSpecError(
+            f"response_format type {kind!r} is not supported; choose one of: {', '.join(RESPONSE_FORMATS)}"
+        )
     if kind == "text":
         return None
     if kind in ("regex", "lark"):

@@ -45,8 +45,9 @@ class GrammarVocabulary:
             raise EdgeSpecError(f"the tokenizer has {size} tokens but the model only {width} logit rows")
         self.usable = usable_rows(tokenizer, width)
         self.usable.setflags(write=False)
-        self.added_ids = np.array(sorted(i for i in tokenizer.get_added_tokens_decoder() if 0 <= i < width),
-                                  dtype=np.int64)  # the tokens the grammar engine reads as special
+        self.added_ids = np.array(
+            sorted(i for i in tokenizer.get_added_tokens_decoder() if 0 <= i < width), dtype=np.int64
+        )  # the tokens the grammar engine reads as special
         if tokenizer.padding is not None or tokenizer.truncation is not None:  # neither belongs in a grammar's view
             tokenizer = Tokenizer.from_str(tokenizer.to_str())
             tokenizer.no_padding()

@@ -32,27 +32,45 @@ def check_constraint(config: LoopConfig) -> None:
     """Refuse, in one line, a constraint the loop cannot honour: only target-only decoding and the chain
     mask what they verify."""
     if not isinstance(config, (ArConfig, ChainConfig)):
-        raise EdgeSpecError("response_format (constrained output) runs in --mode ar and one-chain spec, not in "
-                            "multi-draft spec (--drafts > 1) or --mode ssd")
+        raise EdgeSpecError(
+            "response_format (constrained output) runs in --mode ar and one-chain spec, not in "
+            "multi-draft spec (--drafts > 1) or --mode ssd"
+        )
 
 
-def generate_tokens(config: LoopConfig, target: Decoder, context: ProposerContext, prompt_ids: list[int],
-                    params: SamplingParams, rng: np.random.Generator, max_new_tokens: int,
-                    stats: SpecStats | None = None, memory: ScheduleMemory | None = None,
-                    constraint: Constraint | None = None) -> Iterator[int]:
+def generate_tokens(
+    config: LoopConfig,
+    target: Decoder,
+    context: ProposerContext,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    max_new_tokens: int,
+    stats: SpecStats | None = None,
+    memory: ScheduleMemory | None = None,
+    constraint: Constraint | None = None,
+) -> Iterator[int]:
     """The token stream of one request in the loop ``config`` names (``memory``: the chain schedule's
     carried calibration, see ``schedule.memory``; ``constraint``: what the answer may contain, fresh,
     followed token by token; the chain then drafts the tokens it forces first)."""
     if constraint is not None:
         check_constraint(config)
     if isinstance(config, ArConfig):
-        return generate_autoregressive(target, prompt_ids, params, rng, max_new_tokens, constraint,
-                                       stats.token_logprobs if stats is not None else None)
+        return generate_autoregressive(
+            target,
+            prompt_ids,
+            params,
+            rng,
+            max_new_tokens,
+            constraint,
+            stats.token_logprobs if stats is not None else None,
+        )
     names = proposer_names(config)
     if constraint is not None and "forced" not in names:
         names = ("forced",) + names
     proposers = build_proposers(names, context)
     if isinstance(config, ChainConfig):
-        return generate_chain(target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats, memory,
-                              constraint)
+        return generate_chain(
+            target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats, memory, constraint
+        )
     return SPECULATIVE_LOOPS[type(config)](target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats)

@@ -13,8 +13,13 @@ from edge_spec.runtime.verify.coupled import draw_sampled
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, mask_logits
 
 
-def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, position: int,
-                 allowed: np.ndarray | None = None) -> int:
+def choose_token(
+    logits: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    position: int,
+    allowed: np.ndarray | None = None,
+) -> int:
     """The token at sequence index ``position``: greedy = first argmax (no softmax needed); coupled =
     the race with that position's noise; otherwise drawn from the processed distribution.  ``allowed``:
     a constraint's mask, applied to the logits first."""
@@ -26,8 +31,13 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
 
 
 def generate_autoregressive(
-    target: Decoder, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, max_new_tokens: int,
-    constraint: Constraint | None = None, logprobs: LogprobRecorder | None = None,
+    target: Decoder,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    max_new_tokens: int,
+    constraint: Constraint | None = None,
+    logprobs: LogprobRecorder | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` ids; the caller stops early (eos, stop string, cancel) by closing us.
     ``constraint``: each token is chosen among the tokens it allows (the masked logits).  ``logprobs``:

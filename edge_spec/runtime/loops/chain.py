@@ -37,17 +37,32 @@ from edge_spec.runtime.verify.chain import verify_chain
 from edge_spec.runtime.verify.sampling import SamplingParams
 
 
-def generate_chain(target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
-                   rng: np.random.Generator, max_new_tokens: int, config: ChainConfig = ChainConfig(),
-                   stats: SpecStats | None = None, memory: ScheduleMemory | None = None,
-                   constraint: Constraint | None = None) -> Iterator[int]:
+def generate_chain(
+    target: Decoder,
+    proposers: list[Proposer],
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    max_new_tokens: int,
+    config: ChainConfig = ChainConfig(),
+    stats: SpecStats | None = None,
+    memory: ScheduleMemory | None = None,
+    constraint: Constraint | None = None,
+) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them
     (under ``constraint``: as target-only decoding masked to what it allows would).
     ``memory``: what the schedule learned in earlier requests with this drafter (updated in place)."""
     request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, constraint)
     calibration = memory.calibration(params.regime) if memory else None
-    planner = DraftPlanner(proposers, target, config.gamma, config.adaptive, config.min_confidence, calibration,
-                           memory.overhead if memory else None)
+    planner = DraftPlanner(
+        proposers,
+        target,
+        config.gamma,
+        config.adaptive,
+        config.min_confidence,
+        calibration,
+        memory.overhead if memory else None,
+    )
     yield from request.start()
     while not request.done:
         # 1. draft: the planner picks who drafts and how many

@@ -65,7 +65,9 @@ class TreeConfig:
         if self.drafts < 2:
             raise EdgeSpecError("multi-draft decoding needs at least 2 drafts")
         if self.verifier not in VERIFIERS:
-            raise EdgeSpecError(f"unknown multi-draft verifier {self.verifier!r}; choose one of: {', '.join(VERIFIERS)}")
+            raise EdgeSpecError(
+                f"unknown multi-draft verifier {self.verifier!r}; choose one of: {', '.join(VERIFIERS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,10 @@ def loop_config(mode: str, **settings) -> LoopConfig:
     for name, value in given.items():
         flag, honoured_by = SETTINGS[name]
         if loop not in honoured_by and not (DEFAULTS_ANYWHERE.get(name) == value and loop is not ArConfig):
-            raise EdgeSpecError(f"{flag} does not apply to {_describe(loop)}; it applies to "
-                                f"{' and '.join(_describe(c) for c in honoured_by)}")
+            raise EdgeSpecError(
+                f"{flag} does not apply to {_describe(loop)}; it applies to "
+                f"{' and '.join(_describe(c) for c in honoured_by)}"
+            )
     if loop is ChainConfig:
         given.pop("drafts", None)
         schedule = given.pop("schedule", "adaptive")
@@ -140,13 +144,19 @@ def check_sampling(config: LoopConfig, params: SamplingParams) -> None:
     """Refuse, in one line, a sampling setting the loop cannot honour: multi-draft trees draw their
     branches for rejection sampling, so coupled sampling (``verify.coupled``) has no tree verifier."""
     if params.coupled and isinstance(config, TreeConfig):
-        raise EdgeSpecError("--sampler coupled applies to --mode ar, ssd and one-chain spec; multi-draft trees "
-                            "draw their branches for rejection sampling (--drafts 1, or --sampler rejection)")
+        raise EdgeSpecError(
+            "--sampler coupled applies to --mode ar, ssd and one-chain spec; multi-draft trees "
+            "draw their branches for rejection sampling (--drafts 1, or --sampler rejection)"
+        )
 
 
 def _describe(loop: type) -> str:
-    return {ArConfig: "--mode ar", ChainConfig: "--mode spec", TreeConfig: "multi-draft spec (--drafts > 1)",
-            SsdConfig: "--mode ssd"}[loop]
+    return {
+        ArConfig: "--mode ar",
+        ChainConfig: "--mode spec",
+        TreeConfig: "multi-draft spec (--drafts > 1)",
+        SsdConfig: "--mode ssd",
+    }[loop]
 
 
 def _check_gamma(gamma: int) -> None:

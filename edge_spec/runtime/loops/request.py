@@ -36,9 +36,17 @@ from edge_spec.runtime.verify.sampling import SamplingParams, mask_logits
 class Request:
     """One speculative request, from prompt to ``max_new_tokens`` (see the module docstring)."""
 
-    def __init__(self, target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
-                 rng: np.random.Generator, max_new_tokens: int, stats: SpecStats | None = None,
-                 constraint: Constraint | None = None) -> None:
+    def __init__(
+        self,
+        target: Decoder,
+        proposers: list[Proposer],
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        max_new_tokens: int,
+        stats: SpecStats | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
         self.target, self.proposers = target, proposers
         self.constraint = constraint  # what the answer may contain; follows ``committed``
         self._walked = 0  # drafts of this round the constraint was advanced over (see constrain)
@@ -103,8 +111,9 @@ class Request:
     def clock(self) -> "RoundClock":
         return RoundClock(self.drafter, self.target)
 
-    def accept(self, accepted: int, tokens: list[int], outputs: dict[str, np.ndarray],
-               path: list[int] | None = None) -> Iterator[int]:
+    def accept(
+        self, accepted: int, tokens: list[int], outputs: dict[str, np.ndarray], path: list[int] | None = None
+    ) -> Iterator[int]:
         """Keep the pending token and ``accepted`` drafts (a tree: the nodes of ``path``) in the caches;
         emit ``tokens`` (accepted drafts + correction/bonus), which leaves the last one pending."""
         base = len(self.committed) - 1  # cache length before this round
@@ -124,8 +133,9 @@ class Request:
         rows = outputs["logits"][path] if path is not None else outputs["logits"]  # token i's row: i, or path[i]
         yield from self.emit(tokens, [self._round_source] * accepted + [TARGET], rows)
 
-    def emit(self, tokens: list[int], sources: list[str] | None = None,
-             rows: np.ndarray | None = None) -> Iterator[int]:
+    def emit(
+        self, tokens: list[int], sources: list[str] | None = None, rows: np.ndarray | None = None
+    ) -> Iterator[int]:
         """Yield ``tokens`` up to the budget; ``sources`` (default: all the target's) go to the stats'
         ``token_sources`` when kept, one per token yielded; ``rows[i]``, the target's raw row that
         ``tokens[i]`` was chosen from, gives its entry in ``token_logprobs`` when kept."""
@@ -141,12 +151,26 @@ class Request:
                 logprobs.record(rows[i], token)
             yield token
 
-    def record_round(self, block: DraftBlock, accepted: int, emitted: list[int], clock: "RoundClock",
-                     drafted: int | None = None, first_accepted: bool | None = None) -> None:
+    def record_round(
+        self,
+        block: DraftBlock,
+        accepted: int,
+        emitted: list[int],
+        clock: "RoundClock",
+        drafted: int | None = None,
+        first_accepted: bool | None = None,
+    ) -> None:
         self._round_source = block.source or "none"
-        self.stats.record_round(block, accepted, accepted > 0 if first_accepted is None else first_accepted,
-                                emitted, drafted=drafted, draft_seconds=clock.draft_seconds,
-                                verify_seconds=clock.verify_seconds, head_seconds=clock.head_seconds)
+        self.stats.record_round(
+            block,
+            accepted,
+            accepted > 0 if first_accepted is None else first_accepted,
+            emitted,
+            drafted=drafted,
+            draft_seconds=clock.draft_seconds,
+            verify_seconds=clock.verify_seconds,
+            head_seconds=clock.head_seconds,
+        )
 
 
 class RoundClock:

@@ -80,9 +80,16 @@ def _draft_rng(seed: int, position: int) -> np.random.Generator:
     return np.random.default_rng([seed, position])
 
 
-def generate_ssd(target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
-                 rng: np.random.Generator, max_new_tokens: int, config: SsdConfig = SsdConfig(),
-                 stats: SpecStats | None = None) -> Iterator[int]:
+def generate_ssd(
+    target: Decoder,
+    proposers: list[Proposer],
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    max_new_tokens: int,
+    config: SsdConfig = SsdConfig(),
+    stats: SpecStats | None = None,
+) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
     request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
     drafter = request.drafter
@@ -102,8 +109,9 @@ def generate_ssd(target: Decoder, proposers: list[Proposer], prompt_ids: list[in
                 block = ready
                 stats.speculation_hits += 1
             else:
-                block = drafter.propose(request.committed, gamma, _rule(params, draft_seed, request.committed, gamma,
-                                                                        config.fan_out))
+                block = drafter.propose(
+                    request.committed, gamma, _rule(params, draft_seed, request.committed, gamma, config.fan_out)
+                )
                 stats.speculation_misses += bool(gamma)
             clock.drafted()
 
@@ -111,9 +119,20 @@ def generate_ssd(target: Decoder, proposers: list[Proposer], prompt_ids: list[in
             pending: Future = worker.submit(target.forward, [request.pending] + block.tokens, len(block.tokens) + 1)
             cache = SpeculationCache()
             if block.tokens:
-                _prepare(drafter, request.committed, block, params, draft_seed, config, pending.done, cache, stats,
-                         room_after=lambda prefix: request.room(prefix, request.emitted + len(prefix)
-                                                                - len(request.committed)))
+                _prepare(
+                    drafter,
+                    request.committed,
+                    block,
+                    params,
+                    draft_seed,
+                    config,
+                    pending.done,
+                    cache,
+                    stats,
+                    room_after=lambda prefix: request.room(
+                        prefix, request.emitted + len(prefix) - len(request.committed)
+                    ),
+                )
             outputs = pending.result()
             result = verify_chain(block.tokens, block.q_rows, outputs["logits"], params, rng, len(request.committed))
             clock.verified()
@@ -126,16 +145,33 @@ def generate_ssd(target: Decoder, proposers: list[Proposer], prompt_ids: list[in
             yield from request.accept(result.accepted, result.tokens, outputs)
 
 
-def _rule(params: SamplingParams, draft_seed: int, prefix: list[int], gamma: int, fan_out: int,
-          should_stop: Callable[[], bool] | None = None) -> DraftRule:
+def _rule(
+    params: SamplingParams,
+    draft_seed: int,
+    prefix: list[int],
+    gamma: int,
+    fan_out: int,
+    should_stop: Callable[[], bool] | None = None,
+) -> DraftRule:
     """Drafting for a round after ``prefix``: the prefix-keyed stream, the top tokens SSD predicts from."""
-    return DraftRule(params, _draft_rng(draft_seed, len(prefix)), gamma, alternatives=fan_out + 1,
-                     should_stop=should_stop)
+    return DraftRule(
+        params, _draft_rng(draft_seed, len(prefix)), gamma, alternatives=fan_out + 1, should_stop=should_stop
+    )
 
 
-def _prepare(drafter: ModelDrafter, committed: list[int], block: DraftBlock, params: SamplingParams, draft_seed: int,
-             config: SsdConfig, verified: Callable[[], bool], cache: SpeculationCache, stats: SpecStats, *,
-             room_after: Callable[[list[int]], int]) -> None:
+def _prepare(
+    drafter: ModelDrafter,
+    committed: list[int],
+    block: DraftBlock,
+    params: SamplingParams,
+    draft_seed: int,
+    config: SsdConfig,
+    verified: Callable[[], bool],
+    cache: SpeculationCache,
+    stats: SpecStats,
+    *,
+    room_after: Callable[[list[int]], int],
+) -> None:
     """Draft the next round for the most likely outcomes of ``block`` until ``verified()`` (speculations
     -1) or for exactly ``config.speculations`` outcomes, each no longer than the next round may verify
     (``room_after(prefix)``: the context and the token budget bound it as they bound this round).  Its

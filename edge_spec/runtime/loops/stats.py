@@ -83,9 +83,18 @@ class SpecStats:
     # order, when asked for (None: nothing computed; see ``logprobs``)
     token_logprobs: LogprobRecorder | None = None
 
-    def record_round(self, block: DraftBlock, accepted: int, first_accepted: bool, emitted: list[int], *,
-                     drafted: int | None = None, draft_seconds: float = 0.0, verify_seconds: float = 0.0,
-                     head_seconds: float = 0.0) -> None:
+    def record_round(
+        self,
+        block: DraftBlock,
+        accepted: int,
+        first_accepted: bool,
+        emitted: list[int],
+        *,
+        drafted: int | None = None,
+        draft_seconds: float = 0.0,
+        verify_seconds: float = 0.0,
+        head_seconds: float = 0.0,
+    ) -> None:
         """One verify pass over ``block`` (``drafted``: its size when not ``len(block.tokens)``, a tree)."""
         drafted = len(block.tokens) if drafted is None else drafted
         self.accepted.append(accepted)
@@ -112,16 +121,25 @@ class SpecStats:
         gamma = sum(self.drafted) / calls if calls else 0.0
         with_drafts = sum(1 for d in self.drafted if d)
         return SpecSummary(
-            tau=tau, target_calls=calls, mean_gamma=gamma,
+            tau=tau,
+            target_calls=calls,
+            mean_gamma=gamma,
             acceptance_rate=sum(self.accepted) / sum(self.drafted) if sum(self.drafted) else 0.0,
             first_token_acceptance=self.first_accepted / with_drafts if with_drafts else 0.0,
-            draft_steps=self.draft_steps, draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds,
+            draft_steps=self.draft_steps,
+            draft_seconds=self.draft_seconds,
+            verify_seconds=self.verify_seconds,
             head_seconds=self.head_seconds,
             candidate_recall=self.candidate_hits / self.candidate_checks if self.candidate_checks else 0.0,
-            param_ratio=param_ratio, bytes_ratio=bytes_ratio,
+            param_ratio=param_ratio,
+            bytes_ratio=bytes_ratio,
             mbsu=tau / (param_ratio * gamma + 1) if calls else 0.0,
             mbsu_bytes=tau / (bytes_ratio * gamma + 1) if calls and bytes_ratio else None,
             sources={name: SourceTally(**vars(t)) for name, t in self.sources.items()},
-            accepted_lengths=list(self.accepted), speculation_hits=self.speculation_hits,
-            speculation_misses=self.speculation_misses, speculations_prepared=self.speculations_prepared,
-            prepare_seconds=self.prepare_seconds, drafted_lengths=list(self.drafted))
+            accepted_lengths=list(self.accepted),
+            speculation_hits=self.speculation_hits,
+            speculation_misses=self.speculation_misses,
+            speculations_prepared=self.speculations_prepared,
+            prepare_seconds=self.prepare_seconds,
+            drafted_lengths=list(self.drafted),
+        )

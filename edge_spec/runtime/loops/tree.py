@@ -53,23 +53,37 @@ def check_tree(target: Decoder, config: TreeConfig, params: SamplingParams | Non
     if config.verifier == "spechub" and config.drafts != 2 and params is not None and not params.greedy:
         raise EdgeSpecError("SpecHub verifies exactly 2 drafts per step (--drafts 2)")
     if not target.supports_tree:
-        raise EdgeSpecError("this bundle's target graph has no tree-attention inputs; re-export it with this "
-                            "edge-spec version to use multi-draft decoding")
+        raise EdgeSpecError(
+            "this bundle's target graph has no tree-attention inputs; re-export it with this "
+            "edge-spec version to use multi-draft decoding"
+        )
 
 
-def _root_drafts(logits: np.ndarray, ids: np.ndarray | None, params: SamplingParams, config: TreeConfig,
-                 vocab_size: int, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+def _root_drafts(
+    logits: np.ndarray,
+    ids: np.ndarray | None,
+    params: SamplingParams,
+    config: TreeConfig,
+    vocab_size: int,
+    rng: np.random.Generator,
+) -> tuple[list[int], np.ndarray | None]:
     """The k first tokens (target ids) and, when sampling, the full-vocabulary q they came from."""
     if params.greedy:
-        top = np.argsort(-logits, kind="stable")[:config.drafts]
+        top = np.argsort(-logits, kind="stable")[: config.drafts]
         return [int(t) if ids is None else int(ids[t]) for t in top], None
     probs = logits_to_probs(logits, params)
     q = probs if ids is None else scatter_probs(probs, ids, vocab_size, validate=False)
     return draw_first_tokens(q, config.drafts, config.verifier, rng), q
 
 
-def _verify_root(first_tokens: list[int], q_root: np.ndarray | None, root_row: np.ndarray,
-                 params: SamplingParams, verifier: str, rng: np.random.Generator) -> tuple[int, bool]:
+def _verify_root(
+    first_tokens: list[int],
+    q_root: np.ndarray | None,
+    root_row: np.ndarray,
+    params: SamplingParams,
+    verifier: str,
+    rng: np.random.Generator,
+) -> tuple[int, bool]:
     """The token emitted at the root and whether it is one of the drafts."""
     if params.greedy:
         best = int(np.argmax(root_row))
@@ -80,8 +94,14 @@ def _verify_root(first_tokens: list[int], q_root: np.ndarray | None, root_row: n
     return ladder_for(verifier, first_tokens, q_root, p).sample(rng)
 
 
-def draft_branches(drafter: ModelDrafter, committed: list[int], depth: int, config: TreeConfig,
-                   params: SamplingParams, rng: np.random.Generator) -> tuple[list[DraftBlock], list[int], np.ndarray | None]:
+def draft_branches(
+    drafter: ModelDrafter,
+    committed: list[int],
+    depth: int,
+    config: TreeConfig,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[list[DraftBlock], list[int], np.ndarray | None]:
     """The root distribution once, then one chain of ``depth`` tokens per distinct first token
     (a repeated first token shares its branch).  Returns the branches, the first tokens as drawn
     (what the root verifier needs) and the root q when sampling."""
@@ -98,9 +118,16 @@ def draft_branches(drafter: ModelDrafter, committed: list[int], depth: int, conf
     return branches, first_tokens, q_root
 
 
-def generate_tree(target: Decoder, proposers: list[Proposer], prompt_ids: list[int], params: SamplingParams,
-                  rng: np.random.Generator, max_new_tokens: int, config: TreeConfig,
-                  stats: SpecStats | None = None) -> Iterator[int]:
+def generate_tree(
+    target: Decoder,
+    proposers: list[Proposer],
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    max_new_tokens: int,
+    config: TreeConfig,
+    stats: SpecStats | None = None,
+) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
     check_tree(target, config, params)
     request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
@@ -126,7 +153,7 @@ def generate_tree(target: Decoder, proposers: list[Proposer], prompt_ids: list[i
             branch = [b.tokens[0] for b in branches].index(token)
             chain, nodes = branches[branch], tree.nodes(branch)
             result = verify_chain(chain.tokens[1:], chain.q_rows, rows[nodes], params, rng, len(request.committed) + 1)
-            path += nodes[:1 + result.accepted]
+            path += nodes[: 1 + result.accepted]
             tokens = [token] + result.tokens
         clock.verified()
         tally = DraftBlock("model", steps=sum(b.steps for b in branches))

@@ -55,7 +55,6 @@ from edge_spec.runtime.model.kv_cache import kv_storage
 from edge_spec.runtime.model.providers import open_session
 from edge_spec.runtime.model.session import set_spinning
 
-
 ATTENTION_PAD_KEY = "edge_spec.attention_pad"  # graph metadata "1": the graph pads its attention (see above)
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
 # outputs given for every row fed (not only the last ``num_logits``): the target's hidden states of chosen
@@ -68,8 +67,10 @@ def damaged_weights_message(model_path: Path) -> str:
     model_path = Path(model_path)
     role = model_path.parent.name
     what = f"the {role}" if role in ("target", "draft", "eagle") else str(model_path)
-    return (f"{what} produced NaN/inf logits: the bundle's weights are damaged; "
-            f"run edge-spec info {model_path.parent.parent} --verify")
+    return (
+        f"{what} produced NaN/inf logits: the bundle's weights are damaged; "
+        f"run edge-spec info {model_path.parent.parent} --verify"
+    )
 
 
 @dataclass
@@ -183,8 +184,7 @@ class Decoder:
         self.transfers = Transfers()
         self.on_device = provider.lower() != "cpu"  # inputs bound from host memory cross the bus
         slots = capacity + int(self.pads_attention)  # the attention pad row's keys go one slot past the sequence
-        self.kv = kv_storage(provider, (1, kv_heads, slots, head_dim), 2 * self.num_layers, kv_device,
-                             provider_options)
+        self.kv = kv_storage(provider, (1, kv_heads, slots, head_dim), 2 * self.num_layers, kv_device, provider_options)
         self.supports_tree = {"position_ids", "attention_bias"} <= self.input_names
         self._binding = self.session.io_binding()
         # results are bound first so that get_outputs()[i] is result i (re-binding keeps the slot)
@@ -201,8 +201,14 @@ class Decoder:
         self.__dict__.pop("_binding", None)
         self.__dict__.pop("kv", None)
 
-    def forward(self, token_ids, num_logits: int = 1, tree: DraftTree | None = None,
-                prefill: bool = False, inputs: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    def forward(
+        self,
+        token_ids,
+        num_logits: int = 1,
+        tree: DraftTree | None = None,
+        prefill: bool = False,
+        inputs: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
         """Append ``token_ids`` to the cache and return outputs for the last ``num_logits`` positions.
 
         With ``tree`` the tokens are that tree's nodes (``tree.tokens``), attended as a tree; call
@@ -232,8 +238,10 @@ class Decoder:
         wanted = min(num_logits, n)
         feeds["num_logits"] = np.array([wanted + pad], np.int64)
         if tree is not None and not self.supports_tree:
-            raise EdgeSpecError("this target graph has no tree-attention inputs (position_ids, attention_bias); "
-                                "re-export the bundle with this edge-spec version for multi-draft decoding")
+            raise EdgeSpecError(
+                "this target graph has no tree-attention inputs (position_ids, attention_bias); "
+                "re-export the bundle with this edge-spec version for multi-draft decoding"
+            )
         if self.supports_tree:
             if tree is not None and tree.size != n:
                 raise ValueError(f"tree has {tree.size} nodes but {n} tokens were fed")
@@ -254,8 +262,9 @@ class Decoder:
         results = [outs[i].numpy() for i in range(len(self._result_names))]
         if self.on_device:
             self._count(sum(a.nbytes for a in feeds.values()), sum(a.nbytes for a in results))
-        return {name: results[i][0, :n if name in ALL_ROW_OUTPUTS else wanted]
-                for i, name in enumerate(self._result_names)}
+        return {
+            name: results[i][0, : n if name in ALL_ROW_OUTPUTS else wanted] for i, name in enumerate(self._result_names)
+        }
 
     def _count(self, uploaded: int, fetched: int) -> None:
         """File one pass's host<->device copies in :attr:`transfers` (the cache's own, where it is on
@@ -269,7 +278,9 @@ class Decoder:
     def keep_path(self, start: int, nodes: list[int]) -> None:
         """After a tree pass whose nodes were appended at ``start``: keep only ``nodes`` (pass-order
         indices, ascending, root first), moved down to consecutive slots; forget the rest."""
-        if any(b <= a for a, b in zip(nodes, nodes[1:])) or (nodes and not 0 <= nodes[0] <= nodes[-1] < self.length - start):
+        if any(b <= a for a, b in zip(nodes, nodes[1:])) or (
+            nodes and not 0 <= nodes[0] <= nodes[-1] < self.length - start
+        ):
             raise ValueError(f"cannot keep nodes {nodes} of the {self.length - start} fed at {start}")
         moved = [(start + d, start + n) for d, n in enumerate(nodes) if n != d]
         if moved:
@@ -334,7 +345,7 @@ class Decoder:
         done = 0
         every_row: dict[str, list[np.ndarray]] = {}  # outputs of all rows, pass by pass
         while len(todo) - done > last + 1:
-            result = self.forward(todo[done:done + self.prefill_chunk], 1, prefill=True)
+            result = self.forward(todo[done : done + self.prefill_chunk], 1, prefill=True)
             for name in ALL_ROW_OUTPUTS & result.keys():
                 every_row.setdefault(name, []).append(result[name])
             done += self.prefill_chunk

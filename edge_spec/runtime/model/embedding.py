@@ -71,9 +71,17 @@ def _unpack_int4(packed: np.ndarray) -> np.ndarray:
 class RowTable:
     """A ``[V, H]`` weight whose rows are dequantized on demand (block-quantized) or read (fp32)."""
 
-    def __init__(self, *, packed: np.ndarray | None = None, scales: np.ndarray | None = None,
-                 bits: int = 4, block_size: int = 32, dense: np.ndarray | None = None,
-                 transposed: bool = False, hidden_size: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        packed: np.ndarray | None = None,
+        scales: np.ndarray | None = None,
+        bits: int = 4,
+        block_size: int = 32,
+        dense: np.ndarray | None = None,
+        transposed: bool = False,
+        hidden_size: int | None = None,
+    ) -> None:
         self.packed, self.dense, self.bits, self.block_size = packed, dense, bits, block_size
         self.transposed = transposed
         if dense is not None:
@@ -129,8 +137,14 @@ class TargetEmbedding(RowTable):
     def from_onnx(cls, onnx_path) -> TargetEmbedding:
         onnx_path = Path(onnx_path)
         graph = _graph(onnx_path)
-        node = next((n for n in graph.node if n.op_type in ("GatherBlockQuantized", "Gather")
-                     and n.input and n.input[0].startswith("embed.")), None)
+        node = next(
+            (
+                n
+                for n in graph.node
+                if n.op_type in ("GatherBlockQuantized", "Gather") and n.input and n.input[0].startswith("embed.")
+            ),
+            None,
+        )
         if node is None:
             raise EdgeSpecError(f"{onnx_path} has no embedding lookup (embed.* Gather / GatherBlockQuantized)")
         if node.op_type == "Gather":
@@ -138,9 +152,12 @@ class TargetEmbedding(RowTable):
         attrs = _node_attrs(node)
         if attrs.get("gather_axis", 0) != 0 or attrs.get("quantize_axis", 1) != 1 or len(node.input) > 3:
             raise EdgeSpecError(f"{onnx_path}: unsupported embedding quantization layout {attrs}")
-        return cls(packed=read_initializer(onnx_path, node.input[0], graph),
-                   scales=read_initializer(onnx_path, node.input[2], graph),
-                   bits=int(attrs.get("bits", 4)), block_size=int(attrs.get("block_size", 128)))
+        return cls(
+            packed=read_initializer(onnx_path, node.input[0], graph),
+            scales=read_initializer(onnx_path, node.input[2], graph),
+            bits=int(attrs.get("bits", 4)),
+            block_size=int(attrs.get("block_size", 128)),
+        )
 
 
 class TargetLMHead(RowTable):
@@ -157,8 +174,16 @@ class TargetLMHead(RowTable):
         MatMulNBits node, or ``name.weight`` of a MatMul, stored transposed), as ``add_linear`` writes it."""
         onnx_path = Path(onnx_path)
         graph = graph if graph is not None else _graph(onnx_path)
-        node = next((n for n in graph.node if n.op_type in ("MatMulNBits", "MatMul")
-                     and len(n.input) > 1 and n.input[1] in (name + ".qweight", name + ".weight")), None)
+        node = next(
+            (
+                n
+                for n in graph.node
+                if n.op_type in ("MatMulNBits", "MatMul")
+                and len(n.input) > 1
+                and n.input[1] in (name + ".qweight", name + ".weight")
+            ),
+            None,
+        )
         if node is None:
             raise EdgeSpecError(f"{onnx_path} has no linear layer {name!r} ({name}.* MatMul / MatMulNBits)")
         if node.op_type == "MatMul":
@@ -166,9 +191,13 @@ class TargetLMHead(RowTable):
         attrs = _node_attrs(node)
         if len(node.input) > 3 and any(node.input[3:]):
             raise EdgeSpecError(f"{onnx_path}: {name} with zero points / bias is not supported")
-        return cls(packed=read_initializer(onnx_path, node.input[1], graph),
-                   scales=read_initializer(onnx_path, node.input[2], graph),
-                   bits=int(attrs["bits"]), block_size=int(attrs["block_size"]), hidden_size=int(attrs["K"]))
+        return cls(
+            packed=read_initializer(onnx_path, node.input[1], graph),
+            scales=read_initializer(onnx_path, node.input[2], graph),
+            bits=int(attrs["bits"]),
+            block_size=int(attrs["block_size"]),
+            hidden_size=int(attrs["K"]),
+        )
 
 
 __all__ = ["RowTable", "TargetEmbedding", "TargetLMHead", "read_initializer"]

@@ -41,7 +41,7 @@ def thp_mode() -> str:
     try:
         with open(THP_SETTING) as handle:
             text = handle.read()
-        return text[text.index("[") + 1:text.index("]")]
+        return text[text.index("[") + 1 : text.index("]")]
     except (OSError, ValueError):
         return "absent"
 
@@ -49,8 +49,12 @@ def thp_mode() -> str:
 def enabled() -> bool:
     """Whether this process may promote: Linux with ``/proc``, huge pages not turned off by the system's
     owner (mode "never": ``MADV_COLLAPSE`` would ignore that), and not switched off for edge-spec."""
-    return (sys.platform.startswith("linux") and os.path.exists("/proc/self/maps")
-            and thp_mode() in ("always", "madvise") and os.environ.get(ENV_SWITCH, "1") != "0")
+    return (
+        sys.platform.startswith("linux")
+        and os.path.exists("/proc/self/maps")
+        and thp_mode() in ("always", "madvise")
+        and os.environ.get(ENV_SWITCH, "1") != "0"
+    )
 
 
 def anonymous_regions() -> list[Region]:

@@ -76,8 +76,13 @@ class DeviceKV:
         self.last_move_bytes = self.mover.host_bytes
 
 
-def kv_storage(provider: str, shape: tuple[int, int, int, int], buffers: int, device: str | None = None,
-               provider_options: dict[str, str] | None = None) -> KVStorage:
+def kv_storage(
+    provider: str,
+    shape: tuple[int, int, int, int],
+    buffers: int,
+    device: str | None = None,
+    provider_options: dict[str, str] | None = None,
+) -> KVStorage:
     """The storage for a decoder on ``provider``: on its device where it has one, else host memory
     (``device`` overrides: "host" gives numpy buffers on any provider, "cpu" device-style OrtValues in
     host memory; both for tests and measurements)."""
@@ -89,8 +94,10 @@ def kv_storage(provider: str, shape: tuple[int, int, int, int], buffers: int, de
     options = provider_options if ep == provider else None
     device_id = int((options or {}).get("device_id", 0))
     if device in DIRECTLY_ALLOCATED:
-        values = [ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, device, device_id)
-                  for _ in range(buffers)]
+        values = [
+            ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, device, device_id)
+            for _ in range(buffers)
+        ]
     else:
         values = zeros_on_device(ep, options, shape, buffers, device)
     return DeviceKV(values, device, SlotMover(ep, options, buffers, shape[1], shape[3]))

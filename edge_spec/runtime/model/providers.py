@@ -45,8 +45,9 @@ def resolve_provider(name: str) -> list[str]:
     return [full] if full == "CPUExecutionProvider" else [full, "CPUExecutionProvider"]
 
 
-def open_session(model, opts: ort.SessionOptions, provider: str,
-                 provider_options: dict[str, str] | None = None) -> ort.InferenceSession:
+def open_session(
+    model, opts: ort.SessionOptions, provider: str, provider_options: dict[str, str] | None = None
+) -> ort.InferenceSession:
     """An ``InferenceSession`` on ``provider`` (CPU as fallback for single unsupported ops), or a one-line
     error.  ORT's Python API silently falls back to the CPU EP when an EP cannot start (no GPU adapter,
     no driver) and prints why on stdout; here that is caught and named instead of running on the CPU."""
@@ -56,8 +57,10 @@ def open_session(model, opts: ort.SessionOptions, provider: str,
     with contextlib.redirect_stdout(printed):
         session = ort.InferenceSession(model, opts, providers=providers, provider_options=options)
     if session.get_providers()[0] != providers[0]:
-        raise EdgeSpecError(f"execution provider {provider.lower()!r} could not start: {_why(printed.getvalue())}; "
-                            f"see edge-spec info --providers")
+        raise EdgeSpecError(
+            f"execution provider {provider.lower()!r} could not start: {_why(printed.getvalue())}; "
+            f"see edge-spec info --providers"
+        )
     return session
 
 
@@ -98,9 +101,12 @@ def _run_one_node(full: str, options: dict[str, str] | None) -> str | None:
     import numpy as np
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "probe",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     opts = ort.SessionOptions()

@@ -19,8 +19,9 @@ PROBE_LENGTHS = (40, 300)  # cache lengths the probe decodes at (short and past 
 PROBE_TOKENS = 6  # tokens decoded one at a time, then again in one pass
 
 
-def one_row_passes_match(decoder: Decoder, lengths: tuple[int, ...] = PROBE_LENGTHS,
-                         tokens: int = PROBE_TOKENS) -> bool:
+def one_row_passes_match(
+    decoder: Decoder, lengths: tuple[int, ...] = PROBE_LENGTHS, tokens: int = PROBE_TOKENS
+) -> bool:
     """Decode ``tokens`` seeded tokens after a cache of each length in ``lengths``: one per pass, in
     passes of two and three rows (kernels may have a path per row count), and all in one pass; True
     when every row's logits are equal bit for bit.  The decoder's cache is reset and its
@@ -31,8 +32,9 @@ def one_row_passes_match(decoder: Decoder, lengths: tuple[int, ...] = PROBE_LENG
 VERIFY_PASSES = (2, 3, 5, 9, 4, 7)  # verify passes of rounds of 1..8 drafts, each starting where the last ended
 
 
-def padded_passes_match(decoder: Decoder, rows: int, lengths: tuple[int, ...] = PROBE_LENGTHS[:1],
-                        sizes: tuple[int, ...] = VERIFY_PASSES) -> bool:
+def padded_passes_match(
+    decoder: Decoder, rows: int, lengths: tuple[int, ...] = PROBE_LENGTHS[:1], sizes: tuple[int, ...] = VERIFY_PASSES
+) -> bool:
     """Decode ``sum(sizes)`` seeded tokens after a cache of each length, one per pass and then in passes of
     ``sizes`` (unaligned: each starts where the last ended), every pass padded to ``rows``; True when every
     row's logits are equal bit for bit, the premise of exact greedy speculative decoding.
@@ -44,8 +46,9 @@ def padded_passes_match(decoder: Decoder, rows: int, lengths: tuple[int, ...] = 
     return _cuts_agree(decoder, rows, lengths, [[1] * tokens, list(sizes)], seed=1, spare=rows + 1)
 
 
-def _cuts_agree(decoder: Decoder, rows: int, lengths: tuple[int, ...], cuts: list[list[int]], seed: int,
-                spare: int) -> bool:
+def _cuts_agree(
+    decoder: Decoder, rows: int, lengths: tuple[int, ...], cuts: list[list[int]], seed: int, spare: int
+) -> bool:
     """After a seeded cache of each length, the same seeded tokens decoded cut into passes each way in
     ``cuts`` (the first is the reference), every pass padded to ``rows``: True when every cut gives every
     row the same logits bit for bit.  ``spare`` slots stay free past the tokens; the decoder's cache is
@@ -85,6 +88,6 @@ def logits_by_passes(decoder: Decoder, ids: list[int], sizes: list[int]) -> np.n
     """``ids`` appended to the cache in passes of ``sizes`` tokens, every row's logits in order."""
     rows, start = [], 0
     for size in sizes:
-        rows.append(decoder.forward(ids[start:start + size], size)["logits"])
+        rows.append(decoder.forward(ids[start : start + size], size)["logits"])
         start += size
     return np.concatenate(rows)

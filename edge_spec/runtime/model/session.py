@@ -25,8 +25,13 @@ def set_spinning(opts: ort.SessionOptions, takes_turns: bool) -> None:
     opts.add_session_config_entry("session.force_spinning_stop", "1" if takes_turns else "0")
 
 
-def small_session(model_path: Path, provider: str, threads: int, what: str = "drafter head",
-                  provider_options: dict[str, str] | None = None) -> ort.InferenceSession:
+def small_session(
+    model_path: Path,
+    provider: str,
+    threads: int,
+    what: str = "drafter head",
+    provider_options: dict[str, str] | None = None,
+) -> ort.InferenceSession:
     """These graphs run between the target's and the drafter's passes: they take turns (``set_spinning``)."""
     if not Path(model_path).is_file():
         raise EdgeSpecError(f"{what} not found: {model_path}")
@@ -40,8 +45,10 @@ def small_session(model_path: Path, provider: str, threads: int, what: str = "dr
         raise
     except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf on a damaged graph
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EdgeSpecError(f"cannot load {what} {model_path}: {first[:300]}; the bundle is damaged: run "
-                            f"edge-spec info {Path(model_path).parent.parent} --verify") from exc
+        raise EdgeSpecError(
+            f"cannot load {what} {model_path}: {first[:300]}; the bundle is damaged: run "
+            f"edge-spec info {Path(model_path).parent.parent} --verify"
+        ) from exc
 
 
 @contextmanager

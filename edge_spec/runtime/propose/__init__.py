@@ -18,10 +18,12 @@ from edge_spec.runtime.propose.lookup import PromptLookup
 
 def _loaded(name: str) -> Callable[[ProposerContext], Proposer]:
     """A drafter the engine loaded (it outlives the request)."""
+
     def get(context: ProposerContext) -> Proposer:
         if name not in context.drafters:
             raise EdgeSpecError(f"no {name!r} drafter is loaded for this request")
         return context.drafters[name]
+
     return get
 
 

@@ -82,7 +82,7 @@ def through_end(tokens: list[int], end_ids: frozenset[int]) -> list[int]:
     emitted, so verifying it would only cost a row."""
     for i, token in enumerate(tokens):
         if token in end_ids:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
 
 

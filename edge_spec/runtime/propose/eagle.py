@@ -36,8 +36,15 @@ class EagleDrafter(ChainDrafter):
 
     name = "eagle"
 
-    def __init__(self, head: Decoder, fc: ort.InferenceSession, embed: Callable[[list[int]], np.ndarray],
-                 draft_ids: np.ndarray, vocab_size: int, lm_head: DraftHead | SpecVocabHead | None = None) -> None:
+    def __init__(
+        self,
+        head: Decoder,
+        fc: ort.InferenceSession,
+        embed: Callable[[list[int]], np.ndarray],
+        draft_ids: np.ndarray,
+        vocab_size: int,
+        lm_head: DraftHead | SpecVocabHead | None = None,
+    ) -> None:
         super().__init__(vocab_size)
         self.head = head  # the layer graph and its one-layer KV cache; its tokens are each pair's token
         self.fc = fc
@@ -62,10 +69,10 @@ class EagleDrafter(ChainDrafter):
     def begin(self, prompt_ids: list[int], outputs: dict[str, np.ndarray]) -> None:
         features = outputs["features"]  # the positions the target's prefill computed: the prompt's tail
         self._keep(len(prompt_ids) - len(features))
-        self._add(prompt_ids[len(self.feature_tokens):], features)
+        self._add(prompt_ids[len(self.feature_tokens) :], features)
 
     def observe(self, tokens: list[int], outputs: dict[str, np.ndarray], accepted: int) -> None:
-        self._add(tokens, outputs["features"][:len(tokens)])
+        self._add(tokens, outputs["features"][: len(tokens)])
 
     def rewind(self, length: int) -> None:
         self._keep(length)
@@ -75,7 +82,7 @@ class EagleDrafter(ChainDrafter):
         if len(self.feature_tokens) < pending:
             raise RuntimeError(f"the EAGLE head has features of {len(self.feature_tokens)} positions, needs {pending}")
         self.head.rewind(min(self.head.length, self.true_pairs))
-        feed = self.head.sync(committed[1:pending + 1])  # pair t carries token t + 1
+        feed = self.head.sync(committed[1 : pending + 1])  # pair t carries token t + 1
         first = pending - len(feed)
         logits, ids = self._run(feed, self.embed(feed), self.fused[first:pending])
         self.true_pairs = pending
@@ -113,8 +120,14 @@ class EagleDrafter(ChainDrafter):
     def _run(self, tokens: list[int], embeds: np.ndarray, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One layer pass, then the LM head on its last row: (logits, target ids of their rows)."""
         started = time.perf_counter()
-        out = self.head.forward(tokens, 1, inputs={"inputs_embeds": embeds.astype(np.float32, copy=False),
-                                                   "hidden": np.ascontiguousarray(hidden, np.float32)})
+        out = self.head.forward(
+            tokens,
+            1,
+            inputs={
+                "inputs_embeds": embeds.astype(np.float32, copy=False),
+                "hidden": np.ascontiguousarray(hidden, np.float32),
+            },
+        )
         self.seconds += time.perf_counter() - started
         self._hidden = out["hidden_out"][-1]
         if self.lm_head is None:
@@ -124,7 +137,7 @@ class EagleDrafter(ChainDrafter):
     def _add(self, tokens: list[int], features: np.ndarray) -> None:
         start = len(self.feature_tokens)
         fused = self.fc.run(None, {"features": features[None].astype(np.float32, copy=False)})[0][0]
-        self.fused[start:start + len(tokens)] = fused
+        self.fused[start : start + len(tokens)] = fused
         self.feature_tokens.extend(tokens)
 
     def _keep(self, length: int) -> None:

@@ -30,8 +30,15 @@ def rows_of(ids: np.ndarray, universe: np.ndarray | None) -> np.ndarray:
 class DraftHead:
     """A static head: ``vocab_ids[j]`` is the target id of head row j (None: full vocabulary)."""
 
-    def __init__(self, model_path: Path, *, provider: str = "cpu", threads: int = 0,
-                 vocab_ids: np.ndarray | None = None, provider_options: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        provider: str = "cpu",
+        threads: int = 0,
+        vocab_ids: np.ndarray | None = None,
+        provider_options: dict[str, str] | None = None,
+    ) -> None:
         self.session = small_session(model_path, provider, threads, provider_options=provider_options)
         self.rows = int(self.session.get_outputs()[0].shape[-1])
         if vocab_ids is not None and len(vocab_ids) != self.rows:
@@ -57,10 +64,20 @@ class SpecVocabHead:
     of the full head's 136M.
     """
 
-    def __init__(self, scorer_path: Path, rows_path: Path, scales_path: Path, candidates: int, *,
-                 always_ids: np.ndarray | None = None, universe: np.ndarray | None = None,
-                 rows_by_universe: bool = False, provider: str = "cpu", threads: int = 0,
-                 provider_options: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        scorer_path: Path,
+        rows_path: Path,
+        scales_path: Path,
+        candidates: int,
+        *,
+        always_ids: np.ndarray | None = None,
+        universe: np.ndarray | None = None,
+        rows_by_universe: bool = False,
+        provider: str = "cpu",
+        threads: int = 0,
+        provider_options: dict[str, str] | None = None,
+    ) -> None:
         self.session = small_session(scorer_path, provider, threads, provider_options=provider_options)
         for path in (rows_path, scales_path):
             if not Path(path).is_file():
@@ -109,7 +126,7 @@ class SpecVocabHead:
         short = np.flatnonzero(scores >= best - self._gap) if self._gap is not None else None
         if short is None or short.size < k:  # no estimate yet, or the spread grew: partition everything
             short = np.arange(scores.size)
-        chosen = short[np.argpartition(scores[short], short.size - k)[short.size - k:]]
+        chosen = short[np.argpartition(scores[short], short.size - k)[short.size - k :]]
         spread = best - float(scores[chosen].min())
         self._gap = 1.5 * spread if self._gap is None else 0.8 * self._gap + 0.2 * 1.5 * spread
         return chosen

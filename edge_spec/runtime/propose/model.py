@@ -87,8 +87,9 @@ class ChainDrafter:
                 confidence = top_probability(logits) if (rule.min_confidence > 0 or rule.stop) else 1.0
             else:  # sampling, or alternatives that need the whole distribution: the confidence comes with it
                 probs = drafter_probs(logits, params)
-                index = draw_index(probs, logits, ids, params, rule.rng, len(committed) + len(block.tokens),
-                                   self.vocab_size)
+                index = draw_index(
+                    probs, logits, ids, params, rule.rng, len(committed) + len(block.tokens), self.vocab_size
+                )
                 confidence = float(probs[index])
             keep, more = True, confidence >= rule.min_confidence
             if rule.stop is not None:  # a draft whose outcome is fixed by the prefix may be left unverified
@@ -106,8 +107,9 @@ class ChainDrafter:
             block.candidates.append(ids)
             block.confidences.append(confidence)
             if not params.deterministic:
-                block.q_rows.append(probs if ids is None else scatter_probs(probs, ids, self.vocab_size,
-                                                                            validate=False))
+                block.q_rows.append(
+                    probs if ids is None else scatter_probs(probs, ids, self.vocab_size, validate=False)
+                )
             if rule.alternatives:
                 block.alternatives.append(top_tokens(probs, ids, rule.alternatives))
             if not more or block.tokens[-1] in params.end_ids:  # nothing after an end token is emitted
@@ -210,8 +212,15 @@ class ModelDrafter(ChainDrafter):
         return self.head(hidden[-1])
 
 
-def draw_index(probs: np.ndarray, logits: np.ndarray, ids: np.ndarray | None, params: SamplingParams,
-               rng: np.random.Generator | None, position: int, vocab_size: int) -> int:
+def draw_index(
+    probs: np.ndarray,
+    logits: np.ndarray,
+    ids: np.ndarray | None,
+    params: SamplingParams,
+    rng: np.random.Generator | None,
+    position: int,
+    vocab_size: int,
+) -> int:
     """The head row drafted for sequence index ``position``: the argmax when greedy, the coupled race
     with that position's noise (the target's own choice whenever the two agree), else a draw from q
     (the only case that needs ``rng``)."""

@@ -6,7 +6,6 @@ request serves every proposer that drafts from the sequence itself (prompt looku
 
 from __future__ import annotations
 
-
 LOOKUP_MIN_N = 2  # a lookup draft continues a match of at least this many tokens
 
 
@@ -35,12 +34,12 @@ class NgramLookup:
         for stop in range(max(self._indexed, 1), end):
             for n in range(self.min_n, self.max_n + 1):
                 if stop >= n:
-                    self._ends[tuple(tokens[stop - n:stop])] = stop
+                    self._ends[tuple(tokens[stop - n : stop])] = stop
         self._indexed = max(self._indexed, end)
         if gamma <= 0:
             return [], 0
         for n in range(min(self.max_n, end), shortest - 1, -1):
-            start = self._ends.get(tuple(tokens[end - n:]))
+            start = self._ends.get(tuple(tokens[end - n :]))
             if start is not None:
-                return list(tokens[start:start + gamma]), n
+                return list(tokens[start : start + gamma]), n
         return [], 0

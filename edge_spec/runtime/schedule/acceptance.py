@@ -144,10 +144,14 @@ class AcceptanceCalibration:
 
     def to_dict(self) -> dict:
         pairs = lambda rates: [[r.hits, r.trials] for r in rates]
-        return {"by_confidence": pairs(self.by_confidence), "after": pairs(self.after),
-                "first": [self.first.hits, self.first.trials], "edges": list(CONFIDENCE_EDGES),
-                "sequence_later": [self.sequence.later.hits, self.sequence.later.trials],
-                "guess": pairs(self.guess)}
+        return {
+            "by_confidence": pairs(self.by_confidence),
+            "after": pairs(self.after),
+            "first": [self.first.hits, self.first.trials],
+            "edges": list(CONFIDENCE_EDGES),
+            "sequence_later": [self.sequence.later.hits, self.sequence.later.trials],
+            "guess": pairs(self.guess),
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "AcceptanceCalibration":
@@ -158,10 +162,10 @@ class AcceptanceCalibration:
         sequence = SequenceCalibration(DecayedRate(*map(float, data["sequence_later"])))
         # a file written before guesses were calibrated: they are learnt afresh, the rest is kept
         guess = rates(data["guess"]) if "guess" in data else [DecayedRate() for _ in GUESS_PRIORS]
-        calibration = cls(rates(data["by_confidence"]), rates(data["after"]), DecayedRate(*map(float, data["first"])),
-                          sequence, guess)
-        if (len(calibration.by_confidence) != BINS or len(calibration.after) != BINS
-                or len(guess) != len(GUESS_PRIORS)):
+        calibration = cls(
+            rates(data["by_confidence"]), rates(data["after"]), DecayedRate(*map(float, data["first"])), sequence, guess
+        )
+        if len(calibration.by_confidence) != BINS or len(calibration.after) != BINS or len(guess) != len(GUESS_PRIORS):
             raise ValueError("calibration bins changed")
         return calibration
 
@@ -189,7 +193,7 @@ class LogOddsShift:
     evidence: float = 0.0
 
     def __post_init__(self) -> None:
-        self.precision = self.precision or 1.0 / self.spread ** 2
+        self.precision = self.precision or 1.0 / self.spread**2
 
     def scale(self, estimate: float) -> float:
         return shifted(estimate, self.shift)
@@ -295,8 +299,10 @@ class RequestAcceptance:
     def later_draft(self) -> float:
         """A draft after an accepted draft whose confidence is not known yet (planning a round)."""
         weights = [r.trials + 1e-9 for r in self.calibration.after]
-        estimates = [r.estimate(self.calibration.by_confidence[i].estimate(bin_middle(i)))
-                     for i, r in enumerate(self.calibration.after)]
+        estimates = [
+            r.estimate(self.calibration.by_confidence[i].estimate(bin_middle(i)))
+            for i, r in enumerate(self.calibration.after)
+        ]
         overall = sum(w * e for w, e in zip(weights, estimates)) / sum(weights)
         return max(self.agreement.scale(overall), self.first)  # in a streak later drafts do at least as well
 

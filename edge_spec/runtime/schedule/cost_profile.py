@@ -202,9 +202,16 @@ def measure(target, drafter, max_tokens: int) -> CostProfile:
     drafter.profile_fill(0)
     one_row = min(body[1:])
     verify = interpolate(timed, max_tokens)
-    return CostProfile(verify, one_row, min(head[1:]), time.perf_counter() - started,
-                       draft_catch_up=max(two_rows - one_row, 0.0), quick=True,
-                       estimated=[n for n in verify if n not in timed], busy=clock.others())
+    return CostProfile(
+        verify,
+        one_row,
+        min(head[1:]),
+        time.perf_counter() - started,
+        draft_catch_up=max(two_rows - one_row, 0.0),
+        quick=True,
+        estimated=[n for n in verify if n not in timed],
+        busy=clock.others(),
+    )
 
 
 def interpolate(timed: dict[int, float], max_tokens: int) -> dict[int, float]:
@@ -253,8 +260,12 @@ class _CpuClock:
         user, nice, system, _idle, _iowait, irq, softirq, steal = fields
         mine = os.times()
         # steal: time the hypervisor gave other machines, which slows this one alike
-        return ((user + nice + system + irq + softirq + steal) / tick, mine.user + mine.system,
-                time.monotonic(), max(cpus, 1))
+        return (
+            (user + nice + system + irq + softirq + steal) / tick,
+            mine.user + mine.system,
+            time.monotonic(),
+            max(cpus, 1),
+        )
 
     def others(self) -> float:
         end = self._read()
@@ -270,8 +281,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def load_or_measure(key: str, target, drafter, max_tokens: int,
-                    settle: Callable[[], None] | None = None) -> CostProfile:
+def load_or_measure(
+    key: str, target, drafter, max_tokens: int, settle: Callable[[], None] | None = None
+) -> CostProfile:
     """The cached profile, else one measured now (:func:`measure`, after ``settle()``: waiting for the
     process's own background work) and cached: suspect when other processes were busy meanwhile, or when
     it is much slower than the one measured before it for this key (kept by :func:`forget`)."""
@@ -329,9 +341,14 @@ def _store(path: Path, data: dict) -> None:
 UNDER_LOAD = 0.85  # live passes this much cheaper than a trusted profile, at every size measured live: replace it
 
 
-def refine_from_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int],
-                     steps: dict[int, float] | None = None, step_calls: dict[int, int] | None = None,
-                     min_calls: int = MIN_CALLS) -> bool:
+def refine_from_live(
+    profile: CostProfile,
+    live: dict[int, float],
+    calls: dict[int, int],
+    steps: dict[int, float] | None = None,
+    step_calls: dict[int, int] | None = None,
+    min_calls: int = MIN_CALLS,
+) -> bool:
     """Bring the profile to what live passes cost (``live``: latency by rows; ``calls``: live passes by rows,
     only those since the profile was loaded; ``steps``/``step_calls`` the same for the drafter's body).
     Sizes count once measured live ``min_calls`` times or more.  Returns whether the profile changed (the
@@ -356,9 +373,14 @@ def refine_from_live(profile: CostProfile, live: dict[int, float], calls: dict[i
     return True
 
 
-def correct_from_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int],
-                      steps: dict[int, float] | None = None, step_calls: dict[int, int] | None = None,
-                      min_calls: int = MIN_CALLS) -> bool:
+def correct_from_live(
+    profile: CostProfile,
+    live: dict[int, float],
+    calls: dict[int, int],
+    steps: dict[int, float] | None = None,
+    step_calls: dict[int, int] | None = None,
+    min_calls: int = MIN_CALLS,
+) -> bool:
     """Replace a profile taken while the machine was busy with what live passes cost.
 
     Taken under load: every size measured live ``min_calls`` times or more is cheaper live than profiled,
@@ -430,8 +452,9 @@ def _slope(curve: dict[int, float]) -> float:
 OUTGROWN = 1.5  # live passes this much dearer than the profile, at every measured size: measure again
 
 
-def outgrown_by_live(profile: CostProfile, live: dict[int, float], calls: dict[int, int],
-                     min_calls: int = MIN_CALLS) -> bool:
+def outgrown_by_live(
+    profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int = MIN_CALLS
+) -> bool:
     """Whether the machine has become slower than its profile says, at every size measured live
     (``min_calls`` passes or more), by more than ``OUTGROWN``: throttled memory, another power mode,
     other tenants.  Live moving averages run 10-20% above a profile of single passes on a quiet
@@ -442,11 +465,13 @@ def outgrown_by_live(profile: CostProfile, live: dict[int, float], calls: dict[i
     return bool(ratios) and min(ratios) > OUTGROWN
 
 
-def _measured(profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int
-              ) -> dict[int, float]:
+def _measured(profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int) -> dict[int, float]:
     """Live latency per profiled pass size measured live ``min_calls`` times or more."""
-    return {n: live[n] for n in profile.verify
-            if live.get(n, 0) > 0 and calls.get(n, 0) >= min_calls and profile.verify[n] > 0}
+    return {
+        n: live[n]
+        for n in profile.verify
+        if live.get(n, 0) > 0 and calls.get(n, 0) >= min_calls and profile.verify[n] > 0
+    }
 
 
 def forget(key: str) -> None:

@@ -28,9 +28,16 @@ from edge_spec.runtime.verify.sampling import SamplingParams
 class DraftPlanner:
     """Per request; see the module docstring."""
 
-    def __init__(self, proposers: list[Proposer], target: Decoder, gamma: int, adaptive: bool,
-                 min_confidence: float = 0.0, calibration: AcceptanceCalibration | None = None,
-                 overhead: RoundOverhead | None = None) -> None:
+    def __init__(
+        self,
+        proposers: list[Proposer],
+        target: Decoder,
+        gamma: int,
+        adaptive: bool,
+        min_confidence: float = 0.0,
+        calibration: AcceptanceCalibration | None = None,
+        overhead: RoundOverhead | None = None,
+    ) -> None:
         """``calibration`` and ``overhead``: the acceptance calibration for this drafter and sampling
         regime, and the round's time outside the models, carried across requests (``schedule.memory``);
         None starts afresh."""
@@ -40,16 +47,25 @@ class DraftPlanner:
         self.model = next((p for p in proposers if p.kind == "model"), None)
         self.estimates = RequestAcceptance(calibration)
         self.certain = [p for p in proposers if p.kind == "sequence" and getattr(p, "certain", False)]
-        self.sequences = [(p, LookupChoice(calibration.sequence, self.estimates))
-                          for p in proposers if p.kind == "sequence" and p not in self.certain]
+        self.sequences = [
+            (p, LookupChoice(calibration.sequence, self.estimates))
+            for p in proposers
+            if p.kind == "sequence" and p not in self.certain
+        ]
         self.fillers = [p for p in proposers if p.kind == "filler"]
         self.policy = AdaptiveGamma(gamma, self.estimates) if adaptive else None
         self.overhead = overhead or RoundOverhead()
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
         self._offered: list[int] = []  # what the sequence offered this round, before the round took its share
 
-    def draft(self, committed: list[int], room: int, params: SamplingParams, rng: np.random.Generator,
-              constraint: Constraint | None = None) -> DraftBlock:
+    def draft(
+        self,
+        committed: list[int],
+        room: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+        constraint: Constraint | None = None,
+    ) -> DraftBlock:
         """This round's drafts after ``committed`` (``constraint``: what the answer may contain, in its
         state after ``committed``; the drafter draws from what it allows)."""
         rule = DraftRule(params, rng, self.gamma, self.min_confidence, constraint=constraint)
@@ -67,8 +83,11 @@ class DraftPlanner:
             if self._guessed is None and block.tokens:  # no filler: a lookup's first draft is the guess
                 self._guessed = (block.matched, block.tokens[0])
             model_rate = self._model_rate(costs, spare_rate)
-            take = choice.lookup_gamma(len(block.tokens), block.matched, costs, self.gamma, model_rate,
-                                       self.adaptive) if block.tokens else 0
+            take = (
+                choice.lookup_gamma(len(block.tokens), block.matched, costs, self.gamma, model_rate, self.adaptive)
+                if block.tokens
+                else 0
+            )
             if take:
                 self._offered = list(block.tokens)
                 block.truncate(take)
@@ -109,8 +128,11 @@ class DraftPlanner:
         for proposer, choice in self.sequences:
             if block.source == proposer.name:
                 offered_next = self._offered[drafted] if len(self._offered) > drafted else None
-                next_right = (None if offered_next is None or result.accepted < drafted
-                              else result.tokens[drafted] == offered_next)
+                next_right = (
+                    None
+                    if offered_next is None or result.accepted < drafted
+                    else result.tokens[drafted] == offered_next
+                )
                 choice.update(drafted, result.accepted, next_right)
         if self._guessed is not None:  # verified or not, the guess was right iff the target's token equals it
             matched, guess = self._guessed
@@ -129,4 +151,6 @@ class DraftPlanner:
         """What a model round costs now (None until the drafter's step and target passes are measured)."""
         step, verify = self.model.step_estimate if self.model else 0.0, self.target.recent_seconds()
         catch_up = self.model.catch_up_seconds if self.model else 0.0
-        return CostModel(step, verify, catch_up, overhead=self.overhead.seconds) if step is not None and verify else None
+        return (
+            CostModel(step, verify, catch_up, overhead=self.overhead.seconds) if step is not None and verify else None
+        )

@@ -63,7 +63,11 @@ class CostModel:
         if not below:
             return self.verify[known[0]]
         last = known[-1]
-        step = (self.verify[last] - self.verify[known[-2]]) / (last - known[-2]) if len(known) > 1 else 0.25 * self.verify[last]
+        step = (
+            (self.verify[last] - self.verify[known[-2]]) / (last - known[-2])
+            if len(known) > 1
+            else 0.25 * self.verify[last]
+        )
         return self.verify[last] + (n - last) * max(step, 0.0)
 
     def round_cost(self, gamma: int, guessed: bool = False) -> float:
@@ -124,14 +128,17 @@ class RoundPlan:
     rate: float  # expected tokens per second of the planned round: the price of time in the round
 
 
-def plan_round(first: float, later: float, costs: CostModel, gamma_max: int,
-               prefer_drafting: float = 0.02, spare: float = 0.0) -> RoundPlan:
+def plan_round(
+    first: float, later: float, costs: CostModel, gamma_max: int, prefer_drafting: float = 0.02, spare: float = 0.0
+) -> RoundPlan:
     """The γ in 0..γ_max with the most expected tokens per second.  Plain decoding (γ = 0) must win by
     ``prefer_drafting`` (relative): a stretch without drafts leaves the drafter to catch up later and
     the estimates without fresh evidence.  ``spare``: the chance that what fills the spare row of a
     draft-less batch-invariant pass (a free guess) is accepted -- that round makes ``1 + spare`` tokens."""
-    rates = [(chain_tokens(first, later, g) + (spare if g == 0 else 0.0)) / costs.expected_cost(first, later, g, spare)
-             for g in range(gamma_max + 1)]
+    rates = [
+        (chain_tokens(first, later, g) + (spare if g == 0 else 0.0)) / costs.expected_cost(first, later, g, spare)
+        for g in range(gamma_max + 1)
+    ]
     if gamma_max == 0:
         return RoundPlan(0, rates[0])
     best = max(range(1, gamma_max + 1), key=lambda g: (rates[g], -g))
@@ -170,8 +177,9 @@ class DraftRound:
         if self.forced:
             self._keep(self.estimates.acceptance(confidence))
             return True, k < self.gamma_max
-        length = self.best_length(self.estimates.acceptance(confidence), self.estimates.next_after(confidence),
-                                  allow_drop=may_drop)
+        length = self.best_length(
+            self.estimates.acceptance(confidence), self.estimates.next_after(confidence), allow_drop=may_drop
+        )
         if length < k:
             self.dropped_confidence = confidence
             return False, False
@@ -187,13 +195,16 @@ class DraftRound:
         best, best_value = k, float("-inf")
         if allow_drop:  # the drafter has read every kept draft: only the spare row's guess is left unread
             guess = self.spare if k == 1 else 0.0  # no draft left: the spare row carries the guess
-            best, best_value = k - 1, self.expected + guess - self.rate * (sunk + costs.verify_cost(k)
-                                                                          + guess * costs.catch_up)
+            best, best_value = (
+                k - 1,
+                self.expected + guess - self.rate * (sunk + costs.verify_cost(k) + guess * costs.catch_up),
+            )
         survive = self.survive * acceptance
         expected = self.expected + survive
         for length in range(k, self.gamma_max + 1):
-            value = expected - self.rate * (length * costs.draft + costs.verify_cost(length + 1)
-                                            + survive * costs.catch_up)
+            value = expected - self.rate * (
+                length * costs.draft + costs.verify_cost(length + 1) + survive * costs.catch_up
+            )
             if value > best_value + 1e-12:
                 best, best_value = length, value
             survive *= following
@@ -279,8 +290,9 @@ class AdaptiveGamma:
         self.probing = True
         return DraftRound(costs, 1, plan.rate, self.estimates, forced=True)
 
-    def update(self, drafted: int, accepted: int, confidences: list[float] | None = None,
-               dropped: bool = False) -> None:
+    def update(
+        self, drafted: int, accepted: int, confidences: list[float] | None = None, dropped: bool = False
+    ) -> None:
         """Fold one round of the drafter's into the estimates (``dropped``: it drafted one more draft and
         dropped it; with no draft kept, the round's first step bought nothing)."""
         if drafted:

@@ -27,8 +27,15 @@ class LookupChoice:
     agreement: Agreement = field(default_factory=Agreement.for_request)
     _skipped: int = 0
 
-    def lookup_gamma(self, offered: int, matched: int, costs: CostModel | None, gamma_max: int,
-                     model_rate: float | None, adaptive: bool) -> int:
+    def lookup_gamma(
+        self,
+        offered: int,
+        matched: int,
+        costs: CostModel | None,
+        gamma_max: int,
+        model_rate: float | None,
+        adaptive: bool,
+    ) -> int:
         """Drafts to take of the ``offered`` ones (whose source matched ``matched`` tokens) when the
         drafter's round would make ``model_rate`` tokens per second (None: no drafter, or not known)."""
         first, later = self._estimates(matched)

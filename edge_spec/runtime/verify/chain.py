@@ -152,8 +152,14 @@ def _check_token_range(tokens: list[int], vocab_size: int) -> None:
             raise ValueError(f"draft token {token} outside vocabulary [0, {vocab_size})")
 
 
-def verify_chain(drafts: list[int], q_rows: list[np.ndarray], rows: np.ndarray, params: SamplingParams,
-                 rng: np.random.Generator, position: int) -> VerifyResult:
+def verify_chain(
+    drafts: list[int],
+    q_rows: list[np.ndarray],
+    rows: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    position: int,
+) -> VerifyResult:
     """Verify one chain of drafts against the target's rows for it (γ + 1 of them, the first predicting
     the token at sequence index ``position``): greedy match, coupled match (``verify.coupled``), or
     rejection sampling against the q rows the drafts were drawn from."""

@@ -41,16 +41,21 @@ def position_noise(seed: int, position: int, vocab_size: int) -> np.ndarray:
     return noise
 
 
-def coupled_index(probs: np.ndarray, seed: int, position: int, vocab_size: int,
-                  ids: np.ndarray | None = None) -> int:
+def coupled_index(probs: np.ndarray, seed: int, position: int, vocab_size: int, ids: np.ndarray | None = None) -> int:
     """The row the race picks: ``argmax probs / E`` over the rows of ``probs``, whose target ids are
     ``ids`` (None: the full vocabulary in order).  Rows with no mass can never win."""
     noise = position_noise(seed, position, vocab_size)
     return int(np.argmax(probs / (noise if ids is None else noise[ids])))
 
 
-def draw_sampled(probs: np.ndarray, params: SamplingParams, rng: np.random.Generator | None, position: int,
-                 vocab_size: int, ids: np.ndarray | None = None) -> int:
+def draw_sampled(
+    probs: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator | None,
+    position: int,
+    vocab_size: int,
+    ids: np.ndarray | None = None,
+) -> int:
     """The row a sampled token takes at sequence index ``position``: the coupled race, or a draw from
     ``probs`` with ``rng`` (rejection sampling, the only case that needs it).  One rule for the target's
     tokens and the drafter's drafts, which must race alike."""
@@ -59,8 +64,9 @@ def draw_sampled(probs: np.ndarray, params: SamplingParams, rng: np.random.Gener
     return sample(probs, rng)
 
 
-def verify_coupled(draft_tokens: Sequence[int], target_logits: np.ndarray, params: SamplingParams,
-                   position: int) -> tuple[int, list[int]]:
+def verify_coupled(
+    draft_tokens: Sequence[int], target_logits: np.ndarray, params: SamplingParams, position: int
+) -> tuple[int, list[int]]:
     """Accept drafts while each equals the target's coupled choice at its position; add that choice
     at the first mismatch (or after the last draft).  Row ``i`` of ``target_logits`` predicts the
     token at ``position + i``.  Returns (accepted, tokens); rows past the first mismatch are never

@@ -112,9 +112,7 @@ def _is_int(value: object) -> bool:
 
 def _check_temperature(temperature: object) -> None:
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise EdgeSpecError(
-            f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}"
-        )
+        raise EdgeSpecError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
 
 
 def _check_top_k(top_k: object) -> None:

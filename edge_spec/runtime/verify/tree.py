@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_spec.runtime.verify.sampling import sample
 from edge_spec.runtime.verify.chain import residual_distribution
+from edge_spec.runtime.verify.sampling import sample
 
 VERIFIERS = ("rrs", "rrs-wor", "spechub")
 
@@ -76,6 +76,7 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 
 # -- drawing the first tokens of k drafts --------------------------------------------------------
+
 
 def draw_first_tokens(q: np.ndarray, k: int, verifier: str, rng: np.random.Generator) -> list[int]:
     """k first tokens from the drafter's distribution ``q`` the way ``verifier`` expects them drawn."""
@@ -120,6 +121,7 @@ def spechub_pair(q: np.ndarray, rng: np.random.Generator) -> list[int]:
 
 
 # -- verifiers ---------------------------------------------------------------------------------
+
 
 def rrs_ladder(drafts: list[int], q: np.ndarray, p: np.ndarray, *, without_replacement: bool) -> Ladder:
     """Recursive rejection sampling over k drafts (module docstring says why it is exact)."""
@@ -201,6 +203,7 @@ def ladder_for(verifier: str, drafts: list[int], q: np.ndarray, p: np.ndarray) -
 
 
 # -- expected acceptance (planning and measurement without sampling noise) -----------------------
+
 
 def expected_acceptance(verifier: str, q: np.ndarray, p: np.ndarray) -> float:
     """Probability that a node with two drafts (one for ``single``) emits a draft rather than a residual
