@@ -1,0 +1,193 @@
+"""What agents and editors send, against ``edge-spec serve``: tool calls and structured output.
+
+Starts one server on the bundle and sends, with the official ``openai`` client:
+
+1. **Tools** (``tools.jsonl`` beside this script: prompts that call a tool, prompts that must not, and
+   follow-ups after a tool result), each with ``tool_choice`` "auto" and, where a call is expected, with
+   "required": the share of answers with well-formed ``tool_calls`` (a known function, JSON arguments
+   that validate against its parameter schema), of answers that call nothing where no call is due, and
+   of expected calls answered with text instead (an invented result).
+2. **Structured output** (``schemas.jsonl``: prompts with a JSON schema): each prompt with
+   ``response_format`` json_schema (strict) and, interleaved, without it; the share that parses and
+   validates (jsonschema), tok/s of both, and the share of constrained tokens drafted for free because
+   the grammar forced them (the answer's provenance).
+
+Usage::
+
+    .venv/bin/python benchmarks/agent_api.py --bundle models/bundles/qwen2.5-coder-1.5b-instruct-int4 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from serve_load import Server  # noqa: E402  (a sibling script)
+
+
+def load(name: str) -> list[dict]:
+    return [json.loads(line) for line in (HERE / name).read_text().splitlines() if line.strip()]
+
+
+def well_formed(calls, tools: list[dict]) -> bool:
+    """Every call names one of the tools and its arguments parse and validate against that tool's schema."""
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools}
+    if not calls:
+        return False
+    for call in calls:
+        if call.function.name not in schemas:
+            return False
+        try:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            return False
+    return True
+
+
+def run_tools(client, items: list[dict], tools: list[dict], max_tokens: int) -> dict:
+    tally = {
+        "expected": 0,
+        "called well-formed (auto)": 0,
+        "answered in text instead (auto)": 0,
+        "forced well-formed": 0,
+        "no call due": 0,
+        "no call made where none due": 0,
+        "follow-ups": 0,
+        "follow-up answered in text": 0,
+    }
+    rows = []
+    for item in items:
+        messages = item["messages"]
+        auto = client.chat.completions.create(
+            model="bundle", messages=messages, tools=tools, temperature=0, max_tokens=max_tokens
+        )
+        message = auto.choices[0].message
+        row = {
+            "id": item["id"],
+            "expect": item["expect"],
+            "auto_calls": [(c.function.name, c.function.arguments) for c in message.tool_calls or []],
+            "auto_text": (message.content or "")[:120],
+        }
+        if item["expect"] == "call":
+            tally["expected"] += 1
+            tally["called well-formed (auto)"] += well_formed(message.tool_calls, tools)
+            tally["answered in text instead (auto)"] += not message.tool_calls
+            forced = client.chat.completions.create(
+                model="bundle",
+                messages=messages,
+                tools=tools,
+                temperature=0,
+                max_tokens=max_tokens,
+                tool_choice="required",
+                parallel_tool_calls=False,
+            )
+            ok = well_formed(forced.choices[0].message.tool_calls, tools)
+            tally["forced well-formed"] += ok
+            row["forced_calls"] = [
+                (c.function.name, c.function.arguments) for c in forced.choices[0].message.tool_calls or []
+            ]
+        elif item["expect"] == "none":
+            tally["no call due"] += 1
+            tally["no call made where none due"] += not message.tool_calls
+        else:  # "answer": a follow-up after a tool result
+            tally["follow-ups"] += 1
+            tally["follow-up answered in text"] += bool(not message.tool_calls and message.content)
+        rows.append(row)
+    return {"tally": tally, "answers": rows}
+
+
+def run_schemas(client, items: list[dict], max_tokens: int) -> dict:
+    valid, rows, constrained_tps, free_tps, forced_share = 0, [], [], [], []
+    for item in items:
+        messages = [{"role": "user", "content": item["prompt"]}]
+        fmt = {"type": "json_schema", "json_schema": {"name": item["id"], "schema": item["schema"], "strict": True}}
+        plain = client.chat.completions.create(model="bundle", messages=messages, temperature=0, max_tokens=max_tokens)
+        started = time.perf_counter()
+        shaped = client.chat.completions.create(
+            model="bundle",
+            messages=messages,
+            temperature=0,
+            max_tokens=max_tokens,
+            response_format=fmt,
+            extra_body={"x_edge_spec": {"provenance": True}},
+        )
+        wall = time.perf_counter() - started
+        text = shaped.choices[0].message.content or ""
+        try:
+            jsonschema.validate(json.loads(text), item["schema"])
+            ok = True
+        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+            ok, text = False, f"{text[:200]} ({type(exc).__name__})"
+        valid += ok
+        stats, plain_stats = shaped.model_extra["x_edge_spec"], plain.model_extra["x_edge_spec"]
+        sources = [source for _, source in stats.get("provenance") or []]
+        forced = sum(source == "forced" for source in sources) / max(len(sources), 1)
+        constrained_tps.append(stats["tokens_per_second"])
+        free_tps.append(plain_stats["tokens_per_second"])
+        forced_share.append(forced)
+        rows.append(
+            {
+                "id": item["id"],
+                "valid": ok,
+                "tokens": stats["new_tokens"],
+                "wall_seconds": round(wall, 2),
+                "tok/s": stats["tokens_per_second"],
+                "unconstrained tok/s": plain_stats["tokens_per_second"],
+                "tau": stats["tau"],
+                "forced share": round(forced, 3),
+                "answer": text[:160],
+            }
+        )
+    return {
+        "valid": valid,
+        "total": len(items),
+        "constrained tok/s (median)": statistics.median(constrained_tps),
+        "unconstrained tok/s (median)": statistics.median(free_tps),
+        "constrained / unconstrained (median of per-prompt ratios)": round(
+            statistics.median(c / f for c, f in zip(constrained_tps, free_tps) if f), 3
+        ),
+        "forced-draft share of constrained tokens (mean)": round(statistics.mean(forced_share), 3),
+        "answers": rows,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=320)
+    parser.add_argument("--part", choices=["tools", "schemas", "both"], default="both")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+
+    import openai
+
+    server = Server(args.bundle, args.threads, start_timeout=900)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="local", max_retries=0, timeout=900)
+        report = {}
+        if args.part in ("tools", "both"):
+            tools = json.loads((HERE / "tools.json").read_text())
+            report["tools"] = run_tools(client, load("tools.jsonl"), tools, 128)
+        if args.part in ("schemas", "both"):
+            report["schemas"] = run_schemas(client, load("schemas.jsonl"), args.max_tokens)
+    finally:
+        server.stop()
+    summary = {part: {k: v for k, v in body.items() if k != "answers"} for part, body in report.items()}
+    print(json.dumps(summary, indent=1))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
