@@ -267,3 +267,37 @@ def decoder_greedy(decoder, prompt: list[int], n: int) -> list[int]:
         out.append(int(np.argmax(logits)))
         logits = decoder.forward([out[-1]])["logits"][-1]
     return out
+
+
+# ---------------------------------------------------------------------------
+# a real server
+# ---------------------------------------------------------------------------
+
+
+class LiveServer:
+    """``serve``'s app under uvicorn in a thread, on a free loopback port, with ``serve``'s connection
+    settings (``settings`` override them, e.g. short deadlines)."""
+
+    def __init__(self, app, **settings) -> None:
+        import threading
+        import time
+
+        import uvicorn
+
+        from edge_spec.server.serve import listen, server_config
+
+        self.sock = listen("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, log_config=None, **settings))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +27,8 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.runtime.loops.config import loop_config  # noqa: E402
-from edge_spec.server.serve import build_app, listen, server_config  # noqa: E402
+from edge_spec.server.serve import build_app  # noqa: E402
+from tests.helpers import LiveServer  # noqa: E402
 
 BASE = "http://127.0.0.1:8000"
 EVIL = "http://evil.example"
@@ -193,27 +193,6 @@ def _browser_missing() -> str | None:
 
 
 browser_test = pytest.mark.skipif(_browser_missing() is not None, reason=_browser_missing() or "")
-
-
-class LiveServer:
-    """``serve``'s app under uvicorn in a thread, on a free loopback port."""
-
-    def __init__(self, app) -> None:
-        self.sock = listen("127.0.0.1", 0)
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, log_config=None))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
 
 
 class Slowed:

@@ -27,7 +27,8 @@ from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.server.body import nesting_depth  # noqa: E402
 from edge_spec.server.guard import GuardPolicy, make_policy, normalize_origin, parse_size, split_host  # noqa: E402
 from edge_spec.server.prompt_size import PromptFloor  # noqa: E402
-from edge_spec.server.serve import build_app, listen, server_config  # noqa: E402
+from edge_spec.server.serve import build_app  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.helpers import assert_one_line_error, cli  # noqa: E402
 
 BASE = "http://127.0.0.1:8000"
@@ -291,28 +292,11 @@ def test_cli_refuses_bad_security_options_in_one_line(int4_bundle):
 # -- a real server: /health beside hostile requests, connection deadlines --------------------------
 
 
-class LiveServer:
-    """uvicorn with ``serve``'s settings (short deadlines) in a thread, on a free loopback port."""
+class LiveServer(helpers.LiveServer):
+    """The live server with short deadlines, so the connection tests finish quickly."""
 
     def __init__(self, app, *, header_timeout: float = 1.0, keep_alive: int = 1) -> None:
-        self.sock = listen("127.0.0.1", 0)
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = server_config(
-            app, "127.0.0.1", self.port, header_timeout=header_timeout, keep_alive=keep_alive, log_config=None
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
+        super().__init__(app, header_timeout=header_timeout, keep_alive=keep_alive)
 
 
 @pytest.fixture(scope="module")
