@@ -551,3 +551,16 @@ def test_once_a_busy_profile_is_replaced_the_planner_plans_with_the_new_one(int4
     expected = {1: 0.040, 2: 0.050, 3: 0.060, 4: 0.070, 5: 0.080}
     assert engine.cost_profile.verify == pytest.approx(expected)
     assert engine.target.recent_seconds() == pytest.approx(expected)
+
+
+def test_the_first_rounds_plan_with_the_profile_not_with_the_device_checks_passes(int4_bundle, tmp_path,
+                                                                                   monkeypatch):
+    """A first load runs the device checks' passes (1, 2, 3, 6 rows...) before the profile, while the models'
+    pages are still being moved (at half speed): they are not live passes, and the planner's first rounds
+    price every size from the profile."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
+    stats = engine.target.stats
+    assert any(stats.calls.get(n, 0) >= 2 for n in (1, 2, 3))  # the checks ran passes of these sizes
+    planner = engine.target.recent_seconds()
+    assert {n: planner[n] for n in engine.cost_profile.verify} == engine.cost_profile.verify

@@ -261,8 +261,11 @@ class Engine:
         key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *self._placement(), max_tokens)
         with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
             profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens, self._settle)
-        for n, seconds in profile.verify.items():  # live measurements, once there are some, win
-            if n not in self.target.stats.recent:
+        # live measurements, once there are some, win; before the first profile there were none, only the
+        # device checks' passes (made while the pages were still being moved to huge pages: slow)
+        first = self.cost_profile is None
+        for n, seconds in profile.verify.items():
+            if first or n not in self.target.stats.recent:
                 self.target.stats.seed(n, seconds)
         if drafter.step_estimate is None:
             drafter.step_estimate = profile.draft_step
