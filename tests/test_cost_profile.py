@@ -553,8 +553,7 @@ def test_once_a_busy_profile_is_replaced_the_planner_plans_with_the_new_one(int4
     assert engine.target.recent_seconds() == pytest.approx(expected)
 
 
-def test_the_first_rounds_plan_with_the_profile_not_with_the_device_checks_passes(int4_bundle, tmp_path,
-                                                                                   monkeypatch):
+def test_the_first_rounds_plan_with_the_profile_not_with_the_device_checks_passes(int4_bundle, tmp_path, monkeypatch):
     """A first load runs the device checks' passes (1, 2, 3, 6 rows...) before the profile, while the models'
     pages are still being moved (at half speed): they are not live passes, and the planner's first rounds
     price every size from the profile."""
