@@ -46,8 +46,9 @@ def test_the_adaptive_ceiling_is_longer_than_the_fixed_default():
 
 def test_user_settings_reach_the_loop():
     chain = loop_config("spec", gamma=2, schedule="fixed", lookup=False)
-    assert (chain.gamma, chain.adaptive, "lookup" in chain.proposers) == (2, False, False)
-    assert "lookup" in loop_config("spec", lookup=True).proposers
+    assert (chain.gamma, chain.adaptive, chain.proposers) == (2, False, ("model", "guess"))
+    assert loop_config("spec", lookup=True).proposers[0] == "suffix"
+    assert loop_config("spec", lookup=True, suffix=False).proposers[0] == "lookup"
     assert loop_config("spec", drafts=3, gamma=1, verifier="rrs") == TreeConfig(gamma=1, drafts=3, verifier="rrs")
     assert loop_config("ssd", gamma=3).gamma == 3
 

@@ -16,6 +16,7 @@ RUNTIME = Path(__file__).resolve().parents[1] / "edge_spec" / "runtime"
 LAYERS = {
     "engine": 6,
     "provenance": 5,
+    "suffix_store": 5,
     "text": 0,
     "loops": 4,
     "schedule": 3,
@@ -25,6 +26,7 @@ LAYERS = {
     "constrain": 1,
     "logprobs": 0,
 }  # provenance: the engine's per-token sources (reads loops.stats and text);
+# suffix_store: where the engine's suffix cache lives (reads propose.suffix_cache);
 # logprobs: token log-probabilities from a row (numpy only), read by the loops and the engine
 BOTTOM = ("model", "verify", "constrain")  # rank 1: none of them imports another
 

@@ -35,10 +35,13 @@ from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.eagle import EagleDrafter
 from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
 from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
+from edge_spec.runtime.propose.suffix_cache import DEFAULT_CAPACITY as DEFAULT_SUFFIX_CAPACITY
+from edge_spec.runtime.propose.suffix_cache import SuffixCache
 from edge_spec.runtime.provenance import SourcedText
 from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.schedule.cost_profile import CostProfile
 from edge_spec.runtime.schedule.memory import ScheduleMemory
+from edge_spec.runtime.suffix_store import open_suffix_cache
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
 from edge_spec.runtime.verify.sampling import NonFiniteLogits, SamplingParams, check_vocab_ids
 
@@ -122,6 +125,7 @@ class Engine:
         exact: bool | None = None,
         provider_options: dict[str, str] | None = None,
         eagle_head: str | None = None,
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
@@ -138,6 +142,8 @@ class Engine:
         self._eagle: EagleDrafter | None = None
         self._eagle_heads: dict[str, DraftHead | SpecVocabHead | None] = {}
         self._memories: dict[str, ScheduleMemory] = {}
+        # earlier answers the ``suffix`` proposer drafts from (``propose.suffix_cache``): in memory unless given
+        self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
         self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
         self.eagle_head = self._check_eagle_head(eagle_head)
         self.cost_profile: CostProfile | None = None
@@ -175,6 +181,9 @@ class Engine:
         exact: bool | None = None,
         provider_options: dict[str, str] | None = None,
         eagle_head: str | None = None,
+        cache_dir: str | Path | None = None,
+        suffix_capacity: int = DEFAULT_SUFFIX_CAPACITY,
+        corpus: str | Path | None = None,
     ) -> "Engine":
         """Load a bundle: ``path``, or the default bundle (the one ``edge-spec export`` makes with no arguments,
         :func:`edge_spec.paths.default_bundle`) when None.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes
@@ -199,6 +208,11 @@ class Engine:
         ``draft_threads`` / ``draft_provider`` (default: the target's ``threads`` / ``provider``).
         ``provider_options`` go as they are to every session on the target's provider (the drafter's too
         when it shares that provider), e.g. ``{"device_id": "1"}``.
+
+        Every answer is kept in the engine's suffix cache (``suffix_capacity`` tokens, least recently
+        used dropped first), which speculative decoding drafts from: in memory only, unless
+        ``cache_dir`` names a directory to keep it in across processes (one private file per bundle).
+        ``corpus``: a directory whose text files (a repository) are read into it too.
         """
         bundle_dir = find_bundle(path)
         manifest = read_manifest(bundle_dir)
@@ -214,6 +228,13 @@ class Engine:
             raise EdgeSpecError("threads must be 0 (all cores) or more")
         capacity = min(context_length or manifest["context_length"], manifest["context_length"])
         tokenizer = TextTokenizer(bundle_dir)
+        suffix_cache = open_suffix_cache(
+            manifest,
+            tokenizer.encode_literal,
+            Path(cache_dir) if cache_dir is not None else None,
+            suffix_capacity,
+            Path(corpus) if corpus is not None else None,
+        )
         target = Decoder(
             bundle_dir / manifest["target"]["onnx"],
             provider=provider,
@@ -236,6 +257,7 @@ class Engine:
             exact=exact,
             provider_options=provider_options,
             eagle_head=eagle_head,
+            suffix_cache=suffix_cache,
         )
         engine._weight_check = weight_check
         if isinstance(config, TreeConfig):
@@ -521,6 +543,7 @@ class Engine:
             for memory in self._memories.values():
                 memory.save()
             self._memories.clear()
+            self.suffix_cache.save()
             self._drafters.clear()
             self._eagle_heads.clear()
             self._draft_body = self._eagle = None
@@ -784,7 +807,7 @@ class Engine:
                 on_logprobs(chunk_logprobs.take(pieces))
 
         drafters = {} if mode == "ar" else {self.drafter_name(config): self.active_drafter(config)}
-        context = ProposerContext(self.target.vocab_size, drafters)
+        context = ProposerContext(self.target.vocab_size, drafters, suffix_cache=self.suffix_cache)
         memory = None if mode == "ar" else self.schedule_memory(config)
         if self._cancel.is_set():  # cancelled during the set-up (a first request's checks and measurements)
             stats.stop_reason = "cancelled"
@@ -855,6 +878,8 @@ class Engine:
             tokens.close()
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
+            self.suffix_cache.remember(ids, self.last_token_ids)  # what later requests may draft from
+            self.suffix_cache.save()
             if memory is not None:
                 stats.spec = spec_stats.summary(self.param_ratio, self.bytes_ratio)
                 memory.save()

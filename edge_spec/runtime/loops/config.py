@@ -40,7 +40,7 @@ class ChainConfig:
     gamma: int = ADAPTIVE_GAMMA_MAX  # drafts per round; the most per round when adaptive
     adaptive: bool = True  # choose each round's drafts from measured costs and running acceptance
     min_confidence: float = 0.0  # stop drafting once the drafter's top probability falls below this
-    proposers: tuple[str, ...] = ("lookup", "model", "guess")  # in order of preference (propose.PROPOSERS)
+    proposers: tuple[str, ...] = ("suffix", "model", "guess")  # in order of preference (propose.PROPOSERS)
 
     def __post_init__(self) -> None:
         _check_gamma(self.gamma)
@@ -94,6 +94,7 @@ SETTINGS = {
     "gamma": ("--gamma", (ChainConfig, TreeConfig, SsdConfig)),
     "schedule": ("--schedule", (ChainConfig,)),
     "lookup": ("--lookup", (ChainConfig,)),
+    "suffix": ("--suffix-cache", (ChainConfig,)),
     "min_confidence": ("--min-confidence", (ChainConfig,)),
     "drafts": ("--drafts", (ChainConfig, TreeConfig)),
     "verifier": ("--verifier", (TreeConfig,)),
@@ -108,7 +109,9 @@ def loop_config(mode: str, **settings) -> LoopConfig:
     """The configuration of ``mode`` with the given settings (None: not given, the loop's default).
 
     ``spec`` with ``drafts`` > 1 is the tree loop.  ``schedule`` is "adaptive" or "fixed"; ``lookup``
-    adds or removes prompt lookup among the chain's proposers."""
+    adds or removes drafting from the sequence among the chain's proposers; ``suffix`` (default True)
+    drafts it from this request and the engine's earlier answers (the suffix cache), False from this
+    request alone by prompt lookup."""
     given = {k: v for k, v in settings.items() if v is not None}
     unknown = set(given) - set(SETTINGS)  # a caller's mistake, not a user's
     if unknown:
@@ -129,10 +132,12 @@ def loop_config(mode: str, **settings) -> LoopConfig:
         if schedule not in ("adaptive", "fixed"):
             raise EdgeSpecError(f"--schedule must be adaptive or fixed, not {schedule!r}")
         lookup = given.pop("lookup", True)
+        sequence = "suffix" if given.pop("suffix", True) else "lookup"
         drafter = given.pop("drafter", "model")
         if drafter not in DRAFTERS:
             raise EdgeSpecError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}")
-        proposers = tuple(drafter if p == "model" else p for p in ChainConfig.proposers if lookup or p != "lookup")
+        named = {"model": drafter, "suffix": sequence}
+        proposers = tuple(named.get(p, p) for p in ChainConfig.proposers if lookup or p != "suffix")
         if schedule == "fixed":
             given.setdefault("gamma", FIXED_GAMMA)
         return ChainConfig(adaptive=schedule == "adaptive", proposers=proposers, **given)

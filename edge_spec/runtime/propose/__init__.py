@@ -14,6 +14,7 @@ from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.forced import ForcedTokens
 from edge_spec.runtime.propose.guess import FreeGuess
 from edge_spec.runtime.propose.lookup import PromptLookup
+from edge_spec.runtime.propose.suffix import SuffixDrafts
 
 
 def _loaded(name: str) -> Callable[[ProposerContext], Proposer]:
@@ -31,6 +32,7 @@ PROPOSERS: dict[str, Callable[[ProposerContext], Proposer]] = {
     "model": _loaded("model"),  # the drafter model (propose.model)
     "eagle": _loaded("eagle"),  # the EAGLE-3 head on the target's features (propose.eagle)
     "lookup": PromptLookup,
+    "suffix": SuffixDrafts,  # this request and earlier answers (the engine's suffix cache), longest match
     "guess": FreeGuess,
     "forced": ForcedTokens,  # tokens a constraint's grammar forces (drafted only under one)
 }

@@ -69,6 +69,14 @@ class DecayedRate:
 
 
 LATER_SEQUENCE_PRIOR = 0.85  # once a copied span is confirmed, it tends to go on
+MATCH_EDGES = (2, 4, 8, 16, 32)  # lower edges of a suffix draft's match-length bins
+MATCH_PRIORS = (0.45, 0.55, 0.65, 0.75, 0.85)  # its chance per bin before any evidence (all occurrences agreeing)
+
+
+def match_bin(matched: int, share: float) -> int:
+    """The bin of a suffix draft: its match length's, doubled for one not every occurrence agreed on."""
+    length = max(sum(matched >= edge for edge in MATCH_EDGES) - 1, 0)
+    return length + (len(MATCH_EDGES) if share < 1.0 else 0)
 
 
 @dataclass
@@ -78,9 +86,20 @@ class SequenceCalibration:
     the longest match either way), so it is judged by the guess calibration, which every round checks."""
 
     later: DecayedRate = field(default_factory=DecayedRate)
+    # a suffix draft's first (not the guess's token: see ``propose.suffix``), by match length and agreement
+    first: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(2 * len(MATCH_EDGES))])
 
     def later_draft(self) -> float:
         return self.later.estimate(LATER_SEQUENCE_PRIOR)
+
+    def first_draft(self, matched: int, share: float) -> float:
+        """Chance that a suffix draft is right, before any of its request's outcomes: by how long the match
+        behind it is and whether every earlier occurrence continued with it."""
+        index = match_bin(matched, share)
+        return self.first[index].estimate(MATCH_PRIORS[index % len(MATCH_EDGES)] * (1.0 if share >= 1.0 else 0.7))
+
+    def record_first(self, matched: int, share: float, right: bool) -> None:
+        self.first[match_bin(matched, share)].record(right)
 
     def record(self, drafted: int, accepted: int) -> None:
         """One verified lookup chain: its later drafts up to the first rejection (the first one is the
@@ -150,6 +169,7 @@ class AcceptanceCalibration:
             "first": [self.first.hits, self.first.trials],
             "edges": list(CONFIDENCE_EDGES),
             "sequence_later": [self.sequence.later.hits, self.sequence.later.trials],
+            "sequence_first": pairs(self.sequence.first),
             "guess": pairs(self.guess),
         }
 
@@ -160,6 +180,10 @@ class AcceptanceCalibration:
             raise ValueError("calibration bins changed")
         rates = lambda pairs: [DecayedRate(float(h), float(t)) for h, t in pairs]
         sequence = SequenceCalibration(DecayedRate(*map(float, data["sequence_later"])))
+        if "sequence_first" in data:  # a file written before suffix drafts were calibrated: learnt afresh
+            sequence.first = rates(data["sequence_first"])
+            if len(sequence.first) != 2 * len(MATCH_EDGES):
+                raise ValueError("calibration bins changed")
         # a file written before guesses were calibrated: they are learnt afresh, the rest is kept
         guess = rates(data["guess"]) if "guess" in data else [DecayedRate() for _ in GUESS_PRIORS]
         calibration = cls(

@@ -48,7 +48,7 @@ class DraftPlanner:
         self.estimates = RequestAcceptance(calibration)
         self.certain = [p for p in proposers if p.kind == "sequence" and getattr(p, "certain", False)]
         self.sequences = [
-            (p, LookupChoice(calibration.sequence, self.estimates))
+            (p, LookupChoice(calibration.sequence, self.estimates, own_first=getattr(p, "own_first", False)))
             for p in proposers
             if p.kind == "sequence" and p not in self.certain
         ]
@@ -57,6 +57,8 @@ class DraftPlanner:
         self.overhead = overhead or RoundOverhead()
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
         self._offered: list[int] = []  # what the sequence offered this round, before the round took its share
+        # first drafts offered this round by sources judged on their own: (choice, matched, share, token)
+        self._firsts: list[tuple[LookupChoice, int, float, int]] = []
 
     def draft(
         self,
@@ -69,6 +71,7 @@ class DraftPlanner:
         """This round's drafts after ``committed`` (``constraint``: what the answer may contain, in its
         state after ``committed``; the drafter draws from what it allows)."""
         rule = DraftRule(params, rng, self.gamma, self.min_confidence, constraint=constraint)
+        self._firsts = []
         costs = self._costs()
         guess = self._guess(committed, room, rule)
         spare = guess if guess is not None and self.target.min_rows >= 2 else None  # a pass's spare row
@@ -80,11 +83,16 @@ class DraftPlanner:
         spare_rate = self.estimates.guess(spare.matched) if spare else 0.0  # what a draft-less round makes
         for proposer, choice in self.sequences:
             block = proposer.propose(committed, room, rule)
-            if self._guessed is None and block.tokens:  # no filler: a lookup's first draft is the guess
+            share = block.confidences[0] if block.confidences else 1.0
+            if block.tokens and choice.own_first:
+                self._firsts.append((choice, block.matched, share, block.tokens[0]))
+            elif self._guessed is None and block.tokens:  # no filler: a lookup's first draft is the guess
                 self._guessed = (block.matched, block.tokens[0])
             model_rate = self._model_rate(costs, spare_rate)
             take = (
-                choice.lookup_gamma(len(block.tokens), block.matched, costs, self.gamma, model_rate, self.adaptive)
+                choice.lookup_gamma(
+                    len(block.tokens), block.matched, costs, self.gamma, model_rate, self.adaptive, share
+                )
                 if block.tokens
                 else 0
             )
@@ -134,6 +142,8 @@ class DraftPlanner:
                     else result.tokens[drafted] == offered_next
                 )
                 choice.update(drafted, result.accepted, next_right)
+        for choice, matched, share, token in self._firsts:  # the same for sources' own first drafts
+            choice.record_first(matched, share, result.tokens[0] == token)
         if self._guessed is not None:  # verified or not, the guess was right iff the target's token equals it
             matched, guess = self._guessed
             self.estimates.record_guess(matched, result.tokens[0] == guess)

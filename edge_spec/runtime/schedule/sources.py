@@ -25,6 +25,10 @@ class LookupChoice:
     estimates: RequestAcceptance  # the request's guess estimates: a lookup's first draft is its guess
     probe_every: int = 8
     agreement: Agreement = field(default_factory=Agreement.for_request)
+    # True: the proposer's first draft is not the guess's token (``propose.suffix``): it is judged on its
+    # own, by match length and agreement, every round it offers one, taken or not
+    own_first: bool = False
+    first_agreement: Agreement = field(default_factory=Agreement.for_request)
     _skipped: int = 0
 
     def lookup_gamma(
@@ -35,10 +39,12 @@ class LookupChoice:
         gamma_max: int,
         model_rate: float | None,
         adaptive: bool,
+        share: float = 1.0,
     ) -> int:
         """Drafts to take of the ``offered`` ones (whose source matched ``matched`` tokens) when the
-        drafter's round would make ``model_rate`` tokens per second (None: no drafter, or not known)."""
-        first, later = self._estimates(matched)
+        drafter's round would make ``model_rate`` tokens per second (None: no drafter, or not known).
+        ``share``: how many of the source's occurrences agreed on the first draft (suffix drafts)."""
+        first, later = self._estimates(matched, share)
         most = min(offered, gamma_max)
         if costs is None:  # nothing measured yet: trust a lookup that is likely right
             return most if first >= 0.5 else 0
@@ -67,5 +73,14 @@ class LookupChoice:
             self.agreement.note(self.calibration.later_draft(), next_right)
             self.calibration.later.record(next_right)
 
-    def _estimates(self, matched: int) -> tuple[float, float]:
-        return self.estimates.guess(matched), self.agreement.scale(self.calibration.later_draft())
+    def record_first(self, matched: int, share: float, right: bool) -> None:
+        """Whether the first draft the source offered this round equals the target's token there (taken
+        or not: checked for free, as the guess is)."""
+        self.first_agreement.note(self.calibration.first_draft(matched, share), right)
+        self.calibration.record_first(matched, share, right)
+
+    def _estimates(self, matched: int, share: float = 1.0) -> tuple[float, float]:
+        later = self.agreement.scale(self.calibration.later_draft())
+        if self.own_first:
+            return self.first_agreement.scale(self.calibration.first_draft(matched, share)), later
+        return self.estimates.guess(matched), later

@@ -1,0 +1,247 @@
+"""The suffix cache and the ``suffix`` proposer: the index's matches, majority continuations, what is
+kept across requests (memory bound, LRU, the file, a corpus), and exactness through the chain loop."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.loops.config import ChainConfig, loop_config
+from edge_spec.runtime.propose.context import ProposerContext
+from edge_spec.runtime.propose.suffix import continuation
+from edge_spec.runtime.propose.suffix_cache import SuffixCache, index_corpus
+from edge_spec.runtime.propose.suffix_index import LEVELS, SuffixIndex
+from edge_spec.runtime.suffix_store import bundle_cache_file, clear_caches, open_suffix_cache
+from edge_spec.runtime.verify.sampling import SamplingParams
+from tests.helpers import chi_square_same_distribution, run
+
+
+def index_of(*documents: list[int]) -> SuffixIndex:
+    index = SuffixIndex(64)
+    for document in documents:
+        index.extend(document)
+        index.end_document()
+    return index
+
+
+def ctx(tokens: list[int]) -> np.ndarray:
+    return np.asarray(tokens, np.int32)
+
+
+def test_the_longest_level_wins_and_matches_are_measured_exactly():
+    # "5 1 2" occurs once; "1 2" twice more, followed by 7 and 8
+    index = index_of([9, 1, 2, 7, 3, 1, 2, 8, 4, 4, 4, 4, 5, 1, 2, 6])
+    level, follows, lengths = index.occurrences(ctx([0, 0, 3, 5, 1, 2]))
+    assert level == 2 and len(follows) == 3
+    by_token = {int(index.tokens[f]): m for f, m in zip(follows, lengths)}
+    assert by_token == {6: 3, 7: 2, 8: 2}  # "5 1 2" really matched 3 tokens back, the others 2
+    level, follows, lengths = index.occurrences(ctx([4, 4, 4, 5, 1, 2]))  # 5 tokens: level 4 has it
+    assert level == 4 and [int(index.tokens[f]) for f in follows] == [6] and lengths == [6]
+
+
+def test_no_match_across_documents_or_past_their_end():
+    index = index_of([1, 2, 3], [4, 5, 1, 2])
+    level, follows, _ = index.occurrences(ctx([1, 2]))
+    assert [int(index.tokens[f]) for f in follows] == [3]  # the second "1 2" ends its document
+    assert index.occurrences(ctx([3, 4]))[0] == 0  # "3 | 4" spans a separator
+
+
+def test_hash_collisions_never_match():
+    index = SuffixIndex(64)
+    rng = np.random.default_rng(0)
+    index.extend(rng.integers(0, 50, 5000))  # 64-bucket tables at first, grown: many collisions on the way
+    for _ in range(200):
+        query = rng.integers(0, 50, 8).astype(np.int32)
+        level, follows, lengths = index.occurrences(query)
+        for follow, length in zip(follows, lengths):
+            assert length >= level
+            assert np.array_equal(index.tokens[follow - length : follow], query[-length:])
+
+
+def test_majority_continuation_and_its_share():
+    # after "1 2": 3 4 twice, 3 5 once -> 3 (share 1), then 4 (share 2/3)
+    index = index_of([1, 2, 3, 4, 0], [1, 2, 3, 4, 9], [1, 2, 3, 5, 7])
+    tokens, shares, matched, _ = continuation(ctx([8, 1, 2]), [index], 4)
+    assert tokens[:2] == [3, 4]
+    assert shares[0] == 1.0 and shares[1] == pytest.approx(2 / 3)
+    assert matched == 2
+
+
+def test_a_long_match_in_the_cache_outranks_a_short_one_in_the_request():
+    request = index_of()
+    request.extend([1, 2, 50, 60, 9, 1, 2])  # the request itself: "1 2" followed by 50
+    cache = index_of([7, 8, 9, 1, 2, 70, 71])  # an earlier answer: "9 1 2" followed by 70
+    tokens, _, matched, positions = continuation(ctx([5, 7, 8, 9, 1, 2]), [request, cache], 2)
+    assert tokens == [70, 71] and matched == 5 and positions  # the cache's match is 5 tokens long
+    tokens, _, _, positions = continuation(ctx([6, 1, 2]), [request, cache], 1)
+    # both match 2 tokens: they vote together (a tie), the request's own occurrence first
+    assert tokens == [50] and positions == []
+
+
+def test_the_request_never_matches_its_own_end():
+    request = SuffixIndex()
+    request.extend([4, 4])
+    assert continuation(ctx([4, 4]), [request], 3)[0] == []
+    request.extend([4])
+    assert continuation(ctx([4, 4, 4]), [request], 3)[0] == [4]
+
+
+def test_memory_is_bounded_and_the_least_recently_used_answers_go_first():
+    cache = SuffixCache(capacity=2000)
+    answers = [[1000 * (i + 1) + j for j in range(450)] for i in range(5)]
+    for answer in answers[:4]:
+        cache.remember([1, 2, 3], answer)  # 3 + 450 + a separator each
+    cache.used([cache.documents[0].start + 3 + 5])  # the oldest answer was drafted from: it stays
+    cache.remember([1, 2, 3], answers[4])  # past 2000 tokens: back to 1500 or less
+    assert cache.tokens <= 2000 * 0.75
+    kept = {int(cache.index.tokens[d.start + 3]) for d in cache.documents}
+    assert answers[0][0] in kept and answers[4][0] in kept and answers[1][0] not in kept
+    level, follows, _ = cache.index.occurrences(ctx(answers[0][:4]))
+    assert level == 4 and int(cache.index.tokens[follows[0]]) == answers[0][4]
+
+
+def test_the_file_is_private_survives_a_restart_and_damage_starts_afresh(tmp_path):
+    path = tmp_path / "suffix-x.npz"
+    cache = SuffixCache(path=path)
+    cache.remember([1, 2], [5, 6, 7, 8, 9])
+    cache.save()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    again = SuffixCache(path=path)
+    assert continuation(ctx([6, 7]), [again.index], 2)[0] == [8, 9]
+    path.write_bytes(b"not a cache")
+    assert SuffixCache(path=path).tokens == 0
+    again.clear()
+    assert not path.exists() and again.tokens == 0
+
+
+def test_a_corpus_is_read_once_and_changed_files_again(tmp_path):
+    root = tmp_path / "repo"
+    (root / ".git").mkdir(parents=True)
+    (root / ".git" / "config").write_text("ignored")
+    (root / "a.py").write_text("alpha beta gamma")
+    (root / "b.md").write_text("delta epsilon")
+    (root / "image.png").write_bytes(b"\x89PNG")
+    words = {}
+
+    def encode(text: str) -> list[int]:
+        return [words.setdefault(w, len(words) + 10) for w in text.split()]
+
+    cache = SuffixCache()
+    assert index_corpus(cache, root, encode) == 2
+    assert index_corpus(cache, root, encode) == 0  # nothing changed: nothing read
+    (root / "a.py").write_text("alpha beta zeta and more")
+    (root / "b.md").unlink()
+    assert index_corpus(cache, root, encode) == 1
+    tokens = {int(t) for t in cache.index.tokens[: cache.tokens]}
+    assert words["zeta"] in tokens and words["gamma"] not in tokens and words["delta"] not in tokens
+
+
+def test_open_refuses_bad_settings_in_one_line(tmp_path):
+    manifest = {"target": {"name": "m", "files": [{"sha256": "ab"}]}, "tokenizer": {}}
+    with pytest.raises(EdgeSpecError, match="not a directory"):
+        open_suffix_cache(manifest, str.split, corpus=tmp_path / "missing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(EdgeSpecError, match="not a directory"):
+        open_suffix_cache(manifest, str.split, cache_dir=tmp_path / "file")
+    with pytest.raises(EdgeSpecError, match="at least 1024"):
+        open_suffix_cache(manifest, str.split, capacity=10)
+    other = {"target": {"name": "m", "files": [{"sha256": "cd"}]}, "tokenizer": {}}
+    assert bundle_cache_file(tmp_path, manifest) != bundle_cache_file(tmp_path, other)
+    bundle_cache_file(tmp_path, manifest).write_bytes(b"")
+    assert clear_caches(tmp_path) == [bundle_cache_file(tmp_path, manifest)]
+
+
+def test_the_default_chain_drafts_from_the_suffix_cache():
+    assert loop_config("spec").proposers == ("suffix", "model", "guess")
+    assert loop_config("spec", suffix=False).proposers == ("lookup", "model", "guess")
+    assert loop_config("spec", lookup=False).proposers == ("model", "guess")
+    with pytest.raises(EdgeSpecError, match="--suffix-cache does not apply to --mode ar"):
+        loop_config("ar", suffix=True)
+
+
+# ---------------------------------------------------------------------------
+# through the loop, on the tiny models
+# ---------------------------------------------------------------------------
+
+PROMPTS = ["a b c d a b c d a b", "def f(x): return x def f(x): return", "one two three one two three one"]
+
+
+@pytest.fixture(scope="module")
+def engine(int4_bundle):
+    return Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-160")
+
+
+def run_with_cache(engine, ids, params, n, config, cache, seed=0):
+    from edge_spec.runtime.loops import generate_tokens
+    from edge_spec.runtime.loops.stats import SpecStats
+
+    stats = SpecStats()
+    context = ProposerContext(
+        engine.target.vocab_size, {"model": engine.active_drafter(config)}, suffix_cache=cache
+    )
+    rng = np.random.default_rng(seed)
+    return list(generate_tokens(config, engine.target, context, ids, params, rng, n, stats)), stats
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_with_a_warm_cache_equals_autoregressive(engine, adaptive):
+    """The second time an answer is asked for, the cache holds the first: most of it is drafted from
+    there, and the answer is still the target's, token for token."""
+    config = ChainConfig(gamma=4, adaptive=adaptive, proposers=("suffix", "model", "guess"))
+    cache = SuffixCache()
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        reference, _ = run(engine, ids, SamplingParams(), 40, None)
+        cold, _ = run_with_cache(engine, ids, SamplingParams(), 40, config, cache)
+        cache.remember(ids, cold)
+        warm, stats = run_with_cache(engine, ids, SamplingParams(), 40, config, cache)
+        assert cold == reference and warm == reference, prompt
+        drafted += stats.tally("suffix").accepted
+    assert drafted > 40, "the warm cache drafted little: case not exercised"
+
+
+def test_the_engine_remembers_its_answers_and_keeps_them_when_asked(int4_bundle, tmp_path):
+    with Engine.from_bundle(int4_bundle, threads=1, draft_head="trim-160", cache_dir=tmp_path) as first:
+        answer = "".join(first.generate("one two three", max_new_tokens=12))
+        assert first.suffix_cache.tokens >= len(first.last_token_ids)
+    files = list(tmp_path.glob("suffix-*.npz"))
+    assert len(files) == 1
+    with Engine.from_bundle(int4_bundle, threads=1, draft_head="trim-160", cache_dir=tmp_path) as second:
+        assert second.suffix_cache.tokens == first.suffix_cache.tokens
+        assert "".join(second.generate("one two three", max_new_tokens=12)) == answer
+    with Engine.from_bundle(int4_bundle, threads=1, draft_head="trim-160") as private:
+        assert private.suffix_cache.tokens == 0 and private.suffix_cache.path is None
+
+
+@pytest.mark.slow
+def test_sampled_with_suffix_drafts_matches_target_distribution(engine):
+    """A cache holding several continuations of the prompt: sampled answers drafted from it follow the
+    target's distribution (suffix drafts are verified against a point mass, as lookup's are); a
+    negative control drawn from the wrong temperature must fail the same test."""
+    params = SamplingParams(temperature=1.0)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    cache = SuffixCache()
+    for seed in range(6):
+        cache.remember(ids, run(engine, ids, params, 8, None, seed=100 + seed)[0])
+    config = ChainConfig(gamma=2, adaptive=False, proposers=("suffix", "model"))
+    n = 1500
+    ar = [tuple(run(engine, ids, params, 3, None, seed=s)[0]) for s in range(n)]
+    spec, drafted = [], 0
+    for s in range(n):
+        tokens, stats = run_with_cache(engine, ids, params, 3, config, cache, seed=10**6 + s)
+        spec.append(tuple(tokens))
+        drafted += stats.tally("suffix").rounds
+    assert drafted > n // 2
+    assert chi_square_same_distribution(ar, spec) > 1e-3
+    colder = [tuple(run(engine, ids, SamplingParams(temperature=0.6), 3, None, seed=s)[0]) for s in range(n)]
+    assert chi_square_same_distribution(ar, colder) < 1e-3
+
+
+def test_levels_are_increasing():
+    assert list(LEVELS) == sorted(LEVELS) and LEVELS[0] >= 2
