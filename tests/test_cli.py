@@ -75,7 +75,7 @@ def test_bad_flag_value(int4_bundle):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (("generate", "BUNDLE", "hi", "--bogus"), "No such option: --bogus; see edge-spec generate --help"),
+        (("generate", "BUNDLE", "hi", "--frobnicate"), "No such option: --frobnicate; see edge-spec generate --help"),
         (("info", "BUNDLE", "--costs", "--head", "full"), "No such option: --head (Possible options: --draft-head"),
         (("generate", "BUNDLE", "hi", "--temperature", "warm"), "Invalid value for '--temperature'"),
         (("generate",), "Missing argument '[BUNDLE] PROMPT'; see edge-spec generate --help"),

@@ -1,4 +1,5 @@
-"""``edge-spec`` command line: fetch, models, export, add-heads, info, generate, chat, serve, bench, train-head.
+"""``edge-spec`` command line: fetch, models, export, add-heads, info, generate, chat, serve, bench, train-head,
+cache.
 
 Each command lives in the module of its group (``models``, ``info``, ``ask``, ``serve``, ``bench``,
 ``training``); the options several commands share are declared once in ``options``.  User mistakes
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import typer
 
 from edge_spec import extras
-from edge_spec.cli import ask, bench, info, models, serve, training
+from edge_spec.cli import ask, bench, cache, info, models, serve, training
 from edge_spec.cli.output import console, out
 from edge_spec.errors import EdgeSpecError
 
@@ -34,6 +35,7 @@ app.command()(ask.chat)
 app.command()(serve.serve)
 app.command()(bench.bench)
 app.command("train-head")(training.train_head)
+app.add_typer(cache.app, name="cache")
 
 
 def main() -> None:

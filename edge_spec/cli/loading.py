@@ -110,6 +110,8 @@ def open_engine(
     verify: bool = False,
     provider_option: list[str] | None = None,
     eagle_head: str | None = None,
+    cache_dir: Path | None = None,
+    corpus: Path | None = None,
 ):
     """The engine for ``bundle`` running ``config``, its flags checked before the load."""
     from edge_spec.runtime.engine import Engine
@@ -130,6 +132,8 @@ def open_engine(
             verify=verify,
             provider_options=options,
             eagle_head=eagle_head,
+            cache_dir=cache_dir,
+            corpus=corpus,
         )
         if exact:  # refused now, not at every request of a chat or a server (Engine.exact_for)
             engine.exact_for(engine.config.mode, exact)
@@ -150,4 +154,6 @@ def load_engine(bundle: Path, flags: EngineFlags, config):
         verify=flags.verify,
         provider_option=flags.provider_option,
         eagle_head=flags.eagle_head,
+        cache_dir=flags.suffix_cache_dir(),
+        corpus=flags.corpus,
     )

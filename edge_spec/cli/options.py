@@ -129,6 +129,15 @@ def output_option(what: str, default: str) -> typer.models.OptionInfo:
 
 # -- the engine: generate, chat, serve ---------------------------------------------------------------
 
+CACHE_DIR_HELP = "Directory of the suffix cache kept on disk (one private file per bundle)."
+
+
+def default_suffix_cache_dir() -> Path:
+    """Where ``--persist-cache`` keeps the suffix cache: the user's edge-spec cache."""
+    from edge_spec.paths import cache_root
+
+    return cache_root() / "suffix"
+
 
 @dataclass(frozen=True)
 class EngineFlags:
@@ -174,6 +183,35 @@ class EngineFlags:
             "last tokens, in rounds where that beats the drafter.",
         )
     )
+    suffix_cache: Optional[bool] = option(
+        typer.Option(
+            None,
+            "--suffix-cache/--no-suffix-cache",
+            help="Draft from the suffix cache (spec, default on): the longest earlier occurrence of the last "
+            "tokens in this request and in earlier answers; off: in this request only (prompt lookup).",
+        )
+    )
+    persist_cache: bool = option(
+        typer.Option(
+            False,
+            "--persist-cache",
+            help="Keep the suffix cache of earlier answers on disk between runs, privately, in the user's "
+            "cache directory (off: in memory; edge-spec cache clear forgets it).",
+        )
+    )
+    cache_dir: Optional[Path] = option(
+        typer.Option(
+            None, "--cache-dir", envvar="EDGE_SPEC_SUFFIX_CACHE_DIR", help=f"{CACHE_DIR_HELP} Implies --persist-cache."
+        )
+    )
+    corpus: Optional[Path] = option(
+        typer.Option(
+            None,
+            "--corpus",
+            help="A directory (your repository) whose text files the suffix cache reads, so drafts can copy "
+            "from them; re-read only where a file changed when the cache is kept on disk.",
+        )
+    )
     drafter: Optional[str] = option(
         typer.Option(
             None,
@@ -207,8 +245,15 @@ class EngineFlags:
             drafts=self.drafts,
             verifier=self.verifier,
             lookup=self.lookup,
+            suffix=self.suffix_cache,
             drafter=self.drafter,
         )
+
+    def suffix_cache_dir(self) -> Path | None:
+        """Where the suffix cache is kept (None: in memory only)."""
+        if self.cache_dir is not None:
+            return self.cache_dir
+        return default_suffix_cache_dir() if self.persist_cache else None
 
 
 @dataclass(frozen=True)
