@@ -782,7 +782,9 @@ class Engine:
             raise EdgeSpecError("max_new_tokens must be at least 1")
         ids = self.prompt_ids(prompt, tools=tools)
         constraint = self.constraint_for(response_format, config)
-        self.target.min_rows = self.pass_rows(mode) if self.exact_for(mode, exact, params.deterministic) else 1
+        exact_passes = self.exact_for(mode, exact, params.deterministic)
+        self.target.min_rows = self.pass_rows(mode) if exact_passes else 1
+        self.target.lean_rows = self.exact_rows() if exact_passes else 1  # a round without drafts or guess
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
         self.last_stats = stats

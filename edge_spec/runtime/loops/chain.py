@@ -72,7 +72,7 @@ def generate_chain(
         clock.drafted()
 
         # 2. verify: one target pass over [pending, d1..dγ] -> γ + 1 rows
-        outputs = target.forward([request.pending] + block.tokens, len(block.tokens) + 1)
+        outputs = target.forward([request.pending] + block.tokens, len(block.tokens) + 1, lean=block.lean)
         rows = request.masked(outputs["logits"], masks)
         result = verify_chain(block.tokens, block.q_rows, rows, params, rng, len(request.committed))
         clock.verified()

@@ -175,6 +175,9 @@ class Decoder:
         self.capacity = capacity
         self.pads_attention = self.session.get_modelmeta().custom_metadata_map.get(ATTENTION_PAD_KEY) == "1"
         self.min_rows = min_rows  # 2: pad one-token passes so every pass takes the multi-row kernels
+        # fewer rows a pass may have and stay exact, where min_rows is kept higher for another reason (a
+        # speculative pass's spare row for the free guess); None: min_rows.  ``forward(lean=True)`` uses it.
+        self.lean_rows: int | None = None
         self.prefill_chunk = PREFILL_CHUNK  # most tokens per prefill pass (see prefill)
         self.prefill_listener: Callable[[int, int], None] | None = None  # (tokens read, prompt tokens)
         outputs = {o.name: o for o in self.session.get_outputs()}
@@ -201,6 +204,11 @@ class Decoder:
         self.__dict__.pop("_binding", None)
         self.__dict__.pop("kv", None)
 
+    @property
+    def exact_rows(self) -> int:
+        """The fewest rows of a pass that keeps the logits batch-invariant here."""
+        return self.min_rows if self.lean_rows is None else min(self.lean_rows, self.min_rows)
+
     def forward(
         self,
         token_ids,
@@ -208,6 +216,7 @@ class Decoder:
         tree: DraftTree | None = None,
         prefill: bool = False,
         inputs: dict[str, np.ndarray] | None = None,
+        lean: bool = False,
     ) -> dict[str, np.ndarray]:
         """Append ``token_ids`` to the cache and return outputs for the last ``num_logits`` positions.
 
@@ -216,14 +225,16 @@ class Decoder:
         ``hidden_states`` [num_logits, H], and ``features`` [len(token_ids), F] (every row fed) when the
         graph has them.  ``prefill`` only files the pass's time under prompt processing in :attr:`stats`.
         ``inputs`` are further per-row graph inputs ([rows, ...] each, e.g. a drafter head's embeddings
-        and hidden states, where ``token_ids`` only keep the cache's bookkeeping).
+        and hidden states, where ``token_ids`` only keep the cache's bookkeeping).  ``lean`` pads only to
+        :attr:`exact_rows`.
         """
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
         past = len(self.tokens)
         if past + n > self.capacity:
             raise EdgeSpecError(f"context full: {past + n} tokens exceed the context length {self.capacity}")
-        pad = max(self.min_rows - n, 0) if tree is None and past + self.min_rows <= self.capacity else 0
+        least = self.exact_rows if lean else self.min_rows
+        pad = max(least - n, 0) if tree is None and past + least <= self.capacity else 0
         if pad:  # throw-away rows repeating the last token: see "batch-invariant numerics" above
             ids = np.concatenate([ids, np.repeat(ids[:, -1:], pad, axis=1)], axis=1)
         rows = n + pad

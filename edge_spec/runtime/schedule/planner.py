@@ -13,6 +13,8 @@ target produced, drafted or not, so guesses and lookups are judged from the firs
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from edge_spec.runtime.constrain import Constraint
@@ -23,6 +25,49 @@ from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, RoundOve
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.verify.chain import VerifyResult
 from edge_spec.runtime.verify.sampling import SamplingParams
+
+GUESS_ROW_WORTH = 0.08  # chance of a right guess below which a draft-less round runs in one row, where exact
+QUIET_AFTER = 2  # the drafter rests after this many of its rounds in a row lose their first draft ...
+QUIET_RATE = 0.45  # ... in a request whose first drafts are accepted less often than this
+QUIET_ROUNDS = (3, 48)  # its first rest in rounds, and the longest (each rest after a lost try doubles)
+
+
+@dataclass
+class QuietDrafter:
+    """Per request: rest the drafter model while its drafts keep losing, decided from the tokens alone.
+
+    The adaptive policy weighs the drafter against a draft-less round by measured costs, but a request
+    whose drafts lose (translation, shuffled text) learns that only over rounds that cost a drafter's
+    steps and a wider pass each: on 14-token answers the request is over before it has learnt.  Here two
+    lost rounds in a row, in a request whose first drafts are accepted less often than
+    :data:`QUIET_RATE`, rest the drafter for a few rounds (decoding then costs what target-only decoding
+    costs), then let it try again, resting twice as long after each try that loses.  Counted in tokens,
+    so the same prompt decodes the same way whatever the machine's load."""
+
+    rounds: int = 0
+    firsts_accepted: int = 0
+    lost_in_a_row: int = 0
+    rest: int = 0
+    next_rest: int = QUIET_ROUNDS[0]
+
+    def holds(self) -> bool:
+        """Whether this round rests the drafter (counts the round)."""
+        if self.rest > 0:
+            self.rest -= 1
+            return True
+        return False
+
+    def record(self, first_accepted: bool) -> None:
+        """A verified round of the drafter's: was its first draft accepted?"""
+        self.rounds += 1
+        self.firsts_accepted += first_accepted
+        if first_accepted:
+            self.lost_in_a_row, self.next_rest = 0, QUIET_ROUNDS[0]
+            return
+        self.lost_in_a_row += 1
+        if self.lost_in_a_row >= QUIET_AFTER and self.firsts_accepted < QUIET_RATE * self.rounds:
+            self.rest, self.lost_in_a_row = self.next_rest, QUIET_AFTER - 1  # one more loss after the rest: again
+            self.next_rest = min(2 * self.next_rest, QUIET_ROUNDS[1])
 
 
 class DraftPlanner:
@@ -55,6 +100,7 @@ class DraftPlanner:
         self.fillers = [p for p in proposers if p.kind == "filler"]
         self.policy = AdaptiveGamma(gamma, self.estimates) if adaptive else None
         self.overhead = overhead or RoundOverhead()
+        self.quiet = QuietDrafter()
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
         self._offered: list[int] = []  # what the sequence offered this round, before the round took its share
         # first drafts offered this round by sources judged on their own: (choice, matched, share, token)
@@ -75,6 +121,9 @@ class DraftPlanner:
         costs = self._costs()
         guess = self._guess(committed, room, rule)
         spare = guess if guess is not None and self.target.min_rows >= 2 else None  # a pass's spare row
+        lean = spare is not None and self.target.exact_rows < self.target.min_rows and not self._row_pays(spare)
+        if lean:  # this request's guesses keep failing: a draft-less round runs in one row
+            spare = None
         self._guessed = (guess.matched, guess.tokens[0]) if guess else None  # checked whatever the round does
         for proposer in self.certain:  # drafts that cannot be rejected: all of them, before anyone else's
             block = proposer.propose(committed, room, rule)
@@ -101,15 +150,23 @@ class DraftPlanner:
                 block.truncate(take)
                 return block
         block = DraftBlock()
-        if self.model is not None:
+        if self.model is not None and not self.quiet.holds():
             if self.policy is not None and costs is not None:
                 rule.stop = self.policy.begin_round(costs, spare=spare_rate)
                 rule.gamma = 0 if rule.stop is None else rule.stop.gamma_max
             block = self.model.propose(committed, room, rule)
         if block.tokens or spare is None:
+            block.lean = not block.tokens  # no drafts and no guess to carry: no row beyond exactness's
             return block
         spare.steps = block.steps  # a dropped model step still counts as a step
         return spare
+
+    def _row_pays(self, guess: DraftBlock) -> bool:
+        """Whether carrying the guess in a second row is worth that row, judged from this request's
+        guesses alone (so the answer does not depend on the machine's timing): a second row costs a few
+        percent of a pass on CPUs whose one-row passes are exact, so a guess right even now and then
+        pays, one that keeps failing does not."""
+        return self.estimates.guess(guess.matched) >= GUESS_ROW_WORTH
 
     def _guess(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock | None:
         """The free guess for the next token (None: no room, or no filler proposes one)."""
@@ -127,6 +184,7 @@ class DraftPlanner:
         self.overhead.record(outside_seconds)
         drafted = len(block.tokens)
         if self.model is not None and block.source == self.model.name and drafted:
+            self.quiet.record(result.accepted > 0)
             if self.policy is not None:
                 self.policy.update(drafted, result.accepted, block.confidences, dropped=block.steps > drafted)
             else:  # fixed γ computes no confidences: only the first-draft average (lookup weighs against it)
