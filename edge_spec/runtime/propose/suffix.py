@@ -15,8 +15,6 @@ verified as lookup's are, greedy output stays the target's and sampling stays ex
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, SequenceProposer, point_mass_block
@@ -77,40 +75,76 @@ def continuation(
     level = max(level for level, _, _ in found)
     if level < MIN_MATCH:
         return [], [], 0, []
-    alive = [
-        (i, position, length)
-        for i, (lvl, positions, lengths) in enumerate(found)
-        if lvl == level
-        for position, length in zip(positions, lengths)
-    ]
+    chosen = [i for i, (lvl, _, _) in enumerate(found) if lvl == level]
+    which = np.concatenate([np.full(len(found[i][1]), i) for i in chosen])
+    lengths = np.concatenate([np.asarray(found[i][2], np.int64) for i in chosen])
+    ahead = np.vstack([_ahead(indexes[i], found[i][1], gamma) for i in chosen])  # [occurrences, gamma]
     tokens: list[int] = []
     shares: list[float] = []
-    share, matched, positions = 1.0, 0, []
-    for _ in range(gamma):
-        nexts = [_token(indexes[i], p) for i, p, _ in alive]
-        votes = Counter(t for t in nexts if t != SEPARATOR)
-        if not votes:
+    share, alive, step = 1.0, np.arange(len(which)), 0
+    first_supporters = alive
+    while step < gamma:
+        rows = ahead[alive, step:]
+        unanimous = (rows == rows[0]).all(axis=0)  # steps every occurrence still alive agrees on
+        run = len(unanimous) if unanimous.all() else int(unanimous.argmin())
+        for token in rows[0, :run].tolist():
+            if token == SEPARATOR:
+                return _drafts(tokens, shares, lengths, which, first_supporters, found, len(indexes))
+            tokens.append(token)
+            shares.append(share)
+        step += run
+        if step >= gamma:
             break
-        best = max(
-            votes,
-            key=lambda t: (
-                votes[t],
-                max(m for (i, _, m), n in zip(alive, nexts) if n == t),
-                -min(i for (i, _, _), n in zip(alive, nexts) if n == t),
-            ),
-        )
-        share *= votes[best] / len(alive)
+        column = ahead[alive, step]
+        valid = column != SEPARATOR
+        if not valid.any():
+            break
+        values, counts = np.unique(column[valid], return_counts=True)
+        best = _best(values[counts == counts.max()], column, lengths[alive], which[alive])
+        agree = column == best
+        share *= int(agree.sum()) / len(alive)
         if share < MIN_SHARE:
             break
-        supporters = [(i, p, m) for (i, p, m), n in zip(alive, nexts) if n == best]
+        alive = alive[agree]
         if not tokens:
-            matched = max(m for _, _, m in supporters)
-            positions = [p for i, p, _ in supporters if i == len(indexes) - 1 and i > 0]
-        tokens.append(int(best))
+            first_supporters = alive
+        tokens.append(best)
         shares.append(share)
-        alive = [(i, p + 1, m) for i, p, m in supporters]
-    return tokens, shares, matched, positions
+        step += 1
+    return _drafts(tokens, shares, lengths, which, first_supporters, found, len(indexes))
 
 
-def _token(index: SuffixIndex, position: int) -> int:
-    return int(index.tokens[position]) if position < index.size else SEPARATOR
+def _ahead(index: SuffixIndex, follows: list[int], gamma: int) -> np.ndarray:
+    """The ``gamma`` tokens from each position of ``follows`` on, :data:`SEPARATOR` from a document's end on."""
+    at = np.asarray(follows, np.int64)[:, None] + np.arange(gamma)
+    tokens = np.where(at < index.size, index.tokens[np.minimum(at, index.size - 1)], SEPARATOR)
+    tokens[np.cumsum(tokens == SEPARATOR, axis=1) > 0] = SEPARATOR
+    return tokens
+
+
+def _drafts(
+    tokens: list[int],
+    shares: list[float],
+    lengths: np.ndarray,
+    which: np.ndarray,
+    supporters: np.ndarray,
+    found: list[tuple[int, list[int], list[int]]],
+    count: int,
+) -> tuple[list[int], list[float], int, list[int]]:
+    """The result of :func:`continuation`: the first draft's longest match, and where its occurrences in
+    the cache (the last of ``count`` indexes) are."""
+    if not tokens:
+        return [], [], 0, []
+    last = count - 1
+    in_cache = np.flatnonzero(which == last) if last > 0 else np.empty(0, np.int64)
+    rows = supporters[which[supporters] == last] if len(in_cache) else []
+    positions = [found[last][1][int(row) - int(in_cache[0])] for row in rows]
+    return tokens, shares, int(lengths[supporters].max()), positions
+
+
+def _best(tied: np.ndarray, column: np.ndarray, lengths: np.ndarray, which: np.ndarray) -> int:
+    """Among tokens equally many occurrences continue with: the one behind the longest match, then the
+    one the earliest index (the current request) has."""
+    if len(tied) == 1:
+        return int(tied[0])
+    return int(max(tied, key=lambda t: (lengths[column == t].max(), -which[column == t].min())))

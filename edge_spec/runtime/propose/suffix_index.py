@@ -63,36 +63,34 @@ class SuffixIndex:
         any occurrence (0 and empty lists: none).  Occurrences whose continuation is at or after
         ``exclude_from`` are skipped (the query's own tail, when the context is the store's last document)."""
         limit = self.size if exclude_from is None else min(exclude_from, self.size)
-        for n in reversed(LEVELS):
+        buckets = tail_buckets(context, self._bits)
+        for level, n in reversed(list(enumerate(LEVELS))):
             if len(context) < n:
                 continue
             tail = context[-n:]
-            bucket = int(_buckets(_hashes(tail, n)[-1:], self._bits)[0])
-            position = int(self._heads[LEVELS.index(n)][bucket])
-            chain = self._chains[LEVELS.index(n)]
-            found, lengths, seen = [], [], 0
-            while position >= 0 and seen < MAX_CANDIDATES:
-                seen += 1
-                follow = position + 1
-                if (
-                    follow < limit
-                    and self.tokens[follow] != SEPARATOR
-                    and np.array_equal(self.tokens[follow - n : follow], tail)
-                ):
-                    found.append(follow)
-                    lengths.append(self._match_length(context, follow, n))
+            chain, position, walked = self._chains[level], int(self._heads[level][buckets[level]]), []
+            while position >= 0 and len(walked) < MAX_CANDIDATES:
+                walked.append(position)
                 position = int(chain[position])
-            if found:
-                return n, found, lengths
+            follows = np.asarray(walked, np.int64) + 1
+            follows = follows[follows < limit]
+            if len(follows) == 0:
+                continue
+            window = self.tokens[follows[:, None] + np.arange(-n, 0)]  # each occurrence's last n tokens
+            follows = follows[(window == tail).all(axis=1) & (self.tokens[follows] != SEPARATOR)]
+            if len(follows):
+                return n, follows.tolist(), self._match_lengths(context, follows, n)
         return 0, [], []
 
-    def _match_length(self, context: np.ndarray, follow: int, at_least: int) -> int:
-        """How many tokens before ``follow`` equal the end of ``context`` (up to :data:`MAX_MATCH`)."""
-        span = min(MAX_MATCH, follow, len(context))
+    def _match_lengths(self, context: np.ndarray, follows: np.ndarray, at_least: int) -> list[int]:
+        """How many tokens before each of ``follows`` equal the end of ``context`` (up to :data:`MAX_MATCH`)."""
+        span = min(MAX_MATCH, len(context), int(follows.min()))
         if span <= at_least:
-            return at_least
-        differ = np.flatnonzero(self.tokens[follow - span : follow][::-1] != context[-span:][::-1])
-        return int(differ[0]) if len(differ) else span
+            return [at_least] * len(follows)
+        back = self.tokens[follows[:, None] - np.arange(1, span + 1)]  # the tokens before, nearest first
+        same = back == context[::-1][:span]
+        lengths = np.where(same.all(axis=1), span, same.argmin(axis=1))
+        return np.maximum(lengths, at_least).tolist()
 
     def _allocate(self, capacity: int) -> None:
         self._bits = max(int(capacity - 1).bit_length(), 6)
@@ -144,19 +142,37 @@ class SuffixIndex:
         return starts
 
 
+_MASK = (1 << 64) - 1
+_POWERS = [pow(int(_MULTIPLIER), i, 1 << 64) for i in range(max(LEVELS))]
+
+
 def _hashes(window: np.ndarray, n: int) -> np.ndarray:
-    """The hash of every n-gram of ``window`` (``len(window) - n + 1`` of them), in order."""
+    """The hash of every n-gram of ``window`` (``len(window) - n + 1`` of them), in order: the sum of its
+    tokens weighted by powers of the multiplier, the newest by the first, so that one pass over a
+    query's tail gives every level's hash (:func:`tail_buckets`)."""
     values = window.astype(np.int64).astype(np.uint64) + np.uint64(2)  # the separator hashes too (never matched)
     count = len(window) - n + 1
     hashed = np.zeros(count, np.uint64)
-    for i in range(n):
-        hashed = hashed * _MULTIPLIER + values[i : i + count]
+    for i in range(n):  # token i places before each n-gram's last
+        hashed += values[n - 1 - i : n - 1 - i + count] * np.uint64(_POWERS[i])
     return hashed
 
 
 def _buckets(hashed: np.ndarray, bits: int) -> np.ndarray:
     mixed = (hashed ^ (hashed >> np.uint64(31))) * _MIX
     return (mixed >> np.uint64(64 - bits)).astype(np.int64)
+
+
+def tail_buckets(context: np.ndarray, bits: int) -> list[int]:
+    """The bucket of the last ``n`` tokens of ``context`` for every level ``n`` (-1 where it is shorter):
+    what :func:`_hashes` and :func:`_buckets` give, in plain integers (a query's few tokens)."""
+    tail = context[-max(LEVELS) :].tolist()
+    found, hashed, mix, shift = [], 0, int(_MIX), 64 - bits
+    for i, token in enumerate(reversed(tail)):
+        hashed = (hashed + (token + 2) * _POWERS[i]) & _MASK
+        if i + 1 in LEVELS:
+            found.append(((((hashed ^ (hashed >> 31)) * mix) & _MASK) >> shift))
+    return found + [-1] * (len(LEVELS) - len(found))
 
 
 def _link(heads: np.ndarray, chain: np.ndarray, positions: np.ndarray, buckets: np.ndarray) -> None:
