@@ -250,6 +250,11 @@ class EngineWorker:
         seconds = time.perf_counter() - job.started
         self._durations.append(seconds)
         self.counts["cancelled" if stats.stop_reason == "cancelled" else "completed"] += 1
+        if self.on_answered is not None:  # before the answer ends: a client that reads /metrics next sees it
+            try:
+                self.on_answered(job, stats)
+            except Exception:  # a bug in the observer: log it, keep serving
+                log.exception("recording %s failed", job.label)
         job.emit(
             Event(
                 "done",
@@ -259,11 +264,6 @@ class EngineWorker:
             )
         )
         log.info("%s", describe(job, stats, seconds))
-        if self.on_answered is not None:
-            try:
-                self.on_answered(job, stats)
-            except Exception:  # a bug in the observer: log it, keep serving
-                log.exception("recording %s failed", job.label)
 
 
 class _Cancelled(Exception):
