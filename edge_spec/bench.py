@@ -26,7 +26,7 @@ from pathlib import Path
 from edge_spec.errors import EdgeSpecError
 from edge_spec.paths import PACKAGE_DATA
 from edge_spec.prompts import as_messages, read_prompt_file
-from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.engine import Completion, Engine
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.propose import DRAFTERS
@@ -189,7 +189,7 @@ def run_bench(
                     if mode.name == "ar-exact" and not _deterministic(temperature, sampler):
                         continue  # only greedy and coupled answers are compared token for token
                     runner = baseline if baseline is not None and mode.name == "ar" else engine
-                    record = _run_mode(
+                    record, _ = _run_mode(
                         runner,
                         mode,
                         messages,
@@ -200,12 +200,7 @@ def run_bench(
                         sampler=sampler,
                     )
                     record.update(category=item["category"], prompt_index=index)
-                    kept = fastest.setdefault(mode.name, record)
-                    for flag in ("identical_to_ar", "identical_to_one_row_ar"):
-                        if flag in record:
-                            record[flag] = kept[flag] = record[flag] and kept[flag]
-                    if record["decode_seconds"] < kept["decode_seconds"]:
-                        fastest[mode.name] = record
+                    keep_fastest(fastest, mode.name, record)
             records.extend(fastest.values())
             done += 1
             if progress:
@@ -222,6 +217,17 @@ def run_bench(
     }
 
 
+def keep_fastest(fastest: dict, key, record: dict) -> None:
+    """Keep in ``fastest[key]`` the faster of ``record`` and the run kept there; an identity flag
+    (greedy answer equal to the reference) holds only if it held in every run."""
+    kept = fastest.setdefault(key, record)
+    for flag in ("identical_to_ar", "identical_to_one_row_ar"):
+        if flag in record:
+            record[flag] = kept[flag] = record[flag] and kept[flag]
+    if record["decode_seconds"] < kept["decode_seconds"]:
+        fastest[key] = record
+
+
 def _run_mode(
     engine: Engine,
     mode: BenchMode,
@@ -232,8 +238,10 @@ def _run_mode(
     temperature: float,
     seed: int,
     sampler: str = "rejection",
-) -> dict:
-    """One answer in one mode; the first target-only answer per numerics becomes the reference."""
+    tools: list[dict] | None = None,
+) -> tuple[dict, Completion]:
+    """One answer in one mode: its record and the answer itself.  The first target-only answer per
+    numerics becomes the reference.  ``tools`` go to the chat template with the messages."""
     loop = mode.config.mode
     if mode.head:
         engine.config = mode.config
@@ -252,6 +260,7 @@ def _run_mode(
         sampler=sampler,
         mode=loop,
         exact=mode.exact,
+        tools=tools,
     )
     exact = engine.exact_for(loop, mode.exact, deterministic=_deterministic(temperature, sampler))
     stats = completion.stats
@@ -259,7 +268,9 @@ def _run_mode(
         "temperature": temperature,
         "sampler": sampler,
         "mode": mode.name,
+        "prompt_tokens": stats.prompt_tokens,
         "new_tokens": stats.new_tokens,
+        "first_token_seconds": stats.prefill_seconds,
         "decode_seconds": stats.decode_seconds,
         "wall_seconds": time.perf_counter() - started,
         "tokens_per_second": stats.tokens_per_second,
@@ -268,7 +279,7 @@ def _run_mode(
         record[f"{role}_passes"] = _decode_passes(before[role], _pass_log(decoder))
     if mode.head is None:
         references.setdefault(exact, completion.token_ids)
-        return record
+        return record, completion
     spec = stats.spec
     record.update(
         {
@@ -295,11 +306,13 @@ def _run_mode(
         guess_accepted=spec.tally("guess").accepted,
         lookup_rounds=spec.tally("lookup").rounds,
         lookup_accepted=spec.tally("lookup").accepted,
+        suffix_rounds=spec.tally("suffix").rounds,
+        suffix_accepted=spec.tally("suffix").accepted,
     )
     reference = references.get(exact)  # None: no target-only run with these numerics (--no-reference)
     record["identical_to_ar"] = None if reference is None else completion.token_ids == reference
     record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
-    return record
+    return record, completion
 
 
 def _deterministic(temperature: float, sampler: str) -> bool:

@@ -81,6 +81,7 @@ SHIPPED = [
     "bench/prompts.jsonl",
     "bench/low_acceptance.jsonl",
     "bench/prime.jsonl",
+    "bench/sessions.jsonl",
     "train/prompts.jsonl",
 ]
 
@@ -105,11 +106,13 @@ def test_shipped_data_lives_in_the_package_and_pyproject_declares_all_of_it():
 
 def test_defaults_read_the_shipped_files():
     from edge_spec import bench
+    from edge_spec.benchmarking import sessions
     from edge_spec.export import calibration_store, vocabtrim
     from edge_spec.export.eagle import features as head_data
 
     data = paths.PACKAGE_DATA
     assert bench.DEFAULT_PROMPTS == data / "bench" / "prompts.jsonl"
+    assert sessions.DEFAULT_SESSIONS == data / "bench" / "sessions.jsonl"
     assert vocabtrim.DEFAULT_CALIBRATION == data / "calibration" / "prompts.jsonl"
     assert head_data.DEFAULT_PROMPTS == data / "train" / "prompts.jsonl"
     assert calibration_store.shipped_dir() == data / "calibration" / "shipped"

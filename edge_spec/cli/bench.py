@@ -1,4 +1,5 @@
-"""``bench``: decoding modes compared on one bundle, prompt by prompt, against target-only decoding."""
+"""``bench``: decoding modes compared on one bundle, prompt by prompt (or session by session, turn by turn:
+``--sessions``), against target-only decoding."""
 
 from __future__ import annotations
 
@@ -59,9 +60,11 @@ MODE_GROUPS = (
         ("eagle",),
         "the bundle's EAGLE head (edge-spec train-head) at the --schedule and each --sweep γ, per --eagle-head",
     ),
+    (("nocache",), "with --sessions: spec drafting from the request alone, without the suffix cache (spec-nocache)"),
 )
 MODE_KINDS = tuple(kind for kinds, _ in MODE_GROUPS for kind in kinds)
 DEFAULT_MODES = ("ar", "ar-exact", "spec")
+SESSION_MODES = ("ar", "ar-exact", "spec", "nocache")  # the kinds --sessions runs (and its default)
 
 
 def _mode_kinds(text: str) -> set[str]:
@@ -73,16 +76,29 @@ def _mode_kinds(text: str) -> set[str]:
     return kinds
 
 
+def _check_session_flags(kinds: set[str], given: dict[str, bool]) -> None:
+    """Refuse, in one line, a --modes kind or a flag that --sessions cannot honour."""
+    other = sorted(kinds - set(SESSION_MODES))
+    if other:
+        raise EdgeSpecError(f"--sessions compares {', '.join(SESSION_MODES)}; --modes {other[0]} applies to prompts")
+    for flag, used in given.items():
+        if used:
+            raise EdgeSpecError(f"{flag} applies to prompt benchmarks, not --sessions")
+
+
 def bench(
+    ctx: typer.Context,
     bundle: Optional[Path] = BundleArg,
-    modes: str = typer.Option(
-        ",".join(DEFAULT_MODES),
+    modes: Optional[str] = typer.Option(
+        None,
         "--modes",
-        help="Modes to compare (comma list): "
-        + "; ".join(f"{', '.join(kinds)}: {what}" for kinds, what in MODE_GROUPS)
-        + ".",
+        help=f"Modes to compare (comma list; default {','.join(DEFAULT_MODES)}, with --sessions "
+        f"{','.join(SESSION_MODES)}): " + "; ".join(f"{', '.join(kinds)}: {what}" for kinds, what in MODE_GROUPS) + ".",
+        show_default=False,
     ),
-    max_tokens: int = max_tokens_option(64),
+    max_tokens: int = max_tokens_option(
+        64, "; with --sessions, when given, at most this many per turn (default: each session's max_tokens)"
+    ),
     temperature: list[float] = typer.Option(
         [0.0, 0.7], "--temperature", help=f"{TEMPERATURE}; repeatable: every mode runs at each."
     ),
@@ -116,6 +132,28 @@ def bench(
         "and keep each mode's fastest run: steadier ratios on a busy machine.",
     ),
     prompts: Optional[Path] = prompts_option("the shipped bench set"),
+    sessions: bool = typer.Option(
+        False,
+        "--sessions",
+        help="Replay session workloads instead of prompts: each mode answers every session turn by turn, "
+        "its answers feeding its own later turns, on a suffix cache emptied before each session "
+        "(--session-file; default: the shipped sessions). Writes sessions.json.",
+    ),
+    session_file: Optional[Path] = typer.Option(
+        None,
+        "--session-file",
+        help="Session file (.jsonl, one session a line; see benchmarks/README.md); implies --sessions.",
+        show_default=False,
+    ),
+    warm: bool = typer.Option(
+        False, "--warm", help="With --sessions: keep the suffix cache across sessions (emptied once per mode)."
+    ),
+    seed: Optional[int] = typer.Option(
+        None,
+        "--seed",
+        help="Random seed (bench: the i-th prompt, or the i-th turn of the session file, samples with "
+        "seed + i; default 0).",
+    ),
     output: Optional[Path] = output_option(
         "bench.json and bench.png", "bench-results, under $EDGE_SPEC_HOME when that is set"
     ),
@@ -146,7 +184,15 @@ def bench(
     from edge_spec.runtime.verify.sampling import SamplingParams
 
     # every flag is checked before the (slow) engine load
-    kinds = _mode_kinds(modes)
+    sessions = sessions or session_file is not None
+    kinds = _mode_kinds(modes or ",".join(SESSION_MODES if sessions else DEFAULT_MODES))
+    if sessions:
+        given = {"--prompts": prompts, "--sweep": sweep, "--drafts": drafts, "--eagle-head": eagle_head or None}
+        _check_session_flags(kinds, {flag: value is not None for flag, value in given.items()})
+    elif warm:
+        raise EdgeSpecError("--warm applies to --sessions")
+    elif "nocache" in kinds:
+        raise EdgeSpecError("--modes nocache applies to --sessions")
     bundle = find_bundle(bundle)
     output = output or bench_results_dir()
     check_threads(threads, draft_threads)
@@ -165,7 +211,12 @@ def bench(
     check_gamma(bundle, chain)
     if output.exists() and not output.is_dir():
         raise EdgeSpecError(f"--output {output} is not a directory")
-    items = load_bench_prompts(prompts, category or None, per_category)
+    if sessions:
+        from edge_spec.benchmarking.sessions import load_sessions, select_sessions
+
+        items = select_sessions(load_sessions(session_file), category or None, per_category)
+    else:
+        items = load_bench_prompts(prompts, category or None, per_category)
     gammas = list(int_list(sweep, "--sweep")) if sweep else None
     if gammas and min(gammas) < 1:
         raise EdgeSpecError("--sweep values must be at least 1")
@@ -191,6 +242,45 @@ def bench(
         )
         # the ar baseline is our fastest target-only decoding: an engine loaded for it alone
         baseline = Engine.from_bundle(bundle, provider=provider, threads=threads, mode="ar", provider_options=options)
+    engine.complete("warm up", max_new_tokens=4)
+    baseline.complete("warm up", max_new_tokens=4)
+    engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)
+    if sessions:
+        from edge_spec.bench_sessions import session_modes
+
+        with_tools = next((s for s in items if s["tools"]), None)
+        if with_tools is not None and not engine.tokenizer.takes_tools:
+            raise EdgeSpecError(
+                f"session {with_tools['id']!r} passes tools, but this model's chat template takes no tools "
+                f"(leave its category out: --category)"
+            )
+        compared = session_modes(
+            engine,
+            draft_head or None,
+            gamma=gamma,
+            schedule=schedule,
+            reference="ar-exact" in kinds,
+            spec="spec" in kinds,
+            nocache="nocache" in kinds,
+        )
+        # by name: recent typer runs on a copy of click of its own, whose enum is not click's
+        given = getattr(ctx.get_parameter_source("max_tokens"), "name", None) == "COMMANDLINE"
+        _bench_sessions(
+            engine,
+            baseline,
+            items,
+            compared,
+            temperatures=list(temperature),
+            max_new_tokens=max_tokens if given else None,
+            seed=seed or 0,
+            repeats=repeat,
+            warm=warm,
+            sampler=sampler,
+            output=output,
+            bundle=bundle,
+            threads=threads,
+        )
+        return
     compared = modes_for(
         engine,
         draft_head or None,
@@ -204,9 +294,6 @@ def bench(
         eagle_heads=eagle_head or None,
         spec="spec" in kinds,
     )
-    engine.complete("warm up", max_new_tokens=4)
-    baseline.complete("warm up", max_new_tokens=4)
-    engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("bench", total=len(items) * len(temperature))
         result = run_bench(
@@ -218,6 +305,7 @@ def bench(
             repeats=repeat,
             baseline=baseline,
             sampler=sampler,
+            seed=seed or 0,
             progress=lambda done, total: bar.update(task, completed=done),
         )
     out.print(format_table(result["summary"]))
@@ -225,14 +313,7 @@ def bench(
         out.print(schedule_report(result["summary"]))
         result["per_prompt_schedule"] = per_prompt_schedule(result["records"])
         out.print(per_prompt_report(result["per_prompt_schedule"]))
-    output.mkdir(parents=True, exist_ok=True)
-    result["bundle"] = str(bundle)
-    result["threads"] = threads
-    # what the γ policy planned with (profile of the last head) next to what passes cost during the run
-    result["cost_profile"] = dataclasses.asdict(engine.cost_profile) if engine.cost_profile else None
-    stats = engine.target.stats
-    result["target_pass_seconds"] = {n: stats.seconds[n] / stats.calls[n] for n in sorted(stats.calls) if n <= 16}
-    (output / "bench.json").write_text(json.dumps(result, indent=1))
+    _write_result(result, engine, output / "bench.json", bundle, threads)
     if plot(result["summary"], output / "bench.png"):
         console.print(f"[dim]wrote {output / 'bench.json'} and {output / 'bench.png'}[/dim]")
     else:
@@ -243,3 +324,66 @@ def bench(
             markup=False,
             highlight=False,
         )
+
+
+def _bench_sessions(
+    engine,
+    baseline,
+    chosen: list[dict],
+    compared: list,
+    *,
+    temperatures: list[float],
+    max_new_tokens: Optional[int],
+    seed: int,
+    repeats: int,
+    warm: bool,
+    sampler: str,
+    output: Path,
+    bundle: Path,
+    threads: int,
+) -> None:
+    """``bench --sessions``: replay ``chosen`` in the ``compared`` modes, print the tables, write
+    sessions.json, and fail loudly where a greedy answer differs from ar-exact's."""
+    from rich.progress import Progress
+
+    from edge_spec.bench import format_table
+    from edge_spec.bench_sessions import cache_report, run_sessions
+
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("sessions", total=sum(len(s["turns"]) for s in chosen) * len(temperatures))
+        result = run_sessions(
+            engine,
+            chosen,
+            compared,
+            temperatures=temperatures,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            repeats=repeats,
+            warm=warm,
+            baseline=baseline,
+            sampler=sampler,
+            progress=lambda done, total: bar.update(task, completed=done),
+        )
+    out.print(format_table(result["summary"]))
+    report = cache_report(result["summary"])
+    if report:
+        out.print("\nsuffix cache (decode tokens/s; first token: mean time to the first token):\n" + report)
+    result["sessions"] = [s["id"] for s in chosen]
+    _write_result(result, engine, output / "sessions.json", bundle, threads)
+    console.print(f"[dim]wrote {output / 'sessions.json'}[/dim]")
+    if result["mismatches"]:
+        for line in result["mismatches"]:
+            console.print(f"[bold red]NOT LOSSLESS[/bold red] {line}", highlight=False)
+        raise typer.Exit(1)
+
+
+def _write_result(result: dict, engine, path: Path, bundle: Path, threads: int) -> None:
+    """Write a bench result to ``path`` with the run's setting: bundle, threads, the cost profile the γ
+    policy planned with (of the last head) and what target passes cost during the run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result["bundle"] = str(bundle)
+    result["threads"] = threads
+    result["cost_profile"] = dataclasses.asdict(engine.cost_profile) if engine.cost_profile else None
+    stats = engine.target.stats
+    result["target_pass_seconds"] = {n: stats.seconds[n] / stats.calls[n] for n in sorted(stats.calls) if n <= 16}
+    path.write_text(json.dumps(result, indent=1))
