@@ -189,6 +189,9 @@ def run_bench(
                     if mode.name == "ar-exact" and not _deterministic(temperature, sampler):
                         continue  # only greedy and coupled answers are compared token for token
                     runner = baseline if baseline is not None and mode.name == "ar" else engine
+                    # the prompts are unrelated: no answer drafts from an earlier one (another mode's answer to
+                    # this very prompt included, which the suffix cache would copy whole)
+                    runner.suffix_cache.clear()
                     record, _ = _run_mode(
                         runner,
                         mode,

@@ -200,6 +200,18 @@ def test_bench_records_identity_and_tau(int4_bundle):
     json.dumps(result)  # serializable
 
 
+def test_bench_answers_every_prompt_on_an_empty_suffix_cache(int4_bundle):
+    """ar-exact answers a prompt just before spec does: a suffix cache kept between them would hand spec the
+    whole answer to copy."""
+    engine = Engine.from_bundle(int4_bundle, threads=1)
+    modes = modes_for(engine, ["trim-64"], engine.config)
+    assert "suffix" in engine.config.proposers and [m.name for m in modes] == ["ar", "ar-exact", "spec+trim-64"]
+    result = run_bench(engine, load_bench_prompts(None, ["code"], 2), modes, temperatures=[0.0], max_new_tokens=24)
+    spec = [r for r in result["records"] if "tau" in r]
+    assert len(spec) == 2 and all(r["identical_to_ar"] for r in spec)
+    assert all(r["suffix_accepted"] < 8 for r in spec), spec  # the answer is not copied from ar-exact's
+
+
 def test_bench_times_ar_in_its_own_engine_and_reports_the_schedule_per_prompt(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
     baseline = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
