@@ -94,7 +94,7 @@ def run_sessions(
                     if mode.name == "ar-exact" and not _deterministic(temperature, sampler):
                         continue  # only greedy and coupled answers are compared token for token
                     runner = baseline if baseline is not None and mode.name == "ar" else engine
-                    runner.suffix_cache.clear()
+                    start_afresh(runner, mode)
                     for session in block:
                         answers: list[str] = []
                         for turn in range(len(session["turns"])):
@@ -137,6 +137,18 @@ def run_sessions(
     }
 
 
+def start_afresh(engine: Engine, mode: BenchMode) -> None:
+    """Before a mode replays a session (``warm``: the sessions): an empty suffix cache, and KV caches that
+    hold no earlier prompt, so that no mode reads its first prompt faster for following another mode
+    through the same session (within the session each request reuses its conversation's prefix, as a
+    server's would)."""
+    engine.suffix_cache.clear()
+    engine.target.reset()
+    if mode.head:
+        engine.use_draft_head(mode.head)
+        engine.active_drafter(mode.config).decoder.reset()
+
+
 def add_session_columns(summary: list[dict], records: list[dict]) -> None:
     """Add to each summary row its mean time to the first token and, for a mode drafting from the suffix
     cache, its decode speed over the same chain's without the cache (``speedup_vs_nocache``)."""
@@ -158,12 +170,13 @@ def add_session_columns(summary: list[dict], records: list[dict]) -> None:
 def cache_report(summary: list[dict]) -> str:
     """One line per (temperature, category, cached mode): decode tokens/s against ar and against the same
     chain without the suffix cache, and the mean time to the first token."""
+    rows = [row for row in summary if row.get("speedup_vs_nocache") is not None]
+    width = max((len(row["mode"]) for row in rows), default=0)
     lines = []
-    for row in summary:
-        if row.get("speedup_vs_nocache") is None:
-            continue
+    for row in rows:
         lines.append(
-            f"{row['temperature']:>4.1f} {row['category']:10s} {row['mode']:28s} {row['tokens_per_second']:6.1f} tok/s"
+            f"{row['temperature']:>4.1f} {row['category']:10s} {row['mode']:{width}s} "
+            f"{row['tokens_per_second']:6.1f} tok/s"
             f"  {row['speedup_vs_ar'] or 0:5.2f}x ar  {row['speedup_vs_nocache']:5.3f}x {NOCACHE}"
             f"  first token {row['first_token_seconds']:.2f} s"
         )

@@ -277,13 +277,14 @@ def test_each_session_starts_on_an_empty_cache_unless_warm(tools_bundle, monkeyp
     all on the engine here), so a session drafts from itself alone; warm: once per mode, the sessions
     after the first drafting from the earlier ones too."""
     engine = Engine.from_bundle(tools_bundle, threads=1)
-    held = []
-    clear = engine.suffix_cache.clear
+    held, prompts = [], []
+    clear, reset = engine.suffix_cache.clear, engine.target.reset
     monkeypatch.setattr(engine.suffix_cache, "clear", lambda: (held.append(engine.suffix_cache.tokens), clear()))
+    monkeypatch.setattr(engine.target, "reset", lambda: (prompts.append(len(engine.target.tokens)), reset()))
     modes = session_modes(engine, ["trim-64"])
     result = run_sessions(engine, TINY_SESSIONS, modes, temperatures=[0.0], warm=warm, max_new_tokens=4)
     assert [m.name for m in modes] == ["ar", "ar-exact", "spec-nocache+trim-64", "spec+trim-64"]
-    assert len(held) == clears
+    assert len(held) == clears and len(prompts) == clears  # the KV cache forgets the last prompt with it
     assert all(r["identical_to_ar"] for r in result["records"] if "tau" in r)
     assert held[0] == 0 and all(tokens > 0 for tokens in held[1:])  # each pass left answers behind
 
