@@ -106,7 +106,9 @@ def bench(
     gamma: Optional[int] = GammaOpt,
     schedule: Optional[str] = ScheduleOpt,
     draft_head: list[str] = typer.Option(
-        [], "--draft-head", help=f"{DRAFT_HEAD}; repeatable: the heads compared (default: all)."
+        [],
+        "--draft-head",
+        help=f"{DRAFT_HEAD}; repeatable: the heads compared (default: all; with --sessions the bundle's default head).",
     ),
     eagle_head: list[str] = typer.Option(
         [],
@@ -155,7 +157,8 @@ def bench(
         "seed + i; default 0).",
     ),
     output: Optional[Path] = output_option(
-        "bench.json and bench.png", "bench-results, under $EDGE_SPEC_HOME when that is set"
+        "bench.json and bench.png (with --sessions: sessions.json)",
+        "bench-results, under $EDGE_SPEC_HOME when that is set",
     ),
     threads: int = ThreadsOpt,
     draft_threads: Optional[int] = DraftThreadsOpt,
