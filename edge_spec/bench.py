@@ -50,10 +50,14 @@ def with_drafter(config: ChainConfig, drafter: str) -> ChainConfig:
     return dataclasses.replace(config, proposers=tuple(drafter if p in DRAFTERS else p for p in config.proposers))
 
 
-def with_lookup(config: ChainConfig, lookup: bool) -> ChainConfig:
-    """``config`` drafting by prompt lookup too, first (or not at all)."""
-    others = tuple(p for p in config.proposers if p != "lookup")
-    return dataclasses.replace(config, proposers=("lookup",) + others if lookup else others)
+SEQUENCES = ("lookup", "suffix")  # the proposers that draft from text already written (modes +lookup, +suffix)
+
+
+def with_lookup(config: ChainConfig, lookup: bool, source: str = "lookup") -> ChainConfig:
+    """``config`` drafting from the sequence too, by ``source`` (prompt lookup, or the suffix cache), first;
+    or, with ``lookup`` False, by neither."""
+    others = tuple(p for p in config.proposers if p not in SEQUENCES)
+    return dataclasses.replace(config, proposers=(source,) + others if lookup else others)
 
 
 def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
@@ -84,13 +88,15 @@ def modes_for(
     lookup: bool = False,
     reference: bool = True,
     eagle: bool = False,
+    suffix: bool = False,
     eagle_heads: list[str] | None = None,
     spec: bool = True,
 ) -> list[BenchMode]:
     """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one
     mode per fixed γ in ``fixed_gammas`` (a sweep), one per multi-draft configuration
     (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own schedule
-    ``chain``; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``).
+    ``chain``; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``), with
+    ``suffix`` with the suffix cache (``+suffix``, the default chain's source).
     With ``eagle`` the bundle's EAGLE head gets the fixed-γ and schedule modes too (``eagle@γ2``, ``eagle``),
     once per LM head in ``eagle_heads`` (default: the bundle's default EAGLE head; ``eagle`` is the full
     head, ``eagle+trim-4096`` another).  With ``spec`` False the drafter model's chains without lookup
@@ -108,7 +114,7 @@ def modes_for(
         name = "spec" if head == "full" else f"spec+{head}"
         others = [BenchMode(f"{name}+k{tree.drafts}-{tree.verifier}@γ{tree.gamma}", head, tree) for tree in trees]
         others += [BenchMode(f"{name}+ssd@γ{ssd.gamma}", head, ssd) for ssd in ssds]
-        modes += _chain_modes(name, head, plain, fixed_gammas, lookup, others, without_lookup=spec)
+        modes += _chain_modes(name, head, plain, fixed_gammas, lookup, others, without_lookup=spec, suffix=suffix)
     if eagle:
         if not engine.manifest.get("eagle"):
             raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
@@ -130,6 +136,7 @@ def _chain_modes(
     lookup: bool,
     others: list[BenchMode] = (),
     without_lookup: bool = True,
+    suffix: bool = False,
 ) -> list[BenchMode]:
     """One mode per fixed γ, then ``others``, then the run's schedule as ``name``: each without prompt
     lookup (unless ``without_lookup`` is False) and, with ``lookup``, with it (``name+lookup``)."""
@@ -140,11 +147,15 @@ def _chain_modes(
             modes.append(BenchMode(f"{name}@γ{gamma}", head, fixed))
         if lookup:
             modes.append(BenchMode(f"{name}+lookup@γ{gamma}", head, with_lookup(fixed, True)))
+        if suffix:
+            modes.append(BenchMode(f"{name}+suffix@γ{gamma}", head, with_lookup(fixed, True, "suffix")))
     modes += others
     if without_lookup:
         modes.append(BenchMode(name, head, plain))
     if lookup:
         modes.append(BenchMode(f"{name}+lookup", head, with_lookup(plain, True)))
+    if suffix:
+        modes.append(BenchMode(f"{name}+suffix", head, with_lookup(plain, True, "suffix")))
     return modes
 
 
@@ -160,6 +171,7 @@ def run_bench(
     progress=None,
     baseline: Engine | None = None,
     sampler: str = "rejection",
+    warm: bool = False,
 ) -> dict:
     """Run every prompt in every mode and temperature; return raw records plus per-category summaries.
 
@@ -172,10 +184,14 @@ def run_bench(
     With ``repeats`` > 1 each prompt goes through all modes that many times, interleaved, and each mode
     keeps its fastest run (the least disturbed by other load on the machine); the identity flags must
     hold in every run.  ``sampler`` "coupled": sampled answers are fixed by the seed, so every mode
-    gives the same text, compared token for token like greedy answers (``verify.coupled``)."""
+    gives the same text, compared token for token like greedy answers (``verify.coupled``).
+
+    Every answer starts on a suffix cache holding nothing, or with ``warm`` the ``ar`` answers to the
+    earlier prompts, as a server that answered them before would hold -- never this prompt's own answer."""
     if repeats < 1:
         raise EdgeSpecError("repeats must be at least 1")
     records = []
+    history: list[tuple[list[int], list[int], int]] = []  # earlier prompts' ar answers: (prompt ids, answer, index)
     schedule = engine.config  # the run's schedule, reported beside the results
     total = len(prompts) * len(temperatures)
     done = 0
@@ -192,7 +208,10 @@ def run_bench(
                     # the prompts are unrelated: no answer drafts from an earlier one (another mode's answer to
                     # this very prompt included, which the suffix cache would copy whole)
                     runner.suffix_cache.clear()
-                    record, _ = _run_mode(
+                    for prompt_ids, answer, earlier in history if warm else ():
+                        if earlier != index:  # never this prompt's own answer
+                            runner.suffix_cache.remember(prompt_ids, answer)
+                    record, completion = _run_mode(
                         runner,
                         mode,
                         messages,
@@ -203,6 +222,8 @@ def run_bench(
                         sampler=sampler,
                     )
                     record.update(category=item["category"], prompt_index=index)
+                    if mode.name == "ar" and not any(h[2] == index for h in history):
+                        history.append((runner.prompt_ids(messages, check_length=False), completion.token_ids, index))
                     keep_fastest(fastest, mode.name, record)
             records.extend(fastest.values())
             done += 1

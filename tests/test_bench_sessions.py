@@ -297,7 +297,6 @@ def test_bench_sessions_refuses_what_it_cannot_run(int4_bundle, tmp_path):
 
     assert "--modes ssd applies to prompts" in refused("--sessions", "--modes", "ar,ssd")
     assert refused("--sessions", "--sweep", "2") == "--sweep applies to prompt benchmarks, not --sessions"
-    assert refused("--warm") == "--warm applies to --sessions"
     assert refused("--modes", "ar,nocache") == "--modes nocache applies to --sessions"
     assert "unknown session categories: nope" in refused("--sessions", "--category", "nope")
     bad = write(tmp_path / "bad.jsonl", "{oops")

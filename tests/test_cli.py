@@ -202,14 +202,22 @@ def test_bench_records_identity_and_tau(int4_bundle):
 
 def test_bench_answers_every_prompt_on_an_empty_suffix_cache(int4_bundle):
     """ar-exact answers a prompt just before spec does: a suffix cache kept between them would hand spec the
-    whole answer to copy."""
+    whole answer to copy.  With ``warm`` the cache holds the earlier prompts' answers (asked twice, a prompt
+    is copied the second time), never the prompt's own."""
     engine = Engine.from_bundle(int4_bundle, threads=1)
-    modes = modes_for(engine, ["trim-64"], engine.config)
-    assert "suffix" in engine.config.proposers and [m.name for m in modes] == ["ar", "ar-exact", "spec+trim-64"]
-    result = run_bench(engine, load_bench_prompts(None, ["code"], 2), modes, temperatures=[0.0], max_new_tokens=24)
+    modes = modes_for(engine, ["trim-64"], engine.config, suffix=True)
+    assert [m.name for m in modes] == ["ar", "ar-exact", "spec+trim-64", "spec+trim-64+suffix"]
+    assert "suffix" not in modes[2].config.proposers and modes[3].config.proposers[0] == "suffix"
+    prompts = load_bench_prompts(None, ["code"], 2)
+    result = run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=24)
     spec = [r for r in result["records"] if "tau" in r]
-    assert len(spec) == 2 and all(r["identical_to_ar"] for r in spec)
+    assert len(spec) == 4 and all(r["identical_to_ar"] for r in spec)
     assert all(r["suffix_accepted"] < 8 for r in spec), spec  # the answer is not copied from ar-exact's
+    twice = [prompts[0], prompts[0]]
+    warm = run_bench(engine, twice, modes, temperatures=[0.0], max_new_tokens=24, warm=True)["records"]
+    suffix = [r for r in warm if r["mode"].endswith("+suffix")]
+    assert all(r["identical_to_ar"] for r in suffix)
+    assert suffix[0]["suffix_accepted"] < 8 and suffix[1]["suffix_accepted"] >= 16, suffix
 
 
 def test_bench_times_ar_in_its_own_engine_and_reports_the_schedule_per_prompt(int4_bundle):

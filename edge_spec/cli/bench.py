@@ -50,6 +50,7 @@ MODE_GROUPS = (
     (("ar-exact",), "greedy: target only in batch-invariant passes, the answer the exact modes must equal"),
     (("spec",), "the drafter model at the --schedule and at each --sweep γ, per --draft-head"),
     (("lookup",), "spec (and eagle) drafting by prompt lookup too, as modes +lookup"),
+    (("suffix",), "spec drafting from the suffix cache too (the default chain's source), as modes +suffix"),
     (("ssd",), "speculative speculative decoding per --draft-head at each --sweep γ (else --gamma)"),
     (
         VERIFIERS,
@@ -148,7 +149,10 @@ def bench(
         show_default=False,
     ),
     warm: bool = typer.Option(
-        False, "--warm", help="With --sessions: keep the suffix cache across sessions (emptied once per mode)."
+        False,
+        "--warm",
+        help="Keep what the suffix cache learnt: with --sessions, across sessions (emptied once per mode); with "
+        "prompts, each answer starts with the earlier prompts' ar answers in it (default: empty).",
     ),
     seed: Optional[int] = typer.Option(
         None,
@@ -192,8 +196,6 @@ def bench(
     if sessions:
         given = {"--prompts": prompts, "--sweep": sweep, "--drafts": drafts, "--eagle-head": eagle_head or None}
         _check_session_flags(kinds, {flag: value is not None for flag, value in given.items()})
-    elif warm:
-        raise EdgeSpecError("--warm applies to --sessions")
     elif "nocache" in kinds:
         raise EdgeSpecError("--modes nocache applies to --sessions")
     bundle = find_bundle(bundle)
@@ -292,6 +294,7 @@ def bench(
         trees,
         ssds,
         lookup="lookup" in kinds,
+        suffix="suffix" in kinds,
         reference="ar-exact" in kinds,
         eagle="eagle" in kinds,
         eagle_heads=eagle_head or None,
@@ -310,6 +313,7 @@ def bench(
             sampler=sampler,
             seed=seed or 0,
             progress=lambda done, total: bar.update(task, completed=done),
+            warm=warm,
         )
     out.print(format_table(result["summary"]))
     if sweep:
