@@ -17,6 +17,7 @@ from edge_spec.export.attention_pad import has_attention_pad, pad_attention, pad
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.model import row_invariance
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
 from tests import tiny_models
@@ -66,8 +67,41 @@ def test_one_row_passes_of_the_padded_graph_match_where_its_matmuls_are_row_inva
     padded = Decoder(graphs["padded"], threads=1, capacity=CAPACITY)
     sequence = [[5, 17, 42, 99, 7, 3], [11], [12], [301], [77]]
     direct = np.array_equal(logits(padded, sequence), logits(padded, [sequence[0], [11, 12, 301, 77]]))
+    held = list(padded.tokens)
+    following = padded.forward([9], 1)["logits"]
+    padded.rewind(len(held))
+    calls = dict(padded.stats.calls)
     assert one_row_passes_match(padded, lengths=(6, 30), tokens=4) == direct
-    assert padded.min_rows == 1 and padded.length == 0  # restored, and the cache left empty
+    assert padded.min_rows == 1 and padded.tokens == held  # restored, and the cache holds what it held
+    assert padded.stats.calls == calls  # the probe's passes are not counted as the decoder's own
+    assert np.array_equal(padded.forward([9], 1)["logits"], following)  # its keys and values untouched
+
+
+def test_a_long_probe_cache_repeats_the_computed_positions(graphs, monkeypatch):
+    """Past ``COMPUTED`` positions a host cache is filled with copies of the computed keys and values, not
+    prefilled, and a longer probe's cache starts with a shorter one's; the verdict is still the direct
+    comparison's, and a one-row path that rounds differently is still caught after such a cache."""
+    monkeypatch.setattr(row_invariance, "COMPUTED", 8)
+    padded = Decoder(graphs["padded"], threads=1, capacity=CAPACITY)
+    padded.forward([5, 17, 42], 3)
+    row_invariance._seed_cache(padded, 3, list(range(100, 120)))
+    assert padded.tokens == [5, 17, 42] + [100 + i % 8 for i in range(20)]
+    assert padded.stats.calls == {3: 1, 8: 1}  # only the first 8 positions went through the model
+    for array in padded.kv.arrays:
+        assert np.array_equal(array[:, :, 11:19], array[:, :, 3:11]) and array[:, :, 3:11].any()
+
+    sequence = [[5, 17, 42, 99, 7, 3], [11], [12], [301], [77]]
+    direct = np.array_equal(logits(padded, sequence), logits(padded, [sequence[0], [11, 12, 301, 77]]))
+    passes = []
+    forward = padded.forward
+    monkeypatch.setattr(
+        padded, "forward", lambda ids, *args, **kw: passes.append(len(ids)) or forward(ids, *args, **kw)
+    )
+    padded.reset()
+    assert one_row_passes_match(padded, lengths=(6, 30), tokens=4) == direct
+    # one pass seeds both caches (the 30-position one is the 6-position one's, copied on); then each probe's cuts
+    assert sorted(passes) == sorted([6] + [4, 1, 1, 1, 1, 2, 2] * 2)
+    assert not one_row_passes_match(PerturbedOneRow(padded), lengths=(30,), tokens=3)
 
 
 class PerturbedOneRow:
@@ -211,6 +245,9 @@ def test_where_padded_passes_differ_exact_is_refused_and_greedy_runs_unpadded(in
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
     monkeypatch.setattr("edge_spec.runtime.engine.padded_passes_match", lambda decoder, rows: False)
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    engine.complete("def f", max_new_tokens=8)
+    assert engine.target.min_rows == 2  # before the check's verdict (it follows the first answer): padded
+    assert engine.exact_available(check=False) is False
     engine.complete("def f", max_new_tokens=8)
     assert engine.target.min_rows == 1  # a pad would buy nothing here, only cost
     for mode in ("ar", "spec"):

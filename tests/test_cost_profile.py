@@ -13,6 +13,7 @@ import pytest
 from edge_spec.benchmarking.ort_profile import profile_rows
 from edge_spec.manifest import read_manifest
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.model import row_invariance
 from edge_spec.runtime.schedule import cost_profile
 from tests.helpers import chain
 
@@ -553,13 +554,23 @@ def test_once_a_busy_profile_is_replaced_the_planner_plans_with_the_new_one(int4
     assert engine.target.recent_seconds() == pytest.approx(expected)
 
 
-def test_the_first_rounds_plan_with_the_profile_not_with_the_device_checks_passes(int4_bundle, tmp_path, monkeypatch):
-    """A first load runs the device checks' passes (1, 2, 3, 6 rows...) before the profile, while the models'
-    pages are still being moved (at half speed): they are not live passes, and the planner's first rounds
-    price every size from the profile."""
+def test_the_device_checks_follow_the_first_answer_and_leave_the_cost_model_alone(int4_bundle, tmp_path, monkeypatch):
+    """A first load runs no device check, so the planner's first rounds price every size from the profile;
+    the checks run after the first answer, and their passes are not counted as live ones."""
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
-    stats = engine.target.stats
-    assert any(stats.calls.get(n, 0) >= 2 for n in (1, 2, 3))  # the checks ran passes of these sizes
+    assert engine.exact_available(check=False) is None  # not checked yet
     planner = engine.target.recent_seconds()
     assert {n: planner[n] for n in engine.cost_profile.verify} == engine.cost_profile.verify
+    answered, before_checks = [], []  # tokens of the answer when each check starts; the passes counted then
+    check_device, one_row = engine.check_device, row_invariance.one_row_passes_match
+    monkeypatch.setattr(
+        engine, "check_device", lambda: before_checks.append(dict(engine.target.stats.calls)) or check_device()
+    )
+    monkeypatch.setattr(
+        "edge_spec.runtime.engine.one_row_passes_match",
+        lambda decoder: answered.append(len(engine.last_token_ids)) or one_row(decoder),
+    )
+    engine.complete(PROMPTS[0], max_new_tokens=12)
+    assert answered and answered[0] > 0 and engine.exact_available(check=False) is not None  # after the answer
+    assert engine.target.stats.calls == before_checks[0]

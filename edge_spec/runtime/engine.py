@@ -263,7 +263,6 @@ class Engine:
         if isinstance(config, TreeConfig):
             check_tree(target, config)  # the verifier's draft count and the sampler are checked per request
         if config.mode != "ar":
-            engine.exact_rows()  # checked before the first answer, which it would delay
             engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
         return engine
 
@@ -283,8 +282,7 @@ class Engine:
         key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *self._placement(), max_tokens)
         with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
             profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens, self._settle)
-        # live measurements, once there are some, win; before the first profile there were none, only the
-        # device checks' passes (made while the pages were still being moved to huge pages: slow)
+        # live measurements, once there are some, win; before the first profile there were none
         first = self.cost_profile is None
         for n, seconds in profile.verify.items():
             if first or n not in self.target.stats.recent:
@@ -296,7 +294,7 @@ class Engine:
             if rows not in steps.recent:
                 steps.seed(rows, seconds)
         self.cost_profile, self._profile_key = profile, key
-        # the passes counted so far (the profile's, the device checks') are not live ones
+        # the passes counted so far (the profile's) are not live ones
         self._profile_calls = (dict(self.target.stats.calls), dict(steps.calls))
         return profile
 
@@ -314,35 +312,56 @@ class Engine:
         options = ",".join(f"{k}={v}" for k, v in sorted(self._provider_options.items()))
         return f"{self._provider}[{options}]/{self._draft_provider}", f"{self._threads}/{self._draft_threads}"
 
-    def exact_rows(self) -> int:
+    def exact_rows(self, check: bool = True) -> int:
         """Rows a batch-invariant target pass needs on this device: one where one-row passes were found
         equal to multi-row ones bit for bit (a graph that pads its own attention, on kernels without a
-        one-row path; checked once per device and cached: ``row_invariance``), else the provider's."""
+        one-row path; checked once per device and cached: ``row_invariance``), else the provider's.
+        ``check`` False reads the cached verdict only: before the check, the provider's rows, exact
+        without it (what the answers before :meth:`check_device` run)."""
         if self._one_row_exact is None:
-            key = cost_profile.target_key(self.manifest, *self._placement())
-            self._one_row_exact = self.target.pads_attention and cost_profile.remembered(
-                key, lambda: one_row_passes_match(self.target)
-            )
+            if not self.target.pads_attention:
+                self._one_row_exact = False
+            else:
+                key = cost_profile.target_key(self.manifest, *self._placement())
+                self._one_row_exact = (
+                    cost_profile.remembered(key, lambda: one_row_passes_match(self.target))
+                    if check
+                    else cost_profile.recalled(key)
+                )
         return 1 if self._one_row_exact else exact_min_rows(self._provider)
 
-    def exact_available(self) -> bool:
+    def exact_available(self, check: bool = True) -> bool | None:
         """Whether target passes padded to :meth:`exact_rows` give every row the same logits whatever pass
         carries it, here (checked once per device and cached: ``row_invariance.padded_passes_match``).
         Where they do not, no pad makes greedy speculative output bit-identical to target-only decoding:
-        exact mode is refused and the default runs unpadded, as fast as it can."""
+        exact mode is refused and the default runs unpadded, as fast as it can.  ``check`` False reads
+        the cached verdict only (None: not checked yet)."""
         if self._padded_exact is None:
-            rows = self.exact_rows()
+            rows = self.exact_rows(check)
+            if self._one_row_exact is None:  # not checked yet: the padded check is keyed by its verdict
+                return None
             placement, threads = self._placement()
             key = cost_profile.target_key(self.manifest, f"{placement}#padded-to-{rows}", threads)
-            self._padded_exact = cost_profile.remembered(key, lambda: padded_passes_match(self.target, rows))
+            self._padded_exact = (
+                cost_profile.remembered(key, lambda: padded_passes_match(self.target, rows))
+                if check
+                else cost_profile.recalled(key)
+            )
         return self._padded_exact
+
+    def check_device(self) -> None:
+        """Run this device's exactness checks where their verdicts are not cached yet (seconds on a CPU, once
+        per device).  A speculative engine runs them after its first answer, not before it: until their
+        verdicts are in, exact passes take the provider's pad rows, which are exact wherever any are, so
+        the first answer of a new install does not wait for them."""
+        self.exact_available()
 
     def pass_rows(self, mode: str) -> int:
         """The fewest rows of an exact target pass in ``mode``: what exactness needs here
         (:meth:`exact_rows`), and in speculative decoding at least two, because a draft-less round
         that verifies the free guess in a second row was measured faster than a one-row round
         (README, *Bit-identical greedy output*); target-only decoding has no guess to carry."""
-        rows = self.exact_rows()
+        rows = self.exact_rows(check=False)
         return rows if mode == "ar" else max(rows, GUESS_ROWS)
 
     def _correct_costs(self) -> None:
@@ -617,8 +636,8 @@ class Engine:
         verifier makes, so the pad row would buy no reproducibility, only cost: a draft-less round is
         then the one-row pass plain decoding runs."""
         wanted = exact if exact is not None else self.exact
-        if wanted is None:
-            return mode != "ar" and deterministic and self.exact_available()
+        if wanted is None:  # padded until the device check finds a pad buys nothing here
+            return mode != "ar" and deterministic and self.exact_available(check=False) is not False
         if wanted and not self.exact_available():
             elsewhere = " (the cpu provider is exact)" if self._provider != "cpu" else ""
             raise EdgeSpecError(
@@ -784,7 +803,7 @@ class Engine:
         constraint = self.constraint_for(response_format, config)
         exact_passes = self.exact_for(mode, exact, params.deterministic)
         self.target.min_rows = self.pass_rows(mode) if exact_passes else 1
-        self.target.lean_rows = self.exact_rows() if exact_passes else 1  # a round without drafts or guess
+        self.target.lean_rows = self.exact_rows(check=False) if exact_passes else 1  # a round without drafts or guess
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
         self.last_stats = stats
@@ -886,6 +905,8 @@ class Engine:
                 stats.spec = spec_stats.summary(self.param_ratio, self.bytes_ratio)
                 memory.save()
                 self._correct_costs()
+        if mode != "ar" and stats.stop_reason != "cancelled":
+            self.check_device()  # after the answer (a first one, on a new device), which it would delay
 
     def constraint_for(self, response_format: dict | None, config: LoopConfig | None = None) -> Constraint | None:
         """A fresh constraint for one answer in ``response_format`` (None: unconstrained), refused in one

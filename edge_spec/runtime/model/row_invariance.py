@@ -7,16 +7,22 @@ of target-only decoding bit for bit, so the runtime pads one-token passes (``Dec
 unless this check, run through the decoder exactly as the loop runs it, finds one-row passes equal to
 multi-row ones.  It only runs for a graph that pads its own attention (``Decoder.pads_attention``):
 without that, attention's one-query path differs on every CPU measured.
+
+The probes write past what the decoder's cache holds and leave it, and the decoder's pass statistics, as
+they were: the engine runs them after an answer (a chat's next turn reuses that cache), and their passes
+are no live ones for the cost model.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.decoder import Decoder, DecoderStats
+from edge_spec.runtime.model.kv_cache import HostKV
 
 PROBE_LENGTHS = (40, 300)  # cache lengths the probe decodes at (short and past a prefill's worth of keys)
 PROBE_TOKENS = 6  # tokens decoded one at a time, then again in one pass
+COMPUTED = 40  # most probe-cache positions the model computes; a longer probe cache repeats them
 
 
 def one_row_passes_match(
@@ -24,8 +30,8 @@ def one_row_passes_match(
 ) -> bool:
     """Decode ``tokens`` seeded tokens after a cache of each length in ``lengths``: one per pass, in
     passes of two and three rows (kernels may have a path per row count), and all in one pass; True
-    when every row's logits are equal bit for bit.  The decoder's cache is reset and its
-    ``min_rows`` restored afterwards."""
+    when every row's logits are equal bit for bit.  The decoder's cache and ``min_rows`` are left as
+    they were."""
     return _cuts_agree(decoder, 1, lengths, [[tokens], [1] * tokens, _small_passes(tokens)], seed=0, spare=1)
 
 
@@ -51,28 +57,54 @@ def _cuts_agree(
 ) -> bool:
     """After a seeded cache of each length, the same seeded tokens decoded cut into passes each way in
     ``cuts`` (the first is the reference), every pass padded to ``rows``: True when every cut gives every
-    row the same logits bit for bit.  ``spare`` slots stay free past the tokens; the decoder's cache is
-    reset and its ``min_rows`` restored afterwards."""
-    saved = decoder.min_rows
+    row the same logits bit for bit.  The probe goes past what the cache holds (from its start where
+    there is no room for it), with ``spare`` slots free past the tokens; the cache's own positions,
+    the decoder's ``min_rows`` and its statistics are left as they were."""
+    saved_rows, saved_stats, kept = decoder.min_rows, decoder.stats, decoder.length
     rng = np.random.default_rng(seed)
     vocab = max(min(decoder.vocab_size, 32000), 2)
     tokens = sum(cuts[0])
+    if kept + min(lengths) + tokens + spare > decoder.capacity:
+        kept = 0  # no room past the cache's content: the probe overwrites it
+    ids = [int(t) for t in rng.integers(0, vocab, max(lengths) + tokens)]  # each probe cache a prefix of one
     try:
         decoder.min_rows = rows
+        decoder.stats = DecoderStats()  # a check's passes are no live passes
         for length in lengths:
-            length = max(min(length, decoder.capacity - tokens - spare), 1)
-            ids = [int(t) for t in rng.integers(0, vocab, length + tokens)]
-            decoder.reset()
-            decoder.forward(ids[:length])
-            reference = logits_by_passes(decoder, ids[length:], cuts[0])
+            length = max(min(length, decoder.capacity - kept - tokens - spare), 1)
+            _seed_cache(decoder, kept, ids[:length])
+            start = decoder.length
+            probe = ids[length : length + tokens]
+            reference = logits_by_passes(decoder, probe, cuts[0])
             for sizes in cuts[1:]:
-                decoder.rewind(length)
-                if not np.array_equal(logits_by_passes(decoder, ids[length:], sizes), reference):
+                decoder.rewind(start)
+                if not np.array_equal(logits_by_passes(decoder, probe, sizes), reference):
                     return False
         return True
     finally:
-        decoder.reset()
-        decoder.min_rows = saved
+        decoder.rewind(min(kept, decoder.length))
+        decoder.min_rows = saved_rows
+        decoder.stats = saved_stats
+
+
+def _seed_cache(decoder: Decoder, start: int, ids: list[int]) -> None:
+    """Fill the cache from position ``start`` with ``len(ids)`` positions.  Where the cache is in host
+    memory, the model computes at most :data:`COMPUTED` of them and the rest are copies of their keys and
+    values (their tokens repeated): a probe needs a long cache to attend over, not a meaningful one, and a
+    prefill of hundreds of tokens takes seconds on a laptop CPU (the 1.5B target's 300-token prefill was
+    more than half of its one-row check on a 2-core VM).  The probe's own passes run through the model
+    either way; a cache on a device, where slots only move down, is prefilled.  Positions the cache
+    already holds (a shorter probe's) are kept."""
+    computed = len(ids) if not isinstance(decoder.kv, HostKV) else min(len(ids), COMPUTED)
+    held = decoder.tokens[start : start + computed]
+    common = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), len(held))
+    decoder.rewind(start + common)
+    if common < computed:
+        decoder.forward(ids[common:computed])
+    copies = range(len(ids) - computed)
+    if copies:
+        decoder.kv.move_slots([start + computed + i for i in copies], [start + i % computed for i in copies])
+        decoder.tokens.extend(ids[i % computed] for i in copies)
 
 
 def _small_passes(tokens: int) -> list[int]:

@@ -124,13 +124,20 @@ def _runtime() -> list:
     return [ort.__version__, platform.machine(), platform.processor(), os.cpu_count(), _cpu_model()]
 
 
+def recalled(key: str) -> bool | None:
+    """A yes/no fact about this device as cached by :func:`remembered`; None when not checked yet."""
+    try:
+        return bool(json.loads((cache_dir() / f"fact-{key}.json").read_text())["value"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def remembered(key: str, check) -> bool:
     """A yes/no fact about this device, checked once (``check()``) and cached beside the profiles."""
     path = cache_dir() / f"fact-{key}.json"
-    try:
-        return bool(json.loads(path.read_text())["value"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    value = recalled(key)
+    if value is not None:
+        return value
     with _measuring("checking this machine's arithmetic (first run)"):
         value = bool(check())
     _store(path, {"value": value})
