@@ -190,7 +190,8 @@ def reply(obj: dict) -> None:
 
 def serve(load, run) -> None:
     """Worker protocol, one JSON object a line: a spec in -> {"ready", ...} out after ``load(spec)`` and
-    one warm-up per mode; then each request ``{"ids", "k"}`` (k 0: AR) in -> one timed generation out."""
+    one warm-up per mode; then each request ``{"ids", "k"}`` (k 0: AR; an optional ``"new_tokens"``
+    overrides the spec's, as session turns each have their own) in -> one timed generation out."""
     spec = json.loads(sys.stdin.readline())
     info = load(spec)
     for k in [0, *spec["ks"]]:
@@ -198,7 +199,7 @@ def serve(load, run) -> None:
     reply({"ready": True, **info})
     for line in sys.stdin:
         request = json.loads(line)
-        reply(run(request["ids"], request["k"], spec["new_tokens"]))
+        reply(run(request["ids"], request["k"], request.get("new_tokens", spec["new_tokens"])))
 
 
 def genai_worker() -> None:
