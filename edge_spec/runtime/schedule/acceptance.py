@@ -70,7 +70,9 @@ class DecayedRate:
 
 LATER_SEQUENCE_PRIOR = 0.85  # once a copied span is confirmed, it tends to go on
 MATCH_EDGES = (2, 4, 8, 16, 32)  # lower edges of a suffix draft's match-length bins
-MATCH_PRIORS = (0.45, 0.55, 0.65, 0.75, 0.85)  # its chance per bin before any evidence (all occurrences agreeing)
+# its chance per bin before any evidence (all occurrences agreeing): from 4 tokens on, what the free guess's table
+# starts a 4-token match at (``GUESS_PRIORS``), rising with the length
+MATCH_PRIORS = (0.5, 0.8, 0.85, 0.9, 0.95)
 
 
 def match_bin(matched: int, share: float) -> int:
