@@ -79,8 +79,12 @@ def test_a_long_match_in_the_cache_outranks_a_short_one_in_the_request():
     tokens, _, matched, positions = continuation(ctx([5, 7, 8, 9, 1, 2]), [request, cache], 2)
     assert tokens == [70, 71] and matched == 5 and positions  # the cache's match is 5 tokens long
     tokens, _, _, positions = continuation(ctx([6, 1, 2]), [request, cache], 1)
-    # both match 2 tokens: they vote together (a tie), the request's own occurrence first
-    assert tokens == [50] and positions == []
+    assert tokens == [50] and positions == []  # a 2-token match in the cache is chance: only the request's counts
+    request.extend([3, 4, 5, 6, 60, 8, 3, 4, 5, 6])
+    cache.extend([3, 4, 5, 6, 70])
+    tokens, shares, _, positions = continuation(ctx([3, 4, 5, 6]), [request, cache], 1)
+    # both match 4 tokens: they vote together (a tie), the request's own occurrence first
+    assert tokens == [60] and shares == [0.5] and positions == []
 
 
 def test_the_request_never_matches_its_own_end():

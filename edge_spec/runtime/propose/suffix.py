@@ -23,6 +23,8 @@ from edge_spec.runtime.propose.suffix_index import MAX_MATCH, SEPARATOR, SuffixI
 
 MIN_SHARE = 0.3  # a continuation fewer of the occurrences agree on is not drafted
 MIN_MATCH = 2  # as prompt lookup: a one-token match says little
+# in earlier answers, shorter matches are mostly chance (measured: taking them lost rounds on unrelated prompts)
+CACHE_MIN_MATCH = 4
 
 
 class SuffixDrafts(SequenceProposer):
@@ -64,7 +66,8 @@ def continuation(
     """Up to ``gamma`` drafts after ``context``: ``(tokens, shares, matched, positions)``.
 
     The occurrences are those of the longest indexed length any index has (so a 20-token match in the
-    cache outranks a 3-token one in the prompt, and both count when they reach the same length); each
+    cache outranks a 3-token one in the prompt, and both count when they reach the same length; the
+    indexes after the first, the cache, count from :data:`CACHE_MIN_MATCH` tokens on); each
     step follows the token most of the occurrences still alive continue with (ties: the longest match,
     then the first index, the current request's); ``shares`` is the running product of the agreeing
     share, ``matched`` the longest match among the occurrences behind the first draft, ``positions``
@@ -72,6 +75,7 @@ def continuation(
     if gamma <= 0 or len(context) < MIN_MATCH:
         return [], [], 0, []
     found = [index.occurrences(context) for index in indexes]
+    found = [f if i == 0 or f[0] >= CACHE_MIN_MATCH else (0, [], []) for i, f in enumerate(found)]
     level = max(level for level, _, _ in found)
     if level < MIN_MATCH:
         return [], [], 0, []
