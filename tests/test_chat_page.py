@@ -33,7 +33,7 @@ from tests.helpers import LiveServer  # noqa: E402
 BASE = "http://127.0.0.1:8000"
 EVIL = "http://evil.example"
 STATIC = Path(__file__).parent.parent / "edge_spec" / "server" / "static"
-SOURCES = {"target", "model", "lookup", "forced", "guess", "eagle"}
+SOURCES = {"target", "model", "lookup", "suffix", "forced", "guess", "eagle"}
 PROMPT = "hello world"  # the tiny drafter has some of its drafts accepted here
 
 

@@ -1,6 +1,6 @@
 // The chat page of `edge-spec serve`: streams /v1/chat/completions (fetch + a ReadableStream read as
 // server-sent events), renders answers as Markdown and colours each token by its source, which the server
-// sends when asked with x_edge_spec.provenance: the drafter model, prompt lookup, a grammar's forced token,
+// sends when asked with x_edge_spec.provenance: the drafter model, text copied from earlier (suffix cache, prompt lookup), a grammar's forced token,
 // a free guess (drafts the target accepted) or the target itself (the first token, corrections, bonuses).
 
 import { renderMarkdown } from "./markdown.js";
@@ -9,7 +9,7 @@ const SETTINGS_KEY = "edge-spec-chat-settings";
 const API_KEY = "edge-spec-api-key";
 const DEFAULTS = { temperature: 0, maxTokens: 1024, system: "", colour: true };
 const RENDER_MS = 150;
-const DRAFTED = { model: "drafter", eagle: "EAGLE head", lookup: "lookup", forced: "forced", guess: "guess" };
+const DRAFTED = { model: "drafter", eagle: "EAGLE head", lookup: "lookup", suffix: "copied", forced: "forced", guess: "guess" };
 
 const $ = (id) => document.getElementById(id);
 
