@@ -288,7 +288,7 @@ def test_chat_page_in_a_browser(slowed_engine, browser, tmp_path):
         )
         assert text_of(driver, "model-name") == "tiny" and text_of(driver, "model-mode") == "spec"
         legend = driver.find_element("class name", "legend").text
-        for label in ("drafter model", "prompt lookup", "forced by the grammar", "target"):
+        for label in ("drafter model", "copied (this chat, earlier answers)", "forced by the grammar", "target"):
             assert label in legend
 
         # settings: greedy, a short answer; kept in localStorage
