@@ -1,7 +1,7 @@
 """Where each piece of a streamed answer came from: the proposer whose accepted draft it was, or the target.
 
 The speculative loops record one source per emitted token (``SpecStats.token_sources``: "model" for the
-drafter model, "lookup", "forced", "guess", "eagle", or "target" for the target's own tokens -- the first
+drafter model, "suffix", "lookup", "forced", "guess", "eagle", or "target" for the target's own tokens -- the first
 one, corrections and bonuses); in ar mode every token is the target's.  Text does not come out token by
 token, though: the detokenizer holds back an unfinished UTF-8 character (one delta then covers several
 tokens) and a stop matcher holds back text that may begin a stop string.  :class:`SourcedText` is the

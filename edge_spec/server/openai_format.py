@@ -5,7 +5,7 @@ A request with ``x_edge_spec: {"provenance": true}`` also gets where its tokens 
 chunk's ``x_edge_spec.provenance`` is ``[[text, source], ...]``, one entry per token whose text the chunk
 delivers, the texts joining to the chunk's content; source "target" for the target's own tokens (the first,
 corrections, bonuses), else the proposer whose draft the target accepted ("model": the drafter model,
-"lookup", "forced": a grammar's forced token, "guess", "eagle").  Tokens whose text is empty go with the
+"suffix", "lookup", "forced": a grammar's forced token, "guess", "eagle").  Tokens whose text is empty go with the
 next chunk, or with the last one (beside the statistics) at the end of the answer.  A non-streamed answer
 carries the whole list.  Answers whose text a tool-call parser rewrites carry none.
 
