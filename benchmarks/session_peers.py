@@ -617,6 +617,8 @@ def replay(sessions: list[dict], runners: dict, ours, tokenizer, args) -> dict[s
             mark_identical(turn)
             for engine, run in turn.items():
                 records[engine].append(run["record"])
+            # every turn so far, kept as it comes: a run stopped early still leaves what it measured
+            (args.output / "turns.json").write_text(json.dumps(records))
             log(
                 f"session {index + 1}/{len(sessions)} ({session['category']}, {session['id']}) turn {t + 1}/{turns}: "
                 + ", ".join(f"{e} {r['record']['tokens_per_second']:.1f}" for e, r in turn.items())
