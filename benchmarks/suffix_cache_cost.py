@@ -51,7 +51,9 @@ def text_files(limit_bytes: int) -> list[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bundle", type=Path, default=None, help="bundle whose tokenizer to use (default: the default)")
+    parser.add_argument(
+        "--bundle", type=Path, default=None, help="bundle whose tokenizer to use (default: the default)"
+    )
     parser.add_argument("--tokens", type=int, default=1_000_000, help="tokens to cache")
     parser.add_argument("--queries", type=int, default=2000)
     args = parser.parse_args()
@@ -97,7 +99,9 @@ def main() -> None:
     cached_files = [t for t in encoded[:split] if len(t) > 2100] or encoded[:split]
     rows = [("held-out text", *timed(held_out or cached_files)), ("cached text", *timed(cached_files))]
     per_million = cache.index.nbytes / cache.tokens * 1e6
-    print(f"cached {cache.tokens} tokens from {split} files in {fill:.1f} s ({cache.tokens / fill / 1e3:.0f}k tokens/s)")
+    print(
+        f"cached {cache.tokens} tokens from {split} files in {fill:.1f} s ({cache.tokens / fill / 1e3:.0f}k tokens/s)"
+    )
     print(f"index arrays: {cache.index.nbytes / 2**20:.1f} MiB = {per_million / 2**20:.1f} MiB per 1M tokens")
     print(f"peak traced while filling: {peak / 2**20:.1f} MiB")
     print("| where the round is | lookups | offered drafts | mean µs | median µs | p99 µs |")

@@ -185,9 +185,7 @@ def run_with_cache(engine, ids, params, n, config, cache, seed=0):
     from edge_spec.runtime.loops.stats import SpecStats
 
     stats = SpecStats()
-    context = ProposerContext(
-        engine.target.vocab_size, {"model": engine.active_drafter(config)}, suffix_cache=cache
-    )
+    context = ProposerContext(engine.target.vocab_size, {"model": engine.active_drafter(config)}, suffix_cache=cache)
     rng = np.random.default_rng(seed)
     return list(generate_tokens(config, engine.target, context, ids, params, rng, n, stats)), stats
 
