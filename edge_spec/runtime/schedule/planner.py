@@ -153,7 +153,7 @@ class DraftPlanner:
                 block.truncate(take)
                 return block
         block = DraftBlock()
-        if self.model is not None and not self.quiet.holds():
+        if self.model is not None and not (self.adaptive and self.quiet.holds()):  # a fixed γ drafts every round
             if self.policy is not None and costs is not None:
                 rule.stop = self.policy.begin_round(costs, spare=spare_rate)
                 rule.gamma = 0 if rule.stop is None else rule.stop.gamma_max
