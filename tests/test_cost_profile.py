@@ -574,3 +574,27 @@ def test_the_device_checks_follow_the_first_answer_and_leave_the_cost_model_alon
     engine.complete(PROMPTS[0], max_new_tokens=12)
     assert answered and answered[0] > 0 and engine.exact_available(check=False) is not None  # after the answer
     assert engine.target.stats.calls == before_checks[0]
+
+
+@pytest.mark.parametrize("measure", [True, False])
+def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, capsys, tmp_path, tiny_pair, measure):
+    """``export`` ends by timing the bundle with the default settings and running the exactness checks:
+    the first load after it reads both from the cache.  ``--no-measure`` leaves them to the first load."""
+    import functools
+
+    from edge_spec.export import bundle
+    from tests.test_reliability import _cli, _models
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))
+    loader = _models(tiny_pair).__getitem__
+    monkeypatch.setattr(bundle, "export_bundle", functools.partial(bundle.export_bundle, loader=loader))
+    out = tmp_path / "bundle"
+    args = ["export", "--target", "tiny-target", "--draft", "tiny-draft", "--output", str(out), "--quant", "fp32"]
+    args += ["--context-length", "64", "--eagle", "none"] + ([] if measure else ["--no-measure"])
+    code, _, err = _cli(monkeypatch, capsys, *args)
+    assert code in (0, None), err
+    assert ("measured this machine for the bundle" in err) == measure, err
+    with Engine.from_bundle(out) as engine:
+        assert engine.cost_profile.cached == measure
+        # the exactness verdicts: read from the cache without checking, or not there yet
+        assert (engine.exact_available(check=False) is not None) == measure
