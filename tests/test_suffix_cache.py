@@ -33,6 +33,28 @@ def ctx(tokens: list[int]) -> np.ndarray:
     return np.asarray(tokens, np.int32)
 
 
+@pytest.mark.parametrize("bits", [6, 20, 31])
+def test_a_query_tail_hashes_as_the_index_hashed_its_ngrams(bits):
+    """Inserts hash every n-gram vectorised (``_hashes``), a query its tail in plain integers
+    (``tail_buckets``): the two must give the same bucket, or nothing cached is ever found."""
+    from edge_spec.runtime.propose.suffix_index import _buckets, _hashes, tail_buckets
+
+    rng = np.random.default_rng(3)
+    for length in (1, 3, 17, 40):
+        context = rng.integers(0, 152_000, length).astype(np.int32)
+        found = tail_buckets(context, bits)
+        for level, n in enumerate(LEVELS):
+            if n > length:
+                assert found[level] == -1
+                continue
+            assert found[level] == int(_buckets(_hashes(context[-n:], n), bits)[0]), (length, n)
+    # and a different tail lands elsewhere at the longest levels (the hash sees every token)
+    a = rng.integers(0, 152_000, 16).astype(np.int32)
+    b = a.copy()
+    b[0] += 1
+    assert tail_buckets(a, 31)[-1] != tail_buckets(b, 31)[-1]
+
+
 def test_the_longest_level_wins_and_matches_are_measured_exactly():
     # "5 1 2" occurs once; "1 2" twice more, followed by 7 and 8
     index = index_of([9, 1, 2, 7, 3, 1, 2, 8, 4, 4, 4, 4, 5, 1, 2, 6])

@@ -38,8 +38,6 @@ def open_suffix_cache(
 ) -> SuffixCache:
     """The engine's cache: read from ``cache_dir`` when given, with ``corpus``'s text files added (only
     those new or changed since the cache last read them)."""
-    if capacity < 1024:
-        raise EdgeSpecError(f"the suffix cache needs room for at least 1024 tokens, not {capacity}")
     if corpus is not None and not Path(corpus).is_dir():
         raise EdgeSpecError(f"--corpus {corpus}: not a directory")
     path = None
@@ -48,7 +46,7 @@ def open_suffix_cache(
         if cache_dir.exists() and not cache_dir.is_dir():
             raise EdgeSpecError(f"--cache-dir {cache_dir}: not a directory")
         path = bundle_cache_file(cache_dir, manifest)
-    cache = SuffixCache(capacity, path)
+    cache = SuffixCache(capacity, path)  # refuses too small a capacity before it reads the file
     if corpus is not None:
         index_corpus(cache, Path(corpus), encode)
         cache.save()

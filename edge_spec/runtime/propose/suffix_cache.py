@@ -23,9 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_spec.errors import EdgeSpecError
 from edge_spec.files import write_atomic
 from edge_spec.runtime.propose.suffix_index import SEPARATOR, SuffixIndex
 
+MIN_CAPACITY = 1024  # tokens: less holds not even one long answer
 DEFAULT_CAPACITY = 1_000_000  # tokens kept across requests (about 40 MB): days of a laptop's answers
 CONTEXT_TOKENS = 16  # prompt tokens kept before each answer: the template's turn marker and what precedes it
 EVICT_TO = 0.75  # past capacity, drop documents until this share of it is left (a rebuild costs ms)
@@ -53,8 +55,8 @@ class SuffixCache:
     """See the module docstring.  Not thread-safe: the engine generates one answer at a time."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, path: Path | None = None) -> None:
-        if capacity < 1024:
-            raise ValueError("a suffix cache needs room for at least 1024 tokens")
+        if capacity < MIN_CAPACITY:
+            raise EdgeSpecError(f"the suffix cache needs room for at least {MIN_CAPACITY} tokens, not {capacity}")
         self.capacity, self.path = capacity, path
         self.index = SuffixIndex()
         self.documents: list[Document] = []
