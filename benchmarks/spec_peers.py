@@ -18,7 +18,9 @@ machine's speed hits all alike), greedy, ``--new-tokens`` (64) at most, stopping
   models, the prompt handed over as an ``ov.Tensor`` of our token ids (no chat template applied).
 * **edge-spec** (this venv): ``ar`` in an engine loaded for it alone, the bundle's default drafter head
   at fixed γ = each K (``ours γ<k>``) and our schedule (``ours schedule``), as ``edge-spec bench`` runs
-  them (no prompt lookup unless ``--lookup``; ``--ar-exact`` adds the batch-invariant target-only
+  them (no prompt lookup unless ``--lookup``, no suffix cache unless ``--suffix``: with it ``ours
+  schedule+suffix`` is our default; ``--our-k`` sets our fixed lengths apart from K, empty for none;
+  ``--ar-exact`` adds the batch-invariant target-only
   answer our greedy speculative modes must equal); ``--eagle-head NAME`` adds the bundle's EAGLE head
   with that LM head (``ours eagle γ<k>``, ``ours eagle schedule``).
 
@@ -356,8 +358,9 @@ class Ours:
             self.engine,
             [self.engine.draft_head],
             chain,
-            args.k,
+            args.k if args.our_k is None else args.our_k,
             lookup=args.lookup,
+            suffix=args.suffix,
             reference=args.ar_exact,
             eagle=bool(args.eagle_head),
             eagle_heads=args.eagle_head,
@@ -389,7 +392,8 @@ class Ours:
             return f"ours {mode}"
         gamma = mode.partition("@")[2]
         drafter = mode.partition("@")[0].removesuffix("+lookup") + " " if mode.startswith("eagle") else ""
-        return f"ours {drafter}{gamma or 'schedule'}{'+lookup' if '+lookup' in mode else ''}"
+        source = "+lookup" if "+lookup" in mode else "+suffix" if "+suffix" in mode else ""
+        return f"ours {drafter}{gamma or 'schedule'}{source}"
 
 
 def load_prompts(args) -> list[dict]:
@@ -414,6 +418,17 @@ def main() -> None:
     parser.add_argument("--no-ours", dest="ours", action="store_false", help="time the peers only")
     parser.add_argument("--k", default="4,8,16", help="draft lengths (comma list, 1-16)")
     parser.add_argument("--lookup", action="store_true", help="our modes also draft by prompt lookup")
+    parser.add_argument(
+        "--suffix",
+        action="store_true",
+        help="our modes also draft from the suffix cache (the default chain: earlier answers and the prompt); "
+        "the cache starts empty for every prompt, as edge-spec bench runs it",
+    )
+    parser.add_argument(
+        "--our-k",
+        default=None,
+        help="our fixed draft lengths (comma list; default: --k; empty: our schedule only)",
+    )
     parser.add_argument(
         "--eagle-head",
         action="append",
@@ -457,6 +472,8 @@ def main() -> None:
     if set(peers) - set(PEERS):
         raise SystemExit(f"--peers: choose among {', '.join(PEERS)}")
     args.k = [int(k) for k in args.k.split(",") if k]
+    if args.our_k is not None:
+        args.our_k = [int(k) for k in args.our_k.split(",") if k]
     if not args.k or min(args.k) < 1 or max(args.k) > 16:
         raise SystemExit("--k values must be 1-16 (onnxruntime-genai's limit)")
     if args.prepare:
