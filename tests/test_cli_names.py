@@ -162,6 +162,105 @@ def test_the_gamma_help_states_the_configured_defaults():
     assert f"multi-draft {TreeConfig.gamma}" in text and f"ssd {SsdConfig.gamma}" in text
 
 
+# command -> option -> the defaults the code that runs uses, each read from where it is defined (all must agree)
+def _configured_defaults() -> dict[str, dict[str, list]]:
+    import inspect
+
+    from edge_spec.export.eagle import training
+    from edge_spec.export.eagle.settings import CHECKPOINT_SECONDS, CollectOptions, TrainOptions
+    from edge_spec.server import serve
+    from edge_spec.server.defaults import (
+        DEFAULT_HOST,
+        DEFAULT_MAX_BODY,
+        DEFAULT_MAX_QUEUE,
+        DEFAULT_PORT,
+        DEFAULT_SHUTDOWN_GRACE,
+        parse_size,
+    )
+    from edge_spec.server.guard import GuardPolicy, make_policy
+
+    def default(function, name: str):
+        return inspect.signature(function).parameters[name].default
+
+    collect, train = CollectOptions(), TrainOptions()
+    return {
+        "train-head": {
+            "max_items": [collect.max_items],
+            "max_tokens": [collect.answer_tokens],
+            "held_out_every": [collect.held_out_every],
+            "seed": [collect.seed, train.seed],  # one --seed for both
+            "vocab_size": [train.draft_vocab],
+            "intermediate": [train.intermediate],
+            "epochs": [train.epochs],
+            "steps": [train.steps],
+            "ttt": [train.ttt],
+            "lr": [train.lr],
+            "hard_labels": [not train.soft],
+            "init": [train.init],
+            "checkpoint_minutes": [CHECKPOINT_SECONDS / 60, default(training.train, "checkpoint_seconds") / 60],
+        },
+        "serve": {
+            "host": [DEFAULT_HOST, default(serve.build_app, "bind_host"), GuardPolicy().bind_host],
+            "port": [DEFAULT_PORT],
+            "max_queue": [
+                DEFAULT_MAX_QUEUE,
+                default(serve.build_app, "max_queue"),
+                default(serve.server_config, "max_queue"),
+            ],
+            "shutdown_grace": [DEFAULT_SHUTDOWN_GRACE, default(serve.server_config, "shutdown_grace")],
+            # given as a size (4M): what it parses to
+            "max_body": [DEFAULT_MAX_BODY, GuardPolicy().max_body, make_policy().max_body, parse_size],
+        },
+    }
+
+
+def _option_defaults(command: str) -> dict[str, object]:
+    """The default of each option of ``command``, as its help states it."""
+    found = typer.main.get_command(app).commands[command]
+    return {param.name: param.default for param in found.params if param.param_type_name == "option"}
+
+
+@pytest.mark.parametrize("command", ["train-head", "serve"])
+def test_option_defaults_are_the_configured_ones(command):
+    """Each default a command's help states is the one its configuration defines and its code runs with."""
+    configured = _configured_defaults()[command]
+    stated = _option_defaults(command)
+    wrong = {}
+    for name, sources in configured.items():
+        parse = sources[-1] if callable(sources[-1]) else None
+        values = sources[:-1] if parse else sources
+        value = parse(stated[name]) if parse else stated[name]
+        if any(value != v or type(value) is not type(v) for v in values):
+            wrong[name] = (stated[name], values)
+    assert wrong == {}, "option defaults that differ from their configuration (stated, configured)"
+
+
+@pytest.mark.parametrize("command", ["train-head", "serve"])
+def test_every_valued_default_comes_from_a_configuration(command):
+    """A command's options with a value as default are in the table above (engine options are
+    :class:`~edge_spec.cli.options.EngineFlags`', checked with the engine's configuration)."""
+    import dataclasses
+
+    from edge_spec.cli.options import EngineFlags
+
+    shared = {field.name for field in dataclasses.fields(EngineFlags)}
+    valued = {
+        name
+        for name, value in _option_defaults(command).items()
+        if name not in shared and not isinstance(value, bool) and value not in (None, [], ())
+    }
+    assert valued - set(_configured_defaults()[command]) == set()
+
+
+def test_the_configured_defaults_are_read_without_torch_or_uvicorn():
+    """The help's defaults come from light modules: building the command line loads neither the trainer's
+    torch nor the server's uvicorn."""
+    code = "import sys, edge_spec.cli; print(sorted({'torch', 'uvicorn', 'starlette'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_every_command_has_a_help():
     for command in typer.main.get_command(app).commands:
         assert "Usage:" in _help(command)

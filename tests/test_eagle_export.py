@@ -415,7 +415,7 @@ def test_hub_ids_fail_with_one_line_offline(monkeypatch):
 def test_config_reads_feature_layers_in_each_convention():
     raw = CONFIG.to_hf_config()
     assert Eagle3Config.from_hf_config(raw) == CONFIG
-    del raw["eagle_config"]
+    del raw["eagle_config"], raw["eagle_aux_hidden_state_layer_ids"]
     assert Eagle3Config.from_hf_config(raw, num_target_layers=28).feature_layers == (1, 13, 24)
     raw["eagle_aux_hidden_state_layer_ids"] = [2, 14, 25]  # vLLM: inputs of those layers
     assert Eagle3Config.from_hf_config(raw).feature_layers == (1, 13, 24)

@@ -11,18 +11,26 @@ from edge_spec.cli.groups import takes_groups
 from edge_spec.cli.loading import engine_config, find_bundle, load_engine
 from edge_spec.cli.options import BundleArg, EngineFlags
 from edge_spec.errors import EdgeSpecError
+from edge_spec.server.defaults import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_SHUTDOWN_GRACE,
+    format_size,
+)
 
 
 @takes_groups
 def serve(
     bundle: Optional[Path] = BundleArg,
     host: str = typer.Option(
-        "127.0.0.1",
+        DEFAULT_HOST,
         help="Address to listen on (default: this machine only). On any other "
         "address (0.0.0.0: every interface) requests for localhost and for any IP address are "
         "answered; for a host name, add --allowed-host NAME.",
     ),
-    port: int = typer.Option(8000, help="Port (0: any free port, printed at start)."),
+    port: int = typer.Option(DEFAULT_PORT, help="Port (0: any free port, printed at start)."),
     api_key: Optional[str] = typer.Option(
         None,
         "--api-key",
@@ -30,10 +38,12 @@ def serve(
         help="Require 'Authorization: Bearer KEY' (default: any key or none).",
     ),
     max_queue: int = typer.Option(
-        16, help="Requests that may wait behind the one being answered; more get HTTP 429 with Retry-After."
+        DEFAULT_MAX_QUEUE,
+        help="Requests that may wait behind the one being answered; more get HTTP 429 with Retry-After.",
     ),
     shutdown_grace: float = typer.Option(
-        10.0, help="On SIGINT/SIGTERM, seconds the answer in progress gets to finish before it is stopped."
+        DEFAULT_SHUTDOWN_GRACE,
+        help="On SIGINT/SIGTERM, seconds the answer in progress gets to finish before it is stopped.",
     ),
     allowed_host: list[str] = typer.Option(
         [],
@@ -52,7 +62,9 @@ def serve(
         "needs --api-key). Default: none, cross-origin requests get 403.",
     ),
     max_body: str = typer.Option(
-        "4M", "--max-body", help="Largest request body accepted (K, M, G suffixes); larger ones get HTTP 413."
+        format_size(DEFAULT_MAX_BODY),
+        "--max-body",
+        help="Largest request body accepted (K, M, G suffixes); larger ones get HTTP 413.",
     ),
     alias: list[str] = typer.Option(
         [],

@@ -13,6 +13,10 @@ from edge_spec.cli.loading import check_threads
 from edge_spec.cli.options import ThreadsOpt, int_list, max_tokens_option, prompts_option
 from edge_spec.cli.output import console, progress_lines
 from edge_spec.errors import EdgeSpecError
+from edge_spec.export.eagle.settings import CHECKPOINT_SECONDS, CollectOptions, TrainOptions
+
+COLLECT_DEFAULTS = CollectOptions()
+TRAIN_DEFAULTS = TrainOptions()
 
 
 def _collect_reporter(stack: contextlib.ExitStack):
@@ -67,29 +71,39 @@ def train_head(
     text: list[Path] = typer.Option(None, "--text", help="Directory of code / prose files to read (repeatable)."),
     prompts: Optional[Path] = prompts_option("the shipped set, edge_spec/data/train/prompts.jsonl"),
     no_prompts: bool = typer.Option(False, "--no-prompts", help="Collect from --text only."),
-    max_items: Optional[int] = typer.Option(None, help="Collect at most this many items (prompts + text windows)."),
-    max_tokens: int = max_tokens_option(256, ": the target's, to each prompt"),
-    held_out_every: int = typer.Option(10, help="Hold out every n-th prompt and every n-th text file."),
-    vocab_size: int = typer.Option(
-        16384, "--vocab-size", help="Vocabulary size K of the head's drafts (the K most frequent target labels)."
+    max_items: Optional[int] = typer.Option(
+        COLLECT_DEFAULTS.max_items, help="Collect at most this many items (prompts + text windows)."
     ),
-    intermediate: int = typer.Option(4480, help="Head MLP width."),
-    epochs: float = typer.Option(2.0, help="Passes over the training data (when --steps is not given)."),
+    max_tokens: int = max_tokens_option(COLLECT_DEFAULTS.answer_tokens, ": the target's, to each prompt"),
+    held_out_every: int = typer.Option(
+        COLLECT_DEFAULTS.held_out_every, help="Hold out every n-th prompt and every n-th text file."
+    ),
+    vocab_size: int = typer.Option(
+        TRAIN_DEFAULTS.draft_vocab,
+        "--vocab-size",
+        help="Vocabulary size K of the head's drafts (the K most frequent target labels).",
+    ),
+    intermediate: int = typer.Option(TRAIN_DEFAULTS.intermediate, help="Head MLP width."),
+    epochs: float = typer.Option(
+        TRAIN_DEFAULTS.epochs, help="Passes over the training data (when --steps is not given)."
+    ),
     steps: Optional[int] = typer.Option(
-        None,
+        TRAIN_DEFAULTS.steps,
         help="Optimizer steps (one training sequence each); with --resume: "
         "continue to this many steps, the schedule stretched (a warm restart).",
     ),
-    ttt: int = typer.Option(2, help="Training-time-test steps unrolled (1 = off)."),
-    lr: float = typer.Option(5e-4, help="Peak learning rate (AdamW, warm-up then cosine)."),
+    ttt: int = typer.Option(TRAIN_DEFAULTS.ttt, help="Training-time-test steps unrolled (1 = off)."),
+    lr: float = typer.Option(TRAIN_DEFAULTS.lr, help="Peak learning rate (AdamW, warm-up then cosine)."),
     hard_labels: bool = typer.Option(
-        False,
+        not TRAIN_DEFAULTS.soft,
         "--hard-labels",
         help="Cross-entropy on the greedy label instead of the target's distribution over the draft vocabulary.",
     ),
-    seed: int = typer.Option(0, help="Random seed (fixes the head's initialisation and the data order)."),
+    seed: int = typer.Option(
+        TRAIN_DEFAULTS.seed, help="Random seed (fixes the head's initialisation and the data order)."
+    ),
     init: Optional[str] = typer.Option(
-        None,
+        TRAIN_DEFAULTS.init,
         "--init",
         help="Start from this head instead of a fresh one: a saved "
         "head (e.g. edge_spec/data/heads/NAME, or a bundle's eagle/ directory), a "
@@ -103,7 +117,7 @@ def train_head(
     train_minutes: Optional[float] = typer.Option(
         None, help="Stop training after this long (checkpointed; --resume continues)."
     ),
-    checkpoint_minutes: float = typer.Option(5.0, help="Minutes between training checkpoints."),
+    checkpoint_minutes: float = typer.Option(CHECKPOINT_SECONDS / 60, help="Minutes between training checkpoints."),
     feature_layers: Optional[str] = typer.Option(
         None,
         help="Target layers whose outputs the head fuses "
@@ -145,7 +159,7 @@ def train_head(
         )
     work.mkdir(parents=True, exist_ok=True)
     if not train_only:
-        options = head_data.CollectOptions(
+        options = CollectOptions(
             answer_tokens=max_tokens,
             max_items=max_items,
             threads=threads,
@@ -174,7 +188,7 @@ def train_head(
         )
     if collect_only:
         return
-    train_options = head_training.TrainOptions(
+    train_options = TrainOptions(
         draft_vocab=vocab_size,
         intermediate=intermediate,
         epochs=epochs,

@@ -27,38 +27,23 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse, Response
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.server.defaults import DEFAULT_HOST, DEFAULT_MAX_BODY, parse_size
 from edge_spec.server.errors import ApiError
 
-DEFAULT_MAX_BODY = 4 * 1024 * 1024  # a chat request near a 32k-token context is well under 1 MiB
 BODY_IDLE_TIMEOUT = 30.0  # seconds a body may pause between two chunks
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type"
 PREFLIGHT_MAX_AGE = "600"
-_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.IGNORECASE)
 _HEADER_LIST = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def parse_size(value: str | int) -> int:
-    """Bytes from ``4194304``, ``512K``, ``8M``, ``1G`` (binary multiples; ``KiB`` / ``MB`` spellings too)."""
-    if isinstance(value, int):
-        size = value
-    else:
-        found = _SIZE.fullmatch(value.strip())
-        if found is None:
-            raise EdgeSpecError(f"--max-body must be a size such as 4M, 512K or 1048576, got {value!r}")
-        size = int(found.group(1)) * 1024 ** " kmg".index(found.group(2).lower() or " ")
-    if size < 1:
-        raise EdgeSpecError("--max-body must be at least 1 byte")
-    return size
 
 
 @dataclass(frozen=True)
 class GuardPolicy:
     """What :class:`Guard` lets through.  Build it with :func:`make_policy`, which checks the options."""
 
-    bind_host: str = "127.0.0.1"  # the address the server listens on
+    bind_host: str = DEFAULT_HOST  # the address the server listens on
     allowed_hosts: tuple[str, ...] = ()  # lower-case names, "*.example.com" patterns, or "*"
     cors_origins: tuple[str, ...] = ()  # normalized "scheme://host[:port]", or "*"
     max_body: int = DEFAULT_MAX_BODY
@@ -88,7 +73,7 @@ class GuardPolicy:
 
 def make_policy(
     *,
-    bind_host: str = "127.0.0.1",
+    bind_host: str = DEFAULT_HOST,
     allowed_hosts=(),
     cors_origins=(),
     max_body: str | int = DEFAULT_MAX_BODY,

@@ -25,7 +25,8 @@ import uvicorn
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
-from edge_spec.server.guard import BODY_IDLE_TIMEOUT, DEFAULT_MAX_BODY, make_policy
+from edge_spec.server.defaults import DEFAULT_HOST, DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_GRACE
+from edge_spec.server.guard import BODY_IDLE_TIMEOUT, make_policy
 from edge_spec.server.protocol import HEADER_TIMEOUT, with_header_timeout
 
 log = logging.getLogger("edge_spec.server")
@@ -67,8 +68,8 @@ def build_app(
     name: str,
     aliases=(),
     api_key: str | None = None,
-    max_queue: int = 16,
-    bind_host: str = "127.0.0.1",
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    bind_host: str = DEFAULT_HOST,
     allowed_hosts=(),
     cors_origins=(),
     max_body: str | int = DEFAULT_MAX_BODY,
@@ -119,8 +120,8 @@ def server_config(
     host: str,
     port: int,
     *,
-    max_queue: int = 16,
-    shutdown_grace: float = 10.0,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     header_timeout: float = HEADER_TIMEOUT,
     keep_alive: int = KEEP_ALIVE_TIMEOUT,
     **options,

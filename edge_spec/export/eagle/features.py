@@ -44,6 +44,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.export.eagle.settings import CollectOptions
 from edge_spec.paths import PACKAGE_DATA
 from edge_spec.prompts import as_messages, read_prompt_file
 
@@ -80,28 +81,6 @@ TEXT_SUFFIXES_SKIPPED = {
     ".o",
 }
 FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class CollectOptions:
-    answer_tokens: int = 256  # most tokens the target generates per prompt
-    window: int = 512  # most tokens per text window (one pass)
-    min_window: int = 32  # shorter text windows (file tails) are dropped, unless the whole file is that short
-    held_out_every: int = 10  # every n-th prompt / text file is held out
-    max_items: int | None = None  # stop after this many items (in collection order)
-    threads: int = 0
-    seed: int = 0  # order of the text files
-    time_budget: float | None = None  # seconds: start no new item after this long
-
-    def check(self) -> None:
-        if self.answer_tokens < 2:
-            raise EdgeSpecError("--max-tokens must be at least 2")
-        if not 16 <= self.window <= 4096:
-            raise EdgeSpecError("text windows must be between 16 and 4096 tokens")
-        if self.held_out_every < 2:
-            raise EdgeSpecError("held_out_every must be at least 2")
-        if self.max_items is not None and self.max_items < 1:
-            raise EdgeSpecError("--max-items must be at least 1")
 
 
 @dataclass

@@ -28,13 +28,15 @@ ignore), so the runtime embeds with the target's table and the head graph takes
 
 Feature layers (``eagle_config.eagle_aux_hidden_state_layer_ids`` in the config) are 0-based
 indices of target layers whose *outputs* are used - the SpecForge / SGLang convention (SGLang
-captures "before layer i + 1").  Default as SpecForge: ``(1, L // 2 - 1, L - 4)``.
+captures "before layer i + 1").  Default as SpecForge: ``(1, L // 2 - 1, L - 4)``.  A written
+``config.json`` also carries them at the top level, ``+ 1``, as vLLM reads them, and a written checkpoint
+lists them in ascending order, the order in which vLLM and SGLang concatenate the states.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +116,9 @@ class Eagle3Config:
                 "eagle_aux_hidden_state_layer_ids": list(self.feature_layers),
                 "use_aux_hidden_state": True,
             },
+            # vLLM reads only this key, in its convention (id j: the input of layer j); without it vLLM
+            # captures its own default layers, which are these only for SpecForge's default choice
+            "eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in self.feature_layers],
             "torch_dtype": "float32",
         }
 
@@ -335,8 +340,24 @@ class Eagle3Head(nn.Module):
 # -- SpecForge checkpoints -----------------------------------------------------------------------
 
 
+def in_layer_order(config: Eagle3Config, state: dict[str, torch.Tensor]) -> tuple[Eagle3Config, dict]:
+    """The same head with its feature layers in ascending order: ``fc``'s column blocks permuted to match.
+
+    vLLM and SGLang capture the target's states layer by layer and concatenate them in that order, whatever
+    order the config lists; a head fusing another order would load and draft from mixed-up features."""
+    order = sorted(range(len(config.feature_layers)), key=lambda i: config.feature_layers[i])
+    if order == list(range(len(order))):
+        return config, state
+    h = config.hidden_size
+    fc = state["fc.weight"]
+    state = {**state, "fc.weight": torch.cat([fc[:, i * h : (i + 1) * h] for i in order], dim=1).contiguous()}
+    layers = tuple(config.feature_layers[i] for i in order)
+    return replace(config, feature_layers=layers), state
+
+
 def save_specforge(directory, config: Eagle3Config, head: Eagle3Head) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` as SpecForge / SGLang read them (no embedding)."""
+    """Write ``config.json`` + ``model.safetensors`` as SpecForge, SGLang and vLLM read them (no embedding),
+    the feature layers in ascending order (:func:`in_layer_order`)."""
     from safetensors.torch import save_file
 
     if head.config != config:
@@ -344,6 +365,7 @@ def save_specforge(directory, config: Eagle3Config, head: Eagle3Head) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().contiguous() for name, tensor in head.state_dict().items()}
+    config, state = in_layer_order(config, state)
     write_atomic(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     text = json.dumps(config.to_hf_config(), indent=2) + "\n"
     write_atomic(directory / "config.json", lambda tmp: Path(tmp).write_text(text))

@@ -45,48 +45,11 @@ from torch import nn
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.eagle.model import Eagle3Config, Eagle3Head
+from edge_spec.export.eagle.settings import CHECKPOINT_SECONDS, TrainOptions
 
 CHECKPOINT = "checkpoint.pt"
 CURVE = "curve.json"
 MILESTONES = (5_000, 10_000, 25_000, 50_000, 100_000, 200_000, 400_000, 800_000, 1_600_000, 3_200_000)
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    draft_vocab: int = 16384
-    intermediate: int = 4480
-    epochs: float = 2.0
-    steps: int | None = None  # optimizer steps; default: epochs x training sequences / accum
-    accum: int = 1  # sequences per optimizer step
-    lr: float = 5e-4
-    min_lr_ratio: float = 0.1
-    warmup: int = 40
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    ttt: int = 2  # unrolled training-time-test steps (1 = plain teacher forcing)
-    ttt_decay: float = 0.8
-    seq_len: int = 1024  # most rows per training sequence (longer items are cut into pieces)
-    soft: bool = True  # soft teacher (target distribution) when the shards hold hidden states
-    train_lm_head: bool = False
-    seed: int = 0
-    eval_rows: int = 4000  # labelled held-out rows evaluated at milestones (a fixed prefix of the held-out
-    # items; the last point of a run uses them all)
-    init: str | None = None  # a head to start from (saved-head directory, SpecForge checkpoint or hub id):
-    # its weights, draft vocabulary and MLP width replace a fresh head's
-
-    def check(self) -> None:
-        if self.draft_vocab < 2:
-            raise EdgeSpecError("--vocab-size must be at least 2")
-        if self.intermediate < 1:
-            raise EdgeSpecError("--intermediate must be positive")
-        if self.steps is not None and self.steps < 1:
-            raise EdgeSpecError("--steps must be at least 1")
-        if self.epochs <= 0:
-            raise EdgeSpecError("--epochs must be positive")
-        if not 1 <= self.ttt <= 8:
-            raise EdgeSpecError("--ttt must be between 1 and 8")
-        if self.accum < 1 or self.seq_len < 8:
-            raise EdgeSpecError("accum must be >= 1 and seq_len >= 8")
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -540,7 +503,7 @@ def train(
     *,
     resume: bool = False,
     time_budget: float | None = None,
-    checkpoint_seconds: float = 300.0,
+    checkpoint_seconds: float = CHECKPOINT_SECONDS,
     threads: int = 0,
     log: Callable[[str], None] | None = None,
     stop_after: int | None = None,
