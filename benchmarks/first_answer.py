@@ -2,11 +2,11 @@
 to its first byte of answer, and the answer's decode speed, for the first run and for the warm runs after it.
 
 The first run is whatever state the caches are in (after ``edge-spec export`` they hold its measurement of the
-machine; ``--fresh-cache`` gives every first run an empty cache of its own); the warm runs follow it with the
-same caches.  Runs alternate first/warm in rounds (``--rounds``), so a drift of the machine's speed falls on both.
+machine; ``--fresh-cache`` gives every first run an empty cache of its own, ``--start-cache DIR`` a copy of
+``DIR``, e.g. the cache directory as an export left it); the warm runs follow it with the same caches.  Runs alternate first/warm in rounds (``--rounds``), so a drift of the machine's speed falls on both.
 
     python benchmarks/first_answer.py --edge-spec .venv/bin/edge-spec --rounds 3 --fresh-cache
-    python benchmarks/first_answer.py --edge-spec /tmp/venv/bin/edge-spec --rounds 1 --warm 2   # after an export
+    python benchmarks/first_answer.py --edge-spec VENV/bin/edge-spec --start-cache SAVED_CACHE --rounds 3
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="first runs (each followed by --warm warm runs)")
     parser.add_argument("--warm", type=int, default=1, help="warm runs after each first run")
     parser.add_argument("--fresh-cache", action="store_true", help="an empty cache directory for every first run")
+    parser.add_argument("--start-cache", type=Path, default=None, help="every first run starts on a copy of this cache")
     parser.add_argument("--output", type=Path, default=None, help="write every run as JSON here")
     args = parser.parse_args()
 
@@ -67,8 +69,10 @@ def main() -> None:
     runs = []
     for round_ in range(args.rounds):
         env = dict(os.environ)
-        if args.fresh_cache:
+        if args.fresh_cache or args.start_cache:
             env["EDGE_SPEC_CACHE"] = tempfile.mkdtemp(prefix="edge-spec-first-answer-")
+            if args.start_cache:
+                shutil.copytree(args.start_cache, env["EDGE_SPEC_CACHE"], dirs_exist_ok=True)
         for i in range(1 + args.warm):
             record = {"round": round_, "kind": "first" if i == 0 else "warm", **run_once(command, env)}
             runs.append(record)
