@@ -125,7 +125,7 @@ def _print_costs(
         f"head {1e3 * profile.draft_head:.2f}); a second token read in one step: "
         f"+{1e3 * profile.draft_catch_up:.1f} ms"
     )
-    rows = engine.exact_rows()
+    rows = engine.loaded.exact_rows()
     why = (
         "one-row passes equal multi-row ones bit for bit on this device"
         if rows == 1
@@ -134,7 +134,7 @@ def _print_costs(
         else "the target graph predates the attention pad: re-export, or "
         "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)"
     )
-    if engine.exact_available():
+    if engine.loaded.exact_available():
         out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")
     else:
         out.print(
