@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from edge_spec.cli.loading import find_bundle, loop_config, open_engine, provider_options
+from edge_spec.cli.loading import find_bundle, load_options, loop_config, open_engine, provider_options
 from edge_spec.cli.options import (
     DRAFT_HEAD,
     DraftProviderOpt,
@@ -99,15 +99,14 @@ def _print_costs(
 
     config = loop_config("spec", gamma=gamma)
     gamma = config.gamma
-    engine = open_engine(
-        bundle,
-        config,
+    options = load_options(
         provider=provider,
         threads=threads,
         draft_head=draft_head,
         draft_provider=draft_provider,
         provider_option=provider_option,
     )
+    engine = open_engine(bundle, config, options)
     profile = engine.cost_profile
     state = "cached" if profile.cached else f"measured now in {profile.measured_seconds:.1f} s"
     if profile.corrections:
