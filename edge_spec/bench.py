@@ -119,7 +119,7 @@ def modes_for(
         if not engine.manifest.get("eagle"):
             raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
         for name in eagle_heads or [None]:  # None: the bundle's default EAGLE head
-            name = engine._check_eagle_head(name)
+            name = engine.loaded.check_eagle_head(name)
             label = "eagle" if name == "full" else f"eagle+{name}"
             modes += [
                 dataclasses.replace(mode, eagle_head=name)

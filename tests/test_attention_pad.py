@@ -136,7 +136,7 @@ def test_the_engine_pads_one_row_passes_only_where_the_check_failed(int4_bundle,
     where the check passed."""
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
     expected = 1 if one_row_passes_match(engine.target) else 2
-    assert engine.exact_rows() == expected
+    assert engine.loaded.exact_rows() == expected
     reference = engine.complete("def is_prime", max_new_tokens=20, mode="ar", exact=True).token_ids
     assert engine.target.min_rows == expected
     assert engine.complete("def is_prime", max_new_tokens=20).token_ids == reference
@@ -147,15 +147,15 @@ def test_the_engine_pads_one_row_passes_only_where_the_check_failed(int4_bundle,
     def no_second_check(decoder):
         raise AssertionError("checked again although the answer is cached")
 
-    monkeypatch.setattr("edge_spec.runtime.engine.one_row_passes_match", no_second_check)
-    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").exact_rows() == expected
+    monkeypatch.setattr("edge_spec.runtime.loaded.one_row_passes_match", no_second_check)
+    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").loaded.exact_rows() == expected
 
 
 def test_a_failed_check_keeps_the_pad_row(int4_bundle, monkeypatch, tmp_path):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
-    monkeypatch.setattr("edge_spec.runtime.engine.one_row_passes_match", lambda decoder: False)
+    monkeypatch.setattr("edge_spec.runtime.loaded.one_row_passes_match", lambda decoder: False)
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
-    assert engine.exact_rows() == 2
+    assert engine.loaded.exact_rows() == 2
     reference = engine.complete("def f", max_new_tokens=16, mode="ar", exact=True).token_ids
     assert engine.target.min_rows == 2
     assert engine.complete("def f", max_new_tokens=16).token_ids == reference
@@ -243,11 +243,11 @@ def test_the_padded_pass_check_passes_on_the_cpu_and_catches_a_pass_size_depende
 
 def test_where_padded_passes_differ_exact_is_refused_and_greedy_runs_unpadded(int4_bundle, monkeypatch, tmp_path):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
-    monkeypatch.setattr("edge_spec.runtime.engine.padded_passes_match", lambda decoder, rows: False)
+    monkeypatch.setattr("edge_spec.runtime.loaded.padded_passes_match", lambda decoder, rows: False)
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
     engine.complete("def f", max_new_tokens=8)
     assert engine.target.min_rows == 2  # before the check's verdict (it follows the first answer): padded
-    assert engine.exact_available(check=False) is False
+    assert engine.loaded.exact_available(check=False) is False
     engine.complete("def f", max_new_tokens=8)
     assert engine.target.min_rows == 1  # a pad would buy nothing here, only cost
     for mode in ("ar", "spec"):
@@ -259,13 +259,13 @@ def test_the_engine_checks_padded_passes_once_per_device(int4_bundle, monkeypatc
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     calls = []
     monkeypatch.setattr(
-        "edge_spec.runtime.engine.padded_passes_match", lambda decoder, rows: calls.append(rows) or True
+        "edge_spec.runtime.loaded.padded_passes_match", lambda decoder, rows: calls.append(rows) or True
     )
     for _ in range(2):
         engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
         reference = engine.complete("def f", max_new_tokens=12, mode="ar", exact=True).token_ids
         assert engine.complete("def f", max_new_tokens=12).token_ids == reference
-    assert calls == [engine.exact_rows()]
+    assert calls == [engine.loaded.exact_rows()]
 
 
 def test_the_command_line_refuses_exact_at_load_where_padded_passes_differ(int4_bundle, monkeypatch, tmp_path, capsys):
@@ -273,7 +273,7 @@ def test_the_command_line_refuses_exact_at_load_where_padded_passes_differ(int4_
     from edge_spec import cli
 
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr("edge_spec.runtime.engine.padded_passes_match", lambda decoder, rows: False)
+    monkeypatch.setattr("edge_spec.runtime.loaded.padded_passes_match", lambda decoder, rows: False)
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # a chat that would end without a request
     monkeypatch.setattr("sys.argv", ["edge-spec", "chat", str(int4_bundle), "--exact", "--threads", "1"])
     with pytest.raises(SystemExit) as stopped:

@@ -73,7 +73,9 @@ def test_exact_speculative_equals_exact_target_only(int4_bundle, config):
     for prompt in ("def is_prime", "Summarize: speculative decoding drafts and verifies"):
         reference = engine.complete(prompt, max_new_tokens=24, mode="ar", exact=True).token_ids
         assert engine.complete(prompt, max_new_tokens=24).token_ids == reference
-        assert engine.target.min_rows == engine.pass_rows("spec") == max(engine.exact_rows(), 2)  # the guess's row
+        assert (
+            engine.target.min_rows == engine.loaded.pass_rows("spec") == max(engine.loaded.exact_rows(), 2)
+        )  # the guess's row
 
 
 def test_exact_can_be_turned_off_and_on(int4_bundle):
@@ -82,7 +84,7 @@ def test_exact_can_be_turned_off_and_on(int4_bundle):
     engine.complete("def f", max_new_tokens=4)
     assert engine.target.min_rows == 1
     engine.complete("def f", max_new_tokens=4, mode="ar", exact=True)
-    assert engine.target.min_rows == engine.exact_rows()  # target-only: 1 where one-row passes were found exact
+    assert engine.target.min_rows == engine.loaded.exact_rows()  # target-only: 1 where one-row passes were found exact
 
 
 def test_sampled_speculative_decoding_skips_the_pad_row(int4_bundle):

@@ -130,7 +130,7 @@ def test_a_right_profile_is_left_alone():
 def test_a_corrected_profile_is_what_the_next_load_reads(int4_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
-    key = engine._profile_key
+    key = engine.loaded._profile_key
     slow = {n: 10 * t for n, t in engine.cost_profile.verify.items()}  # as if profiled on a busy machine
     cost_profile.save(key, cost_profile.CostProfile(slow, 0.01, 0.001, 1.0))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
@@ -153,7 +153,7 @@ def test_a_machine_that_became_slower_than_its_profile_is_profiled_again():
 def test_an_outgrown_profile_is_measured_again_at_the_next_load(int4_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
-    key = engine._profile_key
+    key = engine.loaded._profile_key
     fast = {n: t / 10 for n, t in engine.cost_profile.verify.items()}  # as if profiled on a faster day
     cost_profile.save(key, cost_profile.CostProfile(fast, 0.0001, 0.00001, 1.0))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
@@ -476,7 +476,7 @@ def test_the_machine_is_measured_in_a_few_passes_with_a_word_for_the_spinner(int
     from edge_spec.runtime.model.decoder import Decoder
 
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
-    Engine.from_bundle(int4_bundle, threads=1, mode="ar").exact_rows()  # the device checks, cached first
+    Engine.from_bundle(int4_bundle, threads=1, mode="ar").loaded.exact_rows()  # the device checks, cached first
     passes = []
     forward = Decoder.forward
 
@@ -519,7 +519,7 @@ def test_a_profile_measured_under_load_is_replaced_and_greedy_output_never_chang
     slow = dict(engine.cost_profile.verify)
     reference = engine.complete(PROMPTS[0], max_new_tokens=40, mode="ar", exact=True).token_ids
     assert engine.complete(PROMPTS[0], max_new_tokens=40, temperature=0).token_ids == reference
-    saved = cost_profile.load(engine._profile_key)
+    saved = cost_profile.load(engine.loaded._profile_key)
     assert saved.corrections == 1
     live = [n for n in saved.verify if n not in saved.estimated]
     assert live and all(saved.verify[n] < slow[n] / 2 for n in live)
@@ -539,15 +539,15 @@ def test_once_a_busy_profile_is_replaced_the_planner_plans_with_the_new_one(int4
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
     busy = {1: 0.200, 2: 0.300, 3: 0.500, 4: 0.500, 5: 0.900}
-    engine.cost_profile = cost_profile.CostProfile(dict(busy), 0.020, 0.001, 1.0, quick=True, suspect=True)
+    engine.loaded.cost_profile = cost_profile.CostProfile(dict(busy), 0.020, 0.001, 1.0, quick=True, suspect=True)
     engine.target.stats = stats = DecoderStats()
-    engine._profile_calls = ({}, {})
+    engine.loaded._profile_calls = ({}, {})
     for n, seconds in busy.items():
         stats.seed(n, seconds)
     for _ in range(10):
         stats.add(2, 0.050)
         stats.add(4, 0.070)
-    engine._correct_costs()
+    engine.loaded.correct_costs(engine.config)
     assert engine.cost_profile.corrections == 1
     expected = {1: 0.040, 2: 0.050, 3: 0.060, 4: 0.070, 5: 0.080}
     assert engine.cost_profile.verify == pytest.approx(expected)
@@ -559,20 +559,20 @@ def test_the_device_checks_follow_the_first_answer_and_leave_the_cost_model_alon
     the checks run after the first answer, and their passes are not counted as live ones."""
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
-    assert engine.exact_available(check=False) is None  # not checked yet
+    assert engine.loaded.exact_available(check=False) is None  # not checked yet
     planner = engine.target.recent_seconds()
     assert {n: planner[n] for n in engine.cost_profile.verify} == engine.cost_profile.verify
     answered, before_checks = [], []  # tokens of the answer when each check starts; the passes counted then
-    check_device, one_row = engine.check_device, row_invariance.one_row_passes_match
+    check_device, one_row = engine.loaded.check_device, row_invariance.one_row_passes_match
     monkeypatch.setattr(
-        engine, "check_device", lambda: before_checks.append(dict(engine.target.stats.calls)) or check_device()
+        engine.loaded, "check_device", lambda: before_checks.append(dict(engine.target.stats.calls)) or check_device()
     )
     monkeypatch.setattr(
-        "edge_spec.runtime.engine.one_row_passes_match",
+        "edge_spec.runtime.loaded.one_row_passes_match",
         lambda decoder: answered.append(len(engine.last_token_ids)) or one_row(decoder),
     )
     engine.complete(PROMPTS[0], max_new_tokens=12)
-    assert answered and answered[0] > 0 and engine.exact_available(check=False) is not None  # after the answer
+    assert answered and answered[0] > 0 and engine.loaded.exact_available(check=False) is not None  # after the answer
     assert engine.target.stats.calls == before_checks[0]
 
 
@@ -597,4 +597,4 @@ def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, cap
     with Engine.from_bundle(out) as engine:
         assert engine.cost_profile.cached == measure
         # the exactness verdicts: read from the cache without checking, or not there yet
-        assert (engine.exact_available(check=False) is not None) == measure
+        assert (engine.loaded.exact_available(check=False) is not None) == measure

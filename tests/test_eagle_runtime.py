@@ -46,7 +46,7 @@ def test_greedy_eagle_equals_target_only_decoding(engine, gamma):
 
 def test_coupled_sampled_eagle_equals_coupled_target_only_decoding(engine):
     """The head races with the noise of the position it drafts, like the drafter model (verify.coupled)."""
-    engine.target.min_rows = engine.pass_rows("spec")
+    engine.target.min_rows = engine.loaded.pass_rows("spec")
     drafted = 0
     for seed, prompt in enumerate(PROMPTS):
         params = SamplingParams(temperature=0.8, sampler="coupled", seed=seed)

@@ -60,7 +60,7 @@ def test_rounds_whose_guesses_keep_failing_run_in_one_row_and_equal_ar_exact(int
     monkeypatch.setattr(QuietDrafter, "holds", lambda self: True)  # the drafter rests throughout
     assert engine.complete(prompt, max_new_tokens=24).token_ids == reference
     decode = counter.rows[1:]  # after the prompt's pass
-    if engine.exact_rows() == 1:
+    if engine.loaded.exact_rows() == 1:
         assert decode and set(decode) == {1}
     else:  # where one-row passes are not exact, the pad row stays
         assert decode and set(decode) == {2}

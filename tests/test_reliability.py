@@ -278,7 +278,7 @@ def no_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the bundle was loaded before the mistake was found")
 
-    monkeypatch.setattr(Engine, "from_bundle", refuse)
+    monkeypatch.setattr(Engine, "load", refuse)
 
 
 def _one_line(code, err, fragment):

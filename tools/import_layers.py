@@ -1,5 +1,5 @@
-"""Check that imports inside ``edge_spec.runtime`` run one way: engine -> provenance -> loops -> schedule ->
-propose -> model/verify/constrain (the three at the bottom independent of one another).
+"""Check that imports inside ``edge_spec.runtime`` run one way: engine -> loaded -> provenance -> loops ->
+schedule -> propose -> model/verify/constrain (the three at the bottom independent of one another).
 
 Prints every runtime module's imports of other runtime layers and exits 1 on an import that runs back
 up (a lower layer importing a higher one).  ``python tools/import_layers.py``
@@ -14,7 +14,8 @@ from pathlib import Path
 RUNTIME = Path(__file__).resolve().parents[1] / "edge_spec" / "runtime"
 # rank of each layer: a module may import layers of lower rank (and its own layer)
 LAYERS = {
-    "engine": 6,
+    "engine": 7,
+    "loaded": 6,
     "provenance": 5,
     "suffix_store": 5,
     "text": 0,
@@ -25,7 +26,8 @@ LAYERS = {
     "verify": 1,
     "constrain": 1,
     "logprobs": 0,
-}  # provenance: the engine's per-token sources (reads loops.stats and text);
+}  # loaded: what loading a bundle produces and the device facts (the engine generates with it);
+# provenance: the engine's per-token sources (reads loops.stats and text);
 # suffix_store: where the engine's suffix cache lives (reads propose.suffix_cache);
 # logprobs: token log-probabilities from a row (numpy only), read by the loops and the engine
 BOTTOM = ("model", "verify", "constrain")  # rank 1: none of them imports another

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from edge_spec.cli.loading import find_bundle, loop_config, open_engine, provider_options
+from edge_spec.cli.loading import find_bundle, load_options, loop_config, open_engine, provider_options
 from edge_spec.cli.options import (
     DRAFT_HEAD,
     DraftProviderOpt,
@@ -99,15 +99,14 @@ def _print_costs(
 
     config = loop_config("spec", gamma=gamma)
     gamma = config.gamma
-    engine = open_engine(
-        bundle,
-        config,
+    options = load_options(
         provider=provider,
         threads=threads,
         draft_head=draft_head,
         draft_provider=draft_provider,
         provider_option=provider_option,
     )
+    engine = open_engine(bundle, config, options)
     profile = engine.cost_profile
     state = "cached" if profile.cached else f"measured now in {profile.measured_seconds:.1f} s"
     if profile.corrections:
@@ -125,7 +124,7 @@ def _print_costs(
         f"head {1e3 * profile.draft_head:.2f}); a second token read in one step: "
         f"+{1e3 * profile.draft_catch_up:.1f} ms"
     )
-    rows = engine.exact_rows()
+    rows = engine.loaded.exact_rows()
     why = (
         "one-row passes equal multi-row ones bit for bit on this device"
         if rows == 1
@@ -134,7 +133,7 @@ def _print_costs(
         else "the target graph predates the attention pad: re-export, or "
         "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)"
     )
-    if engine.exact_available():
+    if engine.loaded.exact_available():
         out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")
     else:
         out.print(

@@ -4,13 +4,18 @@ the (slow) load, with a spinner saying where the load's time goes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge_spec.cli.options import EngineFlags
 from edge_spec.cli.output import console
 from edge_spec.errors import EdgeSpecError
+
+if TYPE_CHECKING:
+    from edge_spec.runtime.loaded import LoadOptions
 
 
 def find_bundle(bundle: Path | None) -> Path:
@@ -97,63 +102,29 @@ def loading_status() -> Iterator[None]:
         yield
 
 
-def open_engine(
-    bundle: Path,
-    config,
-    *,
-    provider: str = "cpu",
-    threads: int = 0,
-    draft_head: str | None = None,
-    draft_provider: str | None = None,
-    draft_threads: int | None = None,
-    exact: bool | None = None,
-    verify: bool = False,
-    provider_option: list[str] | None = None,
-    eagle_head: str | None = None,
-    cache_dir: Path | None = None,
-    corpus: Path | None = None,
-):
-    """The engine for ``bundle`` running ``config``, its flags checked before the load."""
+def load_options(provider_option: list[str] | None = None, **settings) -> LoadOptions:
+    """The load options given on the command line (``LoadOptions``' fields, the provider options as
+    ``--provider-option KEY=VALUE`` flags), checked before the (slow) load: thread counts, then the pairs."""
+    from edge_spec.runtime.loaded import LoadOptions
+
+    options = LoadOptions(**settings)
+    check_threads(options.threads, options.draft_threads)
+    return dataclasses.replace(options, provider_options=provider_options(provider_option or []))
+
+
+def open_engine(bundle: Path, config, options: LoadOptions):
+    """The engine for ``bundle`` running ``config``, loaded with ``options`` (``load_options``): its draft
+    lengths are checked before the load, and ``exact`` is refused at once where this device cannot honour it."""
     from edge_spec.runtime.engine import Engine
 
-    check_threads(threads, draft_threads)
-    options = provider_options(provider_option or [])
     check_gamma(bundle, config)
     with loading_status():
-        engine = Engine.from_bundle(
-            bundle,
-            provider=provider,
-            threads=threads,
-            config=config,
-            draft_head=draft_head,
-            draft_provider=draft_provider,
-            draft_threads=draft_threads,
-            exact=exact,
-            verify=verify,
-            provider_options=options,
-            eagle_head=eagle_head,
-            cache_dir=cache_dir,
-            corpus=corpus,
-        )
-        if exact:  # refused now, not at every request of a chat or a server (Engine.exact_for)
-            engine.exact_for(engine.config.mode, exact)
+        engine = Engine.load(bundle, options, config=config)
+        if options.exact:  # refused now, not at every request of a chat or a server (Engine.exact_for)
+            engine.exact_for(engine.config.mode, options.exact)
     return engine
 
 
 def load_engine(bundle: Path, flags: EngineFlags, config):
     """The engine the engine options ask for, running ``config`` (``engine_config(flags)``)."""
-    return open_engine(
-        bundle,
-        config,
-        provider=flags.provider,
-        threads=flags.threads,
-        draft_head=flags.draft_head,
-        draft_provider=flags.draft_provider,
-        draft_threads=flags.draft_threads,
-        exact=flags.exact,
-        verify=flags.verify,
-        provider_option=flags.provider_option,
-        eagle_head=flags.eagle_head,
-        cache_dir=flags.suffix_cache_dir(),
-        corpus=flags.corpus,
-    )
+    return open_engine(bundle, config, load_options(**flags.load_settings()))

@@ -147,7 +147,7 @@ def _measure_machine(bundle: Path) -> None:
     try:
         with console.status("measuring this machine's speed for the bundle (once)"):
             with Engine.from_bundle(bundle) as engine:
-                engine.check_device()
+                engine.loaded.check_device()
     except EdgeSpecError as error:
         console.print(f"[yellow]note[/yellow] the bundle was not measured on this machine: {error}")
         return

@@ -255,6 +255,23 @@ class EngineFlags:
             return self.cache_dir
         return default_suffix_cache_dir() if self.persist_cache else None
 
+    def load_settings(self) -> dict:
+        """The load settings given (``runtime.loaded.LoadOptions``' fields, the provider options as the
+        ``--provider-option`` flags give them: ``cli.loading.load_options``)."""
+        return dict(
+            provider=self.provider,
+            threads=self.threads,
+            draft_head=self.draft_head,
+            draft_provider=self.draft_provider,
+            draft_threads=self.draft_threads,
+            exact=self.exact,
+            verify=self.verify,
+            provider_option=self.provider_option,
+            eagle_head=self.eagle_head,
+            cache_dir=self.suffix_cache_dir(),
+            corpus=self.corpus,
+        )
+
 
 @dataclass(frozen=True)
 class SamplingFlags:

@@ -1,9 +1,10 @@
 """Public Python API: ``Engine.from_bundle(path).generate(prompt)``.
 
-The engine owns the text side (chat template, streaming detokenization, stop
-strings, cancellation, statistics) and the loaded models, and delegates token
-generation to the loop its configuration names (:mod:`loops`).  Token loops know
-nothing about text; the engine knows nothing about KV caches.
+The engine generates with a loaded bundle (:mod:`loaded`: the models, the tokenizer, the suffix cache
+and the device's cost profile and exactness verdicts).  It owns the text side (chat template, streaming
+detokenization, stop strings, cancellation, statistics), holds one generation at a time, and delegates
+token generation to the loop its configuration names (:mod:`loops`).  Token loops know nothing about
+text; the engine knows nothing about KV caches.
 """
 
 from __future__ import annotations
@@ -17,46 +18,25 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.integrity import WeightCheck
-from edge_spec.manifest import eagle_heads, read_manifest, verify_files
-from edge_spec.paths import find_bundle
 from edge_spec.runtime.constrain import Constraint, GrammarVocabulary, grammar_for
+from edge_spec.runtime.loaded import BundleFiles, LoadedBundle, LoadOptions, drafter_name
 from edge_spec.runtime.logprobs import ChunkLogprobs, LogprobRecorder, TokenLogprob
-from edge_spec.runtime.loops import check_constraint, generate_tokens, proposer_names
+from edge_spec.runtime.loops import check_constraint, generate_tokens
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
 from edge_spec.runtime.loops.stats import TARGET, SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.model.providers import exact_min_rows
-from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
-from edge_spec.runtime.model.session import numpy_on_one_thread, small_session
-from edge_spec.runtime.propose import DRAFTERS
+from edge_spec.runtime.model.session import numpy_on_one_thread
 from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.eagle import EagleDrafter
-from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
 from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
 from edge_spec.runtime.propose.suffix_cache import DEFAULT_CAPACITY as DEFAULT_SUFFIX_CAPACITY
 from edge_spec.runtime.propose.suffix_cache import SuffixCache
 from edge_spec.runtime.provenance import SourcedText
-from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.schedule.cost_profile import CostProfile
 from edge_spec.runtime.schedule.memory import ScheduleMemory
-from edge_spec.runtime.suffix_store import open_suffix_cache
 from edge_spec.runtime.text import Message, StopMatcher, StreamingDetokenizer, TextTokenizer
-from edge_spec.runtime.verify.sampling import NonFiniteLogits, SamplingParams, check_vocab_ids
-
-GUESS_ROWS = 2  # a speculative pass's rows at least: the target's own token and the free guess
-
-
-def load_array(path: Path) -> np.ndarray:
-    """A bundle's ``.npy`` table; a damaged one is a one-line error naming it."""
-    try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        why = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-        raise EdgeSpecError(
-            f"cannot read {path} ({why}): the bundle is damaged; run edge-spec info {path.parent.parent} --verify"
-        ) from None
+from edge_spec.runtime.verify.sampling import NonFiniteLogits, SamplingParams
 
 
 class EngineBusy(EdgeSpecError):
@@ -109,49 +89,10 @@ class Engine:
     thread takes over, and the generator it replaced raises :class:`GenerationSuperseded`.
     :meth:`cancel` may be called from any thread."""
 
-    def __init__(
-        self,
-        bundle_dir: Path,
-        manifest: dict,
-        tokenizer: TextTokenizer,
-        target: Decoder,
-        *,
-        provider: str = "cpu",
-        threads: int = 0,
-        config: LoopConfig | None = None,
-        draft_head: str | None = None,
-        draft_provider: str | None = None,
-        draft_threads: int | None = None,
-        exact: bool | None = None,
-        provider_options: dict[str, str] | None = None,
-        eagle_head: str | None = None,
-        suffix_cache: SuffixCache | None = None,
-    ) -> None:
-        self.bundle_dir = bundle_dir
-        self.manifest = manifest
-        self.tokenizer = tokenizer
-        self.target = target
+    def __init__(self, loaded: LoadedBundle, config: LoopConfig | None = None, *, exact: bool | None = None) -> None:
+        self.loaded = loaded  # the models, the tokenizer, the suffix cache and what is known of this device
         self.config = config or loop_config("ar")
         self.exact = exact  # None: batch-invariant target passes in the speculative modes only (see exact_for)
-        self._provider, self._threads = provider, threads
-        self._draft_provider = draft_provider or provider
-        self._provider_options = dict(provider_options or {})  # for sessions on the target's provider
-        self._draft_threads = threads if draft_threads is None else draft_threads
-        self._draft_body: Decoder | None = None
-        self._drafters: dict[str, ModelDrafter] = {}
-        self._eagle: EagleDrafter | None = None
-        self._eagle_heads: dict[str, DraftHead | SpecVocabHead | None] = {}
-        self._memories: dict[str, ScheduleMemory] = {}
-        # earlier answers the ``suffix`` proposer drafts from (``propose.suffix_cache``): in memory unless given
-        self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
-        self.draft_head = self._check_head(draft_head or manifest["draft"]["default_head"])
-        self.eagle_head = self._check_eagle_head(eagle_head)
-        self.cost_profile: CostProfile | None = None
-        self._one_row_exact: bool | None = None  # see exact_rows
-        self._padded_exact: bool | None = None  # see exact_available
-        self._profile_key = ""
-        self._profile_calls: tuple[dict[int, int], dict[int, int]] = ({}, {})  # passes before the live ones
-        self._weight_check: WeightCheck | None = None  # see from_bundle: answers wait for its verdict
         self._grammar_vocabulary: GrammarVocabulary | None = None  # see grammar_vocabulary
         self._closed = False
         self._cancel = threading.Event()
@@ -197,7 +138,8 @@ class Engine:
         head's LM heads (``"full"``, ``"trim-N"``, ``"specvocab-rR-kC-ofK"``; default: the bundle's).
 
         ``exact`` makes every target pass batch-invariant (one-token passes get a throw-away second row,
-        see :mod:`decoder`, unless this device's one-row passes were found exact: :meth:`exact_rows`):
+        see :mod:`decoder`, unless this device's one-row passes were found exact:
+        :meth:`~edge_spec.runtime.loaded.LoadedBundle.exact_rows`):
         greedy output is then the same bit for bit in every mode, whatever the draft lengths.  The
         default (None) is exact in greedy speculative decoding, where nearly every pass has several rows
         anyway, and plain one-row decoding in ``"ar"`` mode, which is faster where the pad row is needed
@@ -214,336 +156,140 @@ class Engine:
         ``cache_dir`` names a directory to keep it in across processes (one private file per bundle).
         ``corpus``: a directory whose text files (a repository) are read into it too.
         """
-        bundle_dir = find_bundle(path)
-        manifest = read_manifest(bundle_dir)
-        verify_files(bundle_dir, manifest, full_hash=verify)
-        weight_check = None if verify else WeightCheck(bundle_dir, manifest)  # hashes changed files meanwhile
+        options = LoadOptions(
+            provider=provider,
+            threads=threads,
+            context_length=context_length,
+            draft_head=draft_head,
+            verify=verify,
+            draft_provider=draft_provider,
+            draft_threads=draft_threads,
+            exact=exact,
+            provider_options=provider_options,
+            eagle_head=eagle_head,
+            cache_dir=cache_dir,
+            suffix_capacity=suffix_capacity,
+            corpus=corpus,
+        )
+        return cls.load(path, options, mode=mode, config=config)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        options: LoadOptions | None = None,
+        *,
+        mode: str | None = None,
+        config: LoopConfig | None = None,
+    ) -> "Engine":
+        """:meth:`from_bundle` with its load settings in one :class:`~edge_spec.runtime.loaded.LoadOptions`
+        (None: the defaults), as the CLI builds them from its flags; ``mode`` and ``config`` pick the loop."""
+        options = options or LoadOptions()
+        files = BundleFiles.open(path, options.verify)
         if config is None:
             config = loop_config(mode or DEFAULT_MODE)
         elif mode is not None and mode != config.mode:
             raise EdgeSpecError(
                 f"mode {mode!r} does not match the {type(config).__name__} given (mode {config.mode!r})"
             )
-        if threads < 0 or (draft_threads is not None and draft_threads < 0):
-            raise EdgeSpecError("threads must be 0 (all cores) or more")
-        capacity = min(context_length or manifest["context_length"], manifest["context_length"])
-        tokenizer = TextTokenizer(bundle_dir)
-        suffix_cache = open_suffix_cache(
-            manifest,
-            tokenizer.encode_literal,
-            Path(cache_dir) if cache_dir is not None else None,
-            suffix_capacity,
-            Path(corpus) if corpus is not None else None,
-        )
-        target = Decoder(
-            bundle_dir / manifest["target"]["onnx"],
-            provider=provider,
-            threads=threads,
-            capacity=capacity,
-            takes_turns=config.mode != "ar",
-            provider_options=provider_options,
-        )
-        engine = cls(
-            bundle_dir,
-            manifest,
-            tokenizer,
-            target,
-            provider=provider,
-            threads=threads,
-            config=config,
-            draft_head=draft_head,
-            draft_provider=draft_provider,
-            draft_threads=draft_threads,
-            exact=exact,
-            provider_options=provider_options,
-            eagle_head=eagle_head,
-            suffix_cache=suffix_cache,
-        )
-        engine._weight_check = weight_check
+        options.check()
+        loaded = LoadedBundle.load(files, options, takes_turns=config.mode != "ar")
+        engine = cls(loaded, config, exact=options.exact)
         if isinstance(config, TreeConfig):
-            check_tree(target, config)  # the verifier's draft count and the sampler are checked per request
+            check_tree(loaded.target, config)  # the verifier's draft count and the sampler are checked per request
         if config.mode != "ar":
             engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
         return engine
 
-    def measure_costs(self) -> CostProfile:
-        """Load (or measure quickly once and cache) this device's cost profile for the current drafter head:
-        target passes over 1..γ_max+1 tokens, drafter body and head steps (see ``cost_profile``).
-        The γ policy plans with it from the first round; live measurements refine it, and the cached
-        profile after each request (:meth:`_correct_costs`)."""
-        max_tokens = max(self.config.gamma + 1, 2)
-        if self.target.capacity < 2 * max_tokens + 2:  # a draft of γ and its verify pass need the room
-            raise EdgeSpecError(
-                f"a context of {self.target.capacity} tokens is too short for speculative decoding "
-                f"with drafts of up to {max_tokens - 1} tokens: give a context of at least "
-                f"{2 * max_tokens + 2} tokens, or run mode 'ar'"
-            )
-        drafter = self.active_drafter()
-        key = cost_profile.cache_key(self.manifest, self._drafter_entry(), *self._placement(), max_tokens)
-        with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
-            profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens, self._settle)
-        # live measurements, once there are some, win; before the first profile there were none
-        first = self.cost_profile is None
-        for n, seconds in profile.verify.items():
-            if first or n not in self.target.stats.recent:
-                self.target.stats.seed(n, seconds)
-        if drafter.step_estimate is None:
-            drafter.step_estimate = profile.draft_step
-        steps = drafter.decoder.stats  # the drafter's second row (its catch-up price) until measured live
-        for rows, seconds in ((1, profile.draft_body), (2, profile.draft_body + profile.draft_catch_up)):
-            if rows not in steps.recent:
-                steps.seed(rows, seconds)
-        self.cost_profile, self._profile_key = profile, key
-        # the passes counted so far (the profile's) are not live ones
-        self._profile_calls = (dict(self.target.stats.calls), dict(steps.calls))
-        return profile
-
-    def _settle(self) -> None:
-        """Before the machine is timed: let the weight check finish hashing, on a core the passes need (the
-        first answer waits for its verdict anyway, and gives it)."""
-        if self._weight_check is not None:
-            try:
-                self._weight_check.result()
-            except EdgeSpecError:
-                pass
-
-    def _placement(self) -> tuple[str, str]:
-        """Where the models run, as the cached device facts are keyed: providers (with options), threads."""
-        options = ",".join(f"{k}={v}" for k, v in sorted(self._provider_options.items()))
-        return f"{self._provider}[{options}]/{self._draft_provider}", f"{self._threads}/{self._draft_threads}"
-
-    def exact_rows(self, check: bool = True) -> int:
-        """Rows a batch-invariant target pass needs on this device: one where one-row passes were found
-        equal to multi-row ones bit for bit (a graph that pads its own attention, on kernels without a
-        one-row path; checked once per device and cached: ``row_invariance``), else the provider's.
-        ``check`` False reads the cached verdict only: before the check, the provider's rows, exact
-        without it (what the answers before :meth:`check_device` run)."""
-        if self._one_row_exact is None:
-            if not self.target.pads_attention:
-                self._one_row_exact = False
-            else:
-                key = cost_profile.target_key(self.manifest, *self._placement())
-                self._one_row_exact = (
-                    cost_profile.remembered(key, lambda: one_row_passes_match(self.target))
-                    if check
-                    else cost_profile.recalled(key)
-                )
-        return 1 if self._one_row_exact else exact_min_rows(self._provider)
-
-    def exact_available(self, check: bool = True) -> bool | None:
-        """Whether target passes padded to :meth:`exact_rows` give every row the same logits whatever pass
-        carries it, here (checked once per device and cached: ``row_invariance.padded_passes_match``).
-        Where they do not, no pad makes greedy speculative output bit-identical to target-only decoding:
-        exact mode is refused and the default runs unpadded, as fast as it can.  ``check`` False reads
-        the cached verdict only (None: not checked yet)."""
-        if self._padded_exact is None:
-            rows = self.exact_rows(check)
-            if self._one_row_exact is None:  # not checked yet: the padded check is keyed by its verdict
-                return None
-            placement, threads = self._placement()
-            key = cost_profile.target_key(self.manifest, f"{placement}#padded-to-{rows}", threads)
-            self._padded_exact = (
-                cost_profile.remembered(key, lambda: padded_passes_match(self.target, rows))
-                if check
-                else cost_profile.recalled(key)
-            )
-        return self._padded_exact
-
-    def check_device(self) -> None:
-        """Run this device's exactness checks where their verdicts are not cached yet (seconds on a CPU, once
-        per device).  A speculative engine runs them after its first answer, not before it: until their
-        verdicts are in, exact passes take the provider's pad rows, which are exact wherever any are, so
-        the first answer of a new install does not wait for them."""
-        self.exact_available()
-
-    def pass_rows(self, mode: str) -> int:
-        """The fewest rows of an exact target pass in ``mode``: what exactness needs here
-        (:meth:`exact_rows`), and in speculative decoding at least two, because a draft-less round
-        that verifies the free guess in a second row was measured faster than a one-row round
-        (README, *Bit-identical greedy output*); target-only decoding has no guess to carry."""
-        rows = self.exact_rows(check=False)
-        return rows if mode == "ar" else max(rows, GUESS_ROWS)
-
-    def _correct_costs(self) -> None:
-        """After a request, judge the cost profile by the live passes since it was loaded: one that they
-        keep losing to belongs to a faster machine than this one is now, so the next load measures it
-        again (``cost_profile.outgrown_by_live``); else store what they taught it: a profile they keep
-        beating was measured under load and is replaced, estimated sizes take their live latencies
-        (``cost_profile.refine_from_live``)."""
-        stats, profile = self.target.stats, self.cost_profile
-        if profile is None:
-            return
-        target_calls, step_calls = self._profile_calls
-        calls = {n: c - target_calls.get(n, 0) for n, c in stats.calls.items()}
-        if cost_profile.outgrown_by_live(profile, stats.recent, calls):
-            cost_profile.forget(self._profile_key)
-            return
-        steps = self.active_drafter().decoder.stats
-        drafted = {n: c - step_calls.get(n, 0) for n, c in steps.calls.items()}
-        if cost_profile.refine_from_live(profile, stats.recent, calls, steps.recent, drafted):
-            cost_profile.save(self._profile_key, profile)
-            for n, seconds in profile.verify.items():  # and price the sizes not measured live from it now
-                stats.profile[n] = seconds  # (what DecoderStats scales them by: live / this, where measured)
-                if stats.calls.get(n, 0) < 2:
-                    stats.recent[n] = seconds
+    # what the loaded bundle holds, read where the engine is
+    @property
+    def bundle_dir(self) -> Path:
+        return self.loaded.bundle_dir
 
     @property
-    def bytes_ratio(self) -> float:
-        """c in a memory-bound model: drafter bytes read per step / target bytes read per step."""
-        if self.drafter_name() == "eagle":
-            return (
-                cost_profile.eagle_bytes(self.bundle_dir, self.manifest, self.eagle_head)
-                / cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)[0]
-            )
-        target, draft = cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)
-        return draft / target
+    def manifest(self) -> dict:
+        return self.loaded.manifest
 
-    def drafter_name(self, config: LoopConfig | None = None) -> str:
-        """Which drafter a configuration drafts with: the drafter model or the EAGLE head."""
-        names = proposer_names(config or self.config)
-        return next((n for n in names if n in DRAFTERS), "model")
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self.loaded.tokenizer
 
-    def active_drafter(self, config: LoopConfig | None = None) -> ChainDrafter:
-        return self.eagle if self.drafter_name(config) == "eagle" else self.drafter
+    @property
+    def target(self) -> Decoder:
+        """The target model (None once the engine is closed)."""
+        return self.loaded.target
 
-    def _drafter_entry(self, config: LoopConfig | None = None) -> dict:
-        """What the active drafter's costs and acceptance depend on (its manifest record)."""
-        if self.drafter_name(config) == "eagle":
-            entry = self.manifest["eagle"]
-            if "heads" not in entry:  # one graph: its record is all there is (cache keys as before the split)
-                return entry
-            layer = {k: v for k, v in entry.items() if k not in ("heads", "default_head", "files", "bytes")}
-            return {"eagle": layer, "head": entry["heads"][self.eagle_head]}
-        return {"head": self.manifest["draft"]["heads"][self.draft_head], "body": self.manifest["draft"]["config"]}
+    @property
+    def suffix_cache(self) -> SuffixCache:
+        """Earlier answers the ``suffix`` proposer drafts from; every answer is kept in it."""
+        return self.loaded.suffix_cache
 
-    def schedule_memory(self, config: LoopConfig | None = None) -> ScheduleMemory:
-        """The schedule's acceptance calibration for this drafter and target, carried across requests
-        and kept beside the cost profiles (``schedule.memory``)."""
-        key = cost_profile.pair_key(self.manifest, self._drafter_entry(config))
-        if key not in self._memories:
-            self._memories[key] = ScheduleMemory(cost_profile.cache_dir() / f"acceptance-{key}.json")
-        return self._memories[key]
+    @property
+    def draft_head(self) -> str:
+        return self.loaded.draft_head
 
-    def _check_head(self, name: str) -> str:
-        heads = self.manifest["draft"]["heads"]
-        if name not in heads:
-            raise EdgeSpecError(f"bundle has no drafter head {name!r}; available: {', '.join(heads)}")
-        return name
+    @property
+    def eagle_head(self) -> str | None:
+        return self.loaded.eagle_head
 
-    def _check_eagle_head(self, name: str | None) -> str | None:
-        heads = eagle_heads(self.manifest)
-        if not heads:
-            if name is not None:
-                raise EdgeSpecError(
-                    f"bundle has no EAGLE head, so no EAGLE head {name!r}: train one with `edge-spec train-head BUNDLE`"
-                )
-            return None
-        name = name or self.manifest["eagle"].get("default_head", "full")
-        if name not in heads:
-            raise EdgeSpecError(f"bundle has no EAGLE head {name!r}; available: {', '.join(heads)}")
-        return name
+    @property
+    def drafter(self) -> ModelDrafter:
+        """The drafter model with the current head, loaded on first use."""
+        return self.loaded.drafter
 
-    def use_eagle_head(self, name: str) -> None:
-        """Switch the EAGLE head's LM head (its layer, features and KV cache are shared by all heads)."""
-        self.eagle_head = self._check_eagle_head(name)
-        if self._eagle is not None:
-            self._eagle.lm_head = self._eagle_lm_head()
-        if self.config.mode != "ar" and self.drafter_name() == "eagle":
-            self.measure_costs()
+    @property
+    def eagle(self) -> EagleDrafter:
+        """The bundle's EAGLE-3 head, loaded on first use."""
+        return self.loaded.eagle
 
-    def use_draft_head(self, name: str) -> None:
-        """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""
-        self.draft_head = self._check_head(name)
-        if self.config.mode != "ar":
-            self.measure_costs()
+    @property
+    def cost_profile(self) -> CostProfile | None:
+        """This device's cost profile for the configured drafter (None in ``"ar"`` mode until measured)."""
+        return self.loaded.cost_profile
 
     @property
     def mode(self) -> str:
         return self.config.mode
 
-    @property
-    def drafter(self) -> ModelDrafter:
-        """The drafter for the current head, loaded on first use."""
-        if self._draft_body is None:
-            self._draft_body = Decoder(
-                self.bundle_dir / self.manifest["draft"]["onnx"],
-                capacity=self.target.capacity,
-                takes_turns=True,
-                **self._draft_placement(),
-            )
-        if self.draft_head not in self._drafters:
-            self._drafters[self.draft_head] = ModelDrafter(
-                self._draft_body, self._load_head(self.draft_head), self.target.vocab_size
-            )
-        return self._drafters[self.draft_head]
+    # what depends on the configured loop: which drafter drafts, how far
+    def drafter_name(self, config: LoopConfig | None = None) -> str:
+        """Which drafter a configuration (default: the engine's) drafts with: the drafter model or the EAGLE head."""
+        return drafter_name(config or self.config)
+
+    def active_drafter(self, config: LoopConfig | None = None) -> ChainDrafter:
+        """The drafter a configuration (default: the engine's) drafts with, loaded on first use."""
+        return self.loaded.active_drafter(config or self.config)
+
+    def schedule_memory(self, config: LoopConfig | None = None) -> ScheduleMemory:
+        """The schedule's acceptance calibration for a configuration's drafter (default: the engine's)."""
+        return self.loaded.schedule_memory(config or self.config)
+
+    def measure_costs(self) -> CostProfile:
+        """Load or measure this device's cost profile for the engine's drafter and longest draft
+        (:meth:`LoadedBundle.measure_costs <edge_spec.runtime.loaded.LoadedBundle.measure_costs>`)."""
+        return self.loaded.measure_costs(self.config)
+
+    def use_eagle_head(self, name: str) -> None:
+        """Switch the EAGLE head's LM head (its layer, features and KV cache are shared by all heads)."""
+        self.loaded.use_eagle_head(name)
+        if self.config.mode != "ar" and self.drafter_name() == "eagle":
+            self.measure_costs()
+
+    def use_draft_head(self, name: str) -> None:
+        """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""
+        self.loaded.use_draft_head(name)
+        if self.config.mode != "ar":
+            self.measure_costs()
 
     @property
-    def eagle(self) -> EagleDrafter:
-        """The bundle's EAGLE-3 head (``edge-spec train-head`` or a SpecForge checkpoint), loaded on first use."""
-        if self._eagle is None:
-            from edge_spec.runtime.model.embedding import TargetEmbedding
+    def param_ratio(self) -> float:
+        """c in MBSU: drafter parameters read per step / target parameters read per step."""
+        return self.loaded.param_ratio(self.config)
 
-            entry = self.manifest.get("eagle")
-            if not entry:
-                raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
-            if "features" not in self.target.output_names:
-                raise EdgeSpecError(
-                    "this bundle's target graph has no features output for its EAGLE head; "
-                    "attach the head again with this edge-spec version"
-                )
-            where = self._draft_placement()
-            head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, takes_turns=True, **where)
-            fc = small_session(self.bundle_dir / entry["fc_onnx"], what="EAGLE feature projection", **where)
-            d2t = load_array(self.bundle_dir / entry["d2t"])
-            ids = check_vocab_ids(np.arange(len(d2t)) + d2t, self.target.vocab_size)
-            embedding = TargetEmbedding.from_onnx(self.bundle_dir / self.manifest["target"]["onnx"])
-            self._eagle = EagleDrafter(head, fc, embedding.rows, ids, self.target.vocab_size, self._eagle_lm_head())
-        return self._eagle
-
-    def _eagle_lm_head(self) -> DraftHead | SpecVocabHead | None:
-        """The current EAGLE LM head, loaded on first use (None: the single graph has it inside)."""
-        name = self.eagle_head
-        if name not in self._eagle_heads:
-            head = eagle_heads(self.manifest)[name]
-            self._eagle_heads[name] = None if head.get("kind") == "builtin" else self._load_head_entry(head, name)
-        return self._eagle_heads[name]
-
-    def _draft_placement(self) -> dict:
-        """Where the drafter's sessions run: its provider, threads and, on the target's provider, its options."""
-        options = self._provider_options if self._draft_provider.lower() == self._provider.lower() else {}
-        return dict(provider=self._draft_provider, threads=self._draft_threads, provider_options=options)
-
-    def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
-        return self._load_head_entry(self.manifest["draft"]["heads"][name], name)
-
-    def _load_head_entry(self, head: dict, name: str) -> DraftHead | SpecVocabHead:
-        """A drafter's (or the EAGLE head's) LM head from its manifest entry."""
-        where = self._draft_placement()
-        if head.get("kind") == "specvocab":
-            always, universe = self._token_ids(head, "always_ids"), self._token_ids(head, "universe")
-            try:
-                return SpecVocabHead(
-                    self.bundle_dir / head["onnx"],
-                    self.bundle_dir / head["rows"],
-                    self.bundle_dir / head["scales"],
-                    head["candidates"],
-                    always_ids=always,
-                    universe=universe,
-                    rows_by_universe=head.get("rows_by") == "universe",
-                    **where,
-                )
-            except (ValueError, OSError, EOFError, KeyError) as exc:  # its int8 rows or scales
-                raise EdgeSpecError(
-                    f"cannot read drafter head {name!r} ({str(exc)[:120] or type(exc).__name__}): "
-                    f"the bundle is damaged; run edge-spec info {self.bundle_dir} --verify"
-                ) from None
-        return DraftHead(self.bundle_dir / head["onnx"], vocab_ids=self._token_ids(head, "vocab_ids"), **where)
-
-    def _token_ids(self, head: dict, key: str) -> np.ndarray | None:
-        """A head's id table (vocabulary map, always-kept ids, scorer universe), checked against the target."""
-        if not head.get(key):
-            return None
-        return check_vocab_ids(load_array(self.bundle_dir / head[key]), self.target.vocab_size)
+    @property
+    def bytes_ratio(self) -> float:
+        """c in a memory-bound model: drafter bytes read per step / target bytes read per step."""
+        return self.loaded.bytes_ratio(self.config)
 
     def cancel(self) -> None:
         """Stop the generation in progress (safe to call from another thread)."""
@@ -559,14 +305,7 @@ class Engine:
             if self._tokens is not None:
                 self._tokens.close()
                 self._tokens = None
-            for memory in self._memories.values():
-                memory.save()
-            self._memories.clear()
-            self.suffix_cache.save()
-            self._drafters.clear()
-            self._eagle_heads.clear()
-            self._draft_body = self._eagle = None
-            self.target = None
+            self.loaded.close()
             self._closed = True
         finally:
             self._release()
@@ -637,11 +376,12 @@ class Engine:
         then the one-row pass plain decoding runs."""
         wanted = exact if exact is not None else self.exact
         if wanted is None:  # padded until the device check finds a pad buys nothing here
-            return mode != "ar" and deterministic and self.exact_available(check=False) is not False
-        if wanted and not self.exact_available():
-            elsewhere = " (the cpu provider is exact)" if self._provider != "cpu" else ""
+            return mode != "ar" and deterministic and self.loaded.exact_available(check=False) is not False
+        if wanted and not self.loaded.exact_available():
+            provider = self.loaded.options.provider
+            elsewhere = " (the cpu provider is exact)" if provider != "cpu" else ""
             raise EdgeSpecError(
-                f"exact decoding is not available on {self._provider} here: its kernels give a "
+                f"exact decoding is not available on {provider} here: its kernels give a "
                 "token's logits that depend on how many tokens share the pass (checked at the first "
                 "request), so no padding makes passes batch-invariant; greedy output matches "
                 f"target-only decoding up to that rounding{elsewhere}"
@@ -651,15 +391,6 @@ class Engine:
     def config_for(self, mode: str | None) -> LoopConfig:
         """The engine's configuration, or for another ``mode`` that mode's defaults."""
         return self.config if mode in (None, self.config.mode) else loop_config(mode)
-
-    @property
-    def param_ratio(self) -> float:
-        """c in MBSU: drafter parameters read per step / target parameters read per step."""
-        if self.drafter_name() == "eagle":
-            return self.manifest["eagle"]["parameters"] / self.manifest["target"]["parameters"]
-        draft = self.manifest["draft"]
-        head = draft["heads"][self.draft_head]
-        return (draft["parameters"] + head["parameters"]) / self.manifest["target"]["parameters"]
 
     def generate(
         self,
@@ -793,8 +524,8 @@ class Engine:
             sampler=sampler,
         )
         self._cancel.clear()  # before any work: a cancel from here on, during the set-up too, stops this answer
-        if self._weight_check is not None:  # a bundle damaged in place answers nothing
-            self._weight_check.result()
+        if self.loaded.weight_check is not None:  # a bundle damaged in place answers nothing
+            self.loaded.weight_check.result()
         config = self.config_for(mode)
         mode = config.mode
         if max_new_tokens < 1:
@@ -802,8 +533,10 @@ class Engine:
         ids = self.prompt_ids(prompt, tools=tools)
         constraint = self.constraint_for(response_format, config)
         exact_passes = self.exact_for(mode, exact, params.deterministic)
-        self.target.min_rows = self.pass_rows(mode) if exact_passes else 1
-        self.target.lean_rows = self.exact_rows(check=False) if exact_passes else 1  # a round without drafts or guess
+        self.target.min_rows = self.loaded.pass_rows(mode) if exact_passes else 1
+        self.target.lean_rows = (
+            self.loaded.exact_rows(check=False) if exact_passes else 1
+        )  # a round without drafts or guess
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
         self.last_stats = stats
@@ -904,9 +637,9 @@ class Engine:
             if memory is not None:
                 stats.spec = spec_stats.summary(self.param_ratio, self.bytes_ratio)
                 memory.save()
-                self._correct_costs()
+                self.loaded.correct_costs(self.config)
         if mode != "ar" and stats.stop_reason != "cancelled":
-            self.check_device()  # after the answer (a first one, on a new device), which it would delay
+            self.loaded.check_device()  # after the answer (a first one, on a new device), which it would delay
 
     def constraint_for(self, response_format: dict | None, config: LoopConfig | None = None) -> Constraint | None:
         """A fresh constraint for one answer in ``response_format`` (None: unconstrained), refused in one

@@ -34,7 +34,7 @@ AVX-512 VNNI), a target graph that pads its attention itself (``export.attention
 ``edge_spec.attention_pad``) makes one-row passes exact at the price of one attention row instead of
 one row through every matmul; whether this machine is such a CPU is measured, not assumed
 (:mod:`row_invariance`), and exact target-only passes take ``min_rows`` 1 then (speculative ones keep
-a second row for the free guess: ``Engine.pass_rows``).  Such a graph writes its pad row's keys one slot
+a second row for the free guess: ``LoadedBundle.pass_rows``).  Such a graph writes its pad row's keys one slot
 past the sequence, so its cache has one spare slot.
 """
 

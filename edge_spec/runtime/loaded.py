@@ -1,0 +1,458 @@
+"""A loaded bundle: everything loading one produces, and the facts about the device its models run on.
+
+Opening a bundle reads its manifest and checks its files; loading it reads the tokenizer, the suffix
+cache and the target, and loads the drafter model, its heads and the EAGLE head on first use.  The
+device facts live here because they are keyed by where the models run: the cost profile the schedule
+plans with (measured once per device and cached, corrected from live passes) and the exactness checks
+(whether one-row or padded target passes are batch-invariant here).  Generating is the engine's job
+(:mod:`engine`); it names the loop configuration wherever an answer depends on it (which drafter
+drafts, the longest draft).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_spec.errors import EdgeSpecError
+from edge_spec.integrity import WeightCheck
+from edge_spec.manifest import eagle_heads, read_manifest, verify_files
+from edge_spec.paths import find_bundle
+from edge_spec.runtime.loops import proposer_names
+from edge_spec.runtime.loops.config import LoopConfig
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.providers import exact_min_rows
+from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
+from edge_spec.runtime.model.session import numpy_on_one_thread, small_session
+from edge_spec.runtime.propose import DRAFTERS
+from edge_spec.runtime.propose.eagle import EagleDrafter
+from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
+from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
+from edge_spec.runtime.propose.suffix_cache import DEFAULT_CAPACITY as DEFAULT_SUFFIX_CAPACITY
+from edge_spec.runtime.propose.suffix_cache import SuffixCache
+from edge_spec.runtime.schedule import cost_profile
+from edge_spec.runtime.schedule.cost_profile import CostProfile
+from edge_spec.runtime.schedule.memory import ScheduleMemory
+from edge_spec.runtime.suffix_store import open_suffix_cache
+from edge_spec.runtime.text import TextTokenizer
+from edge_spec.runtime.verify.sampling import check_vocab_ids
+
+GUESS_ROWS = 2  # a speculative pass's rows at least: the target's own token and the free guess
+
+
+def load_array(path: Path) -> np.ndarray:
+    """A bundle's ``.npy`` table; a damaged one is a one-line error naming it."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        why = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise EdgeSpecError(
+            f"cannot read {path} ({why}): the bundle is damaged; run edge-spec info {path.parent.parent} --verify"
+        ) from None
+
+
+def drafter_name(config: LoopConfig) -> str:
+    """Which drafter a loop configuration drafts with: the drafter model or the EAGLE head."""
+    return next((n for n in proposer_names(config) if n in DRAFTERS), "model")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a bundle is loaded and where its models run: every setting of ``Engine.from_bundle`` but the
+    loop (see there for each), as one value that the CLI builds from its flags and hands through whole."""
+
+    provider: str = "cpu"
+    threads: int = 0  # 0: ORT picks
+    context_length: int | None = None  # None: the bundle's
+    draft_head: str | None = None  # None: the bundle's default drafter head
+    verify: bool = False  # re-hash every file before the load
+    draft_provider: str | None = None  # None: the target's provider
+    draft_threads: int | None = None  # None: the target's threads
+    exact: bool | None = None  # batch-invariant target passes (None: see ``Engine.exact_for``)
+    provider_options: dict[str, str] | None = None  # for every session on the target's provider
+    eagle_head: str | None = None  # None: the bundle's default EAGLE LM head
+    cache_dir: str | Path | None = None  # where the suffix cache is kept (None: in memory only)
+    suffix_capacity: int = DEFAULT_SUFFIX_CAPACITY  # tokens the suffix cache holds
+    corpus: str | Path | None = None  # a directory whose text files are read into the suffix cache
+
+    def check(self) -> None:
+        """Refuse thread counts no session can run with."""
+        if self.threads < 0 or (self.draft_threads is not None and self.draft_threads < 0):
+            raise EdgeSpecError("threads must be 0 (all cores) or more")
+
+
+@dataclass(frozen=True)
+class BundleFiles:
+    """A bundle found and its files checked, before any model loads: a missing or damaged bundle is the
+    first thing a load refuses."""
+
+    directory: Path
+    manifest: dict
+    weight_check: WeightCheck | None  # hashes the files changed since last found whole; None: all were hashed
+
+    @classmethod
+    def open(cls, path: str | Path | None, verify: bool = False) -> BundleFiles:
+        """``path``, or the default bundle when None (:func:`edge_spec.paths.default_bundle`): its manifest
+        read and its files' sizes checked; ``verify`` re-hashes every file now, else the files changed
+        since last found whole are hashed while the models load (the first answer waits for the verdict)."""
+        directory = find_bundle(path)
+        manifest = read_manifest(directory)
+        verify_files(directory, manifest, full_hash=verify)
+        return cls(directory, manifest, None if verify else WeightCheck(directory, manifest))
+
+
+class LoadedBundle:
+    """One bundle's models, tokenizer and suffix cache, loaded once for the options given, and what was
+    measured about the device they run on.  The drafter model and the EAGLE head load on first use, each
+    LM head once; switching heads keeps the drafter body and its KV cache."""
+
+    def __init__(
+        self,
+        files: BundleFiles,
+        tokenizer: TextTokenizer,
+        target: Decoder,
+        options: LoadOptions,
+        *,
+        suffix_cache: SuffixCache | None = None,
+    ) -> None:
+        self.bundle_dir = files.directory
+        self.manifest = files.manifest
+        self.weight_check = files.weight_check  # answers wait for its verdict
+        self.tokenizer = tokenizer
+        self.target = target  # None once closed
+        self.options = options
+        self._provider, self._threads = options.provider, options.threads
+        self._draft_provider = options.draft_provider or options.provider
+        self._provider_options = dict(options.provider_options or {})  # for sessions on the target's provider
+        self._draft_threads = options.threads if options.draft_threads is None else options.draft_threads
+        self._draft_body: Decoder | None = None
+        self._drafters: dict[str, ModelDrafter] = {}
+        self._eagle: EagleDrafter | None = None
+        self._eagle_heads: dict[str, DraftHead | SpecVocabHead | None] = {}
+        self._memories: dict[str, ScheduleMemory] = {}
+        # earlier answers the ``suffix`` proposer drafts from (``propose.suffix_cache``): in memory unless given
+        self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
+        self.draft_head = self.check_head(options.draft_head or self.manifest["draft"]["default_head"])
+        self.eagle_head = self.check_eagle_head(options.eagle_head)
+        self.cost_profile: CostProfile | None = None
+        self._one_row_exact: bool | None = None  # see exact_rows
+        self._padded_exact: bool | None = None  # see exact_available
+        self._profile_key = ""
+        self._profile_calls: tuple[dict[int, int], dict[int, int]] = ({}, {})  # passes before the live ones
+
+    @classmethod
+    def load(cls, files: BundleFiles, options: LoadOptions, *, takes_turns: bool) -> LoadedBundle:
+        """Load an opened bundle's tokenizer, suffix cache and target (the drafters load on first use).
+        ``takes_turns``: the target alternates with a drafter on the same cores (speculative decoding), so
+        its threads stop spinning between passes."""
+        manifest = files.manifest
+        capacity = min(options.context_length or manifest["context_length"], manifest["context_length"])
+        tokenizer = TextTokenizer(files.directory)
+        suffix_cache = open_suffix_cache(
+            manifest,
+            tokenizer.encode_literal,
+            Path(options.cache_dir) if options.cache_dir is not None else None,
+            options.suffix_capacity,
+            Path(options.corpus) if options.corpus is not None else None,
+        )
+        target = Decoder(
+            files.directory / manifest["target"]["onnx"],
+            provider=options.provider,
+            threads=options.threads,
+            capacity=capacity,
+            takes_turns=takes_turns,
+            provider_options=options.provider_options,
+        )
+        return cls(files, tokenizer, target, options, suffix_cache=suffix_cache)
+
+    def measure_costs(self, config: LoopConfig) -> CostProfile:
+        """Load (or measure quickly once and cache) this device's cost profile for the drafter ``config``
+        drafts with and its longest draft: target passes over 1..γ_max+1 tokens, drafter body and head
+        steps (see ``cost_profile``).  The γ policy plans with it from the first round; live measurements
+        refine it, and the cached profile after each request (:meth:`correct_costs`)."""
+        max_tokens = max(config.gamma + 1, 2)
+        if self.target.capacity < 2 * max_tokens + 2:  # a draft of γ and its verify pass need the room
+            raise EdgeSpecError(
+                f"a context of {self.target.capacity} tokens is too short for speculative decoding "
+                f"with drafts of up to {max_tokens - 1} tokens: give a context of at least "
+                f"{2 * max_tokens + 2} tokens, or run mode 'ar'"
+            )
+        drafter = self.active_drafter(config)
+        key = cost_profile.cache_key(self.manifest, self._drafter_entry(config), *self._placement(), max_tokens)
+        with numpy_on_one_thread():  # the profile alternates drafter steps and target passes, as rounds do
+            profile = cost_profile.load_or_measure(key, self.target, drafter, max_tokens, self._settle)
+        # live measurements, once there are some, win; before the first profile there were none
+        first = self.cost_profile is None
+        for n, seconds in profile.verify.items():
+            if first or n not in self.target.stats.recent:
+                self.target.stats.seed(n, seconds)
+        if drafter.step_estimate is None:
+            drafter.step_estimate = profile.draft_step
+        steps = drafter.decoder.stats  # the drafter's second row (its catch-up price) until measured live
+        for rows, seconds in ((1, profile.draft_body), (2, profile.draft_body + profile.draft_catch_up)):
+            if rows not in steps.recent:
+                steps.seed(rows, seconds)
+        self.cost_profile, self._profile_key = profile, key
+        # the passes counted so far (the profile's) are not live ones
+        self._profile_calls = (dict(self.target.stats.calls), dict(steps.calls))
+        return profile
+
+    def _settle(self) -> None:
+        """Before the machine is timed: let the weight check finish hashing, on a core the passes need (the
+        first answer waits for its verdict anyway, and gives it)."""
+        if self.weight_check is not None:
+            try:
+                self.weight_check.result()
+            except EdgeSpecError:
+                pass
+
+    def correct_costs(self, config: LoopConfig) -> None:
+        """After a request, judge the cost profile by the live passes since it was loaded: one that they
+        keep losing to belongs to a faster machine than this one is now, so the next load measures it
+        again (``cost_profile.outgrown_by_live``); else store what they taught it: a profile they keep
+        beating was measured under load and is replaced, estimated sizes take their live latencies
+        (``cost_profile.refine_from_live``).  ``config``: the loop the profile was measured for."""
+        stats, profile = self.target.stats, self.cost_profile
+        if profile is None:
+            return
+        target_calls, step_calls = self._profile_calls
+        calls = {n: c - target_calls.get(n, 0) for n, c in stats.calls.items()}
+        if cost_profile.outgrown_by_live(profile, stats.recent, calls):
+            cost_profile.forget(self._profile_key)
+            return
+        steps = self.active_drafter(config).decoder.stats
+        drafted = {n: c - step_calls.get(n, 0) for n, c in steps.calls.items()}
+        if cost_profile.refine_from_live(profile, stats.recent, calls, steps.recent, drafted):
+            cost_profile.save(self._profile_key, profile)
+            for n, seconds in profile.verify.items():  # and price the sizes not measured live from it now
+                stats.profile[n] = seconds  # (what DecoderStats scales them by: live / this, where measured)
+                if stats.calls.get(n, 0) < 2:
+                    stats.recent[n] = seconds
+
+    def _placement(self) -> tuple[str, str]:
+        """Where the models run, as the cached device facts are keyed: providers (with options), threads."""
+        options = ",".join(f"{k}={v}" for k, v in sorted(self._provider_options.items()))
+        return f"{self._provider}[{options}]/{self._draft_provider}", f"{self._threads}/{self._draft_threads}"
+
+    def exact_rows(self, check: bool = True) -> int:
+        """Rows a batch-invariant target pass needs on this device: one where one-row passes were found
+        equal to multi-row ones bit for bit (a graph that pads its own attention, on kernels without a
+        one-row path; checked once per device and cached: ``row_invariance``), else the provider's.
+        ``check`` False reads the cached verdict only: before the check, the provider's rows, exact
+        without it (what the answers before :meth:`check_device` run)."""
+        if self._one_row_exact is None:
+            if not self.target.pads_attention:
+                self._one_row_exact = False
+            else:
+                key = cost_profile.target_key(self.manifest, *self._placement())
+                self._one_row_exact = (
+                    cost_profile.remembered(key, lambda: one_row_passes_match(self.target))
+                    if check
+                    else cost_profile.recalled(key)
+                )
+        return 1 if self._one_row_exact else exact_min_rows(self._provider)
+
+    def exact_available(self, check: bool = True) -> bool | None:
+        """Whether target passes padded to :meth:`exact_rows` give every row the same logits whatever pass
+        carries it, here (checked once per device and cached: ``row_invariance.padded_passes_match``).
+        Where they do not, no pad makes greedy speculative output bit-identical to target-only decoding:
+        exact mode is refused and the default runs unpadded, as fast as it can.  ``check`` False reads
+        the cached verdict only (None: not checked yet)."""
+        if self._padded_exact is None:
+            rows = self.exact_rows(check)
+            if self._one_row_exact is None:  # not checked yet: the padded check is keyed by its verdict
+                return None
+            placement, threads = self._placement()
+            key = cost_profile.target_key(self.manifest, f"{placement}#padded-to-{rows}", threads)
+            self._padded_exact = (
+                cost_profile.remembered(key, lambda: padded_passes_match(self.target, rows))
+                if check
+                else cost_profile.recalled(key)
+            )
+        return self._padded_exact
+
+    def check_device(self) -> None:
+        """Run this device's exactness checks where their verdicts are not cached yet (seconds on a CPU, once
+        per device).  A speculative engine runs them after its first answer, not before it: until their
+        verdicts are in, exact passes take the provider's pad rows, which are exact wherever any are, so
+        the first answer of a new install does not wait for them."""
+        self.exact_available()
+
+    def pass_rows(self, mode: str) -> int:
+        """The fewest rows of an exact target pass in ``mode``: what exactness needs here
+        (:meth:`exact_rows`), and in speculative decoding at least two, because a draft-less round
+        that verifies the free guess in a second row was measured faster than a one-row round
+        (README, *Bit-identical greedy output*); target-only decoding has no guess to carry."""
+        rows = self.exact_rows(check=False)
+        return rows if mode == "ar" else max(rows, GUESS_ROWS)
+
+    def param_ratio(self, config: LoopConfig) -> float:
+        """c in MBSU for the drafter ``config`` drafts with: its parameters read per step / the target's."""
+        if drafter_name(config) == "eagle":
+            return self.manifest["eagle"]["parameters"] / self.manifest["target"]["parameters"]
+        draft = self.manifest["draft"]
+        head = draft["heads"][self.draft_head]
+        return (draft["parameters"] + head["parameters"]) / self.manifest["target"]["parameters"]
+
+    def bytes_ratio(self, config: LoopConfig) -> float:
+        """c in a memory-bound model for the drafter ``config`` drafts with: its bytes read per step / the
+        target's."""
+        if drafter_name(config) == "eagle":
+            return (
+                cost_profile.eagle_bytes(self.bundle_dir, self.manifest, self.eagle_head)
+                / cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)[0]
+            )
+        target, draft = cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)
+        return draft / target
+
+    def active_drafter(self, config: LoopConfig) -> ChainDrafter:
+        """The drafter ``config`` drafts with, loaded on first use."""
+        return self.eagle if drafter_name(config) == "eagle" else self.drafter
+
+    def _drafter_entry(self, config: LoopConfig) -> dict:
+        """What the drafter's costs and acceptance depend on (its manifest record)."""
+        if drafter_name(config) == "eagle":
+            entry = self.manifest["eagle"]
+            if "heads" not in entry:  # one graph: its record is all there is (cache keys as before the split)
+                return entry
+            layer = {k: v for k, v in entry.items() if k not in ("heads", "default_head", "files", "bytes")}
+            return {"eagle": layer, "head": entry["heads"][self.eagle_head]}
+        return {"head": self.manifest["draft"]["heads"][self.draft_head], "body": self.manifest["draft"]["config"]}
+
+    def schedule_memory(self, config: LoopConfig) -> ScheduleMemory:
+        """The schedule's acceptance calibration for the drafter ``config`` drafts with and the target,
+        carried across requests and kept beside the cost profiles (``schedule.memory``)."""
+        key = cost_profile.pair_key(self.manifest, self._drafter_entry(config))
+        if key not in self._memories:
+            self._memories[key] = ScheduleMemory(cost_profile.cache_dir() / f"acceptance-{key}.json")
+        return self._memories[key]
+
+    def check_head(self, name: str) -> str:
+        """``name`` when the bundle has that drafter head, else a one-line error listing those it has."""
+        heads = self.manifest["draft"]["heads"]
+        if name not in heads:
+            raise EdgeSpecError(f"bundle has no drafter head {name!r}; available: {', '.join(heads)}")
+        return name
+
+    def check_eagle_head(self, name: str | None) -> str | None:
+        """The EAGLE LM head ``name`` (None: the bundle's default), refused in one line where the bundle has
+        no such head; None for a bundle without an EAGLE head."""
+        heads = eagle_heads(self.manifest)
+        if not heads:
+            if name is not None:
+                raise EdgeSpecError(
+                    f"bundle has no EAGLE head, so no EAGLE head {name!r}: train one with `edge-spec train-head BUNDLE`"
+                )
+            return None
+        name = name or self.manifest["eagle"].get("default_head", "full")
+        if name not in heads:
+            raise EdgeSpecError(f"bundle has no EAGLE head {name!r}; available: {', '.join(heads)}")
+        return name
+
+    def use_eagle_head(self, name: str) -> None:
+        """Switch the EAGLE head's LM head (its layer, features and KV cache are shared by all heads)."""
+        self.eagle_head = self.check_eagle_head(name)
+        if self._eagle is not None:
+            self._eagle.lm_head = self._eagle_lm_head()
+
+    def use_draft_head(self, name: str) -> None:
+        """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""
+        self.draft_head = self.check_head(name)
+
+    @property
+    def drafter(self) -> ModelDrafter:
+        """The drafter for the current head, loaded on first use."""
+        if self._draft_body is None:
+            self._draft_body = Decoder(
+                self.bundle_dir / self.manifest["draft"]["onnx"],
+                capacity=self.target.capacity,
+                takes_turns=True,
+                **self._draft_placement(),
+            )
+        if self.draft_head not in self._drafters:
+            self._drafters[self.draft_head] = ModelDrafter(
+                self._draft_body, self._load_head(self.draft_head), self.target.vocab_size
+            )
+        return self._drafters[self.draft_head]
+
+    @property
+    def eagle(self) -> EagleDrafter:
+        """The bundle's EAGLE-3 head (``edge-spec train-head`` or a SpecForge checkpoint), loaded on first use."""
+        if self._eagle is None:
+            from edge_spec.runtime.model.embedding import TargetEmbedding
+
+            entry = self.manifest.get("eagle")
+            if not entry:
+                raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
+            if "features" not in self.target.output_names:
+                raise EdgeSpecError(
+                    "this bundle's target graph has no features output for its EAGLE head; "
+                    "attach the head again with this edge-spec version"
+                )
+            where = self._draft_placement()
+            head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, takes_turns=True, **where)
+            fc = small_session(self.bundle_dir / entry["fc_onnx"], what="EAGLE feature projection", **where)
+            d2t = load_array(self.bundle_dir / entry["d2t"])
+            ids = check_vocab_ids(np.arange(len(d2t)) + d2t, self.target.vocab_size)
+            embedding = TargetEmbedding.from_onnx(self.bundle_dir / self.manifest["target"]["onnx"])
+            self._eagle = EagleDrafter(head, fc, embedding.rows, ids, self.target.vocab_size, self._eagle_lm_head())
+        return self._eagle
+
+    def _eagle_lm_head(self) -> DraftHead | SpecVocabHead | None:
+        """The current EAGLE LM head, loaded on first use (None: the single graph has it inside)."""
+        name = self.eagle_head
+        if name not in self._eagle_heads:
+            head = eagle_heads(self.manifest)[name]
+            self._eagle_heads[name] = None if head.get("kind") == "builtin" else self._load_head_entry(head, name)
+        return self._eagle_heads[name]
+
+    def _draft_placement(self) -> dict:
+        """Where the drafter's sessions run: its provider, threads and, on the target's provider, its options."""
+        options = self._provider_options if self._draft_provider.lower() == self._provider.lower() else {}
+        return dict(provider=self._draft_provider, threads=self._draft_threads, provider_options=options)
+
+    def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
+        return self._load_head_entry(self.manifest["draft"]["heads"][name], name)
+
+    def _load_head_entry(self, head: dict, name: str) -> DraftHead | SpecVocabHead:
+        """A drafter's (or the EAGLE head's) LM head from its manifest entry."""
+        where = self._draft_placement()
+        if head.get("kind") == "specvocab":
+            always, universe = self._token_ids(head, "always_ids"), self._token_ids(head, "universe")
+            try:
+                return SpecVocabHead(
+                    self.bundle_dir / head["onnx"],
+                    self.bundle_dir / head["rows"],
+                    self.bundle_dir / head["scales"],
+                    head["candidates"],
+                    always_ids=always,
+                    universe=universe,
+                    rows_by_universe=head.get("rows_by") == "universe",
+                    **where,
+                )
+            except (ValueError, OSError, EOFError, KeyError) as exc:  # its int8 rows or scales
+                raise EdgeSpecError(
+                    f"cannot read drafter head {name!r} ({str(exc)[:120] or type(exc).__name__}): "
+                    f"the bundle is damaged; run edge-spec info {self.bundle_dir} --verify"
+                ) from None
+        return DraftHead(self.bundle_dir / head["onnx"], vocab_ids=self._token_ids(head, "vocab_ids"), **where)
+
+    def _token_ids(self, head: dict, key: str) -> np.ndarray | None:
+        """A head's id table (vocabulary map, always-kept ids, scorer universe), checked against the target."""
+        if not head.get(key):
+            return None
+        return check_vocab_ids(load_array(self.bundle_dir / head[key]), self.target.vocab_size)
+
+    def close(self) -> None:
+        """Save what is kept across processes (schedule calibrations, the suffix cache) and drop the ONNX
+        Runtime sessions and KV buffers, so they are freed with the last reference to them."""
+        for memory in self._memories.values():
+            memory.save()
+        self._memories.clear()
+        self.suffix_cache.save()
+        self._drafters.clear()
+        self._eagle_heads.clear()
+        self._draft_body = self._eagle = None
+        self.target = None
