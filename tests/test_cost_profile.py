@@ -578,8 +578,9 @@ def test_the_device_checks_follow_the_first_answer_and_leave_the_cost_model_alon
 
 @pytest.mark.parametrize("measure", [True, False])
 def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, capsys, tmp_path, tiny_pair, measure):
-    """``export`` ends by timing the bundle with the default settings and running the exactness checks:
-    the first load after it reads both from the cache.  ``--no-measure`` leaves them to the first load."""
+    """``export`` ends by timing the bundle with the default settings, running the exactness checks and
+    answering a few prompts: the first load after it reads all three from the cache (the acceptance
+    rates the schedule learned included).  ``--no-measure`` leaves them to the first load."""
     import functools
 
     from edge_spec.export import bundle
@@ -590,7 +591,7 @@ def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, cap
     monkeypatch.setattr(bundle, "export_bundle", functools.partial(bundle.export_bundle, loader=loader))
     out = tmp_path / "bundle"
     args = ["export", "--target", "tiny-target", "--draft", "tiny-draft", "--output", str(out), "--quant", "fp32"]
-    args += ["--context-length", "64", "--eagle", "none"] + ([] if measure else ["--no-measure"])
+    args += ["--context-length", "256", "--eagle", "none"] + ([] if measure else ["--no-measure"])
     code, _, err = _cli(monkeypatch, capsys, *args)
     assert code in (0, None), err
     assert ("measured this machine for the bundle" in err) == measure, err
@@ -598,3 +599,4 @@ def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, cap
         assert engine.cost_profile.cached == measure
         # the exactness verdicts: read from the cache without checking, or not there yet
         assert (engine.loaded.exact_available(check=False) is not None) == measure
+        assert ("greedy" in engine.schedule_memory().calibrations) == measure
