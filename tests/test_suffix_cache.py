@@ -243,6 +243,33 @@ def test_the_engine_remembers_its_answers_and_keeps_them_when_asked(int4_bundle,
         assert private.suffix_cache.tokens == 0 and private.suffix_cache.path is None
 
 
+def test_a_busy_engine_writes_its_cache_at_most_every_interval_and_on_close(int4_bundle, tmp_path):
+    import weakref
+
+    from edge_spec.runtime.propose import suffix_cache
+
+    def on_disk(path) -> int:
+        return SuffixCache(2000, path).tokens
+
+    with Engine.from_bundle(int4_bundle, threads=1, draft_head="trim-160", cache_dir=tmp_path) as engine:
+        path = engine.suffix_cache.path
+        engine.complete("one two three", max_new_tokens=12)
+        first = engine.suffix_cache.tokens
+        assert on_disk(path) == first > 0  # the process's first answer is written at once
+        engine.complete("four five six", max_new_tokens=12)
+        assert engine.suffix_cache.tokens > first and on_disk(path) == first  # the next waits for the interval
+    assert on_disk(path) == engine.suffix_cache.tokens  # close wrote it
+    # a process that never closes its engine writes the rest when it exits
+    cache = SuffixCache(2000, tmp_path / "exit.npz")
+    cache.remember([1, 2, 3], [4, 5, 6, 7])
+    cache.save()
+    cache.remember([1, 2, 3], [8, 9, 10, 11])
+    cache.save(throttled=True)
+    assert on_disk(tmp_path / "exit.npz") < cache.tokens
+    suffix_cache._save_at_exit(weakref.ref(cache))
+    assert on_disk(tmp_path / "exit.npz") == cache.tokens
+
+
 @pytest.mark.slow
 def test_sampled_with_suffix_drafts_matches_target_distribution(engine):
     """A cache holding several continuations of the prompt: sampled answers drafted from it follow the

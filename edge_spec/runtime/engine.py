@@ -633,7 +633,7 @@ class Engine:
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
             self.suffix_cache.remember(ids, self.last_token_ids)  # what later requests may draft from
-            self.suffix_cache.save()
+            self.suffix_cache.save(throttled=True)
             if memory is not None:
                 stats.spec = spec_stats.summary(self.param_ratio, self.bytes_ratio)
                 memory.save()

@@ -10,13 +10,19 @@ documents of their own and re-read only when a file changed.
 
 In memory by default.  Kept on disk only where the user names a directory (``--cache-dir``): one
 file per bundle (token ids mean nothing to another tokenizer), written with the user's private
-permissions, never shared, removed by ``edge-spec cache clear``.
+permissions, never shared, removed by ``edge-spec cache clear``.  A busy process writes it at most every
+:data:`SAVE_INTERVAL` seconds (a full cache is megabytes, too much to write after every answer); closing
+the engine, or the process exiting, writes what is left.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +36,7 @@ from edge_spec.runtime.propose.suffix_index import SEPARATOR, SuffixIndex
 MIN_CAPACITY = 1024  # tokens: less holds not even one long answer
 DEFAULT_CAPACITY = 1_000_000  # tokens kept across requests (about 40 MB): days of a laptop's answers
 CONTEXT_TOKENS = 16  # prompt tokens kept before each answer: the template's turn marker and what precedes it
+SAVE_INTERVAL = 30.0  # seconds between two writes of the file after answers (close and exit write the rest)
 EVICT_TO = 0.75  # past capacity, drop documents until this share of it is left (a rebuild costs ms)
 FILE_VERSION = 1
 CORPUS_SUFFIXES = frozenset(
@@ -63,8 +70,10 @@ class SuffixCache:
         self._starts = np.empty(0, np.int64)
         self._clock = 0
         self._dirty = False
+        self._saved_at: float | None = None  # when this process last wrote the file
         if path is not None:
             self._load(path)
+            atexit.register(_save_at_exit, weakref.ref(self))
 
     @property
     def tokens(self) -> int:
@@ -104,9 +113,12 @@ class SuffixCache:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
 
-    def save(self) -> None:
-        """Write the cache to its file (when it has one and something changed), atomically and private."""
+    def save(self, throttled: bool = False) -> None:
+        """Write the cache to its file (when it has one and something changed), atomically and private;
+        ``throttled``: only when this process has not written it in the last :data:`SAVE_INTERVAL` seconds."""
         if self.path is None or not self._dirty:
+            return
+        if throttled and self._saved_at is not None and time.monotonic() - self._saved_at < SAVE_INTERVAL:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         meta = {
@@ -122,6 +134,7 @@ class SuffixCache:
 
         write_atomic(self.path, write)
         self._dirty = False
+        self._saved_at = time.monotonic()
 
     def _add(self, tokens: list[int], kind: str, key: str = "") -> None:
         self._clock += 1
@@ -175,6 +188,14 @@ class SuffixCache:
         self.documents = documents
         self._starts = np.array([d.start for d in documents], np.int64)
         self._clock = int(meta["clock"])
+
+
+def _save_at_exit(ref: weakref.ref) -> None:
+    """What a process that never closed its engine (a server stopped, a chat left) learned since its last write."""
+    cache = ref()
+    if cache is not None:
+        with contextlib.suppress(OSError, EdgeSpecError):
+            cache.save()
 
 
 def corpus_files(root: Path) -> list[Path]:
