@@ -455,6 +455,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and engine; the fastest is kept")
     parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--report", type=Path, help="print the tables of a saved run (its JSON) and stop")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help="with --report: draw our default (ours schedule+suffix) against our ar and each category's fastest "
+        "peer mode into this PNG (needs the bench extra)",
+    )
+    parser.add_argument("--plot-title", default="", help="the plot's title (machine, date)")
     parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -463,6 +470,12 @@ def main() -> None:
             print(report(args.report))
         except ValueError as error:
             raise SystemExit(str(error)) from None
+        if args.plot:
+            from edge_spec.benchmarking.peers_plot import plot_peers
+
+            if not plot_peers(json.loads(args.report.read_text())["records"], args.plot, title=args.plot_title):
+                raise SystemExit("--plot needs matplotlib: pip install 'edge-spec[bench]'")
+            print(f"wrote {args.plot}")
         return
 
     if args.worker:  # we are a peer's child process, inside its venv

@@ -57,3 +57,42 @@ def test_a_file_that_is_not_a_run_gets_one_line(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="not a spec_peers result"):
         peers.report(bad)
+
+
+def _record(category: str, engine: str, tokens_per_second: float) -> dict:
+    """An answer of 65 tokens (64 decode tokens) decoded at ``tokens_per_second``."""
+    return {
+        "category": category,
+        "engine": engine,
+        "new_tokens": 65,
+        "first_tokens": 1,
+        "decode_seconds": 64 / tokens_per_second,
+    }
+
+
+def test_the_results_plot_pairs_our_default_with_each_categorys_fastest_peer(tmp_path):
+    from edge_spec.benchmarking.peers_plot import fastest_peers, plot_peers
+
+    records = [
+        _record("code", "ours schedule+suffix", 25.0),
+        _record("code", "ours ar", 14.0),
+        _record("code", "genai ar", 17.0),
+        _record("code", "openvino K8", 20.0),
+        _record("qa", "ours schedule+suffix", 17.0),
+        _record("qa", "ours ar", 14.0),
+        _record("qa", "genai ar", 16.5),
+        _record("qa", "openvino K8", 12.0),
+    ]
+    rows = fastest_peers(
+        peers.summarize(records, list(dict.fromkeys(r["engine"] for r in records))), "ours schedule+suffix"
+    )
+    assert [(r[0], r[3]) for r in rows] == [
+        ("code", "OpenVINO GenAI K=8"),
+        ("qa", "onnxruntime-genai plain"),
+        ("overall", "onnxruntime-genai plain"),
+    ]
+    assert rows[0][1:3] == pytest.approx((25.0, 14.0)) and rows[0][4] == pytest.approx(20.0)
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "peers.png"
+    assert plot_peers(records, path, title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
