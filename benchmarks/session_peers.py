@@ -475,7 +475,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of every request")
     parser.add_argument("--ctx", type=int, default=16384, help="llama-server's context (-c), prompt + answer")
     parser.add_argument("--sessions", type=Path, help="session file (default: the shipped set)")
-    parser.add_argument("--category", action="append", default=[], help="only this session category (repeatable)")
+    parser.add_argument("--category", action="append", default=[], help="only sessions of this category (repeatable)")
     parser.add_argument("--per-category", type=int, help="at most this many sessions per category")
     parser.add_argument("--turns", type=int, help="at most this many turns of each session")
     parser.add_argument("--max-tokens", type=int, help="cap every turn's answer at this many tokens")
