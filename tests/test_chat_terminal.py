@@ -235,12 +235,19 @@ def test_without_a_turn_of_its_own_an_answer_still_stops_on_ctrl_c():
 
 
 def test_outside_an_answer_ctrl_c_is_the_usual_keyboard_interrupt():
-    engine = SlowEngine()
-    with CancelOnInterrupt(engine):
-        pass
-    with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)
+    # Python's own handler, as in a terminal; a process started in the background of a non-interactive
+    # shell inherits SIGINT ignored and never gets it
+    started_with = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        engine = SlowEngine()
+        with CancelOnInterrupt(engine):
+            assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, started_with)
 
 
 # ---------------------------------------------------------------------------
