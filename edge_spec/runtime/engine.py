@@ -534,9 +534,8 @@ class Engine:
         constraint = self.constraint_for(response_format, config)
         exact_passes = self.exact_for(mode, exact, params.deterministic)
         self.target.min_rows = self.loaded.pass_rows(mode) if exact_passes else 1
-        self.target.lean_rows = (
-            self.loaded.exact_rows(check=False) if exact_passes else 1
-        )  # a round without drafts or guess
+        # the rows of a round without drafts or guess
+        self.target.lean_rows = self.loaded.exact_rows(check=False) if exact_passes else 1
         max_new = min(max_new_tokens, self.target.capacity - len(ids) - 1)
         stats = GenerationStats(prompt_tokens=len(ids), mode=mode, coupled_seed=params.seed if params.coupled else None)
         self.last_stats = stats

@@ -77,6 +77,16 @@ class LoadOptions:
     suffix_capacity: int = DEFAULT_SUFFIX_CAPACITY  # tokens the suffix cache holds
     corpus: str | Path | None = None  # a directory whose text files are read into the suffix cache
 
+    @property
+    def drafter_provider(self) -> str:
+        """Where the drafter's sessions run: ``draft_provider``, else the target's provider."""
+        return self.draft_provider or self.provider
+
+    @property
+    def drafter_threads(self) -> int:
+        """The drafter's intra-op threads: ``draft_threads``, else the target's."""
+        return self.threads if self.draft_threads is None else self.draft_threads
+
     def check(self) -> None:
         """Refuse thread counts no session can run with."""
         if self.threads < 0 or (self.draft_threads is not None and self.draft_threads < 0):
@@ -123,10 +133,6 @@ class LoadedBundle:
         self.tokenizer = tokenizer
         self.target = target  # None once closed
         self.options = options
-        self._provider, self._threads = options.provider, options.threads
-        self._draft_provider = options.draft_provider or options.provider
-        self._provider_options = dict(options.provider_options or {})  # for sessions on the target's provider
-        self._draft_threads = options.threads if options.draft_threads is None else options.draft_threads
         self._draft_body: Decoder | None = None
         self._drafters: dict[str, ModelDrafter] = {}
         self._eagle: EagleDrafter | None = None
@@ -233,8 +239,9 @@ class LoadedBundle:
 
     def _placement(self) -> tuple[str, str]:
         """Where the models run, as the cached device facts are keyed: providers (with options), threads."""
-        options = ",".join(f"{k}={v}" for k, v in sorted(self._provider_options.items()))
-        return f"{self._provider}[{options}]/{self._draft_provider}", f"{self._threads}/{self._draft_threads}"
+        o = self.options
+        provider_options = ",".join(f"{k}={v}" for k, v in sorted((o.provider_options or {}).items()))
+        return f"{o.provider}[{provider_options}]/{o.drafter_provider}", f"{o.threads}/{o.drafter_threads}"
 
     def exact_rows(self, check: bool = True) -> int:
         """Rows a batch-invariant target pass needs on this device: one where one-row passes were found
@@ -252,7 +259,7 @@ class LoadedBundle:
                     if check
                     else cost_profile.recalled(key)
                 )
-        return 1 if self._one_row_exact else exact_min_rows(self._provider)
+        return 1 if self._one_row_exact else exact_min_rows(self.options.provider)
 
     def exact_available(self, check: bool = True) -> bool | None:
         """Whether target passes padded to :meth:`exact_rows` give every row the same logits whatever pass
@@ -410,8 +417,10 @@ class LoadedBundle:
 
     def _draft_placement(self) -> dict:
         """Where the drafter's sessions run: its provider, threads and, on the target's provider, its options."""
-        options = self._provider_options if self._draft_provider.lower() == self._provider.lower() else {}
-        return dict(provider=self._draft_provider, threads=self._draft_threads, provider_options=options)
+        o = self.options
+        same = o.drafter_provider.lower() == o.provider.lower()  # the target's options fit its provider only
+        options = dict(o.provider_options or {}) if same else {}
+        return dict(provider=o.drafter_provider, threads=o.drafter_threads, provider_options=options)
 
     def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
         return self._load_head_entry(self.manifest["draft"]["heads"][name], name)
