@@ -16,6 +16,9 @@ from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.suffix import continuation
 from edge_spec.runtime.propose.suffix_cache import SuffixCache, index_corpus
 from edge_spec.runtime.propose.suffix_index import LEVELS, SuffixIndex
+from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance, SequenceCalibration
+from edge_spec.runtime.schedule.policy import CostModel
+from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.suffix_store import bundle_cache_file, clear_caches, open_suffix_cache
 from edge_spec.runtime.verify.sampling import SamplingParams
 from tests.helpers import chi_square_same_distribution, run
@@ -88,7 +91,7 @@ def test_hash_collisions_never_match():
 def test_majority_continuation_and_its_share():
     # after "1 2": 3 4 twice, 3 5 once -> 3 (share 1), then 4 (share 2/3)
     index = index_of([1, 2, 3, 4, 0], [1, 2, 3, 4, 9], [1, 2, 3, 5, 7])
-    tokens, shares, matched, _ = continuation(ctx([8, 1, 2]), [index], 4)
+    tokens, shares, matched, _, _ = continuation(ctx([8, 1, 2]), [index], 4)
     assert tokens[:2] == [3, 4]
     assert shares[0] == 1.0 and shares[1] == pytest.approx(2 / 3)
     assert matched == 2
@@ -98,15 +101,41 @@ def test_a_long_match_in_the_cache_outranks_a_short_one_in_the_request():
     request = index_of()
     request.extend([1, 2, 50, 60, 9, 1, 2])  # the request itself: "1 2" followed by 50
     cache = index_of([7, 8, 9, 1, 2, 70, 71])  # an earlier answer: "9 1 2" followed by 70
-    tokens, _, matched, positions = continuation(ctx([5, 7, 8, 9, 1, 2]), [request, cache], 2)
+    tokens, _, matched, positions, cached = continuation(ctx([5, 7, 8, 9, 1, 2]), [request, cache], 2)
     assert tokens == [70, 71] and matched == 5 and positions  # the cache's match is 5 tokens long
-    tokens, _, _, positions = continuation(ctx([6, 1, 2]), [request, cache], 1)
-    assert tokens == [50] and positions == []  # a 2-token match in the cache is chance: only the request's counts
+    assert cached  # only an earlier answer has it: judged by the cache's own record (schedule.acceptance)
+    tokens, _, _, positions, cached = continuation(ctx([6, 1, 2]), [request, cache], 1)
+    assert tokens == [50] and positions == [] and not cached  # a 2-token match in the cache is chance
     request.extend([3, 4, 5, 6, 60, 8, 3, 4, 5, 6])
     cache.extend([3, 4, 5, 6, 70])
-    tokens, shares, _, positions = continuation(ctx([3, 4, 5, 6]), [request, cache], 1)
+    tokens, shares, _, positions, cached = continuation(ctx([3, 4, 5, 6]), [request, cache], 1)
     # both match 4 tokens: they vote together (a tie), the request's own occurrence first
-    assert tokens == [60] and shares == [0.5] and positions == []
+    assert tokens == [60] and shares == [0.5] and positions == [] and not cached
+    cache.extend([9, 3, 4, 5, 6, 60])
+    tokens, shares, _, positions, cached = continuation(ctx([3, 4, 5, 6]), [request, cache], 1)
+    assert tokens == [60] and shares == [2 / 3] and positions and not cached  # the request has it too
+
+
+def test_drafts_only_the_cache_has_are_judged_apart_from_the_requests_own():
+    """Another request's answer is a weaker witness than this request's own text: a cache whose drafts
+    keep failing (a warm cache of unrelated answers) must not pull down the estimate of copies from
+    the prompt, nor the other way round, and a calibration file from before the split keeps its bins."""
+    costs = CostModel(draft=0.018, verify={1: 0.048, 2: 0.056, 3: 0.082, 4: 0.100})
+    model_rate = (1 + 0.8) / costs.round_cost(1)  # the drafter's γ = 1 round at acceptance 0.8
+    calibration = AcceptanceCalibration()
+    choice = LookupChoice(calibration.sequence, RequestAcceptance(calibration), own_first=True)
+    for _ in range(40):
+        choice.record_first(8, 1.0, right=False, cached=True)
+        choice.record_first(8, 1.0, right=True, cached=False)
+    sequence = calibration.sequence
+    assert sequence.first_draft(8, 1.0, cached=True) < 0.2 < 0.9 < sequence.first_draft(8, 1.0)
+    assert choice.lookup_gamma(4, 8, costs, 4, model_rate, adaptive=True, cached=True) == 0
+    assert choice.lookup_gamma(4, 8, costs, 4, model_rate, adaptive=True) >= 1
+    old = calibration.to_dict()
+    old["sequence_first"] = old["sequence_first"][: len(old["sequence_first"]) // 2]  # the layout before
+    again = AcceptanceCalibration.from_dict(old).sequence
+    assert again.first_draft(8, 1.0) == pytest.approx(sequence.first_draft(8, 1.0))
+    assert again.first_draft(8, 1.0, cached=True) == SequenceCalibration().first_draft(8, 1.0, cached=True)
 
 
 def test_the_request_never_matches_its_own_end():

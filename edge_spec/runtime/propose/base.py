@@ -70,6 +70,7 @@ class DraftBlock:
     alternatives: list[list[tuple[int, float]]] = field(default_factory=list)  # top (id, prob) per step, if asked
     complete: bool = True  # False when should_stop cut the block short
     matched: int = 0  # sequence drafts: how many tokens of the sequence's suffix their source matched
+    cached: bool = False  # suffix drafts: only earlier requests' text (the suffix cache) has the first one
     lean: bool = False  # no drafts and no spare row: verify in the fewest rows exactness allows here
 
     def truncate(self, length: int) -> None:

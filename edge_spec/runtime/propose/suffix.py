@@ -15,6 +15,8 @@ verified as lookup's are, greedy output stays the target's and sampling stays ex
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, SequenceProposer, point_mass_block
@@ -46,39 +48,46 @@ class SuffixDrafts(SequenceProposer):
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock:
         if len(committed) > self.active.size:  # the request's own tokens since the last round
             self.active.extend(committed[self.active.size :])
-        drafts, shares, matched, sources = continuation(
-            np.asarray(committed[-MAX_MATCH:], np.int32), self._indexes(), min(rule.gamma, room)
-        )
-        block = point_mass_block(self.name, drafts, rule.params, self.context.vocab_size)
-        block.confidences = shares[: len(block.tokens)]
-        block.matched = matched
-        if self.cache is not None and sources:
-            self.cache.used(sources)
+        found = continuation(np.asarray(committed[-MAX_MATCH:], np.int32), self._indexes(), min(rule.gamma, room))
+        block = point_mass_block(self.name, found.tokens, rule.params, self.context.vocab_size)
+        block.confidences = found.shares[: len(block.tokens)]
+        block.matched, block.cached = found.matched, found.cached
+        if self.cache is not None and found.positions:
+            self.cache.used(found.positions)
         return block
 
     def _indexes(self) -> list[SuffixIndex]:
         return [self.active] if self.cache is None else [self.active, self.cache.index]
 
 
-def continuation(
-    context: np.ndarray, indexes: list[SuffixIndex], gamma: int
-) -> tuple[list[int], list[float], int, list[int]]:
-    """Up to ``gamma`` drafts after ``context``: ``(tokens, shares, matched, positions)``.
+class Continuation(NamedTuple):
+    """What :func:`continuation` drafts."""
+
+    tokens: list[int]
+    shares: list[float]  # per draft: the running product of the share of occurrences agreeing
+    matched: int  # the longest match among the occurrences behind the first draft
+    positions: list[int]  # where the drafts were read in the last index (the cache), for its recency
+    cached: bool  # only the last index (earlier requests' text), none of the first, has the first draft
+
+
+NOTHING = Continuation([], [], 0, [], False)
+
+
+def continuation(context: np.ndarray, indexes: list[SuffixIndex], gamma: int) -> Continuation:
+    """Up to ``gamma`` drafts after ``context``.
 
     The occurrences are those of the longest indexed length any index has (so a 20-token match in the
     cache outranks a 3-token one in the prompt, and both count when they reach the same length; the
     indexes after the first, the cache, count from :data:`CACHE_MIN_MATCH` tokens on); each
     step follows the token most of the occurrences still alive continue with (ties: the longest match,
-    then the first index, the current request's); ``shares`` is the running product of the agreeing
-    share, ``matched`` the longest match among the occurrences behind the first draft, ``positions``
-    where the drafts were read in the last index (the cache), for its recency."""
+    then the first index, the current request's)."""
     if gamma <= 0 or len(context) < MIN_MATCH:
-        return [], [], 0, []
+        return NOTHING
     found = [index.occurrences(context) for index in indexes]
     found = [f if i == 0 or f[0] >= CACHE_MIN_MATCH else (0, [], []) for i, f in enumerate(found)]
     level = max(level for level, _, _ in found)
     if level < MIN_MATCH:
-        return [], [], 0, []
+        return NOTHING
     chosen = [i for i, (lvl, _, _) in enumerate(found) if lvl == level]
     which = np.concatenate([np.full(len(found[i][1]), i) for i in chosen])
     lengths = np.concatenate([np.asarray(found[i][2], np.int64) for i in chosen])
@@ -134,16 +143,17 @@ def _drafts(
     supporters: np.ndarray,
     found: list[tuple[int, list[int], list[int]]],
     count: int,
-) -> tuple[list[int], list[float], int, list[int]]:
+) -> Continuation:
     """The result of :func:`continuation`: the first draft's longest match, and where its occurrences in
     the cache (the last of ``count`` indexes) are."""
     if not tokens:
-        return [], [], 0, []
+        return NOTHING
     last = count - 1
     in_cache = np.flatnonzero(which == last) if last > 0 else np.empty(0, np.int64)
     rows = supporters[which[supporters] == last] if len(in_cache) else []
     positions = [found[last][1][int(row) - int(in_cache[0])] for row in rows]
-    return tokens, shares, int(lengths[supporters].max()), positions
+    cached = last > 0 and len(rows) == len(supporters)
+    return Continuation(tokens, shares, int(lengths[supporters].max()), positions, bool(cached))
 
 
 def _best(tied: np.ndarray, column: np.ndarray, lengths: np.ndarray, which: np.ndarray) -> int:

@@ -73,12 +73,18 @@ MATCH_EDGES = (2, 4, 8, 16, 32)  # lower edges of a suffix draft's match-length 
 # its chance per bin before any evidence (all occurrences agreeing): from 4 tokens on, what the free guess's table
 # starts a 4-token match at (``GUESS_PRIORS``), rising with the length
 MATCH_PRIORS = (0.5, 0.8, 0.85, 0.9, 0.95)
+DISAGREED_PRIOR_SCALE = 0.7  # the prior of a draft not every earlier occurrence continued with
+# the prior of a draft only earlier requests' text supports: another request's answer is a weaker witness
+# of this one's next token than this request's own text, whose copies are the usual reason to match
+CACHED_PRIOR_SCALE = 0.8
+MATCH_BINS = 4 * len(MATCH_EDGES)  # match length x all occurrences agreed or not x this request or the cache
 
 
-def match_bin(matched: int, share: float) -> int:
-    """The bin of a suffix draft: its match length's, doubled for one not every occurrence agreed on."""
+def match_bin(matched: int, share: float, cached: bool = False) -> int:
+    """The bin of a suffix draft: its match length's, doubled for one not every occurrence agreed on, and
+    doubled again for one only the cache (earlier requests) supports."""
     length = max(sum(matched >= edge for edge in MATCH_EDGES) - 1, 0)
-    return length + (len(MATCH_EDGES) if share < 1.0 else 0)
+    return length + (len(MATCH_EDGES) if share < 1.0 else 0) + (2 * len(MATCH_EDGES) if cached else 0)
 
 
 @dataclass
@@ -88,20 +94,23 @@ class SequenceCalibration:
     the longest match either way), so it is judged by the guess calibration, which every round checks."""
 
     later: DecayedRate = field(default_factory=DecayedRate)
-    # a suffix draft's first (not the guess's token: see ``propose.suffix``), by match length and agreement
-    first: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(2 * len(MATCH_EDGES))])
+    # a suffix draft's first (not the guess's token: see ``propose.suffix``), by ``match_bin``
+    first: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(MATCH_BINS)])
 
     def later_draft(self) -> float:
         return self.later.estimate(LATER_SEQUENCE_PRIOR)
 
-    def first_draft(self, matched: int, share: float) -> float:
+    def first_draft(self, matched: int, share: float, cached: bool = False) -> float:
         """Chance that a suffix draft is right, before any of its request's outcomes: by how long the match
-        behind it is and whether every earlier occurrence continued with it."""
-        index = match_bin(matched, share)
-        return self.first[index].estimate(MATCH_PRIORS[index % len(MATCH_EDGES)] * (1.0 if share >= 1.0 else 0.7))
+        behind it is, whether every earlier occurrence continued with it, and whether only earlier
+        requests' text (``cached``) has it."""
+        index = match_bin(matched, share, cached)
+        prior = MATCH_PRIORS[index % len(MATCH_EDGES)]
+        prior *= (1.0 if share >= 1.0 else DISAGREED_PRIOR_SCALE) * (CACHED_PRIOR_SCALE if cached else 1.0)
+        return self.first[index].estimate(prior)
 
-    def record_first(self, matched: int, share: float, right: bool) -> None:
-        self.first[match_bin(matched, share)].record(right)
+    def record_first(self, matched: int, share: float, right: bool, cached: bool = False) -> None:
+        self.first[match_bin(matched, share, cached)].record(right)
 
     def record(self, drafted: int, accepted: int) -> None:
         """One verified lookup chain: its later drafts up to the first rejection (the first one is the
@@ -183,9 +192,12 @@ class AcceptanceCalibration:
         rates = lambda pairs: [DecayedRate(float(h), float(t)) for h, t in pairs]
         sequence = SequenceCalibration(DecayedRate(*map(float, data["sequence_later"])))
         if "sequence_first" in data:  # a file written before suffix drafts were calibrated: learnt afresh
-            sequence.first = rates(data["sequence_first"])
-            if len(sequence.first) != 2 * len(MATCH_EDGES):
+            first = rates(data["sequence_first"])
+            if len(first) == MATCH_BINS // 2:  # written before cached drafts had bins of their own: they start afresh
+                first += [DecayedRate() for _ in range(MATCH_BINS // 2)]
+            if len(first) != MATCH_BINS:
                 raise ValueError("calibration bins changed")
+            sequence.first = first
         # a file written before guesses were calibrated: they are learnt afresh, the rest is kept
         guess = rates(data["guess"]) if "guess" in data else [DecayedRate() for _ in GUESS_PRIORS]
         calibration = cls(

@@ -106,8 +106,8 @@ class DraftPlanner:
         self.quiet = QuietDrafter()
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
         self._offered: list[int] = []  # what the sequence offered this round, before the round took its share
-        # first drafts offered this round by sources judged on their own: (choice, matched, share, token)
-        self._firsts: list[tuple[LookupChoice, int, float, int]] = []
+        # first drafts offered this round by sources judged on their own: (choice, matched, share, cached, token)
+        self._firsts: list[tuple[LookupChoice, int, float, bool, int]] = []
 
     def draft(
         self,
@@ -137,13 +137,13 @@ class DraftPlanner:
             block = proposer.propose(committed, room, rule)
             share = block.confidences[0] if block.confidences else 1.0
             if block.tokens and choice.own_first:
-                self._firsts.append((choice, block.matched, share, block.tokens[0]))
+                self._firsts.append((choice, block.matched, share, block.cached, block.tokens[0]))
             elif self._guessed is None and block.tokens:  # no filler: a lookup's first draft is the guess
                 self._guessed = (block.matched, block.tokens[0])
             model_rate = self._model_rate(costs, spare_rate)
             take = (
                 choice.lookup_gamma(
-                    len(block.tokens), block.matched, costs, self.gamma, model_rate, self.adaptive, share
+                    len(block.tokens), block.matched, costs, self.gamma, model_rate, self.adaptive, share, block.cached
                 )
                 if block.tokens
                 else 0
@@ -201,8 +201,8 @@ class DraftPlanner:
                     else result.tokens[drafted] == offered_next
                 )
                 choice.update(drafted, result.accepted, next_right)
-        for choice, matched, share, token in self._firsts:  # the same for sources' own first drafts
-            choice.record_first(matched, share, result.tokens[0] == token)
+        for choice, matched, share, cached, token in self._firsts:  # the same for sources' own first drafts
+            choice.record_first(matched, share, result.tokens[0] == token, cached)
         if self._guessed is not None:  # verified or not, the guess was right iff the target's token equals it
             matched, guess = self._guessed
             self.estimates.record_guess(matched, result.tokens[0] == guess)

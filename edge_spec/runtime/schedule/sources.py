@@ -40,11 +40,13 @@ class LookupChoice:
         model_rate: float | None,
         adaptive: bool,
         share: float = 1.0,
+        cached: bool = False,
     ) -> int:
         """Drafts to take of the ``offered`` ones (whose source matched ``matched`` tokens) when the
         drafter's round would make ``model_rate`` tokens per second (None: no drafter, or not known).
-        ``share``: how many of the source's occurrences agreed on the first draft (suffix drafts)."""
-        first, later = self._estimates(matched, share)
+        ``share``: how many of the source's occurrences agreed on the first draft (suffix drafts);
+        ``cached``: only earlier requests' text has it (suffix drafts)."""
+        first, later = self._estimates(matched, share, cached)
         most = min(offered, gamma_max)
         if costs is None:  # nothing measured yet: trust a lookup that is likely right
             return most if first >= 0.5 else 0
@@ -73,14 +75,14 @@ class LookupChoice:
             self.agreement.note(self.calibration.later_draft(), next_right)
             self.calibration.later.record(next_right)
 
-    def record_first(self, matched: int, share: float, right: bool) -> None:
+    def record_first(self, matched: int, share: float, right: bool, cached: bool = False) -> None:
         """Whether the first draft the source offered this round equals the target's token there (taken
         or not: checked for free, as the guess is)."""
-        self.first_agreement.note(self.calibration.first_draft(matched, share), right)
-        self.calibration.record_first(matched, share, right)
+        self.first_agreement.note(self.calibration.first_draft(matched, share, cached), right)
+        self.calibration.record_first(matched, share, right, cached)
 
-    def _estimates(self, matched: int, share: float = 1.0) -> tuple[float, float]:
+    def _estimates(self, matched: int, share: float = 1.0, cached: bool = False) -> tuple[float, float]:
         later = self.agreement.scale(self.calibration.later_draft())
         if self.own_first:
-            return self.first_agreement.scale(self.calibration.first_draft(matched, share)), later
+            return self.first_agreement.scale(self.calibration.first_draft(matched, share, cached)), later
         return self.estimates.guess(matched), later
