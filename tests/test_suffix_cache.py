@@ -12,7 +12,9 @@ import pytest
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import ChainConfig, loop_config
+from edge_spec.runtime.propose.base import DraftRule
 from edge_spec.runtime.propose.context import ProposerContext
+from edge_spec.runtime.propose.copy_rules import CopyRuleRecord
 from edge_spec.runtime.propose.suffix import continuation
 from edge_spec.runtime.propose.suffix_cache import SuffixCache, index_corpus
 from edge_spec.runtime.propose.suffix_index import LEVELS, SuffixIndex
@@ -136,6 +138,49 @@ def test_drafts_only_the_cache_has_are_judged_apart_from_the_requests_own():
     again = AcceptanceCalibration.from_dict(old).sequence
     assert again.first_draft(8, 1.0) == pytest.approx(sequence.first_draft(8, 1.0))
     assert again.first_draft(8, 1.0, cached=True) == SequenceCalibration().first_draft(8, 1.0, cached=True)
+
+
+def lines(heads: range, middle: int) -> list[int]:
+    """Lines ``7 k 1 2 middle 8``: a new ``k`` every line, so no match reaches past ``1 2``."""
+    return [t for k in heads for t in (7, k, 1, 2, middle, 8)]
+
+
+@pytest.mark.parametrize("answer_middle", [5, 3])
+def test_a_request_follows_the_copy_rule_its_own_text_rewards(answer_middle):
+    """Six prompt lines go on ``1 2 3``; the answer's lines go on ``1 2 5``.  Most occurrences of ``1 2``
+    say 3 (the longest-match rule's draft), the latest says 5 (prompt lookup's).  Once the answer has
+    shown which rule copies it, the suffix proposer drafts by that one; the negative control, an answer
+    that goes on as the prompt did, keeps the longest match's drafts."""
+    from edge_spec.runtime.propose.suffix import SuffixDrafts
+
+    prompt = lines(range(100, 106), 3)
+    answer = [9] + lines(range(200, 206), answer_middle)
+    drafts = SuffixDrafts(ProposerContext(vocab_size=300))
+    drafts.begin(prompt, {})
+    rule = DraftRule(SamplingParams(), np.random.default_rng(0), gamma=2)
+    offered = {}
+    for end in range(len(prompt) + 1, len(prompt) + len(answer)):
+        committed = prompt + answer[: end - len(prompt)]
+        if committed[-2:] == [1, 2]:
+            offered[end] = drafts.propose(committed, 8, rule).tokens
+    last = offered[max(offered)]
+    assert last == [answer_middle, 8]
+    assert [tokens[0] for tokens in offered.values()][0] == 3  # the first line: the longest-match rule's draft
+    if answer_middle == 5:
+        assert drafts.rules.prefers_latest()
+    else:
+        assert not drafts.rules.prefers_latest() and drafts.rules.longest == drafts.rules.latest == 0
+
+
+def test_copy_rules_are_credited_only_once_the_answer_decides_between_them():
+    rules = CopyRuleRecord()
+    rules.offer(3, longest=[4, 5, 6], latest=[4, 5, 9])
+    rules.settle([0, 1, 2, 4, 5])  # both still match every token known so far: undecided
+    assert rules.pending and rules.longest == rules.latest == 0
+    rules.settle([0, 1, 2, 4, 5, 9])
+    assert not rules.pending and rules.latest == 3 and rules.longest == 2 and rules.prefers_latest()
+    rules.offer(6, longest=[1], latest=[1])  # identical drafts tell nothing
+    assert not rules.pending
 
 
 def test_the_request_never_matches_its_own_end():

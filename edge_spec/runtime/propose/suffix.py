@@ -7,7 +7,9 @@ at), measures matches up to 64 tokens instead of 4 (code repeats short n-grams e
 match is where the copy really comes from), and where the earlier occurrences disagree it follows the
 continuation most of them took, as SuffixDecoding does: each draft carries the share of occurrences
 still agreeing (its ``confidence``), and drafting stops once that share falls below
-:data:`MIN_SHARE`.  How many of the drafts a round takes is the schedule's call (``schedule.sources``).
+:data:`MIN_SHARE`.  Where this request's text is copied better by the latest occurrence of its last few
+tokens (prompt lookup's rule), its rounds draft that instead (:mod:`copy_rules`).  How many of the drafts
+a round takes is the schedule's call (``schedule.sources``).
 
 The drafts are a deterministic function of the prefix and the cache, i.e. drawn from a point mass q:
 verified as lookup's are, greedy output stays the target's and sampling stays exact.
@@ -20,6 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, SequenceProposer, point_mass_block
+from edge_spec.runtime.propose.copy_rules import CopyRuleRecord
+from edge_spec.runtime.propose.ngrams import LOOKUP_MIN_N
 from edge_spec.runtime.propose.suffix_cache import SuffixCache
 from edge_spec.runtime.propose.suffix_index import MAX_MATCH, SEPARATOR, SuffixIndex
 
@@ -40,15 +44,25 @@ class SuffixDrafts(SequenceProposer):
         super().__init__(context)
         self.cache: SuffixCache | None = context.suffix_cache
         self.active = SuffixIndex()
+        self.rules = CopyRuleRecord()
 
     def begin(self, prompt_ids: list[int], outputs: dict[str, np.ndarray]) -> None:
         self.active = SuffixIndex(len(prompt_ids) + 1024)
         self.active.extend(prompt_ids)
+        self.rules = CopyRuleRecord()
 
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock:
         if len(committed) > self.active.size:  # the request's own tokens since the last round
             self.active.extend(committed[self.active.size :])
-        found = continuation(np.asarray(committed[-MAX_MATCH:], np.int32), self._indexes(), min(rule.gamma, room))
+        gamma = min(rule.gamma, room)
+        found = continuation(np.asarray(committed[-MAX_MATCH:], np.int32), self._indexes(), gamma)
+        latest, latest_matched = self.context.ngrams.match(committed, gamma, min_n=LOOKUP_MIN_N)
+        self.rules.settle(committed)
+        self.rules.offer(len(committed), found.tokens, latest)
+        if latest and (self.rules.prefers_latest() or not found.tokens):  # see ``copy_rules``
+            block = point_mass_block(self.name, latest, rule.params, self.context.vocab_size)
+            block.matched = latest_matched
+            return block
         block = point_mass_block(self.name, found.tokens, rule.params, self.context.vocab_size)
         block.confidences = found.shares[: len(block.tokens)]
         block.matched, block.cached = found.matched, found.cached
