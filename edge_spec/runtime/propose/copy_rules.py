@@ -6,10 +6,10 @@ Neither wins everywhere.  Replayed over the shipped sessions (every answer posit
 the tokens that followed): a file rewritten with one change is copied best by the longest match (7.7
 tokens of 8 against 6.4: a long match says where in the file the answer is), tests for the second and
 third of three similar functions best by the latest occurrence (4.3 against 3.2: the newest test is the
-one the next resembles, whatever most earlier ones went on with).  So every round both rules offer their drafts; once the
-tokens that followed an offer decide between them, each rule is credited with the drafts it would have
-had accepted, and the next rounds follow the rule ahead (a tie: the longest match).  The record is a
-function of the request's tokens alone, like the drafts themselves.
+one the next resembles, whatever most earlier ones went on with).  So every round both rules offer their
+drafts; once the tokens that followed an offer decide between them, each rule is credited with the
+drafts it would have had accepted, and the next rounds follow the rule ahead (a tie: the longest match).
+The record is a function of the request's tokens alone, like the drafts themselves.
 """
 
 from __future__ import annotations

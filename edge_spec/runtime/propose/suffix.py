@@ -167,7 +167,7 @@ def _drafts(
     rows = supporters[which[supporters] == last] if len(in_cache) else []
     positions = [found[last][1][int(row) - int(in_cache[0])] for row in rows]
     cached = last > 0 and len(rows) == len(supporters)
-    return Continuation(tokens, shares, int(lengths[supporters].max()), positions, bool(cached))
+    return Continuation(tokens, shares, int(lengths[supporters].max()), positions, cached)
 
 
 def _best(tied: np.ndarray, column: np.ndarray, lengths: np.ndarray, which: np.ndarray) -> int:
