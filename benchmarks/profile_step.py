@@ -18,7 +18,11 @@ without profiling, for comparison.
 
 Usage::
 
-    .venv/bin/python benchmarks/profile_step.py [--bundle DIR] [--threads 2] [--steps 64] [--keep-json]
+    .venv/bin/python benchmarks/profile_step.py [--bundle DIR] [--threads 2] [--steps 64] [--context N] [--keep-json]
+
+``--context N`` decodes after a prompt of N tokens (the chat prompt after repeated source text) instead of
+the short chat prompt: what attention over the cache adds to a step grows with N, and on long prompts
+(an edit of a whole file) it decides how fast a step is.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def run_steps(decoder: Decoder, prompt_ids: list[int], steps: int) -> tuple[floa
     """Prefill + ``steps`` greedy single-token forwards; returns (prefill s, [wall s per decode step])."""
     decoder.reset()
     start = time.perf_counter()
-    logits = decoder.forward(prompt_ids)["logits"][-1]
+    logits = decoder.prefill(prompt_ids)["logits"][-1]
     prefill = time.perf_counter() - start
     walls = []
     for _ in range(steps):
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--skip", type=int, default=2, help="first decode steps left out of the averages (warm-up)")
     parser.add_argument("--top", type=int, default=8, help="how many individual nodes to list")
+    parser.add_argument("--context", type=int, default=0, help="decode after a prompt of this many tokens")
     parser.add_argument("--keep-json", action="store_true", help="keep ORT's profile JSON and print its path")
     args = parser.parse_args()
 
@@ -80,6 +85,12 @@ def main() -> None:
     tokenizer = TextTokenizer(args.bundle)
     prompt_ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
     capacity = 4096
+    if args.context:
+        if not len(prompt_ids) <= args.context <= capacity - args.steps - 8:
+            raise SystemExit(f"--context must lie between {len(prompt_ids)} and {capacity - args.steps - 8}")
+        filler = tokenizer.encode(Path(__file__).read_text())
+        while len(prompt_ids) < args.context:
+            prompt_ids += filler[: args.context - len(prompt_ids)]
 
     # ---- unprofiled reference: same prefill + steps on a plain session
     plain = Decoder(onnx_path, threads=args.threads, capacity=capacity)
@@ -93,12 +104,13 @@ def main() -> None:
     prefill, walls = run_steps(decoder, prompt_ids, args.steps)
     profile = Path(decoder.session.end_profiling())
     runs = parse_profile(profile)
-    if len(runs) != 5 + 1 + args.steps:
-        raise SystemExit(f"expected {5 + 1 + args.steps} model_run events in {profile}, found {len(runs)}")
+    passes = len(runs) - 5 - args.steps  # the prompt is read in passes of at most the decoder's prefill chunk
+    if passes < 1:
+        raise SystemExit(f"expected at least {5 + 1 + args.steps} model_run events in {profile}, found {len(runs)}")
     runs = runs[5:]
     weight_bytes = matmul_weight_bytes(onnx_path)
 
-    decode_runs = runs[1 + args.skip :]
+    decode_runs = runs[passes + args.skip :]
     decode_walls = walls[args.skip :]
     n = len(decode_runs)
     wall_ms = sum(decode_walls) / n * 1e3
@@ -193,13 +205,14 @@ def main() -> None:
     for (node, op), us in sorted(by_node.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {node:<48} {op:<28} {ms(us):7.3f} ms/step {ms(us) / wall_ms * 100:5.1f}%")
 
-    prefill_run = runs[0]
     pre_ops: dict[str, float] = defaultdict(float)
-    for _, op, dur in prefill_run["kernels"]:
-        pre_ops[op] += dur
+    for prefill_run in runs[:passes]:
+        for _, op, dur in prefill_run["kernels"]:
+            pre_ops[op] += dur
     print()
     print(
-        f"prefill ({len(prompt_ids)} tokens, profiled): model_run {prefill_run['dur'] / 1e3:.1f} ms; "
+        f"prefill ({len(prompt_ids)} tokens in {passes} passes, profiled): model_run "
+        f"{sum(r['dur'] for r in runs[:passes]) / 1e3:.1f} ms; "
         + ", ".join(f"{op} {us / 1e3:.1f} ms" for op, us in sorted(pre_ops.items(), key=lambda kv: -kv[1])[:4])
     )
     if args.keep_json:
