@@ -1,0 +1,158 @@
+"""What one decode step's attention costs after a long prompt, and what reading each KV head once would save.
+
+After a 2,800-token prompt ``GroupQueryAttention`` is about a third of the target's decode step on a 2-core
+CPU (``benchmarks/profile_step.py --context 2800``).  ORT's CPU kernel works one query head at a time, so a
+key/value head shared by g query heads is read g times.  This times, for the target's attention shape
+(Qwen2.5-1.5B: 12 query heads over 2 KV heads of 128, 28 layers) and one new token:
+
+* ``GroupQueryAttention`` over the shared KV buffer of fixed capacity, as the exported graph runs it, with an
+  fp32 and an fp16 cache;
+* the attention maths alone written as one ``MatMul`` per KV head with the g query heads as g rows
+  (``softmax(q Kᵀ) V`` over exactly the context's keys): the cost of reading each KV head once.
+
+The second leaves out what the fused op also does (rotary embedding, writing the new key and value into the
+cache, causal masking over several new rows), so it bounds what regrouping could save; it is not a drop-in
+replacement.
+
+    python benchmarks/studies/gqa_grouping.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, CAPACITY = 12, 2, 128, 28, 4096
+GROUP = HEADS // KV_HEADS
+
+
+def _model(nodes: list, inputs: list, outputs: list) -> bytes:
+    graph = helper.make_graph(nodes, "attention", inputs, outputs)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def gqa_model(dtype: np.dtype) -> bytes:
+    """``LAYERS`` GroupQueryAttention nodes over shared past/present buffers of ``CAPACITY`` positions."""
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    value = helper.make_tensor_value_info
+    inputs = [
+        value("q", elem, [1, 1, HEADS * HEAD_DIM]),
+        value("k", elem, [1, 1, KV_HEADS * HEAD_DIM]),
+        value("v", elem, [1, 1, KV_HEADS * HEAD_DIM]),
+        value("seqlens_k", TensorProto.INT32, [1]),
+        value("total", TensorProto.INT32, []),
+    ]
+    outputs, nodes = [], []
+    cache = [1, KV_HEADS, CAPACITY, HEAD_DIM]
+    for i in range(LAYERS):
+        inputs += [value(f"past_k{i}", elem, cache), value(f"past_v{i}", elem, cache)]
+        outputs += [
+            value(f"out{i}", elem, [1, 1, HEADS * HEAD_DIM]),
+            value(f"present_k{i}", elem, cache),
+            value(f"present_v{i}", elem, cache),
+        ]
+        nodes.append(
+            helper.make_node(
+                "GroupQueryAttention",
+                ["q", "k", "v", f"past_k{i}", f"past_v{i}", "seqlens_k", "total"],
+                [f"out{i}", f"present_k{i}", f"present_v{i}"],
+                domain="com.microsoft",
+                num_heads=HEADS,
+                kv_num_heads=KV_HEADS,
+            )
+        )
+    return _model(nodes, inputs, outputs)
+
+
+def grouped_model() -> bytes:
+    """``LAYERS`` times softmax(q Kᵀ) V with each KV head's ``GROUP`` query heads as the rows of one MatMul."""
+    value = helper.make_tensor_value_info
+    inputs = [value("q", TensorProto.FLOAT, [1, KV_HEADS, GROUP, HEAD_DIM])]
+    outputs, nodes = [], []
+    for i in range(LAYERS):
+        inputs += [
+            value(f"kt{i}", TensorProto.FLOAT, [1, KV_HEADS, HEAD_DIM, "context"]),
+            value(f"v{i}", TensorProto.FLOAT, [1, KV_HEADS, "context", HEAD_DIM]),
+        ]
+        outputs.append(value(f"out{i}", TensorProto.FLOAT, [1, KV_HEADS, GROUP, HEAD_DIM]))
+        nodes += [
+            helper.make_node("MatMul", ["q", f"kt{i}"], [f"scores{i}"]),
+            helper.make_node("Softmax", [f"scores{i}"], [f"probs{i}"], axis=-1),
+            helper.make_node("MatMul", [f"probs{i}", f"v{i}"], [f"out{i}"]),
+        ]
+    return _model(nodes, inputs, outputs)
+
+
+def session(model: bytes, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def timed(sess: ort.InferenceSession, binding: ort.IOBinding, runs: int) -> float:
+    """Milliseconds per run, after three warm-up runs."""
+    for _ in range(3):
+        sess.run_with_iobinding(binding)
+    start = time.perf_counter()
+    for _ in range(runs):
+        sess.run_with_iobinding(binding)
+    return (time.perf_counter() - start) / runs * 1e3
+
+
+def gqa_ms(sess: ort.InferenceSession, dtype: np.dtype, context: int, runs: int, rng: np.random.Generator) -> float:
+    binding = sess.io_binding()
+    for name, width in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+        binding.bind_cpu_input(name, rng.random((1, 1, width * HEAD_DIM)).astype(dtype))
+    binding.bind_cpu_input("seqlens_k", np.array([context], np.int32))
+    binding.bind_cpu_input("total", np.array(context + 1, np.int32))
+    buffers = []  # each cache buffer is bound as past input and present output, as the runtime binds them
+    for i in range(LAYERS):
+        for kind in ("k", "v"):
+            buffer = ort.OrtValue.ortvalue_from_numpy(rng.random((1, KV_HEADS, CAPACITY, HEAD_DIM)).astype(dtype))
+            buffers.append(buffer)
+            binding.bind_ortvalue_input(f"past_{kind}{i}", buffer)
+            binding.bind_ortvalue_output(f"present_{kind}{i}", buffer)
+        binding.bind_output(f"out{i}")
+    return timed(sess, binding, runs)
+
+
+def grouped_ms(sess: ort.InferenceSession, context: int, runs: int, rng: np.random.Generator) -> float:
+    binding = sess.io_binding()
+    binding.bind_cpu_input("q", rng.random((1, KV_HEADS, GROUP, HEAD_DIM)).astype(np.float32))
+    for i in range(LAYERS):
+        binding.bind_cpu_input(f"kt{i}", rng.random((1, KV_HEADS, HEAD_DIM, context)).astype(np.float32))
+        binding.bind_cpu_input(f"v{i}", rng.random((1, KV_HEADS, context, HEAD_DIM)).astype(np.float32))
+        binding.bind_output(f"out{i}")
+    return timed(sess, binding, runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contexts", default="64,1400,2800", help="comma list of context lengths")
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if not all(0 < c < CAPACITY for c in contexts):
+        raise SystemExit(f"--contexts: each must lie between 1 and {CAPACITY - 1}")
+    rng = np.random.default_rng(0)
+    rows = {
+        "GroupQueryAttention, fp32 cache": (session(gqa_model(np.float32), args.threads), np.float32),
+        "GroupQueryAttention, fp16 cache": (session(gqa_model(np.float16), args.threads), np.float16),
+    }
+    grouped = session(grouped_model(), args.threads)
+    print(f"ORT {ort.__version__}, {args.threads} threads; ms per step for {LAYERS} layers, one new token")
+    print(f"{'':36}" + "".join(f"{c:>10}" for c in contexts))
+    for label, (sess, dtype) in rows.items():
+        print(f"{label:36}" + "".join(f"{gqa_ms(sess, dtype, c, args.runs, rng):10.1f}" for c in contexts))
+    label = "one MatMul per KV head (maths only)"
+    print(f"{label:36}" + "".join(f"{grouped_ms(grouped, c, args.runs, rng):10.1f}" for c in contexts))
+
+
+if __name__ == "__main__":
+    main()
