@@ -12,6 +12,11 @@ Starts one server on the bundle and sends, with the official ``openai`` client:
    validates (jsonschema), tok/s of both, and the share of constrained tokens drafted for free because
    the grammar forced them (the answer's provenance).
 
+``--engines ours,llamacpp`` sends the same requests to llama.cpp's ``llama-server`` on the default target's
+GGUF too (its own chat template, tool-call parser and grammar engine; built by ``session_peers.py --prepare
+--peers llamacpp``), one server after the other in one run: whether an answer that fails is the engine's
+doing or the model's.
+
 Usage::
 
     .venv/bin/python benchmarks/agent_api.py --bundle models/bundles/qwen2.5-coder-1.5b-instruct-int4 --threads 2
@@ -20,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -31,6 +37,8 @@ import jsonschema
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from serve_load import Server  # noqa: E402  (a sibling script)
+
+ENGINES = ("ours", "llamacpp")
 
 
 def load(name: str) -> list[dict]:
@@ -50,6 +58,29 @@ def well_formed(calls, tools: list[dict]) -> bool:
         except (json.JSONDecodeError, jsonschema.ValidationError):
             return False
     return True
+
+
+def answer_stats(response) -> dict:
+    """Tokens, decode tok/s, τ and the share of tokens the grammar forced, from the engine's own report:
+    ours in ``x_edge_spec`` (with the answer's provenance), llama.cpp's in ``timings`` (no τ, no provenance)."""
+    extra = response.model_extra or {}
+    if "x_edge_spec" in extra:
+        stats = extra["x_edge_spec"]
+        sources = [source for _, source in stats.get("provenance") or []]
+        forced = sum(source == "forced" for source in sources) / max(len(sources), 1) if sources else None
+        return {
+            "tokens": stats["new_tokens"],
+            "tok/s": stats["tokens_per_second"],
+            "tau": stats["tau"],
+            "forced": forced,
+        }
+    timings = extra.get("timings") or {}
+    return {
+        "tokens": response.usage.completion_tokens,
+        "tok/s": timings.get("predicted_per_second", 0.0),
+        "tau": None,
+        "forced": None,
+    }
 
 
 def run_tools(client, items: list[dict], tools: list[dict], max_tokens: int) -> dict:
@@ -127,22 +158,22 @@ def run_schemas(client, items: list[dict], max_tokens: int) -> dict:
         except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
             ok, text = False, f"{text[:200]} ({type(exc).__name__})"
         valid += ok
-        stats, plain_stats = shaped.model_extra["x_edge_spec"], plain.model_extra["x_edge_spec"]
-        sources = [source for _, source in stats.get("provenance") or []]
-        forced = sum(source == "forced" for source in sources) / max(len(sources), 1)
-        constrained_tps.append(stats["tokens_per_second"])
-        free_tps.append(plain_stats["tokens_per_second"])
-        forced_share.append(forced)
+        stats, plain_stats = answer_stats(shaped), answer_stats(plain)
+        constrained_tps.append(stats["tok/s"])
+        free_tps.append(plain_stats["tok/s"])
+        if stats["forced"] is not None:
+            forced_share.append(stats["forced"])
         rows.append(
             {
                 "id": item["id"],
                 "valid": ok,
-                "tokens": stats["new_tokens"],
+                "tokens": stats["tokens"],
                 "wall_seconds": round(wall, 2),
-                "tok/s": stats["tokens_per_second"],
-                "unconstrained tok/s": plain_stats["tokens_per_second"],
+                "tok/s": stats["tok/s"],
+                "unconstrained tok/s": plain_stats["tok/s"],
                 "tau": stats["tau"],
-                "forced share": round(forced, 3),
+                "forced share": None if stats["forced"] is None else round(stats["forced"], 3),
+                "finish_reason": shaped.choices[0].finish_reason,
                 "answer": text[:160],
             }
         )
@@ -154,9 +185,34 @@ def run_schemas(client, items: list[dict], max_tokens: int) -> dict:
         "constrained / unconstrained (median of per-prompt ratios)": round(
             statistics.median(c / f for c, f in zip(constrained_tps, free_tps) if f), 3
         ),
-        "forced-draft share of constrained tokens (mean)": round(statistics.mean(forced_share), 3),
+        "forced-draft share of constrained tokens (mean)": (
+            round(statistics.mean(forced_share), 3) if forced_share else None
+        ),
         "answers": rows,
     }
+
+
+@contextlib.contextmanager
+def served(engine: str, args):
+    """An OpenAI client of ``engine``'s server, started on the default pair's target and stopped after."""
+    import openai
+
+    if engine == "ours":
+        server = Server(args.bundle, args.threads, start_timeout=900)
+        url, stop = server.url, server.stop
+    else:
+        import session_peers
+
+        if not session_peers.LLAMA_SERVER.is_file():
+            raise SystemExit("llama.cpp is not built: run benchmarks/session_peers.py --prepare --peers llamacpp first")
+        settings = argparse.Namespace(threads=args.threads, ctx=4096, llamacpp_extra="--jinja", llamacpp_draft_max=16)
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        server = session_peers.LlamaServer("plain", settings, args.log_dir)
+        url, stop = f"http://127.0.0.1:{server.port}", server.close
+    try:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0, timeout=900)
+    finally:
+        stop()
 
 
 def main() -> int:
@@ -165,28 +221,37 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=320)
     parser.add_argument("--part", choices=["tools", "schemas", "both"], default="both")
+    parser.add_argument("--engines", default="ours", help=f"comma list of: {', '.join(ENGINES)}")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--log-dir", type=Path, default=Path("bench-results/agent-api-logs"), help="peer server logs")
     args = parser.parse_args()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        raise SystemExit(f"--engines: choose from {', '.join(ENGINES)}")
 
-    import openai
-
-    server = Server(args.bundle, args.threads, start_timeout=900)
-    try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="local", max_retries=0, timeout=900)
-        report = {}
-        if args.part in ("tools", "both"):
-            tools = json.loads((HERE / "tools.json").read_text())
-            report["tools"] = run_tools(client, load("tools.jsonl"), tools, 128)
-        if args.part in ("schemas", "both"):
-            report["schemas"] = run_schemas(client, load("schemas.jsonl"), args.max_tokens)
-    finally:
-        server.stop()
-    summary = {part: {k: v for k, v in body.items() if k != "answers"} for part, body in report.items()}
-    print(json.dumps(summary, indent=1))
+    report: dict = {}
+    for engine in engines:
+        parts = report.setdefault(engine, {}) if len(engines) > 1 else report
+        with served(engine, args) as client:
+            if args.part in ("tools", "both"):
+                tools = json.loads((HERE / "tools.json").read_text())
+                parts["tools"] = run_tools(client, load("tools.jsonl"), tools, 128)
+            if args.part in ("schemas", "both"):
+                parts["schemas"] = run_schemas(client, load("schemas.jsonl"), args.max_tokens)
+    print(json.dumps(summary_of(report), indent=1))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
     return 0
+
+
+def summary_of(report: dict) -> dict:
+    """The report without the per-answer rows."""
+    return {
+        key: summary_of(body) if "answers" not in body else {k: v for k, v in body.items() if k != "answers"}
+        for key, body in report.items()
+    }
 
 
 if __name__ == "__main__":
