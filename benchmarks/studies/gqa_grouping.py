@@ -37,13 +37,14 @@ def _model(nodes: list, inputs: list, outputs: list) -> bytes:
 
 
 def gqa_model(dtype: np.dtype) -> bytes:
-    """``LAYERS`` GroupQueryAttention nodes over shared past/present buffers of ``CAPACITY`` positions."""
+    """``LAYERS`` GroupQueryAttention nodes over shared past/present buffers of ``CAPACITY`` positions, for
+    any number of new rows (a verify pass's)."""
     elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
     value = helper.make_tensor_value_info
     inputs = [
-        value("q", elem, [1, 1, HEADS * HEAD_DIM]),
-        value("k", elem, [1, 1, KV_HEADS * HEAD_DIM]),
-        value("v", elem, [1, 1, KV_HEADS * HEAD_DIM]),
+        value("q", elem, [1, "rows", HEADS * HEAD_DIM]),
+        value("k", elem, [1, "rows", KV_HEADS * HEAD_DIM]),
+        value("v", elem, [1, "rows", KV_HEADS * HEAD_DIM]),
         value("seqlens_k", TensorProto.INT32, [1]),
         value("total", TensorProto.INT32, []),
     ]
@@ -52,7 +53,7 @@ def gqa_model(dtype: np.dtype) -> bytes:
     for i in range(LAYERS):
         inputs += [value(f"past_k{i}", elem, cache), value(f"past_v{i}", elem, cache)]
         outputs += [
-            value(f"out{i}", elem, [1, 1, HEADS * HEAD_DIM]),
+            value(f"out{i}", elem, [1, "rows", HEADS * HEAD_DIM]),
             value(f"present_k{i}", elem, cache),
             value(f"present_v{i}", elem, cache),
         ]
@@ -72,14 +73,14 @@ def gqa_model(dtype: np.dtype) -> bytes:
 def grouped_model() -> bytes:
     """``LAYERS`` times softmax(q Kᵀ) V with each KV head's ``GROUP`` query heads as the rows of one MatMul."""
     value = helper.make_tensor_value_info
-    inputs = [value("q", TensorProto.FLOAT, [1, KV_HEADS, GROUP, HEAD_DIM])]
+    inputs = [value("q", TensorProto.FLOAT, [1, KV_HEADS, "group_rows", HEAD_DIM])]
     outputs, nodes = [], []
     for i in range(LAYERS):
         inputs += [
             value(f"kt{i}", TensorProto.FLOAT, [1, KV_HEADS, HEAD_DIM, "context"]),
             value(f"v{i}", TensorProto.FLOAT, [1, KV_HEADS, "context", HEAD_DIM]),
         ]
-        outputs.append(value(f"out{i}", TensorProto.FLOAT, [1, KV_HEADS, GROUP, HEAD_DIM]))
+        outputs.append(value(f"out{i}", TensorProto.FLOAT, [1, KV_HEADS, "group_rows", HEAD_DIM]))
         nodes += [
             helper.make_node("MatMul", ["q", f"kt{i}"], [f"scores{i}"]),
             helper.make_node("Softmax", [f"scores{i}"], [f"probs{i}"], axis=-1),
@@ -104,12 +105,14 @@ def timed(sess: ort.InferenceSession, binding: ort.IOBinding, runs: int) -> floa
     return (time.perf_counter() - start) / runs * 1e3
 
 
-def gqa_ms(sess: ort.InferenceSession, dtype: np.dtype, context: int, runs: int, rng: np.random.Generator) -> float:
+def gqa_ms(
+    sess: ort.InferenceSession, dtype: np.dtype, context: int, rows: int, runs: int, rng: np.random.Generator
+) -> float:
     binding = sess.io_binding()
     for name, width in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
-        binding.bind_cpu_input(name, rng.random((1, 1, width * HEAD_DIM)).astype(dtype))
-    binding.bind_cpu_input("seqlens_k", np.array([context], np.int32))
-    binding.bind_cpu_input("total", np.array(context + 1, np.int32))
+        binding.bind_cpu_input(name, rng.random((1, rows, width * HEAD_DIM)).astype(dtype))
+    binding.bind_cpu_input("seqlens_k", np.array([context + rows - 1], np.int32))
+    binding.bind_cpu_input("total", np.array(context + rows, np.int32))
     buffers = []  # each cache buffer is bound as past input and present output, as the runtime binds them
     for i in range(LAYERS):
         for kind in ("k", "v"):
@@ -121,9 +124,9 @@ def gqa_ms(sess: ort.InferenceSession, dtype: np.dtype, context: int, runs: int,
     return timed(sess, binding, runs)
 
 
-def grouped_ms(sess: ort.InferenceSession, context: int, runs: int, rng: np.random.Generator) -> float:
+def grouped_ms(sess: ort.InferenceSession, context: int, rows: int, runs: int, rng: np.random.Generator) -> float:
     binding = sess.io_binding()
-    binding.bind_cpu_input("q", rng.random((1, KV_HEADS, GROUP, HEAD_DIM)).astype(np.float32))
+    binding.bind_cpu_input("q", rng.random((1, KV_HEADS, GROUP * rows, HEAD_DIM)).astype(np.float32))
     for i in range(LAYERS):
         binding.bind_cpu_input(f"kt{i}", rng.random((1, KV_HEADS, HEAD_DIM, context)).astype(np.float32))
         binding.bind_cpu_input(f"v{i}", rng.random((1, KV_HEADS, context, HEAD_DIM)).astype(np.float32))
@@ -135,23 +138,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--contexts", default="64,1400,2800", help="comma list of context lengths")
+    parser.add_argument("--rows", type=int, default=1, help="new tokens per pass (a verify pass has 1 + drafts)")
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
-    if not all(0 < c < CAPACITY for c in contexts):
-        raise SystemExit(f"--contexts: each must lie between 1 and {CAPACITY - 1}")
+    if not all(0 < c and c + args.rows <= CAPACITY for c in contexts):
+        raise SystemExit(f"--contexts: each plus --rows must lie between 1 and {CAPACITY}")
     rng = np.random.default_rng(0)
     rows = {
         "GroupQueryAttention, fp32 cache": (session(gqa_model(np.float32), args.threads), np.float32),
         "GroupQueryAttention, fp16 cache": (session(gqa_model(np.float16), args.threads), np.float16),
     }
     grouped = session(grouped_model(), args.threads)
-    print(f"ORT {ort.__version__}, {args.threads} threads; ms per step for {LAYERS} layers, one new token")
+    print(f"ORT {ort.__version__}, {args.threads} threads; ms per step for {LAYERS} layers, {args.rows} new token(s)")
     print(f"{'':36}" + "".join(f"{c:>10}" for c in contexts))
     for label, (sess, dtype) in rows.items():
-        print(f"{label:36}" + "".join(f"{gqa_ms(sess, dtype, c, args.runs, rng):10.1f}" for c in contexts))
+        print(f"{label:36}" + "".join(f"{gqa_ms(sess, dtype, c, args.rows, args.runs, rng):10.1f}" for c in contexts))
     label = "one MatMul per KV head (maths only)"
-    print(f"{label:36}" + "".join(f"{grouped_ms(grouped, c, args.runs, rng):10.1f}" for c in contexts))
+    print(f"{label:36}" + "".join(f"{grouped_ms(grouped, c, args.rows, args.runs, rng):10.1f}" for c in contexts))
 
 
 if __name__ == "__main__":
