@@ -203,9 +203,15 @@ def served(engine: str, args):
     else:
         import session_peers
 
-        if not session_peers.LLAMA_SERVER.is_file():
-            raise SystemExit("llama.cpp is not built: run benchmarks/session_peers.py --prepare --peers llamacpp first")
-        settings = argparse.Namespace(threads=args.threads, ctx=4096, llamacpp_extra="--jinja", llamacpp_draft_max=16)
+        settings = argparse.Namespace(
+            peers=("llamacpp",),
+            llamacpp_modes=("plain",),
+            threads=args.threads,
+            ctx=4096,
+            llamacpp_extra="--jinja",
+            llamacpp_draft_max=16,
+        )
+        session_peers.check_prepared(settings)  # llama.cpp built, the default pair's GGUFs fetched
         args.log_dir.mkdir(parents=True, exist_ok=True)
         server = session_peers.LlamaServer("plain", settings, args.log_dir)
         url, stop = f"http://127.0.0.1:{server.port}", server.close
@@ -230,15 +236,16 @@ def main() -> int:
     if unknown or not engines:
         raise SystemExit(f"--engines: choose from {', '.join(ENGINES)}")
 
+    tools, tool_prompts = json.loads((HERE / "tools.json").read_text()), load("tools.jsonl")
+    schema_prompts = load("schemas.jsonl")
     report: dict = {}
     for engine in engines:
         parts = report.setdefault(engine, {}) if len(engines) > 1 else report
         with served(engine, args) as client:
             if args.part in ("tools", "both"):
-                tools = json.loads((HERE / "tools.json").read_text())
-                parts["tools"] = run_tools(client, load("tools.jsonl"), tools, 128)
+                parts["tools"] = run_tools(client, tool_prompts, tools, 128)
             if args.part in ("schemas", "both"):
-                parts["schemas"] = run_schemas(client, load("schemas.jsonl"), args.max_tokens)
+                parts["schemas"] = run_schemas(client, schema_prompts, args.max_tokens)
     print(json.dumps(summary_of(report), indent=1))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

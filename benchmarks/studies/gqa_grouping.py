@@ -3,7 +3,8 @@
 After a 2,800-token prompt ``GroupQueryAttention`` is about a third of the target's decode step on a 2-core
 CPU (``benchmarks/profile_step.py --context 2800``).  ORT's CPU kernel works one query head at a time, so a
 key/value head shared by g query heads is read g times.  This times, for the target's attention shape
-(Qwen2.5-1.5B: 12 query heads over 2 KV heads of 128, 28 layers) and one new token:
+(Qwen2.5-1.5B: 12 query heads over 2 KV heads of 128, 28 layers) and one new token, or ``--rows`` of them as
+a verify pass carries:
 
 * ``GroupQueryAttention`` over the shared KV buffer of fixed capacity, as the exported graph runs it, with an
   fp32 and an fp16 cache;
