@@ -318,13 +318,15 @@ class Ours:
         from edge_spec.runtime.loops.config import loop_config
         from edge_spec.runtime.model import huge_pages
 
+        ceiling = {} if args.gamma is None else {"gamma": args.gamma}
+
         def config(mode: str):
             if mode == "spec-nocache":
                 try:
-                    return loop_config("spec", suffix=False)
+                    return loop_config("spec", suffix=False, **ceiling)
                 except TypeError:
                     raise SystemExit("--ours spec-nocache: this edge-spec has no suffix cache setting") from None
-            return loop_config(mode)
+            return loop_config(mode, **({} if mode == "ar" else ceiling))
 
         self.engines = {
             mode: Engine.from_bundle(args.bundle, threads=args.threads, config=config(mode)) for mode in modes
@@ -469,6 +471,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llamacpp-extra", default="", help="further llama-server arguments, for every mode")
     parser.add_argument("--k", default="4,8,16", help="onnxruntime-genai's draft lengths (comma list, 1-16)")
     parser.add_argument("--ours", default=",".join(OURS_MODES), help="comma list of our modes ('' for none)")
+    parser.add_argument("--gamma", type=int, help="our ceiling on drafts per round (default: edge-spec's)")
     parser.add_argument("--bundle", type=Path, help="our bundle (default: the README's export)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (onnxruntime-genai: only 0)")
@@ -679,6 +682,7 @@ def main() -> None:
                 "sessions": str(source),
                 "session_ids": [s["id"] for s in sessions],
                 "threads": args.threads,
+                "gamma": args.gamma,
                 "temperature": args.temperature,
                 "seed": args.seed,
                 "turns": args.turns,

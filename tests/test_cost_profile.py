@@ -321,6 +321,19 @@ def test_the_quick_profile_times_a_few_row_counts_once(monkeypatch):
     assert profile.draft_body == pytest.approx(0.014) and profile.draft_catch_up == pytest.approx(0.003)
 
 
+def test_a_high_ceiling_is_timed_to_the_quick_limit_and_estimated_past_it(monkeypatch):
+    target, drafter = CurveTarget(INTEL), StepDrafter()
+    timed_by(monkeypatch, target)
+    profile = cost_profile.measure(target, drafter, max_tokens=33)
+    assert max(target.passes[1:]) == cost_profile.QUICK_ROWS_MAX == 17  # the first answer waits no longer
+    assert sorted(profile.verify) == list(range(1, 34))
+    assert set(range(18, 34)) <= set(profile.estimated)
+    slope = (INTEL[17] - INTEL[12]) / 5 / 1e3
+    assert profile.verify[33] == pytest.approx(INTEL[17] / 1e3 + 16 * slope)  # not as cheap as 17 rows
+    costs = [profile.verify[n] for n in range(1, 34)]
+    assert costs == sorted(costs) and costs[-1] > costs[16]
+
+
 def test_interpolation_is_monotone_and_a_pass_slowed_by_other_load_is_lowered():
     timed = {1: 0.068, 2: 0.078, 3: 0.200, 4: 0.108, 8: 0.170}  # the 3-row pass met other load
     curve = cost_profile.interpolate(timed, 10)
@@ -328,7 +341,8 @@ def test_interpolation_is_monotone_and_a_pass_slowed_by_other_load_is_lowered():
     assert curve[3] == 0.108  # no dearer than a pass over more rows
     assert [curve[n] for n in range(1, 11)] == sorted(curve.values())
     assert curve[6] == pytest.approx(0.108 + 2 / 4 * (0.170 - 0.108))
-    assert curve[10] == 0.170  # past the last timed count: flat
+    # past the last timed count the last segment goes on: each row costs what the 4..8 rows did
+    assert curve[10] == pytest.approx(0.170 + 2 * (0.170 - 0.108) / 4)
 
 
 def quick(**verify_ms) -> cost_profile.CostProfile:

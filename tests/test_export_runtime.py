@@ -12,6 +12,7 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.manifest import read_manifest, sha256_file, verify_files
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.loops.config import loop_config
 from edge_spec.runtime.model.decoder import Decoder
 from tests import tiny_models
 from tests.helpers import decoder_greedy, export_tiny
@@ -179,8 +180,22 @@ def test_prompt_longer_than_context_is_rejected(int4_bundle):
 
 
 def test_a_context_too_short_to_draft_in_is_one_clear_error(int4_bundle):
-    with pytest.raises(EdgeSpecError, match="too short for speculative decoding"):
-        Engine.from_bundle(int4_bundle, threads=1, context_length=16, mode="spec")
+    with pytest.raises(EdgeSpecError, match="too short for speculative decoding.* at least 12 tokens"):
+        Engine.from_bundle(int4_bundle, threads=1, context_length=10, mode="spec")
+    with pytest.raises(EdgeSpecError, match="drafts of up to 8 tokens: give a context of at least 20 tokens"):
+        Engine.from_bundle(
+            int4_bundle, threads=1, context_length=16, config=loop_config("spec", gamma=8, schedule="fixed")
+        )
+
+
+def test_the_default_ceiling_shrinks_to_a_short_context_and_answers_as_ar(int4_bundle):
+    # the adaptive ceiling is only a ceiling: a context shorter than its drafts' room still speculates
+    spec = Engine.from_bundle(int4_bundle, threads=1, context_length=48, mode="spec")
+    ar = Engine.from_bundle(int4_bundle, threads=1, context_length=48, mode="ar")
+    prompt = "the quick brown fox"
+    answer = spec.complete(prompt, max_new_tokens=12)
+    assert answer.token_ids == ar.complete(prompt, max_new_tokens=12).token_ids
+    assert answer.stats.new_tokens == 12 and max(spec.cost_profile.verify) == 23
 
 
 def test_unknown_provider_is_rejected(int4_bundle):

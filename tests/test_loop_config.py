@@ -38,7 +38,7 @@ def test_the_adaptive_ceiling_is_longer_than_the_fixed_default():
     # the adaptive schedule only drafts long where the curve and the acceptance pay for it (test_policy);
     # a fixed schedule drafts its γ every round, so its default stays short
     adaptive, fixed = loop_config("spec"), loop_config("spec", schedule="fixed")
-    assert (adaptive.adaptive, adaptive.gamma) == (True, 16)
+    assert (adaptive.adaptive, adaptive.gamma) == (True, 32)
     assert (fixed.adaptive, fixed.gamma) == (False, 4)
     assert loop_config("spec", schedule="fixed", gamma=6).gamma == 6  # a given γ wins either way
     assert loop_config("spec", schedule="adaptive", gamma=3).gamma == 3

@@ -35,6 +35,7 @@ from edge_spec.runtime.propose.suffix_cache import SuffixCache
 from edge_spec.runtime.schedule import cost_profile
 from edge_spec.runtime.schedule.cost_profile import CostProfile
 from edge_spec.runtime.schedule.memory import ScheduleMemory
+from edge_spec.runtime.schedule.policy import REACH_FLOOR
 from edge_spec.runtime.suffix_store import open_suffix_cache
 from edge_spec.runtime.text import TextTokenizer
 from edge_spec.runtime.verify.sampling import check_vocab_ids
@@ -179,11 +180,16 @@ class LoadedBundle:
         steps (see ``cost_profile``).  The γ policy plans with it from the first round; live measurements
         refine it, and the cached profile after each request (:meth:`correct_costs`)."""
         max_tokens = max(config.gamma + 1, 2)
-        if self.target.capacity < 2 * max_tokens + 2:  # a draft of γ and its verify pass need the room
+        fits = (self.target.capacity - 2) // 2  # a draft of γ and its verify pass need the room
+        if getattr(config, "adaptive", False) and REACH_FLOOR + 1 <= fits < max_tokens:
+            # an adaptive ceiling is only a ceiling: rounds never draft past the room the context has left
+            max_tokens = fits
+        if max_tokens > fits:
+            least = min(max_tokens, REACH_FLOOR + 1) if getattr(config, "adaptive", False) else max_tokens
             raise EdgeSpecError(
                 f"a context of {self.target.capacity} tokens is too short for speculative decoding "
-                f"with drafts of up to {max_tokens - 1} tokens: give a context of at least "
-                f"{2 * max_tokens + 2} tokens, or run mode 'ar'"
+                f"with drafts of up to {least - 1} tokens: give a context of at least "
+                f"{2 * least + 2} tokens, or run mode 'ar'"
             )
         drafter = self.active_drafter(config)
         key = cost_profile.cache_key(self.manifest, self._drafter_entry(config), *self._placement(), max_tokens)

@@ -20,7 +20,7 @@ MODES = ("ar", "spec", "ssd")  # the user's word for the loop family; spec runs 
 # curve and the running acceptance (``schedule.policy``), so a machine whose extra verify rows are cheap
 # drafts long on confident stretches and one where they are dear never gets there.  A fixed schedule
 # drafts its γ every round, whatever the acceptance, so its default stays short.
-ADAPTIVE_GAMMA_MAX = 16
+ADAPTIVE_GAMMA_MAX = 32
 FIXED_GAMMA = 4
 
 

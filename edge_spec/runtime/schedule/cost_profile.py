@@ -11,8 +11,8 @@ separately), and cache the result as JSON in the user cache directory
 The first answer waits for it, so it is quick (:func:`measure`, about twenty passes' worth): once
 the models' pages are on huge pages (until then a pass runs at half speed), one warm-up pass, then
 one pass per row count in :func:`quick_rows` (every count up to six, where kernels that tile rows in
-pairs make neighbours differ most and where most rounds land, then a few up to the ceiling), each
-right after a drafter step as in a round.  Row counts between are interpolated (the curve is near
+pairs make neighbours differ most and where most rounds land, then a few up to the ceiling or
+``QUICK_ROWS_MAX``), each right after a drafter step as in a round.  Row counts between are interpolated (the curve is near
 linear between them) and listed in ``estimated``; live passes replace them
 (:func:`refine_from_live`), so the saved profile fills in with use, with no measuring that competes
 with an answer for the cores.
@@ -53,6 +53,9 @@ PROFILE_VERSION = 9  # 9: quick profiles (a few row counts timed once, the rest 
 QUICK_LENGTH = 32  # cache length the quick profile times its passes at (its warm-up pass fills it)
 DENSE_ROWS = 6  # every row count up to this one is timed
 SPARSE_ROWS = (8, 12, 16, 24, 32, 48, 64, 96, 128)  # past it, these (and the ceiling)
+# The first answer waits for the quick profile, and a pass costs ~14 ms a row on a 2-core CPU: past this many
+# rows the curve goes on along its last timed segment (near linear there) until live passes measure it.
+QUICK_ROWS_MAX = 17
 BUSY = 0.25  # other processes took this share of the CPU while a profile was measured: suspect
 SLOWER = 1.3  # a profile this much slower than the one measured before it for the same key: suspect
 MIN_CALLS = 8  # live passes of a size before they judge or refine the profile
@@ -170,9 +173,10 @@ def _cpu_model() -> str:
 
 def quick_rows(max_tokens: int) -> list[int]:
     """The row counts :func:`measure` times: every count up to ``DENSE_ROWS``, then ``SPARSE_ROWS`` short
-    of the ceiling by two or more, and the ceiling ``max_tokens``."""
-    dense = range(1, min(DENSE_ROWS, max_tokens) + 1)
-    return sorted({*dense, *(n for n in SPARSE_ROWS if n <= max_tokens - 2), max_tokens})
+    of the last by two or more, and the last: the ceiling ``max_tokens``, or ``QUICK_ROWS_MAX`` below it."""
+    last = min(max_tokens, QUICK_ROWS_MAX)
+    dense = range(1, min(DENSE_ROWS, last) + 1)
+    return sorted({*dense, *(n for n in SPARSE_ROWS if n <= last - 2), last})
 
 
 def measure(target, drafter, max_tokens: int) -> CostProfile:
@@ -225,7 +229,8 @@ def interpolate(timed: dict[int, float], max_tokens: int) -> dict[int, float]:
     """Latencies for 1..``max_tokens`` rows from those ``timed``: first each timed one lowered to the
     cheapest timed at as many rows or more (a pass over more rows never costs less: a dearer one was
     slowed by something else), then straight lines between them, so the curve is non-decreasing and
-    exact at every timed point that needed no lowering."""
+    exact at every timed point that needed no lowering.  Past the largest timed count the last segment
+    goes on (each row there costs what the last timed rows did): flat would make long drafts look free."""
     sizes = sorted(timed)
     floor = {}
     cheapest = float("inf")
@@ -239,8 +244,12 @@ def interpolate(timed: dict[int, float], max_tokens: int) -> dict[int, float]:
         if below and above:
             lo, hi = below[-1], above[0]
             out[n] = floor[lo] if lo == hi else floor[lo] + (n - lo) / (hi - lo) * (floor[hi] - floor[lo])
+        elif above:
+            out[n] = floor[above[0]]
         else:
-            out[n] = floor[(below or above)[-1 if below else 0]]
+            lo, hi = (sizes[-2], sizes[-1]) if len(sizes) > 1 else (sizes[-1], sizes[-1])
+            slope = (floor[hi] - floor[lo]) / (hi - lo) if hi > lo else 0.0
+            out[n] = floor[hi] + (n - hi) * slope
     return out
 
 
