@@ -264,7 +264,7 @@ def test_every_round_checks_the_guess_it_could_have_carried(int4_bundle, monkeyp
         position = len(committed)  # committed ends at the pending token: the guess is for this position
         guessed.append(position)
         token = sequence[position] if position % 2 == 0 else (sequence[position] + 1) % engine.target.vocab_size
-        block = point_mass_block(self.name, [token], rule.params, self.context.vocab_size)
+        block = point_mass_block(self.name, [token], rule.params)
         block.matched = 1
         return block
 

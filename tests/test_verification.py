@@ -23,10 +23,17 @@ from edge_spec.runtime.verify.chain import (
     RESIDUAL_MIN_MASS,
     VerifyResult,
     residual_distribution,
+    verify_chain,
     verify_greedy,
     verify_speculative,
 )
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
+from edge_spec.runtime.verify.sampling import (
+    NonFiniteLogits,
+    SamplingParams,
+    logits_to_probs,
+    sample,
+    scatter_probs,
+)
 from tests.helpers import FixedUniform, chi_square_pvalue
 
 # ---------------------------------------------------------------------------
@@ -225,6 +232,64 @@ def test_zero_draft_probability_for_the_drafted_token_is_an_error() -> None:
 def test_speculative_rejects_mismatched_shapes(drafts: list[int], q_shape: tuple, p_shape: tuple) -> None:
     with pytest.raises(ValueError):
         verify_speculative(drafts, np.full(q_shape, 0.25), np.full(p_shape, 0.25), np.random.default_rng(0))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.9, top_p=0.8),
+    ],
+)
+def test_point_mass_drafts_verify_from_logits_as_their_one_hot_rows_do(params: SamplingParams) -> None:
+    # the chain loop's path (q None for a point mass, the target's rows converted one at a time) against the
+    # reference (dense one-hot q rows, every target row converted): the same tokens and the same randomness
+    # used, round after round, with drafter rows mixed in
+    data = np.random.default_rng(11)
+    vocab, outcomes = 40, set()
+    for trial in range(400):
+        gamma = int(data.integers(1, 7))
+        logits = (data.normal(size=(gamma + 1, vocab)) * 3).astype(np.float32)
+        target = logits_to_probs(logits, params)
+        drafts, lazy, dense = [], [], []
+        for i in range(gamma):
+            if data.random() < 0.7:  # a copy: mostly the target's likely token, sometimes not
+                token = int(np.argmax(target[i])) if data.random() < 0.6 else int(data.integers(vocab))
+                lazy.append(None)
+                dense.append(np.eye(vocab)[token])
+            else:  # a drafter's sample from its own distribution
+                q = logits_to_probs(logits[i] + data.normal(size=vocab).astype(np.float32), params)
+                token = int(data.choice(vocab, p=q))
+                lazy.append(q)
+                dense.append(q)
+            drafts.append(token)
+        got_rng, want_rng = np.random.default_rng(trial), np.random.default_rng(trial)
+        got = verify_chain(drafts, lazy, logits, params, got_rng, position=0)
+        want = verify_speculative(drafts, np.array(dense), target, want_rng)
+        assert got == want
+        assert got_rng.random() == want_rng.random()
+        outcomes.add("all" if got.accepted == gamma else "rejected")
+    assert outcomes == {"all", "rejected"}  # both the bonus and the residual path were compared
+
+
+def test_rows_after_the_first_rejection_are_never_turned_into_probabilities(monkeypatch) -> None:
+    converted = []
+    real = verification.row_probs
+    monkeypatch.setattr(
+        verification, "row_probs", lambda row, peak, params: converted.append(1) or real(row, peak, params)
+    )
+    logits = np.zeros((5, 8), dtype=np.float32)
+    logits[0, 3] = 50.0  # draft 0 (token 3) certain to pass
+    logits[1, 4] = -np.inf  # draft 1 (token 4) certain to fail
+    result = verify_chain(
+        [3, 4, 5, 6], [None] * 4, logits, SamplingParams(temperature=0.7), np.random.default_rng(0), 0
+    )
+    assert result.accepted == 1 and result.tokens[1] != 4
+    assert len(converted) == 2  # rows 0 and 1, not the three after the rejection
+    logits[3, 0] = np.nan  # but a damaged row anywhere is still found before any is used
+    with pytest.raises(NonFiniteLogits):
+        verify_chain([3, 4, 5, 6], [None] * 4, logits, SamplingParams(temperature=0.7), np.random.default_rng(0), 0)
 
 
 # ---------------------------------------------------------------------------
@@ -443,7 +508,7 @@ def test_harness_rejects_inverted_acceptance_ratio() -> None:
 
 @pytest.mark.slow
 def test_harness_rejects_resampling_from_p_instead_of_the_residual(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(verification, "residual_distribution", lambda p, q, token=None: p)
     verdict = judge(run_harness(verify_speculative, 2, NEGATIVE_TRIALS, seed=50), 2)
     assert verdict.first < REJECT and verdict.first_two < REJECT, verdict
     assert verdict.accepted > PASS  # the acceptance rule itself is untouched

@@ -62,7 +62,7 @@ class DraftBlock:
 
     source: str = ""  # the proposer's registry name
     tokens: list[int] = field(default_factory=list)
-    q_rows: list[np.ndarray] = field(default_factory=list)
+    q_rows: list[np.ndarray | None] = field(default_factory=list)  # None: a point mass on that draft
     candidates: list[np.ndarray | None] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)  # drafter probability of each proposed token
     step_seconds: list[float] = field(default_factory=list)
@@ -88,16 +88,13 @@ def through_end(tokens: list[int], end_ids: frozenset[int]) -> list[int]:
     return tokens
 
 
-def point_mass_block(source: str, tokens: list[int], params: SamplingParams, vocab_size: int) -> DraftBlock:
+def point_mass_block(source: str, tokens: list[int], params: SamplingParams) -> DraftBlock:
     """Drafts that are a function of the prefix alone (lookup, guesses): q is a point mass on each
     (and no head rows were involved, so they have no ``candidates``); none past an end token."""
     tokens = through_end(tokens, params.end_ids)
     block = DraftBlock(source, tokens=list(tokens), confidences=[1.0] * len(tokens))
     if not params.deterministic:
-        for token in tokens:
-            row = np.zeros(vocab_size)
-            row[token] = 1.0
-            block.q_rows.append(row)
+        block.q_rows.extend([None] * len(tokens))  # a point mass on each (``verify.chain``: never written out)
     return block
 
 

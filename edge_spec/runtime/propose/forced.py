@@ -21,4 +21,4 @@ class ForcedTokens(SequenceProposer):
 
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock:
         forced = rule.constraint.forced_tokens() if rule.constraint is not None else []
-        return point_mass_block(self.name, forced[: min(rule.gamma, room)], rule.params, self.context.vocab_size)
+        return point_mass_block(self.name, forced[: min(rule.gamma, room)], rule.params)

@@ -19,8 +19,6 @@ class FreeGuess(SequenceProposer):
 
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock:
         guess, matched = self.context.ngrams.match(committed, 1)
-        block = point_mass_block(
-            self.name, (guess or committed[-1:])[: min(1, room)], rule.params, self.context.vocab_size
-        )
+        block = point_mass_block(self.name, (guess or committed[-1:])[: min(1, room)], rule.params)
         block.matched = matched  # 0: the last token again (how likely it is right: schedule.acceptance)
         return block

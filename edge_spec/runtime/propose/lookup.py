@@ -22,6 +22,6 @@ class PromptLookup(SequenceProposer):
 
     def propose(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock:
         drafts, matched = self.context.ngrams.match(committed, min(rule.gamma, room), min_n=LOOKUP_MIN_N)
-        block = point_mass_block(self.name, drafts, rule.params, self.context.vocab_size)
+        block = point_mass_block(self.name, drafts, rule.params)
         block.matched = matched
         return block

@@ -60,10 +60,10 @@ class SuffixDrafts(SequenceProposer):
         self.rules.settle(committed)
         self.rules.offer(len(committed), found.tokens, latest)
         if latest and (self.rules.prefers_latest() or not found.tokens):  # see ``copy_rules``
-            block = point_mass_block(self.name, latest, rule.params, self.context.vocab_size)
+            block = point_mass_block(self.name, latest, rule.params)
             block.matched = latest_matched
             return block
-        block = point_mass_block(self.name, found.tokens, rule.params, self.context.vocab_size)
+        block = point_mass_block(self.name, found.tokens, rule.params)
         block.confidences = found.shares[: len(block.tokens)]
         block.matched, block.cached = found.matched, found.cached
         if self.cache is not None and found.positions:

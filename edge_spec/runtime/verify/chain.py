@@ -9,7 +9,15 @@ token.  That guarantee only holds if
   :func:`~edge_spec.runtime.verify.sampling.logits_to_probs` settings, and
 * ``draft_probs[i]`` is the distribution draft ``i`` was *actually* sampled
   from (full vocabulary; zero outside a reduced drafter head, see
-  :func:`~edge_spec.runtime.verify.sampling.scatter_probs`).
+  :func:`~edge_spec.runtime.verify.sampling.scatter_probs`), or None for a
+  point mass on draft ``i`` (a draft that is a function of the prefix:
+  lookup, the suffix cache, forced tokens), which is never written out as a
+  150k-entry row.
+
+:func:`verify_chain` turns the target's logits into probabilities one row at a
+time and stops at the first rejection: the rows after it are never needed, and
+(γ + 1) x V float64 matrices of 40 MB at γ = 32 would cost more than the
+arithmetic (fresh pages on every round).
 
 Row convention: ``target_*[i]`` is the target's prediction for the token
 after the prefix plus the first ``i`` drafts, so there are ``γ + 1`` rows for
@@ -18,13 +26,13 @@ after the prefix plus the first ``i`` drafts, so there are ``γ + 1`` rows for
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from edge_spec.runtime.verify.coupled import verify_coupled
-from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample
+from edge_spec.runtime.verify.sampling import SamplingParams, row_peaks, row_probs, sample
 
 # Below this residual mass, max(0, p - q) is rounding noise rather than a
 # distribution (float64 sums over ~150k entries carry ~1e-11 error).  A
@@ -62,7 +70,7 @@ def verify_greedy(draft_tokens: Sequence[int], target_logits: np.ndarray) -> Ver
 
 def verify_speculative(
     draft_tokens: Sequence[int],
-    draft_probs: np.ndarray,
+    draft_probs: np.ndarray | Sequence[np.ndarray | None],
     target_probs: np.ndarray,
     rng: np.random.Generator,
 ) -> VerifyResult:
@@ -89,27 +97,49 @@ def verify_speculative(
     and the output would no longer follow the target.
     """
     drafts = _token_list(draft_tokens)
-    gamma = len(drafts)
-    q = np.asarray(draft_probs)
     p = np.asarray(target_probs)
-    _check_rows("target_probs", p, gamma + 1)
-    _check_rows("draft_probs", q, gamma)
-    if q.shape[-1] != p.shape[-1]:
-        raise ValueError(f"draft_probs vocab {q.shape[-1]} != target_probs vocab {p.shape[-1]}")
-    _check_token_range(drafts, p.shape[-1])
+    _check_rows("target_probs", p, len(drafts) + 1)
+    return _rejection(drafts, _q_rows(draft_probs, len(drafts), p.shape[-1]), p.__getitem__, p.shape[-1], rng)
 
-    uniforms = rng.random(gamma).tolist()
+
+def _q_rows(draft_probs, gamma: int, vocab: int) -> list[np.ndarray | None]:
+    if isinstance(draft_probs, np.ndarray):
+        _check_rows("draft_probs", draft_probs, gamma)
+        rows = list(draft_probs)
+    else:
+        rows = list(draft_probs)
+        if len(rows) != gamma:
+            raise ValueError(f"draft_probs must have {gamma} rows, got {len(rows)}")
+    for row in rows:
+        if row is not None and np.shape(row)[-1] != vocab:
+            raise ValueError(f"draft_probs vocab {np.shape(row)[-1]} != target_probs vocab {vocab}")
+    return rows
+
+
+def _rejection(
+    drafts: list[int],
+    q_rows: list[np.ndarray | None],
+    target_row: Callable[[int], np.ndarray],
+    vocab: int,
+    rng: np.random.Generator,
+) -> VerifyResult:
+    """:func:`verify_speculative` on rows asked for one at a time (``target_row(i)``: p_i), in order,
+    none past the first rejection."""
+    _check_token_range(drafts, vocab)
+    uniforms = rng.random(len(drafts)).tolist()
     for i, token in enumerate(drafts):
-        q_x = float(q[i, token])
+        q_row = q_rows[i]
+        q_x = 1.0 if q_row is None else float(q_row[token])
         if q_x <= 0.0:
             raise ValueError(
                 f"draft {i} (token {token}) has zero drafter probability; "
                 "draft_probs must be the distribution it was sampled from"
             )
-        if not _accept(uniforms[i], float(p[i, token]), q_x):
-            correction = sample(residual_distribution(p[i], q[i]), rng)
+        p_row = target_row(i)
+        if not _accept(uniforms[i], float(p_row[token]), q_x):
+            correction = sample(residual_distribution(p_row, q_row, token), rng)
             return VerifyResult(i, drafts[:i] + [correction])
-    return VerifyResult(gamma, drafts + [sample(p[gamma], rng)])
+    return VerifyResult(len(drafts), drafts + [sample(target_row(len(drafts)), rng)])
 
 
 def _accept(u: float, p_x: float, q_x: float) -> bool:
@@ -117,8 +147,9 @@ def _accept(u: float, p_x: float, q_x: float) -> bool:
     return u * q_x < p_x
 
 
-def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """``norm(max(0, p - q))``: what to sample after a rejection.
+def residual_distribution(p: np.ndarray, q: np.ndarray | None, token: int | None = None) -> np.ndarray:
+    """``norm(max(0, p - q))``: what to sample after a rejection (``q`` None: a point mass on
+    ``token``, whose residual is ``p`` without ``token``: the same array, entry for entry).
 
     It puts mass exactly where the target wants more than the drafter
     offered, which is what makes the overall output follow ``p``.  A
@@ -128,7 +159,11 @@ def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     is safe).
     """
     p64 = np.asarray(p, dtype=np.float64)
-    residual = p64 - np.asarray(q, dtype=np.float64)
+    if q is None:
+        residual = p64.copy()
+        residual[token] = 0.0  # p(token) - 1 <= 0: a rejected point mass had p(token) < 1
+    else:
+        residual = p64 - np.asarray(q, dtype=np.float64)
     np.maximum(residual, 0.0, out=residual)
     mass = float(residual.sum())
     if not mass > RESIDUAL_MIN_MASS:
@@ -167,5 +202,8 @@ def verify_chain(
         return verify_greedy(drafts, rows)
     if params.coupled:
         return VerifyResult(*verify_coupled(drafts, rows, params, position))
-    q = np.array(q_rows) if q_rows else np.zeros((0, rows.shape[-1]))
-    return verify_speculative(drafts, q, logits_to_probs(rows, params), rng)
+    drafts = _token_list(drafts)
+    _check_rows("target_logits", rows, len(drafts) + 1)
+    peaks = row_peaks(rows)  # every row checked, as a whole-matrix conversion would, before any is used
+    q = _q_rows(q_rows, len(drafts), rows.shape[-1])
+    return _rejection(drafts, q, lambda i: row_probs(rows[i], peaks[i], params), rows.shape[-1], rng)

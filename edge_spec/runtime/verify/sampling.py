@@ -161,9 +161,7 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if x.ndim not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"logits must be 1-D or 2-D with a non-empty last axis, got shape {x.shape}")
     rows = x.reshape(-1, x.shape[-1])
-    row_max = rows.max(axis=-1)
-    if not np.all(np.isfinite(row_max)):
-        raise NonFiniteLogits("every logits row needs a finite maximum (no NaN or +inf, not all -inf)")
+    row_max = row_peaks(rows)
 
     out = np.zeros(rows.shape, dtype=np.float64)
     if params.greedy:
@@ -172,6 +170,23 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         for row, peak, dest in zip(rows, row_max, out):
             _row_probs(row, float(peak), params, dest)
     return out.reshape(x.shape)
+
+
+def row_peaks(rows: np.ndarray) -> np.ndarray:
+    """Each row's maximum logit; raises :class:`NonFiniteLogits` where one is NaN, +inf or -inf (a row
+    no distribution can be built from: damaged weights), before any of them is used."""
+    row_max = rows.max(axis=-1)
+    if not np.all(np.isfinite(row_max)):
+        raise NonFiniteLogits("every logits row needs a finite maximum (no NaN or +inf, not all -inf)")
+    return row_max
+
+
+def row_probs(row: np.ndarray, peak: float, params: SamplingParams) -> np.ndarray:
+    """One sampled row's distribution (float64), given its :func:`row_peaks` value: the row
+    :func:`logits_to_probs` gives, bit for bit, for a verifier that needs rows one at a time."""
+    dest = np.zeros(row.shape[-1], dtype=np.float64)
+    _row_probs(row, float(peak), params, dest)
+    return dest
 
 
 def _row_probs(row: np.ndarray, peak: float, params: SamplingParams, dest: np.ndarray) -> None:
