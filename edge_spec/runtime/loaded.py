@@ -181,11 +181,12 @@ class LoadedBundle:
         refine it, and the cached profile after each request (:meth:`correct_costs`)."""
         max_tokens = max(config.gamma + 1, 2)
         fits = (self.target.capacity - 2) // 2  # a draft of γ and its verify pass need the room
-        if getattr(config, "adaptive", False) and REACH_FLOOR + 1 <= fits < max_tokens:
+        adaptive = getattr(config, "adaptive", False)
+        if adaptive and REACH_FLOOR + 1 <= fits < max_tokens:
             # an adaptive ceiling is only a ceiling: rounds never draft past the room the context has left
             max_tokens = fits
         if max_tokens > fits:
-            least = min(max_tokens, REACH_FLOOR + 1) if getattr(config, "adaptive", False) else max_tokens
+            least = min(max_tokens, REACH_FLOOR + 1) if adaptive else max_tokens
             raise EdgeSpecError(
                 f"a context of {self.target.capacity} tokens is too short for speculative decoding "
                 f"with drafts of up to {least - 1} tokens: give a context of at least "

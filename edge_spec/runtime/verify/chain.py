@@ -105,11 +105,9 @@ def verify_speculative(
 def _q_rows(draft_probs, gamma: int, vocab: int) -> list[np.ndarray | None]:
     if isinstance(draft_probs, np.ndarray):
         _check_rows("draft_probs", draft_probs, gamma)
-        rows = list(draft_probs)
-    else:
-        rows = list(draft_probs)
-        if len(rows) != gamma:
-            raise ValueError(f"draft_probs must have {gamma} rows, got {len(rows)}")
+    rows = list(draft_probs)
+    if len(rows) != gamma:
+        raise ValueError(f"draft_probs must have {gamma} rows, got {len(rows)}")
     for row in rows:
         if row is not None and np.shape(row)[-1] != vocab:
             raise ValueError(f"draft_probs vocab {np.shape(row)[-1]} != target_probs vocab {vocab}")
