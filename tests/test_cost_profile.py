@@ -15,6 +15,7 @@ from edge_spec.manifest import read_manifest
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model import row_invariance
 from edge_spec.runtime.schedule import cost_profile
+from edge_spec.runtime.schedule.policy import CostModel
 from tests.helpers import chain
 
 
@@ -614,3 +615,12 @@ def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, cap
         # the exactness verdicts: read from the cache without checking, or not there yet
         assert (engine.loaded.exact_available(check=False) is not None) == measure
         assert ("greedy" in engine.schedule_memory().calibrations) == measure
+
+
+def test_the_cost_model_prices_sizes_past_a_profile_as_the_profile_would():
+    """A ceiling raised after the profile was taken: the cost model reads the sizes the profile lacks
+    on the same line the profile would have drawn to them."""
+    timed = {n: INTEL[n] / 1e3 for n in cost_profile.quick_rows(17)}
+    longer = cost_profile.interpolate(timed, 33)
+    shorter = CostModel(draft=0.014, verify=cost_profile.interpolate(timed, 17))
+    assert [shorter.verify_cost(n) for n in range(1, 34)] == pytest.approx([longer[n] for n in range(1, 34)])

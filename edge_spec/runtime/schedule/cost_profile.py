@@ -48,6 +48,7 @@ import onnxruntime as ort
 from edge_spec.files import write_text_atomic
 from edge_spec.paths import cache_root
 from edge_spec.runtime.model import huge_pages
+from edge_spec.runtime.schedule.curve import latency_at
 
 PROFILE_VERSION = 9  # 9: quick profiles (a few row counts timed once, the rest estimated, refined live)
 QUICK_LENGTH = 32  # cache length the quick profile times its passes at (its warm-up pass fills it)
@@ -228,29 +229,15 @@ def measure(target, drafter, max_tokens: int) -> CostProfile:
 def interpolate(timed: dict[int, float], max_tokens: int) -> dict[int, float]:
     """Latencies for 1..``max_tokens`` rows from those ``timed``: first each timed one lowered to the
     cheapest timed at as many rows or more (a pass over more rows never costs less: a dearer one was
-    slowed by something else), then straight lines between them, so the curve is non-decreasing and
-    exact at every timed point that needed no lowering.  Past the largest timed count the last segment
-    goes on (each row there costs what the last timed rows did): flat would make long drafts look free."""
-    sizes = sorted(timed)
+    slowed by something else), then read as the cost model reads any curve (``curve.latency_at``:
+    straight lines between, the last segment continued past the largest timed count), so the curve is
+    non-decreasing and exact at every timed point that needed no lowering."""
     floor = {}
     cheapest = float("inf")
-    for n in reversed(sizes):
+    for n in sorted(timed, reverse=True):
         cheapest = min(cheapest, timed[n])
         floor[n] = cheapest
-    out = {}
-    for n in range(1, max_tokens + 1):
-        below = [k for k in sizes if k <= n]
-        above = [k for k in sizes if k >= n]
-        if below and above:
-            lo, hi = below[-1], above[0]
-            out[n] = floor[lo] if lo == hi else floor[lo] + (n - lo) / (hi - lo) * (floor[hi] - floor[lo])
-        elif above:
-            out[n] = floor[above[0]]
-        else:
-            lo, hi = (sizes[-2], sizes[-1]) if len(sizes) > 1 else (sizes[-1], sizes[-1])
-            slope = (floor[hi] - floor[lo]) / (hi - lo) if hi > lo else 0.0
-            out[n] = floor[hi] + (n - hi) * slope
-    return out
+    return {n: latency_at(floor, n) for n in range(1, max_tokens + 1)}
 
 
 CPU_CLOCK_SPAN = 1.0  # seconds: over less, the kernel's 10 ms ticks say nothing about a share

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge_spec.runtime.schedule.acceptance import RequestAcceptance
+from edge_spec.runtime.schedule.curve import latency_at
 
 
 @dataclass
@@ -48,27 +49,8 @@ class CostModel:
     overhead: float = 0.0  # what every round spends outside the models (``RoundOverhead``)
 
     def verify_cost(self, n: int) -> float:
-        """Measured latency for n new tokens; between measurements interpolate linearly, past them
-        extend the last measured step (the curve's slope at its end)."""
-        if n in self.verify:
-            return self.verify[n]
-        known = sorted(self.verify)
-        if not known:
-            raise ValueError("cost model has no verify measurements")
-        below = [k for k in known if k < n]
-        above = [k for k in known if k > n]
-        if below and above:
-            lo, hi = below[-1], above[0]
-            return self.verify[lo] + (n - lo) / (hi - lo) * (self.verify[hi] - self.verify[lo])
-        if not below:
-            return self.verify[known[0]]
-        last = known[-1]
-        step = (
-            (self.verify[last] - self.verify[known[-2]]) / (last - known[-2])
-            if len(known) > 1
-            else 0.25 * self.verify[last]
-        )
-        return self.verify[last] + (n - last) * max(step, 0.0)
+        """The latency of a pass over n new tokens (``curve.latency_at``: the same rule as the profile's)."""
+        return latency_at(self.verify, n)
 
     def round_cost(self, gamma: int, guessed: bool = False) -> float:
         """``guessed``: a draft-less round whose pass carries a guess in a second row."""
