@@ -351,7 +351,7 @@ class Ours:
         from edge_spec.runtime.engine import Engine
         from edge_spec.runtime.loops.config import loop_config
 
-        chain = loop_config("spec", lookup=False)
+        chain = loop_config("spec", lookup=False, **({} if args.gamma is None else {"gamma": args.gamma}))
         self.engine = Engine.from_bundle(args.bundle, threads=args.threads, config=chain)
         self.baseline = Engine.from_bundle(args.bundle, threads=args.threads, mode="ar")
         self.modes = modes_for(
@@ -448,6 +448,7 @@ def main() -> None:
         "re-quantize the dequantized GGUFs to int4, as an export with --gguf-blocks none does",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gamma", type=int, help="our schedule's ceiling on drafts per round (default: edge-spec's)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=Path, action="append", help="prompt files (default: bench + low-acceptance)")
     parser.add_argument("--category", action="append", default=[], help="only these categories (repeatable)")
@@ -584,6 +585,7 @@ def main() -> None:
                 "threads": args.threads,
                 "new_tokens": args.new_tokens,
                 "k": args.k,
+                "gamma": args.gamma,
                 "repeats": args.repeats,
                 "peers": {p: w.info for p, w in workers.items()},
                 "openvino_export": OV_EXPORT_ARGS,
