@@ -187,7 +187,7 @@ def _check_token_range(tokens: list[int], vocab_size: int) -> None:
 
 def verify_chain(
     drafts: list[int],
-    q_rows: list[np.ndarray],
+    q_rows: list[np.ndarray | None],
     rows: np.ndarray,
     params: SamplingParams,
     rng: np.random.Generator,
