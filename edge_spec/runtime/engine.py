@@ -18,7 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.constrain import Constraint, GrammarVocabulary, grammar_for
+from edge_spec.runtime.constrain import (
+    Constraint,
+    GrammarVocabulary,
+    grammar_for,
+    schema_instruction,
+    with_instruction,
+)
 from edge_spec.runtime.loaded import BundleFiles, LoadedBundle, LoadOptions, drafter_name
 from edge_spec.runtime.logprobs import ChunkLogprobs, LogprobRecorder, TokenLogprob
 from edge_spec.runtime.loops import check_constraint, generate_tokens
@@ -323,17 +329,23 @@ class Engine:
             )
 
     def prompt_ids(
-        self, prompt: str | list[Message], check_length: bool = True, tools: list[dict] | None = None
+        self,
+        prompt: str | list[Message],
+        check_length: bool = True,
+        tools: list[dict] | None = None,
+        response_format: dict | None = None,
     ) -> list[int]:
         """Token ids of a raw prompt or of chat messages through the chat template, which gets ``tools``
-        (OpenAI's function schemas) when given (``check_length``: refuse a prompt that leaves no room in
-        the context for an answer)."""
+        (OpenAI's function schemas) when given and a JSON schema ``response_format`` as a system
+        instruction (``constrain.instruction``: the model is told the format it is held to);
+        ``check_length``: refuse a prompt that leaves no room in the context for an answer."""
         if isinstance(prompt, str):
             if tools:
                 raise EdgeSpecError("tools need chat messages, not a raw prompt")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = self.tokenizer.encode_chat(list(prompt), tools=tools)
+            messages = with_instruction(list(prompt), schema_instruction(response_format))
+            ids = self.tokenizer.encode_chat(messages, tools=tools)
         if not ids:
             raise EdgeSpecError("empty prompt")
         if check_length and len(ids) >= self.target.capacity:
@@ -530,8 +542,8 @@ class Engine:
         mode = config.mode
         if max_new_tokens < 1:
             raise EdgeSpecError("max_new_tokens must be at least 1")
-        ids = self.prompt_ids(prompt, tools=tools)
         constraint = self.constraint_for(response_format, config)
+        ids = self.prompt_ids(prompt, tools=tools, response_format=response_format)
         exact_passes = self.exact_for(mode, exact, params.deterministic)
         self.target.min_rows = self.loaded.pass_rows(mode) if exact_passes else 1
         # the rows of a round without drafts or guess

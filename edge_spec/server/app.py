@@ -264,7 +264,7 @@ async def _answer(
             param="logprobs",
         )
     tools = tool_use.tools if tool_use is not None else None
-    await _check_length(state, prompt, "messages" if kind == "chat" else "prompt", tools)
+    await _check_length(state, prompt, "messages" if kind == "chat" else "prompt", tools, sampling.response_format)
     engine = state.worker.engine
     sampling = sampling.resolved(coupled_available=not isinstance(engine.config, TreeConfig))
     form = ResponseFormat(
@@ -324,7 +324,11 @@ async def _answer(
 
 
 async def _check_length(
-    state: ServerState, prompt: str | list[dict], param: str, tools: list[dict] | None = None
+    state: ServerState,
+    prompt: str | list[dict],
+    param: str,
+    tools: list[dict] | None = None,
+    response_format: dict | None = None,
 ) -> None:
     """400 with the token counts when the prompt leaves no room for an answer (checked before queueing;
     the tokenizer is safe to use beside the worker thread).  Lower bounds come first (:mod:`prompt_size`),
@@ -336,14 +340,18 @@ async def _check_length(
             floor = await asyncio.to_thread(state.floor.by_tokenizing, prompt)
         if floor >= capacity:
             raise _too_long(capacity, floor, param, exact=False)
-    count = await asyncio.to_thread(_count_tokens, state, prompt, param, tools)
+    count = await asyncio.to_thread(_count_tokens, state, prompt, param, tools, response_format)
     if count >= capacity:
         raise _too_long(capacity, count, param, exact=True)
 
 
-def _count_tokens(state: ServerState, prompt: str | list[dict], param: str, tools: list[dict] | None) -> int:
+def _count_tokens(
+    state: ServerState, prompt: str | list[dict], param: str, tools: list[dict] | None, response_format: dict | None
+) -> int:
     try:
-        return len(state.worker.engine.prompt_ids(prompt, check_length=False, tools=tools))
+        return len(
+            state.worker.engine.prompt_ids(prompt, check_length=False, tools=tools, response_format=response_format)
+        )
     except EdgeSpecError as exc:  # empty prompt, chat template refusing the messages
         raise bad_request(str(exc), param=param) from None
 

@@ -5,11 +5,21 @@ next (:meth:`Constraint.allowed`), which tokens the grammar forces (:meth:`Const
 takes tokens back when drafts are rejected (:meth:`Constraint.rollback`).  The grammar engine is
 llguidance; its tokenizer side (:class:`GrammarVocabulary`) is built once per bundle.  This layer knows
 nothing of models, proposers or loops: the loops mask the target's rows with it, the drafters their
-proposals, and the forced tokens are a proposer of their own (``propose.forced``).
+proposals, and the forced tokens are a proposer of their own (``propose.forced``).  A JSON schema is
+also shown to the model, as one system instruction (:mod:`instruction`).
 """
 
 from edge_spec.runtime.constrain.constraint import Constraint, ConstraintViolation
 from edge_spec.runtime.constrain.grammar import RESPONSE_FORMATS, grammar_for
+from edge_spec.runtime.constrain.instruction import schema_instruction, with_instruction
 from edge_spec.runtime.constrain.vocabulary import GrammarVocabulary
 
-__all__ = ["Constraint", "ConstraintViolation", "GrammarVocabulary", "RESPONSE_FORMATS", "grammar_for"]
+__all__ = [
+    "Constraint",
+    "ConstraintViolation",
+    "GrammarVocabulary",
+    "RESPONSE_FORMATS",
+    "grammar_for",
+    "schema_instruction",
+    "with_instruction",
+]
