@@ -432,7 +432,8 @@ class Engine:
         of the seed alone, the same in every mode (``SamplingParams``).  ``response_format`` (OpenAI's
         shape: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
         see ``constrain.grammar``) constrains the answer to it, losslessly in ar and one-chain spec
-        mode (refused elsewhere, in one line).  ``tools`` (OpenAI's function schemas) go to the chat
+        mode (refused elsewhere, in one line); a JSON schema is also shown to the model when the prompt
+        is chat messages (``constrain.instruction``).  ``tools`` (OpenAI's function schemas) go to the chat
         template, which tells the model how to call them.  ``on_sources(pieces)`` is called before each
         text chunk is yielded with where its text came from, token by token: ``[[text, source], ...]``
         joining to the chunk, source "target" or the proposer of an accepted draft ("model", "lookup",
