@@ -90,3 +90,31 @@ def test_the_server_counts_the_instruction_in_the_prompt(engine):
         plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, temperature=0)
     assert told.usage.prompt_tokens == len(engine.prompt_ids(CHAT, response_format=FORMAT))
     assert plain.usage.prompt_tokens == len(engine.prompt_ids(CHAT))
+
+
+def test_the_instruction_goes_into_the_first_user_message_where_the_template_refuses_a_system_one():
+    told = with_instruction([{"role": "user", "content": "Hi"}], "INSTRUCTION", into_user=True)
+    assert told == [{"role": "user", "content": "INSTRUCTION\n\nHi"}]
+
+
+REFUSES_SYSTEM = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_without_a_system_role_reads_the_schema_in_the_user_message(engine, tmp_path, monkeypatch):
+    from edge_spec.errors import EdgeSpecError
+    from edge_spec.runtime.text import TextTokenizer
+
+    (tmp_path / "tokenizer.json").write_bytes((engine.bundle_dir / "tokenizer.json").read_bytes())
+    config = json.loads((engine.bundle_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": REFUSES_SYSTEM}))
+    refusing = TextTokenizer(tmp_path)
+    monkeypatch.setattr(engine.loaded, "tokenizer", refusing)
+    told = engine.prompt_ids(CHAT, response_format=FORMAT)
+    assert told == refusing.encode_chat(with_instruction(CHAT, schema_instruction(FORMAT), into_user=True))
+    with pytest.raises(EdgeSpecError, match="System role not supported"):  # the caller's own system message
+        engine.prompt_ids([{"role": "system", "content": "Be brief."}, *CHAT], response_format=FORMAT)

@@ -344,13 +344,25 @@ class Engine:
                 raise EdgeSpecError("tools need chat messages, not a raw prompt")
             ids = self.tokenizer.encode(prompt)
         else:
-            messages = with_instruction(list(prompt), schema_instruction(response_format))
-            ids = self.tokenizer.encode_chat(messages, tools=tools)
+            ids = self._encode_chat_told(list(prompt), schema_instruction(response_format), tools)
         if not ids:
             raise EdgeSpecError("empty prompt")
         if check_length and len(ids) >= self.target.capacity:
             raise EdgeSpecError(f"prompt is {len(ids)} tokens, longer than the context length {self.target.capacity}")
         return ids
+
+    def _encode_chat_told(
+        self, messages: list[Message], instruction: str | None, tools: list[dict] | None
+    ) -> list[int]:
+        """``messages`` through the chat template with ``instruction`` as system text, or in the first user
+        message where the template refuses the system message it would be (Gemma 2's, older Mistral's)."""
+        told = with_instruction(messages, instruction)
+        try:
+            return self.tokenizer.encode_chat(told, tools=tools)
+        except EdgeSpecError:
+            if instruction is None or (messages and messages[0].get("role") == "system"):
+                raise  # nothing added, or the conversation's own system message is what the template refuses
+            return self.tokenizer.encode_chat(with_instruction(messages, instruction, into_user=True), tools=tools)
 
     def fit_messages(self, messages: list[Message], reserve: int) -> tuple[list[Message], int]:
         """The latest part of a conversation whose prompt leaves ``reserve`` tokens of the context for

@@ -4,8 +4,8 @@ OpenAI documents ``json_schema.description`` as "used by the model to determine 
 format": the model is told the format, not only held to it.  A grammar alone forces the keys but leaves
 the model guessing what they are for and how long a list should run: a greedy answer can then fill an
 array until ``max_tokens`` and never close it.  So a chat request with a JSON schema gets one system
-instruction naming the schema (its name and description too); the grammar still decides what may be
-emitted.  ``json_object``, ``regex`` and ``lark`` formats add nothing (OpenAI asks the caller to say
+instruction naming the schema (its name and description too), or the first user message where the chat
+template refuses a system message; the grammar still decides what may be emitted.  ``json_object``, ``regex`` and ``lark`` formats add nothing (OpenAI asks the caller to say
 "JSON" in the messages for ``json_object``), nor do raw-text prompts, which the caller writes whole.
 """
 
@@ -34,12 +34,19 @@ def schema_instruction(response_format: dict | None) -> str | None:
     return "\n".join(lines)
 
 
-def with_instruction(messages: list[Message], instruction: str | None) -> list[Message]:
+def with_instruction(messages: list[Message], instruction: str | None, into_user: bool = False) -> list[Message]:
     """``messages`` with ``instruction`` at the end of the leading system message (one is added in front
-    where there is none), so every chat template places it where it places system text; the caller's
-    list is left as it was."""
+    where there is none), so every chat template places it where it places system text; ``into_user``:
+    in front of the first user message instead, for templates that refuse a system message.  The
+    caller's list is left as it was."""
     if not instruction:
         return messages
+    if into_user:
+        for index, message in enumerate(messages):
+            if message.get("role") == "user" and isinstance(message.get("content"), str):
+                joined = f"{instruction}\n\n{message['content']}"
+                return [*messages[:index], {**message, "content": joined}, *messages[index + 1 :]]
+        return [{"role": "user", "content": instruction}, *messages]
     if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
         system = messages[0]["content"]
         joined = f"{system.rstrip()}\n\n{instruction}" if system.strip() else instruction
