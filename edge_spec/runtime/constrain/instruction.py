@@ -5,15 +5,14 @@ format": the model is told the format, not only held to it.  A grammar alone for
 the model guessing what they are for and how long a list should run: a greedy answer can then fill an
 array until ``max_tokens`` and never close it.  So a chat request with a JSON schema gets one system
 instruction naming the schema (its name and description too), or the first user message where the chat
-template refuses a system message; the grammar still decides what may be emitted.  ``json_object``, ``regex`` and ``lark`` formats add nothing (OpenAI asks the caller to say
-"JSON" in the messages for ``json_object``), nor do raw-text prompts, which the caller writes whole.
+template refuses a system message; the grammar still decides what may be emitted.  ``json_object``,
+``regex`` and ``lark`` formats add nothing (OpenAI asks the caller to say "JSON" in the messages for
+``json_object``), nor do raw-text prompts, which the caller writes whole.
 """
 
 from __future__ import annotations
 
 import json
-
-Message = dict
 
 
 def schema_instruction(response_format: dict | None) -> str | None:
@@ -34,7 +33,7 @@ def schema_instruction(response_format: dict | None) -> str | None:
     return "\n".join(lines)
 
 
-def with_instruction(messages: list[Message], instruction: str | None, into_user: bool = False) -> list[Message]:
+def with_instruction(messages: list[dict], instruction: str | None, into_user: bool = False) -> list[dict]:
     """``messages`` with ``instruction`` at the end of the leading system message (one is added in front
     where there is none), so every chat template places it where it places system text; ``into_user``:
     in front of the first user message instead, for templates that refuse a system message.  The
