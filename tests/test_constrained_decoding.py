@@ -381,16 +381,16 @@ def test_masking_the_drafter_alone_lets_disallowed_tokens_through(engine, vocabu
 
 def test_engine_response_format_spec_equals_ar_and_parses(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(3))
-    messages = "def is_prime"  # raw text: chat messages would carry the schema too, past this model's context
-    spec = engine.complete(messages, max_new_tokens=80, response_format=FORMAT)
+    prompt = "def is_prime"  # raw text: chat messages would carry the schema too, past this model's context
+    spec = engine.complete(prompt, max_new_tokens=80, response_format=FORMAT)
     assert spec.stats.stop_reason == "eos"
     assert conforms(json.loads(spec.text), SCHEMA)
-    ar = engine.complete(messages, max_new_tokens=80, response_format=FORMAT, mode="ar")
+    ar = engine.complete(prompt, max_new_tokens=80, response_format=FORMAT, mode="ar")
     assert spec.token_ids == ar.token_ids
     assert spec.stats.spec.tally("forced").accepted > 0
-    plain = engine.complete(messages, max_new_tokens=30)
+    plain = engine.complete(prompt, max_new_tokens=30)
     assert plain.token_ids != spec.token_ids
-    obj = engine.complete(messages, max_new_tokens=60, response_format={"type": "json_object"}, temperature=0.8, seed=3)
+    obj = engine.complete(prompt, max_new_tokens=60, response_format={"type": "json_object"}, temperature=0.8, seed=3)
     assert obj.text.startswith("{")
 
 
