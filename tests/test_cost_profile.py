@@ -237,6 +237,9 @@ def test_verify_rows_profile_splits_every_row_count_by_bit_width(int4_bundle):
     for groups in profile.groups.values():
         assert any(group.endswith("/4bit") for group in groups), groups
         assert "MatMulNBits" not in groups  # every matmul is attributed to its role and bits
+    long_cache = profile_rows(onnx_path, threads=1, steps=2, rows=[1, 4], prompt_tokens=200)
+    assert sorted(long_cache.walls) == [1, 4]  # only the row counts asked for, after a 200-token prompt
+    assert all(len(walls) == 2 for walls in long_cache.walls.values())
 
 
 # --- the quick profile ---------------------------------------------------------------------------------

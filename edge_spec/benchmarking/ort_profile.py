@@ -13,6 +13,7 @@ import json
 import re
 import tempfile
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,16 +97,18 @@ class RowProfile:
     groups: dict[int, dict[str, float]]
 
 
-def profile_rows(onnx_path: Path, threads: int, steps: int, rows: int, prompt_tokens: int = 60) -> RowProfile:
-    """Profile the target ``onnx_path`` over passes of 1..``rows`` tokens after a ``prompt_tokens`` prompt,
-    the row counts taking turns ``steps`` times and each pass rolled back (so every pass sees the same
-    context, and a drift of the machine reaches every row count alike).  A node's time is the median of
-    its calls, since single calls spike on a shared machine; MatMulNBits nodes are grouped by role and
-    bit width (``down/8bit``), the others by op type."""
-    decoder = profiled_decoder(onnx_path, threads)
+def profile_rows(
+    onnx_path: Path, threads: int, steps: int, rows: int | Sequence[int], prompt_tokens: int = 60
+) -> RowProfile:
+    """Profile the target ``onnx_path`` over passes of 1..``rows`` tokens (or of each row count in ``rows``)
+    after a ``prompt_tokens`` prompt, the row counts taking turns ``steps`` times and each pass rolled back
+    (so every pass sees the same context, and a drift of the machine reaches every row count alike).  A
+    node's time is the median of its calls, since single calls spike on a shared machine; MatMulNBits nodes
+    are grouped by role and bit width (``down/8bit``), the others by op type."""
+    row_counts = range(1, rows + 1) if isinstance(rows, int) else sorted(set(rows))
+    decoder = profiled_decoder(onnx_path, threads, capacity=max(4096, prompt_tokens + max(row_counts) + 1))
     decoder.reset()
     decoder.forward(list(range(100, 100 + prompt_tokens)))
-    row_counts = range(1, rows + 1)
     order = []
     for step in range(steps):
         for n in row_counts:
