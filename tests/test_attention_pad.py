@@ -99,8 +99,11 @@ def test_a_long_probe_cache_repeats_the_computed_positions(graphs, monkeypatch):
     )
     padded.reset()
     assert one_row_passes_match(padded, lengths=(6, 30), tokens=4) == direct
-    # one pass seeds both caches (the 30-position one is the 6-position one's, copied on); then each probe's cuts
-    assert sorted(passes) == sorted([6] + [4, 1, 1, 1, 1, 2, 2] * 2)
+    # one pass seeds both caches (the 30-position one is the 6-position one's, copied on); then each probe's
+    # cuts, or, where this CPU's one-row kernels round differently (AVX2), the first probe's reference and
+    # its one-row cut, which already decide
+    expected = [6] + [4, 1, 1, 1, 1, 2, 2] * 2 if direct else [6, 4, 1, 1, 1, 1]
+    assert sorted(passes) == sorted(expected)
     assert not one_row_passes_match(PerturbedOneRow(padded), lengths=(30,), tokens=3)
 
 
