@@ -11,9 +11,14 @@ a verify pass carries:
 * the attention maths alone written as one ``MatMul`` per KV head with the g query heads as g rows
   (``softmax(q Kᵀ) V`` over exactly the context's keys): the cost of reading each KV head once.
 
+* a drop-in replacement: ``GroupQueryAttention`` with the KV heads as its only query heads (it applies the
+  rotary embedding and writes the new key and value into the buffer, at a sixth of the full op's attention
+  work), then the grouped ``MatMul`` attention over the whole buffer with a mask (ONNX cannot slice a
+  buffer without copying it, so the maths runs over the buffer's capacity, not the context).
+
 The second leaves out what the fused op also does (rotary embedding, writing the new key and value into the
-cache, causal masking over several new rows), so it bounds what regrouping could save; it is not a drop-in
-replacement.
+cache, causal masking over several new rows), so it bounds what regrouping could save; the third is what a
+graph could run instead.
 
     python benchmarks/studies/gqa_grouping.py --threads 2
 """
@@ -90,6 +95,68 @@ def grouped_model() -> bytes:
     return _model(nodes, inputs, outputs)
 
 
+def dropin_model(capacity: int) -> bytes:
+    """``LAYERS`` times: GQA with ``KV_HEADS`` query heads writing the shared buffers, then the grouped maths over
+    the whole buffer (``mask``: 0 where a row may look, -inf elsewhere)."""
+    value = helper.make_tensor_value_info
+    inputs = [
+        value("q", TensorProto.FLOAT, [1, "rows", HEADS * HEAD_DIM]),
+        value("k", TensorProto.FLOAT, [1, "rows", KV_HEADS * HEAD_DIM]),
+        value("v", TensorProto.FLOAT, [1, "rows", KV_HEADS * HEAD_DIM]),
+        value("seqlens_k", TensorProto.INT32, [1]),
+        value("total", TensorProto.INT32, []),
+        value("mask", TensorProto.FLOAT, [1, 1, "group_rows", capacity]),
+    ]
+    shapes = {  # query heads grouped by their KV head: [1, rows, KV, GROUP, D] <-> [1, KV, rows * GROUP, D]
+        "by_head": [1, -1, KV_HEADS, GROUP, HEAD_DIM],
+        "grouped": [1, KV_HEADS, -1, HEAD_DIM],
+        "by_kv_head": [1, KV_HEADS, -1, GROUP, HEAD_DIM],
+        "flat": [1, -1, HEADS * HEAD_DIM],
+    }
+    initializers = [helper.make_tensor(name, TensorProto.INT64, [len(v)], v) for name, v in shapes.items()]
+    nodes = [
+        helper.make_node("Reshape", ["q", "by_head"], ["q_heads"]),
+        helper.make_node("Transpose", ["q_heads"], ["q_kv_first"], perm=[0, 2, 1, 3, 4]),
+        helper.make_node("Reshape", ["q_kv_first", "grouped"], ["q_grouped"]),
+    ]
+    outputs, cache = [], [1, KV_HEADS, capacity, HEAD_DIM]
+    for i in range(LAYERS):
+        inputs += [value(f"past_k{i}", TensorProto.FLOAT, cache), value(f"past_v{i}", TensorProto.FLOAT, cache)]
+        outputs += [
+            value(f"out{i}", TensorProto.FLOAT, [1, "rows", HEADS * HEAD_DIM]),
+            value(f"writer{i}", TensorProto.FLOAT, [1, "rows", KV_HEADS * HEAD_DIM]),
+            value(f"present_k{i}", TensorProto.FLOAT, cache),
+            value(f"present_v{i}", TensorProto.FLOAT, cache),
+        ]
+        nodes += [
+            helper.make_node(
+                "GroupQueryAttention",
+                ["k", "k", "v", f"past_k{i}", f"past_v{i}", "seqlens_k", "total"],
+                [f"writer{i}", f"present_k{i}", f"present_v{i}"],
+                domain="com.microsoft",
+                num_heads=KV_HEADS,
+                kv_num_heads=KV_HEADS,
+            ),
+            helper.make_node(
+                "FusedMatMul",
+                ["q_grouped", f"present_k{i}"],
+                [f"scores{i}"],
+                domain="com.microsoft",
+                transB=1,
+                alpha=float(1 / np.sqrt(HEAD_DIM)),
+            ),
+            helper.make_node("Add", [f"scores{i}", "mask"], [f"masked{i}"]),
+            helper.make_node("Softmax", [f"masked{i}"], [f"probs{i}"], axis=-1),
+            helper.make_node("MatMul", [f"probs{i}", f"present_v{i}"], [f"grouped_out{i}"]),
+            helper.make_node("Reshape", [f"grouped_out{i}", "by_kv_head"], [f"out_heads{i}"]),
+            helper.make_node("Transpose", [f"out_heads{i}"], [f"out_rows_first{i}"], perm=[0, 2, 1, 3, 4]),
+            helper.make_node("Reshape", [f"out_rows_first{i}", "flat"], [f"out{i}"]),
+        ]
+    graph = helper.make_graph(nodes, "attention", inputs, outputs, initializers)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
 def session(model: bytes, threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -106,22 +173,44 @@ def timed(sess: ort.InferenceSession, binding: ort.IOBinding, runs: int) -> floa
     return (time.perf_counter() - start) / runs * 1e3
 
 
-def gqa_ms(
-    sess: ort.InferenceSession, dtype: np.dtype, context: int, rows: int, runs: int, rng: np.random.Generator
-) -> float:
+def bind_fused_inputs(
+    sess: ort.InferenceSession, dtype: np.dtype, context: int, rows: int, capacity: int, rng: np.random.Generator
+) -> ort.IOBinding:
+    """The fused op's inputs after ``context`` cached positions; each cache buffer is bound as past input and
+    present output, as the runtime binds them."""
     binding = sess.io_binding()
     for name, width in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
         binding.bind_cpu_input(name, rng.random((1, rows, width * HEAD_DIM)).astype(dtype))
     binding.bind_cpu_input("seqlens_k", np.array([context + rows - 1], np.int32))
     binding.bind_cpu_input("total", np.array(context + rows, np.int32))
-    buffers = []  # each cache buffer is bound as past input and present output, as the runtime binds them
+    buffers = []
     for i in range(LAYERS):
         for kind in ("k", "v"):
-            buffer = ort.OrtValue.ortvalue_from_numpy(rng.random((1, KV_HEADS, CAPACITY, HEAD_DIM)).astype(dtype))
+            buffer = ort.OrtValue.ortvalue_from_numpy(rng.random((1, KV_HEADS, capacity, HEAD_DIM)).astype(dtype))
             buffers.append(buffer)
             binding.bind_ortvalue_input(f"past_{kind}{i}", buffer)
             binding.bind_ortvalue_output(f"present_{kind}{i}", buffer)
         binding.bind_output(f"out{i}")
+    binding.buffers = buffers  # the binding does not own them
+    return binding
+
+
+def gqa_ms(
+    sess: ort.InferenceSession, dtype: np.dtype, context: int, rows: int, runs: int, rng: np.random.Generator
+) -> float:
+    return timed(sess, bind_fused_inputs(sess, dtype, context, rows, CAPACITY, rng), runs)
+
+
+def dropin_ms(
+    sess: ort.InferenceSession, capacity: int, context: int, rows: int, runs: int, rng: np.random.Generator
+) -> float:
+    binding = bind_fused_inputs(sess, np.float32, context, rows, capacity, rng)
+    mask = np.full((1, 1, GROUP * rows, capacity), -np.inf, np.float32)
+    for row in range(rows):  # query row r * GROUP + h is new token r: it sees the context and new tokens 0..r
+        mask[0, 0, row * GROUP : (row + 1) * GROUP, : context + row + 1] = 0
+    binding.bind_cpu_input("mask", mask)
+    for i in range(LAYERS):
+        binding.bind_output(f"writer{i}")
     return timed(sess, binding, runs)
 
 
@@ -157,6 +246,18 @@ def main() -> None:
         print(f"{label:36}" + "".join(f"{gqa_ms(sess, dtype, c, args.rows, args.runs, rng):10.1f}" for c in contexts))
     label = "one MatMul per KV head (maths only)"
     print(f"{label:36}" + "".join(f"{grouped_ms(grouped, c, args.rows, args.runs, rng):10.1f}" for c in contexts))
+    label = f"drop-in, {CAPACITY}-position buffer"
+    dropin = session(dropin_model(CAPACITY), args.threads)
+    print(
+        f"{label:36}" + "".join(f"{dropin_ms(dropin, CAPACITY, c, args.rows, args.runs, rng):10.1f}" for c in contexts)
+    )
+    label = "drop-in, buffer fitted to the context"  # a buffer that grew with the context, 256 positions a time
+    fitted = [-(-(c + args.rows) // 256) * 256 for c in contexts]
+    times = [
+        dropin_ms(session(dropin_model(f), args.threads), f, c, args.rows, args.runs, rng)
+        for c, f in zip(contexts, fitted)
+    ]
+    print(f"{label:36}" + "".join(f"{t:10.1f}" for t in times))
 
 
 if __name__ == "__main__":
