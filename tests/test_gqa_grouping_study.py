@@ -1,0 +1,65 @@
+"""The attention study's drop-in graph must compute what ``GroupQueryAttention`` computes.
+
+``benchmarks/studies/gqa_grouping.py`` times a graph that reads each KV head once against the fused op, and
+docs/measurements.md reports what it would save: a timing of different maths would be no answer.  Its
+query heads are regrouped by KV head and back, and its mask must give new token r the context plus new
+tokens 0..r, as the fused op's causal mask does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+STUDY = Path(__file__).resolve().parents[1] / "benchmarks" / "studies" / "gqa_grouping.py"
+
+
+@pytest.fixture
+def study(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gqa_grouping", STUDY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "LAYERS", 2)
+    monkeypatch.setattr(module, "CAPACITY", 64)
+    return module
+
+
+def outputs(study, model: bytes, feeds: dict) -> dict[str, np.ndarray]:
+    session = study.session(model, 1)
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds)))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_drop_in_graph_equals_the_fused_op(study, rows):
+    rng = np.random.default_rng(rows)
+    context, capacity = 37, study.CAPACITY
+    feeds = {
+        "q": rng.standard_normal((1, rows, study.HEADS * study.HEAD_DIM)).astype(np.float32),
+        "k": rng.standard_normal((1, rows, study.KV_HEADS * study.HEAD_DIM)).astype(np.float32),
+        "v": rng.standard_normal((1, rows, study.KV_HEADS * study.HEAD_DIM)).astype(np.float32),
+        "seqlens_k": np.array([context + rows - 1], np.int32),
+        "total": np.array(context + rows, np.int32),
+    }
+    for i in range(study.LAYERS):  # stale values past the context must not leak in
+        for kind in ("k", "v"):
+            feeds[f"past_{kind}{i}"] = rng.standard_normal((1, study.KV_HEADS, capacity, study.HEAD_DIM)).astype(
+                np.float32
+            )
+    fused = outputs(study, study.gqa_model(np.float32), feeds)
+    mask = np.full((1, 1, study.GROUP * rows, capacity), -np.inf, np.float32)
+    for row in range(rows):
+        mask[0, 0, row * study.GROUP : (row + 1) * study.GROUP, : context + row + 1] = 0
+    dropin = outputs(study, study.dropin_model(capacity), {**feeds, "mask": mask})
+    for i in range(study.LAYERS):
+        np.testing.assert_array_equal(dropin[f"present_k{i}"], fused[f"present_k{i}"])
+        np.testing.assert_array_equal(dropin[f"present_v{i}"], fused[f"present_v{i}"])
+        np.testing.assert_allclose(dropin[f"out{i}"], fused[f"out{i}"], rtol=0, atol=1e-5)
+    # the check can fail: a mask one position short of the fused op's changes the answer
+    short = mask.copy()
+    short[0, 0, :, context] = -np.inf
+    wrong = outputs(study, study.dropin_model(capacity), {**feeds, "mask": short})
+    assert np.abs(wrong["out0"] - fused["out0"]).max() > 1e-3
