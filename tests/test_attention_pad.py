@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import re
 
 import numpy as np
 import onnx
@@ -18,6 +17,7 @@ from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_mod
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model import row_invariance
+from edge_spec.runtime.model.attention_unpad import strip_attention_pad
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
 from tests import tiny_models
@@ -173,7 +173,7 @@ def test_an_older_bundle_gets_the_pad_in_place(int4_bundle, tmp_path):
     shutil.copytree(int4_bundle, bundle)
     graph = bundle / read_manifest(bundle)["target"]["onnx"]
     model = onnx.load(str(graph), load_external_data=False)
-    unpadded = _without_pad(model)
+    unpadded = strip_attention_pad(model)
     onnx.save_model(unpadded, str(graph))
     assert not Decoder(graph, threads=1, capacity=16).pads_attention
     assert pad_bundle_target(bundle) and not pad_bundle_target(bundle)
@@ -194,38 +194,6 @@ def test_only_a_target_graph_with_tree_inputs_is_padded(graphs):
     model.graph.input.remove(next(i for i in model.graph.input if i.name == "position_ids"))
     with pytest.raises(Exception, match="tree-attention inputs"):
         pad_attention(model)
-
-
-def _without_pad(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The graph as exports before the pad wrote it: GQA fed the step inputs directly, no pad nodes."""
-    renamed = {}
-    keep = []
-    for node in model.graph.node:
-        if node.name.startswith("attention_pad/") or re.search(r"/pad\d(/|$)", node.name):
-            continue
-        if node.name.endswith("/cut"):
-            renamed[node.input[0]] = node.output[0]
-            continue
-        keep.append(node)
-    for node in keep:
-        if node.op_type == "GroupQueryAttention":
-            node.output[0] = renamed[node.output[0]]
-            for i in range(3):
-                if node.input[i]:
-                    node.input[i] = _source(model, node.input[i])
-            for i, name in enumerate(node.input):
-                if name.startswith("attention_pad/"):
-                    node.input[i] = name.removeprefix("attention_pad/")
-    del model.graph.node[:]
-    model.graph.node.extend(keep)
-    del model.metadata_props[:]
-    return model
-
-
-def _source(model: onnx.ModelProto, padded: str) -> str:
-    """The tensor a pad Concat appended a row to."""
-    concat = next(n for n in model.graph.node if n.output[0] == padded)
-    return concat.input[0]
 
 
 class PassSizeDependent(PerturbedOneRow):
@@ -264,11 +232,14 @@ def test_the_engine_checks_padded_passes_once_per_device(int4_bundle, monkeypatc
     monkeypatch.setattr(
         "edge_spec.runtime.loaded.padded_passes_match", lambda decoder, rows: calls.append(rows) or True
     )
-    for _ in range(2):
+    for _ in range(3):
         engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
         reference = engine.complete("def f", max_new_tokens=12, mode="ar", exact=True).token_ids
         assert engine.complete("def f", max_new_tokens=12).token_ids == reference
-    assert calls == [engine.loaded.exact_rows()]
+    # once per device and graph: where one-row passes were found inexact, loads after the first drop the
+    # attention pad (its own graph, checked once more)
+    graphs = 2 if engine.target.attention_pad_removed else 1
+    assert calls == [engine.loaded.exact_rows()] * graphs
 
 
 def test_the_command_line_refuses_exact_at_load_where_padded_passes_differ(int4_bundle, monkeypatch, tmp_path, capsys):
@@ -284,3 +255,57 @@ def test_the_command_line_refuses_exact_at_load_where_padded_passes_differ(int4_
     assert stopped.value.code == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: exact decoding is not available on cpu here")
+
+
+def _structure(model: onnx.ModelProto) -> list:
+    return [
+        (n.op_type, list(n.input), list(n.output), [a.SerializeToString() for a in n.attribute])
+        for n in model.graph.node
+    ]
+
+
+def test_stripping_the_pad_gives_back_the_graph_built_without_it(graphs):
+    plain = onnx.load(str(graphs["plain"]), load_external_data=False)
+    stripped = strip_attention_pad(onnx.load(str(graphs["padded"]), load_external_data=False))
+    assert _structure(stripped) == _structure(plain)
+    assert sorted(t.name for t in stripped.graph.initializer) == sorted(t.name for t in plain.graph.initializer)
+    assert not has_attention_pad(stripped)
+    assert _structure(strip_attention_pad(plain)) == _structure(
+        onnx.load(str(graphs["plain"]), load_external_data=False)
+    )
+
+
+def test_a_target_loaded_without_its_pad_computes_as_the_graph_built_without_it(graphs):
+    """One-row passes included, bit for bit: the same graph, its weights read from the padded file's folder."""
+    plain = Decoder(graphs["plain"], threads=1, capacity=CAPACITY)
+    stripped = Decoder(graphs["padded"], threads=1, capacity=CAPACITY, attention_pad=False)
+    assert stripped.attention_pad_removed and not stripped.pads_attention
+    assert not plain.attention_pad_removed
+    chunks = [[5, 17, 42, 99, 7, 3], [11], [12, 301], [77], [140, 8, 8]]
+    assert np.array_equal(logits(plain, chunks), logits(stripped, chunks))
+
+
+def test_where_the_pad_left_one_row_passes_inexact_the_next_engine_loads_the_target_without_it(
+    int4_bundle, monkeypatch, tmp_path
+):
+    """The pad costs a row of attention in every pass; where the device check found it does not make one-row
+    passes exact, later loads drop it, check their own padded passes, and stay exact in greedy decoding."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
+    monkeypatch.setattr("edge_spec.runtime.loaded.one_row_passes_match", lambda decoder: False)
+    first = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    assert first.target.pads_attention  # not checked yet: the pad stays for this load
+    assert first.loaded.exact_rows() == 2
+    reference = first.complete("def f", max_new_tokens=16, mode="ar", exact=True).token_ids
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    assert engine.target.attention_pad_removed and not engine.target.pads_attention
+    assert engine.loaded.exact_rows() == 2 and engine.loaded.exact_available()
+    assert engine.complete("def f", max_new_tokens=16, mode="ar", exact=True).token_ids == reference
+    assert engine.complete("def f", max_new_tokens=16).token_ids == reference
+
+
+def test_where_the_pad_made_one_row_passes_exact_the_engine_keeps_it(int4_bundle, monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr("edge_spec.runtime.loaded.one_row_passes_match", lambda decoder: True)
+    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").loaded.exact_rows() == 1
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    assert engine.target.pads_attention and not engine.target.attention_pad_removed

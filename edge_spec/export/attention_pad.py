@@ -27,16 +27,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.model.decoder import ATTENTION_PAD_KEY as PAD_KEY
+from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY as PAD_KEY
+from edge_spec.runtime.model.attention_unpad import PAD_PREFIX as _PREFIX
+from edge_spec.runtime.model.attention_unpad import has_attention_pad
 
 _INPUTS = ("seqlens_k", "total_sequence_length", "position_ids", "attention_bias")
 _ROTARY_TABLES = (7, 8)  # GroupQueryAttention's cos and sin cache inputs
-_PREFIX = "attention_pad/"
 _AXIS = {1: _PREFIX + "rows_axis", 0: _PREFIX + "table_axis"}  # [1, S, ...] rows; a rotary table's rows
-
-
-def has_attention_pad(model: onnx.ModelProto) -> bool:
-    return any(p.key == PAD_KEY and p.value == "1" for p in model.metadata_props)
 
 
 def pad_attention(model: onnx.ModelProto) -> onnx.ModelProto:

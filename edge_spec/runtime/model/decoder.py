@@ -46,16 +46,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_attention_pad, strip_attention_pad
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
 from edge_spec.runtime.model.providers import open_session
 from edge_spec.runtime.model.session import set_spinning
 
-ATTENTION_PAD_KEY = "edge_spec.attention_pad"  # graph metadata "1": the graph pads its attention (see above)
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
 # outputs given for every row fed (not only the last ``num_logits``): the target's hidden states of chosen
 # layers, which a feature-level drafter needs for every verified (and every prompt) position
@@ -145,10 +146,12 @@ class Decoder:
         min_rows: int = 1,
         provider_options: dict[str, str] | None = None,
         kv_device: str | None = None,
+        attention_pad: bool = True,
     ) -> None:
         """``provider_options`` go to the execution provider as they are (e.g. ``device_id``);
         ``kv_device`` overrides where the KV cache lives (default: the provider's device when ORT can
-        allocate there, else host memory; see :mod:`kv_cache`)."""
+        allocate there, else host memory; see :mod:`kv_cache`); ``attention_pad`` False loads a graph
+        that pads its attention without that pad (:mod:`attention_unpad`)."""
         model_path = Path(model_path)
         self.model_path = model_path
         if not model_path.is_file():
@@ -160,8 +163,19 @@ class Decoder:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
         set_spinning(opts, takes_turns)  # target and drafter alternate on the same cores
+        model: str | bytes = str(model_path)
+        self.attention_pad_removed = False
+        if not attention_pad:
+            graph = onnx.load(str(model_path), load_external_data=False)
+            if has_attention_pad(graph):
+                model = strip_attention_pad(graph).SerializeToString()
+                # the weights stay in their file beside the graph, found from there
+                opts.add_session_config_entry(
+                    "session.model_external_initializers_file_folder_path", str(model_path.parent)
+                )
+                self.attention_pad_removed = True
         try:
-            self.session = open_session(str(model_path), opts, provider, provider_options)
+            self.session = open_session(model, opts, provider, provider_options)
         except EdgeSpecError:
             raise
         except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf

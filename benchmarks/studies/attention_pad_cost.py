@@ -1,0 +1,63 @@
+"""What the target graph's attention pad costs a pass, by rows, after a long prompt.
+
+The exported target gives its attention a throw-away query row so that one-row passes can be exact
+(``edge_spec.export.attention_pad``); where the device check finds they are not exact anyway, the runtime
+loads the graph without it (``edge_spec.runtime.model.attention_unpad``).  This times the same target both
+ways, in one process, the passes interleaved so that drift hits both alike: medians in ms.
+
+    python benchmarks/studies/attention_pad_cost.py --bundle BUNDLE --threads 2 --context 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_spec.manifest import read_manifest
+from edge_spec.runtime.model.decoder import Decoder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=2000, help="prompt tokens before the timed passes")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 11], help="rows of each timed pass")
+    parser.add_argument("--repeats", type=int, default=8)
+    args = parser.parse_args()
+    manifest = read_manifest(args.bundle)
+    capacity = manifest["context_length"]
+    if min(args.rows) < 1 or args.context + max(args.rows) + 1 > capacity:
+        raise SystemExit(
+            f"--rows must be 1 or more, and --context plus the most rows fit the bundle's context of {capacity} tokens"
+        )
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(100, 20000, args.context)]
+    graph = args.bundle / manifest["target"]["onnx"]
+    decoders = {
+        pad: Decoder(graph, threads=args.threads, capacity=capacity, attention_pad=pad) for pad in (True, False)
+    }
+    if not decoders[True].pads_attention:
+        raise SystemExit("this bundle's target does not pad its attention: nothing to compare")
+    for decoder in decoders.values():
+        decoder.prefill(prompt)
+    times: dict[tuple[bool, int], list[float]] = {}
+    for _ in range(args.repeats + 2):  # the first two of each are warm-up
+        for rows in args.rows:
+            for pad, decoder in decoders.items():
+                decoder.rewind(len(prompt))
+                ids = [int(t) for t in rng.integers(100, 20000, rows)]
+                started = time.perf_counter()
+                decoder.forward(ids, rows)
+                times.setdefault((pad, rows), []).append(time.perf_counter() - started)
+    print(f"{args.context}-token prompt, {args.threads} threads, medians of {args.repeats} passes, ms")
+    for rows in args.rows:
+        padded, unpadded = (float(np.median(times[(pad, rows)][2:])) * 1e3 for pad in (True, False))
+        print(f"{rows:3d} rows: padded {padded:7.1f}, without the pad {unpadded:7.1f}  ({padded / unpadded:.3f}x)")
+
+
+if __name__ == "__main__":
+    main()
