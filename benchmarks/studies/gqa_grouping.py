@@ -29,6 +29,7 @@ import argparse
 import time
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
@@ -40,6 +41,18 @@ def _model(nodes: list, inputs: list, outputs: list) -> bytes:
     graph = helper.make_graph(nodes, "attention", inputs, outputs)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def gqa_node(layer: int, query: str, output: str, heads: int) -> onnx.NodeProto:
+    """Layer ``layer``'s ``GroupQueryAttention`` over its shared buffers, ``heads`` query heads from ``query``."""
+    return helper.make_node(
+        "GroupQueryAttention",
+        [query, "k", "v", f"past_k{layer}", f"past_v{layer}", "seqlens_k", "total"],
+        [output, f"present_k{layer}", f"present_v{layer}"],
+        domain="com.microsoft",
+        num_heads=heads,
+        kv_num_heads=KV_HEADS,
+    )
 
 
 def gqa_model(dtype: np.dtype) -> bytes:
@@ -63,16 +76,7 @@ def gqa_model(dtype: np.dtype) -> bytes:
             value(f"present_k{i}", elem, cache),
             value(f"present_v{i}", elem, cache),
         ]
-        nodes.append(
-            helper.make_node(
-                "GroupQueryAttention",
-                ["q", "k", "v", f"past_k{i}", f"past_v{i}", "seqlens_k", "total"],
-                [f"out{i}", f"present_k{i}", f"present_v{i}"],
-                domain="com.microsoft",
-                num_heads=HEADS,
-                kv_num_heads=KV_HEADS,
-            )
-        )
+        nodes.append(gqa_node(i, "q", f"out{i}", HEADS))
     return _model(nodes, inputs, outputs)
 
 
@@ -129,14 +133,7 @@ def dropin_model(capacity: int) -> bytes:
             value(f"present_v{i}", TensorProto.FLOAT, cache),
         ]
         nodes += [
-            helper.make_node(
-                "GroupQueryAttention",
-                ["k", "k", "v", f"past_k{i}", f"past_v{i}", "seqlens_k", "total"],
-                [f"writer{i}", f"present_k{i}", f"present_v{i}"],
-                domain="com.microsoft",
-                num_heads=KV_HEADS,
-                kv_num_heads=KV_HEADS,
-            ),
+            gqa_node(i, "k", f"writer{i}", KV_HEADS),
             helper.make_node(
                 "FusedMatMul",
                 ["q_grouped", f"present_k{i}"],
