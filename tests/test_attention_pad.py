@@ -162,6 +162,8 @@ def test_a_failed_check_keeps_the_pad_row(int4_bundle, monkeypatch, tmp_path):
     reference = engine.complete("def f", max_new_tokens=16, mode="ar", exact=True).token_ids
     assert engine.target.min_rows == 2
     assert engine.complete("def f", max_new_tokens=16).token_ids == reference
+    # and the next load keeps the graph's own pad: without it one-row logits part further from multi-row ones
+    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").target.pads_attention
 
 
 def test_an_older_bundle_gets_the_pad_in_place(int4_bundle, tmp_path):
@@ -232,14 +234,11 @@ def test_the_engine_checks_padded_passes_once_per_device(int4_bundle, monkeypatc
     monkeypatch.setattr(
         "edge_spec.runtime.loaded.padded_passes_match", lambda decoder, rows: calls.append(rows) or True
     )
-    for _ in range(3):
+    for _ in range(2):
         engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
         reference = engine.complete("def f", max_new_tokens=12, mode="ar", exact=True).token_ids
         assert engine.complete("def f", max_new_tokens=12).token_ids == reference
-    # once per device and graph: where one-row passes were found inexact, loads after the first drop the
-    # attention pad (its own graph, checked once more)
-    graphs = 2 if engine.target.attention_pad_removed else 1
-    assert calls == [engine.loaded.exact_rows()] * graphs
+    assert calls == [engine.loaded.exact_rows()]
 
 
 def test_the_command_line_refuses_exact_at_load_where_padded_passes_differ(int4_bundle, monkeypatch, tmp_path, capsys):
@@ -283,29 +282,3 @@ def test_a_target_loaded_without_its_pad_computes_as_the_graph_built_without_it(
     assert not plain.attention_pad_removed
     chunks = [[5, 17, 42, 99, 7, 3], [11], [12, 301], [77], [140, 8, 8]]
     assert np.array_equal(logits(plain, chunks), logits(stripped, chunks))
-
-
-def test_where_the_pad_left_one_row_passes_inexact_the_next_engine_loads_the_target_without_it(
-    int4_bundle, monkeypatch, tmp_path
-):
-    """The pad costs a row of attention in every pass; where the device check found it does not make one-row
-    passes exact, later loads drop it, check their own padded passes, and stay exact in greedy decoding."""
-    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
-    monkeypatch.setattr("edge_spec.runtime.loaded.one_row_passes_match", lambda decoder: False)
-    first = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
-    assert first.target.pads_attention  # not checked yet: the pad stays for this load
-    assert first.loaded.exact_rows() == 2
-    reference = first.complete("def f", max_new_tokens=16, mode="ar", exact=True).token_ids
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
-    assert engine.target.attention_pad_removed and not engine.target.pads_attention
-    assert engine.loaded.exact_rows() == 2 and engine.loaded.exact_available()
-    assert engine.complete("def f", max_new_tokens=16, mode="ar", exact=True).token_ids == reference
-    assert engine.complete("def f", max_new_tokens=16).token_ids == reference
-
-
-def test_where_the_pad_made_one_row_passes_exact_the_engine_keeps_it(int4_bundle, monkeypatch, tmp_path):
-    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr("edge_spec.runtime.loaded.one_row_passes_match", lambda decoder: True)
-    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").loaded.exact_rows() == 1
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
-    assert engine.target.pads_attention and not engine.target.attention_pad_removed

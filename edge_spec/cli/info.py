@@ -129,7 +129,7 @@ def _print_costs(
         "one-row passes equal multi-row ones bit for bit on this device"
         if rows == 1
         else "this device's one-row kernels round differently"
-        if engine.target.pads_attention or engine.target.attention_pad_removed
+        if engine.target.pads_attention
         else "the target graph predates the attention pad: re-export, or "
         "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)"
     )

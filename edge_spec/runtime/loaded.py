@@ -114,13 +114,6 @@ class BundleFiles:
         return cls(directory, manifest, None if verify else WeightCheck(directory, manifest))
 
 
-def placement(options: LoadOptions) -> tuple[str, str]:
-    """Where the models run, as the cached device facts are keyed: providers (with options), threads."""
-    provider_options = ",".join(f"{k}={v}" for k, v in sorted((options.provider_options or {}).items()))
-    where = f"{options.provider}[{provider_options}]/{options.drafter_provider}"
-    return where, f"{options.threads}/{options.drafter_threads}"
-
-
 class LoadedBundle:
     """One bundle's models, tokenizer and suffix cache, loaded once for the options given, and what was
     measured about the device they run on.  The drafter model and the EAGLE head load on first use, each
@@ -171,9 +164,6 @@ class LoadedBundle:
             options.suffix_capacity,
             Path(options.corpus) if options.corpus is not None else None,
         )
-        # where the padded graph's one-row passes were found inexact, the pad buys nothing and costs a row
-        # of attention in every pass (``attention_unpad``); unknown (a first run): keep it, and check
-        one_row_exact = cost_profile.recalled(cost_profile.target_key(manifest, *placement(options)))
         target = Decoder(
             files.directory / manifest["target"]["onnx"],
             provider=options.provider,
@@ -181,7 +171,6 @@ class LoadedBundle:
             capacity=capacity,
             takes_turns=takes_turns,
             provider_options=options.provider_options,
-            attention_pad=one_row_exact is not False,
         )
         return cls(files, tokenizer, target, options, suffix_cache=suffix_cache)
 
@@ -256,10 +245,10 @@ class LoadedBundle:
                     stats.recent[n] = seconds
 
     def _placement(self) -> tuple[str, str]:
-        """Where the models run, as the cached device facts are keyed; a target loaded without its attention
-        pad runs other kernels, so its facts and costs are its own."""
-        where, threads = placement(self.options)
-        return (where + "#attention-unpadded" if self.target.attention_pad_removed else where), threads
+        """Where the models run, as the cached device facts are keyed: providers (with options), threads."""
+        o = self.options
+        provider_options = ",".join(f"{k}={v}" for k, v in sorted((o.provider_options or {}).items()))
+        return f"{o.provider}[{provider_options}]/{o.drafter_provider}", f"{o.threads}/{o.drafter_threads}"
 
     def exact_rows(self, check: bool = True) -> int:
         """Rows a batch-invariant target pass needs on this device: one where one-row passes were found

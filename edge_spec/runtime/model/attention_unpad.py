@@ -1,12 +1,12 @@
-"""Take a target graph's attention pad out again, in memory, where it buys nothing.
+"""A target graph without its attention pad, in memory: what the pad costs, measured on the same file.
 
 The exporter gives the target's attention a throw-away query row (``edge_spec.export.attention_pad``) so
 that a one-row pass takes ``GroupQueryAttention``'s multi-query path and rounds as multi-row passes do.
-That makes one-row passes exact only where the matmul kernels have no one-row path of their own; where
-they do (CPUs without AVX-512 VNNI among those measured: ``row_invariance``), exact passes need two rows
-through every op anyway, and the pad only doubles the attention of every one-row pass (after 2,000
-tokens of context, 27 of a 155 ms step on a 2-core AVX2 CPU) and adds a row to every other one.  There
-the runtime loads the graph without it: the file and its weights stay as exported.
+Where the matmul kernels have a one-row path of their own (``row_invariance``), one-row passes are not
+exact with the pad either, and it still doubles the attention of a one-row pass (after 2,000 tokens of
+context, 27 of a 155 ms step on a 2-core AVX2 CPU).  The runtime keeps it there all the same, because
+without it one-row logits part further from multi-row ones (docs/methods/exact-verification.md);
+``benchmarks/studies/attention_pad_cost.py`` loads the graph both ways to price that choice.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class Decoder:
         """``provider_options`` go to the execution provider as they are (e.g. ``device_id``);
         ``kv_device`` overrides where the KV cache lives (default: the provider's device when ORT can
         allocate there, else host memory; see :mod:`kv_cache`); ``attention_pad`` False loads a graph
-        that pads its attention without that pad (:mod:`attention_unpad`)."""
+        that pads its attention without that pad (:mod:`attention_unpad`: for measuring what it costs)."""
         model_path = Path(model_path)
         self.model_path = model_path
         if not model_path.is_file():
