@@ -50,9 +50,7 @@ def test_the_drop_in_graph_equals_the_fused_op(study, rows):
                 np.float32
             )
     fused = outputs(study, study.gqa_model(np.float32), feeds)
-    mask = np.full((1, 1, study.GROUP * rows, capacity), -np.inf, np.float32)
-    for row in range(rows):
-        mask[0, 0, row * study.GROUP : (row + 1) * study.GROUP, : context + row + 1] = 0
+    mask = study.dropin_mask(context, rows, capacity)
     dropin = outputs(study, study.dropin_model(capacity), {**feeds, "mask": mask})
     for i in range(study.LAYERS):
         np.testing.assert_array_equal(dropin[f"present_k{i}"], fused[f"present_k{i}"])

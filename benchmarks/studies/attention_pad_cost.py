@@ -1,9 +1,11 @@
 """What the target graph's attention pad costs a pass, by rows, after a long prompt.
 
 The exported target gives its attention a throw-away query row so that one-row passes can be exact
-(``edge_spec.export.attention_pad``); where the device check finds they are not exact anyway, the runtime
-loads the graph without it (``edge_spec.runtime.model.attention_unpad``).  This times the same target both
-ways, in one process, the passes interleaved so that drift hits both alike: medians in ms.
+(``edge_spec.export.attention_pad``).  Where the device check finds they are not exact anyway, the pad still
+costs a row of attention in every pass; the runtime keeps it there because without it one-row logits part
+further from multi-row ones.  This times the same target with the pad and without it (stripped in memory:
+``edge_spec.runtime.model.attention_unpad``), in one process, the passes interleaved so that drift hits
+both alike: medians in ms.
 
     python benchmarks/studies/attention_pad_cost.py --bundle BUNDLE --threads 2 --context 2000
 """

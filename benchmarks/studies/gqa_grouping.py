@@ -37,8 +37,8 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS, CAPACITY = 12, 2, 128, 28, 4096
 GROUP = HEADS // KV_HEADS
 
 
-def _model(nodes: list, inputs: list, outputs: list) -> bytes:
-    graph = helper.make_graph(nodes, "attention", inputs, outputs)
+def _model(nodes: list, inputs: list, outputs: list, initializers: list | None = None) -> bytes:
+    graph = helper.make_graph(nodes, "attention", inputs, outputs, initializers)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
@@ -149,9 +149,7 @@ def dropin_model(capacity: int) -> bytes:
             helper.make_node("Transpose", [f"out_heads{i}"], [f"out_rows_first{i}"], perm=[0, 2, 1, 3, 4]),
             helper.make_node("Reshape", [f"out_rows_first{i}", "flat"], [f"out{i}"]),
         ]
-    graph = helper.make_graph(nodes, "attention", inputs, outputs, initializers)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+    return _model(nodes, inputs, outputs, initializers)
 
 
 def session(model: bytes, threads: int) -> ort.InferenceSession:
@@ -198,14 +196,20 @@ def gqa_ms(
     return timed(sess, bind_fused_inputs(sess, dtype, context, rows, CAPACITY, rng), runs)
 
 
+def dropin_mask(context: int, rows: int, capacity: int) -> np.ndarray:
+    """The drop-in's causal mask: query row r * GROUP + h is new token r, which sees the context and new tokens
+    0..r, as the fused op's own mask lets it."""
+    mask = np.full((1, 1, GROUP * rows, capacity), -np.inf, np.float32)
+    for row in range(rows):
+        mask[0, 0, row * GROUP : (row + 1) * GROUP, : context + row + 1] = 0
+    return mask
+
+
 def dropin_ms(
     sess: ort.InferenceSession, capacity: int, context: int, rows: int, runs: int, rng: np.random.Generator
 ) -> float:
     binding = bind_fused_inputs(sess, np.float32, context, rows, capacity, rng)
-    mask = np.full((1, 1, GROUP * rows, capacity), -np.inf, np.float32)
-    for row in range(rows):  # query row r * GROUP + h is new token r: it sees the context and new tokens 0..r
-        mask[0, 0, row * GROUP : (row + 1) * GROUP, : context + row + 1] = 0
-    binding.bind_cpu_input("mask", mask)
+    binding.bind_cpu_input("mask", dropin_mask(context, rows, capacity))
     for i in range(LAYERS):
         binding.bind_output(f"writer{i}")
     return timed(sess, binding, runs)
