@@ -167,10 +167,10 @@ def test_select_sessions_by_category():
 
 
 def test_the_shipped_sessions():
-    """Eight sessions in four categories, each kind built as its workload needs."""
+    """Nine sessions in five categories, each kind built as its workload needs."""
     sessions = load_sessions()
     assert load_sessions(DEFAULT_SESSIONS) == sessions
-    assert Counter(s["category"] for s in sessions) == {"agent": 2, "edit": 2, "tests": 2, "chat": 2}
+    assert Counter(s["category"] for s in sessions) == {"agent": 2, "edit": 2, "tests": 2, "chat": 2, "actions": 1}
     for s in sessions:
         later = [m for turn in s["turns"][1:] for m in turn["messages"]]
         if s["category"] == "agent":  # a tool loop: every later turn brings tool results only
@@ -181,6 +181,10 @@ def test_the_shipped_sessions():
             assert all(PLACEHOLDER in m["content"] for m in later)
             first = s["turns"][0]["messages"][0]["content"]
             assert first.count("\n") >= 130 and s["max_tokens"] >= 1024  # room to write the file again
+        elif s["category"] == "actions":  # an editor's command: each request its own code alone, no earlier answer
+            assert not s["history"] and s["tools"] is None and len(s["turns"]) >= 3
+            assert all(PLACEHOLDER not in m["content"] for turn in s["turns"] for m in turn["messages"])
+            assert len(turn_messages(s, 1, ["answer"])) == len(turn_messages(s, 0, [])) == 2  # system + the command
         else:
             assert s["history"] and len(s["turns"]) >= 3 and 128 <= s["max_tokens"] <= 384
         assert len(turn_messages(s, len(s["turns"]) - 1, ["answer"] * len(s["turns"]))) > len(s["turns"][-1])

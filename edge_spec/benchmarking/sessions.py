@@ -2,8 +2,8 @@
 
 A prompt-by-prompt benchmark cannot show what drafting from earlier requests gains; a session can: an
 agent loop whose tool results and calls come back in every later turn, a file rewritten change after
-change, tests for similar functions in one conversation, a chat answer revised.  A session file holds one
-JSON object per line::
+change, tests for similar functions in one conversation or as an editor's command sent once per
+function, a chat answer revised.  A session file holds one JSON object per line::
 
     {"id": str, "category": str, "history": bool, "system": str | null, "tools": [...] | null,
      "max_tokens": int, "turns": [{"messages": [{"role": ..., "content": ...}, ...]}, ...]}
