@@ -61,7 +61,7 @@ static inline void tile(const uint8_t* w, const float* ws, int B, const int8_t* 
     for (int r = 0; r < RC; r++) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
     for (int b = 0; b < B; b++) {
-        const uint8_t* p = w + (size_t)b * 256;
+        const uint8_t* p = w + (size_t)b * 16 * GC;
         __m512i P0 = _mm512_loadu_si512(p), P1 = _mm512_loadu_si512(p + 64), P2 = _mm512_loadu_si512(p + 128), P3 = _mm512_loadu_si512(p + 192);
         __m512i R0 = _mm512_and_si512(P0, low), R4 = _mm512_and_si512(_mm512_srli_epi16(P0, 4), low);
         __m512i R1 = _mm512_and_si512(P1, low), R5 = _mm512_and_si512(_mm512_srli_epi16(P1, 4), low);
@@ -92,7 +92,7 @@ static inline void tile(const uint8_t* w, const float* ws, int B, const int8_t* 
     for (int r = 0; r < RC; r++) acc[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < B; b++) {
-        const uint8_t* p = w + (size_t)b * 128;
+        const uint8_t* p = w + (size_t)b * 16 * GC;
         __m256i P0 = _mm256_loadu_si256((const __m256i*)p), P1 = _mm256_loadu_si256((const __m256i*)(p + 32));
         __m256i P2 = _mm256_loadu_si256((const __m256i*)(p + 64)), P3 = _mm256_loadu_si256((const __m256i*)(p + 96));
         __m256i R0 = _mm256_and_si256(P0, low), R4 = _mm256_and_si256(_mm256_srli_epi16(P0, 4), low);
