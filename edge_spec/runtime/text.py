@@ -49,6 +49,47 @@ def register_control_tokens(backend: Tokenizer) -> list[str]:
     return [t for _, t in missing]
 
 
+def literal_tokenizer(backend: Tokenizer) -> Tokenizer:
+    """A copy of ``backend`` in which no text spells a control token: every added token (special or not,
+    as Qwen's ``<tool_call>``, FIM and ``<|file_sep|>`` are not) is renamed to a secret string, its id kept.
+
+    Switching off the matching of special tokens (``encode_special_tokens``) is not enough: it leaves the
+    non-special added tokens matched.  Nor is marking them all special, where the vocabulary holds the
+    marker as an ordinary entry (a GGUF export's does): a merge that builds it from its pieces, or a
+    whole-word lookup (``ignore_merges``), still reaches its id.  Renamed in the vocabulary too, with the
+    merges that build or use it dropped, the id is reachable from the secret alone, which no client knows.
+
+    Added tokens that are only whitespace (Gemma's runs of newlines and spaces, cut from raw text first
+    as llama.cpp cuts them) stay as they are: they are text the model reads, not markup."""
+    data = json.loads(backend.to_str())
+    secret = secrets.token_hex(16)
+    renamed = {}
+    for entry in data.get("added_tokens") or []:
+        if entry["content"].strip():
+            renamed[entry["content"]] = entry["content"] = f"\ue000{secret}.{entry['id']}\ue000"
+    model = data["model"]
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel
+        model["vocab"] = {renamed.get(token, token): i for token, i in vocab.items()}
+    elif isinstance(vocab, list):  # Unigram: [piece, score] in id order
+        model["vocab"] = [[renamed.get(piece, piece), *rest] for piece, *rest in vocab]
+    if model.get("unk_token") in renamed:
+        model["unk_token"] = renamed[model["unk_token"]]
+    if isinstance(model.get("merges"), list):
+        model["merges"] = [m for m in model["merges"] if not _touches(m, renamed)]
+    literal = Tokenizer.from_str(json.dumps(data))
+    kept = {i: renamed.get(t.content, t.content) for i, t in backend.get_added_tokens_decoder().items()}
+    if {i: t.content for i, t in literal.get_added_tokens_decoder().items()} != kept:
+        raise EdgeSpecError("the tokenizer's added tokens changed ids when read as text; report this tokenizer")
+    return literal
+
+
+def _touches(merge, names) -> bool:
+    """Whether a BPE merge (``"a b"`` or ``["a", "b"]``) builds or uses one of ``names``."""
+    left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+    return left in names or right in names or left + right in names
+
+
 def _damaged(path: Path, why: str) -> EdgeSpecError:
     return EdgeSpecError(f"{path}: {why}; the bundle is damaged, export it again")
 
@@ -92,10 +133,9 @@ class TextTokenizer:
         bundle_dir = Path(bundle_dir)
         self.tokenizer = _load_tokenizer(bundle_dir / "tokenizer.json")
         register_control_tokens(self.tokenizer)
-        # message content is encoded by a copy that reads special-token strings as text: a switch on the
-        # shared tokenizer would race with plain encodes in other threads (the server counts in threads)
-        self._literal_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
-        self._literal_tokenizer.encode_special_tokens = True
+        # message content is encoded by a copy that reads control-token strings as text (a copy: a switch
+        # on the shared tokenizer would race with plain encodes in other threads; the server counts in threads)
+        self._literal_tokenizer = literal_tokenizer(self.tokenizer)
         # strings that raw text turns into tokens of their own (what a client's text must not smuggle in)
         self._control_strings = sorted(
             {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.content}
