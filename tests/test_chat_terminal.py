@@ -392,3 +392,26 @@ def test_ctrl_c_while_the_prompt_is_read_stops_the_answer(tmp_path, int4_bundle)
     assert child.match.group(1) != "cancelled"
     child.expect_exact(">>> ")
     leave(child)
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_the_partial_answer_on_the_screen_once(tmp_path, int4_bundle):
+    """The terminal echoes ^C where the cursor is: at the end of a live line drawn to the full width that
+    starts a new line, below which the live area is redrawn, and the partial answer showed twice."""
+    child = spawn_chat(tmp_path, int4_bundle, "--max-tokens", "200", slow=True)
+    raw = io.StringIO()
+    child.logfile_read = raw
+    child.send("tell me a long story\r")
+    time.sleep(1.0)  # about 20 chunks in, rendered as Markdown in the live area
+    child.send("\x03")
+    child.expect(FOOTER, timeout=10)
+    assert child.match.group(1) == "cancelled"
+    child.expect_exact(">>> ")
+    leave(child)
+    lines = [text_of(row) for row in screen_lines(raw.getvalue(), 100, 30)]
+    asked = next(n for n, line in enumerate(lines) if "tell me a long story" in line)
+    footer = next(n for n, line in enumerate(lines) if FOOTER.search(line))
+    answer = [line for line in lines[asked + 1 : footer + 1] if line.strip()]
+    assert answer and not any("^C" in line for line in answer), answer
+    # every line of the partial answer once: none is followed by an earlier drawing of itself, or a longer one
+    assert not any(later.startswith(line) for line, later in zip(answer, answer[1:])), answer
