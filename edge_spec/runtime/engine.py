@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -436,6 +436,7 @@ class Engine:
         on_sources: Callable[[list[list[str]]], None] | None = None,
         logprobs: int | None = None,
         on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+        marked_tokens: Collection[int] = (),
     ) -> Iterator[str]:
         """Stream the answer as text chunks.  ``prompt`` is raw text or chat messages; ``mode`` and
         ``exact`` override the engine's for this call.  ``on_prefill(fraction)`` follows the reading of
@@ -457,8 +458,12 @@ class Engine:
         :attr:`last_token_ids` entry; ``on_logprobs(entries)`` is called before each text chunk is yielded
         with the entries of the tokens whose text begins in it (``text_offset`` set), and once more at the
         end for tokens whose text is empty, as ``on_sources`` is; tokens cut off with a stop string are
-        never handed out.  Neither changes a token.  While another thread generates, the call waits for it
-        (``wait=False``: raises :class:`EngineBusy`); see the class docstring."""
+        never handed out.  Neither changes a token.  ``marked_tokens``: token ids whose text the answer
+        gives whole after :data:`~edge_spec.runtime.text.TOKEN_MARK` (a character no decoded text holds),
+        so that a reader tells them from their characters spelled by other tokens (the server's tool-call
+        parser: the model's ``<tool_call>`` token); not with ``on_sources`` or ``on_logprobs``.  While
+        another thread generates, the call waits for it (``wait=False``: raises :class:`EngineBusy`); see
+        the class docstring."""
         self._acquire(wait)
         try:
             self._check_open()
@@ -482,6 +487,7 @@ class Engine:
                     on_sources=on_sources,
                     logprobs=logprobs,
                     on_logprobs=on_logprobs,
+                    marked_tokens=marked_tokens,
                 )
         finally:
             self._release()
@@ -539,6 +545,7 @@ class Engine:
         on_sources: Callable[[list[list[str]]], None] | None = None,
         logprobs: int | None = None,
         on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+        marked_tokens: Collection[int] = (),
     ) -> Iterator[str]:
         params = SamplingParams(
             temperature=temperature,
@@ -569,7 +576,9 @@ class Engine:
         recorder = LogprobRecorder(logprobs or 0) if logprobs is not None or on_logprobs is not None else None
         chunk_logprobs = ChunkLogprobs(self.last_logprobs) if on_logprobs is not None else None
         tracked = on_sources is not None or on_logprobs is not None  # text pieces labelled by token index
-        detok = SourcedText(self.tokenizer) if tracked else StreamingDetokenizer(self.tokenizer)
+        if tracked and marked_tokens:
+            raise EdgeSpecError("marked tokens and per-token sources or log-probabilities cannot go together")
+        detok = SourcedText(self.tokenizer) if tracked else StreamingDetokenizer(self.tokenizer, marked_tokens)
         stopper = StopMatcher([stop] if isinstance(stop, str) else list(stop))
         eos = self.tokenizer.eos_token_ids
         started = time.perf_counter()

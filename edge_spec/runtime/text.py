@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 
 import jinja2
@@ -25,6 +26,9 @@ _CONTENT_CUT = (
 )
 FIM_MARKERS = frozenset({"<fim_prefix>", "<fim_suffix>", "<fim_middle>"})  # StarCoder's, not <|...|> shaped
 TOOL_MARKERS = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"})  # Qwen's, Hermes'
+# what goes before a marked token's text in a detokenizer's output (StreamingDetokenizer's ``marked``): a lone
+# surrogate, which no decoded text holds (a tokenizer decodes to valid Unicode), so no text forges it
+TOKEN_MARK = "\ud800"
 
 
 def _raise(message: str):
@@ -279,15 +283,25 @@ class StreamingDetokenizer:
     Decoding token by token breaks multi-byte characters and merges spaces
     wrongly, so we re-decode a short window and emit only the new stable suffix;
     a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until complete.
+
+    The text of a ``marked`` token comes out whole after :data:`TOKEN_MARK`, so that a reader (the server's
+    tool-call parser) tells the model's ``<tool_call>`` token from the same characters spelled by ordinary
+    tokens (text the model copied from a tool result, say).
     """
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, marked: Iterable[int] = ()) -> None:
         self.tok = tokenizer
         self.ids: list[int] = []
         self._prefix_offset = 0  # window start
         self._read_offset = 0  # ids already turned into text
+        self._marked = {i: tokenizer.tokenizer.id_to_token(i) or "" for i in marked}
 
     def push(self, token_id: int) -> str:
+        if token_id in self._marked:  # the text before it, then the token's own text, marked
+            before = self.flush()
+            self.ids.append(token_id)
+            self._prefix_offset, self._read_offset = len(self.ids) - 1, len(self.ids)
+            return before + TOKEN_MARK + self._marked[token_id]
         self.ids.append(token_id)
         prefix = self.tok.decode(self.ids[self._prefix_offset : self._read_offset])
         full = self.tok.decode(self.ids[self._prefix_offset :])
