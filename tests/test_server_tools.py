@@ -87,8 +87,8 @@ class Scripted:
     """Stands in for ``Engine.generate``: answers with the next scripted text, in chunks of ``chunk``
     characters, cut at the first stop string as the engine cuts it; records each call's prompt and tools."""
 
-    def __init__(self, engine: Engine, answers: list[str], chunk: int = 5) -> None:
-        self.engine, self.answers, self.chunk = engine, list(answers), chunk
+    def __init__(self, engine: Engine, answers: list[str], chunk: int = 5, reason: str | None = None) -> None:
+        self.engine, self.answers, self.chunk, self.reason = engine, list(answers), chunk, reason
         self.calls: list[dict] = []
 
     def __call__(self, prompt, *, tools=None, stop=(), **kwargs):
@@ -101,7 +101,7 @@ class Scripted:
                 "text": self.engine.tokenizer.render_chat(prompt, tools=tools),
             }
         )
-        text, reason = self.answers.pop(0), "eos"
+        text, reason = self.answers.pop(0), self.reason or "eos"
         cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
         if cuts:
             text, reason = text[: min(cuts)], "stop"
@@ -114,8 +114,8 @@ class Scripted:
 
 @pytest.fixture
 def scripted(engine, monkeypatch):
-    def script(*answers: str, chunk: int = 5) -> Scripted:
-        fake = Scripted(engine, list(answers), chunk)
+    def script(*answers: str, chunk: int = 5, reason: str | None = None) -> Scripted:
+        fake = Scripted(engine, list(answers), chunk, reason)
         monkeypatch.setattr(engine, "generate", fake)
         return fake
 
@@ -264,6 +264,37 @@ def test_forced_tool_call_is_a_call(engine, choice, name, stream):
     assert [c["name"] for c in calls] == [name]
     arguments = json.loads(calls[0]["arguments"])
     assert arguments == {} if name == "get_time" else arguments["city"] in ("Paris", "Rome")
+
+
+def ask_for_calls(client, stream: bool, **kwargs) -> tuple[str | None, list[dict], str]:
+    """Content, calls (name and parsed arguments) and finish reason of one answer, streamed or not."""
+    kwargs = dict(model=NAME, messages=ASK, tools=[WEATHER], **kwargs)
+    if stream:
+        content, calls, finish, _ = streamed_message(client.chat.completions.create(stream=True, **kwargs))
+        return content, [(c["name"], json.loads(c["arguments"])) for c in calls], finish
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "answer, complete",
+    [
+        (CALL + "\n" + CALL[:30], [("get_weather", {"city": "Paris"})]),  # the second call cut short
+        (CALL[:40], []),  # the only call cut short
+        (CALL.removesuffix("\n</tool_call>") + "\n</tool", [("get_weather", {"city": "Paris"})]),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_the_length_limit_is_never_content(engine, scripted, choice, answer, complete, stream):
+    """A forced answer is calls and nothing else: what the length limit leaves of a call is no text to
+    show, and the calls before it are returned; the finish reason says the answer was cut."""
+    scripted(answer, chunk=4, reason="length")
+    with serving(engine) as (client, _):
+        content, calls, finish = ask_for_calls(client, stream, tool_choice=choice, max_tokens=20)
+    assert content is None and finish == "length"
+    assert calls == complete[:1] if isinstance(choice, dict) else calls == complete
 
 
 def test_tool_markers_are_single_tokens_of_the_prompt(engine):

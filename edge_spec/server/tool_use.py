@@ -7,6 +7,10 @@
 * ``parallel_tool_calls: false``: at most one call is returned, and the answer stops after it where the
   format has a closing marker.
 
+A forced answer is calls and nothing else, so whatever text its parser hands back is what the length
+limit left of a call (``max_tokens`` cut it): that is dropped rather than shown as ``content``, and the
+complete calls before it are returned (with finish reason "length", as OpenAI reports a cut answer).
+
 A request whose tools the model cannot take (its template reads no ``tools``, or writes calls in a format
 this server does not read) is refused (400 naming ``tools``), never answered as if no tools were sent.
 """
@@ -19,7 +23,7 @@ from llguidance import LLMatcher
 
 from edge_spec.server.errors import bad_request
 from edge_spec.server.schemas import ToolRequest
-from edge_spec.server.tool_calls import CallParser, TokenId, ToolFormat
+from edge_spec.server.tool_calls import CallParser, Piece, TokenId, ToolCall, ToolFormat
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,27 @@ class ToolUse:
     stop: tuple[str, ...] = ()  # stop strings to add
 
     def parser(self) -> CallParser:
-        return self.format.parser(self.parallel, names=[tool["function"]["name"] for tool in self.tools])
+        parser = self.format.parser(self.parallel, names=[tool["function"]["name"] for tool in self.tools])
+        return parser if self.grammar is None else CallsOnly(parser)
 
     @property
     def response_format(self) -> dict | None:
         """The constraint as ``Engine.generate`` takes it."""
         return None if self.grammar is None else {"type": "lark", "lark": self.grammar}
+
+
+class CallsOnly:
+    """A forced answer's parser: only the calls of ``parser``'s pieces (the grammar admits no text, so
+    text there is a call cut short)."""
+
+    def __init__(self, parser: CallParser) -> None:
+        self._parser = parser
+
+    def feed(self, text: str) -> list[Piece]:
+        return [piece for piece in self._parser.feed(text) if isinstance(piece, ToolCall)]
+
+    def finish(self) -> list[Piece]:
+        return [piece for piece in self._parser.finish() if isinstance(piece, ToolCall)]
 
 
 def plan_tools(
