@@ -246,3 +246,31 @@ def test_hermes_code_answers_still_stream_at_once():
     assert parser.feed("```") == []  # may be a ```json call
     assert parser.feed("python\nx = 1") == ["```python\nx = 1"]
     assert FORMATS["hermes"].parser(names=NAMES).feed("Sure: ") == ["Sure:"]
+
+
+# -- a call to a function the request did not offer ------------------------------------------------
+
+UNOFFERED = {
+    "hermes": 'Done.\n<tool_call>\n{"name": "delete_repo", "arguments": {}}\n</tool_call>',
+    "llama3": '{"name": "delete_repo", "parameters": {}}',
+    "mistral": '[TOOL_CALLS][{"name": "delete_repo", "arguments": {}}]',
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_call_to_a_function_not_offered_stays_text(name):
+    """Whatever the model writes, only the request's tools become calls; the rest is the model's text."""
+    text = UNOFFERED[name]
+    assert split_answer(FORMATS[name], text, names=NAMES) == (text, [])
+    for cut in range(1, len(text)):  # streamed in two pieces: the same
+        parser = FORMATS[name].parser(names=NAMES)
+        pieces = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        assert "".join(p for p in pieces if isinstance(p, str)) == text and len(pieces) <= 3, cut
+    offered = text.replace("delete_repo", "get_weather")
+    assert [c.name for c in split_answer(FORMATS[name], offered, names=NAMES)[1]] == ["get_weather"]
+
+
+def test_a_call_among_others_to_a_function_not_offered_leaves_the_others_calls():
+    second = HERMES_CALL.replace("get_weather", "delete_repo")
+    content, calls = split_answer(FORMATS["hermes"], f"{HERMES_CALL}\n{second}", names=NAMES)
+    assert [c.name for c in calls] == ["get_weather"] and content == second

@@ -284,6 +284,7 @@ async def _answer(
         tools=tools,
         provenance=provenance,
         logprobs=logprobs,
+        marked_tokens=tool_use.marked_tokens if tool_use is not None else frozenset(),
     )
     state.worker.submit(job)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, state.worker, job))

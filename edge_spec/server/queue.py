@@ -52,6 +52,7 @@ class Job:
     tools: list[dict] | None = None  # for the chat template
     provenance: bool = False  # text events carry their tokens' sources (Engine.generate's on_sources)
     logprobs: int | None = None  # text events carry their tokens' log-probabilities with this many alternatives
+    marked_tokens: frozenset[int] = frozenset()  # tokens whose text is marked (Engine.generate's marked_tokens)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str | None = None  # "disconnect" or "shutdown"
@@ -225,6 +226,7 @@ class EngineWorker:
                 on_sources=sources.append if job.provenance else None,
                 logprobs=job.logprobs,
                 on_logprobs=logged.extend if job.logprobs is not None else None,
+                marked_tokens=job.marked_tokens,
                 **job.sampling.engine_kwargs(engine.target.capacity),
             ):
                 if job.first_text is None:

@@ -13,6 +13,12 @@ markers the template or the vocabulary holds:
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a special token, so
   decoded text usually starts at the ``[``).
 
+Only the request's tools are called: a call naming another function stays text, as the model wrote it.
+And where the vocabulary has a format's marker as a token of its own (Qwen's ``<tool_call>``), a call
+opens and closes with that token only: the engine's text marks it (:data:`~edge_spec.runtime.text.TOKEN_MARK`
+before its text, asked for with ``Engine.generate``'s ``marked_tokens``), and the same characters spelled by
+ordinary tokens (a tool result or a web page the model copies, with a ``<tool_call>`` block in it) stay text.
+
 A parser is fed the answer as it streams and returns pieces: text to show, or a complete
 :class:`ToolCall`.  Text that may be the start of a call is held back until it is clear, and whitespace
 between text and a call is dropped, so parsing a whole answer is feeding it in one piece: streamed and
@@ -36,6 +42,8 @@ from typing import Protocol, Union
 
 import jinja2
 from jinja2 import meta
+
+from edge_spec.runtime.text import TOKEN_MARK
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
 _JSON = json.JSONDecoder(strict=False)  # models write raw newlines inside strings (code arguments)
@@ -94,10 +102,17 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 class TaggedCalls:
-    """Calls wrapped in an opening and a closing tag, anywhere in the answer (hermes)."""
+    """Calls wrapped in an opening and a closing tag, anywhere in the answer (hermes); a tag that is a token
+    of the model's comes marked (``TOKEN_MARK`` before it).  ``names``: the functions that may be called."""
 
-    def __init__(self, opening: str, closing: str, new_id: Callable[[], str] = openai_id) -> None:
-        self.opening, self.closing, self.new_id = opening, closing, new_id
+    def __init__(
+        self,
+        opening: str,
+        closing: str,
+        new_id: Callable[[], str] = openai_id,
+        names: Container[str] | None = None,
+    ) -> None:
+        self.opening, self.closing, self.new_id, self.names = opening, closing, new_id, names
         self._pending = ""  # text not yet shown or parsed
         self._in_call = False  # inside an opening tag whose closing tag has not come yet
         self._spaces = ""  # whitespace before the current opening tag: dropped if a call follows
@@ -134,8 +149,10 @@ class TaggedCalls:
             self._in_call = True
 
     def finish(self) -> list[Piece]:
-        if self._in_call:
-            block = self._pending[: len(self._pending) - _partial_suffix(self._pending, self.closing)]
+        if self._in_call:  # cut short: the call is the JSON before what may begin its closing tag
+            bare = self.closing.removeprefix(TOKEN_MARK)  # (its characters too: the length limit cut them)
+            cut = max(_partial_suffix(self._pending, self.closing), _partial_suffix(self._pending, bare))
+            block = self._pending[: len(self._pending) - cut]
             call = self._parse(block)
             out = self._resolve(self._pending, closed=False) if call is None else self._resolve(block, False, call)
         else:
@@ -148,16 +165,19 @@ class TaggedCalls:
         call = call or self._parse(block)
         spaces, self._spaces = self._spaces, ""
         if call is None:  # not a call after all: the text as the model wrote it
-            return [spaces + self.opening + block + (self.closing if closed else "")]
+            return _text(spaces + self.opening + block + (self.closing if closed else ""))
         self._after_call = True
         return [call]
 
     def _parse(self, block: str) -> ToolCall | None:
+        if TOKEN_MARK in block:  # a marker token inside the call: no call the model meant
+            return None
         try:
             data = json.loads(block.strip(), strict=False)
         except ValueError:
             return None
-        return make_call(data, self.new_id)
+        call = make_call(data, self.new_id)
+        return call if call is None or self.names is None or call.name in self.names else None
 
 
 class LeadingCalls:
@@ -191,7 +211,7 @@ class LeadingCalls:
 
     def finish(self) -> list[Piece]:
         text, self._pending = self._pending, ""
-        calls = self.parse(text) if self._mode == "calls" else None
+        calls = self.parse(text) if self._mode == "calls" and TOKEN_MARK not in text else None
         return list(calls) if calls else _text(text)
 
 
@@ -247,6 +267,8 @@ class AtMost:
 
 
 def _text(text: str) -> list[Piece]:
+    """Text to show: marker tokens as the characters they are."""
+    text = text.replace(TOKEN_MARK, "")
     return [text] if text else []
 
 
@@ -280,16 +302,21 @@ def parse_untagged(text: str, names: Container[str]) -> list[ToolCall] | None:
     return _all_calls(_json_values(text, "") or [], openai_id, names)
 
 
-def parse_llama3(text: str) -> list[ToolCall] | None:
+def parse_llama3(text: str, names: Container[str] | None = None) -> list[ToolCall] | None:
     values = _json_values(text.strip().removeprefix("<|python_tag|>"), ";")
-    return _all_calls(values or [], openai_id)
+    return _offered(_all_calls(values or [], openai_id), names)
 
 
-def parse_mistral(text: str) -> list[ToolCall] | None:
+def parse_mistral(text: str, names: Container[str] | None = None) -> list[ToolCall] | None:
     values = _json_values(text.strip().removeprefix("[TOOL_CALLS]"), "")
     if not values or len(values) != 1:
         return None
-    return _all_calls(values[0] if isinstance(values[0], list) else values, mistral_id)
+    return _offered(_all_calls(values[0] if isinstance(values[0], list) else values, mistral_id), names)
+
+
+def _offered(calls: list[ToolCall] | None, names: Container[str] | None) -> list[ToolCall] | None:
+    """``calls`` if each names one of ``names`` (None: any), else None (the answer is text)."""
+    return calls if calls and (names is None or all(c.name in names for c in calls)) else None
 
 
 # -- forcing a call --------------------------------------------------------------------------------
@@ -352,14 +379,18 @@ def mistral_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str
 class ToolFormat:
     name: str
     markers: tuple[str, ...]  # in a chat template or a vocabulary, they say the model writes this format
-    make_parser: Callable[[frozenset[str] | None], CallParser]  # given the request's tool names, if known
+    # given the request's tool names (None: any) and the tags that come marked as tokens
+    make_parser: Callable[[frozenset[str] | None, frozenset[str]], CallParser]
     grammar: Callable[[list[dict], bool, TokenId], str]
     closing: str | None = None  # a stop string that ends the answer after one call
+    tags: tuple[str, ...] = ()  # the markers its parser reads only as the model's tokens, where they are ones
 
-    def parser(self, parallel: bool = True, names: Iterable[str] | None = None) -> CallParser:
-        """A parser for one answer; ``names``: the request's tools (formats that read calls written loosely
-        accept only calls to these)."""
-        parser = self.make_parser(None if names is None else frozenset(names))
+    def parser(
+        self, parallel: bool = True, names: Iterable[str] | None = None, tokens: Iterable[str] = ()
+    ) -> CallParser:
+        """A parser for one answer; ``names``: the request's tools, the only functions a call may name;
+        ``tokens``: the :attr:`tags` that are tokens of the model's, which the text it is fed marks."""
+        parser = self.make_parser(None if names is None else frozenset(names), frozenset(tokens))
         return parser if parallel else AtMost(parser, 1)
 
     def forced_grammar(
@@ -378,8 +409,11 @@ class ToolFormat:
         return self.grammar(tools, parallel, token_id)
 
 
-def hermes_parser(names: frozenset[str] | None) -> CallParser:
-    tagged = TaggedCalls("<tool_call>", "</tool_call>")
+def hermes_parser(names: frozenset[str] | None, tokens: frozenset[str] = frozenset()) -> CallParser:
+    def tag(marker: str) -> str:
+        return TOKEN_MARK + marker if marker in tokens else marker
+
+    tagged = TaggedCalls(tag("<tool_call>"), tag("</tool_call>"), names=names)
     if names is None:
         return tagged
     return WholeOrTagged(LeadingCalls(("```json", "{"), lambda text: parse_untagged(text, names)), tagged)
@@ -388,17 +422,24 @@ def hermes_parser(names: frozenset[str] | None) -> CallParser:
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
     for f in (
-        ToolFormat("hermes", ("<tool_call>",), hermes_parser, hermes_grammar, closing="</tool_call>"),
+        ToolFormat(
+            "hermes",
+            ("<tool_call>",),
+            hermes_parser,
+            hermes_grammar,
+            closing="</tool_call>",
+            tags=("<tool_call>", "</tool_call>"),
+        ),
         ToolFormat(
             "mistral",
             ("[TOOL_CALLS]",),
-            lambda names: LeadingCalls(("[TOOL_CALLS]", "[{"), parse_mistral),
+            lambda names, tokens: LeadingCalls(("[TOOL_CALLS]", "[{"), lambda text: parse_mistral(text, names)),
             mistral_grammar,
         ),
         ToolFormat(
             "llama3",
             ("<|python_tag|>",),
-            lambda names: LeadingCalls(("<|python_tag|>", "{"), parse_llama3),
+            lambda names, tokens: LeadingCalls(("<|python_tag|>", "{"), lambda text: parse_llama3(text, names)),
             llama3_grammar,
         ),
     )
@@ -426,11 +467,15 @@ def detect_format(template: str | None, vocabulary: Container[str]) -> ToolForma
 
 
 def split_answer(
-    tool_format: ToolFormat, text: str, parallel: bool = True, names: Iterable[str] | None = None
+    tool_format: ToolFormat,
+    text: str,
+    parallel: bool = True,
+    names: Iterable[str] | None = None,
+    tokens: Iterable[str] = (),
 ) -> tuple[str | None, list[ToolCall]]:
     """A whole answer as OpenAI's message has it: the text outside calls (None when there is none) and the
     calls."""
-    parser = tool_format.parser(parallel, names)
+    parser = tool_format.parser(parallel, names, tokens)
     pieces = parser.feed(text) + parser.finish()
     content = "".join(p for p in pieces if isinstance(p, str))
     return content or None, [p for p in pieces if isinstance(p, ToolCall)]

@@ -17,10 +17,11 @@ this server does not read) is refused (400 naming ``tools``), never answered as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llguidance import LLMatcher
 
+from edge_spec.runtime.text import TOKEN_MARK
 from edge_spec.server.errors import bad_request
 from edge_spec.server.schemas import ToolRequest
 from edge_spec.server.tool_calls import CallParser, Piece, TokenId, ToolCall, ToolFormat
@@ -33,10 +34,17 @@ class ToolUse:
     parallel: bool
     grammar: str | None = None  # a Lark grammar the answer must follow (a call is forced)
     stop: tuple[str, ...] = ()  # stop strings to add
+    marked: dict[str, int] = field(default_factory=dict)  # the format's tags that are tokens: their ids
 
     def parser(self) -> CallParser:
-        parser = self.format.parser(self.parallel, names=[tool["function"]["name"] for tool in self.tools])
+        names = [tool["function"]["name"] for tool in self.tools]
+        parser = self.format.parser(self.parallel, names=names, tokens=self.marked)
         return parser if self.grammar is None else CallsOnly(parser)
+
+    @property
+    def marked_tokens(self) -> frozenset[int]:
+        """The tokens whose text the engine marks for the parser (``Engine.generate``'s ``marked_tokens``)."""
+        return frozenset(self.marked.values())
 
     @property
     def response_format(self) -> dict | None:
@@ -80,7 +88,11 @@ def plan_tools(
             "Qwen's <tool_call>, Llama 3's JSON and Mistral's [TOOL_CALLS])",
             param="tools",
         )
-    stop = (tool_format.closing,) if not request.parallel and tool_format.closing else ()
+    marked = {tag: token_id(tag) for tag in tool_format.tags if token_id(tag) is not None}
+    closing = tool_format.closing
+    if closing in marked:  # only the model's closing token ends a call, not its characters in an argument
+        closing = TOKEN_MARK + closing
+    stop = (closing,) if not request.parallel and closing else ()
     grammar = None
     if request.choice == "required":
         grammar = tool_format.forced_grammar(
@@ -91,4 +103,4 @@ def plan_tools(
             raise bad_request(
                 f"cannot force a call to these tools: {problem.strip().splitlines()[-1][:300]}", param="tools"
             )
-    return ToolUse(list(request.tools), tool_format, request.parallel, grammar, stop)
+    return ToolUse(list(request.tools), tool_format, request.parallel, grammar, stop, marked)
