@@ -51,6 +51,10 @@ def _write_stamps(path: Path, stamps: dict) -> None:
         pass
 
 
+class _Stopped(Exception):
+    pass
+
+
 class WeightCheck:
     """Hashes the bundle's changed files in a background thread; :meth:`result` waits for the verdict."""
 
@@ -66,6 +70,9 @@ class WeightCheck:
                     self._pending.append((record["path"], record["sha256"], identity))
         self._error: EdgeSpecError | None = None
         self._thread: threading.Thread | None = None
+        self.total_bytes = sum(identity[0] for _, _, identity in self._pending)  # what there is to hash
+        self.hashed_bytes = 0  # read so far (a load's progress reports it)
+        self._stop = threading.Event()
         if self._pending:
             self._thread = threading.Thread(target=self._run, name="edge-spec weight check", daemon=True)
             self._thread.start()
@@ -74,11 +81,19 @@ class WeightCheck:
     def files_to_hash(self) -> list[str]:
         return [relative for relative, _, _ in self._pending]
 
+    def _count(self, size: int) -> None:
+        if self._stop.is_set():
+            raise _Stopped
+        self.hashed_bytes += size
+
     def _run(self) -> None:
         for relative, expected, identity in self._pending:
             path = self.bundle_dir / relative
             try:
-                whole = sha256_file(path) == expected
+                whole = sha256_file(path, on_block=self._count) == expected
+            except _Stopped:  # the files found whole so far are remembered; the rest is no verdict
+                self._error = EdgeSpecError(f"the check of {self.bundle_dir}'s files was stopped before it ended")
+                break
             except OSError as exc:
                 self._error = EdgeSpecError(f"cannot read bundle file {path}: {exc.strerror or exc}")
                 return
@@ -90,6 +105,18 @@ class WeightCheck:
                 return
             self._stamps[relative] = [expected, identity]
         _write_stamps(self._stamp_file, self._stamps)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the hashing to end; whether it has."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def stop(self) -> None:
+        """Stop hashing (a load given up) at the next block, and wait for the thread."""
+        self._stop.set()
+        self.wait()
 
     def result(self) -> None:
         """Wait for the check; raises :class:`EdgeSpecError` when a file is damaged."""

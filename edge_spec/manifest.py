@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
@@ -28,11 +29,14 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 22, on_block: Callable[[int], None] | None = None) -> str:
+    """The file's SHA-256; ``on_block(size)`` after each block read (progress, and a place to stop by raising)."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
             digest.update(block)
+            if on_block is not None:
+                on_block(len(block))
     return digest.hexdigest()
 
 
@@ -191,9 +195,12 @@ def check_manifest(manifest: dict, path: Path | str = MANIFEST) -> None:
         raise EdgeSpecError(f"{path}: {exc}; the bundle is damaged, export it again") from None
 
 
-def verify_files(bundle_dir: Path, manifest: dict, *, full_hash: bool = False) -> None:
-    """Check every recorded file exists with its size (and sha256 when ``full_hash``).  The tokenizer
-    files are checked when the manifest records them (bundles exported before that do not)."""
+def verify_files(
+    bundle_dir: Path, manifest: dict, *, full_hash: bool = False, on_block: Callable[[int], None] | None = None
+) -> None:
+    """Check every recorded file exists with its size (and sha256 when ``full_hash``, calling ``on_block``
+    as :func:`sha256_file` does).  The tokenizer files are checked when the manifest records them
+    (bundles exported before that do not)."""
     for role in ROLES:
         for record in (manifest.get(role) or {}).get("files", []):
             path = Path(bundle_dir) / record["path"]
@@ -203,7 +210,7 @@ def verify_files(bundle_dir: Path, manifest: dict, *, full_hash: bool = False) -
                 raise EdgeSpecError(
                     f"bundle file corrupted (size differs from manifest): {path}; export the bundle again"
                 )
-            if full_hash and sha256_file(path) != record["sha256"]:
+            if full_hash and sha256_file(path, on_block=on_block) != record["sha256"]:
                 raise EdgeSpecError(
                     f"bundle file corrupted (sha256 differs from manifest): {path}; export the bundle again"
                 )

@@ -1,4 +1,4 @@
-"""Check that imports inside ``edge_spec.runtime`` run one way: engine -> loaded -> provenance -> loops ->
+"""Check that imports inside ``edge_spec.runtime`` run one way: aio -> engine -> loaded -> provenance -> loops ->
 schedule -> propose -> model/verify/constrain (the three at the bottom independent of one another).
 
 Prints every runtime module's imports of other runtime layers and exits 1 on an import that runs back
@@ -14,6 +14,7 @@ from pathlib import Path
 RUNTIME = Path(__file__).resolve().parents[1] / "edge_spec" / "runtime"
 # rank of each layer: a module may import layers of lower rank (and its own layer)
 LAYERS = {
+    "aio": 8,
     "engine": 7,
     "loaded": 6,
     "provenance": 5,
@@ -26,10 +27,13 @@ LAYERS = {
     "verify": 1,
     "constrain": 1,
     "logprobs": 0,
+    "progress": 0,
+    "heap": 0,
 }  # loaded: what loading a bundle produces and the device facts (the engine generates with it);
 # provenance: the engine's per-token sources (reads loops.stats and text);
 # suffix_store: where the engine's suffix cache lives (reads propose.suffix_cache);
-# logprobs: token log-probabilities from a row (numpy only), read by the loops and the engine
+# logprobs: token log-probabilities from a row (numpy only), read by the loops and the engine;
+# aio: the engine for asyncio applications; progress: a load's progress and cancellation; heap: memory back
 BOTTOM = ("model", "verify", "constrain")  # rank 1: none of them imports another
 
 

@@ -9,6 +9,7 @@ text; the engine knows nothing about KV caches.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime import heap
 from edge_spec.runtime.constrain import (
     Constraint,
     GrammarVocabulary,
@@ -33,6 +35,7 @@ from edge_spec.runtime.loops.stats import TARGET, SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.session import numpy_on_one_thread
+from edge_spec.runtime.progress import LoadTracker, ProgressCallback
 from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.eagle import EagleDrafter
 from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
@@ -84,6 +87,20 @@ class Completion:
 DEFAULT_MODE = "spec"  # what the CLI, the server and the Python API run when no mode is named
 
 
+def _role_bytes(manifest: dict, role: str | None) -> int:
+    """The bytes of a manifest role's files (0 for None or a role the bundle lacks): what reading it costs."""
+    return sum(record["bytes"] for record in (manifest.get(role) or {}).get("files", [])) if role else 0
+
+
+def _bundle_bytes(path: str | Path | None) -> int:
+    """The bytes of all of a bundle's recorded files: what verifying it hashes."""
+    from edge_spec.manifest import ROLES, read_manifest
+    from edge_spec.paths import find_bundle
+
+    manifest = read_manifest(find_bundle(path))
+    return sum(_role_bytes(manifest, role) for role in ROLES)
+
+
 class EngineClosed(EdgeSpecError):
     """A generation asked of an engine after :meth:`Engine.close`."""
 
@@ -131,6 +148,8 @@ class Engine:
         cache_dir: str | Path | None = None,
         suffix_capacity: int = DEFAULT_SUFFIX_CAPACITY,
         corpus: str | Path | None = None,
+        on_progress: ProgressCallback | None = None,
+        cancel: threading.Event | None = None,
     ) -> "Engine":
         """Load a bundle: ``path``, or the default bundle (the one ``edge-spec export`` makes with no arguments,
         :func:`edge_spec.paths.default_bundle`) when None.  ``threads`` = 0 lets ORT pick; ``verify`` re-hashes
@@ -161,6 +180,13 @@ class Engine:
         used dropped first), which speculative decoding drafts from: in memory only, unless
         ``cache_dir`` names a directory to keep it in across processes (one private file per bundle).
         ``corpus``: a directory whose text files (a repository) are read into it too.
+
+        ``on_progress(LoadProgress(stage, fraction))`` follows the load (:mod:`~edge_spec.runtime.progress`:
+        stages ``verifying``, ``reading``, ``measuring``); its returning False, or ``cancel`` (a
+        ``threading.Event`` set from any thread), stops the load with
+        :class:`~edge_spec.runtime.progress.LoadCancelled`, having freed what it loaded.  With either, the
+        load also waits for the check of the files changed since they were last found whole (which the
+        first answer waits for otherwise), so that the progress covers it.
         """
         options = LoadOptions(
             provider=provider,
@@ -177,7 +203,7 @@ class Engine:
             suffix_capacity=suffix_capacity,
             corpus=corpus,
         )
-        return cls.load(path, options, mode=mode, config=config)
+        return cls.load(path, options, mode=mode, config=config, on_progress=on_progress, cancel=cancel)
 
     @classmethod
     def load(
@@ -187,25 +213,64 @@ class Engine:
         *,
         mode: str | None = None,
         config: LoopConfig | None = None,
+        on_progress: ProgressCallback | None = None,
+        cancel: threading.Event | None = None,
     ) -> "Engine":
         """:meth:`from_bundle` with its load settings in one :class:`~edge_spec.runtime.loaded.LoadOptions`
-        (None: the defaults), as the CLI builds them from its flags; ``mode`` and ``config`` pick the loop."""
+        (None: the defaults), as the CLI builds them from its flags; ``mode`` and ``config`` pick the loop,
+        ``on_progress`` and ``cancel`` follow and stop the load (see :meth:`from_bundle`)."""
         options = options or LoadOptions()
-        files = BundleFiles.open(path, options.verify)
+        tracker = LoadTracker(on_progress, cancel, str(path) if path is not None else "the default bundle")
+        if options.verify and tracker.active:
+            tracker.report("verifying", 0.0)
+            files = BundleFiles.open(path, True, tracker.counter("verifying", _bundle_bytes(path)))
+            tracker.report("verifying", 1.0)
+        else:
+            files = BundleFiles.open(path, options.verify)
         if config is None:
             config = loop_config(mode or DEFAULT_MODE)
         elif mode is not None and mode != config.mode:
             raise EdgeSpecError(
                 f"mode {mode!r} does not match the {type(config).__name__} given (mode {config.mode!r})"
             )
-        options.check()
-        loaded = LoadedBundle.load(files, options, takes_turns=config.mode != "ar")
-        engine = cls(loaded, config, exact=options.exact)
-        if isinstance(config, TreeConfig):
-            check_tree(loaded.target, config)  # the verifier's draft count and the sampler are checked per request
-        if config.mode != "ar":
-            engine.measure_costs()  # loads the drafter too, so the first answer is not slowed down
-        return engine
+        try:
+            options.check()
+            return cls._load_models(files, options, config, tracker)
+        except BaseException:  # a failed or cancelled load: its models were closed, its hashing is stopped
+            if files.weight_check is not None:
+                files.weight_check.stop()
+            heap.release()
+            raise
+
+    @classmethod
+    def _load_models(
+        cls, files: BundleFiles, options: LoadOptions, config: LoopConfig, tracker: LoadTracker
+    ) -> "Engine":
+        """The models of an opened bundle, loaded (and this machine's costs measured for the speculative
+        modes), the progress told to ``tracker``; a failed or cancelled load closes what it loaded."""
+        speculative = config.mode != "ar"
+        drafter_role = ("eagle" if drafter_name(config) == "eagle" else "draft") if speculative else None
+        target_bytes, drafter_bytes = (_role_bytes(files.manifest, role) for role in ("target", drafter_role))
+        tracker.report("reading", 0.0)
+        loaded = LoadedBundle.load(files, options, takes_turns=speculative)
+        try:
+            engine = cls(loaded, config, exact=options.exact)
+            tracker.report("reading", target_bytes / max(target_bytes + drafter_bytes, 1))
+            if isinstance(config, TreeConfig):
+                check_tree(loaded.target, config)  # the verifier's draft count and the sampler are checked per request
+            if speculative:
+                engine.active_drafter()  # loaded now, so the first answer is not slowed down
+            tracker.report("reading", 1.0)
+            if tracker.active and not options.verify:
+                tracker.wait_for(files.weight_check)
+            if speculative:
+                tracker.report("measuring", 0.0)
+                engine.measure_costs()
+                tracker.report("measuring", 1.0)
+            return engine
+        except BaseException:
+            loaded.close()
+            raise
 
     # what the loaded bundle holds, read where the engine is
     @property
@@ -313,6 +378,18 @@ class Engine:
                 self._tokens = None
             self.loaded.close()
             self._closed = True
+        finally:
+            self._release()
+        heap.release()  # the process's resident size falls by what the models held (see heap)
+
+    @contextlib.contextmanager
+    def held(self, wait: bool = True) -> Iterator["Engine"]:
+        """Hold the engine across several calls from this thread, as :meth:`complete` does for one
+        answer: another thread's generation waits until the block ends (or, with ``wait=False`` here,
+        this raises :class:`EngineBusy` when another thread holds it now)."""
+        self._acquire(wait)
+        try:
+            yield self
         finally:
             self._release()
 

@@ -11,6 +11,7 @@ drafts, the longest draft).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,13 +105,16 @@ class BundleFiles:
     weight_check: WeightCheck | None  # hashes the files changed since last found whole; None: all were hashed
 
     @classmethod
-    def open(cls, path: str | Path | None, verify: bool = False) -> BundleFiles:
+    def open(
+        cls, path: str | Path | None, verify: bool = False, on_block: Callable[[int], None] | None = None
+    ) -> BundleFiles:
         """``path``, or the default bundle when None (:func:`edge_spec.paths.default_bundle`): its manifest
-        read and its files' sizes checked; ``verify`` re-hashes every file now, else the files changed
-        since last found whole are hashed while the models load (the first answer waits for the verdict)."""
+        read and its files' sizes checked; ``verify`` re-hashes every file now (``on_block(size)`` after
+        each block read), else the files changed since last found whole are hashed while the models load
+        (the first answer waits for the verdict)."""
         directory = find_bundle(path)
         manifest = read_manifest(directory)
-        verify_files(directory, manifest, full_hash=verify)
+        verify_files(directory, manifest, full_hash=verify, on_block=on_block)
         return cls(directory, manifest, None if verify else WeightCheck(directory, manifest))
 
 
