@@ -74,9 +74,12 @@ def test_page_and_its_files_are_served_same_origin_with_a_strict_policy(engine):
         html = page.text
         files = re.findall(r'(?:src|href)="(/static/[^"]+)"', html)
         served = {path: client.get(path) for path in files}
-        module_imports = re.findall(r'from "\./([^"]+)"', served["/static/app.js"].text)
-        for name in module_imports:
-            served[f"/static/{name}"] = client.get(f"/static/{name}")
+        module_imports, modules = [], ["/static/app.js"]
+        while modules:  # the modules app.js imports, and theirs
+            for name in re.findall(r'from "\./([^"]+)"', served[modules.pop()].text):
+                module_imports.append(name)
+                modules.append(f"/static/{name}")
+                served[f"/static/{name}"] = client.get(f"/static/{name}")
         missing = client.get("/static/nothing.js")
         hidden = client.get("/static/.hidden.js")
         no_suffix = client.get("/static/LICENSE")
@@ -88,13 +91,16 @@ def test_page_and_its_files_are_served_same_origin_with_a_strict_policy(engine):
         assert rule in policy
     assert "<script>" not in html and " style=" not in html  # nothing inline: the policy allows none
     assert "http://" not in html and "https://" not in html  # nothing from elsewhere (works offline)
-    assert set(files) == {"/static/style.css", "/static/app.js"} and module_imports == ["markdown.js"]
+    assert set(files) == {"/static/style.css", "/static/app.js", "/static/favicon.svg"}
+    assert module_imports == ["markdown.js", "highlight.js"]
+    assert re.search(r'<link rel="icon"[^>]* href="/static/favicon.svg"', html)  # no request for /favicon.ico
     for path, response in served.items():
         assert response.status_code == 200, path
         assert response.headers["x-content-type-options"] == "nosniff"
         assert response.text == (STATIC / path.rsplit("/", 1)[1]).read_text()
     assert served["/static/app.js"].headers["content-type"].startswith("text/javascript")
     assert served["/static/style.css"].headers["content-type"].startswith("text/css")
+    assert served["/static/favicon.svg"].headers["content-type"] == "image/svg+xml"
     assert missing.status_code == hidden.status_code == no_suffix.status_code == 404
     assert models.status_code == 401
     assert cross_site.status_code == 403
@@ -235,6 +241,7 @@ def browser(tmp_path):
         f"--user-data-dir={tmp_path / 'profile'}",
     ):
         options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: failed loads (a 404) show there
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_script_timeout(30)
     yield driver
@@ -289,7 +296,7 @@ def test_chat_page_in_a_browser(slowed_engine, browser, tmp_path):
         )
         assert text_of(driver, "model-name") == "tiny" and text_of(driver, "model-mode") == "spec"
         legend = driver.find_element("class name", "legend").text
-        for label in ("drafter model", "copied (this chat, earlier answers)", "forced by the grammar", "target"):
+        for label in ("drafter model", "copied", "grammar", "free guess", "target"):
             assert label in legend
 
         # settings: greedy, a short answer; kept in localStorage
@@ -510,3 +517,207 @@ def test_markdown_renderer_builds_safe_dom(slowed_engine, browser):
     assert {src for _, src, _ in result["spans"]} == {"model", "target"}
     painted = "".join(text for _, _, text in result["spans"])
     assert painted == result["sourceText"].replace("\n", "")  # all but the code blocks' line breaks
+
+
+# -- a scripted answer: code highlighted under the sources' colours, on a desktop and on a phone ----------
+
+CODE_ANSWER = '''Here is a function that checks whether a number is prime:
+
+```python
+def is_prime(n: int) -> bool:
+    """Return True when n is a prime number."""
+    if n < 2:
+        return False
+    for d in range(2, int(n ** 0.5) + 1):
+        if n % d == 0:  # a divisor: not prime
+            return False
+    return True
+
+
+print([n for n in range(30) if is_prime(n)])
+```
+
+It tries every divisor up to the square root of `n`; `is_prime(29)` is `True`.
+'''
+CODE = CODE_ANSWER.split("```python\n")[1].split("\n```")[0]
+ROUNDS = [0, 3, 2, 5, 1, 4, 0, 6, 2, 3, 7, 1]  # accepted drafts per round, each round ending in a target token
+LONG_NAME = "qwen2.5-coder-1.5b-instruct-int4-trim-32768-specvocab-r192-k128-with-a-name-wider-than-a-phone"
+
+
+def sourced(text: str) -> list[list[str]]:
+    """``text`` cut into word-sized tokens with the sources a speculative answer gives them: rounds of
+    drafter tokens closed by a target token; the last code line, a repeat of earlier text, copied; a
+    guess here and there."""
+    tokens = re.findall(r"\s+|\w+|[^\w\s]", text)
+    copied = text.index("print(")
+    pieces, position, draft, rounds = [], 0, 0, iter(ROUNDS * 100)
+    budget = next(rounds)
+    for token in tokens:
+        if copied <= position < copied + 40:
+            source = "suffix"
+        elif draft < budget:
+            source, draft = ("guess" if token == ":" else "model"), draft + 1
+        else:
+            source, draft, budget = "target", 0, next(rounds)
+        pieces.append([token, source])
+        position += len(token)
+    return pieces
+
+
+def scripted_stream(pieces: list[list[str]], tokens_per_second: float) -> str:
+    """What ``/v1/chat/completions`` streams for an answer of ``pieces`` (server-sent events), a few
+    tokens a chunk, then the statistics."""
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+    for start in range(0, len(pieces), 4):
+        part = pieces[start : start + 4]
+        content = "".join(text for text, _ in part)
+        chunks.append({"choices": [{"index": 0, "delta": {"content": content}}], "x_edge_spec": {"provenance": part}})
+    targets = sum(source == "target" for _, source in pieces)
+    chunks.append(
+        {
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "x_edge_spec": {
+                "stop_reason": "stop",
+                "new_tokens": len(pieces),
+                "tau": (len(pieces) - 1) / max(targets - 1, 1),
+                "tokens_per_second": tokens_per_second,
+                "mode": "spec",
+            },
+        }
+    )
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+
+
+def script_answer(driver, stream: str) -> None:
+    """The page's next answers are ``stream``, not the model's (the page's own fetch of the completions
+    endpoint answered in the browser; everything else reaches the server)."""
+    driver.execute_script(
+        """
+        const [stream] = arguments;
+        const real = window.fetch.bind(window);
+        window.fetch = (url, init) => String(url).endsWith("/v1/chat/completions")
+          ? Promise.resolve(new Response(stream, {status: 200, headers: {"Content-Type": "text/event-stream"}}))
+          : real(url, init);
+        """,
+        stream,
+    )
+
+
+def failed_loads(driver) -> list[str]:
+    return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+@pytest.mark.slow
+@browser_test
+def test_code_is_highlighted_under_the_sources_colours_and_the_page_fits_a_phone(slowed_engine, browser, tmp_path):
+    app, _ = build_app(slowed_engine, name=LONG_NAME)
+    server = LiveServer(app)
+    driver = browser
+    try:
+        driver.get(server.url + "/")
+        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
+        icon = driver.execute_async_script(
+            """
+            const done = arguments[arguments.length - 1];
+            fetch(document.querySelector("link[rel=icon]").href)
+              .then(r => done(r.status + " " + r.headers.get("content-type")), e => done(String(e)));
+            """
+        )
+        assert icon == "200 image/svg+xml"
+        pieces = sourced(CODE_ANSWER)
+        script_answer(driver, scripted_stream(pieces, 12.34))
+        send(driver, "Write a function that checks whether a number is prime")
+        wait(driver, lambda d: text_of(d, "stat-state") == "done", what="the scripted answer")
+        found = driver.execute_script(
+            """
+            const block = document.querySelector(".msg.assistant .code-block");
+            const style = (e) => getComputedStyle(e);
+            const swatch = (source) => style(document.querySelector(".legend .swatch.src-" + source)).backgroundColor;
+            const tokens = [...block.querySelectorAll(".tok")];
+            return {
+              code: block.querySelector("code").textContent,
+              kinds: Object.fromEntries(["kw", "str", "com", "num", "fn", "lit", "bi"].map(kind =>
+                [kind, [...block.querySelectorAll(".hl-" + kind)].map(e => e.textContent)])),
+              colours: [...new Set([...block.querySelectorAll("code [class^=hl-]")].map(e => style(e).color))],
+              plain: style(block.querySelector("code")).color,
+              highlightedTokens: tokens.filter(t => t.closest("[class^=hl-]")).length,
+              wrongBackground: tokens.filter(t => style(t).backgroundColor !== swatch(t.dataset.src === "suffix"
+                ? "lookup" : t.dataset.src)).map(t => t.textContent),
+              sources: [...new Set(tokens.map(t => t.dataset.src))].sort(),
+              text: document.querySelector(".msg.assistant .body").textContent,
+            };
+            """
+        )
+        assert found["code"] == CODE  # the text as written, whatever spans it is cut into
+        assert {"def", "if", "return", "for", "in"} <= set(found["kinds"]["kw"])
+        assert '"""Return True when n is a prime number."""' in found["kinds"]["str"]
+        assert found["kinds"]["com"] == ["# a divisor: not prime"]
+        assert {"2", "0.5", "1", "0", "30"} <= set(found["kinds"]["num"])
+        assert "is_prime" in found["kinds"]["fn"] and {"False", "True"} <= set(found["kinds"]["lit"])
+        assert {"range", "int", "print"} <= set(found["kinds"]["bi"])
+        assert len(found["colours"]) >= 5 and found["plain"] not in found["colours"]  # the text colours
+        # and every token keeps its source's background, inside highlighted words too
+        assert found["highlightedTokens"] > 20 and found["wrongBackground"] == []
+        assert found["sources"] == ["guess", "model", "suffix", "target"]
+        assert "is_prime(29)" in found["text"] and "```" not in found["text"]
+        assert text_of(driver, "stat-tps") == "12.3 tok/s"
+        assert failed_loads(driver) == []  # the favicon and every file of the page loaded
+        save_artifact(driver, tmp_path, "chat-page-code.png")
+
+        # on a phone: the header stays one line, the model's name cut short with an ellipsis
+        driver.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride", {"width": 390, "height": 844, "deviceScaleFactor": 2, "mobile": True}
+        )
+        layout = driver.execute_script(
+            """
+            const rect = (e) => e.getBoundingClientRect();
+            const name = document.getElementById("model-name");
+            const line = parseFloat(getComputedStyle(name).lineHeight) || 1.3 * parseFloat(getComputedStyle(name).fontSize);
+            return {
+              width: document.documentElement.clientWidth, scrollWidth: document.documentElement.scrollWidth,
+              header: rect(document.querySelector(".top")).height, nameHeight: rect(name).height, line,
+              cut: name.scrollWidth > name.clientWidth, title: name.title,
+              button: rect(document.getElementById("settings-button")).right,
+              brand: rect(document.querySelector(".brand")).height,
+            };
+            """
+        )
+        assert layout["width"] == 390 and layout["scrollWidth"] <= 390, layout  # nothing wider than the screen
+        assert layout["nameHeight"] <= 1.5 * layout["line"] and layout["cut"], layout  # one line, ellipsis
+        assert layout["title"] == LONG_NAME  # the whole name on hover
+        assert layout["header"] < 60 and layout["button"] <= 390, layout
+        save_artifact(driver, tmp_path, "chat-page-phone.png")
+
+        # the legend says what each colour means, repeats shown as the drafter's included
+        driver.find_element("css selector", ".legend summary").click()
+        legend = driver.find_element("class name", "legend").text
+        for words in ("accepted by the target", "a grammar allowed", "the first token, a correction"):
+            assert words in legend
+        assert "Repeated text is not always" in legend and "the drafter model drafts it" in legend
+        save_artifact(driver, tmp_path, "chat-page-legend-phone.png")
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@browser_test
+def test_an_answer_of_one_token_shows_no_speed(slowed_engine, browser):
+    """One token comes from the prompt's pass: there is no decode speed to show, not 0.0 tok/s."""
+    app, _ = build_app(slowed_engine, name="tiny")
+    server = LiveServer(app)
+    driver = browser
+    try:
+        driver.get(server.url + "/")
+        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
+        driver.find_element("id", "settings-button").click()
+        box = driver.find_element("id", "max-tokens")
+        box.clear()
+        box.send_keys("1")
+        driver.find_element("id", "settings-close").click()
+        send(driver, PROMPT)
+        wait(driver, lambda d: text_of(d, "stat-state") in ("done", "stopped at max tokens"), what="the answer")
+        assert text_of(driver, "stat-tokens") == "1 tokens"
+        assert text_of(driver, "stat-tps") == "– tok/s"
+        assert "– tok/s" in driver.find_element("css selector", ".msg.assistant .foot").text
+    finally:
+        server.stop()

@@ -212,6 +212,11 @@ function fmt(value, digits) {
   return value === null || value === undefined || !Number.isFinite(value) ? "–" : value.toFixed(digits);
 }
 
+// The decode speed counts the tokens after the first (the prompt's pass gives that one): none under two.
+function speed(x) {
+  return x.new_tokens >= 2 ? x.tokens_per_second : null;
+}
+
 // τ and tok/s: live from the tokens' sources (each target pass gives exactly one target token; τ counts
 // the passes after the first token's, as the server does), then the server's own figures at the end.
 function showStats(answer, stateText) {
@@ -224,7 +229,7 @@ function showStats(answer, stateText) {
   if (x) {
     if (x.tau !== null && x.tau !== undefined) tau = x.tau;
     else if (x.mode === "ar") tau = 1;
-    tps = x.tokens_per_second;
+    tps = speed(x);
   }
   $("stat-tau").textContent = "τ " + fmt(tau, 2);
   $("stat-tps").textContent = fmt(tps, 1) + " tok/s";
@@ -344,7 +349,7 @@ async function send(text) {
     showStats(answer, outcome || "done");
     const x = answer.final;
     node.querySelector(".foot").textContent = x
-      ? `${x.new_tokens} tokens · τ ${fmt(x.tau, 2)} · ${fmt(x.tokens_per_second, 1)} tok/s · ${x.mode}`
+      ? `${x.new_tokens} tokens · τ ${fmt(x.tau, 2)} · ${fmt(speed(x), 1)} tok/s · ${x.mode}`
       : outcome;
     if (answer.text) state.messages.push({ role: "assistant", content: answer.text });
     else state.messages.pop();  // nothing came back: the question is not part of the conversation
@@ -390,6 +395,7 @@ async function start() {
     const health = await (await fetch("/health")).json();
     state.mode = health.mode;
     $("model-name").textContent = health.model;
+    $("model-name").title = health.model;  // the header may cut it short
     $("model-mode").textContent = health.mode;
   } catch {
     $("model-name").textContent = "server unreachable";

@@ -8,6 +8,11 @@
 // Every piece of text keeps its place in the source string, so the characters can be painted by where
 // they came from: renderMarkdown(text, tokens) wraps each token's characters in <span class="tok src-X">,
 // tokens being [{start, end, source}] sorted ranges of `text` (null: plain text, nothing wrapped).
+// Code blocks are highlighted (highlight.js) the same way: the characters of each highlighted range go
+// in a <span class="hl-KIND">, and the token spans inside it, so that the highlighting colours the text
+// and the source its background.
+
+import { highlight } from "./highlight.js";
 
 const LIST_ITEM = /^([ \t]*)([-*+]|\d{1,9}[.)])[ \t]+/;
 const FENCE = /^([ \t]*)(`{3,}|~{3,})[ \t]*([^\s`]*)/;
@@ -99,6 +104,29 @@ class Renderer {
     }
   }
 
+  // text painted within highlighted ranges: marks [{start, end, kind}], sorted ranges of the text
+  marked(parent, s, e, marks) {
+    let lo = 0;
+    let hi = marks.length;
+    while (lo < hi) {  // the first mark ending after s
+      const mid = (lo + hi) >> 1;
+      if (marks[mid].end <= s) lo = mid + 1;
+      else hi = mid;
+    }
+    let pos = s;
+    for (let i = lo; i < marks.length && marks[i].start < e; i++) {
+      const start = Math.max(marks[i].start, pos);
+      const end = Math.min(marks[i].end, e);
+      if (end <= start) continue;
+      this.paint(parent, pos, start);
+      const span = el("span", "hl-" + marks[i].kind);
+      this.paint(span, start, end);
+      parent.append(span);
+      pos = end;
+    }
+    this.paint(parent, pos, e);
+  }
+
   // -- blocks ----------------------------------------------------------------------------------------
 
   blocks(parent, from, to) {
@@ -144,13 +172,20 @@ class Renderer {
     const code = el("code");
     let last = j;
     if (j >= to) while (last > i + 1 && this.blank(last - 1)) last -= 1;  // unclosed (streaming): no blank tail
-    for (let k = i + 1; k < last; k++) {  // each line without the fence's own indentation
+    const pieces = [];  // each line without the fence's own indentation: [start, end] in the text
+    let source = "";  // the code as highlighted: those lines joined
+    for (let k = i + 1; k < last; k++) {
       const { s, e } = this.lines[k];
       let strip = 0;
       while (strip < indent && s + strip < e && this.text[s + strip] === " ") strip += 1;
-      this.paint(code, s + strip, e);
-      if (k + 1 < last) code.append("\n");
+      pieces.push([s + strip, e, source.length]);
+      source += this.text.slice(s + strip, e) + (k + 1 < last ? "\n" : "");
     }
+    const marks = inText(highlight(source, open[3]), pieces);
+    pieces.forEach(([s, e], n) => {
+      this.marked(code, s, e, marks);
+      if (n + 1 < pieces.length) code.append("\n");
+    });
     pre.append(code);
     block.append(head, pre);
     parent.append(block);
@@ -333,6 +368,23 @@ class Renderer {
     this.after = close + 1;
     return true;
   }
+}
+
+// Ranges of the highlighted code (offsets into the lines joined) as ranges of the text: pieces are the
+// lines, [start, end, offset in the code], in order; a range over several lines becomes one per line.
+function inText(ranges, pieces) {
+  const out = [];
+  let p = 0;
+  for (const { start, end, kind } of ranges) {
+    while (p < pieces.length && pieces[p][2] + (pieces[p][1] - pieces[p][0]) <= start) p += 1;
+    for (let q = p; q < pieces.length && pieces[q][2] < end; q++) {
+      const [s, e, offset] = pieces[q];
+      const from = Math.max(start, offset) - offset;
+      const to = Math.min(end, offset + (e - s)) - offset;
+      if (to > from) out.push({ start: s + from, end: s + to, kind });
+    }
+  }
+  return out;
 }
 
 export function renderMarkdown(text, tokens = null) {
