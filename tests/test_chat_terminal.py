@@ -21,7 +21,7 @@ from rich.console import Console
 from edge_spec.chat.commands import Command, Message, Unknown, line_continues, parse
 from edge_spec.chat.interrupt import CancelOnInterrupt
 from edge_spec.chat.loop import run_chat
-from edge_spec.chat.render import MarkdownStream, stream_answer
+from edge_spec.chat.render import MarkdownStream, footer, stream_answer
 from edge_spec.chat.terminal import PlainInput, TerminalInput, history_file
 
 # ---------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def test_a_message_of_several_lines_is_one_turn(engine):
 # the command on a pseudo-terminal
 # ---------------------------------------------------------------------------
 
-FOOTER = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, prefill [\d.]+ s[^\]]*, (\w+)\]")
+FOOTER = re.compile(r"\[\d+ tokens, (?:[\d.]+|-) tok/s, prefill [\d.]+ s[^\]]*, (\w+)\]")
 
 # the chat with a slower model: each chunk of the answer 50 ms apart, the first one after FIRST_DELAY
 # seconds (a long prompt being read), so that a person, or a test, can press Ctrl-C in the middle
@@ -415,3 +415,14 @@ def test_ctrl_c_leaves_the_partial_answer_on_the_screen_once(tmp_path, int4_bund
     assert answer and not any("^C" in line for line in answer), answer
     # every line of the partial answer once: none is followed by an earlier drawing of itself, or a longer one
     assert not any(later.startswith(line) for line, later in zip(answer, answer[1:])), answer
+
+
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_an_answer_too_short_for_a_speed_shows_none(tokens):
+    """The decode speed counts the tokens after the first (which the prompt's pass gives): under two
+    tokens there is none to show, not 0.0 tok/s."""
+    stats = FakeStats()
+    stats.new_tokens, stats.prefill_seconds, stats.stop_reason = tokens, 0.2, "stop"
+    assert footer(stats) == f"[{tokens} tokens, - tok/s, prefill 0.20 s, stop]"
+    stats.new_tokens, stats.tokens_per_second = 2, 12.5
+    assert footer(stats) == "[2 tokens, 12.5 tok/s, prefill 0.20 s, stop]"

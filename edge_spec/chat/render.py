@@ -137,8 +137,10 @@ class PromptSpinner:
 
 
 def footer(stats) -> str:
-    """The one-line summary of an answer: tokens, speed, prefill time, τ, seed, why it stopped."""
-    line = f"[{stats.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, prefill {stats.prefill_seconds:.2f} s"
+    """The one-line summary of an answer: tokens, speed, prefill time, τ, seed, why it stopped.  The speed
+    counts the tokens after the first (the prompt's pass gives that one): under two, it is ``-``."""
+    speed = f"{stats.tokens_per_second:.1f}" if stats.new_tokens >= 2 else "-"
+    line = f"[{stats.new_tokens} tokens, {speed} tok/s, prefill {stats.prefill_seconds:.2f} s"
     if stats.spec is not None and stats.spec.tau:
         line += f", τ {stats.spec.tau:.2f}"
     if stats.coupled_seed is not None:
