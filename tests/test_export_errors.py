@@ -27,15 +27,15 @@ def _one_line(code, err, *fragments):
 
 
 def _refusing_writer(code: int):
-    """``save_model`` on a full disk (the write names no file) or in a forbidden directory (it does)."""
+    """``write_model`` on a full disk (the write names no file) or in a forbidden directory (it does)."""
 
-    def save_model(model, path):
+    def write_model(path, build):
         Path(path).write_bytes(b"\0" * 1000)  # half a file, as a write cut short leaves it
         if code == errno.ENOSPC:
             raise OSError(code, "No space left on device")
         raise PermissionError(code, "Permission denied", str(path))
 
-    return save_model
+    return write_model
 
 
 REASONS = {errno.ENOSPC: "no space left on device", errno.EACCES: "permission denied"}
@@ -62,7 +62,7 @@ def test_export_on_a_refusing_disk_is_one_line_and_keeps_the_bundle(
     if existing:
         _export(out, tiny_pair)
         before = (out / "manifest.json").read_text()
-    monkeypatch.setattr(in_memory, "save_model", _refusing_writer(code))
+    monkeypatch.setattr(in_memory, "write_model", _refusing_writer(code))
     result = _cli(
         monkeypatch,
         capsys,
@@ -99,7 +99,7 @@ def test_add_heads_on_a_full_disk_is_one_line_and_keeps_the_bundle(
     before = (copy / "manifest.json").read_text()
     calibration = tmp_path / "calibration.txt"
     calibration.write_text("def f(x):\n")
-    monkeypatch.setattr(in_memory, "save_model", _refusing_writer(errno.ENOSPC))
+    monkeypatch.setattr(in_memory, "write_model", _refusing_writer(errno.ENOSPC))
     code, _, err = _cli(
         monkeypatch,
         capsys,

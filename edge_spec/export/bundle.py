@@ -20,7 +20,7 @@ import numpy as np
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export import install
-from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, save_model
+from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
 from edge_spec.export.options import ExportOptions
 from edge_spec.export.pair import ModelCard, check_pair, probe_pair
 from edge_spec.export.sources import LoadedModel, check_source_exists, load_model
@@ -45,7 +45,7 @@ def _gguf_quant_info(model: LoadedModel, quant_info: dict, build: BuildOptions, 
     report = model.gguf_carry
     if report is None or quant_info["weights"] == "fp32":
         return quant_info
-    if not build.gguf_blocks:
+    if not build.gguf_blocks:  # before the report is asked for: a GGUF source's blocks are checked then
         return dict(quant_info, gguf_blocks="requantized")
     layout = "exact" if build.carry_exact else "small" if build.carry_narrow else "fast"
     _say(progress, f"{model.name}: {report.summary()} ({layout} layout); embedding table re-quantized to int8")
@@ -85,7 +85,7 @@ def _export_head(
     if blocks is not None and rows is not None:
         blocks = blocks.rows(rows)
     stem = f"{folder}/head_{name}.onnx"
-    save_model(build_head(weight, build, blocks), bundle_dir / stem)
+    write_model(bundle_dir / stem, lambda data: build_head(weight, build, blocks, data))
     files = [file_record(bundle_dir, stem), file_record(bundle_dir, stem + ".data")]
     entry = {"kind": "static", "onnx": stem, "size": int(weight.shape[0]), "parameters": int(weight.size)}
     if vocab_ids is not None:
@@ -101,7 +101,7 @@ def _export_scorer(
 ) -> tuple[str, list[dict]]:
     """Write one SpecVocab scorer graph (shared by every head of its rank and universe)."""
     stem = f"{folder}/scorer_r{scorer.rank}{suffix}.onnx"
-    save_model(build_scorer(scorer.w_down, scorer.w_vocab, build), bundle_dir / stem)
+    write_model(bundle_dir / stem, lambda data: build_scorer(scorer.w_down, scorer.w_vocab, build, data))
     return stem, [file_record(bundle_dir, stem), file_record(bundle_dir, stem + ".data")]
 
 
@@ -166,6 +166,7 @@ def export_draft_heads(
     """
     from edge_spec.export import specvocab, vocabtrim
 
+    lm_head = np.asarray(lm_head, np.float32)  # read once (a deferred head would be read by every step below)
     options = options.fitted_to(*lm_head.shape)
     modes = options.vocab_modes
     heads = {"full": _export_head(bundle_dir, "full", lm_head, None, build, lm_head_blocks)}
@@ -327,7 +328,7 @@ def save_tokenizer(tokenizer, eos_ids: list[int], bundle_dir: Path) -> None:
 def export_decoder(model: LoadedModel, bundle_dir: Path, role: str, options: BuildOptions, stem: str = "model") -> None:
     out = bundle_dir / role
     out.mkdir(parents=True, exist_ok=True)
-    save_model(build_decoder(model.weights, options), out / f"{stem}.onnx")
+    write_model(out / f"{stem}.onnx", lambda data: build_decoder(model.weights, options, data))
 
 
 # -- where a bundle is written ---------------------------------------------------------------------
@@ -506,14 +507,14 @@ def _export_into(
     export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True, attention_pad=True))
     save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
     target_record = _model_record(target, staging, "target", target_quant)
-    # before the drafter and the calibration text that the target generates: a target that computes
-    # nothing is refused as such, not as an empty calibration later
-    check_target_computes(staging, {"target": target_record, "context_length": options.context_length}, progress)
     target_card = ModelCard.of(target)
     eos_ids = list(target.eos_token_ids)
     special_ids = list(getattr(target.tokenizer, "all_special_ids", []))
-    del target
+    del target  # before the check loads the graph into ONNX Runtime
     gc.collect()
+    # before the drafter and the calibration text that the target generates: a target that computes
+    # nothing is refused as such, not as an empty calibration later
+    check_target_computes(staging, {"target": target_record, "context_length": options.context_length}, progress)
 
     _say(progress, f"loading drafter {draft_source}")
     draft = loader(draft_source)
@@ -533,7 +534,7 @@ def _export_into(
         build,
         always_keep=eos_ids + special_ids,
         progress=progress,
-        lm_head_blocks=draft.weights.carried.get("lm_head"),
+        lm_head_blocks=draft.weights.carried.get("lm_head") if build.gguf_blocks else None,
     )
     draft_record["heads"] = heads
     draft_record["default_head"] = default_head(heads, options)
@@ -619,7 +620,7 @@ def add_draft_heads(
                 build,
                 always_keep=always,
                 progress=progress,
-                lm_head_blocks=draft.weights.carried.get("lm_head"),
+                lm_head_blocks=draft.weights.carried.get("lm_head") if carried else None,
             )
             written = {f["path"] for f in files}
             for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten

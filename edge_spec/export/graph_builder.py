@@ -36,17 +36,23 @@ Signature (batch 1):
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
 
 from edge_spec.export.attention_pad import pad_attention
 from edge_spec.export.gguf.blocks import add_carried_linear, concat_blocks, narrow_to_4bit
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.export.rope import rope_tables
-from edge_spec.export.weights import DecoderWeights, LayerWeights
+from edge_spec.export.weights import DecoderWeights, DeferredMatrix, LayerWeights
+from edge_spec.files import new_file_mode
 
 QUANT_BITS = {"int4": 4, "int8": 8, "fp32": None}
 EMBEDDING_BITS_WITH_GGUF = 8
@@ -73,15 +79,80 @@ class BuildOptions:
     carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf.blocks.narrow_to_4bit)
 
 
-class Graph:
-    """Accumulates nodes and initializers in creation order (the order they get in the model)."""
+EXTERNAL_THRESHOLD = 1024  # onnx.save_model's size_threshold: smaller initializers stay in the graph file
+_SIZE_OF_BYTES = sys.getsizeof(b"")  # what onnx compares with the threshold is sys.getsizeof(raw_data)
 
-    def __init__(self) -> None:
+
+class ExternalData:
+    """A graph's external-data file, written an initializer at a time as the graph is built.
+
+    Why: held until ``onnx.save_model``, every initializer of a model is in memory at once, and twice
+    (the builder's list, then the graph's copy), besides the float weights they came from.  Written
+    here as each is made, an initializer's bytes live as long as the step that made them.  The file,
+    offsets and tensor records are those ``onnx.save_model(..., save_as_external_data=True,
+    all_tensors_to_one_file=True, size_threshold=1024)`` writes for the same initializers in the same
+    order (:func:`save_model` appends any it finds still in memory, as onnx would)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.location = self.path.name
+        self.path.unlink(missing_ok=True)
+        self._file = open(self.path, "wb")
+
+    def store(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
+        """``tensor``, its bytes appended to the file and replaced by their place there when it is as
+        large as onnx would store outside the graph."""
+        if tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= EXTERNAL_THRESHOLD:
+            offset = self._file.tell()
+            self._file.write(tensor.raw_data)
+            set_external_data(tensor, self.location, offset, self._file.tell() - offset)
+            tensor.ClearField("raw_data")
+        return tensor
+
+    def array(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+        """The initializer ``name`` of ``array``: :meth:`store` of ``numpy_helper.from_array(array, name)``,
+        with a large plain array's bytes written from the array itself (no bytes copy of it)."""
+        plain = array.dtype.kind in "fiub" and array.dtype.byteorder in ("=", "|", "<") and sys.byteorder == "little"
+        if not plain or _SIZE_OF_BYTES + array.nbytes < EXTERNAL_THRESHOLD:
+            return self.store(numpy_helper.from_array(array, name))
+        tensor = onnx.TensorProto()
+        tensor.dims.extend(array.shape)
+        if name:
+            tensor.name = name
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+        offset = self._file.tell()
+        self._file.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.location), ("offset", offset), ("length", array.nbytes)):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
+        return tensor
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> ExternalData:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Graph:
+    """Accumulates nodes and initializers in creation order (the order they get in the model); with
+    ``data``, each initializer's bytes go to that file as it is made (:class:`ExternalData`)."""
+
+    def __init__(self, data: ExternalData | None = None) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self.data = data
 
     def const(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        array = np.ascontiguousarray(array)
+        if self.data is None:
+            self.initializers.append(numpy_helper.from_array(array, name))
+        else:
+            self.initializers.append(self.data.array(name, array))
         return name
 
     def node(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> list[str]:
@@ -163,6 +234,29 @@ def _pass_through(names: tuple[str, ...], graph_name: str) -> onnx.GraphProto:
     )
 
 
+class _Narrowed(Mapping):
+    """Carried blocks with the 8-bit ones rounded to 4 bits (:func:`narrow_to_4bit`) as each is asked for."""
+
+    def __init__(self, carried: Mapping) -> None:
+        self._carried = carried
+
+    def __getitem__(self, name: str):
+        return narrow_to_4bit(self._carried[name])
+
+    def __iter__(self):
+        return iter(self._carried)
+
+    def __len__(self) -> int:
+        return len(self._carried)
+
+
+def _scaled(table, scale: np.float32):
+    """``table`` times ``scale`` in float32; a deferred table stays deferred (scaled a band at a time)."""
+    if not isinstance(table, DeferredMatrix):
+        return table.astype(np.float32) * scale
+    return DeferredMatrix(table.shape, lambda: np.asarray(table) * scale, lambda a, b: table.rows(a, b) * scale)
+
+
 @dataclass(frozen=True)
 class Residual:
     """The residual stream as ``total + pending``.
@@ -185,7 +279,7 @@ class DecoderGraphBuilder:
     assembled from the same parts and export the same ops.  A builder builds one graph.
     """
 
-    def __init__(self, weights: DecoderWeights, options: BuildOptions) -> None:
+    def __init__(self, weights: DecoderWeights, options: BuildOptions, data: ExternalData | None = None) -> None:
         if options.quant not in QUANT_BITS:
             raise ValueError(f"quant must be one of {sorted(QUANT_BITS)}")
         self.w = weights
@@ -194,8 +288,8 @@ class DecoderGraphBuilder:
         self.bits = QUANT_BITS[options.quant]
         self.carried = weights.carried if options.gguf_blocks and self.bits is not None else {}
         if options.carry_narrow:  # before fusing: a narrowed V then shares Q's and K's layout
-            self.carried = {name: narrow_to_4bit(blocks) for name, blocks in self.carried.items()}
-        self.graph = Graph()
+            self.carried = _Narrowed(self.carried)
+        self.graph = Graph(data)
         self.inputs: list[onnx.ValueInfoProto] = []
         self.present_outputs: list[onnx.ValueInfoProto] = []  # after the graph's own outputs
         self.tree_inputs: list[str] = []  # GQA inputs 9 and 10 when tree_attention
@@ -248,7 +342,7 @@ class DecoderGraphBuilder:
         g = self.graph
         table = self.w.embed
         if self.cfg.embedding_scale != 1.0:  # folded into the table: the same float32 product as a Mul after it
-            table = table.astype(np.float32) * np.float32(self.cfg.embedding_scale)
+            table = _scaled(table, np.float32(self.cfg.embedding_scale))
         if self.bits is None:
             return g.node("Gather", [g.const("embed.weight", table.astype(np.float32)), ids], ["embeds"])[0]
         # beside carried GGUF blocks the table (which GatherBlockQuantized cannot take over) is rounded at
@@ -544,11 +638,11 @@ def feature_output(layers, num_layers: int, hidden_size: int) -> tuple[onnx.Node
 
 
 def _linear_chain(
-    weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str, blocks=None
+    weights: list[np.ndarray], options: BuildOptions, graph_name: str, output: str, blocks=None, data=None
 ) -> onnx.ModelProto:
     """``hidden_states [1, n, H] -> output [1, n, rows]`` through a chain of (quantized) linear maps; a
     single map may come as carried GGUF ``blocks`` instead of being quantized here."""
-    g = Graph()
+    g = Graph(data)
     x = "hidden_states"
     for i, weight in enumerate(weights):
         name = f"linear{i}" if len(weights) > 1 else "lm_head"
@@ -567,30 +661,45 @@ def _linear_chain(
     return make_model(graph)
 
 
-def build_head(weight: np.ndarray, options: BuildOptions, blocks=None) -> onnx.ModelProto:
+def build_head(weight: np.ndarray, options: BuildOptions, blocks=None, data=None) -> onnx.ModelProto:
     """A stand-alone LM head ``hidden_states [1, n, H] -> logits [1, n, rows]`` (drafter heads:
     full, VocabTrim subsets), quantized like the decoder so its weight reads shrink with it, or its
     GGUF ``blocks`` (the same rows) carried."""
-    return _linear_chain([weight], options, "edge_spec_head", "logits", blocks)
+    return _linear_chain([weight], options, "edge_spec_head", "logits", blocks, data)
 
 
-def build_scorer(w_down: np.ndarray, w_vocab: np.ndarray, options: BuildOptions) -> onnx.ModelProto:
+def build_scorer(w_down: np.ndarray, w_vocab: np.ndarray, options: BuildOptions, data=None) -> onnx.ModelProto:
     """SpecVocab's low-rank scorer ``hidden_states [1, n, H] -> scores [1, n, V]`` = W_vocab (W_down h)."""
-    return _linear_chain([w_down, w_vocab], options, "edge_spec_specvocab_scorer", "scores")
+    return _linear_chain([w_down, w_vocab], options, "edge_spec_specvocab_scorer", "scores", data=data)
 
 
-def build_decoder(weights: DecoderWeights, options: BuildOptions) -> onnx.ModelProto:
-    """Build the decoder graph for ``weights`` (see module docstring for the signature)."""
-    return DecoderGraphBuilder(weights, options).build()
+def build_decoder(weights: DecoderWeights, options: BuildOptions, data: ExternalData | None = None) -> onnx.ModelProto:
+    """Build the decoder graph for ``weights`` (see module docstring for the signature); ``data``: the
+    external-data file its initializers are written to as they are made (see :func:`write_model`)."""
+    return DecoderGraphBuilder(weights, options, data).build()
+
+
+def write_model(path, build: Callable[[ExternalData], onnx.ModelProto]) -> None:
+    """Build a graph with ``build(data)``, its initializers written to ``path``'s external-data file as
+    they are made, then save the graph to ``path``: the files :func:`save_model` writes for the same
+    model, without the model's weights in memory at once."""
+    path = Path(path)
+    with ExternalData(path.parent / (path.name + ".data")) as data:
+        model = build(data)
+    save_model(model, path)
 
 
 def save_model(model: onnx.ModelProto, path) -> None:
-    """Save with all weights in one external-data file beside the graph (models exceed 2 GB protobufs)."""
-    from pathlib import Path
-
+    """Save with all weights in one external-data file beside the graph (models exceed 2 GB protobufs).
+    Initializers written to that file already (:class:`ExternalData`) stay where they are; any other
+    large one is appended to it."""
     path = Path(path)
     data_name = path.name + ".data"
-    (path.parent / data_name).unlink(missing_ok=True)
+    written = [t for t in model.graph.initializer if uses_external_data(t)]
+    if not written:
+        (path.parent / data_name).unlink(missing_ok=True)
+    elif any(ExternalDataInfo(t).location != data_name for t in written):
+        raise ValueError(f"{path.name}: initializers were written to another file than {data_name}")
     onnx.save_model(
         model,
         str(path),
@@ -599,3 +708,5 @@ def save_model(model: onnx.ModelProto, path) -> None:
         location=data_name,
         size_threshold=1024,
     )
+    if (path.parent / data_name).exists():  # onnx creates it 0600 whatever the umask
+        os.chmod(path.parent / data_name, new_file_mode())

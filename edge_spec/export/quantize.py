@@ -42,15 +42,34 @@ class BlockQuantized:
         return w.reshape(self.n, -1)[:, : self.k]
 
 
-def quantize_blockwise(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> BlockQuantized:
+def quantize_blockwise(weight, bits: int = 4, block_size: int = 32) -> BlockQuantized:
     """Quantize ``weight [N, K]`` row-wise in blocks along K.
 
     K is zero-padded up to a multiple of ``block_size`` (MatMulNBits expects
-    whole blocks); padding contributes nothing to the dot products.
+    whole blocks); padding contributes nothing to the dot products.  Rows are
+    quantized a band at a time (``weights.row_bands``; each row on its own, so
+    the result is the same): the float temporaries of an embedding-sized
+    table are a band's, and a deferred weight is read a band at a time.
     """
+    from edge_spec.export.weights import row_bands
+
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
-    w = np.asarray(weight, dtype=np.float32)
+    n, k = weight.shape
+    k_blocks = -(-k // block_size)
+    packed = np.empty((n, k_blocks, block_size * bits // 8), np.uint8)
+    scales = np.empty((n, k_blocks), np.float32)
+    for start, band in row_bands(weight, QUANTIZE_BAND_BYTES):
+        stop = start + len(band)
+        packed[start:stop], scales[start:stop] = _quantize_rows(band, bits, block_size)
+    return BlockQuantized(packed, scales, bits, block_size, n, k)
+
+
+QUANTIZE_BAND_BYTES = 16 << 20  # float32 rows quantized at a time: a few times this in temporaries
+
+
+def _quantize_rows(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(packed codes, scales) of float32 rows ``w``: :func:`quantize_blockwise`'s arithmetic."""
     n, k = w.shape
     k_blocks = -(-k // block_size)
     if k_blocks * block_size != k:
@@ -64,7 +83,7 @@ def quantize_blockwise(weight: np.ndarray, bits: int = 4, block_size: int = 32) 
     safe = np.where(scales == 0, 1.0, scales).astype(np.float32)
     codes = np.rint(blocks / safe[..., None]) + zero
     codes = np.clip(codes, 0, (1 << bits) - 1).astype(np.uint8)
-    return BlockQuantized(pack_codes(codes, bits), scales, bits, block_size, n, k)
+    return pack_codes(codes, bits), scales
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:

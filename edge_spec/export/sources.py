@@ -1,8 +1,9 @@
 """Resolve a model source (registry name, GGUF file, Hugging Face directory or hub id) into weights + tokenizer.
 
-Everything goes through transformers so that the three kinds of source give the
-same float32 state dict: GGUF files are dequantized by transformers' GGUF loader
-(``gguf`` package), hub ids are downloaded by ``from_pretrained``.
+The config and tokenizer come from transformers for every kind of source, and so do the weights'
+names and values: a GGUF file's tensors are read as transformers' GGUF loader reads them, but one at a
+time, when the graph builder needs them (``gguf/tensors.py``: the whole float32 model never exists);
+Hugging Face directories and hub ids are loaded by ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ class LoadedModel:
     weights: DecoderWeights
     tokenizer: object  # transformers.PreTrainedTokenizerFast
     eos_token_ids: list[int]
-    gguf_carry: object | None = None  # gguf.carry.CarryReport for a GGUF source (its blocks ride on weights.carried)
+    #: for a GGUF source, what keeps its blocks (gguf.carry: a CarryReport, or the GGUFBlocks that are
+    #: weights.carried, which check the file's blocks when first asked)
+    gguf_carry: object | None = None
 
 
 def _locate(source: str) -> tuple[str, str, str | None]:
@@ -162,7 +165,18 @@ def _load_model(source: str) -> LoadedModel:
     try:
         hf_config = AutoConfig.from_pretrained(location, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, low_cpu_mem_usage=True, **kwargs)
+        if gguf_file:
+            from edge_spec.export.gguf.tensors import GGUFTensors
+
+            state = GGUFTensors(Path(location) / gguf_file, hf_config)
+            model_class = state.model_class
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                location, dtype=torch.float32, low_cpu_mem_usage=True, **kwargs
+            )
+            state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+            model_class = type(model).__name__
+            del model
     except EdgeSpecError:
         raise
     except OSError as exc:
@@ -184,15 +198,14 @@ def _load_model(source: str) -> LoadedModel:
         from edge_spec.export.gguf.tokenizer import fix_gguf_tokenizer
 
         fix_gguf_tokenizer(Path(location) / gguf_file, tokenizer, source)
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if not getattr(hf_config, "architectures", None):
-        hf_config.architectures = [type(model).__name__]
+        hf_config.architectures = [model_class]
     weights = weights_from_state_dict(hf_config, state)
     carry = None
     if gguf_file:
-        from edge_spec.export.gguf.carry import attach_gguf_blocks
+        from edge_spec.export.gguf.carry import GGUFBlocks
 
-        carry = attach_gguf_blocks(Path(location) / gguf_file, weights)
+        weights.carried = carry = GGUFBlocks(Path(location) / gguf_file, weights)
     name = Path(gguf_file).stem if gguf_file else Path(location).name
     return LoadedModel(name, source, weights, tokenizer, _eos_ids(tokenizer, hf_config, generation_config), carry)
 

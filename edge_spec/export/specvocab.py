@@ -51,7 +51,11 @@ def fit_scorer(lm_head: np.ndarray, rank: int, hidden: np.ndarray | None = None,
     v, h = w.shape
     if not 0 < rank <= h:
         raise EdgeSpecError(f"--rank must be between 1 and the drafter's hidden size {h}, got {rank}")
-    gram = (w.T.astype(np.float64) @ w.astype(np.float64)) if v > h else None  # W^T W, [H, H]
+    gram = None
+    if v > h:  # W^T W, [H, H], from one float64 copy of W (its transpose is a view: the same product)
+        wide = w.astype(np.float64)
+        gram = wide.T @ wide
+        del wide
     if hidden is None:
         lower = np.eye(h)
     else:
@@ -167,9 +171,17 @@ def collect_hidden_states(
 
 
 def quantize_rows_int8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row absmax int8 (one scale per row), the layout the runtime gathers candidate rows from."""
-    w = np.asarray(weight, np.float32)
-    scales = np.abs(w).max(axis=1) / 127.0
-    scales[scales == 0] = 1.0
-    codes = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
-    return codes, scales.astype(np.float32)
+    """Per-row absmax int8 (one scale per row), the layout the runtime gathers candidate rows from;
+    a band of rows at a time (each row on its own: the same result), so that the float temporaries
+    are a band's, not several copies of a vocabulary-sized head."""
+    from edge_spec.export.weights import row_bands
+
+    codes = np.empty(weight.shape, np.int8)
+    scales = np.empty(weight.shape[0], np.float32)
+    for start, w in row_bands(weight, 16 << 20):
+        stop = start + len(w)
+        band = np.abs(w).max(axis=1) / 127.0
+        band[band == 0] = 1.0
+        codes[start:stop] = np.clip(np.rint(w / band[:, None]), -127, 127).astype(np.int8)
+        scales[start:stop] = band
+    return codes, scales

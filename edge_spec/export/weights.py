@@ -11,6 +11,7 @@ checkpoint's config; the builder reads the fields, never the family's name.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,91 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
 )
 MLP_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+class DeferredMatrix:
+    """A float32 weight matrix read from its checkpoint each time an array is asked of it, never kept.
+
+    Why: a loader that returned every matrix as an array would hold the whole float32 model (four bytes
+    a weight: 6 GB for a 1.5B model) while the graph needs one matrix at a time.  A deferred matrix has
+    the shape at once and the values on ``np.asarray``, so the builder reads a matrix, quantizes it,
+    writes it and drops it.  ``read_rows(start, stop)`` (where the source can) reads a band of rows
+    alone: an embedding-sized matrix is then quantized band by band (:func:`row_bands`)."""
+
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        read: Callable[[], np.ndarray],
+        read_rows: Callable[[int, int], np.ndarray] | None = None,
+    ) -> None:
+        self.shape = (int(shape[0]), int(shape[1]))
+        self._read = read
+        self._read_rows = read_rows
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        values = np.asarray(self._read(), np.float32)
+        if values.shape != self.shape:
+            raise ValueError(f"a deferred weight read {values.shape}, expected {self.shape}")
+        return values if dtype is None else values.astype(dtype, copy=False)
+
+    def __getitem__(self, index) -> np.ndarray:
+        return np.asarray(self)[index]
+
+    def astype(self, dtype, copy: bool = True) -> np.ndarray:
+        return np.asarray(self).astype(dtype, copy=False)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` as float32, read alone where the source can."""
+        if self._read_rows is None:
+            return np.asarray(self)[start:stop]
+        return np.asarray(self._read_rows(start, stop), np.float32)
+
+    def take_rows(self, index: np.ndarray) -> np.ndarray:
+        """``self[index]`` for sorted row indices, reading each run of consecutive rows alone where the
+        source can (a check of a few thousand rows of an embedding-sized matrix reads those rows)."""
+        index = np.asarray(index, np.int64)
+        if self._read_rows is None or len(index) == 0:
+            return np.asarray(self)[index]
+        breaks = np.flatnonzero(np.diff(index) != 1) + 1
+        runs = np.split(index, breaks)
+        return np.concatenate([self.rows(int(run[0]), int(run[-1]) + 1) for run in runs])
+
+    def row_slice(self, start: int, stop: int) -> "DeferredMatrix":
+        """Rows ``[start, stop)`` as a deferred matrix of their own (a part of a fused projection)."""
+        read_rows = self.rows
+        return DeferredMatrix(
+            (stop - start, self.shape[1]),
+            lambda: read_rows(start, stop),
+            lambda a, b: read_rows(start + a, start + b),
+        )
+
+
+Matrix = np.ndarray | DeferredMatrix
+ROW_BAND_BYTES = 64 << 20  # float32 rows handled at a time by the band-wise passes over a large matrix
+
+
+def row_bands(weight: Matrix, band_bytes: int = ROW_BAND_BYTES) -> Iterator[tuple[int, np.ndarray]]:
+    """``(first row, float32 rows)`` over ``weight`` a band of about ``band_bytes`` at a time (a multiple
+    of 16 rows), so that a pass over an embedding-sized matrix holds one band of it, and its
+    temporaries, instead of several copies of the whole (a deferred matrix reads one band at a time)."""
+    n, k = weight.shape
+    step = max(16, band_bytes // max(4 * k, 1) // 16 * 16)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        if isinstance(weight, DeferredMatrix):
+            yield start, weight.rows(start, stop)
+        else:
+            yield start, np.asarray(weight[start:stop], np.float32)
 
 
 @dataclass
@@ -72,14 +158,14 @@ class DecoderConfig:
 @dataclass
 class LayerWeights:
     input_norm: np.ndarray
-    q: np.ndarray  # [heads*head_dim, hidden]
-    k: np.ndarray  # [kv_heads*head_dim, hidden]
-    v: np.ndarray
-    o: np.ndarray  # [hidden, heads*head_dim]
+    q: Matrix  # [heads*head_dim, hidden]
+    k: Matrix  # [kv_heads*head_dim, hidden]
+    v: Matrix
+    o: Matrix  # [hidden, heads*head_dim]
     post_norm: np.ndarray  # the norm before the MLP (Gemma: pre_feedforward_layernorm)
-    gate: np.ndarray  # [inter, hidden]
-    up: np.ndarray
-    down: np.ndarray  # [hidden, inter]
+    gate: Matrix  # [inter, hidden]
+    up: Matrix
+    down: Matrix  # [hidden, inter]
     q_bias: np.ndarray | None = None
     k_bias: np.ndarray | None = None
     v_bias: np.ndarray | None = None
@@ -92,11 +178,12 @@ class LayerWeights:
 @dataclass
 class DecoderWeights:
     config: DecoderConfig
-    embed: np.ndarray  # [vocab, hidden]
+    embed: Matrix  # [vocab, hidden]
     layers: list[LayerWeights] = field(default_factory=list)
     final_norm: np.ndarray | None = None
-    lm_head: np.ndarray | None = None  # [vocab, hidden]; same array as embed when tied
-    #: GGUF blocks carried into the graph unchanged, by weight name ("layers.3.q", "lm_head"; see gguf_blocks.py)
+    lm_head: Matrix | None = None  # [vocab, hidden]; same object as embed when tied
+    #: GGUF blocks carried into the graph unchanged, by weight name ("layers.3.q", "lm_head"; see gguf/blocks.py):
+    #: a dict, or a mapping that reads them from the file when asked (gguf/carry.py)
     carried: dict = field(default_factory=dict)
 
     def num_parameters(self) -> int:
@@ -193,15 +280,20 @@ def config_from_hf(hf_config) -> DecoderConfig:
     return cfg
 
 
-def _split_rows(fused: np.ndarray, sizes: list[int], name: str) -> list[np.ndarray]:
+def _split_rows(fused: Matrix, sizes: list[int], name: str) -> list[Matrix]:
     """Cut a fused projection (Phi-3's qkv_proj, gate_up_proj) into its parts, rows in order."""
     if fused.shape[0] != sum(sizes):
         raise EdgeSpecError(f"weight {name!r} has {fused.shape[0]} rows, expected {sum(sizes)}")
+    if isinstance(fused, DeferredMatrix):
+        ends = np.cumsum(sizes).tolist()
+        return [fused.row_slice(end - size, end) for size, end in zip(sizes, ends)]
     return np.split(fused, np.cumsum(sizes)[:-1], axis=0)
 
 
-def weights_from_state_dict(hf_config, state_dict: dict[str, np.ndarray]) -> DecoderWeights:
-    """Map a transformers state dict (``model.layers.N.self_attn.q_proj.weight`` ...) to DecoderWeights."""
+def weights_from_state_dict(hf_config, state_dict) -> DecoderWeights:
+    """Map a transformers state dict (``model.layers.N.self_attn.q_proj.weight`` ...) to DecoderWeights.
+    ``state_dict``: any mapping of names to arrays, or to :class:`DeferredMatrix` (a source read as the
+    graph is built: see ``sources.py``)."""
     cfg = config_from_hf(hf_config)
     sd = state_dict
 

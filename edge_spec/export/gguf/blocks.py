@@ -274,17 +274,38 @@ def merge_half_blocks(w: CarriedBlocks) -> CarriedBlocks:
     Any other layout is returned unchanged."""
     if w.bits != 8 or w.block_size != 16 or w.k % 32 or w.correction is not None:
         return w
-    centred = unpack_codes(w.packed, 8).astype(np.int32) - w.zero_points_or_default()[..., None].astype(np.int32)
-    if np.abs(centred).max(initial=0) > 32:
-        return w
+    zero = w.zero_points_or_default()
+    bands = [(start, min(start + BAND_ROWS, w.n)) for start in range(0, w.n, BAND_ROWS)]
+    for start, stop in bands:  # a band at a time: int32 copies of an embedding-sized head are gigabytes
+        if np.abs(_centred(w.packed[start:stop], zero[start:stop])).max(initial=0) > 32:
+            return w
     n, blocks = w.scales.shape
-    values = (centred * w.scales[..., None]).reshape(n, blocks // 2, 32)  # float32: what each weight is
-    pair = w.scales.reshape(n, blocks // 2, 2)
+    codes = np.empty((n, blocks // 2, 32), np.uint8)
+    scale = np.empty((n, blocks // 2), np.float32)
+    for start, stop in bands:
+        codes[start:stop], scale[start:stop] = _merged_rows(
+            _centred(w.packed[start:stop], zero[start:stop]), w.scales[start:stop]
+        )
+    return CarriedBlocks(codes, scale, None, 8, 32, w.source_type)
+
+
+BAND_ROWS = 4096  # rows of a carried weight rewritten at a time (each row on its own: the same result)
+
+
+def _centred(packed: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    return unpack_codes(packed, 8).astype(np.int32) - zero[..., None].astype(np.int32)
+
+
+def _merged_rows(centred: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`merge_half_blocks` of some rows: (codes [n, blocks / 2, 32], scales [n, blocks / 2])."""
+    n, blocks = scales.shape
+    values = (centred * scales[..., None]).reshape(n, blocks // 2, 32)  # float32: what each weight is
+    pair = scales.reshape(n, blocks // 2, 2)
     larger = np.take_along_axis(pair, np.abs(pair).argmax(axis=-1)[..., None], axis=-1)[..., 0]
     scale = (larger / 4).astype(np.float32)
     safe = np.where(scale == 0, 1, scale)
     codes = np.clip(np.rint(values / safe[..., None]), -128, 127).astype(np.int32) + 128
-    return CarriedBlocks(codes.astype(np.uint8), scale, None, 8, 32, w.source_type)
+    return codes.astype(np.uint8), scale
 
 
 def fold_correction(w: CarriedBlocks) -> CarriedBlocks:
@@ -436,18 +457,17 @@ def carry_gguf(raw: np.ndarray, gguf_type: str, n: int, k: int) -> CarriedBlocks
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, type_size)
     if len(blocks) != n * k // per_block:
         raise ValueError(f"{gguf_type} tensor of {len(blocks)} blocks cannot hold a [{n}, {k}] weight")
-    codes, scales, zero, correction = decode(blocks)
     k_blocks = k // block_size
-
-    def per_block(a):
-        return None if a is None else a.reshape(n, k_blocks)
-
-    return CarriedBlocks(
-        pack_codes(codes.reshape(n, k_blocks, block_size), bits),
-        scales.reshape(n, k_blocks),
-        per_block(zero),
-        bits,
-        block_size,
-        gguf_type,
-        per_block(correction),
-    )
+    row_blocks = k // per_block  # GGUF blocks in a row: none spans two rows
+    out: list[np.ndarray | None] = []
+    for start in range(0, n, BAND_ROWS):  # a band of rows at a time: the decoders' temporaries stay small
+        stop = min(start + BAND_ROWS, n)
+        codes, scales, zero, correction = decode(blocks[start * row_blocks : stop * row_blocks])
+        band = [pack_codes(codes.reshape(stop - start, k_blocks, block_size), bits), scales, zero, correction]
+        if not out:
+            out = [None if a is None else np.empty((n,) + a.reshape(stop - start, -1).shape[1:], a.dtype) for a in band]
+        for whole, part in zip(out, band):
+            if whole is not None:
+                whole[start:stop] = part.reshape(whole[start:stop].shape)
+    packed, scales, zero, correction = out
+    return CarriedBlocks(packed.reshape(n, k_blocks, -1), scales, zero, bits, block_size, gguf_type, correction)

@@ -6,19 +6,24 @@ GGUF loader dequantizes, and for Llama-family files undoes llama.cpp's Q/K row p
 carried only if the blocks reproduce that weight, so a name mapping or permutation this module does not
 know falls back to re-quantization instead of exporting a wrong model.  What fell back, and why, is
 returned for the export summary and the bundle manifest.
+
+:class:`GGUFBlocks` makes that check once, when first asked, one matrix at a time, and keeps only what
+it decided: each matrix's blocks are read from the file again when the graph builder asks for them,
+so the carried model (an int4 model's size) is never held whole either.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from edge_spec.export.gguf.blocks import CarriedBlocks, carry_gguf
-from edge_spec.export.weights import DecoderWeights
+from edge_spec.export.weights import DecoderWeights, DeferredMatrix
 
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 #: GGUF tensor name (per layer) -> the LayerWeights fields it holds, in row order
@@ -64,23 +69,46 @@ def _llama_unpermute(rows: int, heads: int) -> np.ndarray:
 CHECKED_ROWS = 4096  # rows compared per matrix: all of a layer's, a spread of an embedding-sized head's
 
 
-def _matches(blocks: CarriedBlocks, weight: np.ndarray) -> bool:
+def _checked_rows(n: int) -> np.ndarray:
+    return np.unique(np.linspace(0, n - 1, min(n, CHECKED_ROWS)).astype(np.int64))
+
+
+def _matches(blocks: CarriedBlocks, weight, reference: np.ndarray | None = None) -> bool:
+    """Whether ``blocks`` dequantize to ``weight`` on :func:`_checked_rows` (``reference``: those rows of
+    ``weight``, read already)."""
     if blocks.n != weight.shape[0] or blocks.k != weight.shape[1]:
         return False
-    rows = np.unique(np.linspace(0, blocks.n - 1, min(blocks.n, CHECKED_ROWS)).astype(np.int64))
-    deq, ref = blocks.rows(rows).dequantize(), weight[rows]
+    rows = _checked_rows(blocks.n)
+    ref = _take_rows(weight, rows) if reference is None else reference
+    deq = blocks.rows(rows).dequantize()
     return bool(np.allclose(deq, ref, rtol=1e-5, atol=1e-6 * max(float(np.abs(ref).max()), 1e-30)))
 
 
-def _fit(blocks: CarriedBlocks, weight: np.ndarray, heads: int | None) -> CarriedBlocks | None:
-    """``blocks`` as ``weight`` holds them: unchanged, or with the Llama q/k row order undone."""
-    if _matches(blocks, weight):
-        return blocks
+def _take_rows(weight, rows: np.ndarray) -> np.ndarray:
+    """``weight[rows]`` for sorted ``rows``; a deferred matrix reads those rows only (an embedding-sized
+    one is not read whole for a check of a few thousand rows)."""
+    return weight.take_rows(rows) if isinstance(weight, DeferredMatrix) else weight[rows]
+
+
+def _fit_rows(blocks: CarriedBlocks, weight, heads: int | None) -> tuple[bool, np.ndarray | None]:
+    """Whether ``blocks`` are ``weight``, and the row order that makes them so: None (as they are) or
+    Llama's q/k order undone (see :func:`_llama_unpermute`)."""
+    reference = _take_rows(weight, _checked_rows(weight.shape[0]))
+    if _matches(blocks, weight, reference):
+        return True, None
     if heads and blocks.n % (2 * heads) == 0:
-        permuted = blocks.rows(_llama_unpermute(blocks.n, heads))
-        if _matches(permuted, weight):
-            return permuted
-    return None
+        order = _llama_unpermute(blocks.n, heads)
+        if _matches(blocks.rows(order), weight, reference):
+            return True, order
+    return False, None
+
+
+def _fit(blocks: CarriedBlocks, weight, heads: int | None) -> CarriedBlocks | None:
+    """``blocks`` as ``weight`` holds them: unchanged, or with the Llama q/k row order undone."""
+    fits, order = _fit_rows(blocks, weight, heads)
+    if not fits:
+        return None
+    return blocks if order is None else blocks.rows(order)
 
 
 def _targets(weights: DecoderWeights, gguf_name: str, rows: int) -> list[tuple[str, np.ndarray, int | None]]:
@@ -104,33 +132,97 @@ def _targets(weights: DecoderWeights, gguf_name: str, rows: int) -> list[tuple[s
     return [(f"layers.{i}.{f}", getattr(layer, f), heads.get(f) if len(fields) == 1 else None) for f in fields]
 
 
-def attach_gguf_blocks(path: Path, weights: DecoderWeights) -> CarryReport:
-    """Fill ``weights.carried`` from the GGUF file ``path``; returns what was carried and what was not."""
-    from gguf import GGUFReader
+@dataclass(frozen=True)
+class _Carried:
+    """Where one carried weight's blocks are: a GGUF tensor, and the rows of it (None: all, in order)."""
 
-    report = CarryReport()
-    reader = GGUFReader(path)
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if len(tensor.shape) != 2 or kind in ("F32", "F16", "BF16"):
-            continue
-        k, n = int(tensor.shape[0]), int(tensor.shape[1])  # GGUF lists dimensions fastest first
-        targets = _targets(weights, tensor.name, n)
-        if not targets:
-            continue
-        blocks = carry_gguf(np.asarray(tensor.data), kind, n, k)
-        if blocks is None:
-            for name, _, _ in targets:
-                report.fallback[name] = f"{kind}: no exact MatMulNBits layout"
-            continue
-        start = 0
-        for name, weight, heads in targets:
-            part = blocks if len(targets) == 1 else blocks.rows(np.arange(start, start + weight.shape[0]))
-            start += weight.shape[0]
-            fitted = _fit(part, weight, heads)
-            if fitted is None:
-                report.fallback[name] = f"{kind}: blocks differ from the loaded weight"
+    tensor: object  # the GGUF reader's tensor record
+    n: int
+    k: int
+    rows: np.ndarray | None
+
+    def blocks(self, path: Path) -> CarriedBlocks:
+        from edge_spec.export.gguf.tensors import read_raw
+
+        blocks = carry_gguf(read_raw(path, self.tensor), self.tensor.tensor_type.name, self.n, self.k)
+        return blocks if self.rows is None else blocks.rows(self.rows)
+
+
+class GGUFBlocks(Mapping):
+    """``weights.carried`` of a GGUF source: weight name -> :class:`CarriedBlocks`, decided by the check
+    above the first time anything is asked (one GGUF matrix at a time), then read from the file each
+    time a weight's blocks are asked for (none is kept).  Also the export's report of it
+    (:meth:`summary`, :meth:`to_dict`: :class:`CarryReport`'s)."""
+
+    def __init__(self, path: Path, weights: DecoderWeights) -> None:
+        self.path = Path(path)
+        self._weights = weights
+        self._plan: dict[str, _Carried] | None = None
+        self._report = CarryReport()
+
+    @property
+    def report(self) -> CarryReport:
+        self._decide()
+        return self._report
+
+    def summary(self) -> str:
+        return self.report.summary()
+
+    def to_dict(self) -> dict:
+        return self.report.to_dict()
+
+    def __getitem__(self, name: str) -> CarriedBlocks:
+        return self._decide()[name].blocks(self.path)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._decide())
+
+    def __len__(self) -> int:
+        return len(self._decide())
+
+    def _decide(self) -> dict[str, _Carried]:
+        if self._plan is not None:
+            return self._plan
+        from gguf import GGUFReader
+
+        from edge_spec.export.gguf.tensors import read_raw
+
+        plan: dict[str, _Carried] = {}
+        report = self._report
+        for tensor in GGUFReader(self.path).tensors:
+            kind = tensor.tensor_type.name
+            if len(tensor.shape) != 2 or kind in ("F32", "F16", "BF16"):
                 continue
-            weights.carried[name] = fitted
-            report.carried[kind] += 1
-    return report
+            k, n = int(tensor.shape[0]), int(tensor.shape[1])  # GGUF lists dimensions fastest first
+            targets = _targets(self._weights, tensor.name, n)
+            if not targets:
+                continue
+            blocks = carry_gguf(read_raw(self.path, tensor), kind, n, k)
+            if blocks is None:
+                for name, _, _ in targets:
+                    report.fallback[name] = f"{kind}: no exact MatMulNBits layout"
+                continue
+            start = 0
+            for name, weight, heads in targets:
+                part_rows = None if len(targets) == 1 else np.arange(start, start + weight.shape[0])
+                start += weight.shape[0]
+                fits, order = _fit_rows(blocks if part_rows is None else blocks.rows(part_rows), weight, heads)
+                if not fits:
+                    report.fallback[name] = f"{kind}: blocks differ from the loaded weight"
+                    continue
+                rows = part_rows if order is None else (order if part_rows is None else part_rows[order])
+                plan[name] = _Carried(tensor, n, k, rows)
+                report.carried[kind] += 1
+            del blocks
+        self._plan = plan
+        return plan
+
+
+def attach_gguf_blocks(path: Path, weights: DecoderWeights) -> CarryReport:
+    """Fill ``weights.carried`` from the GGUF file ``path`` (every carried matrix in memory: for tests and
+    studies; an export reads them as it builds, through :class:`GGUFBlocks`); returns what was carried
+    and what was not."""
+    blocks = GGUFBlocks(path, weights)
+    for name in blocks:
+        weights.carried[name] = blocks[name]
+    return blocks.report
