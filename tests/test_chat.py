@@ -153,3 +153,26 @@ def test_a_long_paste_on_a_terminal_reaches_the_model_whole(int4_bundle, engine)
         os.close(main)
     text = output.decode(errors="replace")
     assert f"the prompt needs {needed} tokens" in text, text[-2000:]
+
+
+@pytest.mark.parametrize(
+    "command, terms",
+    [
+        ("generate", ["τ = tokens emitted per target pass"]),
+        ("chat", ["τ = tokens emitted per target pass"]),
+        ("bench", ["τ = tokens emitted per target pass", "MBSU = memory-bound speed-up, τ / (c·γ + 1)"]),
+    ],
+)
+def test_the_help_defines_what_the_answers_and_tables_show(command, terms):
+    """The footer of an answer shows τ, bench's table MBSU too: their --help says what they are."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from edge_spec.cli import app
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "300", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    text = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", result.output))
+    for term in terms:
+        assert term in text, text[:600]

@@ -92,7 +92,12 @@ def generate(
     raw: bool = typer.Option(False, help="Send the prompt as is, without the chat template."),
     engine: EngineFlags = ...,
 ) -> None:
-    """Answer one prompt and exit (Ctrl-C stops it: exit status 130)."""
+    """Answer one prompt and exit (Ctrl-C stops it: exit status 130).
+
+    Each answer ends with a line of statistics: tokens, tok/s (the tokens after the first, per second of
+    decoding), the prefill time and τ = tokens emitted per target pass (1 for the target alone; each
+    accepted draft adds to it).
+    """
     bundle, prompt = _bundle_and_prompt(arguments)
     prompt = _read_prompt(prompt)
     if any(not s for s in stop):
@@ -121,7 +126,12 @@ def chat(
         "(they are raw anyway when the output is not a terminal).",
     ),
 ) -> None:
-    """Interactive chat: /help lists the commands, Ctrl-C stops the current answer, Ctrl-D leaves."""
+    """Interactive chat: /help lists the commands, Ctrl-C stops the current answer, Ctrl-D leaves.
+
+    Each answer ends with a line of statistics: tokens, tok/s (the tokens after the first, per second of
+    decoding), the prefill time and τ = tokens emitted per target pass (1 for the target alone; each
+    accepted draft adds to it).
+    """
     bundle = find_bundle(bundle)
     config = engine_config(engine)
     check_sampler(sampling.sampler, [sampling.temperature], [config])

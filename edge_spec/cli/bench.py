@@ -172,7 +172,12 @@ def bench(
     exact: Optional[bool] = ExactOpt,
     verify: bool = VerifyOpt,
 ) -> None:
-    """Compare decoding modes (--modes) per category: τ, MBSU, tokens/s, speed-up against ar."""
+    """Compare decoding modes (--modes) per category: τ, MBSU, tokens/s, speed-up against ar.
+
+    τ = tokens emitted per target pass.  MBSU = memory-bound speed-up, τ / (c·γ + 1), with c the drafter's
+    parameters per target parameter and γ the mean draft length: the speed-up if every pass cost only the
+    reading of its weights (a CPU whose passes are compute-bound falls short of it; tok/s and the speed-up
+    against ar are measured)."""
     from rich.progress import Progress
 
     from edge_spec.bench import (
