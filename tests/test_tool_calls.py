@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from llguidance import LLMatcher
+from tokenizers import AddedToken
 
+from edge_spec.runtime.constrain import Constraint, GrammarVocabulary, grammar_for
 from edge_spec.server.tool_calls import FORMATS, ToolCall, detect_format, split_answer
+from tests import tiny_models
 
 WEATHER = {
     "type": "function",
@@ -199,6 +203,71 @@ def test_forced_call_markers_are_their_tokens_where_the_vocabulary_has_them():
     assert "<[5]>" in FORMATS["hermes"].forced_grammar([WEATHER], token_id=MARKER_IDS.get)
     assert "<[7]>" in FORMATS["mistral"].forced_grammar([WEATHER], token_id=MARKER_IDS.get)
     assert '"<tool_call>' in FORMATS["hermes"].forced_grammar([WEATHER])
+
+
+# where a forced answer may end: the mask of each format's grammar over the tiny vocabulary
+
+END_IDS = [0, 2]  # the tiny tokenizer's <|endoftext|> and <|im_end|>
+FORCED = {  # format: (one call, the separator its template writes between calls, the next call's opening)
+    "hermes": (HERMES_CALL, "\n", "<tool_call>"),
+    "llama3": ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "; ", "{"),
+}
+
+
+@pytest.fixture(scope="module", params=["marker tokens", "spelled markers"])
+def tiny_vocabulary(request):
+    """The tiny tokenizer with Qwen's call markers as tokens of their own (added, not special, as Qwen has
+    them), or without them (the markers spelled by ordinary tokens), and the grammar engine's view of it."""
+    tokenizer = tiny_models.make_tokenizer().backend_tokenizer
+    if request.param == "marker tokens":
+        tokenizer.add_tokens([AddedToken(m, special=False, normalized=False) for m in ("<tool_call>", "</tool_call>")])
+    return tokenizer, GrammarVocabulary(tokenizer, tokenizer.get_vocab_size(), END_IDS)
+
+
+def forced_answer(tiny_vocabulary, name: str, text: str, **options) -> Constraint:
+    """The constraint of a forced answer in format ``name`` after the tokens of ``text``."""
+    tokenizer, vocabulary = tiny_vocabulary
+    grammar = FORMATS[name].forced_grammar([WEATHER, CLOCK], token_id=tokenizer.token_to_id, **options)
+    constraint = Constraint(grammar_for({"type": "lark", "lark": grammar}), vocabulary)
+    for token in tokenizer.encode(text, add_special_tokens=False).ids:
+        constraint.advance(token)
+    return constraint
+
+
+def ends(constraint: Constraint) -> bool:
+    return bool(constraint.allowed()[END_IDS].all())
+
+
+def only_ends(constraint: Constraint) -> bool:
+    return np.flatnonzero(constraint.allowed()).tolist() == END_IDS
+
+
+@pytest.mark.parametrize("name", sorted(FORCED))
+def test_a_forced_answer_may_end_after_each_complete_call(tiny_vocabulary, name):
+    call, separator, _ = FORCED[name]
+    assert not ends(forced_answer(tiny_vocabulary, name, call[: len(call) // 2]))
+    assert ends(forced_answer(tiny_vocabulary, name, call))
+    assert ends(forced_answer(tiny_vocabulary, name, call + separator + call))
+    assert only_ends(forced_answer(tiny_vocabulary, name, call, parallel=False))
+    assert only_ends(forced_answer(tiny_vocabulary, name, call, only="get_weather"))
+
+
+@pytest.mark.parametrize("name", sorted(FORCED))
+@pytest.mark.parametrize("after", ["", "separator"])
+def test_after_a_complete_forced_call_anything_but_the_next_call_ends_the_answer(tiny_vocabulary, name, after):
+    """A model that would write something else after its call (a word, a blank line) is not driven into
+    another call by the mask, which would leave it the separator alone: one token of that something else is
+    allowed and ends the answer, as the model would have ended it on its own."""
+    tokenizer, _ = tiny_vocabulary
+    call, separator, opening = FORCED[name]
+    before = call + (separator if after else "")
+    word = tokenizer.encode("Sure", add_special_tokens=False).ids[0]
+    constraint = forced_answer(tiny_vocabulary, name, before)
+    assert constraint.allowed()[word] and constraint.forced_tokens() == []  # the model's choice
+    constraint.advance(word)
+    assert only_ends(constraint)
+    going_on = forced_answer(tiny_vocabulary, name, call + separator + opening)  # the model's next call
+    assert not ends(going_on) and not going_on.allowed()[word]
 
 
 # -- hermes: a whole answer that is a call without the tags (small Qwen2.5-Coder models write so) -----

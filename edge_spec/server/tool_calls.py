@@ -28,7 +28,9 @@ Forcing a call (``tool_choice`` "required" or a named function) constrains the a
 :meth:`ToolFormat.forced_grammar`: the model's own format around a JSON schema of the calls allowed, with
 the separators its template writes (so a forced call reads like one the model wrote of its own accord).
 A marker the vocabulary has as a token of its own is named by its id there: the grammar engine reads
-such tokens as special ones, which no text literal matches.
+such tokens as special ones, which no text literal matches.  After a complete call the model may end the
+answer, or go on to another call (where parallel calls are allowed); one token of anything else ends the
+answer too, so that a model meaning to write a word after its call is not driven into call after call.
 """
 
 from __future__ import annotations
@@ -355,15 +357,41 @@ def _marker(text: str, token_id: TokenId) -> str:
     return f"<[{found}]>" if found is not None else json.dumps(text)
 
 
+def _not_starting_with(character: str) -> str:
+    """A Lark regex of any text that does not start with ``character``."""
+    escaped = {"\n": "\\n", "\\": "\\\\", "/": "\\/", "[": "\\[", "]": "\\]", "^": "\\^", "-": "\\-"}
+    return f"/[^{escaped.get(character, character)}](?s:.*)/"
+
+
+def _calls(separator: str, opening: str, parallel: bool) -> str:
+    """The ``start`` rule of an answer that is one ``call`` or, ``parallel``, calls ``separator`` apart,
+    whose calls start with the text ``opening``.
+
+    Where a call is complete the model may end the answer, or write the separator and another call; a
+    mask of those alone would hand whatever else the model means to write there (a blank line, a word
+    about the call) to the separator, the one other token it allows, and so drive the model into call
+    after call.  So one token of anything else is allowed there, after the separator too, and ends the
+    answer (the server drops it): the answer ends where the model leaves the format, as it ends of its own
+    accord.  Neither that token nor the separator may start like what follows the other, which would leave
+    the grammar engine two readings of one token."""
+    if not parallel:
+        return "start: call\n"
+    sep = json.dumps(separator)
+    return (
+        f"start: call ({sep} call)* ({sep} left? | left_at_once)?\n"
+        f"left[max_tokens=1]: {_not_starting_with(opening[0])}\n"
+        f"left_at_once[max_tokens=1]: {_not_starting_with(separator[0])}\n"
+    )
+
+
 def hermes_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str:
-    more = ' ("\\n" call)*' if parallel else ""
     opening, closing = _marker("<tool_call>", token_id), _marker("</tool_call>", token_id)
-    return f'start: call{more}\ncall: {opening} "\\n" {_lark_json(call_schema(tools, "arguments"))} "\\n" {closing}\n'
+    call = f'call: {opening} "\\n" {_lark_json(call_schema(tools, "arguments"))} "\\n" {closing}\n'
+    return _calls("\n", "<", parallel) + call
 
 
 def llama3_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str:
-    more = ' ("; " call)*' if parallel else ""
-    return f"start: call{more}\ncall: {_lark_json(call_schema(tools, 'parameters'))}\n"
+    return _calls("; ", "{", parallel) + f"call: {_lark_json(call_schema(tools, 'parameters'))}\n"
 
 
 def mistral_grammar(tools: list[dict], parallel: bool, token_id: TokenId) -> str:

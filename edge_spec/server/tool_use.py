@@ -8,8 +8,10 @@
   format has a closing marker.
 
 A forced answer is calls and nothing else, so whatever text its parser hands back is what the length
-limit left of a call (``max_tokens`` cut it): that is dropped rather than shown as ``content``, and the
-complete calls before it are returned (with finish reason "length", as OpenAI reports a cut answer).
+limit left of a call (``max_tokens`` cut it), or the one token past a complete call by which the model
+left the format and so ended the answer (see :meth:`ToolFormat.forced_grammar`): that is dropped rather
+than shown as ``content``.  A cut answer returns the complete calls before the cut, with
+finish reason "length" as OpenAI reports a cut answer; one the model ended, "tool_calls".
 
 A request whose tools the model cannot take (its template reads no ``tools``, or writes calls in a format
 this server does not read) is refused (400 naming ``tools``), never answered as if no tools were sent.
