@@ -246,23 +246,31 @@ def models_list() -> None:
     """List the bundles in the models directory: name, target / drafter, weights, size on disk, drafter heads
     and EAGLE-3 heads; * marks the default bundle, the one chat, generate, serve, info and bench use when
     given none."""
-    from edge_spec.manifest import MANIFEST
     from edge_spec.paths import bundles_dir, default_bundle
 
-    root, default = bundles_dir(), default_bundle()
-    found = sorted(p for p in root.iterdir() if (p / MANIFEST).is_file()) if root.is_dir() else []
+    root, default, found = bundles_dir(), default_bundle(), list_bundles()
     make = "`edge-spec fetch && edge-spec export`"
     if not found:
         out.print(f"no bundles in {root}: run {make} to make the default one", markup=False)
         return
     out.print(f"bundles in {root} (* the default: used when a command is given no bundle)", markup=False)
     for path in found:
-        out.print(("* " if path == default else "  ") + _bundle_summary(path), markup=False)
+        out.print(("* " if path == default else "  ") + bundle_summary(path), markup=False)
     if default not in found:
         out.print(f"the default bundle, {default.name}, is not made yet: run {make}", markup=False)
 
 
-def _bundle_summary(path: Path) -> str:
+def list_bundles() -> list[Path]:
+    """The bundles ``edge-spec models`` lists, by name: the folders of the models directory's ``bundles/``
+    that hold a manifest (an app's bundle picker shows the same ones)."""
+    from edge_spec.manifest import MANIFEST
+    from edge_spec.paths import bundles_dir
+
+    root = bundles_dir()
+    return sorted(p for p in root.iterdir() if (p / MANIFEST).is_file()) if root.is_dir() else []
+
+
+def bundle_summary(path: Path) -> str:
     """One line on a bundle for ``edge-spec models`` (a bundle that cannot be read says why)."""
     from edge_spec.manifest import eagle_heads, read_manifest
 
