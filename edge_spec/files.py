@@ -8,13 +8,36 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def write_atomic(path: Path, write: Callable[[str], object]) -> None:
+def umask() -> int:
+    """The process umask, read without changing it where Linux says it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode() -> int:
+    """The mode ``open`` gives a new file under the umask: what a file written another way (a temporary
+    file, which is 0600, or a library that creates its files 0600) is given, so that a bundle is shared
+    exactly as far as the user's umask says."""
+    return 0o666 & ~umask()
+
+
+def write_atomic(path: Path, write: Callable[[str], object], mode: int | None = None) -> None:
     """``write(tmp)`` a temporary file in ``path``'s directory, then rename it over ``path``; the
-    temporary file is removed when ``write`` fails."""
+    temporary file is removed when ``write`` fails.  ``mode``: the file's permissions (default: those of
+    a new file under the umask, not the temporary file's 0600)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        os.chmod(tmp, new_file_mode() if mode is None else mode)
         write(tmp)
         os.replace(tmp, path)
     except BaseException:

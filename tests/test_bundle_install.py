@@ -10,6 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,10 @@ def _dead_pid() -> int:
 
 def _stale(final: Path, pid: int) -> list[Path]:
     """Staging directories as a writer ``pid`` killed mid-export and mid-install would leave them."""
-    made = [final.with_name(f".{final.name}.{pid}-x1y2z3.partial"), final.with_name(f".{final.name}.old-{pid}-17")]
+    made = [
+        final.with_name(f".{final.name}.{pid}-x1y2z3.partial"),
+        final.with_name(f".{final.name}.old-{pid}-{time.time_ns()}"),
+    ]
     for path in made:
         (path / "target").mkdir(parents=True)
         (path / "target" / "model.onnx").write_bytes(b"half")
@@ -223,6 +227,36 @@ def test_add_heads_and_train_head_clean_up_first(monkeypatch, capsys, tmp_path, 
         assert not any(p.exists() for p in dead), command
 
 
+def test_commands_that_open_a_bundle_clean_what_killed_runs_left_first(monkeypatch, capsys, tmp_path, fp32_bundle):
+    """info, generate (and chat, serve, bench: they find the bundle the same way) remove the staging
+    directories of dead writers beside the bundle, not those of a live one."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(fp32_bundle, copy)
+    for command in (["info", str(copy)], ["generate", str(copy), "hi", "--max-tokens", "1", "--mode", "ar"]):
+        dead = _stale(copy, _dead_pid())
+        live = _stale(copy, os.getppid())  # a running process: perhaps still writing
+        code, _, err = _cli(monkeypatch, capsys, *command)
+        assert code == 0, err
+        assert not any(p.exists() for p in dead) and all(p.is_dir() for p in live), command
+        assert f"removed 2 staging directories left by killed runs beside {copy}" in err
+        for path in live:
+            shutil.rmtree(path)
+
+
+def test_a_process_id_taken_by_a_later_process_does_not_keep_a_staging_directory(tmp_path):
+    """A writer killed long ago whose process id a later process has (containers reuse small ids): the
+    id's process started after the directory last changed, so it is not the writer."""
+    from edge_spec.export import install
+
+    final = tmp_path / "bundle"
+    reused, live = (final.with_name(f".bundle.{os.getpid()}-{tag}.partial") for tag in ("x1y2z3", "a4b5c6"))
+    for path in (reused, live):
+        (path / "target").mkdir(parents=True)
+    os.utime(reused, (0, 0))  # last changed in 1970, long before this process began
+    assert install.clean_stale(final) == [reused]
+    assert live.is_dir()  # this process's own, changed after it began: perhaps being written
+
+
 # -- permissions ------------------------------------------------------------------------------------
 
 
@@ -240,9 +274,40 @@ def _mode(path: Path) -> int:
 
 def test_a_new_bundle_follows_the_umask(tmp_path, tiny_pair, umask):
     umask(0o002)
-    _export(tmp_path / "shared", tiny_pair)
+    _export(tmp_path / "shared", tiny_pair, quant="int4", draft_vocab="full,trim", keep=(64,), calibration_tokens=8)
     assert _mode(tmp_path / "shared") == 0o775
     assert _mode(tmp_path / "shared" / "target") == 0o775
+    modes = {str(p.relative_to(tmp_path)): _mode(p) for p in (tmp_path / "shared").rglob("*")}
+    assert any(name.endswith(".onnx.data") for name in modes)
+    assert {name: mode for name, mode in modes.items() if mode not in (0o775, 0o664)} == {}
+
+
+@pytest.mark.parametrize("mask", [0o002, 0o022, 0o077])
+def test_graph_files_and_atomic_writes_follow_the_umask(tmp_path, umask, mask):
+    """onnx writes a new external-data file 0600 whatever the umask, and a temporary file renamed into
+    place is 0600 too: both would keep a bundle from the other users its directories are shared with."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edge_spec.export.graph_builder import save_model
+    from edge_spec.files import write_atomic, write_text_atomic
+
+    umask(mask)
+    weight = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+        [weight],
+    )
+    save_model(helper.make_model(graph), tmp_path / "m.onnx")
+    write_atomic(tmp_path / "atomic.onnx", lambda tmp: onnx.save_model(helper.make_model(graph), tmp))
+    write_text_atomic(tmp_path / "text.json", "{}")
+    expected = 0o666 & ~mask
+    for name in ("m.onnx", "m.onnx.data", "atomic.onnx", "text.json"):
+        assert _mode(tmp_path / name) == expected, name
 
 
 def test_add_heads_keeps_the_bundle_directory_mode(tmp_path, tiny_pair, fp32_bundle, umask):

@@ -13,9 +13,10 @@ filesystem) and installed only once complete:
   same inode), its entries are moved in with ``manifest.json`` last, so the directory looks like a
   bundle only once it is one; :func:`recover` finishes a move that was cut short.
 
-Staging names carry the writer's process id: :func:`clean_stale` removes those of processes that are
-gone, never those of a live one, and never a complete or moved-aside copy while the path itself holds
-no valid bundle.  :func:`explained_os_errors` turns a failed write into one line saying what was kept.
+Staging names carry the writer's process id: :func:`clean_stale` (run by every command that writes or
+opens the bundle) removes those of processes that are gone or that started after the directory last
+changed (another process got the id), never those of a live writer, and never a complete or
+moved-aside copy while the path itself holds no valid bundle.  :func:`explained_os_errors` turns a failed write into one line saying what was kept.
 
 ``install_step`` is called at each step of an install, so tests can kill or fail the install there.
 """
@@ -36,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError, os_error_reason
+from edge_spec.files import umask
 from edge_spec.manifest import FORMAT, MANIFEST, check_manifest, verify_files
 
 AT_FDCWD = -100
@@ -85,24 +87,10 @@ def is_complete(path: Path) -> bool:
 # -- permissions ------------------------------------------------------------------------------------
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where Linux says it (``/proc/self/status``)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def new_directory_mode() -> int:
     """The mode ``mkdir`` would give a new directory: a new bundle is shared exactly as far as the user's
     umask says (a staging directory from ``mkdtemp`` would be 0700 whatever the umask)."""
-    return 0o777 & ~_umask()
+    return 0o777 & ~umask()
 
 
 # -- staging names ----------------------------------------------------------------------------------
@@ -181,6 +169,36 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+REUSE_SLACK = 3600.0  # seconds: a process started this long after a staging directory last changed is not its writer
+
+
+def _writer_alive(kind: str, pid: int, path: Path) -> bool:
+    """Whether the writer ``pid`` of the staging directory ``path`` may still be writing: its process
+    runs, and (where this system says when it started) started before it made the directory (a staging
+    directory: before it last changed; an aside copy: before the time in its name).  A process started
+    later only got the id of a writer that is gone (containers reuse small ids); the slack keeps a clock
+    set forward since the writer began from making a live writer look new."""
+    if not _alive(pid):
+        return False
+    started = _started(pid)
+    if started is None:
+        return True
+    made = _mtime(path) if kind == "partial" else int(path.name.rsplit("-", 1)[1]) / 1e9  # .NAME.old-PID-NS
+    return started <= made + REUSE_SLACK
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), where Linux says it; None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            fields = stat_file.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as system:
+            boot = next(int(line.split()[1]) for line in system if line.startswith(b"btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -312,7 +330,7 @@ def recover(final: Path) -> str | None:
     new bundle that writer had staged (when complete) or else the old one back; an empty-directory
     install cut short is finished.  Returns what was done (None: nothing to do)."""
     final = Path(final)
-    leftovers = [item for item in _leftovers(final) if not _alive(item[1])]
+    leftovers = [item for item in _leftovers(final) if not _writer_alive(*item)]
     if not leftovers:
         return None
     if not final.exists() and not final.is_symlink():
@@ -381,7 +399,7 @@ def clean_stale(final: Path) -> list[Path]:
     only while ``final`` holds a valid bundle (until then one of them may be the only copy).  Returns
     what was removed."""
     final = Path(final)
-    leftovers = [item for item in _leftovers(final) if not _alive(item[1])]
+    leftovers = [item for item in _leftovers(final) if not _writer_alive(*item)]
     unsafe = not is_complete(final)
     removed = []
     for kind, _, path in leftovers:
@@ -394,8 +412,9 @@ def clean_stale(final: Path) -> list[Path]:
 
 
 def prepare(final: Path, progress: Callable[[str], None] | None = None) -> None:
-    """Before writing a bundle at ``final``: recover from a killed install, then remove dead writers'
-    staging directories (said through ``progress``)."""
+    """Before writing a bundle at ``final``, and before a command opens one (info, generate, chat, serve,
+    bench): recover from a killed install, then remove dead writers' staging directories (said through
+    ``progress``)."""
     final = Path(final).expanduser().resolve()  # where writers put their staging directories
     if not final.name:
         return
