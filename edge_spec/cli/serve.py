@@ -35,7 +35,8 @@ def serve(
         None,
         "--api-key",
         envvar="EDGE_SPEC_API_KEY",
-        help="Require 'Authorization: Bearer KEY' (default: any key or none).",
+        help="Require 'Authorization: Bearer KEY' (default: any key or none). 'auto': a new random key "
+        "for this launch, given in the JSON line the server prints on stdout once it listens.",
     ),
     max_queue: int = typer.Option(
         DEFAULT_MAX_QUEUE,
@@ -73,13 +74,25 @@ def serve(
         "one a client is configured with (repeatable; *: any name). Default: only the "
         "bundle's directory name; another name gets 404 model_not_found.",
     ),
+    exit_with_parent: bool = typer.Option(
+        False,
+        "--exit-with-parent",
+        help="Stop when the process that started this one dies or closes its stdin (a desktop "
+        "application's sidecar; keep stdin a pipe to use it as a signal).",
+    ),
     engine: EngineFlags = ...,
 ) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions (tools too), /v1/completions (FIM too), /v1/models,
-    /tokenize, /detokenize, /metrics, /health."""
+    /tokenize, /detokenize, /metrics, /health.  Once it listens it prints one JSON line on stdout:
+    {"url", "api_key", "model"}; its log goes to stderr."""
     from edge_spec.server.guard import make_policy
     from edge_spec.server.serve import check_aliases, listen, run
+    from edge_spec.server.sidecar import AUTO_KEY, ParentWatch, new_api_key
 
+    parent = None
+    if exit_with_parent:  # first: a parent that dies while the bundle loads is seen too
+        parent = ParentWatch()
+        parent.start()
     bundle = find_bundle(bundle)
     if max_queue < 0:
         raise EdgeSpecError("--max-queue must be 0 or more")
@@ -87,6 +100,8 @@ def serve(
         raise EdgeSpecError("--shutdown-grace must not be negative")
     if api_key is not None and not api_key.strip():
         raise EdgeSpecError("--api-key must not be empty")
+    if api_key == AUTO_KEY:
+        api_key = new_api_key()
     aliases = check_aliases(alias)
     config = engine_config(engine)
     sock = listen(host, port)  # a busy port fails before the (slow) load
@@ -107,6 +122,7 @@ def serve(
             cors_origins=cors_origin,
             max_body=max_body,
             aliases=aliases,
+            parent=parent,
         )
     finally:
         sock.close()

@@ -5,6 +5,10 @@ worker refuses queued requests (503) and gives the answer in progress ``shutdown
 finish before stopping it at its next token (a stream then ends with an error event).  The process
 exits 0, without a traceback.
 
+Once it accepts connections, the server writes one JSON line to stdout: ``{"url", "api_key", "model"}``
+(:mod:`sidecar`: what an application that started it as a child process reads); everything it logs goes
+to stderr.  With a :class:`~edge_spec.server.sidecar.ParentWatch`, it stops when its parent process dies.
+
 Connections are bounded too: request headers must be complete within ``HEADER_TIMEOUT`` seconds
 (:mod:`protocol`), an idle keep-alive connection closes after ``KEEP_ALIVE_TIMEOUT``, headers are capped at
 ``MAX_HEADER_BYTES``, and past ``limit_concurrency`` connections uvicorn answers 503.  None of these cut an
@@ -28,6 +32,7 @@ from edge_spec.runtime.engine import Engine
 from edge_spec.server.defaults import DEFAULT_HOST, DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_GRACE
 from edge_spec.server.guard import BODY_IDLE_TIMEOUT, make_policy
 from edge_spec.server.protocol import HEADER_TIMEOUT, with_header_timeout
+from edge_spec.server.sidecar import ParentWatch, announce, client_url, exit_now, ready_line, stop_soon
 
 log = logging.getLogger("edge_spec.server")
 KEEP_ALIVE_TIMEOUT = 5  # seconds an idle connection is kept between two requests
@@ -160,8 +165,9 @@ def run(
     cors_origins=(),
     max_body: str | int = DEFAULT_MAX_BODY,
     aliases=(),
+    parent: ParentWatch | None = None,
 ) -> None:
-    """Serve ``engine`` on ``sock`` until SIGINT / SIGTERM."""
+    """Serve ``engine`` on ``sock`` until SIGINT / SIGTERM, or until the ``parent`` watched is gone."""
     if shutdown_grace < 0:
         raise EdgeSpecError("--shutdown-grace must not be negative")
     _configure_logging()
@@ -180,8 +186,15 @@ def run(
     engine.complete("warm up", max_new_tokens=4)  # the first request is not the one paying for cold caches
     if not _is_loopback(host) and not api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
-    config = server_config(app, host, port, max_queue=max_queue, shutdown_grace=shutdown_grace)
-    server = _Server(config, on_exit=lambda: state.worker.begin_shutdown(shutdown_grace))
+    config = server_config(
+        app, host, port, max_queue=max_queue, shutdown_grace=shutdown_grace, log_config=_log_config()
+    )
+    ready = ready_line(client_url(host, port), api_key, name)
+    server = _Server(
+        config, on_exit=lambda: state.worker.begin_shutdown(shutdown_grace), on_ready=lambda: announce(ready)
+    )
+    if parent is not None:  # nobody is left to wait for an answer in progress: stop it now
+        parent.on_gone(lambda: stop_soon(lambda: _stop_now(server, state.worker)))
     previous = signal.signal(signal.SIGTERM, _exit_quietly)  # uvicorn re-raises the signal once it has shut down
     try:
         server.run(sockets=[sock])
@@ -194,6 +207,9 @@ def run(
     if not server.started:
         raise EdgeSpecError("the server did not start (see the log above)")
     log.info("stopped")
+    if parent is not None and parent.gone:
+        engine.close()  # what is kept across launches is saved (the suffix cache, calibrations)
+        exit_now()
 
 
 def _is_loopback(host: str) -> bool:
@@ -207,6 +223,23 @@ class _Stopped(Exception):
     pass
 
 
+def _stop_now(server: uvicorn.Server, worker) -> None:
+    """Stop serving (from any thread): the answer in progress stops at its next token."""
+    server.should_exit = True
+    worker.stop(timeout=DEFAULT_SHUTDOWN_GRACE)
+
+
+def _log_config() -> dict:
+    """uvicorn's logging, its access log on stderr too: stdout carries the ready line alone."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
+
+
 def _exit_quietly(signum, frame) -> None:
     raise _Stopped
 
@@ -214,15 +247,18 @@ def _exit_quietly(signum, frame) -> None:
 class _Server(uvicorn.Server):
     """``uvicorn.Server`` that also tells the engine worker when a shutdown signal arrives."""
 
-    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit, on_ready=None) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._on_ready = on_ready  # called once the server accepts connections
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:  # uvicorn names the address only for sockets it bound itself
             host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
             log.info("serving on http://%s:%d (Ctrl-C stops)", host, self.config.port)
+            if self._on_ready is not None:
+                self._on_ready()
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
