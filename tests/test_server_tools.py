@@ -304,12 +304,15 @@ def test_a_forced_call_cut_by_the_length_limit_is_never_content(engine, scripted
     assert calls == complete[:1] if isinstance(choice, dict) else calls == complete
 
 
-def steer(engine, monkeypatch, after: str, wishes: dict[str, float]) -> None:
-    """Make the target, right after the token ``after``, favour ``wishes`` (token text: how far above its
-    best logit), as a model that means to write those there does."""
+def steer(engine, monkeypatch, wishes: dict[str, dict[str, float]]) -> None:
+    """Make the target, right after each token of ``wishes``, favour the tokens it names (token text: how far
+    above its best logit), as a model that means to write those there does."""
     vocab = engine.tokenizer.tokenizer
-    trigger = vocab.token_to_id(after)
-    lifts = {vocab.encode(text, add_special_tokens=False).ids[0]: lift for text, lift in wishes.items()}
+
+    def first_id(text: str) -> int:
+        return vocab.encode(text, add_special_tokens=False).ids[0]
+
+    lifts = {first_id(after): {first_id(t): lift for t, lift in wished.items()} for after, wished in wishes.items()}
     original = engine.target.forward
 
     def forward(token_ids, num_logits=1, *args, **kwargs):
@@ -317,10 +320,9 @@ def steer(engine, monkeypatch, after: str, wishes: dict[str, float]) -> None:
         logits = result.get("logits")
         if logits is not None:
             for row, token in zip(logits, list(token_ids)[-len(logits) :]):
-                if token == trigger:
-                    top = row.max()
-                    for wished, lift in lifts.items():
-                        row[wished] = top + lift
+                top = row.max()
+                for wished, lift in lifts.get(token, {}).items():
+                    row[wished] = top + lift
         return result
 
     monkeypatch.setattr(engine.target, "forward", forward)
@@ -329,8 +331,11 @@ def steer(engine, monkeypatch, after: str, wishes: dict[str, float]) -> None:
 @pytest.mark.parametrize(
     "wishes",
     [
-        {"<|im_end|>": 20.0},  # the model ends its answer after the call
-        {"Done": 20.0, "\n": 10.0},  # a word after the call; were that refused, a newline, then another call
+        {"</tool_call>": {"<|im_end|>": 20.0}},  # the model ends its answer after the call
+        # a newline, then the end (what Qwen2.5-Coder 1.5B writes after a call it was held to)
+        {"</tool_call>": {"\n": 20.0}, "\n": {"<|endoftext|>": 20.0}},
+        # a word after the call; were that refused, a newline, then another call
+        {"</tool_call>": {"Done": 20.0, "\n": 10.0}},
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
@@ -338,7 +343,7 @@ def test_a_forced_answer_ends_after_a_call_where_the_model_leaves_the_format(eng
     """tool_choice required with parallel calls: after a complete call the model may end, and whatever else
     than the next call it means to write ends the answer too (is not shown), so it gets the one call it
     wrote and finish reason tool_calls, not calls until max_tokens."""
-    steer(engine, monkeypatch, "</tool_call>", wishes)
+    steer(engine, monkeypatch, wishes)
     with serving(engine) as (client, _):
         content, calls, finish = ask_for_calls(client, stream, tool_choice="required", max_tokens=200, temperature=0)
     assert content is None and finish == "tool_calls"

@@ -247,6 +247,7 @@ def test_a_forced_answer_may_end_after_each_complete_call(tiny_vocabulary, name)
     call, separator, _ = FORCED[name]
     assert not ends(forced_answer(tiny_vocabulary, name, call[: len(call) // 2]))
     assert ends(forced_answer(tiny_vocabulary, name, call))
+    assert ends(forced_answer(tiny_vocabulary, name, call + separator))  # Qwen2.5-Coder: "</tool_call>\n" and end
     assert ends(forced_answer(tiny_vocabulary, name, call + separator + call))
     assert only_ends(forced_answer(tiny_vocabulary, name, call, parallel=False))
     assert only_ends(forced_answer(tiny_vocabulary, name, call, only="get_weather"))
