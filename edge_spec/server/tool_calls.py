@@ -28,9 +28,10 @@ Forcing a call (``tool_choice`` "required" or a named function) constrains the a
 :meth:`ToolFormat.forced_grammar`: the model's own format around a JSON schema of the calls allowed, with
 the separators its template writes (so a forced call reads like one the model wrote of its own accord).
 A marker the vocabulary has as a token of its own is named by its id there: the grammar engine reads
-such tokens as special ones, which no text literal matches.  After a complete call the model may end the
-answer, or go on to another call (where parallel calls are allowed); one token of anything else ends the
-answer too, so that a model meaning to write a word after its call is not driven into call after call.
+such tokens as special ones, which no text literal matches.  After a complete call, and after the
+separator that follows it, the model may end the answer; where parallel calls are allowed it may go on to
+another call, and one token of anything else ends the answer too, so that a model meaning to write a word
+after its call is not driven into call after call.
 """
 
 from __future__ import annotations
@@ -367,12 +368,13 @@ def _calls(separator: str, opening: str, parallel: bool) -> str:
     """The ``start`` rule of an answer that is one ``call`` or, ``parallel``, calls ``separator`` apart,
     whose calls start with the text ``opening``.
 
-    Where a call is complete the model may end the answer, or write the separator and another call; a
-    mask of those alone would hand whatever else the model means to write there (a blank line, a word
-    about the call) to the separator, the one other token it allows, and so drive the model into call
-    after call.  So one token of anything else is allowed there, after the separator too, and ends the
-    answer (the server drops it): the answer ends where the model leaves the format, as it ends of its own
-    accord.  Neither that token nor the separator may start like what follows the other, which would leave
+    Where a call is complete the model may end the answer, or write the separator and another call.  It
+    may end after the separator too: Qwen2.5-Coder 1.5B ends a forced call with ``</tool_call>``, a newline
+    and ``<|endoftext|>``, and a grammar that reads that newline as the way to a next call forces one.  And
+    a mask of those alone would hand whatever else the model means to write there (a blank line, a word
+    about the call) to the separator, the one other token it allows, driving the model into call after
+    call; so one token of anything else is allowed there, after the separator too, and ends the answer (the
+    server drops it): the answer ends where the model leaves the format, as it ends of its own accord.  Neither that token nor the separator may start like what follows the other, which would leave
     the grammar engine two readings of one token."""
     if not parallel:
         return "start: call\n"
