@@ -6,6 +6,8 @@ that held the whole float32 model.  How much memory an export takes is measured 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +168,72 @@ def test_a_streamed_gguf_export_is_the_whole_model_export(tmp_path):
     assert files["streamed"].keys() == files["whole"].keys() and "target/model.onnx.data" in files["whole"]
     assert [n for n in files["whole"] if files["streamed"][n] != files["whole"][n]] == []
     assert json.dumps(streamed["target"]["quantization"]["gguf_blocks"]["carried"]) == '{"Q4_K": 12, "Q6_K": 3}'
+
+
+def test_a_large_matrix_is_checked_on_a_sample_of_its_rows(tmp_path, monkeypatch):
+    """A GGUF matrix of more rows than are checked has those rows decoded and compared alone, and a
+    difference on one of them still keeps the matrix from being carried."""
+    from edge_spec.export.gguf import carry
+    from edge_spec.export.sources import load_model
+
+    monkeypatch.setattr(carry, "CHECKED_ROWS", 64)
+    target, _ = _small_pair(tmp_path)
+    model = load_model(target)
+    assert model.gguf_carry.report.fallback == {}
+    model = load_model(target)
+    gate = np.asarray(model.weights.layers[0].gate)  # 512 rows: rows 0, 8, 16 ... are checked
+    gate[8] += 1e-3
+    model.weights.layers[0].gate = gate
+    assert model.gguf_carry.report.fallback == {"layers.0.gate": "Q4_K: blocks differ from the loaded weight"}
+    assert "layers.0.gate" not in model.weights.carried and "layers.0.up" in model.weights.carried
+
+
+_EXPORT = """
+import json, resource, sys
+from pathlib import Path
+from edge_spec.export.bundle import ExportOptions, export_bundle
+
+target, draft, out, prompts = sys.argv[1:5]
+options = ExportOptions(context_length=256, calibration=Path(prompts), calibration_tokens=8)
+manifest = export_bundle(target, draft, Path(out), options)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+print(json.dumps({"peak": peak, "target_bytes": manifest["target"]["bytes"]}))
+"""
+
+
+def _export_peak(target: str, draft: str, out: Path, prompts: Path) -> dict:
+    """Export in a process of its own; its peak resident memory and the exported target's size."""
+    result = subprocess.run(
+        [sys.executable, "-c", _EXPORT, target, draft, str(out), str(prompts)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_export_memory_grows_with_the_quantized_model_not_the_float_one(tmp_path):
+    """Exporting a larger pair takes more memory than exporting a tiny one (the same code, imports and
+    runtime) by at most 2.5 times the exported int4 target's size.  Holding the whole float32 target
+    (four bytes a weight, about six times the int4 size here) or several copies of the quantized model
+    breaks this budget."""
+    tokenizer = tiny_models.make_tokenizer()
+    mid = dict(vocab_size=32768, intermediate=2048, heads=12, kv_heads=2)
+    target = gguf_models.write_random_qwen2_gguf(tmp_path / "t.gguf", tokenizer, hidden=768, layers=6, **mid)
+    draft = dict(mid, intermediate=768, heads=4)
+    draft = gguf_models.write_random_qwen2_gguf(tmp_path / "d.gguf", tokenizer, hidden=256, layers=2, seed=1, **draft)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nWhat is 2 + 2?\n")
+    (tmp_path / "small").mkdir()
+    small = _export_peak(*_small_pair(tmp_path / "small"), tmp_path / "small" / "bundle", prompts)
+    large = _export_peak(str(target), str(draft), tmp_path / "large", prompts)
+    growth, budget = large["peak"] - small["peak"], 2.5 * large["target_bytes"]
+    mib = 1 << 20
+    assert growth <= budget, (
+        f"exporting the larger pair took {growth / mib:.0f} MiB more than the tiny pair "
+        f"({large['peak'] / mib:.0f} MiB at its peak); the budget is {budget / mib:.0f} MiB, 2.5 times "
+        f"the int4 target's {large['target_bytes'] / mib:.0f} MiB"
+    )

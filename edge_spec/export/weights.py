@@ -49,10 +49,12 @@ class DeferredMatrix:
         shape: tuple[int, int],
         read: Callable[[], np.ndarray],
         read_rows: Callable[[int, int], np.ndarray] | None = None,
+        read_index: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.shape = (int(shape[0]), int(shape[1]))
         self._read = read
         self._read_rows = read_rows
+        self._read_index = read_index
 
     @property
     def size(self) -> int:
@@ -80,9 +82,11 @@ class DeferredMatrix:
         return np.asarray(self._read_rows(start, stop), np.float32)
 
     def take_rows(self, index: np.ndarray) -> np.ndarray:
-        """``self[index]`` for sorted row indices, reading each run of consecutive rows alone where the
-        source can (a check of a few thousand rows of an embedding-sized matrix reads those rows)."""
+        """``self[index]`` for sorted row indices, reading those rows alone where the source can (a check
+        of a few thousand rows of an embedding-sized matrix reads those rows)."""
         index = np.asarray(index, np.int64)
+        if self._read_index is not None:
+            return np.asarray(self._read_index(index), np.float32)
         if self._read_rows is None or len(index) == 0:
             return np.asarray(self)[index]
         breaks = np.flatnonzero(np.diff(index) != 1) + 1

@@ -73,6 +73,11 @@ def _checked_rows(n: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, min(n, CHECKED_ROWS)).astype(np.int64))
 
 
+def _close(carried: np.ndarray, reference: np.ndarray) -> bool:
+    atol = 1e-6 * max(float(np.abs(reference).max(initial=0)), 1e-30)
+    return bool(np.allclose(carried, reference, rtol=1e-5, atol=atol))
+
+
 def _matches(blocks: CarriedBlocks, weight, reference: np.ndarray | None = None) -> bool:
     """Whether ``blocks`` dequantize to ``weight`` on :func:`_checked_rows` (``reference``: those rows of
     ``weight``, read already)."""
@@ -80,8 +85,7 @@ def _matches(blocks: CarriedBlocks, weight, reference: np.ndarray | None = None)
         return False
     rows = _checked_rows(blocks.n)
     ref = _take_rows(weight, rows) if reference is None else reference
-    deq = blocks.rows(rows).dequantize()
-    return bool(np.allclose(deq, ref, rtol=1e-5, atol=1e-6 * max(float(np.abs(ref).max()), 1e-30)))
+    return _close(blocks.rows(rows).dequantize(), ref)
 
 
 def _take_rows(weight, rows: np.ndarray) -> np.ndarray:
@@ -101,14 +105,6 @@ def _fit_rows(blocks: CarriedBlocks, weight, heads: int | None) -> tuple[bool, n
         if _matches(blocks.rows(order), weight, reference):
             return True, order
     return False, None
-
-
-def _fit(blocks: CarriedBlocks, weight, heads: int | None) -> CarriedBlocks | None:
-    """``blocks`` as ``weight`` holds them: unchanged, or with the Llama q/k row order undone."""
-    fits, order = _fit_rows(blocks, weight, heads)
-    if not fits:
-        return None
-    return blocks if order is None else blocks.rows(order)
 
 
 def _targets(weights: DecoderWeights, gguf_name: str, rows: int) -> list[tuple[str, np.ndarray, int | None]]:
@@ -185,8 +181,6 @@ class GGUFBlocks(Mapping):
             return self._plan
         from gguf import GGUFReader
 
-        from edge_spec.export.gguf.tensors import read_raw
-
         plan: dict[str, _Carried] = {}
         report = self._report
         for tensor in GGUFReader(self.path).tensors:
@@ -197,25 +191,40 @@ class GGUFBlocks(Mapping):
             targets = _targets(self._weights, tensor.name, n)
             if not targets:
                 continue
-            blocks = carry_gguf(read_raw(self.path, tensor), kind, n, k)
-            if blocks is None:
-                for name, _, _ in targets:
-                    report.fallback[name] = f"{kind}: no exact MatMulNBits layout"
-                continue
-            start = 0
-            for name, weight, heads in targets:
-                part_rows = None if len(targets) == 1 else np.arange(start, start + weight.shape[0])
-                start += weight.shape[0]
-                fits, order = _fit_rows(blocks if part_rows is None else blocks.rows(part_rows), weight, heads)
-                if not fits:
-                    report.fallback[name] = f"{kind}: blocks differ from the loaded weight"
+            for name, rows, why in self._check(tensor, kind, n, k, targets):
+                if why:
+                    report.fallback[name] = f"{kind}: {why}"
                     continue
-                rows = part_rows if order is None else (order if part_rows is None else part_rows[order])
                 plan[name] = _Carried(tensor, n, k, rows)
                 report.carried[kind] += 1
-            del blocks
         self._plan = plan
         return plan
+
+    def _check(self, tensor, kind: str, n: int, k: int, targets) -> list[tuple[str, np.ndarray | None, str]]:
+        """(weight name, rows of the tensor it is, why not carried or "") per target of a GGUF tensor.
+        A large tensor of one weight that no row order could change (an embedding, an MLP matrix) has
+        only its checked rows decoded; the others are decoded whole."""
+        from edge_spec.export.gguf.tensors import read_raw, read_raw_rows
+
+        (name, weight, heads), *more = targets
+        if not more and not heads and n > CHECKED_ROWS:
+            rows = _checked_rows(n)
+            sample = carry_gguf(read_raw_rows(self.path, tensor, rows), kind, len(rows), k)
+            if sample is None:
+                return [(name, None, "no exact MatMulNBits layout")]
+            fits = weight.shape == (n, k) and _close(sample.dequantize(), _take_rows(weight, rows))
+            return [(name, None, "" if fits else "blocks differ from the loaded weight")]
+        blocks = carry_gguf(read_raw(self.path, tensor), kind, n, k)
+        if blocks is None:
+            return [(name, None, "no exact MatMulNBits layout") for name, _, _ in targets]
+        checked, start = [], 0
+        for name, weight, heads in targets:
+            part_rows = None if len(targets) == 1 else np.arange(start, start + weight.shape[0])
+            start += weight.shape[0]
+            fits, order = _fit_rows(blocks if part_rows is None else blocks.rows(part_rows), weight, heads)
+            rows = part_rows if order is None else (order if part_rows is None else part_rows[order])
+            checked.append((name, rows, "" if fits else "blocks differ from the loaded weight"))
+        return checked
 
 
 def attach_gguf_blocks(path: Path, weights: DecoderWeights) -> CarryReport:

@@ -60,18 +60,20 @@ class GGUFTensors(Mapping):
         if len(tensor.shape) != 2:
             return self._read(tensor)
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dimensions fastest first
-        bands = (lambda a, b: self._read(tensor, a, b)) if self._row_local(tensor.name) else None
-        return DeferredMatrix(shape, lambda: self._read(tensor), bands)
+        if not self._row_local(tensor.name):
+            return DeferredMatrix(shape, lambda: self._read(tensor))
+        return DeferredMatrix(
+            shape,
+            lambda: self._read(tensor),
+            lambda a, b: self._read(tensor, read_raw(self.path, tensor, a, b)),
+            lambda index: self._read(tensor, read_raw_rows(self.path, tensor, index)),
+        )
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
     def __len__(self) -> int:
         return len(self._tensors)
-
-    def gguf_tensor(self, name: str):
-        """The reader's record (name, type, shape, offset) of transformers' parameter ``name``."""
-        return self._tensors[name]
 
     def _row_local(self, gguf_name: str) -> bool:
         """Whether transformers' processor leaves this matrix's rows as they are (so a band of rows can be
@@ -90,14 +92,13 @@ class GGUFTensors(Mapping):
             return ".attn_q." not in gguf_name and ".attn_k." not in gguf_name
         return False
 
-    def raw(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows ``[start, stop)`` of transformers' parameter ``name`` as the file stores them (GGUF blocks)."""
-        return read_raw(self.path, self._tensors[name], start, stop)
-
-    def _read(self, tensor, start: int = 0, stop: int | None = None) -> np.ndarray:
+    def _read(self, tensor, raw: np.ndarray | None = None) -> np.ndarray:
+        """``tensor`` (or the rows of it in ``raw``, its bytes) as transformers loads it: dequantized,
+        then through the architecture's processor."""
         from gguf import dequantize
 
-        weights = dequantize(read_raw(self.path, tensor, start, stop), tensor.tensor_type)
+        raw = read_raw(self.path, tensor) if raw is None else raw
+        weights = dequantize(raw, tensor.tensor_type)
         return np.ascontiguousarray(self._process(weights, tensor.name).weights, np.float32)
 
 
@@ -113,3 +114,19 @@ def read_raw(path: Path, tensor, start: int = 0, stop: int | None = None) -> np.
     if raw.size != count:
         raise ValueError(f"{tensor.name}: the file ends inside the tensor")
     return raw.view(layout.dtype).reshape((stop - start,) + layout.shape[1:])
+
+
+RAW_BAND_BYTES = 64 << 20  # bytes of a tensor read at a time when picking rows out of it
+
+
+def read_raw_rows(path: Path, tensor, index: np.ndarray) -> np.ndarray:
+    """Rows ``index`` (sorted) of ``tensor`` as :func:`read_raw` gives them, read a band at a time."""
+    index = np.asarray(index, np.int64)
+    rows = tensor.data.shape[0]
+    step = max(1, RAW_BAND_BYTES // max(int(tensor.n_bytes) // rows, 1))
+    pieces = []
+    for start in range(0, rows, step):
+        wanted = index[(index >= start) & (index < start + step)]
+        if len(wanted):
+            pieces.append(read_raw(path, tensor, int(wanted[0]), int(wanted[-1]) + 1)[wanted - wanted[0]])
+    return np.concatenate(pieces) if pieces else read_raw(path, tensor, 0, 0)
