@@ -3,6 +3,7 @@ kept across requests (memory bound, LRU, the file, a corpus), and exactness thro
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -23,7 +24,7 @@ from edge_spec.runtime.schedule.policy import CostModel
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.suffix_store import bundle_cache_file, clear_caches, open_suffix_cache
 from edge_spec.runtime.verify.sampling import SamplingParams
-from tests.helpers import chi_square_same_distribution, run
+from tests.helpers import chi_square_same_distribution, cli, run
 
 
 def index_of(*documents: list[int]) -> SuffixIndex:
@@ -219,6 +220,115 @@ def test_the_file_is_private_survives_a_restart_and_damage_starts_afresh(tmp_pat
     assert not path.exists() and again.tokens == 0
 
 
+def _npz(path, **arrays) -> bytes:
+    """An ``.npz`` file holding ``arrays``: a sound zip whose contents are not a cache."""
+    np.savez(path, **arrays)
+    return path.read_bytes()
+
+
+def _meta(documents, version=1, clock=3) -> np.ndarray:
+    return np.array(json.dumps({"version": version, "clock": clock, "documents": documents}))
+
+
+def _damaged_files(tmp_path) -> dict[str, bytes]:
+    """Damaged suffix cache files: what a crash, a full disk or another program can leave."""
+    good = tmp_path / "good.npz"
+    cache = SuffixCache(path=good)
+    cache.remember([1, 2], [5, 6, 7, 8, 9])
+    cache.save()
+    data = good.read_bytes()
+    rng = np.random.default_rng(0)
+    tokens = np.array([1, 2, 5, 6, -1], np.int32)
+    one = [[0, 5, 1, "answer", ""]]
+    compressed = tmp_path / "compressed.npz"  # random tokens: the members compress to no less than their size
+    np.savez_compressed(compressed, tokens=rng.integers(0, 2**31 - 1, 2000, dtype=np.int32), meta=_meta(one))
+    bad_stream = bytearray(compressed.read_bytes())
+    bad_stream[80:88] = b"\xff" * 8  # the start of the first member's deflate stream: zlib.error
+    return {
+        "truncated": data[: len(data) // 2],
+        "random bytes": rng.integers(0, 256, 4000, dtype=np.uint8).tobytes(),
+        "empty": b"",
+        "deflate stream damaged": bytes(bad_stream),
+        "no tokens": _npz(tmp_path / "a.npz", meta=_meta(one)),
+        "object array (pickle)": _npz(tmp_path / "p.npz", tokens=np.array([{"a": 1}], dtype=object), meta=_meta([])),
+        "tokens of text": _npz(tmp_path / "b.npz", tokens=np.array(["a", "b"]), meta=_meta(one)),
+        "tokens 2-D": _npz(tmp_path / "c.npz", tokens=tokens.reshape(1, 5), meta=_meta(one)),
+        "tokens of floats": _npz(tmp_path / "d.npz", tokens=tokens.astype(np.float32) + 0.5, meta=_meta(one)),
+        "meta not JSON": _npz(tmp_path / "e.npz", tokens=tokens, meta=np.array("{not json")),
+        "meta a list": _npz(tmp_path / "f.npz", tokens=tokens, meta=np.array("[1, 2]")),
+        "meta an array": _npz(tmp_path / "g.npz", tokens=tokens, meta=np.array([1, 2])),
+        "documents overlap": _npz(
+            tmp_path / "h.npz", tokens=tokens, meta=_meta([[0, 5, 1, "answer", ""], [2, 5, 1, "answer", ""]])
+        ),
+        "documents leave a gap": _npz(tmp_path / "i.npz", tokens=tokens, meta=_meta([[2, 5, 1, "answer", ""]])),
+        "document of strings": _npz(tmp_path / "j.npz", tokens=tokens, meta=_meta([["0", "5", 1, "answer", ""]])),
+        "document too short": _npz(tmp_path / "k.npz", tokens=tokens, meta=_meta([[0, 5]])),
+        "unknown kind": _npz(tmp_path / "l.npz", tokens=tokens, meta=_meta([[0, 5, 1, "secret", ""]])),
+        "ids past the vocabulary": _npz(
+            tmp_path / "m.npz", tokens=np.array([1, 2, 10**6, -1], np.int32), meta=_meta([[0, 4, 1, "answer", ""]])
+        ),
+        "negative ids": _npz(
+            tmp_path / "n.npz", tokens=np.array([1, -7, 3, -1], np.int32), meta=_meta([[0, 4, 1, "answer", ""]])
+        ),
+        "clock not a number": _npz(tmp_path / "o.npz", tokens=tokens, meta=_meta(one, clock="x")),
+    }
+
+
+def test_a_damaged_file_is_set_aside_with_one_warning_and_the_cache_starts_empty(tmp_path, caplog):
+    """A cache is disposable: whatever a damaged file holds, the cache starts empty, the file is kept
+    aside (renamed, for a look) and said in one line, and the next save writes a sound file."""
+    cases = _damaged_files(tmp_path)
+    for name, content in cases.items():
+        directory = tmp_path / name.replace(" ", "-")
+        directory.mkdir()
+        path = directory / "suffix-x.npz"
+        path.write_bytes(content)
+        caplog.clear()
+        cache = SuffixCache(path=path, vocab_size=1000)
+        assert cache.tokens == 0 and cache.documents == [], name
+        aside = list(directory.glob("suffix-x.npz.damaged-*"))
+        assert len(aside) == 1 and aside[0].read_bytes() == content and not path.exists(), name
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "\n" not in warnings[0].getMessage(), name
+        assert str(path) in warnings[0].getMessage() and aside[0].name in warnings[0].getMessage(), name
+        cache.remember([1, 2], [5, 6, 7, 8, 9])
+        cache.save()
+        again = SuffixCache(path=path, vocab_size=1000)
+        assert again.tokens == cache.tokens and continuation(ctx([6, 7]), [again.index], 2)[0] == [8, 9], name
+        # damaged again: the newer copy replaces the older one (set-aside copies do not pile up)
+        path.write_bytes(content)
+        assert SuffixCache(path=path, vocab_size=1000).tokens == 0
+        assert len(list(directory.glob("suffix-x.npz.damaged-*"))) == 1, name
+        damaged = list(directory.glob("suffix-x.npz.damaged-*"))
+        assert clear_caches(directory) == damaged and not list(directory.iterdir()), name  # cache clear: it too
+
+
+def test_a_sound_file_of_another_version_or_a_missing_one_starts_empty_quietly(tmp_path, caplog):
+    path = tmp_path / "suffix-x.npz"
+    assert SuffixCache(path=path).tokens == 0
+    np.savez(path, tokens=np.array([1, 2, 5, 6, -1], np.int32), meta=_meta([[0, 5, 1, "answer", ""]], version=99))
+    assert SuffixCache(path=path).tokens == 0
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert not list(tmp_path.glob("*.damaged-*"))
+
+
+@pytest.mark.slow
+def test_generate_with_a_damaged_cache_answers_and_warns_once(fp32_bundle, tmp_path):
+    directory = tmp_path / "cache"
+    first = cli("generate", str(fp32_bundle), "one two three", "--cache-dir", str(directory), "--max-tokens", "8")
+    assert first.returncode == 0, first.stderr
+    (path,) = directory.glob("suffix-*.npz")
+    sound = path.read_bytes()
+    for content in (sound[: len(sound) // 2], os.urandom(3000)):
+        path.write_bytes(content)
+        result = cli("generate", str(fp32_bundle), "hi", "--cache-dir", str(directory), "--max-tokens", "4")
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+        lines = [line for line in result.stderr.splitlines() if "damaged" in line]
+        assert len(lines) == 1 and "set aside" in lines[0], result.stderr
+        assert path.exists()  # the answer was kept in a new, sound file
+        assert len(list(directory.glob("suffix-*.npz.damaged-*"))) == 1
+
+
 def test_a_corpus_is_read_once_and_changed_files_again(tmp_path):
     root = tmp_path / "repo"
     (root / ".git").mkdir(parents=True)
@@ -239,6 +349,82 @@ def test_a_corpus_is_read_once_and_changed_files_again(tmp_path):
     assert index_corpus(cache, root, encode) == 1
     tokens = {int(t) for t in cache.index.tokens[: cache.tokens]}
     assert words["zeta"] in tokens and words["gamma"] not in tokens and words["delta"] not in tokens
+
+
+CORPUS_RUN = """
+import json, resource, sys
+from pathlib import Path
+from edge_spec.runtime.propose.suffix_cache import SuffixCache, index_corpus
+
+found = {}
+for root in sys.argv[1:]:
+    cache = SuffixCache()
+    read = index_corpus(cache, Path(root), lambda text: [len(w) for w in text.split()])
+    found[Path(root).name] = {"read": read, "tokens": cache.tokens}
+print(json.dumps({"found": found, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+CORPUS_TRAPS = {  # a file the corpus must skip: why, said in its one line
+    "fifo": "not a regular file",
+    "link to /dev/zero": "not a regular file",
+    "link to /dev/urandom": "not a regular file",
+    "too large": "larger than 512 KiB",
+    "link loop": "unreadable",
+}
+
+
+def test_a_corpus_reads_regular_files_only_within_bounds_and_says_what_it_skipped(tmp_path):
+    """Each trap beside a good file, in a child process killed past 20 s (a blocked read or an endless
+    one must fail the test, not hang it or swell the test process)."""
+    import subprocess
+    import sys
+
+    from edge_spec.runtime.propose.suffix_cache import CORPUS_MAX_FILE
+
+    roots = []
+    for number, case in enumerate(CORPUS_TRAPS):
+        root = tmp_path / f"repo{number}"
+        root.mkdir()
+        (root / "b.py").write_text("alpha beta gamma")
+        if case == "fifo":
+            os.mkfifo(root / "a.py")  # opening it to read waits for a writer that never comes
+        elif case.startswith("link to"):
+            (root / "z.py").symlink_to(case.removeprefix("link to "))  # size 0, endless
+        elif case == "too large":
+            (root / "big.py").write_text("x = 1\n" * (CORPUS_MAX_FILE // 6 + 1))
+        else:
+            (root / "c.py").symlink_to("c.py")  # ELOOP
+        roots.append(root)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", CORPUS_RUN, *map(str, roots)], capture_output=True, text=True, timeout=20
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("reading the corpora took more than 20 s")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == len(roots), lines
+    for root, (case, reason), line in zip(roots, CORPUS_TRAPS.items(), lines):
+        assert report["found"][root.name] == {"read": 1, "tokens": 4}, case  # b.py: three words, a separator
+        assert line == f"corpus {root}: skipped 1 file (1 {reason})", case
+    assert report["peak"] < 400 * 1024, f"{report['peak']} KiB at most"
+
+
+def test_a_corpus_stops_at_its_byte_budget(tmp_path, caplog):
+    from edge_spec.runtime.propose.suffix_cache import corpus_budget
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    cache = SuffixCache(capacity=100_000)
+    budget = corpus_budget(cache.capacity)
+    text = "word " * 20_000  # 100 kB a file
+    count = budget // len(text) + 5
+    for i in range(count):
+        (root / f"f{i:03}.txt").write_text(text)
+    read = index_corpus(cache, root, lambda text: [len(w) for w in text.split()])
+    assert read == budget // len(text)
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"skipped {count - read} files ({count - read} past the corpus budget of" in line
 
 
 def test_open_refuses_bad_settings_in_one_line(tmp_path):

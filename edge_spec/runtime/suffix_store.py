@@ -14,9 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.propose.suffix_cache import DEFAULT_CAPACITY, SuffixCache, index_corpus
+from edge_spec.runtime.propose.suffix_cache import DAMAGED, DEFAULT_CAPACITY, SuffixCache, index_corpus
 
 FILE_PATTERN = "suffix-*.npz"
+DAMAGED_PATTERN = f"{FILE_PATTERN}{DAMAGED}*"  # damaged files set aside
 
 
 def bundle_cache_file(cache_dir: Path, manifest: dict) -> Path:
@@ -46,7 +47,8 @@ def open_suffix_cache(
         if cache_dir.exists() and not cache_dir.is_dir():
             raise EdgeSpecError(f"--cache-dir {cache_dir}: not a directory")
         path = bundle_cache_file(cache_dir, manifest)
-    cache = SuffixCache(capacity, path)  # refuses too small a capacity before it reads the file
+    vocab_size = manifest["target"].get("config", {}).get("vocab_size")
+    cache = SuffixCache(capacity, path, vocab_size)  # refuses too small a capacity before it reads the file
     if corpus is not None:
         index_corpus(cache, Path(corpus), encode)
         cache.save()
@@ -54,9 +56,11 @@ def open_suffix_cache(
 
 
 def clear_caches(cache_dir: Path) -> list[Path]:
-    """Remove every bundle's suffix cache file in ``cache_dir``; returns what was removed."""
+    """Remove every bundle's suffix cache file in ``cache_dir`` (damaged ones set aside included); returns
+    what was removed."""
     removed = []
-    for path in sorted(Path(cache_dir).expanduser().glob(FILE_PATTERN)):
+    directory = Path(cache_dir).expanduser()
+    for path in sorted([*directory.glob(FILE_PATTERN), *directory.glob(DAMAGED_PATTERN)]):
         path.unlink(missing_ok=True)
         removed.append(path)
     return removed
