@@ -178,7 +178,7 @@ def test_export_refuses_a_pair_before_building_anything(monkeypatch, capsys, tmp
     assert json.loads((Path(draft_dir) / "config.json").read_text())  # the sources are untouched
 
 
-def _tiny_gguf(path: Path, tokens: list[str]) -> str:
+def _tiny_gguf(path: Path, tokens: list[str], merges: tuple[str, ...] = ("a b", "ab c")) -> str:
     """A GGUF file with some metadata before and after its token list, and one tensor."""
     import gguf
     import numpy as np
@@ -190,7 +190,7 @@ def _tiny_gguf(path: Path, tokens: list[str]) -> str:
     writer.add_array("general.words", ["a", "bc"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_merges(["a b", "ab c"])
+    writer.add_token_merges(list(merges))
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -238,3 +238,124 @@ def test_gguf_pairs_are_checked_from_their_headers(monkeypatch, capsys, tmp_path
         code, err, "drafter tokenizer differs from the target's at token id 5 (target 'tok5' vs drafter 'different')"
     )
     assert not (tmp_path / "out").exists()
+
+
+def _hf_tokenizer_directory(path: Path, tokenizer) -> str:
+    """A Hugging Face directory holding a config and a tokenizer: all the pair check reads of a target."""
+    target = tiny_models.make_qwen2(seed=0)
+    target.config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _foreign(size: int) -> tuple[list[str], tuple[str, ...]]:
+    """Tokens and merges of another vocabulary of ``size`` tokens (one transformers can convert)."""
+    return ["x", "y", "xy", "z", "xyz", *(f"tok{i}" for i in range(5, size))], ("x y", "xy z")
+
+
+def _vocab_list(tokenizer) -> list[str]:
+    by_id = {i: text for text, i in tokenizer.get_vocab().items()}
+    return [by_id[i] for i in range(len(by_id))]
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """The GGUF files parsed whole (gguf.GGUFReader: every field of the header, the slow part of a
+    conversion through transformers), recorded."""
+    import gguf
+
+    seen = []
+    original = gguf.GGUFReader
+
+    def recording(path, *args, **kwargs):
+        seen.append(Path(path).name)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", recording)
+    return seen
+
+
+def test_a_drafter_of_another_family_beside_a_hf_target_is_refused_from_its_header(tmp_path, parsed):
+    """A Hugging Face target and a GGUF drafter whose token lists differ at most ids: refused from the
+    GGUF header's token list, without parsing or converting the whole file (a 151k-token vocabulary takes
+    a minute and a gigabyte that way)."""
+    from edge_spec.export.pair import check_pair, probe_pair
+
+    tokenizer = tiny_models.make_tokenizer()
+    target = _hf_tokenizer_directory(tmp_path / "target", tokenizer)
+    other = _tiny_gguf(tmp_path / "other.gguf", *_foreign(len(tokenizer.get_vocab())))
+    with pytest.raises(EdgeSpecError, match=r"drafter tokenizer differs from the target's at token id 0"):
+        check_pair(*probe_pair(target, other))
+    assert parsed == []
+
+
+def test_a_drafter_whose_header_lists_the_targets_vocabulary_needs_no_conversion(tmp_path, parsed):
+    from edge_spec.export.pair import check_pair, probe_pair
+
+    tokenizer = tiny_models.make_tokenizer()
+    target = _hf_tokenizer_directory(tmp_path / "target", tokenizer)
+    same = _tiny_gguf(tmp_path / "same.gguf", _vocab_list(tokenizer), ("Ġ d", "Ġ t"))
+    check_pair(*probe_pair(target, same))
+    assert parsed == []
+
+
+def test_a_drafter_close_to_the_target_is_compared_in_the_targets_words(tmp_path, monkeypatch):
+    """Token lists that differ at a few ids only may be one vocabulary written two ways (transformers
+    rewrites some GGUF tokens, Gemma's tab and space runs): those are compared as transformers reads
+    the GGUF file, as before."""
+    from edge_spec.export import pair
+
+    tokenizer = tiny_models.make_tokenizer()
+    target = _hf_tokenizer_directory(tmp_path / "target", tokenizer)
+    tokens = _vocab_list(tokenizer)
+    close = _tiny_gguf(tmp_path / "close.gguf", tokens[:7] + ["written otherwise"] + tokens[8:])
+    converted = []
+    original = pair.probe_model
+
+    def probe(source, *, from_files=True):
+        if not from_files:
+            converted.append(source)
+            return pair.ModelCard(source, tokenizer, None)  # transformers' reading, standing in
+        return original(source, from_files=from_files)
+
+    monkeypatch.setattr(pair, "probe_model", probe)
+    pair.check_pair(*pair.probe_pair(target, close))
+    assert sorted(converted) == sorted([target, close])  # both in transformers' words
+
+
+def test_export_without_draft_refuses_a_default_drafter_of_another_family_at_once(
+    monkeypatch, capsys, tmp_path, parsed
+):
+    """``export --target DIR`` pairs DIR with the registry's default drafter, a fetched GGUF file: one
+    of another family is refused from its header, without parsing the file or reading either source
+    through transformers (importing it alone takes seconds)."""
+    import hashlib
+
+    import transformers
+
+    from edge_spec import paths
+    from edge_spec.export import bundle, sources
+
+    tokenizer = tiny_models.make_tokenizer()
+    target = _hf_tokenizer_directory(tmp_path / "target", tokenizer)
+    models = tmp_path / "models"
+    (models / "gguf").mkdir(parents=True)
+    gguf_file = Path(_tiny_gguf(models / "gguf" / "draft.gguf", *_foreign(len(tokenizer.get_vocab()))))
+    data = gguf_file.read_bytes()
+    record = {"file": gguf_file.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    registry = {"models": {"tiny-draft": {"gguf": {**record, "pypi_parts": ["tiny-draft-part1"]}}}}
+    (models / "registry.json").write_text(json.dumps(registry))
+    monkeypatch.setenv("EDGE_SPEC_MODELS", str(models))
+    monkeypatch.setattr(paths, "default_pair", lambda: ("unused", "tiny-draft"))
+
+    def never(*args, **kwargs):
+        raise AssertionError("read a source through transformers, or built or loaded a model")
+
+    for auto in (transformers.AutoConfig, transformers.AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", never)
+    monkeypatch.setattr(sources, "_load_model", never)
+    monkeypatch.setattr(bundle, "export_decoder", never)
+    out = tmp_path / "out"
+    code, _, err = _cli(monkeypatch, capsys, "export", "--target", target, "--output", str(out), "--eagle", "none")
+    _one_line(code, err, "drafter tokenizer differs from the target's at token id 0")
+    assert parsed == [] and not out.exists()

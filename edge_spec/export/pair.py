@@ -5,16 +5,24 @@ verify (another tokenizer, another vocabulary size) must be refused before that,
 :func:`check_pair` is that refusal; :func:`export_bundle <edge_spec.export.bundle.export_bundle>` runs
 it on :func:`probe_pair`'s cards first, then again on the loaded models.
 
-A card is cheap to make: a Hugging Face directory or hub id gives its ``config.json`` and tokenizer
-files (transformers, no weights); a GGUF file gives the token list of its header, read here directly
-(transformers' config and tokenizer conversion of a 151k-token GGUF vocabulary takes about fifteen
-seconds, its header's token list well under one).  Raw GGUF tokens are compared only with raw GGUF
-tokens: a GGUF beside a Hugging Face source is probed through transformers, so both sides are in the
-same words.
+A card is cheap to make, read from the files themselves where they say it plainly: a GGUF file's
+header token list (transformers parses every field of the header, then converts the vocabulary: a
+minute and a gigabyte for a 151k-token vocabulary, against well under a second for the list), a Hugging
+Face directory's ``tokenizer.json`` (the ``tokenizers`` library) and ``config.json``; importing
+transformers alone takes seconds.  Elsewhere (a hub id, a directory without ``tokenizer.json``) a card
+is transformers' config and tokenizer, without the weights.
+
+Cards read from files of one kind are in the same words.  Cards of a GGUF header and of a Hugging Face
+tokenizer are in the same words for the most part, not wholly: transformers rewrites a few tokens as it
+converts some GGUF vocabularies (Gemma's tab and runs of spaces).  So two cards are compared as read
+where that decides (lists that agree are accepted, the loaded models being checked again; lists that
+differ at most of the ids both hold are two vocabularies, refused at once: no rewrite explains that),
+and where they differ at a few ids only, both are read again through transformers and compared so.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import struct
 from dataclasses import dataclass
@@ -22,6 +30,9 @@ from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.sources import LoadedModel, _locate, check_gguf, check_same_tokenizer, gguf_parsed_once
+
+# whose words a card's vocabulary is in (see the module docstring)
+GGUF_HEADER, TOKENIZER_JSON, TRANSFORMERS = "gguf header", "tokenizer.json", "transformers"
 
 
 @dataclass
@@ -32,7 +43,7 @@ class ModelCard:
     source: str
     tokenizer: object
     vocab_size: int | None
-    raw_gguf: bool = False  # the tokens of a GGUF header, not transformers' conversion of them
+    read_from: str = TRANSFORMERS  # GGUF_HEADER, TOKENIZER_JSON or TRANSFORMERS: whose words the vocabulary is in
 
     @classmethod
     def of(cls, model: LoadedModel) -> ModelCard:
@@ -49,9 +60,21 @@ def check_pair(target: ModelCard, draft: ModelCard) -> None:
 def probe_pair(target_source: str, draft_source: str) -> tuple[ModelCard, ModelCard]:
     """Cards of both sources, in comparable words (see the module docstring)."""
     cards = [probe_model(target_source), probe_model(draft_source)]
-    if cards[0].raw_gguf != cards[1].raw_gguf:
-        cards = [probe_model(c.source, raw_gguf=False) if c.raw_gguf else c for c in cards]
+    if cards[0].read_from != cards[1].read_from and _differing_share(*cards) not in (0.0, 1.0):
+        cards = [c if c.read_from == TRANSFORMERS else probe_model(c.source, from_files=False) for c in cards]
     return cards[0], cards[1]
+
+
+def _differing_share(a: ModelCard, b: ModelCard) -> float:
+    """0.0 where both vocabularies list the same text at every id, 1.0 where they differ at more than
+    half of the ids both hold (or share none), else the share of all ids at which they differ."""
+    a_vocab = {i: text for text, i in a.tokenizer.get_vocab().items()}
+    b_vocab = {i: text for text, i in b.tokenizer.get_vocab().items()}
+    shared = a_vocab.keys() & b_vocab.keys()
+    if not shared or 2 * sum(a_vocab[i] != b_vocab[i] for i in shared) > len(shared):
+        return 1.0
+    ids = a_vocab.keys() | b_vocab.keys()
+    return sum(a_vocab.get(i) != b_vocab.get(i) for i in ids) / len(ids)
 
 
 class _TokenList:
@@ -64,16 +87,34 @@ class _TokenList:
         return {text: i for i, text in enumerate(self.tokens)}
 
 
-def probe_model(source: str, *, raw_gguf: bool = True) -> ModelCard:
-    """``source``'s card without its weights: a GGUF header's tokens (``raw_gguf``, where this reader
-    knows the header), else transformers' config and tokenizer."""
+class _TokenizerFile:
+    """A ``tokenizer.json`` read by the ``tokenizers`` library, with the one method the check uses (what
+    transformers' fast tokenizer answers for it, added tokens included)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path))
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+
+def probe_model(source: str, *, from_files: bool = True) -> ModelCard:
+    """``source``'s card without its weights: read from its files (``from_files``: a GGUF header's
+    tokens where this reader knows the header, a directory's ``tokenizer.json`` and ``config.json``),
+    else transformers' config and tokenizer."""
     kind, location, gguf_file = _locate(source)
     if kind == "gguf":
         path = Path(location) / gguf_file
-        tokens = gguf_tokens(path) if raw_gguf else None
+        tokens = gguf_tokens(path) if from_files else None
         if tokens is not None:  # the whole file is checked when it loads
-            return ModelCard(source, _TokenList(tokens), None, raw_gguf=True)
+            return ModelCard(source, _TokenList(tokens), None, GGUF_HEADER)
         check_gguf(path)  # a damaged file: one line, before transformers trips on it
+    elif kind == "hf_dir" and from_files:
+        card = _directory_card(source, Path(location))
+        if card is not None:
+            return card
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
@@ -89,6 +130,23 @@ def probe_model(source: str, *, raw_gguf: bool = True) -> ModelCard:
         raise EdgeSpecError(f"cannot load {source!r}: {first[:200]}{hint}") from exc
     vocab_size = getattr(hf_config, "vocab_size", None)  # as weights_from_state_dict reads it
     return ModelCard(source, tokenizer, None if vocab_size is None else int(vocab_size))
+
+
+def _directory_card(source: str, directory: Path) -> ModelCard | None:
+    """The card of a Hugging Face directory from its ``tokenizer.json`` and ``config.json``; None where
+    either cannot be read so (no ``tokenizer.json``: a slow tokenizer transformers converts; a file
+    transformers may read and this may not): transformers then reads them, and says what is wrong."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        tokenizer = _TokenizerFile(directory / "tokenizer.json")
+    except Exception:  # the tokenizers library raises a bare Exception on a bad file
+        return None
+    if not isinstance(config, dict):
+        return None
+    vocab_size = config.get("vocab_size")
+    if not isinstance(vocab_size, int):  # nested (a text_config) or absent: transformers knows where
+        vocab_size = None
+    return ModelCard(source, tokenizer, vocab_size, TOKENIZER_JSON)
 
 
 # -- a GGUF header's token list ---------------------------------------------------------------------
