@@ -189,15 +189,19 @@ def test_stop_ends_the_answer_promptly(qtbot, window):
     assert full.stop_reason == "length"
     window.new_chat()
 
-    def stop_at_first_piece():
-        window.worker.pieces_ready.disconnect(stop_at_first_piece)
+    shown_at_stop = []
+
+    def stop_at_first_piece(length: int):
+        window.answer_grew.disconnect(stop_at_first_piece)
+        shown_at_stop.append(length)
         window.stop_button.click()
 
-    window.worker.pieces_ready.connect(stop_at_first_piece)
+    window.answer_grew.connect(stop_at_first_piece)
     stats = ask(qtbot, window)
     assert stats.stop_reason == "cancelled"
     assert 0 < stats.new_tokens < full.new_tokens / 2
     assert window.last_stop_seconds < 0.5
+    assert len(window.answer_text()) == shown_at_stop[0]  # nothing shown after Stop
     assert window.send_button.isEnabled() and not window.stop_button.isEnabled()
     # the stopped answer stays in the conversation, and the next message follows it
     assert window.messages[-1] == {"role": "assistant", "content": window.answer_text()}

@@ -11,7 +11,16 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QThread, Signal, Slot
-from PySide6.QtGui import QCloseEvent, QColor, QFont, QKeySequence, QShortcut, QTextCharFormat, QTextCursor
+from PySide6.QtGui import (
+    QCloseEvent,
+    QColor,
+    QFont,
+    QFontDatabase,
+    QKeySequence,
+    QShortcut,
+    QTextCharFormat,
+    QTextCursor,
+)
 from PySide6.QtWidgets import (
     QApplication,
     QCheckBox,
@@ -40,6 +49,7 @@ TEXT_ON_SWATCH = QColor("#1b1f24")  # the swatches are light: dark text stays re
 class ChatWindow(QMainWindow):
     request_load = Signal(str)  # to the worker thread
     request_generate = Signal(object, object)
+    answer_grew = Signal(int)  # on the UI thread, once new text of the answer is shown: the answer's length
     answer_done = Signal(object)  # on the UI thread, once an answer is shown whole: its GenerationStats
 
     def __init__(
@@ -57,6 +67,7 @@ class ChatWindow(QMainWindow):
         self.turns: list[tuple[str, list[Piece]]] = []  # what the view shows: (role, pieces)
         self.busy = False  # an answer is asked for and has not ended
         self.ready = False  # a bundle is loaded
+        self.answer_length = 0  # characters of the answer streaming now
         self.stop_pressed_at: float | None = None
         self.last_stop_seconds: float | None = None  # from Stop to the answer's end, for the last stopped one
 
@@ -121,6 +132,7 @@ class ChatWindow(QMainWindow):
 
         self.view = QTextBrowser()
         self.view.setOpenLinks(False)
+        self.view.document().setDefaultFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))  # code
         self.view.setPlaceholderText("The conversation appears here.")
         layout.addWidget(self.view, 1)
 
@@ -245,6 +257,7 @@ class ChatWindow(QMainWindow):
         self.turns.append(("assistant", []))
         self._render_header("assistant")
         self.busy = True
+        self.answer_length = 0
         self.stop_pressed_at = None
         self._update_buttons()
         self._show_progress(-1.0)
@@ -273,13 +286,15 @@ class ChatWindow(QMainWindow):
     @Slot()
     def _on_pieces(self) -> None:
         pieces = self.worker.take_pieces()
-        if not pieces or not self.turns:
-            return
+        if not pieces or not self.turns or self.stop_pressed_at is not None:
+            return  # after Stop the answer shows no more: the engine ends within the round it is in
         if self.progress.isVisible():
             self.progress.hide()
-            self.statusBar().showMessage("answering…" if self.stop_pressed_at is None else "stopping…")
+            self.statusBar().showMessage("answering…")
         self.turns[-1][1].extend(pieces)
         self._append_pieces(pieces)
+        self.answer_length += sum(len(text) for text, _ in pieces)
+        self.answer_grew.emit(self.answer_length)
 
     @Slot(object)
     def _on_finished(self, stats) -> None:
