@@ -257,18 +257,42 @@ def test_a_forced_answer_may_end_after_each_complete_call(tiny_vocabulary, name)
 @pytest.mark.parametrize("after", ["", "separator"])
 def test_after_a_complete_forced_call_anything_but_the_next_call_ends_the_answer(tiny_vocabulary, name, after):
     """A model that would write something else after its call (a word, a blank line) is not driven into
-    another call by the mask, which would leave it the separator alone: one token of that something else is
-    allowed and ends the answer, as the model would have ended it on its own."""
+    another call by the mask, which would leave it the separator alone: a little of that something else is
+    allowed, and then the end, as the model would have ended the answer on its own."""
     tokenizer, _ = tiny_vocabulary
     call, separator, opening = FORCED[name]
     before = call + (separator if after else "")
-    word = tokenizer.encode("Sure", add_special_tokens=False).ids[0]
+    # one character a token: how far the text may go is counted in characters
+    word, *rest = [tokenizer.encode(c, add_special_tokens=False).ids[0] for c in "Sure, the call is made."]
     constraint = forced_answer(tiny_vocabulary, name, before)
     assert constraint.allowed()[word] and constraint.forced_tokens() == []  # the model's choice
     constraint.advance(word)
-    assert only_ends(constraint)
+    assert ends(constraint)
+    while rest and not only_ends(constraint):  # within a few characters, the end and nothing else
+        constraint.advance(rest.pop(0))
+    assert len(rest) == len("Sure, the call is made.") - 16
     going_on = forced_answer(tiny_vocabulary, name, call + separator + opening)  # the model's next call
     assert not ends(going_on) and not going_on.allowed()[word]
+
+
+@pytest.mark.parametrize("name", sorted(FORCED))
+@pytest.mark.parametrize("options", [{}, {"parallel": False}])
+def test_a_forced_answer_rolls_back_to_any_token(tiny_vocabulary, name, options):
+    """Speculative decoding takes back the drafts the target rejects, anywhere in an answer: the constraint
+    of a forced answer must roll back to each earlier state (some grammar constructs cannot)."""
+    tokenizer, _ = tiny_vocabulary
+    call, separator, _ = FORCED[name]
+    ids = tokenizer.encode(call if options else call + separator + call + separator, add_special_tokens=False).ids
+    if not options:  # and a word that ends the answer
+        ids += tokenizer.encode("Sure", add_special_tokens=False).ids[:1]
+    constraint = forced_answer(tiny_vocabulary, name, "", **options)
+    masks = [constraint.allowed().copy()]
+    for token in ids:
+        constraint.advance(token)
+        masks.append(constraint.allowed().copy())
+    for back in range(len(masks) - 1, 0, -1):
+        constraint.rollback(1)
+        assert (constraint.allowed() == masks[back - 1]).all(), back
 
 
 # -- hermes: a whole answer that is a call without the tags (small Qwen2.5-Coder models write so) -----

@@ -30,8 +30,8 @@ the separators its template writes (so a forced call reads like one the model wr
 A marker the vocabulary has as a token of its own is named by its id there: the grammar engine reads
 such tokens as special ones, which no text literal matches.  After a complete call, and after the
 separator that follows it, the model may end the answer; where parallel calls are allowed it may go on to
-another call, and one token of anything else ends the answer too, so that a model meaning to write a word
-after its call is not driven into call after call.
+another call, or write a little of anything else (dropped), after which the answer ends, so that a model
+meaning to write a word after its call is not driven into call after call.
 """
 
 from __future__ import annotations
@@ -358,10 +358,15 @@ def _marker(text: str, token_id: TokenId) -> str:
     return f"<[{found}]>" if found is not None else json.dumps(text)
 
 
+_LEFT_CHARACTERS = 16  # the most a model that leaves a forced answer's format writes before it must end
+
+
 def _not_starting_with(character: str) -> str:
-    """A Lark regex of any text that does not start with ``character``."""
+    """A Lark regex of a little text (up to :data:`_LEFT_CHARACTERS`) that does not start with ``character``
+    (bounded in characters, not with llguidance's ``max_tokens``, which the grammar engine cannot roll back
+    over, and speculative decoding rolls back rejected drafts)."""
     escaped = {"\n": "\\n", "\\": "\\\\", "/": "\\/", "[": "\\[", "]": "\\]", "^": "\\^", "-": "\\-"}
-    return f"/[^{escaped.get(character, character)}](?s:.*)/"
+    return f"/[^{escaped.get(character, character)}](?s:.{{0,{_LEFT_CHARACTERS - 1}}})/"
 
 
 def _calls(separator: str, opening: str, parallel: bool) -> str:
@@ -373,16 +378,17 @@ def _calls(separator: str, opening: str, parallel: bool) -> str:
     and ``<|endoftext|>``, and a grammar that reads that newline as the way to a next call forces one.  And
     a mask of those alone would hand whatever else the model means to write there (a blank line, a word
     about the call) to the separator, the one other token it allows, driving the model into call after
-    call; so one token of anything else is allowed there, after the separator too, and ends the answer (the
-    server drops it): the answer ends where the model leaves the format, as it ends of its own accord.  Neither that token nor the separator may start like what follows the other, which would leave
+    call; so a little of anything else is allowed there, after the separator too, and then only the end
+    (the server drops that text): the answer ends where the model leaves the format, as it ends of its own
+    accord.  Neither that text nor the separator may start like what follows the other, which would leave
     the grammar engine two readings of one token."""
     if not parallel:
         return "start: call\n"
     sep = json.dumps(separator)
     return (
         f"start: call ({sep} call)* ({sep} left? | left_at_once)?\n"
-        f"left[max_tokens=1]: {_not_starting_with(opening[0])}\n"
-        f"left_at_once[max_tokens=1]: {_not_starting_with(separator[0])}\n"
+        f"left: {_not_starting_with(opening[0])}\n"
+        f"left_at_once: {_not_starting_with(separator[0])}\n"
     )
 
 

@@ -8,7 +8,7 @@
   format has a closing marker.
 
 A forced answer is calls and nothing else, so whatever text its parser hands back is what the length
-limit left of a call (``max_tokens`` cut it), or the one token past a complete call by which the model
+limit left of a call (``max_tokens`` cut it), or the little text past a complete call by which the model
 left the format and so ended the answer (see :meth:`ToolFormat.forced_grammar`): that is dropped rather
 than shown as ``content``.  A cut answer returns the complete calls before the cut, with
 finish reason "length" as OpenAI reports a cut answer; one the model ended, "tool_calls".
