@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,7 @@ def test_a_machine_that_became_slower_than_its_profile_is_profiled_again():
 
 def test_an_outgrown_profile_is_measured_again_at_the_next_load(int4_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost_profile._CpuClock, "others", lambda self, span=1.0: 0.0)  # no other process busy
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
     key = engine.loaded._profile_key
     fast = {n: t / 10 for n, t in engine.cost_profile.verify.items()}  # as if profiled on a faster day
@@ -627,3 +629,107 @@ def test_the_cost_model_prices_sizes_past_a_profile_as_the_profile_would():
     longer = cost_profile.interpolate(timed, 33)
     shorter = CostModel(draft=0.014, verify=cost_profile.interpolate(timed, 17))
     assert [shorter.verify_cost(n) for n in range(1, 34)] == pytest.approx([longer[n] for n in range(1, 34)])
+
+
+# -- where a profile came from, and a busy one measured again ---------------------------------------------
+
+
+def busy_while_measured(monkeypatch, share: float) -> None:
+    """Other processes' share of the CPU while a profile is measured."""
+    monkeypatch.setattr(cost_profile._CpuClock, "others", lambda self, span=cost_profile.CPU_CLOCK_SPAN: share)
+
+
+def test_a_profile_measured_under_load_is_measured_again_at_the_next_quiet_load(tmp_path, monkeypatch):
+    """A busy machine's profile (a one-row pass priced at twice its cost) is marked and kept only while the
+    machine stays busy; the first load that finds it quiet measures again and keeps the new one."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    target = CurveTarget(INTEL, load=2.0)
+    timed_by(monkeypatch, target)
+    busy_while_measured(monkeypatch, 0.6)
+    busy = cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    assert busy.suspect and busy.busy == 0.6 and busy.verify[1] == pytest.approx(2 * INTEL[1] / 1e3)
+    passes = len(target.passes)
+    monkeypatch.setattr(cost_profile, "others_now", lambda: 0.5)  # still busy at the next load: kept
+    kept = cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    assert kept.cached and kept.suspect and kept.verify == busy.verify and len(target.passes) == passes
+    monkeypatch.setattr(cost_profile, "others_now", lambda: 0.02)  # quiet: measured again
+    busy_while_measured(monkeypatch, 0.02)
+    target.load = 1.0
+    quiet = cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    assert not quiet.cached and not quiet.suspect and quiet.verify[1] == pytest.approx(INTEL[1] / 1e3)
+    assert quiet.replaced == "the one before it was measured while other processes used 60% of the CPU"
+    assert cost_profile.load("key").verify == quiet.verify  # what the next load reads
+    assert cost_profile.load_or_measure("key", target, StepDrafter(), 17).cached
+
+
+def test_a_profile_says_when_and_by_which_command_it_was_measured(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    timed_by(monkeypatch, target := CurveTarget(INTEL))
+    busy_while_measured(monkeypatch, 0.0)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/edge-spec", "export", "--target", "x"])
+    before = time.time()
+    profile = cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    assert before <= profile.measured_at <= time.time()
+    assert profile.measured_by == "edge-spec export" and profile.replaced == ""
+    saved = cost_profile.load("key")
+    assert (saved.measured_at, saved.measured_by) == (profile.measured_at, "edge-spec export")
+    monkeypatch.setattr(sys, "argv", ["/usr/lib/python3/site-packages/edge_spec/cli/__main__.py", "info", "--costs"])
+    assert cost_profile._command() == "edge-spec info"
+    monkeypatch.setattr(sys, "argv", ["my_app.py"])
+    assert cost_profile._command() == "my_app.py"
+
+
+def test_a_profile_dropped_or_measured_again_on_request_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    timed_by(monkeypatch, target := CurveTarget(INTEL))
+    busy_while_measured(monkeypatch, 0.0)
+    cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    with cost_profile.remeasuring():
+        asked = cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    assert not asked.cached and asked.replaced == "as asked (--remeasure)"
+    assert cost_profile.load_or_measure("key", target, StepDrafter(), 17).cached  # asked once, not forever
+    cost_profile.forget("key")  # live passes kept losing to it
+    again = cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    assert not again.cached and again.replaced.startswith("live passes ran slower than the one before it")
+
+
+def test_info_costs_says_where_its_profile_came_from_and_measures_again_when_asked(
+    int4_bundle, tmp_path, monkeypatch, capsys
+):
+    from tests.test_reliability import _cli
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    busy_while_measured(monkeypatch, 0.0)
+
+    def costs(*flags: str) -> str:
+        code, out, err = _cli(monkeypatch, capsys, "info", str(int4_bundle), "--costs", "--threads", "1", *flags)
+        assert code in (0, None), err
+        return next(line for line in out.splitlines() if line.startswith("costs "))
+
+    first = costs()
+    assert re.search(r"measured now in [\d.]+ s: the first for these settings", first), first
+    assert f"kept in {tmp_path / 'costs'}" in first
+    cached = costs()
+    assert re.search(r"cached: measured \d{4}-\d\d-\d\d \d\d:\d\d by edge-spec info", cached), cached
+    asked = costs("--remeasure")
+    assert re.search(r"measured now in [\d.]+ s: as asked \(--remeasure\)", asked), asked
+    busy_while_measured(monkeypatch, 0.5)
+    marked = costs("--remeasure")
+    assert "while other processes used 50% of the CPU: measured again at the next quiet load" in marked, marked
+
+
+def test_live_passes_slowed_by_other_processes_leave_the_profile_alone(tmp_path, monkeypatch):
+    """Live passes 4-5x dearer than the profile while other processes hold the CPU: the machine is busy,
+    not slower, and a profile measured now would be a busy one; once they are quiet, the same live
+    passes mean a slower machine."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    timed_by(monkeypatch, target := CurveTarget(INTEL))
+    busy_while_measured(monkeypatch, 0.0)
+    profile = cost_profile.load_or_measure("key", target, StepDrafter(), 17)
+    slowed = {n: 4.5 * profile.verify[n] for n in (1, 2)}
+    busy_while_measured(monkeypatch, 0.6)  # others' share since the profile was loaded
+    assert not cost_profile.outgrown_by_live(profile, slowed, {1: 20, 2: 20})
+    busy_while_measured(monkeypatch, 0.05)
+    assert cost_profile.outgrown_by_live(profile, slowed, {1: 20, 2: 20})

@@ -18,6 +18,7 @@ from edge_spec.cli.options import (
     VerifyOpt,
 )
 from edge_spec.cli.output import out
+from edge_spec.errors import EdgeSpecError
 
 
 def info(
@@ -30,7 +31,15 @@ def info(
         "--costs",
         help="Also show this machine's cost profile (measured "
         "once and cached): target pass by rows, drafter step, and the draft "
-        "length the schedule plans at each acceptance (up to --gamma).",
+        "length the schedule plans at each acceptance (up to --gamma); when, by which command and why it "
+        "was measured.",
+    ),
+    remeasure: bool = typer.Option(
+        False,
+        "--remeasure",
+        help="With --costs: measure the cost profile again now, replacing the cached one (after a change of "
+        "load, power mode or hardware; run it with the settings you use: --threads, --draft-head, --gamma, "
+        "the providers).",
     ),
     threads: int = ThreadsOpt,
     gamma: Optional[int] = GammaOpt,
@@ -50,6 +59,8 @@ def info(
     or this machine's costs."""
     from edge_spec.manifest import read_manifest, verify_files
 
+    if remeasure is True and costs is not True:
+        raise EdgeSpecError("--remeasure measures the cost profile again: give it with --costs")
     if providers is True:  # (a direct Python call leaves typer's OptionInfo default here)
         from edge_spec.runtime.model.providers import provider_report
 
@@ -81,7 +92,7 @@ def info(
             f"{e.get('default_head', 'full')}{layout}"
         )
     if costs:
-        _print_costs(bundle, threads, gamma, draft_head, provider, draft_provider, provider_option)
+        _print_costs(bundle, threads, gamma, draft_head, provider, draft_provider, provider_option, remeasure is True)
 
 
 def _print_costs(
@@ -92,9 +103,13 @@ def _print_costs(
     provider: str = "cpu",
     draft_provider: str | None = None,
     provider_option: list[str] | None = None,
+    remeasure: bool = False,
 ) -> None:
     """The row-cost curve the schedule plans with, and what it makes of it, on the placement given (a GPU's
-    curve has its own steps: the plan follows them)."""
+    curve has its own steps: the plan follows them); ``remeasure``: measured again, not read from the cache."""
+    import contextlib
+
+    from edge_spec.runtime.schedule import cost_profile
     from edge_spec.runtime.schedule.policy import REACH_ACCEPTANCE, REACH_FLOOR, CostModel, plan_round, reach
 
     config = loop_config("spec", gamma=gamma)
@@ -106,13 +121,15 @@ def _print_costs(
         draft_provider=draft_provider,
         provider_option=provider_option,
     )
-    engine = open_engine(bundle, config, options)
+    with cost_profile.remeasuring() if remeasure else contextlib.nullcontext():
+        engine = open_engine(bundle, config, options)
     profile = engine.cost_profile
-    state = "cached" if profile.cached else f"measured now in {profile.measured_seconds:.1f} s"
-    if profile.corrections:
-        state += f", corrected {profile.corrections}x from live passes (it was taken under load)"
     placement = provider if (draft_provider or provider) == provider else f"{provider}, drafter on {draft_provider}"
-    out.print(f"costs  {placement}, {threads or 'all'} threads, head {engine.draft_head} ({state}):")
+    out.print(
+        f"costs  {placement}, {threads or 'all'} threads, head {engine.draft_head} ({_origin(profile)}; "
+        f"kept in {cost_profile.cache_dir()}):",
+        highlight=False,
+    )
     base = profile.verify[1]
     for n, seconds in sorted(profile.verify.items()):
         out.print(
@@ -158,3 +175,28 @@ def _print_costs(
     if any(rate.trials for rate in learned.guess):
         rates = ", ".join(f"{learned.guess_rate(m):.2f}" for m in range(len(learned.guess)))
         out.print(f"  learned greedy free-guess (and first lookup draft) acceptance by suffix matched 0..4+: {rates}")
+
+
+def _origin(profile) -> str:
+    """Where the profile came from: measured by this command (and why), or read from the cache (when and by
+    which command it was measured); corrected from live passes; marked as measured under load."""
+    import time
+
+    if not profile.cached:
+        origin = (
+            f"measured now in {profile.measured_seconds:.1f} s: {profile.replaced or 'the first for these settings'}"
+        )
+    elif profile.measured_at:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(profile.measured_at))
+        origin = f"cached: measured {when} by {profile.measured_by or 'an unknown command'}"
+        origin += f" in {profile.measured_seconds:.1f} s"
+    else:
+        origin = "cached: measured by an earlier edge-spec, which did not record when"
+    if profile.corrections:
+        origin += f", corrected {profile.corrections}x from live passes (it was taken under load)"
+    if profile.measured_busy:
+        origin += (
+            f"; measured while other processes used {profile.busy:.0%} of the CPU: measured again at the next "
+            "quiet load (or with --remeasure)"
+        )
+    return origin

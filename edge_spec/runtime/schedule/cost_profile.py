@@ -19,12 +19,18 @@ with an answer for the cores.
 
 A profile taken while the machine was busy is not kept as its truth.  Other processes' share of the
 CPU while it was measured (``busy``), or a profile much slower than the one measured before it for the
-same key, mark it ``suspect``; live passes that beat it (any suspect profile, by 15% a trusted one, at
+same key, mark it ``suspect``.  One measured while others were busy is measured again at the first load
+that finds the machine quiet (other processes' share over half a second, :func:`others_now`); until then,
+and for one that is only slower than before, live passes that beat it (any suspect profile, by 15% a trusted one, at
 every size measured live) replace it: the sizes measured live take their live latencies, the sizes
 between them lie on straight lines between those, and past them the line goes on with their slope (the
 old curve's at the new level where they are too few), as estimates the next passes replace in turn.  One that live passes
 keep losing to (the machine became slower) is measured again at the next load
 (:func:`outgrown_by_live`).
+
+Every profile says when it was measured (``measured_at``), by which command (``measured_by``: ``edge-spec
+export`` measures the bundle it made) and why the one before it was dropped (``replaced``), for
+``edge-spec info --costs`` to tell; ``--remeasure`` there measures again on request (:func:`remeasuring`).
 
 The analytic memory-bound side (bytes of weights each step reads) is computed
 too, so that MBSU can be reported beside measured speed.
@@ -37,6 +43,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -58,6 +65,8 @@ SPARSE_ROWS = (8, 12, 16, 24, 32, 48, 64, 96, 128)  # past it, these (and the ce
 # rows the curve goes on along its last timed segment (near linear there) until live passes measure it.
 QUICK_ROWS_MAX = 17
 BUSY = 0.25  # other processes took this share of the CPU while a profile was measured: suspect
+QUIET = 0.15  # other processes' share of the CPU below which a load measures a busy profile again
+QUIET_SPAN = 0.5  # seconds over which a load reads that share (only where a busy profile is cached)
 SLOWER = 1.3  # a profile this much slower than the one measured before it for the same key: suspect
 MIN_CALLS = 8  # live passes of a size before they judge or refine the profile
 
@@ -75,6 +84,16 @@ class CostProfile:
     estimated: list[int] = field(default_factory=list)  # row counts interpolated, not timed nor measured live yet
     busy: float = 0.0  # share of the CPU other processes used while it was measured (0 where unknown)
     suspect: bool = False  # evidence that it was measured under load: live passes that beat it replace it
+    measured_at: float = 0.0  # when (seconds since the epoch; 0: before profiles said)
+    measured_by: str = ""  # the command that measured it ("edge-spec export", "edge-spec chat", ...)
+    replaced: str = ""  # why the profile before it was dropped ("": there was none)
+    dropped: str = ""  # on a profile kept as previous-KEY.json: why it was dropped (forget)
+
+    @property
+    def measured_busy(self) -> bool:
+        """Measured while other processes were busy, and not replaced by live passes since: the next quiet
+        load measures it again."""
+        return self.suspect and self.busy >= BUSY
 
     @property
     def draft_step(self) -> float:
@@ -270,9 +289,10 @@ class _CpuClock:
             max(cpus, 1),
         )
 
-    def others(self) -> float:
+    def others(self, span: float = CPU_CLOCK_SPAN) -> float:
+        """The share since the clock was made; 0 after less than ``span`` seconds."""
         end = self._read()
-        if self.start is None or end is None or end[2] - self.start[2] < CPU_CLOCK_SPAN:
+        if self.start is None or end is None or end[2] - self.start[2] < span:
             return 0.0
         busy, mine, wall = (e - s for e, s in zip(end[:3], self.start[:3]))
         return float(min(max((busy - mine) / (wall * end[3]), 0.0), 1.0))
@@ -284,24 +304,75 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def others_now(span: float = QUIET_SPAN) -> float:
+    """Other processes' share of the CPU over the next ``span`` seconds (0 where it cannot be read)."""
+    clock = _CpuClock()
+    time.sleep(span)
+    return clock.others(span=span * 0.9)
+
+
+_remeasure = False
+
+
+@contextlib.contextmanager
+def remeasuring() -> Iterator[None]:
+    """Within the block, a load measures its profile again even where one is cached (``edge-spec info
+    --costs --remeasure``)."""
+    global _remeasure
+    _remeasure = True
+    try:
+        yield
+    finally:
+        _remeasure = False
+
+
+def _command() -> str:
+    """The command this process runs, as a profile names what measured it: ``edge-spec SUBCOMMAND``, else
+    the program's name."""
+    argv = sys.argv or [""]
+    program = Path(argv[0]).name
+    if program in ("edge-spec", "edge-spec.exe", "__main__.py"):
+        words = [word for word in argv[1:] if not word.startswith("-")]
+        return "edge-spec" + (f" {words[0]}" if words else "")
+    return program or "python"
+
+
 def load_or_measure(
     key: str, target, drafter, max_tokens: int, settle: Callable[[], None] | None = None
 ) -> CostProfile:
     """The cached profile, else one measured now (:func:`measure`, after ``settle()``: waiting for the
     process's own background work) and cached: suspect when other processes were busy meanwhile, or when
-    it is much slower than the one measured before it for this key (kept by :func:`forget`)."""
+    it is much slower than the one measured before it for this key (kept by :func:`forget`).  A cached
+    profile measured while other processes were busy is measured again once the machine is quiet
+    (:func:`others_now` below ``QUIET``), and any is within :func:`remeasuring`."""
     cached = load(key)
-    if cached is not None:
-        return cached
-    with _measuring("measuring this machine's speed (first run, a few seconds)"):
+    previous = _read(cache_dir() / f"previous-{key}.json") if cached is None or cached.measured_busy else None
+    if cached is None:
+        why = previous.dropped if previous is not None else ""
+    elif _remeasure:
+        why = "as asked (--remeasure)"
+    elif cached.measured_busy and others_now() < QUIET:
+        why = f"the one before it was measured while other processes used {cached.busy:.0%} of the CPU"
+    else:
+        return _watch(cached)
+    with _measuring(
+        "measuring this machine's speed (first run, a few seconds)"
+        if cached is None
+        else "measuring this machine's speed again (a few seconds)"
+    ):
         if settle is not None:
             settle()
         profile = measure(target, drafter, max_tokens)
-    before = _read(cache_dir() / f"previous-{key}.json")
+    profile.measured_at, profile.measured_by, profile.replaced = time.time(), _command(), why
+    # slower than the last trusted profile: another sign of load (a busy one is no measure of the machine)
+    before = previous if cached is None or cached.measured_busy else cached
     slower = before is not None and _median_ratio(profile.verify, before.verify) > SLOWER
     profile.suspect = profile.busy >= BUSY or slower
+    if profile.measured_busy and cached is not None and cached.measured_busy:
+        if _median_ratio(profile.verify, cached.verify) > 1:  # busy again, and slower: the old one stays
+            return _watch(cached)
     save(key, profile)
-    return profile
+    return _watch(profile)
 
 
 def _median_ratio(now: dict[int, float], before: dict[int, float]) -> float:
@@ -459,13 +530,24 @@ def outgrown_by_live(
     profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int = MIN_CALLS
 ) -> bool:
     """Whether the machine has become slower than its profile says, at every size measured live
-    (``min_calls`` passes or more), by more than ``OUTGROWN``: throttled memory, another power mode,
-    other tenants.  Live moving averages run 10-20% above a profile of single passes on a quiet
+    (``min_calls`` passes or more), by more than ``OUTGROWN``: throttled memory, another power mode.  Live moving averages run 10-20% above a profile of single passes on a quiet
     machine, hence the margin.  Scaling such a profile would keep its old shape, and a slowdown does not
     keep it (a memory-bound machine prices extra rows cheaper), so the caller forgets the profile and the
-    next load measures it again; until then the loop plans with live latencies (``DecoderStats``)."""
+    next load measures it again; until then the loop plans with live latencies (``DecoderStats``).
+    Not while other processes have used ``BUSY`` of the CPU or more since the profile was loaded
+    (:func:`_watch`): live passes slowed by them say nothing about this machine, and a profile measured
+    now would be one measured under load."""
     ratios = [t / profile.verify[n] for n, t in _measured(profile, live, calls, min_calls).items()]
-    return bool(ratios) and min(ratios) > OUTGROWN
+    if not ratios or min(ratios) <= OUTGROWN:
+        return False
+    clock = getattr(profile, "loaded_clock", None)
+    return clock is None or clock.others() < BUSY
+
+
+def _watch(profile: CostProfile) -> CostProfile:
+    """Start counting other processes' CPU time from the profile's load (not saved with it)."""
+    profile.loaded_clock = _CpuClock()
+    return profile
 
 
 def _measured(profile: CostProfile, live: dict[int, float], calls: dict[int, int], min_calls: int) -> dict[int, float]:
@@ -477,13 +559,20 @@ def _measured(profile: CostProfile, live: dict[int, float], calls: dict[int, int
     }
 
 
-def forget(key: str) -> None:
-    """Drop a cached profile: the next load measures it again, and compares the new one with it (kept as
-    ``previous-KEY.json``).  One that cannot be moved stays."""
+OUTGROWN_WHY = "live passes ran slower than the one before it at every size measured (the machine became slower)"
+
+
+def forget(key: str, why: str = OUTGROWN_WHY) -> None:
+    """Drop a cached profile: the next load measures it again, says ``why`` the old one went, and compares
+    the new one with it (kept as ``previous-KEY.json``).  One that cannot be moved stays."""
+    path = cache_dir() / f"{key}.json"
+    profile = _read(path)
     try:
-        (cache_dir() / f"{key}.json").replace(cache_dir() / f"previous-{key}.json")
+        path.replace(cache_dir() / f"previous-{key}.json")
     except OSError:
-        pass
+        return
+    if profile is not None:
+        _store(cache_dir() / f"previous-{key}.json", {**asdict(profile), "cached": False, "dropped": why})
 
 
 def weight_bytes(bundle_dir: Path, manifest: dict, head: str) -> tuple[int, int]:
