@@ -426,3 +426,19 @@ def test_an_answer_too_short_for_a_speed_shows_none(tokens):
     assert footer(stats) == f"[{tokens} tokens, - tok/s, prefill 0.20 s, stop]"
     stats.new_tokens, stats.tokens_per_second = 2, 12.5
     assert footer(stats) == "[2 tokens, 12.5 tok/s, prefill 0.20 s, stop]"
+
+
+@pytest.mark.parametrize("markdown", [True, False])
+def test_control_characters_in_an_answer_never_reach_the_terminal(markdown):
+    """Model text is text: an escape sequence in an answer (a window title, colours, a clipboard write)
+    is shown as the characters it holds, never run by the terminal; the answer itself is kept as it came."""
+    hostile = "hi \x1b]0;owned\x07 there \x1b[31mred\x1b]52;c;ZXZpbA==\x07\r\n\x9b2J end\n"
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=60, color_system="truecolor")
+    with MarkdownStream(console, markdown=markdown, min_interval=0) as stream:
+        stream.add(hostile)
+    assert stream.text == hostile
+    shown = buffer.getvalue()
+    assert "\x1b]" not in shown and "\x07" not in shown and "\x9b" not in shown and "\x1b[31m" not in shown
+    text = "\n".join(text_of(row) for row in screen_lines(shown, 60, 12))
+    assert "hi ␛]0;owned␇ there ␛[31mred" in text and "end" in text

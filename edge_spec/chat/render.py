@@ -5,6 +5,10 @@ The Markdown is rendered whole at each refresh (at most every ``min_interval`` s
 rendering gets slow), but only its last lines stay live (redrawn in place): the lines above them are
 printed once, for good, as the answer grows.  A live area taller than the terminal cannot be redrawn
 (its top has scrolled away), which would repeat the answer on the screen.
+
+Model text is text: on a terminal its control characters are shown as the symbols Unicode has for them
+(ESC as ␛), so that an escape sequence in an answer (a window title, colours, a clipboard write) is never
+run by the terminal.  The answer itself is kept as it came, and a pipe gets it unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ from rich.segment import Segment
 from rich.text import Text
 
 from edge_spec.chat.interrupt import CancelOnInterrupt
+
+# C0 controls but tab and newline, DEL and C1 controls: their Unicode pictures (a carriage return goes)
+_VISIBLE = {code: chr(0x2400 + code) for code in range(32) if code not in (9, 10, 13)}
+_VISIBLE |= {13: None, 0x7F: "\u2421"} | {code: "\ufffd" for code in range(0x80, 0xA0)}
+
+
+def visible(text: str) -> str:
+    """``text`` with every character a terminal would act on instead of show replaced by a picture of it."""
+    return text.translate(_VISIBLE)
 
 
 class _Lines:
@@ -59,7 +72,8 @@ class MarkdownStream:
     def add(self, chunk: str) -> None:
         self.text += chunk
         if not self.markdown:
-            self.console.print(chunk, end="", markup=False, highlight=False)  # model text is never markup
+            shown = visible(chunk) if self.console.is_terminal else chunk
+            self.console.print(shown, end="", markup=False, highlight=False)  # model text is never markup
             self.console.file.flush()
             return
         if self._live is None:
@@ -87,7 +101,7 @@ class MarkdownStream:
 
     def _lines(self) -> list[list[Segment]]:
         lines = self.console.render_lines(
-            Markdown(self.text, code_theme=self.code_theme),
+            Markdown(visible(self.text), code_theme=self.code_theme),
             self.console.options.update_width(self.console.width),
             pad=False,
         )
