@@ -40,12 +40,13 @@ def _llama(seed: int = 0):
 
 
 def _transformers_state(path: Path) -> tuple[object, dict[str, np.ndarray]]:
-    """(config, float32 state dict) as transformers' GGUF loader gives them: the whole model at once."""
+    """(config, float32 state dict) as transformers loads a GGUF file or a directory: the whole model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    location, kwargs = (path, {}) if path.is_dir() else (path.parent, {"gguf_file": path.name})
+    config = AutoConfig.from_pretrained(location, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **kwargs)
     config.architectures = config.architectures or [type(model).__name__]
     return config, {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
 
@@ -127,9 +128,12 @@ def _whole_model_loader(source: str):
 
     path = Path(source)
     config, state = _transformers_state(path)
+    weights = weights_from_state_dict(config, state)
+    if path.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return LoadedModel(path.name, source, weights, tokenizer, _eos_ids(tokenizer, config, None))
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     fix_gguf_tokenizer(path, tokenizer, source)
-    weights = weights_from_state_dict(config, state)
     report = attach_gguf_blocks(path, weights)
     return LoadedModel(path.stem, source, weights, tokenizer, _eos_ids(tokenizer, config, None), report)
 
@@ -147,13 +151,56 @@ def _files(bundle: Path) -> dict[str, bytes]:
     return {p.relative_to(bundle).as_posix(): p.read_bytes() for p in sorted(bundle.rglob("*")) if p.is_file()}
 
 
-def test_a_streamed_gguf_export_is_the_whole_model_export(tmp_path):
-    """The same GGUF pair exported through the streaming loader and through the whole-model loader gives
-    the same bundle: every file byte for byte, the manifest but for its times (so a shipped calibration
-    text, keyed by the target graph's bytes, still applies)."""
+def _checkpoint_pair(directory: Path) -> tuple[str, str]:
+    """The tiny pair as Hugging Face directories: the target in bfloat16 across several safetensors files,
+    the drafter in float32 in one."""
+    import torch
+
+    tokenizer, target, draft = tiny_models.make_tokenizer(), tiny_models.make_qwen2(seed=0), None
+    draft = tiny_models.perturbed_copy(target, seed=1, noise=0.15)
+    for name, model, settings in (
+        ("target", target.to(torch.bfloat16), {"max_shard_size": "40KB"}),
+        ("draft", draft, {}),
+    ):
+        model.save_pretrained(directory / name, **settings)
+        tokenizer.save_pretrained(directory / name)
+    assert len(list((directory / "target").glob("*.safetensors"))) > 1
+    return str(directory / "target"), str(directory / "draft")
+
+
+def test_safetensors_read_one_at_a_time_are_what_transformers_loads(tmp_path):
+    """A directory's parameters read from its safetensors files (bfloat16 widened, several shards) equal
+    transformers' float32 load; files that do not name every parameter are left to transformers."""
+    from transformers import AutoConfig
+
+    from edge_spec.export.checkpoint import streamable
+
+    target, _ = _checkpoint_pair(tmp_path)
+    config, reference = _transformers_state(Path(target))
+    tensors, model_class = streamable(Path(target), AutoConfig.from_pretrained(target))
+    assert model_class == "Qwen2ForCausalLM" and sorted(tensors) == sorted(set(reference) - {"lm_head.weight"})
+    for name in tensors:
+        np.testing.assert_array_equal(np.asarray(tensors[name]), reference[name], err_msg=name)
+    np.testing.assert_array_equal(
+        tensors["model.embed_tokens.weight"].rows(5, 9), reference["model.embed_tokens.weight"][5:9]
+    )
+    from safetensors.numpy import save_file
+
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "config.json").write_text((Path(target) / "config.json").read_text())
+    save_file({"transformer." + k: v for k, v in reference.items()}, renamed / "model.safetensors")
+    assert streamable(renamed, config) is None
+
+
+@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+def test_a_streamed_export_is_the_whole_model_export(tmp_path, kind):
+    """The same pair (GGUF files, or Hugging Face directories) exported through the streaming loader and
+    through transformers' whole-model load gives the same bundle: every file byte for byte, the manifest
+    but for its times (so a shipped calibration text, keyed by the target graph's bytes, still applies)."""
     from edge_spec.export.bundle import ExportOptions, export_bundle
 
-    target, draft = _small_pair(tmp_path)
+    target, draft = _small_pair(tmp_path) if kind == "gguf" else _checkpoint_pair(tmp_path)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\nWhat is 2 + 2?\n")
     options = ExportOptions(context_length=64, calibration=prompts, calibration_tokens=6, rank=(16,), candidates=(8,))
@@ -167,7 +214,9 @@ def test_a_streamed_gguf_export_is_the_whole_model_export(tmp_path):
     files["streamed"].pop("manifest.json"), files["whole"].pop("manifest.json")
     assert files["streamed"].keys() == files["whole"].keys() and "target/model.onnx.data" in files["whole"]
     assert [n for n in files["whole"] if files["streamed"][n] != files["whole"][n]] == []
-    assert json.dumps(streamed["target"]["quantization"]["gguf_blocks"]["carried"]) == '{"Q4_K": 12, "Q6_K": 3}'
+    if kind == "gguf":
+        carried = streamed["target"]["quantization"]["gguf_blocks"]["carried"]
+        assert json.dumps(carried) == '{"Q4_K": 12, "Q6_K": 3}'
 
 
 def test_a_large_matrix_is_checked_on_a_sample_of_its_rows(tmp_path, monkeypatch):
@@ -237,3 +286,72 @@ def test_export_memory_grows_with_the_quantized_model_not_the_float_one(tmp_path
         f"({large['peak'] / mib:.0f} MiB at its peak); the budget is {budget / mib:.0f} MiB, 2.5 times "
         f"the int4 target's {large['target_bytes'] / mib:.0f} MiB"
     )
+
+
+def _export_cli(monkeypatch, capsys, target: str, draft: str, out: Path):
+    from tests.test_reliability import _cli
+
+    args = ("export", "--target", target, "--draft", draft, "--output", str(out), "--context-length", "64")
+    return _cli(monkeypatch, capsys, *args, "--draft-vocab", "full", "--eagle", "none", "--no-measure")
+
+
+def _error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip() and not line.startswith("- ")]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    return lines[0]
+
+
+def test_an_export_that_cannot_fit_in_memory_is_refused_before_loading(monkeypatch, capsys, tmp_path):
+    """Where the system has less memory available than the export needs, the export stops before it
+    loads anything, in one line that says what, how much and what to close; nothing is written."""
+    from edge_spec.export import sources, stages
+
+    target, draft = _small_pair(tmp_path)
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded a model the memory could not hold")
+
+    monkeypatch.setattr(sources, "_load_model", never)
+    monkeypatch.setattr(stages, "available_memory", lambda: 300_000_000)
+    out = tmp_path / "out"
+    code, _, err = _export_cli(monkeypatch, capsys, target, draft, out)
+    line = _error_line(err)
+    needs = stages.BASE_BYTES + stages.PER_BYTE["gguf"] * Path(target).stat().st_size
+    assert code == 1 and line == (
+        f"error: not enough memory for loading the target: it needs about {needs / 1e9:.1f} GB and 0.3 GB is "
+        "available; close other programs (browsers, other models, IDEs) or export on a machine with more "
+        "memory (nothing was written)"
+    )
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "t.gguf"]
+
+
+def test_running_out_of_memory_is_one_line(monkeypatch, capsys, tmp_path):
+    """A MemoryError while a graph is built is said as the step that ran out, and what to close."""
+    from edge_spec.export import bundle
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(bundle, "export_decoder", out_of_memory)
+    out = tmp_path / "out"
+    code, _, err = _export_cli(monkeypatch, capsys, *_small_pair(tmp_path), out)
+    line = _error_line(err)
+    assert code == 1 and line.startswith("error: ran out of memory during building the target graph after holding ")
+    assert line.endswith(
+        ": close other programs (browsers, other models, IDEs) or export on a machine with more memory "
+        "(nothing was written)"
+    )
+    assert not out.exists()
+
+
+def test_the_export_says_where_its_time_went(monkeypatch, capsys, tmp_path):
+    """The export's last progress line gives its time, each step's, and its peak memory."""
+    code, _, err = _export_cli(monkeypatch, capsys, *_small_pair(tmp_path), tmp_path / "out")
+    summary = [line for line in err.splitlines() if line.startswith("- export took ")]
+    assert code == 0 and len(summary) == 1, err
+    steps = ["loading the target", "building the target graph", "checking the target", "loading the drafter"]
+    steps += ["building the drafter body", "building the drafter heads"]
+    pattern = r"- export took \d+ s \(" + ", ".join(rf"{s} \d+ s" for s in steps) + r"\); peak memory \d+\.\d GB"
+    import re
+
+    assert re.fullmatch(pattern, summary[0]), summary[0]

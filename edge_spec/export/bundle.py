@@ -24,6 +24,7 @@ from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_he
 from edge_spec.export.options import ExportOptions
 from edge_spec.export.pair import ModelCard, check_pair, probe_pair
 from edge_spec.export.sources import LoadedModel, check_source_exists, load_model
+from edge_spec.export.stages import Stages, memory_needed
 from edge_spec.manifest import FORMAT, file_record, tokenizer_record, verify_files, write_manifest
 
 
@@ -500,50 +501,55 @@ def _export_into(
         carry_narrow=options.gguf_layout == "small",
     )
 
-    _say(progress, f"loading target {target_source}")
-    target = loader(target_source)
-    target_quant = _gguf_quant_info(target, quant_info, build, progress)
-    _say(progress, f"building target graph ({options.quant})")
-    export_decoder(target, staging, "target", dataclasses.replace(build, tree_attention=True, attention_pad=True))
-    save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
-    target_record = _model_record(target, staging, "target", target_quant)
-    target_card = ModelCard.of(target)
-    eos_ids = list(target.eos_token_ids)
-    special_ids = list(getattr(target.tokenizer, "all_special_ids", []))
-    del target  # before the check loads the graph into ONNX Runtime
-    gc.collect()
+    stages = Stages(progress)
+    with stages.step("loading the target", f"loading target {target_source}", needs=memory_needed(target_source)):
+        target = loader(target_source)
+        target_quant = _gguf_quant_info(target, quant_info, build, progress)
+    with stages.step("building the target graph", f"building target graph ({options.quant})"):
+        target_options = dataclasses.replace(build, tree_attention=True, attention_pad=True)
+        export_decoder(target, staging, "target", target_options)
+        save_tokenizer(target.tokenizer, target.eos_token_ids, staging)
+        target_record = _model_record(target, staging, "target", target_quant)
+        target_card = ModelCard.of(target)
+        eos_ids = list(target.eos_token_ids)
+        special_ids = list(getattr(target.tokenizer, "all_special_ids", []))
+        del target  # before the check loads the graph into ONNX Runtime
+        gc.collect()
     # before the drafter and the calibration text that the target generates: a target that computes
     # nothing is refused as such, not as an empty calibration later
-    check_target_computes(staging, {"target": target_record, "context_length": options.context_length}, progress)
+    with stages.step("checking the target"):
+        check_target_computes(staging, {"target": target_record, "context_length": options.context_length}, progress)
 
-    _say(progress, f"loading drafter {draft_source}")
-    draft = loader(draft_source)
-    check_pair(target_card, ModelCard.of(draft))  # as probed before the build; the loaded models have the last word
-    build = dataclasses.replace(
-        build, gguf_blocks=carries_gguf_blocks(options, "draft"), block_size=options.draft_block_size
-    )
-    draft_quant = _gguf_quant_info(draft, dict(quant_info, block_size=options.draft_block_size), build, progress)
-    _say(progress, f"building drafter body ({options.quant})")
-    export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
-    draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
-    draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
-    heads, files, calibration = export_draft_heads(
-        staging,
-        draft.weights.lm_head,
-        options,
-        build,
-        always_keep=eos_ids + special_ids,
-        progress=progress,
-        lm_head_blocks=draft.weights.carried.get("lm_head") if build.gguf_blocks else None,
-    )
+    with stages.step("loading the drafter", f"loading drafter {draft_source}", needs=memory_needed(draft_source)):
+        draft = loader(draft_source)
+        check_pair(target_card, ModelCard.of(draft))  # as probed before the build; the loaded models have the last word
+        build = dataclasses.replace(
+            build, gguf_blocks=carries_gguf_blocks(options, "draft"), block_size=options.draft_block_size
+        )
+        draft_quant = _gguf_quant_info(draft, dict(quant_info, block_size=options.draft_block_size), build, progress)
+    with stages.step("building the drafter body", f"building drafter body ({options.quant})"):
+        export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
+        draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
+        draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
+    with stages.step("building the drafter heads"):
+        heads, files, calibration = export_draft_heads(
+            staging,
+            draft.weights.lm_head,
+            options,
+            build,
+            always_keep=eos_ids + special_ids,
+            progress=progress,
+            lm_head_blocks=draft.weights.carried.get("lm_head") if build.gguf_blocks else None,
+        )
+        del draft
+        gc.collect()
     draft_record["heads"] = heads
     draft_record["default_head"] = default_head(heads, options)
     if calibration:
         draft_record["calibration"] = calibration
     draft_record["files"] += files
     draft_record["bytes"] = sum(f["bytes"] for f in draft_record["files"])
-    del draft
-    gc.collect()
+    stages.say_summary()
 
     manifest = {
         "format": FORMAT,

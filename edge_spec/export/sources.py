@@ -1,9 +1,10 @@
 """Resolve a model source (registry name, GGUF file, Hugging Face directory or hub id) into weights + tokenizer.
 
 The config and tokenizer come from transformers for every kind of source, and so do the weights'
-names and values: a GGUF file's tensors are read as transformers' GGUF loader reads them, but one at a
-time, when the graph builder needs them (``gguf/tensors.py``: the whole float32 model never exists);
-Hugging Face directories and hub ids are loaded by ``from_pretrained``.
+names and values, read one tensor at a time when the graph builder needs them, so that the whole
+float32 model never exists: a GGUF file's as transformers' GGUF loader reads them (``gguf/tensors.py``),
+a Hugging Face directory's from its safetensors files (``checkpoint.py``).  A hub id, or a directory
+whose files are not the model's parameters by name, is loaded whole by ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -165,12 +166,19 @@ def _load_model(source: str) -> LoadedModel:
     try:
         hf_config = AutoConfig.from_pretrained(location, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        streamed = None
         if gguf_file:
             from edge_spec.export.gguf.tensors import GGUFTensors
 
             state = GGUFTensors(Path(location) / gguf_file, hf_config)
-            model_class = state.model_class
-        else:
+            streamed = state, state.model_class
+        elif kind == "hf_dir":
+            from edge_spec.export.checkpoint import streamable
+
+            streamed = streamable(Path(location), hf_config)
+        if streamed is not None:
+            state, model_class = streamed
+        else:  # a hub id, or a checkpoint whose files are not the model's parameters by name
             model = AutoModelForCausalLM.from_pretrained(
                 location, dtype=torch.float32, low_cpu_mem_usage=True, **kwargs
             )
