@@ -12,6 +12,11 @@ Starts one server on the bundle and sends, with the official ``openai`` client:
    validates (jsonschema), tok/s of both, and the share of constrained tokens drafted for free because
    the grammar forced them (the answer's provenance).
 
+``--tool-choice required`` sends instead each prompt that calls a tool with ``tool_choice`` "required" and
+parallel calls allowed (OpenAI's default), and reports per answer what a client sees: the number of calls,
+whether all are well-formed, the finish reason, whether ``content`` holds anything of a call, and how many
+calls repeat an earlier one of the same answer (a model the constraint drives on writes the same call again).
+
 ``--engines ours,llamacpp`` sends the same requests to llama.cpp's ``llama-server`` on the default target's
 GGUF too (its own chat template, tool-call parser and grammar engine; built by ``session_peers.py --prepare
 --peers llamacpp``), one server after the other in one run: whether an answer that fails is the engine's
@@ -20,6 +25,7 @@ doing or the model's.
 Usage::
 
     .venv/bin/python benchmarks/agent_api.py --bundle models/bundles/qwen2.5-coder-1.5b-instruct-int4 --threads 2
+    .venv/bin/python benchmarks/agent_api.py --bundle BUNDLE --part tools --tool-choice required --max-tokens 256
 """
 
 from __future__ import annotations
@@ -135,6 +141,48 @@ def run_tools(client, items: list[dict], tools: list[dict], max_tokens: int) -> 
     return {"tally": tally, "answers": rows}
 
 
+def run_required(client, items: list[dict], tools: list[dict], max_tokens: int) -> dict:
+    """Each prompt that calls a tool, with tool_choice "required" and parallel calls allowed."""
+    rows = []
+    for item in (item for item in items if item["expect"] == "call"):
+        response = client.chat.completions.create(
+            model="bundle",
+            messages=item["messages"],
+            tools=tools,
+            temperature=0,
+            max_tokens=max_tokens,
+            tool_choice="required",
+        )
+        message = response.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        content = message.content or ""
+        rows.append(
+            {
+                "id": item["id"],
+                "calls": len(calls),
+                "well-formed": well_formed(message.tool_calls, tools),
+                "finish_reason": response.choices[0].finish_reason,
+                "call text in content": any(mark in content for mark in ("<tool_call>", "</tool_call>", '"name"')),
+                "repeated calls": len(calls) - len(set(calls)),
+                "tokens": response.usage.completion_tokens,
+                "answer": calls[:4],
+                "content": content[:160],
+            }
+        )
+    return {
+        "tally": {
+            "prompts": len(rows),
+            "well-formed": sum(r["well-formed"] for r in rows),
+            "finish tool_calls": sum(r["finish_reason"] == "tool_calls" for r in rows),
+            "finish length": sum(r["finish_reason"] == "length" for r in rows),
+            "call text in content": sum(r["call text in content"] for r in rows),
+            "answers with a repeated call": sum(r["repeated calls"] > 0 for r in rows),
+            "calls per answer": [r["calls"] for r in rows],
+        },
+        "answers": rows,
+    }
+
+
 def run_schemas(client, items: list[dict], max_tokens: int) -> dict:
     valid, rows, constrained_tps, free_tps, forced_share = 0, [], [], [], []
     for item in items:
@@ -227,6 +275,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=320)
     parser.add_argument("--part", choices=["tools", "schemas", "both"], default="both")
+    parser.add_argument(
+        "--tool-choice",
+        choices=["auto", "required"],
+        default="auto",
+        help='tools part: auto (and required, one call) per prompt as above, or only "required" with parallel calls',
+    )
     parser.add_argument("--engines", default="ours", help=f"comma list of: {', '.join(ENGINES)}")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results/agent-api-logs"), help="peer server logs")
@@ -242,7 +296,9 @@ def main() -> int:
     for engine in engines:
         parts = report.setdefault(engine, {}) if len(engines) > 1 else report
         with served(engine, args) as client:
-            if args.part in ("tools", "both"):
+            if args.part in ("tools", "both") and args.tool_choice == "required":
+                parts["tools (required)"] = run_required(client, tool_prompts, tools, args.max_tokens)
+            elif args.part in ("tools", "both"):
                 parts["tools"] = run_tools(client, tool_prompts, tools, 128)
             if args.part in ("schemas", "both"):
                 parts["schemas"] = run_schemas(client, schema_prompts, args.max_tokens)
