@@ -28,6 +28,7 @@ from edge_spec.server.body import nesting_depth  # noqa: E402
 from edge_spec.server.guard import GuardPolicy, make_policy, normalize_origin, parse_size, split_host  # noqa: E402
 from edge_spec.server.prompt_size import PromptFloor  # noqa: E402
 from edge_spec.server.serve import build_app  # noqa: E402
+from edge_spec.server.tokens import MAX_CHARACTERS, MAX_TOKENS  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import assert_one_line_error, cli  # noqa: E402
 
@@ -36,6 +37,7 @@ EVIL = "http://evil.example"
 CHAT = [{"role": "user", "content": "hello world"}]
 BODY = {"messages": CHAT, "max_tokens": 3, "temperature": 0}
 FAST = 0.1  # seconds /health may take while a hostile request is being handled
+BUSY = 1.0  # ... while the server works through a large request (when that work held the GIL: many seconds)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def in_process(engine, **options):
 
 
 def _error(response, status: int) -> dict:
-    assert response.status_code == status, response.text
+    assert response.status_code == status, response.text[:500]
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     return error
@@ -241,6 +243,85 @@ def test_nesting_is_bounded(engine):
     assert brackets.status_code == 400 and brackets.json()["error"]["code"] == "context_length_exceeded"
 
 
+POST_ROUTES = {
+    "/v1/chat/completions": '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": %s}',
+    "/v1/completions": '{"prompt": "hi", "seed": %s}',
+    "/tokenize": '{"content": "hi", "n": %s}',
+    "/detokenize": '{"tokens": [%s]}',
+}
+
+
+@pytest.mark.parametrize("route", list(POST_ROUTES))
+def test_numbers_past_what_python_reads_are_a_400(engine, route):
+    """An integer literal over Python's 4300-digit conversion limit is a 400 naming the limit; a float
+    that overflows reads as infinity and a huge integer as out of range, never a 500."""
+    client, _ = in_process(engine)
+    with client:
+        huge = client.post(
+            route, content=POST_ROUTES[route] % ("1" + "0" * 5000), headers={"Content-Type": "application/json"}
+        )
+        below = client.post(
+            route, content=POST_ROUTES[route] % ("-1" + "0" * 4000), headers={"Content-Type": "application/json"}
+        )
+        overflowing = client.post(
+            route, content=POST_ROUTES[route] % "1e999999", headers={"Content-Type": "application/json"}
+        )
+    assert "4300 digits" in _error(huge, 400)["message"]
+    assert "0" * 4000 not in huge.text
+    for response in (below, overflowing):
+        assert response.status_code in (200, 400), response.text
+        if response.status_code == 400:
+            _error(response, 400)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", ["1" + "0" * 400, "-1" + "0" * 400, "1e999999", "-1e999999", "NaN"])
+def test_numbers_too_large_for_a_float_are_a_400_naming_the_field(engine, field, value):
+    client, _ = in_process(engine)
+    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "%s": %s}' % (field, value)
+    with client:
+        response = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert _error(response, 400)["param"] == field
+
+
+def test_bodies_of_too_many_values_are_refused_before_decoding(engine):
+    """Decoding holds the GIL for its whole run: a body of a million small values (``[1,1,...]``,
+    ``[{},{},...]``) would stall every other request, so the values are counted first."""
+    client, _ = in_process(engine)
+    ids = json.dumps({"tokens": [5, 6, 7, 8] * 300_000})  # 3.6 MB, under the body limit
+    objects = json.dumps({"messages": CHAT, "x": [{}] * 1_000_000})
+    commas_in_text = {"messages": [{"role": "user", "content": "a, " * 1_000_000}]}
+    with client:
+        refused = [
+            client.post(route, content=raw, headers={"Content-Type": "application/json"})
+            for route, raw in (("/detokenize", ids), ("/v1/chat/completions", objects))
+        ]
+        text = client.post("/v1/chat/completions", json=commas_in_text)
+    for response in refused:
+        assert "values" in _error(response, 400)["message"]
+    assert _error(text, 400)["code"] == "context_length_exceeded"  # the commas in a string are text
+
+
+def test_tokenize_and_detokenize_name_their_limits(engine):
+    client, _ = in_process(engine)
+    with client:
+        too_long = client.post("/tokenize", json={"content": "x" * (MAX_CHARACTERS + 1)})
+        too_many_tokens = client.post("/tokenize", json={"content": "hello world " * 7000})  # ~77k tokens here
+        too_many_ids = client.post("/detokenize", json={"tokens": [5] * (MAX_TOKENS + 1)})
+        fits = client.post("/detokenize", json={"tokens": [5] * MAX_TOKENS})
+        pieces = client.post("/tokenize", json={"content": "hello world " * 4000, "with_pieces": True})
+    for response, param, limit in (
+        (too_long, "content", MAX_CHARACTERS),
+        (too_many_tokens, "content", MAX_TOKENS),
+        (too_many_ids, "tokens", MAX_TOKENS),
+    ):
+        error = _error(response, 400)
+        assert error["param"] == param and f"at most {limit}" in error["message"], error
+    assert fits.status_code == 200 and fits.headers["content-type"] == "application/json"
+    assert len(pieces.json()["tokens"]) > 40_000
+    assert "".join(p["piece"] for p in pieces.json()["tokens"]) == "hello world " * 4000
+
+
 # -- prompt length ---------------------------------------------------------------------------------
 
 
@@ -418,6 +499,46 @@ def test_huge_message_refused_without_blocking_health(live):
     error = _error(outcome["result"], 400)
     assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
     assert max(latencies) < FAST, latencies
+
+
+def health_during(url: str, busy: threading.Thread) -> list[float]:
+    """Seconds each /health request took, sent one after another until ``busy`` ends (three at least)."""
+    times = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while busy.is_alive() or len(times) < 3:
+            started = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            times.append(time.perf_counter() - started)
+            time.sleep(0.01)
+    busy.join(timeout=120)
+    return times
+
+
+def test_huge_tokenize_refused_at_once_while_health_stays_fast(live):
+    body = {"content": "hello world " * 325_000, "with_pieces": True}  # 3.9 MB, under the body limit
+    thread, outcome = in_background(lambda: httpx.post(f"{live.url}/tokenize", json=body, timeout=120))
+    latencies = health_latencies(live.url, thread)
+    assert max(latencies) < BUSY, latencies
+    error = _error(outcome["result"], 400)
+    assert error["param"] == "content" and f"at most {MAX_CHARACTERS}" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "route, body, status",
+    [
+        ("/tokenize", {"content": "hello world " * 18_000}, 400),  # 216k characters: too many tokens here
+        ("/tokenize", {"content": "hello world " * 5_000, "with_pieces": True}, 200),
+        ("/detokenize", {"tokens": list(range(300)) * 200}, 200),
+    ],
+    ids=["tokens-counted-then-refused", "pieces", "detokenize"],
+)
+def test_tokenizing_leaves_health_fast(live, route, body, status):
+    """Tokenizing the most text a request may send takes the tiny tokenizer (a token per character or so)
+    a second or more; ``/health`` answers meanwhile."""
+    thread, outcome = in_background(lambda: httpx.post(f"{live.url}{route}", json=body, timeout=120))
+    latencies = health_during(live.url, thread)
+    assert outcome["result"].status_code == status, outcome["result"].text[:300]
+    assert max(latencies) < BUSY, latencies
 
 
 def closed_within(sock: socket.socket, seconds: float, dribble: bytes = b"") -> float | None:

@@ -2,9 +2,10 @@
 ``/metrics``, ``/health``, and the chat page (``/`` and its files under ``/static/``, :mod:`page`).
 
 Every request is counted (:mod:`metrics`) and first passes the HTTP policy (:mod:`guard`: host, origin,
-content type, body size).  It is then checked (body, fields, API key, model name, tools, prompt length),
-the slow parts (decoding the body, counting the prompt's tokens) in worker threads so that no request holds
-up the others, and queued for the engine worker (:mod:`queue`).  While it waits or runs, a client that
+content type, body size).  It is then checked (body, fields, API key, model name, tools, grammar, prompt
+length), the slow parts (decoding the body, counting the prompt's tokens, tokenizing) in worker threads so
+that no request holds up the others, a grammar (``response_format``, a forced tool call) in a child process
+ended at a time limit (``constrain.isolated``), and queued for the engine worker (:mod:`queue`).  While it waits or runs, a client that
 disconnects cancels it: a watcher task for non-streamed answers and queued streams, Starlette's own
 disconnect handling once a stream is under way.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
@@ -24,6 +26,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.constrain import (
+    COMPILE_SECONDS,
+    CheckerBusy,
+    GrammarChecker,
+    GrammarRefused,
+    checker_for,
+    grammar_for,
+    self_reference,
+)
 from edge_spec.runtime.loops import check_constraint
 from edge_spec.runtime.loops.config import TreeConfig
 from edge_spec.server.body import read_request
@@ -35,8 +46,15 @@ from edge_spec.server.openai_format import DONE, ResponseFormat, fingerprint, mo
 from edge_spec.server.page import chat_page, page_file
 from edge_spec.server.prompt_size import PromptFloor
 from edge_spec.server.queue import EngineWorker, Job
-from edge_spec.server.schemas import Sampling, parse_chat, parse_completion
-from edge_spec.server.tokens import TokenPieces, detokenize, parse_detokenize, parse_tokenize, tokenize
+from edge_spec.server.schemas import Sampling, ToolRequest, parse_chat, parse_completion
+from edge_spec.server.tokens import (
+    Tokenizers,
+    TokenPieces,
+    detokenize,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize,
+)
 from edge_spec.server.tool_calls import CallParser, ToolCall, ToolFormat
 from edge_spec.server.tool_use import ToolUse, plan_tools
 
@@ -57,7 +75,11 @@ class ServerState:
     aliases: tuple[str, ...] = ()  # other names requests may give the model (ANY_MODEL: any name)
     tool_format: ToolFormat | None = None  # how the model writes tool calls (None: it cannot, or unknown)
     metrics: ServerMetrics | None = None
+    grammar_seconds: float = COMPILE_SECONDS  # the time a request's grammar may take to compile
     _pieces: TokenPieces | None = field(default=None, repr=False)
+    _tokenizers: Tokenizers | None = field(default=None, repr=False)
+    _checker: GrammarChecker | None = field(default=None, repr=False)
+    _grammar_turn: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = field(default=None, repr=False)
 
     @property
     def names(self) -> list[str]:
@@ -78,10 +100,30 @@ class ServerState:
                 code="model_not_found",
             )
 
+    def grammar_checker(self) -> GrammarChecker:
+        """The checker of this model's grammars (blocking the first time: the grammar engine reads the
+        vocabulary, and the checker's process starts on the first check)."""
+        if self._checker is None:
+            self._checker = checker_for(self.worker.engine.grammar_vocabulary())
+        return self._checker
+
+    def grammar_turn(self) -> asyncio.Lock:
+        """The lock that lets one request at a time check its grammar (one per event loop)."""
+        loop = asyncio.get_running_loop()
+        if self._grammar_turn is None or self._grammar_turn[0] is not loop:
+            self._grammar_turn = (loop, asyncio.Lock())
+        return self._grammar_turn[1]
+
     def pieces(self) -> TokenPieces:
         if self._pieces is None:
             self._pieces = TokenPieces(self.worker.engine.tokenizer.tokenizer)
         return self._pieces
+
+    def tokenizers(self) -> Tokenizers:
+        """The tokenizers of ``/tokenize`` (built on its first request: blocking, run it in a thread)."""
+        if self._tokenizers is None:
+            self._tokenizers = Tokenizers(self.worker.engine.tokenizer)
+        return self._tokenizers
 
 
 def create_app(state: ServerState, policy: GuardPolicy | None = None) -> Starlette:
@@ -160,13 +202,11 @@ async def chat_completions(request: Request) -> Response:
     state = _authorized(request)
     chat = await read_request(request, parse_chat)
     state.check_model(chat.model)
-    engine = state.worker.engine
-    tool_use = plan_tools(
-        chat.tools, state.tool_format, engine.tokenizer.takes_tools, engine.tokenizer.tokenizer.token_to_id
-    )
+    tool_use = await asyncio.to_thread(_plan_tools, state, chat.tools)
     sampling = chat.sampling
     if tool_use is not None and tool_use.grammar is not None:  # a forced call: the answer is the call
         _check_constrainable(state, "tool_choice")
+        await _check_grammar(state, lambda: tool_use.grammar, "tools", "cannot force a call to these tools")
         sampling = replace(sampling, response_format=tool_use.response_format)
     elif sampling.response_format is not None:
         if tool_use is not None:
@@ -177,6 +217,7 @@ async def chat_completions(request: Request) -> Response:
                 param="response_format",
             )
         _check_constrainable(state, "response_format")
+        await _check_grammar(state, lambda: grammar_for(sampling.response_format), "response_format", "response_format")
     if tool_use is not None and tool_use.stop:
         sampling = replace(sampling, stop=sampling.stop + tool_use.stop)
     return await _answer(
@@ -199,6 +240,9 @@ async def completions(request: Request) -> Response:
     state.check_model(req.model)
     if req.sampling.response_format is not None:
         _check_constrainable(state, "response_format")
+        await _check_grammar(
+            state, lambda: grammar_for(req.sampling.response_format), "response_format", "response_format"
+        )
     prompt = req.prompt
     if req.suffix is not None:
         if state.fim is None:
@@ -221,8 +265,8 @@ async def completions(request: Request) -> Response:
 async def tokenize_route(request: Request) -> Response:
     state = _authorized(request)
     req = await read_request(request, parse_tokenize)
-    text = state.worker.engine.tokenizer
-    return JSONResponse(await asyncio.to_thread(tokenize, text, req, state.pieces))
+    tokenizers = await asyncio.to_thread(state.tokenizers)
+    return Response(await asyncio.to_thread(tokenize, tokenizers, req, state.pieces), media_type="application/json")
 
 
 async def detokenize_route(request: Request) -> Response:
@@ -230,7 +274,7 @@ async def detokenize_route(request: Request) -> Response:
     text = state.worker.engine.tokenizer
     size = text.tokenizer.get_vocab_size(with_added_tokens=True)
     ids = await read_request(request, lambda body: parse_detokenize(body, size))
-    return JSONResponse(await asyncio.to_thread(detokenize, text, ids))
+    return Response(await asyncio.to_thread(detokenize, text, ids), media_type="application/json")
 
 
 def _check_constrainable(state: ServerState, param: str) -> None:
@@ -239,6 +283,55 @@ def _check_constrainable(state: ServerState, param: str) -> None:
         check_constraint(state.worker.engine.config)
     except EdgeSpecError as exc:
         raise bad_request(f"'{param}' needs constrained decoding: {exc}", param=param) from None
+
+
+def _plan_tools(state: ServerState, request: ToolRequest | None) -> ToolUse | None:
+    """What the request does with its tools (blocking: a forced call's grammar is built and read here);
+    a 400 naming ``tools`` when a forced call would follow parameters no value matches."""
+    if request is not None and request.choice == "required":
+        for tool in request.tools:
+            cycle = self_reference(tool["function"].get("parameters") or {})
+            if cycle:
+                raise bad_request(f"cannot force a call to {tool['function']['name']}: {cycle}", param="tools")
+    text = state.worker.engine.tokenizer
+    return plan_tools(request, state.tool_format, text.takes_tools, text.tokenizer.token_to_id)
+
+
+async def _check_grammar(state: ServerState, grammar: Callable[[], str | None], param: str, what: str) -> None:
+    """400 naming ``param`` when the ``grammar()`` cannot constrain an answer: llguidance cannot compile
+    it, it passes a limit, accepts no text, or takes longer than ``state.grammar_seconds`` to compile
+    (checked in a child process that is ended then: :mod:`~edge_spec.runtime.constrain.isolated`).  One
+    grammar is checked at a time; a request that cannot start its check within that time gets a 503."""
+    source = await asyncio.to_thread(grammar)  # a large schema takes a moment to write out
+    if source is None:
+        return
+    seconds = state.grammar_seconds
+    turn = state.grammar_turn()
+    try:
+        await asyncio.wait_for(turn.acquire(), seconds)
+    except asyncio.TimeoutError:
+        raise _checker_busy(seconds) from None
+    try:
+        checker = await asyncio.to_thread(state.grammar_checker)
+        await asyncio.to_thread(checker.check, source, seconds)
+    except GrammarRefused as exc:
+        raise bad_request(f"{what}: {exc}", param=param) from None
+    except CheckerBusy:
+        raise _checker_busy(seconds) from None
+    except EdgeSpecError as exc:  # the checker could not start
+        raise ApiError(500, str(exc), type="server_error") from None
+    finally:
+        turn.release()
+
+
+def _checker_busy(seconds: float) -> ApiError:
+    return ApiError(
+        503,
+        f"the grammar checker is busy with another request's grammar for more than {seconds:g} s; retry",
+        type="server_error",
+        code="grammar_checker_busy",
+        headers={"Retry-After": str(max(1, round(seconds)))},
+    )
 
 
 # -- answering -------------------------------------------------------------------------------------

@@ -6,20 +6,31 @@ takes tokens back when drafts are rejected (:meth:`Constraint.rollback`).  The g
 llguidance; its tokenizer side (:class:`GrammarVocabulary`) is built once per bundle.  This layer knows
 nothing of models, proposers or loops: the loops mask the target's rows with it, the drafters their
 proposals, and the forced tokens are a proposer of their own (``propose.forced``).  A JSON schema is
-also shown to the model, as one system instruction (:mod:`instruction`).
+also shown to the model, as one system instruction (:mod:`instruction`).  A grammar is compiled under
+limits and refused when it cannot constrain an answer (:mod:`compile`); a server checks each request's
+grammar first in a child process it can stop at a time limit (:mod:`isolated`).
 """
 
+from edge_spec.runtime.constrain.compile import GrammarRefused, compile_grammar
 from edge_spec.runtime.constrain.constraint import Constraint, ConstraintViolation
-from edge_spec.runtime.constrain.grammar import RESPONSE_FORMATS, grammar_for
+from edge_spec.runtime.constrain.grammar import RESPONSE_FORMATS, grammar_for, self_reference
 from edge_spec.runtime.constrain.instruction import schema_instruction, with_instruction
+from edge_spec.runtime.constrain.isolated import COMPILE_SECONDS, CheckerBusy, GrammarChecker, checker_for
 from edge_spec.runtime.constrain.vocabulary import GrammarVocabulary
 
 __all__ = [
+    "COMPILE_SECONDS",
+    "CheckerBusy",
     "Constraint",
     "ConstraintViolation",
+    "GrammarChecker",
+    "GrammarRefused",
     "GrammarVocabulary",
     "RESPONSE_FORMATS",
+    "checker_for",
+    "compile_grammar",
     "grammar_for",
+    "self_reference",
     "schema_instruction",
     "with_instruction",
 ]

@@ -14,10 +14,10 @@ end token anyway (the mask after one allows only end tokens again).
 from __future__ import annotations
 
 import numpy as np
-from llguidance import LLMatcher
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.constrain.compile import GrammarRefused, compile_grammar
 from edge_spec.runtime.constrain.grammar import first_line
 from edge_spec.runtime.constrain.vocabulary import GrammarVocabulary
 
@@ -32,9 +32,10 @@ class Constraint:
 
     def __init__(self, grammar: str, vocabulary: GrammarVocabulary) -> None:
         self.vocabulary = vocabulary
-        self._matcher = LLMatcher(vocabulary.library, grammar, log_level=0)
-        if self._matcher.is_error():
-            raise EdgeSpecError(f"response_format: {first_line(self._matcher.get_error())}")
+        try:
+            self._matcher = compile_grammar(grammar, vocabulary)
+        except GrammarRefused as exc:
+            raise EdgeSpecError(f"response_format: {exc}") from None
         self._bits = allocate_token_bitmask(1, vocabulary.width)
         self._allowed: np.ndarray | None = None  # the mask of the current state, once computed
         self._ended = 0  # end tokens consumed at the tail of ``tokens`` (the grammar engine never saw them)

@@ -54,10 +54,92 @@ def grammar_for(response_format: dict | None) -> str | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise EdgeSpecError("response_format json_schema needs the schema as an object in json_schema.schema")
+        cycle = self_reference(schema)
+        if cycle:
+            raise EdgeSpecError(f"response_format json_schema.schema: {cycle}")
     try:
         return LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": whitespace == "flexible"})
     except (ValueError, TypeError) as exc:  # not serialisable as JSON
         raise EdgeSpecError(f"response_format json_schema.schema is not JSON ({first_line(exc)})") from None
+
+
+# where JSON Schema keeps subschemas: one, a list of them, a map of names to them
+ONE_SCHEMA = frozenset(
+    {"items", "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+     "contains", "propertyNames", "not", "if", "then", "else"}
+)  # fmt: skip
+SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas"})  # $defs: through a $ref
+
+
+def self_reference(schema: dict) -> str | None:
+    """Why no value can match ``schema`` when it holds a local ``$ref`` that leads back to itself through
+    nothing but other references and ``allOf`` (``#/$defs/a`` -> ``#/$defs/b`` -> ``#/$defs/a``: each
+    says "a value that matches the next", and none says anything else); None when it holds none.  The
+    grammar engine compiles such a reference into a rule that matches nothing, and an answer would stop
+    where it is used.  Only what is reachable from the root counts (a broken definition nothing uses is
+    harmless), and a reference through ``properties``, ``items`` and the like is recursion, not a cycle."""
+    edges: dict[str, list[str]] = {}  # pointer -> what the subschema there merely refers to
+    pending = ["#"]
+    while pending:
+        pointer = pending.pop()
+        if pointer in edges:
+            continue
+        node = _resolve(schema, pointer)
+        if not isinstance(node, dict):
+            continue
+        edges[pointer] = []
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            target = ref.rstrip("/") or "#"
+            edges[pointer].append(target)
+            pending.append(target)
+        for key, value in node.items():
+            children = []
+            if key in ONE_SCHEMA and isinstance(value, dict):
+                children = [f"{pointer}/{_escape(key)}"]
+            elif key in SCHEMA_LISTS and isinstance(value, list):
+                children = [f"{pointer}/{_escape(key)}/{i}" for i, item in enumerate(value) if isinstance(item, dict)]
+            elif key in SCHEMA_MAPS and isinstance(value, dict):
+                children = [f"{pointer}/{_escape(key)}/{_escape(k)}" for k, v in value.items() if isinstance(v, dict)]
+            pending.extend(children)
+            if key == "allOf":
+                edges[pointer].extend(children)
+    done: set[str] = set()
+    for start in edges:
+        if start in done:
+            continue
+        path, stack = [start], [iter(edges[start])]
+        while stack:
+            child = next(stack[-1], None)
+            if child is None:
+                done.add(path.pop())
+                stack.pop()
+            elif child in path:
+                loop = " -> ".join(path[path.index(child) :] + [child])
+                return f"the $ref chain {loop} refers only to itself, so no value matches it"
+            elif child not in done and child in edges:
+                path.append(child)
+                stack.append(iter(edges[child]))
+    return None
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _resolve(schema: dict, pointer: str):
+    """The value at a local JSON pointer (``#/$defs/a``), or None where there is none."""
+    node = schema
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def first_line(exc: BaseException | str) -> str:

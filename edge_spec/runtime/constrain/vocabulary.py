@@ -52,7 +52,13 @@ class GrammarVocabulary:
             tokenizer = Tokenizer.from_str(tokenizer.to_str())
             tokenizer.no_padding()
             tokenizer.no_truncation()
+        self._tokenizer = tokenizer
         try:
             self.library = LLTokenizer(tokenizer.to_str(), n_vocab=width, eos_token=sorted(self.end_ids) or None)
         except (ValueError, RuntimeError) as exc:
             raise EdgeSpecError(f"the grammar engine cannot read this tokenizer ({str(exc).strip()[:160]})") from None
+
+    @property
+    def source(self) -> str:
+        """The tokenizer as JSON, from which another process builds the same vocabulary (``isolated``)."""
+        return self._tokenizer.to_str()

@@ -1,0 +1,258 @@
+"""Schemas and grammars that cannot constrain an answer: refused in one line, in bounded time.
+
+A grammar that llguidance cannot compile, that passes one of its limits, that accepts no text (a ``$ref``
+cycle, bounds no value meets) or only the empty answer is refused by the Python API (one
+``EdgeSpecError`` line) and by the server (400 naming the field), for ``response_format`` and for the
+tool parameters a forced call follows.  What no limit of llguidance bounds, the time a compile takes,
+the server bounds by compiling first in a child process that it ends at a time limit; ``/health``
+answers meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from edge_spec.errors import EdgeSpecError  # noqa: E402
+from edge_spec.runtime.constrain import (  # noqa: E402
+    CheckerBusy,
+    GrammarChecker,
+    GrammarRefused,
+    compile_grammar,
+    grammar_for,
+    self_reference,
+)
+from edge_spec.runtime.engine import Engine  # noqa: E402
+from edge_spec.server.serve import build_app  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.test_server_tools import ASK, tools_bundle  # noqa: E402, F401  (the bundle fixture)
+
+BASE = "http://127.0.0.1:8000"
+CHAT = [{"role": "user", "content": "hello world"}]
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+NESTED_CYCLE = {
+    "type": "object",
+    "properties": {"x": {"$ref": "#/$defs/a"}},
+    "required": ["x"],
+    "$defs": CYCLE["$defs"],
+}
+NO_LENGTH = {"type": "string", "minLength": 5, "maxLength": 2}
+BOMB = {"type": "string", "pattern": "^(a{1000}){1000}$"}  # llguidance's lexer: seconds, then a lexer error
+SLOW = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}  # minutes
+GOOD = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+QUICK = 1.0  # the compile time limit the tests set (seconds)
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+IMPOSSIBLE = [
+    (schema_format(CYCLE), "refers only to itself"),
+    (schema_format(NESTED_CYCLE), "refers only to itself"),
+    (schema_format(NO_LENGTH), "minLength (5) is greater than maxLength (2)"),
+    (schema_format({"not": {}}), "cannot compile"),
+    ({"type": "regex", "regex": "[^\\x00-\\U0010FFFF]"}, "accepts no text"),
+    ({"type": "regex", "regex": "a{0}"}, "accepts only an empty answer"),
+    ({"type": "lark", "lark": "start: undefined_rule"}, "cannot compile"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(int4_bundle):
+    return Engine.from_bundle(int4_bundle, mode="spec", threads=1)
+
+
+@pytest.fixture(scope="module")
+def checker(engine):
+    checker = GrammarChecker(engine.grammar_vocabulary())
+    yield checker
+    checker.close()
+
+
+# -- the Python API --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response_format, fragment", IMPOSSIBLE)
+def test_the_python_api_refuses_impossible_grammars_in_one_line(engine, response_format, fragment):
+    with pytest.raises(EdgeSpecError) as info:
+        engine.complete("def f", max_new_tokens=8, response_format=response_format)
+    message = str(info.value)
+    assert message.startswith("response_format") and fragment in message and "\n" not in message, message
+
+
+def test_recursion_is_no_cycle():
+    tree = {
+        "$defs": {
+            "node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}
+        },
+        "$ref": "#/$defs/node",
+    }
+    assert self_reference(tree) is None
+    assert self_reference({"anyOf": [{"$ref": "#"}, {"type": "null"}]}) is None  # null ends it
+    assert self_reference({"properties": {"a": {"type": "string"}}, "$defs": CYCLE["$defs"]}) is None  # unused
+    assert "# -> #/allOf/0 -> #" in self_reference({"allOf": [{"$ref": "#"}]})
+
+
+def test_a_grammar_that_compiles_keeps_its_initial_state(engine):
+    vocabulary = engine.grammar_vocabulary()
+    matcher = compile_grammar(grammar_for(schema_format(GOOD)), vocabulary)
+    assert not matcher.is_error() and matcher.compute_ff_bytes() == b"{"  # nothing consumed by the checks
+    answer = engine.complete("def f", max_new_tokens=40, temperature=0.0, response_format=schema_format(GOOD))
+    assert answer.text.startswith("{")
+
+
+# -- the checker's child process -------------------------------------------------------------------
+
+
+def test_a_slow_compile_is_ended_at_its_time_limit_and_the_checker_goes_on(checker):
+    for index, schema in enumerate((BOMB, SLOW)):
+        checker.check(grammar_for(schema_format({**GOOD, "title": str(index)})))  # a child, started apart
+        started = time.monotonic()
+        with pytest.raises(GrammarRefused, match=f"takes longer than {QUICK:g} s"):
+            checker.check(grammar_for(schema_format(schema)), seconds=QUICK)
+        assert time.monotonic() - started < QUICK + 1.0
+    checker.check(grammar_for({"type": "json_object"}))  # a new child
+    started = time.monotonic()
+    with pytest.raises(GrammarRefused, match="takes longer"):  # remembered: no second compile
+        checker.check(grammar_for(schema_format(BOMB)), seconds=QUICK)
+    assert time.monotonic() - started < 0.5
+    with pytest.raises(GrammarRefused, match="minLength"):
+        checker.check(grammar_for(schema_format(NO_LENGTH)))
+
+
+def test_a_check_that_cannot_start_in_time_is_busy(checker):
+    checker.check(grammar_for(schema_format(GOOD)))
+    slow = schema_format({**SLOW, "title": "another"})  # not remembered
+    outcome = {}
+    holder = threading.Thread(target=lambda: outcome.update(error=_refusal(checker, grammar_for(slow), 3.0)))
+    holder.start()
+    time.sleep(0.5)
+    with pytest.raises(CheckerBusy):
+        checker.check(grammar_for(schema_format({**GOOD, "title": "new"})), seconds=0.5)
+    holder.join(timeout=30)
+    assert "takes longer than 3 s" in outcome["error"]
+
+
+def _refusal(checker: GrammarChecker, grammar: str, seconds: float) -> str:
+    try:
+        checker.check(grammar, seconds=seconds)
+    except GrammarRefused as exc:
+        return str(exc)
+    return ""
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+def serving(engine, seconds: float = QUICK) -> TestClient:
+    app, state = build_app(engine, name="tiny")
+    state.grammar_seconds = seconds
+    return TestClient(app, base_url=BASE)
+
+
+def error(response, status: int) -> dict:
+    assert response.status_code == status, response.text[:500]
+    body = response.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    return body
+
+
+@pytest.mark.parametrize("response_format, fragment", IMPOSSIBLE)
+def test_the_server_refuses_impossible_grammars_with_a_400(engine, response_format, fragment):
+    with serving(engine) as client:
+        chat = client.post(
+            "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "response_format": response_format}
+        )
+        completion = client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 4, "response_format": response_format}
+        )
+    for response in (chat, completion):
+        body = error(response, 400)
+        assert body["param"] == "response_format" and fragment in body["message"], body
+
+
+@pytest.mark.parametrize("schema", [BOMB, SLOW], ids=["nested-counts", "many-optional-properties"])
+def test_the_server_refuses_a_grammar_bomb_within_its_time_limit(engine, schema):
+    with serving(engine) as client:
+        warm = client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, "response_format": {"type": "json_object"}}
+        )
+        started = time.monotonic()
+        bomb = client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, "response_format": schema_format(schema)}
+        )
+        took = time.monotonic() - started
+        after = client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, "response_format": schema_format(GOOD)}
+        )
+    assert warm.status_code == 200, warm.text
+    body = error(bomb, 400)
+    assert body["param"] == "response_format" and f"takes longer than {QUICK:g} s" in body["message"]
+    assert took < QUICK + 2.0, took
+    assert after.status_code == 200, after.text
+
+
+def test_forced_tool_calls_check_their_parameters(tools_bundle):  # noqa: F811
+    engine = Engine.from_bundle(tools_bundle, mode="spec", threads=1)
+
+    def tool(parameters: dict) -> dict:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    with serving(engine) as client:
+        answers = {
+            name: client.post(
+                "/v1/chat/completions",
+                json={"messages": ASK, "max_tokens": 8, "tools": [tool(parameters)], "tool_choice": "required"},
+            )
+            for name, parameters in (
+                ("bomb", {"type": "object", "properties": {"a": BOMB}, "required": ["a"]}),
+                ("cycle", {"type": "object", **NESTED_CYCLE}),
+                ("impossible", {"type": "object", "properties": {"a": NO_LENGTH}, "required": ["a"]}),
+            )
+        }
+    for name, fragment in (
+        ("bomb", "takes longer"),
+        ("cycle", "refers only to itself"),
+        ("impossible", "cannot force a call"),
+    ):
+        body = error(answers[name], 400)
+        assert body["param"] == "tools" and fragment in body["message"], (name, body)
+
+
+def test_health_answers_while_a_grammar_bomb_compiles(engine):
+    app, state = build_app(engine, name="tiny")
+    state.grammar_seconds = 3.0
+    server = helpers.LiveServer(app)
+    try:
+        outcome = {}
+
+        def post():
+            started = time.monotonic()
+            outcome["response"] = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"prompt": "x", "max_tokens": 2, "response_format": schema_format({**BOMB, "title": "live"})},
+                timeout=60,
+            )
+            outcome["took"] = time.monotonic() - started
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        latencies = []
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while thread.is_alive():
+                started = time.perf_counter()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.02)
+        thread.join()
+    finally:
+        server.stop()
+    assert error(outcome["response"], 400)["param"] == "response_format"
+    assert len(latencies) > 10 and max(latencies) < 1.0, latencies  # the compile holds no thread here
