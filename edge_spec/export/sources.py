@@ -213,7 +213,7 @@ def _load_model(source: str) -> LoadedModel:
     if gguf_file:
         from edge_spec.export.gguf.carry import GGUFBlocks
 
-        weights.carried = carry = GGUFBlocks(Path(location) / gguf_file, weights)
+        weights.carried = carry = GGUFBlocks(Path(location) / gguf_file, weights, state.records)
     name = Path(gguf_file).stem if gguf_file else Path(location).name
     return LoadedModel(name, source, weights, tokenizer, _eos_ids(tokenizer, hf_config, generation_config), carry)
 

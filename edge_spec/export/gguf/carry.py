@@ -150,9 +150,10 @@ class GGUFBlocks(Mapping):
     time a weight's blocks are asked for (none is kept).  Also the export's report of it
     (:meth:`summary`, :meth:`to_dict`: :class:`CarryReport`'s)."""
 
-    def __init__(self, path: Path, weights: DecoderWeights) -> None:
+    def __init__(self, path: Path, weights: DecoderWeights, records: list | None = None) -> None:
         self.path = Path(path)
         self._weights = weights
+        self._records = records  # the file's tensor records, where a reader has parsed them already
         self._plan: dict[str, _Carried] | None = None
         self._report = CarryReport()
 
@@ -183,7 +184,8 @@ class GGUFBlocks(Mapping):
 
         plan: dict[str, _Carried] = {}
         report = self._report
-        for tensor in GGUFReader(self.path).tensors:
+        records = self._records if self._records is not None else GGUFReader(self.path).tensors
+        for tensor in records:
             kind = tensor.tensor_type.name
             if len(tensor.shape) != 2 or kind in ("F32", "F16", "BF16"):
                 continue

@@ -47,8 +47,9 @@ class GGUFTensors(Mapping):
         self._names = get_gguf_hf_weights_map(shell)  # GGUF name -> transformers name
         del shell
         self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=self._parsed.get("config", {}))
+        self.records = list(reader.tensors)  # every tensor's name, type, shape and place in the file
         # the processors of the families exported here keep each tensor's name, so it maps as it is
-        self._tensors = {self._names[t.name]: t for t in reader.tensors if t.name in self._names}
+        self._tensors = {self._names[t.name]: t for t in self.records if t.name in self._names}
 
     def _process(self, weights: np.ndarray, gguf_name: str):
         return self._processor.process(
