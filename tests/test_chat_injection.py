@@ -148,3 +148,20 @@ def test_raw_encodes_beside_chat_encodes_keep_reading_control_tokens(tokenizer):
         worker.join()
         sys.setswitchinterval(interval)
     assert wrong == 0
+
+
+def test_an_ordinary_word_listed_among_the_end_tokens_does_not_end_answers(tokenizer_files, tmp_path):
+    """Qwen's vocabulary holds ``</s>`` as an ordinary token (HTML's strikethrough): an end-token list that
+    names it would cut every answer that writes the tag; only control tokens and the declared end count."""
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_files / "tokenizer.json").read_bytes())
+    config = json.loads((tokenizer_files / "tokenizer_config.json").read_text())
+    plain = TextTokenizer(tokenizer_files)
+    im_end = plain.tokenizer.token_to_id("<|im_end|>")
+    word = plain.encode_literal("a")[0]  # an ordinary word of the vocabulary
+    assert word != im_end
+    config["eos_token_ids"] = [im_end, word]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert TextTokenizer(tmp_path).eos_token_ids == {im_end}
+    config["eos_token"] = plain.tokenizer.id_to_token(word)  # the declared end token stays one, whatever it is
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert TextTokenizer(tmp_path).eos_token_ids == {im_end, word}

@@ -83,10 +83,11 @@ def _eos_ids(tokenizer, hf_config, generation_config) -> list[int]:
         if candidate is None:
             continue
         ids.extend(candidate if isinstance(candidate, (list, tuple)) else [candidate])
-    vocab = tokenizer.get_vocab()
+    # a marker counts where it is a control token: Qwen's vocabulary holds "</s>" as an ordinary word
+    added = tokenizer.get_added_vocab()
     for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
-        if marker in vocab:
-            ids.append(vocab[marker])
+        if marker in added:
+            ids.append(added[marker])
     return sorted(set(int(i) for i in ids))
 
 

@@ -145,9 +145,9 @@ class TextTokenizer:
             {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.content}
         )
         config = _load_tokenizer_config(bundle_dir / "tokenizer_config.json")
-        self.eos_token_ids: set[int] = set(config.get("eos_token_ids") or [])
         self.bos_token = config.get("bos_token")
         self.eos_token = config.get("eos_token")
+        self.eos_token_ids: set[int] = self._end_ids(config.get("eos_token_ids") or [])
         self.add_bos = bool(config.get("add_bos_token"))
         self.chat_template: str | None = config.get("chat_template") or None  # the template's source
         self._template = None
@@ -164,6 +164,21 @@ class TextTokenizer:
                     f"{bundle_dir / 'tokenizer_config.json'}: the chat template has a syntax "
                     f"error ({exc.message}, template line {exc.lineno})"
                 ) from None
+
+    def _end_ids(self, listed: list[int]) -> set[int]:
+        """The listed end ids less ordinary words: Qwen's vocabulary holds ``</s>`` as an ordinary token
+        (HTML's strikethrough tag), which an end list built from marker names may name; ending there would
+        cut every answer that writes the tag.  Control tokens and the declared end token stay ends."""
+        added = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+        ordinary = self.tokenizer.get_vocab(with_added_tokens=False)
+        return {
+            i
+            for i in listed
+            if (token := self.tokenizer.id_to_token(i)) is None
+            or token in added
+            or token == self.eos_token
+            or token not in ordinary
+        }
 
     def encode(self, text: str) -> list[int]:
         """Raw text: control-token strings in it are read as those tokens (FIM prompts, templates)."""
