@@ -90,7 +90,8 @@ def folder_size(folder: Path) -> int:
 def first_output(command: list[str], env: dict[str, str]) -> tuple[float, subprocess.CompletedProcess]:
     """Seconds from launch to the first byte of the answer on stdout, and the finished process."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # unbuffered: communicate() reads the pipe itself, past anything a buffered read(1) would keep
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
     first = process.stdout.read(1)
     seconds = time.perf_counter() - started
     rest, err = process.communicate(timeout=300)

@@ -1,4 +1,4 @@
-"""Run the desktop chat: ``python examples/desktop/chat_app.py [BUNDLE] [--mode spec|ar] [--threads N]``.
+"""Run the desktop chat: ``python examples/desktop/chat_app.py [BUNDLE] [--mode spec|ar|ssd] [--threads N]``.
 
 With no bundle it loads the default one of ``edge-spec models`` (the picker lists the others)."""
 
@@ -13,7 +13,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="A desktop chat window for an edge-spec bundle.")
     parser.add_argument("bundle", nargs="?", type=Path, help="bundle folder (default: the default bundle)")
     parser.add_argument("--mode", default="spec", choices=["spec", "ar", "ssd"], help="decoding loop")
-    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: all cores)")
+    parser.add_argument("--threads", type=int, help="ONNX Runtime threads (default: all cores but one; 0: all)")
     parser.add_argument("--max-tokens", type=int, default=512, help="longest answer, in tokens")
     parser.add_argument("--system", help="system prompt")
     return parser.parse_args(argv)
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication(sys.argv[:1])
     window = ChatWindow(
         args.bundle,
-        load_options={"mode": args.mode, "threads": args.threads},
+        load_options={"mode": args.mode} | ({} if args.threads is None else {"threads": args.threads}),
         generate_settings={"max_new_tokens": args.max_tokens},
         system=args.system,
     )

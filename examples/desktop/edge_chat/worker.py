@@ -9,6 +9,7 @@ everything buffered at once, so a fast decoder cannot flood the UI thread's even
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -19,6 +20,12 @@ from edge_spec.runtime.engine import Engine, GenerationStats
 from edge_spec.runtime.progress import LoadCancelled, LoadProgress
 
 Piece = list  # [text, source]
+
+
+def default_threads() -> int:
+    """ONNX Runtime threads for a desktop app: every core but one, which stays the UI thread's.  Decoding
+    on all of them makes the event loop wait for a core while the intra-op threads run (and spin)."""
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 class EngineWorker(QObject):
@@ -32,7 +39,8 @@ class EngineWorker(QObject):
 
     def __init__(self, load_options: dict | None = None) -> None:
         super().__init__()
-        self.load_options = load_options or {}  # Engine.from_bundle keywords: mode, threads, ...
+        # Engine.from_bundle keywords: mode, threads (default: default_threads()), ...
+        self.load_options = {"threads": default_threads(), **(load_options or {})}
         self.engine: Engine | None = None
         self._stop = threading.Event()
         self._cancel_load = threading.Event()
