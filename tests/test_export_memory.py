@@ -238,15 +238,15 @@ def test_a_large_matrix_is_checked_on_a_sample_of_its_rows(tmp_path, monkeypatch
 
 
 _EXPORT = """
-import json, resource, sys
+import json, sys
 from pathlib import Path
 from edge_spec.export.bundle import ExportOptions, export_bundle
+from tests.peak_memory import peak_rss_bytes
 
 target, draft, out, prompts = sys.argv[1:5]
 options = ExportOptions(context_length=256, calibration=Path(prompts), calibration_tokens=8)
 manifest = export_bundle(target, draft, Path(out), options)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-print(json.dumps({"peak": peak, "target_bytes": manifest["target"]["bytes"]}))
+print(json.dumps({"peak": peak_rss_bytes(), "target_bytes": manifest["target"]["bytes"]}))
 """
 
 

@@ -352,16 +352,17 @@ def test_a_corpus_is_read_once_and_changed_files_again(tmp_path):
 
 
 CORPUS_RUN = """
-import json, resource, sys
+import json, sys
 from pathlib import Path
 from edge_spec.runtime.propose.suffix_cache import SuffixCache, index_corpus
+from tests.peak_memory import peak_rss_bytes
 
 found = {}
 for root in sys.argv[1:]:
     cache = SuffixCache()
     read = index_corpus(cache, Path(root), lambda text: [len(w) for w in text.split()])
     found[Path(root).name] = {"read": read, "tokens": cache.tokens}
-print(json.dumps({"found": found, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+print(json.dumps({"found": found, "peak": peak_rss_bytes() // 1024}))
 """
 CORPUS_TRAPS = {  # a file the corpus must skip: why, said in its one line
     "fifo": "not a regular file",
@@ -396,7 +397,11 @@ def test_a_corpus_reads_regular_files_only_within_bounds_and_says_what_it_skippe
         roots.append(root)
     try:
         result = subprocess.run(
-            [sys.executable, "-c", CORPUS_RUN, *map(str, roots)], capture_output=True, text=True, timeout=20
+            [sys.executable, "-c", CORPUS_RUN, *map(str, roots)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
     except subprocess.TimeoutExpired:
         pytest.fail("reading the corpora took more than 20 s")
