@@ -61,3 +61,34 @@ def test_the_drop_in_graph_equals_the_fused_op(study, rows):
     short[0, 0, :, context] = -np.inf
     wrong = outputs(study, study.dropin_model(capacity), {**feeds, "mask": short})
     assert np.abs(wrong["out0"] - fused["out0"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_native_op_graph_equals_the_fused_op(study, rows):
+    """The study's native-op graph (``edge_spec/native``) gives what the fused op gives, cache writes included."""
+    from edge_spec.native import build
+
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler (g++ or clang++): the native attention op cannot be built here")
+    library = str(build.build())
+    rng = np.random.default_rng(rows)
+    context, capacity = 37, study.CAPACITY
+    feeds = {
+        "q": rng.standard_normal((1, rows, study.HEADS * study.HEAD_DIM)).astype(np.float32),
+        "k": rng.standard_normal((1, rows, study.KV_HEADS * study.HEAD_DIM)).astype(np.float32),
+        "v": rng.standard_normal((1, rows, study.KV_HEADS * study.HEAD_DIM)).astype(np.float32),
+        "seqlens_k": np.array([context + rows - 1], np.int32),
+        "total": np.array(context + rows, np.int32),
+    }
+    for i in range(study.LAYERS):
+        for kind in ("k", "v"):
+            feeds[f"past_{kind}{i}"] = rng.standard_normal((1, study.KV_HEADS, capacity, study.HEAD_DIM)).astype(
+                np.float32
+            )
+    fused = outputs(study, study.gqa_model(np.float32), feeds)
+    native_session = study.session(study.gqa_model(np.float32, study.NATIVE_DOMAIN), 1, library)
+    names = [o.name for o in native_session.get_outputs()]
+    native = dict(zip(names, native_session.run(None, feeds)))
+    for i in range(study.LAYERS):
+        np.testing.assert_array_equal(native[f"present_v{i}"], fused[f"present_v{i}"])
+        np.testing.assert_allclose(native[f"out{i}"], fused[f"out{i}"], rtol=1e-4, atol=2e-6)

@@ -16,9 +16,12 @@ a verify pass carries:
   work), then the grouped ``MatMul`` attention over the whole buffer with a mask (ONNX cannot slice a
   buffer without copying it, so the maths runs over the buffer's capacity, not the context).
 
+* the native op (``edge_spec/native/attention.cc``, built here at first use): the fused op's inputs, outputs
+  and semantics, each KV head's keys and values read once for all its query heads and new rows.
+
 The second leaves out what the fused op also does (rotary embedding, writing the new key and value into the
 cache, causal masking over several new rows), so it bounds what regrouping could save; the third is what a
-graph could run instead.
+graph could run instead; the fourth is what the runtime loads in place of the fused op where it builds.
 
     python benchmarks/studies/gqa_grouping.py --threads 2
 """
@@ -33,29 +36,36 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from edge_spec.native import build
+
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, CAPACITY = 12, 2, 128, 28, 4096
 GROUP = HEADS // KV_HEADS
+
+
+NATIVE_DOMAIN = "ai.edge_spec"  # edge_spec/native/attention.cc: the same op, each KV head read once
 
 
 def _model(nodes: list, inputs: list, outputs: list, initializers: list | None = None) -> bytes:
     graph = helper.make_graph(nodes, "attention", inputs, outputs, initializers)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    opsets.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
 
-def gqa_node(layer: int, query: str, output: str, heads: int) -> onnx.NodeProto:
-    """Layer ``layer``'s ``GroupQueryAttention`` over its shared buffers, ``heads`` query heads from ``query``."""
+def gqa_node(layer: int, query: str, output: str, heads: int, domain: str = "com.microsoft") -> onnx.NodeProto:
+    """Layer ``layer``'s ``GroupQueryAttention`` over its shared buffers, ``heads`` query heads from ``query``
+    (``domain``: ORT's op, or the native one)."""
     return helper.make_node(
         "GroupQueryAttention",
         [query, "k", "v", f"past_k{layer}", f"past_v{layer}", "seqlens_k", "total"],
         [output, f"present_k{layer}", f"present_v{layer}"],
-        domain="com.microsoft",
+        domain=domain,
         num_heads=heads,
         kv_num_heads=KV_HEADS,
     )
 
 
-def gqa_model(dtype: np.dtype) -> bytes:
+def gqa_model(dtype: np.dtype, domain: str = "com.microsoft") -> bytes:
     """``LAYERS`` GroupQueryAttention nodes over shared past/present buffers of ``CAPACITY`` positions, for
     any number of new rows (a verify pass's)."""
     elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
@@ -76,7 +86,7 @@ def gqa_model(dtype: np.dtype) -> bytes:
             value(f"present_k{i}", elem, cache),
             value(f"present_v{i}", elem, cache),
         ]
-        nodes.append(gqa_node(i, "q", f"out{i}", HEADS))
+        nodes.append(gqa_node(i, "q", f"out{i}", HEADS, domain))
     return _model(nodes, inputs, outputs)
 
 
@@ -152,9 +162,11 @@ def dropin_model(capacity: int) -> bytes:
     return _model(nodes, inputs, outputs, initializers)
 
 
-def session(model: bytes, threads: int) -> ort.InferenceSession:
+def session(model: bytes, threads: int, library: str | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    if library is not None:
+        options.register_custom_ops_library(library)
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
@@ -240,6 +252,12 @@ def main() -> None:
         "GroupQueryAttention, fp32 cache": (session(gqa_model(np.float32), args.threads), np.float32),
         "GroupQueryAttention, fp16 cache": (session(gqa_model(np.float16), args.threads), np.float16),
     }
+    library = build.library_path()
+    if library is None:
+        print("(the native op is not built here: no C++ compiler, or EDGE_SPEC_NATIVE_ATTENTION=0)")
+    else:
+        native = session(gqa_model(np.float32, NATIVE_DOMAIN), args.threads, str(library))
+        rows["native op, fp32 cache"] = (native, np.float32)
     grouped = session(grouped_model(), args.threads)
     print(f"ORT {ort.__version__}, {args.threads} threads; ms per step for {LAYERS} layers, {args.rows} new token(s)")
     print(f"{'':36}" + "".join(f"{c:>10}" for c in contexts))

@@ -1,0 +1,719 @@
+// GroupQueryAttention for the CPU that reads each key/value head once per pass.
+//
+// A drop-in for ONNX Runtime's com.microsoft GroupQueryAttention as edge-spec's graphs use it (same
+// inputs, outputs and attributes; registered in the domain "ai.edge_spec").  ORT's CPU kernel works one
+// query head at a time, so a key/value head shared by g query heads is streamed g times; here the g query
+// heads of every new row are scored against each key as it is read, and each value row is read once.
+//
+// Batch invariance: the output of one query row depends on that row's inputs and its causal window
+// alone.  Every dot product, softmax sum and value sum runs in a fixed order over absolute cache
+// positions, whatever number of rows shares the pass, however the rows are split between threads.
+//
+// Two paths, chosen once at load: AVX2+FMA (compiled per function with target attributes, so the
+// library itself is generic x86-64) and a portable scalar one.  Both are deterministic; they round
+// differently from each other, and a process only ever uses one.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#define ES_X86 1
+#include <immintrin.h>
+#endif
+
+#include "onnxruntime_c_api.h"
+
+namespace {
+
+constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor came with 1.17
+const OrtApi* g_api = nullptr;
+bool g_use_avx2 = false;
+
+// ---------------------------------------------------------------------------------------------------
+// kernels
+
+float hsum_scalar(const float* lanes) {  // the AVX path's reduction order, for its tails
+  float a = (lanes[0] + lanes[4]) + (lanes[2] + lanes[6]);
+  float b = (lanes[1] + lanes[5]) + (lanes[3] + lanes[7]);
+  return a + b;
+}
+
+float dot_scalar(const float* q, const float* k, int n) {
+  float acc = 0.f;
+  for (int i = 0; i < n; ++i) acc += q[i] * k[i];
+  return acc;
+}
+
+#ifdef ES_X86
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  __m128 s = _mm_add_ps(lo, hi);                  // (0+4, 1+5, 2+6, 3+7)
+  __m128 sh = _mm_movehl_ps(s, s);                // (2+6, 3+7, ..)
+  __m128 s2 = _mm_add_ps(s, sh);                  // ((0+4)+(2+6), (1+5)+(3+7))
+  __m128 s3 = _mm_shuffle_ps(s2, s2, 0x55);
+  return _mm_cvtss_f32(_mm_add_ss(s2, s3));
+}
+
+// dots of nq query vectors with 2 keys: acc lane j sums q[8c+j]*k[8c+j] over c in order, then hsum256.
+template <int NQ>
+__attribute__((target("avx2,fma"))) void dots2_avx(const float* const* q, const float* k0, const float* k1, int h,
+                                                   float* out0, float* out1) {
+  __m256 a0[NQ], a1[NQ];
+  for (int j = 0; j < NQ; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  for (int c = 0; c < h; c += 8) {
+    __m256 x0 = _mm256_loadu_ps(k0 + c);
+    __m256 x1 = _mm256_loadu_ps(k1 + c);
+    for (int j = 0; j < NQ; ++j) {
+      __m256 qv = _mm256_loadu_ps(q[j] + c);
+      a0[j] = _mm256_fmadd_ps(qv, x0, a0[j]);
+      a1[j] = _mm256_fmadd_ps(qv, x1, a1[j]);
+    }
+  }
+  for (int j = 0; j < NQ; ++j) {
+    out0[j] = hsum256(a0[j]);
+    out1[j] = hsum256(a1[j]);
+  }
+}
+
+template <int NQ>
+__attribute__((target("avx2,fma"))) void dots1_avx(const float* const* q, const float* k0, int h, float* out0) {
+  __m256 a0[NQ];
+  for (int j = 0; j < NQ; ++j) a0[j] = _mm256_setzero_ps();
+  for (int c = 0; c < h; c += 8) {
+    __m256 x0 = _mm256_loadu_ps(k0 + c);
+    for (int j = 0; j < NQ; ++j) a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + c), x0, a0[j]);
+  }
+  for (int j = 0; j < NQ; ++j) out0[j] = hsum256(a0[j]);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum); 0 below the float range, as expf gives.
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx(__m256 x) {
+  const __m256 lower = _mm256_set1_ps(-87.33654f);
+  __m256 underflow = _mm256_cmp_ps(x, lower, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lower);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(underflow, result);
+}
+
+// e[i] = exp(e[i] - mx) for i in [0, n); returns their sum (8 lanes in order, then hsum256, then the tail).
+__attribute__((target("avx2,fma"))) float exp_sum_avx(float* e, int n, float mx) {
+  __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = exp_avx(_mm256_sub_ps(_mm256_loadu_ps(e + i), m));
+    _mm256_storeu_ps(e + i, v);
+    acc = _mm256_add_ps(acc, v);
+  }
+  float sum = hsum256(acc);
+  if (i < n) {
+    float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float lanes[8];
+    std::memcpy(tail, e + i, sizeof(float) * (n - i));
+    for (int j = n - i; j < 8; ++j) tail[j] = -std::numeric_limits<float>::infinity();
+    __m256 v = exp_avx(_mm256_sub_ps(_mm256_loadu_ps(tail), m));
+    _mm256_storeu_ps(lanes, v);
+    std::memcpy(e + i, lanes, sizeof(float) * (n - i));
+    sum += hsum_scalar(lanes);
+  }
+  return sum;
+}
+
+// out[0..h) += sum over t of p[t] * v[t * stride ..], t in order (h a multiple of 8)
+__attribute__((target("avx2,fma"))) void weighted_sum_avx(float* out, const float* p, const float* v, int count,
+                                                          int h) {
+  for (int c = 0; c < h; c += 64) {
+    const int lanes = std::min(64, h - c) / 8;
+    __m256 acc[8];
+    for (int j = 0; j < lanes; ++j) acc[j] = _mm256_loadu_ps(out + c + 8 * j);
+    const float* row = v + c;
+    if (lanes == 8) {
+      for (int t = 0; t < count; ++t, row += h) {
+        __m256 w = _mm256_broadcast_ss(p + t);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * j), acc[j]);
+      }
+    } else {
+      for (int t = 0; t < count; ++t, row += h) {
+        __m256 w = _mm256_broadcast_ss(p + t);
+        for (int j = 0; j < lanes; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * j), acc[j]);
+      }
+    }
+    for (int j = 0; j < lanes; ++j) _mm256_storeu_ps(out + c + 8 * j, acc[j]);
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// the op
+
+struct Attrs {
+  int num_heads = 0;
+  int kv_num_heads = 0;
+  float scale = 0.f;
+  float softcap = 0.f;
+  bool do_rotary = false;
+  bool rotary_interleaved = false;
+  int local_window = -1;
+};
+
+struct Tensor {
+  const OrtValue* value = nullptr;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+};
+
+struct Error {
+  std::string message;
+};
+
+void check(OrtStatus* status) {
+  if (status != nullptr) {
+    std::string message = g_api->GetErrorMessage(status);
+    g_api->ReleaseStatus(status);
+    throw Error{message};
+  }
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw Error{"edge_spec.GroupQueryAttention: " + message};
+}
+
+Tensor input(OrtKernelContext* context, size_t index) {
+  Tensor t;
+  size_t count = 0;
+  check(g_api->KernelContext_GetInputCount(context, &count));
+  if (index >= count) return t;
+  check(g_api->KernelContext_GetInput(context, index, &t.value));
+  if (t.value == nullptr) return t;
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(g_api->GetTensorTypeAndShape(t.value, &info));
+  size_t dims = 0;
+  OrtStatus* status = g_api->GetDimensionsCount(info, &dims);
+  if (status == nullptr) {
+    t.shape.resize(dims);
+    if (dims) status = g_api->GetDimensions(info, t.shape.data(), dims);
+  }
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  check(status);
+  void* data = nullptr;
+  check(g_api->GetTensorMutableData(const_cast<OrtValue*>(t.value), &data));
+  t.data = data;
+  return t;
+}
+
+float* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
+  OrtValue* value = nullptr;
+  check(g_api->KernelContext_GetOutput(context, index, shape.data(), shape.size(), &value));
+  void* data = nullptr;
+  check(g_api->GetTensorMutableData(value, &data));
+  return static_cast<float*>(data);
+}
+
+// rotary embedding of one head vector (ORT's RotaryEmbedding: half-split or interleaved pairs)
+void rotate(const float* in, float* out, int head, int rotary_dim, const float* cos, const float* sin,
+            bool interleaved) {
+  const int half = rotary_dim / 2;
+  if (interleaved) {
+    for (int i = 0; i < half; ++i) {
+      const float x = in[2 * i], y = in[2 * i + 1];
+      out[2 * i] = x * cos[i] - y * sin[i];
+      out[2 * i + 1] = y * cos[i] + x * sin[i];
+    }
+  } else {
+    for (int i = 0; i < half; ++i) {
+      const float x = in[i], y = in[i + half];
+      out[i] = x * cos[i] - y * sin[i];
+      out[i + half] = y * cos[i] + x * sin[i];
+    }
+  }
+  for (int i = rotary_dim; i < head; ++i) out[i] = in[i];
+}
+
+struct Pass {  // what one call's work items share
+  const Attrs* attrs;
+  int batch, rows, head, group, capacity;
+  float alpha;
+  const float* q;  // rotated queries [B, N, S, H]
+  const float* keys;  // present key [B, kvN, capacity, H]
+  const float* values;
+  const int32_t* seqlens;
+  const float* bias;  // attention bias or nullptr
+  int64_t bias_b, bias_n, bias_t;
+  float* out;  // [B, S, N * H]
+  int row_block, blocks_per_head;
+};
+
+struct Scratch {
+  std::vector<float> scores, acc;
+};
+
+thread_local Scratch t_scratch;
+
+// one (batch, kv head, block of rows): every grouped query head of those rows
+void attend(const Pass& P, size_t item) {
+  const Attrs& A = *P.attrs;
+  const int blocks = P.blocks_per_head;
+  const int b = static_cast<int>(item / (A.kv_num_heads * blocks));
+  const int g = static_cast<int>(item / blocks % A.kv_num_heads);
+  const int r0 = static_cast<int>(item % blocks) * P.row_block;
+  const int r1 = std::min(P.rows, r0 + P.row_block);
+  if (r0 >= r1) return;
+  const int H = P.head, G = P.group;
+  const int total = P.seqlens[b] + 1;
+  const int past = total - P.rows;
+  const float* K = P.keys + (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
+  const float* V = P.values + (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
+
+  // each query vector (row s, head n) and its window [lo, hi) of key positions
+  const int nq = (r1 - r0) * G;
+  std::vector<const float*> qs(nq);
+  std::vector<int> lo(nq), hi(nq), head_of(nq), row_of(nq);
+  int first = total, last = 0;
+  for (int s = r0; s < r1; ++s) {
+    const int causal = past + s + 1;
+    int start = 0;
+    if (A.local_window > 0 && causal > A.local_window) start = causal - A.local_window;
+    for (int j = 0; j < G; ++j) {
+      const int i = (s - r0) * G + j, n = g * G + j;
+      qs[i] = P.q + ((static_cast<size_t>(b) * A.num_heads + n) * P.rows + s) * H;
+      lo[i] = start;
+      hi[i] = causal;
+      head_of[i] = n;
+      row_of[i] = s;
+    }
+    first = std::min(first, start);
+    last = std::max(last, causal);
+  }
+  const int span = last - first;
+  Scratch& scratch = t_scratch;
+  scratch.scores.resize(static_cast<size_t>(nq) * span);
+  float* scores = scratch.scores.data();  // [nq, span], column t - first
+
+  // scores: each key read once for all nq query vectors
+#ifdef ES_X86
+  if (g_use_avx2) {
+    std::vector<float> d0(nq), d1(nq);
+    for (int t = first; t < last;) {
+      const float* k0 = K + static_cast<size_t>(t) * H;
+      for (int i0 = 0; i0 < nq; i0 += 6) {
+        const int m = std::min(6, nq - i0);
+        const float* const* qq = qs.data() + i0;
+        if (t + 1 < last) {
+          const float* k1 = k0 + H;
+          switch (m) {
+            case 1: dots2_avx<1>(qq, k0, k1, H, d0.data(), d1.data()); break;
+            case 2: dots2_avx<2>(qq, k0, k1, H, d0.data(), d1.data()); break;
+            case 3: dots2_avx<3>(qq, k0, k1, H, d0.data(), d1.data()); break;
+            case 4: dots2_avx<4>(qq, k0, k1, H, d0.data(), d1.data()); break;
+            case 5: dots2_avx<5>(qq, k0, k1, H, d0.data(), d1.data()); break;
+            default: dots2_avx<6>(qq, k0, k1, H, d0.data(), d1.data()); break;
+          }
+          for (int j = 0; j < m; ++j) {
+            scores[static_cast<size_t>(i0 + j) * span + (t - first)] = P.alpha * d0[j];
+            scores[static_cast<size_t>(i0 + j) * span + (t + 1 - first)] = P.alpha * d1[j];
+          }
+        } else {
+          switch (m) {
+            case 1: dots1_avx<1>(qq, k0, H, d0.data()); break;
+            case 2: dots1_avx<2>(qq, k0, H, d0.data()); break;
+            case 3: dots1_avx<3>(qq, k0, H, d0.data()); break;
+            case 4: dots1_avx<4>(qq, k0, H, d0.data()); break;
+            case 5: dots1_avx<5>(qq, k0, H, d0.data()); break;
+            default: dots1_avx<6>(qq, k0, H, d0.data()); break;
+          }
+          for (int j = 0; j < m; ++j) scores[static_cast<size_t>(i0 + j) * span + (t - first)] = P.alpha * d0[j];
+        }
+      }
+      t += (t + 1 < last) ? 2 : 1;
+    }
+  } else
+#endif
+  {
+    for (int t = first; t < last; ++t) {
+      const float* k = K + static_cast<size_t>(t) * H;
+      for (int i = 0; i < nq; ++i) scores[static_cast<size_t>(i) * span + (t - first)] = P.alpha * dot_scalar(qs[i], k, H);
+    }
+  }
+
+  // softmax of each query vector over its own window (softcap, then bias, as ORT applies them)
+  for (int i = 0; i < nq; ++i) {
+    float* e = scores + static_cast<size_t>(i) * span + (lo[i] - first);
+    const int n = hi[i] - lo[i];
+    if (A.softcap > 0.f)
+      for (int t = 0; t < n; ++t) e[t] = A.softcap * std::tanh(e[t] / A.softcap);
+    if (P.bias != nullptr) {
+      const float* brow = P.bias;
+      if (P.bias_b != 1) brow += static_cast<size_t>(b) * P.bias_n * P.rows * P.bias_t;
+      if (P.bias_n != 1) brow += static_cast<size_t>(head_of[i]) * P.rows * P.bias_t;
+      brow += static_cast<size_t>(row_of[i]) * P.bias_t;
+      if (P.bias_t == 1) {
+        for (int t = 0; t < n; ++t) e[t] += brow[0];
+      } else {
+        for (int t = 0; t < n; ++t) e[t] += brow[lo[i] + t];
+      }
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n; ++t) mx = std::max(mx, e[t]);
+    float sum;
+#ifdef ES_X86
+    if (g_use_avx2) {
+      sum = exp_sum_avx(e, n, mx);
+    } else
+#endif
+    {
+      sum = 0.f;
+      for (int t = 0; t < n; ++t) {
+        e[t] = std::exp(e[t] - mx);
+        sum += e[t];
+      }
+    }
+    const float inv = 1.f / sum;
+    for (int t = 0; t < n; ++t) e[t] *= inv;
+  }
+
+  // values: for each query vector, its probabilities times the value rows of its window, in order
+  scratch.acc.assign(static_cast<size_t>(nq) * H, 0.f);
+  float* acc = scratch.acc.data();
+  constexpr int kTile = 32;  // value rows per tile: read from memory once, then from L1 for every query
+  for (int t0 = first; t0 < last; t0 += kTile) {
+    const int t1 = std::min(last, t0 + kTile);
+    for (int i = 0; i < nq; ++i) {
+      const int a = std::max(t0, lo[i]), z = std::min(t1, hi[i]);
+      if (a >= z) continue;
+      const float* p = scores + static_cast<size_t>(i) * span + (a - first);
+      const float* v = V + static_cast<size_t>(a) * H;
+      float* o = acc + static_cast<size_t>(i) * H;
+#ifdef ES_X86
+      if (g_use_avx2) {
+        weighted_sum_avx(o, p, v, z - a, H);
+        continue;
+      }
+#endif
+      for (int t = 0; t < z - a; ++t)
+        for (int h = 0; h < H; ++h) o[h] += p[t] * v[static_cast<size_t>(t) * H + h];
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    float* o = P.out + (static_cast<size_t>(b) * P.rows + row_of[i]) * A.num_heads * H + static_cast<size_t>(head_of[i]) * H;
+    std::memcpy(o, acc + static_cast<size_t>(i) * H, sizeof(float) * H);
+  }
+}
+
+void run_item(void* pass, size_t item) { attend(*static_cast<const Pass*>(pass), item); }
+
+struct Kernel {
+  Attrs attrs;
+};
+
+int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  OrtStatus* status = g_api->KernelInfoGetAttribute_int64(info, name, &value);
+  if (status != nullptr) {
+    g_api->ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+float attr_float(const OrtKernelInfo* info, const char* name, float fallback) {
+  float value = fallback;
+  OrtStatus* status = g_api->KernelInfoGetAttribute_float(info, name, &value);
+  if (status != nullptr) {
+    g_api->ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+void compute(const Kernel& kernel, OrtKernelContext* context) {
+  const Attrs& A = kernel.attrs;
+  Tensor query = input(context, 0), key = input(context, 1), value = input(context, 2);
+  Tensor past_key = input(context, 3), past_value = input(context, 4);
+  Tensor seqlens = input(context, 5), total_len = input(context, 6);
+  Tensor cos = input(context, 7), sin = input(context, 8);
+  Tensor position_ids = input(context, 9), bias = input(context, 10);
+  Tensor head_sink = input(context, 11);
+  require(head_sink.value == nullptr, "head_sink is not supported");
+  require(query.shape.size() == 3, "query must be [batch, sequence, hidden]");
+  require(past_key.value != nullptr && past_value.value != nullptr, "past_key and past_value are required");
+  require(past_key.shape.size() == 4 && past_key.shape == past_value.shape, "past key/value must be [B, kvN, L, H]");
+  const int B = static_cast<int>(query.shape[0]), S = static_cast<int>(query.shape[1]);
+  const int N = A.num_heads, kvN = A.kv_num_heads;
+  require(N % kvN == 0, "num_heads must be a multiple of kv_num_heads");
+  const bool packed = key.value == nullptr;
+  const int H = static_cast<int>(past_key.shape[3]);
+  const int64_t width = query.shape[2];
+  require(packed ? width == static_cast<int64_t>(N + 2 * kvN) * H : width == static_cast<int64_t>(N) * H,
+          "query width does not match the heads");
+  require(past_key.shape[0] == B && past_key.shape[1] == kvN, "past key/value batch or heads do not match");
+  require(seqlens.value != nullptr && static_cast<int>(seqlens.shape.empty() ? 1 : seqlens.shape[0]) == B,
+          "seqlens_k must be [batch]");
+  const int32_t* seqlens_k = static_cast<const int32_t*>(seqlens.data);
+  const int total_sequence = *static_cast<const int32_t*>(total_len.data);
+  const int past_len = static_cast<int>(past_key.shape[2]);
+  const int capacity = std::max(past_len, total_sequence);
+  for (int b = 0; b < B; ++b) {
+    require(seqlens_k[b] + 1 >= S && seqlens_k[b] + 1 <= capacity, "seqlens_k out of range");
+  }
+  int rotary_dim = 0;
+  if (A.do_rotary) {
+    require(cos.value != nullptr && sin.value != nullptr && cos.shape.size() == 2, "rotary needs cos/sin caches");
+    rotary_dim = static_cast<int>(cos.shape[1]) * 2;
+    require(rotary_dim <= H, "rotary dimension exceeds the head size");
+  }
+
+  std::vector<int64_t> out_shape = {B, S, static_cast<int64_t>(N) * H};
+  std::vector<int64_t> kv_shape = {B, kvN, capacity, H};
+  float* out = output(context, 0, out_shape);
+  float* present_key = output(context, 1, kv_shape);
+  float* present_value = output(context, 2, kv_shape);
+  const float* pk = static_cast<const float*>(past_key.data);
+  const float* pv = static_cast<const float*>(past_value.data);
+  const bool shared = pk == present_key && pv == present_value;
+  if (!shared) {  // ORT's layout: zeros, then the past positions, then the new ones
+    const size_t plane = static_cast<size_t>(capacity) * H;
+    std::memset(present_key, 0, sizeof(float) * B * kvN * plane);
+    std::memset(present_value, 0, sizeof(float) * B * kvN * plane);
+    for (int b = 0; b < B; ++b) {
+      const int past = seqlens_k[b] + 1 - S;
+      for (int g = 0; g < kvN; ++g) {
+        const size_t src = (static_cast<size_t>(b) * kvN + g) * past_len * H;
+        const size_t dst = (static_cast<size_t>(b) * kvN + g) * plane;
+        std::memcpy(present_key + dst, pk + src, sizeof(float) * past * H);
+        std::memcpy(present_value + dst, pv + src, sizeof(float) * past * H);
+      }
+    }
+  }
+
+  // rotated queries [B, N, S, H]; rotated keys and raw values go straight into the cache
+  const float* qdata = static_cast<const float*>(query.data);
+  const float* kdata = packed ? qdata + static_cast<size_t>(N) * H : static_cast<const float*>(key.data);
+  const float* vdata = packed ? qdata + static_cast<size_t>(N + kvN) * H : static_cast<const float*>(value.data);
+  const size_t q_stride = static_cast<size_t>(width), kv_stride = packed ? width : static_cast<size_t>(kvN) * H;
+  std::vector<float> q(static_cast<size_t>(B) * N * S * H);
+  const int64_t* pos_ids = static_cast<const int64_t*>(position_ids.data);
+  const float* cos_data = static_cast<const float*>(cos.data);
+  const float* sin_data = static_cast<const float*>(sin.data);
+  const int64_t table_rows = A.do_rotary ? cos.shape[0] : 0;
+  for (int b = 0; b < B; ++b) {
+    const int past = seqlens_k[b] + 1 - S;
+    for (int s = 0; s < S; ++s) {
+      const size_t row = static_cast<size_t>(b) * S + s;
+      const float* cs = nullptr;
+      const float* sn = nullptr;
+      if (A.do_rotary) {
+        const int64_t pos = pos_ids != nullptr ? pos_ids[row] : past + s;
+        require(pos >= 0 && pos < table_rows, "rotary position beyond the cos/sin caches");
+        cs = cos_data + pos * (rotary_dim / 2);
+        sn = sin_data + pos * (rotary_dim / 2);
+      }
+      for (int n = 0; n < N; ++n) {
+        const float* src = qdata + row * q_stride + static_cast<size_t>(n) * H;
+        float* dst = q.data() + ((static_cast<size_t>(b) * N + n) * S + s) * H;
+        if (A.do_rotary)
+          rotate(src, dst, H, rotary_dim, cs, sn, A.rotary_interleaved);
+        else
+          std::memcpy(dst, src, sizeof(float) * H);
+      }
+      for (int g = 0; g < kvN; ++g) {
+        const size_t slot = ((static_cast<size_t>(b) * kvN + g) * capacity + past + s) * H;
+        const float* ksrc = kdata + row * kv_stride + static_cast<size_t>(g) * H;
+        const float* vsrc = vdata + row * kv_stride + static_cast<size_t>(g) * H;
+        if (A.do_rotary)
+          rotate(ksrc, present_key + slot, H, rotary_dim, cs, sn, A.rotary_interleaved);
+        else
+          std::memcpy(present_key + slot, ksrc, sizeof(float) * H);
+        std::memcpy(present_value + slot, vsrc, sizeof(float) * H);
+      }
+    }
+  }
+
+  Pass P{};
+  P.attrs = &A;
+  P.batch = B;
+  P.rows = S;
+  P.head = H;
+  P.group = N / kvN;
+  P.capacity = capacity;
+  P.alpha = A.scale == 0.f ? 1.f / std::sqrt(static_cast<float>(H)) : A.scale;
+  P.q = q.data();
+  P.keys = present_key;
+  P.values = present_value;
+  P.seqlens = seqlens_k;
+  P.out = out;
+  if (bias.value != nullptr) {
+    require(bias.shape.size() == 4 && bias.shape[2] == S, "attention_bias must be [B or 1, N or 1, S, T]");
+    P.bias = static_cast<const float*>(bias.data);
+    P.bias_b = bias.shape[0];
+    P.bias_n = bias.shape[1];
+    P.bias_t = bias.shape[3];
+    for (int b = 0; b < B; ++b) require(P.bias_t == 1 || P.bias_t >= seqlens_k[b] + 1, "attention_bias too short");
+  }
+  // work items: (batch, kv head, block of rows); a row's result does not depend on its block
+  P.row_block = S <= 2 ? S : 4;
+  P.blocks_per_head = (S + P.row_block - 1) / P.row_block;
+  const size_t items = static_cast<size_t>(B) * kvN * P.blocks_per_head;
+  if (items == 1) {
+    attend(P, 0);
+  } else {
+    check(g_api->KernelContext_ParallelFor(context, run_item, items, 0, &P));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// registration
+
+constexpr const char* kDomain = "ai.edge_spec";
+constexpr size_t kInputs = 12;
+constexpr size_t kOutputs = 3;
+
+ONNXTensorElementDataType input_type(size_t index) {
+  switch (index) {
+    case 5:
+    case 6:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    case 9:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    default:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+}
+
+OrtStatus* make_status(const std::string& message) { return g_api->CreateStatus(ORT_RUNTIME_EXCEPTION, message.c_str()); }
+
+OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  try {
+    auto* kernel = new Kernel();
+    Attrs& a = kernel->attrs;
+    a.num_heads = static_cast<int>(attr_int(info, "num_heads", 0));
+    a.kv_num_heads = static_cast<int>(attr_int(info, "kv_num_heads", 0));
+    a.scale = attr_float(info, "scale", 0.f);
+    a.softcap = attr_float(info, "softcap", 0.f);
+    a.do_rotary = attr_int(info, "do_rotary", 0) == 1;
+    a.rotary_interleaved = attr_int(info, "rotary_interleaved", 0) == 1;
+    a.local_window = static_cast<int>(attr_int(info, "local_window_size", -1));
+    const bool smooth = attr_int(info, "smooth_softmax", 0) == 1;
+    if (a.num_heads <= 0 || a.kv_num_heads <= 0 || smooth) {
+      delete kernel;
+      return make_status("edge_spec.GroupQueryAttention: num_heads and kv_num_heads are required; smooth_softmax is not supported");
+    }
+    *out = kernel;
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(e.what());
+  }
+}
+
+OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context) {
+  try {
+    compute(*static_cast<Kernel*>(kernel), context);
+    return nullptr;
+  } catch (const Error& e) {
+    return make_status(e.message);
+  } catch (const std::exception& e) {
+    return make_status(e.what());
+  }
+}
+
+void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
+const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "GroupQueryAttention"; }
+const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+ONNXTensorElementDataType ORT_API_CALL op_input_type(const OrtCustomOp*, size_t index) { return input_type(index); }
+size_t ORT_API_CALL op_input_count(const OrtCustomOp*) { return kInputs; }
+ONNXTensorElementDataType ORT_API_CALL op_output_type(const OrtCustomOp*, size_t) {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+size_t ORT_API_CALL op_output_count(const OrtCustomOp*) { return kOutputs; }
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL op_input_kind(const OrtCustomOp*, size_t index) {
+  const bool required = index == 0 || (index >= 3 && index <= 6);
+  return required ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL op_output_kind(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+OrtMemType ORT_API_CALL op_input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int ORT_API_CALL op_zero(const OrtCustomOp*) { return 0; }
+int ORT_API_CALL op_start_version(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL op_end_version(const OrtCustomOp*) { return std::numeric_limits<int>::max(); }
+
+OrtCustomOp make_op() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof(op));
+  op.version = kApiVersion;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = op_provider;
+  op.GetInputType = op_input_type;
+  op.GetInputTypeCount = op_input_count;
+  op.GetOutputType = op_output_type;
+  op.GetOutputTypeCount = op_output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = op_input_kind;
+  op.GetOutputCharacteristic = op_output_kind;
+  op.GetInputMemoryType = op_input_memory;
+  op.GetVariadicInputMinArity = op_zero;
+  op.GetVariadicInputHomogeneity = op_zero;
+  op.GetVariadicOutputMinArity = op_zero;
+  op.GetVariadicOutputHomogeneity = op_zero;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute_kernel;
+  op.GetStartVersion = op_start_version;
+  op.GetEndVersion = op_end_version;
+  return op;
+}
+
+OrtCustomOp g_op = make_op();
+OrtCustomOpDomain* g_domain = nullptr;
+
+bool cpu_has_avx2() {
+#ifdef ES_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                                const OrtApiBase* api_base) {
+  g_api = api_base->GetApi(kApiVersion);
+  if (g_api == nullptr) return nullptr;  // too old a runtime: nothing to report through
+  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
+  g_use_avx2 = cpu_has_avx2() && !(force != nullptr && force[0] == '1');
+  if (g_domain == nullptr) {
+    if (OrtStatus* status = g_api->CreateCustomOpDomain(kDomain, &g_domain)) return status;
+    if (OrtStatus* status = g_api->CustomOpDomain_Add(g_domain, &g_op)) return status;
+  }
+  return g_api->AddCustomOpDomain(options, g_domain);
+}
+
+// which kernels this process runs: "avx2" or "scalar" (for tests and reports)
+__attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
+  return cpu_has_avx2() && !(std::getenv("EDGE_SPEC_NATIVE_SCALAR") && std::getenv("EDGE_SPEC_NATIVE_SCALAR")[0] == '1')
+             ? "avx2"
+             : "scalar";
+}
+}

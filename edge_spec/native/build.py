@@ -1,0 +1,129 @@
+"""Build the native attention op (``attention.cc``) once per machine, into edge-spec's user cache.
+
+The library is compiled at first use with the system C++ compiler and kept under
+``cache_root()/native/<hash>/``, the hash covering the sources, the compiler's version and the flags, so an
+edited source or another compiler builds anew and a cache copied between machines is never stale.  It is
+built for generic x86-64 (no ``-march=native``): its AVX2 kernels are chosen at run time, so a cache or a
+frozen build moved to an older CPU still loads and runs the scalar kernels.
+
+Without a compiler, or when the build fails, :func:`library_path` says why once (at debug level) and
+returns None: the runtime then keeps ORT's own ``GroupQueryAttention``.
+
+    python -m edge_spec.native.build        # build now (CI does, after installing)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from edge_spec.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "attention.cc"
+HEADERS = sorted((HERE / "include").glob("*.h"))
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno"]
+LIBRARY = "libedge_spec_attention.so"
+SWITCH = "EDGE_SPEC_NATIVE_ATTENTION"  # "0": never build nor use the native op
+
+
+class BuildError(RuntimeError):
+    """The library could not be built here (no compiler, a compiler error)."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use: ``$CXX``, else g++, else clang++ (None: none found)."""
+    for name in (os.environ.get("CXX"), "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build_key(cxx: str) -> str:
+    digest = hashlib.sha256()
+    for path in [SOURCE, *HEADERS]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(_compiler_version(cxx).encode())
+    digest.update(" ".join(FLAGS).encode())
+    return digest.hexdigest()[:16]
+
+
+def build(force: bool = False) -> Path:
+    """The built library's path, compiling it first unless this source and compiler built it already.
+
+    Built beside its final place under a temporary name and renamed over it, so that a process reading
+    the cache never finds half a library; raises :class:`BuildError` with the compiler's first lines."""
+    if sys.platform != "linux":
+        raise BuildError(f"the native attention op is built on Linux only, not {sys.platform}")
+    cxx = compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler (g++ or clang++, or $CXX) found")
+    target = cache_root() / "native" / build_key(cxx) / LIBRARY
+    if target.is_file() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    command = [cxx, *FLAGS, f"-I{HERE / 'include'}", "-o", tmp, str(SOURCE)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            raise BuildError(f"{Path(cxx).name} failed: " + " | ".join(lines[:3])[:500])
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BuildError(f"{Path(cxx).name} could not run: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def enabled() -> bool:
+    """Whether the native op may be used (``$EDGE_SPEC_NATIVE_ATTENTION=0`` turns it off)."""
+    return os.environ.get(SWITCH, "1").strip() not in ("0", "false", "no", "off")
+
+
+@cache
+def _built() -> Path | None:
+    try:
+        return build()
+    except BuildError as exc:
+        log.debug("native attention unavailable, using ORT's GroupQueryAttention: %s", exc)
+        return None
+
+
+def library_path() -> Path | None:
+    """The native attention library, built at first use (None: switched off, or it cannot be built here)."""
+    return _built() if enabled() else None
+
+
+def main() -> int:
+    try:
+        path = build()
+    except BuildError as exc:
+        print(f"edge-spec: native attention not built: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
