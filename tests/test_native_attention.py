@@ -8,6 +8,7 @@ does not promise, give each query row the same bits whatever the number of rows 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -189,3 +190,86 @@ def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(library, threa
         np.testing.assert_array_equal(alone[0, 0], whole[0, r])
     np.testing.assert_array_equal(alone_cache[0], cache[0])
     np.testing.assert_array_equal(alone_cache[1], cache[1])
+
+
+# -- the runtime: the target's attention moved to the native op at load time ------------------------------
+
+
+def test_the_target_runs_its_attention_on_the_native_op(library, target_path):
+    """Loaded with the native op, the target gives ORT's op's logits to float32 rounding; the file is untouched."""
+    from edge_spec.runtime.model.decoder import Decoder
+
+    before = target_path.read_bytes()
+    native = Decoder(target_path, threads=1, capacity=64)
+    plain = Decoder(target_path, threads=1, capacity=64, native_attention=False)
+    assert native.native_attention and not plain.native_attention
+    prompt = [5, 17, 42, 99, 7, 3, 250, 61, 11, 12]
+    ours, theirs = native.forward(prompt, len(prompt))["logits"], plain.forward(prompt, len(prompt))["logits"]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3)
+    assert target_path.read_bytes() == before
+
+
+def test_greedy_speculative_equals_autoregressive_on_the_native_op(library, int4_bundle):
+    from edge_spec.runtime.engine import Engine
+    from edge_spec.runtime.verify.sampling import SamplingParams
+    from tests.helpers import PROMPTS, chain, run
+
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="full")
+    assert engine.target.native_attention
+    rejections = 0
+    for prompt in PROMPTS[:3]:
+        ids = engine.tokenizer.encode(prompt)
+        reference, _ = run(engine, ids, SamplingParams(), 40, None)
+        for gamma in (1, 3, 6):
+            got, stats = run(engine, ids, SamplingParams(), 40, chain(gamma))
+            assert got == reference, f"γ={gamma} prompt={prompt!r}"
+            rejections += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
+    assert rejections > 0, "the drafter never disagreed: rollback not exercised"
+
+
+def test_without_a_compiler_the_runtime_keeps_orts_op(monkeypatch, tmp_path, target_path):
+    """No compiler: one debug line, no library, and the decoder loads ORT's op as before."""
+    from edge_spec.runtime.model.decoder import Decoder
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    build._built.cache_clear()
+    try:
+        with pytest.raises(build.BuildError, match="no C\\+\\+ compiler"):
+            build.build()
+        assert build.library_path() is None
+        decoder = Decoder(target_path, threads=1, capacity=32)
+        assert not decoder.native_attention
+        assert decoder.forward([5, 17, 42], 1)["logits"].shape == (1, decoder.vocab_size)
+    finally:
+        build._built.cache_clear()
+
+
+def test_a_failing_build_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler (g++ or clang++): the native attention op cannot be built here")
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, "-DEDGE_SPEC_NO_SUCH_FLAG", "-Werror=nonexistent-warning-x"])
+    with pytest.raises(build.BuildError):
+        build.build()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_the_switch_turns_the_native_op_off(monkeypatch, library, target_path):
+    from edge_spec.runtime.model.decoder import Decoder
+
+    monkeypatch.setenv(build.SWITCH, "0")
+    assert build.library_path() is None
+    assert not Decoder(target_path, threads=1, capacity=32).native_attention
+
+
+def test_only_nodes_the_native_op_takes_are_moved():
+    from edge_spec.runtime.model.native_attention import NATIVE_DOMAIN, use_native_attention
+
+    model = onnx.load_from_string(gqa_model("com.microsoft", tree=True))
+    assert use_native_attention(model) == 1
+    assert model.graph.node[0].domain == NATIVE_DOMAIN
+    assert any(o.domain == NATIVE_DOMAIN for o in model.opset_import)
+    smooth = onnx.load_from_string(gqa_model("com.microsoft", tree=False))
+    smooth.graph.node[0].attribute.append(helper.make_attribute("smooth_softmax", 1))
+    assert use_native_attention(smooth) == 0 and smooth.graph.node[0].domain == "com.microsoft"

@@ -54,6 +54,7 @@ from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_atten
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
+from edge_spec.runtime.model.native_attention import native_library, use_native_attention
 from edge_spec.runtime.model.providers import open_session
 from edge_spec.runtime.model.session import set_spinning
 
@@ -147,11 +148,14 @@ class Decoder:
         provider_options: dict[str, str] | None = None,
         kv_device: str | None = None,
         attention_pad: bool = True,
+        native_attention: bool = True,
     ) -> None:
         """``provider_options`` go to the execution provider as they are (e.g. ``device_id``);
         ``kv_device`` overrides where the KV cache lives (default: the provider's device when ORT can
         allocate there, else host memory; see :mod:`kv_cache`); ``attention_pad`` False loads a graph
-        that pads its attention without that pad (:mod:`attention_unpad`: for measuring what it costs)."""
+        that pads its attention without that pad (:mod:`attention_unpad`: for measuring what it costs);
+        ``native_attention`` False keeps ORT's own attention op where the native one would replace it
+        (:mod:`native_attention`; ``EDGE_SPEC_NATIVE_ATTENTION=0`` does the same for every decoder)."""
         model_path = Path(model_path)
         self.model_path = model_path
         if not model_path.is_file():
@@ -165,15 +169,22 @@ class Decoder:
         set_spinning(opts, takes_turns)  # target and drafter alternate on the same cores
         model: str | bytes = str(model_path)
         self.attention_pad_removed = False
-        if not attention_pad:
-            graph = onnx.load(str(model_path), load_external_data=False)
-            if has_attention_pad(graph):
-                model = strip_attention_pad(graph).SerializeToString()
+        self.native_attention = False  # attention runs on edge_spec.native's op, not ORT's
+        library = native_library(provider) if native_attention else None
+        graph = onnx.load(str(model_path), load_external_data=False) if library or not attention_pad else None
+        if graph is not None:
+            if not attention_pad and has_attention_pad(graph):
+                strip_attention_pad(graph)
+                self.attention_pad_removed = True
+            if library is not None and use_native_attention(graph):
+                opts.register_custom_ops_library(str(library))
+                self.native_attention = True
+            if self.attention_pad_removed or self.native_attention:
+                model = graph.SerializeToString()
                 # the weights stay in their file beside the graph, found from there
                 opts.add_session_config_entry(
                     "session.model_external_initializers_file_folder_path", str(model_path.parent)
                 )
-                self.attention_pad_removed = True
         try:
             self.session = open_session(model, opts, provider, provider_options)
         except EdgeSpecError:

@@ -1,0 +1,61 @@
+"""Run a decoder graph's attention on the native op (``edge_spec.native``), in memory, at load time.
+
+ORT's CPU ``GroupQueryAttention`` reads each key/value head once per query head sharing it (six times for
+Qwen2.5's 12 over 2), and its one-row path rounds differently from its multi-row one.  The native op
+takes the same inputs, outputs and attributes, reads each key/value head once and gives a query row the
+same bits whatever number of rows shares its pass.  The bundle's file is left as it is: the loaded graph's
+attention nodes move to the native op's domain, and a graph the native op cannot take (or a machine where
+it does not build, or ``EDGE_SPEC_NATIVE_ATTENTION=0``) keeps ORT's op.  CPU execution provider only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto
+
+from edge_spec.native import build
+
+log = logging.getLogger(__name__)
+
+NATIVE_DOMAIN = "ai.edge_spec"
+ORT_DOMAIN = "com.microsoft"
+_MAX_INPUTS = 11  # query, key, value, past key/value, seqlens_k, total, cos, sin, position_ids, attention_bias
+_UNSUPPORTED_ATTRIBUTES = {"smooth_softmax", "qk_output"}
+
+
+def native_library(provider: str) -> Path | None:
+    """The native op's library where this decoder can use it (None: ORT's op stays)."""
+    if provider.lower() != "cpu":
+        return None
+    return build.library_path()
+
+
+def _takes(node: onnx.NodeProto, float_inputs: set[str]) -> bool:
+    if node.op_type != "GroupQueryAttention" or node.domain != ORT_DOMAIN:
+        return False
+    if len(node.input) > _MAX_INPUTS or len(node.output) != 3 or len(node.input) < 5:
+        return False
+    if any(a.name in _UNSUPPORTED_ATTRIBUTES and a.i != 0 for a in node.attribute):
+        return False
+    return node.input[3] in float_inputs and node.input[4] in float_inputs  # an fp32 cache, bound by the runtime
+
+
+def use_native_attention(model: onnx.ModelProto) -> int:
+    """Move ``model``'s attention nodes to the native op (in place); returns how many moved."""
+    graph = model.graph
+    float_inputs = {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT}
+    moved = 0
+    for node in graph.node:
+        if _takes(node, float_inputs):
+            node.domain = NATIVE_DOMAIN
+            moved += 1
+    if moved and not any(o.domain == NATIVE_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(NATIVE_DOMAIN, 1))
+    return moved
+
+
+def uses_native_attention(model: onnx.ModelProto) -> bool:
+    return any(n.domain == NATIVE_DOMAIN for n in model.graph.node)
