@@ -5,7 +5,8 @@ cycle, bounds no value meets) or only the empty answer is refused by the Python 
 ``EdgeSpecError`` line) and by the server (400 naming the field), for ``response_format`` and for the
 tool parameters a forced call follows.  What no limit of llguidance bounds, the time a compile takes,
 the server bounds by compiling first in a child process that it ends at a time limit; ``/health``
-answers meanwhile.
+answers meanwhile.  A pattern bomb (nested counted repetitions) is refused before anything compiles it,
+so the child is neither busy with it nor ended for it.
 """
 
 from __future__ import annotations
@@ -17,17 +18,22 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
+from llguidance import LLMatcher  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from edge_spec.errors import EdgeSpecError  # noqa: E402
 from edge_spec.runtime.constrain import (  # noqa: E402
+    MAX_EXPANSION,
     CheckerBusy,
     GrammarChecker,
     GrammarRefused,
     compile_grammar,
     grammar_for,
+    pattern_problem,
+    schema_pattern_problem,
     self_reference,
 )
+from edge_spec.runtime.constrain.patterns import expansion  # noqa: E402
 from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.server.serve import build_app  # noqa: E402
 from tests import helpers  # noqa: E402
@@ -44,6 +50,7 @@ NESTED_CYCLE = {
 }
 NO_LENGTH = {"type": "string", "minLength": 5, "maxLength": 2}
 BOMB = {"type": "string", "pattern": "^(a{1000}){1000}$"}  # llguidance's lexer: seconds, then a lexer error
+BOMB_GRAMMAR = LLMatcher.grammar_from_json_schema(BOMB)  # past the static check: for the child's time limit
 SLOW = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}  # minutes
 GOOD = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
 QUICK = 1.0  # the compile time limit the tests set (seconds)
@@ -108,20 +115,56 @@ def test_a_grammar_that_compiles_keeps_its_initial_state(engine):
     assert answer.text.startswith("{")
 
 
+@pytest.mark.parametrize(
+    "pattern, size",
+    [
+        ("^(a{1000}){1000}$", 1_000_000),
+        ("((a{10}){10}){100}", 10_000),
+        ("a{2}{3}", 6),
+        ("(?:ab|cd){10}", 40),
+        ("(a|b{50}){2}", 102),
+        ("^(\\d{1,3}\\.){3}\\d{1,3}$", 15),
+        ("[a-z]{1,64}", 64),
+        ("[]{]{3}", 3),  # a brace in a class is no count
+        ("\\p{L}{5}", 5),
+        ("x{abc}", 6),  # not a count: literal characters
+        ("^.{0,100000}$", 100_000),
+    ],
+)
+def test_a_patterns_expansion_counts_its_repetitions(pattern, size):
+    assert expansion(pattern) == size
+
+
+def test_pattern_bombs_are_refused_without_compiling():
+    assert pattern_problem("^[a-z0-9._%+-]+@[a-z0-9.-]+\\.[a-z]{2,}$") is None
+    assert pattern_problem("^.{0,%d}$" % MAX_EXPANSION) is None
+    problem = pattern_problem("^(a{1000}){1000}$")
+    assert "expands to 1,000,000" in problem and f"at most {MAX_EXPANSION:,}" in problem
+    nested = {"type": "object", "properties": {"a": {"type": "array", "items": BOMB}}}
+    assert "expands to" in schema_pattern_problem(nested)
+    assert "expands to" in schema_pattern_problem({"patternProperties": {"(x{400}){400}": {}}})
+    assert schema_pattern_problem({"enum": [BOMB], "properties": {"pattern": {"type": "string"}}}) is None  # data
+    started = time.perf_counter()
+    assert expansion("(" * 20_000 + "a{9}" + "){9}" * 20_000) > MAX_EXPANSION  # linear in the length
+    assert time.perf_counter() - started < 1.0
+    with pytest.raises(EdgeSpecError, match="^response_format json_schema.schema: the pattern"):
+        grammar_for(schema_format(BOMB))
+
+
 # -- the checker's child process -------------------------------------------------------------------
 
 
 def test_a_slow_compile_is_ended_at_its_time_limit_and_the_checker_goes_on(checker):
-    for index, schema in enumerate((BOMB, SLOW)):
+    for index, grammar in enumerate((BOMB_GRAMMAR, grammar_for(schema_format(SLOW)))):
         checker.check(grammar_for(schema_format({**GOOD, "title": str(index)})))  # a child, started apart
         started = time.monotonic()
         with pytest.raises(GrammarRefused, match=f"takes longer than {QUICK:g} s"):
-            checker.check(grammar_for(schema_format(schema)), seconds=QUICK)
+            checker.check(grammar, seconds=QUICK)
         assert time.monotonic() - started < QUICK + 1.0
     checker.check(grammar_for({"type": "json_object"}))  # a new child
     started = time.monotonic()
     with pytest.raises(GrammarRefused, match="takes longer"):  # remembered: no second compile
-        checker.check(grammar_for(schema_format(BOMB)), seconds=QUICK)
+        checker.check(BOMB_GRAMMAR, seconds=QUICK)
     assert time.monotonic() - started < 0.5
     with pytest.raises(GrammarRefused, match="minLength"):
         checker.check(grammar_for(schema_format(NO_LENGTH)))
@@ -178,8 +221,8 @@ def test_the_server_refuses_impossible_grammars_with_a_400(engine, response_form
         assert body["param"] == "response_format" and fragment in body["message"], body
 
 
-@pytest.mark.parametrize("schema", [BOMB, SLOW], ids=["nested-counts", "many-optional-properties"])
-def test_the_server_refuses_a_grammar_bomb_within_its_time_limit(engine, schema):
+def test_the_server_refuses_a_slow_grammar_within_its_time_limit(engine):
+    schema = SLOW
     with serving(engine) as client:
         warm = client.post(
             "/v1/completions", json={"prompt": "x", "max_tokens": 2, "response_format": {"type": "json_object"}}
@@ -197,6 +240,28 @@ def test_the_server_refuses_a_grammar_bomb_within_its_time_limit(engine, schema)
     assert body["param"] == "response_format" and f"takes longer than {QUICK:g} s" in body["message"]
     assert took < QUICK + 2.0, took
     assert after.status_code == 200, after.text
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [schema_format(BOMB), {"type": "regex", "regex": "^(a{1000}){1000}$"}],
+    ids=["schema-pattern", "regex"],
+)
+def test_a_pattern_bomb_is_refused_before_the_checker_sees_it(engine, response_format):
+    """Ending the checker's child and starting another costs seconds of CPU: a bomb never gets that far."""
+    app, state = build_app(engine, name="tiny")
+    state.grammar_seconds = 5.0
+    with TestClient(app, base_url=BASE) as client:
+        started = time.monotonic()
+        bomb = client.post(
+            "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "response_format": response_format}
+        )
+        took = time.monotonic() - started
+    body = error(bomb, 400)
+    assert body["param"] == "response_format" and "expands to 1,000,000" in body["message"], body
+    assert "\n" not in body["message"]
+    assert took < 1.0, took
+    assert state._checker is None  # no child was started, busied or ended for it
 
 
 def test_forced_tool_calls_check_their_parameters(tools_bundle):  # noqa: F811
@@ -218,7 +283,7 @@ def test_forced_tool_calls_check_their_parameters(tools_bundle):  # noqa: F811
             )
         }
     for name, fragment in (
-        ("bomb", "takes longer"),
+        ("bomb", "expands to 1,000,000"),
         ("cycle", "refers only to itself"),
         ("impossible", "cannot force a call"),
     ):
@@ -237,7 +302,7 @@ def test_health_answers_while_a_grammar_bomb_compiles(engine):
             started = time.monotonic()
             outcome["response"] = httpx.post(
                 f"{server.url}/v1/completions",
-                json={"prompt": "x", "max_tokens": 2, "response_format": schema_format({**BOMB, "title": "live"})},
+                json={"prompt": "x", "max_tokens": 2, "response_format": schema_format({**SLOW, "title": "live"})},
                 timeout=60,
             )
             outcome["took"] = time.monotonic() - started

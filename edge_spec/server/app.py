@@ -33,6 +33,7 @@ from edge_spec.runtime.constrain import (
     GrammarRefused,
     checker_for,
     grammar_for,
+    schema_pattern_problem,
     self_reference,
 )
 from edge_spec.runtime.loops import check_constraint
@@ -290,9 +291,10 @@ def _plan_tools(state: ServerState, request: ToolRequest | None) -> ToolUse | No
     a 400 naming ``tools`` when a forced call would follow parameters no value matches."""
     if request is not None and request.choice == "required":
         for tool in request.tools:
-            cycle = self_reference(tool["function"].get("parameters") or {})
-            if cycle:
-                raise bad_request(f"cannot force a call to {tool['function']['name']}: {cycle}", param="tools")
+            parameters = tool["function"].get("parameters") or {}
+            problem = self_reference(parameters) or schema_pattern_problem(parameters)
+            if problem:
+                raise bad_request(f"cannot force a call to {tool['function']['name']}: {problem}", param="tools")
     text = state.worker.engine.tokenizer
     return plan_tools(request, state.tool_format, text.takes_tools, text.tokenizer.token_to_id)
 

@@ -7,8 +7,9 @@ llguidance; its tokenizer side (:class:`GrammarVocabulary`) is built once per bu
 nothing of models, proposers or loops: the loops mask the target's rows with it, the drafters their
 proposals, and the forced tokens are a proposer of their own (``propose.forced``).  A JSON schema is
 also shown to the model, as one system instruction (:mod:`instruction`).  A grammar is compiled under
-limits and refused when it cannot constrain an answer (:mod:`compile`); a server checks each request's
-grammar first in a child process it can stop at a time limit (:mod:`isolated`).
+limits and refused when it cannot constrain an answer (:mod:`compile`), a pattern bomb before anything
+compiles it (:mod:`patterns`); a server checks each request's grammar first in a child process it can
+stop at a time limit (:mod:`isolated`).
 """
 
 from edge_spec.runtime.constrain.compile import GrammarRefused, compile_grammar
@@ -16,10 +17,12 @@ from edge_spec.runtime.constrain.constraint import Constraint, ConstraintViolati
 from edge_spec.runtime.constrain.grammar import RESPONSE_FORMATS, grammar_for, self_reference
 from edge_spec.runtime.constrain.instruction import schema_instruction, with_instruction
 from edge_spec.runtime.constrain.isolated import COMPILE_SECONDS, CheckerBusy, GrammarChecker, checker_for
+from edge_spec.runtime.constrain.patterns import MAX_EXPANSION, pattern_problem, schema_pattern_problem
 from edge_spec.runtime.constrain.vocabulary import GrammarVocabulary
 
 __all__ = [
     "COMPILE_SECONDS",
+    "MAX_EXPANSION",
     "CheckerBusy",
     "Constraint",
     "ConstraintViolation",
@@ -30,6 +33,8 @@ __all__ = [
     "checker_for",
     "compile_grammar",
     "grammar_for",
+    "pattern_problem",
+    "schema_pattern_problem",
     "self_reference",
     "schema_instruction",
     "with_instruction",

@@ -17,6 +17,7 @@ from __future__ import annotations
 from llguidance import LLMatcher
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime.constrain.patterns import pattern_problem, schema_pattern_problem
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "lark")
 WHITESPACE = ("flexible", "compact")
@@ -43,6 +44,8 @@ def grammar_for(response_format: dict | None) -> str | None:
         source = response_format.get(kind)
         if not isinstance(source, str) or not source:
             raise EdgeSpecError(f"response_format {kind} needs the {kind} as a non-empty string in {kind!r}")
+        if kind == "regex" and (problem := pattern_problem(source)) is not None:
+            raise EdgeSpecError(f"response_format regex: {problem}")
         return LLMatcher.grammar_from_regex(source) if kind == "regex" else LLMatcher.grammar_from_lark(source)
     whitespace = response_format.get("whitespace", "flexible")
     if whitespace not in WHITESPACE:
@@ -54,9 +57,9 @@ def grammar_for(response_format: dict | None) -> str | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise EdgeSpecError("response_format json_schema needs the schema as an object in json_schema.schema")
-        cycle = self_reference(schema)
-        if cycle:
-            raise EdgeSpecError(f"response_format json_schema.schema: {cycle}")
+        problem = self_reference(schema) or schema_pattern_problem(schema)
+        if problem:
+            raise EdgeSpecError(f"response_format json_schema.schema: {problem}")
     try:
         return LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": whitespace == "flexible"})
     except (ValueError, TypeError) as exc:  # not serialisable as JSON
