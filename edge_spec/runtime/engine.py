@@ -363,7 +363,8 @@ class Engine:
         return self.loaded.bytes_ratio(self.config)
 
     def cancel(self) -> None:
-        """Stop the generation in progress (safe to call from another thread)."""
+        """Stop the generation in progress (safe to call from another thread): it ends before its next
+        model pass (a prefill pass, a drafter step or a verify pass), having given only verified tokens."""
         self._cancel.set()
 
     def close(self) -> None:
@@ -687,6 +688,7 @@ class Engine:
             spec_stats,
             memory,
             constraint,
+            self._cancel.is_set,  # seen between any two model passes, mid-round too
         )
         self._tokens = tokens
         watched = self._watch_prefill(mode, on_prefill)
@@ -718,6 +720,9 @@ class Engine:
                 if self._cancel.is_set():
                     stats.stop_reason = "cancelled"
                     break
+            else:
+                if self._cancel.is_set():  # the loop ended mid-round, before a model pass
+                    stats.stop_reason = "cancelled"
             if stats.stop_reason != "stop":
                 text, stopped = stopper.feed(detok.flush())
                 text += "" if stopped else stopper.flush()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -49,10 +49,14 @@ def generate_tokens(
     stats: SpecStats | None = None,
     memory: ScheduleMemory | None = None,
     constraint: Constraint | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """The token stream of one request in the loop ``config`` names (``memory``: the chain schedule's
     carried calibration, see ``schedule.memory``; ``constraint``: what the answer may contain, fresh,
-    followed token by token; the chain then drafts the tokens it forces first)."""
+    followed token by token; the chain then drafts the tokens it forces first).  ``should_stop()``
+    (e.g. a cancel event's ``is_set``) is asked before every model pass after the prompt's: once True
+    the stream ends there, mid-round, having yielded only tokens the target verified, and without
+    the round's verify pass."""
     if constraint is not None:
         check_constraint(config)
     if isinstance(config, ArConfig):
@@ -64,6 +68,7 @@ def generate_tokens(
             max_new_tokens,
             constraint,
             stats.token_logprobs if stats is not None else None,
+            should_stop,
         )
     names = proposer_names(config)
     if constraint is not None and "forced" not in names:
@@ -71,6 +76,7 @@ def generate_tokens(
     proposers = build_proposers(names, context)
     if isinstance(config, ChainConfig):
         return generate_chain(
-            target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats, memory, constraint
+            target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats, memory, constraint, should_stop
         )
-    return SPECULATIVE_LOOPS[type(config)](target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats)
+    loop = SPECULATIVE_LOOPS[type(config)]
+    return loop(target, proposers, prompt_ids, params, rng, max_new_tokens, config, stats, should_stop=should_stop)

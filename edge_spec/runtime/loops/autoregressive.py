@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -38,8 +38,10 @@ def generate_autoregressive(
     max_new_tokens: int,
     constraint: Constraint | None = None,
     logprobs: LogprobRecorder | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids; the caller stops early (eos, stop string, cancel) by closing us.
+    """Yield up to ``max_new_tokens`` ids; the caller stops early (eos, stop string, cancel) by closing us,
+    or by ``should_stop()`` turning True, asked before each pass after the prompt's.
     ``constraint``: each token is chosen among the tokens it allows (the masked logits).  ``logprobs``:
     records each token's entry from its raw row before the token is yielded."""
     logits = target.prefill(prompt_ids)["logits"][-1]
@@ -52,4 +54,6 @@ def generate_autoregressive(
             logprobs.record(logits, token)
         yield token
         if step + 1 < max_new_tokens:
+            if should_stop is not None and should_stop():
+                return
             logits = target.forward([token])["logits"][-1]

@@ -4,7 +4,8 @@ Read it top to bottom like gpt-fast's ``speculative_decode`` or llama.cpp's ``co
 
 1. Draft: the planner (``schedule.planner``) picks the proposer -- a prompt-lookup match that pays,
    else the drafter model with this round's stop rule, else a free guess for the spare row of a
-   batch-invariant pass -- and the proposer drafts (``propose``).
+   batch-invariant pass -- and the proposer drafts (``propose``).  A stop asked for (the engine's
+   cancel) ends the loop here, between drafter steps or before the verify pass.
 2. Verify: one target pass over ``[pending, d1..dγ]`` gives γ + 1 rows; greedy or coupled match, or
    rejection sampling (``verify.chain``) returns the accepted drafts plus one correction/bonus token.
 3. Roll back the caches to the accepted prefix, show the proposers the target's outputs, emit.
@@ -21,7 +22,7 @@ drawn from (zero outside a trimmed head; a point mass for lookup drafts and gues
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -48,11 +49,13 @@ def generate_chain(
     stats: SpecStats | None = None,
     memory: ScheduleMemory | None = None,
     constraint: Constraint | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them
     (under ``constraint``: as target-only decoding masked to what it allows would).
-    ``memory``: what the schedule learned in earlier requests with this drafter (updated in place)."""
-    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, constraint)
+    ``memory``: what the schedule learned in earlier requests with this drafter (updated in place).
+    ``should_stop()`` True ends the stream between two drafter steps or before the verify pass."""
+    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, constraint, should_stop)
     calibration = memory.calibration(params.regime) if memory else None
     planner = DraftPlanner(
         proposers,
@@ -67,7 +70,9 @@ def generate_chain(
     while not request.done:
         # 1. draft: the planner picks who drafts and how many
         clock = request.clock()
-        block = planner.draft(request.committed, request.room(), params, rng, request.constraint)
+        block = planner.draft(request.committed, request.room(), params, rng, request.constraint, should_stop)
+        if request.stopped():  # cancelled while drafting: no verify pass, nothing more emitted
+            return
         masks = request.constrain(block)  # under a constraint: drafts it forbids go, each row's mask
         clock.drafted()
 

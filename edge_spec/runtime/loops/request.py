@@ -15,12 +15,15 @@
   (:meth:`Request.constrain`), masks every verified row of the target to what it allows there
   (:meth:`Request.masked`: greedy takes the masked argmax, sampling the masked distribution), and
   :meth:`Request.accept` takes the rejected drafts back, so the constraint always follows ``committed``.
+* A stop asked for (``should_stop``, the engine's cancel) is seen between any two model passes: the
+  drafter checks it before each step (``DraftRule.should_stop``) and the loops before each round and
+  each verify pass (:meth:`Request.stopped`), so a cancel waits for one pass, not a whole round.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -46,8 +49,10 @@ class Request:
         max_new_tokens: int,
         stats: SpecStats | None = None,
         constraint: Constraint | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
         self.target, self.proposers = target, proposers
+        self.should_stop = should_stop  # asked between the drafter's steps and before each verify pass
         self.constraint = constraint  # what the answer may contain; follows ``committed``
         self._walked = 0  # drafts of this round the constraint was advanced over (see constrain)
         self.prompt_ids, self.params, self.rng = list(prompt_ids), params, rng
@@ -65,6 +70,13 @@ class Request:
     @property
     def done(self) -> bool:
         return self.emitted >= self.max_new_tokens
+
+    def stopped(self) -> bool:
+        """Whether the caller asked the request to end (a cancel): the loop then returns where it is, between
+        two model passes, before the round's verify pass.  Nothing of the round is emitted or recorded;
+        the caches are left holding more than ``committed``, which the next request's prefill and the
+        drafter's catch-up cut back, as after any answer."""
+        return self.should_stop is not None and self.should_stop()
 
     def start(self) -> Iterator[int]:
         """Prefill the target and the proposers; emit the target's first token."""

@@ -89,9 +89,14 @@ def generate_ssd(
     max_new_tokens: int,
     config: SsdConfig = SsdConfig(),
     stats: SpecStats | None = None,
+    *,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
-    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
+    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them.
+    ``should_stop()`` True ends the stream before the next drafter step or verify pass; drafting ahead
+    stops too, and a verify pass already under way is waited for and its tokens emitted (they are
+    verified), the caller ending the stream after the first."""
+    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, should_stop=should_stop)
     drafter = request.drafter
     if drafter is None:
         raise EdgeSpecError("speculative speculative decoding needs the drafter model among the proposers")
@@ -109,10 +114,11 @@ def generate_ssd(
                 block = ready
                 stats.speculation_hits += 1
             else:
-                block = drafter.propose(
-                    request.committed, gamma, _rule(params, draft_seed, request.committed, gamma, config.fan_out)
-                )
+                rule = _rule(params, draft_seed, request.committed, gamma, config.fan_out, should_stop)
+                block = drafter.propose(request.committed, gamma, rule)
                 stats.speculation_misses += bool(gamma)
+            if request.stopped():  # cancelled while drafting (or between rounds): no verify pass
+                return
             clock.drafted()
 
             # 2. verify in the background; meanwhile draft ahead for the likely outcomes
@@ -129,6 +135,7 @@ def generate_ssd(
                     pending.done,
                     cache,
                     stats,
+                    cancelled=request.stopped,
                     room_after=lambda prefix: request.room(
                         prefix, request.emitted + len(prefix) - len(request.committed)
                     ),
@@ -170,17 +177,21 @@ def _prepare(
     cache: SpeculationCache,
     stats: SpecStats,
     *,
+    cancelled: Callable[[], bool],
     room_after: Callable[[list[int]], int],
 ) -> None:
     """Draft the next round for the most likely outcomes of ``block`` until ``verified()`` (speculations
     -1) or for exactly ``config.speculations`` outcomes, each no longer than the next round may verify
     (``room_after(prefix)``: the context and the token budget bound it as they bound this round).  Its
     drafter steps and head time count in ``stats`` like those of the critical path, so the head's cost
-    per step stays one figure."""
+    per step stays one figure.  ``cancelled()`` True stops it before its next drafter step."""
     started = time.perf_counter()
     head_before = drafter.head_seconds
     budget, timed = config.speculations, config.speculations < 0
-    stop = verified if timed else (lambda: False)
+
+    def stop() -> bool:
+        return (timed and verified()) or cancelled()
+
     bonus: list[tuple[int, float]] = []
     if not stop() and budget != 0:  # look-ahead after the last draft: the bonus-token candidates
         logits, ids = drafter.next_logits(committed + block.tokens)

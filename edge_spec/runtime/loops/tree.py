@@ -27,7 +27,7 @@ emitted token is the target's argmax on its own prefix.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -101,17 +101,20 @@ def draft_branches(
     config: TreeConfig,
     params: SamplingParams,
     rng: np.random.Generator,
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[DraftBlock], list[int], np.ndarray | None]:
     """The root distribution once, then one chain of ``depth`` tokens per distinct first token
     (a repeated first token shares its branch).  Returns the branches, the first tokens as drawn
-    (what the root verifier needs) and the root q when sampling."""
+    (what the root verifier needs) and the root q when sampling.  ``should_stop()`` is asked before
+    every drafter step after the root's; once True the branches drafted so far come back cut short."""
     if depth == 0:
         return [], [], None
     logits, ids = drafter.next_logits(committed)
     first_tokens, q_root = _root_drafts(logits, ids, params, config, drafter.vocab_size, rng)
     branches = []
     for token in dict.fromkeys(first_tokens):
-        block = drafter.propose(committed + [token], depth - 1, DraftRule(params, rng, depth - 1))
+        rule = DraftRule(params, rng, depth - 1, should_stop=should_stop)
+        block = drafter.propose(committed + [token], depth - 1, rule)
         block.tokens.insert(0, token)
         block.steps += 1 if not branches else 0  # the root step, counted once
         branches.append(block)
@@ -127,10 +130,13 @@ def generate_tree(
     max_new_tokens: int,
     config: TreeConfig,
     stats: SpecStats | None = None,
+    *,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them."""
+    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them;
+    ``should_stop()`` True ends the stream before the next drafter step or the tree's verify pass."""
     check_tree(target, config, params)
-    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats)
+    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, should_stop=should_stop)
     if request.drafter is None:
         raise EdgeSpecError("multi-draft decoding needs the drafter model among the proposers")
     yield from request.start()
@@ -140,7 +146,13 @@ def generate_tree(
         depth = min(config.gamma, max_new_tokens - request.emitted - 1)
         if 1 + config.drafts * depth > target.capacity - (len(request.committed) - 1):
             depth = 0  # the tree would not fit in the context: a plain target step
-        branches, first_tokens, q_root = draft_branches(request.drafter, request.committed, depth, config, params, rng)
+        if request.stopped():  # before the root step
+            return
+        branches, first_tokens, q_root = draft_branches(
+            request.drafter, request.committed, depth, config, params, rng, should_stop
+        )
+        if request.stopped():  # cancelled while drafting: no verify pass, nothing more emitted
+            return
         tree = DraftTree(request.pending, tuple(tuple(b.tokens) for b in branches))
         clock.drafted()
 
