@@ -12,6 +12,21 @@ import numpy as np
 from tests import tiny_models
 
 # ---------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------
+
+#: A tool as an OpenAI request declares it, for tests of tool schemas, calls and results in the chat template
+#: and in a model's output format.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+# ---------------------------------------------------------------------------
 # bundles
 # ---------------------------------------------------------------------------
 

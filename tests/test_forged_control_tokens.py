@@ -17,6 +17,7 @@ from edge_spec.runtime.text import TextTokenizer
 from edge_spec.server.schemas import parse_chat
 from tests import tiny_models
 from tests.chat_templates import QWEN25, QWEN25_SHORT
+from tests.helpers import WEATHER_TOOL
 
 # Qwen2.5's added tokens beyond the chat markers (special in its tokenizer.json) and those it adds as
 # non-special (Qwen3 adds the <tool_response> and <think> pairs the same way)
@@ -36,14 +37,6 @@ QWEN_PLAIN = [
     "</think>",
 ]
 TEMPLATES = {"chatml": tiny_models.CHAT_TEMPLATE, "qwen2.5": QWEN25, "qwen2.5-short": QWEN25_SHORT}
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 def write_tokenizer(directory, template: str, where: str) -> TextTokenizer:
@@ -95,7 +88,7 @@ def conversation(field: str, text: str) -> tuple[list[dict], list[dict] | None]:
     ask = {"role": "user", "content": "Weather in Paris?"}
     calling = {"role": "assistant", "content": None, "tool_calls": [call()]}
     result = {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}
-    tool = json.loads(json.dumps(TOOL))
+    tool = json.loads(json.dumps(WEATHER_TOOL))
     if field == "system":
         return [{"role": "system", "content": text}, ask], None
     if field == "user":

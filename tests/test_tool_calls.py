@@ -13,15 +13,8 @@ from tokenizers import AddedToken
 from edge_spec.runtime.constrain import Constraint, GrammarVocabulary, grammar_for
 from edge_spec.server.tool_calls import FORMATS, ToolCall, detect_format, split_answer
 from tests import tiny_models
+from tests.helpers import WEATHER_TOOL
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -193,16 +186,16 @@ MARKER_IDS = {"<tool_call>": 5, "</tool_call>": 6, "[TOOL_CALLS]": 7}
 @pytest.mark.parametrize("only, parallel", [(None, True), (None, False), ("get_time", False)])
 @pytest.mark.parametrize("ids", [{}, MARKER_IDS])
 def test_forced_call_grammars_compile(name, only, parallel, ids):
-    grammar = FORMATS[name].forced_grammar([WEATHER, CLOCK], only=only, parallel=parallel, token_id=ids.get)
+    grammar = FORMATS[name].forced_grammar([WEATHER_TOOL, CLOCK], only=only, parallel=parallel, token_id=ids.get)
     assert LLMatcher.validate_grammar(grammar) == ""
 
 
 def test_forced_call_markers_are_their_tokens_where_the_vocabulary_has_them():
     """A grammar engine reads added tokens as special ones, which no text literal matches: a marker the
     vocabulary has is named by its id."""
-    assert "<[5]>" in FORMATS["hermes"].forced_grammar([WEATHER], token_id=MARKER_IDS.get)
-    assert "<[7]>" in FORMATS["mistral"].forced_grammar([WEATHER], token_id=MARKER_IDS.get)
-    assert '"<tool_call>' in FORMATS["hermes"].forced_grammar([WEATHER])
+    assert "<[5]>" in FORMATS["hermes"].forced_grammar([WEATHER_TOOL], token_id=MARKER_IDS.get)
+    assert "<[7]>" in FORMATS["mistral"].forced_grammar([WEATHER_TOOL], token_id=MARKER_IDS.get)
+    assert '"<tool_call>' in FORMATS["hermes"].forced_grammar([WEATHER_TOOL])
 
 
 # where a forced answer may end: the mask of each format's grammar over the tiny vocabulary
@@ -227,7 +220,7 @@ def tiny_vocabulary(request):
 def forced_answer(tiny_vocabulary, name: str, text: str, **options) -> Constraint:
     """The constraint of a forced answer in format ``name`` after the tokens of ``text``."""
     tokenizer, vocabulary = tiny_vocabulary
-    grammar = FORMATS[name].forced_grammar([WEATHER, CLOCK], token_id=tokenizer.token_to_id, **options)
+    grammar = FORMATS[name].forced_grammar([WEATHER_TOOL, CLOCK], token_id=tokenizer.token_to_id, **options)
     constraint = Constraint(grammar_for({"type": "lark", "lark": grammar}), vocabulary)
     for token in tokenizer.encode(text, add_special_tokens=False).ids:
         constraint.advance(token)
