@@ -11,6 +11,7 @@ with an API key gets it from the page's dialog, and a page of another origin is 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -267,6 +268,41 @@ def send(driver, prompt: str) -> None:
     driver.find_element("id", "send").click()
 
 
+@contextlib.contextmanager
+def served_page(engine, driver, **options):
+    """Serves ``engine`` as ``edge-spec serve`` would (``build_app`` with ``options``) on a live server and
+    opens its chat page in ``driver``; yields the server and the app's state, and stops the server after."""
+    app, state = build_app(engine, **options)
+    server = LiveServer(app)
+    try:
+        driver.get(server.url + "/")
+        yield server, state
+    finally:
+        server.stop()
+
+
+def wait_ready(driver, what: str = "the page") -> None:
+    """Waits for the page to have its model and settings loaded (``<body data-ready="true">``)."""
+    wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true", what=what)
+
+
+def set_settings(driver, **values: str) -> None:
+    """Types each value into its box of the settings dialog (``max_tokens`` is the ``max-tokens`` box), in
+    order, and closes the dialog."""
+    driver.find_element("id", "settings-button").click()
+    for field, value in values.items():
+        box = driver.find_element("id", field.replace("_", "-"))
+        box.clear()
+        box.send_keys(value)
+    driver.find_element("id", "settings-close").click()
+
+
+def ask(driver, prompt: str) -> None:
+    """Sends ``prompt`` and waits for its answer to end, done or stopped at the token limit."""
+    send(driver, prompt)
+    wait(driver, lambda d: text_of(d, "stat-state") in ("done", "stopped at max tokens"), what="the answer")
+
+
 def save_artifact(driver, tmp_path: Path, name: str) -> Path:
     shot = tmp_path / name
     assert driver.save_screenshot(str(shot))
@@ -284,97 +320,81 @@ def health(url: str) -> dict:
 @pytest.mark.slow
 @browser_test
 def test_chat_page_in_a_browser(slowed_engine, browser, tmp_path):
-    app, _ = build_app(slowed_engine, name="tiny")
-    server = LiveServer(app)
     driver = browser
     try:
-        driver.get(server.url + "/")
-        wait(
-            driver,
-            lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true",
-            what="the page to start",
-        )
-        assert text_of(driver, "model-name") == "tiny" and text_of(driver, "model-mode") == "spec"
-        legend = driver.find_element("class name", "legend").text
-        for label in ("drafter model", "copied", "grammar", "free guess", "target"):
-            assert label in legend
+        with served_page(slowed_engine, driver, name="tiny") as (server, _):
+            wait_ready(driver, what="the page to start")
+            assert text_of(driver, "model-name") == "tiny" and text_of(driver, "model-mode") == "spec"
+            legend = driver.find_element("class name", "legend").text
+            for label in ("drafter model", "copied", "grammar", "free guess", "target"):
+                assert label in legend
 
-        # settings: greedy, a short answer; kept in localStorage
-        driver.find_element("id", "settings-button").click()
-        for field, value in (("temperature", "0"), ("max-tokens", "48")):
-            box = driver.find_element("id", field)
-            box.clear()
-            box.send_keys(value)
-        driver.find_element("id", "settings-close").click()
+            # settings: greedy, a short answer; kept in localStorage
+            set_settings(driver, temperature="0", max_tokens="48")
 
-        # a question: the answer streams in, coloured by source, with τ and tok/s
-        send(driver, PROMPT)
-        wait(driver, lambda d: text_of(d, "stat-state") in ("done", "stopped at max tokens"), what="the answer")
-        answer = driver.find_element("css selector", ".msg.assistant .body")
-        assert answer.text.strip()
-        tokens = driver.find_elements("css selector", ".msg.assistant .body .tok")
-        sources = collections.Counter(t.get_attribute("data-src") for t in tokens)
-        assert set(sources) <= SOURCES and sources["target"] > 0 and sources["model"] > 0
-        assert all(
-            f"src-{source}" in t.get_attribute("class") for t in tokens[:20] for source in [t.get_attribute("data-src")]
-        )
-        colours = {driver.execute_script("return getComputedStyle(arguments[0]).backgroundColor", t) for t in tokens}
-        assert len(colours) >= 2  # drafted and target tokens look different
-        assert re.fullmatch(r"τ \d+\.\d\d", text_of(driver, "stat-tau"))
-        assert float(text_of(driver, "stat-tau")[2:]) >= 1.0
-        assert re.fullmatch(r"\d+\.\d tok/s", text_of(driver, "stat-tps"))
-        assert text_of(driver, "stat-tokens") == "48 tokens"
-        save_artifact(driver, tmp_path, "chat-page.png")
+            # a question: the answer streams in, coloured by source, with τ and tok/s
+            ask(driver, PROMPT)
+            answer = driver.find_element("css selector", ".msg.assistant .body")
+            assert answer.text.strip()
+            tokens = driver.find_elements("css selector", ".msg.assistant .body .tok")
+            sources = collections.Counter(t.get_attribute("data-src") for t in tokens)
+            assert set(sources) <= SOURCES and sources["target"] > 0 and sources["model"] > 0
+            assert all(
+                f"src-{source}" in t.get_attribute("class")
+                for t in tokens[:20]
+                for source in [t.get_attribute("data-src")]
+            )
+            colours = {
+                driver.execute_script("return getComputedStyle(arguments[0]).backgroundColor", t) for t in tokens
+            }
+            assert len(colours) >= 2  # drafted and target tokens look different
+            assert re.fullmatch(r"τ \d+\.\d\d", text_of(driver, "stat-tau"))
+            assert float(text_of(driver, "stat-tau")[2:]) >= 1.0
+            assert re.fullmatch(r"\d+\.\d tok/s", text_of(driver, "stat-tps"))
+            assert text_of(driver, "stat-tokens") == "48 tokens"
+            save_artifact(driver, tmp_path, "chat-page.png")
 
-        # a long answer, stopped: the stream closes, the server cancels it and goes idle
-        driver.find_element("id", "settings-button").click()
-        box = driver.find_element("id", "max-tokens")
-        box.clear()
-        box.send_keys("100000")
-        driver.find_element("id", "settings-close").click()
-        slowed_engine.slowed.delay = 0.15
-        send(driver, "tell me a long story about the cat and the mat")
-        wait(
-            driver,
-            lambda d: (
-                len(d.find_elements("css selector", ".msg.assistant")) == 2
-                and len(d.find_elements("css selector", ".msg.assistant:last-child .tok")) >= 3
-            ),
-            what="the long answer",
-        )
-        assert health(server.url)["busy"]
-        driver.find_element("id", "stop").click()
-        wait(driver, lambda d: text_of(d, "stat-state") == "stopped", what="the stop")
-        shown = len(driver.find_elements("css selector", ".msg.assistant:last-child .tok"))
-        deadline = time.monotonic() + 20
-        while health(server.url)["busy"]:
-            assert time.monotonic() < deadline, "the server kept answering after the stop"
-            time.sleep(0.05)
-        after = health(server.url)
-        assert after["busy"] is False and after["waiting"] == 0 and after["requests"].get("cancelled") == 1
-        time.sleep(0.5)
-        assert len(driver.find_elements("css selector", ".msg.assistant:last-child .tok")) == shown < 200
-        assert driver.find_element("id", "send").is_enabled() and not driver.find_element("id", "stop").is_enabled()
-        save_artifact(driver, tmp_path, "chat-page-stopped.png")
+            # a long answer, stopped: the stream closes, the server cancels it and goes idle
+            set_settings(driver, max_tokens="100000")
+            slowed_engine.slowed.delay = 0.15
+            send(driver, "tell me a long story about the cat and the mat")
+            wait(
+                driver,
+                lambda d: (
+                    len(d.find_elements("css selector", ".msg.assistant")) == 2
+                    and len(d.find_elements("css selector", ".msg.assistant:last-child .tok")) >= 3
+                ),
+                what="the long answer",
+            )
+            assert health(server.url)["busy"]
+            driver.find_element("id", "stop").click()
+            wait(driver, lambda d: text_of(d, "stat-state") == "stopped", what="the stop")
+            shown = len(driver.find_elements("css selector", ".msg.assistant:last-child .tok"))
+            deadline = time.monotonic() + 20
+            while health(server.url)["busy"]:
+                assert time.monotonic() < deadline, "the server kept answering after the stop"
+                time.sleep(0.05)
+            after = health(server.url)
+            assert after["busy"] is False and after["waiting"] == 0 and after["requests"].get("cancelled") == 1
+            time.sleep(0.5)
+            assert len(driver.find_elements("css selector", ".msg.assistant:last-child .tok")) == shown < 200
+            assert driver.find_element("id", "send").is_enabled() and not driver.find_element("id", "stop").is_enabled()
+            save_artifact(driver, tmp_path, "chat-page-stopped.png")
 
-        # settings survive a reload
-        slowed_engine.slowed.delay = 0.0
-        driver.refresh()
-        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
-        assert driver.find_element("id", "max-tokens").get_attribute("value") == "100000"
+            # settings survive a reload
+            slowed_engine.slowed.delay = 0.0
+            driver.refresh()
+            wait_ready(driver)
+            assert driver.find_element("id", "max-tokens").get_attribute("value") == "100000"
     finally:
         slowed_engine.slowed.delay = 0.0
-        server.stop()
 
 
 @pytest.mark.slow
 @browser_test
 def test_chat_page_asks_for_the_api_key_and_refuses_other_origins(slowed_engine, browser, tmp_path):
-    app, state = build_app(slowed_engine, name="tiny", api_key="page-key")
-    server = LiveServer(app)
     driver = browser
-    try:
-        driver.get(server.url + "/")
+    with served_page(slowed_engine, driver, name="tiny", api_key="page-key") as (server, state):
         dialog = driver.find_element("id", "key-dialog")
         wait(driver, lambda d: dialog.is_displayed(), what="the key dialog")
         driver.find_element("id", "api-key").send_keys("wrong")
@@ -382,15 +402,10 @@ def test_chat_page_asks_for_the_api_key_and_refuses_other_origins(slowed_engine,
         wait(driver, lambda d: "refused" in text_of(d, "key-error"), what="the refusal of a wrong key")
         driver.find_element("id", "api-key").send_keys("page-key")
         driver.find_element("id", "key-save").click()
-        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
+        wait_ready(driver)
         assert driver.execute_script("return sessionStorage.getItem('edge-spec-api-key')") == "page-key"
-        driver.find_element("id", "settings-button").click()
-        box = driver.find_element("id", "max-tokens")
-        box.clear()
-        box.send_keys("12")
-        driver.find_element("id", "settings-close").click()
-        send(driver, PROMPT)
-        wait(driver, lambda d: text_of(d, "stat-state") in ("done", "stopped at max tokens"), what="the answer")
+        set_settings(driver, max_tokens="12")
+        ask(driver, PROMPT)
         assert text_of(driver, "stat-tokens") == "12 tokens"
         assert state.worker.counts["completed"] == 1
 
@@ -408,8 +423,6 @@ def test_chat_page_asks_for_the_api_key_and_refuses_other_origins(slowed_engine,
         )
         assert outcome == "refused TypeError"  # the preflight got 403: the browser never sent the POST
         assert state.worker.counts["completed"] == 1
-    finally:
-        server.stop()
 
 
 MARKDOWN = """# Primes
@@ -437,12 +450,9 @@ unfinished("fence"
 def test_markdown_renderer_builds_safe_dom(slowed_engine, browser):
     """The page's renderer on a typical answer with hostile bits: structure as Markdown, every hostile
     string as plain text, and each token's characters wrapped in its source's class."""
-    app, _ = build_app(slowed_engine, name="tiny")
-    server = LiveServer(app)
     driver = browser
-    try:
-        driver.get(server.url + "/")
-        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
+    with served_page(slowed_engine, driver, name="tiny") as (server, _):
+        wait_ready(driver)
         result = driver.execute_async_script(
             """
             const [text, done] = [arguments[0], arguments[arguments.length - 1]];
@@ -479,8 +489,6 @@ def test_markdown_renderer_builds_safe_dom(slowed_engine, browser):
         """,
             MARKDOWN,
         )
-    finally:
-        server.stop()
     assert "error" not in result, result
     assert result["h1"] == ["Primes"]
     assert result["code"] == ["is_prime(n)"] and result["strong"] == ["care"] and result["em"] == ["thought"]
@@ -610,12 +618,9 @@ def failed_loads(driver) -> list[str]:
 @pytest.mark.slow
 @browser_test
 def test_code_is_highlighted_under_the_sources_colours_and_the_page_fits_a_phone(slowed_engine, browser, tmp_path):
-    app, _ = build_app(slowed_engine, name=LONG_NAME)
-    server = LiveServer(app)
     driver = browser
-    try:
-        driver.get(server.url + "/")
-        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
+    with served_page(slowed_engine, driver, name=LONG_NAME) as (server, _):
+        wait_ready(driver)
         icon = driver.execute_async_script(
             """
             const done = arguments[arguments.length - 1];
@@ -695,29 +700,17 @@ def test_code_is_highlighted_under_the_sources_colours_and_the_page_fits_a_phone
             assert words in legend
         assert "Repeated text is not always" in legend and "the drafter model drafts it" in legend
         save_artifact(driver, tmp_path, "chat-page-legend-phone.png")
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow
 @browser_test
 def test_an_answer_of_one_token_shows_no_speed(slowed_engine, browser):
     """One token comes from the prompt's pass: there is no decode speed to show, not 0.0 tok/s."""
-    app, _ = build_app(slowed_engine, name="tiny")
-    server = LiveServer(app)
     driver = browser
-    try:
-        driver.get(server.url + "/")
-        wait(driver, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "true")
-        driver.find_element("id", "settings-button").click()
-        box = driver.find_element("id", "max-tokens")
-        box.clear()
-        box.send_keys("1")
-        driver.find_element("id", "settings-close").click()
-        send(driver, PROMPT)
-        wait(driver, lambda d: text_of(d, "stat-state") in ("done", "stopped at max tokens"), what="the answer")
+    with served_page(slowed_engine, driver, name="tiny") as (server, _):
+        wait_ready(driver)
+        set_settings(driver, max_tokens="1")
+        ask(driver, PROMPT)
         assert text_of(driver, "stat-tokens") == "1 tokens"
         assert text_of(driver, "stat-tps") == "– tok/s"
         assert "– tok/s" in driver.find_element("css selector", ".msg.assistant .foot").text
-    finally:
-        server.stop()
