@@ -66,11 +66,29 @@ def _architecture_metadata(writer, arch: str, cfg: dict) -> None:
     writer.add_uint32(f"{arch}.vocab_size", cfg["vocab_size"])
 
 
-def _finish(writer) -> None:
+def finish_gguf(writer) -> None:
+    """Writes a ``GGUFWriter``'s header, metadata and tensors to its file, in the order the format needs, and
+    closes it."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def count_gguf_parses(monkeypatch) -> list:
+    """Makes every ``gguf.GGUFReader(...)`` of the test record the path it parses, in order, in the returned
+    list (the reader still parses it), for tests that a load parses a file's header once."""
+    import gguf
+
+    parses = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    return parses
 
 
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -103,7 +121,7 @@ def write_model_gguf(path: Path, model, tokenizer, arch: str, kinds: dict[str, s
             continue
         kind = next((k for fragment, k in kinds.items() if fragment in gguf_name), "Q8_0")
         writer.add_tensor(gguf_name, quants.quantize(value, getattr(T, kind)), raw_dtype=getattr(T, kind))
-    _finish(writer)
+    finish_gguf(writer)
     return path
 
 
@@ -194,5 +212,5 @@ def write_random_qwen2_gguf(
         matrix(f"blk.{i}.ffn_up.weight", "Q4_K", intermediate, hidden)
         matrix(f"blk.{i}.ffn_down.weight", wide, hidden, intermediate)
     vector("output_norm.weight", hidden, 1.0, 0.1)
-    _finish(writer)
+    finish_gguf(writer)
     return path

@@ -14,6 +14,7 @@ import pytest
 
 from edge_spec.errors import EdgeSpecError
 from tests import tiny_models
+from tests.gguf_models import finish_gguf
 from tests.test_reliability import _cli, _export, _models
 
 
@@ -192,10 +193,7 @@ def _tiny_gguf(path: Path, tokens: list[str], merges: tuple[str, ...] = ("a b", 
     writer.add_token_list(tokens)
     writer.add_token_merges(list(merges))
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return str(path)
 
 

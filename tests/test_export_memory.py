@@ -360,20 +360,11 @@ def test_the_export_says_where_its_time_went(monkeypatch, capsys, tmp_path):
 def test_a_gguf_source_is_parsed_once_for_its_weights_and_blocks(tmp_path, monkeypatch):
     """Loading a GGUF source, checking its blocks and building its graph parse the file's header once
     (a 151k-token vocabulary takes seconds to parse): the blocks are read through the loader's records."""
-    import gguf
-
     from edge_spec.export.bundle import export_decoder
     from edge_spec.export.sources import load_model
 
     target, _ = _small_pair(tmp_path)
-    parses = []
-
-    class Counted(gguf.GGUFReader):
-        def __init__(self, *args, **kwargs):
-            parses.append(args[0])
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    parses = gguf_models.count_gguf_parses(monkeypatch)
     model = load_model(target)
     assert "Q4_K" in model.gguf_carry.summary()
     export_decoder(model, tmp_path / "bundle", "target", BuildOptions(context_length=64))

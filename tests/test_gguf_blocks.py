@@ -22,6 +22,7 @@ from edge_spec.export.gguf.blocks import (  # noqa: E402
     narrow_to_4bit,
 )
 from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model  # noqa: E402
+from tests.gguf_models import count_gguf_parses, finish_gguf  # noqa: E402
 
 N, K = 24, 512  # K: two K-quant super-blocks
 
@@ -246,10 +247,7 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
     weights.lm_head = quants.dequantize(embed_raw, T.Q8_0).reshape(weights.embed.shape)
     # the lookup table is re-quantized to int8 beside carried blocks; start it on that grid so both match
     weights.embed = quantize_blockwise(weights.lm_head, 8, 32).dequantize()
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
     down = weights.layers[1].down
     weights.layers[1].down = down + 1e-3  # as if transformers had loaded other bytes for this one
@@ -352,21 +350,12 @@ def test_a_gguf_file_is_parsed_once_per_load(tmp_path, monkeypatch):
     writer = GGUFWriter(path, "llama")
     raw = quants.quantize(np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32), T.Q8_0)
     writer.add_tensor("token_embd.weight", raw, raw_dtype=T.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 12)
 
-    parses = []
-
-    class Counted(gguf.GGUFReader):
-        def __init__(self, *args, **kwargs):
-            parses.append(args[0])
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    parses = count_gguf_parses(monkeypatch)
+    counted = gguf.GGUFReader
 
     def as_transformers_opens_it(p):
         from gguf import GGUFReader
@@ -381,5 +370,5 @@ def test_a_gguf_file_is_parsed_once_per_load(tmp_path, monkeypatch):
             with pytest.raises(EdgeSpecError, match="not a valid GGUF file"):
                 check_gguf(broken)
         assert len(parses) == 3
-    assert gguf.GGUFReader is Counted
+    assert gguf.GGUFReader is counted
     assert as_transformers_opens_it(path) is not first and len(parses) == 4
