@@ -4,7 +4,11 @@ The bundle is loaded once; each of ``--stops`` answers (greedy, a long coding pr
 prompt so that the suffix cache does not turn them into copies of each other) runs in a thread, and the
 main thread calls ``engine.cancel()`` a seeded random 0.3 to 2.0 s after the answer's first text chunk.  A stop's
 latency is from the ``cancel()`` call to ``generate`` returning (what a Stop button waits for before the
-engine is free for the next answer).  One line per stop, then one JSON line with them all:
+engine is free for the next answer).  Each stop's line also splits it: ``in_pass_s``, the rest of the
+model pass (a target pass or a drafter step) under way at the cancel, which the engine cannot cut; and
+``after_pass_s``, from the end of that pass (or the cancel, when none ran) to ``generate`` returning,
+which should stay a few milliseconds whatever the load; ``passes_after`` counts the passes started after
+the cancel (0, but for a pass SSD has under way in its worker).  One line per stop, then one JSON line:
 
     python benchmarks/stop_latency.py --bundle models/bundles/qwen2.5-coder-1.5b-instruct-int4 --threads 2 --stops 16
 """
@@ -42,7 +46,40 @@ def prompt(index: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
 
 
-def one_stop(engine, index: int, delay: float, max_new_tokens: int) -> dict:
+class PassClock:
+    """When each model pass of the engine's target and drafter began and ended (``perf_counter``)."""
+
+    def __init__(self, decoders) -> None:
+        self.passes: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+        for decoder in decoders:
+            decoder.forward = self._timed(decoder.forward)
+
+    def _timed(self, forward):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.passes.append((started, time.perf_counter()))
+
+        return timed
+
+    def split(self, cancelled_at: float, returned_at: float) -> dict:
+        """The stop's time in the pass under way at ``cancelled_at``, after it, and the passes begun later."""
+        with self._lock:
+            passes = list(self.passes)
+        under_way = [end for start, end in passes if start <= cancelled_at < end]
+        pass_end = max(under_way, default=cancelled_at)
+        return {
+            "in_pass_s": round(pass_end - cancelled_at, 4),
+            "after_pass_s": round(returned_at - pass_end, 4),
+            "passes_after": sum(start > cancelled_at for start, _ in passes),
+        }
+
+
+def one_stop(engine, clock: PassClock, index: int, delay: float, max_new_tokens: int) -> dict:
     """One answer stopped ``delay`` seconds after its first text chunk (while it decodes, as a reader
     stops it; a stop during a prompt's reading waits for the pass under way)."""
     first_chunk = threading.Event()
@@ -68,13 +105,15 @@ def one_stop(engine, index: int, delay: float, max_new_tokens: int) -> dict:
     if failure:
         raise failure[0]
     stats = engine.last_stats
+    ended = returned["at"] <= cancelled_at  # the answer ran to its end first: nothing to measure
     return {
         "stop": index,
         "delay_s": round(delay, 3),
-        "latency_s": round(returned["at"] - cancelled_at, 4),
+        "latency_s": None if ended else round(returned["at"] - cancelled_at, 4),
         "stop_reason": stats.stop_reason,
         "tokens": stats.new_tokens,
         "target_passes": stats.spec.target_calls if stats.spec else None,
+        **({} if ended else clock.split(cancelled_at, returned["at"])),
     }
 
 
@@ -98,15 +137,17 @@ def main() -> None:
     except EdgeSpecError as error:
         sys.exit(f"error: {error}")
     engine.complete("def fib(n):", max_new_tokens=8, temperature=0.0)  # the first answer's one-time checks
+    clock = PassClock([engine.target] + ([engine.active_drafter().decoder] if engine.config.mode != "ar" else []))
     delays = np.random.default_rng(args.seed).uniform(0.3, 2.0, args.stops)
     stops = []
     for index, delay in enumerate(delays):
-        stop = one_stop(engine, index, float(delay), args.max_new_tokens)
+        stop = one_stop(engine, clock, index, float(delay), args.max_new_tokens)
         print(json.dumps(stop), flush=True)
         stops.append(stop)
     bundle, mode = str(engine.bundle_dir), engine.config.mode
     engine.close()
-    stopped = [s["latency_s"] for s in stops if s["stop_reason"] == "cancelled"]
+    measured = [s for s in stops if s["stop_reason"] == "cancelled" and s["latency_s"] is not None]
+    stopped = [s["latency_s"] for s in measured]
     summary = {
         "bundle": bundle,
         "mode": mode,
@@ -117,6 +158,8 @@ def main() -> None:
         "max_s": max(stopped, default=None),
         "p50_s": statistics.median(stopped) if stopped else None,
         "over_0.5_s": sum(latency > 0.5 for latency in stopped),
+        "after_pass_max_s": max((s["after_pass_s"] for s in measured), default=None),
+        "passes_after_max": max((s["passes_after"] for s in measured), default=None),
     }
     print(json.dumps(summary))
 
