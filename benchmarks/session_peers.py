@@ -188,23 +188,37 @@ def server_help() -> str:
     return subprocess.run([str(LLAMA_SERVER), "--help"], capture_output=True, text=True).stdout
 
 
+def mode_flags(mode: str, threads: int, draft_max: int, extra: str = "") -> list[str]:
+    """The ``llama-server`` arguments that make ``mode`` (one of :data:`LLAMACPP_MODES`), then ``extra``
+    (split as a shell would): none for plain, the drafter GGUF for draft, the n-gram types at their defaults."""
+    if mode not in LLAMACPP_MODES:
+        raise ValueError(f"unknown llama.cpp mode {mode!r}; choose among {', '.join(LLAMACPP_MODES)}")
+    flags = {
+        "plain": [],
+        "draft": [
+            *("-md", str(DRAFT_GGUF), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads)),
+            *("--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"),
+        ],
+        "ngram-mod": ["--spec-type", "ngram-mod"],
+        "ngram-cache": ["--spec-type", "ngram-cache"],
+    }[mode]
+    return flags + shlex.split(extra)
+
+
 class LlamaServer:
     """One ``llama-server`` in one mode, alive for the whole run: one slot, so every request reuses the
-    previous one's KV cache where the prompts agree and feeds the same n-gram tables."""
+    previous one's KV cache where the prompts agree and feeds the same n-gram tables.  With
+    ``reuse_prompts`` False every request reads its whole prompt (``cache_prompt`` false, and no prompt
+    cache in RAM to restore one from), as a benchmark of unrelated prompts and their first tokens needs."""
 
-    def __init__(self, mode: str, args, log_dir: Path) -> None:
+    def __init__(self, mode: str, args, log_dir: Path, reuse_prompts: bool = True) -> None:
         self.mode = mode
         self.engine = f"llamacpp {'ar' if mode == 'plain' else mode}"
+        self.reuse_prompts = reuse_prompts
         threads = str(args.threads)
-        self.flags = {
-            "plain": [],
-            "draft": [
-                *("-md", str(DRAFT_GGUF), "--spec-type", "draft-simple", "-td", threads, "-tbd", threads),
-                *("--spec-draft-n-max", str(args.llamacpp_draft_max), "--spec-draft-n-min", "0"),
-            ],
-            "ngram-mod": ["--spec-type", "ngram-mod"],
-            "ngram-cache": ["--spec-type", "ngram-cache"],
-        }[mode] + shlex.split(args.llamacpp_extra)
+        self.flags = mode_flags(mode, args.threads, args.llamacpp_draft_max, args.llamacpp_extra)
+        if not reuse_prompts:
+            self.flags = ["--cache-ram", "0", *self.flags]
         self.port = free_port()
         command = [
             *(str(LLAMA_SERVER), "-m", str(TARGET_GGUF), "-c", str(args.ctx), "-np", "1"),
@@ -251,7 +265,7 @@ class LlamaServer:
             "top_p": 1.0,
             "min_p": 0.0,
             "repeat_penalty": 1.0,
-            "cache_prompt": True,
+            "cache_prompt": self.reuse_prompts,
             "return_tokens": True,
             "stream": False,
         }

@@ -15,14 +15,25 @@ machine's speed hits all alike), greedy, ``--new-tokens`` (64) at most, stopping
   draft_model=draft_model(drafter, "CPU"))`` with ``GenerationConfig.num_assistant_tokens`` = K
   (``openvino K<k>``); both on its default CPU backend (paged attention / continuous batching, which
   keeps K fixed; its stateful backend would adapt K), ``INFERENCE_NUM_THREADS`` = threads on both
-  models, the prompt handed over as an ``ov.Tensor`` of our token ids (no chat template applied).
+  models, the prompt handed over as an ``ov.Tensor`` of our token ids (no chat template applied); its
+  default scheduler's prefix cache off, so that K8 and K16 read the prompt K4 read too.
+* **llama.cpp** (``llama-server``, built by ``--prepare`` as ``benchmarks/session_peers.py`` builds it and
+  started with its flags, imported, not copied), on the GGUFs themselves, one server per mode (one slot,
+  ``--threads`` threads, ``-c`` = ``--ctx``): ``plain`` (``llamacpp ar``: no speculation), ``draft``
+  (``llamacpp draft``: the 0.5B drafter GGUF, ``--spec-type draft-simple``, ``--spec-draft-n-max``
+  ``--llamacpp-draft-max``, 3 by default, its own default) and ``ngram-mod`` (``llamacpp ngram-mod``:
+  its hashed n-gram pool at its defaults, which learns from every request the server answers, as a
+  long-running server's does); ``--llamacpp-modes`` picks.  Each prompt goes to ``/completion`` as our
+  token ids, greedy (temperature 0, no top-k/p cut), read whole: ``cache_prompt`` false and no prompt
+  cache in RAM (``--cache-ram 0``).
 * **edge-spec** (this venv): ``ar`` in an engine loaded for it alone, the bundle's default drafter head
   at fixed γ = each K (``ours γ<k>``) and our schedule (``ours schedule``), as ``edge-spec bench`` runs
   them (no prompt lookup unless ``--lookup``, no suffix cache unless ``--suffix``: with it ``ours
   schedule+suffix`` is our default; ``--our-k`` sets our fixed lengths apart from K, empty for none;
   ``--ar-exact`` adds the batch-invariant target-only
   answer our greedy speculative modes must equal); ``--eagle-head NAME`` adds the bundle's EAGLE head
-  with that LM head (``ours eagle γ<k>``, ``ours eagle schedule``).
+  with that LM head (``ours eagle γ<k>``, ``ours eagle schedule``).  One mode at a time, each on
+  emptied KV caches (target and drafter), so that every mode reads the whole prompt.
 
 Every engine gets the same prompt token ids (our tokenizer, chat template, computed once).  tokens/s
 is (answer tokens after the first) / decode time, pooled per category like ``edge-spec bench``, where
@@ -38,16 +49,33 @@ The decode time starts when the first new token is known (it comes out of the pr
   would leave the first round out;
 * OpenVINO: a ``StreamerBase`` timestamps every ``write``; the tokens delivered after the first
   write over the time from the first write to the last (equal to (n - 1) / ... when the first write
-  is one token).
+  is one token);
+* llama.cpp: the server's own ``timings.predicted_ms``, from the first token sampled (after the prompt
+  batches, which its drafter reads too, batch by batch beside the target) to the last.
+
+The time to the first token (``TTFT ms``, the mean per category) is timed apart from the decode time:
+
+* ours: from the request (its prompt ids) to the first token, the target's and the drafter's prompt
+  reading included (``first_token_seconds``);
+* onnxruntime-genai: ``append_tokens``, the prefill of target and drafter (the first token is picked
+  from its logits);
+* OpenVINO: from ``generate`` to the streamer's first write;
+* llama.cpp: ``timings.prompt_ms``, from the start of the prompt's processing (target and drafter) to
+  the first token sampled.
 
 Each peer's greedy answer at every K is compared token for token with its own AR answer
 (``identical_to_ar``), the check that its speculative mode is lossless (and really ran: see its
 acceptance statistics in the JSON).
 
+Prompts: the bench prompts and the low-acceptance set; ``--category long`` adds what agents and editors
+send, code files of ~2,000 tokens to edit, explain or test (``edge_spec/benchmarking/long_prompts.py``),
+only when named: their prompt reading takes seconds per prompt and mode.
+
 Usage::
 
-    .venv/bin/python benchmarks/spec_peers.py --prepare       # venvs, exports (idempotent, resumable; long)
+    .venv/bin/python benchmarks/spec_peers.py --prepare       # venvs, exports, llama.cpp build (idempotent, resumable; long)
     .venv/bin/python benchmarks/spec_peers.py                 # all 52 prompts: 42 bench + 10 low-acceptance
+    .venv/bin/python benchmarks/spec_peers.py --peers llamacpp --category long --category code --per-category 1
     .venv/bin/python benchmarks/spec_peers.py --per-category 1 --k 4,16 --new-tokens 64
     .venv/bin/python benchmarks/spec_peers.py --peers genai --no-ours --category code
 
@@ -70,6 +98,7 @@ import ar_vs_ortgenai as shared  # the genai venv, the GGUF -> HF checkpoint and
 ROOT = shared.ROOT
 sys.path.insert(0, str(ROOT))  # the peers' workers run in venvs without edge-spec installed
 from edge_spec.benchmarking.peers import format_rows, peer_record, report, result, summarize  # noqa: E402
+from edge_spec.errors import EdgeSpecError  # noqa: E402
 
 TARGET = shared.NAME  # qwen2.5-coder-1.5b-instruct-q4_k_m
 DRAFT = "qwen2.5-coder-0.5b-instruct-q4_k_m"
@@ -92,13 +121,22 @@ OV_EXPORT_ARGS = [
 ]
 PROMPT_FILES = [ROOT / "edge_spec" / "data" / "bench" / name for name in ("prompts.jsonl", "low_acceptance.jsonl")]
 OUTPUT = ROOT / "bench-results" / "peers" / "peers.json"
-PEERS = ("genai", "openvino")
+PEERS = ("genai", "openvino", "llamacpp")
+LLAMACPP_MODES = ("plain", "draft", "ngram-mod")  # session_peers.py's flags for each
 WARMUP_TOKENS = 8
 log = shared.log
 
 
 def ov_dir(name: str) -> Path:
     return ROOT / "models" / "openvino" / name
+
+
+def llamacpp():
+    """``benchmarks/session_peers.py``, which builds ``llama-server`` and runs it (its flags per mode, its
+    requests, its timings), imported when llama.cpp is asked for: it imports this module itself."""
+    import session_peers
+
+    return session_peers
 
 
 # --------------------------------------------------------------------------- preparation (cached)
@@ -156,6 +194,7 @@ def prepare(peers: list[str], threads: int) -> None:
     steps = {
         "genai": [lambda: ensure_genai_spec_dir(threads)],
         "openvino": [ensure_openvino_venv, lambda: ensure_openvino_model(TARGET), lambda: ensure_openvino_model(DRAFT)],
+        "llamacpp": [lambda: llamacpp().ensure_llamacpp()],
     }
     for peer in peers:
         for number, step in enumerate(steps[peer], 1):
@@ -171,6 +210,7 @@ def prepare(peers: list[str], threads: int) -> None:
                 shared.GENAI_VENV,
                 ROOT / "models" / "openvino",
                 OV_VENV,
+                ROOT / "models" / "llamacpp",
             )
             if d.exists()
         )
@@ -277,9 +317,16 @@ def openvino_worker() -> None:
 
     def load(spec):
         props = {"INFERENCE_NUM_THREADS": spec["threads"]}
-        pipes["ar"] = ov_genai.LLMPipeline(spec["target_dir"], "CPU", **props)
+        # the CPU default's scheduler (GenAI's latency-oriented one: no limit on the tokens of a pass) without
+        # its prefix cache, which would let K8 and K16 find the prompt K4 read: every answer reads its prompt
+        scheduler = ov_genai.SchedulerConfig()
+        scheduler.max_num_batched_tokens = 2**63 - 1
+        scheduler.enable_prefix_caching = False
+        pipes["ar"] = ov_genai.LLMPipeline(spec["target_dir"], "CPU", scheduler_config=scheduler, **props)
         draft = ov_genai.draft_model(spec["draft_dir"], "CPU", **props)
-        pipes["spec"] = ov_genai.LLMPipeline(spec["target_dir"], "CPU", draft_model=draft, **props)
+        pipes["spec"] = ov_genai.LLMPipeline(
+            spec["target_dir"], "CPU", draft_model=draft, scheduler_config=scheduler, **props
+        )
         tokenizer = pipes["ar"].get_tokenizer()
         state["eos"] = {int(tokenizer.get_eos_token_id())}
         state["eos"] |= set(int(t) for t in (pipes["ar"].get_generation_config().stop_token_ids or ()))
@@ -372,17 +419,37 @@ class Ours:
         self.args = args
 
     def run(self, item: dict) -> list[dict]:
+        """Every mode's answer to ``item``, one mode at a time on emptied KV caches (target and drafter), so
+        that each reads the whole prompt as a new request does and its time to the first token is a new
+        request's: run together, the modes after the first would find the prompt in the cache.  The
+        greedy answers are compared with the target-only ones as ``run_bench`` compares them."""
         from edge_spec.bench import run_bench
 
-        result = run_bench(
-            self.engine,
-            [item],
-            self.modes,
-            temperatures=[0.0],
-            max_new_tokens=self.args.new_tokens,
-            baseline=self.baseline,
-        )
-        return [dict(r, engine=self.label(r["mode"])) for r in result["records"]]
+        references: dict[bool, list[int]] = {}  # the target-only answers by numerics (exact or one-row)
+        records = []
+        for mode in self.modes:
+            runner = self.baseline if mode.name == "ar" else self.engine
+            runner.target.rewind(0)
+            if mode.head:
+                runner.active_drafter(mode.config).rewind(0)
+            (record,) = run_bench(
+                self.engine,
+                [item],
+                [mode],
+                temperatures=[0.0],
+                max_new_tokens=self.args.new_tokens,
+                baseline=self.baseline,
+            )["records"]
+            answer = list(runner.last_token_ids)
+            exact = runner.exact_for(mode.config.mode, mode.exact)
+            if mode.head is None:
+                references.setdefault(exact, answer)
+            else:
+                reference = references.get(exact)
+                record["identical_to_ar"] = None if reference is None else answer == reference
+                record["identical_to_one_row_ar"] = answer == references.get(False)
+            records.append(dict(record, engine=self.label(record["mode"])))
+        return records
 
     @staticmethod
     def label(mode: str) -> str:
@@ -397,11 +464,19 @@ class Ours:
 
 
 def load_prompts(args) -> list[dict]:
+    """The prompt files' prompts, and the ``long`` category's when ``--category long`` asks for it (never
+    by default: edge_spec/benchmarking/long_prompts.py)."""
     from edge_spec.bench import load_bench_prompts
+    from edge_spec.benchmarking import long_prompts
 
     items = [
         item for path in args.prompts or PROMPT_FILES for item in load_bench_prompts(path, None, args.per_category)
     ]
+    if long_prompts.CATEGORY in args.category and all(i["category"] != long_prompts.CATEGORY for i in items):
+        try:
+            items += long_prompts.long_prompts()[: args.per_category]
+        except EdgeSpecError as error:
+            raise SystemExit(str(error)) from None
     unknown = set(args.category) - {item["category"] for item in items}
     if unknown:
         raise SystemExit(f"unknown categories: {', '.join(sorted(unknown))}")
@@ -414,7 +489,17 @@ def load_prompts(args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare", action="store_true", help="build the venvs and exports (idempotent) and stop")
-    parser.add_argument("--peers", default=",".join(PEERS), help="comma list of peers (genai, openvino)")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma list of peers (genai, openvino, llamacpp)")
+    parser.add_argument(
+        "--llamacpp-modes",
+        default=",".join(LLAMACPP_MODES),
+        help="comma list of llama.cpp modes: plain (no speculation), draft (the 0.5B drafter), ngram-mod",
+    )
+    parser.add_argument(
+        "--llamacpp-draft-max", type=int, default=3, help="llama.cpp draft mode's --spec-draft-n-max (its default: 3)"
+    )
+    parser.add_argument("--llamacpp-extra", default="", help="further llama-server arguments, for every mode")
+    parser.add_argument("--ctx", type=int, default=8192, help="llama-server's context (-c), prompt + answer")
     parser.add_argument("--no-ours", dest="ours", action="store_false", help="time the peers only")
     parser.add_argument("--k", default="4,8,16", help="draft lengths (comma list, 1-16)")
     parser.add_argument("--lookup", action="store_true", help="our modes also draft by prompt lookup")
@@ -451,7 +536,12 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, help="our schedule's ceiling on drafts per round (default: edge-spec's)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=Path, action="append", help="prompt files (default: bench + low-acceptance)")
-    parser.add_argument("--category", action="append", default=[], help="only these categories (repeatable)")
+    parser.add_argument(
+        "--category",
+        action="append",
+        default=[],
+        help="only these categories (repeatable); long (code files of ~2,000 tokens) runs only when named",
+    )
     parser.add_argument("--per-category", type=int, help="at most this many prompts per category")
     parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and engine; the fastest is kept")
     parser.add_argument("--output", type=Path, default=OUTPUT)
@@ -463,7 +553,7 @@ def main() -> None:
         "peer mode into this PNG (needs the bench extra)",
     )
     parser.add_argument("--plot-title", default="", help="the plot's title (machine, date)")
-    parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("genai", "openvino"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.report:
@@ -485,6 +575,15 @@ def main() -> None:
     peers = [p for p in args.peers.split(",") if p]
     if set(peers) - set(PEERS):
         raise SystemExit(f"--peers: choose among {', '.join(PEERS)}")
+    args.llamacpp_modes = [m for m in args.llamacpp_modes.split(",") if m]
+    if set(args.llamacpp_modes) - set(LLAMACPP_MODES):
+        raise SystemExit(f"--llamacpp-modes: choose among {', '.join(LLAMACPP_MODES)}")
+    if "llamacpp" not in peers:
+        args.llamacpp_modes = []
+    for name in ("threads", "ctx", "new_tokens", "llamacpp_draft_max", "per_category", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     args.k = [int(k) for k in args.k.split(",") if k]
     if args.our_k is not None:
         args.our_k = [int(k) for k in args.our_k.split(",") if k]
@@ -499,6 +598,8 @@ def main() -> None:
     ):
         if peer in peers and not ready.is_file():
             raise SystemExit(f"{peer} is not prepared: run {Path(__file__).name} --prepare first")
+    if args.llamacpp_modes:
+        llamacpp().check_prepared(argparse.Namespace(peers=["llamacpp"], llamacpp_modes=args.llamacpp_modes))
 
     from edge_spec.paths import DEFAULT_BUNDLE
     from edge_spec.prompts import as_messages
@@ -509,10 +610,14 @@ def main() -> None:
     tokenizer = TextTokenizer(args.bundle)
     for item in items:  # tokenized once, the same ids for every engine
         item["ids"] = tokenizer.encode_chat(as_messages(item["prompt"]))
+    longest = max((len(item["ids"]) for item in items), default=0)
+    if args.llamacpp_modes and longest + args.new_tokens > args.ctx:
+        raise SystemExit(f"a {longest}-token prompt and {args.new_tokens} new tokens exceed --ctx {args.ctx}")
+    eos = set(tokenizer.eos_token_ids)
     warmup_ids = tokenizer.encode_chat([{"role": "user", "content": "warm up"}])
     spec = {"threads": args.threads, "new_tokens": args.new_tokens, "ks": args.k, "warmup_ids": warmup_ids}
     load = os.getloadavg()
-    workers = {}
+    workers, servers, versions = {}, {}, {}
     try:
         if "genai" in peers:
             log("loading onnxruntime-genai (ar + speculative) in models/genai-venv")
@@ -526,6 +631,13 @@ def main() -> None:
             workers["openvino"] = Peer(
                 "openvino", OV_PY, dict(spec, target_dir=str(ov_dir(TARGET)), draft_dir=str(ov_dir(DRAFT)))
             )
+        if args.llamacpp_modes:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            versions["llamacpp"] = llamacpp().llamacpp_version()
+            for mode in args.llamacpp_modes:  # each prompt read whole: no KV reuse, no prompt cache in RAM
+                server = llamacpp().LlamaServer(mode, args, args.output.parent, reuse_prompts=False)
+                servers[mode] = server
+                server.warm_up(warmup_ids, 0.0, 0)
         ours = None
         if args.ours:
             log("loading edge-spec (ar engine + speculative engine)")
@@ -543,6 +655,18 @@ def main() -> None:
                         kept = fastest.setdefault(run["engine"], run)
                         if run["decode_seconds"] < kept["decode_seconds"]:
                             fastest[run["engine"]] = run
+                plain_ids = None
+                for mode, server in servers.items():
+                    answer = server.run(item["ids"], args.new_tokens, 0.0, 0, eos)
+                    run = llamacpp().record_of(server.engine, answer)
+                    run["mode"] = mode
+                    if mode == "plain":
+                        plain_ids = answer["ids"]
+                    elif plain_ids is not None:
+                        run["identical_to_ar"] = answer["ids"] == plain_ids
+                    kept = fastest.setdefault(run["engine"], run)
+                    if run["decode_seconds"] < kept["decode_seconds"]:
+                        fastest[run["engine"]] = run
                 for run in ours.run(item) if ours else []:
                     kept = fastest.setdefault(run["engine"], run)
                     if run["decode_seconds"] < kept["decode_seconds"]:
@@ -557,6 +681,8 @@ def main() -> None:
     finally:
         for worker in workers.values():
             worker.close()
+        for server in servers.values():
+            server.close()
 
     engines = list(dict.fromkeys(r["engine"] for r in records))
     rows = summarize(records, engines)
@@ -565,7 +691,9 @@ def main() -> None:
     print(
         f"{len(items)} prompts, greedy, at most {args.new_tokens} new tokens (stop at EOS), {args.threads} threads, "
         f"K = {', '.join(map(str, args.k))}, fastest of {args.repeats} per prompt; "
-        + ", ".join(f"{p} {w.info['version']}" for p, w in workers.items())
+        + ", ".join(
+            [f"{p} {w.info['version']}" for p, w in workers.items()] + [f"llama.cpp {v}" for v in versions.values()]
+        )
     )
     print(
         f"load average 1/5/15 min: before {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
@@ -588,6 +716,11 @@ def main() -> None:
                 "gamma": args.gamma,
                 "repeats": args.repeats,
                 "peers": {p: w.info for p, w in workers.items()},
+                "llamacpp": {
+                    "version": versions.get("llamacpp"),
+                    "ctx": args.ctx,
+                    "flags": {mode: server.flags for mode, server in servers.items()},
+                },
                 "openvino_export": OV_EXPORT_ARGS,
                 "load_before": load,
                 "load_after": load_after,

@@ -96,3 +96,123 @@ def test_the_results_plot_pairs_our_default_with_each_categorys_fastest_peer(tmp
     path = tmp_path / "peers.png"
     assert plot_peers(records, path, title="test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_table_gives_every_engine_its_mean_time_to_first_token(tmp_path):
+    """Ours records its first-token time as ``first_token_seconds`` (request to first token, the drafter's
+    prefill included), a peer's worker as ``prefill_seconds``; both reach the table, in ms, per category."""
+    records = [
+        dict(_record("long", "ours schedule+suffix", 20.0), first_token_seconds=2.0),
+        dict(_record("long", "ours schedule+suffix", 20.0), first_token_seconds=4.0),
+        dict(_record("long", "llamacpp draft", 20.0), prefill_seconds=1.5),
+        dict(_record("long", "llamacpp draft", 20.0), prefill_seconds=2.5),
+        _record("long", "genai ar", 20.0),  # a run saved before either was kept: no time to show
+    ]
+    rows = peers.summarize(records, list(dict.fromkeys(r["engine"] for r in records)))
+    ttft = {(r["category"], r["engine"]): r["first_token_ms"] for r in rows}
+    assert ttft[("long", "ours schedule+suffix")] == pytest.approx(3000.0)
+    assert ttft[("long", "llamacpp draft")] == pytest.approx(2000.0)
+    assert ttft[("long", "genai ar")] is None
+    saved = tmp_path / "peers.json"
+    saved.write_text(__import__("json").dumps({"records": records}))
+    lines = peers.report(saved).splitlines()
+    assert lines[0].split()[-1] == "ms" and "TTFT" in lines[0]
+    shown = {" ".join(line.split()[1:3]): line.split()[-1] for line in lines if line.startswith("long")}
+    assert shown == {"ours schedule+suffix": "3000", "llamacpp draft": "2000", "genai ar": "-"}
+
+
+def test_the_plot_names_llama_cpp_modes():
+    from edge_spec.benchmarking.peers_plot import peer_label
+
+    assert peer_label("llamacpp ar") == "llama.cpp plain"
+    assert peer_label("llamacpp draft") == "llama.cpp draft"
+    assert peer_label("llamacpp ngram-mod") == "llama.cpp ngram-mod"
+    assert peer_label("genai K4") == "onnxruntime-genai K=4"
+
+
+@pytest.fixture
+def session_peers(monkeypatch):
+    """``benchmarks/session_peers.py`` (and the ``spec_peers.py`` it imports), imported as the scripts import
+    each other; nothing is built or started."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import session_peers
+
+    return session_peers
+
+
+def test_llama_cpp_modes_get_their_flags(session_peers):
+    flags = session_peers.mode_flags
+    assert flags("plain", 2, 3) == []
+    draft = flags("draft", 2, 3)
+    assert draft[draft.index("-md") + 1] == str(session_peers.DRAFT_GGUF)
+    assert draft[draft.index("--spec-type") + 1] == "draft-simple"
+    assert draft[draft.index("--spec-draft-n-max") + 1] == "3" and draft[draft.index("--spec-draft-n-min") + 1] == "0"
+    assert draft[draft.index("-td") + 1] == draft[draft.index("-tbd") + 1] == "2"
+    assert flags("ngram-mod", 2, 3) == ["--spec-type", "ngram-mod"]
+    assert flags("ngram-mod", 2, 3, "--spec-ngram-mod-n-match '24'") == [
+        *("--spec-type", "ngram-mod"),
+        *("--spec-ngram-mod-n-match", "24"),
+    ]
+    with pytest.raises(ValueError, match="unknown llama.cpp mode"):
+        flags("eagle", 2, 3)
+
+
+def test_spec_peers_runs_llama_cpp_plain_draft_and_ngram_mod(session_peers):
+    import spec_peers
+
+    assert spec_peers.LLAMACPP_MODES == ("plain", "draft", "ngram-mod")
+    assert set(spec_peers.LLAMACPP_MODES) <= set(session_peers.LLAMACPP_MODES)
+    assert "llamacpp" in spec_peers.PEERS
+
+
+def _prompt_tokens_read(decoder) -> int:
+    return sum(n * calls for n, calls in decoder.stats.prefill_calls.items())
+
+
+def test_each_of_our_modes_reads_the_whole_prompt_and_is_compared_with_ar(session_peers, fp32_bundle):
+    """``spec_peers.py`` times our modes one at a time on emptied caches: run together, every mode after
+    the first would find the prompt in the KV cache, and its time to the first token would be a cache hit."""
+    import argparse
+
+    import spec_peers
+
+    args = argparse.Namespace(
+        bundle=fp32_bundle,
+        threads=1,
+        gamma=None,
+        k=[2],
+        our_k=None,
+        lookup=False,
+        suffix=True,
+        ar_exact=True,
+        eagle_head=None,
+        new_tokens=6,
+    )
+    ours = spec_peers.Ours(args)
+    try:
+        item = {"category": "qa", "prompt": "Tell me about the sea and the ships on it."}
+        prompt = len(ours.engine.prompt_ids([{"role": "user", "content": item["prompt"]}]))
+        target, baseline = _prompt_tokens_read(ours.engine.target), _prompt_tokens_read(ours.baseline.target)
+        drafter = _prompt_tokens_read(ours.engine.drafter.decoder)
+        records = ours.run(item)
+        engines = [r["engine"] for r in records]
+        assert engines == [
+            "ours ar",
+            "ours ar-exact",
+            "ours γ2",
+            "ours γ2+suffix",
+            "ours schedule",
+            "ours schedule+suffix",
+        ]
+        speculative = len(engines) - 2
+        assert _prompt_tokens_read(ours.baseline.target) - baseline == prompt
+        assert _prompt_tokens_read(ours.engine.target) - target == (speculative + 1) * prompt  # ar-exact too
+        assert _prompt_tokens_read(ours.engine.drafter.decoder) - drafter == speculative * prompt
+        assert all(r["first_token_seconds"] > 0 for r in records)
+        for record in records[2:]:  # greedy: equal to the exact target-only answer, the flags run_bench sets
+            assert record["identical_to_ar"] is True and isinstance(record["identical_to_one_row_ar"], bool)
+    finally:
+        for engine in (ours.engine, ours.baseline):
+            engine.close()

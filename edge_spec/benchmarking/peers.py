@@ -44,6 +44,14 @@ def decode_tokens(record: dict) -> int:
     return max(record["new_tokens"] - first, 0)
 
 
+def first_token_seconds(record: dict) -> float | None:
+    """A record's time to its first token: ours as ``first_token_seconds`` (from the request to the first
+    token, the target's and the drafter's prompt reading included), a peer's worker as ``prefill_seconds``
+    (from handing over the prompt ids to the first token known); None in runs saved before either."""
+    value = record.get("first_token_seconds", record.get("prefill_seconds"))
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def peer_record(peer: str, k: int, answer: dict, ar_ids: list[int] | None) -> dict:
     """A peer's answer (a worker's :func:`result`) as a table record: its engine label (``genai ar``,
     ``openvino K8``), its tokens/s by :func:`decode_tokens`, and at K > 0 whether it equals the peer's own
@@ -61,8 +69,8 @@ def peer_record(peer: str, k: int, answer: dict, ar_ids: list[int] | None) -> di
 
 
 def summarize(records: list[dict], engines: list[str]) -> list[dict]:
-    """Per (category, engine) and overall: pooled (new tokens - 1) / decode seconds, and its ratio to
-    the same engine family's ar and to ours."""
+    """Per (category, engine) and overall: pooled (new tokens - 1) / decode seconds, its ratio to the same
+    engine family's ar and to ours, and the mean time to the first token (ms; None where none was kept)."""
     groups = defaultdict(list)
     for r in records:
         for category in (r["category"], "overall"):
@@ -84,6 +92,7 @@ def summarize(records: list[dict], engines: list[str]) -> list[dict]:
             flags = [r.get("identical_to_ar") for r in members]  # ours: None (no ar-exact run), see the legend
             flags = [flag if flag is not None else r.get("identical_to_one_row_ar") for flag, r in zip(flags, members)]
             identical = [flag for flag in flags if flag is not None]
+            firsts = [t for t in map(first_token_seconds, members) if t is not None]
             rows.append(
                 {
                     "category": category,
@@ -94,6 +103,7 @@ def summarize(records: list[dict], engines: list[str]) -> list[dict]:
                     "vs_ours_ar": tps / ours_ar if ours_ar else None,
                     "identical_to_ar": f"{sum(identical)}/{len(identical)}" if identical else "",
                     "mean_new_tokens": sum(r["new_tokens"] for r in members) / len(members),
+                    "first_token_ms": 1000 * sum(firsts) / len(firsts) if firsts else None,
                 }
             )
     return rows
@@ -101,17 +111,21 @@ def summarize(records: list[dict], engines: list[str]) -> list[dict]:
 
 def format_rows(rows: list[dict]) -> str:
     """:func:`summarize`'s rows as the printed table, a blank line between categories."""
-    header = f"{'category':<15} {'engine':<22} {'n':>3} {'tok/s':>7} {'vs own ar':>9} {'vs ours ar':>10} {'= ar':>6} {'tokens':>6}"
+    header = (
+        f"{'category':<15} {'engine':<22} {'n':>3} {'tok/s':>7} {'vs own ar':>9} {'vs ours ar':>10} {'= ar':>6} "
+        f"{'tokens':>6} {'TTFT ms':>8}"
+    )
     lines, previous = [header, "-" * len(header)], None
     for r in rows:
         if previous and r["category"] != previous:
             lines.append("")
         previous = r["category"]
         ratio = lambda v: f"{v:.2f}x" if v else "-"
+        ttft = lambda v: f"{v:.0f}" if v is not None else "-"
         lines.append(
             f"{r['category']:<15} {r['engine']:<22} {r['prompts']:>3} {r['tokens_per_second']:7.2f} "
             f"{ratio(r['vs_own_ar']):>9} {ratio(r['vs_ours_ar']):>10} {r['identical_to_ar']:>6} "
-            f"{r['mean_new_tokens']:6.1f}"
+            f"{r['mean_new_tokens']:6.1f} {ttft(r.get('first_token_ms')):>8}"
         )
     return "\n".join(lines)
 

@@ -7,13 +7,18 @@ from pathlib import Path
 
 from edge_spec.benchmarking.peers import summarize
 
-PEER_NAMES = {"genai": "onnxruntime-genai", "openvino": "OpenVINO GenAI"}
+PEER_NAMES = {"genai": "onnxruntime-genai", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp"}
 
 
 def peer_label(engine: str) -> str:
-    """``genai K4`` -> ``onnxruntime-genai K=4``, ``openvino ar`` -> ``OpenVINO GenAI plain``."""
+    """``genai K4`` -> ``onnxruntime-genai K=4``, ``openvino ar`` -> ``OpenVINO GenAI plain``,
+    ``llamacpp draft`` -> ``llama.cpp draft``."""
     peer, _, mode = engine.partition(" ")
-    return f"{PEER_NAMES.get(peer, peer)} {'plain' if mode == 'ar' else 'K=' + mode.removeprefix('K')}"
+    if mode == "ar":
+        mode = "plain"
+    elif mode[:1] == "K" and mode[1:].isdigit():
+        mode = "K=" + mode[1:]
+    return f"{PEER_NAMES.get(peer, peer)} {mode}"
 
 
 def fastest_peers(summary: list[dict], ours: str) -> list[tuple[str, float, float, str, float]]:

@@ -126,7 +126,9 @@ def bench(
         "--drafts",
         help=f"Drafts per step (the multi-draft modes {', '.join(VERIFIERS)}; default {TreeConfig.drafts}).",
     ),
-    category: list[str] = typer.Option([], help="Only these categories (repeatable)."),
+    category: list[str] = typer.Option(
+        [], help="Only these categories (repeatable); `long` (code files of ~2,000 tokens) runs only when named."
+    ),
     per_category: Optional[int] = typer.Option(None, help="At most this many prompts per category."),
     repeat: int = typer.Option(
         1,
