@@ -599,6 +599,8 @@ def main() -> None:
         if peer in peers and not ready.is_file():
             raise SystemExit(f"{peer} is not prepared: run {Path(__file__).name} --prepare first")
     if args.llamacpp_modes:
+        if not llamacpp().LLAMA_SERVER.is_file():
+            raise SystemExit(f"llamacpp is not prepared: run {Path(__file__).name} --prepare --peers llamacpp first")
         llamacpp().check_prepared(argparse.Namespace(peers=["llamacpp"], llamacpp_modes=args.llamacpp_modes))
 
     from edge_spec.paths import DEFAULT_BUNDLE
