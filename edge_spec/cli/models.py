@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +24,7 @@ from edge_spec.cli.options import (
 )
 from edge_spec.cli.output import console, out, progress_lines
 from edge_spec.errors import EdgeSpecError
+from edge_spec.export.options import ExportOptions
 
 
 def fetch(names: list[str] = typer.Argument(None, help="Registry model names (default: the default pair).")) -> None:
@@ -92,9 +97,6 @@ def export(
 ) -> None:
     """Export a target and a drafter into one quantized ONNX bundle."""
     extras.require("export", "export")
-    from edge_spec.export.bundle import export_bundle
-    from edge_spec.export.eagle.attach import attach_eagle_source, shipped_eagle_head
-    from edge_spec.export.install import explained_os_errors
     from edge_spec.paths import bundle_dir, default_pair
 
     default_target, default_draft = default_pair()
@@ -111,35 +113,131 @@ def export(
         gguf_blocks=gguf_blocks,
         gguf_layout=gguf_layout,
     )
+    job = ExportJob(target, draft, output, options, eagle, measure)
+    try:
+        with _Screen("exporting") as screen:
+            if not _watched():
+                run_export(job, screen.show)
+                return
+            from edge_spec.export import install, watchdog
+
+            def cleanup() -> None:  # what a killed child left (a later export would remove it too)
+                install.prepare(Path(output).expanduser().resolve())
+
+            watchdog.run("edge_spec.cli.models:run_export", job, screen.show, kept=_kept_at(output), cleanup=cleanup)
+    except KeyboardInterrupt:  # said as one line by the command (typer would end it without a word)
+        raise typer.Abort() from None
+
+
+@dataclass
+class ExportJob:
+    """What ``edge-spec export`` was asked for, its defaults filled in: handed to the process that does
+    the work (see :func:`_watched`)."""
+
+    target: str
+    draft: str
+    output: Path
+    options: ExportOptions
+    eagle: Optional[str]
+    measure: bool
+
+
+def _watched() -> bool:
+    """Whether the export runs in a child process that this one watches (:mod:`edge_spec.export.watchdog`:
+    a kill by the out-of-memory killer is then said in one line instead of ``Killed``): where this
+    process is the edge-spec command itself (its console script, ``python -m edge_spec.cli``) on a POSIX
+    system.  A program that calls :func:`edge_spec.cli.main` itself (a test, an app) keeps the work in
+    its own process, with its patches and in-memory models, and so does a frozen app (its executable
+    runs no ``python -m``)."""
+    from edge_spec import cli
+
+    if os.name != "posix" or getattr(sys, "frozen", False):
+        return False
+    return getattr(sys.modules.get("__main__"), "main", None) is cli.main
+
+
+def _kept_at(output: Path) -> str:
+    """What is at ``output`` should the export stop before it installs the new bundle."""
+    from edge_spec.export.install import is_bundle
+
+    path = Path(output).expanduser().resolve()
+    return f"the existing bundle at {path} was kept" if is_bundle(path) else f"nothing was written to {path}"
+
+
+class _Screen:
+    """The command's display of an export: a spinner, one line per step (``- ...``) and the lines said as
+    they are.  What the work says (:meth:`show`'s payloads) comes from this process or from the watched
+    child: ("progress", text), ("print", rich markup) or ("status", the spinner's text)."""
+
+    def __init__(self, label: str) -> None:
+        self._status = console.status(label)
+
+    def __enter__(self) -> "_Screen":
+        self._status.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._status.__exit__(*exc)
+
+    def show(self, payload: tuple[str, str]) -> None:
+        kind, text = payload
+        if kind == "progress":
+            console.print(f"[dim]-[/dim] {text}")
+        if kind in ("progress", "status"):
+            self._status.update(text)
+        elif kind == "print":
+            console.print(text)
+
+
+def run_export(job: ExportJob, say: Callable[[tuple[str, str]], None]) -> None:
+    """The export's work: the bundle, its EAGLE-3 head if asked, the measurement on this machine;
+    everything it says goes to ``say`` (see :class:`_Screen`)."""
+    from edge_spec.export import activity
+    from edge_spec.export.bundle import export_bundle
+    from edge_spec.export.eagle.attach import attach_eagle_source, shipped_eagle_head
+    from edge_spec.export.install import explained_os_errors
+
+    def progress(message: str) -> None:
+        say(("progress", message))
+
+    output, eagle = job.output, job.eagle
     if eagle == "shipped":
-        eagle = shipped_eagle_head(target)
+        eagle = shipped_eagle_head(job.target)
         if eagle is None:
-            raise EdgeSpecError(f"the registry ships no EAGLE-3 head for {target}")
+            raise EdgeSpecError(f"the registry ships no EAGLE-3 head for {job.target}")
     elif eagle == "none":
         eagle = None
-    with progress_lines("exporting") as progress:
-        manifest = export_bundle(target, draft, output, options, progress)
-        if eagle:
-            with explained_os_errors(
-                output,
-                f"the bundle at {output} was exported without its EAGLE-3 head "
-                f"(attach it later: edge-spec add-heads {output} --eagle {eagle})",
-            ):
-                manifest = attach_eagle_source(output, eagle, progress)
+    manifest = export_bundle(job.target, job.draft, output, job.options, progress)
+    activity.kept(f"the bundle at {output} was written")
+    if eagle:
+        without_head = (
+            f"the bundle at {output} was exported without its EAGLE-3 head "
+            f"(attach it later: edge-spec add-heads {output} --eagle {eagle})"
+        )
+        activity.step("attaching the EAGLE-3 head")
+        activity.kept(without_head)
+        with explained_os_errors(output, without_head):
+            manifest = attach_eagle_source(output, eagle, progress)
+    activity.kept(f"the bundle at {output} was written")
     mib = 1 << 20
-    console.print(
-        f"[green]bundle[/green] {output}: target {manifest['target']['bytes'] / mib:.0f} MiB, "
-        f"drafter {manifest['draft']['bytes'] / mib:.0f} MiB, {manifest['export_seconds']} s"
+    say(
+        (
+            "print",
+            f"[green]bundle[/green] {output}: target {manifest['target']['bytes'] / mib:.0f} MiB, "
+            f"drafter {manifest['draft']['bytes'] / mib:.0f} MiB, {manifest['export_seconds']} s",
+        )
     )
-    if measure:
-        _measure_machine(output)
+    if job.measure:
+        activity.step("measuring this machine for the bundle")
+        activity.kept(f"the bundle at {output} was written (its first answer measures this machine instead)")
+        _measure_machine(output, say)
 
 
 LEARNING_PROMPTS = 3  # answers export gives after its measurement, so the schedule starts from this pair's rates
 LEARNING_TOKENS = 96
 
 
-def _measure_machine(bundle: Path) -> None:
+def _measure_machine(bundle: Path, say: Callable[[tuple[str, str]], None]) -> None:
     """Time the new bundle on this machine, run its exactness checks and answer a few of the shipped
     calibration prompts, with the default settings: the first answer after an export then starts from
     cached verdicts, live-corrected costs and this pair's acceptance rates, as every later one does (the
@@ -151,19 +249,19 @@ def _measure_machine(bundle: Path) -> None:
     from edge_spec.runtime.engine import Engine
 
     started = time.perf_counter()
+    say(("status", "measuring this machine's speed for the bundle (once)"))
     try:
-        with console.status("measuring this machine's speed for the bundle (once)"):
-            with Engine.from_bundle(bundle) as engine:
-                engine.loaded.check_device()
-                for prompt in load_prompts(None)[:LEARNING_PROMPTS]:
-                    messages = [{"role": "user", "content": prompt}]
-                    room = engine.target.capacity - len(engine.prompt_ids(messages, check_length=False))
-                    if room > LEARNING_TOKENS // 4:  # a context too short for it learns at the first answers
-                        engine.complete(messages, max_new_tokens=min(LEARNING_TOKENS, room - 1))
+        with Engine.from_bundle(bundle) as engine:
+            engine.loaded.check_device()
+            for prompt in load_prompts(None)[:LEARNING_PROMPTS]:
+                messages = [{"role": "user", "content": prompt}]
+                room = engine.target.capacity - len(engine.prompt_ids(messages, check_length=False))
+                if room > LEARNING_TOKENS // 4:  # a context too short for it learns at the first answers
+                    engine.complete(messages, max_new_tokens=min(LEARNING_TOKENS, room - 1))
     except EdgeSpecError as error:
-        console.print(f"[yellow]note[/yellow] the bundle was not measured on this machine: {error}")
+        say(("print", f"[yellow]note[/yellow] the bundle was not measured on this machine: {error}"))
         return
-    console.print(f"[dim]-[/dim] measured this machine for the bundle in {time.perf_counter() - started:.1f} s")
+    say(("print", f"[dim]-[/dim] measured this machine for the bundle in {time.perf_counter() - started:.1f} s"))
 
 
 def _kept(bundle: Path, added: list[str]) -> str:

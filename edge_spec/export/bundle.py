@@ -19,7 +19,7 @@ import numpy as np
 
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export import install
+from edge_spec.export import activity, install
 from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
 from edge_spec.export.options import ExportOptions
 from edge_spec.export.pair import ModelCard, check_pair, probe_pair
@@ -174,6 +174,7 @@ def export_draft_heads(
     calibration = None
     files: list[dict] = []
     if any(m != "full" for m in modes):
+        activity.detail("the calibration text")
         sequences = _calibration_sequences(bundle_dir, options, progress)
         counts = vocabtrim.count_tokens(sequences, lm_head.shape[0])
         np.save(bundle_dir / "draft" / "token_counts.npy", counts)
@@ -204,6 +205,7 @@ def export_draft_heads(
     if always:
         files += _export_head_rows(bundle_dir, lm_head)
         _say(progress, "SpecVocab: collecting drafter hidden states on the calibration text")
+        activity.detail("the drafter's hidden states on the calibration text")
         hidden, next_tokens = specvocab.collect_hidden_states(
             bundle_dir / "draft" / "body.onnx", sequences, options.context_length
         )
@@ -261,6 +263,7 @@ def specvocab_heads_for(
     )
     heads, files = {}, []
     for rank in options.rank:
+        activity.detail(f"the SpecVocab scorer of rank {rank}")
         scorer = specvocab.fit_scorer(rows, rank, hidden if data else None)
         if hidden is not None:
             scorer = specvocab.train_scorer(scorer, rows, hidden, options.train_steps, progress=progress)

@@ -47,6 +47,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
 
+from edge_spec.export import activity
 from edge_spec.export.attention_pad import pad_attention
 from edge_spec.export.gguf.blocks import add_carried_linear, concat_blocks, narrow_to_4bit
 from edge_spec.export.quantize import quantize_blockwise
@@ -592,12 +593,15 @@ class DecoderGraphBuilder:
 
     def build(self) -> onnx.ModelProto:
         self.step_inputs()
+        activity.detail("the embedding table")
         stream = Residual(self.embedding("input_ids"))
         for i, layer in enumerate(self.w.layers):
+            activity.detail(f"layer {i + 1} of {len(self.w.layers)}")
             stream = self.decoder_layer(i, layer, stream, self.layer_rotary(i))
         last = self.last_positions(self.final_norm(stream))
         outputs = []
         if self.opt.build_head:
+            activity.detail("the LM head")
             outputs.append(self.logits_output(last))
         if self.opt.emit_hidden or not self.opt.build_head:
             outputs.append(self.hidden_output(last))

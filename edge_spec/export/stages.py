@@ -12,12 +12,14 @@ fail) becomes the same line.  At the end, one line says where the time went and 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.export import activity
 
 GB = 1e9
 #: memory an export holds whatever the models (Python, torch, transformers, ONNX Runtime, a tokenizer)
@@ -45,7 +47,13 @@ def available_memory() -> int | None:
 
 
 def peak_memory() -> int | None:
-    """The most memory this process has held so far (resident set), or None where it cannot be read."""
+    """The most memory this process has held so far (resident set), or None where it cannot be read.
+    Linux: ``VmHWM``, the peak of this program (``ru_maxrss`` of a process started by fork and exec, as
+    the command starts the export's, begins at the size of the process it was forked from)."""
+    from edge_spec.export.watchdog import peak_memory_of
+
+    if sys.platform.startswith("linux") and (peak := peak_memory_of(os.getpid())) is not None:
+        return peak
     try:
         import resource
     except ImportError:  # Windows
@@ -120,6 +128,7 @@ class Stages:
                 "close other programs (browsers, other models, IDEs) or export on a machine with more memory "
                 "(nothing was written)"
             )
+        activity.step(name)
         if line:
             self._say(line)
         started = time.perf_counter()
