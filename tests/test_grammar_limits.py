@@ -264,6 +264,27 @@ def test_a_pattern_bomb_is_refused_before_the_checker_sees_it(engine, response_f
     assert state._checker is None  # no child was started, busied or ended for it
 
 
+def test_a_prepared_server_builds_nothing_at_its_first_requests(engine):
+    """``serve`` prepares its state before it accepts connections: the first constrained request and the
+    first ``/tokenize`` then find the vocabulary, the checker's child and the tokenizers ready (building
+    them holds the GIL for seconds with a real vocabulary)."""
+    app, state = build_app(engine, name="tiny")
+    state.prepare()
+    checker, tokenizers, pieces = state._checker, state._tokenizers, state._pieces
+    assert checker is not None and tokenizers is not None and pieces is not None
+    child = checker._child
+    assert child is not None and child.process.poll() is None  # started, and running
+    with TestClient(app, base_url=BASE) as client:
+        answer = client.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2, "response_format": schema_format({**GOOD, "title": "prepared"})},
+        )
+        tokens = client.post("/tokenize", json={"content": "hello world", "with_pieces": True})
+    assert answer.status_code == 200 and tokens.status_code == 200, (answer.text, tokens.text)
+    assert state._checker is checker and checker._child is child  # the same child answered
+    assert state._tokenizers is tokenizers and state._pieces is pieces
+
+
 def test_forced_tool_calls_check_their_parameters(tools_bundle):  # noqa: F811
     engine = Engine.from_bundle(tools_bundle, mode="spec", threads=1)
 

@@ -226,6 +226,37 @@ def test_body_size_cap(engine):
             parse_size(bad)
 
 
+def test_large_bodies_give_their_memory_back(engine, monkeypatch):
+    """Once a request of a large body is answered, or refused for its size, the allocator is asked to
+    return what it freed (throttled); small requests never pay for that."""
+    from edge_spec.runtime import heap
+    from edge_spec.server.guard import TRIM_BODY_BYTES
+
+    calls = []
+    monkeypatch.setattr(heap, "trim", lambda min_interval=0.0: calls.append(min_interval) or True)
+    client, _ = in_process(engine, max_body="3M")
+    large = {"messages": [{"role": "user", "content": "hello world " * (TRIM_BODY_BYTES // 10)}]}
+    with client:
+        small = client.post("/v1/chat/completions", json=BODY)
+        assert small.status_code == 200 and calls == []
+        assert _error(client.post("/v1/chat/completions", json=large), 400)["code"] == "context_length_exceeded"
+        assert len(calls) == 1
+        pieces = (b"x" * (1 << 20) for _ in range(4))  # no Content-Length: read until past the cap
+        too_large = client.post("/v1/chat/completions", content=pieces, headers={"Content-Type": "application/json"})
+        assert _error(too_large, 413)["code"] == "request_too_large"
+        assert len(calls) == 2
+
+
+def test_trimming_the_heap_is_throttled():
+    from edge_spec.runtime import heap
+
+    if heap._malloc_trim() is None:
+        pytest.skip("no malloc_trim here")
+    assert heap.trim(0.0) is True
+    assert heap.trim(60.0) is False  # done a moment ago
+    assert heap.trim(0.0) is True
+
+
 def test_nesting_is_bounded(engine):
     assert nesting_depth(b'{"a": "[[[[{{", "b": [{"c": "\\"]]"}]}') == 3
     assert nesting_depth(b"[" * 100000) == 100000

@@ -7,6 +7,11 @@ application that closes its model to make room for something else wants that mem
 :func:`release` collects what only a reference cycle still holds and asks glibc to return its free pages
 (``malloc_trim``).  Elsewhere (macOS, Windows, musl), only the collection runs: those allocators return
 large blocks themselves.
+
+A server frees megabytes at a time too (a large request body, its decoded text, a long tokenization),
+in whichever of glibc's per-thread arenas the worker thread used, and glibc keeps those pages as well:
+the resident size then climbs with every such request although nothing is kept.  :func:`trim` returns
+them without a collection, at most once per interval, so that a stream of large requests costs little.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import ctypes.util
 import functools
 import gc
 import sys
+import threading
+import time
 
 
 @functools.cache
@@ -34,3 +41,23 @@ def release() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+_trimmed = {"at": float("-inf")}
+_trim_lock = threading.Lock()
+
+
+def trim(min_interval: float = 0.0) -> bool:
+    """Return the allocator's free pages to the system, unless that was done less than ``min_interval``
+    seconds ago (then, or where there is no ``malloc_trim``, False).  Blocking for milliseconds, without
+    the GIL (ctypes lets it go): call it from a worker thread."""
+    trim_call = _malloc_trim()
+    if trim_call is None:
+        return False
+    with _trim_lock:
+        now = time.monotonic()
+        if now - _trimmed["at"] < min_interval:
+            return False
+        _trimmed["at"] = now
+    trim_call(0)
+    return True

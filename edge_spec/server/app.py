@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -59,6 +60,7 @@ from edge_spec.server.tokens import (
 from edge_spec.server.tool_calls import CallParser, ToolCall, ToolFormat
 from edge_spec.server.tool_use import ToolUse, plan_tools
 
+log = logging.getLogger("edge_spec.server")
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -107,6 +109,20 @@ class ServerState:
         if self._checker is None:
             self._checker = checker_for(self.worker.engine.grammar_vocabulary())
         return self._checker
+
+    def prepare(self) -> None:
+        """Build now what the first request of each kind would build while others are served: the grammar
+        engine's vocabulary and the checker's child (the first constrained request), the tokenizers and
+        piece table of ``/tokenize``.  Building each holds the GIL from start to end (reading a 150,000-token
+        vocabulary: seconds), which would stall every other request, ``/health`` included.  Blocking: call
+        it before the server accepts connections.  A tokenizer the grammar engine cannot read is no
+        reason to stop: its requests are refused as before."""
+        try:
+            self.grammar_checker().start()
+        except EdgeSpecError as exc:
+            log.warning("constrained answers will be refused: %s", exc)
+        self.tokenizers()
+        self.pieces()
 
     def grammar_turn(self) -> asyncio.Lock:
         """The lock that lets one request at a time check its grammar (one per event loop)."""

@@ -12,7 +12,10 @@ A server on loopback is still reachable from any web page its user opens, in two
 
 A single client must not freeze the server either: a body is read from the ASGI stream counting its bytes
 and refused (413) as soon as it passes ``--max-body`` (or at once when Content-Length says it will), and a
-body that stops arriving is refused (408) instead of holding its connection open.
+body that stops arriving is refused (408) instead of holding its connection open.  Once a request with a
+body of :data:`TRIM_BODY_BYTES` or more is answered (or refused for its size), the C allocator is asked to
+return the pages it freed (:func:`edge_spec.runtime.heap.trim`, at most every :data:`TRIM_INTERVAL`
+seconds): without that, each large body leaves the resident size higher.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse, Response
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.runtime import heap
 from edge_spec.server.defaults import DEFAULT_HOST, DEFAULT_MAX_BODY, parse_size
 from edge_spec.server.errors import ApiError
 
@@ -37,6 +41,8 @@ DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type"
 PREFLIGHT_MAX_AGE = "600"
 _HEADER_LIST = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+TRIM_BODY_BYTES = 1 << 20  # a body this large: give the freed memory back once it is answered
+TRIM_INTERVAL = 2.0  # seconds between two trims at least
 
 
 @dataclass(frozen=True)
@@ -247,10 +253,19 @@ class Guard:
                 body = await _read_body(receive, policy)
             except ApiError as exc:
                 await _refuse(exc, scope, receive, send, method)
+                if exc.status == 413:
+                    await asyncio.to_thread(heap.trim, TRIM_INTERVAL)
                 return
             if body is None:  # the client went away while sending
                 return
             receive = _replay(body, receive)
+            if len(body) >= TRIM_BODY_BYTES:
+                del body  # the replay holds it until the app has read it
+                try:
+                    await self.app(scope, receive, send)
+                finally:
+                    await asyncio.to_thread(heap.trim, TRIM_INTERVAL)
+                return
         await self.app(scope, receive, send)
 
 
@@ -278,13 +293,11 @@ async def _read_body(receive, policy: GuardPolicy) -> bytes | None:
 
 def _replay(body: bytes, receive):
     """A receive that hands the app the body already read, then the connection's own messages (disconnect)."""
-    sent = False
+    pending = [body]  # handed over once, then no longer held here
 
     async def replay():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
         return await receive()
 
     return replay

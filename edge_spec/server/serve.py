@@ -184,6 +184,7 @@ def run(
         max_body=max_body,
     )
     engine.complete("warm up", max_new_tokens=4)  # the first request is not the one paying for cold caches
+    state.prepare()  # nor for the tables built on first use, which hold the GIL while they are built
     if not _is_loopback(host) and not api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
     config = server_config(

@@ -73,6 +73,12 @@ class GrammarChecker:
         if reason is not None:
             raise GrammarRefused(reason)
 
+    def start(self) -> None:
+        """Start the child now, not at the first check (blocking: it reads the tokenizer)."""
+        with self._lock:
+            if self._child is None:
+                self._child = _Child(self._setup)
+
     def close(self) -> None:
         with self._lock:
             self._stop()
