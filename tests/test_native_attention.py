@@ -140,6 +140,25 @@ def test_the_native_op_computes_what_orts_op_computes(library, case, rows, conte
     np.testing.assert_allclose(ours["out"], theirs["out"], rtol=1e-4, atol=2e-6)
 
 
+@pytest.mark.parametrize("shape", [(8, 2, 32), (6, 3, 48), (4, 4, 64)], ids=["group-4", "head-48", "no-grouping"])
+def test_other_head_layouts(library, monkeypatch, shape):
+    """Groups that are no multiple of three, head sizes that are no multiple of four vectors."""
+    import tests.test_native_attention as here
+
+    heads, kv_heads, head = shape
+    monkeypatch.setattr(here, "HEADS", heads)
+    monkeypatch.setattr(here, "KV_HEADS", kv_heads)
+    monkeypatch.setattr(here, "HEAD", head)
+    rng = np.random.default_rng(heads)
+    for context, rows in ((0, 3), (33, 1), (33, 7)):
+        inputs = feeds(rng, context, rows, tree=True) if context else feeds(rng, context, rows, tree=False)
+        tree = bool(context)
+        ours = run(session(gqa_model("ai.edge_spec", tree=tree), library), inputs)
+        theirs = run(session(gqa_model("com.microsoft", tree=tree)), inputs)
+        np.testing.assert_array_equal(ours["present_v"], theirs["present_v"])
+        np.testing.assert_allclose(ours["out"], theirs["out"], rtol=1e-4, atol=2e-6)
+
+
 def test_the_check_can_fail(library):
     """A window one key narrower changes the answer beyond the tolerance above."""
     rng = np.random.default_rng(1)
@@ -273,3 +292,14 @@ def test_only_nodes_the_native_op_takes_are_moved():
     smooth = onnx.load_from_string(gqa_model("com.microsoft", tree=False))
     smooth.graph.node[0].attribute.append(helper.make_attribute("smooth_softmax", 1))
     assert use_native_attention(smooth) == 0 and smooth.graph.node[0].domain == "com.microsoft"
+
+
+def test_device_facts_are_kept_apart_for_the_native_op(library, int4_bundle, monkeypatch):
+    """Cost profiles and exactness verdicts measured with one attention op are not read for the other."""
+    from edge_spec.runtime.engine import Engine
+
+    native = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
+    monkeypatch.setenv(build.SWITCH, "0")
+    plain = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
+    assert native.target.native_attention and not plain.target.native_attention
+    assert native.loaded._placement() != plain.loaded._placement()

@@ -161,6 +161,31 @@ __attribute__((target("avx2,fma"))) void weighted_sum_avx(float* out, const floa
     for (int j = 0; j < lanes; ++j) _mm256_storeu_ps(out + c + 8 * j, acc[j]);
   }
 }
+
+// weighted_sum_avx for three query vectors with the same window: each value row loaded once for the three.
+// Every output element sums the same products in the same order as weighted_sum_avx (same bits).
+__attribute__((target("avx2,fma"))) void weighted_sum3_avx(float* const* out, const float* const* p, const float* v,
+                                                           int count, int h) {
+  for (int c = 0; c < h; c += 32) {  // h a multiple of 32
+    __m256 a[3][4];
+    for (int j = 0; j < 3; ++j)
+      for (int l = 0; l < 4; ++l) a[j][l] = _mm256_loadu_ps(out[j] + c + 8 * l);
+    const float* row = v + c;
+    for (int t = 0; t < count; ++t, row += h) {
+      const __m256 x0 = _mm256_loadu_ps(row), x1 = _mm256_loadu_ps(row + 8);
+      const __m256 x2 = _mm256_loadu_ps(row + 16), x3 = _mm256_loadu_ps(row + 24);
+      for (int j = 0; j < 3; ++j) {
+        const __m256 w = _mm256_broadcast_ss(p[j] + t);
+        a[j][0] = _mm256_fmadd_ps(w, x0, a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(w, x1, a[j][1]);
+        a[j][2] = _mm256_fmadd_ps(w, x2, a[j][2]);
+        a[j][3] = _mm256_fmadd_ps(w, x3, a[j][3]);
+      }
+    }
+    for (int j = 0; j < 3; ++j)
+      for (int l = 0; l < 4; ++l) _mm256_storeu_ps(out[j] + c + 8 * l, a[j][l]);
+  }
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -261,6 +286,7 @@ struct Pass {  // what one call's work items share
   int64_t bias_b, bias_n, bias_t;
   float* out;  // [B, S, N * H]
   int row_block, blocks_per_head;
+  bool avx;  // the AVX2 kernels (a head size that is a multiple of 8, on a CPU that has them)
 };
 
 struct Scratch {
@@ -311,7 +337,7 @@ void attend(const Pass& P, size_t item) {
 
   // scores: each key read once for all nq query vectors
 #ifdef ES_X86
-  if (g_use_avx2) {
+  if (P.avx) {
     std::vector<float> d0(nq), d1(nq);
     for (int t = first; t < last;) {
       const float* k0 = K + static_cast<size_t>(t) * H;
@@ -376,7 +402,7 @@ void attend(const Pass& P, size_t item) {
     for (int t = 0; t < n; ++t) mx = std::max(mx, e[t]);
     float sum;
 #ifdef ES_X86
-    if (g_use_avx2) {
+    if (P.avx) {
       sum = exp_sum_avx(e, n, mx);
     } else
 #endif
@@ -404,8 +430,16 @@ void attend(const Pass& P, size_t item) {
       const float* v = V + static_cast<size_t>(a) * H;
       float* o = acc + static_cast<size_t>(i) * H;
 #ifdef ES_X86
-      if (g_use_avx2) {
-        weighted_sum_avx(o, p, v, z - a, H);
+      if (P.avx) {
+        // the heads of one row share its window: three at a time where the row has them
+        if ((i % G) + 3 <= G && H % 32 == 0) {
+          float* outs[3] = {o, o + H, o + 2 * H};
+          const float* ps[3] = {p, p + span, p + 2 * span};
+          weighted_sum3_avx(outs, ps, v, z - a, H);
+          i += 2;
+        } else {
+          weighted_sum_avx(o, p, v, z - a, H);
+        }
         continue;
       }
 #endif
@@ -561,6 +595,7 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
   P.values = present_value;
   P.seqlens = seqlens_k;
   P.out = out;
+  P.avx = g_use_avx2 && H % 8 == 0;
   if (bias.value != nullptr) {
     require(bias.shape.size() == 4 && bias.shape[2] == S, "attention_bias must be [B or 1, N or 1, S, T]");
     P.bias = static_cast<const float*>(bias.data);

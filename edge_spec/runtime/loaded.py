@@ -249,10 +249,12 @@ class LoadedBundle:
                     stats.recent[n] = seconds
 
     def _placement(self) -> tuple[str, str]:
-        """Where the models run, as the cached device facts are keyed: providers (with options), threads."""
+        """Where the models run, as the cached device facts are keyed: providers (with options), threads, and
+        the native attention op where the target runs on it (its passes cost and round otherwise)."""
         o = self.options
         provider_options = ",".join(f"{k}={v}" for k, v in sorted((o.provider_options or {}).items()))
-        return f"{o.provider}[{provider_options}]/{o.drafter_provider}", f"{o.threads}/{o.drafter_threads}"
+        native = "+native-attention" if getattr(self.target, "native_attention", False) else ""
+        return f"{o.provider}[{provider_options}]{native}/{o.drafter_provider}", f"{o.threads}/{o.drafter_threads}"
 
     def exact_rows(self, check: bool = True) -> int:
         """Rows a batch-invariant target pass needs on this device: one where one-row passes were found
