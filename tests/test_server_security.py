@@ -247,6 +247,32 @@ def test_large_bodies_give_their_memory_back(engine, monkeypatch):
         assert len(calls) == 2
 
 
+def test_detokenize_counts_the_vocabulary_once(engine, monkeypatch):
+    """Counting a tokenizer's ids with its added tokens walks the whole vocabulary (a second for a real
+    one, holding the GIL): a prepared server has the count, and ``/detokenize`` never walks it again."""
+    client, state = in_process(engine)
+    state.prepare()
+    text = engine.tokenizer
+    size = text.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    class Counted:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+            raise AssertionError("the vocabulary was counted again")
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(text, "tokenizer", Counted(text.tokenizer))
+    with client:
+        fits = client.post("/detokenize", json={"tokens": [1, 2, 3]})
+        outside = client.post("/detokenize", json={"tokens": [size]})
+    assert fits.status_code == 200, fits.text
+    assert f"0 to {size - 1}" in _error(outside, 400)["message"]
+
+
 def test_trimming_the_heap_is_throttled():
     from edge_spec.runtime import heap
 

@@ -83,6 +83,7 @@ class ServerState:
     _tokenizers: Tokenizers | None = field(default=None, repr=False)
     _checker: GrammarChecker | None = field(default=None, repr=False)
     _grammar_turn: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = field(default=None, repr=False)
+    _vocab_size: int | None = field(default=None, repr=False)
 
     @property
     def names(self) -> list[str]:
@@ -113,7 +114,7 @@ class ServerState:
     def prepare(self) -> None:
         """Build now what the first request of each kind would build while others are served: the grammar
         engine's vocabulary and the checker's child (the first constrained request), the tokenizers and
-        piece table of ``/tokenize``.  Building each holds the GIL from start to end (reading a 150,000-token
+        piece table of ``/tokenize``, the vocabulary size ``/detokenize`` checks ids against.  Building each holds the GIL from start to end (reading a 150,000-token
         vocabulary: seconds), which would stall every other request, ``/health`` included.  Blocking: call
         it before the server accepts connections.  A tokenizer the grammar engine cannot read is no
         reason to stop: its requests are refused as before."""
@@ -123,6 +124,14 @@ class ServerState:
             log.warning("constrained answers will be refused: %s", exc)
         self.tokenizers()
         self.pieces()
+        self.vocab_size()
+
+    def vocab_size(self) -> int:
+        """The tokenizer's ids, added tokens included (counting them walks the whole vocabulary: a
+        second or so for 150,000 tokens, holding the GIL, so it is counted once)."""
+        if self._vocab_size is None:
+            self._vocab_size = self.worker.engine.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     def grammar_turn(self) -> asyncio.Lock:
         """The lock that lets one request at a time check its grammar (one per event loop)."""
@@ -288,10 +297,11 @@ async def tokenize_route(request: Request) -> Response:
 
 async def detokenize_route(request: Request) -> Response:
     state = _authorized(request)
-    text = state.worker.engine.tokenizer
-    size = text.tokenizer.get_vocab_size(with_added_tokens=True)
+    size = await asyncio.to_thread(state.vocab_size)
     ids = await read_request(request, lambda body: parse_detokenize(body, size))
-    return Response(await asyncio.to_thread(detokenize, text, ids), media_type="application/json")
+    return Response(
+        await asyncio.to_thread(detokenize, state.worker.engine.tokenizer, ids), media_type="application/json"
+    )
 
 
 def _check_constrainable(state: ServerState, param: str) -> None:
