@@ -3,8 +3,10 @@ measurements a first request runs before its prompt is read, not only once token
 
 from __future__ import annotations
 
+import threading
 import time
 
+import numpy as np
 import pytest
 
 from edge_spec.runtime.engine import Engine
@@ -128,3 +130,119 @@ def test_a_cancel_stops_ssd_drafting_ahead(round_engine, greedy_reference, monke
     config = SsdConfig(gamma=3, speculations=4)  # four outcomes of two steps each after every verify pass
     got, steps, _ = _stop_in_a_drafter_step(round_engine, config, monkeypatch)
     _check_stopped_then_whole(round_engine, got, steps, greedy_reference)
+
+
+# ---------------------------------------------------------------------------
+# a cancel cuts a model pass under way
+# ---------------------------------------------------------------------------
+
+SLOW_PASS_SECONDS = 3.0  # how long an armed pass runs unless it is cut
+CUT_WITHIN = 0.5  # a cut pass must return this much sooner after the cancel
+
+
+class _SlowSession:
+    """The target's ONNX Runtime session, whose armed pass repeats the same real pass for
+    ``SLOW_PASS_SECONDS`` (each repeat writes the same cache rows and results): a pass as long as the
+    real pair's verify pass, built from tiny ones, cut only where ONNX Runtime's own run is cut."""
+
+    def __init__(self, real, on_start):
+        self.real, self.on_start, self.armed = real, on_start, False
+        self.slowed = 0
+
+    def run_with_iobinding(self, binding, *options):
+        if not self.armed:
+            return self.real.run_with_iobinding(binding, *options)
+        self.armed = False
+        self.slowed += 1
+        self.on_start()
+        end = time.perf_counter() + SLOW_PASS_SECONDS
+        while time.perf_counter() < end:
+            self.real.run_with_iobinding(binding, *options)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _cancel_in_a_target_pass(engine, monkeypatch, prompt, arm_at, **kwargs):
+    """One greedy answer whose ``arm_at``-th target pass is slow and is cancelled from another thread
+    50 ms after it starts (a UI's Stop).  Returns the answer, the seconds from the cancel to the answer's
+    return, and the rows of the target passes fed."""
+    target = engine.target
+    cancelled_at: list[float] = []
+
+    def press_stop():
+        time.sleep(0.05)
+        cancelled_at.append(time.perf_counter())
+        engine.cancel()
+
+    session = _SlowSession(target.session, lambda: threading.Thread(target=press_stop).start())
+    passes, real_forward = [], target.forward
+
+    def forward(token_ids, *args, **kw):
+        passes.append(len(token_ids))
+        session.armed = len(passes) == arm_at
+        return real_forward(token_ids, *args, **kw)
+
+    monkeypatch.setattr(target, "session", session)
+    monkeypatch.setattr(target, "forward", forward)
+    try:
+        got = engine.complete(prompt, temperature=0.0, **kwargs)
+        returned = time.perf_counter()
+    finally:
+        monkeypatch.setattr(target, "session", session.real)
+        monkeypatch.setattr(target, "forward", real_forward)
+    assert session.slowed == 1 and cancelled_at, "the armed pass did not run"
+    return got, returned - cancelled_at[0], passes
+
+
+@pytest.mark.parametrize("loop", ["chain", "tree", "ssd"])
+def test_a_cancel_cuts_the_verify_pass_under_way(round_engine, greedy_reference, monkeypatch, loop):
+    """Stop pressed while the target verifies a round: the pass is cut, not waited for; the answer holds
+    only verified tokens, and the same engine's next answer is the whole greedy answer."""
+    monkeypatch.setattr(round_engine, "config", ROUND_CONFIGS[loop])
+    got, seconds, passes = _cancel_in_a_target_pass(
+        round_engine, monkeypatch, ROUND_PROMPT, arm_at=4, max_new_tokens=ROUND_TOKENS
+    )
+    assert passes[3] > 1, f"the cut pass fed {passes[3]} rows, not a round's drafts"
+    assert seconds < CUT_WITHIN, f"the answer returned {seconds:.2f} s after the cancel"
+    assert got.stats.stop_reason == "cancelled"
+    assert 0 < len(got.token_ids) < ROUND_TOKENS
+    assert got.token_ids == greedy_reference[: len(got.token_ids)]
+    again = round_engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, temperature=0.0)
+    assert again.token_ids == greedy_reference
+
+
+LONG_PROMPT = "Summarize: speculative decoding drafts tokens with a small model and verifies them. " * 3
+CHUNK = 16  # tokens per prefill pass, so that the prompt takes several
+
+
+@pytest.mark.parametrize("arm_at", [1, 2])
+def test_a_cancel_cuts_a_long_prompt_s_prefill_pass(round_engine, monkeypatch, arm_at):
+    """Stop pressed while a prompt longer than one prefill pass is read: the pass under way is cut, the
+    cache keeps the passes that were read whole, and the next answer is the target's greedy answer."""
+    reference = round_engine.complete(LONG_PROMPT, max_new_tokens=16, mode="ar", exact=True).token_ids
+    round_engine.target.reset()
+    monkeypatch.setattr(round_engine, "config", chain(4))
+    monkeypatch.setattr(round_engine.target, "prefill_chunk", CHUNK)
+    got, seconds, passes = _cancel_in_a_target_pass(
+        round_engine, monkeypatch, LONG_PROMPT, arm_at=arm_at, max_new_tokens=16
+    )
+    assert len(round_engine.prompt_ids(LONG_PROMPT)) > 3 * CHUNK
+    assert passes[:arm_at] == [CHUNK] * arm_at
+    assert seconds < CUT_WITHIN, f"the answer returned {seconds:.2f} s after the cancel"
+    assert got.stats.stop_reason == "cancelled" and got.token_ids == []
+    assert round_engine.target.length == CHUNK * (arm_at - 1)  # the passes read whole, not the cut one
+    again = round_engine.complete(LONG_PROMPT, max_new_tokens=16, temperature=0.0)
+    assert again.token_ids == reference
+
+
+def test_an_interrupt_with_no_pass_running_leaves_the_next_pass_alone(round_engine):
+    """Negative control: an interrupt that comes between passes is not carried into the next one."""
+    target = round_engine.target
+    target.reset()
+    first = target.forward([5, 6, 7], 3)["logits"]
+    target.rewind(0)
+    target.interrupt()
+    again = target.forward([5, 6, 7], 3)["logits"]
+    assert target.length == 3
+    np.testing.assert_array_equal(again, first)

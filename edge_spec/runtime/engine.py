@@ -33,7 +33,7 @@ from edge_spec.runtime.loops import check_constraint, generate_tokens
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
 from edge_spec.runtime.loops.stats import TARGET, SpecStats, SpecSummary
 from edge_spec.runtime.loops.tree import check_tree
-from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.decoder import Decoder, PassInterrupted
 from edge_spec.runtime.model.session import numpy_on_one_thread
 from edge_spec.runtime.progress import LoadTracker, ProgressCallback
 from edge_spec.runtime.propose.context import ProposerContext
@@ -124,6 +124,7 @@ class Engine:
         self._holds = 0
         self._generation = 0  # the active generation; an older generator raises when resumed
         self._tokens: Iterator[int] | None = None  # the active generation's token loop
+        self._interruptible: list[Decoder] = []  # the decoders of the active generation's token loop
         self.last_stats = GenerationStats()
         self.last_token_ids: list[int] = []
         self.last_logprobs: list[TokenLogprob] = []  # one per last_token_ids entry, when asked for
@@ -363,9 +364,13 @@ class Engine:
         return self.loaded.bytes_ratio(self.config)
 
     def cancel(self) -> None:
-        """Stop the generation in progress (safe to call from another thread): it ends before its next
-        model pass (a prefill pass, a drafter step or a verify pass), having given only verified tokens."""
+        """Stop the generation in progress (safe to call from another thread): the model pass under way
+        (a prefill pass, a drafter step or a verify pass) is cut and no other starts; the answer ends
+        having given only verified tokens.  Passes of a first request's set-up are not cut: it ends
+        after them."""
         self._cancel.set()
+        for decoder in self._interruptible:  # after the flag: a pass starting now sees it (stop_requested)
+            decoder.interrupt()
 
     def close(self) -> None:
         """Release the ONNX Runtime sessions and KV buffers now, not when the last reference goes: a timer
@@ -692,9 +697,10 @@ class Engine:
         )
         self._tokens = tokens
         watched = self._watch_prefill(mode, on_prefill)
+        self._interruptible = watched
         stats.stop_reason = "length"
         try:
-            for token in tokens:
+            for token in self._until_interrupted(tokens):
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
                     stats.prefill_seconds = first_token_at - started
@@ -742,8 +748,9 @@ class Engine:
         finally:
             if generation == self._generation:  # a superseded generation leaves the newer one's hooks alone
                 for decoder in watched:
-                    decoder.prefill_listener = None
+                    decoder.prefill_listener = decoder.stop_requested = None
                 self._tokens = None
+                self._interruptible = []
             tokens.close()
             end = time.perf_counter()
             stats.decode_seconds = end - (first_token_at or end)  # excludes prefill
@@ -776,7 +783,8 @@ class Engine:
     def _watch_prefill(self, mode: str, on_prefill: Callable[[float], None] | None) -> list[Decoder]:
         """Listen to the prefill passes of the decoders this mode uses: stop between passes once
         cancelled, and report progress as one fraction, each model weighted by its parameters (what
-        its prefill costs).  Returns the decoders to unhook afterwards."""
+        its prefill costs); refuse their passes once cancelled (see :meth:`cancel`).  Returns the
+        decoders to unhook afterwards."""
         decoders = [self.target] if mode == "ar" else [self.target, self.active_drafter().decoder]
         weights = [1.0] if mode == "ar" else [1.0, self.param_ratio]
         for index, decoder in enumerate(decoders):
@@ -789,7 +797,17 @@ class Engine:
                     on_prefill(start + share * done / total)
 
             decoder.prefill_listener = listener
+            decoder.stop_requested = self._cancel.is_set  # a pass about to start when cancel() came
         return decoders
+
+    def _until_interrupted(self, tokens: Iterator[int]) -> Iterator[int]:
+        """The token loop's tokens until a pass of it is cut by :meth:`cancel`: the answer then ends as a
+        cancel between passes ends it (the tokens given were verified; the text held back is flushed)."""
+        try:
+            yield from tokens
+        except PassInterrupted:
+            if not self._cancel.is_set():  # only cancel() cuts passes
+                raise
 
     def complete(self, prompt: str | list[Message], *, wait: bool = True, **kwargs) -> Completion:
         """Non-streaming :meth:`generate` (the engine is held until its statistics are read)."""

@@ -36,10 +36,18 @@ one row through every matmul; whether this machine is such a CPU is measured, no
 (:mod:`row_invariance`), and exact target-only passes take ``min_rows`` 1 then (speculative ones keep
 a second row for the free guess: ``LoadedBundle.pass_rows``).  Such a graph writes its pad row's keys one slot
 past the sequence, so its cache has one spare slot.
+
+Interrupting a pass (a cancelled answer): a multi-row pass of a real target takes half a second or more
+on a laptop CPU, too long for Stop to wait for.  :meth:`Decoder.interrupt` sets the ``terminate`` flag of
+the ``RunOptions`` the running pass was given; ONNX Runtime checks it between nodes and the pass raises
+:class:`PassInterrupted`.  Nothing of the decoder changed then: ``self.tokens`` is extended only after a
+pass returns, the rows it wrote in place lie past them (never attended to, overwritten by the next pass),
+and a tree pass's slots move only in :meth:`Decoder.keep_path`, after it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +70,10 @@ PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives 
 # outputs given for every row fed (not only the last ``num_logits``): the target's hidden states of chosen
 # layers, which a feature-level drafter needs for every verified (and every prompt) position
 ALL_ROW_OUTPUTS = frozenset({"features"})
+
+
+class PassInterrupted(Exception):
+    """A pass stopped part-way by :meth:`Decoder.interrupt`; the decoder is as it was before the pass."""
 
 
 def damaged_weights_message(model_path: Path) -> str:
@@ -220,6 +232,13 @@ class Decoder:
         for name in self._result_names:
             self._binding.bind_output(name, "cpu")
         self.kv.bind(self._binding, self.num_layers)
+        # interrupting a running pass (see "interrupting a pass"): its run options, whether a pass runs now
+        # (both under the lock, so that an interrupt arriving late cannot stop the next pass), and a check
+        # that refuses a pass about to start (an interrupt that came just before it)
+        self._run_options = ort.RunOptions()
+        self._pass_lock = threading.Lock()
+        self._running = False
+        self.stop_requested: Callable[[], bool] | None = None
         self.huge_pages.start()
 
     def __del__(self) -> None:
@@ -291,7 +310,7 @@ class Decoder:
         for name in self._result_names:
             b.bind_output(name, "cpu")
         start = time.perf_counter()
-        self.session.run_with_iobinding(b)
+        self._run(b)
         self.stats.add(rows, time.perf_counter() - start, prefill)
         self.tokens.extend(int(t) for t in ids[0, :n])
         outs = b.get_outputs()  # results first, then the present buffers, which stay where they are
@@ -301,6 +320,35 @@ class Decoder:
         return {
             name: results[i][0, : n if name in ALL_ROW_OUTPUTS else wanted] for i, name in enumerate(self._result_names)
         }
+
+    def interrupt(self) -> None:
+        """Cut the pass running now (from any thread): it raises :class:`PassInterrupted` within a node
+        of the graph.  With no pass running this does nothing; a pass about to start is refused by
+        :attr:`stop_requested` instead, which the caller sets before calling this."""
+        with self._pass_lock:
+            if self._running:
+                self._run_options.terminate = True
+
+    def _run(self, binding: ort.IOBinding) -> None:
+        """One ONNX Runtime pass that :meth:`interrupt` can cut."""
+        with self._pass_lock:
+            if self.stop_requested is not None and self.stop_requested():
+                raise PassInterrupted(f"pass of {self.model_path.parent.name} refused: stop requested")
+            self._run_options.terminate = False
+            self._running = True
+        cut = False
+        try:
+            self.session.run_with_iobinding(binding, self._run_options)
+        except Exception:  # ORT raises bare RuntimeError / Fail, an interrupted pass too
+            cut = self._run_options.terminate
+            if not cut:
+                raise
+        finally:
+            with self._pass_lock:
+                self._running = False
+                self._run_options.terminate = False
+        if cut:
+            raise PassInterrupted(f"pass of {self.model_path.parent.name} interrupted")
 
     def _count(self, uploaded: int, fetched: int) -> None:
         """File one pass's host<->device copies in :attr:`transfers` (the cache's own, where it is on
