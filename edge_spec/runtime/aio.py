@@ -8,8 +8,8 @@ with the chunks, so they may touch the application's state freely.
 
 Answers run one at a time, as with the synchronous engine: a second answer asked for while one runs
 waits for it, in the order asked (``wait=False``: it raises :class:`EngineBusy` instead), and a thread
-using the :class:`Engine` directly takes its turn the same way.  An answer stops at its next token (or
-between the passes of a long prompt's reading) when the task reading it is cancelled or ends, or when its
+using the :class:`Engine` directly takes its turn the same way.  An answer stops at once, the model pass
+under way cut (:meth:`Engine.cancel`), when the task reading it is cancelled or ends, or when its
 stream is left: ``aclose``, ``async with``, a ``break`` out of its loop once the stream is dropped.  A
 reader cancelled while it awaits a chunk returns once the worker has let go of the engine, and the next
 answer, ``wait=False`` too, waits for an answer being stopped rather than being refused, so the engine
@@ -141,7 +141,7 @@ class _Answer:
         self.generating = False  # the worker holds the engine and generates this answer
 
     def cancel(self) -> None:
-        """Stop this answer (from any thread): before it starts, or at its next token."""
+        """Stop this answer (from any thread): before it starts, or at once (the pass under way is cut)."""
         with self.lock:
             self.cancelled = True
             if self.generating:  # the worker holds the engine, so this cannot reach another answer
@@ -274,7 +274,7 @@ def _run(answer: _Answer, prompt: str | list[Message], wait: bool, settings: dic
                 for text in chunks:
                     answer.emit("text", text)
                     if answer.cancelled:
-                        engine.cancel()  # stops at the next token, the answer's statistics kept
+                        engine.cancel()  # cuts the pass under way; the answer's statistics are kept
             finally:
                 chunks.close()
                 with answer.lock:
