@@ -163,11 +163,11 @@ class _SlowSession:
         return getattr(self.real, name)
 
 
-def _cancel_in_a_target_pass(engine, monkeypatch, prompt, arm_at, **kwargs):
-    """One greedy answer whose ``arm_at``-th target pass is slow and is cancelled from another thread
-    50 ms after it starts (a UI's Stop).  Returns the answer, the seconds from the cancel to the answer's
-    return, and the rows of the target passes fed."""
-    target = engine.target
+def _cancel_in_a_pass(engine, monkeypatch, prompt, arm_at, decoder=None, **kwargs):
+    """One greedy answer whose ``arm_at``-th pass of ``decoder`` (default: the target) is slow and is
+    cancelled from another thread 50 ms after it starts (a UI's Stop).  Returns the answer, the seconds
+    from the cancel to the answer's return, and the rows of that decoder's passes."""
+    target = decoder or engine.target
     cancelled_at: list[float] = []
 
     def press_stop():
@@ -200,7 +200,7 @@ def test_a_cancel_cuts_the_verify_pass_under_way(round_engine, greedy_reference,
     """Stop pressed while the target verifies a round: the pass is cut, not waited for; the answer holds
     only verified tokens, and the same engine's next answer is the whole greedy answer."""
     monkeypatch.setattr(round_engine, "config", ROUND_CONFIGS[loop])
-    got, seconds, passes = _cancel_in_a_target_pass(
+    got, seconds, passes = _cancel_in_a_pass(
         round_engine, monkeypatch, ROUND_PROMPT, arm_at=4, max_new_tokens=ROUND_TOKENS
     )
     assert passes[3] > 1, f"the cut pass fed {passes[3]} rows, not a round's drafts"
@@ -224,9 +224,7 @@ def test_a_cancel_cuts_a_long_prompt_s_prefill_pass(round_engine, monkeypatch, a
     round_engine.target.reset()
     monkeypatch.setattr(round_engine, "config", chain(4))
     monkeypatch.setattr(round_engine.target, "prefill_chunk", CHUNK)
-    got, seconds, passes = _cancel_in_a_target_pass(
-        round_engine, monkeypatch, LONG_PROMPT, arm_at=arm_at, max_new_tokens=16
-    )
+    got, seconds, passes = _cancel_in_a_pass(round_engine, monkeypatch, LONG_PROMPT, arm_at=arm_at, max_new_tokens=16)
     assert len(round_engine.prompt_ids(LONG_PROMPT)) > 3 * CHUNK
     assert passes[:arm_at] == [CHUNK] * arm_at
     assert seconds < CUT_WITHIN, f"the answer returned {seconds:.2f} s after the cancel"
@@ -246,3 +244,21 @@ def test_an_interrupt_with_no_pass_running_leaves_the_next_pass_alone(round_engi
     again = target.forward([5, 6, 7], 3)["logits"]
     assert target.length == 3
     np.testing.assert_array_equal(again, first)
+
+
+@pytest.mark.parametrize("loop", ["chain", "ssd"])
+def test_a_cancel_cuts_the_drafter_step_under_way(round_engine, greedy_reference, monkeypatch, loop):
+    """Stop pressed during a drafter step (SSD: while it drafts ahead of the verify pass under way): that
+    pass is cut too, and the drafter's cache stays usable for the next answer."""
+    config = ROUND_CONFIGS[loop] if loop == "chain" else SsdConfig(gamma=3, speculations=4)
+    monkeypatch.setattr(round_engine, "config", config)
+    drafter = round_engine.active_drafter(config).decoder
+    got, seconds, passes = _cancel_in_a_pass(
+        round_engine, monkeypatch, ROUND_PROMPT, arm_at=8, decoder=drafter, max_new_tokens=ROUND_TOKENS
+    )
+    assert seconds < CUT_WITHIN, f"the answer returned {seconds:.2f} s after the cancel"
+    assert got.stats.stop_reason == "cancelled"
+    assert len(got.token_ids) < ROUND_TOKENS
+    assert got.token_ids == greedy_reference[: len(got.token_ids)]
+    again = round_engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, temperature=0.0)
+    assert again.token_ids == greedy_reference
