@@ -121,6 +121,7 @@ def test_a_grammar_that_compiles_keeps_its_initial_state(engine):
         ("^(a{1000}){1000}$", 1_000_000),
         ("((a{10}){10}){100}", 10_000),
         ("a{2}{3}", 6),
+        ("abc{3}", 5),  # a count takes the character before it, not the run
         ("(?:ab|cd){10}", 40),
         ("(a|b{50}){2}", 102),
         ("^(\\d{1,3}\\.){3}\\d{1,3}$", 15),

@@ -16,11 +16,13 @@ does not recognise counts as one atom, so it never refuses a pattern for its dia
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 MAX_EXPANSION = 100_000
 CAP = 10**12  # counts stop growing here: deep nesting would otherwise make numbers of thousands of digits
 _DIGITS = frozenset("0123456789")
+_PLAIN = re.compile(r"[^\\\[\](){}|*+?^$]+")  # characters that are atoms of their own
 # keys of JSON Schema whose values are data, not schemas (a "pattern" there is a value, not a regex)
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
 
@@ -117,8 +119,12 @@ def expansion(pattern: str) -> int:
             branch = min(branch + last * (factor - 1), CAP)
             last = min(last * factor, CAP)
             continue
-        else:
-            i, atom = i + 1, 0 if char in "^$" else 1  # anchors match no character
+        elif char in "^$":  # anchors match no character
+            i, atom = i + 1, 0
+        else:  # a run of plain characters at once: each is an atom, a quantifier takes the last
+            plain = _PLAIN.match(pattern, i)  # none: a stray ] or }, or a { that is no count
+            end = plain.end() if plain else i + 1
+            branch, i, atom = min(branch + end - i - 1, CAP), end, 1
         branch += atom
         last = atom
     while groups:  # unclosed groups: counted as if closed at the end
