@@ -5,7 +5,8 @@ prompt so that the suffix cache does not turn them into copies of each other) ru
 main thread calls ``engine.cancel()`` a seeded random 0.3 to 2.0 s after the answer's first text chunk.  A stop's
 latency is from the ``cancel()`` call to ``generate`` returning (what a Stop button waits for before the
 engine is free for the next answer).  Each stop's line also splits it: ``in_pass_s``, the rest of the
-model pass (a target pass or a drafter step) under way at the cancel, which the engine cannot cut; and
+model pass (a target pass or a drafter step) under way at the cancel, which the cancel cuts at ONNX
+Runtime's next node (a head or a single native-attention node runs to its end); and
 ``after_pass_s``, from the end of that pass (or the cancel, when none ran) to ``generate`` returning,
 which should stay a few milliseconds whatever the load; ``passes_after`` counts the passes started after
 the cancel (0, but for a pass SSD has under way in its worker).  One line per stop, then one JSON line:
