@@ -369,3 +369,41 @@ def test_a_gguf_source_is_parsed_once_for_its_weights_and_blocks(tmp_path, monke
     assert "Q4_K" in model.gguf_carry.summary()
     export_decoder(model, tmp_path / "bundle", "target", BuildOptions(context_length=64))
     assert len(parses) == 1
+
+
+def test_bands_quantized_on_every_core_are_the_bytes_of_one_core(monkeypatch):
+    """A fused projection of deferred parts is quantized a band at a time on several threads, each band read
+    from its parts alone (never a whole part), and gives the bytes one thread gives for the whole array."""
+    import threading
+
+    from edge_spec.export import parallel, quantize
+    from edge_spec.export.weights import DeferredMatrix, stacked
+
+    monkeypatch.setattr(quantize, "MIN_BAND_BYTES", 16 * 96 * 4)  # 16-row bands: many of them
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal((rows, 96)).astype(np.float32) for rows in (200, 72, 72)]
+    readers, first_reads = set(), []
+    together = threading.Barrier(1)
+
+    def deferred(array):
+        def whole():
+            raise AssertionError("a band read the whole matrix")
+
+        def rows(a, b):
+            readers.add(threading.current_thread().name)
+            first_reads.append(a)
+            if len(first_reads) <= together.parties:  # the first reads run at once, one per worker
+                together.wait(timeout=30)
+            return array[a:b].copy()
+
+        return DeferredMatrix(array.shape, whole, rows)
+
+    expected = quantize.quantize_blockwise(np.concatenate(parts), 4, 32)
+    for workers in (1, 3):
+        monkeypatch.setattr(parallel, "WORKERS", workers)
+        readers.clear(), first_reads.clear()
+        together = threading.Barrier(workers)
+        got = quantize.quantize_blockwise(stacked([deferred(p) for p in parts]), 4, 32)
+        np.testing.assert_array_equal(got.packed, expected.packed)
+        np.testing.assert_array_equal(got.scales, expected.scales)
+        assert len(readers) == workers, readers

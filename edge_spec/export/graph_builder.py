@@ -52,7 +52,7 @@ from edge_spec.export.attention_pad import pad_attention
 from edge_spec.export.gguf.blocks import add_carried_linear, concat_blocks, narrow_to_4bit
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.export.rope import rope_tables
-from edge_spec.export.weights import DecoderWeights, DeferredMatrix, LayerWeights
+from edge_spec.export.weights import DecoderWeights, DeferredMatrix, LayerWeights, stacked
 from edge_spec.files import new_file_mode
 
 QUANT_BITS = {"int4": 4, "int8": 8, "fp32": None}
@@ -307,7 +307,7 @@ class DecoderGraphBuilder:
         parts = weight if isinstance(weight, list) else [(name, weight)]
         carried = [self.carried.get(part) for part, _ in parts]
         if not any(c is not None for c in carried):
-            full = parts[0][1] if len(parts) == 1 else np.concatenate([w for _, w in parts], axis=0)
+            full = parts[0][1] if len(parts) == 1 else stacked([w for _, w in parts])
             return add_linear(self.graph, x, full, name, self.opt, bias)
         if all(c is not None for c in carried) and len({(c.bits, c.block_size) for c in carried}) == 1:
             return add_carried_linear(self.graph, x, concat_blocks(carried), name, self.opt, bias)

@@ -47,25 +47,36 @@ def quantize_blockwise(weight, bits: int = 4, block_size: int = 32) -> BlockQuan
 
     K is zero-padded up to a multiple of ``block_size`` (MatMulNBits expects
     whole blocks); padding contributes nothing to the dot products.  Rows are
-    quantized a band at a time (``weights.row_bands``; each row on its own, so
-    the result is the same): the float temporaries of an embedding-sized
-    table are a band's, and a deferred weight is read a band at a time.
+    read and quantized a band at a time (``weights.band_ranges``), the bands
+    on every core (``parallel.each``); each row is rounded on its own, so the
+    result is the same bytes: the float temporaries of an embedding-sized
+    table are a few bands', and a deferred weight is read a band at a time.
     """
-    from edge_spec.export.weights import row_bands
+    from edge_spec.export import parallel
+    from edge_spec.export.weights import DeferredMatrix, band_ranges, read_band
 
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if isinstance(weight, DeferredMatrix) and not weight.reads_rows:
+        weight = np.asarray(weight)  # read once, not once a band
     n, k = weight.shape
     k_blocks = -(-k // block_size)
     packed = np.empty((n, k_blocks, block_size * bits // 8), np.uint8)
     scales = np.empty((n, k_blocks), np.float32)
-    for start, band in row_bands(weight, QUANTIZE_BAND_BYTES):
-        stop = start + len(band)
-        packed[start:stop], scales[start:stop] = _quantize_rows(band, bits, block_size)
+    # the workers share QUANTIZE_BAND_BYTES (the bands in memory at once are one thread's band, cut up), and
+    # a matrix of a few MB is still cut into a band or two per worker
+    band_bytes = max(MIN_BAND_BYTES, min(QUANTIZE_BAND_BYTES, 4 * n * k // 2) // parallel.WORKERS)
+
+    def quantize_band(rows: tuple[int, int]) -> None:
+        start, stop = rows
+        packed[start:stop], scales[start:stop] = _quantize_rows(read_band(weight, start, stop), bits, block_size)
+
+    parallel.each(quantize_band, band_ranges((n, k), band_bytes))
     return BlockQuantized(packed, scales, bits, block_size, n, k)
 
 
-QUANTIZE_BAND_BYTES = 16 << 20  # float32 rows quantized at a time: a few times this in temporaries
+QUANTIZE_BAND_BYTES = 8 << 20  # float32 rows quantized at a time, all workers together: a few times this in temporaries
+MIN_BAND_BYTES = 1 << 20  # below this a band's numpy calls cost more than the work they do
 
 
 def _quantize_rows(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:

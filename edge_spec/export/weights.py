@@ -60,6 +60,11 @@ class DeferredMatrix:
     def size(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    @property
+    def reads_rows(self) -> bool:
+        """Whether a band of rows is read alone (else every band reads the whole matrix)."""
+        return self._read_rows is not None
+
     def __len__(self) -> int:
         return self.shape[0]
 
@@ -111,14 +116,46 @@ def row_bands(weight: Matrix, band_bytes: int = ROW_BAND_BYTES) -> Iterator[tupl
     """``(first row, float32 rows)`` over ``weight`` a band of about ``band_bytes`` at a time (a multiple
     of 16 rows), so that a pass over an embedding-sized matrix holds one band of it, and its
     temporaries, instead of several copies of the whole (a deferred matrix reads one band at a time)."""
-    n, k = weight.shape
+    for start, stop in band_ranges(weight.shape, band_bytes):
+        yield start, read_band(weight, start, stop)
+
+
+def band_ranges(shape: tuple[int, int], band_bytes: int = ROW_BAND_BYTES) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` rows of :func:`row_bands`' bands."""
+    n, k = shape
     step = max(16, band_bytes // max(4 * k, 1) // 16 * 16)
-    for start in range(0, n, step):
-        stop = min(start + step, n)
-        if isinstance(weight, DeferredMatrix):
-            yield start, weight.rows(start, stop)
-        else:
-            yield start, np.asarray(weight[start:stop], np.float32)
+    return [(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def read_band(weight: Matrix, start: int, stop: int) -> np.ndarray:
+    """Rows ``[start, stop)`` of ``weight`` as float32 (a deferred matrix reads those rows alone)."""
+    if isinstance(weight, DeferredMatrix):
+        return weight.rows(start, stop)
+    return np.asarray(weight[start:stop], np.float32)
+
+
+def stacked(parts: list[Matrix]) -> Matrix:
+    """The row-wise concatenation of ``parts`` (a fused Q/K/V or gate/up projection); deferred where a
+    part is, so that its bands are read from the parts a band at a time, never the whole."""
+    if not all(isinstance(part, np.ndarray) or part.reads_rows for part in parts) or all(
+        isinstance(part, np.ndarray) for part in parts
+    ):
+        return np.concatenate([np.asarray(part) for part in parts], axis=0)
+    widths = {part.shape[1] for part in parts}
+    if len(widths) != 1:
+        raise ValueError(f"parts of widths {sorted(widths)} cannot be stacked")
+    ends = np.cumsum([part.shape[0] for part in parts]).tolist()
+
+    def read_rows(start: int, stop: int) -> np.ndarray:
+        pieces = []
+        for part, end in zip(parts, ends):
+            first = end - part.shape[0]
+            a, b = max(start, first), min(stop, end)
+            if a < b:
+                pieces.append(read_band(part, a - first, b - first))
+        return np.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+    return DeferredMatrix((ends[-1], widths.pop()), lambda: read_rows(0, ends[-1]), read_rows)
 
 
 @dataclass
