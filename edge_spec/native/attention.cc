@@ -61,17 +61,20 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, s3));
 }
 
-// dots of nq query vectors with 2 keys: acc lane j sums q[8c+j]*k[8c+j] over c in order, then hsum256.
-template <int NQ>
-__attribute__((target("avx2,fma"))) void dots2_avx(const float* const* q, const float* k0, const float* k1, int h,
-                                                   float* out0, float* out1) {
+// dots of NQ query vectors with 2 keys: acc lane j sums q[8c+j]*k[8c+j] over c in order, then hsum256.
+// HC: the head size in 8-float chunks when known at compile time (the loop unrolls into registers), else 0.
+template <int NQ, int HC>
+__attribute__((target("avx2,fma"), always_inline)) inline void dots2_avx(const float* const* q, const float* k0,
+                                                                         const float* k1, int h, float* out0,
+                                                                         float* out1) {
+  const int chunks = HC ? HC : h / 8;
   __m256 a0[NQ], a1[NQ];
   for (int j = 0; j < NQ; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
-  for (int c = 0; c < h; c += 8) {
-    __m256 x0 = _mm256_loadu_ps(k0 + c);
-    __m256 x1 = _mm256_loadu_ps(k1 + c);
+  for (int c = 0; c < chunks; ++c) {
+    __m256 x0 = _mm256_loadu_ps(k0 + 8 * c);
+    __m256 x1 = _mm256_loadu_ps(k1 + 8 * c);
     for (int j = 0; j < NQ; ++j) {
-      __m256 qv = _mm256_loadu_ps(q[j] + c);
+      __m256 qv = _mm256_loadu_ps(q[j] + 8 * c);
       a0[j] = _mm256_fmadd_ps(qv, x0, a0[j]);
       a1[j] = _mm256_fmadd_ps(qv, x1, a1[j]);
     }
@@ -82,15 +85,50 @@ __attribute__((target("avx2,fma"))) void dots2_avx(const float* const* q, const 
   }
 }
 
-template <int NQ>
-__attribute__((target("avx2,fma"))) void dots1_avx(const float* const* q, const float* k0, int h, float* out0) {
+template <int NQ, int HC>
+__attribute__((target("avx2,fma"), always_inline)) inline void dots1_avx(const float* const* q, const float* k0,
+                                                                         int h, float* out0) {
+  const int chunks = HC ? HC : h / 8;
   __m256 a0[NQ];
   for (int j = 0; j < NQ; ++j) a0[j] = _mm256_setzero_ps();
-  for (int c = 0; c < h; c += 8) {
-    __m256 x0 = _mm256_loadu_ps(k0 + c);
-    for (int j = 0; j < NQ; ++j) a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + c), x0, a0[j]);
+  for (int c = 0; c < chunks; ++c) {
+    __m256 x0 = _mm256_loadu_ps(k0 + 8 * c);
+    for (int j = 0; j < NQ; ++j) a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + 8 * c), x0, a0[j]);
   }
   for (int j = 0; j < NQ; ++j) out0[j] = hsum256(a0[j]);
+}
+
+// scores[i][t - first] = alpha * q_i . k_t for the NQ query vectors from i0 and keys [t0, t1)
+template <int NQ, int HC>
+__attribute__((target("avx2,fma"))) void score_block_avx(const float* const* q, const float* K, int t0, int t1,
+                                                         int h, float alpha, float* row, size_t span) {
+  float d0[NQ], d1[NQ];
+  int t = t0;
+  for (; t + 1 < t1; t += 2) {
+    const float* k0 = K + static_cast<size_t>(t) * h;
+    dots2_avx<NQ, HC>(q, k0, k0 + h, h, d0, d1);
+    for (int j = 0; j < NQ; ++j) {
+      row[j * span + t] = alpha * d0[j];
+      row[j * span + t + 1] = alpha * d1[j];
+    }
+  }
+  if (t < t1) {
+    dots1_avx<NQ, HC>(q, K + static_cast<size_t>(t) * h, h, d0);
+    for (int j = 0; j < NQ; ++j) row[j * span + t] = alpha * d0[j];
+  }
+}
+
+template <int HC>
+void score_avx(const float* const* q, int m, const float* K, int t0, int t1, int h, float alpha, float* row,
+               size_t span) {
+  switch (m) {
+    case 1: score_block_avx<1, HC>(q, K, t0, t1, h, alpha, row, span); break;
+    case 2: score_block_avx<2, HC>(q, K, t0, t1, h, alpha, row, span); break;
+    case 3: score_block_avx<3, HC>(q, K, t0, t1, h, alpha, row, span); break;
+    case 4: score_block_avx<4, HC>(q, K, t0, t1, h, alpha, row, span); break;
+    case 5: score_block_avx<5, HC>(q, K, t0, t1, h, alpha, row, span); break;
+    default: score_block_avx<6, HC>(q, K, t0, t1, h, alpha, row, span); break;
+  }
 }
 
 // exp(x) for x <= 0 (scores minus their maximum); 0 below the float range, as expf gives.
@@ -338,39 +376,20 @@ void attend(const Pass& P, size_t item) {
   // scores: each key read once for all nq query vectors
 #ifdef ES_X86
   if (P.avx) {
-    std::vector<float> d0(nq), d1(nq);
-    for (int t = first; t < last;) {
-      const float* k0 = K + static_cast<size_t>(t) * H;
+    // keys in tiles that stay in L1 while every block of six query vectors is scored against them
+    constexpr int kKeyTile = 32;
+    for (int t0 = first; t0 < last; t0 += kKeyTile) {
+      const int t1 = std::min(last, t0 + kKeyTile);
       for (int i0 = 0; i0 < nq; i0 += 6) {
         const int m = std::min(6, nq - i0);
-        const float* const* qq = qs.data() + i0;
-        if (t + 1 < last) {
-          const float* k1 = k0 + H;
-          switch (m) {
-            case 1: dots2_avx<1>(qq, k0, k1, H, d0.data(), d1.data()); break;
-            case 2: dots2_avx<2>(qq, k0, k1, H, d0.data(), d1.data()); break;
-            case 3: dots2_avx<3>(qq, k0, k1, H, d0.data(), d1.data()); break;
-            case 4: dots2_avx<4>(qq, k0, k1, H, d0.data(), d1.data()); break;
-            case 5: dots2_avx<5>(qq, k0, k1, H, d0.data(), d1.data()); break;
-            default: dots2_avx<6>(qq, k0, k1, H, d0.data(), d1.data()); break;
-          }
-          for (int j = 0; j < m; ++j) {
-            scores[static_cast<size_t>(i0 + j) * span + (t - first)] = P.alpha * d0[j];
-            scores[static_cast<size_t>(i0 + j) * span + (t + 1 - first)] = P.alpha * d1[j];
-          }
-        } else {
-          switch (m) {
-            case 1: dots1_avx<1>(qq, k0, H, d0.data()); break;
-            case 2: dots1_avx<2>(qq, k0, H, d0.data()); break;
-            case 3: dots1_avx<3>(qq, k0, H, d0.data()); break;
-            case 4: dots1_avx<4>(qq, k0, H, d0.data()); break;
-            case 5: dots1_avx<5>(qq, k0, H, d0.data()); break;
-            default: dots1_avx<6>(qq, k0, H, d0.data()); break;
-          }
-          for (int j = 0; j < m; ++j) scores[static_cast<size_t>(i0 + j) * span + (t - first)] = P.alpha * d0[j];
-        }
+        float* row = scores + static_cast<size_t>(i0) * span - first;
+        if (H == 128)
+          score_avx<16>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);
+        else if (H == 64)
+          score_avx<8>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);
+        else
+          score_avx<0>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);
       }
-      t += (t + 1 < last) ? 2 : 1;
     }
   } else
 #endif
@@ -604,8 +623,10 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
     P.bias_t = bias.shape[3];
     for (int b = 0; b < B; ++b) require(P.bias_t == 1 || P.bias_t >= seqlens_k[b] + 1, "attention_bias too short");
   }
-  // work items: (batch, kv head, block of rows); a row's result does not depend on its block
-  P.row_block = S <= 2 ? S : 4;
+  // work items: (batch, kv head, block of rows); a row's result does not depend on its block.  Every block
+  // streams its heads' keys and values once: a few items for the threads of a verify pass, large blocks
+  // for a prefill chunk (its queries stay in L2 while each key is read).
+  P.row_block = S <= 2 ? S : (S <= 16 ? 4 : 32);
   P.blocks_per_head = (S + P.row_block - 1) / P.row_block;
   const size_t items = static_cast<size_t>(B) * kvN * P.blocks_per_head;
   if (items == 1) {
