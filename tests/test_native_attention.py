@@ -264,6 +264,14 @@ def test_without_a_compiler_the_runtime_keeps_orts_op(monkeypatch, tmp_path, tar
         build._built.cache_clear()
 
 
+def test_without_the_source_the_build_says_so(monkeypatch, tmp_path):
+    """A frozen build that left the source out falls back like a machine without a compiler."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "SOURCE", tmp_path / "attention.cc")
+    with pytest.raises(build.BuildError, match="not installed"):
+        build.build()
+
+
 def test_a_failing_build_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
     if build.compiler() is None:
         pytest.skip("no C++ compiler (g++ or clang++): the native attention op cannot be built here")

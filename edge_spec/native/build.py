@@ -72,6 +72,8 @@ def build(force: bool = False) -> Path:
     the cache never finds half a library; raises :class:`BuildError` with the compiler's first lines."""
     if sys.platform != "linux":
         raise BuildError(f"the native attention op is built on Linux only, not {sys.platform}")
+    if not SOURCE.is_file():  # a frozen build that left the sources out
+        raise BuildError(f"the native attention source is not installed ({SOURCE})")
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler (g++ or clang++, or $CXX) found")
