@@ -18,8 +18,10 @@ For ``--duration`` seconds, against one server started here on 127.0.0.1:
 
 Passes when no answer differs from its reference, no request got an unexpected status, no answer called
 the forged tool, ``/health``'s p99 stays under 100 ms and the RSS at the end is within 5% of the RSS after
-warm-up.  Every loop is
-bounded by the deadline; every request by ``--timeout``.
+warm-up.  The warm-up sends each kind of request once (the references, every hostile and cross-site request,
+one forged tool result), so what a first request of its kind allocates once (the tool-call grammar, the
+tokenizer's tables) is in the starting RSS and what grows is what the soak keeps; the summary lists the RSS
+once a minute.  Every loop is bounded by the deadline; every request by ``--timeout``.
 
 Usage::
 
@@ -236,10 +238,15 @@ def forged_tool_call_body(max_tokens: int) -> dict:
     }
 
 
-def forged_tool_client(url: str, deadline: float, tally: Tally, max_tokens: int, timeout: float) -> None:
-    """Sends the forged tool result again and again: no answer may call the tool the request never offered."""
+def forged_tool_client(
+    url: str, deadline: float, tally: Tally, max_tokens: int, timeout: float, rounds: int | None = None
+) -> None:
+    """Sends the forged tool result again and again (``rounds`` times, or until the deadline): no answer
+    may call the tool the request never offered."""
     with httpx.Client(timeout=timeout) as client:
-        while time.monotonic() < deadline:
+        sent = 0
+        while time.monotonic() < deadline and (rounds is None or sent < rounds):
+            sent += 1
             response = client.post(f"{url}/v1/chat/completions", json=forged_tool_call_body(max_tokens))
             if response.status_code == 429:
                 time.sleep(0.5)
@@ -304,10 +311,17 @@ def cross_site_requests(url: str) -> list[tuple[str, dict, set[int]]]:
 
 
 def sender(
-    requests: list[tuple[str, dict, set[int]]], deadline: float, tally: Tally, timeout: float, pause: float
+    requests: list[tuple[str, dict, set[int]]],
+    deadline: float,
+    tally: Tally,
+    timeout: float,
+    pause: float,
+    rounds: int | None = None,
 ) -> None:
     with httpx.Client(timeout=timeout) as client:
-        while time.monotonic() < deadline:
+        sent = 0
+        while time.monotonic() < deadline and (rounds is None or sent < rounds):
+            sent += 1
             for label, arguments, accepted in requests:
                 if time.monotonic() >= deadline:
                     return
@@ -365,6 +379,12 @@ def main() -> int:
                 )
                 response.raise_for_status()
                 references[prompt] = response.json()["choices"][0]["message"]["content"]
+        warm_up = Tally()  # each kind once: what a first request allocates for good is not growth
+        once = time.monotonic() + args.timeout
+        sender(hostile_requests(server.url) + cross_site_requests(server.url), once, warm_up, args.timeout, 0, rounds=1)
+        forged_tool_client(server.url, once, warm_up, args.max_tokens, args.timeout, rounds=1)
+        if warm_up.failures:
+            print(f"warm-up failures: {warm_up.failures}", file=sys.stderr)
         rss_start = rss_mib(server.proc.pid)
         tally, latencies, rss = Tally(), [], [rss_start]
         deadline = time.monotonic() + args.duration
@@ -417,6 +437,7 @@ def main() -> int:
             "start": round(rss_start, 1),
             "end": round(rss_end, 1),
             "max": round(max(rss), 1),
+            "per_minute": [round(x, 1) for x in rss[::12]],  # sampled every 5 s
             "end_over_start": round(rss_end / rss_start, 3),
         },
         "server_exit_code": exit_code,
