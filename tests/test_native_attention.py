@@ -33,6 +33,12 @@ def library():
     return _library()
 
 
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    """The runtime takes the native op only when asked (``EDGE_SPEC_NATIVE_ATTENTION=1``)."""
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_ATTENTION", "1")
+
+
 def gqa_model(domain: str, tree: bool, window: int = -1, softcap: float = 0.0, packed: bool = True) -> bytes:
     value = helper.make_tensor_value_info
     width = (HEADS + 2 * KV_HEADS) * HEAD if packed else HEADS * HEAD

@@ -99,8 +99,10 @@ def build(force: bool = False) -> Path:
 
 
 def enabled() -> bool:
-    """Whether the native op may be used (``$EDGE_SPEC_NATIVE_ATTENTION=0`` turns it off)."""
-    return os.environ.get(SWITCH, "1").strip() not in ("0", "false", "no", "off")
+    """Whether the native op may be used: only when ``$EDGE_SPEC_NATIVE_ATTENTION=1``.  One-row passes on it
+    report log-probabilities up to about 0.007 away from a multi-row pass's on the test models, where
+    ORT's op stays within 1e-4, so it stays off until that is understood."""
+    return os.environ.get(SWITCH, "0").strip() in ("1", "true", "yes", "on")
 
 
 @cache

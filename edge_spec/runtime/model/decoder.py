@@ -183,7 +183,12 @@ class Decoder:
         self.attention_pad_removed = False
         self.native_attention = False  # attention runs on edge_spec.native's op, not ORT's
         library = native_library(provider) if native_attention else None
-        graph = onnx.load(str(model_path), load_external_data=False) if library or not attention_pad else None
+        graph = None
+        if library or not attention_pad:
+            try:
+                graph = onnx.load(str(model_path), load_external_data=False)
+            except Exception:  # noqa: BLE001  (a damaged graph: ORT's own load below says so in one line)
+                graph = None
         if graph is not None:
             if not attention_pad and has_attention_pad(graph):
                 strip_attention_pad(graph)
