@@ -33,22 +33,31 @@ def outputs(study, model: bytes, feeds: dict) -> dict[str, np.ndarray]:
     return dict(zip(names, session.run(None, feeds)))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_the_drop_in_graph_equals_the_fused_op(study, rows):
+CONTEXT = 37
+
+
+def random_feeds(study, rows: int) -> dict[str, np.ndarray]:
+    """``rows`` new tokens after ``CONTEXT`` cached ones; every cache slot random, so stale values past
+    the context would leak into a wrong answer."""
     rng = np.random.default_rng(rows)
-    context, capacity = 37, study.CAPACITY
     feeds = {
         "q": rng.standard_normal((1, rows, study.HEADS * study.HEAD_DIM)).astype(np.float32),
         "k": rng.standard_normal((1, rows, study.KV_HEADS * study.HEAD_DIM)).astype(np.float32),
         "v": rng.standard_normal((1, rows, study.KV_HEADS * study.HEAD_DIM)).astype(np.float32),
-        "seqlens_k": np.array([context + rows - 1], np.int32),
-        "total": np.array(context + rows, np.int32),
+        "seqlens_k": np.array([CONTEXT + rows - 1], np.int32),
+        "total": np.array(CONTEXT + rows, np.int32),
     }
-    for i in range(study.LAYERS):  # stale values past the context must not leak in
+    cache = (1, study.KV_HEADS, study.CAPACITY, study.HEAD_DIM)
+    for i in range(study.LAYERS):
         for kind in ("k", "v"):
-            feeds[f"past_{kind}{i}"] = rng.standard_normal((1, study.KV_HEADS, capacity, study.HEAD_DIM)).astype(
-                np.float32
-            )
+            feeds[f"past_{kind}{i}"] = rng.standard_normal(cache).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_drop_in_graph_equals_the_fused_op(study, rows):
+    context, capacity = CONTEXT, study.CAPACITY
+    feeds = random_feeds(study, rows)
     fused = outputs(study, study.gqa_model(np.float32), feeds)
     mask = study.dropin_mask(context, rows, capacity)
     dropin = outputs(study, study.dropin_model(capacity), {**feeds, "mask": mask})
@@ -71,20 +80,7 @@ def test_the_native_op_graph_equals_the_fused_op(study, rows):
     if build.compiler() is None:
         pytest.skip("no C++ compiler (g++ or clang++): the native attention op cannot be built here")
     library = str(build.build())
-    rng = np.random.default_rng(rows)
-    context, capacity = 37, study.CAPACITY
-    feeds = {
-        "q": rng.standard_normal((1, rows, study.HEADS * study.HEAD_DIM)).astype(np.float32),
-        "k": rng.standard_normal((1, rows, study.KV_HEADS * study.HEAD_DIM)).astype(np.float32),
-        "v": rng.standard_normal((1, rows, study.KV_HEADS * study.HEAD_DIM)).astype(np.float32),
-        "seqlens_k": np.array([context + rows - 1], np.int32),
-        "total": np.array(context + rows, np.int32),
-    }
-    for i in range(study.LAYERS):
-        for kind in ("k", "v"):
-            feeds[f"past_{kind}{i}"] = rng.standard_normal((1, study.KV_HEADS, capacity, study.HEAD_DIM)).astype(
-                np.float32
-            )
+    feeds = random_feeds(study, rows)
     fused = outputs(study, study.gqa_model(np.float32), feeds)
     native_session = study.session(study.gqa_model(np.float32, study.NATIVE_DOMAIN), 1, library)
     names = [o.name for o in native_session.get_outputs()]
