@@ -146,6 +146,7 @@ def _hf_directory(path: Path, model, tokenizer) -> str:
     return str(path)
 
 
+@pytest.mark.parametrize("watched", [False, True], ids=["in-process", "watched"])
 @pytest.mark.parametrize(
     "mismatch, fragment",
     [
@@ -153,9 +154,14 @@ def _hf_directory(path: Path, model, tokenizer) -> str:
         ("vocabulary", "drafter vocabulary size 400 differs from the target's 384"),
     ],
 )
-def test_export_refuses_a_pair_before_building_anything(monkeypatch, capsys, tmp_path, tiny_pair, mismatch, fragment):
+def test_export_refuses_a_pair_before_building_anything(
+    monkeypatch, capsys, tmp_path, tiny_pair, mismatch, fragment, watched
+):
+    """Watched (the console script): refused by the command itself, before it starts the process that
+    does the work (a second interpreter's start would double the refusal's time)."""
     from edge_spec import paths
-    from edge_spec.export import bundle, sources
+    from edge_spec.cli import models
+    from edge_spec.export import bundle, sources, watchdog
 
     tokenizer, target, draft = tiny_pair
     if mismatch == "tokenizer":
@@ -172,6 +178,8 @@ def test_export_refuses_a_pair_before_building_anything(monkeypatch, capsys, tmp
 
     monkeypatch.setattr(sources, "_load_model", never)
     monkeypatch.setattr(bundle, "export_decoder", never)
+    monkeypatch.setattr(models, "_watched", lambda: watched)
+    monkeypatch.setattr(watchdog, "run", never)
     out = tmp_path / "out"
     code, _, err = _cli(monkeypatch, capsys, "export", "--target", target_dir, "--output", str(out), "--eagle", "none")
     _one_line(code, err, fragment)

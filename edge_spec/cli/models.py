@@ -119,6 +119,13 @@ def export(
             if not _watched():
                 run_export(job, screen.show)
                 return
+            from edge_spec.export.bundle import check_before_build
+
+            # here, not in the child: a refusal then takes the command's start, not a second interpreter's
+            job.output = check_before_build(
+                target, draft, output, options, lambda line: screen.show(("progress", line))
+            )
+            job.checked = True
             from edge_spec.export import install, watchdog
 
             def cleanup() -> None:  # what a killed child left (a later export would remove it too)
@@ -140,6 +147,7 @@ class ExportJob:
     options: ExportOptions
     eagle: Optional[str]
     measure: bool
+    checked: bool = False  # check_before_build has passed: the work starts building at once
 
 
 def _watched() -> bool:
@@ -207,7 +215,7 @@ def run_export(job: ExportJob, say: Callable[[tuple[str, str]], None]) -> None:
             raise EdgeSpecError(f"the registry ships no EAGLE-3 head for {job.target}")
     elif eagle == "none":
         eagle = None
-    manifest = export_bundle(job.target, job.draft, output, job.options, progress)
+    manifest = export_bundle(job.target, job.draft, output, job.options, progress, checked=job.checked)
     activity.kept(f"the bundle at {output} was written")
     if eagle:
         without_head = (

@@ -405,25 +405,23 @@ def export_bundle(
     progress=None,
     *,
     loader=load_model,
+    checked: bool = False,
 ) -> dict:
     """Export target and drafter into ``out_dir`` and return the manifest.
 
     ``loader`` maps a source string to a :class:`LoadedModel` (tests pass
     in-memory models).  ``progress`` is called with one line per step.
 
-    ``out_dir`` is checked first (:func:`check_output_dir`), after recovering what a killed run left
-    there (:func:`edge_spec.export.install.prepare`), then the pair (:func:`edge_spec.export.pair.check_pair`,
-    on what the sources say without their weights).  The bundle is built in a hidden directory beside
-    ``out_dir``, removed if the export fails, and put in place only once complete; a failed write is
-    one line saying what was kept (:func:`edge_spec.export.install.explained_os_errors`).
+    What can be refused before anything is built is refused first (:func:`check_before_build`), unless
+    ``checked`` says the caller has done so already (the export command, before it starts the process
+    that does the work).  The bundle is built in a hidden directory beside ``out_dir``, removed if the
+    export fails, and put in place only once complete; a failed write is one line saying what was kept
+    (:func:`edge_spec.export.install.explained_os_errors`).
     """
-    install.prepare(Path(out_dir).expanduser().resolve(), progress)
-    out_dir = check_output_dir(out_dir)
-    options.check()
-    if loader is load_model:
-        for source in (target_source, draft_source):
-            check_source_exists(source)
-    check_pair(*_cards(target_source, draft_source, loader))
+    if checked:
+        out_dir = Path(out_dir).expanduser().resolve()
+    else:
+        out_dir = check_before_build(target_source, draft_source, out_dir, options, progress, loader=loader)
     kept = (
         f"the existing bundle at {out_dir} was kept"
         if install.is_bundle(out_dir)
@@ -438,6 +436,29 @@ def export_bundle(
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return manifest
+
+
+def check_before_build(
+    target_source: str,
+    draft_source: str,
+    out_dir: str | Path,
+    options: ExportOptions,
+    progress=None,
+    *,
+    loader=load_model,
+) -> Path:
+    """Refuse in seconds what would otherwise fail minutes into an export, and return the resolved output
+    directory: what a killed run left there is recovered (:func:`edge_spec.export.install.prepare`),
+    then the directory (:func:`check_output_dir`), the options, the sources' existence and the pair
+    (:func:`edge_spec.export.pair.check_pair`, on what the sources say without their weights)."""
+    install.prepare(Path(out_dir).expanduser().resolve(), progress)
+    out_dir = check_output_dir(out_dir)
+    options.check()
+    if loader is load_model:
+        for source in (target_source, draft_source):
+            check_source_exists(source)
+    check_pair(*_cards(target_source, draft_source, loader))
+    return out_dir
 
 
 def _cards(target_source: str, draft_source: str, loader) -> tuple[ModelCard, ModelCard]:
