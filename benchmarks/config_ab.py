@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edge_spec.bench import load_bench_prompts  # noqa: E402
+from edge_spec.bench.runs import load_bench_prompts  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
 from edge_spec.prompts import as_messages  # noqa: E402
 from edge_spec.runtime.engine import Engine  # noqa: E402

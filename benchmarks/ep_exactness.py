@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_spec.benchmarking.row_classes import logits_by_pass_size, row_classes
+from edge_spec.bench.row_classes import logits_by_pass_size, row_classes
 from edge_spec.manifest import read_manifest
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import ChainConfig

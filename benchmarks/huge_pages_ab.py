@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def child(args: argparse.Namespace) -> None:
-    from edge_spec.bench import load_bench_prompts
+    from edge_spec.bench.runs import load_bench_prompts
     from edge_spec.prompts import as_messages
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.model import huge_pages

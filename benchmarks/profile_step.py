@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
-from edge_spec.benchmarking.ort_profile import (  # noqa: E402
+from edge_spec.bench.ort_profile import (  # noqa: E402
     matmul_weight_bytes,
     parse_profile,
     profiled_decoder,

@@ -3,7 +3,7 @@
 A session is a sequence of requests whose later turns repeat earlier material (a file edited again, a
 tool result quoted back, an answer revised); drafting from text that earlier requests produced pays
 there, and only there, so a prompt-by-prompt benchmark cannot show it.  The sessions come from
-``edge_spec/data/bench/sessions.jsonl`` through :mod:`edge_spec.benchmarking.sessions`: each turn's
+``edge_spec/data/bench/sessions.jsonl`` through :mod:`edge_spec.bench.sessions`: each turn's
 request is built from the session's script plus *that engine's own* earlier answers, so every engine
 replays the session as a client talking to it would.
 
@@ -38,7 +38,7 @@ Q4_K_M GGUFs in ``models/gguf``), ``--threads`` (2) threads, greedy unless ``--t
   across sessions too, cleared once at the start.
 
 Every engine gets its prompt as the same kind of token ids: our tokenizer's chat template (with the
-session's tools) over the turn's messages.  tokens/s is one rule for all (``edge_spec/benchmarking/
+session's tools) over the turn's messages.  tokens/s is one rule for all (``edge_spec/bench/
 peers.py``): the answer's tokens after the first, up to and without any EOS, over the time from the first
 token (the prefill's pick) to the last, the pass that produced the EOS included; llama.cpp's time is its
 ``timings.predicted_ms`` (first sampled token to last), onnxruntime-genai's and ours as in
@@ -81,7 +81,7 @@ import spec_peers  # onnxruntime-genai's worker, exports and preparation; puts t
 
 shared = spec_peers.shared
 ROOT = spec_peers.ROOT
-from edge_spec.benchmarking.peers import decode_tokens, result, summarize  # noqa: E402
+from edge_spec.bench.peers import decode_tokens, result, summarize  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors ggml-org/llama.cpp@0c1e57098; the flags below are that version's
 LLAMACPP_DIR = ROOT / "models" / "llamacpp"
@@ -382,8 +382,8 @@ class Ours:
 def load_sessions(args) -> list[dict]:
     """The sessions asked for (``--sessions``, ``--category``, ``--per-category``), refused in one line
     where the file or a category is wrong."""
-    from edge_spec.benchmarking.sessions import load_sessions as load
-    from edge_spec.benchmarking.sessions import select_sessions
+    from edge_spec.bench.sessions import load_sessions as load
+    from edge_spec.bench.sessions import select_sessions
     from edge_spec.errors import EdgeSpecError
 
     try:
@@ -598,7 +598,7 @@ def start_engines(args, warmup_ids: list[int], eos: set[int], stack: list) -> di
 def replay(sessions: list[dict], runners: dict, ours, tokenizer, args) -> dict[str, list[dict]]:
     """Every session, turn by turn, on every engine (turn t everywhere before turn t + 1); each engine's
     answers feed its own later turns.  Returns each engine's records."""
-    from edge_spec.benchmarking.sessions import turn_messages
+    from edge_spec.bench.sessions import turn_messages
 
     records: dict[str, list[dict]] = {engine: [] for engine in runners}
     for index, session in enumerate(sessions):
@@ -652,7 +652,7 @@ def main() -> None:
         prepare(args.peers, args.threads)
         return
     check_prepared(args)
-    from edge_spec.benchmarking.sessions import DEFAULT_SESSIONS
+    from edge_spec.bench.sessions import DEFAULT_SESSIONS
     from edge_spec.paths import DEFAULT_BUNDLE
     from edge_spec.runtime.text import TextTokenizer
 

@@ -22,7 +22,7 @@ import argparse
 import time
 from pathlib import Path
 
-from edge_spec.benchmarking.shaped import UnsupportedShapes, build, save_shapes
+from edge_spec.bench.shaped import UnsupportedShapes, build, save_shapes
 
 
 def main() -> None:

@@ -68,7 +68,7 @@ Each peer's greedy answer at every K is compared token for token with its own AR
 acceptance statistics in the JSON).
 
 Prompts: the bench prompts and the low-acceptance set; ``--category long`` adds what agents and editors
-send, code files of ~2,000 tokens to edit, explain or test (``edge_spec/benchmarking/long_prompts.py``),
+send, code files of ~2,000 tokens to edit, explain or test (``edge_spec/bench/long_prompts.py``),
 only when named: their prompt reading takes seconds per prompt and mode.
 
 Usage::
@@ -97,7 +97,7 @@ import ar_vs_ortgenai as shared  # the genai venv, the GGUF -> HF checkpoint and
 
 ROOT = shared.ROOT
 sys.path.insert(0, str(ROOT))  # the peers' workers run in venvs without edge-spec installed
-from edge_spec.benchmarking.peers import format_rows, peer_record, report, result, summarize  # noqa: E402
+from edge_spec.bench.peers import format_rows, peer_record, report, result, summarize  # noqa: E402
 from edge_spec.errors import EdgeSpecError  # noqa: E402
 
 TARGET = shared.NAME  # qwen2.5-coder-1.5b-instruct-q4_k_m
@@ -394,7 +394,7 @@ class Ours:
     through ``edge_spec.bench.run_bench`` one prompt at a time."""
 
     def __init__(self, args) -> None:
-        from edge_spec.bench import modes_for
+        from edge_spec.bench.runs import modes_for
         from edge_spec.runtime.engine import Engine
         from edge_spec.runtime.loops.config import loop_config
 
@@ -423,7 +423,7 @@ class Ours:
         that each reads the whole prompt as a new request does and its time to the first token is a new
         request's: run together, the modes after the first would find the prompt in the cache.  The
         greedy answers are compared with the target-only ones as ``run_bench`` compares them."""
-        from edge_spec.bench import run_bench
+        from edge_spec.bench.runs import run_bench
 
         references: dict[bool, list[int]] = {}  # the target-only answers by numerics (exact or one-row)
         records = []
@@ -465,9 +465,9 @@ class Ours:
 
 def load_prompts(args) -> list[dict]:
     """The prompt files' prompts, and the ``long`` category's when ``--category long`` asks for it (never
-    by default: edge_spec/benchmarking/long_prompts.py)."""
-    from edge_spec.bench import load_bench_prompts
-    from edge_spec.benchmarking import long_prompts
+    by default: edge_spec/bench/long_prompts.py)."""
+    from edge_spec.bench import long_prompts
+    from edge_spec.bench.runs import load_bench_prompts
 
     items = [
         item for path in args.prompts or PROMPT_FILES for item in load_bench_prompts(path, None, args.per_category)
@@ -562,7 +562,7 @@ def main() -> None:
         except ValueError as error:
             raise SystemExit(str(error)) from None
         if args.plot:
-            from edge_spec.benchmarking.peers_plot import plot_peers
+            from edge_spec.bench.peers_plot import plot_peers
 
             if not plot_peers(json.loads(args.report.read_text())["records"], args.plot, title=args.plot_title):
                 raise SystemExit("--plot needs matplotlib: pip install 'edge-spec[bench]'")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_spec.benchmarking.ort_profile import ProfileMismatch, profile_rows
+from edge_spec.bench.ort_profile import ProfileMismatch, profile_rows
 from edge_spec.manifest import read_manifest
 from edge_spec.paths import DEFAULT_BUNDLE
 

@@ -1,5 +1,5 @@
-"""Session workloads: the file format and how each request is built (``benchmarking.sessions``), and
-``edge-spec bench --sessions`` replaying them on the tiny bundle (``bench_sessions``)."""
+"""Session workloads: the file format and how each request is built (``bench.sessions``), and
+``edge-spec bench --sessions`` replaying them on the tiny bundle (``bench.session_runs``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 from typer.testing import CliRunner
 
-from edge_spec.bench_sessions import mismatches, run_sessions, session_modes
-from edge_spec.benchmarking.sessions import (
+from edge_spec.bench.session_runs import mismatches, run_sessions, session_modes
+from edge_spec.bench.sessions import (
     DEFAULT_SESSIONS,
     PLACEHOLDER,
     answer_code,
@@ -327,10 +327,10 @@ def test_a_greedy_answer_that_differs_from_ar_exact_is_named_by_its_first_turn()
 
 
 def test_bench_sessions_fails_loudly_on_a_mismatch(tools_bundle, tmp_path, monkeypatch):
-    import edge_spec.bench_sessions
+    import edge_spec.bench.session_runs
 
     line = "T=0.0: spec answered turn 2 of session 'loop' differently from ar-exact"
-    monkeypatch.setattr(edge_spec.bench_sessions, "mismatches", lambda records: [line])
+    monkeypatch.setattr(edge_spec.bench.session_runs, "mismatches", lambda records: [line])
     path = write(tmp_path / "tiny.jsonl", *TINY_SESSIONS)
     output = tmp_path / "results"
     args = [

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from edge_spec.bench import BenchMode, load_bench_prompts, modes_for, per_prompt_schedule, run_bench
+from edge_spec.bench.runs import BenchMode, load_bench_prompts, modes_for, per_prompt_schedule, run_bench
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import SsdConfig, TreeConfig
@@ -382,7 +382,7 @@ def test_bench_without_matplotlib_writes_the_json_and_says_how_to_get_the_plot(i
 
 
 def test_cost_normalized_rates_price_every_pass_alike():
-    from edge_spec.bench import cost_normalized_seconds, summarize
+    from edge_spec.bench.runs import cost_normalized_seconds, summarize
 
     # two runs of the same passes, the second slowed down by other load: one price per (decoder, rows)
     fast = {

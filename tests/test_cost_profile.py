@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_spec.benchmarking.ort_profile import profile_rows
+from edge_spec.bench.ort_profile import profile_rows
 from edge_spec.manifest import read_manifest
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model import row_invariance
@@ -229,7 +229,7 @@ def test_the_drafter_s_second_row_is_profiled():
 
 
 def test_verify_rows_profile_splits_every_row_count_by_bit_width(int4_bundle):
-    """The row-cost profiler (``edge_spec.benchmarking.ort_profile``, behind ``verify_rows_profile.py``) must
+    """The row-cost profiler (``edge_spec.bench.ort_profile``, behind ``verify_rows_profile.py``) must
     attribute every interleaved pass to its row count (it refuses a profile whose passes it cannot match),
     and list matmuls by role and bits."""
     onnx_path = int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]

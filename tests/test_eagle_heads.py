@@ -117,7 +117,7 @@ def test_a_bad_eagle_head_name_is_one_clear_error(heads_bundle, engine):
 
 
 def test_bench_runs_one_mode_per_eagle_head(engine):
-    from edge_spec.bench import modes_for
+    from edge_spec.bench.runs import modes_for
 
     modes = modes_for(
         engine, ["full"], loop_config("spec", drafter="model"), [2], eagle=True, eagle_heads=["full", TRIM]

@@ -1,13 +1,13 @@
 """The two tools that take the pair to a GPU machine the weights cannot reach: a bundle of the pair's shapes
-with random weights (``edge_spec.benchmarking.shaped``, behind ``shaped_bundle.py``), and the row classes an
-execution provider is measured with (``edge_spec.benchmarking.row_classes``, behind ``ep_exactness.py``)."""
+with random weights (``edge_spec.bench.shaped``, behind ``shaped_bundle.py``), and the row classes an
+execution provider is measured with (``edge_spec.bench.row_classes``, behind ``ep_exactness.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from edge_spec.benchmarking import shaped
-from edge_spec.benchmarking.row_classes import logits_by_pass_size, row_classes
+from edge_spec.bench import shaped
+from edge_spec.bench.row_classes import logits_by_pass_size, row_classes
 from edge_spec.manifest import read_manifest
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model.decoder import Decoder

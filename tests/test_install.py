@@ -105,13 +105,12 @@ def test_shipped_data_lives_in_the_package_and_pyproject_declares_all_of_it():
 
 
 def test_defaults_read_the_shipped_files():
-    from edge_spec import bench
-    from edge_spec.benchmarking import sessions
+    from edge_spec.bench import runs, sessions
     from edge_spec.export import calibration_store, vocabtrim
     from edge_spec.export.eagle import features as head_data
 
     data = paths.PACKAGE_DATA
-    assert bench.DEFAULT_PROMPTS == data / "bench" / "prompts.jsonl"
+    assert runs.DEFAULT_PROMPTS == data / "bench" / "prompts.jsonl"
     assert sessions.DEFAULT_SESSIONS == data / "bench" / "sessions.jsonl"
     assert vocabtrim.DEFAULT_CALIBRATION == data / "calibration" / "prompts.jsonl"
     assert head_data.DEFAULT_PROMPTS == data / "train" / "prompts.jsonl"

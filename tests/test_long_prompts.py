@@ -1,4 +1,4 @@
-"""The ``long`` bench category (``edge_spec.benchmarking.long_prompts``): code files of Python's standard
+"""The ``long`` bench category (``edge_spec.bench.long_prompts``): code files of Python's standard
 library cut to a budget, asked for by name only (``edge-spec bench --category long``, ``spec_peers.py
 --category long``), never part of a default run."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from edge_spec.bench import load_bench_prompts
-from edge_spec.benchmarking import long_prompts
-from edge_spec.benchmarking.long_prompts import CATEGORY, CHAR_BUDGET, SOURCES, excerpt
+from edge_spec.bench import long_prompts
+from edge_spec.bench.long_prompts import CATEGORY, CHAR_BUDGET, SOURCES, excerpt
+from edge_spec.bench.runs import load_bench_prompts
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

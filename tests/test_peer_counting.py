@@ -1,5 +1,5 @@
 """The peers benchmark counts every engine's decode tokens alike, whatever the engine does with the EOS
-(``edge_spec.benchmarking.peers``, the counting ``spec_peers.py`` and its workers share).
+(``edge_spec.bench.peers``, the counting ``spec_peers.py`` and its workers share).
 
 onnxruntime-genai leaves the EOS out of its sequence but takes one more ``generate_next_token`` call
 for it; OpenVINO streams its first tokens in one write.  A tokens/s that counted calls would credit
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge_spec.benchmarking import peers
+from edge_spec.bench import peers
 
 EOS = {151645}
 
@@ -71,7 +71,7 @@ def _record(category: str, engine: str, tokens_per_second: float) -> dict:
 
 
 def test_the_results_plot_pairs_our_default_with_each_categorys_fastest_peer(tmp_path):
-    from edge_spec.benchmarking.peers_plot import fastest_peers, plot_peers
+    from edge_spec.bench.peers_plot import fastest_peers, plot_peers
 
     records = [
         _record("code", "ours schedule+suffix", 25.0),
@@ -122,7 +122,7 @@ def test_the_table_gives_every_engine_its_mean_time_to_first_token(tmp_path):
 
 
 def test_the_plot_names_llama_cpp_modes():
-    from edge_spec.benchmarking.peers_plot import peer_label
+    from edge_spec.bench.peers_plot import peer_label
 
     assert peer_label("llamacpp ar") == "llama.cpp plain"
     assert peer_label("llamacpp draft") == "llama.cpp draft"

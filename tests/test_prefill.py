@@ -104,7 +104,7 @@ PROMPT_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, itera
 def test_bench_pass_logs_leave_every_prefill_pass_out(int4_bundle):
     """A prompt read in several passes (and, in later modes, mostly from the cached prefix) must not leak
     into the bench's per-answer pass log: one target pass per verify round, one per token in ar."""
-    from edge_spec.bench import BenchMode, load_bench_prompts, modes_for, run_bench
+    from edge_spec.bench.runs import BenchMode, load_bench_prompts, modes_for, run_bench
 
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
     _small_chunks(engine, 3)

@@ -370,7 +370,7 @@ def test_export_flags_checked_before_loading(tmp_path, tiny_pair, options, fragm
     ],
 )
 def test_bench_prompt_file_mistakes(tmp_path, text, fragment):
-    from edge_spec.bench import load_bench_prompts
+    from edge_spec.bench.runs import load_bench_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text(text)

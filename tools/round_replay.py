@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from edge_spec.bench import load_bench_prompts, pass_prices
+from edge_spec.bench.runs import load_bench_prompts, pass_prices
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.autoregressive import choose_token
 from edge_spec.runtime.loops.config import ChainConfig

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_spec.bench import load_bench_prompts
+from edge_spec.bench.runs import load_bench_prompts
 from edge_spec.manifest import read_manifest
 from edge_spec.prompts import as_messages
 from edge_spec.runtime.engine import Engine

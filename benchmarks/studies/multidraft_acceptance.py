@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from edge_spec.bench import load_bench_prompts
+from edge_spec.bench.runs import load_bench_prompts
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
 from edge_spec.runtime.verify.tree import expected_acceptance

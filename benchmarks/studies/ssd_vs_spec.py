@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from edge_spec.bench import load_bench_prompts
+from edge_spec.bench.runs import load_bench_prompts
 from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import ChainConfig, SsdConfig

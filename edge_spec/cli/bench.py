@@ -182,7 +182,7 @@ def bench(
     against ar are measured)."""
     from rich.progress import Progress
 
-    from edge_spec.bench import (
+    from edge_spec.bench.runs import (
         format_table,
         load_bench_prompts,
         modes_for,
@@ -224,7 +224,7 @@ def bench(
     if output.exists() and not output.is_dir():
         raise EdgeSpecError(f"--output {output} is not a directory")
     if sessions:
-        from edge_spec.benchmarking.sessions import load_sessions, select_sessions
+        from edge_spec.bench.sessions import load_sessions, select_sessions
 
         items = select_sessions(load_sessions(session_file), category or None, per_category)
     else:
@@ -258,7 +258,7 @@ def bench(
     baseline.complete("warm up", max_new_tokens=4)
     engine.complete("warm up", max_new_tokens=4, mode="ar", exact=True)
     if sessions:
-        from edge_spec.bench_sessions import session_modes
+        from edge_spec.bench.session_runs import session_modes
 
         with_tools = next((s for s in items if s["tools"]), None)
         if with_tools is not None and not engine.tokenizer.takes_tools:
@@ -360,8 +360,8 @@ def _bench_sessions(
     sessions.json, and fail loudly where a greedy answer differs from ar-exact's."""
     from rich.progress import Progress
 
-    from edge_spec.bench import format_table
-    from edge_spec.bench_sessions import cache_report, run_sessions
+    from edge_spec.bench.runs import format_table
+    from edge_spec.bench.session_runs import cache_report, run_sessions
 
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("sessions", total=sum(len(s["turns"]) for s in chosen) * len(temperatures))

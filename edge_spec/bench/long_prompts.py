@@ -10,7 +10,7 @@ prompts; another Python version's sources may differ, so a record names the Pyth
 :data:`CHAR_BUDGET` puts every prompt at 1,500-3,000 tokens of the Qwen2.5 tokenizer (4-5 characters a
 token on this code), chat template included.
 
-Standard library only, like the rest of :mod:`edge_spec.benchmarking`.
+Standard library only, like the rest of :mod:`edge_spec.bench`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_spec.benchmarking import long_prompts
+from edge_spec.bench import long_prompts
 from edge_spec.errors import EdgeSpecError
 from edge_spec.paths import PACKAGE_DATA
 from edge_spec.prompts import as_messages, read_prompt_file
@@ -63,7 +63,7 @@ def with_lookup(config: ChainConfig, lookup: bool, source: str = "lookup") -> Ch
 
 def load_bench_prompts(path: Path | None, categories: list[str] | None, per_category: int | None) -> list[dict]:
     """The prompts of ``path`` (default: the shipped set) in ``categories`` (all when None or empty).  The
-    ``long`` category (:mod:`edge_spec.benchmarking.long_prompts`) joins only when named: each of its
+    ``long`` category (:mod:`edge_spec.bench.long_prompts`) joins only when named: each of its
     prompts of ~2,000 tokens takes seconds to read in every mode on a laptop CPU, which a default run
     of short prompts should not spend."""
     prompts = read_prompt_file(path or DEFAULT_PROMPTS, "bench prompt")

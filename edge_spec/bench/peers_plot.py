@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge_spec.benchmarking.peers import summarize
+from edge_spec.bench.peers import summarize
 
 PEER_NAMES = {"genai": "onnxruntime-genai", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp"}
 

@@ -1,4 +1,4 @@
-"""``edge-spec bench --sessions``: decoding modes compared on session workloads (``benchmarking.sessions``).
+"""``edge-spec bench --sessions``: decoding modes compared on session workloads (``bench.sessions``).
 
 Drafting from the suffix cache (the engine's earlier answers) pays when later requests repeat earlier
 material, which a set of unrelated prompts never does.  So every mode replays every session turn by turn,
@@ -17,8 +17,8 @@ agrees every later prompt agrees too, so a difference is a bug of the mode, repo
 
 from __future__ import annotations
 
-from edge_spec.bench import BenchMode, _deterministic, _run_mode, keep_fastest, modes_for, summarize
-from edge_spec.benchmarking.sessions import turn_messages
+from edge_spec.bench.runs import BenchMode, _deterministic, _run_mode, keep_fastest, modes_for, summarize
+from edge_spec.bench.sessions import turn_messages
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import loop_config
