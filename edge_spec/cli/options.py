@@ -127,6 +127,18 @@ def output_option(what: str, default: str) -> typer.models.OptionInfo:
     return typer.Option(None, "--output", help=f"Output directory: {what} (default: {default}).", show_default=False)
 
 
+@dataclass(frozen=True)
+class LoadFlags:
+    """Where a bundle's sessions run and how its files are checked: the engine options ``bench`` and
+    ``info`` take (``generate``, ``chat`` and ``serve`` take them within :class:`EngineFlags`)."""
+
+    threads: int = option(ThreadsOpt)
+    provider: str = option(ProviderOpt)
+    draft_provider: Optional[str] = option(DraftProviderOpt)
+    provider_option: list[str] = option(ProviderOptionOpt)
+    verify: bool = option(VerifyOpt)
+
+
 # -- the engine: generate, chat, serve ---------------------------------------------------------------
 
 CACHE_DIR_HELP = "Directory of the suffix cache kept on disk (one private file per bundle)."
