@@ -9,11 +9,18 @@ frozen build moved to an older CPU still loads and runs the scalar kernels.
 Without a compiler, or when the build fails, :func:`library_path` says why once (at debug level) and
 returns None: the runtime then keeps ORT's own ``GroupQueryAttention``.
 
-    python -m edge_spec.native.build        # build now (CI does, after installing)
+Only the current build is kept: a new one removes the others (a library is 60-80 KiB, but every edit of the
+source or compiler update adds one).  A process that uses a build holds a shared lock on its folder's
+``.in-use`` file for its lifetime (a session opened later registers the library again from its path), and
+a folder is removed only under an exclusive lock, so a build another process still uses, or is still
+compiling, stays.
+
+    python -m edge_spec.native.build        # build now (CI does, after installing), remove stale builds
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -34,6 +41,8 @@ HEADERS = sorted((HERE / "include").glob("*.h"))
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno"]
 LIBRARY = "libedge_spec_attention.so"
 SWITCH = "EDGE_SPEC_NATIVE_ATTENTION"  # "0": never build nor use the native op
+IN_USE = ".in-use"  # in each build's folder: shared-locked by every process that uses that build
+_held: dict[Path, int] = {}  # build folder -> the descriptor of this process's lock on it (kept until exit)
 
 
 class BuildError(RuntimeError):
@@ -69,7 +78,8 @@ def build(force: bool = False) -> Path:
     """The built library's path, compiling it first unless this source and compiler built it already.
 
     Built beside its final place under a temporary name and renamed over it, so that a process reading
-    the cache never finds half a library; raises :class:`BuildError` with the compiler's first lines."""
+    the cache never finds half a library; raises :class:`BuildError` with the compiler's first lines.
+    A new build removes the builds no process uses (:func:`prune`)."""
     if sys.platform != "linux":
         raise BuildError(f"the native attention op is built on Linux only, not {sys.platform}")
     if not SOURCE.is_file():  # a frozen build that left the sources out
@@ -78,9 +88,12 @@ def build(force: bool = False) -> Path:
     if cxx is None:
         raise BuildError("no C++ compiler (g++ or clang++, or $CXX) found")
     target = cache_root() / "native" / build_key(cxx) / LIBRARY
+    try:
+        _hold(target.parent)
+    except OSError as exc:
+        raise BuildError(f"cannot use the build folder {target.parent}: {exc}") from exc
     if target.is_file() and not force:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     command = [cxx, *FLAGS, f"-I{HERE / 'include'}", "-o", tmp, str(SOURCE)]
@@ -91,11 +104,85 @@ def build(force: bool = False) -> Path:
             raise BuildError(f"{Path(cxx).name} failed: " + " | ".join(lines[:3])[:500])
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
+        _release(target.parent)
         raise BuildError(f"{Path(cxx).name} could not run: {exc}") from exc
+    except BuildError:
+        _release(target.parent)
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    prune(keep=target.parent)
     return target
+
+
+def _hold(folder: Path) -> None:
+    """Create ``folder`` and hold a shared lock on its ``.in-use`` file until this process ends (once per
+    folder), so that :func:`prune` in another process leaves it.  A lock taken on a file that a pruner
+    removed meanwhile protects nothing: then the folder is made again and locked anew."""
+    if folder in _held:
+        return
+    path = folder / IN_USE
+    for _ in range(10):
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # pruned between the mkdir and the open
+            continue
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                _held[folder] = fd
+                return
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise OSError(f"{folder} keeps being removed")
+
+
+def _release(folder: Path) -> None:
+    """After a failed build: drop this process's lock, and the lock file where no other process holds it,
+    so that a failed build leaves no file behind."""
+    fd = _held.pop(folder, None)
+    if fd is None:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # converts the shared lock: only if no one else holds one
+        (folder / IN_USE).unlink(missing_ok=True)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prune(keep: Path) -> list[Path]:
+    """Remove every build folder beside ``keep`` that no process uses now; returns those removed.
+
+    Each is removed under an exclusive lock on its ``.in-use`` file, which a process using (or building)
+    that build holds shared, so a folder in use is left for a later build to remove."""
+    removed: list[Path] = []
+    try:
+        folders = [p for p in keep.parent.iterdir() if p.is_dir() and p != keep]
+    except OSError:
+        return removed
+    for folder in folders:
+        try:
+            fd = os.open(folder / IN_USE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # removed meanwhile, or not ours to write
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # in use
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
+        if not folder.exists():
+            removed.append(folder)
+            log.debug("removed the stale native attention build %s", folder)
+    return removed
 
 
 def enabled() -> bool:
@@ -125,6 +212,7 @@ def main() -> int:
     except BuildError as exc:
         print(f"edge-spec: native attention not built: {exc}", file=sys.stderr)
         return 1
+    prune(keep=path.parent)  # also where it was built before: builds older ones left in use then
     print(path)
     return 0
 
