@@ -207,7 +207,7 @@ def test_a_missing_bundle_beside_its_moved_aside_copy_is_restored_not_cleaned(tm
 
 def test_add_heads_and_train_head_clean_up_first(monkeypatch, capsys, tmp_path, fp32_bundle):
     from edge_spec.export import bundle as bundle_module
-    from edge_spec.export.eagle import features as head_data
+    from edge_spec.train import features as head_data
 
     copy = tmp_path / "bundle"
     shutil.copytree(fp32_bundle, copy)

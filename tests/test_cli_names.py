@@ -166,8 +166,6 @@ def test_the_gamma_help_states_the_configured_defaults():
 def _configured_defaults() -> dict[str, dict[str, list]]:
     import inspect
 
-    from edge_spec.export.eagle import training
-    from edge_spec.export.eagle.settings import CHECKPOINT_SECONDS, CollectOptions, TrainOptions
     from edge_spec.server import serve
     from edge_spec.server.defaults import (
         DEFAULT_HOST,
@@ -178,6 +176,8 @@ def _configured_defaults() -> dict[str, dict[str, list]]:
         parse_size,
     )
     from edge_spec.server.guard import GuardPolicy, make_policy
+    from edge_spec.train import trainer
+    from edge_spec.train.settings import CHECKPOINT_SECONDS, CollectOptions, TrainOptions
 
     def default(function, name: str):
         return inspect.signature(function).parameters[name].default
@@ -197,7 +197,7 @@ def _configured_defaults() -> dict[str, dict[str, list]]:
             "lr": [train.lr],
             "hard_labels": [not train.soft],
             "init": [train.init],
-            "checkpoint_minutes": [CHECKPOINT_SECONDS / 60, default(training.train, "checkpoint_seconds") / 60],
+            "checkpoint_minutes": [CHECKPOINT_SECONDS / 60, default(trainer.train, "checkpoint_seconds") / 60],
         },
         "serve": {
             "host": [DEFAULT_HOST, default(serve.build_app, "bind_host"), GuardPolicy().bind_host],

@@ -125,7 +125,7 @@ def test_add_heads_on_a_full_disk_is_one_line_and_keeps_the_bundle(
 def test_any_other_system_error_is_one_line(monkeypatch, capsys, tmp_path, fp32_bundle, code):
     import os
 
-    from edge_spec.export.eagle import features as head_data
+    from edge_spec.train import features as head_data
 
     def collect(*args, **kwargs):
         raise OSError(code, os.strerror(code), str(tmp_path / "work" / "shards" / "0.npz"))

@@ -223,22 +223,22 @@ class Written:
 def written(request, tmp_path_factory) -> Written:
     """A head for a tiny seeded target, made and saved as ``train-head`` makes and saves it (untrained: the
     layout is the point), with the default feature layers or ones given out of order."""
-    from edge_spec.export.eagle import training
     from edge_spec.export.eagle.model import default_feature_layers, save_specforge
+    from edge_spec.train import trainer
 
     tokenizer = tiny_models.make_tokenizer()
     model = tiny_models.make_qwen2(seed=3, layers=8)
     loaded = tiny_models.loaded("target", model, tokenizer)
     cfg = loaded.weights.config
     layers = default_feature_layers(cfg.num_layers) if request.param == "default" else (5, 0, 2)
-    target = training.Target(cfg.to_dict(), layers, list(loaded.eos_token_ids), tmp_path_factory.mktemp("graph"))
+    target = trainer.Target(cfg.to_dict(), layers, list(loaded.eos_token_ids), tmp_path_factory.mktemp("graph"))
     config = target.head_config(draft_vocab=96, intermediate=96)
     counts = np.random.default_rng(0).integers(0, 50, cfg.vocab_size)
-    ids = training.draft_vocabulary(counts, config.draft_vocab_size, target.eos_ids)
+    ids = trainer.draft_vocabulary(counts, config.draft_vocab_size, target.eos_ids)
     with torch.no_grad():
         rows = model.lm_head.weight[torch.from_numpy(ids)].numpy()
         norm = model.model.norm.weight.numpy()
-    head = training.new_head(config, ids, rows, norm, seed=0).eval()
+    head = trainer.new_head(config, ids, rows, norm, seed=0).eval()
     directory = save_specforge(tmp_path_factory.mktemp("work") / "specforge", config, head)
     return Written(directory, head, cfg.num_layers)
 

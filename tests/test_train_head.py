@@ -14,11 +14,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edge_spec.export.eagle import features as head_data
-from edge_spec.export.eagle import training as head_training
 from edge_spec.export.graph_builder import MS_DOMAIN, make_model
 from edge_spec.export.quantize import quantize_blockwise
 from edge_spec.runtime.model.embedding import TargetEmbedding, TargetLMHead
+from edge_spec.train import features as head_data
+from edge_spec.train import trainer as head_training
 from tests import tiny_models
 from tests.helpers import assert_one_line_error, cli, export_tiny
 
@@ -477,7 +477,7 @@ def test_a_saved_head_reads_back_as_the_int4_head_it_was_built_from(saved_head, 
     """Every weight comes back as the int4 graphs hold it (the layouts of q/k/v and gate/up included),
     from the saved directory and from the bundle alike; built again, the graphs are the same bytes."""
     from edge_spec.export.eagle.attach import attach_eagle_head
-    from edge_spec.export.eagle.saved import load_head
+    from edge_spec.train.saved import load_head
 
     bundle_with_head, directory = saved_head
     _, trainer = trained

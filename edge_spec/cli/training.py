@@ -13,7 +13,7 @@ from edge_spec.cli.loading import check_threads
 from edge_spec.cli.options import ThreadsOpt, int_list, max_tokens_option, prompts_option
 from edge_spec.cli.output import console, progress_lines
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.eagle.settings import CHECKPOINT_SECONDS, CollectOptions, TrainOptions
+from edge_spec.train.settings import CHECKPOINT_SECONDS, CollectOptions, TrainOptions
 
 COLLECT_DEFAULTS = CollectOptions()
 TRAIN_DEFAULTS = TrainOptions()
@@ -132,11 +132,11 @@ def train_head(
     (resumable: WORK/progress.json, WORK/shards/), trains the head (resumable: WORK/train/,
     --resume), writes it in SpecForge format to WORK/specforge/ and attaches it to the bundle."""
     extras.require("train-head", "export")
-    from edge_spec.export.eagle import features as head_data
-    from edge_spec.export.eagle import training as head_training
     from edge_spec.export.install import explained_os_errors, prepare
     from edge_spec.manifest import read_manifest
     from edge_spec.paths import models_dir
+    from edge_spec.train import features as head_data
+    from edge_spec.train import trainer as head_training
 
     if collect_only and train_only:
         raise EdgeSpecError("--collect-only and --train-only exclude each other")

@@ -1,2 +1,2 @@
-"""The EAGLE-3 head: its PyTorch model and graphs, attaching a trained one, its LM heads, and training one
-on the target's features."""
+"""The EAGLE-3 head: its PyTorch model and graphs, attaching a trained one and its LM heads (training one
+on the target's features is :mod:`edge_spec.train`'s)."""

@@ -6,7 +6,7 @@ answers) instead of starting over, and lets it be written in the SpecForge forma
 engine.  The weights come back dequantized: training resumes from the int4 point, which the head was
 exported at anyway.
 
-Sits beside :mod:`export.eagle.model` (the head and its SpecForge checkpoints), below :mod:`export.eagle.training`.
+Sits beside :mod:`export.eagle.model` (the head and its SpecForge checkpoints), below :mod:`train.trainer`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 head on collected target features (:mod:`edge_spec.export.eagle.features`), on CPU.
+"""Train an EAGLE-3 head on collected target features (:mod:`edge_spec.train.features`), on CPU.
 
 * **Draft vocabulary**: the ``K`` most frequent labels of the training shards (ties by id, as
   VocabTrim) plus the end-of-turn ids; ``d2t`` / ``t2d`` accordingly.
@@ -45,7 +45,7 @@ from torch import nn
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.eagle.model import Eagle3Config, Eagle3Head
-from edge_spec.export.eagle.settings import CHECKPOINT_SECONDS, TrainOptions
+from edge_spec.train.settings import CHECKPOINT_SECONDS, TrainOptions
 
 CHECKPOINT = "checkpoint.pt"
 CURVE = "curve.json"
@@ -91,7 +91,7 @@ def _cut(arrays: dict, seq_len: int, soft: bool) -> list[dict]:
 
 
 def load_dataset(work_dir, vocab_size: int, options: TrainOptions) -> Dataset:
-    from edge_spec.export.eagle.features import SHARDS, read_progress
+    from edge_spec.train.features import SHARDS, read_progress
 
     work_dir = Path(work_dir)
     progress = read_progress(work_dir)
@@ -152,9 +152,9 @@ class Target:
 
     @classmethod
     def from_work(cls, bundle_dir, work_dir) -> Target:
-        from edge_spec.export.eagle.features import read_progress
         from edge_spec.export.eagle.model import feature_layers_of
         from edge_spec.manifest import read_manifest
+        from edge_spec.train.features import read_progress
 
         manifest = read_manifest(Path(bundle_dir))
         graph = Path(work_dir) / "target" / "model.onnx"
@@ -200,7 +200,7 @@ def new_head(
 
 def initial_head(source: str, target: Target) -> Eagle3Head:
     """The head ``--init`` names, checked against the target and the collected features."""
-    from edge_spec.export.eagle.saved import load_head
+    from edge_spec.train.saved import load_head
 
     config, head = load_head(source)
     c = target.config

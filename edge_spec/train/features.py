@@ -44,9 +44,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.eagle.settings import CollectOptions
 from edge_spec.paths import PACKAGE_DATA
 from edge_spec.prompts import as_messages, read_prompt_file
+from edge_spec.train.settings import CollectOptions
 
 PROGRESS = "progress.json"
 SHARDS = "shards"

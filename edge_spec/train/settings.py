@@ -2,7 +2,7 @@
 from here, so a default is written once.
 
 Kept free of the trainer's heavy imports (torch, onnx): the CLI reads it to build its help.
-:mod:`export.eagle.features` and :mod:`export.eagle.training` use these settings.
+:mod:`train.features` and :mod:`train.trainer` use these settings.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ CHECKPOINT_SECONDS = 300.0  # between two training checkpoints
 
 @dataclass(frozen=True)
 class CollectOptions:
-    """How target features are collected (:func:`export.eagle.features.collect`)."""
+    """How target features are collected (:func:`train.features.collect`)."""
 
     answer_tokens: int = 256  # most tokens the target generates per prompt
     window: int = 512  # most tokens per text window (one pass)
@@ -40,7 +40,7 @@ class CollectOptions:
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """How the head is trained (:func:`export.eagle.training.train`); a checkpoint keeps them, so a resumed
+    """How the head is trained (:func:`train.trainer.train`); a checkpoint keeps them, so a resumed
     run trains as the run it continues."""
 
     draft_vocab: int = 16384
