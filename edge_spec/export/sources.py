@@ -10,8 +10,6 @@ whose files are not the model's parameters by name, is loaded whole by ``from_pr
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,32 +120,11 @@ def check_gguf(path: Path) -> None:
         ) from None
 
 
-@contextmanager
-def gguf_parsed_once() -> Iterator[None]:
-    """Within it, every ``gguf.GGUFReader`` of one file is the same reader.  transformers reads a GGUF
-    file's header anew for the config (three times), the tokenizer and the weights, and so do the file
-    check and the block carrier: seven parses, each walking a vocabulary's worth of metadata strings in
-    Python (about ten seconds each for a 151k-token vocabulary).  Readers only read (a read-only memory
-    map), so sharing one changes nothing but the time."""
-    try:
-        import gguf
-    except ImportError:
-        yield
-        return
-    original = gguf.GGUFReader
-    readers: dict[tuple[str, str], object] = {}
+def gguf_parsed_once():
+    """Within it, a GGUF file's header is parsed and converted once per load (:mod:`edge_spec.export.gguf.header`)."""
+    from edge_spec.export.gguf.header import parsed_once
 
-    def shared(path, mode: str = "r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = original(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
+    return parsed_once()
 
 
 def load_model(source: str) -> LoadedModel:
