@@ -65,9 +65,9 @@ def test_chat_command_on_piped_input(int4_bundle):
 def test_a_turn_that_fails_mid_answer_ends_that_turn_not_the_chat(int4_bundle, monkeypatch):
     from typer.testing import CliRunner
 
-    from edge_spec.cli import app, ask
+    from edge_spec.cli import app, output
 
-    real = ask._stream
+    real = output.stream
     seen = []
 
     def failing_once(engine, messages, **kwargs):
@@ -76,7 +76,7 @@ def test_a_turn_that_fails_mid_answer_ends_that_turn_not_the_chat(int4_bundle, m
             raise EdgeSpecError("context full: 257 tokens exceed the context length 256")
         return real(engine, messages, **kwargs)
 
-    monkeypatch.setattr(ask, "_stream", failing_once)
+    monkeypatch.setattr(output, "stream", failing_once)
     result = CliRunner().invoke(
         app, ["chat", str(int4_bundle), "--threads", "1", "--max-tokens", "4"], input="first\nsecond\n/exit\n"
     )

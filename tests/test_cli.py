@@ -437,7 +437,7 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
     """Model text is printed verbatim: code such as ``d[bold]`` or ``arr[i]`` is not console markup."""
     from types import SimpleNamespace
 
-    from edge_spec.cli import ask
+    from edge_spec.cli import output
 
     class Engine:
         last_stats = SimpleNamespace(
@@ -450,7 +450,7 @@ def test_streamed_answers_print_brackets_as_they_are(capsys):
         def cancel(self):
             pass
 
-    assert ask._stream(Engine(), "hi") == "x = arr[i] + d[bold] [/]"
+    assert output.stream(Engine(), "hi") == "x = arr[i] + d[bold] [/]"
     assert capsys.readouterr().out == "x = arr[i] + d[bold] [/]\n"
 
 

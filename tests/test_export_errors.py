@@ -160,7 +160,7 @@ def test_export_refuses_a_pair_before_building_anything(
     """Watched (the console script): refused by the command itself, before it starts the process that
     does the work (a second interpreter's start would double the refusal's time)."""
     from edge_spec import paths
-    from edge_spec.cli import models
+    from edge_spec.cli import export as export_command
     from edge_spec.export import bundle, sources, watchdog
 
     tokenizer, target, draft = tiny_pair
@@ -178,7 +178,7 @@ def test_export_refuses_a_pair_before_building_anything(
 
     monkeypatch.setattr(sources, "_load_model", never)
     monkeypatch.setattr(bundle, "export_decoder", never)
-    monkeypatch.setattr(models, "_watched", lambda: watched)
+    monkeypatch.setattr(export_command, "_watched", lambda: watched)
     monkeypatch.setattr(watchdog, "run", never)
     out = tmp_path / "out"
     code, _, err = _cli(monkeypatch, capsys, "export", "--target", target_dir, "--output", str(out), "--eagle", "none")

@@ -313,7 +313,7 @@ def test_generate_interrupted_exits_130(monkeypatch, capsys, fp32_bundle):
     import signal
     import time
 
-    from edge_spec.cli import ask
+    from edge_spec.cli import generate
     from edge_spec.runtime.engine import GenerationStats
 
     class Interrupted:
@@ -334,7 +334,7 @@ def test_generate_interrupted_exits_130(monkeypatch, capsys, fp32_bundle):
                 time.sleep(0.001)
             self.last_stats = GenerationStats(new_tokens=1, stop_reason="cancelled" if self.cancelled else "length")
 
-    monkeypatch.setattr(ask, "load_engine", lambda *args, **kwargs: Interrupted())
+    monkeypatch.setattr(generate, "load_engine", lambda *args, **kwargs: Interrupted())
     code, out, err = _cli(monkeypatch, capsys, "generate", str(fp32_bundle), "hi")
     assert code == 130
     assert "partial" in out and "cancelled" in err.splitlines()[-1]

@@ -1,8 +1,9 @@
 """``edge-spec`` command line: fetch, models, export, add-heads, info, generate, chat, serve, bench, train-head,
 cache.
 
-Each command lives in the module of its group (``models``, ``info``, ``ask``, ``serve``, ``bench``,
-``training``); the options several commands share are declared once in ``options``.  User mistakes
+Each command lives in the module named after it (``fetch``, ``export`` with ``add-heads``, ``models``,
+``info``, ``generate``, ``chat``, ``serve``, ``bench``, ``train_head``, ``cache``); the options several
+commands share are declared once in ``options``.  User mistakes
 surface as one ``error: ...`` line and exit code 1 (see :class:`edge_spec.errors.EdgeSpecError`);
 tracebacks are for bugs only.
 """
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 import typer
 
 from edge_spec import extras
-from edge_spec.cli import ask, bench, cache, info, models, serve, training
+from edge_spec.cli import bench, cache, chat, export, fetch, generate, info, models, serve, train_head
 from edge_spec.cli.output import console, out
 from edge_spec.errors import EdgeSpecError
 
@@ -25,16 +26,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Speculative decoding for local LLMs on ONNX Runtime.",
 )
-app.command()(models.fetch)
-app.command()(models.export)
-app.command("add-heads")(models.add_heads)
+app.command()(fetch.fetch)
+app.command()(export.export)
+app.command("add-heads")(export.add_heads)
 app.command()(info.info)
 app.command("models")(models.models_list)
-app.command()(ask.generate)
-app.command()(ask.chat)
+app.command()(generate.generate)
+app.command()(chat.chat)
 app.command()(serve.serve)
 app.command()(bench.bench)
-app.command("train-head")(training.train_head)
+app.command("train-head")(train_head.train_head)
 app.add_typer(cache.app, name="cache")
 
 

@@ -21,3 +21,11 @@ def progress_lines(label: str) -> Iterator[Callable[[str], None]]:
             status.update(message)
 
         yield progress
+
+
+def stream(engine, prompt, *, markdown: bool = False, interrupt=None, **kwargs) -> str:
+    """Print a streamed answer (raw, or as Markdown on a terminal) and return it; Ctrl-C cancels this
+    answer only (``interrupt``: the chat's turn holds Ctrl-C already)."""
+    from edge_spec.chat.render import stream_answer
+
+    return stream_answer(engine, prompt, out=out, console=console, markdown=markdown, interrupt=interrupt, **kwargs)

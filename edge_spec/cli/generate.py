@@ -1,19 +1,18 @@
-"""Asking the model: ``generate`` (one prompt) and ``chat`` (a conversation on the terminal)."""
+"""``generate``: one prompt answered, streamed to stdout."""
 
 from __future__ import annotations
 
 import dataclasses
-import resource
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
+from edge_spec.cli import output
 from edge_spec.cli.groups import takes_groups
 from edge_spec.cli.loading import check_sampler, engine_config, find_bundle, load_engine
-from edge_spec.cli.options import BundleArg, EngineFlags, SamplingFlags, max_tokens_option
-from edge_spec.cli.output import console, out
+from edge_spec.cli.options import EngineFlags, SamplingFlags, max_tokens_option
+from edge_spec.cli.output import console
 from edge_spec.errors import EdgeSpecError
 
 
@@ -68,14 +67,6 @@ def _read_prompt(prompt: str) -> str:
     return prompt
 
 
-def _stream(engine, prompt, *, markdown: bool = False, interrupt=None, **kwargs) -> str:
-    """Print a streamed answer (raw, or as Markdown on a terminal) and return it; Ctrl-C cancels this
-    answer only (``interrupt``: the chat's turn holds Ctrl-C already)."""
-    from edge_spec.chat.render import stream_answer
-
-    return stream_answer(engine, prompt, out=out, console=console, markdown=markdown, interrupt=interrupt, **kwargs)
-
-
 @takes_groups
 def generate(
     arguments: list[str] = typer.Argument(
@@ -106,49 +97,7 @@ def generate(
     check_sampler(sampling.sampler, [sampling.temperature], [config])
     loaded = load_engine(bundle, engine, config)
     request = prompt if raw else [{"role": "user", "content": prompt}]
-    _stream(loaded, request, max_new_tokens=max_tokens, stop=stop, **dataclasses.asdict(sampling))
+    output.stream(loaded, request, max_new_tokens=max_tokens, stop=stop, **dataclasses.asdict(sampling))
     if loaded.last_stats.stop_reason == "cancelled":
         console.print("[red]cancelled[/red]")
         raise typer.Exit(130)
-
-
-@takes_groups
-def chat(
-    bundle: Optional[Path] = BundleArg,
-    max_tokens: int = max_tokens_option(512),
-    sampling: SamplingFlags = ...,
-    system: Optional[str] = typer.Option(None, help="System prompt."),
-    engine: EngineFlags = ...,
-    plain: bool = typer.Option(
-        False,
-        "--plain",
-        help="Print answers as raw text, not rendered as Markdown "
-        "(they are raw anyway when the output is not a terminal).",
-    ),
-) -> None:
-    """Interactive chat: /help lists the commands, Ctrl-C stops the current answer, Ctrl-D leaves.
-
-    Each answer ends with a line of statistics: tokens, tok/s (the tokens after the first, per second of
-    decoding), the prefill time and τ = tokens emitted per target pass (1 for the target alone; each
-    accepted draft adds to it).
-    """
-    bundle = find_bundle(bundle)
-    config = engine_config(engine)
-    check_sampler(sampling.sampler, [sampling.temperature], [config])
-    loaded = load_engine(bundle, engine, config)
-    from edge_spec.chat.loop import run_chat
-    from edge_spec.chat.terminal import open_input
-
-    def answer(messages, interrupt):  # _stream looked up at each turn (tests replace it)
-        return _stream(
-            loaded,
-            messages,
-            markdown=not plain,
-            interrupt=interrupt,
-            max_new_tokens=max_tokens,
-            **dataclasses.asdict(sampling),
-        )
-
-    run_chat(loaded, open_input().read, answer, console=console, system=system, max_tokens=max_tokens)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    console.print(f"[dim]peak RSS {peak_mib:.0f} MiB[/dim]")
