@@ -35,7 +35,7 @@ def library():
 
 @pytest.fixture(autouse=True)
 def switched_on(monkeypatch):
-    """The runtime takes the native op only when asked (``EDGE_SPEC_NATIVE_ATTENTION=1``)."""
+    """These tests run the native op whatever ``EDGE_SPEC_NATIVE_ATTENTION`` the suite was started with."""
     monkeypatch.setenv("EDGE_SPEC_NATIVE_ATTENTION", "1")
 
 
@@ -286,6 +286,14 @@ def test_a_failing_build_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
     with pytest.raises(build.BuildError):
         build.build()
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_the_native_op_is_the_default_where_it_builds(monkeypatch, library, target_path):
+    from edge_spec.runtime.model.decoder import Decoder
+
+    monkeypatch.delenv(build.SWITCH)
+    assert build.library_path() == library
+    assert Decoder(target_path, threads=1, capacity=32).native_attention
 
 
 def test_the_switch_turns_the_native_op_off(monkeypatch, library, target_path):
