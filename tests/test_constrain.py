@@ -82,6 +82,40 @@ def test_fixed_keys_are_forced_and_the_mask_there_is_that_token_alone(vocabulary
     assert hf_tokenizer.decode(c.forced_tokens()) == 'ython","verdict":'
 
 
+def test_masks_of_a_walk_are_kept_and_a_rollback_restores_the_mask_there(vocabulary, hf_tokenizer, monkeypatch):
+    """The masks computed along a walk come back from ``masks`` without the grammar engine computing them
+    again, a roll-back restores the mask of the state it returns to, and masks never computed on the way
+    are computed on demand; each equals a fresh constraint's after the same tokens."""
+    text = hf_tokenizer.encode('{"language":"french","verdict":false}')
+    fresh_masks = []
+    fresh = constraint(vocabulary)
+    for token in text:
+        fresh_masks.append(fresh.allowed().copy())
+        fresh.advance(token)
+    c = constraint(vocabulary)
+    for token in text:
+        c.allowed()
+        c.advance(token)
+    computed = []
+    library_allowed = Constraint.library_allowed
+    monkeypatch.setattr(Constraint, "library_allowed", lambda self: computed.append(1) or library_allowed(self))
+    for got, want in zip(c.masks(len(text)), fresh_masks):
+        np.testing.assert_array_equal(got, want)
+    c.rollback(5)
+    np.testing.assert_array_equal(c.allowed(), fresh_masks[len(text) - 5])
+    assert computed == []
+    assert c.masks(0) == []
+
+    lazy = constraint(vocabulary)
+    for token in text[:10]:
+        lazy.advance(token)  # no mask asked for on the way
+    for got, want in zip(lazy.masks(4), fresh_masks[6:10]):
+        np.testing.assert_array_equal(got, want)
+    assert lazy.tokens == text[:10] and len(computed) == 4
+    with pytest.raises(ValueError):
+        lazy.masks(11)
+
+
 def test_rollback_returns_to_the_state_a_fresh_constraint_reaches(vocabulary, hf_tokenizer):
     text = hf_tokenizer.encode('{"language":"french","verdict":false}')
     c = constraint(vocabulary)

@@ -270,6 +270,37 @@ def test_the_constraint_rolls_back_with_the_caches(engine, vocabulary, temperatu
     assert rejections > 0 and checked > 10
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_state_of_the_grammar_is_masked_once_a_round(engine, vocabulary, monkeypatch, temperature):
+    """The grammar is walked once per round: the drafter's masked steps are the verifier's, so no state
+    (the tokens consumed) has its mask computed by the grammar engine twice, rejections included; and the
+    answers stay those of constrained target-only decoding."""
+    params = SamplingParams(temperature=temperature, end_ids=frozenset(engine.tokenizer.eos_token_ids))
+    engine.target.min_rows = 2
+    masked: list[tuple[int, ...]] = []
+    library_allowed = Constraint.library_allowed
+
+    def counted(self):
+        masked.append(tuple(self.tokens))
+        return library_allowed(self)
+
+    rejections = steps = 0
+    for seed, prompt in enumerate(PROMPTS):
+        ids = engine.tokenizer.encode(prompt)
+        with monkeypatch.context() as patch:
+            patch.setattr(Constraint, "forced_tokens", lambda self: [])  # every draft a drafter step
+            patch.setattr(Constraint, "library_allowed", counted)
+            masked.clear()
+            got, stats = run(engine, vocabulary, ids, params, 60, chain(4), seed=seed)
+        assert masked and len(set(masked)) == len(masked), prompt
+        rejections += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
+        steps += stats.draft_steps
+        if temperature == 0:
+            reference, _ = run(engine, vocabulary, ids, params, 60, None)
+            assert got == reference
+    assert rejections > 0 and steps > 10
+
+
 # ---------------------------------------------------------------------------
 # sampled distribution
 # ---------------------------------------------------------------------------

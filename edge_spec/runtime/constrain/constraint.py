@@ -1,10 +1,15 @@
 """One answer's constraint: the grammar's state after the tokens so far, as masks over the target's rows.
 
 The state moves with the sequence: :meth:`Constraint.advance` after every token that is kept (emitted, or
-drafted while a drafter proposes), :meth:`Constraint.rollback` when drafts are rejected or a drafter's
-walk is over.  It is a function of the tokens consumed (:attr:`Constraint.tokens`) alone, which is what
-keeps speculative decoding lossless under a constraint: the verifier's mask at a position is the one
-target-only decoding would apply after the same tokens.
+drafted), :meth:`Constraint.rollback` when drafts are rejected.  It is a function of the tokens consumed
+(:attr:`Constraint.tokens`) alone, which is what keeps speculative decoding lossless under a constraint:
+the verifier's mask at a position is the one target-only decoding would apply after the same tokens.
+
+So a round walks the grammar once: the drafter advances the constraint along its drafts, masking each
+step, and leaves it there; the verifier takes the masks of that walk (:meth:`Constraint.masks`) instead
+of walking again, and the round's end takes back only the rejected drafts.  Each advance keeps the mask
+in force before its token (the last :data:`KEPT_MASKS`), and a roll-back restores the mask of the state
+it returns to, so that nothing is computed twice for one state.
 
 End tokens are allowed where the grammar may stop, and are not handed to the grammar engine: llguidance
 takes back one token too many when asked to roll back an end token it consumed, and nothing follows an
@@ -21,6 +26,8 @@ from edge_spec.runtime.constrain.compile import GrammarRefused, compile_grammar
 from edge_spec.runtime.constrain.grammar import first_line
 from edge_spec.runtime.constrain.vocabulary import GrammarVocabulary
 
+KEPT_MASKS = 64  # masks kept for the last tokens consumed: more than one round drafts (each 1 byte per row)
+
 
 class ConstraintViolation(RuntimeError):
     """A token the grammar does not allow was about to be consumed: whatever chose it ignored the mask
@@ -28,10 +35,12 @@ class ConstraintViolation(RuntimeError):
 
 
 class Constraint:
-    """See the module docstring.  ``grammar``: from :func:`~edge_spec.runtime.constrain.grammar_for`."""
+    """See the module docstring.  ``grammar``: from :func:`~edge_spec.runtime.constrain.grammar_for`;
+    ``response_format``: the format it was read from, when one was (a JSON schema is shown to the model)."""
 
-    def __init__(self, grammar: str, vocabulary: GrammarVocabulary) -> None:
+    def __init__(self, grammar: str, vocabulary: GrammarVocabulary, response_format: dict | None = None) -> None:
         self.vocabulary = vocabulary
+        self.response_format = response_format
         try:
             self._matcher = compile_grammar(grammar, vocabulary)
         except GrammarRefused as exc:
@@ -40,6 +49,9 @@ class Constraint:
         self._allowed: np.ndarray | None = None  # the mask of the current state, once computed
         self._ended = 0  # end tokens consumed at the tail of ``tokens`` (the grammar engine never saw them)
         self.tokens: list[int] = []  # consumed, in order
+        self._masks: list[
+            np.ndarray | None
+        ] = []  # the mask in force before each of the last tokens (None: not computed)
 
     def allowed(self) -> np.ndarray:
         """Boolean mask over the target's rows: the tokens that may come next (read-only; only end tokens
@@ -95,6 +107,9 @@ class Constraint:
                 f"the grammar engine refused token {token}: {first_line(self._matcher.get_error())}"
             )
         self.tokens.append(token)
+        self._masks.append(self._allowed)
+        if len(self._masks) > KEPT_MASKS:
+            del self._masks[0]
         self._allowed = None
 
     def rollback(self, count: int) -> None:
@@ -110,7 +125,25 @@ class Constraint:
                 f"the grammar engine could not take back {count} tokens: {first_line(self._matcher.get_error())}"
             )
         del self.tokens[-count:]
-        self._allowed = None
+        kept = len(self._masks) - count
+        self._allowed = self._masks[kept] if kept >= 0 else None  # the mask of the state returned to
+        del self._masks[max(kept, 0) :]
+
+    def masks(self, count: int) -> list[np.ndarray]:
+        """The masks in force before each of the last ``count`` tokens consumed, in order: those computed on
+        the way (a drafter's walk), and any that were not computed then, now (by walking back and again)."""
+        if not 0 <= count <= len(self.tokens):
+            raise ValueError(f"cannot give the masks of {count} of {len(self.tokens)} tokens")
+        masks = self._masks[len(self._masks) - count :] if count else []
+        if len(masks) == count and all(mask is not None for mask in masks):
+            return list(masks)
+        tokens = self.tokens[len(self.tokens) - count :]
+        self.rollback(count)
+        masks = []
+        for token in tokens:
+            masks.append(self.allowed())
+            self.advance(token)
+        return masks
 
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces from here on (possibly none): the grammar engine's fast-forward
@@ -138,11 +171,13 @@ class Constraint:
         """An independent constraint in the same state."""
         other = Constraint.__new__(Constraint)
         other.vocabulary = self.vocabulary
+        other.response_format = self.response_format
         other._matcher = self._matcher.deep_copy()
         other._bits = allocate_token_bitmask(1, self.vocabulary.width)
         other._allowed = self._allowed
         other._ended = self._ended
         other.tokens = list(self.tokens)
+        other._masks = list(self._masks)
         return other
 
     def _check(self) -> None:

@@ -11,10 +11,12 @@
   "target" for the first token and each correction/bonus.  When the stats keep ``token_logprobs``,
   every emitted token's entry goes there too, from the target's raw row for it: the prefill's last row
   for the first token, the verify pass's row of its position for the others (``logprobs``).
-* Under a constraint (structured output) the request walks it along each round's drafts
-  (:meth:`Request.constrain`), masks every verified row of the target to what it allows there
-  (:meth:`Request.masked`: greedy takes the masked argmax, sampling the masked distribution), and
-  :meth:`Request.accept` takes the rejected drafts back, so the constraint always follows ``committed``.
+* Under a constraint (structured output) each round's drafts are walked once: the drafter advances it
+  along its drafts as it masks them, and :meth:`Request.constrain` keeps those steps and their masks
+  (walking on only along drafts no proposer walked); every verified row of the target is masked to what
+  it allows there (:meth:`Request.masked`: greedy takes the masked argmax, sampling the masked
+  distribution), and :meth:`Request.accept` takes back the rejected drafts alone, so the constraint
+  follows ``committed`` between rounds.
 * A stop asked for (``should_stop``, the engine's cancel) is seen between any two model passes: the
   drafter checks it before each step (``DraftRule.should_stop``) and the loops before each round and
   each verify pass (:meth:`Request.stopped`), so a cancel waits for one pass, not a whole round.
@@ -99,21 +101,27 @@ class Request:
         return max(min(self.max_new_tokens - emitted - 1, self.target.capacity - len(committed) - 1), 0)
 
     def constrain(self, block: DraftBlock) -> list[np.ndarray] | None:
-        """Walk the constraint along ``block``'s drafts, cutting the block before the first it forbids (the
-        masked target could never accept it), and return the mask of each of the round's verify rows:
-        one per draft kept, plus the row after the last (None: no constraint)."""
-        if self.constraint is None:
+        """The mask of each of the round's verify rows: one per draft kept, plus the row after the last
+        (None: no constraint).  The drafts a proposer walked the constraint along (the drafter's) keep the
+        masks of that walk; the constraint is walked on along the rest, and the block cut before the first
+        draft it forbids (the masked target could never accept it)."""
+        constraint = self.constraint
+        if constraint is None:
             return None
-        masks = []
-        for i, token in enumerate(block.tokens):
-            allowed = self.constraint.allowed()
+        ahead = len(constraint.tokens) - (len(self.committed) - len(self.prompt_ids))  # walked by the proposer
+        walked = constraint.tokens[len(constraint.tokens) - ahead :]
+        kept = next((i for i, (a, b) in enumerate(zip(walked, block.tokens)) if a != b), min(ahead, len(block.tokens)))
+        constraint.rollback(ahead - kept)  # a walk past what the block kept (none from the drafter)
+        masks = constraint.masks(kept)
+        for i, token in enumerate(block.tokens[kept:], kept):
+            allowed = constraint.allowed()
             if not allowed[token]:
                 block.truncate(i)
                 break
             masks.append(allowed)
-            self.constraint.advance(token)
+            constraint.advance(token)
         self._walked = len(masks)
-        masks.append(self.constraint.allowed())
+        masks.append(constraint.allowed())
         return masks
 
     def masked(self, rows: np.ndarray, masks: list[np.ndarray] | None) -> np.ndarray:

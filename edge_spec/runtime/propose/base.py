@@ -49,8 +49,8 @@ class DraftRule:
     stop: StopRule | None = None  # the adaptive schedule's per-draft rule (None: draft up to gamma)
     alternatives: int = 0  # > 0: also record the top tokens per step (SSD predicts outcomes from them)
     should_stop: Callable[[], bool] | None = None  # asked before every step; True ends the block, incomplete
-    # what the answer may contain (None: anything), in the state after ``committed``; a proposer that walks
-    # it along its drafts takes them back before it returns
+    # what the answer may contain (None: anything), in the state after ``committed``; a proposer may advance
+    # it along its drafts and leave it there (the round's verification goes on from where it stops)
     constraint: Constraint | None = None
 
 

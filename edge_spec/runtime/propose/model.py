@@ -51,15 +51,11 @@ class ChainDrafter:
         ``rule.alternatives`` it also records its top tokens per step.
 
         Under ``rule.constraint`` each step draws from the head's distribution over the tokens the grammar
-        allows there (masked, then the sampling settings: the q the verifier gets), walking the constraint
-        along the drafts and taking them back before returning; the block ends where the grammar allows
-        none of the head's rows."""
+        allows there (masked, then the sampling settings: the q the verifier gets), advancing the constraint
+        along the drafts and leaving it after the last: those steps and their masks are the verifier's
+        (``Constraint.masks``); the block ends where the grammar allows none of the head's rows."""
         block = DraftBlock(self.name)
-        try:
-            self._draft(block, committed, room, rule)
-        finally:
-            if rule.constraint is not None:
-                rule.constraint.rollback(len(block.tokens))
+        self._draft(block, committed, room, rule)
         if block.steps == 0:
             self.start_empty(committed)
         return block
