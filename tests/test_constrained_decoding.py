@@ -14,7 +14,7 @@ import pytest
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.constrain import Constraint, ConstraintViolation, GrammarVocabulary, grammar_for
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.loops import generate_tokens
+from edge_spec.runtime.loops import ConstraintUnsupported, generate_tokens
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, SsdConfig, TreeConfig
 from edge_spec.runtime.loops.stats import SpecStats
 from edge_spec.runtime.propose.context import ProposerContext
@@ -436,20 +436,32 @@ def test_engine_refuses_what_it_cannot_constrain(int4_bundle):
 
 
 @pytest.mark.parametrize("config", [TreeConfig(gamma=2, drafts=2), SsdConfig()])
-def test_loops_without_constraint_support_refuse_in_one_line(engine, vocabulary, config):
-    context = ProposerContext(engine.target.vocab_size, {"model": engine.drafter})
-    with pytest.raises(EdgeSpecError) as info:
-        list(
-            generate_tokens(
-                config,
-                engine.target,
-                context,
-                [5, 6],
-                SamplingParams(),
-                np.random.default_rng(0),
-                4,
-                SpecStats(),
-                constraint=new_constraint(vocabulary),
-            )
-        )
-    assert "response_format" in str(info.value) and "\n" not in str(info.value)
+def test_loops_without_constraint_support_are_refused_before_a_compile(engine, monkeypatch, config):
+    """The engine decides where its constraint is made, raw or compiled, before anything is compiled."""
+    compiled = engine.constraint_for(FORMAT)
+    monkeypatch.setattr(Constraint, "__init__", lambda *args: pytest.fail("compiled for a loop that refuses it"))
+    for response_format in (FORMAT, compiled):
+        with pytest.raises(ConstraintUnsupported) as info:
+            engine.constraint_for(response_format, config)
+        assert "response_format" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_compiled_constraint_is_followed_as_it_is(int4_bundle, monkeypatch):
+    """``generate`` takes a constraint compiled once (what the server hands it) and compiles nothing more:
+    the same tokens as from the raw format; one used already, or of another vocabulary, is refused."""
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(3))
+    messages = [{"role": "user", "content": "def is_prime"}]
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    }
+    raw = engine.complete(messages, max_new_tokens=24, response_format=fmt)
+    compiled = engine.constraint_for(fmt)
+    made = []
+    init = Constraint.__init__
+    monkeypatch.setattr(Constraint, "__init__", lambda self, *args: made.append(1) or init(self, *args))
+    again = engine.complete(messages, max_new_tokens=24, response_format=compiled)
+    assert again.token_ids == raw.token_ids and made == []  # the schema instruction too: the same prompt
+    for used in (compiled, Constraint(grammar_for(fmt), GrammarVocabulary(engine.tokenizer.tokenizer, 512, [0]))):
+        with pytest.raises(EdgeSpecError, match="fresh and of this model's vocabulary"):
+            engine.complete(messages, max_new_tokens=4, response_format=used)

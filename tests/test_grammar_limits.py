@@ -25,6 +25,7 @@ from edge_spec.errors import EdgeSpecError  # noqa: E402
 from edge_spec.runtime.constrain import (  # noqa: E402
     MAX_EXPANSION,
     CheckerBusy,
+    Constraint,
     GrammarChecker,
     GrammarRefused,
     compile_grammar,
@@ -35,6 +36,7 @@ from edge_spec.runtime.constrain import (  # noqa: E402
 )
 from edge_spec.runtime.constrain.patterns import expansion  # noqa: E402
 from edge_spec.runtime.engine import Engine  # noqa: E402
+from edge_spec.runtime.loops.config import TreeConfig  # noqa: E402
 from edge_spec.server.serve import build_app  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.test_server_tools import ASK, tools_bundle  # noqa: E402, F401  (the bundle fixture)
@@ -343,3 +345,65 @@ def test_health_answers_while_a_grammar_bomb_compiles(engine):
         server.stop()
     assert error(outcome["response"], 400)["param"] == "response_format"
     assert len(latencies) > 10 and max(latencies) < 1.0, latencies  # the compile holds no thread here
+
+
+def test_a_constrained_request_is_compiled_once_and_the_engine_compiles_nothing(engine, monkeypatch):
+    """A request's grammar is written once (when its body is read), checked in the child, and compiled once
+    in the server's process, by the route; the engine follows that constraint and compiles nothing."""
+    import sys
+
+    written, made = [], []
+    for module in [m for name, m in sys.modules.items() if name.startswith("edge_spec") and m is not None]:
+        if getattr(module, "grammar_for", None) is grammar_for:
+            monkeypatch.setattr(module, "grammar_for", lambda fmt: written.append(1) or grammar_for(fmt))
+    init = Constraint.__init__
+    monkeypatch.setattr(Constraint, "__init__", lambda self, *args: made.append(1) or init(self, *args))
+    with serving(engine, seconds=10.0) as client:
+        for body in (
+            {"prompt": "x", "max_tokens": 3, "response_format": schema_format({**GOOD, "title": "once"})},
+            {"messages": CHAT, "max_tokens": 3, "response_format": {"type": "json_object"}},
+        ):
+            written.clear()
+            made.clear()
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            answer = client.post(path, json=body)
+            assert answer.status_code == 200, answer.text
+            assert written == [1] and made == [1]
+
+
+def test_a_loop_without_constraints_is_refused_in_the_servers_words_before_any_check(int4_bundle, tools_bundle):  # noqa: F811
+    """Multi-draft spec cannot constrain an answer: a 400 naming the field, in the same words as ever,
+    before the grammar checker starts."""
+    reason = (
+        "response_format (constrained output) runs in --mode ar and one-chain spec, not in multi-draft spec "
+        "(--drafts > 1) or --mode ssd"
+    )
+    for bundle, path, body, param in (
+        (int4_bundle, "/v1/completions", {"prompt": "x", "response_format": schema_format(GOOD)}, "response_format"),
+        (
+            int4_bundle,
+            "/v1/chat/completions",
+            {"messages": CHAT, "response_format": schema_format(GOOD)},
+            "response_format",
+        ),
+        (
+            tools_bundle,
+            "/v1/chat/completions",
+            {"messages": ASK, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+            "tool_choice",
+        ),
+    ):
+        tree = Engine.from_bundle(bundle, threads=1, config=TreeConfig(gamma=2, drafts=2))
+        app, state = build_app(tree, name="tiny")
+        with TestClient(app, base_url=BASE) as client:
+            response = client.post(path, json={**body, "max_tokens": 2})
+        assert response.status_code == 400
+        assert response.json() == {
+            "error": {
+                "message": f"'{param}' needs constrained decoding: {reason}",
+                "type": "invalid_request_error",
+                "param": param,
+                "code": None,
+            }
+        }
+        assert state._checker is None

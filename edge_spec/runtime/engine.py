@@ -416,7 +416,7 @@ class Engine:
         prompt: str | list[Message],
         check_length: bool = True,
         tools: list[dict] | None = None,
-        response_format: dict | None = None,
+        response_format: dict | Constraint | None = None,
     ) -> list[int]:
         """Token ids of a raw prompt or of chat messages through the chat template, which gets ``tools``
         (OpenAI's function schemas) when given and a JSON schema ``response_format`` as a system
@@ -514,7 +514,7 @@ class Engine:
         exact: bool | None = None,
         on_prefill: Callable[[float], None] | None = None,
         wait: bool = True,
-        response_format: dict | None = None,
+        response_format: dict | Constraint | None = None,
         tools: list[dict] | None = None,
         on_sources: Callable[[list[list[str]]], None] | None = None,
         logprobs: int | None = None,
@@ -528,8 +528,9 @@ class Engine:
         of the seed alone, the same in every mode (``SamplingParams``).  ``response_format`` (OpenAI's
         shape: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
         see ``constrain.grammar``) constrains the answer to it, losslessly in ar and one-chain spec
-        mode (refused elsewhere, in one line); a JSON schema is also shown to the model when the prompt
-        is chat messages (``constrain.instruction``).  ``tools`` (OpenAI's function schemas) go to the chat
+        mode (refused elsewhere, in one line), or is a constraint :meth:`constraint_for` compiled
+        already; a JSON schema is also shown to the model when the prompt is chat messages
+        (``constrain.instruction``).  ``tools`` (OpenAI's function schemas) go to the chat
         template, which tells the model how to call them.  ``on_sources(pieces)`` is called before each
         text chunk is yielded with where its text came from, token by token: ``[[text, source], ...]``
         joining to the chunk, source "target" or the proposer of an accepted draft ("model", "lookup",
@@ -622,7 +623,7 @@ class Engine:
         stop: str | list[str] | tuple[str, ...],
         mode: str | None,
         exact: bool | None,
-        response_format: dict | None = None,
+        response_format: dict | Constraint | None = None,
         on_prefill: Callable[[float], None] | None,
         tools: list[dict] | None = None,
         on_sources: Callable[[list[list[str]]], None] | None = None,
@@ -763,14 +764,34 @@ class Engine:
         if mode != "ar" and stats.stop_reason != "cancelled":
             self.loaded.check_device()  # after the answer (a first one, on a new device), which it would delay
 
-    def constraint_for(self, response_format: dict | None, config: LoopConfig | None = None) -> Constraint | None:
-        """A fresh constraint for one answer in ``response_format`` (None: unconstrained), refused in one
-        line where the loop ``config`` cannot honour it."""
-        grammar = grammar_for(response_format)
-        if grammar is None:
-            return None
+    def constraint_for(
+        self,
+        response_format: dict | Constraint | None,
+        config: LoopConfig | None = None,
+        *,
+        grammar: str | None = None,
+        vet: Callable[[str], None] | None = None,
+    ) -> Constraint | None:
+        """The constraint of one answer (None: unconstrained): ``response_format`` compiled here, or one
+        compiled already (a server compiles each request's once, with this method), taken as it is: fresh
+        and of this bundle's vocabulary.  Where the loop ``config`` cannot honour a constraint it is
+        refused here, in one line (``ConstraintUnsupported``), before anything is compiled: the one place
+        that is decided.  ``grammar``: ``grammar_for(response_format)`` when the caller has it already;
+        ``vet(grammar)`` runs before the compile (a server checks the grammar in a child process it can
+        stop at a time limit, ``constrain.isolated``)."""
+        compiled = response_format if isinstance(response_format, Constraint) else None
+        if compiled is None and grammar is None:
+            grammar = grammar_for(response_format)
+            if grammar is None:
+                return None
         check_constraint(config or self.config)
-        return Constraint(grammar, self.grammar_vocabulary())
+        if compiled is not None:
+            if compiled.tokens or compiled.vocabulary is not self.grammar_vocabulary():
+                raise EdgeSpecError("response_format: a compiled constraint is fresh and of this model's vocabulary")
+            return compiled
+        if vet is not None:
+            vet(grammar)
+        return Constraint(grammar, self.grammar_vocabulary(), response_format)
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The grammar engine's view of the bundle's tokenizer, built on the first constrained request."""

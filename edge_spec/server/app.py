@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
@@ -30,14 +29,15 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.constrain import (
     COMPILE_SECONDS,
     CheckerBusy,
+    Constraint,
     GrammarChecker,
     GrammarRefused,
     checker_for,
-    grammar_for,
     schema_pattern_problem,
     self_reference,
 )
-from edge_spec.runtime.loops import check_constraint
+from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.loops import ConstraintUnsupported
 from edge_spec.runtime.loops.config import TreeConfig
 from edge_spec.server.body import read_request
 from edge_spec.server.errors import ApiError, bad_request, shutting_down
@@ -231,9 +231,10 @@ async def chat_completions(request: Request) -> Response:
     tool_use = await asyncio.to_thread(_plan_tools, state, chat.tools)
     sampling = chat.sampling
     if tool_use is not None and tool_use.grammar is not None:  # a forced call: the answer is the call
-        _check_constrainable(state, "tool_choice")
-        await _check_grammar(state, lambda: tool_use.grammar, "tools", "cannot force a call to these tools")
-        sampling = replace(sampling, response_format=tool_use.response_format)
+        forced = await _constraint(
+            state, tool_use.response_format, None, "tool_choice", "tools", "cannot force a call to these tools"
+        )
+        sampling = replace(sampling, response_format=forced, grammar=None)
     elif sampling.response_format is not None:
         if tool_use is not None:
             raise bad_request(
@@ -242,8 +243,7 @@ async def chat_completions(request: Request) -> Response:
                 "response_format",
                 param="response_format",
             )
-        _check_constrainable(state, "response_format")
-        await _check_grammar(state, lambda: grammar_for(sampling.response_format), "response_format", "response_format")
+        sampling = await _constrained(state, sampling)
     if tool_use is not None and tool_use.stop:
         sampling = replace(sampling, stop=sampling.stop + tool_use.stop)
     return await _answer(
@@ -264,11 +264,9 @@ async def completions(request: Request) -> Response:
     state = _authorized(request)
     req = await read_request(request, parse_completion)
     state.check_model(req.model)
-    if req.sampling.response_format is not None:
-        _check_constrainable(state, "response_format")
-        await _check_grammar(
-            state, lambda: grammar_for(req.sampling.response_format), "response_format", "response_format"
-        )
+    sampling = req.sampling
+    if sampling.response_format is not None:
+        sampling = await _constrained(state, sampling)
     prompt = req.prompt
     if req.suffix is not None:
         if state.fim is None:
@@ -279,7 +277,7 @@ async def completions(request: Request) -> Response:
         state,
         "completion",
         prompt,
-        req.sampling,
+        sampling,
         req.stream,
         req.include_usage,
         echo=req.prompt if req.echo else "",
@@ -304,14 +302,6 @@ async def detokenize_route(request: Request) -> Response:
     )
 
 
-def _check_constrainable(state: ServerState, param: str) -> None:
-    """400 when the engine's decoding loop cannot constrain an answer (multi-draft spec, ssd)."""
-    try:
-        check_constraint(state.worker.engine.config)
-    except EdgeSpecError as exc:
-        raise bad_request(f"'{param}' needs constrained decoding: {exc}", param=param) from None
-
-
 def _plan_tools(state: ServerState, request: ToolRequest | None) -> ToolUse | None:
     """What the request does with its tools (blocking: a forced call's grammar is built and read here);
     a 400 naming ``tools`` when a forced call would follow parameters no value matches."""
@@ -325,14 +315,19 @@ def _plan_tools(state: ServerState, request: ToolRequest | None) -> ToolUse | No
     return plan_tools(request, state.tool_format, text.takes_tools, text.tokenizer.token_to_id)
 
 
-async def _check_grammar(state: ServerState, grammar: Callable[[], str | None], param: str, what: str) -> None:
-    """400 naming ``param`` when the ``grammar()`` cannot constrain an answer: llguidance cannot compile
-    it, it passes a limit, accepts no text, or takes longer than ``state.grammar_seconds`` to compile
-    (checked in a child process that is ended then: :mod:`~edge_spec.runtime.constrain.isolated`).  One
-    grammar is checked at a time; a request that cannot start its check within that time gets a 503."""
-    source = await asyncio.to_thread(grammar)  # a large schema takes a moment to write out
-    if source is None:
-        return
+async def _constrained(state: ServerState, sampling: Sampling) -> Sampling:
+    """``sampling`` with its ``response_format`` compiled (:func:`_constraint`)."""
+    response_format = await _constraint(
+        state, sampling.response_format, sampling.grammar, "response_format", "response_format", "response_format"
+    )
+    return replace(sampling, response_format=response_format, grammar=None)
+
+
+async def _constraint(
+    state: ServerState, response_format: dict, grammar: str | None, needs: str, param: str, what: str
+) -> Constraint | None:
+    """``response_format`` compiled once (:func:`_compile_constraint`), one request at a time; a request
+    that cannot start within ``state.grammar_seconds`` gets a 503."""
     seconds = state.grammar_seconds
     turn = state.grammar_turn()
     try:
@@ -340,16 +335,36 @@ async def _check_grammar(state: ServerState, grammar: Callable[[], str | None], 
     except asyncio.TimeoutError:
         raise _checker_busy(seconds) from None
     try:
-        checker = await asyncio.to_thread(state.grammar_checker)
-        await asyncio.to_thread(checker.check, source, seconds)
+        return await asyncio.to_thread(_compile_constraint, state, response_format, grammar, needs, param, what)
+    finally:
+        turn.release()
+
+
+def _compile_constraint(
+    state: ServerState, response_format: dict, grammar: str | None, needs: str, param: str, what: str
+) -> Constraint | None:
+    """``response_format`` compiled once (``grammar``: its grammar, when read already), for the engine to
+    follow as it is (blocking).  ``Engine.constraint_for`` decides whether the engine's loop can take a
+    constraint (a 400 naming ``needs`` where it cannot), then the grammar is checked in a child process
+    that is ended at ``state.grammar_seconds`` (:mod:`~edge_spec.runtime.constrain.isolated`): a 400
+    naming ``param`` when llguidance cannot compile it, it passes a limit, accepts no text, or takes
+    longer; a 503 when another request's grammar holds the checker."""
+    seconds = state.grammar_seconds
+    engine: Engine = state.worker.engine
+
+    def vet(source: str) -> None:
+        state.grammar_checker().check(source, seconds)
+
+    try:
+        return engine.constraint_for(response_format, grammar=grammar, vet=vet)
+    except ConstraintUnsupported as exc:
+        raise bad_request(f"'{needs}' needs constrained decoding: {exc}", param=needs) from None
     except GrammarRefused as exc:
         raise bad_request(f"{what}: {exc}", param=param) from None
     except CheckerBusy:
         raise _checker_busy(seconds) from None
     except EdgeSpecError as exc:  # the checker could not start
         raise ApiError(500, str(exc), type="server_error") from None
-    finally:
-        turn.release()
 
 
 def _checker_busy(seconds: float) -> ApiError:

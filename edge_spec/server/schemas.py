@@ -14,10 +14,10 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.runtime.constrain import grammar_for
+from edge_spec.runtime.constrain import Constraint, grammar_for
 from edge_spec.runtime.logprobs import MAX_TOP_LOGPROBS
 from edge_spec.runtime.verify.sampling import SamplingParams
 from edge_spec.server.errors import bad_request
@@ -61,7 +61,9 @@ class Sampling:
     stop: tuple[str, ...] = ()
     # not OpenAI's: "coupled" fixes a sampled answer by its seed (SamplingParams); None: see :meth:`resolved`
     sampler: str | None = None
-    response_format: dict | None = None  # OpenAI's shape (constrain.grammar); None: free text
+    # OpenAI's shape (constrain.grammar), or the constraint the route compiled from it; None: free text
+    response_format: dict | Constraint | None = None
+    grammar: str | None = field(default=None, repr=False)  # response_format's grammar, read once when parsed
 
     def resolved(self, coupled_available: bool = True) -> "Sampling":
         """The sampler that runs: the one asked for by name, else "coupled" for a sampled answer with a
@@ -325,16 +327,16 @@ def _tool(tool, index: int) -> dict:
     return tool
 
 
-def _response_format(body: dict) -> dict | None:
-    """``response_format`` checked for its shape here (a 400 naming it), None for free text.  Whether its
-    grammar compiles is checked by the route, under a time limit (compiling can take as long as the
-    schema makes it)."""
+def _response_format(body: dict) -> tuple[dict | None, str | None]:
+    """``response_format`` checked for its shape here (a 400 naming it) and its grammar; (None, None) for
+    free text.  Whether the grammar compiles is checked by the route, under a time limit (compiling can
+    take as long as the schema makes it), which then compiles it for the engine."""
     value = body.get("response_format")
     try:
         grammar = grammar_for(value)
     except EdgeSpecError as exc:
         raise bad_request(str(exc), param="response_format") from None
-    return None if grammar is None else value
+    return (None, None) if grammar is None else (value, grammar)
 
 
 def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | None = None) -> Sampling:
@@ -373,6 +375,7 @@ def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | N
                 SamplingParams(**{name: value})  # the engine's own range checks
             except EdgeSpecError as exc:
                 raise bad_request(f"'{name}': {exc}", param=name) from None
+    response_format, grammar = _response_format(body)
     return Sampling(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -381,7 +384,8 @@ def _sampling(body: dict, max_tokens_keys: tuple[str, ...], default_max: int | N
         seed=seed,
         stop=stop,
         sampler=sampler,
-        response_format=_response_format(body),
+        response_format=response_format,
+        grammar=grammar,
     )
 
 

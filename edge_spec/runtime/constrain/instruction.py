@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import json
 
+from edge_spec.runtime.constrain.constraint import Constraint
 
-def schema_instruction(response_format: dict | None) -> str | None:
-    """The instruction for ``response_format`` (None: nothing to show; a malformed format is refused
-    by ``grammar_for``, not here)."""
+
+def schema_instruction(response_format: dict | Constraint | None) -> str | None:
+    """The instruction for ``response_format``, or for the format a compiled constraint was read from
+    (None: nothing to show; a malformed format is refused by ``grammar_for``, not here)."""
+    if isinstance(response_format, Constraint):
+        response_format = response_format.response_format
     if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
         return None
     spec = response_format.get("json_schema")

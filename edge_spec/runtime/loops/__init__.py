@@ -28,11 +28,16 @@ def proposer_names(config: LoopConfig) -> tuple[str, ...]:
     return config.proposers if isinstance(config, ChainConfig) else ("model",)
 
 
+class ConstraintUnsupported(EdgeSpecError):
+    """The loop cannot constrain an answer (the message says which loops can)."""
+
+
 def check_constraint(config: LoopConfig) -> None:
     """Refuse, in one line, a constraint the loop cannot honour: only target-only decoding and the chain
-    mask what they verify."""
+    mask what they verify.  Decided once per answer, where its constraint is made
+    (``Engine.constraint_for``); the loops take the constraint they are given."""
     if not isinstance(config, (ArConfig, ChainConfig)):
-        raise EdgeSpecError(
+        raise ConstraintUnsupported(
             "response_format (constrained output) runs in --mode ar and one-chain spec, not in "
             "multi-draft spec (--drafts > 1) or --mode ssd"
         )
@@ -53,12 +58,11 @@ def generate_tokens(
 ) -> Iterator[int]:
     """The token stream of one request in the loop ``config`` names (``memory``: the chain schedule's
     carried calibration, see ``schedule.memory``; ``constraint``: what the answer may contain, fresh,
-    followed token by token; the chain then drafts the tokens it forces first).  ``should_stop()``
+    followed token by token, for an ar or chain ``config`` (:func:`check_constraint`, which the engine
+    asks before it makes one); the chain then drafts the tokens it forces first).  ``should_stop()``
     (e.g. a cancel event's ``is_set``) is asked before every model pass after the prompt's: once True
     the stream ends there, mid-round, having yielded only tokens the target verified, and without
     the round's verify pass."""
-    if constraint is not None:
-        check_constraint(config)
     if isinstance(config, ArConfig):
         return generate_autoregressive(
             target,
