@@ -166,15 +166,21 @@ def test_the_gamma_help_states_the_configured_defaults():
 def _configured_defaults() -> dict[str, dict[str, list]]:
     import inspect
 
-    from edge_spec.server import serve
-    from edge_spec.server.defaults import (
+    from edge_spec.defaults import (
         DEFAULT_HOST,
         DEFAULT_MAX_BODY,
         DEFAULT_MAX_QUEUE,
+        DEFAULT_MODE,
         DEFAULT_PORT,
+        DEFAULT_PROVIDER,
         DEFAULT_SHUTDOWN_GRACE,
+        DEFAULT_THREADS,
         parse_size,
     )
+    from edge_spec.runtime import engine as engine_module
+    from edge_spec.runtime.loaded import LoadOptions
+    from edge_spec.runtime.model.decoder import Decoder
+    from edge_spec.server import serve
     from edge_spec.server.guard import GuardPolicy, make_policy
     from edge_spec.train import trainer
     from edge_spec.train.settings import CHECKPOINT_SECONDS, CollectOptions, TrainOptions
@@ -183,7 +189,17 @@ def _configured_defaults() -> dict[str, dict[str, list]]:
         return inspect.signature(function).parameters[name].default
 
     collect, train = CollectOptions(), TrainOptions()
+    load = LoadOptions()
+    placement = {  # where the models run: every command that loads a bundle
+        "provider": [DEFAULT_PROVIDER, load.provider, default(Decoder, "provider")],
+        "threads": [DEFAULT_THREADS, load.threads, default(Decoder, "threads")],
+    }
+    engine = {**placement, "mode": [DEFAULT_MODE, engine_module.DEFAULT_MODE]}  # the loop Engine.load runs unnamed
     return {
+        "generate": engine,
+        "chat": engine,
+        "bench": placement,
+        "info": placement,
         "train-head": {
             "max_items": [collect.max_items],
             "max_tokens": [collect.answer_tokens],
@@ -210,6 +226,7 @@ def _configured_defaults() -> dict[str, dict[str, list]]:
             "shutdown_grace": [DEFAULT_SHUTDOWN_GRACE, default(serve.server_config, "shutdown_grace")],
             # given as a size (4M): what it parses to
             "max_body": [DEFAULT_MAX_BODY, GuardPolicy().max_body, make_policy().max_body, parse_size],
+            **engine,
         },
     }
 
@@ -220,7 +237,7 @@ def _option_defaults(command: str) -> dict[str, object]:
     return {param.name: param.default for param in found.params if param.param_type_name == "option"}
 
 
-@pytest.mark.parametrize("command", ["train-head", "serve"])
+@pytest.mark.parametrize("command", ["train-head", "serve", "generate", "chat", "bench", "info"])
 def test_option_defaults_are_the_configured_ones(command):
     """Each default a command's help states is the one its configuration defines and its code runs with."""
     configured = _configured_defaults()[command]

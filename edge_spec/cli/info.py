@@ -18,6 +18,7 @@ from edge_spec.cli.options import (
     VerifyOpt,
 )
 from edge_spec.cli.output import out
+from edge_spec.defaults import DEFAULT_PROVIDER
 from edge_spec.errors import EdgeSpecError
 
 
@@ -100,7 +101,7 @@ def _print_costs(
     threads: int,
     gamma: int | None,
     draft_head: str | None,
-    provider: str = "cpu",
+    provider: str = DEFAULT_PROVIDER,
     draft_provider: str | None = None,
     provider_option: list[str] | None = None,
     remeasure: bool = False,

@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from edge_spec.cli.groups import option
+from edge_spec.defaults import DEFAULT_MODE, DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.options import ExportOptions
 from edge_spec.runtime.loops.config import ADAPTIVE_GAMMA_MAX, FIXED_GAMMA, SsdConfig, TreeConfig
@@ -50,9 +51,9 @@ EAGLE_HEAD = (
     "EAGLE LM head (the LM head of the EAGLE head: full, trim-N, specvocab-rR-kC-ofK; edge-spec info lists a bundle's)"
 )
 ProviderOpt = typer.Option(
-    "cpu", "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, webgpu."
+    DEFAULT_PROVIDER, "--provider", help="Execution provider: cpu, cuda, coreml, directml, openvino, qnn, webgpu."
 )
-ThreadsOpt = typer.Option(0, "--threads", help="Intra-op threads per session (0 = all cores).")
+ThreadsOpt = typer.Option(DEFAULT_THREADS, "--threads", help="Intra-op threads per session (0 = all cores).")
 DraftThreadsOpt = typer.Option(
     None,
     "--draft-threads",
@@ -159,7 +160,7 @@ class EngineFlags:
     threads: int = option(ThreadsOpt)
     mode: str = option(
         typer.Option(
-            "spec",
+            DEFAULT_MODE,
             "--mode",
             help="Decoding mode: spec (speculative, lossless), ssd "
             "(speculative speculative: drafts the next round while the target verifies) "

@@ -10,8 +10,7 @@ import typer
 from edge_spec.cli.groups import takes_groups
 from edge_spec.cli.loading import engine_config, find_bundle, load_engine
 from edge_spec.cli.options import BundleArg, EngineFlags
-from edge_spec.errors import EdgeSpecError
-from edge_spec.server.defaults import (
+from edge_spec.defaults import (
     DEFAULT_HOST,
     DEFAULT_MAX_BODY,
     DEFAULT_MAX_QUEUE,
@@ -19,6 +18,7 @@ from edge_spec.server.defaults import (
     DEFAULT_SHUTDOWN_GRACE,
     format_size,
 )
+from edge_spec.errors import EdgeSpecError
 
 
 @takes_groups

@@ -47,6 +47,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
 
+from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH
 from edge_spec.export import activity
 from edge_spec.export.attention_pad import pad_attention
 from edge_spec.export.gguf.blocks import add_carried_linear, concat_blocks, narrow_to_4bit
@@ -66,7 +67,7 @@ class BuildOptions:
     quant: str = "int4"
     block_size: int = 32
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations (fast on AVX2/VNNI), 0 = fp32
-    context_length: int = 4096  # rotary tables cover positions [0, context_length)
+    context_length: int = DEFAULT_CONTEXT_LENGTH  # rotary tables cover positions [0, context_length)
     head_rows: np.ndarray | None = None  # keep only these LM-head rows (VocabTrim); None = all
     build_head: bool = True  # False: body only, emit hidden_states (SpecVocab scorer runs outside)
     emit_hidden: bool = False  # also output the final-normed hidden states

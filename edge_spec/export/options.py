@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH
 from edge_spec.errors import EdgeSpecError
 
 DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
@@ -26,7 +27,7 @@ class ExportOptions:
     # matrices make a draft step cheaper than at 32 by more than the acceptance lost (README, *A cheaper drafter step*)
     draft_block_size: int = 128
     accuracy_level: int = 4
-    context_length: int = 4096
+    context_length: int = DEFAULT_CONTEXT_LENGTH
     draft_vocab: str = (
         "specvocab,trim"  # comma list of: full, trim, specvocab, trim+specvocab (first non-full: default)
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_spec.defaults import DEFAULT_MODE, DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime import heap
 from edge_spec.runtime.constrain import (
@@ -84,9 +85,6 @@ class Completion:
     stats: GenerationStats
 
 
-DEFAULT_MODE = "spec"  # what the CLI, the server and the Python API run when no mode is named
-
-
 def _role_bytes(manifest: dict, role: str | None) -> int:
     """The bytes of a manifest role's files (0 for None or a role the bundle lacks): what reading it costs."""
     return sum(record["bytes"] for record in (manifest.get(role) or {}).get("files", [])) if role else 0
@@ -134,8 +132,8 @@ class Engine:
         cls,
         path: str | Path | None = None,
         *,
-        provider: str = "cpu",
-        threads: int = 0,
+        provider: str = DEFAULT_PROVIDER,
+        threads: int = DEFAULT_THREADS,
         context_length: int | None = None,
         mode: str | None = None,
         config: LoopConfig | None = None,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_spec.defaults import DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.integrity import WeightCheck
 from edge_spec.manifest import eagle_heads, read_manifest, verify_files
@@ -65,8 +66,8 @@ class LoadOptions:
     """How a bundle is loaded and where its models run: every setting of ``Engine.from_bundle`` but the
     loop (see there for each), as one value that the CLI builds from its flags and hands through whole."""
 
-    provider: str = "cpu"
-    threads: int = 0  # 0: ORT picks
+    provider: str = DEFAULT_PROVIDER
+    threads: int = DEFAULT_THREADS  # 0: ORT picks
     context_length: int | None = None  # None: the bundle's
     draft_head: str | None = None  # None: the bundle's default drafter head
     verify: bool = False  # re-hash every file before the load

@@ -29,9 +29,9 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse, Response
 
+from edge_spec.defaults import DEFAULT_HOST, DEFAULT_MAX_BODY, parse_size
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime import heap
-from edge_spec.server.defaults import DEFAULT_HOST, DEFAULT_MAX_BODY, parse_size
 from edge_spec.server.errors import ApiError
 
 BODY_IDLE_TIMEOUT = 30.0  # seconds a body may pause between two chunks

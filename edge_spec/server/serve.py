@@ -27,9 +27,9 @@ import time
 
 import uvicorn
 
+from edge_spec.defaults import DEFAULT_HOST, DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_GRACE
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.engine import Engine
-from edge_spec.server.defaults import DEFAULT_HOST, DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUE, DEFAULT_SHUTDOWN_GRACE
 from edge_spec.server.guard import BODY_IDLE_TIMEOUT, make_policy
 from edge_spec.server.http11 import HEADER_TIMEOUT, with_header_timeout
 from edge_spec.server.sidecar import ParentWatch, announce, client_url, exit_now, ready_line, stop_soon

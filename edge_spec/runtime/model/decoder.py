@@ -57,6 +57,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH, DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_attention_pad, strip_attention_pad
 from edge_spec.runtime.model.draft_tree import DraftTree
@@ -151,9 +152,9 @@ class Decoder:
         self,
         model_path: Path,
         *,
-        provider: str = "cpu",
-        threads: int = 0,
-        capacity: int = 4096,
+        provider: str = DEFAULT_PROVIDER,
+        threads: int = DEFAULT_THREADS,
+        capacity: int = DEFAULT_CONTEXT_LENGTH,
         session_options: ort.SessionOptions | None = None,
         takes_turns: bool = False,
         min_rows: int = 1,

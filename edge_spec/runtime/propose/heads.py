@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_spec.defaults import DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.model.session import small_session
 
@@ -34,8 +35,8 @@ class DraftHead:
         self,
         model_path: Path,
         *,
-        provider: str = "cpu",
-        threads: int = 0,
+        provider: str = DEFAULT_PROVIDER,
+        threads: int = DEFAULT_THREADS,
         vocab_ids: np.ndarray | None = None,
         provider_options: dict[str, str] | None = None,
     ) -> None:
@@ -74,8 +75,8 @@ class SpecVocabHead:
         always_ids: np.ndarray | None = None,
         universe: np.ndarray | None = None,
         rows_by_universe: bool = False,
-        provider: str = "cpu",
-        threads: int = 0,
+        provider: str = DEFAULT_PROVIDER,
+        threads: int = DEFAULT_THREADS,
         provider_options: dict[str, str] | None = None,
     ) -> None:
         self.session = small_session(scorer_path, provider, threads, provider_options=provider_options)

@@ -1,8 +1,10 @@
-"""What ``edge-spec serve`` does when an option is not given: the address, the queue, the shutdown grace and
-the body limit.  The CLI's options and the server's functions take their defaults from here, so a default is
-written once and the help states the one the server uses.
+"""What edge-spec does when a setting is not given, project-wide: where the models run (provider, threads),
+the decoding mode, the exported context, and what ``edge-spec serve`` listens on and allows (the address,
+the queue, the shutdown grace, the body limit).  The CLI's options, the Python API and the server take
+their defaults from here, so a default is written once and the help states the one the code runs with
+(tests/test_cli_names.py checks that they agree).
 
-Kept free of Starlette and uvicorn: the CLI reads it to build its help.
+Kept free of the runtime, Starlette and uvicorn: the CLI reads it to build its help.
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ from __future__ import annotations
 import re
 
 from edge_spec.errors import EdgeSpecError
+
+DEFAULT_PROVIDER = "cpu"  # ONNX Runtime's execution provider for the target (and the drafter, unless set apart)
+DEFAULT_THREADS = 0  # intra-op threads per session; 0: ONNX Runtime's choice, all cores
+DEFAULT_MODE = "spec"  # what the CLI, the server and the Python API run when no mode is named
+DEFAULT_CONTEXT_LENGTH = 4096  # tokens an exported bundle holds: KV cache capacity, rotary table size
 
 DEFAULT_HOST = "127.0.0.1"  # this machine only
 DEFAULT_PORT = 8000  # vLLM's too, so a client's base URL carries over
@@ -44,11 +51,15 @@ def format_size(size: int) -> str:
 
 
 __all__ = [
+    "DEFAULT_CONTEXT_LENGTH",
     "DEFAULT_HOST",
     "DEFAULT_MAX_BODY",
     "DEFAULT_MAX_QUEUE",
+    "DEFAULT_MODE",
     "DEFAULT_PORT",
+    "DEFAULT_PROVIDER",
     "DEFAULT_SHUTDOWN_GRACE",
+    "DEFAULT_THREADS",
     "format_size",
     "parse_size",
 ]
