@@ -119,14 +119,12 @@ def test_a_bad_eagle_head_name_is_one_clear_error(heads_bundle, engine):
 def test_bench_runs_one_mode_per_eagle_head(engine):
     from edge_spec.bench.runs import modes_for
 
-    modes = modes_for(
-        engine, ["full"], loop_config("spec", drafter="model"), [2], eagle=True, eagle_heads=["full", TRIM]
-    )
-    names = {m.name: m.eagle_head for m in modes}
+    modes = modes_for(engine, ["full"], loop_config("spec", drafter="model"), [2], drafters={"eagle": ["full", TRIM]})
+    names = {m.name: m.drafter_head for m in modes}
     assert names["eagle"] == "full" and names[f"eagle+{TRIM}@γ2"] == TRIM and names["spec"] is None
-    assert {m.name for m in modes_for(engine, ["full"], loop_config("spec"), eagle=True)} >= {"eagle"}
+    assert {m.name for m in modes_for(engine, ["full"], loop_config("spec"), drafters={"eagle": None})} >= {"eagle"}
     with pytest.raises(EdgeSpecError, match="no EAGLE head 'x'"):
-        modes_for(engine, ["full"], loop_config("spec"), eagle=True, eagle_heads=["x"])
+        modes_for(engine, ["full"], loop_config("spec"), drafters={"eagle": ["x"]})
 
 
 def make_single_graph(bundle, config, head) -> None:

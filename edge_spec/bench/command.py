@@ -22,14 +22,16 @@ from edge_spec.cli.options import int_list
 from edge_spec.cli.output import console, out
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.loops.config import SsdConfig, TreeConfig
+from edge_spec.runtime.propose.drafters import DEFAULT_DRAFTER, DRAFTERS
 from edge_spec.runtime.verify.tree import VERIFIERS
 
 if TYPE_CHECKING:
     from edge_spec.cli.bench import BenchFlags
     from edge_spec.cli.options import LoadFlags
 
-# the words of --modes: the kinds of mode bench compares (each run per drafter head and γ as it says)
-MODE_GROUPS = (
+# the words of --modes: the kinds of mode bench compares (each run per drafter head and γ as it says); each
+# model drafter but the drafter model (``spec``) is one more, by its name (``mode_groups``)
+BASE_GROUPS = (
     (("ar",), "target only, the baseline of every speed-up (always run)"),
     (("ar-exact",), "greedy: target only in batch-invariant passes, the answer the exact modes must equal"),
     (("spec",), "the drafter model at the --schedule and at each --sweep γ, per --draft-head"),
@@ -41,13 +43,8 @@ MODE_GROUPS = (
         "multi-draft verified by that verifier, --drafts branches per step, per --draft-head at each "
         "--sweep γ (else --gamma)",
     ),
-    (
-        ("eagle",),
-        "the bundle's EAGLE head (edge-spec train-head) at the --schedule and each --sweep γ, per --eagle-head",
-    ),
     (("nocache",), "with --sessions: spec drafting from the request alone, without the suffix cache (spec-nocache)"),
 )
-MODE_KINDS = tuple(kind for kinds, _ in MODE_GROUPS for kind in kinds)
 DEFAULT_MODES = ("ar", "ar-exact", "spec")
 SESSION_MODES = ("ar", "ar-exact", "spec", "nocache")  # the kinds --sessions runs (and its default)
 
@@ -70,13 +67,42 @@ class Plan:
     provider_options: dict
 
 
+def other_drafters() -> list[str]:
+    """The model drafters bench runs besides the drafter model, each a --modes word (its name)."""
+    return [name for name in DRAFTERS if name != DEFAULT_DRAFTER]
+
+
+def _head_flag(option: str | None) -> str:
+    return "" if option is None else f", per --{option.replace('_', '-')}"
+
+
+def mode_groups() -> tuple[tuple[tuple[str, ...], str], ...]:
+    """The --modes words and what each runs: the fixed kinds, then one per other model drafter."""
+    drafters = tuple(
+        (
+            (name,),
+            f"{DRAFTERS[name].summary} at the --schedule and each --sweep γ{_head_flag(DRAFTERS[name].head_option)}",
+        )
+        for name in other_drafters()
+    )
+    return BASE_GROUPS[:-1] + drafters + BASE_GROUPS[-1:]
+
+
 def mode_kinds(text: str) -> set[str]:
     """The kinds ``--modes`` names."""
     kinds = {kind.strip() for kind in text.split(",") if kind.strip()}
-    unknown = sorted(kinds - set(MODE_KINDS))
+    known = [kind for words, _ in mode_groups() for kind in words]
+    unknown = sorted(kinds - set(known))
     if unknown:
-        raise EdgeSpecError(f"--modes: unknown mode {unknown[0]!r}; choose from {', '.join(MODE_KINDS)}")
+        raise EdgeSpecError(f"--modes: unknown mode {unknown[0]!r}; choose from {', '.join(known)}")
     return kinds
+
+
+def benched_drafters(kinds: set[str], eagle_heads: list[str]) -> dict[str, list[str] | None]:
+    """The other model drafters --modes names, each with the LM heads its option lists (None: its default)."""
+    heads = {"eagle_head": eagle_heads or None}  # the head options bench has, by LoadOptions field
+    named = [name for name in other_drafters() if name in kinds]
+    return {name: heads.get(DRAFTERS[name].head_option) for name in named}
 
 
 def check_session_flags(kinds: set[str], given: dict[str, bool]) -> None:
@@ -124,8 +150,9 @@ def check(bundle: Path | None, flags: BenchFlags, load: LoadFlags) -> Plan:
             raise EdgeSpecError(f"{flag} must be at least 1")
     if flags.per_category is not None and flags.per_category < 1:
         raise EdgeSpecError("--per-category must be at least 1")
-    if flags.eagle_head and "eagle" not in kinds:
-        raise EdgeSpecError("--eagle-head applies to --modes eagle")
+    headed = [name for name in other_drafters() if DRAFTERS[name].head_option == "eagle_head"]
+    if flags.eagle_head and not kinds & set(headed):
+        raise EdgeSpecError(f"--eagle-head applies to --modes {' or '.join(headed)}")
     for t in flags.temperature:
         SamplingParams(temperature=t)  # raises on a bad value
     chain = loop_config("spec", gamma=flags.gamma, schedule=flags.schedule, lookup=False)  # the run's schedule
@@ -204,8 +231,7 @@ def bench_prompts(engine, baseline, plan: Plan, flags: BenchFlags) -> None:
         lookup="lookup" in kinds,
         suffix="suffix" in kinds,
         reference="ar-exact" in kinds,
-        eagle="eagle" in kinds,
-        eagle_heads=flags.eagle_head or None,
+        drafters=benched_drafters(kinds, flags.eagle_head),
         spec="spec" in kinds,
     )
     with Progress(console=console, transient=True) as bar:

@@ -28,9 +28,10 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.paths import PACKAGE_DATA
 from edge_spec.prompts import as_messages, read_prompt_file
 from edge_spec.runtime.engine import Completion, Engine
+from edge_spec.runtime.loaded import drafter_name
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, LoopConfig, SsdConfig, TreeConfig
 from edge_spec.runtime.model import huge_pages
-from edge_spec.runtime.propose import DRAFTERS
+from edge_spec.runtime.propose.drafters import DEFAULT_DRAFTER, DRAFTERS
 
 DEFAULT_PROMPTS = PACKAGE_DATA / "bench" / "prompts.jsonl"
 
@@ -43,11 +44,11 @@ class BenchMode:
     head: str | None  # drafter head, None for ar
     config: LoopConfig = ArConfig()
     exact: bool | None = None  # batch-invariant target passes (None: the engine's default for the mode)
-    eagle_head: str | None = None  # the EAGLE head's LM head, for modes drafting with it
+    drafter_head: str | None = None  # the LM head of the mode's drafter, where that is not the drafter model
 
 
 def with_drafter(config: ChainConfig, drafter: str) -> ChainConfig:
-    """``config`` drafting with ``drafter`` ("model" or "eagle") in its drafter's place."""
+    """``config`` drafting with the model drafter ``drafter`` (``propose.drafters.DRAFTERS``) in its drafter's place."""
     return dataclasses.replace(config, proposers=tuple(drafter if p in DRAFTERS else p for p in config.proposers))
 
 
@@ -95,9 +96,8 @@ def modes_for(
     ssds: list[SsdConfig] = (),
     lookup: bool = False,
     reference: bool = True,
-    eagle: bool = False,
     suffix: bool = False,
-    eagle_heads: list[str] | None = None,
+    drafters: dict[str, list[str] | None] | None = None,
     spec: bool = True,
 ) -> list[BenchMode]:
     """ar (and, with ``reference``, ar-exact when the speculative modes are exact), then per head: one
@@ -105,9 +105,10 @@ def modes_for(
     (``...+k2-spechub@γ2``), one per SSD configuration (``...+ssd@γ1``) and the run's own schedule
     ``chain``; with ``lookup`` every fixed-γ and schedule mode also runs with prompt lookup (``+lookup``), with
     ``suffix`` with the suffix cache (``+suffix``, the default chain's source).
-    With ``eagle`` the bundle's EAGLE head gets the fixed-γ and schedule modes too (``eagle@γ2``, ``eagle``),
-    once per LM head in ``eagle_heads`` (default: the bundle's default EAGLE head; ``eagle`` is the full
-    head, ``eagle+trim-4096`` another).  With ``spec`` False the drafter model's chains without lookup
+    Each other model drafter in ``drafters`` (``propose.drafters.DRAFTERS``, e.g. the EAGLE head) gets the
+    fixed-γ and schedule modes too, labelled by its ``DrafterSpec.label`` (``eagle@γ2``, ``eagle``), once
+    per LM head its entry lists (None: the bundle's default; ``eagle`` is the full head, ``eagle+trim-4096``
+    another).  With ``spec`` False the drafter model's chains without lookup
     (``spec``, ``spec@γ2``) are left out; its ``+lookup``, multi-draft and SSD modes still run."""
     available = list(engine.manifest["draft"]["heads"])
     chosen = heads or available
@@ -117,23 +118,33 @@ def modes_for(
     modes = [BenchMode("ar", None)]
     if reference and engine.exact_for("spec") and not engine.exact_for("ar"):
         modes.append(BenchMode("ar-exact", None, exact=True))  # the reference of greedy exact modes
-    plain = with_drafter(with_lookup(chain, False), "model")
+    plain = with_drafter(with_lookup(chain, False), DEFAULT_DRAFTER)
     for head in chosen:
-        name = "spec" if head == "full" else f"spec+{head}"
+        name = _labelled(DRAFTERS[DEFAULT_DRAFTER].label, head)
         others = [BenchMode(f"{name}+k{tree.drafts}-{tree.verifier}@γ{tree.gamma}", head, tree) for tree in trees]
         others += [BenchMode(f"{name}+ssd@γ{ssd.gamma}", head, ssd) for ssd in ssds]
         modes += _chain_modes(name, head, plain, fixed_gammas, lookup, others, without_lookup=spec, suffix=suffix)
-    if eagle:
-        if not engine.manifest.get("eagle"):
-            raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
-        for name in eagle_heads or [None]:  # None: the bundle's default EAGLE head
-            name = engine.loaded.check_eagle_head(name)
-            label = "eagle" if name == "full" else f"eagle+{name}"
+    for drafter, drafter_heads in (drafters or {}).items():
+        if drafter not in DRAFTERS or drafter == DEFAULT_DRAFTER:
+            others = [d for d in DRAFTERS if d != DEFAULT_DRAFTER]
+            raise EdgeSpecError(f"no other drafter {drafter!r} to bench; choose from: {', '.join(others)}")
+        spec = DRAFTERS[drafter]
+        if not spec.present(engine.manifest):
+            raise EdgeSpecError(f"this bundle has no {spec.title} head: {spec.remedy}")
+        for name in drafter_heads or [None]:  # None: the bundle's default head of the drafter
+            name = engine.loaded.check_head(name, drafter)
             modes += [
-                dataclasses.replace(mode, eagle_head=name)
-                for mode in _chain_modes(label, chosen[0], with_drafter(plain, "eagle"), fixed_gammas, lookup)
+                dataclasses.replace(mode, drafter_head=name)
+                for mode in _chain_modes(
+                    _labelled(spec.label, name), chosen[0], with_drafter(plain, drafter), fixed_gammas, lookup
+                )
             ]
     return modes
+
+
+def _labelled(label: str, head: str | None) -> str:
+    """A drafter's mode name: its label alone for its full head, else LABEL+HEAD."""
+    return label if head in (None, "full") else f"{label}+{head}"
 
 
 def _chain_modes(
@@ -278,8 +289,8 @@ def _run_mode(
     if mode.head:
         engine.config = mode.config
         engine.use_draft_head(mode.head)
-        if mode.eagle_head:
-            engine.use_eagle_head(mode.eagle_head)
+        if mode.drafter_head:
+            engine.use_head(drafter_name(mode.config), mode.drafter_head)
     decoders = {"target": engine.target, "draft": engine.active_drafter(mode.config).decoder if mode.head else None}
     huge_pages.wait_all()  # a model loaded just now is timed on the pages it will keep (model/huge_pages.py)
     before = {role: _pass_log(d) for role, d in decoders.items()}

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from edge_spec.bench.command import DEFAULT_MODES, MODE_GROUPS, SESSION_MODES
+from edge_spec.bench.command import DEFAULT_MODES, SESSION_MODES, mode_groups
 from edge_spec.cli.groups import option, takes_groups
 from edge_spec.cli.options import (
     DRAFT_HEAD,
@@ -41,7 +41,7 @@ class BenchFlags:
             "--modes",
             help=f"Modes to compare (comma list; default {','.join(DEFAULT_MODES)}, with --sessions "
             f"{','.join(SESSION_MODES)}): "
-            + "; ".join(f"{', '.join(kinds)}: {what}" for kinds, what in MODE_GROUPS)
+            + "; ".join(f"{', '.join(kinds)}: {what}" for kinds, what in mode_groups())
             + ".",
             show_default=False,
         )

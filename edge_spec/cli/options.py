@@ -18,6 +18,7 @@ from edge_spec.defaults import DEFAULT_MODE, DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.options import ExportOptions
 from edge_spec.runtime.loops.config import ADAPTIVE_GAMMA_MAX, FIXED_GAMMA, SsdConfig, TreeConfig
+from edge_spec.runtime.propose.drafters import DEFAULT_DRAFTER, DRAFTERS
 from edge_spec.runtime.verify.sampling import SAMPLERS, SamplingParams
 from edge_spec.runtime.verify.tree import VERIFIERS
 
@@ -229,9 +230,12 @@ class EngineFlags:
         typer.Option(
             None,
             "--drafter",
-            help="Drafter kind (spec): model (the bundle's "
-            "drafter model, default) or eagle (its EAGLE head on the target's "
-            "features: edge-spec train-head).",
+            help="Drafter kind (spec): "
+            + "; ".join(
+                f"{name}: {spec.summary}{' (default)' if name == DEFAULT_DRAFTER else ''}"
+                for name, spec in DRAFTERS.items()
+            )
+            + ".",
         )
     )
     draft_head: Optional[str] = option(

@@ -38,6 +38,7 @@ from edge_spec.runtime.model.decoder import Decoder, PassInterrupted
 from edge_spec.runtime.model.session import numpy_on_one_thread
 from edge_spec.runtime.progress import LoadTracker, ProgressCallback
 from edge_spec.runtime.propose.context import ProposerContext
+from edge_spec.runtime.propose.drafters import DRAFTERS
 from edge_spec.runtime.propose.eagle import EagleDrafter
 from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
 from edge_spec.runtime.propose.suffix_cache import DEFAULT_CAPACITY as DEFAULT_SUFFIX_CAPACITY
@@ -248,7 +249,7 @@ class Engine:
         """The models of an opened bundle, loaded (and this machine's costs measured for the speculative
         modes), the progress told to ``tracker``; a failed or cancelled load closes what it loaded."""
         speculative = config.mode != "ar"
-        drafter_role = ("eagle" if drafter_name(config) == "eagle" else "draft") if speculative else None
+        drafter_role = DRAFTERS[drafter_name(config)].manifest_key if speculative else None
         target_bytes, drafter_bytes = (_role_bytes(files.manifest, role) for role in ("target", drafter_role))
         tracker.report("reading", 0.0)
         loaded = LoadedBundle.load(files, options, takes_turns=speculative)
@@ -339,11 +340,15 @@ class Engine:
         (:meth:`LoadedBundle.measure_costs <edge_spec.runtime.loaded.LoadedBundle.measure_costs>`)."""
         return self.loaded.measure_costs(self.config)
 
+    def use_head(self, drafter: str, name: str) -> None:
+        """Switch the model drafter ``drafter``'s LM head (what its heads share, and its KV cache, are kept)."""
+        self.loaded.use_head(drafter, name)
+        if self.config.mode != "ar" and self.drafter_name() == drafter:
+            self.measure_costs()
+
     def use_eagle_head(self, name: str) -> None:
         """Switch the EAGLE head's LM head (its layer, features and KV cache are shared by all heads)."""
-        self.loaded.use_eagle_head(name)
-        if self.config.mode != "ar" and self.drafter_name() == "eagle":
-            self.measure_costs()
+        self.use_head(self.loaded.drafter_for_option("eagle_head"), name)
 
     def use_draft_head(self, name: str) -> None:
         """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""

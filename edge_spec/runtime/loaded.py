@@ -1,7 +1,8 @@
 """A loaded bundle: everything loading one produces, and the facts about the device its models run on.
 
 Opening a bundle reads its manifest and checks its files; loading it reads the tokenizer, the suffix
-cache and the target, and loads the drafter model, its heads and the EAGLE head on first use.  The
+cache and the target, and loads each model drafter (``propose.drafters.DRAFTERS``: the drafter model,
+the EAGLE head) and its LM heads on first use.  The
 device facts live here because they are keyed by where the models run: the cost profile the schedule
 plans with (measured once per device and cached, corrected from live passes) and the exactness checks
 (whether one-row or padded target passes are batch-invariant here).  Generating is the engine's job
@@ -15,22 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from edge_spec.defaults import DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.integrity import WeightCheck
-from edge_spec.manifest import eagle_heads, read_manifest, verify_files
+from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.paths import find_bundle
 from edge_spec.runtime.loops import proposer_names
 from edge_spec.runtime.loops.config import LoopConfig
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.providers import exact_min_rows
 from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
-from edge_spec.runtime.model.session import numpy_on_one_thread, small_session
-from edge_spec.runtime.propose import DRAFTERS
-from edge_spec.runtime.propose.eagle import EagleDrafter
-from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
+from edge_spec.runtime.model.session import numpy_on_one_thread
+from edge_spec.runtime.propose.drafters import DEFAULT_DRAFTER, DRAFTERS, DrafterLoader, load_array
 from edge_spec.runtime.propose.model import ChainDrafter, ModelDrafter
 from edge_spec.runtime.propose.suffix_cache import DEFAULT_CAPACITY as DEFAULT_SUFFIX_CAPACITY
 from edge_spec.runtime.propose.suffix_cache import SuffixCache
@@ -40,25 +37,14 @@ from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.schedule.policy import REACH_FLOOR
 from edge_spec.runtime.suffix_store import open_suffix_cache
 from edge_spec.runtime.text import TextTokenizer
-from edge_spec.runtime.verify.sampling import check_vocab_ids
 
 GUESS_ROWS = 2  # a speculative pass's rows at least: the target's own token and the free guess
-
-
-def load_array(path: Path) -> np.ndarray:
-    """A bundle's ``.npy`` table; a damaged one is a one-line error naming it."""
-    try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        why = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-        raise EdgeSpecError(
-            f"cannot read {path} ({why}): the bundle is damaged; run edge-spec info {path.parent.parent} --verify"
-        ) from None
+__all__ = ["BundleFiles", "LoadOptions", "LoadedBundle", "drafter_name", "load_array"]
 
 
 def drafter_name(config: LoopConfig) -> str:
-    """Which drafter a loop configuration drafts with: the drafter model or the EAGLE head."""
-    return next((n for n in proposer_names(config) if n in DRAFTERS), "model")
+    """Which model drafter (``propose.drafters.DRAFTERS``) a loop configuration drafts with."""
+    return next((n for n in proposer_names(config) if n in DRAFTERS), DEFAULT_DRAFTER)
 
 
 @dataclass(frozen=True)
@@ -121,8 +107,8 @@ class BundleFiles:
 
 class LoadedBundle:
     """One bundle's models, tokenizer and suffix cache, loaded once for the options given, and what was
-    measured about the device they run on.  The drafter model and the EAGLE head load on first use, each
-    LM head once; switching heads keeps the drafter body and its KV cache."""
+    measured about the device they run on.  Each model drafter loads on first use, each of its LM heads
+    once; switching heads keeps the drafter's body and its KV cache."""
 
     def __init__(
         self,
@@ -139,15 +125,12 @@ class LoadedBundle:
         self.tokenizer = tokenizer
         self.target = target  # None once closed
         self.options = options
-        self._draft_body: Decoder | None = None
-        self._drafters: dict[str, ModelDrafter] = {}
-        self._eagle: EagleDrafter | None = None
-        self._eagle_heads: dict[str, DraftHead | SpecVocabHead | None] = {}
+        self._loaders: dict[str, DrafterLoader] = {}  # the model drafters loaded so far, by name
         self._memories: dict[str, ScheduleMemory] = {}
         # earlier answers the ``suffix`` proposer drafts from (``propose.suffix_cache``): in memory unless given
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
-        self.draft_head = self.check_head(options.draft_head or self.manifest["draft"]["default_head"])
-        self.eagle_head = self.check_eagle_head(options.eagle_head)
+        # each model drafter's LM head (None: a drafter the bundle lacks), as the options pick them
+        self.heads: dict[str, str | None] = {name: self._chosen_head(name) for name in DRAFTERS}
         self.cost_profile: CostProfile | None = None
         self._one_row_exact: bool | None = None  # see exact_rows
         self._padded_exact: bool | None = None  # see exact_available
@@ -311,36 +294,35 @@ class LoadedBundle:
 
     def param_ratio(self, config: LoopConfig) -> float:
         """c in MBSU for the drafter ``config`` drafts with: its parameters read per step / the target's."""
-        if drafter_name(config) == "eagle":
-            return self.manifest["eagle"]["parameters"] / self.manifest["target"]["parameters"]
-        draft = self.manifest["draft"]
-        head = draft["heads"][self.draft_head]
-        return (draft["parameters"] + head["parameters"]) / self.manifest["target"]["parameters"]
+        name = drafter_name(config)
+        return DRAFTERS[name].parameters(self.manifest, self.head_of(name)) / self.manifest["target"]["parameters"]
 
     def bytes_ratio(self, config: LoopConfig) -> float:
         """c in a memory-bound model for the drafter ``config`` drafts with: its bytes read per step / the
         target's."""
-        if drafter_name(config) == "eagle":
-            return (
-                cost_profile.eagle_bytes(self.bundle_dir, self.manifest, self.eagle_head)
-                / cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)[0]
-            )
-        target, draft = cost_profile.weight_bytes(self.bundle_dir, self.manifest, self.draft_head)
-        return draft / target
+        name = drafter_name(config)
+        target = sum(f["bytes"] for f in self.manifest["target"]["files"] if f["path"].endswith(".data"))
+        return DRAFTERS[name].step_bytes(self.bundle_dir, self.manifest, self.head_of(name)) / target
 
     def active_drafter(self, config: LoopConfig) -> ChainDrafter:
         """The drafter ``config`` drafts with, loaded on first use."""
-        return self.eagle if drafter_name(config) == "eagle" else self.drafter
+        return self.load_drafter(drafter_name(config))
+
+    def load_drafter(self, name: str) -> ChainDrafter:
+        """The model drafter ``name`` with its current LM head, loaded on first use."""
+        if name not in self._loaders:
+            self._loaders[name] = DRAFTERS[name].loader(self)
+        return self._loaders[name].get(self.head_of(name))
+
+    @property
+    def drafters(self) -> dict[str, ChainDrafter]:
+        """The model drafters loaded so far, by name, each with its current LM head."""
+        return {name: self.load_drafter(name) for name in self._loaders}
 
     def _drafter_entry(self, config: LoopConfig) -> dict:
-        """What the drafter's costs and acceptance depend on (its manifest record)."""
-        if drafter_name(config) == "eagle":
-            entry = self.manifest["eagle"]
-            if "heads" not in entry:  # one graph: its record is all there is (cache keys as before the split)
-                return entry
-            layer = {k: v for k, v in entry.items() if k not in ("heads", "default_head", "files", "bytes")}
-            return {"eagle": layer, "head": entry["heads"][self.eagle_head]}
-        return {"head": self.manifest["draft"]["heads"][self.draft_head], "body": self.manifest["draft"]["config"]}
+        """What the drafter's costs and acceptance depend on (``DrafterSpec.profile_entry``)."""
+        name = drafter_name(config)
+        return DRAFTERS[name].profile_entry(self.manifest, self.head_of(name))
 
     def schedule_memory(self, config: LoopConfig) -> ScheduleMemory:
         """The schedule's acceptance calibration for the drafter ``config`` drafts with and the target,
@@ -350,123 +332,72 @@ class LoadedBundle:
             self._memories[key] = ScheduleMemory(cost_profile.cache_dir() / f"acceptance-{key}.json")
         return self._memories[key]
 
-    def check_head(self, name: str) -> str:
-        """``name`` when the bundle has that drafter head, else a one-line error listing those it has."""
-        heads = self.manifest["draft"]["heads"]
-        if name not in heads:
-            raise EdgeSpecError(f"bundle has no drafter head {name!r}; available: {', '.join(heads)}")
-        return name
+    def head_of(self, drafter: str) -> str | None:
+        """The LM head the model drafter ``drafter`` drafts with (None: it has none in this bundle)."""
+        if drafter not in self.heads:  # a drafter registered after the bundle was loaded
+            self.heads[drafter] = self._chosen_head(drafter)
+        return self.heads[drafter]
 
-    def check_eagle_head(self, name: str | None) -> str | None:
-        """The EAGLE LM head ``name`` (None: the bundle's default), refused in one line where the bundle has
-        no such head; None for a bundle without an EAGLE head."""
-        heads = eagle_heads(self.manifest)
+    def _chosen_head(self, drafter: str) -> str | None:
+        """The head the load options pick for ``drafter`` (its ``DrafterSpec.head_option``), checked."""
+        option = DRAFTERS[drafter].head_option
+        return self.check_head(getattr(self.options, option) if option else None, drafter)
+
+    def check_head(self, name: str | None, drafter: str = DEFAULT_DRAFTER) -> str | None:
+        """``name`` (None: the bundle's default) when the bundle has that LM head for the model drafter
+        ``drafter``, else a one-line error listing those it has; None for a drafter the bundle lacks."""
+        spec = DRAFTERS[drafter]
+        heads = spec.heads(self.manifest)
         if not heads:
             if name is not None:
-                raise EdgeSpecError(
-                    f"bundle has no EAGLE head, so no EAGLE head {name!r}: train one with `edge-spec train-head BUNDLE`"
-                )
+                raise EdgeSpecError(f"bundle has no {spec.title} head, so no {spec.title} head {name!r}: {spec.remedy}")
             return None
-        name = name or self.manifest["eagle"].get("default_head", "full")
+        name = name or spec.default_head(self.manifest)
         if name not in heads:
-            raise EdgeSpecError(f"bundle has no EAGLE head {name!r}; available: {', '.join(heads)}")
+            raise EdgeSpecError(f"bundle has no {spec.title} head {name!r}; available: {', '.join(heads)}")
         return name
 
-    def use_eagle_head(self, name: str) -> None:
-        """Switch the EAGLE head's LM head (its layer, features and KV cache are shared by all heads)."""
-        self.eagle_head = self.check_eagle_head(name)
-        if self._eagle is not None:
-            self._eagle.lm_head = self._eagle_lm_head()
+    def use_head(self, drafter: str, name: str) -> None:
+        """Switch the model drafter ``drafter`` to its LM head ``name`` (the parts its heads share, and
+        its KV cache, are kept)."""
+        self.heads[drafter] = self.check_head(name, drafter)
+
+    def drafter_for_option(self, option: str) -> str:
+        """The model drafter whose LM head the load option ``option`` picks (``DrafterSpec.head_option``)."""
+        return next(name for name, spec in DRAFTERS.items() if spec.head_option == option)
+
+    @property
+    def draft_head(self) -> str:
+        """The drafter model's LM head (the default drafter's)."""
+        return self.heads[DEFAULT_DRAFTER]
+
+    @property
+    def eagle_head(self) -> str | None:
+        """The EAGLE head's LM head (the one ``LoadOptions.eagle_head`` picks; None: the bundle has none)."""
+        return self.head_of(self.drafter_for_option("eagle_head"))
 
     def use_draft_head(self, name: str) -> None:
-        """Switch the drafter's LM head (the drafter body and its KV cache are shared by all heads)."""
-        self.draft_head = self.check_head(name)
+        self.use_head(DEFAULT_DRAFTER, name)
+
+    def use_eagle_head(self, name: str) -> None:
+        self.use_head(self.drafter_for_option("eagle_head"), name)
 
     @property
     def drafter(self) -> ModelDrafter:
-        """The drafter for the current head, loaded on first use."""
-        if self._draft_body is None:
-            self._draft_body = Decoder(
-                self.bundle_dir / self.manifest["draft"]["onnx"],
-                capacity=self.target.capacity,
-                takes_turns=True,
-                **self._draft_placement(),
-            )
-        if self.draft_head not in self._drafters:
-            self._drafters[self.draft_head] = ModelDrafter(
-                self._draft_body, self._load_head(self.draft_head), self.target.vocab_size
-            )
-        return self._drafters[self.draft_head]
+        """The drafter model with the current head, loaded on first use."""
+        return self.load_drafter(DEFAULT_DRAFTER)
 
     @property
-    def eagle(self) -> EagleDrafter:
-        """The bundle's EAGLE-3 head (``edge-spec train-head`` or a SpecForge checkpoint), loaded on first use."""
-        if self._eagle is None:
-            from edge_spec.runtime.model.embedding import TargetEmbedding
+    def eagle(self) -> ChainDrafter:
+        """The bundle's EAGLE-3 head, loaded on first use."""
+        return self.load_drafter(self.drafter_for_option("eagle_head"))
 
-            entry = self.manifest.get("eagle")
-            if not entry:
-                raise EdgeSpecError("this bundle has no EAGLE head: train one with `edge-spec train-head BUNDLE`")
-            if "features" not in self.target.output_names:
-                raise EdgeSpecError(
-                    "this bundle's target graph has no features output for its EAGLE head; "
-                    "attach the head again with this edge-spec version"
-                )
-            where = self._draft_placement()
-            head = Decoder(self.bundle_dir / entry["onnx"], capacity=self.target.capacity, takes_turns=True, **where)
-            fc = small_session(self.bundle_dir / entry["fc_onnx"], what="EAGLE feature projection", **where)
-            d2t = load_array(self.bundle_dir / entry["d2t"])
-            ids = check_vocab_ids(np.arange(len(d2t)) + d2t, self.target.vocab_size)
-            embedding = TargetEmbedding.from_onnx(self.bundle_dir / self.manifest["target"]["onnx"])
-            self._eagle = EagleDrafter(head, fc, embedding.rows, ids, self.target.vocab_size, self._eagle_lm_head())
-        return self._eagle
-
-    def _eagle_lm_head(self) -> DraftHead | SpecVocabHead | None:
-        """The current EAGLE LM head, loaded on first use (None: the single graph has it inside)."""
-        name = self.eagle_head
-        if name not in self._eagle_heads:
-            head = eagle_heads(self.manifest)[name]
-            self._eagle_heads[name] = None if head.get("kind") == "builtin" else self._load_head_entry(head, name)
-        return self._eagle_heads[name]
-
-    def _draft_placement(self) -> dict:
+    def draft_placement(self) -> dict:
         """Where the drafter's sessions run: its provider, threads and, on the target's provider, its options."""
         o = self.options
         same = o.drafter_provider.lower() == o.provider.lower()  # the target's options fit its provider only
         options = dict(o.provider_options or {}) if same else {}
         return dict(provider=o.drafter_provider, threads=o.drafter_threads, provider_options=options)
-
-    def _load_head(self, name: str) -> DraftHead | SpecVocabHead:
-        return self._load_head_entry(self.manifest["draft"]["heads"][name], name)
-
-    def _load_head_entry(self, head: dict, name: str) -> DraftHead | SpecVocabHead:
-        """A drafter's (or the EAGLE head's) LM head from its manifest entry."""
-        where = self._draft_placement()
-        if head.get("kind") == "specvocab":
-            always, universe = self._token_ids(head, "always_ids"), self._token_ids(head, "universe")
-            try:
-                return SpecVocabHead(
-                    self.bundle_dir / head["onnx"],
-                    self.bundle_dir / head["rows"],
-                    self.bundle_dir / head["scales"],
-                    head["candidates"],
-                    always_ids=always,
-                    universe=universe,
-                    rows_by_universe=head.get("rows_by") == "universe",
-                    **where,
-                )
-            except (ValueError, OSError, EOFError, KeyError) as exc:  # its int8 rows or scales
-                raise EdgeSpecError(
-                    f"cannot read drafter head {name!r} ({str(exc)[:120] or type(exc).__name__}): "
-                    f"the bundle is damaged; run edge-spec info {self.bundle_dir} --verify"
-                ) from None
-        return DraftHead(self.bundle_dir / head["onnx"], vocab_ids=self._token_ids(head, "vocab_ids"), **where)
-
-    def _token_ids(self, head: dict, key: str) -> np.ndarray | None:
-        """A head's id table (vocabulary map, always-kept ids, scorer universe), checked against the target."""
-        if not head.get(key):
-            return None
-        return check_vocab_ids(load_array(self.bundle_dir / head[key]), self.target.vocab_size)
 
     def close(self) -> None:
         """Save what is kept across processes (schedule calibrations, the suffix cache) and drop the ONNX
@@ -475,7 +406,5 @@ class LoadedBundle:
             memory.save()
         self._memories.clear()
         self.suffix_cache.save()
-        self._drafters.clear()
-        self._eagle_heads.clear()
-        self._draft_body = self._eagle = None
+        self._loaders.clear()
         self.target = None

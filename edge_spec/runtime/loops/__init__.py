@@ -17,6 +17,7 @@ from edge_spec.runtime.loops.tree import generate_tree
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose import build_proposers
 from edge_spec.runtime.propose.context import ProposerContext
+from edge_spec.runtime.propose.drafters import DEFAULT_DRAFTER
 from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.verify.sampling import SamplingParams
 
@@ -24,8 +25,9 @@ SPECULATIVE_LOOPS = {ChainConfig: generate_chain, TreeConfig: generate_tree, Ssd
 
 
 def proposer_names(config: LoopConfig) -> tuple[str, ...]:
-    """The proposers a loop drafts with: the chain's are configured; tree and SSD draft with the model."""
-    return config.proposers if isinstance(config, ChainConfig) else ("model",)
+    """The proposers a loop drafts with: the chain's are configured; tree and SSD draft with the
+    drafter model (the default drafter)."""
+    return config.proposers if isinstance(config, ChainConfig) else (DEFAULT_DRAFTER,)
 
 
 class ConstraintUnsupported(EdgeSpecError):

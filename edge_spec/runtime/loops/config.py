@@ -12,6 +12,7 @@ from typing import ClassVar, Union
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.propose import DRAFTERS, PROPOSERS
+from edge_spec.runtime.propose.drafters import DEFAULT_DRAFTER
 from edge_spec.runtime.verify.sampling import SamplingParams
 from edge_spec.runtime.verify.tree import VERIFIERS
 
@@ -40,15 +41,17 @@ class ChainConfig:
     gamma: int = ADAPTIVE_GAMMA_MAX  # drafts per round; the most per round when adaptive
     adaptive: bool = True  # choose each round's drafts from measured costs and running acceptance
     min_confidence: float = 0.0  # stop drafting once the drafter's top probability falls below this
-    proposers: tuple[str, ...] = ("suffix", "model", "guess")  # in order of preference (propose.PROPOSERS)
+    # in order of preference (propose.PROPOSERS, and one of the model drafters: propose.drafters.DRAFTERS)
+    proposers: tuple[str, ...] = ("suffix", DEFAULT_DRAFTER, "guess")
 
     def __post_init__(self) -> None:
         _check_gamma(self.gamma)
         if not 0.0 <= self.min_confidence <= 1.0:
             raise EdgeSpecError(f"min_confidence must be in [0, 1], not {self.min_confidence}")
-        unknown = [p for p in self.proposers if p not in PROPOSERS]
+        unknown = [p for p in self.proposers if p not in PROPOSERS and p not in DRAFTERS]
         if unknown:
-            raise EdgeSpecError(f"unknown proposer {unknown[0]!r}; choose from: {', '.join(PROPOSERS)}")
+            known = [*DRAFTERS, *PROPOSERS]
+            raise EdgeSpecError(f"unknown proposer {unknown[0]!r}; choose from: {', '.join(known)}")
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ SETTINGS = {
     "speculations": ("--speculations", (SsdConfig,)),
     "drafter": ("--drafter", (ChainConfig,)),
 }
-DEFAULTS_ANYWHERE = {"drafts": 1, "drafter": "model"}  # values every speculative loop honours
+DEFAULTS_ANYWHERE = {"drafts": 1, "drafter": DEFAULT_DRAFTER}  # values every speculative loop honours
 
 
 def loop_config(mode: str, **settings) -> LoopConfig:
@@ -133,10 +136,10 @@ def loop_config(mode: str, **settings) -> LoopConfig:
             raise EdgeSpecError(f"--schedule must be adaptive or fixed, not {schedule!r}")
         lookup = given.pop("lookup", True)
         sequence = "suffix" if given.pop("suffix", True) else "lookup"
-        drafter = given.pop("drafter", "model")
+        drafter = given.pop("drafter", DEFAULT_DRAFTER)
         if drafter not in DRAFTERS:
             raise EdgeSpecError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}")
-        named = {"model": drafter, "suffix": sequence}
+        named = {DEFAULT_DRAFTER: drafter, "suffix": sequence}
         proposers = tuple(named.get(p, p) for p in ChainConfig.proposers if lookup or p != "suffix")
         if schedule == "fixed":
             given.setdefault("gamma", FIXED_GAMMA)

@@ -59,6 +59,7 @@ import onnxruntime as ort
 
 from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH, DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
+from edge_spec.manifest import ROLES
 from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_attention_pad, strip_attention_pad
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
@@ -81,7 +82,7 @@ def damaged_weights_message(model_path: Path) -> str:
     """What to say when a model of a bundle computes NaN/inf logits (weights damaged past the size check)."""
     model_path = Path(model_path)
     role = model_path.parent.name
-    what = f"the {role}" if role in ("target", "draft", "eagle") else str(model_path)
+    what = f"the {role}" if role in ROLES else str(model_path)  # a bundle's model, by its directory
     return (
         f"{what} produced NaN/inf logits: the bundle's weights are damaged; "
         f"run edge-spec info {model_path.parent.parent} --verify"

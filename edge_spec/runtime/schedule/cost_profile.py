@@ -573,30 +573,3 @@ def forget(key: str, why: str = OUTGROWN_WHY) -> None:
         return
     if profile is not None:
         _store(cache_dir() / f"previous-{key}.json", {**asdict(profile), "cached": False, "dropped": why})
-
-
-def weight_bytes(bundle_dir: Path, manifest: dict, head: str) -> tuple[int, int]:
-    """(target bytes, drafter body + head bytes) read per step in a memory-bound model."""
-    target = sum(f["bytes"] for f in manifest["target"]["files"] if f["path"].endswith(".data"))
-    draft = manifest["draft"]
-    body = (bundle_dir / (draft["onnx"] + ".data")).stat().st_size
-    return target, body + head_bytes(bundle_dir, draft["heads"][head], draft["config"]["hidden_size"])
-
-
-def head_bytes(bundle_dir: Path, entry: dict, hidden_size: int) -> int:
-    """Bytes one step of an LM head reads: its graph's weights (a SpecVocab head's scorer) plus, for
-    SpecVocab, the int8 candidate rows it gathers."""
-    size = (bundle_dir / (entry["onnx"] + ".data")).stat().st_size
-    if entry.get("kind") == "specvocab":
-        size += entry["size"] * hidden_size
-    return size
-
-
-def eagle_bytes(bundle_dir: Path, manifest: dict, head: str | None) -> int:
-    """Bytes one EAGLE draft step reads: its layer (and fc) plus the LM head ``head``; a single-graph head's
-    whole record."""
-    entry = manifest["eagle"]
-    if "heads" not in entry:
-        return entry["bytes"]
-    layer = sum((bundle_dir / (entry[key] + ".data")).stat().st_size for key in ("onnx", "fc_onnx"))
-    return layer + head_bytes(bundle_dir, entry["heads"][head], entry["config"]["hidden_size"])
