@@ -34,7 +34,6 @@ from edge_spec.runtime.loops.autoregressive import choose_token
 from edge_spec.runtime.loops.stats import TARGET, SpecStats
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, Proposer
-from edge_spec.runtime.propose.model import ChainDrafter
 from edge_spec.runtime.verify.sampling import SamplingParams, mask_logits
 
 
@@ -62,7 +61,7 @@ class Request:
         self.stats = stats if stats is not None else SpecStats()
         self.committed: list[int] = []
         self.emitted = 0
-        self.drafter = next((p for p in proposers if isinstance(p, ChainDrafter)), None)  # whose head is timed
+        self.drafter = next((p for p in proposers if p.kind == "model"), None)  # whose steps and head are timed
         self._round_source = "none"  # who drafted the round being accepted (set by record_round)
 
     @property
@@ -199,7 +198,7 @@ class RoundClock:
     planning, lookup, verification maths -- a price per round, whatever its length, that favours rounds
     which emit more tokens; each draft step's own Python is in the step's cost already)."""
 
-    def __init__(self, drafter: ChainDrafter | None, target: Decoder | None = None) -> None:
+    def __init__(self, drafter: Proposer | None, target: Decoder | None = None) -> None:
         self._drafter = drafter
         self._target = target
         self._head_start = self._head()

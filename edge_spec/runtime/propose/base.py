@@ -101,16 +101,26 @@ def point_mass_block(source: str, tokens: list[int], params: SamplingParams) -> 
 class Proposer(Protocol):
     """See the module docstring.  ``kind`` tells the schedule how to use it:
 
-    * ``"model"`` -- costs a step per draft (``step_estimate`` seconds); the schedule decides how many.
+    * ``"model"`` -- costs a step per draft (``step_estimate`` seconds, plus ``catch_up_seconds`` per
+      token a round leaves it to catch up on beyond one); the schedule decides how many.  The loops
+      time the round's drafting by the first such proposer (``busy_seconds``, ``head_seconds``).
     * ``"sequence"`` -- free to ask; its drafts are taken when they promise more tokens per second
       than the model's, or always, before anyone else's, when the proposer is ``certain`` (its drafts
-      cannot be rejected: tokens the grammar forces).
+      cannot be rejected: tokens the grammar forces).  One that is ``own_first`` is judged on its first
+      drafts on their own (they are not the free guess's token).
     * ``"filler"`` -- free; asked only when a round has no drafts but its verify pass has a spare row.
+
+    The proposers of this package subclass it, so the roles below have their defaults.
     """
 
     name: str
     kind: str
     step_estimate: float | None
+    certain: bool = False  # a sequence proposer whose drafts are all accepted: taken first and whole
+    own_first: bool = False  # a sequence proposer whose first draft the schedule judges on its own
+    catch_up_seconds: float = 0.0  # a model proposer's price of each extra token it reads in a step
+    busy_seconds: float = 0.0  # a model proposer's steps so far, whole (the round's clock reads it)
+    head_seconds: float = 0.0  # the part of them in its LM head
 
     def covered(self, prompt_ids: list[int]) -> int:
         """How many leading prompt positions this proposer could skip re-reading (a target whose cache
@@ -125,13 +135,12 @@ class Proposer(Protocol):
     def rewind(self, length: int) -> None: ...
 
 
-class SequenceProposer:
+class SequenceProposer(Proposer):
     """A proposer that drafts from the committed sequence alone: no prompt to read, nothing to learn
     from the target's outputs, nothing to forget (committed tokens are never taken back within a
     request).  Subclasses give ``name``, ``kind`` and ``propose``."""
 
     step_estimate = 0.0  # free to ask
-    certain = False  # True: every draft is accepted (the planner takes them first and whole)
 
     def __init__(self, context) -> None:
         self.context = context  # propose.context.ProposerContext: the request's shared n-gram index

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.propose.base import DraftBlock, DraftRule
+from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
 from edge_spec.runtime.propose.heads import DraftHead, SpecVocabHead
 from edge_spec.runtime.verify.coupled import draw_sampled
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, mask_logits, scatter_probs
@@ -20,7 +20,7 @@ from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, m
 STEP_SMOOTHING = 0.2  # weight of the newest single-token step in the drafter's step estimate
 
 
-class ChainDrafter:
+class ChainDrafter(Proposer):
     """A drafter that proposes a chain one step at a time (the drafter model, the EAGLE head).
 
     Subclasses give ``start(committed)`` -- catch up on the committed tokens and return the head's

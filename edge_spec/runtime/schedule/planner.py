@@ -95,9 +95,9 @@ class DraftPlanner:
         calibration = calibration or AcceptanceCalibration()
         self.model = next((p for p in proposers if p.kind == "model"), None)
         self.estimates = RequestAcceptance(calibration)
-        self.certain = [p for p in proposers if p.kind == "sequence" and getattr(p, "certain", False)]
+        self.certain = [p for p in proposers if p.kind == "sequence" and p.certain]
         self.sequences = [
-            (p, LookupChoice(calibration.sequence, self.estimates, own_first=getattr(p, "own_first", False)))
+            (p, LookupChoice(calibration.sequence, self.estimates, own_first=p.own_first))
             for p in proposers
             if p.kind == "sequence" and p not in self.certain
         ]
