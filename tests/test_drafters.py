@@ -74,11 +74,13 @@ def test_its_costs_and_calibration_are_keyed_by_its_spec(engine):
 
 
 def test_the_bench_lists_and_runs_it(engine):
-    from edge_spec.bench import load_bench_prompts, modes_for, run_bench
-    from edge_spec.cli.bench import _benched_drafters, _mode_kinds, mode_kinds
+    from edge_spec.cli.bench import mode_groups  # the command's module first: it imports the bench's
 
-    assert "twin" in mode_kinds()
-    drafters = _benched_drafters(_mode_kinds("ar,twin"), [])
+    assert ("twin",) in [words for words, _ in mode_groups()]  # a --modes word of its own
+    from edge_spec.bench.command import benched_drafters, mode_kinds
+    from edge_spec.bench.runs import load_bench_prompts, modes_for, run_bench
+
+    drafters = benched_drafters(mode_kinds("ar,twin"), [])
     assert drafters == {"twin": None}
     default = engine.loaded.head_of("twin")
     modes = modes_for(engine, ["full"], chain(2, adaptive=True), [2], drafters=drafters, spec=False)
