@@ -168,7 +168,7 @@ def generate_tree(
             path += nodes[: 1 + result.accepted]
             tokens = [token] + result.tokens
         clock.verified()
-        tally = DraftBlock("model", steps=sum(b.steps for b in branches))
+        tally = DraftBlock(request.drafter.name, steps=sum(b.steps for b in branches))
         request.record_round(tally, len(path) - 1, tokens, clock, drafted=tally.steps, first_accepted=hit)
 
         # 3. keep the accepted path in the target's cache; the last emitted token becomes pending.
