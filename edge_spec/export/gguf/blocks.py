@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_spec.export import parallel
 from edge_spec.export.quantize import pack_codes, unpack_codes
 
 MS_DOMAIN = "com.microsoft"
@@ -275,17 +276,28 @@ def merge_half_blocks(w: CarriedBlocks) -> CarriedBlocks:
     if w.bits != 8 or w.block_size != 16 or w.k % 32 or w.correction is not None:
         return w
     zero = w.zero_points_or_default()
-    bands = [(start, min(start + BAND_ROWS, w.n)) for start in range(0, w.n, BAND_ROWS)]
-    for start, stop in bands:  # a band at a time: int32 copies of an embedding-sized head are gigabytes
-        if np.abs(_centred(w.packed[start:stop], zero[start:stop])).max(initial=0) > 32:
-            return w
+    step = max(1, BAND_ROWS // parallel.WORKERS)  # the workers share one band's memory
+    bands = [(start, min(start + step, w.n)) for start in range(0, w.n, step)]
+    widest = np.zeros(len(bands), np.int64)
+
+    def measure(band: int) -> None:  # a band at a time: int32 copies of an embedding-sized head are gigabytes
+        start, stop = bands[band]
+        widest[band] = np.abs(_centred(w.packed[start:stop], zero[start:stop])).max(initial=0)
+
+    parallel.each(measure, range(len(bands)))
+    if widest.max(initial=0) > 32:
+        return w
     n, blocks = w.scales.shape
     codes = np.empty((n, blocks // 2, 32), np.uint8)
     scale = np.empty((n, blocks // 2), np.float32)
-    for start, stop in bands:
+
+    def merge(band: tuple[int, int]) -> None:  # each worker writes its own rows
+        start, stop = band
         codes[start:stop], scale[start:stop] = _merged_rows(
             _centred(w.packed[start:stop], zero[start:stop]), w.scales[start:stop]
         )
+
+    parallel.each(merge, bands)
     return CarriedBlocks(codes, scale, None, 8, 32, w.source_type)
 
 
@@ -299,13 +311,16 @@ def _centred(packed: np.ndarray, zero: np.ndarray) -> np.ndarray:
 def _merged_rows(centred: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`merge_half_blocks` of some rows: (codes [n, blocks / 2, 32], scales [n, blocks / 2])."""
     n, blocks = scales.shape
-    values = (centred * scales[..., None]).reshape(n, blocks // 2, 32)  # float32: what each weight is
+    values = (centred * scales[..., None]).reshape(n, blocks // 2, 32)  # float64, exact: what each weight is
     pair = scales.reshape(n, blocks // 2, 2)
     larger = np.take_along_axis(pair, np.abs(pair).argmax(axis=-1)[..., None], axis=-1)[..., 0]
     scale = (larger / 4).astype(np.float32)
     safe = np.where(scale == 0, 1, scale)
-    codes = np.clip(np.rint(values / safe[..., None]), -128, 127).astype(np.int32) + 128
-    return codes.astype(np.uint8), scale
+    values /= safe[..., None]  # in place, as the rounding below: one float64 temporary a band
+    np.rint(values, out=values)
+    np.clip(values, -128, 127, out=values)
+    values += 128
+    return values.astype(np.uint8), scale
 
 
 def fold_correction(w: CarriedBlocks) -> CarriedBlocks:
