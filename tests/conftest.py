@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny models exported once per session through the real exporter path (plain helpers:
-``helpers.py``)."""
+"""Shared fixtures: tiny models exported once per session through the real exporter path, and engines on
+the int4 bundle shared within a test module (plain helpers: ``helpers.py``).  A module that needs another
+``engine`` (another bundle, a fresh one per test) defines its own, which takes the place of this one."""
 
 from __future__ import annotations
 
@@ -53,3 +54,23 @@ def target_path(int4_bundle):
     from edge_spec.manifest import read_manifest
 
     return int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]
+
+
+@pytest.fixture(scope="module")
+def engine(int4_bundle):
+    """The int4 tiny bundle's engine in its default mode (spec), one thread, closed at the module's end."""
+    from edge_spec.runtime.engine import Engine
+
+    engine = Engine.from_bundle(int4_bundle, mode="spec", threads=1)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def ar_engine(int4_bundle):
+    """The int4 tiny bundle's target-only engine (mode ar), one thread, closed at the module's end."""
+    from edge_spec.runtime.engine import Engine
+
+    engine = Engine.from_bundle(int4_bundle, mode="ar", threads=1)
+    yield engine
+    engine.close()

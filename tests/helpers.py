@@ -3,6 +3,7 @@ tokenizer in ``tiny_models.py``): bundle export, the CLI in a subprocess, token 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -25,6 +26,24 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+
+#: The base URL the in-process server answers on (Starlette's TestClient never opens the port).
+BASE = "http://127.0.0.1:8000"
+
+
+@contextlib.contextmanager
+def serving(engine, name: str = "tiny", **options):
+    """The app on ``engine`` in process, serving the model as ``name`` (``options``: ``build_app``'s);
+    yields an ``openai`` client talking to it and the raw HTTP client."""
+    import openai
+    from starlette.testclient import TestClient
+
+    from edge_spec.server.serve import build_app
+
+    app, _ = build_app(engine, name=name, **options)
+    with TestClient(app, base_url=BASE) as http:
+        yield openai.OpenAI(base_url=f"{BASE}/v1", api_key="any", http_client=http, max_retries=0), http
+
 
 # ---------------------------------------------------------------------------
 # bundles

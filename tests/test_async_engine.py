@@ -19,13 +19,6 @@ LONG = 200  # tokens: the tiny model's greedy answer to PROMPT runs to the limit
 
 
 @pytest.fixture(scope="module")
-def engine(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
 def reference(engine):
     """The synchronous engine's greedy answers."""
     return {n: engine.complete(PROMPT, max_new_tokens=n, temperature=0.0) for n in (12, LONG)}

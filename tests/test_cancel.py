@@ -15,31 +15,32 @@ from tests.helpers import chain
 
 
 @pytest.fixture()
-def engine(int4_bundle):
+def fresh_engine(int4_bundle):
+    """An engine no request has run on yet: its first request's set-up steps still to come."""
     return Engine.from_bundle(int4_bundle, threads=1, mode="spec")
 
 
 @pytest.mark.parametrize("slow_step", ["exact_for", "schedule_memory"])
-def test_a_cancel_during_the_first_request_checks_is_kept(engine, monkeypatch, slow_step):
+def test_a_cancel_during_the_first_request_checks_is_kept(fresh_engine, monkeypatch, slow_step):
     """The cancel arrives while a slow set-up step runs (as the first request's exactness check or cost
     measurement does): the answer must stop before its first token, not run to its end."""
-    real = getattr(engine, slow_step)
+    real = getattr(fresh_engine, slow_step)
 
     def slow(*args, **kwargs):
-        engine.cancel()  # the user pressed Ctrl-C (or the client went away) while this ran
+        fresh_engine.cancel()  # the user pressed Ctrl-C (or the client went away) while this ran
         time.sleep(0.05)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, slow_step, slow)
-    got = engine.complete("hello", max_new_tokens=64, temperature=0.0)
+    monkeypatch.setattr(fresh_engine, slow_step, slow)
+    got = fresh_engine.complete("hello", max_new_tokens=64, temperature=0.0)
     assert got.stats.stop_reason == "cancelled"
     assert got.token_ids == []
 
 
-def test_a_cancel_before_a_generation_does_not_stop_the_next_one(engine):
+def test_a_cancel_before_a_generation_does_not_stop_the_next_one(fresh_engine):
     """Negative control: a cancel with nothing running is not carried into the next request."""
-    engine.cancel()
-    got = engine.complete("hello", max_new_tokens=8, temperature=0.0)
+    fresh_engine.cancel()
+    got = fresh_engine.complete("hello", max_new_tokens=8, temperature=0.0)
     assert got.stats.stop_reason != "cancelled" and got.token_ids
 
 
@@ -60,16 +61,9 @@ ROUND_CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def round_engine(int4_bundle):
-    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(round_engine):
+def greedy_reference(engine):
     """The target's own greedy answer (batch-invariant passes, as the speculative modes run)."""
-    return round_engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, mode="ar", exact=True).token_ids
+    return engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, mode="ar", exact=True).token_ids
 
 
 def _stop_in_a_drafter_step(engine, config, monkeypatch):
@@ -116,20 +110,20 @@ def _check_stopped_then_whole(engine, got, steps, reference):
 
 
 @pytest.mark.parametrize("loop", ["chain", "tree", "ssd"])
-def test_a_cancel_between_drafter_steps_skips_the_verify_pass(round_engine, greedy_reference, monkeypatch, loop):
+def test_a_cancel_between_drafter_steps_skips_the_verify_pass(engine, greedy_reference, monkeypatch, loop):
     """Stop pressed while the drafter drafts: the round ends there, no target pass starts after it, every
     token given is one the target verified, and the same engine's next answer is the greedy answer."""
-    got, steps, passes = _stop_in_a_drafter_step(round_engine, ROUND_CONFIGS[loop], monkeypatch)
+    got, steps, passes = _stop_in_a_drafter_step(engine, ROUND_CONFIGS[loop], monkeypatch)
     assert passes == [], f"target passes of {passes} rows ran after the cancel"
-    _check_stopped_then_whole(round_engine, got, steps, greedy_reference)
+    _check_stopped_then_whole(engine, got, steps, greedy_reference)
 
 
-def test_a_cancel_stops_ssd_drafting_ahead(round_engine, greedy_reference, monkeypatch):
+def test_a_cancel_stops_ssd_drafting_ahead(engine, greedy_reference, monkeypatch):
     """SSD drafting the next round's outcomes while the target verifies: a cancel then stops that drafting
     at once; the verify pass under way ends and its verified tokens may be given, nothing more."""
     config = SsdConfig(gamma=3, speculations=4)  # four outcomes of two steps each after every verify pass
-    got, steps, _ = _stop_in_a_drafter_step(round_engine, config, monkeypatch)
-    _check_stopped_then_whole(round_engine, got, steps, greedy_reference)
+    got, steps, _ = _stop_in_a_drafter_step(engine, config, monkeypatch)
+    _check_stopped_then_whole(engine, got, steps, greedy_reference)
 
 
 # ---------------------------------------------------------------------------
@@ -196,19 +190,17 @@ def _cancel_in_a_pass(engine, monkeypatch, prompt, arm_at, decoder=None, **kwarg
 
 
 @pytest.mark.parametrize("loop", ["chain", "tree", "ssd"])
-def test_a_cancel_cuts_the_verify_pass_under_way(round_engine, greedy_reference, monkeypatch, loop):
+def test_a_cancel_cuts_the_verify_pass_under_way(engine, greedy_reference, monkeypatch, loop):
     """Stop pressed while the target verifies a round: the pass is cut, not waited for; the answer holds
     only verified tokens, and the same engine's next answer is the whole greedy answer."""
-    monkeypatch.setattr(round_engine, "config", ROUND_CONFIGS[loop])
-    got, seconds, passes = _cancel_in_a_pass(
-        round_engine, monkeypatch, ROUND_PROMPT, arm_at=4, max_new_tokens=ROUND_TOKENS
-    )
+    monkeypatch.setattr(engine, "config", ROUND_CONFIGS[loop])
+    got, seconds, passes = _cancel_in_a_pass(engine, monkeypatch, ROUND_PROMPT, arm_at=4, max_new_tokens=ROUND_TOKENS)
     assert passes[3] > 1, f"the cut pass fed {passes[3]} rows, not a round's drafts"
     assert seconds < CUT_WITHIN, f"the answer returned {seconds:.2f} s after the cancel"
     assert got.stats.stop_reason == "cancelled"
     assert 0 < len(got.token_ids) < ROUND_TOKENS
     assert got.token_ids == greedy_reference[: len(got.token_ids)]
-    again = round_engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, temperature=0.0)
+    again = engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, temperature=0.0)
     assert again.token_ids == greedy_reference
 
 
@@ -217,26 +209,26 @@ CHUNK = 16  # tokens per prefill pass, so that the prompt takes several
 
 
 @pytest.mark.parametrize("arm_at", [1, 2])
-def test_a_cancel_cuts_a_long_prompt_s_prefill_pass(round_engine, monkeypatch, arm_at):
+def test_a_cancel_cuts_a_long_prompt_s_prefill_pass(engine, monkeypatch, arm_at):
     """Stop pressed while a prompt longer than one prefill pass is read: the pass under way is cut, the
     cache keeps the passes that were read whole, and the next answer is the target's greedy answer."""
-    reference = round_engine.complete(LONG_PROMPT, max_new_tokens=16, mode="ar", exact=True).token_ids
-    round_engine.target.reset()
-    monkeypatch.setattr(round_engine, "config", chain(4))
-    monkeypatch.setattr(round_engine.target, "prefill_chunk", CHUNK)
-    got, seconds, passes = _cancel_in_a_pass(round_engine, monkeypatch, LONG_PROMPT, arm_at=arm_at, max_new_tokens=16)
-    assert len(round_engine.prompt_ids(LONG_PROMPT)) > 3 * CHUNK
+    reference = engine.complete(LONG_PROMPT, max_new_tokens=16, mode="ar", exact=True).token_ids
+    engine.target.reset()
+    monkeypatch.setattr(engine, "config", chain(4))
+    monkeypatch.setattr(engine.target, "prefill_chunk", CHUNK)
+    got, seconds, passes = _cancel_in_a_pass(engine, monkeypatch, LONG_PROMPT, arm_at=arm_at, max_new_tokens=16)
+    assert len(engine.prompt_ids(LONG_PROMPT)) > 3 * CHUNK
     assert passes[:arm_at] == [CHUNK] * arm_at
     assert seconds < CUT_WITHIN, f"the answer returned {seconds:.2f} s after the cancel"
     assert got.stats.stop_reason == "cancelled" and got.token_ids == []
-    assert round_engine.target.length == CHUNK * (arm_at - 1)  # the passes read whole, not the cut one
-    again = round_engine.complete(LONG_PROMPT, max_new_tokens=16, temperature=0.0)
+    assert engine.target.length == CHUNK * (arm_at - 1)  # the passes read whole, not the cut one
+    again = engine.complete(LONG_PROMPT, max_new_tokens=16, temperature=0.0)
     assert again.token_ids == reference
 
 
-def test_an_interrupt_with_no_pass_running_leaves_the_next_pass_alone(round_engine):
+def test_an_interrupt_with_no_pass_running_leaves_the_next_pass_alone(engine):
     """Negative control: an interrupt that comes between passes is not carried into the next one."""
-    target = round_engine.target
+    target = engine.target
     target.reset()
     first = target.forward([5, 6, 7], 3)["logits"]
     target.rewind(0)
@@ -247,18 +239,18 @@ def test_an_interrupt_with_no_pass_running_leaves_the_next_pass_alone(round_engi
 
 
 @pytest.mark.parametrize("loop", ["chain", "ssd"])
-def test_a_cancel_cuts_the_drafter_step_under_way(round_engine, greedy_reference, monkeypatch, loop):
+def test_a_cancel_cuts_the_drafter_step_under_way(engine, greedy_reference, monkeypatch, loop):
     """Stop pressed during a drafter step (SSD: while it drafts ahead of the verify pass under way): that
     pass is cut too, and the drafter's cache stays usable for the next answer."""
     config = ROUND_CONFIGS[loop] if loop == "chain" else SsdConfig(gamma=3, speculations=4)
-    monkeypatch.setattr(round_engine, "config", config)
-    drafter = round_engine.active_drafter(config).decoder
+    monkeypatch.setattr(engine, "config", config)
+    drafter = engine.active_drafter(config).decoder
     got, seconds, passes = _cancel_in_a_pass(
-        round_engine, monkeypatch, ROUND_PROMPT, arm_at=8, decoder=drafter, max_new_tokens=ROUND_TOKENS
+        engine, monkeypatch, ROUND_PROMPT, arm_at=8, decoder=drafter, max_new_tokens=ROUND_TOKENS
     )
     assert seconds < CUT_WITHIN, f"the answer returned {seconds:.2f} s after the cancel"
     assert got.stats.stop_reason == "cancelled"
     assert len(got.token_ids) < ROUND_TOKENS
     assert got.token_ids == greedy_reference[: len(got.token_ids)]
-    again = round_engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, temperature=0.0)
+    again = engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, temperature=0.0)
     assert again.token_ids == greedy_reference

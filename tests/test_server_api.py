@@ -4,7 +4,6 @@ Prometheus ``/metrics``.  In process (Starlette's TestClient, the ``openai`` cli
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -12,31 +11,11 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from starlette.testclient import TestClient  # noqa: E402
 
-from edge_spec.runtime.engine import Engine  # noqa: E402
-from edge_spec.server.serve import build_app  # noqa: E402
+from tests.helpers import serving  # noqa: E402
 
-BASE = "http://127.0.0.1:8000"
 NAME = "tiny"
 CHAT = [{"role": "user", "content": "What is 12 * 7?"}]
-
-
-@pytest.fixture(scope="module")
-def engine(int4_bundle):
-    return Engine.from_bundle(int4_bundle, mode="spec", threads=1)
-
-
-@pytest.fixture(scope="module")
-def ar_engine(int4_bundle):
-    return Engine.from_bundle(int4_bundle, mode="ar", threads=1)
-
-
-@contextlib.contextmanager
-def serving(engine, **options):
-    app, _ = build_app(engine, name=NAME, **options)
-    with TestClient(app, base_url=BASE) as http:
-        yield openai.OpenAI(base_url=f"{BASE}/v1", api_key="any", http_client=http, max_retries=0), http
 
 
 def error(response, status: int) -> dict:

@@ -5,21 +5,16 @@ The numbers are the engine's: greedy spec answers report what ``ar --exact`` rep
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 openai = pytest.importorskip("openai")
 
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob  # noqa: E402
 from openai.types.completion_choice import Logprobs  # noqa: E402
-from starlette.testclient import TestClient  # noqa: E402
 
-from edge_spec.runtime.engine import Engine  # noqa: E402
-from edge_spec.server.serve import build_app  # noqa: E402
 from edge_spec.server.tokens import TokenPieces  # noqa: E402
+from tests.helpers import serving  # noqa: E402
 
-BASE = "http://127.0.0.1:8000"
 NAME = "tiny"
 CHAT = [{"role": "user", "content": "What is 12 * 7?"}]
 PROMPT = "the cat sat on the mat and the"
@@ -27,25 +22,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engine(int4_bundle):
-    return Engine.from_bundle(int4_bundle, mode="spec", threads=1)
-
-
-@pytest.fixture(scope="module")
-def ar_engine(int4_bundle):
-    return Engine.from_bundle(int4_bundle, mode="ar", threads=1)
-
-
-@pytest.fixture(scope="module")
 def pieces(engine):
     return TokenPieces(engine.tokenizer.tokenizer)
-
-
-@contextlib.contextmanager
-def serving(engine):
-    app, _ = build_app(engine, name=NAME)
-    with TestClient(app, base_url=BASE) as http:
-        yield openai.OpenAI(base_url=f"{BASE}/v1", api_key="any", http_client=http, max_retries=0), http
 
 
 def ar_exact(ar_engine, prompt, top, max_tokens):

@@ -8,23 +8,20 @@ real engine, whose constrained answer must be a call.
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from starlette.testclient import TestClient  # noqa: E402
 
 from edge_spec.manifest import read_manifest, tokenizer_record, write_manifest  # noqa: E402
 from edge_spec.runtime.engine import Engine, GenerationStats  # noqa: E402
 from edge_spec.runtime.text import TOKEN_MARK, StreamingDetokenizer  # noqa: E402
-from edge_spec.server.serve import build_app  # noqa: E402
 from tests.chat_templates import QWEN25_SHORT  # noqa: E402
-from tests.helpers import export_tiny  # noqa: E402
+from tests.helpers import BASE, export_tiny  # noqa: E402
+from tests.helpers import serving as serving_as  # noqa: E402
 
-BASE = "http://127.0.0.1:8000"
 NAME = "tiny-tools"
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 WEATHER = {
@@ -76,12 +73,9 @@ def engine(tools_bundle):
     return Engine.from_bundle(tools_bundle, mode="spec", threads=1)
 
 
-@contextlib.contextmanager
 def serving(engine, **options):
-    """The app in process; yields an ``openai`` client talking to it and the raw HTTP client."""
-    app, _ = build_app(engine, name=NAME, **options)
-    with TestClient(app, base_url=BASE) as http:
-        yield openai.OpenAI(base_url=f"{BASE}/v1", api_key="any", http_client=http, max_retries=0), http
+    """The app in process serving the tools model as ``NAME`` (:func:`tests.helpers.serving`)."""
+    return serving_as(engine, NAME, **options)
 
 
 class Scripted:
