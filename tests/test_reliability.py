@@ -141,15 +141,13 @@ def test_add_heads_interrupted_leaves_the_bundle_as_it_was(tmp_path, tiny_pair):
     assert _siblings(bundle) == ["bundle", "calibration.txt"]
 
 
-def test_info_checks_the_files_like_generate(tmp_path, fp32_bundle):
-    from edge_spec.cli.info import info
-
+def test_info_checks_the_files_like_generate(tmp_path, fp32_bundle, monkeypatch, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(fp32_bundle, broken)
     data = broken / "draft" / "head_full.onnx.data"
     data.write_bytes(data.read_bytes()[:-10])
-    with pytest.raises(EdgeSpecError, match="size differs"):
-        info(broken)
+    code, _, err = _cli(monkeypatch, capsys, "info", str(broken))
+    assert code == 1 and "size differs" in err and "Traceback" not in err
 
 
 # -- one engine, several callers --------------------------------------------------------------------

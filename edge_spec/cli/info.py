@@ -7,26 +7,22 @@ from typing import Optional
 
 import typer
 
+from edge_spec.cli.groups import takes_groups
 from edge_spec.cli.loading import find_bundle, load_options, loop_config, open_engine, provider_options
 from edge_spec.cli.options import (
     DRAFT_HEAD,
-    DraftProviderOpt,
     GammaOpt,
-    ProviderOpt,
-    ProviderOptionOpt,
-    ThreadsOpt,
-    VerifyOpt,
+    LoadFlags,
 )
 from edge_spec.cli.output import out
-from edge_spec.defaults import DEFAULT_PROVIDER
 from edge_spec.errors import EdgeSpecError
 
 
+@takes_groups
 def info(
     bundle: Optional[Path] = typer.Argument(
         None, help="Bundle directory (default: the default bundle; with --providers alone: none)."
     ),
-    verify: bool = VerifyOpt,
     costs: bool = typer.Option(
         False,
         "--costs",
@@ -42,7 +38,6 @@ def info(
         "load, power mode or hardware; run it with the settings you use: --threads, --draft-head, --gamma, "
         "the providers).",
     ),
-    threads: int = ThreadsOpt,
     gamma: Optional[int] = GammaOpt,
     draft_head: Optional[str] = typer.Option(
         None, "--draft-head", help=f"{DRAFT_HEAD}. With --costs: the head profiled; default: the bundle's default head."
@@ -52,26 +47,24 @@ def info(
         "--providers",
         help="List the execution providers: present in this onnxruntime build, and whether a session on each one runs.",
     ),
-    provider: str = ProviderOpt,
-    draft_provider: Optional[str] = DraftProviderOpt,
-    provider_option: list[str] = ProviderOptionOpt,
+    load: LoadFlags = ...,
 ) -> None:
     """Show what a bundle holds (after checking its files as `generate` does), the execution providers,
     or this machine's costs."""
     from edge_spec.manifest import read_manifest, verify_files
 
-    if remeasure is True and costs is not True:
+    if remeasure and not costs:
         raise EdgeSpecError("--remeasure measures the cost profile again: give it with --costs")
-    if providers is True:  # (a direct Python call leaves typer's OptionInfo default here)
+    if providers:
         from edge_spec.runtime.model.providers import provider_report
 
-        for name, line in provider_report(provider_options(provider_option)):
+        for name, line in provider_report(provider_options(load.provider_option)):
             out.print(f"{name:9s} {line}")
         if bundle is None:
             return
     bundle = find_bundle(bundle)
     manifest = read_manifest(bundle)
-    verify_files(bundle, manifest, full_hash=verify)
+    verify_files(bundle, manifest, full_hash=load.verify)
     for role in ("target", "draft"):
         m = manifest[role]
         c = m["config"]
@@ -93,19 +86,10 @@ def info(
             f"{e.get('default_head', 'full')}{layout}"
         )
     if costs:
-        _print_costs(bundle, threads, gamma, draft_head, provider, draft_provider, provider_option, remeasure is True)
+        _print_costs(bundle, load, gamma, draft_head, remeasure)
 
 
-def _print_costs(
-    bundle: Path,
-    threads: int,
-    gamma: int | None,
-    draft_head: str | None,
-    provider: str = DEFAULT_PROVIDER,
-    draft_provider: str | None = None,
-    provider_option: list[str] | None = None,
-    remeasure: bool = False,
-) -> None:
+def _print_costs(bundle: Path, load: LoadFlags, gamma: int | None, draft_head: str | None, remeasure: bool) -> None:
     """The row-cost curve the schedule plans with, and what it makes of it, on the placement given (a GPU's
     curve has its own steps: the plan follows them); ``remeasure``: measured again, not read from the cache."""
     import contextlib
@@ -115,12 +99,13 @@ def _print_costs(
 
     config = loop_config("spec", gamma=gamma)
     gamma = config.gamma
+    provider, draft_provider, threads = load.provider, load.draft_provider, load.threads
     options = load_options(
         provider=provider,
         threads=threads,
         draft_head=draft_head,
         draft_provider=draft_provider,
-        provider_option=provider_option,
+        provider_option=load.provider_option,
     )
     with cost_profile.remeasuring() if remeasure else contextlib.nullcontext():
         engine = open_engine(bundle, config, options)
