@@ -278,6 +278,13 @@ def test_the_configured_defaults_are_read_without_torch_or_uvicorn():
     assert result.stdout.strip() == "[]"
 
 
+def test_the_bench_work_imports_on_its_own():
+    """``edge_spec.bench.command`` (the bench command's work) imports before the command line does: the mode
+    words the command's help lists do not come from a module that imports the command line."""
+    result = subprocess.run([sys.executable, "-c", "import edge_spec.bench.command"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_every_command_has_a_help():
     for command in typer.main.get_command(app).commands:
         assert "Usage:" in _help(command)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from edge_spec.bench.command import DEFAULT_MODES, SESSION_MODES, mode_groups
+from edge_spec.bench.modes import DEFAULT_MODES, SESSION_MODES, mode_groups
 from edge_spec.cli.groups import option, takes_groups
 from edge_spec.cli.options import (
     DRAFT_HEAD,
