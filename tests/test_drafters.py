@@ -97,3 +97,8 @@ def test_the_bench_lists_and_runs_it(engine):
 def test_a_drafter_that_is_not_registered_is_refused_in_one_line(twin):
     with pytest.raises(EdgeSpecError, match="--drafter must be one of model, eagle, twin, not 'triplet'"):
         loop_config("spec", drafter="triplet")
+
+
+def test_each_registry_entry_is_named_as_its_drafter_drafts(twin):
+    """The registry's key is the name ``--drafter`` takes and the source every draft of it carries."""
+    assert all(spec.name == name for name, spec in DRAFTERS.items())

@@ -212,9 +212,7 @@ class _EagleLoader:
         d2t = load_array(root / entry["d2t"])
         ids = check_vocab_ids(np.arange(len(d2t)) + d2t, bundle.target.vocab_size)
         embedding = TargetEmbedding.from_onnx(root / bundle.manifest["target"]["onnx"])
-        drafter = EagleDrafter(layer, fc, embedding.rows, ids, bundle.target.vocab_size)
-        drafter.name = spec.name
-        return drafter
+        return EagleDrafter(layer, fc, embedding.rows, ids, bundle.target.vocab_size, name=spec.name)
 
     def _lm_head(self, name: str | None) -> DraftHead | SpecVocabHead | None:
         """An LM head, loaded on first use (None: the single graph has it inside)."""

@@ -32,9 +32,8 @@ from edge_spec.runtime.propose.model import ChainDrafter
 
 
 class EagleDrafter(ChainDrafter):
-    """The ``eagle`` proposer (see :mod:`propose.base`)."""
-
-    name = "eagle"
+    """The EAGLE-3 head as a proposer (see :mod:`propose.base`); its name is its registry entry's
+    (``propose.drafters``)."""
 
     def __init__(
         self,
@@ -44,8 +43,11 @@ class EagleDrafter(ChainDrafter):
         draft_ids: np.ndarray,
         vocab_size: int,
         lm_head: DraftHead | SpecVocabHead | None = None,
+        *,
+        name: str,
     ) -> None:
         super().__init__(vocab_size)
+        self.name = name  # its drafts' source
         self.head = head  # the layer graph and its one-layer KV cache; its tokens are each pair's token
         self.fc = fc
         self.embed = embed  # target ids -> rows of the target's embedding
