@@ -3,6 +3,7 @@ EAGLE LM heads on an existing bundle)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import Optional
 import typer
 
 from edge_spec import extras
-from edge_spec.cli.groups import takes_groups
+from edge_spec.cli.groups import option, takes_groups
 from edge_spec.cli.options import (
     DRAFT_SOURCE,
     DRAFT_VOCAB,
@@ -28,6 +29,50 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.export.options import ExportOptions
 
 
+@dataclass(frozen=True)
+class GraphFlags:
+    """How the models' graphs are built: quantization, context, what GGUF sources keep."""
+
+    quant: str = option(
+        typer.Option(EXPORT_DEFAULTS.quant, help="Weight quantization: int4 (MatMulNBits), int8 or fp32.")
+    )
+    block_size: int = option(
+        typer.Option(EXPORT_DEFAULTS.block_size, help="Quantization block size (the target's re-quantized matrices).")
+    )
+    draft_block_size: int = option(
+        typer.Option(
+            EXPORT_DEFAULTS.draft_block_size,
+            help="The drafter's quantization block size: its rounding moves "
+            "acceptance only, and larger blocks make a draft step faster.",
+        )
+    )
+    accuracy_level: int = option(
+        typer.Option(
+            EXPORT_DEFAULTS.accuracy_level, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."
+        )
+    )
+    context_length: int = option(
+        typer.Option(EXPORT_DEFAULTS.context_length, help="Maximum context (KV cache capacity, rotary table size).")
+    )
+    gguf_blocks: str = option(
+        typer.Option(
+            EXPORT_DEFAULTS.gguf_blocks,
+            help="Which GGUF sources keep their quantized blocks in "
+            "MatMulNBits (rounded once, by llama.cpp) instead of being re-quantized to "
+            "--block-size blocks: target (default), both or none.",
+        )
+    )
+    gguf_layout: str = option(
+        typer.Option(
+            EXPORT_DEFAULTS.gguf_layout,
+            help="Carried GGUF blocks: fast (default; Q6_K's 16-blocks merged into "
+            "32-blocks, the zero-point correction folded into the matmul, rounding far "
+            "below GGUF's step), exact (as GGUF has them; slower) or small (as fast, "
+            "with the 8-bit blocks, Q6_K's, rounded to 4 bits: faster, less faithful).",
+        )
+    )
+
+
 @takes_groups
 def export(
     target: Optional[str] = typer.Option(None, help="Target source: registry name, GGUF file, HF directory or hub id."),
@@ -37,34 +82,7 @@ def export(
     output: Optional[Path] = output_option(
         "the bundle's", "bundles/<target>-<quant> in the models directory, see edge-spec models"
     ),
-    quant: str = typer.Option(EXPORT_DEFAULTS.quant, help="Weight quantization: int4 (MatMulNBits), int8 or fp32."),
-    block_size: int = typer.Option(
-        EXPORT_DEFAULTS.block_size, help="Quantization block size (the target's re-quantized matrices)."
-    ),
-    draft_block_size: int = typer.Option(
-        EXPORT_DEFAULTS.draft_block_size,
-        help="The drafter's quantization block size: its rounding moves "
-        "acceptance only, and larger blocks make a draft step faster.",
-    ),
-    accuracy_level: int = typer.Option(
-        EXPORT_DEFAULTS.accuracy_level, help="MatMulNBits accuracy level (4 = int8 activations, 0 = fp32)."
-    ),
-    context_length: int = typer.Option(
-        EXPORT_DEFAULTS.context_length, help="Maximum context (KV cache capacity, rotary table size)."
-    ),
-    gguf_blocks: str = typer.Option(
-        EXPORT_DEFAULTS.gguf_blocks,
-        help="Which GGUF sources keep their quantized blocks in "
-        "MatMulNBits (rounded once, by llama.cpp) instead of being re-quantized to "
-        "--block-size blocks: target (default), both or none.",
-    ),
-    gguf_layout: str = typer.Option(
-        EXPORT_DEFAULTS.gguf_layout,
-        help="Carried GGUF blocks: fast (default; Q6_K's 16-blocks merged into "
-        "32-blocks, the zero-point correction folded into the matmul, rounding far "
-        "below GGUF's step), exact (as GGUF has them; slower) or small (as fast, "
-        "with the 8-bit blocks, Q6_K's, rounded to 4 bits: faster, less faithful).",
-    ),
+    graph: GraphFlags = ...,
     draft_vocab: str = typer.Option(
         EXPORT_DEFAULTS.draft_vocab,
         help=f"{DRAFT_VOCAB}: comma list of full, trim "
@@ -93,38 +111,35 @@ def export(
     default_target, default_draft = default_pair()
     target = target or default_target
     draft = draft or default_draft
-    output = output or bundle_dir(target, quant)
-    options = heads.export_options(
-        draft_vocab,
-        quant=quant,
-        block_size=block_size,
-        draft_block_size=draft_block_size,
-        accuracy_level=accuracy_level,
-        context_length=context_length,
-        gguf_blocks=gguf_blocks,
-        gguf_layout=gguf_layout,
-    )
+    output = output or bundle_dir(target, graph.quant)
+    options = heads.export_options(draft_vocab, **dataclasses.asdict(graph))
     job = ExportJob(target, draft, output, options, eagle, measure)
     try:
         with _Screen("exporting") as screen:
-            if not _watched():
+            if _watched():
+                _run_watched(job, screen)
+            else:
                 run_export(job, screen.show)
-                return
-            from edge_spec.export.bundle import check_before_build
-
-            # here, not in the child: a refusal then takes the command's start, not a second interpreter's
-            job.output = check_before_build(
-                target, draft, output, options, lambda line: screen.show(("progress", line))
-            )
-            job.checked = True
-            from edge_spec.export import install, watchdog
-
-            def cleanup() -> None:  # what a killed child left (a later export would remove it too)
-                install.prepare(Path(output).expanduser().resolve())
-
-            watchdog.run("edge_spec.cli.export:run_export", job, screen.show, kept=_kept_at(output), cleanup=cleanup)
     except KeyboardInterrupt:  # said as one line by the command (typer would end it without a word)
         raise typer.Abort() from None
+
+
+def _run_watched(job: ExportJob, screen: _Screen) -> None:
+    """Check what the command can before the work starts, then run it in a child process it watches."""
+    from edge_spec.export.bundle import check_before_build
+
+    # here, not in the child: a refusal then takes the command's start, not a second interpreter's
+    output = job.output
+    job.output = check_before_build(
+        job.target, job.draft, output, job.options, lambda line: screen.show(("progress", line))
+    )
+    job.checked = True
+    from edge_spec.export import install, watchdog
+
+    def cleanup() -> None:  # what a killed child left (a later export would remove it too)
+        install.prepare(Path(output).expanduser().resolve())
+
+    watchdog.run("edge_spec.cli.export:run_export", job, screen.show, kept=_kept_at(output), cleanup=cleanup)
 
 
 @dataclass
