@@ -323,39 +323,38 @@ def _run_mode(
     if mode.head is None:
         references.setdefault(exact, completion.token_ids)
         return record, completion
-    spec = stats.spec
-    record.update(
-        {
-            k: getattr(spec, k)
-            for k in (
-                "tau",
-                "mbsu",
-                "acceptance_rate",
-                "mean_gamma",
-                "param_ratio",
-                "target_calls",
-                "draft_seconds",
-                "verify_seconds",
-                "head_seconds",
-                "draft_steps",
-                "candidate_recall",
-                "first_token_acceptance",
-                "cache_hit_rate",
-            )
-        }
-    )
-    record.update(
-        guess_rounds=spec.tally("guess").rounds,
-        guess_accepted=spec.tally("guess").accepted,
-        lookup_rounds=spec.tally("lookup").rounds,
-        lookup_accepted=spec.tally("lookup").accepted,
-        suffix_rounds=spec.tally("suffix").rounds,
-        suffix_accepted=spec.tally("suffix").accepted,
-    )
+    record.update(_spec_columns(stats.spec))
     reference = references.get(exact)  # None: no target-only run with these numerics (--no-reference)
     record["identical_to_ar"] = None if reference is None else completion.token_ids == reference
     record["identical_to_one_row_ar"] = completion.token_ids == references.get(False)
     return record, completion
+
+
+SPEC_COLUMNS = (
+    "tau",
+    "mbsu",
+    "acceptance_rate",
+    "mean_gamma",
+    "param_ratio",
+    "target_calls",
+    "draft_seconds",
+    "verify_seconds",
+    "head_seconds",
+    "draft_steps",
+    "candidate_recall",
+    "first_token_acceptance",
+    "cache_hit_rate",
+)
+SEQUENCE_SOURCES = ("guess", "lookup", "suffix")  # proposers whose rounds and accepted tokens a record counts
+
+
+def _spec_columns(spec) -> dict:
+    """A speculative answer's columns: its speculation statistics and each sequence source's rounds."""
+    columns = {k: getattr(spec, k) for k in SPEC_COLUMNS}
+    for source in SEQUENCE_SOURCES:
+        columns[f"{source}_rounds"] = spec.tally(source).rounds
+        columns[f"{source}_accepted"] = spec.tally(source).accepted
+    return columns
 
 
 def _deterministic(temperature: float, sampler: str) -> bool:

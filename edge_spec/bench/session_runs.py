@@ -95,26 +95,9 @@ def run_sessions(
                         continue  # only greedy and coupled answers are compared token for token
                     runner = baseline if baseline is not None and mode.name == "ar" else engine
                     start_afresh(runner, mode)
+                    turns = dict(temperature=temperature, max_new_tokens=max_new_tokens, sampler=sampler)
                     for session in block:
-                        answers: list[str] = []
-                        for turn in range(len(session["turns"])):
-                            key = (session["id"], turn)
-                            limit = session["max_tokens"]
-                            record, completion = _run_mode(
-                                runner,
-                                mode,
-                                turn_messages(session, turn, answers),
-                                references.setdefault(key, {}),
-                                max_new_tokens=limit if max_new_tokens is None else min(limit, max_new_tokens),
-                                temperature=temperature,
-                                seed=seeds[key],
-                                sampler=sampler,
-                                tools=session["tools"],
-                            )
-                            answers.append(completion.text)
-                            record.update(
-                                category=session["category"], session=session["id"], turn=turn, answer=completion.text
-                            )
+                        for key, record in _replay(runner, mode, session, references, seeds, **turns):
                             keep_fastest(fastest, (mode.name, *key), record)
             records.extend(fastest.values())
             done += sum(len(session["turns"]) for session in block)
@@ -135,6 +118,29 @@ def run_sessions(
         "gamma": schedule.gamma,
         "adaptive": getattr(schedule, "adaptive", False),
     }
+
+
+def _replay(runner: Engine, mode: BenchMode, session: dict, references: dict, seeds: dict, **turns):
+    """Answer ``session`` turn by turn in ``mode``, each answer feeding the next turn's messages; yields
+    each turn's key and record.  ``turns``: temperature, max_new_tokens (None: the session's), sampler."""
+    max_new_tokens = turns.pop("max_new_tokens")
+    answers: list[str] = []
+    for turn in range(len(session["turns"])):
+        key = (session["id"], turn)
+        limit = session["max_tokens"]
+        record, completion = _run_mode(
+            runner,
+            mode,
+            turn_messages(session, turn, answers),
+            references.setdefault(key, {}),
+            max_new_tokens=limit if max_new_tokens is None else min(limit, max_new_tokens),
+            seed=seeds[key],
+            tools=session["tools"],
+            **turns,
+        )
+        answers.append(completion.text)
+        record.update(category=session["category"], session=session["id"], turn=turn, answer=completion.text)
+        yield key, record
 
 
 def start_afresh(engine: Engine, mode: BenchMode) -> None:

@@ -447,50 +447,61 @@ def collect(
             arrays, _ = collect_prompt(decoder, tokenizer, item, options.answer_tokens)
         else:
             arrays = collect_text(decoder, item)
-        number = len(progress.items)
-        name = f"{number:05d}-{item.kind}.npz"
-        while (out_dir / SHARDS / name).exists():  # a shard a killed run wrote but never recorded
-            number += 1
-            name = f"{number:05d}-{item.kind}.npz"
-        _write_shard(out_dir / SHARDS / name, arrays)
-        labelled = int((arrays["labels"] >= 0).sum())
-        progress.items[item.key] = {
-            "shard": name,
-            "split": "held_out" if item.held_out else "train",
-            "kind": item.kind,
-            "category": item.category,
-            "rows": int(len(arrays["tokens"])),
-            "labelled": labelled,
-        }
+        labelled = _store(out_dir, progress, item, arrays)
         progress.seconds = base_seconds + time.perf_counter() - started
         progress.save(out_dir)
         done_now += 1
         rows_now += labelled
         if report is not None:
             elapsed = time.perf_counter() - started
-            remaining = len(todo) - done_now
-            eta = elapsed / done_now * remaining
-            if options.time_budget is not None:
-                eta = min(eta, max(options.time_budget - elapsed, 0.0))
-            report(
-                {
-                    "done": len(progress.items),
-                    "total": len(progress.items) + remaining,
-                    "item": item.key,
-                    "kind": item.kind,
-                    "labelled": labelled,
-                    "tokens": progress.totals(),
-                    "elapsed": elapsed,
-                    "eta": eta,
-                    "rate": rows_now / max(elapsed, 1e-9),
-                }
-            )
+            run = (done_now, len(todo) - done_now, rows_now, elapsed)
+            report(_progress_line(progress, item, labelled, run, options.time_budget))
     return {
         "settings": progress.settings,
         "items": progress.items,
         "seconds": progress.seconds,
         "totals": progress.totals(),
         "pending": len(items) - sum(1 for i in items if i.key in progress.items),
+    }
+
+
+def _store(out_dir: Path, progress: Progress, item, arrays: dict[str, np.ndarray]) -> int:
+    """Write one item's shard under a name no earlier shard has and record it; returns its labelled rows."""
+    number = len(progress.items)
+    name = f"{number:05d}-{item.kind}.npz"
+    while (out_dir / SHARDS / name).exists():  # a shard a killed run wrote but never recorded
+        number += 1
+        name = f"{number:05d}-{item.kind}.npz"
+    _write_shard(out_dir / SHARDS / name, arrays)
+    labelled = int((arrays["labels"] >= 0).sum())
+    progress.items[item.key] = {
+        "shard": name,
+        "split": "held_out" if item.held_out else "train",
+        "kind": item.kind,
+        "category": item.category,
+        "rows": int(len(arrays["tokens"])),
+        "labelled": labelled,
+    }
+    return labelled
+
+
+def _progress_line(progress: Progress, item, labelled: int, run: tuple[int, int, int, float], budget) -> dict:
+    """What ``collect``'s reporter gets after an item; ``run``: this run's items done and left, labelled rows
+    and elapsed seconds; ``budget``: its time budget in seconds (None: none)."""
+    done_now, remaining, rows_now, elapsed = run
+    eta = elapsed / done_now * remaining
+    if budget is not None:
+        eta = min(eta, max(budget - elapsed, 0.0))
+    return {
+        "done": len(progress.items),
+        "total": len(progress.items) + remaining,
+        "item": item.key,
+        "kind": item.kind,
+        "labelled": labelled,
+        "tokens": progress.totals(),
+        "elapsed": elapsed,
+        "eta": eta,
+        "rate": rows_now / max(elapsed, 1e-9),
     }
 
 

@@ -496,29 +496,9 @@ def checkpoint_options(work_dir) -> TrainOptions | None:
     return TrainOptions(**state["options"])
 
 
-def train(
-    work_dir,
-    target: Target,
-    options: TrainOptions,
-    *,
-    resume: bool = False,
-    time_budget: float | None = None,
-    checkpoint_seconds: float = CHECKPOINT_SECONDS,
-    threads: int = 0,
-    log: Callable[[str], None] | None = None,
-    stop_after: int | None = None,
-    extend_steps: int | None = None,
-) -> Trainer:
-    """Train (or continue) the head in ``work_dir/train``; returns the trainer at the end.
-
-    ``time_budget``: seconds of training in this run (the final evaluation and checkpoint follow);
-    ``stop_after``: stop at this step (tests: simulate an interruption); ``extend_steps`` (with
-    ``resume``): continue to this many steps in all, the cosine schedule stretched to the new end
-    (a warm restart: the learning rate goes back up to where the longer schedule would be).  A plain
-    resume keeps the checkpoint's options and schedule, so it continues bit for bit."""
-    if threads:
-        torch.set_num_threads(threads)
-    log = log or (lambda message: None)
+def _start(work_dir, target: Target, options: TrainOptions, resume: bool, extend_steps, log) -> Trainer:
+    """The trainer a run starts from: a checkpoint's (``resume``, its options kept and its schedule
+    stretched to ``extend_steps``) or a fresh one, evaluated once before its first step."""
     checkpoint = Path(work_dir) / "train" / CHECKPOINT
     if checkpoint.is_file() and not resume:
         raise EdgeSpecError(
@@ -546,6 +526,33 @@ def train(
         )
         entry = trainer.record(trainer.evaluate(), "start")
         log(_describe(entry))
+    return trainer
+
+
+def train(
+    work_dir,
+    target: Target,
+    options: TrainOptions,
+    *,
+    resume: bool = False,
+    time_budget: float | None = None,
+    checkpoint_seconds: float = CHECKPOINT_SECONDS,
+    threads: int = 0,
+    log: Callable[[str], None] | None = None,
+    stop_after: int | None = None,
+    extend_steps: int | None = None,
+) -> Trainer:
+    """Train (or continue) the head in ``work_dir/train``; returns the trainer at the end.
+
+    ``time_budget``: seconds of training in this run (the final evaluation and checkpoint follow);
+    ``stop_after``: stop at this step (tests: simulate an interruption); ``extend_steps`` (with
+    ``resume``): continue to this many steps in all, the cosine schedule stretched to the new end
+    (a warm restart: the learning rate goes back up to where the longer schedule would be).  A plain
+    resume keeps the checkpoint's options and schedule, so it continues bit for bit."""
+    if threads:
+        torch.set_num_threads(threads)
+    log = log or (lambda message: None)
+    trainer = _start(work_dir, target, options, resume, extend_steps, log)
     started = time.perf_counter()
     last_save = started
     seconds_before = trainer.seconds
