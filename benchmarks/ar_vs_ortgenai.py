@@ -253,7 +253,7 @@ class OursSide:
 
     def run(self) -> dict:
         n_new = self.args.new_tokens
-        self.engine.target.reset()  # full prefill every run (the engine would otherwise reuse the cached prompt)
+        self.engine.bundle.target.reset()  # full prefill every run (the engine would otherwise reuse the cached prompt)
         c = self.engine.complete(self.messages, max_new_tokens=n_new, temperature=0.0)
         s = c.stats
         if s.new_tokens >= n_new:
@@ -268,14 +268,15 @@ class OursSide:
         import numpy as np
 
         from edge_spec.runtime.loops.autoregressive import generate_autoregressive
+        from edge_spec.runtime.loops.request import Request
         from edge_spec.runtime.verify.sampling import SamplingParams
 
         self.note = f"engine stopped at EOS after {s.new_tokens} tokens; timed with the bare AR loop instead"
-        target = self.engine.target
+        target = self.engine.bundle.target
         target.reset()
         start = time.perf_counter()
         loop = generate_autoregressive(
-            target, self.prompt_ids, SamplingParams(temperature=0.0), np.random.default_rng(0), n_new
+            Request(target, [], self.prompt_ids, SamplingParams(temperature=0.0), np.random.default_rng(0), n_new)
         )
         next(loop)
         first = time.perf_counter()

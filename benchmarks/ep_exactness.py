@@ -85,10 +85,10 @@ def main() -> None:
     if args.answer_tokens <= 0:
         return
     engine = Engine.from_bundle(args.bundle, provider=args.provider, mode="spec")
-    print(f"the engine's own check: padded passes batch-invariant here: {engine.loaded.exact_available()}")
-    engine.loaded._padded_exact = True  # measure what the pad gives even where the check refuses exact mode
+    print(f"the engine's own check: padded passes batch-invariant here: {engine.bundle.exact_available()}")
+    engine.bundle._padded_exact = True  # measure what the pad gives even where the check refuses exact mode
     print(
-        f"greedy spec against ar --exact on {args.provider} (exact passes: {engine.loaded.exact_rows()} rows at least):"
+        f"greedy spec against ar --exact on {args.provider} (exact passes: {engine.bundle.exact_rows()} rows at least):"
     )
     longest = args.pad - 1 if args.pad else 15
     for prompt, label, equal, per_round in greedy_equality(engine, args.answer_tokens, longest):

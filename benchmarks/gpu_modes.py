@@ -37,7 +37,7 @@ def modes() -> list[tuple[str, object, str | None]]:
 def run_mode(engine: Engine, config, prompts: list[str], tokens: int) -> tuple[float, int, dict[str, float]]:
     engine.config = config
     engine.complete(prompts[0], max_new_tokens=4)  # warm-up: shader compilation, first allocations
-    target = engine.target
+    target = engine.bundle.target
     target.transfers.reset()
     generated, seconds = 0, 0.0
     for prompt in prompts:

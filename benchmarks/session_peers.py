@@ -368,7 +368,7 @@ class Ours:
             extra["stats"] = {
                 key: summary[key] for key in ("tau", "mean_gamma", "acceptance_rate", "target_calls", "sources")
             }
-        eos = set(engine.tokenizer.eos_token_ids)
+        eos = set(engine.bundle.tokenizer.eos_token_ids)
         return result(list(engine.last_token_ids), eos, 1, stats.decode_seconds, stats.prefill_seconds, **extra)
 
     def close(self) -> None:

@@ -403,7 +403,7 @@ class Ours:
         self.baseline = Engine.from_bundle(args.bundle, threads=args.threads, mode="ar")
         self.modes = modes_for(
             self.engine,
-            [self.engine.draft_head],
+            [self.engine.bundle.draft_head],
             chain,
             args.k if args.our_k is None else args.our_k,
             lookup=args.lookup,
@@ -429,9 +429,9 @@ class Ours:
         records = []
         for mode in self.modes:
             runner = self.baseline if mode.name == "ar" else self.engine
-            runner.target.rewind(0)
+            runner.bundle.target.rewind(0)
             if mode.head:
-                runner.active_drafter(mode.config).rewind(0)
+                runner.bundle.active_drafter(mode.config).rewind(0)
             (record,) = run_bench(
                 self.engine,
                 [item],

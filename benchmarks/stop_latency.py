@@ -138,14 +138,17 @@ def main() -> None:
     except EdgeSpecError as error:
         sys.exit(f"error: {error}")
     engine.complete("def fib(n):", max_new_tokens=8, temperature=0.0)  # the first answer's one-time checks
-    clock = PassClock([engine.target] + ([engine.active_drafter().decoder] if engine.config.mode != "ar" else []))
+    clock = PassClock(
+        [engine.bundle.target]
+        + ([engine.bundle.active_drafter(engine.config).decoder] if engine.config.mode != "ar" else [])
+    )
     delays = np.random.default_rng(args.seed).uniform(0.3, 2.0, args.stops)
     stops = []
     for index, delay in enumerate(delays):
         stop = one_stop(engine, clock, index, float(delay), args.max_new_tokens)
         print(json.dumps(stop), flush=True)
         stops.append(stop)
-    bundle, mode = str(engine.bundle_dir), engine.config.mode
+    bundle, mode = str(engine.bundle.bundle_dir), engine.config.mode
     engine.close()
     measured = [s for s in stops if s["stop_reason"] == "cancelled" and s["latency_s"] is not None]
     stopped = [s["latency_s"] for s in measured]

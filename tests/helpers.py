@@ -119,19 +119,27 @@ def guesses_only():
     return ChainConfig(gamma=1, adaptive=False, proposers=("guess",))
 
 
+def loop_tokens(config, target, context, prompt_ids, params, rng, n, stats=None, constraint=None):
+    """The token stream of the loop ``config`` names for one request over ``target`` and the proposers
+    of ``context`` (``constraint``: what the answer may contain)."""
+    from edge_spec.runtime.loops import Request, generate_tokens, proposers_for
+
+    proposers = proposers_for(config, context, constraint)
+    return generate_tokens(config, Request(target, proposers, prompt_ids, params, rng, n, stats, constraint))
+
+
 def run(engine, prompt_ids, params, n, config, seed=0):
     """``n`` tokens from target-only decoding (``config`` None) or from the speculative loop ``config``
     names (chain, tree or SSD) over the engine's target and drafter, plus the loop's stats."""
-    from edge_spec.runtime.loops import generate_tokens
     from edge_spec.runtime.loops.config import ArConfig
     from edge_spec.runtime.loops.stats import SpecStats
     from edge_spec.runtime.propose.context import ProposerContext
 
     rng = np.random.default_rng(seed)
     stats = None if config is None else SpecStats()
-    drafters = {} if config is None else {engine.drafter_name(config): engine.active_drafter(config)}
-    context = ProposerContext(engine.target.vocab_size, drafters)
-    tokens = list(generate_tokens(config or ArConfig(), engine.target, context, prompt_ids, params, rng, n, stats))
+    drafters = {} if config is None else {engine.drafter_name(config): engine.bundle.active_drafter(config)}
+    context = ProposerContext(engine.bundle.target.vocab_size, drafters)
+    tokens = list(loop_tokens(config or ArConfig(), engine.bundle.target, context, prompt_ids, params, rng, n, stats))
     return tokens, stats
 
 
@@ -149,10 +157,10 @@ def greedy_matches_target_only(engine, config, prompts=PROMPTS, n: int = 40) -> 
     the engine's exact passes), with drafts no longer than its γ; returns how many tokens were drafted."""
     from edge_spec.runtime.verify.sampling import SamplingParams
 
-    engine.target.min_rows = 2  # the engine's exact passes, as generate sets them
+    engine.bundle.target.min_rows = 2  # the engine's exact passes, as generate sets them
     drafted = 0
     for prompt in prompts:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), n, None)
         got, stats = run(engine, ids, SamplingParams(), n, config)
         assert got == reference, (config, prompt)
@@ -166,7 +174,7 @@ def sampled_matches_target(engine, config, prompt: str = "The quick", n: int = 1
     from edge_spec.runtime.verify.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0)
-    ids = engine.tokenizer.encode(prompt)
+    ids = engine.bundle.tokenizer.encode(prompt)
     ar = first_tokens(engine, ids, params, None, n)
     spec = first_tokens(engine, ids, params, config, n, seed_offset=10**6)
     assert chi_square_same_distribution(ar, spec) > 1e-3

@@ -115,7 +115,7 @@ def test_memory_round_trips_and_shrugs_off_a_damaged_file(tmp_path):
 
 def test_the_engine_carries_calibration_across_requests(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True), draft_head="trim-160")
-    memory = engine.schedule_memory()
+    memory = engine.bundle.schedule_memory(engine.config)
     before = memory.calibration("greedy").first.trials
     engine.complete("one two three one two three one two", max_new_tokens=16, temperature=0)
     learned = memory.calibration("greedy").first.trials
@@ -128,7 +128,7 @@ def test_the_engine_carries_calibration_across_requests(int4_bundle):
 
 def test_the_engine_measures_what_a_round_spends_outside_the_models(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True), draft_head="trim-160")
-    memory = engine.schedule_memory()
+    memory = engine.bundle.schedule_memory(engine.config)
     rounds = memory.overhead.rounds
     spec = engine.complete("one two three one two three one two", max_new_tokens=16, temperature=0).stats.spec
     assert memory.overhead.rounds == rounds + spec.target_calls  # every verify pass is a round
@@ -254,8 +254,8 @@ def test_every_round_checks_the_guess_it_could_have_carried(int4_bundle, monkeyp
     from tests.helpers import run
 
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-160")
-    ids = engine.tokenizer.encode("one two three one two three one two")
-    engine.target.min_rows = 2  # batch-invariant passes: a round without drafts carries a guess
+    ids = engine.bundle.tokenizer.encode("one two three one two three one two")
+    engine.bundle.target.min_rows = 2  # batch-invariant passes: a round without drafts carries a guess
     reference, _ = run(engine, ids, SamplingParams(), 24, None)
     sequence = list(ids) + reference
     guessed = []
@@ -263,7 +263,7 @@ def test_every_round_checks_the_guess_it_could_have_carried(int4_bundle, monkeyp
     def guess(self, committed, room, rule):
         position = len(committed)  # committed ends at the pending token: the guess is for this position
         guessed.append(position)
-        token = sequence[position] if position % 2 == 0 else (sequence[position] + 1) % engine.target.vocab_size
+        token = sequence[position] if position % 2 == 0 else (sequence[position] + 1) % engine.bundle.target.vocab_size
         block = point_mass_block(self.name, [token], rule.params)
         block.matched = 1
         return block

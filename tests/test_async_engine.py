@@ -254,7 +254,7 @@ def test_an_async_load_reports_progress_on_the_loop_and_closes(int4_bundle, refe
     assert events[0] == "reading" and events[-1] == "measuring"
     assert threads == {threading.get_ident()}
     assert answer.text == reference[12].text
-    assert aengine.engine.target is None  # closed
+    assert aengine.engine.bundle.target is None  # closed
 
 
 def test_cancelling_an_async_load_frees_it(int4_bundle, monkeypatch):

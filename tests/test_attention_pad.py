@@ -138,12 +138,12 @@ def test_the_engine_pads_one_row_passes_only_where_the_check_failed(int4_bundle,
     engine does not check again; greedy speculative output equals ar --exact either way, and plain ar
     where the check passed."""
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
-    expected = 1 if one_row_passes_match(engine.target) else 2
-    assert engine.loaded.exact_rows() == expected
+    expected = 1 if one_row_passes_match(engine.bundle.target) else 2
+    assert engine.bundle.exact_rows() == expected
     reference = engine.complete("def is_prime", max_new_tokens=20, mode="ar", exact=True).token_ids
-    assert engine.target.min_rows == expected
+    assert engine.bundle.target.min_rows == expected
     assert engine.complete("def is_prime", max_new_tokens=20).token_ids == reference
-    assert engine.target.min_rows == 2  # speculative passes keep a second row for the free guess
+    assert engine.bundle.target.min_rows == 2  # speculative passes keep a second row for the free guess
     if expected == 1:  # then plain one-row decoding is that same answer too
         assert engine.complete("def is_prime", max_new_tokens=20, mode="ar").token_ids == reference
 
@@ -151,19 +151,19 @@ def test_the_engine_pads_one_row_passes_only_where_the_check_failed(int4_bundle,
         raise AssertionError("checked again although the answer is cached")
 
     monkeypatch.setattr("edge_spec.runtime.loaded.one_row_passes_match", no_second_check)
-    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").loaded.exact_rows() == expected
+    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").bundle.exact_rows() == expected
 
 
 def test_a_failed_check_keeps_the_pad_row(int4_bundle, monkeypatch, tmp_path):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
     monkeypatch.setattr("edge_spec.runtime.loaded.one_row_passes_match", lambda decoder: False)
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
-    assert engine.loaded.exact_rows() == 2
+    assert engine.bundle.exact_rows() == 2
     reference = engine.complete("def f", max_new_tokens=16, mode="ar", exact=True).token_ids
-    assert engine.target.min_rows == 2
+    assert engine.bundle.target.min_rows == 2
     assert engine.complete("def f", max_new_tokens=16).token_ids == reference
     # and the next load keeps the graph's own pad: without it one-row logits part further from multi-row ones
-    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").target.pads_attention
+    assert Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64").bundle.target.pads_attention
 
 
 def test_an_older_bundle_gets_the_pad_in_place(int4_bundle, tmp_path):
@@ -219,10 +219,10 @@ def test_where_padded_passes_differ_exact_is_refused_and_greedy_runs_unpadded(in
     monkeypatch.setattr("edge_spec.runtime.loaded.padded_passes_match", lambda decoder, rows: False)
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
     engine.complete("def f", max_new_tokens=8)
-    assert engine.target.min_rows == 2  # before the check's verdict (it follows the first answer): padded
-    assert engine.loaded.exact_available(check=False) is False
+    assert engine.bundle.target.min_rows == 2  # before the check's verdict (it follows the first answer): padded
+    assert engine.bundle.exact_available(check=False) is False
     engine.complete("def f", max_new_tokens=8)
-    assert engine.target.min_rows == 1  # a pad would buy nothing here, only cost
+    assert engine.bundle.target.min_rows == 1  # a pad would buy nothing here, only cost
     for mode in ("ar", "spec"):
         with pytest.raises(EdgeSpecError, match="exact decoding is not available on cpu here"):
             engine.complete("def f", max_new_tokens=8, mode=mode, exact=True)
@@ -238,7 +238,7 @@ def test_the_engine_checks_padded_passes_once_per_device(int4_bundle, monkeypatc
         engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
         reference = engine.complete("def f", max_new_tokens=12, mode="ar", exact=True).token_ids
         assert engine.complete("def f", max_new_tokens=12).token_ids == reference
-    assert calls == [engine.loaded.exact_rows()]
+    assert calls == [engine.bundle.exact_rows()]
 
 
 def test_the_command_line_refuses_exact_at_load_where_padded_passes_differ(int4_bundle, monkeypatch, tmp_path, capsys):

@@ -74,7 +74,7 @@ def test_exact_speculative_equals_exact_target_only(int4_bundle, config):
         reference = engine.complete(prompt, max_new_tokens=24, mode="ar", exact=True).token_ids
         assert engine.complete(prompt, max_new_tokens=24).token_ids == reference
         assert (
-            engine.target.min_rows == engine.loaded.pass_rows("spec") == max(engine.loaded.exact_rows(), 2)
+            engine.bundle.target.min_rows == engine.bundle.pass_rows("spec") == max(engine.bundle.exact_rows(), 2)
         )  # the guess's row
 
 
@@ -82,9 +82,11 @@ def test_exact_can_be_turned_off_and_on(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", exact=False)
     assert not engine.exact_for("spec") and engine.exact_for("spec", True)
     engine.complete("def f", max_new_tokens=4)
-    assert engine.target.min_rows == 1
+    assert engine.bundle.target.min_rows == 1
     engine.complete("def f", max_new_tokens=4, mode="ar", exact=True)
-    assert engine.target.min_rows == engine.loaded.exact_rows()  # target-only: 1 where one-row passes were found exact
+    assert (
+        engine.bundle.target.min_rows == engine.bundle.exact_rows()
+    )  # target-only: 1 where one-row passes were found exact
 
 
 def test_sampled_speculative_decoding_skips_the_pad_row(int4_bundle):
@@ -94,18 +96,18 @@ def test_sampled_speculative_decoding_skips_the_pad_row(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
     assert engine.exact_for("spec") and not engine.exact_for("spec", deterministic=False)
     engine.complete("def f", max_new_tokens=4, temperature=0.8, seed=1)
-    assert engine.target.min_rows == 1
+    assert engine.bundle.target.min_rows == 1
     engine.complete("def f", max_new_tokens=4)
-    assert engine.target.min_rows == 2
+    assert engine.bundle.target.min_rows == 2
     forced = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64", exact=True)
     forced.complete("def f", max_new_tokens=4, temperature=0.8, seed=1)
-    assert forced.target.min_rows == 2
+    assert forced.bundle.target.min_rows == 2
 
 
 @pytest.fixture()
 def exact_engine(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="full")
-    engine.target.min_rows = 2
+    engine.bundle.target.min_rows = 2
     return engine
 
 
@@ -115,7 +117,7 @@ def test_draftless_rounds_verify_a_free_guess_in_the_padding_row(exact_engine):
 
     guesses = accepted = 0
     for prompt in PROMPTS:
-        ids = exact_engine.tokenizer.encode(prompt)
+        ids = exact_engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(exact_engine, ids, SamplingParams(), 40, None)
         got, stats = run(exact_engine, ids, SamplingParams(), 40, guesses_only())
         assert got == reference
@@ -131,7 +133,7 @@ def test_sampled_free_guesses_keep_the_target_distribution(exact_engine):
     from edge_spec.runtime.verify.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0)
-    ids = exact_engine.tokenizer.encode("The quick")
+    ids = exact_engine.bundle.tokenizer.encode("The quick")
     ar = first_tokens(exact_engine, ids, params, None, 1500)
     guessed = first_tokens(exact_engine, ids, params, guesses_only(), 1500, seed_offset=10**6)
     assert chi_square_same_distribution(ar, guessed) > 1e-3
@@ -144,7 +146,7 @@ def test_exact_ssd_equals_exact_target_only(exact_engine, config):
     from edge_spec.runtime.verify.sampling import SamplingParams
 
     for prompt in PROMPTS:
-        ids = exact_engine.tokenizer.encode(prompt)
+        ids = exact_engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(exact_engine, ids, SamplingParams(), 30, None)
         got, _ = run(exact_engine, ids, SamplingParams(), 30, config)
         assert got == reference, f"{config} {prompt!r}"

@@ -282,9 +282,13 @@ def test_each_session_starts_on_an_empty_cache_unless_warm(tools_bundle, monkeyp
     after the first drafting from the earlier ones too."""
     engine = Engine.from_bundle(tools_bundle, threads=1)
     held, prompts = [], []
-    clear, reset = engine.suffix_cache.clear, engine.target.reset
-    monkeypatch.setattr(engine.suffix_cache, "clear", lambda: (held.append(engine.suffix_cache.tokens), clear()))
-    monkeypatch.setattr(engine.target, "reset", lambda: (prompts.append(len(engine.target.tokens)), reset()))
+    clear, reset = engine.bundle.suffix_cache.clear, engine.bundle.target.reset
+    monkeypatch.setattr(
+        engine.bundle.suffix_cache, "clear", lambda: (held.append(engine.bundle.suffix_cache.tokens), clear())
+    )
+    monkeypatch.setattr(
+        engine.bundle.target, "reset", lambda: (prompts.append(len(engine.bundle.target.tokens)), reset())
+    )
     modes = session_modes(engine, ["trim-64"])
     result = run_sessions(engine, TINY_SESSIONS, modes, temperatures=[0.0], warm=warm, max_new_tokens=4)
     assert [m.name for m in modes] == ["ar", "ar-exact", "spec-nocache+trim-64", "spec+trim-64"]

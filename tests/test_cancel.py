@@ -24,14 +24,15 @@ def fresh_engine(int4_bundle):
 def test_a_cancel_during_the_first_request_checks_is_kept(fresh_engine, monkeypatch, slow_step):
     """The cancel arrives while a slow set-up step runs (as the first request's exactness check or cost
     measurement does): the answer must stop before its first token, not run to its end."""
-    real = getattr(fresh_engine, slow_step)
+    owner = fresh_engine if slow_step == "exact_for" else fresh_engine.bundle
+    real = getattr(owner, slow_step)
 
     def slow(*args, **kwargs):
         fresh_engine.cancel()  # the user pressed Ctrl-C (or the client went away) while this ran
         time.sleep(0.05)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fresh_engine, slow_step, slow)
+    monkeypatch.setattr(owner, slow_step, slow)
     got = fresh_engine.complete("hello", max_new_tokens=64, temperature=0.0)
     assert got.stats.stop_reason == "cancelled"
     assert got.token_ids == []
@@ -71,9 +72,9 @@ def _stop_in_a_drafter_step(engine, config, monkeypatch):
     ``CANCEL_AT_STEP``-th step (as the UI thread does while it runs).  Returns the answer, the drafter
     steps taken and the row counts of the target passes started after the cancel."""
     monkeypatch.setattr(engine, "config", config)
-    drafter = engine.active_drafter(config)
+    drafter = engine.bundle.active_drafter(config)
     steps, passes_after_cancel = 0, []
-    real_step, real_forward = drafter.step, engine.target.forward
+    real_step, real_forward = drafter.step, engine.bundle.target.forward
 
     def step(token):
         nonlocal steps
@@ -88,12 +89,12 @@ def _stop_in_a_drafter_step(engine, config, monkeypatch):
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(drafter, "step", step)
-    monkeypatch.setattr(engine.target, "forward", forward)
+    monkeypatch.setattr(engine.bundle.target, "forward", forward)
     try:
         got = engine.complete(ROUND_PROMPT, max_new_tokens=ROUND_TOKENS, temperature=0.0)
     finally:
         monkeypatch.setattr(drafter, "step", real_step)
-        monkeypatch.setattr(engine.target, "forward", real_forward)
+        monkeypatch.setattr(engine.bundle.target, "forward", real_forward)
     return got, steps, passes_after_cancel
 
 
@@ -161,7 +162,7 @@ def _cancel_in_a_pass(engine, monkeypatch, prompt, arm_at, decoder=None, **kwarg
     """One greedy answer whose ``arm_at``-th pass of ``decoder`` (default: the target) is slow and is
     cancelled from another thread 50 ms after it starts (a UI's Stop).  Returns the answer, the seconds
     from the cancel to the answer's return, and the rows of that decoder's passes."""
-    target = decoder or engine.target
+    target = decoder or engine.bundle.target
     cancelled_at: list[float] = []
 
     def press_stop():
@@ -213,22 +214,22 @@ def test_a_cancel_cuts_a_long_prompt_s_prefill_pass(engine, monkeypatch, arm_at)
     """Stop pressed while a prompt longer than one prefill pass is read: the pass under way is cut, the
     cache keeps the passes that were read whole, and the next answer is the target's greedy answer."""
     reference = engine.complete(LONG_PROMPT, max_new_tokens=16, mode="ar", exact=True).token_ids
-    engine.target.reset()
+    engine.bundle.target.reset()
     monkeypatch.setattr(engine, "config", chain(4))
-    monkeypatch.setattr(engine.target, "prefill_chunk", CHUNK)
+    monkeypatch.setattr(engine.bundle.target, "prefill_chunk", CHUNK)
     got, seconds, passes = _cancel_in_a_pass(engine, monkeypatch, LONG_PROMPT, arm_at=arm_at, max_new_tokens=16)
     assert len(engine.prompt_ids(LONG_PROMPT)) > 3 * CHUNK
     assert passes[:arm_at] == [CHUNK] * arm_at
     assert seconds < CUT_WITHIN, f"the answer returned {seconds:.2f} s after the cancel"
     assert got.stats.stop_reason == "cancelled" and got.token_ids == []
-    assert engine.target.length == CHUNK * (arm_at - 1)  # the passes read whole, not the cut one
+    assert engine.bundle.target.length == CHUNK * (arm_at - 1)  # the passes read whole, not the cut one
     again = engine.complete(LONG_PROMPT, max_new_tokens=16, temperature=0.0)
     assert again.token_ids == reference
 
 
 def test_an_interrupt_with_no_pass_running_leaves_the_next_pass_alone(engine):
     """Negative control: an interrupt that comes between passes is not carried into the next one."""
-    target = engine.target
+    target = engine.bundle.target
     target.reset()
     first = target.forward([5, 6, 7], 3)["logits"]
     target.rewind(0)
@@ -244,7 +245,7 @@ def test_a_cancel_cuts_the_drafter_step_under_way(engine, greedy_reference, monk
     pass is cut too, and the drafter's cache stays usable for the next answer."""
     config = ROUND_CONFIGS[loop] if loop == "chain" else SsdConfig(gamma=3, speculations=4)
     monkeypatch.setattr(engine, "config", config)
-    drafter = engine.active_drafter(config).decoder
+    drafter = engine.bundle.active_drafter(config).decoder
     got, seconds, passes = _cancel_in_a_pass(
         engine, monkeypatch, ROUND_PROMPT, arm_at=8, decoder=drafter, max_new_tokens=ROUND_TOKENS
     )

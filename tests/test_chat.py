@@ -33,15 +33,15 @@ def test_a_conversation_that_fits_is_kept_whole(engine):
 def test_oldest_turns_go_first_and_the_system_message_stays(engine):
     messages = [{"role": "system", "content": "be brief"}] + turns(6) + [{"role": "user", "content": "last one"}]
     reserve = 32
-    assert len(engine.prompt_ids(messages, check_length=False)) + reserve > engine.target.capacity
+    assert len(engine.prompt_ids(messages, check_length=False)) + reserve > engine.bundle.target.capacity
     kept, dropped = engine.fit_messages(messages, reserve=reserve)
     assert dropped > 0 and kept == messages[:1] + messages[1 + dropped :]  # a suffix, behind the system message
     assert kept[1]["role"] == "user" and kept[-1]["content"] == "last one"
-    assert len(engine.prompt_ids(kept)) + reserve <= engine.target.capacity
+    assert len(engine.prompt_ids(kept)) + reserve <= engine.bundle.target.capacity
     # dropping one message fewer would not fit: only what had to go went
     assert (
         len(engine.prompt_ids(messages[:1] + messages[dropped - 1 :], check_length=False)) + reserve
-        > engine.target.capacity
+        > engine.bundle.target.capacity
     )
 
 
@@ -88,7 +88,7 @@ def test_a_turn_that_fails_mid_answer_ends_that_turn_not_the_chat(int4_bundle, m
 
 def test_message_content_cannot_open_a_new_turn(engine):
     """Control-token strings typed in a message stay text; the template's own markup keeps its tokens."""
-    tokenizer = engine.tokenizer
+    tokenizer = engine.bundle.tokenizer
     start = tokenizer.tokenizer.token_to_id("<|im_start|>")
     plain = [{"role": "user", "content": "what is 12 * 7?"}]
     assert tokenizer.encode_chat(plain) == tokenizer.encode(tokenizer.render_chat(plain))  # nothing changes here

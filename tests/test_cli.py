@@ -223,11 +223,11 @@ def test_bench_answers_every_prompt_on_an_empty_suffix_cache(int4_bundle):
 def test_bench_times_ar_in_its_own_engine_and_reports_the_schedule_per_prompt(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
     baseline = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
-    before = baseline.target.stats.calls.copy(), engine.target.stats.calls.copy()
+    before = baseline.bundle.target.stats.calls.copy(), engine.bundle.target.stats.calls.copy()
     prompts = load_bench_prompts(None, ["code", "multi-turn"], 1)
     modes = modes_for(engine, ["trim-160"], engine.config, fixed_gammas=[1, 2])
     result = run_bench(engine, prompts, modes, temperatures=[0.0], max_new_tokens=10, baseline=baseline)
-    assert sum(baseline.target.stats.calls.values()) > sum(before[0].values())  # ar ran there ...
+    assert sum(baseline.bundle.target.stats.calls.values()) > sum(before[0].values())  # ar ran there ...
     ar_passes = [r["target_passes"] for r in result["records"] if r["mode"] == "ar"]
     assert all(set(p) == {"1"} for p in ar_passes)  # ... as one-row passes: the fastest target-only decoding
     rows = per_prompt_schedule(result["records"])

@@ -14,13 +14,13 @@ import pytest
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.constrain import Constraint, ConstraintViolation, GrammarVocabulary, grammar_for
 from edge_spec.runtime.engine import Engine
-from edge_spec.runtime.loops import ConstraintUnsupported, generate_tokens
+from edge_spec.runtime.loops import ConstraintUnsupported
 from edge_spec.runtime.loops.config import ArConfig, ChainConfig, SsdConfig, TreeConfig
 from edge_spec.runtime.loops.stats import SpecStats
 from edge_spec.runtime.propose.context import ProposerContext
 from edge_spec.runtime.propose.model import drafter_probs
 from edge_spec.runtime.verify.sampling import SamplingParams, scatter_probs
-from tests.helpers import PROMPTS, chain, chi_square_same_distribution
+from tests.helpers import PROMPTS, chain, chi_square_same_distribution, loop_tokens
 
 # fixed keys (forced runs), an enum, a boolean, a bounded integer and a short string: every answer ends
 SCHEMA = {
@@ -52,7 +52,9 @@ def engine(int4_bundle):
 
 @pytest.fixture(scope="module")
 def vocabulary(engine):
-    return GrammarVocabulary(engine.tokenizer.tokenizer, engine.target.vocab_size, engine.tokenizer.eos_token_ids)
+    return GrammarVocabulary(
+        engine.bundle.tokenizer.tokenizer, engine.bundle.target.vocab_size, engine.bundle.tokenizer.eos_token_ids
+    )
 
 
 def new_constraint(vocabulary, response_format=FORMAT) -> Constraint:
@@ -64,15 +66,15 @@ def run(
 ):
     """Tokens of one constrained generation up to the first end token (included), and the loop's stats."""
     stats = None if config is None else SpecStats()
-    drafters = {} if config is None else {"model": engine.drafter}
+    drafters = {} if config is None else {"model": engine.bundle.drafter}
     if proposers is not None:
         drafters["model"] = proposers
-    context = ProposerContext(engine.target.vocab_size, drafters)
+    context = ProposerContext(engine.bundle.target.vocab_size, drafters)
     constraint = constraint or new_constraint(vocabulary, response_format)
     tokens = []
-    for token in generate_tokens(
+    for token in loop_tokens(
         config or ArConfig(),
-        engine.target,
+        engine.bundle.target,
         context,
         prompt_ids,
         params,
@@ -82,14 +84,14 @@ def run(
         constraint=constraint,
     ):
         tokens.append(token)
-        if token in engine.tokenizer.eos_token_ids:
+        if token in engine.bundle.tokenizer.eos_token_ids:
             break
     return tokens, stats
 
 
 def answer(engine, tokens) -> dict:
-    assert tokens[-1] in engine.tokenizer.eos_token_ids, "the answer did not finish"
-    return json.loads(engine.tokenizer.decode(tokens[:-1]))
+    assert tokens[-1] in engine.bundle.tokenizer.eos_token_ids, "the answer did not finish"
+    return json.loads(engine.bundle.tokenizer.decode(tokens[:-1]))
 
 
 def conforms(value, schema) -> bool:
@@ -135,11 +137,11 @@ def test_the_validator_rejects_what_the_schema_excludes():
 
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4])
 def test_greedy_constrained_speculative_equals_constrained_autoregressive(engine, vocabulary, gamma):
-    greedy = SamplingParams(end_ids=frozenset(engine.tokenizer.eos_token_ids))
-    engine.target.min_rows = 2  # the engine's exact passes, as generate sets them in spec mode
+    greedy = SamplingParams(end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
+    engine.bundle.target.min_rows = 2  # the engine's exact passes, as generate sets them in spec mode
     rejected = forced = 0
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, vocabulary, ids, greedy, 80, None)
         got, stats = run(engine, vocabulary, ids, greedy, 80, chain(gamma))
         assert got == reference, (gamma, prompt)
@@ -152,11 +154,11 @@ def test_greedy_constrained_speculative_equals_constrained_autoregressive(engine
 
 
 def test_greedy_constrained_adaptive_with_lookup_equals_autoregressive(engine, vocabulary):
-    greedy = SamplingParams(end_ids=frozenset(engine.tokenizer.eos_token_ids))
-    engine.target.min_rows = 2
+    greedy = SamplingParams(end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
+    engine.bundle.target.min_rows = 2
     config = ChainConfig(gamma=8, adaptive=True, proposers=("lookup", "model", "guess"))
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, vocabulary, ids, greedy, 80, None)
         got, _ = run(engine, vocabulary, ids, greedy, 80, config)
         assert got == reference
@@ -166,11 +168,13 @@ def test_greedy_constrained_adaptive_with_lookup_equals_autoregressive(engine, v
 def test_greedy_constrained_with_reduced_heads_equals_autoregressive(int4_bundle, head):
     """A trimmed head or a SpecVocab head drafts among its rows the grammar allows (none: the block ends)."""
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head=head)
-    vocabulary = GrammarVocabulary(engine.tokenizer.tokenizer, engine.target.vocab_size, engine.tokenizer.eos_token_ids)
-    greedy = SamplingParams(end_ids=frozenset(engine.tokenizer.eos_token_ids))
-    engine.target.min_rows = 2
+    vocabulary = GrammarVocabulary(
+        engine.bundle.tokenizer.tokenizer, engine.bundle.target.vocab_size, engine.bundle.tokenizer.eos_token_ids
+    )
+    greedy = SamplingParams(end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
+    engine.bundle.target.min_rows = 2
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, vocabulary, ids, greedy, 80, None)
         got, stats = run(engine, vocabulary, ids, greedy, 80, chain(3))
         assert got == reference, (head, prompt)
@@ -182,9 +186,9 @@ def test_coupled_constrained_speculative_is_constrained_ar_with_the_same_seed(en
     differs = 0
     for seed in range(6):
         params = SamplingParams(
-            temperature=1.0, seed=seed, sampler="coupled", end_ids=frozenset(engine.tokenizer.eos_token_ids)
+            temperature=1.0, seed=seed, sampler="coupled", end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids)
         )
-        ids = engine.tokenizer.encode(PROMPTS[seed % len(PROMPTS)])
+        ids = engine.bundle.tokenizer.encode(PROMPTS[seed % len(PROMPTS)])
         reference, _ = run(engine, vocabulary, ids, params, 80, None)
         got, _ = run(engine, vocabulary, ids, params, 80, chain(3), seed=seed + 100)
         assert got == reference
@@ -199,17 +203,17 @@ def test_unconstrained_answers_break_the_schema(engine, vocabulary):
     from tests.helpers import run as plain_run
 
     for prompt in PROMPTS:
-        tokens, _ = plain_run(engine, engine.tokenizer.encode(prompt), SamplingParams(), 40, None)
+        tokens, _ = plain_run(engine, engine.bundle.tokenizer.encode(prompt), SamplingParams(), 40, None)
         with pytest.raises(ValueError):
-            json.loads(engine.tokenizer.decode(tokens))
+            json.loads(engine.bundle.tokenizer.decode(tokens))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_forced_tokens_are_drafted_for_free_and_always_accepted(engine, vocabulary, temperature):
-    params = SamplingParams(temperature=temperature, end_ids=frozenset(engine.tokenizer.eos_token_ids))
+    params = SamplingParams(temperature=temperature, end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
     emitted = from_forced = 0
     for seed, prompt in enumerate(PROMPTS):
-        tokens, stats = run(engine, vocabulary, engine.tokenizer.encode(prompt), params, 80, chain(4), seed=seed)
+        tokens, stats = run(engine, vocabulary, engine.bundle.tokenizer.encode(prompt), params, 80, chain(4), seed=seed)
         forced = stats.tally("forced")
         assert forced.rounds > 0 and forced.accepted == forced.drafted
         emitted += len(tokens)
@@ -220,8 +224,8 @@ def test_forced_tokens_are_drafted_for_free_and_always_accepted(engine, vocabula
 
 def test_without_forced_drafts_the_keys_cost_drafter_steps(engine, vocabulary, monkeypatch):
     """Control for the share above: the same answers drafted by the model alone take more drafter steps."""
-    greedy = SamplingParams(end_ids=frozenset(engine.tokenizer.eos_token_ids))
-    ids = engine.tokenizer.encode(PROMPTS[0])
+    greedy = SamplingParams(end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
+    ids = engine.bundle.tokenizer.encode(PROMPTS[0])
     with_forced, stats = run(engine, vocabulary, ids, greedy, 80, chain(4))
     monkeypatch.setattr(Constraint, "forced_tokens", lambda self: [])
     alone, alone_stats = run(engine, vocabulary, ids, greedy, 80, chain(4))
@@ -235,19 +239,19 @@ def test_without_forced_drafts_the_keys_cost_drafter_steps(engine, vocabulary, m
 def test_the_constraint_rolls_back_with_the_caches(engine, vocabulary, temperature):
     """Whenever the emitted tokens catch up with what the constraint consumed, its state is that of a fresh
     constraint advanced over exactly those tokens (masks, forced tokens, finished), across rejections."""
-    params = SamplingParams(temperature=temperature, end_ids=frozenset(engine.tokenizer.eos_token_ids))
+    params = SamplingParams(temperature=temperature, end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
     checked = 0
     rejections = 0
     for seed, prompt in enumerate(PROMPTS):
         c = new_constraint(vocabulary)
         stats = SpecStats()
-        context = ProposerContext(engine.target.vocab_size, {"model": engine.drafter})
+        context = ProposerContext(engine.bundle.target.vocab_size, {"model": engine.bundle.drafter})
         emitted = []
-        for token in generate_tokens(
+        for token in loop_tokens(
             chain(4),
-            engine.target,
+            engine.bundle.target,
             context,
-            engine.tokenizer.encode(prompt),
+            engine.bundle.tokenizer.encode(prompt),
             params,
             np.random.default_rng(seed),
             80,
@@ -275,8 +279,8 @@ def test_each_state_of_the_grammar_is_masked_once_a_round(engine, vocabulary, mo
     """The grammar is walked once per round: the drafter's masked steps are the verifier's, so no state
     (the tokens consumed) has its mask computed by the grammar engine twice, rejections included; and the
     answers stay those of constrained target-only decoding."""
-    params = SamplingParams(temperature=temperature, end_ids=frozenset(engine.tokenizer.eos_token_ids))
-    engine.target.min_rows = 2
+    params = SamplingParams(temperature=temperature, end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
+    engine.bundle.target.min_rows = 2
     masked: list[tuple[int, ...]] = []
     library_allowed = Constraint.library_allowed
 
@@ -286,7 +290,7 @@ def test_each_state_of_the_grammar_is_masked_once_a_round(engine, vocabulary, mo
 
     rejections = steps = 0
     for seed, prompt in enumerate(PROMPTS):
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         with monkeypatch.context() as patch:
             patch.setattr(Constraint, "forced_tokens", lambda self: [])  # every draft a drafter step
             patch.setattr(Constraint, "library_allowed", counted)
@@ -330,7 +334,7 @@ class UnmaskedQ:
 
 
 def first_constrained(engine, vocabulary, params, config, n_samples, n_tokens, seed_offset=0, proposers=None):
-    ids = engine.tokenizer.encode("The quick")
+    ids = engine.bundle.tokenizer.encode("The quick")
     return [
         tuple(
             run(
@@ -355,7 +359,7 @@ N_TOKENS = 8  # '[' is the target's choice, '"' forced; the tokens after them ch
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=1.5, top_k=5, top_p=0.99)])
 def test_sampled_constrained_speculative_follows_the_masked_target(engine, vocabulary, monkeypatch, settings):
-    params = SamplingParams(**settings, end_ids=frozenset(engine.tokenizer.eos_token_ids))
+    params = SamplingParams(**settings, end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
     n = 1500
     ar = first_constrained(engine, vocabulary, params, None, n, N_TOKENS)
     assert len(set(ar)) >= 5, "too few outcomes for a distribution test"
@@ -379,7 +383,7 @@ def test_sampled_constrained_speculative_follows_the_masked_target(engine, vocab
             n,
             N_TOKENS,
             seed_offset=3 * 10**6,
-            proposers=UnmaskedQ(engine.drafter),
+            proposers=UnmaskedQ(engine.bundle.drafter),
         )
     except ValueError as exc:
         assert "zero drafter probability" in str(exc) and params.top_k
@@ -392,8 +396,8 @@ def test_masking_the_drafter_alone_lets_disallowed_tokens_through(engine, vocabu
     bonus tokens come from the unmasked target and break the grammar; the loop's constraint refuses them."""
     import edge_spec.runtime.loops.request as request_module
 
-    params = SamplingParams(temperature=1.0, end_ids=frozenset(engine.tokenizer.eos_token_ids))
-    ids = engine.tokenizer.encode("The quick")
+    params = SamplingParams(temperature=1.0, end_ids=frozenset(engine.bundle.tokenizer.eos_token_ids))
+    ids = engine.bundle.tokenizer.encode("The quick")
     for seed in range(5):  # masked: never a violation
         run(engine, vocabulary, ids, params, N_TOKENS, chain(3), seed=seed, response_format=CHOICES)
     monkeypatch.setattr(request_module, "mask_logits", lambda logits, allowed: logits)
@@ -462,6 +466,9 @@ def test_a_compiled_constraint_is_followed_as_it_is(int4_bundle, monkeypatch):
     monkeypatch.setattr(Constraint, "__init__", lambda self, *args: made.append(1) or init(self, *args))
     again = engine.complete(messages, max_new_tokens=24, response_format=compiled)
     assert again.token_ids == raw.token_ids and made == []  # the schema instruction too: the same prompt
-    for used in (compiled, Constraint(grammar_for(fmt), GrammarVocabulary(engine.tokenizer.tokenizer, 512, [0]))):
+    for used in (
+        compiled,
+        Constraint(grammar_for(fmt), GrammarVocabulary(engine.bundle.tokenizer.tokenizer, 512, [0])),
+    ):
         with pytest.raises(EdgeSpecError, match="fresh and of this model's vocabulary"):
             engine.complete(messages, max_new_tokens=4, response_format=used)

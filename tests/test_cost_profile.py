@@ -23,26 +23,26 @@ from tests.helpers import chain
 def test_profile_is_measured_once_then_read_from_the_cache(int4_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     first = Engine.from_bundle(int4_bundle, threads=1, config=chain(3, adaptive=True))
-    assert first.cost_profile is not None and not first.cost_profile.cached
-    assert set(first.cost_profile.verify) == {1, 2, 3, 4}
-    assert first.cost_profile.draft_body > 0 and first.cost_profile.draft_head > 0
+    assert first.bundle.cost_profile is not None and not first.bundle.cost_profile.cached
+    assert set(first.bundle.cost_profile.verify) == {1, 2, 3, 4}
+    assert first.bundle.cost_profile.draft_body > 0 and first.bundle.cost_profile.draft_head > 0
     assert len([p for p in (tmp_path / "costs").glob("*.json") if not p.name.startswith("fact-")]) == 1
     second = Engine.from_bundle(int4_bundle, threads=1, config=chain(3, adaptive=True))
-    assert second.cost_profile.cached and second.cost_profile.verify == first.cost_profile.verify
+    assert second.bundle.cost_profile.cached and second.bundle.cost_profile.verify == first.bundle.cost_profile.verify
     # the profile seeds the live cost model the policy reads
-    assert second.target.recent_seconds()[3] == first.cost_profile.verify[3]
-    assert second.drafter.step_estimate == first.cost_profile.draft_step
+    assert second.bundle.target.recent_seconds()[3] == first.bundle.cost_profile.verify[3]
+    assert second.bundle.drafter.step_estimate == first.bundle.cost_profile.draft_step
     # and the drafter's second row, the price of a catch-up, from the first round on
-    assert first.cost_profile.draft_catch_up >= 0
-    assert second.cost_profile.draft_catch_up == first.cost_profile.draft_catch_up
-    assert second.drafter.catch_up_seconds == pytest.approx(max(first.cost_profile.draft_catch_up, 0.0))
+    assert first.bundle.cost_profile.draft_catch_up >= 0
+    assert second.bundle.cost_profile.draft_catch_up == first.bundle.cost_profile.draft_catch_up
+    assert second.bundle.drafter.catch_up_seconds == pytest.approx(max(first.bundle.cost_profile.draft_catch_up, 0.0))
 
 
 def test_profile_key_depends_on_head_threads_and_gamma(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
-    heads = engine.manifest["draft"]["heads"]
+    heads = engine.bundle.manifest["draft"]["heads"]
     keys = {
-        cost_profile.cache_key(engine.manifest, heads[head], "cpu", threads, gamma)
+        cost_profile.cache_key(engine.bundle.manifest, heads[head], "cpu", threads, gamma)
         for head in ("full", "trim-64")
         for threads in (1, 2)
         for gamma in (3, 5)
@@ -132,11 +132,11 @@ def test_a_right_profile_is_left_alone():
 def test_a_corrected_profile_is_what_the_next_load_reads(int4_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
-    key = engine.loaded._profile_key
-    slow = {n: 10 * t for n, t in engine.cost_profile.verify.items()}  # as if profiled on a busy machine
+    key = engine.bundle._profile_key
+    slow = {n: 10 * t for n, t in engine.bundle.cost_profile.verify.items()}  # as if profiled on a busy machine
     cost_profile.save(key, cost_profile.CostProfile(slow, 0.01, 0.001, 1.0))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
-    assert engine.cost_profile.verify == pytest.approx(slow)
+    assert engine.bundle.cost_profile.verify == pytest.approx(slow)
     engine.complete("one two three one two three one two three", max_new_tokens=40, temperature=0)
     reloaded = cost_profile.load(key)
     assert reloaded.corrections == 1 and reloaded.verify[2] < slow[2] / 2
@@ -156,15 +156,15 @@ def test_an_outgrown_profile_is_measured_again_at_the_next_load(int4_bundle, tmp
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(cost_profile._CpuClock, "others", lambda self, span=1.0: 0.0)  # no other process busy
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
-    key = engine.loaded._profile_key
-    fast = {n: t / 10 for n, t in engine.cost_profile.verify.items()}  # as if profiled on a faster day
+    key = engine.bundle._profile_key
+    fast = {n: t / 10 for n, t in engine.bundle.cost_profile.verify.items()}  # as if profiled on a faster day
     cost_profile.save(key, cost_profile.CostProfile(fast, 0.0001, 0.00001, 1.0))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
-    assert engine.cost_profile.cached and engine.cost_profile.verify == pytest.approx(fast)
+    assert engine.bundle.cost_profile.cached and engine.bundle.cost_profile.verify == pytest.approx(fast)
     engine.complete("one two three one two three one two three", max_new_tokens=40, temperature=0)
     assert cost_profile.load(key) is None  # forgotten
     again = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
-    assert not again.cost_profile.cached and again.cost_profile.verify[1] > 2 * fast[1]
+    assert not again.bundle.cost_profile.cached and again.bundle.cost_profile.verify[1] > 2 * fast[1]
 
 
 def test_verify_passes_are_timed_with_every_rows_logits():
@@ -496,7 +496,7 @@ def test_the_machine_is_measured_in_a_few_passes_with_a_word_for_the_spinner(int
     from edge_spec.runtime.model.decoder import Decoder
 
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
-    Engine.from_bundle(int4_bundle, threads=1, mode="ar").loaded.exact_rows()  # the device checks, cached first
+    Engine.from_bundle(int4_bundle, threads=1, mode="ar").bundle.exact_rows()  # the device checks, cached first
     passes = []
     forward = Decoder.forward
 
@@ -509,18 +509,18 @@ def test_the_machine_is_measured_in_a_few_passes_with_a_word_for_the_spinner(int
     with cost_profile.on_measure(said.append):
         engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(16, adaptive=True))
     assert said == ["measuring this machine's speed (first run, a few seconds)", ""]
-    profile = engine.cost_profile
+    profile = engine.bundle.cost_profile
     assert profile.quick and not profile.cached and sorted(profile.verify) == list(range(1, 18))
     assert profile.estimated == [7, 9, 10, 11, 13, 14, 15, 16]
-    target = engine.manifest["target"]["onnx"].split("/")[0]
+    target = engine.bundle.manifest["target"]["onnx"].split("/")[0]
     assert len([p for p in passes if p[0] == target]) == 1 + len(cost_profile.quick_rows(17))
     passes.clear()
     with cost_profile.on_measure(said.append):
         again = Engine.from_bundle(int4_bundle, threads=1, config=chain(16, adaptive=True))
-    assert again.cost_profile.cached and len(said) == 2
+    assert again.bundle.cost_profile.cached and len(said) == 2
     assert not [p for p in passes if p[0] == target]
     # every size, estimated or timed, seeds the cost model the planner reads
-    assert again.target.recent_seconds()[10] == profile.verify[10]
+    assert again.bundle.target.recent_seconds()[10] == profile.verify[10]
 
 
 PROMPTS = ["def is_prime(n):", "one two three one two three one two", "The quick brown fox"]
@@ -536,15 +536,15 @@ def test_a_profile_measured_under_load_is_replaced_and_greedy_output_never_chang
     monkeypatch.setattr(cost_profile, "_timed", lambda fn: timed(fn) + 0.010)
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
     monkeypatch.setattr(cost_profile, "_timed", timed)
-    slow = dict(engine.cost_profile.verify)
+    slow = dict(engine.bundle.cost_profile.verify)
     reference = engine.complete(PROMPTS[0], max_new_tokens=40, mode="ar", exact=True).token_ids
     assert engine.complete(PROMPTS[0], max_new_tokens=40, temperature=0).token_ids == reference
-    saved = cost_profile.load(engine.loaded._profile_key)
+    saved = cost_profile.load(engine.bundle._profile_key)
     assert saved.corrections == 1
     live = [n for n in saved.verify if n not in saved.estimated]
     assert live and all(saved.verify[n] < slow[n] / 2 for n in live)
     again = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
-    assert again.cost_profile.cached and again.cost_profile.verify == pytest.approx(saved.verify)
+    assert again.bundle.cost_profile.cached and again.bundle.cost_profile.verify == pytest.approx(saved.verify)
     for prompt in PROMPTS[1:]:
         reference = engine.complete(prompt, max_new_tokens=40, mode="ar", exact=True).token_ids
         assert engine.complete(prompt, max_new_tokens=40, temperature=0).token_ids == reference
@@ -559,19 +559,19 @@ def test_once_a_busy_profile_is_replaced_the_planner_plans_with_the_new_one(int4
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
     busy = {1: 0.200, 2: 0.300, 3: 0.500, 4: 0.500, 5: 0.900}
-    engine.loaded.cost_profile = cost_profile.CostProfile(dict(busy), 0.020, 0.001, 1.0, quick=True, suspect=True)
-    engine.target.stats = stats = DecoderStats()
-    engine.loaded._profile_calls = ({}, {})
+    engine.bundle.cost_profile = cost_profile.CostProfile(dict(busy), 0.020, 0.001, 1.0, quick=True, suspect=True)
+    engine.bundle.target.stats = stats = DecoderStats()
+    engine.bundle._profile_calls = ({}, {})
     for n, seconds in busy.items():
         stats.seed(n, seconds)
     for _ in range(10):
         stats.add(2, 0.050)
         stats.add(4, 0.070)
-    engine.loaded.correct_costs(engine.config)
-    assert engine.cost_profile.corrections == 1
+    engine.bundle.correct_costs(engine.config)
+    assert engine.bundle.cost_profile.corrections == 1
     expected = {1: 0.040, 2: 0.050, 3: 0.060, 4: 0.070, 5: 0.080}
-    assert engine.cost_profile.verify == pytest.approx(expected)
-    assert engine.target.recent_seconds() == pytest.approx(expected)
+    assert engine.bundle.cost_profile.verify == pytest.approx(expected)
+    assert engine.bundle.target.recent_seconds() == pytest.approx(expected)
 
 
 def test_the_device_checks_follow_the_first_answer_and_leave_the_cost_model_alone(int4_bundle, tmp_path, monkeypatch):
@@ -579,21 +579,23 @@ def test_the_device_checks_follow_the_first_answer_and_leave_the_cost_model_alon
     the checks run after the first answer, and their passes are not counted as live ones."""
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
-    assert engine.loaded.exact_available(check=False) is None  # not checked yet
-    planner = engine.target.recent_seconds()
-    assert {n: planner[n] for n in engine.cost_profile.verify} == engine.cost_profile.verify
+    assert engine.bundle.exact_available(check=False) is None  # not checked yet
+    planner = engine.bundle.target.recent_seconds()
+    assert {n: planner[n] for n in engine.bundle.cost_profile.verify} == engine.bundle.cost_profile.verify
     answered, before_checks = [], []  # tokens of the answer when each check starts; the passes counted then
-    check_device, one_row = engine.loaded.check_device, row_invariance.one_row_passes_match
+    check_device, one_row = engine.bundle.check_device, row_invariance.one_row_passes_match
     monkeypatch.setattr(
-        engine.loaded, "check_device", lambda: before_checks.append(dict(engine.target.stats.calls)) or check_device()
+        engine.bundle,
+        "check_device",
+        lambda: before_checks.append(dict(engine.bundle.target.stats.calls)) or check_device(),
     )
     monkeypatch.setattr(
         "edge_spec.runtime.loaded.one_row_passes_match",
         lambda decoder: answered.append(len(engine.last_token_ids)) or one_row(decoder),
     )
     engine.complete(PROMPTS[0], max_new_tokens=12)
-    assert answered and answered[0] > 0 and engine.loaded.exact_available(check=False) is not None  # after the answer
-    assert engine.target.stats.calls == before_checks[0]
+    assert answered and answered[0] > 0 and engine.bundle.exact_available(check=False) is not None  # after the answer
+    assert engine.bundle.target.stats.calls == before_checks[0]
 
 
 @pytest.mark.parametrize("measure", [True, False])
@@ -616,10 +618,10 @@ def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, cap
     assert code in (0, None), err
     assert ("measured this machine for the bundle" in err) == measure, err
     with Engine.from_bundle(out) as engine:
-        assert engine.cost_profile.cached == measure
+        assert engine.bundle.cost_profile.cached == measure
         # the exactness verdicts: read from the cache without checking, or not there yet
-        assert (engine.loaded.exact_available(check=False) is not None) == measure
-        assert ("greedy" in engine.schedule_memory().calibrations) == measure
+        assert (engine.bundle.exact_available(check=False) is not None) == measure
+        assert ("greedy" in engine.bundle.schedule_memory(engine.config).calibrations) == measure
 
 
 def test_the_cost_model_prices_sizes_past_a_profile_as_the_profile_would():
@@ -733,3 +735,19 @@ def test_live_passes_slowed_by_other_processes_leave_the_profile_alone(tmp_path,
     assert not cost_profile.outgrown_by_live(profile, slowed, {1: 20, 2: 20})
     busy_while_measured(monkeypatch, 0.05)
     assert cost_profile.outgrown_by_live(profile, slowed, {1: 20, 2: 20})
+
+
+def test_an_answer_in_another_mode_leaves_the_engine_s_profile_alone(int4_bundle, tmp_path, monkeypatch):
+    """The profile is measured for the engine's loop and drafter: an answer asked in another mode (SSD,
+    whose verify passes share the cores with drafting ahead) teaches it nothing, while one in the
+    engine's own mode corrects a profile taken under load as usual."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    timed = cost_profile._timed
+    monkeypatch.setattr(cost_profile, "_timed", lambda fn: timed(fn) + 0.010)
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(4, adaptive=True))
+    monkeypatch.setattr(cost_profile, "_timed", timed)
+    key = engine.bundle._profile_key
+    engine.complete(PROMPTS[0], max_new_tokens=40, temperature=0, mode="ssd")
+    assert cost_profile.load(key).corrections == 0
+    engine.complete(PROMPTS[0], max_new_tokens=40, temperature=0)
+    assert cost_profile.load(key).corrections == 1

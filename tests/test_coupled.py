@@ -86,11 +86,11 @@ def engine(int4_bundle):
     ids=["γ1", "γ3", "adaptive+lookup", "ssd"],
 )
 def test_coupled_speculative_answer_equals_coupled_target_only(engine, config):
-    engine.target.min_rows = engine.loaded.pass_rows("spec")  # the exact passes generate runs coupled spec with
+    engine.bundle.target.min_rows = engine.bundle.pass_rows("spec")  # the exact passes generate runs coupled spec with
     rejected = 0
     for seed, prompt in enumerate(PROMPTS):
         params = SamplingParams(temperature=0.8, sampler="coupled", seed=seed)
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, params, 40, None)
         got, stats = run(engine, ids, params, 40, config, seed=1000 + seed)  # another rng: unused
         assert got == reference, (config, prompt)
@@ -100,10 +100,10 @@ def test_coupled_speculative_answer_equals_coupled_target_only(engine, config):
 
 def test_rejection_sampling_is_not_coupled(engine):
     """Negative control: the same seed through rejection sampling parts from the coupled answer."""
-    engine.target.min_rows = engine.loaded.pass_rows("spec")
+    engine.bundle.target.min_rows = engine.bundle.pass_rows("spec")
     parted = 0
     for seed, prompt in enumerate(PROMPTS):
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         coupled, _ = run(engine, ids, SamplingParams(temperature=0.8, sampler="coupled", seed=seed), 40, None)
         plain, _ = run(engine, ids, SamplingParams(temperature=0.8, seed=seed), 40, chain(3), seed=seed)
         parted += coupled != plain
@@ -181,8 +181,8 @@ def test_coupled_speculative_answers_follow_the_targets_joint_law(engine):
     needs fresh noise per request)."""
     from tests.helpers import chi_square_same_distribution, first_tokens
 
-    engine.target.min_rows = engine.loaded.pass_rows("spec")
-    ids = engine.tokenizer.encode("The quick")
+    engine.bundle.target.min_rows = engine.bundle.pass_rows("spec")
+    ids = engine.bundle.tokenizer.encode("The quick")
     target = first_tokens(engine, ids, SamplingParams(temperature=1.0), None, 1500)
     coupled = [
         tuple(run(engine, ids, SamplingParams(temperature=1.0, sampler="coupled", seed=seed), 3, chain(2))[0])

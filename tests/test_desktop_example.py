@@ -119,7 +119,7 @@ def test_the_picker_offers_the_bundles_edge_spec_models_lists(qtbot, models_dir,
     ]
     assert window.progress.isVisible()  # the default one is loading
     qtbot.waitUntil(lambda: window.ready, timeout=ANSWER_WAIT_MS)
-    assert not window.progress.isVisible() and window.worker.engine.bundle_dir == default
+    assert not window.progress.isVisible() and window.worker.engine.bundle.bundle_dir == default
 
 
 def test_the_progress_bar_follows_the_load_stages(qtbot, models_dir, make_window):
@@ -141,7 +141,7 @@ def test_another_bundle_picked_during_a_load_is_the_one_loaded(qtbot, models_dir
     window.bundles.activated.emit(1)  # as a click on the second entry does, while the first one loads
     qtbot.waitUntil(lambda: window.ready, timeout=ANSWER_WAIT_MS)
     qtbot.wait(200)  # a late report of the first load would show here
-    assert window.worker.engine.bundle_dir == default_bundle().parent / "another-fp32"
+    assert window.worker.engine.bundle.bundle_dir == default_bundle().parent / "another-fp32"
     assert window.ready and window.send_button.isEnabled()
 
 

@@ -46,19 +46,19 @@ def test_it_drafts_through_the_engine_and_greedy_answers_stay_the_target_s(engin
         got = engine.complete(messages, max_new_tokens=20, temperature=0.0)
         want = reference.complete(messages, max_new_tokens=20, temperature=0.0)
         assert got.token_ids == want.token_ids, prompt
-    assert list(engine.loaded.drafters) == ["twin"]  # loaded alone, not the drafter model beside it
-    twin = engine.loaded.drafters["twin"]
-    assert twin is engine.active_drafter() and twin.name == "twin"
-    assert twin.decoder is not engine.loaded.drafter.decoder  # a drafter of its own: its own KV cache
+    assert list(engine.bundle.drafters) == ["twin"]  # loaded alone, not the drafter model beside it
+    twin = engine.bundle.drafters["twin"]
+    assert twin is engine.bundle.active_drafter(engine.config) and twin.name == "twin"
+    assert twin.decoder is not engine.bundle.drafter.decoder  # a drafter of its own: its own KV cache
     assert greedy_matches_target_only(engine, chain(3, drafter="twin")) > 0, "the twin never drafted"
 
 
 def test_the_schedule_plans_its_rounds(engine):
     """The adaptive planner takes it as its model drafter, prices its rounds from its measured costs and
     drafts with it; an adaptive chain's rounds are its."""
-    context = ProposerContext(engine.target.vocab_size, {"twin": engine.active_drafter()})
+    context = ProposerContext(engine.bundle.target.vocab_size, {"twin": engine.bundle.active_drafter(engine.config)})
     proposers = build_proposers(("twin", "guess"), context)
-    planner = DraftPlanner(proposers, engine.target, gamma=4, adaptive=True)
+    planner = DraftPlanner(proposers, engine.bundle.target, gamma=4, adaptive=True)
     assert planner.model is proposers[0] and planner.model.name == "twin"
     assert planner._costs() is not None  # the engine measured its step: the policy can plan with it
     config = chain(4, adaptive=True, drafter="twin")
@@ -68,9 +68,11 @@ def test_the_schedule_plans_its_rounds(engine):
 
 def test_its_costs_and_calibration_are_keyed_by_its_spec(engine):
     model, twin = loop_config("spec"), loop_config("spec", drafter="twin")
-    assert engine.loaded.schedule_memory(twin) is not engine.loaded.schedule_memory(model)
-    assert engine.param_ratio == engine.loaded.param_ratio(model)  # the same files: the same ratios
-    assert engine.bytes_ratio == engine.loaded.bytes_ratio(model)
+    assert engine.bundle.schedule_memory(twin) is not engine.bundle.schedule_memory(model)
+    assert engine.bundle.param_ratio(engine.config) == engine.bundle.param_ratio(
+        model
+    )  # the same files: the same ratios
+    assert engine.bundle.bytes_ratio(engine.config) == engine.bundle.bytes_ratio(model)
 
 
 def test_the_bench_lists_and_runs_it(engine):
@@ -82,7 +84,7 @@ def test_the_bench_lists_and_runs_it(engine):
 
     drafters = benched_drafters(mode_kinds("ar,twin"), [])
     assert drafters == {"twin": None}
-    default = engine.loaded.head_of("twin")
+    default = engine.bundle.head_of("twin")
     modes = modes_for(engine, ["full"], chain(2, adaptive=True), [2], drafters=drafters, spec=False)
     assert [m.name for m in modes if m.name.startswith("twin")] == [f"twin+{default}@γ2", f"twin+{default}"]
     modes = modes_for(engine, ["full"], chain(2, adaptive=True), [2], drafters={"twin": ["full"]}, spec=False)

@@ -63,17 +63,17 @@ def test_the_heads_draw_on_the_draft_vocabulary_only(engine, heads_bundle):
     d2t = np.load(heads_bundle / "eagle" / "d2t.npy")
     draft_ids = np.arange(len(d2t)) + d2t
     engine.use_eagle_head(TRIM)
-    trim = engine.eagle.lm_head
+    trim = engine.bundle.eagle.lm_head
     assert isinstance(trim, DraftHead) and trim.rows == 128 and np.isin(trim.vocab_ids, draft_ids).all()
     engine.use_eagle_head(SPECVOCAB)
-    head = engine.eagle.lm_head
+    head = engine.bundle.eagle.lm_head
     assert isinstance(head, SpecVocabHead) and head.rows.shape == (256, 64)
     logits, ids = head(np.random.default_rng(0).standard_normal(64).astype(np.float32))
     assert len(ids) == len(logits) == 48 + head.always.size and np.isin(ids, draft_ids).all()
     assert len(set(ids.tolist())) == len(ids)
     steps = head.seconds
-    engine.eagle.profile_fill(4)
-    layer, lm = engine.eagle.profile_step()
+    engine.bundle.eagle.profile_fill(4)
+    layer, lm = engine.bundle.eagle.profile_step()
     assert layer > 0 and lm > 0 and head.seconds > steps  # a draft step's cost includes its LM head
 
 
@@ -157,7 +157,7 @@ def test_a_single_graph_head_still_drafts_and_add_heads_splits_it(heads_bundle, 
     shutil.copytree(heads_bundle, old)
     make_single_graph(old, CONFIG, random_head(seed=5, config=CONFIG))
     engine = Engine.from_bundle(old, threads=1, config=loop_config("spec", drafter="eagle"), exact=True)
-    assert engine.eagle_head == "full" and engine.eagle.lm_head is None
+    assert engine.bundle.eagle_head == "full" and engine.bundle.eagle.lm_head is None
     with pytest.raises(EdgeSpecError, match="no EAGLE head 'trim-128'; available: full"):
         engine.use_eagle_head("trim-128")
     assert greedy_equals_target_only(engine, 3, PROMPTS[:1]) > 0

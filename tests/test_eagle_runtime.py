@@ -46,11 +46,11 @@ def test_greedy_eagle_equals_target_only_decoding(engine, gamma):
 
 def test_coupled_sampled_eagle_equals_coupled_target_only_decoding(engine):
     """The head races with the noise of the position it drafts, like the drafter model (verify.coupled)."""
-    engine.target.min_rows = engine.loaded.pass_rows("spec")
+    engine.bundle.target.min_rows = engine.bundle.pass_rows("spec")
     drafted = 0
     for seed, prompt in enumerate(PROMPTS):
         params = SamplingParams(temperature=0.8, sampler="coupled", seed=seed)
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, params, 30, None)
         got, stats = run(engine, ids, params, 30, eagle(3))
         assert got == reference, prompt
@@ -61,15 +61,15 @@ def test_coupled_sampled_eagle_equals_coupled_target_only_decoding(engine):
 def test_the_head_reads_the_features_of_every_kept_position(engine):
     """After a request, the head holds one fused feature per target position, computed from the
     target's own hidden states: the same rows a fresh teacher-forced target pass gives."""
-    engine.target.min_rows = 2
-    ids = engine.tokenizer.encode(PROMPTS[0])
+    engine.bundle.target.min_rows = 2
+    ids = engine.bundle.tokenizer.encode(PROMPTS[0])
     got, _ = run(engine, ids, SamplingParams(), 24, eagle(3))
-    head = engine.eagle
+    head = engine.bundle.eagle
     committed = ids + got
-    kept = committed[: engine.target.length]
+    kept = committed[: engine.bundle.target.length]
     assert head.feature_tokens == kept
-    engine.target.reset()
-    features = engine.target.prefill(kept, 1)["features"]
+    engine.bundle.target.reset()
+    features = engine.bundle.target.prefill(kept, 1)["features"]
     fused = head.fc.run(None, {"features": features[None]})[0][0]
     np.testing.assert_allclose(head.fused[: len(kept)], fused, rtol=1e-4, atol=1e-4)
 
@@ -206,3 +206,21 @@ def test_the_repository_ships_a_head_for_the_default_target():
     assert sum(p.stat().st_size for p in directory.iterdir()) <= 64 << 20
     config = Eagle3Config.from_hf_config(record["config"])
     assert config.draft_vocab_size == record["heads"]["full"]["size"]
+
+
+def test_a_call_in_another_mode_follows_and_reports_its_own_drafter(eagle_bundle):
+    """An engine set up for the EAGLE head answering one call in ssd mode (which drafts with the drafter
+    model): the prefill progress follows the drafter model's passes, not the head's, and the answer's
+    statistics price that drafter."""
+    engine = Engine.from_bundle(eagle_bundle, threads=1, config=loop_config("spec", drafter="eagle"))
+    bundle = engine.bundle
+    bundle.target.prefill_chunk = 5
+    bundle.drafter.body.prefill_chunk = 5
+    fractions: list[float] = []
+    prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 2
+    got = engine.complete(prompt, max_new_tokens=6, mode="ssd", on_prefill=fractions.append)
+    assert fractions and fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
+    ssd = loop_config("ssd")
+    assert got.stats.spec.param_ratio == pytest.approx(bundle.param_ratio(ssd))
+    assert bundle.param_ratio(ssd) != pytest.approx(bundle.param_ratio(engine.config))
+    assert bundle.drafter.decoder.prefill_listener is None and bundle.drafter.decoder.stop_requested is None

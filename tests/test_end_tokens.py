@@ -80,15 +80,15 @@ def test_answers_ending_early_stay_exact_and_draft_nothing_past_the_end(engine, 
     reference = engine.complete(messages, max_new_tokens=40, temperature=0, mode="ar", exact=True).token_ids
     end = max(set(reference[8:]), key=reference[8:].count)  # drafters propose it in mid-chain
     engine.config = config
-    monkeypatch.setattr(engine.tokenizer, "eos_token_ids", {end})
+    monkeypatch.setattr(engine.bundle.tokenizer, "eos_token_ids", {end})
     seen = []
-    original = engine.target.forward
+    original = engine.bundle.target.forward
 
     def forward(tokens, *args, **kwargs):
         seen.append(list(tokens))
         return original(tokens, *args, **kwargs)
 
-    monkeypatch.setattr(engine.target, "forward", forward)
+    monkeypatch.setattr(engine.bundle.target, "forward", forward)
     answer = engine.complete(messages, max_new_tokens=40, temperature=0).token_ids
     assert answer == reference[: reference.index(end)]
     assert all(end not in tokens[1:-1] for tokens in seen[1:])  # an end token is only ever a round's last draft

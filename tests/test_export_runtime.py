@@ -126,7 +126,7 @@ def test_engine_generate_streams_text_and_stats(int4_bundle):
     assert completion.stats.new_tokens == len(completion.token_ids) == 12
     assert completion.stats.stop_reason == "length"
     # decoding the ids gives the streamed text
-    assert engine.tokenizer.decode(completion.token_ids) == completion.text
+    assert engine.bundle.tokenizer.decode(completion.token_ids) == completion.text
 
 
 def test_engine_prefix_reuse_gives_same_answer(int4_bundle):
@@ -195,7 +195,7 @@ def test_the_default_ceiling_shrinks_to_a_short_context_and_answers_as_ar(int4_b
     prompt = "the quick brown fox"
     answer = spec.complete(prompt, max_new_tokens=12)
     assert answer.token_ids == ar.complete(prompt, max_new_tokens=12).token_ids
-    assert answer.stats.new_tokens == 12 and max(spec.cost_profile.verify) == 23
+    assert answer.stats.new_tokens == 12 and max(spec.bundle.cost_profile.verify) == 23
 
 
 def test_unknown_provider_is_rejected(int4_bundle):
@@ -258,7 +258,7 @@ def test_drafter_blocks_are_its_own(int4_bundle, tmp_path, tiny_pair):
 def test_the_python_api_runs_speculative_decoding_by_default(int4_bundle):
     """The same default as the CLI and the server: a user who names no mode gets speculation."""
     with Engine.from_bundle(int4_bundle, threads=1) as engine:
-        assert engine.mode == "spec"
+        assert engine.config.mode == "spec"
         answer = engine.complete("def is_prime", max_new_tokens=8)
         assert answer.stats.spec is not None and answer.stats.spec.target_calls > 0
 
@@ -273,7 +273,10 @@ def test_close_releases_the_sessions_and_refuses_later_calls(int4_bundle):
 
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec")
     engine.complete("hello", max_new_tokens=4)
-    sessions = [weakref.ref(engine.target.session), weakref.ref(engine.active_drafter().decoder.session)]
+    sessions = [
+        weakref.ref(engine.bundle.target.session),
+        weakref.ref(engine.bundle.active_drafter(engine.config).decoder.session),
+    ]
     keeps_it_alive = engine.cancel  # a bound method holds the engine, as a threading.Timer would
     engine.close()
     gc.collect()

@@ -175,7 +175,7 @@ def test_engine_without_a_path_loads_the_default_bundle(default_bundle):
 
     engine = Engine.from_bundle(threads=1, mode="ar")
     try:
-        assert engine.bundle_dir == default_bundle
+        assert engine.bundle.bundle_dir == default_bundle
     finally:
         engine.close()
 

@@ -150,7 +150,7 @@ def test_each_logprob_is_the_target_s_own(spec, drafting, fresh_target, mode):
             assert np.abs(np.array([lp for _, lp in entry.top]) - want[i][order]).max() <= TOL
 
         # negative control: the drafter's distribution at the same positions is not what was reported
-        drafter = drafting.active_drafter()  # its full head
+        drafter = drafting.bundle.active_drafter(drafting.config)  # its full head
         prompt_ids = engine.prompt_ids(prompt)
         theirs = []
         for i, token in enumerate(ids):
@@ -249,12 +249,12 @@ def test_each_chunk_carries_the_tokens_whose_text_it_starts(spec):
         assert all(start <= e.text_offset < start + len(chunk) for e in chunk_entries)
         start += len(chunk)
     for i, entry in enumerate(handed):  # the text before a token's offset is the text of the tokens before it
-        before = spec.tokenizer.decode(ids[:i])
+        before = spec.bundle.tokenizer.decode(ids[:i])
         if "\ufffd" not in before:  # (unless a character is cut in two there)
             assert before == text[: entry.text_offset]
 
     # a stop string: the tokens whose text is dropped with it are not reported
-    decode = spec.tokenizer.decode
+    decode = spec.bundle.tokenizer.decode
     k = next(
         k
         for k in range(len(ids) // 2, len(ids) - 2)

@@ -104,7 +104,7 @@ def test_the_planner_checks_the_lookup_token_after_the_taken_ones(engine, monkey
     reference answer itself, so every such check must say right."""
     from edge_spec.runtime.loops.config import ChainConfig
 
-    ids = engine.tokenizer.encode(REPETITIVE[1])
+    ids = engine.bundle.tokenizer.encode(REPETITIVE[1])
     reference, _ = run(engine, ids, SamplingParams(), 24, None)
     sequence = list(ids) + reference
     monkeypatch.setattr(
@@ -141,7 +141,7 @@ def engine(int4_bundle):
 def test_greedy_with_lookup_equals_autoregressive(engine, gamma, adaptive):
     rounds = 0
     for prompt in REPETITIVE:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
         got, stats = run(engine, ids, SamplingParams(), 40, chain(gamma, adaptive=adaptive, lookup=True))
         assert got == reference, prompt
@@ -161,7 +161,7 @@ def test_without_free_guesses_a_lookups_first_draft_is_still_checked(engine, mon
         "record_guess",
         lambda self, matched, right: (checks.append(matched), record(self, matched, right))[1],
     )
-    ids = engine.tokenizer.encode(REPETITIVE[0])
+    ids = engine.bundle.tokenizer.encode(REPETITIVE[0])
     reference, _ = run(engine, ids, SamplingParams(), 24, None)
     # a lookup that always offers (the last token again, as if after a 3-token match)
     monkeypatch.setattr(NgramLookup, "match", lambda self, tokens, gamma, min_n=None: ([tokens[-1]] * gamma, 3))
@@ -178,7 +178,7 @@ def test_sampled_with_lookup_matches_target_distribution(engine, monkeypatch):
     continued a long match."""
     monkeypatch.setattr(NgramLookup, "match", lambda self, tokens, gamma, min_n=None: ([tokens[-1], 5][:gamma], 4))
     params = SamplingParams(temperature=1.0)
-    ids = engine.tokenizer.encode(REPETITIVE[0])
+    ids = engine.bundle.tokenizer.encode(REPETITIVE[0])
     n = 1500
     ar = [tuple(run(engine, ids, params, 3, None, seed=s)[0]) for s in range(n)]
     rounds = 0

@@ -69,11 +69,11 @@ def test_greedy_multidraft_equals_autoregressive(head_engine, drafts, gamma):
     engine = head_engine
     first_multi = first_single = 0
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
         got, stats = run(engine, ids, SamplingParams(), 40, TreeConfig(gamma=gamma, drafts=drafts))
-        assert got == reference, f"head={engine.draft_head} k={drafts} γ={gamma} prompt={prompt!r}"
-        assert engine.target.length == len(ids) + len(got) - 1
+        assert got == reference, f"head={engine.bundle.draft_head} k={drafts} γ={gamma} prompt={prompt!r}"
+        assert engine.bundle.target.length == len(ids) + len(got) - 1
         _, single = run(engine, ids, SamplingParams(), 40, chain(gamma))
         first_multi += stats.first_accepted
         first_single += single.first_accepted
@@ -88,7 +88,7 @@ def test_sampled_multidraft_matches_target_distribution(int4_bundle, scheme, dra
     sampling (two-sample chi-square)."""
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
     params = SamplingParams(temperature=1.0)
-    ids = engine.tokenizer.encode("The quick")
+    ids = engine.bundle.tokenizer.encode("The quick")
     n = 1500
     ar = [tuple(run(engine, ids, params, 3, None, seed=s)[0]) for s in range(n)]
     spec = TreeConfig(gamma=2, drafts=drafts, verifier=scheme)
@@ -119,6 +119,6 @@ def test_engine_multidraft_mode_and_errors(int4_bundle):
         three.complete("def is_prime", max_new_tokens=8, temperature=0.7)
     with pytest.raises(EdgeSpecError, match="unknown multi-draft verifier"):
         Engine.from_bundle(int4_bundle, threads=1, config=TreeConfig(drafts=2, verifier="beam"))
-    drafter_body = engine.drafter.body  # a graph exported without tree inputs
+    drafter_body = engine.bundle.drafter.body  # a graph exported without tree inputs
     with pytest.raises(EdgeSpecError, match="no tree-attention inputs"):
         check_tree(drafter_body, spec)

@@ -240,10 +240,10 @@ def test_greedy_speculative_equals_autoregressive_on_the_native_op(library, int4
     from tests.helpers import PROMPTS, chain, run
 
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="full")
-    assert engine.target.native_attention
+    assert engine.bundle.target.native_attention
     rejections = 0
     for prompt in PROMPTS[:3]:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
         for gamma in (1, 3, 6):
             got, stats = run(engine, ids, SamplingParams(), 40, chain(gamma))
@@ -323,5 +323,5 @@ def test_device_facts_are_kept_apart_for_the_native_op(library, int4_bundle, mon
     native = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
     monkeypatch.setenv(build.SWITCH, "0")
     plain = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
-    assert native.target.native_attention and not plain.target.native_attention
-    assert native.loaded._placement() != plain.loaded._placement()
+    assert native.bundle.target.native_attention and not plain.bundle.target.native_attention
+    assert native.bundle._placement() != plain.bundle._placement()

@@ -194,8 +194,11 @@ def test_each_of_our_modes_reads_the_whole_prompt_and_is_compared_with_ar(sessio
     try:
         item = {"category": "qa", "prompt": "Tell me about the sea and the ships on it."}
         prompt = len(ours.engine.prompt_ids([{"role": "user", "content": item["prompt"]}]))
-        target, baseline = _prompt_tokens_read(ours.engine.target), _prompt_tokens_read(ours.baseline.target)
-        drafter = _prompt_tokens_read(ours.engine.drafter.decoder)
+        target, baseline = (
+            _prompt_tokens_read(ours.engine.bundle.target),
+            _prompt_tokens_read(ours.baseline.bundle.target),
+        )
+        drafter = _prompt_tokens_read(ours.engine.bundle.drafter.decoder)
         records = ours.run(item)
         engines = [r["engine"] for r in records]
         assert engines == [
@@ -207,9 +210,9 @@ def test_each_of_our_modes_reads_the_whole_prompt_and_is_compared_with_ar(sessio
             "ours schedule+suffix",
         ]
         speculative = len(engines) - 2
-        assert _prompt_tokens_read(ours.baseline.target) - baseline == prompt
-        assert _prompt_tokens_read(ours.engine.target) - target == (speculative + 1) * prompt  # ar-exact too
-        assert _prompt_tokens_read(ours.engine.drafter.decoder) - drafter == speculative * prompt
+        assert _prompt_tokens_read(ours.baseline.bundle.target) - baseline == prompt
+        assert _prompt_tokens_read(ours.engine.bundle.target) - target == (speculative + 1) * prompt  # ar-exact too
+        assert _prompt_tokens_read(ours.engine.bundle.drafter.decoder) - drafter == speculative * prompt
         assert all(r["first_token_seconds"] > 0 for r in records)
         for record in records[2:]:  # greedy: equal to the exact target-only answer, the flags run_bench sets
             assert record["identical_to_ar"] is True and isinstance(record["identical_to_one_row_ar"], bool)

@@ -57,8 +57,8 @@ def test_prefill_reuses_the_cached_prefix_in_chunks(target_path):
 
 
 def _small_chunks(engine: Engine, chunk: int) -> None:
-    engine.target.prefill_chunk = chunk
-    engine.drafter.body.prefill_chunk = chunk
+    engine.bundle.target.prefill_chunk = chunk
+    engine.bundle.drafter.body.prefill_chunk = chunk
 
 
 @pytest.mark.parametrize("mode", ["spec", "ar"])
@@ -66,15 +66,15 @@ def test_engine_reports_one_growing_fraction_and_keeps_greedy_identity(int4_bund
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2, adaptive=True))
     reference = engine.complete(PROMPT_TEXT, max_new_tokens=16, mode="ar", exact=True).token_ids
     _small_chunks(engine, 5)
-    engine.target.reset()
-    engine.drafter.body.reset()
+    engine.bundle.target.reset()
+    engine.bundle.drafter.body.reset()
     fractions: list[float] = []
     got = engine.complete(PROMPT_TEXT, max_new_tokens=16, mode=mode, exact=True, on_prefill=fractions.append)
     assert got.token_ids == reference
     assert fractions and fractions == sorted(fractions) and 0 < fractions[0] and fractions[-1] == pytest.approx(1.0)
     if mode == "spec":  # the target's passes end at its share, then the drafter's part follows
-        assert any(f < 1 / (1 + engine.param_ratio) + 1e-9 for f in fractions[:-1])
-    assert engine.target.prefill_listener is None and engine.drafter.body.prefill_listener is None
+        assert any(f < 1 / (1 + engine.bundle.param_ratio(engine.config)) + 1e-9 for f in fractions[:-1])
+    assert engine.bundle.target.prefill_listener is None and engine.bundle.drafter.body.prefill_listener is None
 
 
 def test_cancel_stops_between_prefill_passes(int4_bundle):
@@ -89,7 +89,7 @@ def test_cancel_stops_between_prefill_passes(int4_bundle):
     got = engine.complete(PROMPT_TEXT, max_new_tokens=8, on_prefill=cancel_at_first_pass)
     assert got.token_ids == [] and got.stats.stop_reason == "cancelled"
     assert len(fractions) == 1
-    read = engine.target.length
+    read = engine.bundle.target.length
     assert 0 < read < len(engine.prompt_ids(PROMPT_TEXT))  # stopped part-way, the cache holds a prefix
     # the next request starts from what was read and answers as if nothing had happened
     again = engine.complete(PROMPT_TEXT, max_new_tokens=8)
@@ -119,4 +119,4 @@ def test_bench_pass_logs_leave_every_prefill_pass_out(int4_bundle):
             assert draft_calls == record["draft_steps"], record["mode"]  # fixed γ: one drafter pass per draft
         else:  # ar and ar-exact: the first token comes out of the prefill, then one pass per token
             assert calls == record["new_tokens"] - 1, record["mode"]
-    assert engine.target.stats.prefill_calls.get(3, 0) > 0  # the prompt did go in several passes
+    assert engine.bundle.target.stats.prefill_calls.get(3, 0) > 0  # the prompt did go in several passes

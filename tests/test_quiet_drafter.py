@@ -54,13 +54,13 @@ def test_rounds_whose_guesses_keep_failing_run_in_one_row_and_equal_ar_exact(int
     config = loop_config("spec", lookup=False)  # the drafter and the guess only
     engine = Engine.from_bundle(int4_bundle, threads=1, config=config, draft_head="trim-64")
     reference = engine.complete(prompt, max_new_tokens=24, mode="ar", exact=True).token_ids
-    counter = RowCounter(engine.target)
-    monkeypatch.setattr(engine.target, "forward", counter)
+    counter = RowCounter(engine.bundle.target)
+    monkeypatch.setattr(engine.bundle.target, "forward", counter)
     monkeypatch.setattr(RequestAcceptance, "guess", lambda self, matched: 0.0)  # no guess ever pays
     monkeypatch.setattr(QuietDrafter, "holds", lambda self: True)  # the drafter rests throughout
     assert engine.complete(prompt, max_new_tokens=24).token_ids == reference
     decode = counter.rows[1:]  # after the prompt's pass
-    if engine.loaded.exact_rows() == 1:
+    if engine.bundle.exact_rows() == 1:
         assert decode and set(decode) == {1}
     else:  # where one-row passes are not exact, the pad row stays
         assert decode and set(decode) == {2}

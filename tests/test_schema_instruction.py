@@ -109,11 +109,11 @@ def test_a_template_without_a_system_role_reads_the_schema_in_the_user_message(e
     from edge_spec.errors import EdgeSpecError
     from edge_spec.runtime.text import TextTokenizer
 
-    (tmp_path / "tokenizer.json").write_bytes((engine.bundle_dir / "tokenizer.json").read_bytes())
-    config = json.loads((engine.bundle_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer.json").write_bytes((engine.bundle.bundle_dir / "tokenizer.json").read_bytes())
+    config = json.loads((engine.bundle.bundle_dir / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": REFUSES_SYSTEM}))
     refusing = TextTokenizer(tmp_path)
-    monkeypatch.setattr(engine.loaded, "tokenizer", refusing)
+    monkeypatch.setattr(engine.bundle, "tokenizer", refusing)
     told = engine.prompt_ids(CHAT, response_format=FORMAT)
     assert told == refusing.encode_chat(with_instruction(CHAT, schema_instruction(FORMAT), into_user=True))
     with pytest.raises(EdgeSpecError, match="System role not supported"):  # the caller's own system message

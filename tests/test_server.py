@@ -430,7 +430,7 @@ def test_request_parsing():
     assert chat.sampling.sampler is None and chat.sampling.resolved().sampler == "coupled"  # seeded: reproducible
     assert chat.sampling.resolved(coupled_available=False).sampler == "rejection"
     assert parse_chat({"messages": CHAT}).sampling.resolved().sampler == "rejection"
-    assert parse_chat({"messages": CHAT, "sampler": "coupled"}).sampling.engine_kwargs(64)["sampler"] == "coupled"
+    assert parse_chat({"messages": CHAT, "sampler": "coupled"}).sampling.options().sampler == "coupled"
     completion = parse_completion(
         {"prompt": ["p"], "suffix": "s", "stream": True, "stream_options": {"include_usage": True}}
     )

@@ -167,11 +167,11 @@ def test_tokenize_detokenize_round_trip(engine):
     text = "def is_prime(n):\n    return n > 1 <|im_end|>"
     with serving(engine) as (_, http):
         tokens = http.post("/tokenize", json={"content": text}).json()["tokens"]
-        assert tokens == engine.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
-        assert engine.tokenizer.tokenizer.token_to_id("<|im_end|>") in tokens  # control tokens parsed
+        assert tokens == engine.bundle.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        assert engine.bundle.tokenizer.tokenizer.token_to_id("<|im_end|>") in tokens  # control tokens parsed
         assert http.post("/detokenize", json={"tokens": tokens}).json() == {"content": text}
         literal = http.post("/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
-        assert engine.tokenizer.tokenizer.token_to_id("<|im_end|>") not in literal
+        assert engine.bundle.tokenizer.tokenizer.token_to_id("<|im_end|>") not in literal
         pieces = http.post("/tokenize", json={"content": "é and ü", "with_pieces": True}).json()["tokens"]
         assert all(set(p) == {"id", "piece"} for p in pieces)
         raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)

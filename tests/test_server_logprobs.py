@@ -23,7 +23,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def pieces(engine):
-    return TokenPieces(engine.tokenizer.tokenizer)
+    return TokenPieces(engine.bundle.tokenizer.tokenizer)
 
 
 def ar_exact(ar_engine, prompt, top, max_tokens):

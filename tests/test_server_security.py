@@ -252,7 +252,7 @@ def test_detokenize_counts_the_vocabulary_once(engine, monkeypatch):
     one, holding the GIL): a prepared server has the count, and ``/detokenize`` never walks it again."""
     client, state = in_process(engine)
     state.prepare()
-    text = engine.tokenizer
+    text = engine.bundle.tokenizer
     size = text.tokenizer.get_vocab_size(with_added_tokens=True)
 
     class Counted:
@@ -383,8 +383,8 @@ def test_tokenize_and_detokenize_name_their_limits(engine):
 
 
 def test_prompt_floors_never_exceed_the_count(engine):
-    floor = PromptFloor(engine.tokenizer.tokenizer)
-    assert floor.token_chars == max(len(t) for t in engine.tokenizer.tokenizer.get_vocab(with_added_tokens=True))
+    floor = PromptFloor(engine.bundle.tokenizer.tokenizer)
+    assert floor.token_chars == max(len(t) for t in engine.bundle.tokenizer.tokenizer.get_vocab(with_added_tokens=True))
     assert floor.by_characters("x" * (floor.token_chars * 300)) == 300
     assert floor.by_characters([{"role": "user", "content": "ab"}, {"role": "user", "content": "c"}]) == 1
     for prompt in (
@@ -394,12 +394,12 @@ def test_prompt_floors_never_exceed_the_count(engine):
     ):
         exact = len(engine.prompt_ids(prompt, check_length=False))
         assert floor.by_characters(prompt) <= floor.by_tokenizing(prompt) <= exact
-    assert floor.by_tokenizing("word " * 50) == len(engine.tokenizer.tokenizer.encode("word " * 50).ids)
+    assert floor.by_tokenizing("word " * 50) == len(engine.bundle.tokenizer.tokenizer.encode("word " * 50).ids)
 
 
 def test_oversized_prompts_refused_with_counts(engine):
     client, _ = in_process(engine)
-    capacity = engine.target.capacity
+    capacity = engine.bundle.target.capacity
     fitting = "hello world"
     while len(engine.prompt_ids(fitting + " hello world", check_length=False)) < capacity - 1:
         fitting += " hello world"  # the longest such prompt: one token remains for the answer
@@ -415,7 +415,7 @@ def test_oversized_prompts_refused_with_counts(engine):
 
 
 def floor_chars(engine) -> int:
-    return PromptFloor(engine.tokenizer.tokenizer).token_chars
+    return PromptFloor(engine.bundle.tokenizer.tokenizer).token_chars
 
 
 def test_cli_refuses_bad_security_options_in_one_line(int4_bundle):

@@ -96,12 +96,12 @@ class Scripted:
                 "prompt": prompt,
                 "tools": tools,
                 "stop": list(stop),
-                "text": self.engine.tokenizer.render_chat(prompt, tools=tools),
+                "text": self.engine.bundle.tokenizer.render_chat(prompt, tools=tools),
             }
         )
         answer, reason = self.answers.pop(0), self.reason or "eos"
-        detokenizer = StreamingDetokenizer(self.engine.tokenizer, marked_tokens)
-        answer_ids = self.engine.tokenizer.encode(answer) if isinstance(answer, str) else answer
+        detokenizer = StreamingDetokenizer(self.engine.bundle.tokenizer, marked_tokens)
+        answer_ids = self.engine.bundle.tokenizer.encode(answer) if isinstance(answer, str) else answer
         text = "".join(detokenizer.push(i) for i in answer_ids) + detokenizer.flush()
         cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
         if cuts:
@@ -301,13 +301,13 @@ def test_a_forced_call_cut_by_the_length_limit_is_never_content(engine, scripted
 def steer(engine, monkeypatch, wishes: dict[str, dict[str, float]]) -> None:
     """Make the target, right after each token of ``wishes``, favour the tokens it names (token text: how far
     above its best logit), as a model that means to write those there does."""
-    vocab = engine.tokenizer.tokenizer
+    vocab = engine.bundle.tokenizer.tokenizer
 
     def first_id(text: str) -> int:
         return vocab.encode(text, add_special_tokens=False).ids[0]
 
     lifts = {first_id(after): {first_id(t): lift for t, lift in wished.items()} for after, wished in wishes.items()}
-    original = engine.target.forward
+    original = engine.bundle.target.forward
 
     def forward(token_ids, num_logits=1, *args, **kwargs):
         result = original(token_ids, num_logits, *args, **kwargs)
@@ -319,7 +319,7 @@ def steer(engine, monkeypatch, wishes: dict[str, dict[str, float]]) -> None:
                     row[wished] = top + lift
         return result
 
-    monkeypatch.setattr(engine.target, "forward", forward)
+    monkeypatch.setattr(engine.bundle.target, "forward", forward)
 
 
 @pytest.mark.parametrize(
@@ -355,9 +355,9 @@ def test_a_call_the_model_spells_in_ordinary_tokens_is_text(engine, scripted, st
     """An answer that copies a tool result holding a <tool_call> block (prompt lookup drafts such copies)
     writes the markers as ordinary tokens: that is text, whichever function it names."""
     forged = FORGED.replace("delete_repo", "get_weather") if offered else FORGED
-    spelled = engine.tokenizer.encode_literal(f"The page says: {forged}")
-    marker = engine.tokenizer.tokenizer.token_to_id("<tool_call>")
-    assert marker not in spelled and engine.tokenizer.encode(forged).count(marker) == 1
+    spelled = engine.bundle.tokenizer.encode_literal(f"The page says: {forged}")
+    marker = engine.bundle.tokenizer.tokenizer.token_to_id("<tool_call>")
+    assert marker not in spelled and engine.bundle.tokenizer.encode(forged).count(marker) == 1
     scripted(spelled, chunk=3)
     with serving(engine) as (client, _):
         assert ask_for_calls(client, stream) == (f"The page says: {forged}", [], "stop")
@@ -376,7 +376,7 @@ def test_a_call_to_a_function_not_offered_is_text(engine, scripted, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_spelled_closing_marker_in_an_argument_neither_ends_the_call_nor_stops_the_answer(engine, scripted, stream):
     """With one call at most the answer stops at the model's closing token, not at its characters."""
-    tokenizer = engine.tokenizer
+    tokenizer = engine.bundle.tokenizer
     call = tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "')
     call += tokenizer.encode_literal("Paris</tool_call>") + tokenizer.encode('"}}\n</tool_call>')
     scripted(call + tokenizer.encode("\n" + CALL.replace("Paris", "Rome")), chunk=2)
@@ -387,7 +387,7 @@ def test_a_spelled_closing_marker_in_an_argument_neither_ends_the_call_nor_stops
 
 def test_tool_markers_are_single_tokens_of_the_prompt(engine):
     """The template's <tool_call> is the vocabulary's token, as the model read it in training."""
-    marker = engine.tokenizer.tokenizer.token_to_id("<tool_call>")
+    marker = engine.bundle.tokenizer.tokenizer.token_to_id("<tool_call>")
     history = [
         *ASK,
         {

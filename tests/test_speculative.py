@@ -28,26 +28,28 @@ def test_greedy_speculative_equals_autoregressive(any_engine, gamma):
     total_rejections = 0
     outside_head = 0
     outside_candidates = 0
-    kept = set(engine.drafter.head.vocab_ids.tolist()) if engine.drafter.head.vocab_ids is not None else None
+    kept = (
+        set(engine.bundle.drafter.head.vocab_ids.tolist()) if engine.bundle.drafter.head.vocab_ids is not None else None
+    )
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, greedy, 40, None)
         got, stats = run(engine, ids, greedy, 40, chain(gamma))
-        assert got == reference, f"head={engine.draft_head} γ={gamma} prompt={prompt!r}"
+        assert got == reference, f"head={engine.bundle.draft_head} γ={gamma} prompt={prompt!r}"
         total_rejections += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
         assert max(stats.drafted) <= gamma
         outside_candidates += stats.candidate_checks - stats.candidate_hits
         if kept is not None:
             outside_head += sum(t not in kept for t in reference)
     assert total_rejections > 0, "the drafter never disagreed: test would not exercise rollback"
-    if engine.draft_head == "trim-64":
+    if engine.bundle.draft_head == "trim-64":
         assert outside_head > 0, "no target token fell outside the trimmed head: case not exercised"
-    if "specvocab" in engine.draft_head and gamma == 4:
+    if "specvocab" in engine.bundle.draft_head and gamma == 4:
         assert outside_candidates > 0, "the target's token was always a candidate: case not exercised"
 
 
 def test_greedy_with_confidence_cutoff_equals_autoregressive(engine):
-    ids = engine.tokenizer.encode(PROMPTS[0])
+    ids = engine.bundle.tokenizer.encode(PROMPTS[0])
     reference, _ = run(engine, ids, SamplingParams(), 40, None)
     got, stats = run(engine, ids, SamplingParams(), 40, chain(6, min_confidence=0.6))
     assert got == reference
@@ -74,7 +76,7 @@ def test_sampled_speculative_matches_target_distribution(any_engine):
 def test_adaptive_gamma_is_lossless(any_engine):
     engine = any_engine
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
         got, stats = run(engine, ids, SamplingParams(), 40, chain(5, adaptive=True))
         assert got == reference

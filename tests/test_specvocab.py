@@ -68,7 +68,7 @@ def test_recall_over_a_universe_maps_rows_to_target_ids():
 
 def test_specvocab_head_over_a_universe_picks_only_universe_rows(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="specvocab-r16-k48-of160")
-    head = engine.drafter.head
+    head = engine.bundle.drafter.head
     assert head.universe is not None and len(head.universe) == 160
     for seed in range(5):
         hidden = np.random.default_rng(seed).standard_normal(64).astype(np.float32)
@@ -96,7 +96,7 @@ def test_calibration_recall_beats_a_random_subset(int4_bundle):
 
 def test_specvocab_head_gives_exact_logits_on_its_candidates(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim32+specvocab-r16-k48")
-    head = engine.drafter.head
+    head = engine.bundle.drafter.head
     hidden = np.random.default_rng(3).standard_normal(64).astype(np.float32)
     logits, ids = head(hidden)
     assert len(ids) == len(set(ids.tolist())) == 48 + head.always.size

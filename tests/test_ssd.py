@@ -53,7 +53,7 @@ def test_greedy_ssd_equals_autoregressive(split_engine, gamma, speculations):
     engine = split_engine
     hits = misses = 0
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
         got, stats = run(engine, ids, SamplingParams(), 40, SsdConfig(gamma=gamma, speculations=speculations))
         assert got == reference, f"γ={gamma} speculations={speculations} prompt={prompt!r}"
@@ -74,7 +74,7 @@ def test_forced_hit_and_forced_miss_give_identical_output(fp32_bundle, temperatu
     params = SamplingParams(temperature=temperature)
     hits = 0
     for seed, prompt in enumerate(PROMPTS):
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         miss, miss_stats = run(engine, ids, params, 32, SsdConfig(gamma=3, speculations=0), seed=seed)
         # a wide fan-out, so that the flat distributions of a random tiny model still give hits
         hit, hit_stats = run(engine, ids, params, 32, SsdConfig(gamma=3, speculations=200, fan_out=24), seed=seed)
@@ -89,7 +89,7 @@ def test_forced_hit_and_forced_miss_give_identical_output(fp32_bundle, temperatu
 def test_sampled_ssd_matches_target_distribution(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, draft_threads=1, mode="ssd", draft_head="trim-64")
     params = SamplingParams(temperature=1.0)
-    ids = engine.tokenizer.encode("The quick")
+    ids = engine.bundle.tokenizer.encode("The quick")
     n = 1500
     ar = [tuple(run(engine, ids, params, 3, None, seed=s)[0]) for s in range(n)]
     ssd = [tuple(run(engine, ids, params, 3, SsdConfig(gamma=1, speculations=6), seed=10**6 + s)[0]) for s in range(n)]
@@ -125,7 +125,7 @@ def test_ssd_counts_every_head_it_runs_as_a_draft_step(int4_bundle):
         config=SsdConfig(gamma=2, speculations=200, fan_out=24),
         draft_head="trim-160",
     )
-    head = engine.drafter.head
+    head = engine.bundle.drafter.head
     calls = []
     run_head = head.session.run
     head.session.run = lambda *args, **kwargs: calls.append(1) or run_head(*args, **kwargs)
@@ -154,7 +154,7 @@ def test_speculation_near_the_end_of_the_context_stays_inside_it(int4_bundle):
     engine = Engine.from_bundle(
         int4_bundle, threads=1, draft_threads=1, config=SsdConfig(gamma=4, speculations=200, fan_out=24)
     )
-    capacity = engine.target.capacity
+    capacity = engine.bundle.target.capacity
     words = "def is_prime(n): return n > 1 and all(n % d for d in range(2, n))\n"
     prompt = words * 40
     while len(engine.prompt_ids(prompt, check_length=False)) > capacity - 12:

@@ -468,13 +468,15 @@ def engine(int4_bundle):
 
 
 def run_with_cache(engine, ids, params, n, config, cache, seed=0):
-    from edge_spec.runtime.loops import generate_tokens
     from edge_spec.runtime.loops.stats import SpecStats
+    from tests.helpers import loop_tokens
 
     stats = SpecStats()
-    context = ProposerContext(engine.target.vocab_size, {"model": engine.active_drafter(config)}, suffix_cache=cache)
+    context = ProposerContext(
+        engine.bundle.target.vocab_size, {"model": engine.bundle.active_drafter(config)}, suffix_cache=cache
+    )
     rng = np.random.default_rng(seed)
-    return list(generate_tokens(config, engine.target, context, ids, params, rng, n, stats)), stats
+    return list(loop_tokens(config, engine.bundle.target, context, ids, params, rng, n, stats)), stats
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -485,7 +487,7 @@ def test_greedy_with_a_warm_cache_equals_autoregressive(engine, adaptive):
     cache = SuffixCache()
     drafted = 0
     for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(engine, ids, SamplingParams(), 40, None)
         cold, _ = run_with_cache(engine, ids, SamplingParams(), 40, config, cache)
         cache.remember(ids, cold)
@@ -498,14 +500,14 @@ def test_greedy_with_a_warm_cache_equals_autoregressive(engine, adaptive):
 def test_the_engine_remembers_its_answers_and_keeps_them_when_asked(int4_bundle, tmp_path):
     with Engine.from_bundle(int4_bundle, threads=1, draft_head="trim-160", cache_dir=tmp_path) as first:
         answer = "".join(first.generate("one two three", max_new_tokens=12))
-        assert first.suffix_cache.tokens >= len(first.last_token_ids)
+        assert first.bundle.suffix_cache.tokens >= len(first.last_token_ids)
     files = list(tmp_path.glob("suffix-*.npz"))
     assert len(files) == 1
     with Engine.from_bundle(int4_bundle, threads=1, draft_head="trim-160", cache_dir=tmp_path) as second:
-        assert second.suffix_cache.tokens == first.suffix_cache.tokens
+        assert second.bundle.suffix_cache.tokens == first.bundle.suffix_cache.tokens
         assert "".join(second.generate("one two three", max_new_tokens=12)) == answer
     with Engine.from_bundle(int4_bundle, threads=1, draft_head="trim-160") as private:
-        assert private.suffix_cache.tokens == 0 and private.suffix_cache.path is None
+        assert private.bundle.suffix_cache.tokens == 0 and private.bundle.suffix_cache.path is None
 
 
 def test_a_busy_engine_writes_its_cache_at_most_every_interval_and_on_close(int4_bundle, tmp_path):
@@ -517,13 +519,13 @@ def test_a_busy_engine_writes_its_cache_at_most_every_interval_and_on_close(int4
         return SuffixCache(2000, path).tokens
 
     with Engine.from_bundle(int4_bundle, threads=1, draft_head="trim-160", cache_dir=tmp_path) as engine:
-        path = engine.suffix_cache.path
+        path = engine.bundle.suffix_cache.path
         engine.complete("one two three", max_new_tokens=12)
-        first = engine.suffix_cache.tokens
+        first = engine.bundle.suffix_cache.tokens
         assert on_disk(path) == first > 0  # the process's first answer is written at once
         engine.complete("four five six", max_new_tokens=12)
-        assert engine.suffix_cache.tokens > first and on_disk(path) == first  # the next waits for the interval
-    assert on_disk(path) == engine.suffix_cache.tokens  # close wrote it
+        assert engine.bundle.suffix_cache.tokens > first and on_disk(path) == first  # the next waits for the interval
+    assert on_disk(path) == engine.bundle.suffix_cache.tokens  # close wrote it
     # a process that never closes its engine writes the rest when it exits
     cache = SuffixCache(2000, tmp_path / "exit.npz")
     cache.remember([1, 2, 3], [4, 5, 6, 7])
@@ -541,7 +543,7 @@ def test_sampled_with_suffix_drafts_matches_target_distribution(engine):
     target's distribution (suffix drafts are verified against a point mass, as lookup's are); a
     negative control drawn from the wrong temperature must fail the same test."""
     params = SamplingParams(temperature=1.0)
-    ids = engine.tokenizer.encode(PROMPTS[0])
+    ids = engine.bundle.tokenizer.encode(PROMPTS[0])
     cache = SuffixCache()
     for seed in range(6):
         cache.remember(ids, run(engine, ids, params, 8, None, seed=100 + seed)[0])

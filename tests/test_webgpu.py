@@ -127,22 +127,22 @@ def test_webgpu_passes_are_batch_invariant(int4_bundle):
 @pytest.mark.parametrize("config", [chain(1), chain(3), chain(4, adaptive=True)])
 def test_spec_greedy_equals_exact_target_only_on_webgpu(gpu_engine, config):
     greedy = SamplingParams()
-    gpu_engine.target.min_rows = exact_min_rows("webgpu")
+    gpu_engine.bundle.target.min_rows = exact_min_rows("webgpu")
     for prompt in ("def is_prime", "The quick brown fox"):
-        ids = gpu_engine.tokenizer.encode(prompt)
+        ids = gpu_engine.bundle.tokenizer.encode(prompt)
         reference, _ = run(gpu_engine, ids, greedy, 24, None)
         got, stats = run(gpu_engine, ids, greedy, 24, config)
         assert got == reference, f"{config} {prompt!r}"
-    assert gpu_engine.target.transfers.kv == 0
+    assert gpu_engine.bundle.target.transfers.kv == 0
 
 
 @pytest.mark.parametrize("target, drafter", [("webgpu", "cpu"), ("cpu", "webgpu")])
 def test_split_placement_spec_and_ssd_equal_target_only(int4_bundle, target, drafter):
     engine = Engine.from_bundle(int4_bundle, provider=target, draft_provider=drafter, mode="spec", draft_head="full")
-    assert engine.target.session.get_providers()[0].lower().startswith(target)
-    assert engine.drafter.body.session.get_providers()[0].lower().startswith(drafter)
-    engine.target.min_rows = exact_min_rows(target)
-    ids = engine.tokenizer.encode("def is_prime")
+    assert engine.bundle.target.session.get_providers()[0].lower().startswith(target)
+    assert engine.bundle.drafter.body.session.get_providers()[0].lower().startswith(drafter)
+    engine.bundle.target.min_rows = exact_min_rows(target)
+    ids = engine.bundle.tokenizer.encode("def is_prime")
     reference, _ = run(engine, ids, SamplingParams(), 20, None)
     for config in (chain(2), SsdConfig(gamma=1)):
         got, _ = run(engine, ids, SamplingParams(), 20, config)
@@ -151,7 +151,7 @@ def test_split_placement_spec_and_ssd_equal_target_only(int4_bundle, target, dra
 
 def test_sampled_speculative_keeps_the_target_distribution_on_webgpu(gpu_engine):
     params = SamplingParams(temperature=1.0)
-    ids = gpu_engine.tokenizer.encode("The quick")
+    ids = gpu_engine.bundle.tokenizer.encode("The quick")
     n = 400
     ar = first_tokens(gpu_engine, ids, params, None, n, n_tokens=2)
     spec = first_tokens(gpu_engine, ids, params, chain(2), n, n_tokens=2, seed_offset=10**6)

@@ -44,14 +44,14 @@ def test_a_block_zeroed_inside_the_weights_is_refused_before_any_answer(bundle):
 
 def test_a_whole_bundle_answers_and_is_hashed_once(bundle):
     first = Engine.from_bundle(bundle, threads=1, mode="ar")
-    assert first.loaded.weight_check.files_to_hash  # never seen: every recorded file
+    assert first.bundle.weight_check.files_to_hash  # never seen: every recorded file
     assert first.complete("hello", max_new_tokens=4).token_ids
     second = Engine.from_bundle(bundle, threads=1, mode="ar")
-    assert second.loaded.weight_check.files_to_hash == []  # unchanged since found whole: nothing to hash
+    assert second.bundle.weight_check.files_to_hash == []  # unchanged since found whole: nothing to hash
     path = weights_file(bundle)
     os.utime(path)  # rewritten (here: touched): hashed again, that file alone
     third = Engine.from_bundle(bundle, threads=1, mode="ar")
-    assert third.loaded.weight_check.files_to_hash == [str(path.relative_to(bundle))]
+    assert third.bundle.weight_check.files_to_hash == [str(path.relative_to(bundle))]
     assert third.complete("hello", max_new_tokens=4).token_ids
 
 

@@ -1,5 +1,5 @@
-"""Check that imports inside ``edge_spec.runtime`` run one way: aio -> engine -> loaded -> provenance -> loops ->
-schedule -> propose -> model/verify/constrain (the three at the bottom independent of one another).
+"""Check that imports inside ``edge_spec.runtime`` run one way: aio -> engine -> generation -> loaded -> provenance ->
+loops -> schedule -> propose -> options -> model/verify/constrain (the three at the bottom independent of one another).
 
 Prints every runtime module's imports of other runtime layers and exits 1 on an import that runs back
 up (a lower layer importing a higher one).  ``python tools/import_layers.py``
@@ -14,8 +14,9 @@ from pathlib import Path
 RUNTIME = Path(__file__).resolve().parents[1] / "edge_spec" / "runtime"
 # rank of each layer: a module may import layers of lower rank (and its own layer)
 LAYERS = {
-    "aio": 8,
-    "engine": 7,
+    "aio": 9,
+    "engine": 8,
+    "generation": 7,
     "loaded": 6,
     "provenance": 5,
     "suffix_store": 5,
@@ -23,6 +24,7 @@ LAYERS = {
     "loops": 4,
     "schedule": 3,
     "propose": 2,
+    "options": 2,
     "model": 1,
     "verify": 1,
     "constrain": 1,
@@ -33,6 +35,8 @@ LAYERS = {
 # provenance: the engine's per-token sources (reads loops.stats and text);
 # suffix_store: where the engine's suffix cache lives (reads propose.suffix_cache);
 # logprobs: token log-probabilities from a row (numpy only), read by the loops and the engine;
+# generation: the parts the engine is made of (loading, turns, prompt, prefill, text stream, stats);
+# options: what a caller sets per answer, and the runtime's defaults;
 # aio: the engine for asyncio applications; progress: a load's progress and cancellation; heap: memory back
 BOTTOM = ("model", "verify", "constrain")  # rank 1: none of them imports another
 

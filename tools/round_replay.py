@@ -84,7 +84,7 @@ def collect(args: argparse.Namespace) -> None:
         ).token_ids
         ids = engine.prompt_ids(messages)
         sequence = ids + answer
-        target, body = engine.target, engine.drafter.body
+        target, body = engine.bundle.target, engine.bundle.drafter.body
         target.reset()
         body.reset()
         logits = target.forward(sequence, len(answer) + 1)["logits"]  # row j predicts answer[j]
@@ -95,14 +95,14 @@ def collect(args: argparse.Namespace) -> None:
         if chosen != answer:
             raise SystemExit(f"prompt {index}: teacher-forced target does not reproduce the answer")
         ngrams = NgramLookup(min_n=1)
-        first_logits, first_ids = engine.drafter.head(hidden[0])
+        first_logits, first_ids = engine.bundle.drafter.head(hidden[0])
         pending = softmax(first_logits), first_ids  # the drafter's own distribution at answer[0]
         for j in range(1, len(answer)):  # a round at j: answer[j-1] is pending, answer[j] is next
-            head_logits, head_ids = engine.drafter.head(hidden[j])
+            head_logits, head_ids = engine.bundle.drafter.head(hidden[j])
             probs = drafter_probs(head_logits, params)
             own = softmax(head_logits)  # the drafter's own distribution, whatever the sampling
             ranked = np.sort(own)
-            best = draw_index(probs, head_logits, head_ids, params, None, len(ids) + j, engine.target.vocab_size)
+            best = draw_index(probs, head_logits, head_ids, params, None, len(ids) + j, engine.bundle.target.vocab_size)
             proposal = best if head_ids is None else int(head_ids[best])
             previous = softmax(logits[j - 1].astype(np.float64))  # the target row that produced answer[j-1]
             top2 = np.sort(previous)[-2:]
@@ -168,7 +168,7 @@ def add_eagle(args: argparse.Namespace) -> None:
         eagle_head=args.eagle_head,
         config=ChainConfig(gamma=1, adaptive=False, proposers=("eagle", "guess")),
     )
-    eagle, target = engine.eagle, engine.target
+    eagle, target = engine.bundle.eagle, engine.bundle.target
     prompts = []
     for path in args.prompts or [None]:
         prompts += load_bench_prompts(path, None, None)

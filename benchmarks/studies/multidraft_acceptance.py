@@ -32,9 +32,9 @@ SCHEMES = ("single", "rrs", "rrs-wor", "spechub")
 
 def measure(engine: Engine, prompts: list[dict], temperature: float, tokens: int, seed: int) -> list[dict]:
     params = SamplingParams(temperature=temperature)
-    target, drafter = engine.target, engine.drafter
+    target, drafter = engine.bundle.target, engine.bundle.drafter
     rows = []
-    for index, item in enumerate(tqdm(prompts, desc=f"T={temperature} {engine.draft_head}")):
+    for index, item in enumerate(tqdm(prompts, desc=f"T={temperature} {engine.bundle.draft_head}")):
         prompt = item["prompt"]
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         ids = engine.prompt_ids(messages)
@@ -56,7 +56,7 @@ def measure(engine: Engine, prompts: list[dict], temperature: float, tokens: int
                 }
             )
             x = sample(p, rng)
-            if x in engine.tokenizer.eos_token_ids:
+            if x in engine.bundle.tokenizer.eos_token_ids:
                 break
             ids = ids + [x]
             target_logits = target.forward([x])["logits"][-1]
@@ -93,7 +93,7 @@ def main() -> None:
     engine = Engine.from_bundle(args.bundle, threads=args.threads, mode="ar")
     prompts = load_bench_prompts(None, None, args.per_category)
     results = {}
-    for head in args.head or [engine.draft_head]:
+    for head in args.head or [engine.bundle.draft_head]:
         engine.use_draft_head(head)
         for temperature in args.temperature or [0.7, 1.0]:
             summary = summarize(measure(engine, prompts, temperature, args.tokens, args.seed))

@@ -71,15 +71,15 @@ def main() -> None:
     answer = engine.complete(
         [{"role": "user", "content": "Write a Python function that merges two sorted lists."}], max_new_tokens=48
     ).token_ids
-    body = engine.drafter.body
+    body = engine.bundle.drafter.body
     body.reset()
     states = body.forward(prompt + answer, len(answer))["hidden_states"]
     print(f"{len(states)} drafter hidden states; {args.threads} threads; median ms per draft step")
     print(f"{'head':34s} {'rows':>6s} {'total':>7s}  pieces")
     full_ms = None
-    for name, entry in engine.manifest["draft"]["heads"].items():
+    for name, entry in engine.bundle.manifest["draft"]["heads"].items():
         engine.use_draft_head(name)
-        head = engine.drafter.head
+        head = engine.bundle.drafter.head
         total = median_ms(head, states, args.repeats)
         full_ms = total if name == "full" else full_ms
         pieces = ""

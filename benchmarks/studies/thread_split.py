@@ -33,31 +33,31 @@ PREFIX = 300  # cache length the passes run at
 
 def load(bundle: Path, threads: int, head: str | None) -> Engine:
     engine = Engine.from_bundle(bundle, threads=threads, mode="ar", draft_head=head)
-    engine.drafter  # load the drafter now
+    engine.bundle.drafter  # load the drafter now
     return engine
 
 
 def prime(engine: Engine) -> None:
     ids = list(range(1000, 1000 + PREFIX))
-    engine.target.reset()
-    engine.target.forward(ids)
-    engine.drafter.body.reset()
-    engine.drafter.next_logits(ids)
+    engine.bundle.target.reset()
+    engine.bundle.target.forward(ids)
+    engine.bundle.drafter.body.reset()
+    engine.bundle.drafter.next_logits(ids)
 
 
 def target_pass(engine: Engine, n: int) -> float:
     started = time.perf_counter()
-    engine.target.forward(list(range(2000, 2000 + n)), n)
+    engine.bundle.target.forward(list(range(2000, 2000 + n)), n)
     elapsed = time.perf_counter() - started
-    engine.target.rewind(PREFIX)
+    engine.bundle.target.rewind(PREFIX)
     return elapsed
 
 
 def draft_step(engine: Engine) -> float:
     started = time.perf_counter()
-    engine.drafter.next_logits(list(range(1000, 1000 + PREFIX)) + [3000])
+    engine.bundle.drafter.next_logits(list(range(1000, 1000 + PREFIX)) + [3000])
     elapsed = time.perf_counter() - started
-    engine.drafter.body.rewind(PREFIX)
+    engine.bundle.drafter.body.rewind(PREFIX)
     return elapsed
 
 

@@ -219,7 +219,7 @@ def bench_sessions(engine, baseline, plan: Plan, flags: BenchFlags, *, max_token
 
     chosen = plan.items
     with_tools = next((s for s in chosen if s["tools"]), None)
-    if with_tools is not None and not engine.tokenizer.takes_tools:
+    if with_tools is not None and not engine.bundle.tokenizer.takes_tools:
         raise EdgeSpecError(
             f"session {with_tools['id']!r} passes tools, but this model's chat template takes no tools "
             f"(leave its category out: --category)"
@@ -270,7 +270,7 @@ def write_result(result: dict, engine, path: Path, plan: Plan) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     result["bundle"] = str(plan.bundle)
     result["threads"] = plan.threads
-    result["cost_profile"] = dataclasses.asdict(engine.cost_profile) if engine.cost_profile else None
-    stats = engine.target.stats
+    result["cost_profile"] = dataclasses.asdict(engine.bundle.cost_profile) if engine.bundle.cost_profile else None
+    stats = engine.bundle.target.stats
     result["target_pass_seconds"] = {n: stats.seconds[n] / stats.calls[n] for n in sorted(stats.calls) if n <= 16}
     path.write_text(json.dumps(result, indent=1))

@@ -110,7 +110,7 @@ def modes_for(
     per LM head its entry lists (None: the bundle's default; ``eagle`` is the full head, ``eagle+trim-4096``
     another).  With ``spec`` False the drafter model's chains without lookup
     (``spec``, ``spec@γ2``) are left out; its ``+lookup``, multi-draft and SSD modes still run."""
-    available = list(engine.manifest["draft"]["heads"])
+    available = list(engine.bundle.manifest["draft"]["heads"])
     chosen = heads or available
     for head in chosen:
         if head not in available:
@@ -129,10 +129,10 @@ def modes_for(
             others = [d for d in DRAFTERS if d != DEFAULT_DRAFTER]
             raise EdgeSpecError(f"no other drafter {drafter!r} to bench; choose from: {', '.join(others)}")
         spec = DRAFTERS[drafter]
-        if not spec.present(engine.manifest):
+        if not spec.present(engine.bundle.manifest):
             raise EdgeSpecError(f"this bundle has no {spec.title} head: {spec.remedy}")
         for name in drafter_heads or [None]:  # None: the bundle's default head of the drafter
-            name = engine.loaded.check_head(name, drafter)
+            name = engine.bundle.check_head(name, drafter)
             modes += [
                 dataclasses.replace(mode, drafter_head=name)
                 for mode in _chain_modes(
@@ -226,10 +226,10 @@ def run_bench(
                     runner = baseline if baseline is not None and mode.name == "ar" else engine
                     # the prompts are unrelated: no answer drafts from an earlier one (another mode's answer to
                     # this very prompt included, which the suffix cache would copy whole)
-                    runner.suffix_cache.clear()
+                    runner.bundle.suffix_cache.clear()
                     for prompt_ids, answer, earlier in history if warm else ():
                         if earlier != index:  # never this prompt's own answer
-                            runner.suffix_cache.remember(prompt_ids, answer)
+                            runner.bundle.suffix_cache.remember(prompt_ids, answer)
                     record, completion = _run_mode(
                         runner,
                         mode,
@@ -291,7 +291,10 @@ def _run_mode(
         engine.use_draft_head(mode.head)
         if mode.drafter_head:
             engine.use_head(drafter_name(mode.config), mode.drafter_head)
-    decoders = {"target": engine.target, "draft": engine.active_drafter(mode.config).decoder if mode.head else None}
+    decoders = {
+        "target": engine.bundle.target,
+        "draft": engine.bundle.active_drafter(mode.config).decoder if mode.head else None,
+    }
     huge_pages.wait_all()  # a model loaded just now is timed on the pages it will keep (model/huge_pages.py)
     before = {role: _pass_log(d) for role, d in decoders.items()}
     started = time.perf_counter()

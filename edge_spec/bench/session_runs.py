@@ -42,7 +42,7 @@ def session_modes(
     modes = modes_for(engine, heads, loop_config("spec"), reference=reference, spec=False)  # ar, ar-exact
     cached = loop_config("spec", gamma=gamma, schedule=schedule)
     uncached = loop_config("spec", gamma=gamma, schedule=schedule, suffix=False)
-    for head in heads or [engine.draft_head]:
+    for head in heads or [engine.bundle.draft_head]:
         label = "" if head == "full" else f"+{head}"
         if nocache:
             modes.append(BenchMode(f"{NOCACHE}{label}", head, uncached))
@@ -148,11 +148,11 @@ def start_afresh(engine: Engine, mode: BenchMode) -> None:
     hold no earlier prompt, so that no mode reads its first prompt faster for following another mode
     through the same session (within the session each request reuses its conversation's prefix, as a
     server's would)."""
-    engine.suffix_cache.clear()
-    engine.target.reset()
+    engine.bundle.suffix_cache.clear()
+    engine.bundle.target.reset()
     if mode.head:
         engine.use_draft_head(mode.head)
-        engine.active_drafter(mode.config).decoder.reset()
+        engine.bundle.active_drafter(mode.config).decoder.reset()
 
 
 def add_session_columns(summary: list[dict], records: list[dict]) -> None:

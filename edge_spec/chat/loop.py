@@ -66,7 +66,8 @@ def _turn(engine, history: list[dict], text: str, answer: Answer, console: Conso
     with CancelOnInterrupt(engine) as interrupt:
         try:
             messages, dropped = engine.fit_messages(
-                history + [{"role": "user", "content": text}], reserve=min(max_tokens, engine.target.capacity // 2)
+                history + [{"role": "user", "content": text}],
+                reserve=min(max_tokens, engine.bundle.target.capacity // 2),
             )
         except EdgeSpecError as exc:
             console.print(f"[red]error:[/red] {exc}", highlight=False)

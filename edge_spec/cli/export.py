@@ -266,10 +266,10 @@ def _measure_machine(bundle: Path, say: Callable[[tuple[str, str]], None]) -> No
     say(("status", "measuring this machine's speed for the bundle (once)"))
     try:
         with Engine.from_bundle(bundle) as engine:
-            engine.loaded.check_device()
+            engine.bundle.check_device()
             for prompt in load_prompts(None)[:LEARNING_PROMPTS]:
                 messages = [{"role": "user", "content": prompt}]
-                room = engine.target.capacity - len(engine.prompt_ids(messages, check_length=False))
+                room = engine.bundle.target.capacity - len(engine.prompt_ids(messages, check_length=False))
                 if room > LEARNING_TOKENS // 4:  # a context too short for it learns at the first answers
                     engine.complete(messages, max_new_tokens=min(LEARNING_TOKENS, room - 1))
     except EdgeSpecError as error:

@@ -109,10 +109,10 @@ def _print_costs(bundle: Path, load: LoadFlags, gamma: int | None, draft_head: s
     )
     with cost_profile.remeasuring() if remeasure else contextlib.nullcontext():
         engine = open_engine(bundle, config, options)
-    profile = engine.cost_profile
+    profile = engine.bundle.cost_profile
     placement = provider if (draft_provider or provider) == provider else f"{provider}, drafter on {draft_provider}"
     out.print(
-        f"costs  {placement}, {threads or 'all'} threads, head {engine.draft_head} ({_origin(profile)}; "
+        f"costs  {placement}, {threads or 'all'} threads, head {engine.bundle.draft_head} ({_origin(profile)}; "
         f"kept in {cost_profile.cache_dir()}):",
         highlight=False,
     )
@@ -127,16 +127,16 @@ def _print_costs(bundle: Path, load: LoadFlags, gamma: int | None, draft_head: s
         f"head {1e3 * profile.draft_head:.2f}); a second token read in one step: "
         f"+{1e3 * profile.draft_catch_up:.1f} ms"
     )
-    rows = engine.loaded.exact_rows()
+    rows = engine.bundle.exact_rows()
     why = (
         "one-row passes equal multi-row ones bit for bit on this device"
         if rows == 1
         else "this device's one-row kernels round differently"
-        if engine.target.pads_attention
+        if engine.bundle.target.pads_attention
         else "the target graph predates the attention pad: re-export, or "
         "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)"
     )
-    if engine.loaded.exact_available():
+    if engine.bundle.exact_available():
         out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")
     else:
         out.print(
@@ -152,7 +152,7 @@ def _print_costs(bundle: Path, load: LoadFlags, gamma: int | None, draft_head: s
         f"  planned drafts by acceptance: {plans}; a round reaches at most {reach(model, gamma)} "
         f"(the plan at {REACH_ACCEPTANCE}, at least {REACH_FLOOR})"
     )
-    learned = engine.schedule_memory().calibration("greedy")
+    learned = engine.bundle.schedule_memory(engine.config).calibration("greedy")
     if learned.first.trials:
         out.print(
             f"  learned greedy first-draft acceptance: {learned.first_draft():.2f} "

@@ -53,6 +53,7 @@ def generate_calibration(
     generated ids, SpecVocab fits its scorer on the drafter's hidden states over them.
     """
     from edge_spec.runtime.loops.autoregressive import generate_autoregressive
+    from edge_spec.runtime.loops.request import Request
     from edge_spec.runtime.model.decoder import Decoder
     from edge_spec.runtime.text import TextTokenizer
     from edge_spec.runtime.verify.sampling import SamplingParams
@@ -67,7 +68,7 @@ def generate_calibration(
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
         ids = ids[-(context_length - new_tokens - 1) :]
         generated = []
-        for token in generate_autoregressive(target, ids, SamplingParams(), rng, new_tokens):
+        for token in generate_autoregressive(Request(target, [], ids, SamplingParams(), rng, new_tokens)):
             if token in tokenizer.eos_token_ids:
                 break
             generated.append(token)

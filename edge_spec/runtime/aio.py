@@ -22,12 +22,14 @@ import asyncio
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from edge_spec.runtime.engine import Completion, Engine, EngineBusy, GenerationStats
 from edge_spec.runtime.loaded import LoadOptions
 from edge_spec.runtime.loops.config import LoopConfig
+from edge_spec.runtime.options import GenerateOptions
 from edge_spec.runtime.progress import LoadProgress
 from edge_spec.runtime.text import Message
 
@@ -66,17 +68,21 @@ class AsyncEngine:
         """:meth:`Engine.from_bundle` (the same ``settings``) in a worker thread, as :meth:`load`."""
         return await _load(lambda **kw: Engine.from_bundle(path, **settings, **kw), on_progress)
 
-    def stream(self, prompt: str | list[Message], *, wait: bool = True, **settings) -> AsyncStream:
+    def stream(
+        self, prompt: str | list[Message], options: GenerateOptions | None = None, *, wait: bool = True, **settings
+    ) -> AsyncStream:
         """The answer to ``prompt`` as text chunks: ``async for chunk in aengine.stream(prompt)``.  The
-        ``settings`` are :meth:`Engine.generate`'s; nothing starts before the first chunk is asked for.
-        ``wait=False``: raise :class:`EngineBusy` there when another answer holds the engine."""
-        stream = AsyncStream(self, prompt, wait, settings)
+        ``options`` and ``settings`` are :meth:`Engine.generate`'s; nothing starts before the first chunk
+        is asked for.  ``wait=False``: raise :class:`EngineBusy` there when another answer holds the engine."""
+        stream = AsyncStream(self, prompt, wait, GenerateOptions.from_kwargs(options, **settings))
         self._streams.add(stream)
         return stream
 
-    async def complete(self, prompt: str | list[Message], *, wait: bool = True, **settings) -> Completion:
+    async def complete(
+        self, prompt: str | list[Message], options: GenerateOptions | None = None, *, wait: bool = True, **settings
+    ) -> Completion:
         """The whole answer at once (:meth:`Engine.complete`), decoded off the event loop."""
-        async with self.stream(prompt, wait=wait, **settings) as stream:
+        async with self.stream(prompt, options, wait=wait, **settings) as stream:
             text = "".join([chunk async for chunk in stream])
         return Completion(text, stream.token_ids, stream.stats)
 
@@ -157,11 +163,11 @@ class AsyncStream:
     (:class:`GenerationStats`) and ``token_ids`` hold the answer's, and ``text`` the whole text.  Leaving
     early (``aclose``, ``async with``, a cancelled reader) stops the answer."""
 
-    def __init__(self, owner: AsyncEngine, prompt: str | list[Message], wait: bool, settings: dict) -> None:
+    def __init__(self, owner: AsyncEngine, prompt: str | list[Message], wait: bool, options: GenerateOptions) -> None:
         self._owner = owner
         self._prompt = prompt
         self._wait = wait
-        self._settings = settings
+        self._options = options
         self._answer: _Answer | None = None
         self._done = False
         self.text = ""
@@ -219,7 +225,7 @@ class AsyncStream:
 
         answer.finished.add_done_callback(finished)
         threading.Thread(
-            target=_run, args=(answer, self._prompt, self._wait, self._settings), name="edge-spec answer", daemon=True
+            target=_run, args=(answer, self._prompt, self._wait, self._options), name="edge-spec answer", daemon=True
         ).start()
 
     async def _stop(self) -> None:
@@ -246,15 +252,15 @@ class AsyncStream:
         await self.aclose()
 
 
-def _run(answer: _Answer, prompt: str | list[Message], wait: bool, settings: dict) -> None:
+def _run(answer: _Answer, prompt: str | list[Message], wait: bool, options: GenerateOptions) -> None:
     """The worker thread: one answer, its chunks and its end handed to the event loop."""
     engine, loop = answer.engine, answer.loop
-    settings = dict(settings)
+    on_loop = {}
     for name in ("on_sources", "on_logprobs"):  # called on the loop, before the chunk they describe
-        callback = settings.get(name)
+        callback = getattr(options, name)
         if callback is not None:
-            settings[name] = lambda value, callback=callback: _call_soon(loop, callback, value)
-    on_prefill = settings.pop("on_prefill", None)
+            on_loop[name] = lambda value, callback=callback: _call_soon(loop, callback, value)
+    on_prefill = options.on_prefill
 
     def prefill(fraction: float) -> None:
         if answer.cancelled:  # a cancel that came before generate() started was cleared by it: repeat it
@@ -266,10 +272,10 @@ def _run(answer: _Answer, prompt: str | list[Message], wait: bool, settings: dic
         with engine.held(wait):
             with answer.lock:
                 if answer.cancelled:  # before it started: nothing was generated
-                    answer.emit("done", (GenerationStats(stop_reason="cancelled", mode=engine.mode), []))
+                    answer.emit("done", (GenerationStats(stop_reason="cancelled", mode=engine.config.mode), []))
                     return
                 answer.generating = True
-            chunks = engine.generate(prompt, on_prefill=prefill, **settings)
+            chunks = engine.generate(prompt, replace(options, on_prefill=prefill, **on_loop))
             try:
                 for text in chunks:
                     answer.emit("text", text)

@@ -130,7 +130,7 @@ class ServerState:
         """The tokenizer's ids, added tokens included (counting them walks the whole vocabulary: a
         second or so for 150,000 tokens, holding the GIL, so it is counted once)."""
         if self._vocab_size is None:
-            self._vocab_size = self.worker.engine.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+            self._vocab_size = self.worker.engine.bundle.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
         return self._vocab_size
 
     def grammar_turn(self) -> asyncio.Lock:
@@ -142,13 +142,13 @@ class ServerState:
 
     def pieces(self) -> TokenPieces:
         if self._pieces is None:
-            self._pieces = TokenPieces(self.worker.engine.tokenizer.tokenizer)
+            self._pieces = TokenPieces(self.worker.engine.bundle.tokenizer.tokenizer)
         return self._pieces
 
     def tokenizers(self) -> Tokenizers:
         """The tokenizers of ``/tokenize`` (built on its first request: blocking, run it in a thread)."""
         if self._tokenizers is None:
-            self._tokenizers = Tokenizers(self.worker.engine.tokenizer)
+            self._tokenizers = Tokenizers(self.worker.engine.bundle.tokenizer)
         return self._tokenizers
 
 
@@ -198,7 +198,7 @@ async def health(request: Request) -> Response:
     body = {
         "status": "shutting_down" if worker.closing else "ok",
         "model": state.model,
-        "mode": worker.engine.mode,
+        "mode": worker.engine.config.mode,
         "busy": worker.busy,
         "waiting": worker.waiting,
         "max_queue": worker.max_queue,
@@ -298,7 +298,7 @@ async def detokenize_route(request: Request) -> Response:
     size = await asyncio.to_thread(state.vocab_size)
     ids = await read_request(request, lambda body: parse_detokenize(body, size))
     return Response(
-        await asyncio.to_thread(detokenize, state.worker.engine.tokenizer, ids), media_type="application/json"
+        await asyncio.to_thread(detokenize, state.worker.engine.bundle.tokenizer, ids), media_type="application/json"
     )
 
 
@@ -311,7 +311,7 @@ def _plan_tools(state: ServerState, request: ToolRequest | None) -> ToolUse | No
             problem = self_reference(parameters) or schema_pattern_problem(parameters)
             if problem:
                 raise bad_request(f"cannot force a call to {tool['function']['name']}: {problem}", param="tools")
-    text = state.worker.engine.tokenizer
+    text = state.worker.engine.bundle.tokenizer
     return plan_tools(request, state.tool_format, text.takes_tools, text.tokenizer.token_to_id)
 
 
@@ -407,7 +407,7 @@ async def _answer(
         kind,
         state.model,
         include_usage=include_usage and stream,
-        fingerprint=fingerprint(engine.mode, sampling.sampler_name),
+        fingerprint=fingerprint(engine.config.mode, sampling.sampler_name),
         sampler=sampling.sampler_name,
         pieces=await asyncio.to_thread(state.pieces) if logprobs is not None else None,
     )
@@ -470,7 +470,7 @@ async def _check_length(
     """400 with the token counts when the prompt leaves no room for an answer (checked before queueing;
     the tokenizer is safe to use beside the worker thread).  Lower bounds come first (:mod:`prompt_size`),
     so a prompt far over the context is refused without the exact count, which holds the GIL."""
-    capacity = state.worker.engine.target.capacity
+    capacity = state.worker.engine.bundle.target.capacity
     if state.floor is not None:
         floor = state.floor.by_characters(prompt)
         if floor < capacity:

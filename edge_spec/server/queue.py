@@ -219,16 +219,15 @@ class EngineWorker:
         try:
             if job.cancelled.is_set():  # cancelled between leaving the queue and here
                 raise _Cancelled
-            for text in engine.generate(
-                job.prompt,
+            options = job.sampling.options(
                 on_prefill=stop_if_cancelled,
                 tools=job.tools,
                 on_sources=sources.append if job.provenance else None,
                 logprobs=job.logprobs,
                 on_logprobs=logged.extend if job.logprobs is not None else None,
                 marked_tokens=job.marked_tokens,
-                **job.sampling.engine_kwargs(engine.target.capacity),
-            ):
+            )
+            for text in engine.generate(job.prompt, options):
                 if job.first_text is None:
                     job.first_text = time.perf_counter()
                 job.emit(Event("text", text, sources=sources.pop() if sources else None, logprobs=logprobs()))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.constrain import Constraint, grammar_for
 from edge_spec.runtime.logprobs import MAX_TOP_LOGPROBS
+from edge_spec.runtime.options import GenerateOptions
 from edge_spec.runtime.verify.sampling import SamplingParams
 from edge_spec.server.errors import bad_request
 
@@ -79,16 +80,19 @@ class Sampling:
         """What draws the tokens: "greedy", "coupled" or "rejection" (for responses and logs)."""
         return "greedy" if self.temperature == 0 else self.sampler or "rejection"
 
-    def engine_kwargs(self, capacity: int) -> dict:
-        return dict(
-            max_new_tokens=self.max_tokens or capacity,
+    def options(self, **answer) -> GenerateOptions:
+        """What ``Engine.generate`` gets for this request; ``answer``: the rest of its
+        :class:`~edge_spec.runtime.options.GenerateOptions` (tools, side channels)."""
+        return GenerateOptions(
+            max_new_tokens=self.max_tokens or None,  # None: until the end token or a full context
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
             sampler=self.sampler or "rejection",
-            stop=list(self.stop),
+            stop=self.stop,
             response_format=self.response_format,
+            **answer,
         )
 
 

@@ -97,7 +97,7 @@ def build_app(
         api_key=api_key,
         body_timeout=body_timeout,
     )
-    text = engine.tokenizer
+    text = engine.bundle.tokenizer
     tool_format = detect_format(text.chat_template, text.tokenizer.get_vocab(with_added_tokens=True))
     state = ServerState(
         worker=EngineWorker(engine, max_queue),
@@ -112,8 +112,8 @@ def build_app(
     log.info(
         "model %s: mode %s, context %d tokens, FIM %s, tool calls %s",
         name,
-        engine.mode,
-        engine.target.capacity,
+        engine.config.mode,
+        engine.bundle.target.capacity,
         "yes" if state.fim else "no",
         tool_format.name if tool_format else "no",
     )

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_spec.runtime.constrain import Constraint
-from edge_spec.runtime.logprobs import LogprobRecorder
-from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.loops.config import ArConfig
 from edge_spec.runtime.verify.coupled import draw_sampled
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, mask_logits
+
+if TYPE_CHECKING:  # the request module chooses its first token here
+    from edge_spec.runtime.loops.request import Request
 
 
 def choose_token(
@@ -30,20 +32,13 @@ def choose_token(
     return draw_sampled(probs, params, rng, position, probs.shape[-1])
 
 
-def generate_autoregressive(
-    target: Decoder,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    rng: np.random.Generator,
-    max_new_tokens: int,
-    constraint: Constraint | None = None,
-    logprobs: LogprobRecorder | None = None,
-    should_stop: Callable[[], bool] | None = None,
-) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids; the caller stops early (eos, stop string, cancel) by closing us,
-    or by ``should_stop()`` turning True, asked before each pass after the prompt's.
-    ``constraint``: each token is chosen among the tokens it allows (the masked logits).  ``logprobs``:
-    records each token's entry from its raw row before the token is yielded."""
+def generate_autoregressive(request: Request, config: ArConfig = ArConfig()) -> Iterator[int]:
+    """Yield up to ``request.max_new_tokens`` ids; the caller stops early (eos, stop string) by closing us,
+    a cancel by cutting or refusing a pass of the target (``Decoder.interrupt``).  Under the request's
+    constraint each token is chosen among the tokens it allows (the masked logits); the stats'
+    ``token_logprobs``, when kept, get each token's entry from its raw row before the token is yielded."""
+    target, constraint, logprobs = request.target, request.constraint, request.stats.token_logprobs
+    prompt_ids, params, rng, max_new_tokens = request.prompt_ids, request.params, request.rng, request.max_new_tokens
     logits = target.prefill(prompt_ids)["logits"][-1]
     for step in range(max_new_tokens):
         allowed = constraint.allowed() if constraint is not None else None
@@ -54,6 +49,4 @@ def generate_autoregressive(
             logprobs.record(logits, token)
         yield token
         if step + 1 < max_new_tokens:
-            if should_stop is not None and should_stop():
-                return
             logits = target.forward([token])["logits"][-1]

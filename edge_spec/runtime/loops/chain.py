@@ -5,7 +5,7 @@ Read it top to bottom like gpt-fast's ``speculative_decode`` or llama.cpp's ``co
 1. Draft: the planner (``schedule.planner``) picks the proposer -- a prompt-lookup match that pays,
    else the drafter model with this round's stop rule, else a free guess for the spare row of a
    batch-invariant pass -- and the proposer drafts (``propose``).  A stop asked for (the engine's
-   cancel) ends the loop here, between drafter steps or before the verify pass.
+   cancel) ends the loop in whichever model pass it cuts or refuses (``Decoder.interrupt``).
 2. Verify: one target pass over ``[pending, d1..dγ]`` gives γ + 1 rows; greedy or coupled match, or
    rejection sampling (``verify.chain``) returns the accepted drafts plus one correction/bonus token.
 3. Roll back the caches to the accepted prefix, show the proposers the target's outputs, emit.
@@ -22,43 +22,21 @@ drawn from (zero outside a trimmed head; a point mass for lookup drafts and gues
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-import numpy as np
-
-from edge_spec.runtime.constrain import Constraint
 from edge_spec.runtime.loops.config import ChainConfig
 from edge_spec.runtime.loops.request import Request
-from edge_spec.runtime.loops.stats import SpecStats
-from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.propose.base import Proposer
-from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.schedule.planner import DraftPlanner
 from edge_spec.runtime.verify.chain import verify_chain
-from edge_spec.runtime.verify.sampling import SamplingParams
 
 
-def generate_chain(
-    target: Decoder,
-    proposers: list[Proposer],
-    prompt_ids: list[int],
-    params: SamplingParams,
-    rng: np.random.Generator,
-    max_new_tokens: int,
-    config: ChainConfig = ChainConfig(),
-    stats: SpecStats | None = None,
-    memory: ScheduleMemory | None = None,
-    constraint: Constraint | None = None,
-    should_stop: Callable[[], bool] | None = None,
-) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them
-    (under ``constraint``: as target-only decoding masked to what it allows would).
-    ``memory``: what the schedule learned in earlier requests with this drafter (updated in place).
-    ``should_stop()`` True ends the stream between two drafter steps or before the verify pass."""
-    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, constraint, should_stop)
+def generate_chain(request: Request, config: ChainConfig = ChainConfig()) -> Iterator[int]:
+    """Yield up to ``request.max_new_tokens`` ids, distributed exactly as target-only decoding would produce
+    them (under the request's constraint: as target-only decoding masked to what it allows would)."""
+    target, params, rng, memory = request.target, request.params, request.rng, request.memory
     calibration = memory.calibration(params.regime) if memory else None
     planner = DraftPlanner(
-        proposers,
+        request.proposers,
         target,
         config.gamma,
         config.adaptive,
@@ -70,9 +48,7 @@ def generate_chain(
     while not request.done:
         # 1. draft: the planner picks who drafts and how many
         clock = request.clock()
-        block = planner.draft(request.committed, request.room(), params, rng, request.constraint, should_stop)
-        if request.stopped():  # cancelled while drafting: no verify pass, nothing more emitted
-            return
+        block = planner.draft(request.committed, request.room(), params, rng, request.constraint)
         masks = request.constrain(block)  # under a constraint: drafts it forbids go, each row's mask
         clock.drafted()
 

@@ -31,6 +31,7 @@ class ArConfig:
 
     mode: ClassVar[str] = "ar"
     gamma: ClassVar[int] = 0
+    proposers: ClassVar[tuple[str, ...]] = ()  # the target alone
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class TreeConfig:
     """Several drafter branches verified in one tree-shaped pass (``loops.tree``), fixed shape."""
 
     mode: ClassVar[str] = "spec"
+    proposers: ClassVar[tuple[str, ...]] = (DEFAULT_DRAFTER,)  # the branches are the drafter model's
     gamma: int = 2  # each branch's length
     drafts: int = 2  # branches
     verifier: str = "spechub"  # multi-draft sampling scheme and its verifier (``verify.tree.VERIFIERS``)
@@ -78,6 +80,7 @@ class SsdConfig:
     """Speculative speculative decoding (``loops.ssd``): fixed γ, drafting ahead while the target verifies."""
 
     mode: ClassVar[str] = "ssd"
+    proposers: ClassVar[tuple[str, ...]] = (DEFAULT_DRAFTER,)  # drafting ahead needs the drafter model's probabilities
     gamma: int = 1  # drafts per round (a round on two cores: see the README's SSD section)
     fan_out: int = 3  # correction/bonus tokens predicted per possible stop point (Saguaro's F)
     speculations: int = -1  # outcomes prepared per round; -1 = as many as fit while the target verifies

@@ -17,15 +17,16 @@
   it allows there (:meth:`Request.masked`: greedy takes the masked argmax, sampling the masked
   distribution), and :meth:`Request.accept` takes back the rejected drafts alone, so the constraint
   follows ``committed`` between rounds.
-* A stop asked for (``should_stop``, the engine's cancel) is seen between any two model passes: the
-  drafter checks it before each step (``DraftRule.should_stop``) and the loops before each round and
-  each verify pass (:meth:`Request.stopped`), so a cancel waits for one pass, not a whole round.
+* A stop asked for (the engine's cancel) is the decoders' business, not the loops': a pass under way is
+  cut and a pass about to start is refused (``Decoder.interrupt``, ``Decoder.stop_requested``), and the
+  loop ends there with :class:`~edge_spec.runtime.model.decoder.PassInterrupted`, having yielded only
+  verified tokens, so a cancel waits for no pass.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -34,11 +35,15 @@ from edge_spec.runtime.loops.autoregressive import choose_token
 from edge_spec.runtime.loops.stats import TARGET, SpecStats
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, Proposer
+from edge_spec.runtime.schedule.memory import ScheduleMemory
 from edge_spec.runtime.verify.sampling import SamplingParams, mask_logits
 
 
 class Request:
-    """One speculative request, from prompt to ``max_new_tokens`` (see the module docstring)."""
+    """One request, from prompt to ``max_new_tokens``: what every loop takes, with its configuration (see
+    the module docstring).  ``proposers``: who drafts (none in target-only decoding); ``stats``: what the
+    loop did; ``constraint``: what the answer may contain, fresh; ``memory``: what the chain schedule
+    learned in earlier requests with this drafter (``schedule.memory``, updated in place)."""
 
     def __init__(
         self,
@@ -50,10 +55,10 @@ class Request:
         max_new_tokens: int,
         stats: SpecStats | None = None,
         constraint: Constraint | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        memory: ScheduleMemory | None = None,
     ) -> None:
         self.target, self.proposers = target, proposers
-        self.should_stop = should_stop  # asked between the drafter's steps and before each verify pass
+        self.memory = memory
         self.constraint = constraint  # what the answer may contain; follows ``committed``
         self._walked = 0  # drafts of this round the constraint was advanced over (see constrain)
         self.prompt_ids, self.params, self.rng = list(prompt_ids), params, rng
@@ -71,13 +76,6 @@ class Request:
     @property
     def done(self) -> bool:
         return self.emitted >= self.max_new_tokens
-
-    def stopped(self) -> bool:
-        """Whether the caller asked the request to end (a cancel): the loop then returns where it is, between
-        two model passes, before the round's verify pass.  Nothing of the round is emitted or recorded;
-        the caches are left holding more than ``committed``, which the next request's prefill and the
-        drafter's catch-up cut back, as after any answer."""
-        return self.should_stop is not None and self.should_stop()
 
     def start(self) -> Iterator[int]:
         """Prefill the target and the proposers; emit the target's first token."""

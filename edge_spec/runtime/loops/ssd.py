@@ -36,8 +36,7 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.loops.config import SsdConfig
 from edge_spec.runtime.loops.request import Request
 from edge_spec.runtime.loops.stats import SpecStats
-from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
+from edge_spec.runtime.propose.base import DraftBlock, DraftRule
 from edge_spec.runtime.propose.model import ModelDrafter, drafter_probs, top_tokens
 from edge_spec.runtime.verify.chain import verify_chain
 from edge_spec.runtime.verify.sampling import SamplingParams
@@ -80,23 +79,10 @@ def _draft_rng(seed: int, position: int) -> np.random.Generator:
     return np.random.default_rng([seed, position])
 
 
-def generate_ssd(
-    target: Decoder,
-    proposers: list[Proposer],
-    prompt_ids: list[int],
-    params: SamplingParams,
-    rng: np.random.Generator,
-    max_new_tokens: int,
-    config: SsdConfig = SsdConfig(),
-    stats: SpecStats | None = None,
-    *,
-    should_stop: Callable[[], bool] | None = None,
-) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them.
-    ``should_stop()`` True ends the stream before the next drafter step or verify pass; drafting ahead
-    stops too, and a verify pass already under way is waited for and its tokens emitted (they are
-    verified), the caller ending the stream after the first."""
-    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, should_stop=should_stop)
+def generate_ssd(request: Request, config: SsdConfig = SsdConfig()) -> Iterator[int]:
+    """Yield up to ``request.max_new_tokens`` ids, distributed exactly as target-only decoding would produce
+    them.  A cancel cuts or refuses the pass it meets, drafting ahead's too (``Decoder.interrupt``)."""
+    target, params, rng = request.target, request.params, request.rng
     drafter = request.drafter
     if drafter is None:
         raise EdgeSpecError("speculative speculative decoding needs the drafter model among the proposers")
@@ -114,11 +100,9 @@ def generate_ssd(
                 block = ready
                 stats.speculation_hits += 1
             else:
-                rule = _rule(params, draft_seed, request.committed, gamma, config.fan_out, should_stop)
+                rule = _rule(params, draft_seed, request.committed, gamma, config.fan_out)
                 block = drafter.propose(request.committed, gamma, rule)
                 stats.speculation_misses += bool(gamma)
-            if request.stopped():  # cancelled while drafting (or between rounds): no verify pass
-                return
             clock.drafted()
 
             # 2. verify in the background; meanwhile draft ahead for the likely outcomes
@@ -135,7 +119,6 @@ def generate_ssd(
                     pending.done,
                     cache,
                     stats,
-                    cancelled=request.stopped,
                     room_after=lambda prefix: request.room(
                         prefix, request.emitted + len(prefix) - len(request.committed)
                     ),
@@ -160,7 +143,8 @@ def _rule(
     fan_out: int,
     should_stop: Callable[[], bool] | None = None,
 ) -> DraftRule:
-    """Drafting for a round after ``prefix``: the prefix-keyed stream, the top tokens SSD predicts from."""
+    """Drafting for a round after ``prefix``: the prefix-keyed stream, the top tokens SSD predicts from;
+    ``should_stop()`` True (the verify pass is done) ends drafting ahead."""
     return DraftRule(
         params, _draft_rng(draft_seed, len(prefix)), gamma, alternatives=fan_out + 1, should_stop=should_stop
     )
@@ -177,20 +161,19 @@ def _prepare(
     cache: SpeculationCache,
     stats: SpecStats,
     *,
-    cancelled: Callable[[], bool],
     room_after: Callable[[list[int]], int],
 ) -> None:
     """Draft the next round for the most likely outcomes of ``block`` until ``verified()`` (speculations
     -1) or for exactly ``config.speculations`` outcomes, each no longer than the next round may verify
     (``room_after(prefix)``: the context and the token budget bound it as they bound this round).  Its
     drafter steps and head time count in ``stats`` like those of the critical path, so the head's cost
-    per step stays one figure.  ``cancelled()`` True stops it before its next drafter step."""
+    per step stays one figure."""
     started = time.perf_counter()
     head_before = drafter.head_seconds
     budget, timed = config.speculations, config.speculations < 0
 
     def stop() -> bool:
-        return (timed and verified()) or cancelled()
+        return timed and verified()
 
     bonus: list[tuple[int, float]] = []
     if not stop() and budget != 0:  # look-ahead after the last draft: the bonus-token candidates

@@ -27,17 +27,16 @@ emitted token is the target's argmax on its own prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
 from edge_spec.runtime.loops.config import TreeConfig, check_sampling
 from edge_spec.runtime.loops.request import Request
-from edge_spec.runtime.loops.stats import SpecStats
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.draft_tree import DraftTree
-from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
+from edge_spec.runtime.propose.base import DraftBlock, DraftRule
 from edge_spec.runtime.propose.model import ModelDrafter
 from edge_spec.runtime.verify.chain import verify_chain
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, sample, scatter_probs
@@ -101,19 +100,17 @@ def draft_branches(
     config: TreeConfig,
     params: SamplingParams,
     rng: np.random.Generator,
-    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[DraftBlock], list[int], np.ndarray | None]:
     """The root distribution once, then one chain of ``depth`` tokens per distinct first token
     (a repeated first token shares its branch).  Returns the branches, the first tokens as drawn
-    (what the root verifier needs) and the root q when sampling.  ``should_stop()`` is asked before
-    every drafter step after the root's; once True the branches drafted so far come back cut short."""
+    (what the root verifier needs) and the root q when sampling."""
     if depth == 0:
         return [], [], None
     logits, ids = drafter.next_logits(committed)
     first_tokens, q_root = _root_drafts(logits, ids, params, config, drafter.vocab_size, rng)
     branches = []
     for token in dict.fromkeys(first_tokens):
-        rule = DraftRule(params, rng, depth - 1, should_stop=should_stop)
+        rule = DraftRule(params, rng, depth - 1)
         block = drafter.propose(committed + [token], depth - 1, rule)
         block.tokens.insert(0, token)
         block.steps += 1 if not branches else 0  # the root step, counted once
@@ -121,22 +118,11 @@ def draft_branches(
     return branches, first_tokens, q_root
 
 
-def generate_tree(
-    target: Decoder,
-    proposers: list[Proposer],
-    prompt_ids: list[int],
-    params: SamplingParams,
-    rng: np.random.Generator,
-    max_new_tokens: int,
-    config: TreeConfig,
-    stats: SpecStats | None = None,
-    *,
-    should_stop: Callable[[], bool] | None = None,
-) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` ids, distributed exactly as target-only decoding would produce them;
-    ``should_stop()`` True ends the stream before the next drafter step or the tree's verify pass."""
+def generate_tree(request: Request, config: TreeConfig) -> Iterator[int]:
+    """Yield up to ``request.max_new_tokens`` ids, distributed exactly as target-only decoding would produce
+    them; a cancel cuts or refuses the pass it meets (``Decoder.interrupt``)."""
+    target, params, rng, max_new_tokens = request.target, request.params, request.rng, request.max_new_tokens
     check_tree(target, config, params)
-    request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, should_stop=should_stop)
     if request.drafter is None:
         raise EdgeSpecError("multi-draft decoding needs the drafter model among the proposers")
     yield from request.start()
@@ -146,13 +132,7 @@ def generate_tree(
         depth = min(config.gamma, max_new_tokens - request.emitted - 1)
         if 1 + config.drafts * depth > target.capacity - (len(request.committed) - 1):
             depth = 0  # the tree would not fit in the context: a plain target step
-        if request.stopped():  # before the root step
-            return
-        branches, first_tokens, q_root = draft_branches(
-            request.drafter, request.committed, depth, config, params, rng, should_stop
-        )
-        if request.stopped():  # cancelled while drafting: no verify pass, nothing more emitted
-            return
+        branches, first_tokens, q_root = draft_branches(request.drafter, request.committed, depth, config, params, rng)
         tree = DraftTree(request.pending, tuple(tuple(b.tokens) for b in branches))
         clock.drafted()
 

@@ -211,7 +211,7 @@ class ChatWindow(QMainWindow):
             return
         self.ready = True
         self.progress.hide()
-        self.statusBar().showMessage(f"{Path(path).name} loaded ({self.worker.engine.mode} mode)")
+        self.statusBar().showMessage(f"{Path(path).name} loaded ({self.worker.engine.config.mode} mode)")
         self._update_buttons()
         self.input.setFocus()
 

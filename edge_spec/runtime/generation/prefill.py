@@ -1,0 +1,55 @@
+"""Following an answer's model passes: prefill progress as one fraction, and stopping them on cancel.
+
+Each decoder a loop uses gets a ``prefill_listener`` (progress, and a stop between prefill passes) and
+a ``stop_requested`` check (a pass about to start when the cancel came is refused); the engine's cancel
+then interrupts the pass under way (:meth:`Decoder.interrupt`).  The answer ends as a cancel between
+passes ends it, having given only verified tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from edge_spec.runtime.model.decoder import Decoder, PassInterrupted
+
+
+class PrefillCancelled(Exception):
+    """Raised between prefill passes once the answer was cancelled (caught by the engine)."""
+
+
+def watch(
+    decoders: list[Decoder],
+    weights: list[float],
+    cancelled: Callable[[], bool],
+    on_prefill: Callable[[float], None] | None,
+) -> None:
+    """Hook ``decoders``: stop between their prefill passes once ``cancelled()``, refuse their passes
+    then, and report the prefill as one fraction, each decoder weighted by ``weights`` (what its
+    prefill costs)."""
+    total = sum(weights)
+    for index, decoder in enumerate(decoders):
+        start, share = sum(weights[:index]) / total, weights[index] / total
+
+        def listener(done: int, prompt: int, start: float = start, share: float = share) -> None:
+            if cancelled():
+                raise PrefillCancelled
+            if on_prefill is not None:
+                on_prefill(start + share * done / prompt)
+
+        decoder.prefill_listener = listener
+        decoder.stop_requested = cancelled
+
+
+def unwatch(decoders: list[Decoder]) -> None:
+    for decoder in decoders:
+        decoder.prefill_listener = decoder.stop_requested = None
+
+
+def until_interrupted(tokens: Iterator[int], cancelled: Callable[[], bool]) -> Iterator[int]:
+    """The token loop's tokens until a pass of it is cut or refused by a cancel: the answer then ends as a
+    cancel between passes ends it (the tokens given were verified; the text held back is flushed)."""
+    try:
+        yield from tokens
+    except PassInterrupted:
+        if not cancelled():  # only a cancel cuts passes
+            raise
