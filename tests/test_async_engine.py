@@ -215,9 +215,9 @@ def test_a_queued_answer_cancelled_never_runs(slowed, reference, monkeypatch):
     prompts = []
     generate = Engine.generate
 
-    def counted(self, prompt, **kwargs):
+    def counted(self, prompt, *args, **kwargs):
         prompts.append(prompt)
-        return generate(self, prompt, **kwargs)
+        return generate(self, prompt, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "generate", counted)
 

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 
 from edge_spec.manifest import read_manifest, tokenizer_record, write_manifest  # noqa: E402
 from edge_spec.runtime.engine import Engine, GenerationStats  # noqa: E402
+from edge_spec.runtime.options import GenerateOptions  # noqa: E402
 from edge_spec.runtime.text import TOKEN_MARK, StreamingDetokenizer  # noqa: E402
 from tests.chat_templates import QWEN25_SHORT  # noqa: E402
 from tests.helpers import BASE, export_tiny  # noqa: E402
@@ -89,7 +90,9 @@ class Scripted:
         self.engine, self.answers, self.chunk, self.reason = engine, list(answers), chunk, reason
         self.calls: list[dict] = []
 
-    def __call__(self, prompt, *, tools=None, stop=(), marked_tokens=(), **kwargs):
+    def __call__(self, prompt, options=None, **kwargs):
+        options = GenerateOptions.from_kwargs(options, **kwargs)
+        tools, stop, marked_tokens = options.tools, options.stop, options.marked_tokens
         ids = self.engine.prompt_ids(prompt, tools=tools)  # the real encoding: the template must take it
         self.calls.append(
             {

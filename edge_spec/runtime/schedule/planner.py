@@ -13,7 +13,6 @@ target produced, drafted or not, so guesses and lookups are judged from the firs
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,12 +116,11 @@ class DraftPlanner:
         params: SamplingParams,
         rng: np.random.Generator,
         constraint: Constraint | None = None,
-        should_stop: Callable[[], bool] | None = None,
     ) -> DraftBlock:
         """This round's drafts after ``committed`` (``constraint``: what the answer may contain, in its
-        state after ``committed``; the drafter draws from what it allows).  ``should_stop()`` is asked
-        before each drafter step; once True the drafter's block comes back cut short (a cancel)."""
-        rule = DraftRule(params, rng, self.gamma, self.min_confidence, constraint=constraint, should_stop=should_stop)
+        state after ``committed``; the drafter draws from what it allows).  A cancel cuts or refuses the
+        drafter's pass it meets (``Decoder.interrupt``)."""
+        rule = DraftRule(params, rng, self.gamma, self.min_confidence, constraint=constraint)
         self._firsts = []
         costs = self._costs()
         guess = self._guess(committed, room, rule)
