@@ -6,8 +6,9 @@ The grammar's work is timed where it happens: every call into a :class:`Constrai
 advances and roll-backs, its forced tokens; a call made from inside another is counted once, in the
 outer one) and every compile of a grammar (each new matcher of ``constrain.compile``), with
 ``time.perf_counter``.  Per mode it prints the tokens, the grammar milliseconds per emitted token, the
-compiles per answer, the decode tokens/s and a digest of the token ids (the same code gives the same
-digest; two versions of the code that must decode alike must print the same digests).
+masks the grammar engine computed per emitted token, the compiles per answer, the decode tokens/s and a
+digest of the token ids (the same code gives the same digest; two versions of the code that must decode
+alike must print the same digests).
 
 To compare two versions of the code, run this same script with each on ``PYTHONPATH``, back to back:
 
@@ -35,6 +36,7 @@ class GrammarClock:
         self.calls = 0
         self.compile_seconds = 0.0
         self.compiles = 0
+        self.masks = 0  # masks the grammar engine computed (``Constraint.library_allowed``)
         self._depth = 0
 
     def install(self) -> None:
@@ -43,12 +45,13 @@ class GrammarClock:
 
         for name, member in list(vars(Constraint).items()):
             if callable(member) and not name.startswith("__"):
-                setattr(Constraint, name, self._timed(member))
+                setattr(Constraint, name, self._timed(member, counts_mask=name == "library_allowed"))
         compile_module.LLMatcher = self._compiling(compile_module.LLMatcher)
 
-    def _timed(self, method):
+    def _timed(self, method, counts_mask: bool = False):
         @functools.wraps(method)
         def timed(*args, **kwargs):
+            self.masks += counts_mask
             if self._depth:
                 return method(*args, **kwargs)
             self._depth += 1
@@ -73,8 +76,8 @@ class GrammarClock:
 
         return compiled
 
-    def reading(self) -> tuple[float, int, float, int]:
-        return self.seconds, self.calls, self.compile_seconds, self.compiles
+    def reading(self) -> tuple[float, int, float, int, int]:
+        return self.seconds, self.calls, self.compile_seconds, self.compiles, self.masks
 
 
 def main() -> None:
@@ -100,10 +103,12 @@ def main() -> None:
     warm = [{"role": "user", "content": "Say hi."}]
     for mode in modes:  # the first answer builds the grammar vocabulary and measures the device
         "".join(engine.generate(warm, max_new_tokens=4, mode=mode, response_format={"type": "json_object"}))
-    totals = {mode: {"tokens": 0, "grammar_s": 0.0, "calls": 0, "compiles": 0, "decode_s": 0.0} for mode in modes}
+    totals = {
+        mode: {"tokens": 0, "grammar_s": 0.0, "calls": 0, "compiles": 0, "masks": 0, "decode_s": 0.0} for mode in modes
+    }
     digests = {mode: hashlib.sha256() for mode in modes}
     print(
-        f"{'prompt':<14} {'mode':<5} {'tokens':>6} {'grammar ms/tok':>14} {'calls/tok':>9} {'compiles':>8} {'tok/s':>7}"
+        f"{'prompt':<14} {'mode':<5} {'tokens':>6} {'grammar ms/tok':>14} {'calls/tok':>9} {'masks/tok':>9} {'compiles':>8} {'tok/s':>7}"
     )
     for item in items:
         fmt = {"type": "json_schema", "json_schema": {"name": item["id"], "schema": item["schema"], "strict": True}}
@@ -114,31 +119,35 @@ def main() -> None:
             after = clock.reading()
             stats, tokens = engine.last_stats, list(engine.last_token_ids)
             grammar, calls, compiles = after[0] - before[0], after[1] - before[1], after[3] - before[3]
+            masks = after[4] - before[4]
             total = totals[mode]
             total["tokens"] += stats.new_tokens
             total["grammar_s"] += grammar
             total["calls"] += calls
             total["compiles"] += compiles
+            total["masks"] += masks
             total["decode_s"] += stats.decode_seconds
             total["decoded"] = total.get("decoded", 0) + max(stats.new_tokens - 1, 0)  # the first: the prefill's
             digests[mode].update(json.dumps(tokens).encode())
             print(
                 f"{item['id']:<14} {mode:<5} {stats.new_tokens:>6} {1000 * grammar / max(stats.new_tokens, 1):>14.3f} "
-                f"{calls / max(stats.new_tokens, 1):>9.2f} {compiles:>8} {stats.tokens_per_second:>7.2f}"
+                f"{calls / max(stats.new_tokens, 1):>9.2f} {masks / max(stats.new_tokens, 1):>9.2f} {compiles:>8} "
+                f"{stats.tokens_per_second:>7.2f}"
             )
     print()
     print(
-        f"{'mode':<5} {'tokens':>6} {'grammar ms/tok':>14} {'calls/tok':>9} {'compiles/answer':>15} {'tok/s':>7}  digest"
+        f"{'mode':<5} {'tokens':>6} {'grammar ms/tok':>14} {'calls/tok':>9} {'masks/tok':>9} {'compiles/answer':>15} {'tok/s':>7}  digest"
     )
     for mode, total in totals.items():
         tokens = max(total["tokens"], 1)
         total["grammar_ms_per_token"] = 1000 * total["grammar_s"] / tokens
         total["calls_per_token"] = total["calls"] / tokens
+        total["masks_per_token"] = total["masks"] / tokens
         total["compiles_per_answer"] = total["compiles"] / len(items)
         total["tokens_per_second"] = total["decoded"] / total["decode_s"] if total["decode_s"] else 0.0
         total["digest"] = digests[mode].hexdigest()[:16]
         print(
-            f"{mode:<5} {total['tokens']:>6} {total['grammar_ms_per_token']:>14.3f} {total['calls_per_token']:>9.2f} "
+            f"{mode:<5} {total['tokens']:>6} {total['grammar_ms_per_token']:>14.3f} {total['calls_per_token']:>9.2f} {total['masks_per_token']:>9.2f} "
             f"{total['compiles_per_answer']:>15.2f} {total['tokens_per_second']:>7.2f}  {total['digest']}"
         )
     if args.json:
