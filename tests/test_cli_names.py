@@ -177,7 +177,6 @@ def _configured_defaults() -> dict[str, dict[str, list]]:
         DEFAULT_THREADS,
         parse_size,
     )
-    from edge_spec.runtime import engine as engine_module
     from edge_spec.runtime.loaded import LoadOptions
     from edge_spec.runtime.model.decoder import Decoder
     from edge_spec.server import serve
@@ -194,7 +193,7 @@ def _configured_defaults() -> dict[str, dict[str, list]]:
         "provider": [DEFAULT_PROVIDER, load.provider, default(Decoder, "provider")],
         "threads": [DEFAULT_THREADS, load.threads, default(Decoder, "threads")],
     }
-    engine = {**placement, "mode": [DEFAULT_MODE, engine_module.DEFAULT_MODE]}  # the loop Engine.load runs unnamed
+    engine = {**placement, "mode": [DEFAULT_MODE]}  # also the loop the engine runs when none is named
     return {
         "generate": engine,
         "chat": engine,
