@@ -52,7 +52,7 @@ def serving(engine, name: str = "tiny", **options):
 
 def export_tiny(tmp_dir, tiny_pair, **options):
     """Export the tiny (tokenizer, target, drafter) triple through the real exporter path into ``tmp_dir``."""
-    from edge_spec.export.bundle import ExportOptions, export_bundle
+    from edge_spec.export.bundle.build import ExportOptions, export_bundle
 
     tokenizer, target, draft = tiny_pair
     models = {

@@ -1,4 +1,4 @@
-"""A target graph that pads its own attention (``export.attention_pad``), and the per-device check that
+"""A target graph that pads its own attention (``export.graph.attention_pad``), and the per-device check that
 decides whether its one-token passes are exact (``runtime.model.row_invariance``)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import onnx
 import pytest
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.attention_pad import has_attention_pad, pad_attention, pad_bundle_target
-from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model
+from edge_spec.export.graph.attention_pad import has_attention_pad, pad_attention, pad_bundle_target
+from edge_spec.export.graph.builder import BuildOptions, build_decoder, save_model
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model import row_invariance

@@ -28,7 +28,7 @@ STEPS = {
 KILLED_WRITER = """
 import os, shutil, signal, sys
 from pathlib import Path
-from edge_spec.export import install
+from edge_spec.export.bundle import install
 
 source, final, at, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 if mode == "fallback":
@@ -91,7 +91,7 @@ def _stale(final: Path, pid: int) -> list[Path]:
 
 @pytest.mark.parametrize("mode, step", [(mode, step) for mode, steps in STEPS.items() for step in steps])
 def test_a_writer_killed_at_any_step_leaves_a_bundle_at_the_path(tmp_path, variants, mode, step):
-    from edge_spec.export import install
+    from edge_spec.export.bundle import install
 
     old, new = variants
     final = tmp_path / "out" / "bundle"
@@ -129,7 +129,7 @@ def test_a_writer_killed_at_any_step_leaves_a_bundle_at_the_path(tmp_path, varia
 
 @pytest.mark.parametrize("mode, step", [(mode, step) for mode, steps in STEPS.items() for step in steps])
 def test_a_failure_at_any_step_leaves_a_bundle_at_the_path(tmp_path, variants, monkeypatch, mode, step):
-    from edge_spec.export import install
+    from edge_spec.export.bundle import install
 
     old, new = variants
     final = tmp_path / "out" / "bundle"
@@ -160,7 +160,7 @@ def test_a_failure_at_any_step_leaves_a_bundle_at_the_path(tmp_path, variants, m
 
 
 def test_the_exchange_is_one_step_on_this_system(tmp_path):
-    from edge_spec.export import install
+    from edge_spec.export.bundle import install
 
     if not sys.platform.startswith("linux"):
         pytest.skip("renameat2 is Linux's")
@@ -189,7 +189,7 @@ def test_the_next_export_removes_what_killed_runs_left_but_not_a_live_writers(tm
 
 
 def test_a_missing_bundle_beside_its_moved_aside_copy_is_restored_not_cleaned(tmp_path, variants):
-    from edge_spec.export import install
+    from edge_spec.export.bundle import install
 
     old, _ = variants
     final = tmp_path / "bundle"
@@ -206,7 +206,7 @@ def test_a_missing_bundle_beside_its_moved_aside_copy_is_restored_not_cleaned(tm
 
 
 def test_add_heads_and_train_head_clean_up_first(monkeypatch, capsys, tmp_path, fp32_bundle):
-    from edge_spec.export import bundle as bundle_module
+    from edge_spec.export.bundle import build as bundle_module
     from edge_spec.train import features as head_data
 
     copy = tmp_path / "bundle"
@@ -246,7 +246,7 @@ def test_commands_that_open_a_bundle_clean_what_killed_runs_left_first(monkeypat
 def test_a_process_id_taken_by_a_later_process_does_not_keep_a_staging_directory(tmp_path):
     """A writer killed long ago whose process id a later process has (containers reuse small ids): the
     id's process started after the directory last changed, so it is not the writer."""
-    from edge_spec.export import install
+    from edge_spec.export.bundle import install
 
     final = tmp_path / "bundle"
     reused, live = (final.with_name(f".bundle.{os.getpid()}-{tag}.partial") for tag in ("x1y2z3", "a4b5c6"))
@@ -290,7 +290,7 @@ def test_graph_files_and_atomic_writes_follow_the_umask(tmp_path, umask, mask):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from edge_spec.export.graph_builder import save_model
+    from edge_spec.export.graph.builder import save_model
     from edge_spec.files import write_atomic, write_text_atomic
 
     umask(mask)
@@ -311,7 +311,7 @@ def test_graph_files_and_atomic_writes_follow_the_umask(tmp_path, umask, mask):
 
 
 def test_add_heads_keeps_the_bundle_directory_mode(tmp_path, tiny_pair, fp32_bundle, umask):
-    from edge_spec.export.bundle import ExportOptions, add_draft_heads
+    from edge_spec.export.bundle.build import ExportOptions, add_draft_heads
 
     copy = tmp_path / "bundle"
     shutil.copytree(fp32_bundle, copy)

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from edge_spec.export import calibration_store, vocabtrim
+from edge_spec.export.heads import calibration_store, vocabtrim
 from tests.helpers import export_tiny
 
 HEADS = dict(draft_vocab="trim", keep=(64,), calibration_tokens=12)

@@ -474,7 +474,7 @@ def test_export_defaults_are_the_recommended_settings_and_help_states_them():
     from typer.testing import CliRunner
 
     from edge_spec import cli as cli_module
-    from edge_spec.export.options import ExportOptions
+    from edge_spec.export.bundle.options import ExportOptions
 
     defaults = ExportOptions()
     assert (defaults.draft_vocab, defaults.keep, defaults.rank, defaults.candidates, defaults.scorer_vocab) == (

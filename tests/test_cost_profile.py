@@ -605,7 +605,7 @@ def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, cap
     rates the schedule learned included).  ``--no-measure`` leaves them to the first load."""
     import functools
 
-    from edge_spec.export import bundle
+    from edge_spec.export.bundle import build as bundle
     from tests.test_reliability import _cli, _models
 
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))

@@ -30,8 +30,8 @@ from edge_spec.export.eagle.model import (
     load_specforge,
     save_specforge,
 )
-from edge_spec.export.graph_builder import BuildOptions, build_decoder
-from edge_spec.export.quantize import quantize_blockwise
+from edge_spec.export.graph.builder import BuildOptions, build_decoder
+from edge_spec.export.graph.quantize import quantize_blockwise
 from tests import tiny_models
 from tests.helpers import random_head, tiny_head_config
 

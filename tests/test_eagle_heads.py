@@ -131,7 +131,7 @@ def make_single_graph(bundle, config, head) -> None:
     """Rewrite ``bundle``'s EAGLE head as bundles before the split held it: one graph with ``logits``."""
     from edge_spec.export.eagle.attach import LEGACY_EAGLE_FILES
     from edge_spec.export.eagle.model import build_eagle_head, eagle_head_weights
-    from edge_spec.export.graph_builder import BuildOptions, save_model
+    from edge_spec.export.graph.builder import BuildOptions, save_model
     from edge_spec.manifest import file_record, read_manifest, write_manifest
 
     manifest = read_manifest(bundle)

@@ -45,7 +45,7 @@ REASONS = {errno.ENOSPC: "no space left on device", errno.EACCES: "permission de
 @pytest.fixture
 def in_memory(monkeypatch, tiny_pair):
     """export and add-heads through the CLI load the tiny models from memory."""
-    from edge_spec.export import bundle
+    from edge_spec.export.bundle import build as bundle
 
     loader = _models(tiny_pair).__getitem__
     monkeypatch.setattr(bundle, "export_bundle", functools.partial(bundle.export_bundle, loader=loader))
@@ -161,7 +161,9 @@ def test_export_refuses_a_pair_before_building_anything(
     does the work (a second interpreter's start would double the refusal's time)."""
     from edge_spec import paths
     from edge_spec.cli import export as export_command
-    from edge_spec.export import bundle, sources, watchdog
+    from edge_spec.export.bundle import build as bundle
+    from edge_spec.export.bundle import watchdog
+    from edge_spec.export.sources import resolve as sources
 
     tokenizer, target, draft = tiny_pair
     if mismatch == "tokenizer":
@@ -208,8 +210,9 @@ def _tiny_gguf(path: Path, tokens: list[str], merges: tuple[str, ...] = ("a b", 
 def test_gguf_pairs_are_checked_from_their_headers(monkeypatch, capsys, tmp_path):
     import gguf
 
-    from edge_spec.export import bundle, sources
-    from edge_spec.export.pair import check_pair, gguf_tokens, probe_pair
+    from edge_spec.export.bundle import build as bundle
+    from edge_spec.export.sources import resolve as sources
+    from edge_spec.export.sources.pair import check_pair, gguf_tokens, probe_pair
 
     words = [f"tok{i}" for i in range(40)]
     target = _tiny_gguf(tmp_path / "target.gguf", words)
@@ -285,7 +288,7 @@ def test_a_drafter_of_another_family_beside_a_hf_target_is_refused_from_its_head
     """A Hugging Face target and a GGUF drafter whose token lists differ at most ids: refused from the
     GGUF header's token list, without parsing or converting the whole file (a 151k-token vocabulary takes
     a minute and a gigabyte that way)."""
-    from edge_spec.export.pair import check_pair, probe_pair
+    from edge_spec.export.sources.pair import check_pair, probe_pair
 
     tokenizer = tiny_models.make_tokenizer()
     target = _hf_tokenizer_directory(tmp_path / "target", tokenizer)
@@ -296,7 +299,7 @@ def test_a_drafter_of_another_family_beside_a_hf_target_is_refused_from_its_head
 
 
 def test_a_drafter_whose_header_lists_the_targets_vocabulary_needs_no_conversion(tmp_path, parsed):
-    from edge_spec.export.pair import check_pair, probe_pair
+    from edge_spec.export.sources.pair import check_pair, probe_pair
 
     tokenizer = tiny_models.make_tokenizer()
     target = _hf_tokenizer_directory(tmp_path / "target", tokenizer)
@@ -309,7 +312,7 @@ def test_a_drafter_close_to_the_target_is_compared_in_the_targets_words(tmp_path
     """Token lists that differ at a few ids only may be one vocabulary written two ways (transformers
     rewrites some GGUF tokens, Gemma's tab and space runs): those are compared as transformers reads
     the GGUF file, as before."""
-    from edge_spec.export import pair
+    from edge_spec.export.sources import pair
 
     tokenizer = tiny_models.make_tokenizer()
     target = _hf_tokenizer_directory(tmp_path / "target", tokenizer)
@@ -340,7 +343,8 @@ def test_export_without_draft_refuses_a_default_drafter_of_another_family_at_onc
     import transformers
 
     from edge_spec import paths
-    from edge_spec.export import bundle, sources
+    from edge_spec.export.bundle import build as bundle
+    from edge_spec.export.sources import resolve as sources
 
     tokenizer = tiny_models.make_tokenizer()
     target = _hf_tokenizer_directory(tmp_path / "target", tokenizer)

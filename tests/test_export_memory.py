@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("gguf", reason="the gguf package (the export extra) reads GGUF files")
 
-from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model, write_model  # noqa: E402
+from edge_spec.export.graph.builder import BuildOptions, build_decoder, save_model, write_model  # noqa: E402
 from tests import gguf_models, tiny_models  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def test_gguf_tensors_read_one_at_a_time_are_what_transformers_loads(tmp_path, a
     """Every parameter, read alone from the file (Llama's q/k rows put back in transformers' order, mixed
     GGUF types), equals transformers' whole-model load bit for bit, and so does any band of its rows."""
     from edge_spec.export.gguf.tensors import GGUFTensors
-    from edge_spec.export.weights import DeferredMatrix
+    from edge_spec.export.graph.weights import DeferredMatrix
 
     tokenizer = tiny_models.make_tokenizer()
     model = tiny_models.make_qwen2(seed=0) if arch == "qwen2" else _llama()
@@ -123,8 +123,8 @@ def _whole_model_loader(source: str):
 
     from edge_spec.export.gguf.carry import attach_gguf_blocks
     from edge_spec.export.gguf.tokenizer import fix_gguf_tokenizer
-    from edge_spec.export.sources import LoadedModel, _eos_ids
-    from edge_spec.export.weights import weights_from_state_dict
+    from edge_spec.export.graph.weights import weights_from_state_dict
+    from edge_spec.export.sources.resolve import LoadedModel, _eos_ids
 
     path = Path(source)
     config, state = _transformers_state(path)
@@ -173,7 +173,7 @@ def test_safetensors_read_one_at_a_time_are_what_transformers_loads(tmp_path):
     transformers' float32 load; files that do not name every parameter are left to transformers."""
     from transformers import AutoConfig
 
-    from edge_spec.export.checkpoint import streamable
+    from edge_spec.export.sources.checkpoint import streamable
 
     target, _ = _checkpoint_pair(tmp_path)
     config, reference = _transformers_state(Path(target))
@@ -198,7 +198,7 @@ def test_a_streamed_export_is_the_whole_model_export(tmp_path, kind):
     """The same pair (GGUF files, or Hugging Face directories) exported through the streaming loader and
     through transformers' whole-model load gives the same bundle: every file byte for byte, the manifest
     but for its times (so a shipped calibration text, keyed by the target graph's bytes, still applies)."""
-    from edge_spec.export.bundle import ExportOptions, export_bundle
+    from edge_spec.export.bundle.build import ExportOptions, export_bundle
 
     target, draft = _small_pair(tmp_path) if kind == "gguf" else _checkpoint_pair(tmp_path)
     prompts = tmp_path / "prompts.txt"
@@ -223,7 +223,7 @@ def test_a_large_matrix_is_checked_on_a_sample_of_its_rows(tmp_path, monkeypatch
     """A GGUF matrix of more rows than are checked has those rows decoded and compared alone, and a
     difference on one of them still keeps the matrix from being carried."""
     from edge_spec.export.gguf import carry
-    from edge_spec.export.sources import load_model
+    from edge_spec.export.sources.resolve import load_model
 
     monkeypatch.setattr(carry, "CHECKED_ROWS", 64)
     target, _ = _small_pair(tmp_path)
@@ -240,7 +240,7 @@ def test_a_large_matrix_is_checked_on_a_sample_of_its_rows(tmp_path, monkeypatch
 _EXPORT = """
 import json, sys
 from pathlib import Path
-from edge_spec.export.bundle import ExportOptions, export_bundle
+from edge_spec.export.bundle.build import ExportOptions, export_bundle
 from tests.peak_memory import peak_rss_bytes
 
 target, draft, out, prompts = sys.argv[1:5]
@@ -304,7 +304,8 @@ def _error_line(err: str) -> str:
 def test_an_export_that_cannot_fit_in_memory_is_refused_before_loading(monkeypatch, capsys, tmp_path):
     """Where the system has less memory available than the export needs, the export stops before it
     loads anything, in one line that says what, how much and what to close; nothing is written."""
-    from edge_spec.export import sources, stages
+    from edge_spec.export.bundle import stages
+    from edge_spec.export.sources import resolve as sources
 
     target, draft = _small_pair(tmp_path)
 
@@ -327,7 +328,7 @@ def test_an_export_that_cannot_fit_in_memory_is_refused_before_loading(monkeypat
 
 def test_running_out_of_memory_is_one_line(monkeypatch, capsys, tmp_path):
     """A MemoryError while a graph is built is said as the step that ran out, and what to close."""
-    from edge_spec.export import bundle
+    from edge_spec.export.bundle import build as bundle
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError
@@ -360,8 +361,8 @@ def test_the_export_says_where_its_time_went(monkeypatch, capsys, tmp_path):
 def test_a_gguf_source_is_parsed_once_for_its_weights_and_blocks(tmp_path, monkeypatch):
     """Loading a GGUF source, checking its blocks and building its graph parse the file's header once
     (a 151k-token vocabulary takes seconds to parse): the blocks are read through the loader's records."""
-    from edge_spec.export.bundle import export_decoder
-    from edge_spec.export.sources import load_model
+    from edge_spec.export.bundle.build import export_decoder
+    from edge_spec.export.sources.resolve import load_model
 
     target, _ = _small_pair(tmp_path)
     parses = gguf_models.count_gguf_parses(monkeypatch)
@@ -376,8 +377,8 @@ def test_bands_quantized_on_every_core_are_the_bytes_of_one_core(monkeypatch):
     from its parts alone (never a whole part), and gives the bytes one thread gives for the whole array."""
     import threading
 
-    from edge_spec.export import parallel, quantize
-    from edge_spec.export.weights import DeferredMatrix, stacked
+    from edge_spec.export.graph import parallel, quantize
+    from edge_spec.export.graph.weights import DeferredMatrix, stacked
 
     monkeypatch.setattr(quantize, "MIN_BAND_BYTES", 16 * 96 * 4)  # 16-row bands: many of them
     rng = np.random.default_rng(5)

@@ -22,7 +22,10 @@ import pytest
 
 pytest.importorskip("gguf", reason="the gguf package (the export extra) reads GGUF files")
 
-from edge_spec.export import activity, watchdog  # noqa: E402
+from edge_spec.export.bundle import (
+    activity,  # noqa: E402
+    watchdog,
+)
 from tests.test_export_memory import _small_pair  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

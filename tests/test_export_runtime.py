@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.quantize import quantize_blockwise
+from edge_spec.export.graph.quantize import quantize_blockwise
 from edge_spec.manifest import read_manifest, sha256_file, verify_files
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.loops.config import loop_config
@@ -204,7 +204,7 @@ def test_unknown_provider_is_rejected(int4_bundle):
 
 
 def test_tokenizer_mismatch_is_rejected(tmp_path, tiny_pair):
-    from edge_spec.export.bundle import ExportOptions, export_bundle
+    from edge_spec.export.bundle.build import ExportOptions, export_bundle
 
     tokenizer, target, draft = tiny_pair
     other = tiny_models.make_tokenizer(specials=["<|endoftext|>", "<|im_end|>", "<|im_start|>"])
@@ -236,7 +236,7 @@ def test_drafter_blocks_are_its_own(int4_bundle, tmp_path, tiny_pair):
     only), the target keeps ``block_size``; both are recorded, and the drafter's heads follow its body.
     A K (or an embedding row) narrower than the block gets the widest block that divides it: the tiny
     models' K are 64 and 128."""
-    from edge_spec.export.graph_builder import row_block_size
+    from edge_spec.export.graph.builder import row_block_size
 
     manifest = read_manifest(int4_bundle)
     assert manifest["target"]["quantization"]["block_size"] == 32

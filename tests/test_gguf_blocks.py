@@ -21,7 +21,7 @@ from edge_spec.export.gguf.blocks import (  # noqa: E402
     folded_width,
     narrow_to_4bit,
 )
-from edge_spec.export.graph_builder import BuildOptions, Graph, add_linear, make_model  # noqa: E402
+from edge_spec.export.graph.builder import BuildOptions, Graph, add_linear, make_model  # noqa: E402
 from tests.gguf_models import count_gguf_parses, finish_gguf  # noqa: E402
 
 N, K = 24, 512  # K: two K-quant super-blocks
@@ -221,9 +221,9 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
     from gguf import GGUFWriter
 
     from edge_spec.export.gguf.carry import attach_gguf_blocks
-    from edge_spec.export.graph_builder import build_decoder, save_model
-    from edge_spec.export.quantize import quantize_blockwise
-    from edge_spec.export.weights import weights_from_state_dict
+    from edge_spec.export.graph.builder import build_decoder, save_model
+    from edge_spec.export.graph.quantize import quantize_blockwise
+    from edge_spec.export.graph.weights import weights_from_state_dict
     from edge_spec.runtime.model.decoder import Decoder
     from tests.test_model_families import ids_for, tiny_model
 
@@ -286,7 +286,7 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layou
 
     import onnx
 
-    from edge_spec.export.bundle import ExportOptions, export_bundle
+    from edge_spec.export.bundle.build import ExportOptions, export_bundle
     from edge_spec.export.gguf.carry import CarryReport
     from tests import tiny_models
 
@@ -330,7 +330,7 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layou
 
 def test_an_unknown_gguf_layout_is_one_line():
     from edge_spec.errors import EdgeSpecError
-    from edge_spec.export.bundle import ExportOptions
+    from edge_spec.export.bundle.build import ExportOptions
 
     with pytest.raises(EdgeSpecError, match=r"^--gguf-layout must be one of fast, exact, small, not 'quick'$"):
         ExportOptions(gguf_layout="quick").check()
@@ -344,7 +344,7 @@ def test_a_gguf_file_is_parsed_once_per_load(tmp_path, monkeypatch):
     from gguf import GGUFWriter
 
     from edge_spec.errors import EdgeSpecError
-    from edge_spec.export.sources import check_gguf, gguf_parsed_once
+    from edge_spec.export.sources.resolve import check_gguf, gguf_parsed_once
 
     path = tmp_path / "one.gguf"
     writer = GGUFWriter(path, "llama")

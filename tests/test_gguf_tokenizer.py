@@ -279,7 +279,7 @@ def _fetched(name: str) -> Path:
 def _load_and_fix(path: Path):
     from transformers import AutoTokenizer
 
-    from edge_spec.export.sources import gguf_parsed_once
+    from edge_spec.export.sources.resolve import gguf_parsed_once
 
     with gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from edge_spec.export.graph_builder import BuildOptions, DecoderGraphBuilder, Residual
-from edge_spec.export.quantize import quantize_blockwise
+from edge_spec.export.graph.builder import BuildOptions, DecoderGraphBuilder, Residual
+from edge_spec.export.graph.quantize import quantize_blockwise
 from tests import tiny_models
 
 CAPACITY = 16

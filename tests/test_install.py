@@ -106,7 +106,7 @@ def test_shipped_data_lives_in_the_package_and_pyproject_declares_all_of_it():
 
 def test_defaults_read_the_shipped_files():
     from edge_spec.bench import runs, sessions
-    from edge_spec.export import calibration_store, vocabtrim
+    from edge_spec.export.heads import calibration_store, vocabtrim
     from edge_spec.train import features as head_data
 
     data = paths.PACKAGE_DATA

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model
-from edge_spec.export.quantize import quantize_blockwise
-from edge_spec.export.weights import weights_from_state_dict
+from edge_spec.export.graph.builder import BuildOptions, build_decoder, save_model
+from edge_spec.export.graph.quantize import quantize_blockwise
+from edge_spec.export.graph.weights import weights_from_state_dict
 from edge_spec.runtime.model.decoder import Decoder
 from tests.helpers import decoder_greedy
 
@@ -227,7 +227,7 @@ def test_unsupported_rope_scaling_is_refused():
 
 
 def test_tokenizer_mismatch_is_refused_in_one_line_naming_the_ids():
-    from edge_spec.export.sources import check_same_tokenizer
+    from edge_spec.export.sources.resolve import check_same_tokenizer
     from tests import tiny_models
 
     target = tiny_models.make_tokenizer()
@@ -246,7 +246,7 @@ def test_tokenizer_mismatch_is_refused_in_one_line_naming_the_ids():
 def test_registry_hub_only_entries_resolve_to_their_hub_id():
     """Families without an offline copy are registry names for a machine with a network; fetch says so."""
     from edge_spec import fetch
-    from edge_spec.export.sources import _locate
+    from edge_spec.export.sources.resolve import _locate
 
     assert _locate("qwen3-0.6b") == ("hub", "Qwen/Qwen3-0.6B", None)
     with pytest.raises(EdgeSpecError, match="no offline .* --target google/gemma-2-2b-it"):

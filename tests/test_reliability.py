@@ -20,7 +20,7 @@ def _models(tiny_pair):
 
 
 def _export(out, tiny_pair, loader=None, **options):
-    from edge_spec.export.bundle import ExportOptions, export_bundle
+    from edge_spec.export.bundle.build import ExportOptions, export_bundle
 
     loader = loader or _models(tiny_pair).__getitem__
     options = {"context_length": 64, "quant": "fp32", **options}
@@ -109,7 +109,7 @@ def test_failed_export_keeps_the_old_bundle_and_leaves_nothing_behind(tmp_path, 
 
 
 def test_add_heads_interrupted_leaves_the_bundle_as_it_was(tmp_path, tiny_pair):
-    from edge_spec.export.bundle import ExportOptions, add_draft_heads
+    from edge_spec.export.bundle.build import ExportOptions, add_draft_heads
     from edge_spec.manifest import read_manifest, verify_files
 
     bundle = tmp_path / "bundle"
@@ -575,7 +575,7 @@ def _gguf_bytes(kind):
 
 @pytest.mark.parametrize("kind", ["random", "empty", "magic", "header", "truncated"])
 def test_bad_gguf_is_one_line(tmp_path, kind):
-    from edge_spec.export.sources import load_model
+    from edge_spec.export.sources.resolve import load_model
 
     path = tmp_path / "model.gguf"
     path.write_bytes(_gguf_bytes(kind))

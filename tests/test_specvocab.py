@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.bundle import ExportOptions, add_draft_heads
-from edge_spec.export.specvocab import fit_scorer, quantize_rows_int8, recall_at_k, top_candidates
+from edge_spec.export.bundle.build import ExportOptions, add_draft_heads
+from edge_spec.export.heads.specvocab import fit_scorer, quantize_rows_int8, recall_at_k, top_candidates
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.engine import Engine
 from tests import tiny_models

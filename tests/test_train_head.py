@@ -14,8 +14,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edge_spec.export.graph_builder import MS_DOMAIN, make_model
-from edge_spec.export.quantize import quantize_blockwise
+from edge_spec.export.graph.builder import MS_DOMAIN, make_model
+from edge_spec.export.graph.quantize import quantize_blockwise
 from edge_spec.runtime.model.embedding import TargetEmbedding, TargetLMHead
 from edge_spec.train import features as head_data
 from edge_spec.train import trainer as head_training

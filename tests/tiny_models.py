@@ -79,8 +79,8 @@ def perturbed_copy(model, seed: int, noise: float):
 
 def loaded(name: str, model, tokenizer):
     """Wrap an in-memory model as the exporter's LoadedModel."""
-    from edge_spec.export.sources import LoadedModel
-    from edge_spec.export.weights import weights_from_state_dict
+    from edge_spec.export.graph.weights import weights_from_state_dict
+    from edge_spec.export.sources.resolve import LoadedModel
 
     state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
     weights = weights_from_state_dict(model.config, state)

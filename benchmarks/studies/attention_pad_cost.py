@@ -1,7 +1,7 @@
 """What the target graph's attention pad costs a pass, by rows, after a long prompt.
 
 The exported target gives its attention a throw-away query row so that one-row passes can be exact
-(``edge_spec.export.attention_pad``).  Where the device check finds they are not exact anyway, the pad still
+(``edge_spec.export.graph.attention_pad``).  Where the device check finds they are not exact anyway, the pad still
 costs a row of attention in every pass; the runtime keeps it there because without it one-row logits part
 further from multi-row ones.  This times the same target with the pad and without it (stripped in memory:
 ``edge_spec.runtime.model.attention_unpad``), in one process, the passes interleaved so that drift hits

@@ -54,7 +54,7 @@ def load_reference(gguf: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from edge_spec.export.gguf.carry import attach_gguf_blocks
-    from edge_spec.export.weights import weights_from_state_dict
+    from edge_spec.export.graph.weights import weights_from_state_dict
 
     kwargs = {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
@@ -166,7 +166,7 @@ def main() -> None:
     args = parser.parse_args()
     variants = [v for v in VARIANTS if not (args.no_level0 and v[1] == 0)]
 
-    from edge_spec.export.graph_builder import BuildOptions, build_decoder, save_model
+    from edge_spec.export.graph.builder import BuildOptions, build_decoder, save_model
 
     rows = []
     for gguf in args.gguf:

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from edge_spec.export.graph_builder import Graph, make_model, save_model
+from edge_spec.export.graph.builder import Graph, make_model, save_model
 from edge_spec.paths import DEFAULT_BUNDLE
 from edge_spec.runtime.engine import Engine
 

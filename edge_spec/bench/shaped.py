@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from edge_spec.export.bundle import ExportOptions, export_bundle
-from edge_spec.export.sources import LoadedModel
-from edge_spec.export.weights import weights_from_state_dict
+from edge_spec.export.bundle.build import ExportOptions, export_bundle
+from edge_spec.export.graph.weights import weights_from_state_dict
+from edge_spec.export.sources.resolve import LoadedModel
 
 ROLES = ("target", "draft")
 

@@ -26,7 +26,7 @@ from edge_spec.cli.options import (
 )
 from edge_spec.cli.output import console, progress_lines
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.options import ExportOptions
+from edge_spec.export.bundle.options import ExportOptions
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def export(
 
 def _run_watched(job: ExportJob, screen: _Screen) -> None:
     """Check what the command can before the work starts, then run it in a child process it watches."""
-    from edge_spec.export.bundle import check_before_build
+    from edge_spec.export.bundle.build import check_before_build
 
     # here, not in the child: a refusal then takes the command's start, not a second interpreter's
     output = job.output
@@ -134,7 +134,7 @@ def _run_watched(job: ExportJob, screen: _Screen) -> None:
         job.target, job.draft, output, job.options, lambda line: screen.show(("progress", line))
     )
     job.checked = True
-    from edge_spec.export import install, watchdog
+    from edge_spec.export.bundle import install, watchdog
 
     def cleanup() -> None:  # what a killed child left (a later export would remove it too)
         install.prepare(Path(output).expanduser().resolve())
@@ -157,7 +157,7 @@ class ExportJob:
 
 
 def _watched() -> bool:
-    """Whether the export runs in a child process that this one watches (:mod:`edge_spec.export.watchdog`:
+    """Whether the export runs in a child process that this one watches (:mod:`edge_spec.export.bundle.watchdog`:
     a kill by the out-of-memory killer is then said in one line instead of ``Killed``): where this
     process is the edge-spec command itself (its console script, ``python -m edge_spec.cli``) on a POSIX
     system.  A program that calls :func:`edge_spec.cli.main` itself (a test, an app) keeps the work in
@@ -172,7 +172,7 @@ def _watched() -> bool:
 
 def _kept_at(output: Path) -> str:
     """What is at ``output`` should the export stop before it installs the new bundle."""
-    from edge_spec.export.install import is_bundle
+    from edge_spec.export.bundle.install import is_bundle
 
     path = Path(output).expanduser().resolve()
     return f"the existing bundle at {path} was kept" if is_bundle(path) else f"nothing was written to {path}"
@@ -206,10 +206,10 @@ class _Screen:
 def run_export(job: ExportJob, say: Callable[[tuple[str, str]], None]) -> None:
     """The export's work: the bundle, its EAGLE-3 head if asked, the measurement on this machine;
     everything it says goes to ``say`` (see :class:`_Screen`)."""
-    from edge_spec.export import activity
-    from edge_spec.export.bundle import export_bundle
+    from edge_spec.export.bundle import activity
+    from edge_spec.export.bundle.build import export_bundle
+    from edge_spec.export.bundle.install import explained_os_errors
     from edge_spec.export.eagle.attach import attach_eagle_source, shipped_eagle_head
-    from edge_spec.export.install import explained_os_errors
 
     def progress(message: str) -> None:
         say(("progress", message))
@@ -259,7 +259,7 @@ def _measure_machine(bundle: Path, say: Callable[[tuple[str, str]], None]) -> No
     failure here leaves a good bundle: it is said, not raised."""
     import time
 
-    from edge_spec.export.vocabtrim import load_prompts
+    from edge_spec.export.heads.vocabtrim import load_prompts
     from edge_spec.runtime.engine import Engine
 
     started = time.perf_counter()
@@ -317,10 +317,10 @@ def add_heads(
     """Add drafter heads (VocabTrim, SpecVocab, an EAGLE-3 head, LM heads of the EAGLE head) to an existing
     bundle without re-exporting the models."""
     extras.require("add-heads", "export")
-    from edge_spec.export.bundle import add_draft_heads
+    from edge_spec.export.bundle.build import add_draft_heads
+    from edge_spec.export.bundle.install import explained_os_errors, prepare
     from edge_spec.export.eagle.attach import attach_eagle_source
     from edge_spec.export.eagle.lm_heads import EagleHeadOptions, add_eagle_heads, parse_specvocab
-    from edge_spec.export.install import explained_os_errors, prepare
 
     eagle_options = EagleHeadOptions(
         trim=int_list(eagle_trim, "--eagle-trim") if eagle_trim else (),

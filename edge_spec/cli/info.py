@@ -134,7 +134,7 @@ def _print_costs(bundle: Path, load: LoadFlags, gamma: int | None, draft_head: s
         else "this device's one-row kernels round differently"
         if engine.bundle.target.pads_attention
         else "the target graph predates the attention pad: re-export, or "
-        "edge_spec.export.attention_pad.pad_bundle_target(BUNDLE)"
+        "edge_spec.export.graph.attention_pad.pad_bundle_target(BUNDLE)"
     )
     if engine.bundle.exact_available():
         out.print(f"  exact greedy passes: {rows} row{'s' if rows > 1 else ''} at least ({why})")

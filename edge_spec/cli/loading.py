@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 def find_bundle(bundle: Path | None) -> Path:
     """The bundle given, or the default one (a one-line error saying how to make it when it is not there),
     after finishing or undoing an install a killed run left there and removing the staging directories
-    of killed runs beside it (``export.install.prepare``: never a live writer's)."""
-    from edge_spec.export.install import prepare
+    of killed runs beside it (``export.bundle.install.prepare``: never a live writer's)."""
+    from edge_spec.export.bundle.install import prepare
     from edge_spec.paths import default_bundle
     from edge_spec.paths import find_bundle as find
 

@@ -16,7 +16,7 @@ import typer
 from edge_spec.cli.groups import option
 from edge_spec.defaults import DEFAULT_MODE, DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.options import ExportOptions
+from edge_spec.export.bundle.options import ExportOptions
 from edge_spec.runtime.loops.config import ADAPTIVE_GAMMA_MAX, FIXED_GAMMA, SsdConfig, TreeConfig
 from edge_spec.runtime.propose.drafters import DEFAULT_DRAFTER, DRAFTERS
 from edge_spec.runtime.verify.sampling import SAMPLERS, SamplingParams

@@ -212,7 +212,7 @@ def train_head(
 
 def _checked(bundle: Path, collect: CollectFlags, run: RunFlags) -> tuple[Path, tuple[int, ...] | None]:
     """Every flag and the bundle checked before any work: the working directory and the feature layers."""
-    from edge_spec.export.install import prepare
+    from edge_spec.export.bundle.install import prepare
     from edge_spec.manifest import read_manifest
     from edge_spec.paths import models_dir
     from edge_spec.train import trainer as head_training
@@ -305,8 +305,8 @@ def _train(bundle: Path, work: Path, train: TrainFlags, run: RunFlags):
 
 def _attach(bundle: Path, trainer, specforge: Path) -> None:
     """Attach the trained head (int4) to the bundle; on failure the bundle is kept as it was."""
+    from edge_spec.export.bundle.install import explained_os_errors
     from edge_spec.export.eagle.attach import attach_eagle_head
-    from edge_spec.export.install import explained_os_errors
 
     kept = (
         f"the bundle at {bundle} was kept as it was; the trained head is in {specforge} (attach it "

@@ -133,7 +133,7 @@ def load_dataset(work_dir, vocab_size: int, options: TrainOptions) -> Dataset:
 
 def draft_vocabulary(counts: np.ndarray, size: int, always: list[int]) -> np.ndarray:
     """Sorted target ids of the draft vocabulary: the ``size`` most frequent labels (+ ``always``)."""
-    from edge_spec.export.vocabtrim import select_vocabulary
+    from edge_spec.export.heads.vocabtrim import select_vocabulary
 
     return select_vocabulary(counts, min(size, counts.size), always)
 

@@ -1,7 +1,7 @@
 """Attach an EAGLE-3 head to an existing bundle: from a trained torch head, a SpecForge checkpoint or a
 head saved from another bundle (how the repository ships one), without re-exporting the target.
 
-Sits above :mod:`export.bundle` (the bundle's export) and :mod:`export.eagle.lm_heads` (the head's LM heads)."""
+Sits above :mod:`export.bundle.build` (the bundle's export) and :mod:`export.eagle.lm_heads` (the head's LM heads)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.bundle import _say
+from edge_spec.export.bundle.build import _say
 from edge_spec.export.eagle import lm_heads as eagle_heads
-from edge_spec.export.graph_builder import BuildOptions, save_model
+from edge_spec.export.graph.builder import BuildOptions, save_model
 from edge_spec.manifest import file_record, rerecord_file
 
 LEGACY_EAGLE_FILES = ("head.onnx", "head.onnx.data", "fc.onnx", "fc.onnx.data", "d2t.npy", "t2d.npy")
@@ -215,7 +215,7 @@ def attach_eagle_source(bundle_dir: Path, source: str, progress=None) -> dict:
     """Attach the EAGLE head ``source`` names: a head saved by :func:`save_eagle_files` (it holds
     ``eagle.json``), or a SpecForge / EAGLE-3 checkpoint directory or hub id, converted here."""
     from edge_spec.export.eagle import model as eagle
-    from edge_spec.export.weights import DecoderConfig
+    from edge_spec.export.graph.weights import DecoderConfig
     from edge_spec.manifest import read_manifest
 
     if (Path(source) / "eagle.json").is_file():
@@ -247,7 +247,7 @@ def shipped_eagle_head(target: str) -> Path | None:
 
 
 def _check_eagle_target(manifest: dict, config) -> None:
-    from edge_spec.export.weights import DecoderConfig
+    from edge_spec.export.graph.weights import DecoderConfig
 
     config.check_target(DecoderConfig(**manifest["target"]["config"]))
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export import bundle as bundle_export
-from edge_spec.export.graph_builder import BuildOptions
+from edge_spec.export.bundle import build as bundle_export
+from edge_spec.export.graph.builder import BuildOptions
 from edge_spec.manifest import file_record, read_manifest, verify_files
 
 EAGLE_DIR = "eagle"
@@ -157,7 +157,7 @@ def build_variants(
 ) -> tuple[dict, list]:
     """The VocabTrim and SpecVocab heads ``options`` asks for, written under ``root/eagle``; returns the
     heads (entries with their ``files``) and further file records (scorers, int8 rows)."""
-    from edge_spec.export import vocabtrim
+    from edge_spec.export.heads import vocabtrim
     from edge_spec.runtime.propose.heads import rows_of
 
     if not (options.trim or options.specvocab):

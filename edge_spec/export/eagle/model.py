@@ -46,7 +46,7 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.graph_builder import (
+from edge_spec.export.graph.builder import (
     FEATURES,
     BuildOptions,
     DecoderGraphBuilder,
@@ -56,7 +56,7 @@ from edge_spec.export.graph_builder import (
     feature_output,
     make_model,
 )
-from edge_spec.export.weights import DecoderConfig, DecoderWeights, LayerWeights
+from edge_spec.export.graph.weights import DecoderConfig, DecoderWeights, LayerWeights
 from edge_spec.files import write_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -374,7 +374,7 @@ def save_specforge(directory, config: Eagle3Config, head: Eagle3Head) -> Path:
 
 def _resolve_source(source) -> Path:
     """A local directory, or a hub id downloaded with ``huggingface_hub.snapshot_download``."""
-    from edge_spec.export.sources import HUB_ID
+    from edge_spec.export.sources.resolve import HUB_ID
 
     path = Path(source).expanduser()
     if path.is_dir():
@@ -532,7 +532,7 @@ def build_eagle_head(weights: EagleHeadWeights, options: BuildOptions, *, logits
             ``hidden_out`` [1, num_logits, H] (pre-norm), ``present.0.key|value`` (the shared
             past/present buffers).
 
-    The LM head over the draft vocabulary is a graph of its own (:func:`graph_builder.build_head`,
+    The LM head over the draft vocabulary is a graph of its own (:func:`graph.builder.build_head`,
     or a SpecVocab scorer), so one layer serves several heads, as the drafter's body does.  With
     ``logits`` the graph outputs ``logits`` [1, num_logits, K] (the draft vocabulary) in place of
     ``hidden_states``: the single-graph layout of bundles made before the heads were split off.
@@ -577,7 +577,7 @@ def split_lm_head(onnx_path, out_path) -> np.ndarray:
     into the layer graph :func:`build_eagle_head` builds now: its final-normed state becomes output
     ``hidden_states`` and the LM head goes.  Writes ``out_path`` (+ ``.data``) and returns the LM head
     rows [K, H] as the old graph stored them (dequantized), for the head graphs to be built from."""
-    from edge_spec.export.graph_builder import save_model
+    from edge_spec.export.graph.builder import save_model
     from edge_spec.runtime.model.embedding import TargetLMHead
 
     path = Path(onnx_path)

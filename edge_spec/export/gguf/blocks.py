@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_spec.export import parallel
-from edge_spec.export.quantize import pack_codes, unpack_codes
+from edge_spec.export.graph import parallel
+from edge_spec.export.graph.quantize import pack_codes, unpack_codes
 
 MS_DOMAIN = "com.microsoft"
 QK_K = 256

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.export.gguf.blocks import CarriedBlocks, carry_gguf
-from edge_spec.export.weights import DecoderWeights, DeferredMatrix
+from edge_spec.export.graph.weights import DecoderWeights, DeferredMatrix
 
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 #: GGUF tensor name (per layer) -> the LayerWeights fields it holds, in row order

@@ -7,7 +7,7 @@ This mapping gives the same float32 values, tensor by tensor: the same name map 
 ``get_gguf_hf_weights_map`` over the model class, built on the meta device: no memory), the same
 dequantization (``gguf.dequantize``) and the same per-architecture fix-ups (transformers' tensor
 processors: Llama's q/k row order, Gemma's norm offset).  A matrix comes as a
-:class:`~edge_spec.export.weights.DeferredMatrix`: its bytes are read from the file (not through the
+:class:`~edge_spec.export.graph.weights.DeferredMatrix`: its bytes are read from the file (not through the
 reader's memory map, whose touched pages would stay resident) when the builder needs it, and for an
 embedding-sized matrix a band of rows at a time.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_spec.export.weights import DeferredMatrix
+from edge_spec.export.graph.weights import DeferredMatrix
 
 
 class GGUFTensors(Mapping):

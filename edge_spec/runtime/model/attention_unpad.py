@@ -1,6 +1,6 @@
 """A target graph without its attention pad, in memory: what the pad costs, measured on the same file.
 
-The exporter gives the target's attention a throw-away query row (``edge_spec.export.attention_pad``) so
+The exporter gives the target's attention a throw-away query row (``edge_spec.export.graph.attention_pad``) so
 that a one-row pass takes ``GroupQueryAttention``'s multi-query path and rounds as multi-row passes do.
 Where the matmul kernels have a one-row path of their own (``row_invariance``), one-row passes are not
 exact with the pad either, and it still doubles the attention of a one-row pass (after 2,000 tokens of

@@ -30,7 +30,7 @@ the nodes of later branches sit at other cache slots than a chain would put them
 their terms in another order.
 
 Where only the attention has a one-row path (``MatMulNBits`` is row-invariant on some CPUs, e.g. with
-AVX-512 VNNI), a target graph that pads its attention itself (``export.attention_pad``: metadata
+AVX-512 VNNI), a target graph that pads its attention itself (``export.graph.attention_pad``: metadata
 ``edge_spec.attention_pad``) makes one-row passes exact at the price of one attention row instead of
 one row through every matmul; whether this machine is such a CPU is measured, not assumed
 (:mod:`row_invariance`), and exact target-only passes take ``min_rows`` 1 then (speculative ones keep

@@ -7,7 +7,7 @@ whole model.  Exported graphs keep it as initializers in the external ``.data`` 
 * int4 / int8 bundles: ``embed.qweight`` (uint8 ``[V, H * bits / 8]``, packed codes, element ``2j``
   in the low nibble for int4) and ``embed.scales`` (float32 ``[V, H / block]``) of a
   ``GatherBlockQuantized`` node - ``w = scale * (code - zero)`` with zero point 8 (int4) / 128 (int8),
-  the layout of :func:`edge_spec.export.quantize.quantize_blockwise`;
+  the layout of :func:`edge_spec.export.graph.quantize.quantize_blockwise`;
 * fp32 bundles: ``embed.weight`` (float32 ``[V, H]``) of a ``Gather`` node.
 
 Only the graph protobuf is parsed (``load_external_data=False``); the tensors are memory-mapped

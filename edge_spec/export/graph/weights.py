@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.rope import check_rope_scaling, rope_type
+from edge_spec.export.graph.rope import check_rope_scaling, rope_type
 
 #: Architectures this module maps; the family-specific reading is in :func:`_family_fields`.
 SUPPORTED_ARCHITECTURES = (

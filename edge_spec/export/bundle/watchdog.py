@@ -3,12 +3,12 @@ said in one line.
 
 Why: the kernel's out-of-memory killer ends a process with SIGKILL, which the process cannot catch: an
 export killed so leaves the shell's ``Killed`` and nothing else.  The process that started it can see
-it, though.  So the command (the parent) starts ``python -m edge_spec.export.watchdog``, hands it the
+it, though.  So the command (the parent) starts ``python -m edge_spec.export.bundle.watchdog``, hands it the
 work (a function's import path and its argument, pickled over stdin) and, while the child runs:
 
 * shows what the child says (the work's ``say`` payloads, over a pipe) through the command's own
   display, so progress lines appear as they would in one process;
-* keeps what the child is doing and what it would leave on disk (:mod:`edge_spec.export.activity`);
+* keeps what the child is doing and what it would leave on disk (:mod:`edge_spec.export.bundle.activity`);
 * reads the child's peak resident memory (``VmHWM`` in ``/proc/PID/status``) and the memory the
   system has available, a few times a second.
 
@@ -16,7 +16,7 @@ A child ended by SIGKILL is then one line: what it was doing, the memory it had 
 system had available, whether the out-of-memory killer's counters moved meanwhile (``/proc/vmstat``,
 the cgroup's ``memory.events`` or ``memory.oom_control``: then it certainly was the killer, else most
 likely), what to do, and what was kept; the child's staging directory is removed first (a later export
-would remove it too: :func:`edge_spec.export.install.prepare`).
+would remove it too: :func:`edge_spec.export.bundle.install.prepare`).
 
 The child runs in a session of its own, so a terminal's Ctrl-C reaches the command only: the command
 passes it on as SIGINT, the child's work stops as on a Ctrl-C in one process (its staging directory
@@ -51,7 +51,7 @@ PASSED_ON = (EdgeSpecError, OSError, ImportError, MemoryError)
 
 
 def available_memory() -> int | None:
-    from edge_spec.export.stages import available_memory
+    from edge_spec.export.bundle.stages import available_memory
 
     return available_memory()
 
@@ -86,14 +86,14 @@ def run(
 ) -> object:
     """Run ``function(argument, say)`` (``function``: "module:name") in a watched child and return what it
     returns.  ``say(payload)`` in the child is ``show(payload)`` here; ``kept``: what is on disk should the
-    child stop before it says otherwise (:func:`edge_spec.export.activity.kept`); ``cleanup``: removes
+    child stop before it says otherwise (:func:`edge_spec.export.bundle.activity.kept`); ``cleanup``: removes
     what a killed or interrupted child left.  The work's one-line errors are raised here as they were
     there; a child killed or ended by a signal raises :class:`EdgeSpecError` with the line above."""
     watch = Watch(kept, available=available_memory(), oom_kills=oom_kill_counts())
     read_end, write_end = os.pipe()
     try:
         child = subprocess.Popen(
-            [sys.executable, "-m", "edge_spec.export.watchdog", str(write_end)],
+            [sys.executable, "-m", "edge_spec.export.bundle.watchdog", str(write_end)],
             stdin=subprocess.PIPE,
             pass_fds=(write_end,),
             start_new_session=True,  # a terminal's Ctrl-C reaches the command, which passes it on
@@ -278,7 +278,7 @@ def _passable(error: BaseException) -> BaseException:
 
 def child_main(fd: int) -> int:
     """The child: read the work, run it, say how it ended (see the module docstring)."""
-    from edge_spec.export import activity
+    from edge_spec.export.bundle import activity
 
     messages = Connection(fd, readable=False)
     signal.signal(signal.SIGTERM, _interrupt)

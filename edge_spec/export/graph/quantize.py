@@ -1,7 +1,7 @@
 """Weight-only block quantization in numpy, in the byte layouts ONNX Runtime reads.
 
 Why numpy and not ORT's ``MatMulNBitsQuantizer``: we build the graph ourselves
-(see ``graph_builder``), so we quantize each weight once, straight from the
+(see ``builder``), so we quantize each weight once, straight from the
 state dict, and reuse the same packed bytes for ``MatMulNBits`` (linear layers)
 and ``GatherBlockQuantized`` (embedding table).
 
@@ -52,8 +52,8 @@ def quantize_blockwise(weight, bits: int = 4, block_size: int = 32) -> BlockQuan
     result is the same bytes: the float temporaries of an embedding-sized
     table are a few bands', and a deferred weight is read a band at a time.
     """
-    from edge_spec.export import parallel
-    from edge_spec.export.weights import DeferredMatrix, band_ranges, read_band
+    from edge_spec.export.graph import parallel
+    from edge_spec.export.graph.weights import DeferredMatrix, band_ranges, read_band
 
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")

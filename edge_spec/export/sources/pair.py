@@ -2,7 +2,7 @@
 
 An export builds the target for minutes before it loads the drafter; a drafter the target cannot
 verify (another tokenizer, another vocabulary size) must be refused before that, not after.
-:func:`check_pair` is that refusal; :func:`export_bundle <edge_spec.export.bundle.export_bundle>` runs
+:func:`check_pair` is that refusal; :func:`export_bundle <edge_spec.export.bundle.build.export_bundle>` runs
 it on :func:`probe_pair`'s cards first, then again on the loaded models.
 
 A card is cheap to make, read from the files themselves where they say it plainly: a GGUF file's
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.sources import LoadedModel, _locate, check_gguf, check_same_tokenizer, gguf_parsed_once
+from edge_spec.export.sources.resolve import LoadedModel, _locate, check_gguf, check_same_tokenizer, gguf_parsed_once
 
 # whose words a card's vocabulary is in (see the module docstring)
 GGUF_HEADER, TOKENIZER_JSON, TRANSFORMERS = "gguf header", "tokenizer.json", "transformers"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.weights import DecoderWeights, weights_from_state_dict
+from edge_spec.export.graph.weights import DecoderWeights, weights_from_state_dict
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -151,7 +151,7 @@ def _load_model(source: str) -> LoadedModel:
             state = GGUFTensors(Path(location) / gguf_file, hf_config)
             streamed = state, state.model_class
         elif kind == "hf_dir":
-            from edge_spec.export.checkpoint import streamable
+            from edge_spec.export.sources.checkpoint import streamable
 
             streamed = streamable(Path(location), hf_config)
         if streamed is not None:

@@ -174,7 +174,7 @@ def quantize_rows_int8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-row absmax int8 (one scale per row), the layout the runtime gathers candidate rows from;
     a band of rows at a time (each row on its own: the same result), so that the float temporaries
     are a band's, not several copies of a vocabulary-sized head."""
-    from edge_spec.export.weights import row_bands
+    from edge_spec.export.graph.weights import row_bands
 
     codes = np.empty(weight.shape, np.int8)
     scales = np.empty(weight.shape[0], np.float32)

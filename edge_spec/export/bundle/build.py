@@ -19,12 +19,12 @@ import numpy as np
 
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export import activity, install
-from edge_spec.export.graph_builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
-from edge_spec.export.options import ExportOptions
-from edge_spec.export.pair import ModelCard, check_pair, probe_pair
-from edge_spec.export.sources import LoadedModel, check_source_exists, load_model
-from edge_spec.export.stages import Stages, memory_needed
+from edge_spec.export.bundle import activity, install
+from edge_spec.export.bundle.options import ExportOptions
+from edge_spec.export.bundle.stages import Stages, memory_needed
+from edge_spec.export.graph.builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
+from edge_spec.export.sources.pair import ModelCard, check_pair, probe_pair
+from edge_spec.export.sources.resolve import LoadedModel, check_source_exists, load_model
 from edge_spec.manifest import FORMAT, file_record, tokenizer_record, verify_files, write_manifest
 
 
@@ -128,7 +128,7 @@ def _specvocab_head_entry(
 
 
 def _export_head_rows(bundle_dir: Path, lm_head: np.ndarray, folder: str = "draft") -> list[dict]:
-    from edge_spec.export.specvocab import quantize_rows_int8
+    from edge_spec.export.heads.specvocab import quantize_rows_int8
 
     codes, scales = quantize_rows_int8(lm_head)
     np.save(bundle_dir / folder / "head_rows_int8.npy", codes)
@@ -165,7 +165,7 @@ def export_draft_heads(
     (``draft/calibration.npz``) and reused when heads are added later.
     Returns (heads, their file records, calibration summary or None).
     """
-    from edge_spec.export import specvocab, vocabtrim
+    from edge_spec.export.heads import specvocab, vocabtrim
 
     lm_head = np.asarray(lm_head, np.float32)  # read once (a deferred head would be read by every step below)
     options = options.fitted_to(*lm_head.shape)
@@ -255,7 +255,7 @@ def specvocab_heads_for(
     "data"; plain SVD when "svd" or when ``hidden`` is None) and written to ``folder``, then one head per
     ``options.candidates`` and per ``always`` mode (its name prefix and always-kept ids).  Returns the
     heads (each with its ``files``) and the scorers' file records."""
-    from edge_spec.export import specvocab
+    from edge_spec.export.heads import specvocab
 
     data = hidden is not None and options.scorer == "data"
     scorer_label = (options.scorer if hidden is not None else "svd") + (
@@ -292,7 +292,7 @@ def _calibration_sequences(bundle_dir: Path, options: ExportOptions, progress, p
     """The calibration text: the bundle's (``draft/calibration.npz``), else the shipped text this target
     made from these prompts (``calibration_store``), else generated with the exported target; stored at
     ``path`` (default: there)."""
-    from edge_spec.export import calibration_store, vocabtrim
+    from edge_spec.export.heads import calibration_store, vocabtrim
 
     stored = bundle_dir / "draft" / "calibration.npz"
     if stored.is_file() and options.calibration is None:
@@ -361,7 +361,7 @@ def check_output_dir(out_dir: str | Path) -> Path:
 
 def _install(staging: Path, final: Path) -> None:
     """Put the complete bundle ``staging`` at ``final`` (a complete bundle is at the path at every
-    instant: :func:`edge_spec.export.install.install`), then remove what killed runs left beside it."""
+    instant: :func:`edge_spec.export.bundle.install.install`), then remove what killed runs left beside it."""
     check_output_dir(final)  # still nothing but a bundle (or empty) there
     install.install(staging, final)
     install.clean_stale(final)
@@ -416,7 +416,7 @@ def export_bundle(
     ``checked`` says the caller has done so already (the export command, before it starts the process
     that does the work).  The bundle is built in a hidden directory beside ``out_dir``, removed if the
     export fails, and put in place only once complete; a failed write is one line saying what was kept
-    (:func:`edge_spec.export.install.explained_os_errors`).
+    (:func:`edge_spec.export.bundle.install.explained_os_errors`).
     """
     if checked:
         out_dir = Path(out_dir).expanduser().resolve()
@@ -448,9 +448,9 @@ def check_before_build(
     loader=load_model,
 ) -> Path:
     """Refuse in seconds what would otherwise fail minutes into an export, and return the resolved output
-    directory: what a killed run left there is recovered (:func:`edge_spec.export.install.prepare`),
+    directory: what a killed run left there is recovered (:func:`edge_spec.export.bundle.install.prepare`),
     then the directory (:func:`check_output_dir`), the options, the sources' existence and the pair
-    (:func:`edge_spec.export.pair.check_pair`, on what the sources say without their weights)."""
+    (:func:`edge_spec.export.sources.pair.check_pair`, on what the sources say without their weights)."""
     install.prepare(Path(out_dir).expanduser().resolve(), progress)
     out_dir = check_output_dir(out_dir)
     options.check()
@@ -463,7 +463,7 @@ def check_before_build(
 
 def _cards(target_source: str, draft_source: str, loader) -> tuple[ModelCard, ModelCard]:
     """What the pair check reads of both sources before the build: their headers, config and tokenizer
-    files when the real loader would load them (:func:`edge_spec.export.pair.probe_pair`), else what
+    files when the real loader would load them (:func:`edge_spec.export.sources.pair.probe_pair`), else what
     ``loader`` gives (tests: models in memory)."""
     if loader is load_model:
         return probe_pair(target_source, draft_source)
@@ -612,7 +612,7 @@ def add_draft_heads(
         check_source_exists(source)
     _say(progress, f"loading drafter {source}")
     draft = loader(source)
-    from edge_spec.export.weights import DecoderConfig
+    from edge_spec.export.graph.weights import DecoderConfig
 
     # through DecoderConfig: a bundle written before a config field existed has that field's default
     if draft.weights.config.to_dict() != DecoderConfig(**record["config"]).to_dict():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_spec.export.weights import DeferredMatrix
+from edge_spec.export.graph.weights import DeferredMatrix
 
 
 class SafetensorsTensors(Mapping):

@@ -5,7 +5,7 @@ releases the GIL, and an export did it one band after another on one core.  The 
 independent (each row is rounded on its own) and each worker writes its own rows of the result, so the
 output is the same bytes whatever the number of workers.  The workers share the memory one thread's band
 took: with :data:`WORKERS` threads a band is that many times smaller
-(:data:`~edge_spec.export.quantize.QUANTIZE_BAND_BYTES`), so an export's peak does not grow with the cores.
+(:data:`~edge_spec.export.graph.quantize.QUANTIZE_BAND_BYTES`), so an export's peak does not grow with the cores.
 """
 
 from __future__ import annotations

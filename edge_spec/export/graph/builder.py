@@ -48,12 +48,12 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
 
 from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH
-from edge_spec.export import activity
-from edge_spec.export.attention_pad import pad_attention
+from edge_spec.export.bundle import activity
 from edge_spec.export.gguf.blocks import add_carried_linear, concat_blocks, narrow_to_4bit
-from edge_spec.export.quantize import quantize_blockwise
-from edge_spec.export.rope import rope_tables
-from edge_spec.export.weights import DecoderWeights, DeferredMatrix, LayerWeights, stacked
+from edge_spec.export.graph.attention_pad import pad_attention
+from edge_spec.export.graph.quantize import quantize_blockwise
+from edge_spec.export.graph.rope import rope_tables
+from edge_spec.export.graph.weights import DecoderWeights, DeferredMatrix, LayerWeights, stacked
 from edge_spec.files import new_file_mode
 
 QUANT_BITS = {"int4": 4, "int8": 8, "fp32": None}
@@ -73,7 +73,7 @@ class BuildOptions:
     emit_hidden: bool = False  # also output the final-normed hidden states
     tree_attention: bool = False  # position_ids + attention_bias inputs: verify a draft tree in one pass
     attention_pad: bool = (
-        False  # attention gets a throw-away query row (see export.attention_pad; needs tree_attention)
+        False  # attention gets a throw-away query row (see export.graph.attention_pad; needs tree_attention)
     )
     feature_layers: tuple[int, ...] = ()  # also output ``features``: residual stream after these layers
     gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing

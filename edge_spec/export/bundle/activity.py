@@ -3,8 +3,8 @@ watches it from outside.
 
 Why: a process that the system's out-of-memory killer ends says nothing (the shell prints ``Killed``);
 the command that started it can say what was being built, if it knows.  The export says each of its
-steps (:class:`edge_spec.export.stages.Stages` does), and inside the long ones where it is (a layer of
-the graph, a stage of the drafter heads); :mod:`edge_spec.export.watchdog` forwards each change from
+steps (:class:`edge_spec.export.bundle.stages.Stages` does), and inside the long ones where it is (a layer of
+the graph, a stage of the drafter heads); :mod:`edge_spec.export.bundle.watchdog` forwards each change from
 the process doing the work to the command watching it.  With nobody listening a change costs one
 function call.
 """

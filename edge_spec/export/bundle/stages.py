@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export import activity
+from edge_spec.export.bundle import activity
 
 GB = 1e9
 #: memory an export holds whatever the models (Python, torch, transformers, ONNX Runtime, a tokenizer)
@@ -50,7 +50,7 @@ def peak_memory() -> int | None:
     """The most memory this process has held so far (resident set), or None where it cannot be read.
     Linux: ``VmHWM``, the peak of this program (``ru_maxrss`` of a process started by fork and exec, as
     the command starts the export's, begins at the size of the process it was forked from)."""
-    from edge_spec.export.watchdog import peak_memory_of
+    from edge_spec.export.bundle.watchdog import peak_memory_of
 
     if sys.platform.startswith("linux") and (peak := peak_memory_of(os.getpid())) is not None:
         return peak
