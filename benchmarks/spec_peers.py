@@ -409,8 +409,7 @@ class Ours:
             lookup=args.lookup,
             suffix=args.suffix,
             reference=args.ar_exact,
-            eagle=bool(args.eagle_head),
-            eagle_heads=args.eagle_head,
+            drafters={"eagle": args.eagle_head} if args.eagle_head else None,
         )
         for engine in (self.engine, self.baseline):
             engine.complete("warm up", max_new_tokens=4)
