@@ -171,7 +171,7 @@ def export_draft_heads(
     options = options.fitted_to(*lm_head.shape)
     modes = options.vocab_modes
     heads = {"full": _export_head(bundle_dir, "full", lm_head, None, build, lm_head_blocks)}
-    calibration = None
+    calibration = counts = None
     files: list[dict] = []
     if any(m != "full" for m in modes):
         activity.detail("the calibration text")
@@ -192,16 +192,7 @@ def export_draft_heads(
             _say(progress, f"VocabTrim head {name}: covers {coverage:.1%} of calibration tokens")
             heads[name] = _export_head(bundle_dir, name, lm_head, vocab_ids, build, lm_head_blocks)
             heads[name].update(calibration_coverage=coverage, vocab_mode="trim")
-    # per SpecVocab mode: the head-name prefix and the ids always among the candidates
-    always: dict[str, tuple[str, np.ndarray]] = {}
-    for mode in (m for m in modes if m.endswith("specvocab")):
-        if mode == "trim+specvocab":
-            always[mode] = (
-                f"trim{options.union_keep}+",
-                vocabtrim.select_vocabulary(counts, options.union_keep, always_keep),
-            )
-        else:
-            always[mode] = ("", np.unique(np.asarray([i for i in always_keep if 0 <= i < lm_head.shape[0]], np.int64)))
+    always = _specvocab_always(modes, options, counts, always_keep, lm_head.shape[0])
     if always:
         files += _export_head_rows(bundle_dir, lm_head)
         _say(progress, "SpecVocab: collecting drafter hidden states on the calibration text")
@@ -233,6 +224,25 @@ def export_draft_heads(
         files += specvocab_files
     files += [f for h in heads.values() for f in h.pop("files")]
     return heads, files, calibration
+
+
+def _specvocab_always(
+    modes, options: ExportOptions, counts: np.ndarray | None, always_keep: list[int], vocab_size: int
+) -> dict[str, tuple[str, np.ndarray]]:
+    """Per SpecVocab mode: the head-name prefix and the ids always among the candidates (the VocabTrim
+    union's, or the end and special tokens alone)."""
+    from edge_spec.export.heads import vocabtrim
+
+    always: dict[str, tuple[str, np.ndarray]] = {}
+    for mode in (m for m in modes if m.endswith("specvocab")):
+        if mode == "trim+specvocab":
+            always[mode] = (
+                f"trim{options.union_keep}+",
+                vocabtrim.select_vocabulary(counts, options.union_keep, always_keep),
+            )
+        else:
+            always[mode] = ("", np.unique(np.asarray([i for i in always_keep if 0 <= i < vocab_size], np.int64)))
+    return always
 
 
 def specvocab_heads_for(
@@ -575,18 +585,51 @@ def _export_into(
     draft_record["bytes"] = sum(f["bytes"] for f in draft_record["files"])
     stages.say_summary()
 
-    manifest = {
+    manifest = _manifest(options, staging, target_record, draft_record, started)
+    write_manifest(staging, manifest)
+    return manifest
+
+
+def _manifest(options: ExportOptions, staging: Path, target: dict, draft: dict, started: float) -> dict:
+    """The bundle's manifest: its format, the version and time that made it, and both models' records."""
+    return {
         "format": FORMAT,
         "edge_spec_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "context_length": options.context_length,
         "tokenizer": tokenizer_record(staging),
-        "target": target_record,
-        "draft": draft_record,
+        "target": target,
+        "draft": draft,
         "export_seconds": round(time.perf_counter() - started, 1),
     }
-    write_manifest(staging, manifest)
-    return manifest
+
+
+def _recorded_build(manifest: dict, options: ExportOptions) -> tuple[BuildOptions, ExportOptions]:
+    """The drafter's build settings as the bundle records them, and ``options`` made to agree with them
+    (heads added later are built as the bundle's drafter was)."""
+    quant = manifest["target"]["quantization"]
+    draft_quant = manifest["draft"].get("quantization", {})
+    carried = isinstance(draft_quant.get("gguf_blocks"), dict)
+    # a bundle from before the fast layout records none: its carried heads were exact
+    block_size = draft_quant.get("block_size", quant["block_size"])  # the drafter's own blocks, where recorded
+    build = BuildOptions(
+        quant["weights"],
+        block_size,
+        quant["accuracy_level"],
+        manifest["context_length"],
+        gguf_blocks=carried,
+        carry_exact=draft_quant.get("gguf_layout", "exact") == "exact",
+        carry_narrow=draft_quant.get("gguf_layout") == "small",
+    )
+    options = dataclasses.replace(
+        options,
+        quant=quant["weights"],
+        block_size=block_size,
+        draft_block_size=block_size,
+        accuracy_level=quant["accuracy_level"],
+        context_length=manifest["context_length"],
+    )
+    return build, options
 
 
 def add_draft_heads(
@@ -617,28 +660,8 @@ def add_draft_heads(
     # through DecoderConfig: a bundle written before a config field existed has that field's default
     if draft.weights.config.to_dict() != DecoderConfig(**record["config"]).to_dict():
         raise EdgeSpecError(f"drafter {source} does not match the bundle's drafter ({record['name']})")
-    quant = manifest["target"]["quantization"]
-    draft_quant = record.get("quantization", {})
-    carried = isinstance(draft_quant.get("gguf_blocks"), dict)
-    # a bundle from before the fast layout records none: its carried heads were exact
-    block_size = draft_quant.get("block_size", quant["block_size"])  # the drafter's own blocks, where recorded
-    build = BuildOptions(
-        quant["weights"],
-        block_size,
-        quant["accuracy_level"],
-        manifest["context_length"],
-        gguf_blocks=carried,
-        carry_exact=draft_quant.get("gguf_layout", "exact") == "exact",
-        carry_narrow=draft_quant.get("gguf_layout") == "small",
-    )
-    options = dataclasses.replace(
-        options,
-        quant=quant["weights"],
-        block_size=block_size,
-        draft_block_size=block_size,
-        accuracy_level=quant["accuracy_level"],
-        context_length=manifest["context_length"],
-    )
+    build, options = _recorded_build(manifest, options)
+    carried = build.gguf_blocks
     always = list(draft.eos_token_ids) + list(getattr(draft.tokenizer, "all_special_ids", []))
     with install.explained_os_errors(bundle_dir, f"the bundle at {bundle_dir} was kept as it was"):
         staging = _staged_copy(bundle_dir, manifest)
