@@ -173,100 +173,108 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        policy = self.policy
         headers = Headers(scope=scope)
         method = scope["method"]
         raw_host = headers.get("host")
-        if raw_host is not None:  # HTTP/1.0 clients may send none; browsers always do
-            host = split_host(raw_host)
-            if host is None or not policy.host_allowed(host):
-                await _refuse(
-                    ApiError(
-                        403,
-                        f"requests for the host {raw_host!r} are refused (a web page may have "
-                        "rebound its name to this server): start the server with "
-                        "--allowed-host NAME to serve a name",
-                        code="host_not_allowed",
-                    ),
-                    scope,
-                    receive,
-                    send,
-                    method,
-                )
-                return
+        refusal = self._host_refusal(raw_host)
         cors: dict[str, str] = {}
-        origin_header = headers.get("origin")
-        if origin_header is not None:
-            origin = normalize_origin(origin_header)
-            own = normalize_origin(f"{scope.get('scheme', 'http')}://{raw_host}") if raw_host else None
-            same_origin = origin is not None and origin == own
-            if not same_origin:
-                if origin is None or not policy.origin_allowed(origin):
-                    await _refuse(
-                        ApiError(
-                            403,
-                            f"cross-origin requests from {origin_header!r} are refused: start "
-                            "the server with --cors-origin ORIGIN to let a web page use it",
-                            code="origin_not_allowed",
-                        ),
-                        scope,
-                        receive,
-                        send,
-                        method,
-                    )
-                    return
-                cors = {
-                    "Access-Control-Allow-Origin": origin_header.strip(),
-                    "Vary": "Origin",
-                    "Access-Control-Expose-Headers": "Retry-After",
-                }
-                if method == "OPTIONS" and "access-control-request-method" in headers:
-                    await _preflight(cors, headers)(scope, receive, send)
-                    return
+        if refusal is None:
+            refusal, cors = self._cross_origin(headers, scope, raw_host)
+        if refusal is None and cors and method == "OPTIONS" and "access-control-request-method" in headers:
+            await _preflight(cors, headers)(scope, receive, send)
+            return
         send = _with_headers(send, cors) if cors else send
+        if refusal is None:
+            refusal = self._body_header_refusal(headers, method)
+        if refusal is not None:
+            await _refuse(refusal, scope, receive, send, method)
+            return
+        if method in BODY_METHODS:
+            await self._with_body(scope, receive, send, method)
+            return
+        await self.app(scope, receive, send)
+
+    def _host_refusal(self, raw_host: str | None) -> ApiError | None:
+        """A request for a name this server does not serve (DNS rebinding); HTTP/1.0 clients may send no
+        ``Host``, browsers always do."""
+        if raw_host is None:
+            return None
+        host = split_host(raw_host)
+        if host is not None and self.policy.host_allowed(host):
+            return None
+        return ApiError(
+            403,
+            f"requests for the host {raw_host!r} are refused (a web page may have "
+            "rebound its name to this server): start the server with "
+            "--allowed-host NAME to serve a name",
+            code="host_not_allowed",
+        )
+
+    def _cross_origin(self, headers: Headers, scope, raw_host: str | None) -> tuple[ApiError | None, dict[str, str]]:
+        """(the refusal of a page of another origin, or None; the CORS headers an allowed one is answered
+        with, none for a same-origin request)."""
+        origin_header = headers.get("origin")
+        if origin_header is None:
+            return None, {}
+        origin = normalize_origin(origin_header)
+        own = normalize_origin(f"{scope.get('scheme', 'http')}://{raw_host}") if raw_host else None
+        if origin is not None and origin == own:
+            return None, {}
+        if origin is None or not self.policy.origin_allowed(origin):
+            return ApiError(
+                403,
+                f"cross-origin requests from {origin_header!r} are refused: start "
+                "the server with --cors-origin ORIGIN to let a web page use it",
+                code="origin_not_allowed",
+            ), {}
+        return None, {
+            "Access-Control-Allow-Origin": origin_header.strip(),
+            "Vary": "Origin",
+            "Access-Control-Expose-Headers": "Retry-After",
+        }
+
+    def _body_header_refusal(self, headers: Headers, method: str) -> ApiError | None:
+        """What the headers alone say of the body: a length that is not a number or over the limit, and
+        for a body method anything but JSON."""
         length = headers.get("content-length")
         if length is not None:
             if not length.strip().isdigit():
-                await _refuse(ApiError(400, "the Content-Length header is not a number"), scope, receive, send, method)
-                return
-            if int(length) > policy.max_body:
-                await _refuse(_too_large(policy.max_body), scope, receive, send, method)
-                return
-        if method in BODY_METHODS:
-            media_type = headers.get("content-type", "").split(";")[0].strip().lower()
-            if media_type != "application/json":
-                sent = headers.get("content-type")
-                got = "no Content-Type" if sent is None else repr(sent)
-                await _refuse(
-                    ApiError(
-                        415,
-                        f"the request body must be JSON sent with 'Content-Type: application/json', got {got}",
-                        code="unsupported_media_type",
-                    ),
-                    scope,
-                    receive,
-                    send,
-                    method,
-                )
-                return
-            try:
-                body = await _read_body(receive, policy)
-            except ApiError as exc:
-                await _refuse(exc, scope, receive, send, method)
-                if exc.status == 413:
-                    await asyncio.to_thread(heap.trim, TRIM_INTERVAL)
-                return
-            if body is None:  # the client went away while sending
-                return
-            receive = _replay(body, receive)
-            if len(body) >= TRIM_BODY_BYTES:
-                del body  # the replay holds it until the app has read it
-                try:
-                    await self.app(scope, receive, send)
-                finally:
-                    await asyncio.to_thread(heap.trim, TRIM_INTERVAL)
-                return
-        await self.app(scope, receive, send)
+                return ApiError(400, "the Content-Length header is not a number")
+            if int(length) > self.policy.max_body:
+                return _too_large(self.policy.max_body)
+        if method not in BODY_METHODS:
+            return None
+        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type == "application/json":
+            return None
+        sent = headers.get("content-type")
+        got = "no Content-Type" if sent is None else repr(sent)
+        return ApiError(
+            415,
+            f"the request body must be JSON sent with 'Content-Type: application/json', got {got}",
+            code="unsupported_media_type",
+        )
+
+    async def _with_body(self, scope, receive, send, method: str) -> None:
+        """The app, handed the body read within the limits (a large one's memory given back after)."""
+        try:
+            body = await _read_body(receive, self.policy)
+        except ApiError as exc:
+            await _refuse(exc, scope, receive, send, method)
+            if exc.status == 413:
+                await asyncio.to_thread(heap.trim, TRIM_INTERVAL)
+            return
+        if body is None:  # the client went away while sending
+            return
+        receive = _replay(body, receive)
+        if len(body) < TRIM_BODY_BYTES:
+            await self.app(scope, receive, send)
+            return
+        del body  # the replay holds it until the app has read it
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            await asyncio.to_thread(heap.trim, TRIM_INTERVAL)
 
 
 async def _read_body(receive, policy: GuardPolicy) -> bytes | None:
