@@ -196,38 +196,75 @@ def build_variants(
         )
         heads[name].update(calibration_coverage=coverage, vocab_mode="trim")
     if options.specvocab:
-        hidden = wanted = None
-        if options.scorer == "data":
-            bundle_export._say(progress, "EAGLE SpecVocab: the head's hidden states on the calibration text")
-            hidden, wanted = eagle_hidden_states(bundle_dir, manifest, root, entry, sequences)
-        files += bundle_export._export_head_rows(root, lm_head, EAGLE_DIR)
-        suffix = f"-of{len(draft_ids)}"
-        for rank, candidates in options.specvocab:
-            specvocab_options = dataclasses.replace(
-                export_options,
-                rank=(rank,),
-                candidates=(candidates,),
-                scorer=options.scorer,
-                train_steps=options.train_steps,
-            )
-            made, scorer_files = bundle_export.specvocab_heads_for(
-                root,
-                lm_head,
-                hidden,
-                wanted,
-                {"specvocab": ("", always)},
-                specvocab_options,
-                build,
-                universe=draft_ids,
-                suffix=suffix,
-                universe_path="eagle/vocab_full.npy",
-                folder=EAGLE_DIR,
-                progress=progress,
-            )
-            for head in made.values():
-                head["rows_by"] = "universe"  # the int8 rows are the K draft rows, not the target's V
-            heads.update(made)
-            files += [f for f in scorer_files if f["path"] not in {g["path"] for g in files}]
+        made, more = _specvocab_variants(
+            bundle_dir,
+            manifest,
+            root,
+            entry,
+            lm_head,
+            draft_ids,
+            options,
+            build,
+            export_options,
+            sequences,
+            always,
+            progress,
+        )
+        heads.update(made)
+        files += [f for f in more if f["path"] not in {g["path"] for g in files}]
+    return heads, files
+
+
+def _specvocab_variants(
+    bundle_dir: Path,
+    manifest: dict,
+    root: Path,
+    entry: dict,
+    lm_head: np.ndarray,
+    draft_ids: np.ndarray,
+    options: EagleHeadOptions,
+    build: BuildOptions,
+    export_options,
+    sequences: list,
+    always: np.ndarray,
+    progress,
+) -> tuple[dict, list]:
+    """The EAGLE head's SpecVocab heads, one per (rank, candidates) of ``options``, over its draft
+    vocabulary: (heads, the file records of their scorers and int8 rows)."""
+    heads: dict[str, dict] = {}
+    files: list[dict] = []
+    hidden = wanted = None
+    if options.scorer == "data":
+        bundle_export._say(progress, "EAGLE SpecVocab: the head's hidden states on the calibration text")
+        hidden, wanted = eagle_hidden_states(bundle_dir, manifest, root, entry, sequences)
+    files += bundle_export._export_head_rows(root, lm_head, EAGLE_DIR)
+    suffix = f"-of{len(draft_ids)}"
+    for rank, candidates in options.specvocab:
+        specvocab_options = dataclasses.replace(
+            export_options,
+            rank=(rank,),
+            candidates=(candidates,),
+            scorer=options.scorer,
+            train_steps=options.train_steps,
+        )
+        made, scorer_files = bundle_export.specvocab_heads_for(
+            root,
+            lm_head,
+            hidden,
+            wanted,
+            {"specvocab": ("", always)},
+            specvocab_options,
+            build,
+            universe=draft_ids,
+            suffix=suffix,
+            universe_path="eagle/vocab_full.npy",
+            folder=EAGLE_DIR,
+            progress=progress,
+        )
+        for head in made.values():
+            head["rows_by"] = "universe"  # the int8 rows are the K draft rows, not the target's V
+        heads.update(made)
+        files += [f for f in scorer_files if f["path"] not in {g["path"] for g in files}]
     return heads, files
 
 

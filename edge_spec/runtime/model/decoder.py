@@ -181,36 +181,7 @@ class Decoder:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
         set_spinning(opts, takes_turns)  # target and drafter alternate on the same cores
-        model: str | bytes = str(model_path)
-        self.attention_pad_removed = False
-        self.native_attention = False  # attention runs on edge_spec.native's op, not ORT's
-        library = native_library(provider) if native_attention else None
-        graph = None
-        if library or not attention_pad:
-            try:
-                graph = onnx.load(str(model_path), load_external_data=False)
-            except Exception:  # noqa: BLE001  (a damaged graph: ORT's own load below says so in one line)
-                graph = None
-        if graph is not None:
-            if not attention_pad and has_attention_pad(graph):
-                strip_attention_pad(graph)
-                self.attention_pad_removed = True
-            if library is not None and use_native_attention(graph):
-                opts.register_custom_ops_library(str(library))
-                self.native_attention = True
-            if self.attention_pad_removed or self.native_attention:
-                model = graph.SerializeToString()
-                # the weights stay in their file beside the graph, found from there
-                opts.add_session_config_entry(
-                    "session.model_external_initializers_file_folder_path", str(model_path.parent)
-                )
-        try:
-            self.session = open_session(model, opts, provider, provider_options)
-        except EdgeSpecError:
-            raise
-        except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise EdgeSpecError(f"cannot load {model_path}: {first[:300]}") from exc
+        self.session = self._open(model_path, opts, provider, provider_options, attention_pad, native_attention)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         kv_inputs = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
@@ -247,6 +218,48 @@ class Decoder:
         self._running = False
         self.stop_requested: Callable[[], bool] | None = None
         self.huge_pages.start()
+
+    def _open(
+        self,
+        model_path: Path,
+        opts: ort.SessionOptions,
+        provider: str,
+        provider_options: dict[str, str] | None,
+        attention_pad: bool,
+        native_attention: bool,
+    ) -> ort.InferenceSession:
+        """The ORT session of ``model_path``, its graph first rewritten where asked (attention pad removed,
+        the native attention op in ORT's place); a graph ORT cannot load is one line."""
+        model: str | bytes = str(model_path)
+        self.attention_pad_removed = False
+        self.native_attention = False  # attention runs on edge_spec.native's op, not ORT's
+        library = native_library(provider) if native_attention else None
+        graph = None
+        if library or not attention_pad:
+            try:
+                graph = onnx.load(str(model_path), load_external_data=False)
+            except Exception:  # noqa: BLE001  (a damaged graph: ORT's own load below says so in one line)
+                graph = None
+        if graph is not None:
+            if not attention_pad and has_attention_pad(graph):
+                strip_attention_pad(graph)
+                self.attention_pad_removed = True
+            if library is not None and use_native_attention(graph):
+                opts.register_custom_ops_library(str(library))
+                self.native_attention = True
+            if self.attention_pad_removed or self.native_attention:
+                model = graph.SerializeToString()
+                # the weights stay in their file beside the graph, found from there
+                opts.add_session_config_entry(
+                    "session.model_external_initializers_file_folder_path", str(model_path.parent)
+                )
+        try:
+            return open_session(model, opts, provider, provider_options)
+        except EdgeSpecError:
+            raise
+        except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EdgeSpecError(f"cannot load {model_path}: {first[:300]}") from exc
 
     def __del__(self) -> None:
         """Free the cache's device buffers (and the binding that holds them) before the session: on WebGPU a
