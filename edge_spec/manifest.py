@@ -66,6 +66,11 @@ ROLES = ("tokenizer", "target", "draft", "eagle")  # entries with file records (
 _HEAD_FILES = ("onnx", "vocab_ids", "rows", "scales", "always_ids", "universe")
 
 
+def bundle_bytes(manifest: dict) -> int:
+    """The bytes of all of a bundle's recorded files: what verifying it hashes."""
+    return sum(record["bytes"] for role in ROLES for record in (manifest.get(role) or {}).get("files", []))
+
+
 def read_manifest(bundle_dir: Path) -> dict:
     bundle_dir = Path(bundle_dir)
     if not bundle_dir.exists():

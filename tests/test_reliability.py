@@ -294,11 +294,22 @@ def _one_line(code, err, fragment):
         (("hi", "--threads", "100000"), "--threads"),
         (("hi", "--threads", "2147483648"), "--threads"),
         (("hi", "--draft-threads", "100000"), "--draft-threads"),
-        (("hi", "--gamma", "254"), "--gamma"),
     ],
 )
 def test_generate_refuses_before_loading(monkeypatch, capsys, no_load, fp32_bundle, args, fragment):
     _one_line(*_cli(monkeypatch, capsys, "generate", str(fp32_bundle), *args)[::2], fragment)
+
+
+def test_generate_refuses_a_draft_length_past_the_context_before_any_model_loads(monkeypatch, capsys, fp32_bundle):
+    """Checked from the manifest the load reads (once), before a model is read."""
+    from edge_spec.runtime.loaded import LoadedBundle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the mistake was found")
+
+    monkeypatch.setattr(LoadedBundle, "load", classmethod(refuse))
+    code, _, err = _cli(monkeypatch, capsys, "generate", str(fp32_bundle), "hi", "--gamma", "254")
+    _one_line(code, err, "gamma 254 does not fit the bundle's context")
 
 
 def test_generate_refuses_non_utf8_stdin(monkeypatch, capsys, no_load, fp32_bundle):

@@ -19,7 +19,6 @@ from edge_spec.bench.modes import (
     other_drafters,
 )
 from edge_spec.cli.loading import (
-    check_gamma,
     check_sampler,
     check_threads,
     find_bundle,
@@ -97,7 +96,6 @@ def check(bundle: Path | None, flags: BenchFlags, load: LoadFlags) -> Plan:
     for t in flags.temperature:
         SamplingParams(temperature=t)  # raises on a bad value
     chain = loop_config("spec", gamma=flags.gamma, schedule=flags.schedule, lookup=False)  # the run's schedule
-    check_gamma(bundle, chain)
     if output.exists() and not output.is_dir():
         raise EdgeSpecError(f"--output {output} is not a directory")
     if sessions:

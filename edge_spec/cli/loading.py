@@ -53,21 +53,6 @@ def check_threads(threads: int, draft_threads: int | None = None) -> None:
             raise EdgeSpecError(f"{flag} must be 0 (all cores) to {most} (4 x the {most // 4} cores here), not {value}")
 
 
-def check_gamma(bundle: Path, config) -> None:
-    """Refuse, before the load, draft lengths whose target pass does not fit the bundle's context (the
-    cost measurement times passes of γ+1 tokens after at least one cached token)."""
-    from edge_spec.manifest import read_manifest
-
-    gamma = getattr(config, "gamma", 0)
-    if not gamma:
-        return
-    context = read_manifest(bundle)["context_length"]
-    if gamma + 3 > context:
-        raise EdgeSpecError(
-            f"--gamma {gamma} does not fit the bundle's context of {context} tokens (at most {max(context - 3, 0)})"
-        )
-
-
 def check_sampler(sampler: str, temperatures: list[float], configs: list) -> None:
     """A misspelt --sampler, or one a loop of the run cannot honour, is refused before any model is loaded."""
     from edge_spec.runtime.loops.config import check_sampling
@@ -120,10 +105,9 @@ def load_options(provider_option: list[str] | None = None, **settings) -> LoadOp
 
 def open_engine(bundle: Path, config, options: LoadOptions):
     """The engine for ``bundle`` running ``config``, loaded with ``options`` (``load_options``): its draft
-    lengths are checked before the load, and ``exact`` is refused at once where this device cannot honour it."""
+    lengths are checked before the models load, and ``exact`` is refused at once where this device cannot honour it."""
     from edge_spec.runtime.engine import Engine
 
-    check_gamma(bundle, config)
     with loading_status():
         engine = Engine.load(bundle, options, config=config)
         if options.exact:  # refused now, not at every request of a chat or a server (Engine.exact_for)

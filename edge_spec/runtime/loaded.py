@@ -19,7 +19,7 @@ from pathlib import Path
 from edge_spec.defaults import DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.integrity import WeightCheck
-from edge_spec.manifest import read_manifest, verify_files
+from edge_spec.manifest import bundle_bytes, read_manifest, verify_files
 from edge_spec.paths import find_bundle
 from edge_spec.runtime.loops import proposer_names
 from edge_spec.runtime.loops.config import LoopConfig
@@ -93,14 +93,22 @@ class BundleFiles:
 
     @classmethod
     def open(
-        cls, path: str | Path | None, verify: bool = False, on_block: Callable[[int], None] | None = None
+        cls,
+        path: str | Path | None,
+        verify: bool = False,
+        on_block: Callable[[int], None] | None = None,
+        *,
+        counter: Callable[[int], Callable[[int], None]] | None = None,
     ) -> BundleFiles:
         """``path``, or the default bundle when None (:func:`edge_spec.paths.default_bundle`): its manifest
-        read and its files' sizes checked; ``verify`` re-hashes every file now (``on_block(size)`` after
-        each block read), else the files changed since last found whole are hashed while the models load
-        (the first answer waits for the verdict)."""
+        read (once: what the load needs of it is read here) and its files' sizes checked; ``verify``
+        re-hashes every file now (``on_block(size)`` after each block read, or the callback ``counter``
+        makes given the bytes the manifest records), else the files changed since last found whole are
+        hashed while the models load (the first answer waits for the verdict)."""
         directory = find_bundle(path)
         manifest = read_manifest(directory)
+        if counter is not None:
+            on_block = counter(bundle_bytes(manifest))
         verify_files(directory, manifest, full_hash=verify, on_block=on_block)
         return cls(directory, manifest, None if verify else WeightCheck(directory, manifest))
 

@@ -28,15 +28,6 @@ def _role_bytes(manifest: dict, role: str | None) -> int:
     return sum(record["bytes"] for record in (manifest.get(role) or {}).get("files", [])) if role else 0
 
 
-def _bundle_bytes(path: str | Path | None) -> int:
-    """The bytes of all of a bundle's recorded files: what verifying it hashes."""
-    from edge_spec.manifest import ROLES, read_manifest
-    from edge_spec.paths import find_bundle
-
-    manifest = read_manifest(find_bundle(path))
-    return sum(_role_bytes(manifest, role) for role in ROLES)
-
-
 def load_engine(
     make: Callable[..., Engine],
     path: str | Path | None,
@@ -51,7 +42,7 @@ def load_engine(
     tracker = LoadTracker(on_progress, cancel, str(path) if path is not None else "the default bundle")
     if options.verify and tracker.active:
         tracker.report("verifying", 0.0)
-        files = BundleFiles.open(path, True, tracker.counter("verifying", _bundle_bytes(path)))
+        files = BundleFiles.open(path, True, counter=lambda total: tracker.counter("verifying", total))
         tracker.report("verifying", 1.0)
     else:
         files = BundleFiles.open(path, options.verify)
@@ -61,12 +52,23 @@ def load_engine(
         raise EdgeSpecError(f"mode {mode!r} does not match the {type(config).__name__} given (mode {config.mode!r})")
     try:
         options.check()
+        _check_draft_length(config, files.manifest["context_length"])
         return _load_models(make, files, options, config, tracker)
     except BaseException:  # a failed or cancelled load: its models were closed, its hashing is stopped
         if files.weight_check is not None:
             files.weight_check.stop()
         heap.release()
         raise
+
+
+def _check_draft_length(config: LoopConfig, context: int) -> None:
+    """Refuse, before the (slow) load, a fixed draft length whose target pass cannot fit the bundle's context
+    (the cost measurement times passes of γ+1 tokens after at least one cached token)."""
+    gamma = getattr(config, "gamma", 0)
+    if gamma and gamma + 3 > context:
+        raise EdgeSpecError(
+            f"gamma {gamma} does not fit the bundle's context of {context} tokens (at most {max(context - 3, 0)})"
+        )
 
 
 def _load_models(
