@@ -53,6 +53,9 @@ class Command:
             text=True,
             env=dict(os.environ, COLUMNS="400", NO_COLOR="1"),
             start_new_session=True,
+            # as a terminal starts it: a suite run in the background inherits an ignored SIGINT, and
+            # Python installs no Ctrl-C handler in a process that starts with SIGINT ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
