@@ -66,9 +66,14 @@ ROLES = ("tokenizer", "target", "draft", "eagle")  # entries with file records (
 _HEAD_FILES = ("onnx", "vocab_ids", "rows", "scales", "always_ids", "universe")
 
 
+def role_bytes(manifest: dict, role: str | None) -> int:
+    """The bytes of a manifest role's files (0 for None or a role the bundle lacks): what reading it costs."""
+    return sum(record["bytes"] for record in (manifest.get(role) or {}).get("files", [])) if role else 0
+
+
 def bundle_bytes(manifest: dict) -> int:
     """The bytes of all of a bundle's recorded files: what verifying it hashes."""
-    return sum(record["bytes"] for role in ROLES for record in (manifest.get(role) or {}).get("files", []))
+    return sum(role_bytes(manifest, role) for role in ROLES)
 
 
 def read_manifest(bundle_dir: Path) -> dict:

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from edge_spec.defaults import DEFAULT_MODE
 from edge_spec.errors import EdgeSpecError
+from edge_spec.manifest import role_bytes
 from edge_spec.runtime import heap
 from edge_spec.runtime.loaded import BundleFiles, LoadedBundle, LoadOptions, drafter_name
 from edge_spec.runtime.loops.config import LoopConfig, TreeConfig, loop_config
@@ -21,11 +22,6 @@ from edge_spec.runtime.progress import LoadTracker, ProgressCallback
 from edge_spec.runtime.propose.drafters import DRAFTERS
 
 Engine = TypeVar("Engine")  # what ``make`` builds over the loaded bundle: ``runtime.engine.Engine``
-
-
-def _role_bytes(manifest: dict, role: str | None) -> int:
-    """The bytes of a manifest role's files (0 for None or a role the bundle lacks): what reading it costs."""
-    return sum(record["bytes"] for record in (manifest.get(role) or {}).get("files", [])) if role else 0
 
 
 def load_engine(
@@ -82,7 +78,7 @@ def _load_models(
     modes), the progress told to ``tracker``; a failed or cancelled load closes what it loaded."""
     speculative = config.mode != "ar"
     drafter_role = DRAFTERS[drafter_name(config)].manifest_key if speculative else None
-    target_bytes, drafter_bytes = (_role_bytes(files.manifest, role) for role in ("target", drafter_role))
+    target_bytes, drafter_bytes = (role_bytes(files.manifest, role) for role in ("target", drafter_role))
     tracker.report("reading", 0.0)
     loaded = LoadedBundle.load(files, options, takes_turns=speculative)
     try:
