@@ -13,6 +13,7 @@ from edge_spec.export.bundle.build import ExportOptions, add_draft_heads
 from edge_spec.export.heads.specvocab import fit_scorer, quantize_rows_int8, recall_at_k, top_candidates
 from edge_spec.manifest import read_manifest, verify_files
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.propose.suffix_cache import SuffixCache
 from tests import tiny_models
 
 
@@ -105,13 +106,61 @@ def test_specvocab_head_gives_exact_logits_on_its_candidates(int4_bundle):
     np.testing.assert_allclose(logits, reference[ids], rtol=1e-5, atol=1e-5)
 
 
+class _FilteredHead:
+    """The real SpecVocab head with some target ids removed from every candidate set."""
+
+    def __init__(self, head, banned: set[int]) -> None:
+        self.head = head
+        self.banned = np.array(sorted(banned), np.int64)
+        self.vocab_ids = None
+
+    @property
+    def seconds(self) -> float:
+        return self.head.seconds
+
+    def __call__(self, hidden):
+        logits, ids = self.head(hidden)
+        kept = ~np.isin(ids, self.banned)
+        return logits[kept], ids[kept]
+
+
+def _spec_and_target(engine, prompt="def is_prime", tokens=30):
+    """The spec answer first: the target's, once given, would be drafted from the suffix cache."""
+    spec = engine.complete(prompt, max_new_tokens=tokens)
+    target = engine.complete(prompt, max_new_tokens=tokens, mode="ar")
+    return spec, target
+
+
 def test_spec_mode_reports_candidate_recall(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="specvocab-r16-k48")
-    spec = engine.complete("def is_prime", max_new_tokens=30)
-    assert spec.token_ids == engine.complete("def is_prime", max_new_tokens=30, mode="ar").token_ids
+    spec, target = _spec_and_target(engine)
+    assert spec.token_ids == target.token_ids
     extra = spec.stats.spec
-    assert 0.0 < extra.candidate_recall <= 1.0
+    assert 0.0 <= extra.candidate_recall <= 1.0
+    # every accepted draft token was drawn from its candidate set: at least that share of positions hit
+    assert extra.candidate_recall >= extra.acceptance_rate
     assert 0.0 < extra.head_seconds < extra.draft_seconds
+
+
+def test_candidate_recall_is_one_when_every_id_is_a_candidate(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="specvocab-r16-k48")
+    head = engine.bundle.drafter.head
+    head.candidates = len(head.scales)  # the scorer ranks all 384 ids: every one is a candidate
+    spec, target = _spec_and_target(engine)
+    assert spec.token_ids == target.token_ids
+    assert spec.stats.spec.candidate_recall == 1.0
+
+
+def test_candidate_recall_is_zero_when_the_target_tokens_are_never_candidates(int4_bundle):
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="specvocab-r16-k48")
+    target = engine.complete("def is_prime", max_new_tokens=30, mode="ar")
+    drafter = engine.bundle.drafter
+    drafter.head = _FilteredHead(drafter.head, set(target.token_ids))
+    engine.bundle.suffix_cache = SuffixCache()  # forget the answer just given: only the drafter drafts
+    spec = engine.complete("def is_prime", max_new_tokens=30)
+    assert spec.token_ids == target.token_ids  # a drafter that never hits still gives the target's tokens
+    assert spec.stats.spec.candidate_recall == 0.0
+    assert spec.stats.spec.acceptance_rate == 0.0
 
 
 def _add_heads_to_a_copy(int4_bundle, tmp_path, tiny_pair, options):
