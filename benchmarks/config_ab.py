@@ -10,7 +10,8 @@ target-only decoding, as ``generate --mode ar`` has it); greedy answers are comp
 
 A configuration is ``NAME=MODE[:SETTING=VALUE,...]`` with ``loop_config``'s settings (gamma, schedule,
 lookup, ...) and the sampling settings ``temperature`` (a number: T=0.7 is written ``temperature=0.7``) and
-``sampler``.  ``--seeds N`` answers every prompt N times (seeds 0..N-1, the same for every configuration).
+``sampler``; ``bundle=DIR`` loads that configuration from another bundle (two export layouts side by
+side).  ``--seeds N`` answers every prompt N times (seeds 0..N-1, the same for every configuration).
 Prints per prompt and per category the decode tokens/s, and each configuration's geometric mean ratio to
 the first one and its mean τ.
 
@@ -37,17 +38,18 @@ from edge_spec.runtime.loops.config import loop_config  # noqa: E402
 from edge_spec.runtime.model import huge_pages  # noqa: E402
 
 SAMPLING = {"temperature": float, "sampler": str}  # per-answer settings, not the loop's
+ENGINE = {"bundle": Path}  # what the engine loads, not the loop's
 
 
 def parse_config(text: str):
-    """``NAME=MODE[:KEY=VALUE,...]`` -> (name, loop configuration, sampling settings)."""
+    """``NAME=MODE[:KEY=VALUE,...]`` -> (name, loop configuration, sampling and engine settings)."""
     name, _, spec = text.partition("=")
     mode, _, settings = spec.partition(":")
     values, sampling = {}, {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition("=")
-        if key in SAMPLING:
-            sampling[key] = SAMPLING[key](value)
+        if key in SAMPLING or key in ENGINE:
+            sampling[key] = {**SAMPLING, **ENGINE}[key](value)
             continue
         values[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     return name, loop_config(mode, **values), sampling
@@ -67,8 +69,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="answers per prompt (seeds 0..N-1 for every config)")
     args = parser.parse_args()
     parsed = [parse_config(text) for text in args.config]
-    sampling = {name: settings for name, _, settings in parsed}
-    engines = {name: Engine.from_bundle(args.bundle, threads=args.threads, config=config) for name, config, _ in parsed}
+    sampling = {name: {k: v for k, v in settings.items() if k not in ENGINE} for name, _, settings in parsed}
+    engines = {
+        name: Engine.from_bundle(settings.get("bundle", args.bundle), threads=args.threads, config=config)
+        for name, config, settings in parsed
+    }
     huge_pages.wait_all()  # every engine timed on the pages it keeps (model/huge_pages.py)
     items = [
         (item, seed)

@@ -277,7 +277,7 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
     assert np.abs(logits["fast"] - logits["fp32"]).max() < requant_error / 4
 
 
-@pytest.mark.parametrize("layout", ["fast", "exact", "small"])
+@pytest.mark.parametrize("layout", ["fast", "lean", "exact", "small"])
 def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layout):
     """One line in the export log and the manifest's quantization record per model, with the layout
     (--gguf-layout) the target graph was built in; by default only the target keeps GGUF blocks (the
@@ -320,19 +320,20 @@ def test_export_says_and_records_what_kept_its_blocks(tmp_path, tiny_pair, layou
     ]
     graph = onnx.load(str(tmp_path / "b" / manifest["target"]["onnx"]), load_external_data=False).graph
     nodes = {n.name for n in graph.node}
-    assert ("layers.0.o/x_and_sums/Concat" in nodes) == (layout in ("fast", "small"))
+    assert ("layers.0.o/x_and_sums/Concat" in nodes) == (layout in ("fast", "lean", "small"))
     assert ("layers.0.o/correction/MatMul" in nodes) == (layout == "exact")
     bits = {
         n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"
     }
-    assert bits["lm_head/out/MatMulNBits"] == (4 if layout == "small" else 8)
+    assert bits["lm_head/out/MatMulNBits"] == (4 if layout in ("lean", "small") else 8)
+    assert ("lm_head/rescored/ScatterElements" in nodes) == (layout == "lean")
 
 
 def test_an_unknown_gguf_layout_is_one_line():
     from edge_spec.errors import EdgeSpecError
     from edge_spec.export.bundle.build import ExportOptions
 
-    with pytest.raises(EdgeSpecError, match=r"^--gguf-layout must be one of fast, exact, small, not 'quick'$"):
+    with pytest.raises(EdgeSpecError, match=r"^--gguf-layout must be one of fast, lean, exact, small, not 'quick'$"):
         ExportOptions(gguf_layout="quick").check()
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.bundle import activity, install
-from edge_spec.export.bundle.options import ExportOptions
+from edge_spec.export.bundle.options import ExportOptions, layout_name, layout_settings
 from edge_spec.export.bundle.stages import Stages, memory_needed
 from edge_spec.export.graph.builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
 from edge_spec.export.sources.pair import ModelCard, check_pair, probe_pair
@@ -48,7 +48,7 @@ def _gguf_quant_info(model: LoadedModel, quant_info: dict, build: BuildOptions, 
         return quant_info
     if not build.gguf_blocks:  # before the report is asked for: a GGUF source's blocks are checked then
         return dict(quant_info, gguf_blocks="requantized")
-    layout = "exact" if build.carry_exact else "small" if build.carry_narrow else "fast"
+    layout = layout_name(build.carry_exact, build.carry_narrow, build.head_rescore)
     _say(progress, f"{model.name}: {report.summary()} ({layout} layout); embedding table re-quantized to int8")
     return dict(quant_info, gguf_blocks=report.to_dict(), gguf_layout=layout, embedding="GatherBlockQuantized int8")
 
@@ -531,8 +531,7 @@ def _export_into(
         options.accuracy_level,
         options.context_length,
         gguf_blocks=carries_gguf_blocks(options, "target"),
-        carry_exact=options.gguf_layout == "exact",
-        carry_narrow=options.gguf_layout == "small",
+        **layout_settings(options.gguf_layout),
     )
 
     stages = Stages(progress)
@@ -618,8 +617,7 @@ def _recorded_build(manifest: dict, options: ExportOptions) -> tuple[BuildOption
         quant["accuracy_level"],
         manifest["context_length"],
         gguf_blocks=carried,
-        carry_exact=draft_quant.get("gguf_layout", "exact") == "exact",
-        carry_narrow=draft_quant.get("gguf_layout") == "small",
+        **layout_settings(draft_quant.get("gguf_layout")),
     )
     options = dataclasses.replace(
         options,

@@ -16,7 +16,27 @@ from edge_spec.errors import EdgeSpecError
 
 DRAFT_VOCAB_MODES = ("full", "trim", "specvocab", "trim+specvocab")
 GGUF_BLOCK_MODES = ("target", "both", "none")
-GGUF_LAYOUTS = ("fast", "exact", "small")
+#: what each ``--gguf-layout`` asks of the graph builder (``BuildOptions`` fields; docs/methods/gguf.md):
+#: ``lean`` is ``fast`` with the LM head at 4 bits and its best rows per position scored again at 8 bits
+LEAN_RESCORED_ROWS = 64
+GGUF_LAYOUTS: dict[str, dict] = {
+    "fast": {},
+    "lean": {"head_rescore": LEAN_RESCORED_ROWS},
+    "exact": {"carry_exact": True},
+    "small": {"carry_narrow": True},
+}
+
+
+def layout_settings(layout: str | None) -> dict:
+    """The ``BuildOptions`` fields of ``layout`` (a manifest without one: ``exact``, as such bundles were built)."""
+    return GGUF_LAYOUTS[layout or "exact"]
+
+
+def layout_name(carry_exact: bool, carry_narrow: bool, head_rescore: int) -> str:
+    """The ``--gguf-layout`` that asked for these ``BuildOptions`` fields (the manifest records it)."""
+    if carry_exact:
+        return "exact"
+    return "small" if carry_narrow else "lean" if head_rescore else "fast"
 
 
 @dataclass

@@ -79,6 +79,9 @@ class BuildOptions:
     gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
     carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf.blocks.fast_layout)
     carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf.blocks.narrow_to_4bit)
+    #: > 0: a carried 8-bit LM head runs at 4 bits and its best ``head_rescore`` rows per position are
+    #: scored again from an 8-bit table (the lean layout: :meth:`DecoderGraphBuilder.rescored_logits`)
+    head_rescore: int = 0
 
 
 EXTERNAL_THRESHOLD = 1024  # onnx.save_model's size_threshold: smaller initializers stay in the graph file
@@ -559,14 +562,65 @@ class DecoderGraphBuilder:
         if self.opt.head_rows is not None:
             head = head[np.asarray(self.opt.head_rows)]
             carried = None if carried is None else carried.rows(np.asarray(self.opt.head_rows))
-        out = (
-            self.linear(x, head, "lm_head")
-            if carried is None
-            else add_carried_linear(self.graph, x, carried, "lm_head", self.opt)
-        )
+        if carried is None:
+            out = self.linear(x, head, "lm_head")
+        elif self.opt.head_rescore and carried.bits == 8 and self.opt.head_rows is None:
+            coarse = add_carried_linear(self.graph, x, narrow_to_4bit(carried), "lm_head", self.opt)
+            out = self.rescored_logits(x, coarse, head)
+        else:
+            out = add_carried_linear(self.graph, x, carried, "lm_head", self.opt)
         logits = softcap(self.graph, out, self.cfg.final_logit_softcap, "lm_head")
         self.graph.node("Identity", [logits], ["logits"])
         return helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "num_logits", head.shape[0]])
+
+    def rescored_logits(self, x: str, coarse: str, head) -> str:
+        """``coarse`` (the LM head at 4 bits) with each position's ``head_rescore`` best rows replaced by
+        their dot products with an 8-bit copy of the head.
+
+        Why: decoding streams every weight once a token, and an 8-bit LM head is the largest single
+        share of a Q4_K_M model's bytes (233M weights on Qwen2.5-1.5B).  At 4 bits its ranking is right
+        nearly everywhere, but its logits are coarse; the few rows that decide greedy choices, the top
+        of the distribution and most of a sampled token's probability are read again from 8-bit rows
+        (a gather of ``k`` rows, not a pass over the table).  A tied head shares the embedding's table;
+        an untied one brings an 8-bit copy, which costs disk and memory but no bandwidth.  Every step
+        is per row: a row's logits do not depend on the other rows of its pass."""
+        g = self.graph
+        k = min(self.opt.head_rescore, head.shape[0])
+        top = g.node(
+            "TopK",
+            [coarse, g.const("lm_head.rescore_k", np.array([k], np.int64))],
+            ["lm_head/top_logits", "lm_head/top_ids"],
+            axis=-1,
+            largest=1,
+            sorted=1,
+        )[1]
+        table, scales, block_size = self._rescore_table(head)
+        rows = g.node(
+            "GatherBlockQuantized",
+            [table, top, scales],
+            ["lm_head/top_rows"],
+            domain=MS_DOMAIN,
+            gather_axis=0,
+            quantize_axis=1,
+            block_size=block_size,
+            bits=8,
+        )[0]
+        last = g.const("lm_head.last_axis", np.array([-1], np.int64))
+        column = g.node("Unsqueeze", [x, last], ["lm_head/x_column"])[0]
+        exact = g.node("MatMul", [rows, column], ["lm_head/top_exact_column"])[0]
+        exact = g.node("Squeeze", [exact, last], ["lm_head/top_exact"])[0]
+        return g.node("ScatterElements", [coarse, top, exact], ["lm_head/rescored"], axis=-1)[0]
+
+    def _rescore_table(self, head) -> tuple[str, str, int]:
+        """The 8-bit table the re-scored rows are gathered from: the embedding's own when the head is
+        tied to an unscaled embedding (:meth:`embedding` made it), else one of its own."""
+        block_size = row_block_size(head.shape[1], self.opt.block_size)
+        shares = head is self.w.embed and self.cfg.embedding_scale == 1.0 and self.carried
+        if shares and "embed.qweight" in {i.name for i in self.graph.initializers}:
+            return "embed.qweight", "embed.scales", block_size
+        q = quantize_blockwise(head, 8, block_size)
+        g = self.graph
+        return g.const("lm_head.rows8", q.packed.reshape(q.n, -1)), g.const("lm_head.rows8_scales", q.scales), block_size
 
     def hidden_output(self, x: str) -> onnx.ValueInfoProto:
         """``x`` as output ``hidden_states``, for heads that run outside this graph."""
