@@ -65,10 +65,10 @@ class GraphFlags:
     gguf_layout: str = option(
         typer.Option(
             EXPORT_DEFAULTS.gguf_layout,
-            help="Carried GGUF blocks: fast (Q6_K's 16-blocks merged into 32-blocks, the "
-            "zero-point correction folded into the matmul, rounding far below GGUF's step), "
-            "lean (as fast, with the LM head at 4 bits and each position's 64 best rows "
-            "scored again at 8 bits), exact (as GGUF has them; slower) or small (as fast, "
+            help="Carried GGUF blocks: lean (default; as fast, with the LM head at 4 bits and "
+            "each position's 64 best rows scored again at 8 bits), fast (Q6_K's 16-blocks "
+            "merged into 32-blocks, the zero-point correction folded into the matmul, rounding "
+            "far below GGUF's step; the faithful layout), exact (as GGUF has them; slower) or small (as fast, "
             "with every 8-bit block, Q6_K's, rounded to 4 bits: faster, less faithful).",
         )
     )

@@ -177,6 +177,27 @@ __attribute__((target("avx2,fma"))) float exp_sum_avx(float* e, int n, float mx)
   return sum;
 }
 
+// the largest of e[0..n) (exact whatever the order, so the same as the scalar loop's)
+__attribute__((target("avx2,fma"))) float max_avx(const float* e, int n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(e + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  float mx = lanes[0];
+  for (int j = 1; j < 8; ++j) mx = std::max(mx, lanes[j]);
+  for (; i < n; ++i) mx = std::max(mx, e[i]);
+  return mx;
+}
+
+// e[i] *= s for i in [0, n) (one rounding per element, as the scalar loop's)
+__attribute__((target("avx2,fma"))) void scale_avx(float* e, int n, float s) {
+  const __m256 f = _mm256_set1_ps(s);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(e + i, _mm256_mul_ps(_mm256_loadu_ps(e + i), f));
+  for (; i < n; ++i) e[i] *= s;
+}
+
 // out[0..h) += sum over t of p[t] * v[t * stride ..], t in order (h a multiple of 8)
 __attribute__((target("avx2,fma"))) void weighted_sum_avx(float* out, const float* p, const float* v, int count,
                                                           int h) {
@@ -417,20 +438,18 @@ void attend(const Pass& P, size_t item) {
         for (int t = 0; t < n; ++t) e[t] += brow[lo[i] + t];
       }
     }
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < n; ++t) mx = std::max(mx, e[t]);
-    float sum;
 #ifdef ES_X86
     if (P.avx) {
-      sum = exp_sum_avx(e, n, mx);
-    } else
+      scale_avx(e, n, 1.f / exp_sum_avx(e, n, max_avx(e, n)));
+      continue;
+    }
 #endif
-    {
-      sum = 0.f;
-      for (int t = 0; t < n; ++t) {
-        e[t] = std::exp(e[t] - mx);
-        sum += e[t];
-      }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n; ++t) mx = std::max(mx, e[t]);
+    float sum = 0.f;
+    for (int t = 0; t < n; ++t) {
+      e[t] = std::exp(e[t] - mx);
+      sum += e[t];
     }
     const float inv = 1.f / sum;
     for (int t = 0; t < n; ++t) e[t] *= inv;

@@ -1,0 +1,114 @@
+"""Bytes against fidelity for the target's carried layouts, and the peers' export, on one text.
+
+For one GGUF file, transformers' fp32 forward of its weights is the reference (as in ``gguf_fidelity.py``).
+Each layout is built as a target graph (int8 activations, as shipped) and compared teacher-forced on a
+905-token text (``gguf_fidelity.TEXT`` and the start of Python's ``json/decoder.py``): mean |Δ log p|,
+NLL and top-1 agreement, plus greedy tokens equal to transformers' on four chat prompts; and its size.
+
+Layouts: the ``--gguf-layout`` values (``fast``, ``lean``, ``small``, ``exact``) and two halves of
+``small`` that no flag asks for, to show where its loss comes from: ``head4`` (only the LM head's 8-bit
+blocks rounded to 4 bits) and ``layers4`` (only the layers'). ``--genai DIR`` adds onnxruntime-genai's
+model-builder export (``benchmarks/spec_peers.py --prepare`` makes it), run by plain onnxruntime,
+teacher-forced only.
+
+    python benchmarks/studies/layout_fidelity.py models/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
+        --layouts fast,lean,head4,layers4,small --genai models/genai/qwen2.5-coder-1.5b-instruct-q4_k_m
+"""
+
+from __future__ import annotations
+
+import argparse
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import gguf_fidelity as shared
+
+HALVES = {"head4": lambda name: name == "lm_head", "layers4": lambda name: name != "lm_head"}
+
+
+def fidelity_text(tokenizer) -> list[int]:
+    source = Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py"
+    return tokenizer.encode(shared.TEXT + "\n" + source.read_text()[:3000])
+
+
+def build_layout(weights, layout: str, path: Path) -> float:
+    """Write ``layout``'s target graph to ``path``; its size in MiB."""
+    from edge_spec.export.bundle.options import layout_settings
+    from edge_spec.export.gguf.blocks import narrow_to_4bit
+    from edge_spec.export.graph.builder import BuildOptions, build_decoder, save_model
+
+    carried = weights.carried
+    if layout in HALVES:
+        weights.carried = {k: narrow_to_4bit(v) if HALVES[layout](k) else v for k, v in carried.items()}
+        settings = {}
+    else:
+        settings = layout_settings(layout)
+    try:
+        save_model(build_decoder(weights, BuildOptions("int4", context_length=2048, **settings)), path)
+    finally:
+        weights.carried = carried
+    return sum(f.stat().st_size for f in path.parent.glob(path.name + "*")) / 2**20
+
+
+def genai_logits(folder: Path, ids: list[int], threads: int) -> np.ndarray:
+    """onnxruntime-genai's export, teacher-forced in one pass from an empty cache."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
+    for item in session.get_inputs():
+        if item.name.startswith("past_key_values"):
+            kv_heads, head = item.shape[1], item.shape[3]
+            feeds[item.name] = np.zeros((1, kv_heads, 0, head), np.float32)
+    return session.run(["logits"], feeds)[0][0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("gguf", type=Path)
+    parser.add_argument("--layouts", default="fast,lean,head4,layers4,small")
+    parser.add_argument("--genai", type=Path, help="onnxruntime-genai's export of the same GGUF")
+    parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    model, tokenizer, weights, report = shared.load_reference(args.gguf)
+    print(f"{args.gguf.name}: {report.summary()}", flush=True)
+    ids = fidelity_text(tokenizer)
+    reference = shared.reference_runs(model, tokenizer, ids, args.tokens, args.threads)
+    del model
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in args.layouts.split(","):
+            path = Path(tmp) / layout / "model.onnx"
+            path.parent.mkdir()
+            size = build_layout(weights, layout, path)
+            result = shared.compare(reference, shared.onnx_runs(path, tokenizer, ids, args.tokens, args.threads), ids)
+            rows.append((layout, size, result))
+            print(f"  {layout}: done", flush=True)
+            for f in path.parent.iterdir():
+                f.unlink()
+    if args.genai:
+        logits = genai_logits(args.genai, ids, args.threads)
+        result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
+        size = sum(f.stat().st_size for f in args.genai.glob("model.onnx*")) / 2**20
+        rows.append(("onnxruntime-genai export", size, result))
+
+    print(f"\n{len(ids)} tokens teacher-forced; greedy: {len(shared.PROMPTS)} prompts of {args.tokens} tokens")
+    print("| target | size, MiB | mean abs dlogp | NLL (reference) | NLL vs reference | top-1 agreement | greedy tokens equal |")
+    print("|---|---|---|---|---|---|---|")
+    for name, size, r in rows:
+        greedy = " / ".join(map(str, r["prefix"])) or "-"
+        print(
+            f"| {name} | {size:.0f} | {r['dlogp']:.4f} | {r['nll']:.4f} ({r['nll_ref']:.4f}) | "
+            f"{100 * (r['nll'] / r['nll_ref'] - 1):+.2f}% | {r['top1']:.3f} | {greedy} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
