@@ -218,8 +218,11 @@ def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlock
     if w.bits != 8:
         return w
     n, width = w.n, 32
-    packed, scales, zeros = [], [], []
-    for start in range(0, n, rows_per_chunk):
+    starts = list(range(0, n, rows_per_chunk))
+    packed, scales, zeros = [None] * len(starts), [None] * len(starts), [None] * len(starts)
+
+    def narrow_chunk(index: int) -> None:  # chunks are independent: the same bytes on any number of cores
+        start = starts[index]
         part = w.rows(np.arange(start, min(start + rows_per_chunk, n)))
         values = part.dequantize().reshape(part.n, -1, width).astype(np.float32)
         # an integer zero point puts 0 on the code grid: the range must reach it
@@ -234,9 +237,11 @@ def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlock
                 np.where(better, new, old)
                 for new, old in ((other_zero, zero), (other_scale, scale), (other_error, error))
             )
-        packed.append(pack_codes(codes.astype(np.uint8), 4))
-        scales.append(scale.astype(np.float32))
-        zeros.append(zero.astype(np.uint8))
+        packed[index] = pack_codes(codes.astype(np.uint8), 4)
+        scales[index] = scale.astype(np.float32)
+        zeros[index] = zero.astype(np.uint8)
+
+    parallel.each(narrow_chunk, range(len(starts)))
     return CarriedBlocks(np.concatenate(packed), np.concatenate(scales), np.concatenate(zeros), 4, width, w.source_type)
 
 
