@@ -86,7 +86,9 @@ def test_the_lean_layout_shares_the_embedding_table_of_a_tied_head(weights, tmp_
     graph = onnx.load(str(lean), load_external_data=False).graph
     gathers = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
     assert {n.input[0] for n in gathers} == {"embed.qweight"} and len(gathers) == 2
-    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"}
+    bits = {
+        n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"
+    }
     assert bits["lm_head/out/MatMulNBits"] == 4
     # the 4-bit head is smaller than the 8-bit one, and no second table came with it
     size = {p: sum(f.stat().st_size for f in tmp_path.glob(p.name + "*")) for p in (lean, fast)}

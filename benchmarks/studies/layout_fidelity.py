@@ -22,9 +22,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 import gguf_fidelity as shared
+import numpy as np
 
 HALVES = {"head4": lambda name: name == "lm_head", "layers4": lambda name: name != "lm_head"}
 
@@ -100,7 +99,9 @@ def main() -> None:
         rows.append(("onnxruntime-genai export", size, result))
 
     print(f"\n{len(ids)} tokens teacher-forced; greedy: {len(shared.PROMPTS)} prompts of {args.tokens} tokens")
-    print("| target | size, MiB | mean abs dlogp | NLL (reference) | NLL vs reference | top-1 agreement | greedy tokens equal |")
+    print(
+        "| target | size, MiB | mean abs dlogp | NLL (reference) | NLL vs reference | top-1 agreement | greedy tokens equal |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, size, r in rows:
         greedy = " / ".join(map(str, r["prefix"])) or "-"

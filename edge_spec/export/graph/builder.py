@@ -620,7 +620,11 @@ class DecoderGraphBuilder:
             return "embed.qweight", "embed.scales", block_size
         q = quantize_blockwise(head, 8, block_size)
         g = self.graph
-        return g.const("lm_head.rows8", q.packed.reshape(q.n, -1)), g.const("lm_head.rows8_scales", q.scales), block_size
+        return (
+            g.const("lm_head.rows8", q.packed.reshape(q.n, -1)),
+            g.const("lm_head.rows8_scales", q.scales),
+            block_size,
+        )
 
     def hidden_output(self, x: str) -> onnx.ValueInfoProto:
         """``x`` as output ``hidden_states``, for heads that run outside this graph."""
