@@ -202,10 +202,11 @@ def _with_block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
     return g.node("Concat", [x, sums, sums], [name + "/x_and_sums"], axis=-1)[0]
 
 
-NARROW_SCALES = (15.0, 14.5, 14.0, 13.5, 13.0)  # a block's range over these many steps: candidate scales
+NARROW_SCALES = (15.0, 14.5, 14.0, 13.5, 13.0)
+NARROW_BAND_BYTES = 1 << 20  # float32 rows rounded at a time, all workers together: several times this in temporaries
 
 
-def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlocks:
+def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int | None = None) -> CarriedBlocks:
     """An 8-bit carried weight (Q6_K, Q5_*, Q8_0) rounded once more, to 4-bit blocks of 32 with an integer
     zero point, so every matrix of a Q4_K_M model reads half a byte a weight: decoding is bound by the
     bytes the weights take, and on a Q4_K_M model those 8-bit rows (the LM head, half the down and V
@@ -218,6 +219,8 @@ def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int = 4096) -> CarriedBlock
     if w.bits != 8:
         return w
     n, width = w.n, 32
+    if rows_per_chunk is None:  # the workers' float32 chunks together one quantize band (several temporaries each)
+        rows_per_chunk = max(64, NARROW_BAND_BYTES // (4 * w.k) // parallel.WORKERS)
     starts = list(range(0, n, rows_per_chunk))
     packed, scales, zeros = [None] * len(starts), [None] * len(starts), [None] * len(starts)
 
