@@ -144,12 +144,14 @@ def test_the_frozen_app_serves(frozen_app, fp32_bundle, tmp_path):
             assert b"<title>edge-spec chat</title>" in page.read()
         request = urllib.request.Request(
             ready["url"] + "/v1/chat/completions",
-            data=json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode(),
+            data=json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 0}).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
-        assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["finish_reason"] == "length"
+        # a sampled answer of the random tiny model may end at its end-of-turn token before the limit
+        tokens, reason = answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]
+        assert (tokens, reason) == (4, "length") or (0 < tokens < 4 and reason == "stop"), answer
     finally:
         server.terminate()
         server.wait(timeout=30)
