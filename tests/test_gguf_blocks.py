@@ -13,6 +13,7 @@ from gguf import quants  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from edge_spec.export.gguf.blocks import (  # noqa: E402
+    CORRECTION_DIGITS,
     CarriedBlocks,
     add_carried_linear,
     carry_gguf,
@@ -20,6 +21,7 @@ from edge_spec.export.gguf.blocks import (  # noqa: E402
     fast_layout,
     folded_width,
     narrow_to_4bit,
+    zero_points_into_correction,
 )
 from edge_spec.export.graph.builder import BuildOptions, Graph, add_linear, make_model  # noqa: E402
 from tests.gguf_models import count_gguf_parses, finish_gguf  # noqa: E402
@@ -93,18 +95,18 @@ def test_carried_blocks_match_gguf_dequantization(kind):
 
 def _rounding_bound(exact: CarriedBlocks) -> np.ndarray:
     """Per weight, how far :func:`fast_layout` may move it: a quarter step of the larger scale of a merged
-    pair of 16-blocks, the folded correction's two digits (1/196 of the largest |c| among the 32
-    blocks it shares a scale with at 4 bits, 1/254**2 at 8)."""
+    pair of 16-blocks, the folded correction's digits (each a factor 2 * 7 at 4 bits, 2 * 127 at 8, below
+    the largest |c| among the 32 blocks it shares a scale with; c with 4-bit zero points moved into it)."""
     bound = np.zeros(exact.scales.shape, np.float32)
     if exact.bits == 8 and exact.block_size == 16:
         pair = np.abs(exact.scales).reshape(exact.n, -1, 2).max(axis=-1)
         bound += np.repeat(pair / 8, 2, axis=1)
     if exact.correction is not None:
-        c = np.abs(exact.correction)
+        c = np.abs(zero_points_into_correction(exact).correction)
         pad = -c.shape[1] % exact.block_size
         groups = np.pad(c, ((0, 0), (0, pad))).reshape(exact.n, -1, exact.block_size).max(axis=-1)
         levels = 2 ** (exact.bits - 1) - 1
-        bound += np.repeat(groups, exact.block_size, axis=1)[:, : c.shape[1]] / (2 * levels) ** 2
+        bound += np.repeat(groups, exact.block_size, axis=1)[:, : c.shape[1]] / (2 * levels) ** CORRECTION_DIGITS
     return np.repeat(bound, exact.block_size, axis=1) * (1 + 1e-5) + 1e-7
 
 
@@ -120,10 +122,11 @@ def test_fast_layout_rounds_within_its_bound_and_the_graph_computes_it(kind):
     fast = fast_layout(exact)
     assert fast.correction is None and fast.block_size == (32 if kind == "Q6_K" else exact.block_size)
     assert fast.k == K + folded_width(exact)
-    effective = fast.dequantize()[:, :K]  # weights on x; the extra columns multiply x's block sums, twice
+    effective = fast.dequantize()[:, :K]  # weights on x; the extra columns multiply x's block sums, once a digit
     if exact.correction is not None:
-        sums, half = K // exact.block_size, folded_width(exact) // 2
-        digits = fast.dequantize()[:, K : K + sums] + fast.dequantize()[:, K + half : K + half + sums]
+        sums, width = K // exact.block_size, folded_width(exact) // CORRECTION_DIGITS
+        starts = range(K, K + folded_width(exact), width)
+        digits = sum(fast.dequantize()[:, start : start + sums] for start in starts)
         effective = effective + np.repeat(digits, exact.block_size, axis=1)
     moved = np.abs(effective - reference)
     assert (moved <= _rounding_bound(exact) + 1e-5 * np.abs(reference).max()).all()  # + float rounding
@@ -160,6 +163,26 @@ def test_the_small_layout_rounds_8_bit_blocks_to_4_bits_closer_than_re_quantizin
     expected = x @ reference.T
     requant = matmul_session(lambda g: add_linear(g, "x", reference, "w", FAST)).run(None, {"x": x})[0]
     assert np.sqrt(np.mean((got - expected) ** 2)) < np.sqrt(np.mean((requant - expected) ** 2))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+def test_the_fast_layout_reads_4_bit_blocks_without_zero_points(kind):
+    """ORT's int8-activation kernel runs a 4-bit matrix without zero points faster, so the fast layout moves
+    the affine formats' integer zero points into the per-block correction: the weights stay the same (float
+    rounding apart) and no zero points reach the graph."""
+    exact = carry_gguf(gguf_bytes(kind, np.random.default_rng(5)), kind, N, K)
+    assert exact.zero_points is not None  # the exact layout has them
+    moved = zero_points_into_correction(exact)
+    assert moved.zero_points is None and (moved.packed is exact.packed)
+    np.testing.assert_allclose(
+        moved.dequantize(), exact.dequantize(), rtol=0, atol=1e-6 * np.abs(exact.dequantize()).max()
+    )
+    assert fast_layout(exact).zero_points is None
+    g = Graph()
+    add_carried_linear(g, "x", exact, "w", FAST)
+    assert not [i for node in g.nodes if node.op_type == "MatMulNBits" for i in node.input[3:4] if i]
+    narrowed = narrow_to_4bit(carry_gguf(gguf_bytes("Q6_K", np.random.default_rng(5)), "Q6_K", N, K))
+    assert zero_points_into_correction(narrowed) is narrowed  # no correction to carry them: left alone
 
 
 def test_the_small_layout_leaves_4_bit_blocks_as_they_are():
