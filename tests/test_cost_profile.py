@@ -618,7 +618,10 @@ def test_export_measures_the_machine_so_the_first_load_does_not(monkeypatch, cap
     assert code in (0, None), err
     assert ("measured this machine for the bundle" in err) == measure, err
     with Engine.from_bundle(out) as engine:
-        assert engine.bundle.cost_profile.cached == measure
+        profile = engine.bundle.cost_profile
+        # the export left a profile: read as it is, or (sub-millisecond passes of a tiny model are noisy) measured
+        # again because the export's own answers kept losing to it, a verdict only a cached profile can get
+        assert (profile.cached or profile.replaced == cost_profile.OUTGROWN_WHY) == measure, profile.replaced
         # the exactness verdicts: read from the cache without checking, or not there yet
         assert (engine.bundle.exact_available(check=False) is not None) == measure
         assert ("greedy" in engine.bundle.schedule_memory(engine.config).calibrations) == measure
