@@ -207,7 +207,7 @@ def _with_block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:
     return g.node("Concat", [x] + [sums] * CORRECTION_DIGITS, [name + "/x_and_sums"], axis=-1)[0]
 
 
-NARROW_SCALES = (15.0, 14.5, 14.0, 13.5, 13.0)
+NARROW_SCALES = (15.0, 14.5, 14.0, 13.5, 13.0)  # a block's range over these many steps: candidate scales
 NARROW_BAND_BYTES = 1 << 20  # float32 rows rounded at a time, all workers together: several times this in temporaries
 
 
@@ -289,9 +289,9 @@ def _unfolded_fast_layout(w: CarriedBlocks) -> CarriedBlocks:
 def zero_points_into_correction(w: CarriedBlocks) -> CarriedBlocks:
     """4-bit blocks ``s * (q - z) - c`` as ``s * (q - 8) - (c + s * (z - 8))``: the same weights with
     ORT's default zero point.  ORT's int8-activation kernel runs a matrix without zero points faster (one
-    decode step of the lean Q4_K_M target: 84.0 against 93.8 ms on a 2-core AVX2 CPU), and the correction rides in
-    the matmul anyway (:func:`fold_correction`).  Blocks without a correction (``narrow_to_4bit``'s) keep
-    their zero points: folding one in would read as many bytes as the zero points cost."""
+    decode step of the lean Q4_K_M target: 84.0 against 93.8 ms on a 2-core AVX2 CPU), and the correction
+    rides in the matmul anyway (:func:`fold_correction`).  Blocks without a correction (``narrow_to_4bit``'s)
+    keep their zero points: folding one in would read as many bytes as the zero points cost."""
     if w.bits != 4 or w.zero_points is None or w.correction is None:
         return w
     shift = w.scales * (w.zero_points.astype(np.float32) - 8)
