@@ -93,13 +93,27 @@ LLAMA_SERVER = LLAMACPP_BUILD / "bin" / "llama-server"
 # CPU, tuned for this machine, static binaries; no network at build or run time (no TLS, no web UI download)
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
 ]
+# ggml's x86 options for what /proc/cpuinfo reports: on a CPU with AMX they replace -march=native, which
+# would turn on this llama.cpp's AMX matmul (ggml_backend_amx_mul_mat), which crashes at the first decode on
+# an Intel Xeon with AMX (the kernel granting the tile state); every other instruction set stays on
+X86_FEATURES = {
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "bmi2": "GGML_BMI2",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
 TARGET_GGUF = ROOT / "models" / "gguf" / f"{spec_peers.TARGET}.gguf"
 DRAFT_GGUF = ROOT / "models" / "gguf" / f"{spec_peers.DRAFT}.gguf"
 LLAMACPP_MODES = ("plain", "draft", "ngram-mod", "ngram-cache")
@@ -151,13 +165,29 @@ def ensure_llamacpp() -> Path:
     if not (LLAMACPP_BUILD / "CMakeCache.txt").is_file():
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         log(f"configuring llama.cpp in {LLAMACPP_BUILD}")
-        subprocess.run(["cmake", "-S", str(source), "-B", str(LLAMACPP_BUILD), *generator, *CMAKE_OPTIONS], check=True)
+        options = [*CMAKE_OPTIONS, *cpu_options()]
+        subprocess.run(["cmake", "-S", str(source), "-B", str(LLAMACPP_BUILD), *generator, *options], check=True)
     log(f"building {', '.join(LLAMACPP_TARGETS)} (once; tens of minutes on 2 cores)")
     started = time.perf_counter()
     jobs = str(min(os.cpu_count() or 2, 2))  # more jobs than cores only adds memory
     subprocess.run(["cmake", "--build", str(LLAMACPP_BUILD), "-j", jobs, "--target", *LLAMACPP_TARGETS], check=True)
     log(f"llama.cpp built in {time.perf_counter() - started:.0f} s: {llamacpp_version()}")
     return LLAMA_SERVER
+
+
+def cpu_options() -> list[str]:
+    """``-march=native`` (``GGML_NATIVE``), or on an x86 CPU with AMX its other instruction sets one by one."""
+    try:
+        flags = next(
+            set(line.split(":", 1)[1].split())
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = set()
+    if "amx_int8" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if f in flags else 'OFF'}" for f, option in X86_FEATURES.items()]
 
 
 def llamacpp_version() -> str:

@@ -293,6 +293,15 @@ def test_gguf_file_blocks_attach_to_the_weights_transformers_loaded(tmp_path):
         save_model(build_decoder(weights, BuildOptions(quant, accuracy_level=0, context_length=64, **options)), path)
         logits[name] = Decoder(path, capacity=64, threads=1).forward(ids, len(ids))["logits"]
     np.testing.assert_allclose(logits["exact"], logits["fp32"], atol=1e-4)
+    # the key and value (both 4-bit blocks of 32) share one matmul beside the 8-bit query's: a node each
+    # costs step time, and the correction's block sums of their common input are computed once
+    import onnx
+
+    for name in ("exact", "fast"):
+        graph = onnx.load(str(tmp_path / f"{name}.onnx"), load_external_data=False).graph
+        matmuls = sorted(n.name.split("/")[0] for n in graph.node if n.op_type == "MatMulNBits")
+        attention_inputs = [m for m in matmuls if m.split(".")[-1] in ("q", "k", "v", "kv", "qkv")]
+        assert attention_inputs == [f"layers.{i}.{part}" for i in range(cfg.num_layers) for part in ("kv", "q")]
     # negative control: the same weights re-quantized to int4 blocks (the old path) are far off; the default
     # layout (Q4_1's correction folded into the matmul at 4 bits) stays much closer than that
     requant_error = np.abs(logits["requant"] - logits["fp32"]).max()

@@ -307,21 +307,27 @@ class DecoderGraphBuilder:
     ) -> str:
         """``x @ W.T + bias`` with W one weight or the row-wise concatenation of named parts (a fused
         Q/K/V or gate/up projection).  Parts whose GGUF blocks are carried (``weights.carried``) keep
-        them: one matmul when every part is carried in one layout, else one per part, concatenated."""
+        them: one matmul for each run of neighbouring parts carried in one layout (a Q4_K query and key
+        beside a Q6_K value are two, not three: every matmul node costs a step time of its own, and the
+        4-bit parts share one computation of the correction's block sums), the outputs concatenated."""
         parts = weight if isinstance(weight, list) else [(name, weight)]
         carried = [self.carried.get(part) for part, _ in parts]
         if not any(c is not None for c in carried):
             full = parts[0][1] if len(parts) == 1 else stacked([w for _, w in parts])
             return add_linear(self.graph, x, full, name, self.opt, bias)
-        if all(c is not None for c in carried) and len({(c.bits, c.block_size) for c in carried}) == 1:
+        runs = _layout_runs(carried)
+        if len(runs) == 1:
             return add_carried_linear(self.graph, x, concat_blocks(carried), name, self.opt, bias)
         biases = [None] * len(parts) if bias is None else np.split(bias, np.cumsum([w.shape[0] for _, w in parts])[:-1])
-        outs = [
-            add_carried_linear(self.graph, x, c, part, self.opt, b)
-            if c is not None
-            else add_linear(self.graph, x, w, part, self.opt, b)
-            for (part, w), c, b in zip(parts, carried, biases)
-        ]
+        outs = []
+        for start, stop in runs:
+            run_name = _run_name([part for part, _ in parts[start:stop]])
+            run_bias = None if bias is None else np.concatenate(biases[start:stop])
+            if carried[start] is None:
+                outs.append(add_linear(self.graph, x, parts[start][1], run_name, self.opt, run_bias))
+            else:
+                blocks = concat_blocks(carried[start:stop])
+                outs.append(add_carried_linear(self.graph, x, blocks, run_name, self.opt, run_bias))
         return self.graph.node("Concat", outs, [name + "/out"], axis=-1)[0]
 
     def step_inputs(self, token_inputs: list[onnx.ValueInfoProto] | None = None) -> None:
@@ -773,3 +779,25 @@ def save_model(model: onnx.ModelProto, path) -> None:
     )
     if (path.parent / data_name).exists():  # onnx creates it 0600 whatever the umask
         os.chmod(path.parent / data_name, new_file_mode())
+
+
+def _layout_runs(carried: list) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each run of neighbouring parts that one matmul can take: carried parts of one
+    bits/block layout together, every part without carried blocks alone."""
+    runs: list[tuple[int, int]] = []
+    for i, c in enumerate(carried):
+        if runs and c is not None and (prev := carried[runs[-1][0]]) is not None:
+            if (prev.bits, prev.block_size) == (c.bits, c.block_size):
+                runs[-1] = (runs[-1][0], i + 1)
+                continue
+        runs.append((i, i + 1))
+    return runs
+
+
+def _run_name(names: list[str]) -> str:
+    """One node name for neighbouring parts of a projection: ``layers.3.q`` and ``layers.3.k`` make
+    ``layers.3.qk``."""
+    if len(names) == 1:
+        return names[0]
+    prefix = names[0].rsplit(".", 1)[0]
+    return prefix + "." + "".join(n.rsplit(".", 1)[-1] for n in names)
