@@ -318,11 +318,11 @@ class DecoderGraphBuilder:
         runs = _layout_runs(carried)
         if len(runs) == 1:
             return add_carried_linear(self.graph, x, concat_blocks(carried), name, self.opt, bias)
-        biases = [None] * len(parts) if bias is None else np.split(bias, np.cumsum([w.shape[0] for _, w in parts])[:-1])
+        row_starts = np.cumsum([0] + [w.shape[0] for _, w in parts])  # each part's first output row
         outs = []
         for start, stop in runs:
             run_name = _run_name([part for part, _ in parts[start:stop]])
-            run_bias = None if bias is None else np.concatenate(biases[start:stop])
+            run_bias = None if bias is None else bias[row_starts[start] : row_starts[stop]]
             if carried[start] is None:
                 outs.append(add_linear(self.graph, x, parts[start][1], run_name, self.opt, run_bias))
             else:
