@@ -181,7 +181,12 @@ def check_manifest(manifest: dict, path: Path | str = MANIFEST) -> None:
             onnx = _relative(_field(entry, "onnx", str, at), at + "onnx")
             _check_files(entry, at)
             recorded = {record["path"] for record in entry["files"]}
-            for needed in (onnx, onnx + ".data"):  # the graph and its weights are always recorded
+            needs = [onnx, onnx + ".data"]  # the graph and its weights are always recorded
+            if entry.get("prompt_reader") is not None:  # and a prompt graph's, where there is one
+                reader = _field(entry, "prompt_reader", dict, at)
+                prompt = _relative(_field(reader, "onnx", str, at + "prompt_reader."), at + "prompt_reader.onnx")
+                needs += [prompt, prompt + ".data"]
+            for needed in needs:
                 if needed not in recorded:
                     raise _Damaged(f"{at}files has no record of {needed}")
             if _field(entry, "parameters", (int, float), at) <= 0:

@@ -48,6 +48,7 @@ CONCEPTS: dict[str, str] = {
     "--draft": r"drafter( source)?:|drafter source",
     "--target": r"target( source)?:",
     "--exact": r"batch-invariant",
+    "--prompt-reader": r"the int8 prompt reader",
     "--verify": r"(also )?check every (bundle )?file's sha256",
     "--temperature": r"(sampling )?temperatures?\b|0 = greedy",
     "--top-k": r"keep the k most likely",

@@ -72,6 +72,17 @@ class GraphFlags:
             "with every 8-bit block, Q6_K's, rounded to 4 bits: faster, less faithful).",
         )
     )
+    prompt_reader: bool = option(
+        typer.Option(
+            EXPORT_DEFAULTS.prompt_reader,
+            "--prompt-reader/--no-prompt-reader",
+            help="The int8 prompt reader: add a second graph of the target and of the drafter that reads "
+            "prompts through int8 matmuls (several times faster on long prompts, most on CPUs with AMX; for the "
+            "default pair 1.6 GB more on disk and 2 GB more memory). Decoded tokens stay the decode graph's, "
+            "but an answer may then differ from the decode graph's own at near-ties "
+            "(docs/methods/prompt-reader.md).",
+        )
+    )
 
 
 @takes_groups

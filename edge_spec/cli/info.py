@@ -72,7 +72,9 @@ def info(
         out.print(
             f"{role:6s} {m['name']}: {m['parameters'] / 1e6:.0f}M params, {c['num_layers']} layers, "
             f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {m['quantization']['weights']}, "
-            f"{m['bytes'] / (1 << 20):.0f} MiB" + (f"; heads: {heads}, default {m['default_head']}" if heads else "")
+            f"{m['bytes'] / (1 << 20):.0f} MiB"
+            + ("; int8 prompt reader" if m.get("prompt_reader") else "")
+            + (f"; heads: {heads}, default {m['default_head']}" if heads else "")
         )
     if manifest.get("eagle"):
         from edge_spec.manifest import eagle_heads

@@ -94,6 +94,13 @@ ExactOpt = typer.Option(
     "for greedy spec/ssd, off for ar and for sampling (one-row passes are 15-25% faster but "
     "round differently; a sampled answer depends on the draft lengths anyway).",
 )
+PromptReaderOpt = typer.Option(
+    True,
+    "--prompt-reader/--no-prompt-reader",
+    help="The int8 prompt reader: read prompts through the bundle's where it has one (edge-spec export "
+    "--prompt-reader; CPU). --no-prompt-reader reads them with the decode graph: slower on long prompts, and "
+    "every answer is then the decode graph's own.",
+)
 VerifyOpt = typer.Option(
     False, "--verify", help="Check every bundle file's sha256, not only its size (reads the whole bundle: slower)."
 )
@@ -252,6 +259,7 @@ class EngineFlags:
     draft_provider: Optional[str] = option(DraftProviderOpt)
     provider_option: list[str] = option(ProviderOptionOpt)
     exact: Optional[bool] = option(ExactOpt)
+    prompt_reader: bool = option(PromptReaderOpt)
     verify: bool = option(VerifyOpt)
 
     def loop_settings(self) -> dict:
@@ -282,6 +290,7 @@ class EngineFlags:
             draft_provider=self.draft_provider,
             draft_threads=self.draft_threads,
             exact=self.exact,
+            prompt_reader=self.prompt_reader,
             verify=self.verify,
             provider_option=self.provider_option,
             eagle_head=self.eagle_head,

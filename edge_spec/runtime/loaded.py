@@ -65,6 +65,7 @@ class LoadOptions:
     cache_dir: str | Path | None = None  # where the suffix cache is kept (None: in memory only)
     suffix_capacity: int = DEFAULT_SUFFIX_CAPACITY  # tokens the suffix cache holds
     corpus: str | Path | None = None  # a directory whose text files are read into the suffix cache
+    prompt_reader: bool = True  # read prompts through the bundle's int8 prompt graph, where it has one (CPU)
 
     @property
     def drafter_provider(self) -> str:
@@ -111,6 +112,15 @@ class BundleFiles:
             on_block = counter(bundle_bytes(manifest))
         verify_files(directory, manifest, full_hash=verify, on_block=on_block)
         return cls(directory, manifest, None if verify else WeightCheck(directory, manifest))
+
+
+def prompt_graph(directory: Path, entry: dict, options: LoadOptions, provider: str) -> Path | None:
+    """The prompt graph (``export.graph.prompt_reader``) of a bundle's model ``entry`` where the options want
+    it and it can run: its int8 matmuls are MLAS's, so on the CPU execution provider only."""
+    record = entry.get("prompt_reader")
+    if not options.prompt_reader or record is None or provider.lower() != "cpu":
+        return None
+    return directory / record["onnx"]
 
 
 class LoadedBundle:
@@ -167,6 +177,7 @@ class LoadedBundle:
             capacity=capacity,
             takes_turns=takes_turns,
             provider_options=options.provider_options,
+            prompt_graph=prompt_graph(files.directory, manifest["target"], options, options.provider),
         )
         return cls(files, tokenizer, target, options, suffix_cache=suffix_cache)
 
@@ -205,7 +216,7 @@ class LoadedBundle:
                 steps.seed(rows, seconds)
         self.cost_profile, self._profile_key = profile, key
         # the passes counted so far (the profile's) are not live ones
-        self._profile_calls = (dict(self.target.stats.calls), dict(steps.calls))
+        self._profile_calls = (dict(self.target.stats.costed), dict(steps.costed))
         return profile
 
     def _settle(self) -> None:
@@ -227,17 +238,17 @@ class LoadedBundle:
         if profile is None:
             return
         target_calls, step_calls = self._profile_calls
-        calls = {n: c - target_calls.get(n, 0) for n, c in stats.calls.items()}
+        calls = {n: c - target_calls.get(n, 0) for n, c in stats.costed.items()}
         if cost_profile.outgrown_by_live(profile, stats.recent, calls):
             cost_profile.forget(self._profile_key)
             return
         steps = self.active_drafter(config).decoder.stats
-        drafted = {n: c - step_calls.get(n, 0) for n, c in steps.calls.items()}
+        drafted = {n: c - step_calls.get(n, 0) for n, c in steps.costed.items()}
         if cost_profile.refine_from_live(profile, stats.recent, calls, steps.recent, drafted):
             cost_profile.save(self._profile_key, profile)
             for n, seconds in profile.verify.items():  # and price the sizes not measured live from it now
                 stats.profile[n] = seconds  # (what DecoderStats scales them by: live / this, where measured)
-                if stats.calls.get(n, 0) < 2:
+                if stats.costed.get(n, 0) < 2:
                     stats.recent[n] = seconds
 
     def _placement(self) -> tuple[str, str]:
@@ -406,6 +417,10 @@ class LoadedBundle:
         same = o.drafter_provider.lower() == o.provider.lower()  # the target's options fit its provider only
         options = dict(o.provider_options or {}) if same else {}
         return dict(provider=o.drafter_provider, threads=o.drafter_threads, provider_options=options)
+
+    def draft_prompt_graph(self, entry: dict) -> Path | None:
+        """The prompt graph of the drafter model ``entry`` (its manifest record), where it is to be used."""
+        return prompt_graph(self.bundle_dir, entry, self.options, self.options.drafter_provider)
 
     def close(self) -> None:
         """Save what is kept across processes (schedule calibrations, the suffix cache) and drop the ONNX

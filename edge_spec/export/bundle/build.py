@@ -23,6 +23,7 @@ from edge_spec.export.bundle import activity, install
 from edge_spec.export.bundle.options import ExportOptions, layout_name, layout_settings
 from edge_spec.export.bundle.stages import Stages, memory_needed
 from edge_spec.export.graph.builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
+from edge_spec.export.graph.prompt_reader import write_prompt_graph
 from edge_spec.export.sources.pair import ModelCard, check_pair, probe_pair
 from edge_spec.export.sources.resolve import LoadedModel, check_source_exists, load_model
 from edge_spec.manifest import FORMAT, file_record, tokenizer_record, verify_files, write_manifest
@@ -339,6 +340,15 @@ def save_tokenizer(tokenizer, eos_ids: list[int], bundle_dir: Path) -> None:
     (bundle_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def add_prompt_reader(bundle_dir: Path, record: dict) -> None:
+    """Write a model's prompt graph (``graph.prompt_reader``) beside it and add it to its manifest ``record``."""
+    path = write_prompt_graph(bundle_dir / record["onnx"])
+    relative = path.relative_to(bundle_dir).as_posix()
+    record["files"] += [file_record(bundle_dir, relative), file_record(bundle_dir, relative + ".data")]
+    record["bytes"] = sum(f["bytes"] for f in record["files"])
+    record["prompt_reader"] = {"onnx": relative, "matmuls": "int8 weights per row, int8 inputs per row"}
+
+
 def export_decoder(model: LoadedModel, bundle_dir: Path, role: str, options: BuildOptions, stem: str = "model") -> None:
     out = bundle_dir / role
     out.mkdir(parents=True, exist_ok=True)
@@ -552,6 +562,9 @@ def _export_into(
     # nothing is refused as such, not as an empty calibration later
     with stages.step("checking the target"):
         check_target_computes(staging, {"target": target_record, "context_length": options.context_length}, progress)
+    if options.prompt_reader and options.quant != "fp32":
+        with stages.step("building the prompt reader", "building the int8 prompt graph"):
+            add_prompt_reader(staging, target_record)
 
     with stages.step("loading the drafter", f"loading drafter {draft_source}", needs=memory_needed(draft_source)):
         draft = loader(draft_source)
@@ -564,6 +577,9 @@ def _export_into(
         export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
         draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
         draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
+    if options.prompt_reader and options.quant != "fp32":  # what drafts is the drafter's: no exactness to keep
+        with stages.step("building the drafter's prompt reader", "building the drafter's int8 prompt graph"):
+            add_prompt_reader(staging, draft_record)
     with stages.step("building the drafter heads"):
         heads, files, calibration = export_draft_heads(
             staging,

@@ -64,6 +64,7 @@ class ExportOptions:
     # carried blocks: lean (fast, the LM head at 4 bits with its best rows re-scored at 8), fast, exact or
     # small (GGUF_LAYOUTS): lean reads 9% fewer bytes a token and keeps top-1 agreement at 0.994
     gguf_layout: str = "lean"
+    prompt_reader: bool = False  # a second target graph reading prompts through int8 matmuls (graph.prompt_reader)
 
     def fitted_to(self, vocab_size: int, hidden_size: int) -> "ExportOptions":
         """These options for a drafter head of ``vocab_size`` rows of ``hidden_size``: a VocabTrim size or a

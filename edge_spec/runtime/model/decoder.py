@@ -116,16 +116,22 @@ class DecoderStats:
     profile: dict[int, float] = field(default_factory=dict)  # latencies profiled at load (see seed)
     prefill_calls: dict[int, int] = field(default_factory=dict)  # the part of calls/seconds spent in prefill
     prefill_seconds: dict[int, float] = field(default_factory=dict)
+    costed: dict[int, int] = field(default_factory=dict)  # the calls that are samples of this graph's cost
 
-    def add(self, n_tokens: int, seconds: float, prefill: bool = False) -> None:
+    def add(self, n_tokens: int, seconds: float, prefill: bool = False, costs: bool = True) -> None:
+        """File one pass; ``costs`` False keeps it out of the recent latencies the cost model plans with
+        (a pass of another graph: the prompt reader's)."""
         self.calls[n_tokens] = self.calls.get(n_tokens, 0) + 1
         self.seconds[n_tokens] = self.seconds.get(n_tokens, 0.0) + seconds
         if prefill:  # kept apart too, so that reports can leave prompt processing out exactly
             self.prefill_calls[n_tokens] = self.prefill_calls.get(n_tokens, 0) + 1
             self.prefill_seconds[n_tokens] = self.prefill_seconds.get(n_tokens, 0.0) + seconds
-        if self.calls[n_tokens] == 2:
+        if not costs:
+            return
+        self.costed[n_tokens] = self.costed.get(n_tokens, 0) + 1
+        if self.costed[n_tokens] == 2:
             self.recent[n_tokens] = seconds  # the first (cold) call is left out; a profiled seed is replaced
-        elif self.calls[n_tokens] > 2:
+        elif self.costed[n_tokens] > 2:
             self.recent[n_tokens] = 0.8 * self.recent[n_tokens] + 0.2 * seconds
 
     def seed(self, n_tokens: int, seconds: float) -> None:
@@ -133,7 +139,7 @@ class DecoderStats:
         self.recent[n_tokens] = self.profile[n_tokens] = seconds
 
     def _measured(self, n_tokens: int) -> bool:
-        return self.calls.get(n_tokens, 0) >= 2
+        return self.costed.get(n_tokens, 0) >= 2
 
     def recent_seconds(self, max_tokens: int = 16) -> dict[int, float]:
         """Recent latency per number of new tokens (decode-sized calls seen at least twice).
@@ -144,6 +150,18 @@ class DecoderStats:
         ratios = sorted(self.recent[n] / t for n, t in self.profile.items() if self._measured(n) and t > 0)
         scale = ratios[len(ratios) // 2] if ratios else 1.0
         return {n: t if self._measured(n) else t * scale for n, t in self.recent.items() if n <= max_tokens}
+
+
+def _session_options(given: ort.SessionOptions | None, threads: int, takes_turns: bool) -> ort.SessionOptions:
+    """``given`` (or new options) set up as every decoder session runs: all graph optimizations, ``threads``
+    intra-op threads, spinning only where the decoder does not alternate with another on the same cores."""
+    opts = given or ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    set_spinning(opts, takes_turns)  # target and drafter alternate on the same cores
+    return opts
 
 
 class Decoder:
@@ -163,25 +181,29 @@ class Decoder:
         kv_device: str | None = None,
         attention_pad: bool = True,
         native_attention: bool = True,
+        prompt_graph: Path | None = None,
     ) -> None:
         """``provider_options`` go to the execution provider as they are (e.g. ``device_id``);
         ``kv_device`` overrides where the KV cache lives (default: the provider's device when ORT can
         allocate there, else host memory; see :mod:`kv_cache`); ``attention_pad`` False loads a graph
         that pads its attention without that pad (:mod:`attention_unpad`: for measuring what it costs);
         ``native_attention`` False keeps ORT's own attention op where the native one would replace it
-        (:mod:`native_attention`; ``EDGE_SPEC_NATIVE_ATTENTION=0`` does the same for every decoder)."""
+        (:mod:`native_attention`; ``EDGE_SPEC_NATIVE_ATTENTION=0`` does the same for every decoder);
+        ``prompt_graph``: a graph that reads prompts (:meth:`prefill`) in this one's place, into the same
+        cache (``export.graph.prompt_reader``: int8 matmuls, several times faster on long prompts)."""
         model_path = Path(model_path)
         self.model_path = model_path
         if not model_path.is_file():
             raise EdgeSpecError(f"model file not found: {model_path}")
         self.huge_pages = HugePagePromotion()  # what the session and the cache allocate goes to 2 MiB pages
-        opts = session_options or ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            opts.intra_op_num_threads = threads
-            opts.inter_op_num_threads = 1
-        set_spinning(opts, takes_turns)  # target and drafter alternate on the same cores
-        self.session = self._open(model_path, opts, provider, provider_options, attention_pad, native_attention)
+        self.session, self.attention_pad_removed, self.native_attention = self._open(
+            model_path,
+            _session_options(session_options, threads, takes_turns),
+            provider,
+            provider_options,
+            attention_pad,
+            native_attention,
+        )
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         kv_inputs = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
@@ -218,6 +240,21 @@ class Decoder:
         self._running = False
         self.stop_requested: Callable[[], bool] | None = None
         self.huge_pages.start()
+        # after the promotion started: a prompt pass is bound by arithmetic, not by page walks, and promoting
+        # its weights too costs seconds of both cores while the first prompt is read.  Its attention stays
+        # ORT's: over many rows that is the faster one, and its rows come from other kernels than decoded ones
+        self.prompt_session: ort.InferenceSession | None = None
+        self._prompt_binding: ort.IOBinding | None = None
+        if prompt_graph is not None:
+            self.prompt_session, _, _ = self._open(
+                Path(prompt_graph),
+                _session_options(None, threads, takes_turns),
+                provider,
+                provider_options,
+                attention_pad,
+                False,
+            )
+            self._prompt_binding = self._prompt_reader_binding(self.prompt_session)
 
     def _open(
         self,
@@ -227,12 +264,12 @@ class Decoder:
         provider_options: dict[str, str] | None,
         attention_pad: bool,
         native_attention: bool,
-    ) -> ort.InferenceSession:
-        """The ORT session of ``model_path``, its graph first rewritten where asked (attention pad removed,
-        the native attention op in ORT's place); a graph ORT cannot load is one line."""
+    ) -> tuple[ort.InferenceSession, bool, bool]:
+        """(the ORT session of ``model_path``, whether its attention pad was removed, whether its attention
+        runs on the native op), its graph first rewritten where asked (attention pad removed, the native
+        attention op in ORT's place); a graph ORT cannot load is one line."""
         model: str | bytes = str(model_path)
-        self.attention_pad_removed = False
-        self.native_attention = False  # attention runs on edge_spec.native's op, not ORT's
+        pad_removed = native = False
         library = native_library(provider) if native_attention else None
         graph = None
         if library or not attention_pad:
@@ -243,29 +280,45 @@ class Decoder:
         if graph is not None:
             if not attention_pad and has_attention_pad(graph):
                 strip_attention_pad(graph)
-                self.attention_pad_removed = True
+                pad_removed = True
             if library is not None and use_native_attention(graph):
                 opts.register_custom_ops_library(str(library))
-                self.native_attention = True
-            if self.attention_pad_removed or self.native_attention:
+                native = True
+            if pad_removed or native:
                 model = graph.SerializeToString()
                 # the weights stay in their file beside the graph, found from there
                 opts.add_session_config_entry(
                     "session.model_external_initializers_file_folder_path", str(model_path.parent)
                 )
         try:
-            return open_session(model, opts, provider, provider_options)
+            return open_session(model, opts, provider, provider_options), pad_removed, native
         except EdgeSpecError:
             raise
         except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise EdgeSpecError(f"cannot load {model_path}: {first[:300]}") from exc
 
+    def _prompt_reader_binding(self, session: ort.InferenceSession) -> ort.IOBinding:
+        """The prompt graph's binding: the same results and the same cache buffers as the decode graph's,
+        refused unless its inputs and outputs are the decode graph's."""
+        signature = ({i.name for i in session.get_inputs()}, [o.name for o in session.get_outputs()])
+        if signature != (self.input_names, self.output_names):
+            raise EdgeSpecError(
+                f"{self.model_path.parent / 'prompt.onnx'} does not match {self.model_path.name}'s inputs and "
+                "outputs: re-export the bundle"
+            )
+        binding = session.io_binding()
+        for name in self._result_names:
+            binding.bind_output(name, "cpu")
+        self.kv.bind(binding, self.num_layers)
+        return binding
+
     def __del__(self) -> None:
         """Free the cache's device buffers (and the binding that holds them) before the session: on WebGPU a
         buffer freed after its device's last session closed crashes the process, and attribute order would
         drop the session first."""
         self.__dict__.pop("_binding", None)
+        self.__dict__.pop("_prompt_binding", None)
         self.__dict__.pop("kv", None)
 
     @property
@@ -324,14 +377,16 @@ class Decoder:
             bias = tree.attention_bias(past) if tree is not None else np.zeros((rows, total), np.float32)
             feeds["position_ids"] = positions.reshape(1, rows)
             feeds["attention_bias"] = bias.reshape(1, 1, rows, total)
-        b = self._binding
+        by_reader = prefill and self.prompt_session is not None
+        b = self._prompt_binding if by_reader else self._binding
         for name, array in feeds.items():
             b.bind_cpu_input(name, array)
         for name in self._result_names:
             b.bind_output(name, "cpu")
         start = time.perf_counter()
-        self._run(b)
-        self.stats.add(rows, time.perf_counter() - start, prefill)
+        self._run(b, self.prompt_session if by_reader else self.session)
+        # a prompt graph's pass costs what another kernel costs: not a sample of this graph's pass cost
+        self.stats.add(rows, time.perf_counter() - start, prefill, costs=not by_reader)
         self.tokens.extend(int(t) for t in ids[0, :n])
         outs = b.get_outputs()  # results first, then the present buffers, which stay where they are
         results = [outs[i].numpy() for i in range(len(self._result_names))]
@@ -349,8 +404,8 @@ class Decoder:
             if self._running:
                 self._run_options.terminate = True
 
-    def _run(self, binding: ort.IOBinding) -> None:
-        """One ONNX Runtime pass that :meth:`interrupt` can cut."""
+    def _run(self, binding: ort.IOBinding, session: ort.InferenceSession) -> None:
+        """One ONNX Runtime pass of ``session`` that :meth:`interrupt` can cut."""
         with self._pass_lock:
             if self.stop_requested is not None and self.stop_requested():
                 raise PassInterrupted(f"pass of {self.model_path.parent.name} refused: stop requested")
@@ -358,7 +413,7 @@ class Decoder:
             self._running = True
         cut = False
         try:
-            self.session.run_with_iobinding(binding, self._run_options)
+            session.run_with_iobinding(binding, self._run_options)
         except Exception:  # ORT raises bare RuntimeError / Fail, an interrupted pass too
             cut = self._run_options.terminate
             if not cut:

@@ -156,6 +156,7 @@ class _ModelLoader:
                 bundle.bundle_dir / entry["onnx"],
                 capacity=bundle.target.capacity,
                 takes_turns=True,
+                prompt_graph=bundle.draft_prompt_graph(entry),
                 **bundle.draft_placement(),
             )
         if head not in self.by_head:
