@@ -49,6 +49,7 @@ def test_a_stream_gives_the_synchronous_answer_without_blocking_the_loop(engine,
     def watched(self, *args, **kwargs):
         for chunk in generate(self, *args, **kwargs):
             decoding.add(threading.get_ident())
+            time.sleep(0.005)  # an answer that takes long enough for a blocked loop to show
             yield chunk
 
     monkeypatch.setattr(Engine, "generate", watched)

@@ -78,9 +78,8 @@ class PromptGraph:
     def per_row(self, name: str, x: str, weight: np.ndarray, y: str) -> list[onnx.NodeProto]:
         """As the exported prompt graph does it: ``x`` rounded to uint8 at one scale per row."""
         codes, scales = int8_rows(weight)
-        return int8_matmul_nodes(
-            name, x, self.const(name + ".int8", codes), self.const(name + ".int8_scales", scales), y
-        )
+        w, s = self.const(name + ".int8", codes), self.const(name + ".int8_scales", scales)
+        return int8_matmul_nodes(name, x, weight.shape[1], w, s, y)
 
     def with_outliers(self, name, x, weight, channels, y, quantized) -> list[onnx.NodeProto]:
         """``channels`` of ``x`` multiplied in float32, the rest through ``quantized``."""

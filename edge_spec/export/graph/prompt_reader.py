@@ -1,19 +1,19 @@
-"""A second target graph that reads prompts through int8 matmuls: several times faster on long prompts.
+"""A second graph of a decoder (the target's, the drafter's) that reads prompts through int8 matmuls: several
+times faster on long prompts.
 
 Why: reading a prompt is compute-bound, and ``MatMulNBits`` (the decode graph's int4 kernel, bound by the
 bytes a one-row step streams) reads 512 prompt rows about as fast as a float32 ``MatMul``.  ONNX Runtime's
 int8 GEMM (MLAS QGEMM: VNNI, and AMX where the CPU has it) is several times faster there
 (``benchmarks/studies/prefill_kernels.py``, ``int8_prompt_path.py``).
 
-The prompt graph is the target graph with each layer matmul replaced: the weight as the decode graph computes
+The prompt graph is the decoder graph with each layer matmul replaced: the weight as the decode graph computes
 it (its blocks dequantized, a folded GGUF correction added back to its columns) rounded to int8 per output
-row, and the input rounded to uint8 around 128 with one scale per row (``MatMulIntegerToFloat``, then the
-rows' scales).
-Per row, because a row's int8 input must not depend on the other rows of its pass: a prompt's keys and
+row, and the input rounded to uint8 around 128 with one scale per row (:func:`int8_matmul_nodes`).  Per row,
+because a row's int8 input must not depend on the other rows of its pass: a prompt's keys and
 values then do not depend on how the prompt was cut into passes, and the model's massive activations (a few
 tokens' values in the down projection's input, hundreds of times the rest) cost only their own row's
-precision.  Everything else (embedding, norms, attention, the LM head and its re-scoring) is the target's
-own: the prompt graph's shared weights point into the target's data file, and only the int8 weights are new.
+precision.  Everything else (embedding, norms, attention, the LM head and its re-scoring) is the decoder's
+own: the prompt graph's shared weights point into the decoder's data file, and only the int8 weights are new.
 
 The decode graph still computes every decoded and verified token, so speculative decoding stays lossless:
 greedy output equals the target's own for the same prompt.  What changes is what "the target" is: a prompt
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from edge_spec.export.graph.builder import MS_DOMAIN, ExternalData
@@ -50,7 +50,7 @@ class _Initializers:
     def __getitem__(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         if not uses_external_data(tensor):
-            return onnx.numpy_helper.to_array(tensor)
+            return numpy_helper.to_array(tensor)
         info = ExternalDataInfo(tensor)
         if info.location not in self._maps:
             self._maps[info.location] = np.memmap(self._folder / info.location, np.uint8, "r")
@@ -135,23 +135,27 @@ SHARED_CONSTANTS = {
     _SHARED + "offset": np.array(128, np.float32),
     _SHARED + "zero": np.array(128, np.uint8),
     _SHARED + "one": np.array(1, np.float32),
+    _SHARED + "nought": np.array(0, np.float32),
 }
 
 
-def int8_matmul_nodes(name: str, x: str, codes: str, scales: str, y: str) -> list[onnx.NodeProto]:
-    """``y = x @ W`` with x rounded to uint8 around 128 at one scale per row and W int8 per column:
-    ``MatMulIntegerToFloat`` applies W's scales as its GEMM writes the result (a separate ``Cast`` and ``Mul``
-    over the int32 result cost half as much again), then one ``Mul`` applies the rows'."""
+def int8_matmul_nodes(name: str, x: str, k: int, codes: str, scales: str, y: str) -> list[onnx.NodeProto]:
+    """``y = x @ W`` with x [.., K] rounded to uint8 around 128 at one scale per row and W int8 per column.
+
+    The rows are rounded by one blocked ``QuantizeLinear`` (one block of ``k`` per row: a third of the time of
+    dividing, rounding, shifting and casting in four nodes, the same codes); ``MatMulIntegerToFloat`` applies
+    W's scales as its GEMM writes the result (a separate ``Cast`` and ``Mul`` over the int32 result cost half as
+    much again), then one ``Mul`` applies the rows'."""
     p, make = name + "/int8", helper.make_node
     return [
         make("Abs", [x], [p + "/abs"]),
         make("ReduceMax", [p + "/abs", _SHARED + "axes"], [p + "/peak"], keepdims=1),
         make("Div", [p + "/peak", _SHARED + "levels"], [p + "/step0"]),
         make("Max", [p + "/step0", _SHARED + "least_step"], [p + "/step"]),
-        make("Div", [x, p + "/step"], [p + "/steps"]),
-        make("Round", [p + "/steps"], [p + "/rounded"]),
-        make("Add", [p + "/rounded", _SHARED + "offset"], [p + "/shifted"]),
-        make("Cast", [p + "/shifted"], [p + "/codes"], to=TensorProto.UINT8),
+        make("Mul", [p + "/step", _SHARED + "nought"], [p + "/zero0"]),  # 128 in the step's shape, per row
+        make("Add", [p + "/zero0", _SHARED + "offset"], [p + "/zero1"]),
+        make("Cast", [p + "/zero1"], [p + "/zero"], to=TensorProto.UINT8),
+        make("QuantizeLinear", [x, p + "/step", p + "/zero"], [p + "/codes"], axis=-1, block_size=k),
         make(
             "MatMulIntegerToFloat",
             [p + "/codes", codes, _SHARED + "one", scales, _SHARED + "zero"],
@@ -183,12 +187,13 @@ def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
             weight, x, chain = effective_weight(node, producers, arrays)
             unneeded.update(n.name for n in chain)
             codes, scales = int8_rows(weight)
+            weight_k = weight.shape[1]
             del weight
             base = node.output[0]
             constants += [data.array(base + ".int8", codes), data.array(base + ".int8_scales", scales)]
             has_bias = len(node.input) > 5 and node.input[5] != ""
             y = base + "/unbiased" if has_bias else base
-            nodes = int8_matmul_nodes(base, x, base + ".int8", base + ".int8_scales", y)
+            nodes = int8_matmul_nodes(base, x, weight_k, base + ".int8", base + ".int8_scales", y)
             if has_bias:
                 nodes.append(helper.make_node("Add", [y, node.input[5]], [base], name=base + "/bias"))
             replaced[node.name] = nodes
@@ -199,8 +204,8 @@ def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
     graph.node.extend(nodes)
     del graph.initializer[:]
     graph.initializer.extend(kept + constants)
-    if not any(o.domain == "" and o.version >= 18 for o in model.opset_import):  # ReduceMax with axes input
-        raise ValueError("the target graph's opset is too old for the prompt graph (ReduceMax needs 18)")
+    if not any(o.domain == "" and o.version >= 21 for o in model.opset_import):  # blocked QuantizeLinear
+        raise ValueError("the decoder graph's opset is too old for a prompt graph (blocked QuantizeLinear needs 21)")
     onnx.save_model(model, str(out))
     out.chmod(new_file_mode())
     return out
