@@ -47,6 +47,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edge_spec.bench.long_prompts import long_prompts
 from edge_spec.export.graph.prompt_reader import SHARED_CONSTANTS, effective_weight, int8_matmul_nodes, int8_rows
 from edge_spec.runtime.model.decoder import PREFILL_CHUNK, Decoder
+from edge_spec.runtime.model.native_attention import native_library, prompt_path
 from edge_spec.runtime.text import TextTokenizer
 
 VARIANTS = ("per-tensor", "per-row-down", "per-row+outliers", "per-row")
@@ -216,6 +217,21 @@ def fidelity(reference: Decoder, other: Decoder, ids: list[int]) -> dict:
     return {"top1": top1 / n, "kl": kl / n, "nll": nll / n, "nll_reference": nll_reference / n}
 
 
+def runtime_readers(target: Path, paths: dict[str, Path], threads: int, takes_turns: bool = False) -> list:
+    """The ``per-row`` graph as the runtime loads a prompt reader: beside the target, its attention on the native
+    op's prompt path where this CPU has one (AMX's bfloat16 tiles), else ORT's."""
+    if "per-row" not in paths:
+        return []
+    library = native_library("cpu")
+    path = prompt_path(library) if library is not None else ""
+    name = f"per-row, {path or 'ORT'} attention, runtime"
+
+    def load() -> Decoder:
+        return Decoder(target, threads=threads, takes_turns=takes_turns, prompt_graph=paths["per-row"])
+
+    return [(name, load)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, required=True)
@@ -242,23 +258,31 @@ def main() -> None:
         del model
         print(f"{args.bundle.name}: {args.threads} threads, long prompts of {[len(i) for i in measured]} tokens")
         print("time to read each prompt (512-row passes), one reader loaded at a time:")
-        readers = [("decode path, native attention", target, True), ("decode path, ORT attention", target, False)]
-        readers += [(v, p, False) for v, p in paths.items()]
-        for name, path, native in readers:
-            decoder = Decoder(path, threads=args.threads, native_attention=native)
+        readers = [
+            ("decode path, native attention", lambda: Decoder(target, threads=args.threads)),
+            ("decode path, ORT attention", lambda: Decoder(target, threads=args.threads, native_attention=False)),
+        ]
+        readers += [(v, lambda p=p: Decoder(p, threads=args.threads, native_attention=False)) for v, p in paths.items()]
+        readers += runtime_readers(target, paths, args.threads)
+        for name, load in readers:
+            decoder = load()
             seconds = [seconds_to_read(decoder, prompt) for prompt in measured]
             del decoder
             rates = ", ".join(f"{len(p) / s:.1f}" for p, s in zip(measured, seconds))
             print(f"  {name:32s} {' / '.join(f'{s:.2f}' for s in seconds)} s  ({rates} tok/s)", flush=True)
         print("teacher-forced over the prompts' positions, against the decode path:")
         reference = Decoder(target, threads=args.threads, takes_turns=True)
-        for variant, path in paths.items():
-            other = Decoder(path, threads=args.threads, native_attention=False, takes_turns=True)
+        others = [
+            (v, lambda p=p: Decoder(p, threads=args.threads, native_attention=False, takes_turns=True))
+            for v, p in paths.items()
+        ]
+        for variant, load in others + runtime_readers(target, paths, args.threads, takes_turns=True):
+            other = load()
             results = [fidelity(reference, other, prompt) for prompt in measured]
             del other
             mean = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
             print(
-                f"  {variant:14s} top-1 agreement {mean['top1']:.3f}  mean KL {mean['kl']:.4f}  NLL {mean['nll']:.4f}"
+                f"  {variant:32s} top-1 agreement {mean['top1']:.3f}  mean KL {mean['kl']:.4f}  NLL {mean['nll']:.4f}"
                 f" (decode path {mean['nll_reference']:.4f}, {mean['nll'] / mean['nll_reference'] - 1:+.2%})",
                 flush=True,
             )

@@ -24,7 +24,12 @@
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #define ES_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 #include "onnxruntime_c_api.h"
@@ -34,6 +39,7 @@ namespace {
 constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor came with 1.17
 const OrtApi* g_api = nullptr;
 bool g_use_avx2 = false;
+bool g_use_amx = false;  // the prompt path (prompt_path_here)
 
 // ---------------------------------------------------------------------------------------------------
 // kernels
@@ -493,8 +499,317 @@ void attend(const Pass& P, size_t item) {
 
 void run_item(void* pass, size_t item) { attend(*static_cast<const Pass*>(pass), item); }
 
+// ---------------------------------------------------------------------------------------------------
+// the prompt path: bfloat16 products for a graph that reads prompts (attribute bf16_products = 1)
+//
+// A pass of hundreds of rows is bound by arithmetic, not by reading the cache.  Queries (scaled), keys,
+// values and the softmax weights are rounded to bfloat16 and multiplied on AMX's tiles, accumulated in
+// float32: 16 query vectors against 32 keys, then their weights against 16 value pairs, per instruction
+// pair.  AVX-512's pairwise bfloat16 dot products run at float32's FMA rate on the same CPUs, so they buy
+// nothing over ORT's float32 GEMMs; the tiles do.  Keys and values are packed once per pass into the
+// layouts the tiles read, and each block of rows scores only the keys of its causal window.  Not
+// batch-invariant, and it rounds: only a graph whose outputs are allowed to differ (a prompt reader) asks
+// for it, and the decoded rows keep the float32 path above.
+
+#ifdef ES_X86
+
+constexpr int kKeyTileBf16 = 32;  // keys per packed tile: two AMX tiles of 16 columns
+
+struct PromptPass {
+  const Attrs* attrs;
+  int rows, head, group, tiles, pairs;
+  float alpha;
+  const float* q;  // rotated queries [B, N, S, H]
+  const float* keys;  // present key [B, kvN, capacity, H]
+  const float* values;
+  int capacity;
+  const int32_t* seqlens;
+  const float* bias;
+  int64_t bias_b, bias_n, bias_t;
+  uint32_t* kpack;  // [B * kvN][tiles][H / 2][32]: bf16 pairs (k[t][2p], k[t][2p + 1])
+  uint16_t* vpack;  // [B * kvN][pairs][H][2]: (v[2j][d], v[2j + 1][d])
+  float* out;  // [B, S, N * H]
+  int row_block, blocks_per_head;
+};
+
+// pack one (batch, kv head)'s keys and values of [0, total), zeros after
+// out[p] = the bf16 pair (scale * x[2p], scale * x[2p + 1]) for p < HP, a multiple of 16 (VCVTNE2PS2BF16)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_pairs(const float* x, float scale,
+                                                                              uint32_t* out, int HP) {
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int c = 0; c < HP; c += 16) {
+    const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(x + 2 * c), f);
+    const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(x + 2 * c + 16), f);
+    _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// pack one (batch, kv head)'s keys and values of [0, total), zeros after
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void pack_head(const PromptPass& P, size_t item) {
+  const Attrs& A = *P.attrs;
+  const int b = static_cast<int>(item / A.kv_num_heads), g = static_cast<int>(item % A.kv_num_heads);
+  const int H = P.head, HP = H / 2, total = P.seqlens[b] + 1;
+  const float* K = P.keys + (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
+  const float* V = P.values + (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
+  uint32_t* kp = P.kpack + item * static_cast<size_t>(P.tiles) * HP * kKeyTileBf16;
+  uint16_t* vp = P.vpack + item * static_cast<size_t>(P.pairs) * H * 2;
+  const int keys = P.tiles * kKeyTileBf16;
+  uint32_t pairs[64];  // one key's bf16 pairs (H <= 128)
+  for (int t = 0; t < keys; ++t) {
+    uint32_t* tile = kp + static_cast<size_t>(t / kKeyTileBf16) * HP * kKeyTileBf16 + t % kKeyTileBf16;
+    if (t < total)
+      bf16_pairs(K + static_cast<size_t>(t) * H, 1.f, pairs, HP);
+    else
+      std::memset(pairs, 0, sizeof(uint32_t) * HP);
+    for (int p = 0; p < HP; ++p) tile[static_cast<size_t>(p) * kKeyTileBf16] = pairs[p];
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int j = 0; j < P.pairs; ++j) {
+    uint32_t* row = reinterpret_cast<uint32_t*>(vp + static_cast<size_t>(j) * H * 2);  // (v[2j][d], v[2j + 1][d])
+    const float* v0 = V + static_cast<size_t>(2 * j) * H;
+    const float* v1 = v0 + H;
+    const bool has0 = 2 * j < total, has1 = 2 * j + 1 < total;
+    for (int d = 0; d < H; d += 16) {
+      const __m256i a = (__m256i)_mm512_cvtneps_pbh(has0 ? _mm512_loadu_ps(v0 + d) : zero);
+      const __m256i c = (__m256i)_mm512_cvtneps_pbh(has1 ? _mm512_loadu_ps(v1 + d) : zero);
+      const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16));
+      _mm512_storeu_si512(row + d, pair);
+    }
+  }
+}
+
+void run_pack(void* pass, size_t item) { pack_head(*static_cast<const PromptPass*>(pass), item); }
+
+__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {  // exp_avx's polynomial, 16 lanes
+  const __m512 lower = _mm512_set1_ps(-87.33654f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lower, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lower);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+// e[0..n) = bf16(exp(s[0..n) - max)), zeros on to `padded`; returns the sum of the rounded weights
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) float softmax_weights_bf16(const float* s, int n, int padded,
+                                                                                 uint16_t* e) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int t = 0;
+  for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+  float mx = _mm512_reduce_max_ps(m);
+  for (int i = t; i < n; ++i) mx = std::max(mx, s[i]);
+  const __m512 mv = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t < padded; t += 16) {
+    const int left = n - t;
+    const __mmask16 live = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                      : (left <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << left) - 1));
+    const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
+    const __m512 w = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mv)));
+    const __m256bh h = _mm512_cvtneps_pbh(w);
+    const __m256i hi = (__m256i)h;
+    const int keep = std::min(16, padded - t);
+    if (keep == 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + t), hi);
+    else
+      _mm256_mask_storeu_epi16(e + t, static_cast<__mmask16>((1u << keep) - 1), hi);
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+struct PromptScratch {
+  std::vector<uint32_t> q;
+  std::vector<float> scores, acc;
+  std::vector<uint16_t> weights;
+};
+
+thread_local PromptScratch t_prompt;
+
+
+// sc[0..n) += the row's attention bias (one value for every key where the bias has one column)
+__attribute__((target("avx512f"))) void add_bias(float* sc, const float* brow, bool one, int n) {
+  int t = 0;
+  if (one) {
+    const __m512 v = _mm512_set1_ps(brow[0]);
+    for (; t + 16 <= n; t += 16) _mm512_storeu_ps(sc + t, _mm512_add_ps(_mm512_loadu_ps(sc + t), v));
+    for (; t < n; ++t) sc[t] += brow[0];
+    return;
+  }
+  for (; t + 16 <= n; t += 16)
+    _mm512_storeu_ps(sc + t, _mm512_add_ps(_mm512_loadu_ps(sc + t), _mm512_loadu_ps(brow + t)));
+  for (; t < n; ++t) sc[t] += brow[t];
+}
+
+// AMX's tile unit does the products (16 x 32 bf16 times 32 x 16 per instruction): query
+// vectors 16 at a time against 32 keys per packed tile, then their weights against 16 value pairs a step.
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_available() {  // the CPU has AMX's tiles and bfloat16 products, and Linux lets this process use them
+#if !defined(__linux__)
+  return false;
+#else
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
+  if (!tile || !bf16) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#endif
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_amx(const PromptPass& P,
+                                                                                                   size_t item) {
+  const Attrs& A = *P.attrs;
+  const int blocks = P.blocks_per_head;
+  const int b = static_cast<int>(item / (A.kv_num_heads * blocks));
+  const int g = static_cast<int>(item / blocks % A.kv_num_heads);
+  const int r0 = static_cast<int>(item % blocks) * P.row_block;
+  const int r1 = std::min(P.rows, r0 + P.row_block);
+  const int H = P.head, HP = H / 2, G = P.group;
+  const int total = P.seqlens[b] + 1, past = total - P.rows;
+  const size_t head_item = static_cast<size_t>(b) * A.kv_num_heads + g;
+  const uint32_t* kp = P.kpack + head_item * static_cast<size_t>(P.tiles) * HP * kKeyTileBf16;
+  const uint16_t* vp = P.vpack + head_item * static_cast<size_t>(P.pairs) * H * 2;
+  const size_t ld = static_cast<size_t>(P.tiles) * kKeyTileBf16;
+  PromptScratch& w = t_prompt;
+  w.q.resize(16 * static_cast<size_t>(HP));
+  w.scores.resize(16 * ld);
+  w.weights.resize(16 * ld);
+  w.acc.resize(16 * static_cast<size_t>(H));
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+  const int vectors = (r1 - r0) * G;
+  for (int v0 = 0; v0 < vectors; v0 += 16) {
+    const int m = std::min(16, vectors - v0);
+    int end = 0;
+    for (int i = 0; i < 16; ++i) {
+      uint32_t* qrow = w.q.data() + static_cast<size_t>(i) * HP;
+      if (i >= m) {
+        std::memset(qrow, 0, sizeof(uint32_t) * HP);
+        continue;
+      }
+      const int s = r0 + (v0 + i) / G, n = g * G + (v0 + i) % G;
+      end = std::max(end, past + s + 1);
+      bf16_pairs(P.q + ((static_cast<size_t>(b) * A.num_heads + n) * P.rows + s) * H, P.alpha, qrow, HP);
+    }
+    const int tiles = (end + kKeyTileBf16 - 1) / kKeyTileBf16;
+    const int steps = HP / 16;  // 32 head dimensions a step
+    const int qstride = HP * 4;
+    const uint32_t* qb = w.q.data();
+    _tile_loadd(4, qb, qstride);
+    _tile_loadd(5, qb + 16, qstride);
+    if (steps > 2) {
+      _tile_loadd(6, qb + 32, qstride);
+      _tile_loadd(7, qb + 48, qstride);
+    }
+    for (int u = 0; u < tiles; ++u) {
+      const uint32_t* tile = kp + static_cast<size_t>(u) * HP * kKeyTileBf16;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(2, tile, kKeyTileBf16 * 4);
+      _tile_loadd(3, tile + 16, kKeyTileBf16 * 4);
+      _tile_dpbf16ps(0, 4, 2);
+      _tile_dpbf16ps(1, 4, 3);
+      _tile_loadd(2, tile + 16 * kKeyTileBf16, kKeyTileBf16 * 4);
+      _tile_loadd(3, tile + 16 * kKeyTileBf16 + 16, kKeyTileBf16 * 4);
+      _tile_dpbf16ps(0, 5, 2);
+      _tile_dpbf16ps(1, 5, 3);
+      if (steps > 2) {
+        _tile_loadd(2, tile + 32 * kKeyTileBf16, kKeyTileBf16 * 4);
+        _tile_loadd(3, tile + 32 * kKeyTileBf16 + 16, kKeyTileBf16 * 4);
+        _tile_dpbf16ps(0, 6, 2);
+        _tile_dpbf16ps(1, 6, 3);
+        _tile_loadd(2, tile + 48 * kKeyTileBf16, kKeyTileBf16 * 4);
+        _tile_loadd(3, tile + 48 * kKeyTileBf16 + 16, kKeyTileBf16 * 4);
+        _tile_dpbf16ps(0, 7, 2);
+        _tile_dpbf16ps(1, 7, 3);
+      }
+      float* s = w.scores.data() + static_cast<size_t>(u) * kKeyTileBf16;
+      _tile_stored(0, s, static_cast<long>(ld * 4));
+      _tile_stored(1, s + 16, static_cast<long>(ld * 4));
+    }
+    const int padded = tiles * kKeyTileBf16;
+    float sums[16];
+    for (int i = 0; i < 16; ++i) {
+      uint16_t* e = w.weights.data() + i * ld;
+      if (i >= m) {
+        std::memset(e, 0, sizeof(uint16_t) * padded);
+        sums[i] = 1.f;
+        continue;
+      }
+      const int s = r0 + (v0 + i) / G, n = g * G + (v0 + i) % G, window = past + s + 1;
+      float* sc = w.scores.data() + i * ld;
+      if (P.bias != nullptr) {
+        const float* brow = P.bias;
+        if (P.bias_b != 1) brow += static_cast<size_t>(b) * P.bias_n * P.rows * P.bias_t;
+        if (P.bias_n != 1) brow += static_cast<size_t>(n) * P.rows * P.bias_t;
+        brow += static_cast<size_t>(s) * P.bias_t;
+        add_bias(sc, brow, P.bias_t == 1, window);
+      }
+      sums[i] = softmax_weights_bf16(sc, window, padded, e);
+    }
+    for (int d0 = 0; d0 < H; d0 += 64) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int j0 = 0; j0 < padded / 2; j0 += 16) {  // 16 key pairs a step
+        _tile_loadd(4, w.weights.data() + 2 * j0, static_cast<long>(ld * 2));
+        const uint16_t* vrow = vp + static_cast<size_t>(j0) * H * 2 + static_cast<size_t>(d0) * 2;
+        _tile_loadd(5, vrow, H * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, vrow + 32, H * 4);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, vrow + 64, H * 4);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, vrow + 96, H * 4);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      float* acc = w.acc.data() + d0;
+      _tile_stored(0, acc, H * 4);
+      _tile_stored(1, acc + 16, H * 4);
+      _tile_stored(2, acc + 32, H * 4);
+      _tile_stored(3, acc + 48, H * 4);
+    }
+    for (int i = 0; i < m; ++i) {
+      const int s = r0 + (v0 + i) / G, n = g * G + (v0 + i) % G;
+      float* o = P.out + (static_cast<size_t>(b) * P.rows + s) * A.num_heads * H + static_cast<size_t>(n) * H;
+      const float inv = 1.f / sums[i];
+      const float* a = w.acc.data() + static_cast<size_t>(i) * H;
+      for (int d = 0; d < H; ++d) o[d] = a[d] * inv;
+    }
+  }
+  _tile_release();
+}
+
+void run_item_amx(void* pass, size_t item) { attend_amx(*static_cast<const PromptPass*>(pass), item); }
+#endif
+
 struct Kernel {
   Attrs attrs;
+  bool bf16_products = false;  // a prompt graph's op: the bfloat16 path where the CPU has it
 };
 
 int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
@@ -642,6 +957,40 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
     P.bias_t = bias.shape[3];
     for (int b = 0; b < B; ++b) require(P.bias_t == 1 || P.bias_t >= seqlens_k[b] + 1, "attention_bias too short");
   }
+#ifdef ES_X86
+  if (kernel.bf16_products && g_use_amx && H % 64 == 0 && H <= 128 && A.softcap == 0.f && A.local_window <= 0) {
+    int longest = 0;
+    for (int b = 0; b < B; ++b) longest = std::max(longest, seqlens_k[b] + 1);
+    PromptPass R{};
+    R.attrs = &A;
+    R.rows = S;
+    R.head = H;
+    R.group = P.group;
+    R.tiles = (longest + kKeyTileBf16 - 1) / kKeyTileBf16;
+    R.pairs = R.tiles * kKeyTileBf16 / 2;
+    R.alpha = P.alpha;
+    R.q = P.q;
+    R.keys = present_key;
+    R.values = present_value;
+    R.capacity = capacity;
+    R.seqlens = seqlens_k;
+    R.bias = P.bias;
+    R.bias_b = P.bias_b;
+    R.bias_n = P.bias_n;
+    R.bias_t = P.bias_t;
+    R.out = out;
+    const size_t heads = static_cast<size_t>(B) * kvN;
+    std::vector<uint32_t> kpack(heads * R.tiles * (H / 2) * kKeyTileBf16);
+    std::vector<uint16_t> vpack(heads * R.pairs * H * 2);
+    R.kpack = kpack.data();
+    R.vpack = vpack.data();
+    check(g_api->KernelContext_ParallelFor(context, run_pack, heads, 0, &R));
+    R.row_block = 16;  // rows per work item: their query vectors go 16 at a time
+    R.blocks_per_head = (S + R.row_block - 1) / R.row_block;
+    check(g_api->KernelContext_ParallelFor(context, run_item_amx, heads * R.blocks_per_head, 0, &R));
+    return;
+  }
+#endif
   // work items: (batch, kv head, block of rows); a row's result does not depend on its block.  Every block
   // streams its heads' keys and values once: a few items for the threads of a verify pass, large blocks
   // for a prefill chunk (its queries stay in L2 while each key is read).
@@ -687,6 +1036,7 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const
     a.do_rotary = attr_int(info, "do_rotary", 0) == 1;
     a.rotary_interleaved = attr_int(info, "rotary_interleaved", 0) == 1;
     a.local_window = static_cast<int>(attr_int(info, "local_window_size", -1));
+    kernel->bf16_products = attr_int(info, "bf16_products", 0) == 1;
     const bool smooth = attr_int(info, "smooth_softmax", 0) == 1;
     if (a.num_heads <= 0 || a.kv_num_heads <= 0 || smooth) {
       delete kernel;
@@ -768,6 +1118,21 @@ bool cpu_has_avx2() {
 #endif
 }
 
+// the prompt path: AMX's bfloat16 tiles (with AVX-512 around them), unless EDGE_SPEC_NATIVE_SCALAR=1 or
+// EDGE_SPEC_NATIVE_AMX=0 turn it off
+bool prompt_path_here() {
+#ifdef ES_X86
+  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
+  const char* amx = std::getenv("EDGE_SPEC_NATIVE_AMX");
+  if ((force != nullptr && force[0] == '1') || (amx != nullptr && amx[0] == '0')) return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") && amx_available();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -778,6 +1143,9 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   if (g_api == nullptr) return nullptr;  // too old a runtime: nothing to report through
   const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
   g_use_avx2 = cpu_has_avx2() && !(force != nullptr && force[0] == '1');
+#ifdef ES_X86
+  g_use_amx = prompt_path_here();
+#endif
   if (g_domain == nullptr) {
     if (OrtStatus* status = g_api->CreateCustomOpDomain(kDomain, &g_domain)) return status;
     if (OrtStatus* status = g_api->CustomOpDomain_Add(g_domain, &g_op)) return status;
@@ -791,4 +1159,7 @@ __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
              ? "avx2"
              : "scalar";
 }
+
+// whether a prompt graph's op (attribute bf16_products = 1) has its bfloat16 path here: "amx" or ""
+__attribute__((visibility("default"))) const char* EdgeSpecPromptPath() { return prompt_path_here() ? "amx" : ""; }
 }

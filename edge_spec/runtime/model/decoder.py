@@ -64,7 +64,7 @@ from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_atten
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
-from edge_spec.runtime.model.native_attention import native_library, use_native_attention
+from edge_spec.runtime.model.native_attention import native_library, prompt_path, use_native_attention
 from edge_spec.runtime.model.providers import open_session
 from edge_spec.runtime.model.session import set_spinning
 
@@ -241,8 +241,9 @@ class Decoder:
         self.stop_requested: Callable[[], bool] | None = None
         self.huge_pages.start()
         # after the promotion started: a prompt pass is bound by arithmetic, not by page walks, and promoting
-        # its weights too costs seconds of both cores while the first prompt is read.  Its attention stays
-        # ORT's: over many rows that is the faster one, and its rows come from other kernels than decoded ones
+        # its weights too costs seconds of both cores while the first prompt is read.  Its attention is the
+        # native op's prompt path where this CPU has one (bfloat16 products over each row's causal window),
+        # else ORT's: over many rows that is faster than the native one-row kernels
         self.prompt_session: ort.InferenceSession | None = None
         self._prompt_binding: ort.IOBinding | None = None
         if prompt_graph is not None:
@@ -252,7 +253,8 @@ class Decoder:
                 provider,
                 provider_options,
                 attention_pad,
-                False,
+                native_attention,
+                prompt=True,
             )
             self._prompt_binding = self._prompt_reader_binding(self.prompt_session)
 
@@ -264,13 +266,17 @@ class Decoder:
         provider_options: dict[str, str] | None,
         attention_pad: bool,
         native_attention: bool,
+        prompt: bool = False,
     ) -> tuple[ort.InferenceSession, bool, bool]:
         """(the ORT session of ``model_path``, whether its attention pad was removed, whether its attention
         runs on the native op), its graph first rewritten where asked (attention pad removed, the native
-        attention op in ORT's place); a graph ORT cannot load is one line."""
+        attention op in ORT's place; for a ``prompt`` graph only where the op has a prompt path here); a graph
+        ORT cannot load is one line."""
         model: str | bytes = str(model_path)
         pad_removed = native = False
         library = native_library(provider) if native_attention else None
+        if prompt and library is not None and not prompt_path(library):
+            library = None
         graph = None
         if library or not attention_pad:
             try:
@@ -281,7 +287,7 @@ class Decoder:
             if not attention_pad and has_attention_pad(graph):
                 strip_attention_pad(graph)
                 pad_removed = True
-            if library is not None and use_native_attention(graph):
+            if library is not None and use_native_attention(graph, bf16_products=prompt):
                 opts.register_custom_ops_library(str(library))
                 native = True
             if pad_removed or native:

@@ -10,6 +10,8 @@ it does not build, or ``EDGE_SPEC_NATIVE_ATTENTION=0``) keeps ORT's op.  CPU exe
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from pathlib import Path
 
@@ -33,6 +35,19 @@ def native_library(provider: str) -> Path | None:
     return build.library_path()
 
 
+@functools.cache
+def prompt_path(library: Path) -> str:
+    """The native op's path for a prompt graph's passes on this CPU: "amx" (bfloat16 products on AMX's
+    tiles, each block of rows scoring only its causal window), or "" where there is none and ORT's op,
+    faster over many rows than the native one-row kernels, stays."""
+    try:
+        answer = ctypes.CDLL(str(library)).EdgeSpecPromptPath
+    except (OSError, AttributeError):
+        return ""
+    answer.restype = ctypes.c_char_p
+    return (answer() or b"").decode()
+
+
 def _takes(node: onnx.NodeProto, float_inputs: set[str]) -> bool:
     if node.op_type != "GroupQueryAttention" or node.domain != ORT_DOMAIN:
         return False
@@ -43,14 +58,17 @@ def _takes(node: onnx.NodeProto, float_inputs: set[str]) -> bool:
     return node.input[3] in float_inputs and node.input[4] in float_inputs  # an fp32 cache, bound by the runtime
 
 
-def use_native_attention(model: onnx.ModelProto) -> int:
-    """Move ``model``'s attention nodes to the native op (in place); returns how many moved."""
+def use_native_attention(model: onnx.ModelProto, bf16_products: bool = False) -> int:
+    """Move ``model``'s attention nodes to the native op (in place); returns how many moved.  With
+    ``bf16_products`` they take its prompt path (:func:`prompt_path`), for a graph that only reads prompts."""
     graph = model.graph
     float_inputs = {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT}
     moved = 0
     for node in graph.node:
         if _takes(node, float_inputs):
             node.domain = NATIVE_DOMAIN
+            if bf16_products:
+                node.attribute.append(onnx.helper.make_attribute("bf16_products", 1))
             moved += 1
     if moved and not any(o.domain == NATIVE_DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(NATIVE_DOMAIN, 1))
