@@ -39,24 +39,35 @@ def switched_on(monkeypatch):
     monkeypatch.setenv("EDGE_SPEC_NATIVE_ATTENTION", "1")
 
 
-def gqa_model(domain: str, tree: bool, window: int = -1, softcap: float = 0.0, packed: bool = True) -> bytes:
+def gqa_model(
+    domain: str,
+    tree: bool,
+    window: int = -1,
+    softcap: float = 0.0,
+    packed: bool = True,
+    shape: tuple[int, int, int, int, int] | None = None,
+    **extra: int,
+) -> bytes:
+    """One ``GroupQueryAttention`` node; ``shape``: (heads, kv heads, head size, cache slots, rotary rows),
+    this module's sizes when None (read at the call: a test may change them); ``extra``: more attributes."""
+    heads, kv_heads, head, capacity, table = shape or (HEADS, KV_HEADS, HEAD, CAPACITY, TABLE)
     value = helper.make_tensor_value_info
-    width = (HEADS + 2 * KV_HEADS) * HEAD if packed else HEADS * HEAD
-    cache = [1, KV_HEADS, CAPACITY, HEAD]
+    width = (heads + 2 * kv_heads) * head if packed else heads * head
+    cache = [1, kv_heads, capacity, head]
     inputs = [
         value("qkv", TensorProto.FLOAT, [1, "rows", width]),
         value("past_k", TensorProto.FLOAT, cache),
         value("past_v", TensorProto.FLOAT, cache),
         value("seqlens_k", TensorProto.INT32, [1]),
         value("total", TensorProto.INT32, []),
-        value("cos", TensorProto.FLOAT, [TABLE, HEAD // 2]),
-        value("sin", TensorProto.FLOAT, [TABLE, HEAD // 2]),
+        value("cos", TensorProto.FLOAT, [table, head // 2]),
+        value("sin", TensorProto.FLOAT, [table, head // 2]),
     ]
     names = ["qkv", "", "", "past_k", "past_v", "seqlens_k", "total", "cos", "sin"]
     if not packed:
         inputs += [
-            value("k", TensorProto.FLOAT, [1, "rows", KV_HEADS * HEAD]),
-            value("v", TensorProto.FLOAT, [1, "rows", KV_HEADS * HEAD]),
+            value("k", TensorProto.FLOAT, [1, "rows", kv_heads * head]),
+            value("v", TensorProto.FLOAT, [1, "rows", kv_heads * head]),
         ]
         names[1:3] = ["k", "v"]
     if tree:
@@ -65,14 +76,14 @@ def gqa_model(domain: str, tree: bool, window: int = -1, softcap: float = 0.0, p
             value("attention_bias", TensorProto.FLOAT, [1, 1, "rows", "total"]),
         ]
         names += ["position_ids", "attention_bias"]
-    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, do_rotary=1, rotary_interleaved=0, scale=0.17)
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=0.17, **extra)
     if window > 0:
         attrs["local_window_size"] = window
     if softcap:
         attrs["softcap"] = softcap
     node = helper.make_node("GroupQueryAttention", names, ["out", "present_k", "present_v"], domain=domain, **attrs)
     outputs = [
-        value("out", TensorProto.FLOAT, [1, "rows", HEADS * HEAD]),
+        value("out", TensorProto.FLOAT, [1, "rows", heads * head]),
         value("present_k", TensorProto.FLOAT, cache),
         value("present_v", TensorProto.FLOAT, cache),
     ]

@@ -13,10 +13,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
 
 from edge_spec.native import build
 from edge_spec.runtime.model.native_attention import NATIVE_DOMAIN, prompt_path, use_native_attention
+from tests.test_native_attention import gqa_model, session
 
 HEADS, KV_HEADS = 12, 2  # six query heads to a key/value head, as the default target has (its drafter: seven)
 CAPACITY = 1024
@@ -39,40 +39,8 @@ def switched_on(monkeypatch):
 
 
 def attention_model(domain: str, head: int, bf16_products: bool, heads: int = HEADS) -> bytes:
-    value = helper.make_tensor_value_info
-    cache = [1, KV_HEADS, CAPACITY, head]
-    inputs = [
-        value("qkv", TensorProto.FLOAT, [1, "rows", (heads + 2 * KV_HEADS) * head]),
-        value("past_k", TensorProto.FLOAT, cache),
-        value("past_v", TensorProto.FLOAT, cache),
-        value("seqlens_k", TensorProto.INT32, [1]),
-        value("total", TensorProto.INT32, []),
-        value("cos", TensorProto.FLOAT, [CAPACITY, head // 2]),
-        value("sin", TensorProto.FLOAT, [CAPACITY, head // 2]),
-        value("position_ids", TensorProto.INT64, [1, "rows"]),
-        value("attention_bias", TensorProto.FLOAT, [1, 1, "rows", "total"]),
-    ]
-    names = ["qkv", "", "", "past_k", "past_v", "seqlens_k", "total", "cos", "sin", "position_ids", "attention_bias"]
-    attrs = dict(num_heads=heads, kv_num_heads=KV_HEADS, do_rotary=1, rotary_interleaved=0)
-    if bf16_products:
-        attrs["bf16_products"] = 1
-    node = helper.make_node("GroupQueryAttention", names, ["out", "present_k", "present_v"], domain=domain, **attrs)
-    outputs = [
-        value("out", TensorProto.FLOAT, [1, "rows", heads * head]),
-        value("present_k", TensorProto.FLOAT, cache),
-        value("present_v", TensorProto.FLOAT, cache),
-    ]
-    graph = helper.make_graph([node], "gqa", inputs, outputs)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)]
-    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
-
-
-def session(model: bytes, library=None, threads: int = 2) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    if library is not None:
-        options.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    extra = {"bf16_products": 1} if bf16_products else {}
+    return gqa_model(domain, tree=True, shape=(heads, KV_HEADS, head, CAPACITY, CAPACITY), **extra)
 
 
 def feeds(head: int, context: int, rows: int, seed: int, heads: int = HEADS) -> dict[str, np.ndarray]:

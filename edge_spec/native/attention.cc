@@ -137,21 +137,23 @@ void score_avx(const float* const* q, int m, const float* K, int t0, int t1, int
   }
 }
 
-// exp(x) for x <= 0 (scores minus their maximum); 0 below the float range, as expf gives.
+// exp(x) for x <= 0 (scores minus their maximum): x = n ln 2 + r, exp(r) by Cephes' expf polynomial, 2^n in
+// the exponent bits; 0 below the float range, as expf gives.
+constexpr float kExpLowest = -87.33654f;
+constexpr float kLog2E = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                               4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx(__m256 x) {
-  const __m256 lower = _mm256_set1_ps(-87.33654f);
+  const __m256 lower = _mm256_set1_ps(kExpLowest);
   __m256 underflow = _mm256_cmp_ps(x, lower, _CMP_LT_OQ);
   x = _mm256_max_ps(x, lower);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   __m256 r2 = _mm256_mul_ps(r, r);
   p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -515,20 +517,11 @@ void run_item(void* pass, size_t item) { attend(*static_cast<const Pass*>(pass),
 
 constexpr int kKeyTileBf16 = 32;  // keys per packed tile: two AMX tiles of 16 columns
 
-struct PromptPass {
-  const Attrs* attrs;
-  int rows, head, group, tiles, pairs;
-  float alpha;
-  const float* q;  // rotated queries [B, N, S, H]
-  const float* keys;  // present key [B, kvN, capacity, H]
-  const float* values;
-  int capacity;
-  const int32_t* seqlens;
-  const float* bias;
-  int64_t bias_b, bias_n, bias_t;
+struct PromptPass {  // a prompt pass: the call's Pass, and the packed keys and values its work items read
+  const Pass* pass;
+  int tiles, pairs;  // key tiles of kKeyTileBf16 and key pairs packed per (batch, kv head)
   uint32_t* kpack;  // [B * kvN][tiles][H / 2][32]: bf16 pairs (k[t][2p], k[t][2p + 1])
   uint16_t* vpack;  // [B * kvN][pairs][H][2]: (v[2j][d], v[2j + 1][d])
-  float* out;  // [B, S, N * H]
   int row_block, blocks_per_head;
 };
 
@@ -545,15 +538,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_pairs(
 }
 
 // pack one (batch, kv head)'s keys and values of [0, total), zeros after
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void pack_head(const PromptPass& P, size_t item) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void pack_head(const PromptPass& R, size_t item) {
+  const Pass& P = *R.pass;
   const Attrs& A = *P.attrs;
   const int b = static_cast<int>(item / A.kv_num_heads), g = static_cast<int>(item % A.kv_num_heads);
   const int H = P.head, HP = H / 2, total = P.seqlens[b] + 1;
   const float* K = P.keys + (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
   const float* V = P.values + (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
-  uint32_t* kp = P.kpack + item * static_cast<size_t>(P.tiles) * HP * kKeyTileBf16;
-  uint16_t* vp = P.vpack + item * static_cast<size_t>(P.pairs) * H * 2;
-  const int keys = P.tiles * kKeyTileBf16;
+  uint32_t* kp = R.kpack + item * static_cast<size_t>(R.tiles) * HP * kKeyTileBf16;
+  uint16_t* vp = R.vpack + item * static_cast<size_t>(R.pairs) * H * 2;
+  const int keys = R.tiles * kKeyTileBf16;
   uint32_t pairs[64];  // one key's bf16 pairs (H <= 128)
   for (int t = 0; t < keys; ++t) {
     uint32_t* tile = kp + static_cast<size_t>(t / kKeyTileBf16) * HP * kKeyTileBf16 + t % kKeyTileBf16;
@@ -564,7 +558,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void pack_head(c
     for (int p = 0; p < HP; ++p) tile[static_cast<size_t>(p) * kKeyTileBf16] = pairs[p];
   }
   const __m512 zero = _mm512_setzero_ps();
-  for (int j = 0; j < P.pairs; ++j) {
+  for (int j = 0; j < R.pairs; ++j) {
     uint32_t* row = reinterpret_cast<uint32_t*>(vp + static_cast<size_t>(j) * H * 2);  // (v[2j][d], v[2j + 1][d])
     const float* v0 = V + static_cast<size_t>(2 * j) * H;
     const float* v1 = v0 + H;
@@ -580,20 +574,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void pack_head(c
 
 void run_pack(void* pass, size_t item) { pack_head(*static_cast<const PromptPass*>(pass), item); }
 
-__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {  // exp_avx's polynomial, 16 lanes
-  const __m512 lower = _mm512_set1_ps(-87.33654f);
+__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {  // exp_avx, 16 lanes
+  const __m512 lower = _mm512_set1_ps(kExpLowest);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lower, _CMP_LT_OQ);
   x = _mm512_max_ps(x, lower);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
@@ -675,20 +664,21 @@ bool amx_available() {  // the CPU has AMX's tiles and bfloat16 products, and Li
 #endif
 }
 
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_amx(const PromptPass& P,
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_amx(const PromptPass& R,
                                                                                                    size_t item) {
+  const Pass& P = *R.pass;
   const Attrs& A = *P.attrs;
-  const int blocks = P.blocks_per_head;
+  const int blocks = R.blocks_per_head;
   const int b = static_cast<int>(item / (A.kv_num_heads * blocks));
   const int g = static_cast<int>(item / blocks % A.kv_num_heads);
-  const int r0 = static_cast<int>(item % blocks) * P.row_block;
-  const int r1 = std::min(P.rows, r0 + P.row_block);
+  const int r0 = static_cast<int>(item % blocks) * R.row_block;
+  const int r1 = std::min(P.rows, r0 + R.row_block);
   const int H = P.head, HP = H / 2, G = P.group;
   const int total = P.seqlens[b] + 1, past = total - P.rows;
   const size_t head_item = static_cast<size_t>(b) * A.kv_num_heads + g;
-  const uint32_t* kp = P.kpack + head_item * static_cast<size_t>(P.tiles) * HP * kKeyTileBf16;
-  const uint16_t* vp = P.vpack + head_item * static_cast<size_t>(P.pairs) * H * 2;
-  const size_t ld = static_cast<size_t>(P.tiles) * kKeyTileBf16;
+  const uint32_t* kp = R.kpack + head_item * static_cast<size_t>(R.tiles) * HP * kKeyTileBf16;
+  const uint16_t* vp = R.vpack + head_item * static_cast<size_t>(R.pairs) * H * 2;
+  const size_t ld = static_cast<size_t>(R.tiles) * kKeyTileBf16;
   PromptScratch& w = t_prompt;
   w.q.resize(16 * static_cast<size_t>(HP));
   w.scores.resize(16 * ld);
@@ -962,23 +952,9 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
     int longest = 0;
     for (int b = 0; b < B; ++b) longest = std::max(longest, seqlens_k[b] + 1);
     PromptPass R{};
-    R.attrs = &A;
-    R.rows = S;
-    R.head = H;
-    R.group = P.group;
+    R.pass = &P;
     R.tiles = (longest + kKeyTileBf16 - 1) / kKeyTileBf16;
     R.pairs = R.tiles * kKeyTileBf16 / 2;
-    R.alpha = P.alpha;
-    R.q = P.q;
-    R.keys = present_key;
-    R.values = present_value;
-    R.capacity = capacity;
-    R.seqlens = seqlens_k;
-    R.bias = P.bias;
-    R.bias_b = P.bias_b;
-    R.bias_n = P.bias_n;
-    R.bias_t = P.bias_t;
-    R.out = out;
     const size_t heads = static_cast<size_t>(B) * kvN;
     std::vector<uint32_t> kpack(heads * R.tiles * (H / 2) * kKeyTileBf16);
     std::vector<uint16_t> vpack(heads * R.pairs * H * 2);
