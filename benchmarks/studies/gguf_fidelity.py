@@ -112,12 +112,20 @@ def reference_runs(model, tokenizer, text_ids: list[int], tokens: int, threads: 
     return {"logits": logits, "greedy": greedy, "tps": new / seconds}
 
 
-def onnx_runs(path: Path, tokenizer, text_ids: list[int], tokens: int, threads: int) -> dict:
+def onnx_runs(
+    path: Path, tokenizer, text_ids: list[int], tokens: int, threads: int, prompt_graph: Path | None = None
+) -> dict:
+    """The graph's teacher-forced logits over ``text_ids`` and its greedy answers to :data:`PROMPTS`.  With a
+    ``prompt_graph`` (``export --prompt-reader``) the text and the prompts are read through it, as the runtime
+    reads prompts, and the answers decoded by ``path``."""
     from edge_spec.runtime.model.decoder import Decoder
 
     capacity = max(len(text_ids), max(len(chat_ids(tokenizer, p)) for p in PROMPTS) + tokens) + 8
-    decoder = Decoder(path, capacity=capacity, threads=threads)
-    logits = decoder.forward(text_ids, len(text_ids))["logits"]
+    decoder = Decoder(path, capacity=capacity, threads=threads, prompt_graph=prompt_graph)
+    if prompt_graph is None:
+        logits = decoder.forward(text_ids, len(text_ids))["logits"]
+    else:
+        logits = decoder.prefill(text_ids, len(text_ids))["logits"]
     greedy, seconds, new = [], 0.0, 0
     for prompt in PROMPTS:
         decoder.rewind(0)

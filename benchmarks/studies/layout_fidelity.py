@@ -9,7 +9,9 @@ Layouts: the ``--gguf-layout`` values (``fast``, ``lean``, ``small``, ``exact``)
 ``small`` that no flag asks for, to show where its loss comes from: ``head4`` (only the LM head's 8-bit
 blocks rounded to 4 bits) and ``layers4`` (only the layers'). ``--genai DIR`` adds onnxruntime-genai's
 model-builder export (``benchmarks/spec_peers.py --prepare`` makes it), run by plain onnxruntime,
-teacher-forced only.
+teacher-forced only. ``--prompt-reader LAYOUT`` adds that layout with its prompt graph (``export
+--prompt-reader``): the text and the prompts read through the int8 prompt graph as the runtime reads them (its
+attention on the native op's AMX path where the CPU has one), the answers decoded by the layout's graph.
 
     python benchmarks/studies/layout_fidelity.py models/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
         --layouts fast,lean,head4,layers4,small --genai models/genai/qwen2.5-coder-1.5b-instruct-q4_k_m
@@ -18,6 +20,7 @@ teacher-forced only.
 from __future__ import annotations
 
 import argparse
+import json
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -60,11 +63,27 @@ def genai_logits(folder: Path, ids: list[int], threads: int) -> np.ndarray:
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
     feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
+    decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     for item in session.get_inputs():
-        if item.name.startswith("past_key_values"):
-            kv_heads, head = item.shape[1], item.shape[3]
+        if item.name.startswith("past_key_values"):  # newer exports leave the sizes symbolic in the graph
+            kv_heads = decoder["num_key_value_heads"] if isinstance(item.shape[1], str) else item.shape[1]
+            head = decoder["head_size"] if isinstance(item.shape[3], str) else item.shape[3]
             feeds[item.name] = np.zeros((1, kv_heads, 0, head), np.float32)
     return session.run(["logits"], feeds)[0][0]
+
+
+def prompt_reader_row(layout: str, path: Path, reference: dict, tokenizer, ids: list[int], args) -> tuple:
+    """``layout`` with its prompt graph derived beside it, compared as the runtime reads prompts with it."""
+    from edge_spec.export.graph.prompt_reader import write_prompt_graph
+    from edge_spec.runtime.model.native_attention import native_library, prompt_path
+
+    prompt = write_prompt_graph(path)
+    size = sum(f.stat().st_size for f in path.parent.glob("*.onnx*")) / 2**20
+    library = native_library("cpu")
+    attention = (prompt_path(library) if library is not None else "") or "ORT"
+    runs = shared.onnx_runs(path, tokenizer, ids, args.tokens, args.threads, prompt_graph=prompt)
+    print(f"  {layout} + prompt reader: done", flush=True)
+    return (f"{layout} + prompt reader ({attention} attention)", size, shared.compare(reference, runs, ids))
 
 
 def main() -> None:
@@ -74,6 +93,7 @@ def main() -> None:
     parser.add_argument("--genai", type=Path, help="onnxruntime-genai's export of the same GGUF")
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-reader", metavar="LAYOUT", help="also measure LAYOUT read through its prompt graph")
     args = parser.parse_args()
 
     model, tokenizer, weights, report = shared.load_reference(args.gguf)
@@ -90,6 +110,8 @@ def main() -> None:
             result = shared.compare(reference, shared.onnx_runs(path, tokenizer, ids, args.tokens, args.threads), ids)
             rows.append((layout, size, result))
             print(f"  {layout}: done", flush=True)
+            if layout == args.prompt_reader:
+                rows.append(prompt_reader_row(layout, path, reference, tokenizer, ids, args))
             for f in path.parent.iterdir():
                 f.unlink()
     if args.genai:
