@@ -7,6 +7,7 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import pytest
 
 from edge_spec.errors import EdgeSpecError
@@ -72,6 +73,23 @@ def test_prompt_graph_rows_do_not_depend_on_the_passes_that_carry_them(reader_bu
     np.testing.assert_array_equal(chunked.prefill(PROMPT, 4)["logits"], whole.prefill(PROMPT, 4)["logits"])
     for a, b in zip(whole.kv.arrays, chunked.kv.arrays):
         np.testing.assert_array_equal(a[:, :, : len(PROMPT)], b[:, :, : len(PROMPT)])
+
+
+def test_an_input_is_rounded_once_and_split_parts_are_matmuls_of_their_own(reader_bundle):
+    """The query and the value read one rounding of their input; the gate and the up projection are two
+    products written where the decode graph's Split wrote them, so nothing copies them apart."""
+    manifest = read_manifest(reader_bundle)
+    decode = onnx.load(str(reader_bundle / manifest["target"]["onnx"]), load_external_data=False)
+    prompt = onnx.load(str(reader_bundle / manifest["target"]["prompt_reader"]["onnx"]), load_external_data=False)
+    matmuls = [n for n in decode.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("layers.")]
+    splits = [n for n in decode.graph.node if n.op_type == "Split" and n.input[0] in {m.output[0] for m in matmuls}]
+    ops = [n.op_type for n in prompt.graph.node]
+    assert splits and ops.count("Split") == sum(n.op_type == "Split" for n in decode.graph.node) - len(splits)
+    rounded = [n.input[0] for n in prompt.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(rounded) == len(set(rounded)) <= len(matmuls)
+    assert ops.count("MatMulIntegerToFloat") == len(matmuls) + len(splits)
+    written = {o for n in prompt.graph.node for o in n.output}
+    assert all(o in written for s in splits for o in s.output)
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])

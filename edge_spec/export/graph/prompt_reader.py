@@ -8,7 +8,8 @@ int8 GEMM (MLAS QGEMM: VNNI, and AMX where the CPU has it) is several times fast
 
 The prompt graph is the decoder graph with each layer matmul replaced: the weight as the decode graph computes
 it (its blocks dequantized, a folded GGUF correction added back to its columns) rounded to int8 per output
-row, and the input rounded to uint8 around 128 with one scale per row (:func:`int8_matmul_nodes`).  Per row,
+row, and the input rounded to uint8 around 128 with one scale per row (:func:`int8_matmul_nodes`; matmuls of
+one input share its rounding, and the parts a ``Split`` cuts an output into are matmuls of their own).  Per row,
 because a row's int8 input must not depend on the other rows of its pass: a prompt's keys and
 values then do not depend on how the prompt was cut into passes, and the model's massive activations (a few
 tokens' values in the down projection's input, hundreds of times the rest) cost only their own row's
@@ -139,14 +140,12 @@ SHARED_CONSTANTS = {
 }
 
 
-def int8_matmul_nodes(name: str, x: str, k: int, codes: str, scales: str, y: str) -> list[onnx.NodeProto]:
-    """``y = x @ W`` with x [.., K] rounded to uint8 around 128 at one scale per row and W int8 per column.
+def row_rounding_nodes(p: str, x: str, k: int) -> list[onnx.NodeProto]:
+    """``p/codes``: x [.., K] rounded to uint8 around 128 at one scale per row (``p/step``).
 
-    The rows are rounded by one blocked ``QuantizeLinear`` (one block of ``k`` per row: a third of the time of
-    dividing, rounding, shifting and casting in four nodes, the same codes); ``MatMulIntegerToFloat`` applies
-    W's scales as its GEMM writes the result (a separate ``Cast`` and ``Mul`` over the int32 result cost half as
-    much again), then one ``Mul`` applies the rows'."""
-    p, make = name + "/int8", helper.make_node
+    One blocked ``QuantizeLinear`` (one block of ``k`` per row) rounds the rows: a third of the time of dividing,
+    rounding, shifting and casting in four nodes, the same codes."""
+    make = helper.make_node
     return [
         make("Abs", [x], [p + "/abs"]),
         make("ReduceMax", [p + "/abs", _SHARED + "axes"], [p + "/peak"], keepdims=1),
@@ -156,14 +155,42 @@ def int8_matmul_nodes(name: str, x: str, k: int, codes: str, scales: str, y: str
         make("Add", [p + "/zero0", _SHARED + "offset"], [p + "/zero1"]),
         make("Cast", [p + "/zero1"], [p + "/zero"], to=TensorProto.UINT8),
         make("QuantizeLinear", [x, p + "/step", p + "/zero"], [p + "/codes"], axis=-1, block_size=k),
+    ]
+
+
+def int8_product_nodes(p: str, rows: str, codes: str, scales: str, y: str) -> list[onnx.NodeProto]:
+    """``y``: the rows rounded by :func:`row_rounding_nodes` (prefix ``rows``) times W (int8 per column).
+    ``MatMulIntegerToFloat`` applies W's scales as its GEMM writes the result (a separate ``Cast`` and ``Mul``
+    over the int32 result cost half as much again), then one ``Mul`` applies the rows'."""
+    make = helper.make_node
+    return [
         make(
             "MatMulIntegerToFloat",
-            [p + "/codes", codes, _SHARED + "one", scales, _SHARED + "zero"],
+            [rows + "/codes", codes, _SHARED + "one", scales, _SHARED + "zero"],
             [p + "/columns"],
             domain=MS_DOMAIN,
         ),
-        make("Mul", [p + "/columns", p + "/step"], [y]),
+        make("Mul", [p + "/columns", rows + "/step"], [y]),
     ]
+
+
+def int8_matmul_nodes(name: str, x: str, k: int, codes: str, scales: str, y: str) -> list[onnx.NodeProto]:
+    """``y = x @ W`` with x [.., K] rounded to uint8 around 128 at one scale per row and W int8 per column."""
+    p = name + "/int8"
+    return row_rounding_nodes(p, x, k) + int8_product_nodes(p, p, codes, scales, y)
+
+
+def _split_after(node: onnx.NodeProto, consumers: dict, arrays: "_Initializers") -> tuple | None:
+    """(the ``Split`` node that alone reads ``node``'s output along its last axis, its part widths), if any:
+    the parts can then be computed as matmuls of their own, and nothing copies them apart."""
+    readers = consumers.get(node.output[0], [])
+    if len(readers) != 1 or readers[0].op_type != "Split" or len(readers[0].input) < 2:
+        return None
+    split = readers[0]
+    axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
+    if axis != -1:
+        return None
+    return split, [int(w) for w in np.asarray(arrays[split.input[1]])]
 
 
 def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
@@ -177,8 +204,13 @@ def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
     graph = model.graph
     arrays = _Initializers(graph, target.parent)
     producers = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
     replaced: dict[str, list[onnx.NodeProto]] = {}
     unneeded: set[str] = set()
+    rounded: dict[str, str] = {}  # a matmul input -> the prefix of its rounded rows (query and value share one)
     with ExternalData(out.with_name(out.name + ".data")) as data:
         constants = [data.array(name, value) for name, value in SHARED_CONSTANTS.items()]
         for node in graph.node:
@@ -190,10 +222,29 @@ def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
             weight_k = weight.shape[1]
             del weight
             base = node.output[0]
-            constants += [data.array(base + ".int8", codes), data.array(base + ".int8_scales", scales)]
+            nodes: list[onnx.NodeProto] = []
+            if x not in rounded:
+                rounded[x] = base + "/int8"
+                nodes += row_rounding_nodes(rounded[x], x, weight_k)
             has_bias = len(node.input) > 5 and node.input[5] != ""
+            split = None if has_bias else _split_after(node, consumers, arrays)
+            if split is not None:  # each part its own product, written where the Split wrote it
+                split_node, widths = split
+                unneeded.add(split_node.name)
+                start = 0
+                for part, width in zip(split_node.output, widths):
+                    name = f"{base}.part{start}"
+                    constants += [
+                        data.array(name + ".int8", np.ascontiguousarray(codes[:, start : start + width])),
+                        data.array(name + ".int8_scales", scales[start : start + width]),
+                    ]
+                    nodes += int8_product_nodes(name + "/int8", rounded[x], name + ".int8", name + ".int8_scales", part)
+                    start += width
+                replaced[node.name] = nodes
+                continue
+            constants += [data.array(base + ".int8", codes), data.array(base + ".int8_scales", scales)]
             y = base + "/unbiased" if has_bias else base
-            nodes = int8_matmul_nodes(base, x, weight_k, base + ".int8", base + ".int8_scales", y)
+            nodes += int8_product_nodes(base + "/int8", rounded[x], base + ".int8", base + ".int8_scales", y)
             if has_bias:
                 nodes.append(helper.make_node("Add", [y, node.input[5]], [base], name=base + "/bias"))
             replaced[node.name] = nodes
