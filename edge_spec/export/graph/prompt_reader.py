@@ -228,25 +228,21 @@ def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
                 nodes += row_rounding_nodes(rounded[x], x, weight_k)
             has_bias = len(node.input) > 5 and node.input[5] != ""
             split = None if has_bias else _split_after(node, consumers, arrays)
-            if split is not None:  # each part its own product, written where the Split wrote it
+            if split is None:  # one product, biased after it where the matmul has a bias
+                parts = [(base, base + "/unbiased" if has_bias else base, 0, codes.shape[1])]
+            else:  # each part its own product, written where the Split wrote it
                 split_node, widths = split
                 unneeded.add(split_node.name)
-                start = 0
-                for part, width in zip(split_node.output, widths):
-                    name = f"{base}.part{start}"
-                    constants += [
-                        data.array(name + ".int8", np.ascontiguousarray(codes[:, start : start + width])),
-                        data.array(name + ".int8_scales", scales[start : start + width]),
-                    ]
-                    nodes += int8_product_nodes(name + "/int8", rounded[x], name + ".int8", name + ".int8_scales", part)
-                    start += width
-                replaced[node.name] = nodes
-                continue
-            constants += [data.array(base + ".int8", codes), data.array(base + ".int8_scales", scales)]
-            y = base + "/unbiased" if has_bias else base
-            nodes += int8_product_nodes(base + "/int8", rounded[x], base + ".int8", base + ".int8_scales", y)
+                starts = np.cumsum([0] + widths[:-1])
+                parts = [(f"{base}.part{s}", out, s, w) for s, out, w in zip(starts, split_node.output, widths)]
+            for name, y, start, width in parts:
+                constants += [
+                    data.array(name + ".int8", np.ascontiguousarray(codes[:, start : start + width])),
+                    data.array(name + ".int8_scales", scales[start : start + width]),
+                ]
+                nodes += int8_product_nodes(name + "/int8", rounded[x], name + ".int8", name + ".int8_scales", y)
             if has_bias:
-                nodes.append(helper.make_node("Add", [y, node.input[5]], [base], name=base + "/bias"))
+                nodes.append(helper.make_node("Add", [parts[0][1], node.input[5]], [base], name=base + "/bias"))
             replaced[node.name] = nodes
     nodes = [m for n in graph.node if n.name not in unneeded for m in replaced.get(n.name, [n])]
     used = {i for n in nodes for i in n.input}
