@@ -245,7 +245,7 @@ class OursSide:
 
         self.args = args
         self.bundle = DEFAULT_BUNDLE
-        self.engine = Engine.from_bundle(self.bundle, threads=args.threads)  # mode="ar"
+        self.engine = Engine.from_bundle(self.bundle, threads=args.threads, mode="ar")
         self.messages = [{"role": "user", "content": PROMPT}]
         self.prompt_ids = self.engine.prompt_ids(self.messages)
         self.engine.complete(self.messages, max_new_tokens=WARMUP_TOKENS, temperature=0.0)  # warm-up
