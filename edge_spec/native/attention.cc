@@ -34,6 +34,11 @@
 
 #include "onnxruntime_c_api.h"
 
+namespace edge_spec {
+OrtCustomOp* gguf_matmul_op(const OrtApi* api);  // gguf_matmul.cc
+const char* gguf_matmul_path();
+}  // namespace edge_spec
+
 namespace {
 
 constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor came with 1.17
@@ -1125,6 +1130,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   if (g_domain == nullptr) {
     if (OrtStatus* status = g_api->CreateCustomOpDomain(kDomain, &g_domain)) return status;
     if (OrtStatus* status = g_api->CustomOpDomain_Add(g_domain, &g_op)) return status;
+    if (OrtStatus* status = g_api->CustomOpDomain_Add(g_domain, edge_spec::gguf_matmul_op(g_api))) return status;
   }
   return g_api->AddCustomOpDomain(options, g_domain);
 }
@@ -1135,6 +1141,9 @@ __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
              ? "avx2"
              : "scalar";
 }
+
+// which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar"
+__attribute__((visibility("default"))) const char* EdgeSpecGGUFMatMulPath() { return edge_spec::gguf_matmul_path(); }
 
 // whether a prompt graph's op (attribute bf16_products = 1) has its bfloat16 path here: "amx" or ""
 __attribute__((visibility("default"))) const char* EdgeSpecPromptPath() { return prompt_path_here() ? "amx" : ""; }

@@ -1,4 +1,4 @@
-"""Build the native attention op (``attention.cc``) once per machine, into edge-spec's user cache.
+"""Build the native ops (``attention.cc``, ``gguf_matmul.cc``) once per machine, into edge-spec's user cache.
 
 The library is compiled at first use with the system C++ compiler and kept under
 ``cache_root()/native/<hash>/``, the hash covering the sources, the compiler's version and the flags, so an
@@ -36,7 +36,8 @@ from edge_spec.paths import cache_root
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "attention.cc"
+SOURCE = HERE / "attention.cc"  # registers the library's ops, the others' among them
+OTHER_SOURCES = ["gguf_matmul.cc"]  # beside SOURCE
 HEADERS = sorted((HERE / "include").glob("*.h"))
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno"]
 LIBRARY = "libedge_spec_attention.so"
@@ -64,9 +65,13 @@ def _compiler_version(cxx: str) -> str:
         return ""
 
 
+def _sources() -> list[Path]:
+    return [SOURCE, *(SOURCE.with_name(name) for name in OTHER_SOURCES)]
+
+
 def build_key(cxx: str) -> str:
     digest = hashlib.sha256()
-    for path in [SOURCE, *HEADERS]:
+    for path in [*_sources(), *HEADERS]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(_compiler_version(cxx).encode())
@@ -81,9 +86,10 @@ def build(force: bool = False) -> Path:
     the cache never finds half a library; raises :class:`BuildError` with the compiler's first lines.
     A new build removes the builds no process uses (:func:`prune`)."""
     if sys.platform != "linux":
-        raise BuildError(f"the native attention op is built on Linux only, not {sys.platform}")
-    if not SOURCE.is_file():  # a frozen build that left the sources out
-        raise BuildError(f"the native attention source is not installed ({SOURCE})")
+        raise BuildError(f"the native ops are built on Linux only, not {sys.platform}")
+    missing = [path for path in _sources() if not path.is_file()]
+    if missing:  # a frozen build that left the sources out
+        raise BuildError(f"the native ops' source is not installed ({missing[0]})")
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler (g++ or clang++, or $CXX) found")
@@ -96,7 +102,7 @@ def build(force: bool = False) -> Path:
         return target
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
-    command = [cxx, *FLAGS, f"-I{HERE / 'include'}", "-o", tmp, str(SOURCE)]
+    command = [cxx, *FLAGS, f"-I{HERE / 'include'}", "-o", tmp, *map(str, _sources())]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:

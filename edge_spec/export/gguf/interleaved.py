@@ -1,0 +1,98 @@
+"""GGUF's Q4_K and Q6_K blocks rearranged for the native ``MatMulGGUF`` op, 16 output rows side by side.
+
+A one-row matmul is one dot product per output row; computed row by row, each super-block's scales are
+decoded for one row and every activation byte is loaded again for the next.  Here 16 rows share each
+record: four consecutive codes of each of the 16 rows fill one 64-byte line, so a single ``vpdpbusd``
+(or ``maddubs`` + ``madd`` without VNNI) adds four products for each of the 16 outputs against one
+broadcast group of four activation codes, and a vector lane is an output from the first block to the
+last, with no horizontal sums.  The codes, scales and minimums are GGUF's, unchanged: the same weights,
+rounded once by llama.cpp.
+
+Records, per group of 16 rows (N is padded with zero rows to a multiple of 16) and per super-block of 256:
+
+* Q4_K, 2368 bytes (148 a row, GGUF's 144 plus the 6-bit scales and minimums unpacked to bytes):
+  ``d[16]``, ``dmin[16]`` (float16), ``scales[8][16]``, ``mins[8][16]`` (uint8, per sub-block of 32), then
+  32 lines of 64 bytes: line p holds weights 8p..8p+7, byte ``4·row + t`` the code of weight 8p+t in
+  its low nibble and of weight 8p+4+t in its high nibble.
+* Q6_K, 3360 bytes (210 a row, as GGUF's): ``d[16]`` (float16), ``scales[16][16]`` (int8, per sub-block
+  of 16), the low four bits of the codes in 32 lines as above, then 16 lines of 64 bytes of their high
+  two bits: line s (weights 16s..16s+15), byte ``4·row + t`` bits 2j..2j+1 for weight 16s + 4j + t.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Q4_K, Q6_K = 12, 14  # ggml's type numbers: the op's ``type`` attribute
+GGUF_BYTES = {Q4_K: 144, Q6_K: 210}
+RECORD_BYTES = {Q4_K: 2368, Q6_K: 3360}
+ROWS = 16
+TYPE_NUMBER = {"Q4_K": Q4_K, "Q6_K": Q6_K}
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values).view(np.uint8)
+
+
+def _padded(raw: np.ndarray, n: int, k: int, kind: int) -> np.ndarray:
+    """``[n_padded, k / 256, bytes]`` with zero rows added up to a multiple of 16 (all-zero blocks: weight 0)."""
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, GGUF_BYTES[kind])
+    pad = -n % ROWS
+    return np.concatenate([blocks, np.zeros((pad, *blocks.shape[1:]), np.uint8)]) if pad else blocks
+
+
+def _lines(codes: np.ndarray) -> np.ndarray:
+    """Codes ``[tiles, 16, blocks, 256]`` (values < 16) -> ``[tiles, blocks, 32, 64]`` nibble lines."""
+    tiles, rows, blocks, _ = codes.shape
+    c = codes.reshape(tiles, rows, blocks, 32, 2, 4)  # weight 8p + 4h + t
+    low, high = c[:, :, :, :, 0, :], c[:, :, :, :, 1, :]
+    packed = (low | (high << 4)).astype(np.uint8)  # [tiles, rows, blocks, 32, 4]
+    return packed.transpose(0, 2, 3, 1, 4).reshape(tiles, blocks, 32, rows * 4)
+
+
+def interleave(raw: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
+    """GGUF tensor bytes of a weight ``[n, k]`` (rows of K) -> the op's records, ``uint8 [n_padded / 16,
+    k / 256, record bytes]``."""
+    if k % 256:
+        raise ValueError(f"K = {k} is not a multiple of 256")
+    blocks = _padded(raw, n, k, kind)
+    tiles = blocks.shape[0] // ROWS
+    nb = k // 256
+    b = blocks.reshape(tiles, ROWS, nb, GGUF_BYTES[kind])
+    if kind == Q4_K:
+        d, dmin = b[..., 0:2], b[..., 2:4]
+        s = b[..., 4:16].reshape(tiles, ROWS, nb, 3, 4)
+        sc = np.concatenate([s[..., 0, :] & 0x3F, (s[..., 2, :] & 0x0F) | ((s[..., 0, :] >> 2) & 0x30)], axis=-1)
+        mn = np.concatenate([s[..., 1, :] & 0x3F, (s[..., 2, :] >> 4) | ((s[..., 1, :] >> 2) & 0x30)], axis=-1)
+        chunks = b[..., 16:].reshape(tiles, ROWS, nb, 4, 32)
+        codes = np.stack([chunks & 0x0F, chunks >> 4], axis=-2).reshape(tiles, ROWS, nb, 256)
+        parts = [
+            d.transpose(0, 2, 1, 3).reshape(tiles, nb, 32),
+            dmin.transpose(0, 2, 1, 3).reshape(tiles, nb, 32),
+            sc.transpose(0, 2, 3, 1).reshape(tiles, nb, 128),
+            mn.transpose(0, 2, 3, 1).reshape(tiles, nb, 128),
+            _lines(codes).reshape(tiles, nb, 2048),
+        ]
+    elif kind == Q6_K:
+        ql = b[..., :128].reshape(tiles, ROWS, nb, 2, 64)
+        qh = b[..., 128:192].reshape(tiles, ROWS, nb, 2, 32)
+        sc = b[..., 192:208]
+        d = b[..., 208:210]
+        # GGUF's order within each half of 128: l in 0..31 -> weights l, l+32, l+64, l+96
+        q = np.empty((tiles, ROWS, nb, 2, 4, 32), np.uint8)
+        q[..., 0, :] = (ql[..., :32] & 0xF) | ((qh & 3) << 4)
+        q[..., 1, :] = (ql[..., 32:] & 0xF) | (((qh >> 2) & 3) << 4)
+        q[..., 2, :] = (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4)
+        q[..., 3, :] = (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)
+        codes = q.reshape(tiles, ROWS, nb, 256)
+        high = (codes >> 4).reshape(tiles, ROWS, nb, 16, 4, 4)  # weight 16s + 4j + t
+        high_bytes = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+        parts = [
+            d.transpose(0, 2, 1, 3).reshape(tiles, nb, 32),
+            sc.transpose(0, 2, 3, 1).reshape(tiles, nb, 256),
+            _lines(codes & 0x0F).reshape(tiles, nb, 2048),
+            high_bytes.astype(np.uint8).transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 1024),
+        ]
+    else:
+        raise ValueError(f"no interleaved layout for ggml type {kind}")
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1))

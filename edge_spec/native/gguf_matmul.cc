@@ -1,0 +1,675 @@
+// MatMul over GGUF's own K-quant blocks (Q4_K, Q6_K) for the CPU: y = x · Wᵀ with W's codes and scales as
+// llama.cpp rounded them.
+//
+// ORT's MatMulNBits takes 4- or 8-bit blocks of 32 with a float32 scale each, so a carried Q4_K matrix reads
+// 5 bits a weight plus the rows of its folded correction, and a Q6_K one 9 bits: a decode step of
+// Qwen2.5-Coder-1.5B Q4_K_M streams 1123 MB of matmul weights where GGUF's blocks hold 4.5 and 6.56 bits
+// a weight.  This op reads GGUF's bytes, rearranged so that 16 output rows share each record
+// (edge_spec/export/gguf/interleaved.py): a vector lane is one output, each instruction adds four
+// products to each of 16 outputs, and no horizontal sums remain.
+//
+// x is rounded per row to int8 in blocks of 256 (llama.cpp's Q8_K: one float scale, the sums of 16 and
+// 32 codes kept for Q6_K's offset and Q4_K's minimums), and every dot product runs in integers within a
+// block.  Each row's result depends on that row alone and goes through the same operations in the same
+// order whatever number of rows shares the pass, so verify passes stay batch-invariant.  The three paths
+// (AVX-512 with VNNI, AVX2, scalar; chosen once at load) give the same bits: the same integer sums, then
+// per output the same float32 multiply and fused multiply-adds, block by block.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define ES_X86 1
+#include <immintrin.h>
+#endif
+
+#include "onnxruntime_c_api.h"
+
+namespace {
+
+constexpr uint32_t kApiVersion = 17;
+const OrtApi* g_api = nullptr;
+bool g_use_avx512 = false;
+bool g_use_avx2 = false;
+
+constexpr int kQK = 256;             // weights per super-block
+constexpr int64_t kTypeQ4K = 12;     // ggml's type numbers
+constexpr int64_t kTypeQ6K = 14;
+
+float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exponent = 127 - 15 + 1;
+      while ((mantissa & 0x400) == 0) {
+        mantissa <<= 1;
+        --exponent;
+      }
+      bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+    }
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+uint16_t read_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// activations: int8 blocks of 256 (llama.cpp's Q8_K)
+
+struct Q8Row {
+  std::vector<int8_t> q;        // K codes
+  std::vector<float> d;         // one scale per block of 256
+  std::vector<int32_t> sums16;  // the sum of each 16 codes (Q6_K's offset of 32)
+  std::vector<int32_t> sums32;  // the sum of each 32 codes (Q4_K's minimums)
+};
+
+void quantize_block_scalar(const float* xb, float inverse, int8_t* qb, int32_t* sums16) {
+  for (int s = 0; s < kQK / 16; ++s) {
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) {
+      qb[16 * s + i] = static_cast<int8_t>(std::nearbyint(xb[16 * s + i] * inverse));
+      sum += qb[16 * s + i];
+    }
+    sums16[s] = sum;
+  }
+}
+
+#ifdef ES_X86
+// the scalar loop's codes: a float32 product rounded to the nearest integer, ties to even (MXCSR's default,
+// as nearbyint's), in lanes of eight
+__attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* xb, float inverse, int8_t* qb,
+                                                             int32_t* sums16) {
+  const __m256 scale = _mm256_set1_ps(inverse);
+  for (int s = 0; s < kQK / 16; ++s) {
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * s), scale));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * s + 8), scale));
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  // 16 int16 in order
+    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * s), bytes);
+    const __m256i both = _mm256_add_epi32(q0, q1);
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+    sums16[s] = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1)));
+  }
+}
+#endif
+
+bool g_quantize_avx2 = false;
+
+void quantize_row(const float* x, int K, Q8Row& out) {
+  const int blocks = K / kQK;
+  out.q.resize(K);
+  out.d.resize(blocks);
+  out.sums16.resize(K / 16);
+  out.sums32.resize(K / 32);
+  for (int b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kQK;
+    float amax = 0.f;
+    for (int i = 0; i < kQK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    int8_t* qb = out.q.data() + b * kQK;
+    int32_t* sums16 = out.sums16.data() + b * 16;
+    if (amax == 0.f) {
+      std::memset(qb, 0, kQK);
+      std::memset(sums16, 0, 16 * sizeof(int32_t));
+      out.d[b] = 0.f;
+    } else {
+      const float inverse = 127.f / amax;
+#ifdef ES_X86
+      if (g_quantize_avx2) {
+        quantize_block_avx2(xb, inverse, qb, sums16);
+      } else
+#endif
+      {
+        quantize_block_scalar(xb, inverse, qb, sums16);
+      }
+      out.d[b] = amax / 127.f;
+    }
+    for (int s = 0; s < kQK / 32; ++s) out.sums32[b * 8 + s] = sums16[2 * s] + sums16[2 * s + 1];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// records of 16 output rows (edge_spec/export/gguf/interleaved.py has the layout)
+
+constexpr int kTile = 16;
+constexpr int kQ4KRecord = 2368;  // d[16], dmin[16] fp16; scales[8][16], mins[8][16]; 32 lines of 64 bytes
+constexpr int kQ6KRecord = 3360;  // d[16] fp16; scales[16][16] int8; 32 lines of low nibbles; 16 of high bits
+constexpr int kMaxRows = 16;      // rows looped inside, over codes decoded once
+
+int32_t read_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// every path computes, per output, the same integer sums and then, block by block,
+//   acc = fma(float(sum), d * dx, acc)   [Q4_K also: acc = fma(-float(mins), dmin * dx, acc)]
+// so the three give the same bits
+void tile_q4k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
+  for (int r = 0; r < nrows; ++r) {
+    const Q8Row& x = rows[r];
+    for (int o = 0; o < kTile; ++o) {
+      float acc = 0.f;
+      for (int b = 0; b < blocks; ++b) {
+        const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
+        const float d = fp16_to_float(read_u16(R + 2 * o));
+        const float dmin = fp16_to_float(read_u16(R + 32 + 2 * o));
+        const uint8_t* lines = R + 320;
+        const int8_t* q = x.q.data() + b * kQK;
+        int32_t total = 0, mins = 0;
+        for (int s = 0; s < 8; ++s) {
+          int32_t part = 0;
+          for (int p = 4 * s; p < 4 * s + 4; ++p) {
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t byte = lines[64 * p + 4 * o + t];
+              part += (byte & 0xF) * q[8 * p + t] + (byte >> 4) * q[8 * p + 4 + t];
+            }
+          }
+          total += part * R[64 + 16 * s + o];
+          mins += R[192 + 16 * s + o] * x.sums32[b * 8 + s];
+        }
+        const float dx = x.d[b];
+        acc = std::fma(static_cast<float>(total), d * dx, acc);
+        acc = std::fma(-static_cast<float>(mins), dmin * dx, acc);
+      }
+      out[r * kTile + o] = acc;
+    }
+  }
+}
+
+void tile_q6k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
+  for (int r = 0; r < nrows; ++r) {
+    const Q8Row& x = rows[r];
+    for (int o = 0; o < kTile; ++o) {
+      float acc = 0.f;
+      for (int b = 0; b < blocks; ++b) {
+        const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
+        const float d = fp16_to_float(read_u16(R + 2 * o));
+        const int8_t* sc = reinterpret_cast<const int8_t*>(R + 32);
+        const uint8_t* lines = R + 288;
+        const uint8_t* highs = R + 288 + 2048;
+        const int8_t* q = x.q.data() + b * kQK;
+        int32_t total = 0;
+        for (int s = 0; s < 16; ++s) {
+          int32_t part = 0;
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t h = highs[64 * s + 4 * o + t];
+            const uint8_t l0 = lines[64 * (2 * s) + 4 * o + t];
+            const uint8_t l1 = lines[64 * (2 * s + 1) + 4 * o + t];
+            part += ((l0 & 0xF) | ((h & 3) << 4)) * q[16 * s + t];
+            part += ((l0 >> 4) | (((h >> 2) & 3) << 4)) * q[16 * s + 4 + t];
+            part += ((l1 & 0xF) | (((h >> 4) & 3) << 4)) * q[16 * s + 8 + t];
+            part += ((l1 >> 4) | (((h >> 6) & 3) << 4)) * q[16 * s + 12 + t];
+          }
+          total += (part - 32 * x.sums16[b * 16 + s]) * sc[16 * s + o];
+        }
+        acc = std::fma(static_cast<float>(total), d * x.d[b], acc);
+      }
+      out[r * kTile + o] = acc;
+    }
+  }
+}
+
+#ifdef ES_X86
+// the next record's cache lines [first, first + count) asked for while this record is worked on (a tile's
+// records lie one after another; the last tile's last prefetch may reach past the weights, which a
+// prefetch never faults on)
+inline void prefetch_lines(const uint8_t* record, int first, int count) {
+  for (int i = first; i < first + count; ++i) _mm_prefetch(reinterpret_cast<const char*>(record + 64 * i), _MM_HINT_T0);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// AVX-512 with VNNI: a lane per output, vpdpbusd adds four code x activation products a lane
+
+#define ES_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"
+
+__attribute__((target(ES_AVX512))) void tile_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows,
+                                                         int nrows, float* out) {
+  __m512 acc[kMaxRows];
+  __m512i total[kMaxRows], mins[kMaxRows];
+  for (int r = 0; r < nrows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + 32)));
+    const uint8_t* lines = R + 320;
+    for (int r = 0; r < nrows; ++r) total[r] = mins[r] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s) {
+      __m512i lo[4], hi[4];
+      for (int p = 0; p < 4; ++p) {
+        const __m512i w = _mm512_loadu_si512(lines + 64 * (4 * s + p));
+        lo[p] = _mm512_and_si512(w, low4);
+        hi[p] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      }
+      prefetch_lines(R + kQ4KRecord, 5 * s, 5);
+      const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 64 + 16 * s)));
+      const __m512i minimum = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 16 * s)));
+      for (int r = 0; r < nrows; ++r) {
+        const int8_t* q = rows[r].q.data() + b * kQK + 32 * s;
+        __m512i part = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p) {
+          part = _mm512_dpbusd_epi32(part, lo[p], _mm512_set1_epi32(read_i32(q + 8 * p)));
+          part = _mm512_dpbusd_epi32(part, hi[p], _mm512_set1_epi32(read_i32(q + 8 * p + 4)));
+        }
+        total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(part, scale));
+        mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(minimum, _mm512_set1_epi32(rows[r].sums32[b * 8 + s])));
+      }
+    }
+    for (int r = 0; r < nrows; ++r) {
+      const __m512 dx = _mm512_set1_ps(rows[r].d[b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < nrows; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+__attribute__((target(ES_AVX512))) void tile_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows,
+                                                         int nrows, float* out) {
+  __m512 acc[kMaxRows];
+  __m512i total[kMaxRows];
+  for (int r = 0; r < nrows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low2 = _mm512_set1_epi8(0x03);
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
+    const uint8_t* lines = R + 288;
+    const uint8_t* highs = R + 288 + 2048;
+    for (int r = 0; r < nrows; ++r) total[r] = _mm512_setzero_si512();
+    for (int s = 0; s < 16; ++s) {
+      const __m512i h = _mm512_loadu_si512(highs + 64 * s);
+      const __m512i w0 = _mm512_loadu_si512(lines + 64 * (2 * s));
+      const __m512i w1 = _mm512_loadu_si512(lines + 64 * (2 * s + 1));
+      __m512i c[4];
+      c[0] = _mm512_or_si512(_mm512_and_si512(w0, low4), _mm512_slli_epi16(_mm512_and_si512(h, low2), 4));
+      c[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w0, 4), low4),
+                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), low2), 4));
+      c[2] = _mm512_or_si512(_mm512_and_si512(w1, low4),
+                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), low2), 4));
+      c[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w1, 4), low4),
+                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 6), low2), 4));
+      prefetch_lines(R + kQ6KRecord, 4 * s, 4);
+      const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 16 * s)));
+      for (int r = 0; r < nrows; ++r) {
+        const int8_t* q = rows[r].q.data() + b * kQK + 16 * s;
+        __m512i part = _mm512_set1_epi32(-32 * rows[r].sums16[b * 16 + s]);
+        for (int j = 0; j < 4; ++j) part = _mm512_dpbusd_epi32(part, c[j], _mm512_set1_epi32(read_i32(q + 4 * j)));
+        total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(part, scale));
+      }
+    }
+    for (int r = 0; r < nrows; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, _mm512_set1_ps(rows[r].d[b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < nrows; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// AVX2: two halves of eight lanes; maddubs + madd give vpdpbusd's sums (no pair of products saturates:
+// 2 * 63 * 127 < 32767)
+
+#define ES_AVX2 "avx2,fma,f16c"
+
+__attribute__((target(ES_AVX2))) inline __m256i dot4(__m256i acc, __m256i codes, __m256i activations) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, activations), _mm256_set1_epi16(1)));
+}
+
+__attribute__((target(ES_AVX2))) void tile_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows,
+                                                     float* out) {
+  __m256 acc[kMaxRows][2];
+  __m256i total[kMaxRows][2], mins[kMaxRows][2];
+  for (int r = 0; r < nrows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
+    for (int r = 0; r < nrows; ++r) total[r][0] = total[r][1] = mins[r][0] = mins[r][1] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* lines = R + 320 + 32 * half;
+      for (int s = 0; s < 8; ++s) {
+        __m256i lo[4], hi[4];
+        for (int p = 0; p < 4; ++p) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 64 * (4 * s + p)));
+          lo[p] = _mm256_and_si256(w, low4);
+          hi[p] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        }
+        prefetch_lines(R + kQ4KRecord, 5 * s + 40 * half, 5 - 5 * half);
+        const __m256i scale =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 64 + 16 * s + 8 * half)));
+        const __m256i minimum =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 192 + 16 * s + 8 * half)));
+        for (int r = 0; r < nrows; ++r) {
+          const int8_t* q = rows[r].q.data() + b * kQK + 32 * s;
+          __m256i part = _mm256_setzero_si256();
+          for (int p = 0; p < 4; ++p) {
+            part = dot4(part, lo[p], _mm256_set1_epi32(read_i32(q + 8 * p)));
+            part = dot4(part, hi[p], _mm256_set1_epi32(read_i32(q + 8 * p + 4)));
+          }
+          total[r][half] = _mm256_add_epi32(total[r][half], _mm256_mullo_epi32(part, scale));
+          mins[r][half] = _mm256_add_epi32(
+              mins[r][half], _mm256_mullo_epi32(minimum, _mm256_set1_epi32(rows[r].sums32[b * 8 + s])));
+        }
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 16 * half)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 16 * half)));
+      for (int r = 0; r < nrows; ++r) {
+        const __m256 dx = _mm256_set1_ps(rows[r].d[b]);
+        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][half]), _mm256_mul_ps(d, dx), acc[r][half]);
+        acc[r][half] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r][half]), _mm256_mul_ps(dmin, dx), acc[r][half]);
+      }
+    }
+  }
+  for (int r = 0; r < nrows; ++r) {
+    _mm256_storeu_ps(out + r * kTile, acc[r][0]);
+    _mm256_storeu_ps(out + r * kTile + 8, acc[r][1]);
+  }
+}
+
+__attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows,
+                                                     float* out) {
+  __m256 acc[kMaxRows][2];
+  __m256i total[kMaxRows][2];
+  for (int r = 0; r < nrows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i low2 = _mm256_set1_epi8(0x03);
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
+    for (int r = 0; r < nrows; ++r) total[r][0] = total[r][1] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* lines = R + 288 + 32 * half;
+      const uint8_t* highs = R + 288 + 2048 + 32 * half;
+      for (int s = 0; s < 16; ++s) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + 64 * s));
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 64 * (2 * s)));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 64 * (2 * s + 1)));
+        __m256i c[4];
+        c[0] = _mm256_or_si256(_mm256_and_si256(w0, low4), _mm256_slli_epi16(_mm256_and_si256(h, low2), 4));
+        c[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w0, 4), low4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), low2), 4));
+        c[2] = _mm256_or_si256(_mm256_and_si256(w1, low4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), low2), 4));
+        c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w1, 4), low4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), low2), 4));
+        prefetch_lines(R + kQ6KRecord, 4 * s, 4 - 4 * half);
+        const __m256i scale =
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 32 + 16 * s + 8 * half)));
+        for (int r = 0; r < nrows; ++r) {
+          const int8_t* q = rows[r].q.data() + b * kQK + 16 * s;
+          __m256i part = _mm256_set1_epi32(-32 * rows[r].sums16[b * 16 + s]);
+          for (int j = 0; j < 4; ++j) part = dot4(part, c[j], _mm256_set1_epi32(read_i32(q + 4 * j)));
+          total[r][half] = _mm256_add_epi32(total[r][half], _mm256_mullo_epi32(part, scale));
+        }
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 16 * half)));
+      for (int r = 0; r < nrows; ++r) {
+        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][half]), _mm256_mul_ps(d, _mm256_set1_ps(rows[r].d[b])),
+                                       acc[r][half]);
+      }
+    }
+  }
+  for (int r = 0; r < nrows; ++r) {
+    _mm256_storeu_ps(out + r * kTile, acc[r][0]);
+    _mm256_storeu_ps(out + r * kTile + 8, acc[r][1]);
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// the op
+
+struct Kernel {
+  int64_t K = 0, N = 0, type = 0;
+};
+
+struct Pass {
+  const Kernel* kernel;
+  const uint8_t* weights;
+  const std::vector<Q8Row>* rows;
+  float* y;
+  int64_t tiles_per_item;
+};
+
+using TileKernel = void (*)(const uint8_t*, int, const Q8Row*, int, float*);
+TileKernel g_q4k = tile_q4k_scalar;
+TileKernel g_q6k = tile_q6k_scalar;
+
+void run_item(void* data, size_t item) {
+  const Pass& P = *static_cast<const Pass*>(data);
+  const Kernel& k = *P.kernel;
+  const int blocks = static_cast<int>(k.K / kQK);
+  const size_t record = k.type == kTypeQ4K ? kQ4KRecord : kQ6KRecord;
+  const TileKernel tile = k.type == kTypeQ4K ? g_q4k : g_q6k;
+  const int64_t tiles = (k.N + kTile - 1) / kTile;
+  const int64_t first = static_cast<int64_t>(item) * P.tiles_per_item;
+  const int64_t last = std::min<int64_t>(first + P.tiles_per_item, tiles);
+  const int total_rows = static_cast<int>(P.rows->size());
+  alignas(64) float result[kMaxRows * kTile];
+  for (int64_t t = first; t < last; ++t) {
+    const uint8_t* rec = P.weights + static_cast<size_t>(t) * blocks * record;
+    const int64_t outputs = std::min<int64_t>(kTile, k.N - t * kTile);
+    for (int r0 = 0; r0 < total_rows; r0 += kMaxRows) {
+      const int nrows = std::min(kMaxRows, total_rows - r0);
+      tile(rec, blocks, P.rows->data() + r0, nrows, result);
+      for (int r = 0; r < nrows; ++r) {
+        std::memcpy(P.y + (r0 + r) * k.N + t * kTile, result + r * kTile, outputs * sizeof(float));
+      }
+    }
+  }
+}
+
+struct Error {
+  std::string message;
+};
+
+void check(OrtStatus* status) {
+  if (status != nullptr) {
+    std::string message = g_api->GetErrorMessage(status);
+    g_api->ReleaseStatus(status);
+    throw Error{message};
+  }
+}
+
+void compute(const Kernel& k, OrtKernelContext* context) {
+  const OrtValue* x_value = nullptr;
+  const OrtValue* w_value = nullptr;
+  check(g_api->KernelContext_GetInput(context, 0, &x_value));
+  check(g_api->KernelContext_GetInput(context, 1, &w_value));
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(g_api->GetTensorTypeAndShape(x_value, &info));
+  size_t rank = 0;
+  check(g_api->GetDimensionsCount(info, &rank));
+  std::vector<int64_t> shape(rank);
+  check(g_api->GetDimensions(info, shape.data(), rank));
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  if (rank == 0 || shape.back() != k.K) throw Error{"edge_spec.MatMulGGUF: the input's last dimension must be K"};
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < rank; ++i) rows *= shape[i];
+  OrtTensorTypeAndShapeInfo* w_info = nullptr;
+  check(g_api->GetTensorTypeAndShape(w_value, &w_info));
+  size_t w_elements = 0;
+  check(g_api->GetTensorShapeElementCount(w_info, &w_elements));
+  g_api->ReleaseTensorTypeAndShapeInfo(w_info);
+  const int64_t record = k.type == kTypeQ4K ? kQ4KRecord : kQ6KRecord;
+  const int64_t expected = (k.N + kTile - 1) / kTile * (k.K / kQK) * record;
+  if (static_cast<int64_t>(w_elements) != expected) {
+    throw Error{"edge_spec.MatMulGGUF: the weights must hold N rows of K / 256 blocks in records of 16 rows (" +
+                std::to_string(expected) + " bytes), not " + std::to_string(w_elements)};
+  }
+  const float* x = nullptr;
+  const uint8_t* w = nullptr;
+  check(g_api->GetTensorData(x_value, reinterpret_cast<const void**>(&x)));
+  check(g_api->GetTensorData(w_value, reinterpret_cast<const void**>(&w)));
+  shape.back() = k.N;
+  OrtValue* y_value = nullptr;
+  check(g_api->KernelContext_GetOutput(context, 0, shape.data(), rank, &y_value));
+  float* y = nullptr;
+  check(g_api->GetTensorMutableData(y_value, reinterpret_cast<void**>(&y)));
+  std::vector<Q8Row> quantized(rows);
+  for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * k.K, static_cast<int>(k.K), quantized[r]);
+  Pass P{&k, w, &quantized, y, 4};
+  const int64_t tiles = (k.N + kTile - 1) / kTile;
+  const size_t items = static_cast<size_t>((tiles + P.tiles_per_item - 1) / P.tiles_per_item);
+  check(g_api->KernelContext_ParallelFor(context, run_item, items, 0, &P));
+}
+
+int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  OrtStatus* status = g_api->KernelInfoGetAttribute_int64(info, name, &value);
+  if (status != nullptr) {
+    g_api->ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+OrtStatus* make_status(const std::string& message) { return g_api->CreateStatus(ORT_RUNTIME_EXCEPTION, message.c_str()); }
+
+OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  auto* kernel = new Kernel();
+  kernel->K = attr_int(info, "K", 0);
+  kernel->N = attr_int(info, "N", 0);
+  kernel->type = attr_int(info, "type", 0);
+  if (kernel->K <= 0 || kernel->K % kQK != 0 || kernel->N <= 0 ||
+      (kernel->type != kTypeQ4K && kernel->type != kTypeQ6K)) {
+    delete kernel;
+    return make_status("edge_spec.MatMulGGUF: K (a multiple of 256), N and type (12: Q4_K, 14: Q6_K) are required");
+  }
+  *out = kernel;
+  return nullptr;
+}
+
+OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context) {
+  try {
+    compute(*static_cast<Kernel*>(kernel), context);
+    return nullptr;
+  } catch (const Error& e) {
+    return make_status(e.message);
+  } catch (const std::exception& e) {
+    return make_status(e.what());
+  }
+}
+
+void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
+const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "MatMulGGUF"; }
+const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+ONNXTensorElementDataType ORT_API_CALL op_input_type(const OrtCustomOp*, size_t index) {
+  return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+}
+size_t ORT_API_CALL op_input_count(const OrtCustomOp*) { return 2; }
+ONNXTensorElementDataType ORT_API_CALL op_output_type(const OrtCustomOp*, size_t) {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+size_t ORT_API_CALL op_output_count(const OrtCustomOp*) { return 1; }
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL op_required(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+OrtMemType ORT_API_CALL op_input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int ORT_API_CALL op_zero(const OrtCustomOp*) { return 0; }
+int ORT_API_CALL op_start_version(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL op_end_version(const OrtCustomOp*) { return std::numeric_limits<int>::max(); }
+
+OrtCustomOp make_op() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof(op));
+  op.version = kApiVersion;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = op_provider;
+  op.GetInputType = op_input_type;
+  op.GetInputTypeCount = op_input_count;
+  op.GetOutputType = op_output_type;
+  op.GetOutputTypeCount = op_output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = op_required;
+  op.GetOutputCharacteristic = op_required;
+  op.GetInputMemoryType = op_input_memory;
+  op.GetVariadicInputMinArity = op_zero;
+  op.GetVariadicInputHomogeneity = op_zero;
+  op.GetVariadicOutputMinArity = op_zero;
+  op.GetVariadicOutputHomogeneity = op_zero;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute_kernel;
+  op.GetStartVersion = op_start_version;
+  op.GetEndVersion = op_end_version;
+  return op;
+}
+
+OrtCustomOp g_op = make_op();
+bool cpu_has_avx2() {
+#ifdef ES_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#ifdef ES_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+namespace edge_spec {
+
+// the op, for the library's RegisterCustomOps (attention.cc) to add to its domain; picks the kernels once
+OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
+  g_api = api;
+  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
+  const bool scalar = force != nullptr && force[0] == '1';
+  const char* wide = std::getenv("EDGE_SPEC_NATIVE_AVX512");
+  g_use_avx2 = cpu_has_avx2() && !scalar;
+  g_use_avx512 = cpu_has_avx512() && !scalar && !(wide != nullptr && wide[0] == '0');
+  g_q4k = tile_q4k_scalar;
+  g_q6k = tile_q6k_scalar;
+  g_quantize_avx2 = g_use_avx2;
+#ifdef ES_X86
+  if (g_use_avx512) {
+    g_q4k = tile_q4k_avx512;
+    g_q6k = tile_q6k_avx512;
+  } else if (g_use_avx2) {
+    g_q4k = tile_q4k_avx2;
+    g_q6k = tile_q6k_avx2;
+  }
+#endif
+  return &g_op;
+}
+
+// which kernels MatMulGGUF runs in this process: "avx512", "avx2" or "scalar"
+const char* gguf_matmul_path() {
+  if (g_api == nullptr) gguf_matmul_op(nullptr);
+  return g_use_avx512 ? "avx512" : (g_use_avx2 ? "avx2" : "scalar");
+}
+
+}  // namespace edge_spec

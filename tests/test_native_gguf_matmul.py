@@ -1,0 +1,237 @@
+"""The native MatMulGGUF op (``edge_spec/native/gguf_matmul.cc``): GGUF's Q4_K and Q6_K blocks times float rows.
+
+The weights go in as ``edge_spec/export/gguf/interleaved.py`` rearranges GGUF's bytes.  The reference rounds
+each row as the op does (int8 blocks of 256, one scale each), dequantizes GGUF's own bytes with the ``gguf``
+package and multiplies in float64: the op's integer sums are exact, so only its float32 accumulation differs.
+Every kernel the CPU has (AVX-512 with VNNI, AVX2, scalar) runs, each in a process of its own since a process
+picks its kernels once, and all give the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from onnx import TensorProto, helper, numpy_helper
+
+from edge_spec.export.gguf.interleaved import interleave
+from edge_spec.native import build
+
+Q4_K, Q6_K = 12, 14  # ggml's type numbers, the op's ``type`` attribute
+BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
+GGML_TYPE = {Q4_K: GGMLQuantizationType.Q4_K, Q6_K: GGMLQuantizationType.Q6_K}
+PATHS = {"avx512": {}, "avx2": {"EDGE_SPEC_NATIVE_AVX512": "0"}, "scalar": {"EDGE_SPEC_NATIVE_SCALAR": "1"}}
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler (g++ or clang++): the native ops cannot be built here")
+    try:
+        return build.build()
+    except build.BuildError as exc:
+        pytest.fail(f"the native ops do not build: {exc}")
+
+
+def random_blocks(rng: np.random.Generator, kind: int, n: int, k: int) -> np.ndarray:
+    """``n`` rows of ``k / 256`` valid blocks: random codes and scales, small positive fp16 factors."""
+    raw = rng.integers(0, 256, size=(n, k // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
+    factors = rng.uniform(1e-3, 2e-2, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    if kind == Q4_K:
+        raw[..., 0:4] = factors  # d, dmin
+    else:
+        raw[..., 208:210] = factors[..., 0:2]  # d
+    return raw.reshape(n, -1)
+
+
+def rounded_rows(x: np.ndarray) -> np.ndarray:
+    """``x`` as the op reads it: per block of 256, codes round(x * 127 / max|x|) times max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 256).astype(np.float32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    codes = np.rint(blocks * inverse)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    return (codes.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
+
+
+def reference(x: np.ndarray, raw: np.ndarray, kind: int, k: int) -> np.ndarray:
+    weights = dequantize(raw, GGML_TYPE[kind]).reshape(raw.shape[0], k).astype(np.float64)
+    return rounded_rows(x) @ weights.T
+
+
+def model(raw: np.ndarray, kind: int, k: int) -> bytes:
+    n = raw.shape[0]
+    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=kind)
+    graph = helper.make_graph(
+        [node],
+        "gguf_matmul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+        [numpy_helper.from_array(interleave(raw, kind, n, k), "w")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def session(library: Path, model_bytes: bytes, threads: int = 2) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def kernel_path(library: Path, env: dict[str, str]) -> str:
+    code = (
+        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).EdgeSpecGGUFMatMulPath; f.restype = ctypes.c_char_p; "
+        "print(f().decode())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(library)], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+RUNNER = """
+import sys, numpy as np, onnxruntime as ort
+options = ort.SessionOptions(); options.intra_op_num_threads = 2
+options.register_custom_ops_library(sys.argv[1])
+s = ort.InferenceSession(open(sys.argv[2], "rb").read(), options, providers=["CPUExecutionProvider"])
+np.save(sys.argv[4], s.run(None, {"x": np.load(sys.argv[3])})[0])
+"""
+
+
+def run_on_path(library: Path, tmp_path: Path, path: str, model_bytes: bytes, x: np.ndarray) -> np.ndarray:
+    (tmp_path / "m.onnx").write_bytes(model_bytes)
+    np.save(tmp_path / "x.npy", x)
+    subprocess.run(
+        [sys.executable, "-c", RUNNER, str(library), str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
+         str(tmp_path / f"{path}.npy")],
+        env={**os.environ, **PATHS[path]},
+        check=True,
+    )  # fmt: skip
+    return np.load(tmp_path / f"{path}.npy")
+
+
+@pytest.mark.parametrize("n", [80, 37])  # whole records of 16 rows; a last record padded with zero rows
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_each_kernel_computes_the_blocks_product_with_the_same_bits(library, tmp_path, kind, n):
+    rng = np.random.default_rng(kind + n)
+    k = 768  # three blocks a row
+    raw = random_blocks(rng, kind, n, k)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    x[1, :256] = 0.0  # a block of zeros: scale 0, no division by it
+    want = reference(x, raw, kind, k)
+    results = {}
+    for path in PATHS:
+        if kernel_path(library, PATHS[path]) != path:
+            continue  # this CPU has no such kernel
+        results[path] = run_on_path(library, tmp_path, path, model(raw, kind, k), x)
+        assert results[path].shape == (5, n)
+        np.testing.assert_allclose(results[path], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    assert "scalar" in results
+    for path, got in results.items():
+        assert np.array_equal(got, results["scalar"]), path
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_the_reference_check_can_fail(library, kind):
+    """A weight row off by one block's codes is caught: the tolerance above is far below a block's weight."""
+    rng = np.random.default_rng(7)
+    k, n = 512, 8
+    raw = random_blocks(rng, kind, n, k)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    got = session(library, model(raw, kind, k)).run(None, {"x": x})[0]
+    wrong = raw.copy()
+    wrong[3, 20:40] ^= 0x11  # codes of one block of row 3
+    want_wrong = reference(x, wrong, kind, k)
+    assert not np.allclose(got[:, 3], want_wrong[:, 3], rtol=2e-5, atol=2e-5 * np.abs(want_wrong).max())
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(library, kind):
+    rng = np.random.default_rng(3)
+    k, n = 512, 130
+    sess = session(library, model(random_blocks(rng, kind, n, k), kind, k))
+    x = rng.standard_normal((37, k)).astype(np.float32)  # more rows than one loop over decoded weights takes
+    together = sess.run(None, {"x": x})[0]
+    for start, stop in [(0, 1), (5, 6), (16, 17), (36, 37), (3, 20)]:
+        alone = sess.run(None, {"x": x[start:stop]})[0]
+        assert np.array_equal(alone, together[start:stop]), (start, stop)
+
+
+def test_batch_dimensions_pass_through(library):
+    rng = np.random.default_rng(4)
+    k, n = 256, 16
+    raw = random_blocks(rng, Q4_K, n, k)
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=Q4_K)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, n])],
+        [numpy_helper.from_array(interleave(raw, Q4_K, n, k), "w")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
+    sess = session(library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
+    got = sess.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got.reshape(6, n), reference(x.reshape(6, k), raw, Q4_K, k), rtol=2e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "attrs", [{"K": 100, "N": 4, "type": Q4_K}, {"K": 256, "N": 4, "type": 8}, {"K": 256, "type": Q4_K}]
+)
+def test_unusable_attributes_are_one_clear_error(library, attrs):
+    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", **attrs)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, attrs["K"]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros((4, 144), np.uint8), "w")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
+    with pytest.raises(Exception, match="K \\(a multiple of 256\\), N and type"):
+        session(library, helper.make_model(graph, opset_imports=opsets).SerializeToString()).run(
+            None, {"x": np.zeros((1, attrs["K"]), np.float32)}
+        )
+
+
+def test_weights_of_another_size_are_one_clear_error(library):
+    """The op never reads past its weights: a tensor of the wrong size is refused before any product."""
+    raw = random_blocks(np.random.default_rng(6), Q4_K, 4, 256)[:, :-1]
+    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=256, N=4, type=Q4_K)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ascontiguousarray(raw), "w")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
+    sess = session(library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
+    with pytest.raises(Exception, match="weights must hold N rows"):
+        sess.run(None, {"x": np.zeros((1, 256), np.float32)})
+
+
+def test_an_input_of_another_width_is_one_clear_error(library):
+    raw = random_blocks(np.random.default_rng(5), Q4_K, 4, 256)
+    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=256, N=4, type=Q4_K)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(raw, "w")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
+    sess = session(library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
+    with pytest.raises(Exception, match="last dimension must be K"):
+        sess.run(None, {"x": np.zeros((1, 512), np.float32)})
