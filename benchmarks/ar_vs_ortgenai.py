@@ -28,7 +28,7 @@ Artifacts are cached, so only the first run is slow (minutes):
 Usage::
 
     .venv/bin/python benchmarks/ar_vs_ortgenai.py            # prepare (once) + benchmark
-    .venv/bin/python benchmarks/ar_vs_ortgenai.py --repeats 5 --new-tokens 128 --threads 2
+    .venv/bin/python benchmarks/ar_vs_ortgenai.py --repeats 5 --new-tokens 128 --threads 2 [--bundle DIR]
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class OursSide:
         from edge_spec.runtime.engine import Engine
 
         self.args = args
-        self.bundle = DEFAULT_BUNDLE
+        self.bundle = args.bundle or DEFAULT_BUNDLE
         self.engine = Engine.from_bundle(self.bundle, threads=args.threads, mode="ar")
         self.messages = [{"role": "user", "content": PROMPT}]
         self.prompt_ids = self.engine.prompt_ids(self.messages)
@@ -308,6 +308,7 @@ def summarize(name: str, result: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, help="our bundle (default: the default export)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed generations per engine (median reported)")

@@ -23,9 +23,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge_spec.export.gguf.interleaved import interleave
 from edge_spec.native import build
+from tests import tiny_models
 
 Q4_K, Q6_K = 12, 14  # ggml's type numbers, the op's ``type`` attribute
-BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
 GGML_TYPE = {Q4_K: GGMLQuantizationType.Q4_K, Q6_K: GGMLQuantizationType.Q6_K}
 PATHS = {"avx512": {}, "avx2": {"EDGE_SPEC_NATIVE_AVX512": "0"}, "scalar": {"EDGE_SPEC_NATIVE_SCALAR": "1"}}
 
@@ -41,14 +41,7 @@ def library() -> Path:
 
 
 def random_blocks(rng: np.random.Generator, kind: int, n: int, k: int) -> np.ndarray:
-    """``n`` rows of ``k / 256`` valid blocks: random codes and scales, small positive fp16 factors."""
-    raw = rng.integers(0, 256, size=(n, k // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
-    factors = rng.uniform(1e-3, 2e-2, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
-    if kind == Q4_K:
-        raw[..., 0:4] = factors  # d, dmin
-    else:
-        raw[..., 208:210] = factors[..., 0:2]  # d
-    return raw.reshape(n, -1)
+    return tiny_models.random_k_quant_blocks(rng, {Q4_K: "Q4_K", Q6_K: "Q6_K"}[kind], n, k)
 
 
 def rounded_rows(x: np.ndarray) -> np.ndarray:

@@ -98,3 +98,21 @@ def torch_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(np.argmax(logits.numpy())))
     return ids[len(prompt_ids) :]
+
+
+K_QUANT_BYTES = {"Q4_K": 144, "Q6_K": 210}  # one super-block of 256 weights
+
+
+def random_k_quant_blocks(rng, kind: str, n: int, k: int, factor: tuple[float, float] = (1e-3, 2e-2)):
+    """GGUF bytes of a ``[n, k]`` weight in ``kind`` (Q4_K or Q6_K): random codes and scales, the float16
+    factors (Q4_K's d and dmin, Q6_K's d) drawn from ``factor`` (the gguf package dequantizes these formats
+    but does not make them)."""
+    import numpy as np
+
+    raw = rng.integers(0, 256, size=(n, k // 256, K_QUANT_BYTES[kind]), dtype=np.uint8)
+    factors = rng.uniform(*factor, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    if kind == "Q4_K":
+        raw[..., 0:4] = factors
+    else:
+        raw[..., 208:210] = factors[..., 0:2]
+    return raw.reshape(n, -1)

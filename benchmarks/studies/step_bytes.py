@@ -3,7 +3,7 @@
 Decoding is memory-bound, so a step's time follows the weight bytes its matmuls stream.  This study splits our
 target's bytes per projection into what a plain 4-bit export of the same shapes would read and what the GGUF
 carry adds on top: the folded correction's rows (x's block sums appended to x, ``docs/methods/gguf.md``) and the
-8-bit blocks Q6_K's parts keep.  A peer's export (onnxruntime-genai's model builder: int4, blocks of 32) is
+8-bit blocks Q6_K's parts keep (or, in the native layout, GGUF's own Q6_K blocks under ``MatMulGGUF``).  A peer's export (onnxruntime-genai's model builder: int4, blocks of 32) is
 counted the same way, node by node, so the table says which part of our step's extra time is which bytes.  No
 model runs: the counts come from the graphs' initializers.
 
@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
 
+from edge_spec.export.gguf.interleaved import Q6_K  # noqa: E402
 from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
 
@@ -61,15 +62,15 @@ def step_bytes(onnx_path: Path) -> dict[str, dict[str, float]]:
     producer = {out: node for node in graph.node for out in node.output}
     groups: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for node in graph.node:
-        if node.op_type != "MatMulNBits":
+        if node.op_type not in ("MatMulNBits", "MatMulGGUF"):
             continue
         attrs = _attributes(node)
         total = sum(size.get(x, 0) for x in node.input[1:])
         group = _GROUP.get(_role(node.name), "other")
         groups[group]["MB"] += total / 1e6
-        if attrs["bits"] == 8:
+        if attrs.get("bits") == 8 or attrs.get("type") == Q6_K:
             groups[group]["8-bit MB"] += total / 1e6
-        base_k = _input_width(producer.get(node.input[0]), initializers)
+        base_k = _input_width(producer.get(node.input[0]), initializers) if "K" in attrs else None
         if base_k and base_k < attrs["K"]:
             groups[group]["correction MB"] += total * (attrs["K"] - base_k) / attrs["K"] / 1e6
     return groups
@@ -99,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     ours = step_bytes(args.bundle / read_manifest(args.bundle)["target"]["onnx"])
     peer = step_bytes(args.peer) if args.peer.is_file() else {}
-    header = f"{'projections':<14} {'ours MB':>9} {'correction':>11} {'8-bit':>9} {'peer MB':>9} {'ours - peer':>12}"
+    header = f"{'projections':<14} {'ours MB':>9} {'correction':>11} {'8b, Q6_K':>9} {'peer MB':>9} {'ours - peer':>12}"
     print(header)
     print("-" * len(header))
     for group in [*dict.fromkeys(_GROUP.values()), "other"]:

@@ -211,6 +211,12 @@ def library_path() -> Path | None:
     return _built() if enabled() else None
 
 
+def required_library_path() -> Path | None:
+    """The library for a graph that holds native ops itself (``MatMulGGUF``), whatever the attention switch
+    says (None: it cannot be built here)."""
+    return _built()
+
+
 def main() -> int:
     try:
         path = build()

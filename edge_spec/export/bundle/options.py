@@ -24,6 +24,7 @@ GGUF_LAYOUTS: dict[str, dict] = {
     "lean": {"head_rescore": LEAN_RESCORED_ROWS},
     "exact": {"carry_exact": True},
     "small": {"carry_narrow": True},
+    "native": {"carry_native": True, "head_rescore": LEAN_RESCORED_ROWS},
 }
 
 
@@ -32,9 +33,14 @@ def layout_settings(layout: str | None) -> dict:
     return GGUF_LAYOUTS[layout or "exact"]
 
 
-def layout_name(carry_exact: bool, carry_narrow: bool, head_rescore: int) -> str:
+def layout_name(carry_exact: bool, carry_narrow: bool, head_rescore: int, carry_native: bool = False) -> str:
     """The ``--gguf-layout`` that asked for these ``BuildOptions`` fields (the manifest records it)."""
-    fields = {"carry_exact": carry_exact, "carry_narrow": carry_narrow, "head_rescore": head_rescore}
+    fields = {
+        "carry_exact": carry_exact,
+        "carry_narrow": carry_narrow,
+        "head_rescore": head_rescore,
+        "carry_native": carry_native,
+    }
     asked = {name: value for name, value in fields.items() if value}
     return next(name for name, settings in GGUF_LAYOUTS.items() if settings == asked)
 
@@ -103,6 +109,8 @@ class ExportOptions:
             raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, not {self.gguf_blocks!r}")
         if self.gguf_layout not in GGUF_LAYOUTS:
             raise EdgeSpecError(f"--gguf-layout must be one of {', '.join(GGUF_LAYOUTS)}, not {self.gguf_layout!r}")
+        if self.gguf_layout == "native" and self.prompt_reader:
+            raise EdgeSpecError("--gguf-layout native does not take --prompt-reader (its prompt graph reads MatMulNBits)")
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
         if min(self.candidates) < 1:

@@ -52,10 +52,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_spec.export.gguf.interleaved import TYPE_NUMBER as NATIVE_TYPE_NUMBERS
+from edge_spec.export.gguf.interleaved import interleave
 from edge_spec.export.graph import parallel
 from edge_spec.export.graph.quantize import pack_codes, unpack_codes
 
 MS_DOMAIN = "com.microsoft"
+NATIVE_DOMAIN = "ai.edge_spec"  # edge_spec/native: the ops the runtime registers from its own library
 QK_K = 256
 CARRIED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
@@ -72,6 +75,7 @@ class CarriedBlocks:
     block_size: int
     source_type: str  # the GGUF type it came from ("Q4_K", ...; "mixed" after a concatenation)
     correction: np.ndarray | None = None  # float32 [n, k_blocks] subtracted per block (affine formats)
+    raw: np.ndarray | None = None  # uint8 [n, row bytes]: GGUF's own blocks (the native layout reads them)
 
     @property
     def n(self) -> int:
@@ -110,6 +114,7 @@ class CarriedBlocks:
             self.block_size,
             self.source_type,
             pick(self.correction),
+            pick(self.raw),
         )
 
 
@@ -125,6 +130,8 @@ def concat_blocks(parts: list[CarriedBlocks]) -> CarriedBlocks:
     if any(p.correction is not None for p in parts):
         correction = np.concatenate([p.correction_or_zero() for p in parts])
     kinds = {p.source_type for p in parts}
+    same_rows = len(kinds) == 1 and len({p.raw.shape[1] if p.raw is not None else -1 for p in parts}) == 1
+    raw = np.concatenate([p.raw for p in parts]) if same_rows and first.raw is not None else None
     return CarriedBlocks(
         np.concatenate([p.packed for p in parts]),
         np.concatenate([p.scales for p in parts]),
@@ -133,6 +140,7 @@ def concat_blocks(parts: list[CarriedBlocks]) -> CarriedBlocks:
         first.block_size,
         kinds.pop() if len(kinds) == 1 else "mixed",
         correction,
+        raw,
     )
 
 
@@ -149,7 +157,10 @@ def _zero_point_bytes(w: CarriedBlocks) -> np.ndarray:
 def add_carried_linear(g, x: str, w: CarriedBlocks, name: str, opt, bias: np.ndarray | None = None) -> str:
     """``y = x @ w.T + bias`` as one ``MatMulNBits`` over the carried blocks (``g``: the builder's Graph),
     less the per-block correction (see the module docstring) where the format has one: folded into the
-    matmul (default), or as a separate fp32 MatMul when ``opt.carry_exact``."""
+    matmul (default), or as a separate fp32 MatMul when ``opt.carry_exact``.  With ``opt.carry_native``
+    a Q4_K or Q6_K weight is GGUF's own bytes under edge-spec's native ``MatMulGGUF`` instead."""
+    if getattr(opt, "carry_native", False) and native_takes(w):
+        return _add_native_linear(g, x, w, name, bias)
     if not opt.carry_exact:
         w = _unfolded_fast_layout(w)
         x = _with_block_sums(g, x, w, name)
@@ -179,6 +190,29 @@ def add_carried_linear(g, x: str, w: CarriedBlocks, name: str, opt, bias: np.nda
             [name + "/correction"],
         )[0]
         g.node("Sub", [main, fix], [out])
+    return out
+
+
+def native_takes(w: CarriedBlocks) -> bool:
+    """Whether the native op multiplies by ``w``'s GGUF bytes: Q4_K or Q6_K rows of whole super-blocks."""
+    return w.raw is not None and w.source_type in NATIVE_TYPE_NUMBERS and w.k % QK_K == 0
+
+
+def _add_native_linear(g, x: str, w: CarriedBlocks, name: str, bias: np.ndarray | None) -> str:
+    records = interleave(w.raw, NATIVE_TYPE_NUMBERS[w.source_type], w.n, w.k)
+    out = name + "/out"
+    product = out if bias is None else name + "/main"
+    g.node(
+        "MatMulGGUF",
+        [x, g.const(name + ".gguf_records", records)],
+        [product],
+        domain=NATIVE_DOMAIN,
+        K=w.k,
+        N=w.n,
+        type=NATIVE_TYPE_NUMBERS[w.source_type],
+    )
+    if bias is not None:
+        g.node("Add", [product, g.const(name + ".bias", bias.astype(np.float32))], [out])
     return out
 
 
@@ -518,4 +552,7 @@ def carry_gguf(raw: np.ndarray, gguf_type: str, n: int, k: int) -> CarriedBlocks
             if whole is not None:
                 whole[start:stop] = part.reshape(whole[start:stop].shape)
     packed, scales, zero, correction = out
-    return CarriedBlocks(packed.reshape(n, k_blocks, -1), scales, zero, bits, block_size, gguf_type, correction)
+    raw_rows = blocks.reshape(n, -1) if gguf_type in NATIVE_TYPE_NUMBERS else None
+    return CarriedBlocks(
+        packed.reshape(n, k_blocks, -1), scales, zero, bits, block_size, gguf_type, correction, raw_rows
+    )

@@ -49,7 +49,7 @@ from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_
 
 from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH
 from edge_spec.export.bundle import activity
-from edge_spec.export.gguf.blocks import add_carried_linear, concat_blocks, narrow_to_4bit
+from edge_spec.export.gguf.blocks import NATIVE_DOMAIN, add_carried_linear, concat_blocks, narrow_to_4bit
 from edge_spec.export.graph.attention_pad import pad_attention
 from edge_spec.export.graph.quantize import quantize_blockwise
 from edge_spec.export.graph.rope import rope_tables
@@ -79,6 +79,7 @@ class BuildOptions:
     gguf_blocks: bool = True  # use the GGUF blocks a loader attached (weights.carried) instead of re-quantizing
     carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf.blocks.fast_layout)
     carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf.blocks.narrow_to_4bit)
+    carry_native: bool = False  # carried Q4_K / Q6_K blocks as GGUF's bytes under the native MatMulGGUF op
     #: > 0: a carried 8-bit LM head runs at 4 bits and its best ``head_rescore`` rows per position are
     #: scored again from an 8-bit table (the lean layout: :meth:`DecoderGraphBuilder.rescored_logits`)
     head_rescore: int = 0
@@ -168,11 +169,10 @@ class Graph:
 def make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
     """Wrap ``graph`` in the one opset / IR version pairing all edge-spec graphs share, including the
     ``com.microsoft`` opset import the contrib ops need."""
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-        producer_name="edge-spec",
-    )
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+    if any(node.domain == NATIVE_DOMAIN for node in graph.node):
+        opsets.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="edge-spec")
     model.ir_version = 10
     return model
 

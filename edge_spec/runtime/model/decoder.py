@@ -64,7 +64,12 @@ from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_atten
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
-from edge_spec.runtime.model.native_attention import native_library, prompt_path, use_native_attention
+from edge_spec.runtime.model.native_attention import (
+    native_library,
+    needs_native_ops,
+    prompt_path,
+    use_native_attention,
+)
 from edge_spec.runtime.model.providers import open_session
 from edge_spec.runtime.model.session import set_spinning
 
@@ -277,19 +282,20 @@ class Decoder:
         library = native_library(provider) if native_attention else None
         if prompt and library is not None and not prompt_path(library):
             library = None
-        graph = None
-        if library or not attention_pad:
-            try:
-                graph = onnx.load(str(model_path), load_external_data=False)
-            except Exception:  # noqa: BLE001  (a damaged graph: ORT's own load below says so in one line)
-                graph = None
+        try:
+            graph = onnx.load(str(model_path), load_external_data=False)
+        except Exception:  # noqa: BLE001  (a damaged graph: ORT's own load below says so in one line)
+            graph = None
         if graph is not None:
             if not attention_pad and has_attention_pad(graph):
                 strip_attention_pad(graph)
                 pad_removed = True
+            register = needs_native_ops(graph, model_path, provider)
             if library is not None and use_native_attention(graph, bf16_products=prompt):
-                opts.register_custom_ops_library(str(library))
                 native = True
+                register = library
+            if register is not None:
+                opts.register_custom_ops_library(str(register))
             if pad_removed or native:
                 model = graph.SerializeToString()
                 # the weights stay in their file beside the graph, found from there

@@ -18,6 +18,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
+from edge_spec.errors import EdgeSpecError
 from edge_spec.native import build
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,24 @@ def use_native_attention(model: onnx.ModelProto, bf16_products: bool = False) ->
     if moved and not any(o.domain == NATIVE_DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(NATIVE_DOMAIN, 1))
     return moved
+
+
+def needs_native_ops(model: onnx.ModelProto, model_path: Path, provider: str) -> Path | None:
+    """The native library when ``model`` itself holds native ops (``MatMulGGUF``: a bundle exported with
+    ``--gguf-layout native``), which must then be registered; None when it holds none.  Where the library
+    cannot serve, one line says why."""
+    if not any(n.domain == NATIVE_DOMAIN and n.op_type != "GroupQueryAttention" for n in model.graph.node):
+        return None
+    what = f"{model_path} multiplies GGUF's blocks with edge-spec's native op"
+    if provider.lower() != "cpu":
+        raise EdgeSpecError(f"{what}, which runs on the CPU only")
+    library = build.required_library_path()
+    if library is None:
+        raise EdgeSpecError(
+            f"{what}, which does not build here (it needs a C++ compiler: python -m edge_spec.native.build says "
+            "why); export with --gguf-layout lean"
+        )
+    return library
 
 
 def uses_native_attention(model: onnx.ModelProto) -> bool:
