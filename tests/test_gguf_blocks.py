@@ -365,7 +365,9 @@ def test_an_unknown_gguf_layout_is_one_line():
     from edge_spec.errors import EdgeSpecError
     from edge_spec.export.bundle.build import ExportOptions
 
-    with pytest.raises(EdgeSpecError, match=r"^--gguf-layout must be one of fast, lean, exact, small, native, not 'quick'$"):
+    with pytest.raises(
+        EdgeSpecError, match=r"^--gguf-layout must be one of fast, lean, exact, small, native, not 'quick'$"
+    ):
         ExportOptions(gguf_layout="quick").check()
 
 

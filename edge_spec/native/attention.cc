@@ -32,6 +32,7 @@
 #endif
 #endif
 
+#include "edge_spec_op.h"
 #include "onnxruntime_c_api.h"
 
 namespace edge_spec {
@@ -1043,7 +1044,6 @@ OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context
 
 void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "GroupQueryAttention"; }
-const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 ONNXTensorElementDataType ORT_API_CALL op_input_type(const OrtCustomOp*, size_t index) { return input_type(index); }
 size_t ORT_API_CALL op_input_count(const OrtCustomOp*) { return kInputs; }
 ONNXTensorElementDataType ORT_API_CALL op_output_type(const OrtCustomOp*, size_t) {
@@ -1057,17 +1057,10 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL op_input_kind(const OrtCustomO
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL op_output_kind(const OrtCustomOp*, size_t) {
   return INPUT_OUTPUT_REQUIRED;
 }
-OrtMemType ORT_API_CALL op_input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int ORT_API_CALL op_zero(const OrtCustomOp*) { return 0; }
-int ORT_API_CALL op_start_version(const OrtCustomOp*) { return 1; }
-int ORT_API_CALL op_end_version(const OrtCustomOp*) { return std::numeric_limits<int>::max(); }
 
 OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = kApiVersion;
+  OrtCustomOp op = edge_spec::cpu_op_table(kApiVersion);
   op.GetName = op_name;
-  op.GetExecutionProviderType = op_provider;
   op.GetInputType = op_input_type;
   op.GetInputTypeCount = op_input_count;
   op.GetOutputType = op_output_type;
@@ -1075,15 +1068,8 @@ OrtCustomOp make_op() {
   op.KernelDestroy = destroy_kernel;
   op.GetInputCharacteristic = op_input_kind;
   op.GetOutputCharacteristic = op_output_kind;
-  op.GetInputMemoryType = op_input_memory;
-  op.GetVariadicInputMinArity = op_zero;
-  op.GetVariadicInputHomogeneity = op_zero;
-  op.GetVariadicOutputMinArity = op_zero;
-  op.GetVariadicOutputHomogeneity = op_zero;
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute_kernel;
-  op.GetStartVersion = op_start_version;
-  op.GetEndVersion = op_end_version;
   return op;
 }
 

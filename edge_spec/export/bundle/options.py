@@ -110,7 +110,9 @@ class ExportOptions:
         if self.gguf_layout not in GGUF_LAYOUTS:
             raise EdgeSpecError(f"--gguf-layout must be one of {', '.join(GGUF_LAYOUTS)}, not {self.gguf_layout!r}")
         if self.gguf_layout == "native" and self.prompt_reader:
-            raise EdgeSpecError("--gguf-layout native does not take --prompt-reader (its prompt graph reads MatMulNBits)")
+            raise EdgeSpecError(
+                "--gguf-layout native does not take --prompt-reader (its prompt graph reads MatMulNBits)"
+            )
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")
         if min(self.candidates) < 1:
