@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx
 import pytest
@@ -12,8 +14,10 @@ pytest.importorskip("gguf")
 from edge_spec.errors import EdgeSpecError  # noqa: E402
 from edge_spec.export.bundle.options import ExportOptions, layout_name  # noqa: E402
 from edge_spec.export.gguf.blocks import carry_gguf  # noqa: E402
+from edge_spec.export.gguf.interleaved import Q4_K, Q6_K, deinterleave, interleave  # noqa: E402
 from edge_spec.export.graph.builder import BuildOptions, build_decoder, save_model  # noqa: E402
 from edge_spec.native import build  # noqa: E402
+from edge_spec.runtime.model import native_attention  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
 from tests import tiny_models  # noqa: E402
 
@@ -26,8 +30,6 @@ PARTS = ("q", "k", "v", "o", "gate", "up", "down")
 def weights():
     """A tiny Qwen2 whose layer matrices are carried as (random) Q4_K blocks, layer 0's value and down as Q6_K
     (as a Q4_K_M file mixes them)."""
-    if build.compiler() is None:
-        pytest.skip("no C++ compiler: the native op cannot be built here")
     w = tiny_models.loaded("t", tiny_models.make_qwen2(seed=0, hidden=HIDDEN), tiny_models.make_tokenizer()).weights
     rng = np.random.default_rng(0)
     for i, layer in enumerate(w.layers):
@@ -37,6 +39,12 @@ def weights():
             raw = tiny_models.random_k_quant_blocks(rng, kind, n, k, factor=(1e-4, 5e-4))
             w.carried[f"layers.{i}.{part}"] = carry_gguf(raw, kind, n, k)
     return w
+
+
+@pytest.fixture
+def native_op():
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler: the native op cannot be built here")
 
 
 def _path(weights, folder, **options):
@@ -52,7 +60,7 @@ def _logits(path, chunks):
     return np.concatenate([decoder.forward(c, len(c))["logits"].reshape(len(c), -1) for c in chunks])
 
 
-def test_the_native_layout_multiplies_ggufs_blocks(weights, tmp_path):
+def test_the_native_layout_multiplies_ggufs_blocks(weights, native_op, tmp_path):
     path = _path(weights, tmp_path, carry_native=True)
     ops = [(n.op_type, n.domain) for n in onnx.load(str(path), load_external_data=False).graph.node]
     assert ops.count(("MatMulGGUF", "ai.edge_spec")) >= len(weights.layers) * 4
@@ -66,20 +74,69 @@ def test_the_native_layout_multiplies_ggufs_blocks(weights, tmp_path):
     assert (native.argmax(-1) == lean.argmax(-1)).mean() >= 0.9
 
 
-def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(weights, tmp_path):
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(weights, native_op, tmp_path):
     path = _path(weights, tmp_path, carry_native=True)
     whole = _logits(path, [IDS])
     parts = _logits(path, [IDS[:1], IDS[1:4], IDS[4:]])
     np.testing.assert_array_equal(parts, whole)
 
 
-def test_without_the_library_a_native_graph_is_one_clear_error(weights, tmp_path, monkeypatch):
+def test_without_the_library_a_native_graph_runs_as_the_lean_layout_does(weights, tmp_path, monkeypatch, caplog):
     path = _path(weights, tmp_path, carry_native=True)
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_ATTENTION", "0")  # no library: ORT's attention in both
+    lean = _logits(_path(weights, tmp_path), [IDS])
     monkeypatch.setattr(build, "required_library_path", lambda: None)
-    monkeypatch.setenv("EDGE_SPEC_NATIVE_ATTENTION", "0")
-    with pytest.raises(EdgeSpecError, match="does not build here") as caught:
-        Decoder(path, capacity=64, threads=1)
-    assert "\n" not in str(caught.value)
+    with caplog.at_level(logging.WARNING):
+        fallback = _logits(path, [IDS])
+    # the exporter's lean nodes for the same blocks (the biases back inside MatMulNBits): the same bits
+    np.testing.assert_array_equal(fallback, lean)
+    warned = [r.getMessage() for r in caplog.records if "MatMulNBits" in r.getMessage()]
+    assert len(warned) == 1 and "does not build here" in warned[0] and "\n" not in warned[0]
+    assert onnx.load(str(path), load_external_data=False).graph.node  # the bundle's file is left as it was
+    assert any(n.op_type == "MatMulGGUF" for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def test_the_lean_form_can_be_told_from_the_native_op(weights, native_op, tmp_path, monkeypatch):
+    """The negative control of the test above: with the op, the logits are not lean's."""
+    path = _path(weights, tmp_path, carry_native=True)
+    lean = _logits(_path(weights, tmp_path), [IDS])
+    assert not np.array_equal(_logits(path, [IDS]), lean)
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_MATMUL", "0")
+    np.testing.assert_array_equal(_logits(path, [IDS]), lean)
+
+
+@pytest.mark.parametrize(
+    "provider, env, path, why",
+    [
+        ("cpu", "0", "avx2", "EDGE_SPEC_NATIVE_MATMUL=0"),
+        ("webgpu", "1", "avx2", "CPU execution provider only"),
+        ("cpu", "1", "scalar", "no AVX2"),
+        ("cpu", "1", "avx512", ""),
+    ],
+)
+def test_the_route_says_why_the_native_op_does_not_run(weights, tmp_path, monkeypatch, provider, env, path, why):
+    graph = onnx.load(str(_path(weights, tmp_path, carry_native=True)), load_external_data=False)
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_MATMUL", env)
+    monkeypatch.setattr(build, "required_library_path", lambda: tmp_path / "libedge_spec.so")
+    monkeypatch.setattr(native_attention, "gguf_matmul_path", lambda library: path)
+    library, reason = native_attention.native_matmul_route(graph, provider)
+    assert why in reason and (library is None) == bool(why)
+    plain = onnx.load(str(_path(weights, tmp_path)), load_external_data=False)
+    assert native_attention.native_matmul_route(plain, provider) == (None, "")
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_records_give_back_ggufs_own_bytes(kind):
+    rng = np.random.default_rng(kind)
+    name = {Q4_K: "Q4_K", Q6_K: "Q6_K"}[kind]
+    for n in (16, 37, 5):
+        raw = tiny_models.random_k_quant_blocks(rng, name, n, 512, factor=(1e-4, 5e-4)).reshape(n, -1)
+        records = interleave(raw, kind, n, 512)
+        np.testing.assert_array_equal(deinterleave(records, kind, n, 512), raw)
+        for offset in (0, {Q4_K: 320, Q6_K: 288}[kind] + 128):  # row 0's scale factor, then one of its code bytes
+            changed = records.copy()
+            changed[0, 0, offset] ^= 0x10
+            assert not np.array_equal(deinterleave(changed, kind, n, 512), raw)
 
 
 def test_the_native_layout_is_named_in_the_manifest_and_refuses_the_prompt_reader():

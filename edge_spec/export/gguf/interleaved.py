@@ -96,3 +96,53 @@ def interleave(raw: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
     else:
         raise ValueError(f"no interleaved layout for ggml type {kind}")
     return np.ascontiguousarray(np.concatenate(parts, axis=-1))
+
+
+def _unlines(lines: np.ndarray, tiles: int, blocks: int) -> np.ndarray:
+    """:func:`_lines` undone: ``[tiles, blocks, 2048]`` nibble lines -> codes ``[tiles, 16, blocks, 256]``."""
+    packed = lines.reshape(tiles, blocks, 32, ROWS, 4).transpose(0, 3, 1, 2, 4)  # [tiles, rows, blocks, 32, 4]
+    return np.stack([packed & 0x0F, packed >> 4], axis=-2).reshape(tiles, ROWS, blocks, 256)
+
+
+def deinterleave(records: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
+    """:func:`interleave` undone: the op's records of a weight ``[n, k]`` -> GGUF's own tensor bytes, ``uint8
+    [n, k / 256 * block bytes]`` (the padding rows dropped).  A bundle whose op cannot run here is loaded
+    through these bytes in the ``lean`` layout's form."""
+    if k % 256:
+        raise ValueError(f"K = {k} is not a multiple of 256")
+    nb = k // 256
+    tiles = -(-n // ROWS)
+    r = np.ascontiguousarray(records, dtype=np.uint8).reshape(tiles, nb, RECORD_BYTES[kind])
+
+    def per_row(part: np.ndarray, width: int) -> np.ndarray:
+        """``[tiles, blocks, width * 16]`` laid out as ``[width][16]`` -> ``[tiles, 16, blocks, width]``."""
+        return part.reshape(tiles, nb, width, ROWS).transpose(0, 3, 1, 2)
+
+    def per_row_bytes(part: np.ndarray, width: int) -> np.ndarray:
+        """``[tiles, blocks, 16 * width]`` laid out as ``[16][width]`` -> ``[tiles, 16, blocks, width]``."""
+        return part.reshape(tiles, nb, ROWS, width).transpose(0, 2, 1, 3)
+
+    if kind == Q4_K:
+        d, dmin = per_row_bytes(r[..., 0:32], 2), per_row_bytes(r[..., 32:64], 2)
+        sc, mn = per_row(r[..., 64:192], 8), per_row(r[..., 192:320], 8)
+        s0 = sc[..., :4] | ((sc[..., 4:] & 0x30) << 2)
+        s1 = mn[..., :4] | ((mn[..., 4:] & 0x30) << 2)
+        s2 = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+        codes = _unlines(r[..., 320:], tiles, nb).reshape(tiles, ROWS, nb, 4, 2, 32)
+        qs = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(tiles, ROWS, nb, 128)
+        blocks = np.concatenate([d, dmin, s0, s1, s2, qs], axis=-1)
+    elif kind == Q6_K:
+        d = per_row_bytes(r[..., 0:32], 2)
+        sc = per_row(r[..., 32:288], 16)
+        low = _unlines(r[..., 288:2336], tiles, nb)
+        high_bytes = r[..., 2336:].reshape(tiles, nb, 16, ROWS, 4).transpose(0, 3, 1, 2, 4)  # [.., 16 s, 4 t]
+        high = np.stack([(high_bytes >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-2)  # [.., s, j, t]
+        q = (low | (high.reshape(tiles, ROWS, nb, 256) << 4)).reshape(tiles, ROWS, nb, 2, 4, 32)
+        low4 = q & 0x0F
+        ql = np.concatenate([low4[..., 0, :] | (low4[..., 2, :] << 4), low4[..., 1, :] | (low4[..., 3, :] << 4)], -1)
+        qh = q[..., 0, :] >> 4 | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
+        blocks = np.concatenate([ql.reshape(tiles, ROWS, nb, 128), qh.reshape(tiles, ROWS, nb, 64), sc, d], axis=-1)
+    else:
+        raise ValueError(f"no interleaved layout for ggml type {kind}")
+    rows = blocks.astype(np.uint8).reshape(tiles * ROWS, nb * GGUF_BYTES[kind])
+    return np.ascontiguousarray(rows[:n])

@@ -47,6 +47,7 @@ and a tree pass's slots move only in :meth:`Decoder.keep_path`, after it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -66,12 +67,14 @@ from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
 from edge_spec.runtime.model.native_attention import (
     native_library,
-    needs_native_ops,
+    native_matmul_route,
     prompt_path,
     use_native_attention,
 )
 from edge_spec.runtime.model.providers import open_session
 from edge_spec.runtime.model.session import set_spinning
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds attention scratch, gives progress and a place to cancel
 # outputs given for every row fed (not only the last ``num_logits``): the target's hidden states of chosen
@@ -167,6 +170,27 @@ def _session_options(given: ort.SessionOptions | None, threads: int, takes_turns
         opts.inter_op_num_threads = 1
     set_spinning(opts, takes_turns)  # target and drafter alternate on the same cores
     return opts
+
+
+def _load_as_lean(graph: onnx.ModelProto, model_path: Path, why: str, opts: ort.SessionOptions) -> list[ort.OrtValue]:
+    """Rewrite a ``native``-layout ``graph`` (in place) into the ``lean`` layout's form and hand ORT its new
+    weights from memory; returns them, to be kept as long as the session.  The exporter's own layout code
+    does it (:mod:`edge_spec.export.gguf.native_to_lean`), so the graph is the one ``--gguf-layout lean``
+    exports; it is imported here only, as the one path from the runtime into the exporter."""
+    from edge_spec.export.gguf.native_to_lean import rewrite_as_lean
+
+    start = time.perf_counter()
+    arrays = rewrite_as_lean(graph, model_path.parent)
+    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in arrays.values()]
+    opts.add_external_initializers(list(arrays), values)
+    log.warning(
+        "%s: %s; GGUF's blocks were converted to ONNX Runtime's MatMulNBits in %.1f s (at each load: "
+        "--gguf-layout lean exports that form)",
+        model_path,
+        why,
+        time.perf_counter() - start,
+    )
+    return values
 
 
 class Decoder:
@@ -290,13 +314,15 @@ class Decoder:
             if not attention_pad and has_attention_pad(graph):
                 strip_attention_pad(graph)
                 pad_removed = True
-            register = needs_native_ops(graph, model_path, provider)
+            register, why_not_native = native_matmul_route(graph, provider)
+            if why_not_native:
+                self._lean_weights = _load_as_lean(graph, model_path, why_not_native, opts)
             if library is not None and use_native_attention(graph, bf16_products=prompt):
                 native = True
                 register = library
             if register is not None:
                 opts.register_custom_ops_library(str(register))
-            if pad_removed or native:
+            if pad_removed or native or why_not_native:
                 model = graph.SerializeToString()
                 # the weights stay in their file beside the graph, found from there
                 opts.add_session_config_entry(
@@ -332,6 +358,8 @@ class Decoder:
         self.__dict__.pop("_binding", None)
         self.__dict__.pop("_prompt_binding", None)
         self.__dict__.pop("kv", None)
+        for session in ("session", "prompt_session"):  # before the weights a lean-form graph reads from memory
+            self.__dict__.pop(session, None)
 
     @property
     def exact_rows(self) -> int:

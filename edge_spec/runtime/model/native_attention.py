@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from pathlib import Path
 
 import onnx
@@ -76,22 +77,34 @@ def use_native_attention(model: onnx.ModelProto, bf16_products: bool = False) ->
     return moved
 
 
-def needs_native_ops(model: onnx.ModelProto, model_path: Path, provider: str) -> Path | None:
-    """The native library when ``model`` itself holds native ops (``MatMulGGUF``: a bundle exported with
-    ``--gguf-layout native``), which must then be registered; None when it holds none.  Where the library
-    cannot serve, one line says why."""
+def gguf_matmul_path(library: Path) -> str:
+    """Which kernels the native ``MatMulGGUF`` runs on this CPU: "avx512", "avx2" or "scalar"."""
+    try:
+        answer = ctypes.CDLL(str(library)).EdgeSpecGGUFMatMulPath
+    except (OSError, AttributeError):
+        return "scalar"
+    answer.restype = ctypes.c_char_p
+    return (answer() or b"scalar").decode()
+
+
+def native_matmul_route(model: onnx.ModelProto, provider: str) -> tuple[Path | None, str]:
+    """Where ``model``'s own native ops (``MatMulGGUF``: a bundle exported with ``--gguf-layout native``) run:
+    ``(library, "")`` to register when the native op runs here, ``(None, why)`` when it does not and the
+    graph is loaded in the ``lean`` layout's form instead (``edge_spec.export.gguf.native_to_lean``), and
+    ``(None, "")`` for a graph without them.  The op's scalar kernels, on a CPU without AVX2, are slower
+    than ORT's own, and ``EDGE_SPEC_NATIVE_MATMUL=0`` asks for the lean form everywhere."""
     if not any(n.domain == NATIVE_DOMAIN and n.op_type != "GroupQueryAttention" for n in model.graph.node):
-        return None
-    what = f"{model_path} multiplies GGUF's blocks with edge-spec's native op"
+        return None, ""
+    if os.environ.get("EDGE_SPEC_NATIVE_MATMUL", "1") == "0":
+        return None, "EDGE_SPEC_NATIVE_MATMUL=0"
     if provider.lower() != "cpu":
-        raise EdgeSpecError(f"{what}, which runs on the CPU only")
+        return None, f"its native op runs on the CPU execution provider only, not {provider}"
     library = build.required_library_path()
     if library is None:
-        raise EdgeSpecError(
-            f"{what}, which does not build here (it needs a C++ compiler: python -m edge_spec.native.build says "
-            "why); export with --gguf-layout lean"
-        )
-    return library
+        return None, "the native library does not build here: python -m edge_spec.native.build says why"
+    if gguf_matmul_path(library) == "scalar":
+        return None, "this CPU has no AVX2, and ONNX Runtime's own kernels are faster than the native op's scalar ones"
+    return library, ""
 
 
 def uses_native_attention(model: onnx.ModelProto) -> bool:
