@@ -17,6 +17,20 @@ from tests.helpers import export_tiny
 
 
 @pytest.fixture(scope="session")
+def native_library():
+    """The native ops' library (``edge_spec.native``) built from the repo: skipped without a C++ compiler,
+    failed when it does not build."""
+    from edge_spec.native import build
+
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler (g++ or clang++): the native ops cannot be built here")
+    try:
+        return build.build()
+    except build.BuildError as exc:
+        pytest.fail(f"the native ops do not build: {exc}")
+
+
+@pytest.fixture(scope="session")
 def tiny_pair():
     tokenizer = tiny_models.make_tokenizer()
     target = tiny_models.make_qwen2(seed=0)

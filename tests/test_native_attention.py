@@ -19,20 +19,6 @@ HEADS, KV_HEADS, HEAD = 6, 2, 32
 CAPACITY, TABLE = 80, 96  # cache slots; rotary table rows
 
 
-def _library():
-    if build.compiler() is None:
-        pytest.skip("no C++ compiler (g++ or clang++): the native attention op cannot be built here")
-    try:
-        return build.build()
-    except build.BuildError as exc:
-        pytest.fail(f"the native attention op does not build: {exc}")
-
-
-@pytest.fixture(scope="module")
-def library():
-    return _library()
-
-
 @pytest.fixture(autouse=True)
 def switched_on(monkeypatch):
     """These tests run the native op whatever ``EDGE_SPEC_NATIVE_ATTENTION`` the suite was started with."""
@@ -92,11 +78,11 @@ def gqa_model(
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
 
-def session(model: bytes, library=None, threads: int = 1) -> ort.InferenceSession:
+def session(model: bytes, native_library=None, threads: int = 1) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    if library is not None:
-        options.register_custom_ops_library(str(library))
+    if native_library is not None:
+        options.register_custom_ops_library(str(native_library))
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
@@ -142,12 +128,12 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("context", [0, 7, 60])
-def test_the_native_op_computes_what_orts_op_computes(library, case, rows, context):
+def test_the_native_op_computes_what_orts_op_computes(native_library, case, rows, context):
     if context == 0 and case.get("tree"):
         pytest.skip("a tree pass follows a prompt")
     rng = np.random.default_rng(rows * 100 + context)
     inputs = feeds(rng, context, rows, case.get("tree", False), case.get("packed", True))
-    ours = run(session(gqa_model("ai.edge_spec", **case), library), inputs)
+    ours = run(session(gqa_model("ai.edge_spec", **case), native_library), inputs)
     theirs = run(session(gqa_model("com.microsoft", **case)), inputs)
     filled = context + rows  # slots past the sequence are ORT's zeros in both
     np.testing.assert_allclose(
@@ -158,7 +144,7 @@ def test_the_native_op_computes_what_orts_op_computes(library, case, rows, conte
 
 
 @pytest.mark.parametrize("shape", [(8, 2, 32), (6, 3, 48), (4, 4, 64)], ids=["group-4", "head-48", "no-grouping"])
-def test_other_head_layouts(library, monkeypatch, shape):
+def test_other_head_layouts(native_library, monkeypatch, shape):
     """Groups that are no multiple of three, head sizes that are no multiple of four vectors."""
     import tests.test_native_attention as here
 
@@ -170,17 +156,17 @@ def test_other_head_layouts(library, monkeypatch, shape):
     for context, rows in ((0, 3), (33, 1), (33, 7)):
         inputs = feeds(rng, context, rows, tree=True) if context else feeds(rng, context, rows, tree=False)
         tree = bool(context)
-        ours = run(session(gqa_model("ai.edge_spec", tree=tree), library), inputs)
+        ours = run(session(gqa_model("ai.edge_spec", tree=tree), native_library), inputs)
         theirs = run(session(gqa_model("com.microsoft", tree=tree)), inputs)
         np.testing.assert_array_equal(ours["present_v"], theirs["present_v"])
         np.testing.assert_allclose(ours["out"], theirs["out"], rtol=1e-4, atol=2e-6)
 
 
-def test_the_check_can_fail(library):
+def test_the_check_can_fail(native_library):
     """A window one key narrower changes the answer beyond the tolerance above."""
     rng = np.random.default_rng(1)
     inputs = feeds(rng, 40, 3, tree=False)
-    ours = run(session(gqa_model("ai.edge_spec", tree=False, window=8), library), inputs)
+    ours = run(session(gqa_model("ai.edge_spec", tree=False, window=8), native_library), inputs)
     theirs = run(session(gqa_model("com.microsoft", tree=False, window=9)), inputs)
     assert np.abs(ours["out"] - theirs["out"]).max() > 1e-3
 
@@ -202,12 +188,12 @@ def _bound_run(sess, inputs: dict[str, np.ndarray], cache: tuple[np.ndarray, np.
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tree", [False, True])
-def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(library, threads, tree):
+def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(native_library, threads, tree):
     """Row r of a k-row pass equals the same row fed alone after rows 0..r-1 (shared cache, in place)."""
     rng = np.random.default_rng(7)
     context, rows = 50, 9
     inputs = feeds(rng, context, rows, tree)
-    sess = session(gqa_model("ai.edge_spec", tree=tree), library, threads)
+    sess = session(gqa_model("ai.edge_spec", tree=tree), native_library, threads)
     cache = (inputs["past_k"].copy(), inputs["past_v"].copy())
     whole = _bound_run(sess, inputs, cache)
     assert not np.array_equal(cache[0], inputs["past_k"])  # written in place
@@ -231,7 +217,7 @@ def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(library, threa
 # -- the runtime: the target's attention moved to the native op at load time ------------------------------
 
 
-def test_the_target_runs_its_attention_on_the_native_op(library, target_path):
+def test_the_target_runs_its_attention_on_the_native_op(native_library, target_path):
     """Loaded with the native op, the target gives ORT's op's logits to float32 rounding; the file is untouched."""
     from edge_spec.runtime.model.decoder import Decoder
 
@@ -245,7 +231,7 @@ def test_the_target_runs_its_attention_on_the_native_op(library, target_path):
     assert target_path.read_bytes() == before
 
 
-def test_greedy_speculative_equals_autoregressive_on_the_native_op(library, int4_bundle):
+def test_greedy_speculative_equals_autoregressive_on_the_native_op(native_library, int4_bundle):
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.verify.sampling import SamplingParams
     from tests.helpers import PROMPTS, chain, run
@@ -264,7 +250,7 @@ def test_greedy_speculative_equals_autoregressive_on_the_native_op(library, int4
 
 
 def test_without_a_compiler_the_runtime_keeps_orts_op(monkeypatch, tmp_path, target_path):
-    """No compiler: one debug line, no library, and the decoder loads ORT's op as before."""
+    """No compiler: one debug line, no native_library, and the decoder loads ORT's op as before."""
     from edge_spec.runtime.model.decoder import Decoder
 
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # nothing built there yet
@@ -299,15 +285,15 @@ def test_a_failing_build_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
-def test_the_native_op_is_the_default_where_it_builds(monkeypatch, library, target_path):
+def test_the_native_op_is_the_default_where_it_builds(monkeypatch, native_library, target_path):
     from edge_spec.runtime.model.decoder import Decoder
 
     monkeypatch.delenv(build.SWITCH)
-    assert build.library_path() == library
+    assert build.library_path() == native_library
     assert Decoder(target_path, threads=1, capacity=32).native_attention
 
 
-def test_the_switch_turns_the_native_op_off(monkeypatch, library, target_path):
+def test_the_switch_turns_the_native_op_off(monkeypatch, native_library, target_path):
     from edge_spec.runtime.model.decoder import Decoder
 
     monkeypatch.setenv(build.SWITCH, "0")
@@ -327,7 +313,7 @@ def test_only_nodes_the_native_op_takes_are_moved():
     assert use_native_attention(smooth) == 0 and smooth.graph.node[0].domain == "com.microsoft"
 
 
-def test_device_facts_are_kept_apart_for_the_native_op(library, int4_bundle, monkeypatch):
+def test_device_facts_are_kept_apart_for_the_native_op(native_library, int4_bundle, monkeypatch):
     """Cost profiles and exactness verdicts measured with one attention op are not read for the other."""
     from edge_spec.runtime.engine import Engine
 

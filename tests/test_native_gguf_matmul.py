@@ -30,16 +30,6 @@ GGML_TYPE = {Q4_K: GGMLQuantizationType.Q4_K, Q6_K: GGMLQuantizationType.Q6_K}
 PATHS = {"avx512": {}, "avx2": {"EDGE_SPEC_NATIVE_AVX512": "0"}, "scalar": {"EDGE_SPEC_NATIVE_SCALAR": "1"}}
 
 
-@pytest.fixture(scope="module")
-def library() -> Path:
-    if build.compiler() is None:
-        pytest.skip("no C++ compiler (g++ or clang++): the native ops cannot be built here")
-    try:
-        return build.build()
-    except build.BuildError as exc:
-        pytest.fail(f"the native ops do not build: {exc}")
-
-
 def random_blocks(rng: np.random.Generator, kind: int, n: int, k: int) -> np.ndarray:
     return tiny_models.random_k_quant_blocks(rng, {Q4_K: "Q4_K", Q6_K: "Q6_K"}[kind], n, k)
 
@@ -73,20 +63,20 @@ def model(raw: np.ndarray, kind: int, k: int) -> bytes:
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
 
-def session(library: Path, model_bytes: bytes, threads: int = 2) -> ort.InferenceSession:
+def session(native_library: Path, model_bytes: bytes, threads: int = 2) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.register_custom_ops_library(str(library))
+    options.register_custom_ops_library(str(native_library))
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
-def kernel_path(library: Path, env: dict[str, str]) -> str:
+def kernel_path(native_library: Path, env: dict[str, str]) -> str:
     code = (
         "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).EdgeSpecGGUFMatMulPath; f.restype = ctypes.c_char_p; "
         "print(f().decode())"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, str(library)], env={**os.environ, **env}, capture_output=True, text=True
+        [sys.executable, "-c", code, str(native_library)], env={**os.environ, **env}, capture_output=True, text=True
     )
     return done.stdout.strip()
 
@@ -100,11 +90,11 @@ np.save(sys.argv[4], s.run(None, {"x": np.load(sys.argv[3])})[0])
 """
 
 
-def run_on_path(library: Path, tmp_path: Path, path: str, model_bytes: bytes, x: np.ndarray) -> np.ndarray:
+def run_on_path(native_library: Path, tmp_path: Path, path: str, model_bytes: bytes, x: np.ndarray) -> np.ndarray:
     (tmp_path / "m.onnx").write_bytes(model_bytes)
     np.save(tmp_path / "x.npy", x)
     subprocess.run(
-        [sys.executable, "-c", RUNNER, str(library), str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
+        [sys.executable, "-c", RUNNER, str(native_library), str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
          str(tmp_path / f"{path}.npy")],
         env={**os.environ, **PATHS[path]},
         check=True,
@@ -114,7 +104,7 @@ def run_on_path(library: Path, tmp_path: Path, path: str, model_bytes: bytes, x:
 
 @pytest.mark.parametrize("n", [80, 37])  # whole records of 16 rows; a last record padded with zero rows
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
-def test_each_kernel_computes_the_blocks_product_with_the_same_bits(library, tmp_path, kind, n):
+def test_each_kernel_computes_the_blocks_product_with_the_same_bits(native_library, tmp_path, kind, n):
     rng = np.random.default_rng(kind + n)
     k = 768  # three blocks a row
     raw = random_blocks(rng, kind, n, k)
@@ -123,9 +113,9 @@ def test_each_kernel_computes_the_blocks_product_with_the_same_bits(library, tmp
     want = reference(x, raw, kind, k)
     results = {}
     for path in PATHS:
-        if kernel_path(library, PATHS[path]) != path:
+        if kernel_path(native_library, PATHS[path]) != path:
             continue  # this CPU has no such kernel
-        results[path] = run_on_path(library, tmp_path, path, model(raw, kind, k), x)
+        results[path] = run_on_path(native_library, tmp_path, path, model(raw, kind, k), x)
         assert results[path].shape == (5, n)
         np.testing.assert_allclose(results[path], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     assert "scalar" in results
@@ -134,13 +124,13 @@ def test_each_kernel_computes_the_blocks_product_with_the_same_bits(library, tmp
 
 
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
-def test_the_reference_check_can_fail(library, kind):
+def test_the_reference_check_can_fail(native_library, kind):
     """A weight row off by one block's codes is caught: the tolerance above is far below a block's weight."""
     rng = np.random.default_rng(7)
     k, n = 512, 8
     raw = random_blocks(rng, kind, n, k)
     x = rng.standard_normal((2, k)).astype(np.float32)
-    got = session(library, model(raw, kind, k)).run(None, {"x": x})[0]
+    got = session(native_library, model(raw, kind, k)).run(None, {"x": x})[0]
     wrong = raw.copy()
     wrong[3, 20:40] ^= 0x11  # codes of one block of row 3
     want_wrong = reference(x, wrong, kind, k)
@@ -148,10 +138,10 @@ def test_the_reference_check_can_fail(library, kind):
 
 
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
-def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(library, kind):
+def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(native_library, kind):
     rng = np.random.default_rng(3)
     k, n = 512, 130
-    sess = session(library, model(random_blocks(rng, kind, n, k), kind, k))
+    sess = session(native_library, model(random_blocks(rng, kind, n, k), kind, k))
     x = rng.standard_normal((37, k)).astype(np.float32)  # more rows than one loop over decoded weights takes
     together = sess.run(None, {"x": x})[0]
     for start, stop in [(0, 1), (5, 6), (16, 17), (36, 37), (3, 20)]:
@@ -159,7 +149,7 @@ def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(library, kind)
         assert np.array_equal(alone, together[start:stop]), (start, stop)
 
 
-def test_batch_dimensions_pass_through(library):
+def test_batch_dimensions_pass_through(native_library):
     rng = np.random.default_rng(4)
     k, n = 256, 16
     raw = random_blocks(rng, Q4_K, n, k)
@@ -173,7 +163,7 @@ def test_batch_dimensions_pass_through(library):
         [numpy_helper.from_array(interleave(raw, Q4_K, n, k), "w")],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
-    sess = session(library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
+    sess = session(native_library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
     got = sess.run(None, {"x": x})[0]
     np.testing.assert_allclose(got.reshape(6, n), reference(x.reshape(6, k), raw, Q4_K, k), rtol=2e-5, atol=1e-4)
 
@@ -181,7 +171,7 @@ def test_batch_dimensions_pass_through(library):
 @pytest.mark.parametrize(
     "attrs", [{"K": 100, "N": 4, "type": Q4_K}, {"K": 256, "N": 4, "type": 8}, {"K": 256, "type": Q4_K}]
 )
-def test_unusable_attributes_are_one_clear_error(library, attrs):
+def test_unusable_attributes_are_one_clear_error(native_library, attrs):
     node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", **attrs)
     graph = helper.make_graph(
         [node],
@@ -192,12 +182,12 @@ def test_unusable_attributes_are_one_clear_error(library, attrs):
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
     with pytest.raises(Exception, match="K \\(a multiple of 256\\), N and type"):
-        session(library, helper.make_model(graph, opset_imports=opsets).SerializeToString()).run(
+        session(native_library, helper.make_model(graph, opset_imports=opsets).SerializeToString()).run(
             None, {"x": np.zeros((1, attrs["K"]), np.float32)}
         )
 
 
-def test_weights_of_another_size_are_one_clear_error(library):
+def test_weights_of_another_size_are_one_clear_error(native_library):
     """The op never reads past its weights: a tensor of the wrong size is refused before any product."""
     raw = random_blocks(np.random.default_rng(6), Q4_K, 4, 256)[:, :-1]
     node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=256, N=4, type=Q4_K)
@@ -209,12 +199,12 @@ def test_weights_of_another_size_are_one_clear_error(library):
         [numpy_helper.from_array(np.ascontiguousarray(raw), "w")],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
-    sess = session(library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
+    sess = session(native_library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
     with pytest.raises(Exception, match="weights must hold N rows"):
         sess.run(None, {"x": np.zeros((1, 256), np.float32)})
 
 
-def test_an_input_of_another_width_is_one_clear_error(library):
+def test_an_input_of_another_width_is_one_clear_error(native_library):
     raw = random_blocks(np.random.default_rng(5), Q4_K, 4, 256)
     node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=256, N=4, type=Q4_K)
     graph = helper.make_graph(
@@ -225,6 +215,6 @@ def test_an_input_of_another_width_is_one_clear_error(library):
         [numpy_helper.from_array(raw, "w")],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
-    sess = session(library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
+    sess = session(native_library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
     with pytest.raises(Exception, match="last dimension must be K"):
         sess.run(None, {"x": np.zeros((1, 512), np.float32)})

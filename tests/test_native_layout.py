@@ -41,12 +41,6 @@ def weights():
     return w
 
 
-@pytest.fixture
-def native_op():
-    if build.compiler() is None:
-        pytest.skip("no C++ compiler: the native op cannot be built here")
-
-
 def _path(weights, folder, **options):
     name = "native" if options.get("carry_native") else "lean"
     path = folder / f"{name}.onnx"
@@ -60,7 +54,7 @@ def _logits(path, chunks):
     return np.concatenate([decoder.forward(c, len(c))["logits"].reshape(len(c), -1) for c in chunks])
 
 
-def test_the_native_layout_multiplies_ggufs_blocks(weights, native_op, tmp_path):
+def test_the_native_layout_multiplies_ggufs_blocks(weights, native_library, tmp_path):
     path = _path(weights, tmp_path, carry_native=True)
     ops = [(n.op_type, n.domain) for n in onnx.load(str(path), load_external_data=False).graph.node]
     assert ops.count(("MatMulGGUF", "ai.edge_spec")) >= len(weights.layers) * 4
@@ -74,7 +68,7 @@ def test_the_native_layout_multiplies_ggufs_blocks(weights, native_op, tmp_path)
     assert (native.argmax(-1) == lean.argmax(-1)).mean() >= 0.9
 
 
-def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(weights, native_op, tmp_path):
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(weights, native_library, tmp_path):
     path = _path(weights, tmp_path, carry_native=True)
     whole = _logits(path, [IDS])
     parts = _logits(path, [IDS[:1], IDS[1:4], IDS[4:]])
@@ -96,7 +90,7 @@ def test_without_the_library_a_native_graph_runs_as_the_lean_layout_does(weights
     assert any(n.op_type == "MatMulGGUF" for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
-def test_the_lean_form_can_be_told_from_the_native_op(weights, native_op, tmp_path, monkeypatch):
+def test_the_lean_form_can_be_told_from_the_native_op(weights, native_library, tmp_path, monkeypatch):
     """The negative control of the test above: with the op, the logits are not lean's."""
     path = _path(weights, tmp_path, carry_native=True)
     lean = _logits(_path(weights, tmp_path), [IDS])
@@ -141,5 +135,5 @@ def test_records_give_back_ggufs_own_bytes(kind):
 
 def test_the_native_layout_is_named_in_the_manifest_and_refuses_the_prompt_reader():
     assert layout_name(False, False, 64, True) == "native"
-    with pytest.raises(EdgeSpecError, match="does not take --prompt-reader"):
+    with pytest.raises(EdgeSpecError, match="--prompt-reader needs --gguf-layout lean"):
         ExportOptions(gguf_layout="native", prompt_reader=True).check()

@@ -65,12 +65,13 @@ class GraphFlags:
     gguf_layout: str = option(
         typer.Option(
             EXPORT_DEFAULTS.gguf_layout,
-            help="Carried GGUF blocks: lean (default; as fast, with the LM head at 4 bits and "
-            "each position's 64 best rows scored again at 8 bits), fast (Q6_K's 16-blocks "
+            help="Carried GGUF blocks: native (default; Q4_K and Q6_K blocks as GGUF's own bytes under "
+            "edge-spec's native op, the rest as lean; where that op cannot run, no C++ compiler or no AVX2, "
+            "the bundle is loaded in lean's form, converted at each load), lean (as fast, with the LM head at 4 "
+            "bits and each position's 64 best rows scored again at 8 bits), fast (Q6_K's 16-blocks "
             "merged into 32-blocks, the zero-point correction folded into the matmul, rounding "
-            "far below GGUF's step; the faithful layout), exact (as GGUF has them; slower), small (as fast, "
-            "with every 8-bit block, Q6_K's, rounded to 4 bits: faster, less faithful) or native (as lean, with "
-            "Q4_K and Q6_K blocks as GGUF's own bytes under edge-spec's native op; needs a C++ compiler where it runs).",
+            "far below GGUF's step; the faithful layout), exact (as GGUF has them; slower) or small (as fast, "
+            "with every 8-bit block, Q6_K's, rounded to 4 bits: faster, less faithful).",
         )
     )
     prompt_reader: bool = option(

@@ -280,17 +280,9 @@ struct Tensor {
   const void* data = nullptr;
 };
 
-struct Error {
-  std::string message;
-};
+using Error = edge_spec::OpError;
 
-void check(OrtStatus* status) {
-  if (status != nullptr) {
-    std::string message = g_api->GetErrorMessage(status);
-    g_api->ReleaseStatus(status);
-    throw Error{message};
-  }
-}
+void check(OrtStatus* status) { edge_spec::check_status(g_api, status); }
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw Error{"edge_spec.GroupQueryAttention: " + message};
@@ -809,23 +801,11 @@ struct Kernel {
 };
 
 int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
-  int64_t value = fallback;
-  OrtStatus* status = g_api->KernelInfoGetAttribute_int64(info, name, &value);
-  if (status != nullptr) {
-    g_api->ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
+  return edge_spec::attribute_int(g_api, info, name, fallback);
 }
 
 float attr_float(const OrtKernelInfo* info, const char* name, float fallback) {
-  float value = fallback;
-  OrtStatus* status = g_api->KernelInfoGetAttribute_float(info, name, &value);
-  if (status != nullptr) {
-    g_api->ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
+  return edge_spec::attribute_float(g_api, info, name, fallback);
 }
 
 void compute(const Kernel& kernel, OrtKernelContext* context) {
@@ -1005,10 +985,8 @@ ONNXTensorElementDataType input_type(size_t index) {
   }
 }
 
-OrtStatus* make_status(const std::string& message) { return g_api->CreateStatus(ORT_RUNTIME_EXCEPTION, message.c_str()); }
-
 OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  try {
+  return edge_spec::guarded(g_api, [&] {
     auto* kernel = new Kernel();
     Attrs& a = kernel->attrs;
     a.num_heads = static_cast<int>(attr_int(info, "num_heads", 0));
@@ -1022,24 +1000,14 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const
     const bool smooth = attr_int(info, "smooth_softmax", 0) == 1;
     if (a.num_heads <= 0 || a.kv_num_heads <= 0 || smooth) {
       delete kernel;
-      return make_status("edge_spec.GroupQueryAttention: num_heads and kv_num_heads are required; smooth_softmax is not supported");
+      throw Error{"edge_spec.GroupQueryAttention: num_heads and kv_num_heads are required; smooth_softmax is not supported"};
     }
     *out = kernel;
-    return nullptr;
-  } catch (const std::exception& e) {
-    return make_status(e.what());
-  }
+  });
 }
 
 OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context) {
-  try {
-    compute(*static_cast<Kernel*>(kernel), context);
-    return nullptr;
-  } catch (const Error& e) {
-    return make_status(e.message);
-  } catch (const std::exception& e) {
-    return make_status(e.what());
-  }
+  return edge_spec::guarded(g_api, [&] { compute(*static_cast<Kernel*>(kernel), context); });
 }
 
 void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }

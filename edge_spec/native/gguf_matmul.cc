@@ -36,7 +36,6 @@ namespace {
 
 constexpr uint32_t kApiVersion = 17;
 const OrtApi* g_api = nullptr;
-bool g_use_avx512 = false;
 bool g_use_avx2 = false;
 
 constexpr int kQK = 256;             // weights per super-block
@@ -484,17 +483,9 @@ void run_item(void* data, size_t item) {
   }
 }
 
-struct Error {
-  std::string message;
-};
+using Error = edge_spec::OpError;
 
-void check(OrtStatus* status) {
-  if (status != nullptr) {
-    std::string message = g_api->GetErrorMessage(status);
-    g_api->ReleaseStatus(status);
-    throw Error{message};
-  }
-}
+void check(OrtStatus* status) { edge_spec::check_status(g_api, status); }
 
 void compute(const Kernel& k, OrtKernelContext* context) {
   const OrtValue* x_value = nullptr;
@@ -539,41 +530,21 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   check(g_api->KernelContext_ParallelFor(context, run_item, items, 0, &P));
 }
 
-int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
-  int64_t value = fallback;
-  OrtStatus* status = g_api->KernelInfoGetAttribute_int64(info, name, &value);
-  if (status != nullptr) {
-    g_api->ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
-}
-
-OrtStatus* make_status(const std::string& message) { return g_api->CreateStatus(ORT_RUNTIME_EXCEPTION, message.c_str()); }
-
 OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  auto* kernel = new Kernel();
-  kernel->K = attr_int(info, "K", 0);
-  kernel->N = attr_int(info, "N", 0);
-  kernel->type = attr_int(info, "type", 0);
-  if (kernel->K <= 0 || kernel->K % kQK != 0 || kernel->N <= 0 ||
-      (kernel->type != kTypeQ4K && kernel->type != kTypeQ6K)) {
-    delete kernel;
-    return make_status("edge_spec.MatMulGGUF: K (a multiple of 256), N and type (12: Q4_K, 14: Q6_K) are required");
-  }
-  *out = kernel;
-  return nullptr;
+  return edge_spec::guarded(g_api, [&] {
+    Kernel kernel;
+    kernel.K = edge_spec::attribute_int(g_api, info, "K", 0);
+    kernel.N = edge_spec::attribute_int(g_api, info, "N", 0);
+    kernel.type = edge_spec::attribute_int(g_api, info, "type", 0);
+    if (kernel.K <= 0 || kernel.K % kQK != 0 || kernel.N <= 0 || (kernel.type != kTypeQ4K && kernel.type != kTypeQ6K)) {
+      throw Error{"edge_spec.MatMulGGUF: K (a multiple of 256), N and type (12: Q4_K, 14: Q6_K) are required"};
+    }
+    *out = new Kernel(kernel);
+  });
 }
 
 OrtStatusPtr ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context) {
-  try {
-    compute(*static_cast<Kernel*>(kernel), context);
-    return nullptr;
-  } catch (const Error& e) {
-    return make_status(e.message);
-  } catch (const std::exception& e) {
-    return make_status(e.what());
-  }
+  return edge_spec::guarded(g_api, [&] { compute(*static_cast<Kernel*>(kernel), context); });
 }
 
 void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
@@ -629,19 +600,26 @@ bool cpu_has_avx512() {
 
 namespace edge_spec {
 
-// the op, for the library's RegisterCustomOps (attention.cc) to add to its domain; picks the kernels once
+enum class KernelPath { scalar, avx2, avx512 };
+
+// the kernels this CPU and the environment ask for (EDGE_SPEC_NATIVE_SCALAR=1, EDGE_SPEC_NATIVE_AVX512=0)
+KernelPath chosen_path() {
+  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
+  if ((force != nullptr && force[0] == '1') || !cpu_has_avx2()) return KernelPath::scalar;
+  const char* wide = std::getenv("EDGE_SPEC_NATIVE_AVX512");
+  return cpu_has_avx512() && !(wide != nullptr && wide[0] == '0') ? KernelPath::avx512 : KernelPath::avx2;
+}
+
+// the op, for the library's RegisterCustomOps (attention.cc) to add to its domain, with its kernels picked
 OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_api = api;
-  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
-  const bool scalar = force != nullptr && force[0] == '1';
-  const char* wide = std::getenv("EDGE_SPEC_NATIVE_AVX512");
-  g_use_avx2 = cpu_has_avx2() && !scalar;
-  g_use_avx512 = cpu_has_avx512() && !scalar && !(wide != nullptr && wide[0] == '0');
+  const KernelPath path = chosen_path();
+  g_use_avx2 = path != KernelPath::scalar;
   g_q4k = tile_q4k_scalar;
   g_q6k = tile_q6k_scalar;
   g_quantize_avx2 = g_use_avx2;
 #ifdef ES_X86
-  if (g_use_avx512) {
+  if (path == KernelPath::avx512) {
     g_q4k = tile_q4k_avx512;
     g_q6k = tile_q6k_avx512;
   } else if (g_use_avx2) {
@@ -652,10 +630,16 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   return &g_op;
 }
 
-// which kernels MatMulGGUF runs in this process: "avx512", "avx2" or "scalar"
+// which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar" (what gguf_matmul_op picks)
 const char* gguf_matmul_path() {
-  if (g_api == nullptr) gguf_matmul_op(nullptr);
-  return g_use_avx512 ? "avx512" : (g_use_avx2 ? "avx2" : "scalar");
+  switch (chosen_path()) {
+    case KernelPath::avx512:
+      return "avx512";
+    case KernelPath::avx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
 }
 
 }  // namespace edge_spec

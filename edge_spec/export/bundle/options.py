@@ -67,9 +67,11 @@ class ExportOptions:
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
     scorer_vocab: tuple[int, ...] = (65536,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
     gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
-    # carried blocks: lean (fast, the LM head at 4 bits with its best rows re-scored at 8), fast, exact or
-    # small (GGUF_LAYOUTS): lean reads 9% fewer bytes a token and keeps top-1 agreement at 0.994
-    gguf_layout: str = "lean"
+    # carried blocks (GGUF_LAYOUTS): native (lean, with Q4_K and Q6_K as GGUF's own bytes under the native op,
+    # loaded in lean's form where that op cannot run), lean (fast, the LM head at 4 bits with its best rows
+    # re-scored at 8), fast, exact or small.  native reads 15% fewer bytes a token than lean and keeps top-1
+    # agreement at 0.989 (docs/methods/gguf.md)
+    gguf_layout: str = "native"
     prompt_reader: bool = False  # a second target graph reading prompts through int8 matmuls (graph.prompt_reader)
 
     def fitted_to(self, vocab_size: int, hidden_size: int) -> "ExportOptions":
@@ -111,7 +113,8 @@ class ExportOptions:
             raise EdgeSpecError(f"--gguf-layout must be one of {', '.join(GGUF_LAYOUTS)}, not {self.gguf_layout!r}")
         if self.gguf_layout == "native" and self.prompt_reader:
             raise EdgeSpecError(
-                "--gguf-layout native does not take --prompt-reader (its prompt graph reads MatMulNBits)"
+                "--prompt-reader needs --gguf-layout lean: the prompt reader's graph is built from MatMulNBits, "
+                "not from the native layout's GGUF blocks"
             )
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")

@@ -1,10 +1,13 @@
-// What every edge-spec custom op fills the same way in ORT's OrtCustomOp table: the CPU execution provider,
+// What every edge-spec custom op fills the same way in ORT's OrtCustomOp table, and how its code reports to ORT.
+// The table: the CPU execution provider,
 // default memory, no variadic inputs or outputs, every opset version.  Each op adds its name, its inputs and
 // outputs and its kernel functions.
 #pragma once
 
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <string>
 
 #include "onnxruntime_c_api.h"
 
@@ -29,6 +32,56 @@ inline OrtCustomOp cpu_op_table(uint32_t api_version) {
   op.GetStartVersion = first_version;
   op.GetEndVersion = last_version;
   return op;
+}
+
+// A failed ORT call or a bad input inside an op: thrown, so that the op's code reads straight through, and
+// turned back into ORT's status at the op's entry points (guarded)
+struct OpError {
+  std::string message;
+};
+
+inline OrtStatus* error_status(const OrtApi* api, const std::string& message) {
+  return api->CreateStatus(ORT_RUNTIME_EXCEPTION, message.c_str());
+}
+
+inline void check_status(const OrtApi* api, OrtStatus* status) {
+  if (status != nullptr) {
+    std::string message = api->GetErrorMessage(status);
+    api->ReleaseStatus(status);
+    throw OpError{message};
+  }
+}
+
+// body() as an ORT entry point: nullptr, or the status of what it threw
+template <class Body>
+OrtStatus* guarded(const OrtApi* api, Body&& body) noexcept {
+  try {
+    body();
+    return nullptr;
+  } catch (const OpError& e) {
+    return error_status(api, e.message);
+  } catch (const std::exception& e) {
+    return error_status(api, e.what());
+  }
+}
+
+// an attribute of the node, or fallback where it has none
+inline int64_t attribute_int(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  if (OrtStatus* status = api->KernelInfoGetAttribute_int64(info, name, &value)) {
+    api->ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+inline float attribute_float(const OrtApi* api, const OrtKernelInfo* info, const char* name, float fallback) {
+  float value = fallback;
+  if (OrtStatus* status = api->KernelInfoGetAttribute_float(info, name, &value)) {
+    api->ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
 }
 
 }  // namespace edge_spec
