@@ -65,23 +65,23 @@ OrtStatus* guarded(const OrtApi* api, Body&& body) noexcept {
   }
 }
 
-// an attribute of the node, or fallback where it has none
-inline int64_t attribute_int(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
-  int64_t value = fallback;
-  if (OrtStatus* status = api->KernelInfoGetAttribute_int64(info, name, &value)) {
+// an attribute of the node, or fallback where it has none (get: one of ORT's KernelInfoGetAttribute_*)
+template <class T, class Getter>
+T attribute_or(const OrtApi* api, Getter get, const OrtKernelInfo* info, const char* name, T fallback) {
+  T value = fallback;
+  if (OrtStatus* status = get(info, name, &value)) {
     api->ReleaseStatus(status);
     return fallback;
   }
   return value;
 }
 
+inline int64_t attribute_int(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  return attribute_or(api, api->KernelInfoGetAttribute_int64, info, name, fallback);
+}
+
 inline float attribute_float(const OrtApi* api, const OrtKernelInfo* info, const char* name, float fallback) {
-  float value = fallback;
-  if (OrtStatus* status = api->KernelInfoGetAttribute_float(info, name, &value)) {
-    api->ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
+  return attribute_or(api, api->KernelInfoGetAttribute_float, info, name, fallback);
 }
 
 }  // namespace edge_spec

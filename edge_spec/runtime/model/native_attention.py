@@ -42,12 +42,17 @@ def prompt_path(library: Path) -> str:
     """The native op's path for a prompt graph's passes on this CPU: "amx" (bfloat16 products on AMX's
     tiles, each block of rows scoring only its causal window), or "" where there is none and ORT's op,
     faster over many rows than the native one-row kernels, stays."""
+    return _library_answer(library, "EdgeSpecPromptPath", "")
+
+
+def _library_answer(library: Path, function: str, default: str) -> str:
+    """What the library's ``const char* function()`` says, or ``default`` where it has no such function."""
     try:
-        answer = ctypes.CDLL(str(library)).EdgeSpecPromptPath
+        answer = getattr(ctypes.CDLL(str(library)), function)
     except (OSError, AttributeError):
-        return ""
+        return default
     answer.restype = ctypes.c_char_p
-    return (answer() or b"").decode()
+    return (answer() or default.encode()).decode()
 
 
 def _takes(node: onnx.NodeProto, float_inputs: set[str]) -> bool:
@@ -79,12 +84,7 @@ def use_native_attention(model: onnx.ModelProto, bf16_products: bool = False) ->
 
 def gguf_matmul_path(library: Path) -> str:
     """Which kernels the native ``MatMulGGUF`` runs on this CPU: "avx512", "avx2" or "scalar"."""
-    try:
-        answer = ctypes.CDLL(str(library)).EdgeSpecGGUFMatMulPath
-    except (OSError, AttributeError):
-        return "scalar"
-    answer.restype = ctypes.c_char_p
-    return (answer() or b"scalar").decode()
+    return _library_answer(library, "EdgeSpecGGUFMatMulPath", "scalar")
 
 
 def native_matmul_route(model: onnx.ModelProto, provider: str) -> tuple[Path | None, str]:
