@@ -82,7 +82,7 @@ class GraphFlags:
             "prompts through int8 matmuls (several times faster on long prompts, most on CPUs with AMX; for the "
             "default pair 1.6 GB more on disk and 2 GB more memory). Decoded tokens stay the decode graph's, "
             "but an answer may then differ from the decode graph's own at near-ties "
-            "(docs/methods/prompt-reader.md).",
+            "(docs/methods/prompt-reader.md). Needs --gguf-layout lean.",
         )
     )
 

@@ -50,10 +50,6 @@ class _InMemoryGraph:
         return outputs
 
 
-def holds_native_matmul(model: onnx.ModelProto) -> bool:
-    return any(n.op_type == OP and n.domain == NATIVE_DOMAIN for n in model.graph.node)
-
-
 def _attributes(node: onnx.NodeProto) -> dict[str, int]:
     return {a.name: a.i for a in node.attribute}
 
