@@ -266,9 +266,9 @@ def _export_peak(target: str, draft: str, out: Path, prompts: Path) -> dict:
 @pytest.mark.slow
 def test_export_memory_grows_with_the_quantized_model_not_the_float_one(tmp_path):
     """Exporting a larger pair takes more memory than exporting a tiny one (the same code, imports and
-    runtime) by at most 2.5 times the exported int4 target's size.  Holding the whole float32 target
-    (four bytes a weight, about six times the int4 size here) or several copies of the quantized model
-    breaks this budget."""
+    runtime) by at most 2.75 times the exported int4 target's size (the native layout's: GGUF's own blocks,
+    the smallest of the layouts).  Holding the whole float32 target (four bytes a weight, about six times the
+    int4 size here) or three copies of the quantized model breaks this budget."""
     tokenizer = tiny_models.make_tokenizer()
     mid = dict(vocab_size=32768, intermediate=2048, heads=12, kv_heads=2)
     target = gguf_models.write_random_qwen2_gguf(tmp_path / "t.gguf", tokenizer, hidden=768, layers=6, **mid)
@@ -279,11 +279,11 @@ def test_export_memory_grows_with_the_quantized_model_not_the_float_one(tmp_path
     (tmp_path / "small").mkdir()
     small = _export_peak(*_small_pair(tmp_path / "small"), tmp_path / "small" / "bundle", prompts)
     large = _export_peak(str(target), str(draft), tmp_path / "large", prompts)
-    growth, budget = large["peak"] - small["peak"], 2.5 * large["target_bytes"]
+    growth, budget = large["peak"] - small["peak"], 2.75 * large["target_bytes"]
     mib = 1 << 20
     assert growth <= budget, (
         f"exporting the larger pair took {growth / mib:.0f} MiB more than the tiny pair "
-        f"({large['peak'] / mib:.0f} MiB at its peak); the budget is {budget / mib:.0f} MiB, 2.5 times "
+        f"({large['peak'] / mib:.0f} MiB at its peak); the budget is {budget / mib:.0f} MiB, 2.75 times "
         f"the int4 target's {large['target_bytes'] / mib:.0f} MiB"
     )
 

@@ -22,7 +22,6 @@ from gguf.quants import dequantize
 from onnx import TensorProto, helper, numpy_helper
 
 from edge_spec.export.gguf.interleaved import interleave
-from edge_spec.native import build
 from tests import tiny_models
 
 Q4_K, Q6_K = 12, 14  # ggml's type numbers, the op's ``type`` attribute

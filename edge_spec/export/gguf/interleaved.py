@@ -50,15 +50,29 @@ def _lines(codes: np.ndarray) -> np.ndarray:
     return packed.transpose(0, 2, 3, 1, 4).reshape(tiles, blocks, 32, rows * 4)
 
 
+BAND_TILES = 64  # tiles of 16 rows rearranged at a time: the temporaries (a byte a weight) stay a few MB
+
+
 def interleave(raw: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
     """GGUF tensor bytes of a weight ``[n, k]`` (rows of K) -> the op's records, ``uint8 [n_padded / 16,
     k / 256, record bytes]``."""
     if k % 256:
         raise ValueError(f"K = {k} is not a multiple of 256")
+    if kind not in RECORD_BYTES:
+        raise ValueError(f"no interleaved layout for ggml type {kind}")
     blocks = _padded(raw, n, k, kind)
     tiles = blocks.shape[0] // ROWS
     nb = k // 256
     b = blocks.reshape(tiles, ROWS, nb, GGUF_BYTES[kind])
+    records = np.empty((tiles, nb, RECORD_BYTES[kind]), np.uint8)
+    for start in range(0, tiles, BAND_TILES):
+        records[start : start + BAND_TILES] = _records(b[start : start + BAND_TILES], kind)
+    return records
+
+
+def _records(b: np.ndarray, kind: int) -> np.ndarray:
+    """GGUF blocks ``[tiles, 16, blocks, bytes]`` -> records ``[tiles, blocks, record bytes]``."""
+    tiles, _, nb, _ = b.shape
     if kind == Q4_K:
         d, dmin = b[..., 0:2], b[..., 2:4]
         s = b[..., 4:16].reshape(tiles, ROWS, nb, 3, 4)
@@ -95,7 +109,7 @@ def interleave(raw: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
         ]
     else:
         raise ValueError(f"no interleaved layout for ggml type {kind}")
-    return np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    return np.concatenate(parts, axis=-1)
 
 
 def _unlines(lines: np.ndarray, tiles: int, blocks: int) -> np.ndarray:

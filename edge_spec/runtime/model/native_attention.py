@@ -19,7 +19,6 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
-from edge_spec.errors import EdgeSpecError
 from edge_spec.native import build
 
 log = logging.getLogger(__name__)
