@@ -99,7 +99,7 @@ def main() -> None:
     manifest = read_manifest(args.bundle)
     reader = manifest["target"].get("prompt_reader")
     if not reader:
-        raise SystemExit(f"{args.bundle} has no prompt reader: export it with --gguf-layout lean --prompt-reader")
+        raise SystemExit(f"{args.bundle} has no prompt reader: export it with --prompt-reader")
     graph = args.bundle / reader["onnx"]
     ids = TextTokenizer(args.bundle).encode_chat([{"role": "user", "content": long_prompts()[0]["prompt"]}])
     capacity = -(-len(ids) // PREFILL_CHUNK) * PREFILL_CHUNK

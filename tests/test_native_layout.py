@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -135,5 +136,19 @@ def test_records_give_back_ggufs_own_bytes(kind):
 
 def test_the_native_layout_is_named_in_the_manifest_and_refuses_the_prompt_reader():
     assert layout_name(False, False, 64, True) == "native"
-    with pytest.raises(EdgeSpecError, match="--prompt-reader needs --gguf-layout lean"):
+    with pytest.raises(EdgeSpecError, match="--gguf-layout native does not take --prompt-reader"):
         ExportOptions(gguf_layout="native", prompt_reader=True).check()
+
+
+def test_auto_is_native_where_the_op_runs_here_and_lean_elsewhere(monkeypatch):
+    from edge_spec.export.bundle.build import chosen_layout
+
+    said = []
+    monkeypatch.setattr(native_attention, "native_matmul_here", lambda provider="cpu": (Path("lib.so"), ""))
+    assert chosen_layout(ExportOptions(), said.append) == "native" and not said
+    assert chosen_layout(ExportOptions(prompt_reader=True), said.append) == "lean"  # its graph is MatMulNBits'
+    monkeypatch.setattr(native_attention, "native_matmul_here", lambda provider="cpu": (None, "no compiler here"))
+    assert chosen_layout(ExportOptions(), said.append) == "lean"
+    assert said == ["GGUF layout: lean, not native, since no compiler here"]
+    assert chosen_layout(ExportOptions(gguf_layout="native"), said.append) == "native"  # asked for: kept
+    assert chosen_layout(ExportOptions(gguf_layout="fast"), said.append) == "fast"

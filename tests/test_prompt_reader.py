@@ -25,9 +25,8 @@ PROMPT = [int(t) for t in np.random.default_rng(5).integers(5, 300, 41)]
 
 @pytest.fixture(scope="module")
 def reader_bundle(tmp_path_factory, tiny_pair):
-    return export_tiny(
-        tmp_path_factory.mktemp("b") / "reader", tiny_pair, quant="int4", prompt_reader=True, gguf_layout="lean"
-    )
+    # the default layout (auto) takes lean with a prompt reader
+    return export_tiny(tmp_path_factory.mktemp("b") / "reader", tiny_pair, quant="int4", prompt_reader=True)
 
 
 def _decoders(bundle, **kwargs):

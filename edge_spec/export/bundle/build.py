@@ -20,7 +20,7 @@ import numpy as np
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.bundle import activity, install
-from edge_spec.export.bundle.options import ExportOptions, layout_name, layout_settings
+from edge_spec.export.bundle.options import AUTO_LAYOUT, ExportOptions, layout_name, layout_settings
 from edge_spec.export.bundle.stages import Stages, memory_needed
 from edge_spec.export.graph.builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
 from edge_spec.export.graph.prompt_reader import write_prompt_graph
@@ -417,6 +417,23 @@ def _staged_copy(bundle_dir: Path, manifest: dict) -> Path:
     return staging
 
 
+def chosen_layout(options: ExportOptions, progress=None) -> str:
+    """The ``--gguf-layout`` this export builds: the one asked for, or for ``auto`` the native layout where its op
+    runs on this machine, else lean (said in one line): a native bundle loads there in lean's form, converted
+    at each load.  ``--prompt-reader`` takes lean (its prompt graph is built from ``MatMulNBits``)."""
+    if options.gguf_layout != AUTO_LAYOUT:
+        return options.gguf_layout
+    if options.prompt_reader:
+        return "lean"
+    from edge_spec.runtime.model.native_attention import native_matmul_here
+
+    _, why = native_matmul_here()
+    if why:
+        _say(progress, f"GGUF layout: lean, not native, since {why}")
+        return "lean"
+    return "native"
+
+
 def export_bundle(
     target_source: str,
     draft_source: str,
@@ -541,7 +558,7 @@ def _export_into(
         options.accuracy_level,
         options.context_length,
         gguf_blocks=carries_gguf_blocks(options, "target"),
-        **layout_settings(options.gguf_layout),
+        **layout_settings(chosen_layout(options, progress)),
     )
 
     stages = Stages(progress)

@@ -28,6 +28,11 @@ GGUF_LAYOUTS: dict[str, dict] = {
 }
 
 
+#: ``--gguf-layout auto``: native where edge-spec's native op runs on the exporting machine, else lean (as with
+#: ``--prompt-reader``, which the native layout does not take): a bundle converted at each load there is slower
+AUTO_LAYOUT = "auto"
+
+
 def layout_settings(layout: str | None) -> dict:
     """The ``BuildOptions`` fields of ``layout`` (a manifest without one: ``exact``, as such bundles were built)."""
     return GGUF_LAYOUTS[layout or "exact"]
@@ -67,11 +72,11 @@ class ExportOptions:
     union_keep: int = 1024  # trim+specvocab: static VocabTrim rows always among the candidates
     scorer_vocab: tuple[int, ...] = (65536,)  # SpecVocab: rows the scorer ranks (top-K calibration tokens; 0 = all)
     gguf_blocks: str = "target"  # which GGUF sources keep their blocks in MatMulNBits: target, both or none
-    # carried blocks (GGUF_LAYOUTS): native (lean, with Q4_K and Q6_K as GGUF's own bytes under the native op,
-    # loaded in lean's form where that op cannot run), lean (fast, the LM head at 4 bits with its best rows
-    # re-scored at 8), fast, exact or small.  native reads 15% fewer bytes a token than lean and keeps top-1
-    # agreement at 0.989 (docs/methods/gguf.md)
-    gguf_layout: str = "native"
+    # carried blocks (GGUF_LAYOUTS, or AUTO_LAYOUT): native (lean, with Q4_K and Q6_K as GGUF's own bytes under
+    # the native op, loaded in lean's form where that op cannot run), lean (fast, the LM head at 4 bits with its
+    # best rows re-scored at 8), fast, exact or small.  native reads 15% fewer bytes a token than lean and keeps
+    # top-1 agreement at 0.989 (docs/methods/gguf.md); auto is native where its op runs on this machine
+    gguf_layout: str = AUTO_LAYOUT
     prompt_reader: bool = False  # a second target graph reading prompts through int8 matmuls (graph.prompt_reader)
 
     def fitted_to(self, vocab_size: int, hidden_size: int) -> "ExportOptions":
@@ -109,12 +114,14 @@ class ExportOptions:
                 )
         if self.gguf_blocks not in GGUF_BLOCK_MODES:
             raise EdgeSpecError(f"--gguf-blocks must be one of {', '.join(GGUF_BLOCK_MODES)}, not {self.gguf_blocks!r}")
-        if self.gguf_layout not in GGUF_LAYOUTS:
-            raise EdgeSpecError(f"--gguf-layout must be one of {', '.join(GGUF_LAYOUTS)}, not {self.gguf_layout!r}")
+        if self.gguf_layout not in (AUTO_LAYOUT, *GGUF_LAYOUTS):
+            raise EdgeSpecError(
+                f"--gguf-layout must be one of {', '.join((AUTO_LAYOUT, *GGUF_LAYOUTS))}, not {self.gguf_layout!r}"
+            )
         if self.gguf_layout == "native" and self.prompt_reader:
             raise EdgeSpecError(
-                "--prompt-reader needs --gguf-layout lean: the prompt reader's graph is built from MatMulNBits, "
-                "not from the native layout's GGUF blocks"
+                "--gguf-layout native does not take --prompt-reader (its graph is built from MatMulNBits, not from "
+                "GGUF's blocks): leave --gguf-layout out, or ask for lean"
             )
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")

@@ -94,6 +94,12 @@ def native_matmul_route(model: onnx.ModelProto, provider: str) -> tuple[Path | N
     than ORT's own, and ``EDGE_SPEC_NATIVE_MATMUL=0`` asks for the lean form everywhere."""
     if not any(n.domain == NATIVE_DOMAIN and n.op_type != "GroupQueryAttention" for n in model.graph.node):
         return None, ""
+    return native_matmul_here(provider)
+
+
+def native_matmul_here(provider: str = "cpu") -> tuple[Path | None, str]:
+    """``(library, "")`` where the native ``MatMulGGUF`` runs with ``provider`` on this machine, else ``(None,
+    why)`` (see :func:`native_matmul_route`; the exporter's ``--gguf-layout auto`` asks it too)."""
     if os.environ.get("EDGE_SPEC_NATIVE_MATMUL", "1") == "0":
         return None, "EDGE_SPEC_NATIVE_MATMUL=0"
     if provider.lower() != "cpu":
