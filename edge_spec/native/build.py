@@ -7,7 +7,8 @@ built for generic x86-64 (no ``-march=native``): its AVX2 kernels are chosen at 
 frozen build moved to an older CPU still loads and runs the scalar kernels.
 
 Without a compiler, or when the build fails, :func:`library_path` says why once (at debug level) and
-returns None: the runtime then keeps ORT's own ``GroupQueryAttention``.
+returns None: the runtime then keeps ORT's own ``GroupQueryAttention``, and loads a native-layout bundle's
+``MatMulGGUF`` nodes in the lean layout's form (``runtime/model/native_attention.py``).
 
 Only the current build is kept: a new one removes the others (a library is 60-80 KiB, but every edit of the
 source or compiler update adds one).  A process that uses a build holds a shared lock on its folder's
@@ -187,7 +188,7 @@ def prune(keep: Path) -> list[Path]:
             os.close(fd)
         if not folder.exists():
             removed.append(folder)
-            log.debug("removed the stale native attention build %s", folder)
+            log.debug("removed the stale native ops build %s", folder)
     return removed
 
 
@@ -202,12 +203,12 @@ def _built() -> Path | None:
     try:
         return build()
     except BuildError as exc:
-        log.debug("native attention unavailable, using ORT's GroupQueryAttention: %s", exc)
+        log.debug("native ops unavailable, using ORT's GroupQueryAttention: %s", exc)
         return None
 
 
 def library_path() -> Path | None:
-    """The native attention library, built at first use (None: switched off, or it cannot be built here)."""
+    """The native ops' library for attention, built at first use (None: switched off, or it cannot be built here)."""
     return _built() if enabled() else None
 
 
@@ -221,7 +222,7 @@ def main() -> int:
     try:
         path = build()
     except BuildError as exc:
-        print(f"edge-spec: native attention not built: {exc}", file=sys.stderr)
+        print(f"edge-spec: native ops not built: {exc}", file=sys.stderr)
         return 1
     prune(keep=path.parent)  # also where it was built before: builds older ones left in use then
     print(path)
