@@ -87,7 +87,7 @@ def _records(b: np.ndarray, kind: int) -> np.ndarray:
             mn.transpose(0, 2, 3, 1).reshape(tiles, nb, 128),
             _lines(codes).reshape(tiles, nb, 2048),
         ]
-    elif kind == Q6_K:
+    else:  # Q6_K (interleave checked the type)
         ql = b[..., :128].reshape(tiles, ROWS, nb, 2, 64)
         qh = b[..., 128:192].reshape(tiles, ROWS, nb, 2, 32)
         sc = b[..., 192:208]
@@ -107,8 +107,6 @@ def _records(b: np.ndarray, kind: int) -> np.ndarray:
             _lines(codes & 0x0F).reshape(tiles, nb, 2048),
             high_bytes.astype(np.uint8).transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 1024),
         ]
-    else:
-        raise ValueError(f"no interleaved layout for ggml type {kind}")
     return np.concatenate(parts, axis=-1)
 
 
@@ -124,6 +122,8 @@ def deinterleave(records: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
     through these bytes in the ``lean`` layout's form."""
     if k % 256:
         raise ValueError(f"K = {k} is not a multiple of 256")
+    if kind not in RECORD_BYTES:
+        raise ValueError(f"no interleaved layout for ggml type {kind}")
     nb = k // 256
     tiles = -(-n // ROWS)
     r = np.ascontiguousarray(records, dtype=np.uint8).reshape(tiles, nb, RECORD_BYTES[kind])
@@ -145,7 +145,7 @@ def deinterleave(records: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
         codes = _unlines(r[..., 320:], tiles, nb).reshape(tiles, ROWS, nb, 4, 2, 32)
         qs = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(tiles, ROWS, nb, 128)
         blocks = np.concatenate([d, dmin, s0, s1, s2, qs], axis=-1)
-    elif kind == Q6_K:
+    else:  # Q6_K
         d = per_row_bytes(r[..., 0:32], 2)
         sc = per_row(r[..., 32:288], 16)
         low = _unlines(r[..., 288:2336], tiles, nb)
@@ -156,7 +156,5 @@ def deinterleave(records: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
         ql = np.concatenate([low4[..., 0, :] | (low4[..., 2, :] << 4), low4[..., 1, :] | (low4[..., 3, :] << 4)], -1)
         qh = q[..., 0, :] >> 4 | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
         blocks = np.concatenate([ql.reshape(tiles, ROWS, nb, 128), qh.reshape(tiles, ROWS, nb, 64), sc, d], axis=-1)
-    else:
-        raise ValueError(f"no interleaved layout for ggml type {kind}")
     rows = blocks.astype(np.uint8).reshape(tiles * ROWS, nb * GGUF_BYTES[kind])
     return np.ascontiguousarray(rows[:n])

@@ -11,43 +11,32 @@ weights live in memory (ORT takes them as external initializers); the bundle's f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from edge_spec.export.bundle.options import layout_settings
 from edge_spec.export.gguf.blocks import NATIVE_DOMAIN, add_carried_linear, carry_gguf
 from edge_spec.export.gguf.interleaved import TYPE_NUMBER, deinterleave
+from edge_spec.export.graph.builder import BuildOptions, Graph
 
 OP = "MatMulGGUF"
 RECORDS_SUFFIX = ".gguf_records"
 _TYPE_NAME = {number: name for name, number in TYPE_NUMBER.items()}
 
 
-@dataclass(frozen=True)
-class _LeanOptions:
-    """What :func:`add_carried_linear` reads of the builder's options for the ``lean`` layout."""
-
-    accuracy_level: int
-    carry_exact: bool = False
-
-
-class _InMemoryGraph:
-    """The graph builder's ``const`` / ``node`` interface, keeping each new weight as an array."""
+class _InMemoryGraph(Graph):
+    """The graph builder's :class:`Graph`, keeping each new weight as an array instead of an initializer."""
 
     def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
+        super().__init__()
         self.arrays: dict[str, np.ndarray] = {}
 
     def const(self, name: str, array: np.ndarray) -> str:
         self.arrays[name] = np.ascontiguousarray(array)
         return name
-
-    def node(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> list[str]:
-        self.nodes.append(helper.make_node(op, inputs, outputs, name=outputs[0] + "/" + op, domain=domain, **attrs))
-        return outputs
 
 
 def _attributes(node: onnx.NodeProto) -> dict[str, int]:
@@ -91,7 +80,7 @@ def rewrite_as_lean(model: onnx.ModelProto, base_dir: Path) -> dict[str, np.ndar
     for index, node in enumerate(old_nodes):
         for name in node.input:
             consumers.setdefault(name, []).append(index)
-    options = _LeanOptions(_accuracy_level(model))
+    options = BuildOptions(accuracy_level=_accuracy_level(model), **layout_settings("lean"))
     arrays: dict[str, np.ndarray] = {}
     dropped_nodes: set[int] = set()
     dropped_weights: set[str] = set()

@@ -225,6 +225,7 @@ class Decoder:
         if not model_path.is_file():
             raise EdgeSpecError(f"model file not found: {model_path}")
         self.huge_pages = HugePagePromotion()  # what the session and the cache allocate goes to 2 MiB pages
+        self._lean_weights: list[ort.OrtValue] = []  # what lean-form graphs read from memory (_load_as_lean)
         self.session, self.attention_pad_removed, self.native_attention = self._open(
             model_path,
             _session_options(session_options, threads, takes_turns),
@@ -316,7 +317,7 @@ class Decoder:
                 pad_removed = True
             register, why_not_native = native_matmul_route(graph, provider)
             if why_not_native:
-                self._lean_weights = _load_as_lean(graph, model_path, why_not_native, opts)
+                self._lean_weights.extend(_load_as_lean(graph, model_path, why_not_native, opts))
             if library is not None and use_native_attention(graph, bf16_products=prompt):
                 native = True
                 register = library
