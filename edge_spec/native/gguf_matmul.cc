@@ -20,6 +20,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <limits>
 #include <string>
 #include <vector>
@@ -82,6 +84,7 @@ struct Q8Row {
   std::vector<float> d;         // one scale per block of 256
   std::vector<int32_t> sums16;  // the sum of each 16 codes (Q6_K's offset of 32)
   std::vector<int32_t> sums32;  // the sum of each 32 codes (Q4_K's minimums)
+  std::vector<int32_t> pairs32; // two of those sums as int16 halves, (sums32[2i], sums32[2i + 1]), for vpdpwssd
 };
 
 void quantize_block_scalar(const float* xb, float inverse, int8_t* qb, int32_t* sums16) {
@@ -117,16 +120,42 @@ __attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* xb, fl
 
 bool g_quantize_avx2 = false;
 
+#ifdef ES_X86
+// the largest |x| of a block, as the scalar loop's fmax gives it (max is exact in any order; a NaN is
+// passed over: max_ps returns its second operand, the running maximum, when the first is NaN)
+__attribute__((target("avx2,fma"))) float block_amax_avx2(const float* xb) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+  for (int i = 0; i < kQK; i += 16) {
+    m0 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + i), magnitude), m0);
+    m1 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + i + 8), magnitude), m1);
+  }
+  __m256 m = _mm256_max_ps(m0, m1);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 void quantize_row(const float* x, int K, Q8Row& out) {
   const int blocks = K / kQK;
   out.q.resize(K);
   out.d.resize(blocks);
   out.sums16.resize(K / 16);
   out.sums32.resize(K / 32);
+  out.pairs32.resize(K / 64);
   for (int b = 0; b < blocks; ++b) {
     const float* xb = x + b * kQK;
     float amax = 0.f;
-    for (int i = 0; i < kQK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+#ifdef ES_X86
+    if (g_quantize_avx2) {
+      amax = block_amax_avx2(xb);
+    } else
+#endif
+    {
+      for (int i = 0; i < kQK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    }
     int8_t* qb = out.q.data() + b * kQK;
     int32_t* sums16 = out.sums16.data() + b * 16;
     if (amax == 0.f) {
@@ -146,6 +175,11 @@ void quantize_row(const float* x, int K, Q8Row& out) {
       out.d[b] = amax / 127.f;
     }
     for (int s = 0; s < kQK / 32; ++s) out.sums32[b * 8 + s] = sums16[2 * s] + sums16[2 * s + 1];
+    for (int s = 0; s < kQK / 64; ++s) {  // |a sum of 32 codes| <= 32 * 127 fits an int16
+      const uint32_t low = static_cast<uint16_t>(out.sums32[b * 8 + 2 * s]);
+      const uint32_t high = static_cast<uint16_t>(out.sums32[b * 8 + 2 * s + 1]);
+      out.pairs32[b * 4 + s] = static_cast<int32_t>(low | (high << 16));
+    }
   }
 }
 
@@ -155,7 +189,7 @@ void quantize_row(const float* x, int K, Q8Row& out) {
 constexpr int kTile = 16;
 constexpr int kQ4KRecord = 2368;  // d[16], dmin[16] fp16; scales[8][16], mins[8][16]; 32 lines of 64 bytes
 constexpr int kQ6KRecord = 3360;  // d[16] fp16; scales[16][16] int8; 32 lines of low nibbles; 16 of high bits
-constexpr int kMaxRows = 16;      // rows looped inside, over codes decoded once
+constexpr int kMaxRows = 8;       // rows looped inside, over codes decoded once
 
 int32_t read_i32(const int8_t* p) {
   int32_t v;
@@ -244,18 +278,18 @@ inline void prefetch_lines(const uint8_t* record, int first, int count) {
 
 #define ES_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"
 
-__attribute__((target(ES_AVX512))) void tile_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows,
-                                                         int nrows, float* out) {
-  __m512 acc[kMaxRows];
-  __m512i total[kMaxRows], mins[kMaxRows];
-  for (int r = 0; r < nrows; ++r) acc[r] = _mm512_setzero_ps();
+// NR rows at once, their integer sums in registers (NR a constant, so the row loops unroll); the float32
+// results accumulate in out, once a block.  The minimums' products go through vpdpwssd, two sub-blocks an
+// instruction, after the codes' sums: the same integers as a product per sub-block.
+template <int NR>
+__attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, _mm512_setzero_ps());
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + 32)));
     const uint8_t* lines = R + 320;
-    for (int r = 0; r < nrows; ++r) total[r] = mins[r] = _mm512_setzero_si512();
+    __m512i total[NR];
+    for (int r = 0; r < NR; ++r) total[r] = _mm512_setzero_si512();
     for (int s = 0; s < 8; ++s) {
       __m512i lo[4], hi[4];
       for (int p = 0; p < 4; ++p) {
@@ -265,40 +299,48 @@ __attribute__((target(ES_AVX512))) void tile_q4k_avx512(const uint8_t* rec, int 
       }
       prefetch_lines(R + kQ4KRecord, 5 * s, 5);
       const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 64 + 16 * s)));
-      const __m512i minimum = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 16 * s)));
-      for (int r = 0; r < nrows; ++r) {
-        const int8_t* q = rows[r].q.data() + b * kQK + 32 * s;
-        __m512i part = _mm512_setzero_si512();
-        for (int p = 0; p < 4; ++p) {
-          part = _mm512_dpbusd_epi32(part, lo[p], _mm512_set1_epi32(read_i32(q + 8 * p)));
-          part = _mm512_dpbusd_epi32(part, hi[p], _mm512_set1_epi32(read_i32(q + 8 * p + 4)));
+      __m512i part[NR];  // rows inside the products' loop: consecutive vpdpbusd are independent
+      for (int r = 0; r < NR; ++r) part[r] = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* q = rows[r].q.data() + b * kQK + 32 * s + 8 * p;
+          part[r] = _mm512_dpbusd_epi32(part[r], lo[p], _mm512_set1_epi32(read_i32(q)));
+          part[r] = _mm512_dpbusd_epi32(part[r], hi[p], _mm512_set1_epi32(read_i32(q + 4)));
         }
-        total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(part, scale));
-        mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(minimum, _mm512_set1_epi32(rows[r].sums32[b * 8 + s])));
       }
+      for (int r = 0; r < NR; ++r) total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(part[r], scale));
     }
-    for (int r = 0; r < nrows; ++r) {
+    __m512i pairs[4];  // lane o: (minimum[2i][o], minimum[2i + 1][o]) as int16
+    for (int i = 0; i < 4; ++i) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i + 16));
+      pairs[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + 32)));
+    for (int r = 0; r < NR; ++r) {
+      __m512i mins = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) mins = _mm512_dpwssd_epi32(mins, pairs[i], _mm512_set1_epi32(rows[r].pairs32[b * 4 + i]));
       const __m512 dx = _mm512_set1_ps(rows[r].d[b]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+      __m512 acc = _mm512_loadu_ps(out + r * kTile);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc);
+      acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, dx), acc);
+      _mm512_storeu_ps(out + r * kTile, acc);
     }
   }
-  for (int r = 0; r < nrows; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
 }
 
-__attribute__((target(ES_AVX512))) void tile_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows,
-                                                         int nrows, float* out) {
-  __m512 acc[kMaxRows];
-  __m512i total[kMaxRows];
-  for (int r = 0; r < nrows; ++r) acc[r] = _mm512_setzero_ps();
+template <int NR>
+__attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i low2 = _mm512_set1_epi8(0x03);
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, _mm512_setzero_ps());
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
     const uint8_t* lines = R + 288;
     const uint8_t* highs = R + 288 + 2048;
-    for (int r = 0; r < nrows; ++r) total[r] = _mm512_setzero_si512();
+    __m512i total[NR];
+    for (int r = 0; r < NR; ++r) total[r] = _mm512_setzero_si512();
     for (int s = 0; s < 16; ++s) {
       const __m512i h = _mm512_loadu_si512(highs + 64 * s);
       const __m512i w0 = _mm512_loadu_si512(lines + 64 * (2 * s));
@@ -313,18 +355,38 @@ __attribute__((target(ES_AVX512))) void tile_q6k_avx512(const uint8_t* rec, int 
                              _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 6), low2), 4));
       prefetch_lines(R + kQ6KRecord, 4 * s, 4);
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 16 * s)));
-      for (int r = 0; r < nrows; ++r) {
+      for (int r = 0; r < NR; ++r) {
         const int8_t* q = rows[r].q.data() + b * kQK + 16 * s;
         __m512i part = _mm512_set1_epi32(-32 * rows[r].sums16[b * 16 + s]);
         for (int j = 0; j < 4; ++j) part = _mm512_dpbusd_epi32(part, c[j], _mm512_set1_epi32(read_i32(q + 4 * j)));
         total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(part, scale));
       }
     }
-    for (int r = 0; r < nrows; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, _mm512_set1_ps(rows[r].d[b])), acc[r]);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
+    for (int r = 0; r < NR; ++r) {
+      __m512 acc = _mm512_loadu_ps(out + r * kTile);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, _mm512_set1_ps(rows[r].d[b])), acc);
+      _mm512_storeu_ps(out + r * kTile, acc);
     }
   }
-  for (int r = 0; r < nrows; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+using RowsKernel = void (*)(const uint8_t*, int, const Q8Row*, float*);
+
+template <int... NR>
+constexpr std::array<RowsKernel, sizeof...(NR)> avx512_table(bool q4k, std::integer_sequence<int, NR...>) {
+  return q4k ? std::array<RowsKernel, sizeof...(NR)>{rows_q4k_avx512<NR + 1>...}
+             : std::array<RowsKernel, sizeof...(NR)>{rows_q6k_avx512<NR + 1>...};
+}
+
+void tile_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
+  static constexpr auto table = avx512_table(true, std::make_integer_sequence<int, kMaxRows>{});
+  table[nrows - 1](rec, blocks, rows, out);
+}
+
+void tile_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
+  static constexpr auto table = avx512_table(false, std::make_integer_sequence<int, kMaxRows>{});
+  table[nrows - 1](rec, blocks, rows, out);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -483,6 +545,17 @@ void run_item(void* data, size_t item) {
   }
 }
 
+struct Rounding {
+  const float* x;
+  int K;
+  Q8Row* rows;
+};
+
+void round_rows(void* data, size_t row) {
+  const Rounding& R = *static_cast<const Rounding*>(data);
+  quantize_row(R.x + row * R.K, R.K, R.rows[row]);
+}
+
 using Error = edge_spec::OpError;
 
 void check(OrtStatus* status) { edge_spec::check_status(g_api, status); }
@@ -523,7 +596,12 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   float* y = nullptr;
   check(g_api->GetTensorMutableData(y_value, reinterpret_cast<void**>(&y)));
   std::vector<Q8Row> quantized(rows);
-  for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * k.K, static_cast<int>(k.K), quantized[r]);
+  Rounding rounding{x, static_cast<int>(k.K), quantized.data()};
+  if (rows == 1) {
+    round_rows(&rounding, 0);
+  } else {  // rows in parallel: rounding 512 rows of the down projection's 8960 inputs is a third of its matmul
+    check(g_api->KernelContext_ParallelFor(context, round_rows, static_cast<size_t>(rows), 0, &rounding));
+  }
   Pass P{&k, w, &quantized, y, 4};
   const int64_t tiles = (k.N + kTile - 1) / kTile;
   const size_t items = static_cast<size_t>((tiles + P.tiles_per_item - 1) / P.tiles_per_item);
