@@ -50,6 +50,23 @@ def test_profile_key_depends_on_head_threads_and_gamma(int4_bundle):
     assert len(keys) == 8
 
 
+def test_profile_and_fact_keys_follow_the_native_kernels(int4_bundle, monkeypatch):
+    """Another native kernel (new code, or a switch that picks another of its paths) is measured anew."""
+    from edge_spec.native import build
+
+    manifest = read_manifest(int4_bundle)
+    before = cost_profile.target_key(manifest, "cpu", 2), cost_profile.cache_key(manifest, {}, "cpu", 2, 32)
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_AVX512", "0")
+    switched = cost_profile.target_key(manifest, "cpu", 2), cost_profile.cache_key(manifest, {}, "cpu", 2, 32)
+    monkeypatch.delenv("EDGE_SPEC_NATIVE_AVX512")
+    monkeypatch.setattr(build, "sources_digest", lambda: "another kernel")
+    edited = cost_profile.target_key(manifest, "cpu", 2), cost_profile.cache_key(manifest, {}, "cpu", 2, 32)
+    monkeypatch.undo()
+    assert (cost_profile.target_key(manifest, "cpu", 2), cost_profile.cache_key(manifest, {}, "cpu", 2, 32)) == before
+    for other in (switched, edited):
+        assert other[0] != before[0] and other[1] != before[1]
+
+
 def test_memory_bound_bytes_ratio_reported(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="specvocab-r16-k48")
     extra = engine.complete("def is_prime", max_new_tokens=12).stats.spec

@@ -70,6 +70,28 @@ def _sources() -> list[Path]:
     return [SOURCE, *(SOURCE.with_name(name) for name in OTHER_SOURCES)]
 
 
+@cache
+def sources_digest() -> str:
+    """The native ops' code (sources and headers) as a digest.  What the runtime measures of them (cost
+    profiles, checks of their arithmetic) is kept under keys that include it: a new kernel is measured
+    anew, not planned with the old one's costs."""
+    digest = hashlib.sha256()
+    for path in [*_sources(), *HEADERS]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    return digest.hexdigest()[:16]
+
+
+SWITCHES = ("EDGE_SPEC_NATIVE_ATTENTION", "EDGE_SPEC_NATIVE_MATMUL", "EDGE_SPEC_NATIVE_AVX512",
+            "EDGE_SPEC_NATIVE_SCALAR", "EDGE_SPEC_NATIVE_AMX")  # fmt: skip
+
+
+def kernel_identity() -> list[str]:
+    """Which native kernels run here, as far as it decides their costs and rounding: the code, and the
+    environment switches that pick among its paths or turn it off."""
+    return [sources_digest(), *(f"{name}={os.environ.get(name, '')}" for name in SWITCHES)]
+
+
 def build_key(cxx: str) -> str:
     digest = hashlib.sha256()
     for path in [*_sources(), *HEADERS]:

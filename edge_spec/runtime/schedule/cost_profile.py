@@ -53,6 +53,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_spec.files import write_text_atomic
+from edge_spec.native.build import kernel_identity
 from edge_spec.paths import cache_root
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.schedule.curve import latency_at
@@ -144,7 +145,7 @@ def target_key(manifest: dict, provider: str, threads: int | str) -> str:
 
 
 def _runtime() -> list:
-    return [ort.__version__, platform.machine(), platform.processor(), os.cpu_count(), _cpu_model()]
+    return [ort.__version__, platform.machine(), platform.processor(), os.cpu_count(), _cpu_model(), *kernel_identity()]
 
 
 def recalled(key: str) -> bool | None:
