@@ -4,7 +4,7 @@ A kernel change is measured against the kernel it replaces: each build loads its
 target (the native library is registered per session), both read the same prompt, then passes of each row
 count alternate between them, so that a neighbour's load on a shared machine falls on both.  Reported: the
 median pass by rows and context, what each row past the first adds, and the time to read a long prompt in
-passes of 512 (fastest of ``--repeats``).  Sessions stop their threads' spinning after each run, as the
+passes of 512 (fastest of three).  Sessions stop their threads' spinning after each run, as the
 runtime's target and drafter do, so the idle copy does not take the cores of the one that runs.
 
     python benchmarks/native_ab.py --before REV [--bundle BUNDLE] [--context 256,2800] [--rows 1,2,4,8,16]
