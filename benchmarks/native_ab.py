@@ -49,6 +49,11 @@ def build_revision(revision: str, into: Path) -> Path:
     return library
 
 
+def random_ids(rng: np.random.Generator, count: int) -> list[int]:
+    """``count`` token ids drawn from the vocabulary's common middle (timing does not depend on which)."""
+    return [int(t) for t in rng.integers(100, 20000, count)]
+
+
 def target_with(library: Path, bundle: Path, manifest: dict, threads: int) -> Decoder:
     """The bundle's target with ``library`` as its native ops."""
     chosen = build.library_path
@@ -66,14 +71,14 @@ def target_with(library: Path, bundle: Path, manifest: dict, threads: int) -> De
 
 def passes(decoders: list[Decoder], context: int, rows: list[int], repeats: int, rng) -> list[dict[int, float]]:
     """Median ms of a pass of each row count after ``context`` prompt tokens, per decoder."""
-    prompt = [int(t) for t in rng.integers(100, 20000, context)]
+    prompt = random_ids(rng, context)
     for decoder in decoders:
         decoder.reset()
         decoder.prefill(prompt)
     times: list[dict[int, list[float]]] = [{n: [] for n in rows} for _ in decoders]
     for _ in range(repeats):
         for n in rows:
-            ids = [int(t) for t in rng.integers(100, 20000, n)]
+            ids = random_ids(rng, n)
             for decoder, timed in zip(decoders, times):
                 start = time.perf_counter()
                 decoder.forward(ids, n)
@@ -84,7 +89,7 @@ def passes(decoders: list[Decoder], context: int, rows: list[int], repeats: int,
 
 def prefill_seconds(decoders: list[Decoder], tokens: int, repeats: int, rng) -> list[float]:
     """Fastest read of a ``tokens``-token prompt (passes of 512), per decoder, the decoders taking turns."""
-    prompt = [int(t) for t in rng.integers(100, 20000, tokens)]
+    prompt = random_ids(rng, tokens)
     best = [float("inf")] * len(decoders)
     for _ in range(repeats):
         for i, decoder in enumerate(decoders):
@@ -121,7 +126,7 @@ def main() -> None:
         decoders = [target_with(lib, args.bundle, manifest, args.threads) for lib in libraries.values()]
         rng = np.random.default_rng(0)
         for decoder in decoders:  # page the weights in before anything is timed
-            decoder.prefill([int(t) for t in rng.integers(100, 20000, 64)])
+            decoder.prefill(random_ids(rng, 64))
         print(f"{args.bundle.name}, {args.threads} threads, medians of {args.repeats} passes, ms")
         for context in (int(c) for c in args.context.split(",")):
             print(

@@ -70,20 +70,25 @@ def _sources() -> list[Path]:
     return [SOURCE, *(SOURCE.with_name(name) for name in OTHER_SOURCES)]
 
 
+def _hashed_sources() -> "hashlib._Hash":
+    """A sha256 over the native ops' sources and headers, by name and bytes (a missing file: no bytes)."""
+    digest = hashlib.sha256()
+    for path in [*_sources(), *HEADERS]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    return digest
+
+
 @cache
 def sources_digest() -> str:
     """The native ops' code (sources and headers) as a digest.  What the runtime measures of them (cost
     profiles, checks of their arithmetic) is kept under keys that include it: a new kernel is measured
     anew, not planned with the old one's costs."""
-    digest = hashlib.sha256()
-    for path in [*_sources(), *HEADERS]:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes() if path.is_file() else b"")
-    return digest.hexdigest()[:16]
+    return _hashed_sources().hexdigest()[:16]
 
 
-SWITCHES = ("EDGE_SPEC_NATIVE_ATTENTION", "EDGE_SPEC_NATIVE_MATMUL", "EDGE_SPEC_NATIVE_AVX512",
-            "EDGE_SPEC_NATIVE_SCALAR", "EDGE_SPEC_NATIVE_AMX")  # fmt: skip
+SWITCHES = (SWITCH, "EDGE_SPEC_NATIVE_MATMUL", "EDGE_SPEC_NATIVE_AVX512", "EDGE_SPEC_NATIVE_SCALAR",
+            "EDGE_SPEC_NATIVE_AMX")  # fmt: skip
 
 
 def kernel_identity() -> list[str]:
@@ -93,10 +98,8 @@ def kernel_identity() -> list[str]:
 
 
 def build_key(cxx: str) -> str:
-    digest = hashlib.sha256()
-    for path in [*_sources(), *HEADERS]:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    """The build's folder name: the sources, the compiler's version and the flags."""
+    digest = _hashed_sources()
     digest.update(_compiler_version(cxx).encode())
     digest.update(" ".join(FLAGS).encode())
     return digest.hexdigest()[:16]
