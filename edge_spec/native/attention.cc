@@ -73,62 +73,53 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, s3));
 }
 
-// dots of NQ query vectors with 2 keys: acc lane j sums q[8c+j]*k[8c+j] over c in order, then hsum256.
-// HC: the head size in 8-float chunks when known at compile time (the loop unrolls into registers), else 0.
-template <int NQ, int HC>
-__attribute__((target("avx2,fma"), always_inline)) inline void dots2_avx(const float* const* q, const float* k0,
-                                                                         const float* k1, int h, float* out0,
-                                                                         float* out1) {
+// dots of NQ query vectors with NK consecutive keys from k: acc lane j sums q[8c+j]*k[8c+j] over c in order,
+// then hsum256, whatever NQ and NK (so every block shape gives the same bits).  HC: the head size in 8-float
+// chunks when known at compile time (the loop unrolls into registers), else 0.
+template <int NQ, int NK, int HC>
+__attribute__((target("avx2,fma"), always_inline)) inline void dots_avx(const float* const* q, const float* k, int h,
+                                                                        float* out) {
   const int chunks = HC ? HC : h / 8;
-  __m256 a0[NQ], a1[NQ];
-  for (int j = 0; j < NQ; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  __m256 acc[NQ][NK];
+  for (int j = 0; j < NQ; ++j)
+    for (int t = 0; t < NK; ++t) acc[j][t] = _mm256_setzero_ps();
   for (int c = 0; c < chunks; ++c) {
-    __m256 x0 = _mm256_loadu_ps(k0 + 8 * c);
-    __m256 x1 = _mm256_loadu_ps(k1 + 8 * c);
+    __m256 x[NK];
+    for (int t = 0; t < NK; ++t) x[t] = _mm256_loadu_ps(k + static_cast<size_t>(t) * h + 8 * c);
     for (int j = 0; j < NQ; ++j) {
-      __m256 qv = _mm256_loadu_ps(q[j] + 8 * c);
-      a0[j] = _mm256_fmadd_ps(qv, x0, a0[j]);
-      a1[j] = _mm256_fmadd_ps(qv, x1, a1[j]);
+      const __m256 qv = _mm256_loadu_ps(q[j] + 8 * c);
+      for (int t = 0; t < NK; ++t) acc[j][t] = _mm256_fmadd_ps(qv, x[t], acc[j][t]);
     }
   }
-  for (int j = 0; j < NQ; ++j) {
-    out0[j] = hsum256(a0[j]);
-    out1[j] = hsum256(a1[j]);
-  }
+  for (int j = 0; j < NQ; ++j)
+    for (int t = 0; t < NK; ++t) out[j * NK + t] = hsum256(acc[j][t]);
 }
 
-template <int NQ, int HC>
-__attribute__((target("avx2,fma"), always_inline)) inline void dots1_avx(const float* const* q, const float* k0,
-                                                                         int h, float* out0) {
-  const int chunks = HC ? HC : h / 8;
-  __m256 a0[NQ];
-  for (int j = 0; j < NQ; ++j) a0[j] = _mm256_setzero_ps();
-  for (int c = 0; c < chunks; ++c) {
-    __m256 x0 = _mm256_loadu_ps(k0 + 8 * c);
-    for (int j = 0; j < NQ; ++j) a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + 8 * c), x0, a0[j]);
-  }
-  for (int j = 0; j < NQ; ++j) out0[j] = hsum256(a0[j]);
-}
-
-// scores[i][t - first] = alpha * q_i . k_t for the NQ query vectors from i0 and keys [t0, t1)
+// scores[i][t - first] = alpha * q_i . k_t for the NQ query vectors from i0 and keys [t0, t1): four keys a
+// step (three query vectors by four keys keep the most products per load in AVX2's sixteen registers), then
+// the tail two and one at a time
 template <int NQ, int HC>
 __attribute__((target("avx2,fma"))) void score_block_avx(const float* const* q, const float* K, int t0, int t1,
                                                          int h, float alpha, float* row, size_t span) {
-  float d0[NQ], d1[NQ];
+  float d[NQ * 4];
   int t = t0;
+  for (; t + 3 < t1; t += 4) {
+    dots_avx<NQ, 4, HC>(q, K + static_cast<size_t>(t) * h, h, d);
+    for (int j = 0; j < NQ; ++j)
+      for (int u = 0; u < 4; ++u) row[j * span + t + u] = alpha * d[j * 4 + u];
+  }
   for (; t + 1 < t1; t += 2) {
-    const float* k0 = K + static_cast<size_t>(t) * h;
-    dots2_avx<NQ, HC>(q, k0, k0 + h, h, d0, d1);
-    for (int j = 0; j < NQ; ++j) {
-      row[j * span + t] = alpha * d0[j];
-      row[j * span + t + 1] = alpha * d1[j];
-    }
+    dots_avx<NQ, 2, HC>(q, K + static_cast<size_t>(t) * h, h, d);
+    for (int j = 0; j < NQ; ++j)
+      for (int u = 0; u < 2; ++u) row[j * span + t + u] = alpha * d[j * 2 + u];
   }
   if (t < t1) {
-    dots1_avx<NQ, HC>(q, K + static_cast<size_t>(t) * h, h, d0);
-    for (int j = 0; j < NQ; ++j) row[j * span + t] = alpha * d0[j];
+    dots_avx<NQ, 1, HC>(q, K + static_cast<size_t>(t) * h, h, d);
+    for (int j = 0; j < NQ; ++j) row[j * span + t] = alpha * d[j];
   }
 }
+
+constexpr int kScoreQueries = 3;  // query vectors a score block takes (see score_block_avx)
 
 template <int HC>
 void score_avx(const float* const* q, int m, const float* K, int t0, int t1, int h, float alpha, float* row,
@@ -136,10 +127,7 @@ void score_avx(const float* const* q, int m, const float* K, int t0, int t1, int
   switch (m) {
     case 1: score_block_avx<1, HC>(q, K, t0, t1, h, alpha, row, span); break;
     case 2: score_block_avx<2, HC>(q, K, t0, t1, h, alpha, row, span); break;
-    case 3: score_block_avx<3, HC>(q, K, t0, t1, h, alpha, row, span); break;
-    case 4: score_block_avx<4, HC>(q, K, t0, t1, h, alpha, row, span); break;
-    case 5: score_block_avx<5, HC>(q, K, t0, t1, h, alpha, row, span); break;
-    default: score_block_avx<6, HC>(q, K, t0, t1, h, alpha, row, span); break;
+    default: score_block_avx<kScoreQueries, HC>(q, K, t0, t1, h, alpha, row, span); break;
   }
 }
 
@@ -403,12 +391,12 @@ void attend(const Pass& P, size_t item) {
   // scores: each key read once for all nq query vectors
 #ifdef ES_X86
   if (P.avx) {
-    // keys in tiles that stay in L1 while every block of six query vectors is scored against them
+    // keys in tiles that stay in L1 while every block of three query vectors is scored against them
     constexpr int kKeyTile = 32;
     for (int t0 = first; t0 < last; t0 += kKeyTile) {
       const int t1 = std::min(last, t0 + kKeyTile);
-      for (int i0 = 0; i0 < nq; i0 += 6) {
-        const int m = std::min(6, nq - i0);
+      for (int i0 = 0; i0 < nq; i0 += kScoreQueries) {
+        const int m = std::min(kScoreQueries, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
         if (H == 128)
           score_avx<16>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);

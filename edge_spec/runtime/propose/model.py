@@ -5,9 +5,11 @@ not seen (usually the pending token, or the last draft plus the pending token af
 accepted round) and after verification it is cut back to the accepted prefix.
 
 Of a long prompt it reads only the last :data:`DRAFT_CONTEXT` tokens (its cache holds them from position
-0).  Reading a 2,300-token prompt cost the default drafter about 20 s on a two-core AVX2 laptop-class CPU
-on top of the target's 64 s, all of it before the first token, for drafts that lean on the last few
-hundred tokens; drafts only decide speed, never the answer (the target verifies every token).
+0).  Its prompt read comes before the first token, and every draft step attends over what the cache holds,
+while drafts lean on the last few hundred tokens (copies from further back come from the suffix and lookup
+proposers) and only decide speed, never the answer (the target verifies every token).  On the long bench
+prompts (``benchmarks/draft_window_ab.py``) a window of 512 read them faster and decoded faster than one of
+1,024 (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from edge_spec.runtime.verify.coupled import draw_sampled
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, mask_logits, scatter_probs
 
 STEP_SMOOTHING = 0.2  # weight of the newest single-token step in the drafter's step estimate
-DRAFT_CONTEXT = 1024  # prompt tokens a drafter model reads at most (the prompt's tail; see above)
+DRAFT_CONTEXT = 512  # prompt tokens a drafter model reads at most (the prompt's tail; see above)
 
 
 class ChainDrafter(Proposer):
