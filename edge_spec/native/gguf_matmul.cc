@@ -83,6 +83,7 @@ struct Q8Row {
   std::vector<int8_t> q;        // K codes
   std::vector<float> d;         // one scale per block of 256
   std::vector<int32_t> sums16;  // the sum of each 16 codes (Q6_K's offset of 32)
+  std::vector<int32_t> pairs16; // two of those sums as int16 halves, (sums16[2i], sums16[2i + 1]), for vpdpwssd
   std::vector<int32_t> sums32;  // the sum of each 32 codes (Q4_K's minimums)
   std::vector<int32_t> pairs32; // two of those sums as int16 halves, (sums32[2i], sums32[2i + 1]), for vpdpwssd
 };
@@ -138,11 +139,21 @@ __attribute__((target("avx2,fma"))) float block_amax_avx2(const float* xb) {
 }
 #endif
 
+// pairs[i] = (sums[2i], sums[2i + 1]) as the low and high int16 halves of one int32, for vpdpwssd (every sum fits an
+// int16)
+void pack_pairs(const int32_t* sums, int count, int32_t* pairs) {
+  for (int i = 0; i < count; ++i) {
+    const uint32_t low = static_cast<uint16_t>(sums[2 * i]), high = static_cast<uint16_t>(sums[2 * i + 1]);
+    pairs[i] = static_cast<int32_t>(low | (high << 16));
+  }
+}
+
 void quantize_row(const float* x, int K, Q8Row& out) {
   const int blocks = K / kQK;
   out.q.resize(K);
   out.d.resize(blocks);
   out.sums16.resize(K / 16);
+  out.pairs16.resize(K / 32);
   out.sums32.resize(K / 32);
   out.pairs32.resize(K / 64);
   for (int b = 0; b < blocks; ++b) {
@@ -174,12 +185,9 @@ void quantize_row(const float* x, int K, Q8Row& out) {
       }
       out.d[b] = amax / 127.f;
     }
+    pack_pairs(sums16, kQK / 32, out.pairs16.data() + b * 8);  // |a sum of 16 codes| <= 16 * 127
     for (int s = 0; s < kQK / 32; ++s) out.sums32[b * 8 + s] = sums16[2 * s] + sums16[2 * s + 1];
-    for (int s = 0; s < kQK / 64; ++s) {  // |a sum of 32 codes| <= 32 * 127 fits an int16
-      const uint32_t low = static_cast<uint16_t>(out.sums32[b * 8 + 2 * s]);
-      const uint32_t high = static_cast<uint16_t>(out.sums32[b * 8 + 2 * s + 1]);
-      out.pairs32[b * 4 + s] = static_cast<int32_t>(low | (high << 16));
-    }
+    pack_pairs(out.sums32.data() + b * 8, kQK / 64, out.pairs32.data() + b * 4);  // |a sum of 32 codes| <= 32 * 127
   }
 }
 
@@ -339,8 +347,12 @@ __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int 
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
     const uint8_t* lines = R + 288;
     const uint8_t* highs = R + 288 + 2048;
-    __m512i total[NR];
-    for (int r = 0; r < NR; ++r) total[r] = _mm512_setzero_si512();
+    // total = sum_s sc_s * (dot_s - 32 * sums16_s), as exact integers (mod 2^32, the result fits): the dots run
+    // on across sub-blocks (P_s, the sum of dots 0..s) and each is weighted by sc_s - sc_{s+1} (sc_16 = 0),
+    // and the offsets' sum_s sc_s * sums16_s goes through vpdpwssd two sub-blocks at a time
+    __m512i total[NR], part[NR];
+    for (int r = 0; r < NR; ++r) total[r] = part[r] = _mm512_setzero_si512();
+    __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32)));
     for (int s = 0; s < 16; ++s) {
       const __m512i h = _mm512_loadu_si512(highs + 64 * s);
       const __m512i w0 = _mm512_loadu_si512(lines + 64 * (2 * s));
@@ -354,13 +366,31 @@ __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int 
       c[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w1, 4), low4),
                              _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 6), low2), 4));
       prefetch_lines(R + kQ6KRecord, 4 * s, 4);
-      const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 16 * s)));
+      __m512i weight = scale;
+      if (s < 15) {
+        const __m512i next =
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 16 * (s + 1))));
+        weight = _mm512_sub_epi32(scale, next);
+        scale = next;
+      }
       for (int r = 0; r < NR; ++r) {
         const int8_t* q = rows[r].q.data() + b * kQK + 16 * s;
-        __m512i part = _mm512_set1_epi32(-32 * rows[r].sums16[b * 16 + s]);
-        for (int j = 0; j < 4; ++j) part = _mm512_dpbusd_epi32(part, c[j], _mm512_set1_epi32(read_i32(q + 4 * j)));
-        total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(part, scale));
+        for (int j = 0; j < 4; ++j)
+          part[r] = _mm512_dpbusd_epi32(part[r], c[j], _mm512_set1_epi32(read_i32(q + 4 * j)));
+        total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(part[r], weight));
       }
+    }
+    __m512i pairs[8];  // lane o: (sc[2i][o], sc[2i + 1][o]) as int16
+    for (int i = 0; i < 8; ++i) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 32 * i));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 32 * i + 16));
+      pairs[i] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512i offsets = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i)
+        offsets = _mm512_dpwssd_epi32(offsets, pairs[i], _mm512_set1_epi32(rows[r].pairs16[b * 8 + i]));
+      total[r] = _mm512_sub_epi32(total[r], _mm512_slli_epi32(offsets, 5));
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
     for (int r = 0; r < NR; ++r) {
