@@ -287,12 +287,12 @@ inline void prefetch_lines(const uint8_t* record, int first, int count) {
 #define ES_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"
 
 // NR rows at once, their integer sums in registers (NR a constant, so the row loops unroll); the float32
-// results accumulate in out, once a block.  The minimums' products go through vpdpwssd, two sub-blocks an
+// results accumulate in out, once a block, from zero in registers at the first block (zeroing out first
+// stalled the first block's 64-byte loads behind the narrower stores of a memset).  The minimums' products go through vpdpwssd, two sub-blocks an
 // instruction, after the codes' sums: the same integers as a product per sub-block.
 template <int NR>
 __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, _mm512_setzero_ps());
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
     const uint8_t* lines = R + 320;
@@ -330,7 +330,7 @@ __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int 
       __m512i mins = _mm512_setzero_si512();
       for (int i = 0; i < 4; ++i) mins = _mm512_dpwssd_epi32(mins, pairs[i], _mm512_set1_epi32(rows[r].pairs32[b * 4 + i]));
       const __m512 dx = _mm512_set1_ps(rows[r].d[b]);
-      __m512 acc = _mm512_loadu_ps(out + r * kTile);
+      __m512 acc = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * kTile);
       acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc);
       acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, dx), acc);
       _mm512_storeu_ps(out + r * kTile, acc);
@@ -342,7 +342,6 @@ template <int NR>
 __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i low2 = _mm512_set1_epi8(0x03);
-  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, _mm512_setzero_ps());
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
     const uint8_t* lines = R + 288;
@@ -394,7 +393,7 @@ __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int 
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
     for (int r = 0; r < NR; ++r) {
-      __m512 acc = _mm512_loadu_ps(out + r * kTile);
+      __m512 acc = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * kTile);
       acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, _mm512_set1_ps(rows[r].d[b])), acc);
       _mm512_storeu_ps(out + r * kTile, acc);
     }
