@@ -4,8 +4,9 @@ The drafter reads only the tail of a long prompt (``propose.model.DRAFT_CONTEXT`
 prompt time before the first token and makes every draft step attend over more cache; a shorter one may
 draft worse.  Each long bench prompt (``--category long``) is answered greedily by the default mode (the
 suffix cache on, emptied before every answer) once per window, back to back in one process so that a shared
-machine's drift falls on every window alike.  Prints per answer and pooled: decode tokens/s, prompt seconds
-(target and drafter) and tau.
+machine's drift falls on every window alike; the order of the windows turns from prompt to prompt, since the
+draft schedule carries what it learned from one answer into the next.  Prints per answer and pooled: decode
+tokens/s, prompt seconds (target and drafter) and tau.
 
     python benchmarks/draft_window_ab.py [--bundle BUNDLE] [--windows 1024,512,256] [--max-tokens 128]
 """
@@ -44,7 +45,8 @@ def main() -> None:
     drafter = engine.bundle.active_drafter(mode.config)
     pooled = {w: [0, 0.0, 0.0, 0] for w in windows}  # tokens, decode s, prompt s, answers
     for number, item in enumerate(long_prompts()):
-        for window in windows:
+        shift = number % len(windows)  # each window goes first as often: an answer's schedule learns from the last
+        for window in windows[shift:] + windows[:shift]:
             drafter.context = window
             engine.bundle.target.rewind(0)
             drafter.rewind(0)
