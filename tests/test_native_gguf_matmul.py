@@ -101,7 +101,7 @@ def run_on_path(native_library: Path, tmp_path: Path, path: str, model_bytes: by
     return np.load(tmp_path / f"{path}.npy")
 
 
-@pytest.mark.parametrize("rows", [5, 13])  # decoded as the rows go; decoded once for more rows than a loop takes
+@pytest.mark.parametrize("rows", [5, 13])  # within one loop over rows; more rows than one loop takes
 @pytest.mark.parametrize("n", [80, 37])  # whole records of 16 rows; a last record padded with zero rows
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
 def test_each_kernel_computes_the_blocks_product_with_the_same_bits(native_library, tmp_path, kind, n, rows):

@@ -288,8 +288,9 @@ inline void prefetch_lines(const uint8_t* record, int first, int count) {
 
 // NR rows at once, their integer sums in registers (NR a constant, so the row loops unroll); the float32
 // results accumulate in out, once a block, from zero in registers at the first block (zeroing out first
-// stalled the first block's 64-byte loads behind the narrower stores of a memset).  The minimums' products go through vpdpwssd, two sub-blocks an
-// instruction, after the codes' sums: the same integers as a product per sub-block.
+// stalled the first block's 64-byte loads behind the narrower stores of a memset).  The minimums' products go
+// through vpdpwssd, two sub-blocks an instruction, after the codes' sums: the same integers as a product per
+// sub-block.
 template <int NR>
 __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
