@@ -7,6 +7,10 @@ does not promise, give each query row the same bits whatever the number of rows 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -212,6 +216,60 @@ def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(native_library
         np.testing.assert_array_equal(alone[0, 0], whole[0, r])
     np.testing.assert_array_equal(alone_cache[0], cache[0])
     np.testing.assert_array_equal(alone_cache[1], cache[1])
+
+
+RUNNER = """
+import sys, numpy as np, onnxruntime as ort
+options = ort.SessionOptions(); options.intra_op_num_threads = 2
+options.register_custom_ops_library(sys.argv[1])
+s = ort.InferenceSession(open(sys.argv[2], "rb").read(), options, providers=["CPUExecutionProvider"])
+feeds = dict(np.load(sys.argv[3]))
+np.save(sys.argv[4], s.run(["out"], feeds)[0])
+"""
+
+
+def attention_path(native_library, env: dict[str, str]) -> str:
+    code = (
+        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).EdgeSpecAttentionPath; f.restype = ctypes.c_char_p; "
+        "print(f().decode())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(native_library)], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(12, 2, 128, 300, 320), (14, 2, 64, 300, 320), (6, 3, 48, 300, 320)],
+    ids=["qwen-1.5b", "group-7", "head-48"],
+)
+def test_the_avx512_scores_have_the_avx2_bits(native_library, tmp_path, monkeypatch, shape):
+    """Where the CPU has AVX-512 the scores run on it; every output keeps the AVX2 path's bits (rows and
+    windows that fill no whole block of queries or keys included)."""
+    import tests.test_native_attention as here
+
+    if attention_path(native_library, {}) != "avx512":
+        pytest.skip("no AVX-512 here: one path only")
+    assert attention_path(native_library, {"EDGE_SPEC_NATIVE_AVX512": "0"}) == "avx2"
+    heads, kv_heads, head, capacity, table = shape
+    for name, value in zip(("HEADS", "KV_HEADS", "HEAD", "CAPACITY", "TABLE"), shape):
+        monkeypatch.setattr(here, name, value)
+    (tmp_path / "m.onnx").write_bytes(gqa_model("ai.edge_spec", tree=False, shape=shape))
+    rng = np.random.default_rng(head)
+    for context, rows in ((0, 1), (37, 1), (61, 5), (2, 23), (230, 40)):
+        np.savez(tmp_path / "x.npz", **feeds(rng, context, rows, tree=False))
+        got = {}
+        for path, env in (("avx512", {}), ("avx2", {"EDGE_SPEC_NATIVE_AVX512": "0"})):
+            subprocess.run(
+                [sys.executable, "-c", RUNNER, str(native_library), str(tmp_path / "m.onnx"), str(tmp_path / "x.npz"),
+                 str(tmp_path / f"{path}.npy")],
+                env={**os.environ, **env},
+                check=True,
+            )  # fmt: skip
+            got[path] = np.load(tmp_path / f"{path}.npy")
+        assert np.abs(got["avx2"]).max() > 0
+        assert np.array_equal(got["avx512"], got["avx2"]), (context, rows)
 
 
 # -- the runtime: the target's attention moved to the native op at load time ------------------------------

@@ -45,6 +45,7 @@ namespace {
 constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor came with 1.17
 const OrtApi* g_api = nullptr;
 bool g_use_avx2 = false;
+bool g_use_avx512 = false;  // the scores' AVX-512 kernel (same bits as the AVX2 one)
 bool g_use_amx = false;  // the prompt path (prompt_path_here)
 
 // ---------------------------------------------------------------------------------------------------
@@ -128,6 +129,89 @@ void score_avx(const float* const* q, int m, const float* K, int t0, int t1, int
     case 1: score_block_avx<1, HC>(q, K, t0, t1, h, alpha, row, span); break;
     case 2: score_block_avx<2, HC>(q, K, t0, t1, h, alpha, row, span); break;
     default: score_block_avx<kScoreQueries, HC>(q, K, t0, t1, h, alpha, row, span); break;
+  }
+}
+
+// AVX-512: two query vectors share a register, q[2p] in its low eight lanes and q[2p + 1] in its high eight,
+// each 8-float chunk of a key broadcast to both halves.  Each half then sums what dots_avx's 8-lane
+// accumulator sums, in the same order, and the reduction below follows hsum256's tree lane for lane, so
+// the scores have the AVX2 path's bits at half its multiplies.
+//
+// pairs: the query vectors packed by pack_query_pairs, [pair][chunk][16].
+constexpr int kScorePairs = 4;  // query pairs a 512-bit score block takes: 16 accumulators with 4 keys
+#define ES_AVX512_ATTENTION "avx512f,avx512vl,avx2,fma"
+
+void pack_query_pairs(const float* const* q, int nq, int h, float* pairs, int padded_pairs) {
+  const int chunks = h / 8;
+  for (int p = 0; p < padded_pairs; ++p)
+    for (int c = 0; c < chunks; ++c)
+      for (int half = 0; half < 2; ++half) {
+        float* dst = pairs + (static_cast<size_t>(p) * chunks + c) * 16 + 8 * half;
+        const int i = 2 * p + half;
+        if (i < nq)
+          std::memcpy(dst, q[i] + 8 * c, sizeof(float) * 8);
+        else
+          std::memset(dst, 0, sizeof(float) * 8);
+      }
+}
+
+// hsum256's tree on eight accumulators at once: a[4p + u] holds query pair p (of two) against key u (of four);
+// returns the 16 sums as [query 0: keys 0-3 | query 1 | query 2 | query 3], queries 2p and 2p + 1 of pair p
+__attribute__((target(ES_AVX512_ATTENTION), always_inline)) inline __m512 reduce_pairs(const __m512* a) {
+  __m512 w[2];
+  for (int p = 0; p < 2; ++p) {
+    __m512 s[2];
+    for (int h = 0; h < 2; ++h) {  // lanes i + (i + 4) of each half: [q0 k, q1 k, q0 k+1, q1 k+1]
+      const __m512 x = a[4 * p + 2 * h], y = a[4 * p + 2 * h + 1];
+      s[h] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+    }
+    // (s0 + s2, s1 + s3) of each block: [q0 k0 | q1 k0 | q0 k1 | q1 k1] with k2, k3 beside
+    w[p] = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // (s0 + s2) + (s1 + s3): blocks [q0 k0, q0 k2, q2 k0, q2 k2], [q1 ..], [q0 k1, q0 k3, ..], [q1 k1, ..]
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 2, 10, 3, 11, 6, 14, 7, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// scores of the query pairs' vectors (m of them, m <= 2 * kScorePairs) with keys [t0, t1), as score_block_avx
+template <int HC>
+__attribute__((target(ES_AVX512_ATTENTION))) void score_pairs_avx512(const float* pairs, int m, const float* K,
+                                                                     int t0, int t1, int h, float alpha, float* row,
+                                                                     size_t span) {
+  const int chunks = HC ? HC : h / 8;
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int t = t0; t < t1; t += 4) {
+    const int keys = std::min(4, t1 - t);
+    const float* k[4];
+    for (int u = 0; u < 4; ++u) k[u] = K + static_cast<size_t>(t + std::min(u, keys - 1)) * h;
+    __m512 acc[kScorePairs][4];
+    for (int p = 0; p < kScorePairs; ++p)
+      for (int u = 0; u < 4; ++u) acc[p][u] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; ++c) {
+      __m512 x[4];
+      for (int u = 0; u < 4; ++u)  // vbroadcastf64x4: AVX-512F's 256-bit broadcast
+        x[u] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(k[u] + 8 * c))));
+      for (int p = 0; p < kScorePairs; ++p) {
+        const __m512 qv = _mm512_loadu_ps(pairs + (static_cast<size_t>(p) * chunks + c) * 16);
+        for (int u = 0; u < 4; ++u) acc[p][u] = _mm512_fmadd_ps(qv, x[u], acc[p][u]);
+      }
+    }
+    const __mmask8 lanes = static_cast<__mmask8>((1u << keys) - 1);
+    for (int g = 0; g < kScorePairs / 2; ++g) {
+      const __m512 d = _mm512_mul_ps(scale, reduce_pairs(&acc[2 * g][0]));
+      const __m128 v[4] = {_mm512_castps512_ps128(d), _mm512_extractf32x4_ps(d, 1), _mm512_extractf32x4_ps(d, 2),
+                           _mm512_extractf32x4_ps(d, 3)};
+      for (int j = 0; j < 4 && 4 * g + j < m; ++j) {
+        float* dst = row + static_cast<size_t>(4 * g + j) * span + t;
+        if (keys == 4)
+          _mm_storeu_ps(dst, v[j]);
+        else
+          _mm_mask_storeu_ps(dst, lanes, v[j]);
+      }
+    }
   }
 }
 
@@ -247,6 +331,47 @@ __attribute__((target("avx2,fma"))) void weighted_sum3_avx(float* const* out, co
       for (int l = 0; l < 4; ++l) _mm256_storeu_ps(out[j] + c + 8 * l, a[j][l]);
   }
 }
+
+// weighted_sum_avx for NQ query vectors with the same window, on 16 lanes: every output element sums the same
+// products in the same order (same bits).  Each 64-float slice of a value row is loaded into registers once
+// for the NQ vectors (kept there: folded into each multiply, the loads would outnumber the multiplies).
+template <int NQ>
+__attribute__((target(ES_AVX512_ATTENTION))) void weighted_sums_avx512(float* const* out, const float* const* p,
+                                                                       const float* v, int count, int h) {
+  for (int c = 0; c < h; c += 64) {  // h a multiple of 64
+    __m512 a[NQ][4];
+    for (int j = 0; j < NQ; ++j)
+      for (int l = 0; l < 4; ++l) a[j][l] = _mm512_loadu_ps(out[j] + c + 16 * l);
+    const float* row = v + c;
+    for (int t = 0; t < count; ++t, row += h) {
+      __m512 x0 = _mm512_loadu_ps(row), x1 = _mm512_loadu_ps(row + 16);
+      __m512 x2 = _mm512_loadu_ps(row + 32), x3 = _mm512_loadu_ps(row + 48);
+      asm("" : "+v"(x0), "+v"(x1), "+v"(x2), "+v"(x3));
+      for (int j = 0; j < NQ; ++j) {
+        const __m512 w = _mm512_set1_ps(p[j][t]);
+        a[j][0] = _mm512_fmadd_ps(w, x0, a[j][0]);
+        a[j][1] = _mm512_fmadd_ps(w, x1, a[j][1]);
+        a[j][2] = _mm512_fmadd_ps(w, x2, a[j][2]);
+        a[j][3] = _mm512_fmadd_ps(w, x3, a[j][3]);
+      }
+    }
+    for (int j = 0; j < NQ; ++j)
+      for (int l = 0; l < 4; ++l) _mm512_storeu_ps(out[j] + c + 16 * l, a[j][l]);
+  }
+}
+
+constexpr int kValueQueries = 6;  // query vectors weighted_sums_avx512 takes at most: 24 accumulators
+
+void value_sums_avx512(int n, float* const* out, const float* const* p, const float* v, int count, int h) {
+  switch (n) {
+    case 1: weighted_sums_avx512<1>(out, p, v, count, h); break;
+    case 2: weighted_sums_avx512<2>(out, p, v, count, h); break;
+    case 3: weighted_sums_avx512<3>(out, p, v, count, h); break;
+    case 4: weighted_sums_avx512<4>(out, p, v, count, h); break;
+    case 5: weighted_sums_avx512<5>(out, p, v, count, h); break;
+    default: weighted_sums_avx512<kValueQueries>(out, p, v, count, h); break;
+  }
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -340,10 +465,11 @@ struct Pass {  // what one call's work items share
   float* out;  // [B, S, N * H]
   int row_block, blocks_per_head;
   bool avx;  // the AVX2 kernels (a head size that is a multiple of 8, on a CPU that has them)
+  bool avx512;  // and the scores' AVX-512 kernel, which gives the same bits
 };
 
 struct Scratch {
-  std::vector<float> scores, acc;
+  std::vector<float> scores, acc, pairs;
 };
 
 thread_local Scratch t_scratch;
@@ -390,9 +516,28 @@ void attend(const Pass& P, size_t item) {
 
   // scores: each key read once for all nq query vectors
 #ifdef ES_X86
-  if (P.avx) {
-    // keys in tiles that stay in L1 while every block of three query vectors is scored against them
-    constexpr int kKeyTile = 32;
+  // keys in tiles that stay in L1 while every block of query vectors is scored against them
+  constexpr int kKeyTile = 32;
+  if (P.avx512) {
+    constexpr int kBlock = 2 * kScorePairs;
+    const int chunks = H / 8, blocks = (nq + kBlock - 1) / kBlock;
+    scratch.pairs.resize(static_cast<size_t>(blocks) * kScorePairs * chunks * 16);
+    pack_query_pairs(qs.data(), nq, H, scratch.pairs.data(), blocks * kScorePairs);
+    for (int t0 = first; t0 < last; t0 += kKeyTile) {
+      const int t1 = std::min(last, t0 + kKeyTile);
+      for (int i0 = 0; i0 < nq; i0 += kBlock) {
+        const float* pairs = scratch.pairs.data() + static_cast<size_t>(i0 / 2) * chunks * 16;
+        const int m = std::min(kBlock, nq - i0);
+        float* row = scores + static_cast<size_t>(i0) * span - first;
+        if (H == 128)
+          score_pairs_avx512<16>(pairs, m, K, t0, t1, H, P.alpha, row, span);
+        else if (H == 64)
+          score_pairs_avx512<8>(pairs, m, K, t0, t1, H, P.alpha, row, span);
+        else
+          score_pairs_avx512<0>(pairs, m, K, t0, t1, H, P.alpha, row, span);
+      }
+    }
+  } else if (P.avx) {
     for (int t0 = first; t0 < last; t0 += kKeyTile) {
       const int t1 = std::min(last, t0 + kKeyTile);
       for (int i0 = 0; i0 < nq; i0 += kScoreQueries) {
@@ -463,8 +608,18 @@ void attend(const Pass& P, size_t item) {
       float* o = acc + static_cast<size_t>(i) * H;
 #ifdef ES_X86
       if (P.avx) {
-        // the heads of one row share its window: three at a time where the row has them
-        if ((i % G) + 3 <= G && H % 32 == 0) {
+        // the heads of one row share its window: several at a time where the row has them
+        if (P.avx512 && H % 64 == 0) {
+          const int n = std::min(kValueQueries, G - i % G);
+          float* outs[kValueQueries];
+          const float* ps[kValueQueries];
+          for (int j = 0; j < n; ++j) {
+            outs[j] = o + static_cast<size_t>(j) * H;
+            ps[j] = p + static_cast<size_t>(j) * span;
+          }
+          value_sums_avx512(n, outs, ps, v, z - a, H);
+          i += n - 1;
+        } else if ((i % G) + 3 <= G && H % 32 == 0) {
           float* outs[3] = {o, o + H, o + 2 * H};
           const float* ps[3] = {p, p + span, p + 2 * span};
           weighted_sum3_avx(outs, ps, v, z - a, H);
@@ -913,6 +1068,7 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
   P.seqlens = seqlens_k;
   P.out = out;
   P.avx = g_use_avx2 && H % 8 == 0;
+  P.avx512 = P.avx && g_use_avx512;
   if (bias.value != nullptr) {
     require(bias.shape.size() == 4 && bias.shape[2] == S, "attention_bias must be [B or 1, N or 1, S, T]");
     P.bias = static_cast<const float*>(bias.data);
@@ -1041,6 +1197,18 @@ bool cpu_has_avx2() {
 #endif
 }
 
+// the scores' AVX-512 kernel, on top of the AVX2 ones, unless EDGE_SPEC_NATIVE_AVX512=0 turns it off
+bool attention_avx512_here() {
+#ifdef ES_X86
+  const char* wide = std::getenv("EDGE_SPEC_NATIVE_AVX512");
+  if (wide != nullptr && wide[0] == '0') return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
 // the prompt path: AMX's bfloat16 tiles (with AVX-512 around them), unless EDGE_SPEC_NATIVE_SCALAR=1 or
 // EDGE_SPEC_NATIVE_AMX=0 turn it off
 bool prompt_path_here() {
@@ -1066,6 +1234,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   if (g_api == nullptr) return nullptr;  // too old a runtime: nothing to report through
   const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
   g_use_avx2 = cpu_has_avx2() && !(force != nullptr && force[0] == '1');
+  g_use_avx512 = g_use_avx2 && attention_avx512_here();
 #ifdef ES_X86
   g_use_amx = prompt_path_here();
 #endif
@@ -1077,11 +1246,12 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   return g_api->AddCustomOpDomain(options, g_domain);
 }
 
-// which kernels this process runs: "avx2" or "scalar" (for tests and reports)
+// which kernels this process runs: "avx512" (its scores; the rest AVX2), "avx2" or "scalar" (for tests and
+// reports)
 __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
-  return cpu_has_avx2() && !(std::getenv("EDGE_SPEC_NATIVE_SCALAR") && std::getenv("EDGE_SPEC_NATIVE_SCALAR")[0] == '1')
-             ? "avx2"
-             : "scalar";
+  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
+  if (!cpu_has_avx2() || (force != nullptr && force[0] == '1')) return "scalar";
+  return attention_avx512_here() ? "avx512" : "avx2";
 }
 
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar"
