@@ -11,7 +11,8 @@
 //
 // Two paths, chosen once at load: AVX2+FMA (compiled per function with target attributes, so the
 // library itself is generic x86-64) and a portable scalar one.  Both are deterministic; they round
-// differently from each other, and a process only ever uses one.
+// differently from each other, and a process only ever uses one.  On CPUs with AVX-512 the AVX2 path's
+// scores and value sums run on 512-bit kernels that give its bits (EDGE_SPEC_NATIVE_AVX512=0: the AVX2 ones).
 
 #include <algorithm>
 #include <cmath>
