@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import subprocess
 import sys
 
@@ -81,6 +82,18 @@ def cli(*args: str, timeout: int = 300, input_text: str | None = None) -> subpro
         input=input_text,
         stdin=None if input_text is not None else subprocess.DEVNULL,
     )
+
+
+def native_kernels(native_library, function: str, env: dict[str, str]) -> str:
+    """Which kernels the native library's ``function`` (``EdgeSpecAttentionPath``, ``EdgeSpecGGUFMatMulPath``)
+    says a process started with ``env`` runs: read in a child, since the library reads the switches at load."""
+    code = (
+        f"import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).{function}; f.restype = ctypes.c_char_p; print(f().decode())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(native_library)], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    return done.stdout.strip()
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:

@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edge_spec.native import build
+from tests.helpers import native_kernels
 
 HEADS, KV_HEADS, HEAD = 6, 2, 32
 CAPACITY, TABLE = 80, 96  # cache slots; rotary table rows
@@ -228,17 +229,6 @@ np.save(sys.argv[4], s.run(["out"], feeds)[0])
 """
 
 
-def attention_path(native_library, env: dict[str, str]) -> str:
-    code = (
-        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).EdgeSpecAttentionPath; f.restype = ctypes.c_char_p; "
-        "print(f().decode())"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(native_library)], env={**os.environ, **env}, capture_output=True, text=True
-    )
-    return done.stdout.strip()
-
-
 @pytest.mark.parametrize(
     "shape",
     [(12, 2, 128, 300, 320), (14, 2, 64, 300, 320), (6, 3, 48, 300, 320)],
@@ -249,9 +239,9 @@ def test_the_avx512_scores_have_the_avx2_bits(native_library, tmp_path, monkeypa
     windows that fill no whole block of queries or keys included)."""
     import tests.test_native_attention as here
 
-    if attention_path(native_library, {}) != "avx512":
+    if native_kernels(native_library, "EdgeSpecAttentionPath", {}) != "avx512":
         pytest.skip("no AVX-512 here: one path only")
-    assert attention_path(native_library, {"EDGE_SPEC_NATIVE_AVX512": "0"}) == "avx2"
+    assert native_kernels(native_library, "EdgeSpecAttentionPath", {"EDGE_SPEC_NATIVE_AVX512": "0"}) == "avx2"
     heads, kv_heads, head, capacity, table = shape
     for name, value in zip(("HEADS", "KV_HEADS", "HEAD", "CAPACITY", "TABLE"), shape):
         monkeypatch.setattr(here, name, value)

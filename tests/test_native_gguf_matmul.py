@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge_spec.export.gguf.interleaved import interleave
 from tests import tiny_models
+from tests.helpers import native_kernels
 
 Q4_K, Q6_K = 12, 14  # ggml's type numbers, the op's ``type`` attribute
 GGML_TYPE = {Q4_K: GGMLQuantizationType.Q4_K, Q6_K: GGMLQuantizationType.Q6_K}
@@ -69,17 +70,6 @@ def session(native_library: Path, model_bytes: bytes, threads: int = 2) -> ort.I
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
-def kernel_path(native_library: Path, env: dict[str, str]) -> str:
-    code = (
-        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).EdgeSpecGGUFMatMulPath; f.restype = ctypes.c_char_p; "
-        "print(f().decode())"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(native_library)], env={**os.environ, **env}, capture_output=True, text=True
-    )
-    return done.stdout.strip()
-
-
 RUNNER = """
 import sys, numpy as np, onnxruntime as ort
 options = ort.SessionOptions(); options.intra_op_num_threads = 2
@@ -113,7 +103,7 @@ def test_each_kernel_computes_the_blocks_product_with_the_same_bits(native_libra
     want = reference(x, raw, kind, k)
     results = {}
     for path in PATHS:
-        if kernel_path(native_library, PATHS[path]) != path:
+        if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
             continue  # this CPU has no such kernel
         results[path] = run_on_path(native_library, tmp_path, path, model(raw, kind, k), x)
         assert results[path].shape == (rows, n)
