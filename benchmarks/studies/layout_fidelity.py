@@ -9,7 +9,9 @@ Layouts: the ``--gguf-layout`` values (``fast``, ``lean``, ``small``, ``exact``)
 ``small`` that no flag asks for, to show where its loss comes from: ``head4`` (only the LM head's 8-bit
 blocks rounded to 4 bits) and ``layers4`` (only the layers'). ``--genai DIR`` adds onnxruntime-genai's
 model-builder export (``benchmarks/spec_peers.py --prepare`` makes it), run by plain onnxruntime,
-teacher-forced only. ``--prompt-reader LAYOUT`` adds that layout with its prompt graph (``export
+teacher-forced only; ``--openvino DIR`` OpenVINO GenAI's (``optimum-cli`` int4) export, run in its own
+environment by OpenVINO's CPU plugin with the settings OpenVINO GenAI runs it with (its defaults), teacher-forced
+only.  ``--layouts ""`` measures the peers' exports alone. ``--prompt-reader LAYOUT`` adds that layout with its prompt graph (``export
 --prompt-reader``): the text and the prompts read through the int8 prompt graph as the runtime reads them (its
 attention on the native op's AMX path where the CPU has one), the answers decoded by the layout's graph.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -72,6 +75,36 @@ def genai_logits(folder: Path, ids: list[int], threads: int) -> np.ndarray:
     return session.run(["logits"], feeds)[0][0]
 
 
+OPENVINO_LOGITS = """
+import sys, numpy as np, openvino as ov
+ids = np.load(sys.argv[2])
+core = ov.Core()
+model = core.compile_model(sys.argv[1] + "/openvino_model.xml", "CPU", {"INFERENCE_NUM_THREADS": int(sys.argv[4])})
+request = model.create_infer_request()
+feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), np.int64)}
+names = {port.any_name for port in model.inputs}
+if "position_ids" in names:
+    feeds["position_ids"] = np.arange(len(ids), dtype=np.int64)[None]
+if "beam_idx" in names:
+    feeds["beam_idx"] = np.zeros(1, np.int32)
+request.infer(feeds)
+np.save(sys.argv[3], request.get_tensor("logits").data[0].astype(np.float32))
+"""
+
+
+def openvino_logits(folder: Path, ids: list[int], threads: int) -> np.ndarray:
+    """OpenVINO GenAI's export, teacher-forced in one pass from an empty state, in the interpreter of the
+    environment ``spec_peers.py --prepare`` made for it (``models/openvino-venv``, beside ``models/openvino``)."""
+    python = folder.parent.parent / "openvino-venv" / "bin" / "python"
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp) / "ids.npy", np.array(ids, np.int64))
+        subprocess.run(
+            [str(python), "-c", OPENVINO_LOGITS, str(folder), f"{tmp}/ids.npy", f"{tmp}/logits.npy", str(threads)],
+            check=True,
+        )
+        return np.load(Path(tmp) / "logits.npy")
+
+
 def prompt_reader_row(layout: str, path: Path, reference: dict, tokenizer, ids: list[int], args) -> tuple:
     """``layout`` with its prompt graph derived beside it, compared as the runtime reads prompts with it."""
     from edge_spec.export.graph.prompt_reader import write_prompt_graph
@@ -91,6 +124,7 @@ def main() -> None:
     parser.add_argument("gguf", type=Path)
     parser.add_argument("--layouts", default="fast,lean,head4,layers4,small")
     parser.add_argument("--genai", type=Path, help="onnxruntime-genai's export of the same GGUF")
+    parser.add_argument("--openvino", type=Path, help="OpenVINO GenAI's export of the same GGUF")
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-reader", metavar="LAYOUT", help="also measure LAYOUT read through its prompt graph")
@@ -103,7 +137,7 @@ def main() -> None:
     del model
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in args.layouts.split(","):
+        for layout in filter(None, args.layouts.split(",")):
             path = Path(tmp) / layout / "model.onnx"
             path.parent.mkdir()
             size = build_layout(weights, layout, path)
@@ -119,6 +153,11 @@ def main() -> None:
         result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
         size = sum(f.stat().st_size for f in args.genai.glob("model.onnx*")) / 2**20
         rows.append(("onnxruntime-genai export", size, result))
+    if args.openvino:
+        logits = openvino_logits(args.openvino, ids, args.threads)
+        result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
+        size = sum(f.stat().st_size for f in args.openvino.glob("openvino_model.*")) / 2**20
+        rows.append(("OpenVINO GenAI export", size, result))
 
     print(f"\n{len(ids)} tokens teacher-forced; greedy: {len(shared.PROMPTS)} prompts of {args.tokens} tokens")
     print(
