@@ -234,9 +234,9 @@ np.save(sys.argv[4], s.run(["out"], feeds)[0])
     [(12, 2, 128, 300, 320), (14, 2, 64, 300, 320), (6, 3, 48, 300, 320)],
     ids=["qwen-1.5b", "group-7", "head-48"],
 )
-def test_the_avx512_scores_have_the_avx2_bits(native_library, tmp_path, monkeypatch, shape):
-    """Where the CPU has AVX-512 the scores run on it; every output keeps the AVX2 path's bits (rows and
-    windows that fill no whole block of queries or keys included)."""
+def test_the_avx512_kernels_give_the_avx2_bits(native_library, tmp_path, monkeypatch, shape):
+    """Where the CPU has AVX-512 the scores and value sums run on it; every output keeps the AVX2 path's bits
+    (rows and windows that fill no whole block of queries or keys included)."""
     import tests.test_native_attention as here
 
     if native_kernels(native_library, "EdgeSpecAttentionPath", {}) != "avx512":

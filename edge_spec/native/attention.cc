@@ -46,7 +46,7 @@ namespace {
 constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor came with 1.17
 const OrtApi* g_api = nullptr;
 bool g_use_avx2 = false;
-bool g_use_avx512 = false;  // the scores' AVX-512 kernel (same bits as the AVX2 one)
+bool g_use_avx512 = false;  // the scores' and value sums' AVX-512 kernels (same bits as the AVX2 ones)
 bool g_use_amx = false;  // the prompt path (prompt_path_here)
 
 // ---------------------------------------------------------------------------------------------------
@@ -466,7 +466,7 @@ struct Pass {  // what one call's work items share
   float* out;  // [B, S, N * H]
   int row_block, blocks_per_head;
   bool avx;  // the AVX2 kernels (a head size that is a multiple of 8, on a CPU that has them)
-  bool avx512;  // and the scores' AVX-512 kernel, which gives the same bits
+  bool avx512;  // and the scores' and value sums' AVX-512 kernels, which give the same bits
 };
 
 struct Scratch {
@@ -1198,7 +1198,8 @@ bool cpu_has_avx2() {
 #endif
 }
 
-// the scores' AVX-512 kernel, on top of the AVX2 ones, unless EDGE_SPEC_NATIVE_AVX512=0 turns it off
+// the scores' and value sums' AVX-512 kernels, on top of the AVX2 ones, unless EDGE_SPEC_NATIVE_AVX512=0 turns
+// them off
 bool attention_avx512_here() {
 #ifdef ES_X86
   const char* wide = std::getenv("EDGE_SPEC_NATIVE_AVX512");
