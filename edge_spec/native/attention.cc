@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
@@ -214,6 +215,18 @@ __attribute__((target(ES_AVX512_ATTENTION))) void score_pairs_avx512(const float
       }
     }
   }
+}
+
+// f(std::integral_constant<int, HC>{}): HC the head size in 8-float chunks for the head sizes the score kernels
+// unroll (128 and 64), else 0 (their loop over chunks)
+template <class F>
+void with_head_chunks(int h, F&& f) {
+  if (h == 128)
+    f(std::integral_constant<int, 16>{});
+  else if (h == 64)
+    f(std::integral_constant<int, 8>{});
+  else
+    f(std::integral_constant<int, 0>{});
 }
 
 // exp(x) for x <= 0 (scores minus their maximum): x = n ln 2 + r, exp(r) by Cephes' expf polynomial, 2^n in
@@ -530,12 +543,9 @@ void attend(const Pass& P, size_t item) {
         const float* pairs = scratch.pairs.data() + static_cast<size_t>(i0 / 2) * chunks * 16;
         const int m = std::min(kBlock, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
-        if (H == 128)
-          score_pairs_avx512<16>(pairs, m, K, t0, t1, H, P.alpha, row, span);
-        else if (H == 64)
-          score_pairs_avx512<8>(pairs, m, K, t0, t1, H, P.alpha, row, span);
-        else
-          score_pairs_avx512<0>(pairs, m, K, t0, t1, H, P.alpha, row, span);
+        with_head_chunks(H, [&](auto hc) {
+          score_pairs_avx512<decltype(hc)::value>(pairs, m, K, t0, t1, H, P.alpha, row, span);
+        });
       }
     }
   } else if (P.avx) {
@@ -544,12 +554,9 @@ void attend(const Pass& P, size_t item) {
       for (int i0 = 0; i0 < nq; i0 += kScoreQueries) {
         const int m = std::min(kScoreQueries, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
-        if (H == 128)
-          score_avx<16>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);
-        else if (H == 64)
-          score_avx<8>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);
-        else
-          score_avx<0>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);
+        with_head_chunks(H, [&](auto hc) {
+          score_avx<decltype(hc)::value>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);
+        });
       }
     }
   } else
@@ -1198,12 +1205,9 @@ bool cpu_has_avx2() {
 #endif
 }
 
-// the scores' and value sums' AVX-512 kernels, on top of the AVX2 ones, unless EDGE_SPEC_NATIVE_AVX512=0 turns
-// them off
-bool attention_avx512_here() {
+// the CPU features the AVX-512 kernels (the scores' and the value sums') need on top of the AVX2 ones
+bool cpu_has_avx512() {
 #ifdef ES_X86
-  const char* wide = std::getenv("EDGE_SPEC_NATIVE_AVX512");
-  if (wide != nullptr && wide[0] == '0') return false;
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
 #else
@@ -1211,13 +1215,17 @@ bool attention_avx512_here() {
 #endif
 }
 
+// the kernels this CPU and the environment ask for
+edge_spec::KernelPath attention_kernels() {
+  return edge_spec::chosen_kernels(cpu_has_avx2(), cpu_has_avx512());
+}
+
 // the prompt path: AMX's bfloat16 tiles (with AVX-512 around them), unless EDGE_SPEC_NATIVE_SCALAR=1 or
 // EDGE_SPEC_NATIVE_AMX=0 turn it off
 bool prompt_path_here() {
 #ifdef ES_X86
-  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
-  const char* amx = std::getenv("EDGE_SPEC_NATIVE_AMX");
-  if ((force != nullptr && force[0] == '1') || (amx != nullptr && amx[0] == '0')) return false;
+  using edge_spec::switch_is;
+  if (switch_is("EDGE_SPEC_NATIVE_SCALAR", '1') || switch_is("EDGE_SPEC_NATIVE_AMX", '0')) return false;
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") && amx_available();
@@ -1234,9 +1242,9 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
                                                                                 const OrtApiBase* api_base) {
   g_api = api_base->GetApi(kApiVersion);
   if (g_api == nullptr) return nullptr;  // too old a runtime: nothing to report through
-  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
-  g_use_avx2 = cpu_has_avx2() && !(force != nullptr && force[0] == '1');
-  g_use_avx512 = g_use_avx2 && attention_avx512_here();
+  const edge_spec::KernelPath kernels = attention_kernels();
+  g_use_avx2 = kernels != edge_spec::KernelPath::scalar;
+  g_use_avx512 = kernels == edge_spec::KernelPath::avx512;
 #ifdef ES_X86
   g_use_amx = prompt_path_here();
 #endif
@@ -1248,12 +1256,10 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   return g_api->AddCustomOpDomain(options, g_domain);
 }
 
-// which kernels this process runs: "avx512" (its scores; the rest AVX2), "avx2" or "scalar" (for tests and
-// reports)
+// which kernels this process runs: "avx512" (its scores and value sums; the rest AVX2), "avx2" or "scalar" (for
+// tests and reports)
 __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
-  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
-  if (!cpu_has_avx2() || (force != nullptr && force[0] == '1')) return "scalar";
-  return attention_avx512_here() ? "avx512" : "avx2";
+  return edge_spec::kernel_path_name(attention_kernels());
 }
 
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar"

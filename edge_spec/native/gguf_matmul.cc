@@ -728,15 +728,8 @@ bool cpu_has_avx512() {
 
 namespace edge_spec {
 
-enum class KernelPath { scalar, avx2, avx512 };
-
-// the kernels this CPU and the environment ask for (EDGE_SPEC_NATIVE_SCALAR=1, EDGE_SPEC_NATIVE_AVX512=0)
-KernelPath chosen_path() {
-  const char* force = std::getenv("EDGE_SPEC_NATIVE_SCALAR");
-  if ((force != nullptr && force[0] == '1') || !cpu_has_avx2()) return KernelPath::scalar;
-  const char* wide = std::getenv("EDGE_SPEC_NATIVE_AVX512");
-  return cpu_has_avx512() && !(wide != nullptr && wide[0] == '0') ? KernelPath::avx512 : KernelPath::avx2;
-}
+// the kernels this CPU and the environment ask for
+KernelPath chosen_path() { return chosen_kernels(cpu_has_avx2(), cpu_has_avx512()); }
 
 // the op, for the library's RegisterCustomOps (attention.cc) to add to its domain, with its kernels picked
 OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
@@ -759,15 +752,6 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
 }
 
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar" (what gguf_matmul_op picks)
-const char* gguf_matmul_path() {
-  switch (chosen_path()) {
-    case KernelPath::avx512:
-      return "avx512";
-    case KernelPath::avx2:
-      return "avx2";
-    default:
-      return "scalar";
-  }
-}
+const char* gguf_matmul_path() { return kernel_path_name(chosen_path()); }
 
 }  // namespace edge_spec

@@ -4,6 +4,7 @@
 // outputs and its kernel functions.
 #pragma once
 
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -32,6 +33,32 @@ inline OrtCustomOp cpu_op_table(uint32_t api_version) {
   op.GetStartVersion = first_version;
   op.GetEndVersion = last_version;
   return op;
+}
+
+// whether the environment variable ``name`` (an EDGE_SPEC_NATIVE_* switch) is set and begins with ``value``
+inline bool switch_is(const char* name, char value) {
+  const char* set = std::getenv(name);
+  return set != nullptr && set[0] == value;
+}
+
+enum class KernelPath { scalar, avx2, avx512 };
+
+// an op's kernels: what the CPU offers it (has_avx2, has_avx512: the features its kernels of each width need)
+// less what the switches turn off (EDGE_SPEC_NATIVE_SCALAR=1, EDGE_SPEC_NATIVE_AVX512=0)
+inline KernelPath chosen_kernels(bool has_avx2, bool has_avx512) {
+  if (switch_is("EDGE_SPEC_NATIVE_SCALAR", '1') || !has_avx2) return KernelPath::scalar;
+  return has_avx512 && !switch_is("EDGE_SPEC_NATIVE_AVX512", '0') ? KernelPath::avx512 : KernelPath::avx2;
+}
+
+inline const char* kernel_path_name(KernelPath path) {
+  switch (path) {
+    case KernelPath::avx512:
+      return "avx512";
+    case KernelPath::avx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
 }
 
 // A failed ORT call or a bad input inside an op: thrown, so that the op's code reads straight through, and
