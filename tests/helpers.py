@@ -96,6 +96,29 @@ def native_kernels(native_library, function: str, env: dict[str, str]) -> str:
     return done.stdout.strip()
 
 
+NATIVE_RUNNER = """
+import sys, numpy as np, onnxruntime as ort
+options = ort.SessionOptions(); options.intra_op_num_threads = 2
+options.register_custom_ops_library(sys.argv[1])
+s = ort.InferenceSession(open(sys.argv[2], "rb").read(), options, providers=["CPUExecutionProvider"])
+np.save(sys.argv[4], s.run(None, dict(np.load(sys.argv[3])))[0])
+"""
+
+
+def native_first_output(native_library, model: bytes, feeds: dict, env: dict[str, str], folder) -> np.ndarray:
+    """The model's first output on the native library, computed in a child started with ``env`` (the library
+    picks its kernels from the switches at load, once a process)."""
+    (folder / "model.onnx").write_bytes(model)
+    np.savez(folder / "feeds.npz", **feeds)
+    subprocess.run(
+        [sys.executable, "-c", NATIVE_RUNNER, str(native_library), str(folder / "model.onnx"),
+         str(folder / "feeds.npz"), str(folder / "output.npy")],
+        env={**os.environ, **env},
+        check=True,
+    )  # fmt: skip
+    return np.load(folder / "output.npy")
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
     assert result.returncode != 0
     assert "Traceback" not in result.stderr

@@ -7,10 +7,6 @@ does not promise, give each query row the same bits whatever the number of rows 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -18,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edge_spec.native import build
-from tests.helpers import native_kernels
+from tests.helpers import native_first_output, native_kernels
 
 HEADS, KV_HEADS, HEAD = 6, 2, 32
 CAPACITY, TABLE = 80, 96  # cache slots; rotary table rows
@@ -219,16 +215,6 @@ def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(native_library
     np.testing.assert_array_equal(alone_cache[1], cache[1])
 
 
-RUNNER = """
-import sys, numpy as np, onnxruntime as ort
-options = ort.SessionOptions(); options.intra_op_num_threads = 2
-options.register_custom_ops_library(sys.argv[1])
-s = ort.InferenceSession(open(sys.argv[2], "rb").read(), options, providers=["CPUExecutionProvider"])
-feeds = dict(np.load(sys.argv[3]))
-np.save(sys.argv[4], s.run(["out"], feeds)[0])
-"""
-
-
 @pytest.mark.parametrize(
     "shape",
     [(12, 2, 128, 300, 320), (14, 2, 64, 300, 320), (6, 3, 48, 300, 320)],
@@ -245,19 +231,14 @@ def test_the_avx512_kernels_give_the_avx2_bits(native_library, tmp_path, monkeyp
     heads, kv_heads, head, capacity, table = shape
     for name, value in zip(("HEADS", "KV_HEADS", "HEAD", "CAPACITY", "TABLE"), shape):
         monkeypatch.setattr(here, name, value)
-    (tmp_path / "m.onnx").write_bytes(gqa_model("ai.edge_spec", tree=False, shape=shape))
+    model = gqa_model("ai.edge_spec", tree=False, shape=shape)
     rng = np.random.default_rng(head)
     for context, rows in ((0, 1), (37, 1), (61, 5), (2, 23), (230, 40)):
-        np.savez(tmp_path / "x.npz", **feeds(rng, context, rows, tree=False))
-        got = {}
-        for path, env in (("avx512", {}), ("avx2", {"EDGE_SPEC_NATIVE_AVX512": "0"})):
-            subprocess.run(
-                [sys.executable, "-c", RUNNER, str(native_library), str(tmp_path / "m.onnx"), str(tmp_path / "x.npz"),
-                 str(tmp_path / f"{path}.npy")],
-                env={**os.environ, **env},
-                check=True,
-            )  # fmt: skip
-            got[path] = np.load(tmp_path / f"{path}.npy")
+        inputs = feeds(rng, context, rows, tree=False)
+        got = {
+            path: native_first_output(native_library, model, inputs, env, tmp_path)
+            for path, env in (("avx512", {}), ("avx2", {"EDGE_SPEC_NATIVE_AVX512": "0"}))
+        }
         assert np.abs(got["avx2"]).max() > 0
         assert np.array_equal(got["avx512"], got["avx2"]), (context, rows)
 

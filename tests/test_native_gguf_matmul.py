@@ -9,9 +9,6 @@ picks its kernels once, and all give the same bits.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge_spec.export.gguf.interleaved import interleave
 from tests import tiny_models
-from tests.helpers import native_kernels
+from tests.helpers import native_first_output, native_kernels
 
 Q4_K, Q6_K = 12, 14  # ggml's type numbers, the op's ``type`` attribute
 GGML_TYPE = {Q4_K: GGMLQuantizationType.Q4_K, Q6_K: GGMLQuantizationType.Q6_K}
@@ -70,27 +67,6 @@ def session(native_library: Path, model_bytes: bytes, threads: int = 2) -> ort.I
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
-RUNNER = """
-import sys, numpy as np, onnxruntime as ort
-options = ort.SessionOptions(); options.intra_op_num_threads = 2
-options.register_custom_ops_library(sys.argv[1])
-s = ort.InferenceSession(open(sys.argv[2], "rb").read(), options, providers=["CPUExecutionProvider"])
-np.save(sys.argv[4], s.run(None, {"x": np.load(sys.argv[3])})[0])
-"""
-
-
-def run_on_path(native_library: Path, tmp_path: Path, path: str, model_bytes: bytes, x: np.ndarray) -> np.ndarray:
-    (tmp_path / "m.onnx").write_bytes(model_bytes)
-    np.save(tmp_path / "x.npy", x)
-    subprocess.run(
-        [sys.executable, "-c", RUNNER, str(native_library), str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"),
-         str(tmp_path / f"{path}.npy")],
-        env={**os.environ, **PATHS[path]},
-        check=True,
-    )  # fmt: skip
-    return np.load(tmp_path / f"{path}.npy")
-
-
 @pytest.mark.parametrize("rows", [5, 13])  # within one loop over rows; more rows than one loop takes
 @pytest.mark.parametrize("n", [80, 37])  # whole records of 16 rows; a last record padded with zero rows
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
@@ -105,7 +81,7 @@ def test_each_kernel_computes_the_blocks_product_with_the_same_bits(native_libra
     for path in PATHS:
         if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
             continue  # this CPU has no such kernel
-        results[path] = run_on_path(native_library, tmp_path, path, model(raw, kind, k), x)
+        results[path] = native_first_output(native_library, model(raw, kind, k), {"x": x}, PATHS[path], tmp_path)
         assert results[path].shape == (rows, n)
         np.testing.assert_allclose(results[path], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     assert "scalar" in results
