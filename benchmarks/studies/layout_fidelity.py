@@ -11,8 +11,8 @@ blocks rounded to 4 bits) and ``layers4`` (only the layers'). ``--genai DIR`` ad
 model-builder export (``benchmarks/spec_peers.py --prepare`` makes it), run by plain onnxruntime,
 teacher-forced only; ``--openvino DIR`` OpenVINO GenAI's (``optimum-cli`` int4) export, run in its own
 environment by OpenVINO's CPU plugin with the settings OpenVINO GenAI runs it with (its defaults), teacher-forced
-only.  ``--layouts ""`` measures the peers' exports alone. ``--prompt-reader LAYOUT`` adds that layout with its prompt graph (``export
---prompt-reader``): the text and the prompts read through the int8 prompt graph as the runtime reads them (its
+only; ``--layouts ""`` measures the peers' exports alone. ``--prompt-reader LAYOUT`` adds that layout with its
+prompt graph (``export --prompt-reader``): the text and the prompts read through the int8 prompt graph as the runtime reads them (its
 attention on the native op's AMX path where the CPU has one), the answers decoded by the layout's graph.
 
     python benchmarks/studies/layout_fidelity.py models/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
@@ -148,16 +148,15 @@ def main() -> None:
                 rows.append(prompt_reader_row(layout, path, reference, tokenizer, ids, args))
             for f in path.parent.iterdir():
                 f.unlink()
-    if args.genai:
-        logits = genai_logits(args.genai, ids, args.threads)
-        result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
-        size = sum(f.stat().st_size for f in args.genai.glob("model.onnx*")) / 2**20
-        rows.append(("onnxruntime-genai export", size, result))
-    if args.openvino:
-        logits = openvino_logits(args.openvino, ids, args.threads)
-        result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
-        size = sum(f.stat().st_size for f in args.openvino.glob("openvino_model.*")) / 2**20
-        rows.append(("OpenVINO GenAI export", size, result))
+    peers = (
+        ("onnxruntime-genai export", args.genai, genai_logits, "model.onnx*"),
+        ("OpenVINO GenAI export", args.openvino, openvino_logits, "openvino_model.*"),
+    )
+    for name, folder, logits_of, files in peers:
+        if folder:  # teacher-forced only: no greedy answers
+            logits = logits_of(folder, ids, args.threads)
+            result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
+            rows.append((name, sum(f.stat().st_size for f in folder.glob(files)) / 2**20, result))
 
     print(f"\n{len(ids)} tokens teacher-forced; greedy: {len(shared.PROMPTS)} prompts of {args.tokens} tokens")
     print(
