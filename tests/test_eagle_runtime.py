@@ -210,8 +210,8 @@ def test_the_repository_ships_a_head_for_the_default_target():
 
 def test_a_call_in_another_mode_follows_and_reports_its_own_drafter(eagle_bundle):
     """An engine set up for the EAGLE head answering one call in ssd mode (which drafts with the drafter
-    model): the prefill progress follows the drafter model's passes, not the head's, and the answer's
-    statistics price that drafter."""
+    model): the drafter model's passes, not the head's, are the ones hooked for a cancel (and unhooked
+    after), the prefill progress is the target's, and the answer's statistics price that drafter."""
     engine = Engine.from_bundle(eagle_bundle, threads=1, config=loop_config("spec", drafter="eagle"))
     bundle = engine.bundle
     bundle.target.prefill_chunk = 5

@@ -209,7 +209,7 @@ class Engine:
         turns.tokens, turns.interruptible = loop.tokens, loop.decoders
         sources = spec_stats.token_sources if speculative else None  # ar: every token is the target's
         text = TextStream(bundle.tokenizer, options, sources, self.last_logprobs)
-        prefill.watch(loop.decoders, loop.weights, turns.cancelled.is_set, options.on_prefill)
+        prefill.watch(loop.decoders, turns.cancelled.is_set, options.on_prefill)
         try:
             yield from self._stream(generation, loop.tokens, text, recorder, started)
         finally:

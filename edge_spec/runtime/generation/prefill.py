@@ -1,6 +1,6 @@
 """Following an answer's model passes: prefill progress as one fraction, and stopping them on cancel.
 
-Each decoder a loop uses gets a ``prefill_listener`` (progress, and a stop between prefill passes) and
+Each decoder a loop uses gets a ``prefill_listener`` (the target's progress, and a stop between prefill passes) and
 a ``stop_requested`` check (a pass about to start when the cancel came is refused); the engine's cancel
 then interrupts the pass under way (:meth:`Decoder.interrupt`).  The answer ends as a cancel between
 passes ends it, having given only verified tokens.
@@ -19,22 +19,21 @@ class PrefillCancelled(Exception):
 
 def watch(
     decoders: list[Decoder],
-    weights: list[float],
     cancelled: Callable[[], bool],
     on_prefill: Callable[[float], None] | None,
 ) -> None:
-    """Hook ``decoders``: stop between their prefill passes once ``cancelled()``, refuse their passes
-    then, and report the prefill as one fraction, each decoder weighted by ``weights`` (what its
-    prefill costs)."""
-    total = sum(weights)
+    """Hook ``decoders`` (the target first): stop between their prefill passes once ``cancelled()`` and
+    refuse their passes then; report the target's prefill as a fraction.  The drafters read the prompt
+    after the first token is out (:meth:`Request.start <edge_spec.runtime.loops.request.Request.start>`),
+    so the prompt reading shown before the answer is the target's alone."""
     for index, decoder in enumerate(decoders):
-        start, share = sum(weights[:index]) / total, weights[index] / total
+        report = on_prefill if index == 0 else None
 
-        def listener(done: int, prompt: int, start: float = start, share: float = share) -> None:
+        def listener(done: int, prompt: int, report: Callable[[float], None] | None = report) -> None:
             if cancelled():
                 raise PrefillCancelled
-            if on_prefill is not None:
-                on_prefill(start + share * done / prompt)
+            if report is not None:
+                report(done / prompt)
 
         decoder.prefill_listener = listener
         decoder.stop_requested = cancelled

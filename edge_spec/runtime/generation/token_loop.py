@@ -27,7 +27,6 @@ from edge_spec.runtime.verify.sampling import SamplingParams
 class TokenLoop:
     tokens: Iterator[int]
     decoders: list[Decoder]  # the models it runs: the target, then its drafter's
-    weights: list[float]  # what each one's prefill costs, the target's being 1
     memory: ScheduleMemory | None  # the chain schedule's calibration (None: target-only decoding)
 
 
@@ -50,7 +49,5 @@ def token_loop(
     proposers = proposers_for(config, context, constraint)
     request = Request(target, proposers, prompt_ids, params, rng, max_new_tokens, stats, constraint, memory)
     if drafter is None:
-        return TokenLoop(generate_tokens(config, request), [target], [1.0], memory)
-    return TokenLoop(
-        generate_tokens(config, request), [target, drafter.decoder], [1.0, bundle.param_ratio(config)], memory
-    )
+        return TokenLoop(generate_tokens(config, request), [target], memory)
+    return TokenLoop(generate_tokens(config, request), [target, drafter.decoder], memory)

@@ -2,8 +2,8 @@
 
 * ``committed`` is every token of the sequence so far; its last token is *pending*: emitted, but
   not yet in the target's cache.  Every round verifies ``[pending, drafts...]`` in one target pass.
-* :meth:`Request.start` reads the prompt into the target and every proposer and emits the first
-  token, exactly as autoregressive decoding would.
+* :meth:`Request.start` reads the prompt into the target, emits the first token exactly as
+  autoregressive decoding would, and only then has every proposer read the prompt.
 * :meth:`Request.accept` cuts the target's cache (and the proposers') to the accepted prefix, shows
   the proposers the target's outputs, and emits the accepted drafts plus the correction/bonus token.
   When the stats keep ``token_sources``, every emitted token's source goes there just before it is
@@ -78,18 +78,22 @@ class Request:
         return self.emitted >= self.max_new_tokens
 
     def start(self) -> Iterator[int]:
-        """Prefill the target and the proposers; emit the target's first token."""
+        """Prefill the target and emit its first token; then the proposers read the prompt.  The first
+        token needs the target alone, so a drafter's prompt reading delays the second token instead of
+        the first (llama.cpp's draft context, too, reads the prompt at the first draft), and an answer
+        that ends at its first token never runs the drafter."""
         covered = min(p.covered(self.prompt_ids) for p in self.proposers) if self.proposers else len(self.prompt_ids)
         self.target.rewind(min(self.target.length, covered))  # recompute what a proposer has no outputs of
         outputs = self.target.prefill(self.prompt_ids)
-        for proposer in self.proposers:
-            proposer.begin(self.prompt_ids, outputs)
         allowed = self.constraint.allowed() if self.constraint is not None else None
         token = choose_token(outputs["logits"][-1], self.params, self.rng, len(self.prompt_ids), allowed)
         if self.constraint is not None:
             self.constraint.advance(token)
         self.committed = self.prompt_ids + [token]
         yield from self.emit([token], rows=outputs["logits"][-1:])
+        if not self.done:
+            for proposer in self.proposers:
+                proposer.begin(self.prompt_ids, outputs)
 
     def room(self, committed: list[int] | None = None, emitted: int | None = None) -> int:
         """Most drafts a round may verify: one more token is always emitted, and the context must hold them."""
