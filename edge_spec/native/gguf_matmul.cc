@@ -582,11 +582,13 @@ void run_item(void* data, size_t item) {
   const int64_t last = std::min<int64_t>(first + P.tiles_per_item, tiles);
   const int total_rows = static_cast<int>(P.rows->size());
   alignas(64) float result[kMaxRows * kTile];
-  for (int64_t t = first; t < last; ++t) {
-    const uint8_t* rec = P.weights + static_cast<size_t>(t) * blocks * record;
-    const int64_t outputs = std::min<int64_t>(kTile, k.N - t * kTile);
-    for (int r0 = 0; r0 < total_rows; r0 += kMaxRows) {
-      const int nrows = std::min(kMaxRows, total_rows - r0);
+  // row groups outside, the item's tiles inside: a group's activations are read from memory once for all
+  // the item's tiles, whose weights stay in cache from group to group (each output's sums are the same)
+  for (int r0 = 0; r0 < total_rows; r0 += kMaxRows) {
+    const int nrows = std::min(kMaxRows, total_rows - r0);
+    for (int64_t t = first; t < last; ++t) {
+      const uint8_t* rec = P.weights + static_cast<size_t>(t) * blocks * record;
+      const int64_t outputs = std::min<int64_t>(kTile, k.N - t * kTile);
       tile(rec, blocks, P.rows->data() + r0, nrows, result);
       for (int r = 0; r < nrows; ++r) {
         std::memcpy(P.y + (r0 + r) * k.N + t * kTile, result + r * kTile, outputs * sizeof(float));
