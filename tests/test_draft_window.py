@@ -1,6 +1,6 @@
-"""A drafter model reads only the tail of a long prompt (``propose.model.DRAFT_CONTEXT``): its prefill is
-what delays the first token on the long prompts agents and editors send, and drafts lean on recent
-tokens.  What it reads decides speed only: greedy answers stay the target's own."""
+"""A drafter model reads only the tail of a long prompt (``propose.model.DRAFT_CONTEXT``): its prefill
+sits between the first token and the second on the long prompts agents and editors send, and drafts lean on
+recent tokens.  What it reads decides speed only: greedy answers stay the target's own."""
 
 from __future__ import annotations
 

@@ -11,7 +11,9 @@ blocks rounded to 4 bits) and ``layers4`` (only the layers'). ``--genai DIR`` ad
 model-builder export (``benchmarks/spec_peers.py --prepare`` makes it), run by plain onnxruntime,
 teacher-forced only; ``--openvino DIR`` OpenVINO GenAI's (``optimum-cli`` int4) export, run in its own
 environment by OpenVINO's CPU plugin with the settings OpenVINO GenAI runs it with (its defaults), teacher-forced
-only; ``--layouts ""`` measures the peers' exports alone. ``--prompt-reader LAYOUT`` adds that layout with its
+only; ``--llamacpp BUILD`` llama.cpp's own computation with the GGUF file (``llamacpp_logits.cc`` compiled against
+that llama.cpp build's static libraries, its default context settings), teacher-forced only; ``--layouts ""``
+measures the peers alone. ``--prompt-reader LAYOUT`` adds that layout with its
 prompt graph (``export --prompt-reader``): the text and the prompts read through the int8 prompt graph as the runtime reads them (its
 attention on the native op's AMX path where the CPU has one), the answers decoded by the layout's graph.
 
@@ -105,6 +107,24 @@ def openvino_logits(folder: Path, ids: list[int], threads: int) -> np.ndarray:
         return np.load(Path(tmp) / "logits.npy")
 
 
+def llamacpp_logits(build: Path, gguf: Path, ids: list[int], threads: int) -> np.ndarray:
+    """llama.cpp's logits of ``gguf`` (the GGUF's own blocks, as llama.cpp computes with them), teacher-forced
+    in one decode: ``llamacpp_logits.cc`` compiled against the static libraries of ``build`` (the llama.cpp
+    build ``spec_peers.py --prepare`` makes, ``models/llamacpp/build``) and run with its default settings."""
+    source = Path(next(line for line in (build / "CMakeCache.txt").read_text().splitlines()
+                       if line.startswith("CMAKE_HOME_DIRECTORY")).split("=", 1)[1])  # fmt: skip
+    libraries = ["src/libllama.a", "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a"]
+    with tempfile.TemporaryDirectory() as tmp:
+        program = Path(tmp) / "llamacpp_logits"
+        command = ["g++", "-O2", "-std=c++17", f"-I{source / 'include'}", f"-I{source / 'ggml' / 'include'}",
+                   "-o", str(program), str(Path(__file__).with_name("llamacpp_logits.cc")),
+                   *(str(build / name) for name in libraries), "-fopenmp", "-lpthread"]  # fmt: skip
+        subprocess.run(command, check=True)
+        np.array(ids, np.int32).tofile(Path(tmp) / "ids.i32")
+        subprocess.run([str(program), str(gguf), f"{tmp}/ids.i32", str(threads), f"{tmp}/logits.f32"], check=True)
+        return np.fromfile(Path(tmp) / "logits.f32", np.float32).reshape(len(ids), -1)
+
+
 def prompt_reader_row(layout: str, path: Path, reference: dict, tokenizer, ids: list[int], args) -> tuple:
     """``layout`` with its prompt graph derived beside it, compared as the runtime reads prompts with it."""
     from edge_spec.export.graph.prompt_reader import write_prompt_graph
@@ -125,6 +145,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="fast,lean,head4,layers4,small")
     parser.add_argument("--genai", type=Path, help="onnxruntime-genai's export of the same GGUF")
     parser.add_argument("--openvino", type=Path, help="OpenVINO GenAI's export of the same GGUF")
+    parser.add_argument("--llamacpp", type=Path, help="a llama.cpp build folder: its logits of the GGUF itself")
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-reader", metavar="LAYOUT", help="also measure LAYOUT read through its prompt graph")
@@ -157,6 +178,10 @@ def main() -> None:
             logits = logits_of(folder, ids, args.threads)
             result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
             rows.append((name, sum(f.stat().st_size for f in folder.glob(files)) / 2**20, result))
+    if args.llamacpp:
+        logits = llamacpp_logits(args.llamacpp, args.gguf, ids, args.threads)
+        result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
+        rows.append(("llama.cpp (the GGUF itself)", args.gguf.stat().st_size / 2**20, result))
 
     print(f"\n{len(ids)} tokens teacher-forced; greedy: {len(shared.PROMPTS)} prompts of {args.tokens} tokens")
     print(

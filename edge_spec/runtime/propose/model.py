@@ -5,11 +5,12 @@ not seen (usually the pending token, or the last draft plus the pending token af
 accepted round) and after verification it is cut back to the accepted prefix.
 
 Of a long prompt it reads only the last :data:`DRAFT_CONTEXT` tokens (its cache holds them from position
-0).  Its prompt read comes before the first token, and every draft step attends over what the cache holds,
-while drafts lean on the last few hundred tokens (copies from further back come from the suffix and lookup
+0).  It reads the prompt after the first token is given (``Request.start``), before its first draft, so what
+it reads is paid between the first token and the second, and every draft step attends over what the cache
+holds; drafts lean on the last few tokens (copies from further back come from the suffix and lookup
 proposers) and only decide speed, never the answer (the target verifies every token).  On the long bench
-prompts (``benchmarks/draft_window_ab.py``) a window of 512 gave the first token about 1.5 s sooner than one
-of 1,024, at the same decode speed (docs/measurements.md).
+prompts (``benchmarks/draft_window_ab.py``) a window of 128 tokens decoded 1.19x faster than one of 512, at
+the same acceptance (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from edge_spec.runtime.verify.coupled import draw_sampled
 from edge_spec.runtime.verify.sampling import SamplingParams, logits_to_probs, mask_logits, scatter_probs
 
 STEP_SMOOTHING = 0.2  # weight of the newest single-token step in the drafter's step estimate
-DRAFT_CONTEXT = 512  # prompt tokens a drafter model reads at most (the prompt's tail; see above)
+DRAFT_CONTEXT = 128  # prompt tokens a drafter model reads at most (the prompt's tail; see above)
 
 
 class ChainDrafter(Proposer):
