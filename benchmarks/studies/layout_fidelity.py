@@ -169,19 +169,18 @@ def main() -> None:
                 rows.append(prompt_reader_row(layout, path, reference, tokenizer, ids, args))
             for f in path.parent.iterdir():
                 f.unlink()
-    peers = (
-        ("onnxruntime-genai export", args.genai, genai_logits, "model.onnx*"),
-        ("OpenVINO GenAI export", args.openvino, openvino_logits, "openvino_model.*"),
-    )
-    for name, folder, logits_of, files in peers:
+    peers = (  # name, the folder asked for, its logits, its files on disk
+        ("onnxruntime-genai export", args.genai, lambda f: genai_logits(f, ids, args.threads),
+         lambda f: f.glob("model.onnx*")),
+        ("OpenVINO GenAI export", args.openvino, lambda f: openvino_logits(f, ids, args.threads),
+         lambda f: f.glob("openvino_model.*")),
+        ("llama.cpp (the GGUF itself)", args.llamacpp, lambda f: llamacpp_logits(f, args.gguf, ids, args.threads),
+         lambda f: [args.gguf]),
+    )  # fmt: skip
+    for name, folder, logits_of, files_of in peers:
         if folder:  # teacher-forced only: no greedy answers
-            logits = logits_of(folder, ids, args.threads)
-            result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
-            rows.append((name, sum(f.stat().st_size for f in folder.glob(files)) / 2**20, result))
-    if args.llamacpp:
-        logits = llamacpp_logits(args.llamacpp, args.gguf, ids, args.threads)
-        result = shared.compare(reference, {"logits": logits, "greedy": [], "tps": 0.0}, ids)
-        rows.append(("llama.cpp (the GGUF itself)", args.gguf.stat().st_size / 2**20, result))
+            result = shared.compare(reference, {"logits": logits_of(folder), "greedy": [], "tps": 0.0}, ids)
+            rows.append((name, sum(f.stat().st_size for f in files_of(folder)) / 2**20, result))
 
     print(f"\n{len(ids)} tokens teacher-forced; greedy: {len(shared.PROMPTS)} prompts of {args.tokens} tokens")
     print(
