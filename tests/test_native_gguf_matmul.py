@@ -46,14 +46,25 @@ def reference(x: np.ndarray, raw: np.ndarray, kind: int, k: int) -> np.ndarray:
     return rounded_rows(x) @ weights.T
 
 
-def model(raw: np.ndarray, kind: int, k: int) -> bytes:
+def swiglu(both: np.ndarray) -> np.ndarray:
+    """silu(gate) * up in float64 of products whose first half are the gates and second half the ups."""
+    gate, up = np.split(both.astype(np.float64), 2, axis=-1)
+    with np.errstate(over="ignore"):  # exp(-gate) of a gate far below zero: inf, silu 0
+        return gate / (1.0 + np.exp(-gate)) * up
+
+
+def swiglu_reference(x: np.ndarray, raw: np.ndarray, kind: int, k: int) -> np.ndarray:
+    return swiglu(reference(x, raw, kind, k))
+
+
+def model(raw: np.ndarray, kind: int, k: int, glu: int = 0) -> bytes:
     n = raw.shape[0]
-    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=kind)
+    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=kind, glu=glu)
     graph = helper.make_graph(
         [node],
         "gguf_matmul",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n // 2 if glu else n])],
         [numpy_helper.from_array(interleave(raw, kind, n, k), "w")],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
@@ -87,6 +98,39 @@ def test_each_kernel_computes_the_blocks_product_with_the_same_bits(native_libra
     assert "scalar" in results
     for path, got in results.items():
         assert np.array_equal(got, results["scalar"]), path
+
+
+@pytest.mark.parametrize("rows", [1, 13])
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_each_kernel_computes_swiglu_over_gate_and_up_rows_with_the_same_bits(native_library, tmp_path, kind, rows):
+    """``glu=1``: silu(x · gateᵀ) * (x · upᵀ), the gate rows first, in one op; every path the same bits."""
+    rng = np.random.default_rng(kind + rows)
+    k, n = 512, 96  # three records of gate rows, three of up rows
+    raw = random_blocks(rng, kind, n, k)
+    x = rng.standard_normal((rows, k)).astype(np.float32) * 4  # gates far into both tails of the sigmoid
+    want = swiglu_reference(x, raw, kind, k)
+    plain = session(native_library, model(raw, kind, k)).run(None, {"x": x})[0]
+    results = {}
+    for path in PATHS:
+        if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
+            continue
+        results[path] = native_first_output(native_library, model(raw, kind, k, glu=1), {"x": x}, PATHS[path], tmp_path)
+        assert results[path].shape == (rows, n // 2)
+        np.testing.assert_allclose(results[path], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+        # the plain op's sums: the fused op differs from them by its epilogue's rounding alone
+        np.testing.assert_allclose(results[path], swiglu(plain), rtol=1e-6, atol=1e-30)
+    for path, got in results.items():
+        assert np.array_equal(got, results["scalar"]), path
+
+
+def test_swiglu_rows_have_the_same_bits_whatever_the_rows_in_their_pass(native_library):
+    rng = np.random.default_rng(11)
+    k, n = 256, 64
+    sess = session(native_library, model(random_blocks(rng, Q4_K, n, k), Q4_K, k, glu=1))
+    x = rng.standard_normal((21, k)).astype(np.float32)
+    together = sess.run(None, {"x": x})[0]
+    for start, stop in [(0, 1), (9, 10), (20, 21), (2, 19)]:
+        assert np.array_equal(sess.run(None, {"x": x[start:stop]})[0], together[start:stop]), (start, stop)
 
 
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
@@ -135,9 +179,16 @@ def test_batch_dimensions_pass_through(native_library):
 
 
 @pytest.mark.parametrize(
-    "attrs", [{"K": 100, "N": 4, "type": Q4_K}, {"K": 256, "N": 4, "type": 8}, {"K": 256, "type": Q4_K}]
+    "attrs, error",
+    [
+        ({"K": 100, "N": 4, "type": Q4_K}, "K \\(a multiple of 256\\), N and type"),
+        ({"K": 256, "N": 4, "type": 8}, "K \\(a multiple of 256\\), N and type"),
+        ({"K": 256, "type": Q4_K}, "K \\(a multiple of 256\\), N and type"),
+        ({"K": 256, "N": 48, "type": Q4_K, "glu": 1}, "glu is 0 or 1"),  # half a record of up rows
+        ({"K": 256, "N": 64, "type": Q4_K, "glu": 2}, "glu is 0 or 1"),
+    ],
 )
-def test_unusable_attributes_are_one_clear_error(native_library, attrs):
+def test_unusable_attributes_are_one_clear_error(native_library, attrs, error):
     node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", **attrs)
     graph = helper.make_graph(
         [node],
@@ -147,7 +198,7 @@ def test_unusable_attributes_are_one_clear_error(native_library, attrs):
         [numpy_helper.from_array(np.zeros((4, 144), np.uint8), "w")],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
-    with pytest.raises(Exception, match="K \\(a multiple of 256\\), N and type"):
+    with pytest.raises(Exception, match=error):
         session(native_library, helper.make_model(graph, opset_imports=opsets).SerializeToString()).run(
             None, {"x": np.zeros((1, attrs["K"]), np.float32)}
         )

@@ -57,8 +57,13 @@ def _logits(path, chunks):
 
 def test_the_native_layout_multiplies_ggufs_blocks(weights, native_library, tmp_path):
     path = _path(weights, tmp_path, carry_native=True)
-    ops = [(n.op_type, n.domain) for n in onnx.load(str(path), load_external_data=False).graph.node]
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    ops = [(n.op_type, n.domain) for n in nodes]
     assert ops.count(("MatMulGGUF", "ai.edge_spec")) >= len(weights.layers) * 4
+    # each layer's gate and up with SwiGLU in the op: no Split, Sigmoid or Mul between it and the down projection
+    swiglu = [n for n in nodes if n.op_type == "MatMulGGUF" and any(a.name == "glu" and a.i == 1 for a in n.attribute)]
+    assert len(swiglu) == len(weights.layers) and all(n.output[0].endswith("/glu") for n in swiglu)
+    assert not any(n.op_type in ("Split", "Sigmoid") for n in nodes)
     assert ops.count(("MatMulNBits", "com.microsoft")) == 1  # the LM head, not carried here
     native = _logits(path, [IDS])
     lean = _logits(_path(weights, tmp_path), [IDS])  # the same blocks through MatMulNBits

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from edge_spec.runtime.engine import Engine
+from edge_spec.runtime.loops import request
 from edge_spec.runtime.loops.config import SsdConfig, TreeConfig
 from edge_spec.runtime.model.decoder import Decoder
 from tests.helpers import chain
@@ -62,27 +63,61 @@ def _small_chunks(engine: Engine, chunk: int) -> None:
     engine.bundle.drafter.body.prefill_chunk = chunk
 
 
-@pytest.mark.parametrize(
-    "config", [chain(2), TreeConfig(gamma=2, drafts=2), SsdConfig(gamma=3)], ids=["chain", "tree", "ssd"]
-)
-def test_the_first_token_comes_before_the_drafter_reads_the_prompt(int4_bundle, config):
-    """The first token comes out of the target's prefill alone: the drafter reads the prompt after it is
-    given (its reading delays the second token, not the first), and the answer stays the target's."""
-    engine = Engine.from_bundle(int4_bundle, threads=1, config=config)
-    reference = engine.complete(PROMPT_TEXT, max_new_tokens=12, mode="ar", exact=True).token_ids
+CONFIGS = [chain(2), TreeConfig(gamma=2, drafts=2), SsdConfig(gamma=3)]
+
+
+def _drafter_length_at_first_token(engine: Engine, reference: list[int]) -> int:
+    """How many tokens the drafter held when the first token came out; the answer must be ``reference``."""
     drafter = engine.bundle.drafter.body
     drafter.reset()
+    engine.bundle.target.reset()
     chunks = engine.generate(PROMPT_TEXT, max_new_tokens=12, exact=True)
     next(chunks)
-    assert drafter.length == 0
+    at_first = drafter.length
     for _ in chunks:
         pass
     assert engine.last_token_ids == reference
-    assert drafter.length > 0  # read once the first token was out
+    assert drafter.length > 0
+    return at_first
 
 
-def test_a_one_token_answer_never_runs_the_drafter(int4_bundle):
+@pytest.mark.parametrize("config", CONFIGS, ids=["chain", "tree", "ssd"])
+def test_after_a_long_prompt_the_first_token_comes_before_the_drafter_reads(int4_bundle, config, monkeypatch):
+    """Past ``READ_BEFORE_FIRST`` new tokens the first token comes out of the target's prefill alone: the
+    drafter reads the prompt after it is given, and the answer stays the target's."""
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=config)
+    reference = engine.complete(PROMPT_TEXT, max_new_tokens=12, mode="ar", exact=True).token_ids
+    monkeypatch.setattr(request, "READ_BEFORE_FIRST", len(engine.prompt_ids(PROMPT_TEXT)) - 1)
+    assert _drafter_length_at_first_token(engine, reference) == 0
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["chain", "tree", "ssd"])
+def test_after_a_short_prompt_the_drafter_reads_before_the_first_token(int4_bundle, config, monkeypatch):
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=config)
+    reference = engine.complete(PROMPT_TEXT, max_new_tokens=12, mode="ar", exact=True).token_ids
+    monkeypatch.setattr(request, "READ_BEFORE_FIRST", len(engine.prompt_ids(PROMPT_TEXT)))
+    assert _drafter_length_at_first_token(engine, reference) > 0
+
+
+def test_the_new_tokens_decide_not_the_prompt_length(int4_bundle, monkeypatch):
+    """A conversation's next turn brings few new tokens however long it is: the drafter reads it first."""
     engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2))
+    reference = engine.complete(PROMPT_TEXT, max_new_tokens=12, mode="ar", exact=True).token_ids
+    monkeypatch.setattr(request, "READ_BEFORE_FIRST", 2)
+    engine.bundle.target.reset()
+    engine.bundle.target.prefill(engine.prompt_ids(PROMPT_TEXT)[:-2])
+    engine.bundle.drafter.body.reset()
+    chunks = engine.generate(PROMPT_TEXT, max_new_tokens=12, exact=True)
+    next(chunks)
+    assert engine.bundle.drafter.body.length > 0
+    for _ in chunks:
+        pass
+    assert engine.last_token_ids == reference
+
+
+def test_after_a_long_prompt_a_one_token_answer_never_runs_the_drafter(int4_bundle, monkeypatch):
+    engine = Engine.from_bundle(int4_bundle, threads=1, config=chain(2))
+    monkeypatch.setattr(request, "READ_BEFORE_FIRST", 0)
     engine.bundle.drafter.body.reset()
     engine.complete(PROMPT_TEXT, max_new_tokens=1)
     assert engine.bundle.drafter.body.length == 0

@@ -553,10 +553,78 @@ __attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int bloc
 #endif
 
 // ---------------------------------------------------------------------------------------------------
+// SwiGLU: silu(gate) * up over one tile of 16 outputs, for an op that multiplies the gate and up rows at once
+//
+// silu(x) = x / (1 + exp(-x)), exp by Cephes' polynomial: 2^n * e^r with n = round(t * log2 e) and |r| <= ln 2 / 2.
+// The three paths run the same float32 operations in the same order (explicit fused multiply-adds, a correctly
+// rounded division), so they give the same bits, and each output depends on its own gate and up alone.
+// t is held to [-86, 88] so that 2^n stays a normal float; past it exp's value no longer moves silu's.
+
+constexpr float kExpLow = -86.0f, kExpHigh = 88.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+float silu_scalar(float x) {
+  const float t = std::min(std::max(-x, kExpLow), kExpHigh);
+  const float n = std::nearbyint(t * kLog2e);
+  float r = std::fma(n, -kLn2High, t);
+  r = std::fma(n, -kLn2Low, r);
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
+  float e = std::fma(p, r * r, r) + 1.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &e, sizeof(bits));
+  bits += static_cast<uint32_t>(static_cast<int32_t>(n)) << 23;
+  std::memcpy(&e, &bits, sizeof(e));
+  return x / (1.0f + e);
+}
+
+void swiglu_scalar(const float* gate, const float* up, float* out) {
+  for (int j = 0; j < 16; ++j) out[j] = silu_scalar(gate[j]) * up[j];
+}
+
+#ifdef ES_X86
+__attribute__((target("avx512f"))) void swiglu_avx512(const float* gate, const float* up, float* out) {
+  const __m512 x = _mm512_loadu_ps(gate);
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(kExpLow)),
+                                 _mm512_set1_ps(kExpHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2High), t);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  __m512 e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  e = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(e), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+  const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  _mm512_storeu_ps(out, _mm512_mul_ps(silu, _mm512_loadu_ps(up)));
+}
+
+__attribute__((target("avx2,fma"))) void swiglu_avx2(const float* gate, const float* up, float* out) {
+  for (int h = 0; h < 16; h += 8) {
+    const __m256 x = _mm256_loadu_ps(gate + h);
+    const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(kExpLow)),
+                                   _mm256_set1_ps(kExpHigh));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2High), t);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Low), r);
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+    __m256 e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    e = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(e), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+    const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(out + h, _mm256_mul_ps(silu, _mm256_loadu_ps(up + h)));
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
 // the op
 
 struct Kernel {
   int64_t K = 0, N = 0, type = 0;
+  bool glu = false;  // the N rows are gate rows then as many up rows; the output is silu(gate) * up, N / 2 wide
+  int64_t width() const { return glu ? N / 2 : N; }
 };
 
 struct Pass {
@@ -570,6 +638,8 @@ struct Pass {
 using TileKernel = void (*)(const uint8_t*, int, const Q8Row*, int, float*);
 TileKernel g_q4k = tile_q4k_scalar;
 TileKernel g_q6k = tile_q6k_scalar;
+using GluKernel = void (*)(const float*, const float*, float*);
+GluKernel g_swiglu = swiglu_scalar;
 
 void run_item(void* data, size_t item) {
   const Pass& P = *static_cast<const Pass*>(data);
@@ -577,22 +647,29 @@ void run_item(void* data, size_t item) {
   const int blocks = static_cast<int>(k.K / kQK);
   const size_t record = k.type == kTypeQ4K ? kQ4KRecord : kQ6KRecord;
   const TileKernel tile = k.type == kTypeQ4K ? g_q4k : g_q6k;
-  const int64_t tiles = (k.N + kTile - 1) / kTile;
+  const int64_t width = k.width();
+  const int64_t tiles = (width + kTile - 1) / kTile;  // of the output (with glu: the gate rows')
   const int64_t first = static_cast<int64_t>(item) * P.tiles_per_item;
   const int64_t last = std::min<int64_t>(first + P.tiles_per_item, tiles);
   const int total_rows = static_cast<int>(P.rows->size());
+  const size_t tile_bytes = static_cast<size_t>(blocks) * record;
   alignas(64) float result[kMaxRows * kTile];
+  alignas(64) float up[kMaxRows * kTile];
   // row groups outside, the item's tiles inside: a group's activations are read from memory once for all
   // the item's tiles, whose weights stay in cache from group to group (each output's sums are the same)
   for (int r0 = 0; r0 < total_rows; r0 += kMaxRows) {
     const int nrows = std::min(kMaxRows, total_rows - r0);
+    const Q8Row* rows = P.rows->data() + r0;
     for (int64_t t = first; t < last; ++t) {
-      const uint8_t* rec = P.weights + static_cast<size_t>(t) * blocks * record;
-      const int64_t outputs = std::min<int64_t>(kTile, k.N - t * kTile);
-      tile(rec, blocks, P.rows->data() + r0, nrows, result);
-      for (int r = 0; r < nrows; ++r) {
-        std::memcpy(P.y + (r0 + r) * k.N + t * kTile, result + r * kTile, outputs * sizeof(float));
+      const int64_t outputs = std::min<int64_t>(kTile, width - t * kTile);
+      float* y = P.y + r0 * width + t * kTile;
+      tile(P.weights + static_cast<size_t>(t) * tile_bytes, blocks, rows, nrows, result);
+      if (k.glu) {  // the same outputs' up rows, half the matrix further on: widths are whole tiles
+        tile(P.weights + static_cast<size_t>(t + tiles) * tile_bytes, blocks, rows, nrows, up);
+        for (int r = 0; r < nrows; ++r) g_swiglu(result + r * kTile, up + r * kTile, y + r * width);
+        continue;
       }
+      for (int r = 0; r < nrows; ++r) std::memcpy(y + r * width, result + r * kTile, outputs * sizeof(float));
     }
   }
 }
@@ -642,7 +719,7 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   const uint8_t* w = nullptr;
   check(g_api->GetTensorData(x_value, reinterpret_cast<const void**>(&x)));
   check(g_api->GetTensorData(w_value, reinterpret_cast<const void**>(&w)));
-  shape.back() = k.N;
+  shape.back() = k.width();
   OrtValue* y_value = nullptr;
   check(g_api->KernelContext_GetOutput(context, 0, shape.data(), rank, &y_value));
   float* y = nullptr;
@@ -655,7 +732,7 @@ void compute(const Kernel& k, OrtKernelContext* context) {
     check(g_api->KernelContext_ParallelFor(context, round_rows, static_cast<size_t>(rows), 0, &rounding));
   }
   Pass P{&k, w, &quantized, y, 4};
-  const int64_t tiles = (k.N + kTile - 1) / kTile;
+  const int64_t tiles = (k.width() + kTile - 1) / kTile;
   const size_t items = static_cast<size_t>((tiles + P.tiles_per_item - 1) / P.tiles_per_item);
   check(g_api->KernelContext_ParallelFor(context, run_item, items, 0, &P));
 }
@@ -666,9 +743,14 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const
     kernel.K = edge_spec::attribute_int(g_api, info, "K", 0);
     kernel.N = edge_spec::attribute_int(g_api, info, "N", 0);
     kernel.type = edge_spec::attribute_int(g_api, info, "type", 0);
+    const int64_t glu = edge_spec::attribute_int(g_api, info, "glu", 0);
     if (kernel.K <= 0 || kernel.K % kQK != 0 || kernel.N <= 0 || (kernel.type != kTypeQ4K && kernel.type != kTypeQ6K)) {
       throw Error{"edge_spec.MatMulGGUF: K (a multiple of 256), N and type (12: Q4_K, 14: Q6_K) are required"};
     }
+    if (glu != 0 && (glu != 1 || kernel.N % (2 * kTile) != 0)) {
+      throw Error{"edge_spec.MatMulGGUF: glu is 0 or 1 (SwiGLU over gate and up rows of whole records: N a multiple of 32)"};
+    }
+    kernel.glu = glu == 1;
     *out = new Kernel(kernel);
   });
 }
@@ -741,13 +823,16 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_q4k = tile_q4k_scalar;
   g_q6k = tile_q6k_scalar;
   g_quantize_avx2 = g_use_avx2;
+  g_swiglu = swiglu_scalar;
 #ifdef ES_X86
   if (path == KernelPath::avx512) {
     g_q4k = tile_q4k_avx512;
     g_q6k = tile_q6k_avx512;
+    g_swiglu = swiglu_avx512;
   } else if (g_use_avx2) {
     g_q4k = tile_q4k_avx2;
     g_q6k = tile_q6k_avx2;
+    g_swiglu = swiglu_avx2;
   }
 #endif
   return &g_op;

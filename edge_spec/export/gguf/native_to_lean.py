@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 from edge_spec.export.bundle.options import layout_settings
 from edge_spec.export.gguf.blocks import NATIVE_DOMAIN, add_carried_linear, carry_gguf
 from edge_spec.export.gguf.interleaved import TYPE_NUMBER, deinterleave
-from edge_spec.export.graph.builder import BuildOptions, Graph
+from edge_spec.export.graph.builder import BuildOptions, Graph, gated_product
 
 OP = "MatMulGGUF"
 RECORDS_SUFFIX = ".gguf_records"
@@ -110,7 +110,14 @@ def rewrite_as_lean(model: onnx.ModelProto, base_dir: Path) -> dict[str, np.ndar
         else:
             out = node.output[0]
         part = _InMemoryGraph()
-        if add_carried_linear(part, node.input[0], blocks, name, options, bias) != out:
+        if attrs.get("glu", 0):  # SwiGLU in the op: lean's product, then the Split, activation and Mul nodes
+            layer = out.removesuffix("/glu")
+            got = gated_product(
+                part, add_carried_linear(part, node.input[0], blocks, name, options), n // 2, "silu", layer
+            )
+        else:
+            got = add_carried_linear(part, node.input[0], blocks, name, options, bias)
+        if got != out:
             raise ValueError(f"{node.name}: its output {out!r} is not the export's name for {name!r}")
         replacement[index] = part.nodes
         arrays.update(part.arrays)

@@ -49,7 +49,14 @@ from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_
 
 from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH
 from edge_spec.export.bundle import activity
-from edge_spec.export.gguf.blocks import NATIVE_DOMAIN, add_carried_linear, concat_blocks, narrow_to_4bit
+from edge_spec.export.gguf.blocks import (
+    NATIVE_DOMAIN,
+    add_carried_linear,
+    add_native_swiglu,
+    concat_blocks,
+    narrow_to_4bit,
+    native_swiglu_takes,
+)
 from edge_spec.export.graph.attention_pad import pad_attention
 from edge_spec.export.graph.quantize import quantize_blockwise
 from edge_spec.export.graph.rope import rope_tables
@@ -508,18 +515,23 @@ class DecoderGraphBuilder:
 
     def mlp(self, i: int, layer: LayerWeights, x: str) -> str:
         """Gated MLP of layer ``i`` (SwiGLU, or GeGLU with the tanh GELU), gate and up fused into one
-        matmul (then split)."""
-        g, p = self.graph, f"layers.{i}"
-        gate_up = self.linear(x, [(p + ".gate", layer.gate), (p + ".up", layer.up)], p + ".gate_up")
-        split = g.const(p + ".split", np.array([self.cfg.intermediate_size] * 2, dtype=np.int64))
-        gate, up = g.node("Split", [gate_up, split], [p + "/gate", p + "/up"], axis=-1)
-        if self.cfg.mlp_activation == "gelu_tanh":
-            act = g.node("Gelu", [gate], [p + "/gelu"], approximate="tanh")[0]
-        else:
-            sig = g.node("Sigmoid", [gate], [p + "/sig"])[0]
-            act = g.node("Mul", [gate, sig], [p + "/silu"])[0]
-        prod = g.node("Mul", [act, up], [p + "/glu"])[0]
+        matmul (then split), or into one native op that applies the gate too."""
+        p = f"layers.{i}"
+        prod = self.native_swiglu(x, layer, p)
+        if prod is None:
+            gate_up = self.linear(x, [(p + ".gate", layer.gate), (p + ".up", layer.up)], p + ".gate_up")
+            prod = gated_product(self.graph, gate_up, self.cfg.intermediate_size, self.cfg.mlp_activation, p)
         return self.linear(prod, [(p + ".down", layer.down)], p + ".down")
+
+    def native_swiglu(self, x: str, layer: LayerWeights, p: str) -> str | None:
+        """SwiGLU as one native ``MatMulGGUF`` where gate and up are GGUF blocks of one type under the native
+        op (``gated_product``'s output, from ``blocks.add_native_swiglu``), else None."""
+        carried = [self.carried.get(p + ".gate"), self.carried.get(p + ".up")]
+        if not self.opt.carry_native or self.cfg.mlp_activation != "silu" or any(c is None for c in carried):
+            return None
+        if len(_layout_runs(carried)) != 1 or not native_swiglu_takes(blocks := concat_blocks(carried)):
+            return None
+        return add_native_swiglu(self.graph, x, blocks, p + ".gate_up", gated_product_name(p))
 
     def decoder_layer(self, i: int, layer: LayerWeights, stream: Residual, rotary: tuple[str, str]) -> Residual:
         """One pre-norm decoder layer; its MLP output is left pending on the returned stream.  With
@@ -779,6 +791,24 @@ def save_model(model: onnx.ModelProto, path) -> None:
     )
     if (path.parent / data_name).exists():  # onnx creates it 0600 whatever the umask
         os.chmod(path.parent / data_name, new_file_mode())
+
+
+def gated_product_name(p: str) -> str:
+    """The output of layer ``p``'s gated product, however it is computed."""
+    return p + "/glu"
+
+
+def gated_product(g: Graph, gate_up: str, width: int, activation: str, p: str) -> str:
+    """act(gate) * up from ``gate_up`` [.., 2 × ``width``], the gates first: SwiGLU, or GeGLU with the tanh
+    GELU (``activation`` "gelu_tanh")."""
+    split = g.const(p + ".split", np.array([width] * 2, dtype=np.int64))
+    gate, up = g.node("Split", [gate_up, split], [p + "/gate", p + "/up"], axis=-1)
+    if activation == "gelu_tanh":
+        act = g.node("Gelu", [gate], [p + "/gelu"], approximate="tanh")[0]
+    else:
+        sig = g.node("Sigmoid", [gate], [p + "/sig"])[0]
+        act = g.node("Mul", [gate, sig], [p + "/silu"])[0]
+    return g.node("Mul", [act, up], [gated_product_name(p)])[0]
 
 
 def _layout_runs(carried: list) -> list[tuple[int, int]]:

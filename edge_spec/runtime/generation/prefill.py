@@ -23,9 +23,9 @@ def watch(
     on_prefill: Callable[[float], None] | None,
 ) -> None:
     """Hook ``decoders`` (the target first): stop between their prefill passes once ``cancelled()`` and
-    refuse their passes then; report the target's prefill as a fraction.  The drafters read the prompt
-    after the first token is out (:meth:`Request.start <edge_spec.runtime.loops.request.Request.start>`),
-    so the prompt reading shown before the answer is the target's alone."""
+    refuse their passes then; report the target's prefill as a fraction.  The drafters read a long prompt
+    after the first token is out, and a short one in a blink (:meth:`Request.start
+    <edge_spec.runtime.loops.request.Request.start>`), so the prompt reading worth showing is the target's."""
     for index, decoder in enumerate(decoders):
         report = on_prefill if index == 0 else None
 

@@ -515,17 +515,21 @@ class Decoder:
 
         At least one token is always left to feed, so that the next forward has logits to return.
         """
+        common = self.reusable(ids)
+        self.rewind(common)
+        return ids[common:]
+
+    def reusable(self, ids: list[int]) -> int:
+        """How many of ``ids``' first tokens the cache holds and :meth:`sync` keeps (all but the last at most)."""
         if not ids:
             raise EdgeSpecError("empty prompt")
         limit = min(len(self.tokens), len(ids) - 1)
         if self.tokens[:limit] == ids[:limit]:  # the usual case, compared in C: the cache is a prefix
-            common = limit
-        else:
-            common = 0
-            while self.tokens[common] == ids[common]:
-                common += 1
-        self.rewind(common)
-        return ids[common:]
+            return limit
+        common = 0
+        while self.tokens[common] == ids[common]:
+            common += 1
+        return common
 
     def prefill(self, prompt_ids: list[int], num_logits: int = 1) -> dict[str, np.ndarray]:
         """Make the cache hold exactly ``prompt_ids``, reusing the longest cached prefix

@@ -5,10 +5,10 @@ not seen (usually the pending token, or the last draft plus the pending token af
 accepted round) and after verification it is cut back to the accepted prefix.
 
 Of a long prompt it reads only the last :data:`DRAFT_CONTEXT` tokens (its cache holds them from position
-0).  It reads the prompt after the first token is given (``Request.start``), before its first draft, so what
-it reads is paid between the first token and the second, and every draft step attends over what the cache
-holds; drafts lean on the last few tokens (copies from further back come from the suffix and lookup
-proposers) and only decide speed, never the answer (the target verifies every token).  On the long bench
+0).  It reads a long prompt after the first token is given, a short one before (``Request.start``), and
+every draft step attends over what the cache holds; drafts lean on the last few tokens (copies from further
+back come from the suffix and lookup proposers) and only decide speed, never the answer (the target verifies
+every token).  On the long bench
 prompts (``benchmarks/draft_window_ab.py``) a window of 128 tokens decoded 1.19x faster than one of 512, at
 the same acceptance (docs/measurements.md).
 """
