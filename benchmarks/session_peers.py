@@ -443,7 +443,8 @@ def mark_identical(turn: dict[str, dict]) -> None:
 
 def tables(records: list[dict]) -> str:
     """Markdown: per category (all turns, then turns 2 and later) and overall, every engine's pooled
-    decode tokens/s, its ratio to its family's ar and to our ar, and its greedy answers equal to ar."""
+    decode tokens/s, its ratio to its family's ar and to our ar, its greedy answers equal to ar, and its mean
+    time to the first token (each turn's prompt read, as far as the engine had not read it already)."""
     engines = list(dict.fromkeys(r["engine"] for r in records))
     later = [r for r in records if r["turn"] > 0]
     rows = summarize(records, engines) + [
@@ -453,6 +454,7 @@ def tables(records: list[dict]) -> str:
     rows.sort(key=lambda r: (r["category"].startswith("overall"), r["category"].split(",")[0], r["category"]))
     out, category = [], None
     ratio = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
+    ttft = lambda v: f"{v:.0f}" if v is not None else "-"  # noqa: E731
     for row in rows:
         if row["category"] != category:
             category = row["category"]
@@ -460,12 +462,13 @@ def tables(records: list[dict]) -> str:
                 "",
                 f"### {category}",
                 "",
-                "| engine | turns | tok/s | vs own ar | vs ours ar | = ar | mean tokens |",
-                "|---|---:|---:|---:|---:|---:|---:|",
+                "| engine | turns | tok/s | vs own ar | vs ours ar | = ar | mean tokens | TTFT ms |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
             ]
         out.append(
             f"| {row['engine']} | {row['prompts']} | {row['tokens_per_second']:.2f} | {ratio(row['vs_own_ar'])} | "
-            f"{ratio(row['vs_ours_ar'])} | {row['identical_to_ar'] or '-'} | {row['mean_new_tokens']:.1f} |"
+            f"{ratio(row['vs_ours_ar'])} | {row['identical_to_ar'] or '-'} | {row['mean_new_tokens']:.1f} | "
+            f"{ttft(row.get('first_token_ms'))} |"
         )
     return "\n".join(out).strip() + "\n"
 

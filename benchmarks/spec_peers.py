@@ -55,8 +55,9 @@ The decode time starts when the first new token is known (it comes out of the pr
 
 The time to the first token (``TTFT ms``, the mean per category) is timed apart from the decode time:
 
-* ours: from the request (its prompt ids) to the first token, the target's prompt reading (the drafter reads
-  the prompt after the first token, so its reading is in the decode time) (``first_token_seconds``);
+* ours: from the request (its prompt ids) to the first token: the target's prompt reading, and the drafter's
+  where the prompt brings at most 128 new tokens (a longer one the drafter reads after the first token, in
+  the decode time) (``first_token_seconds``);
 * onnxruntime-genai: ``append_tokens``, the prefill of target and drafter (the first token is picked
   from its logits);
 * OpenVINO: from ``generate`` to the streamer's first write;

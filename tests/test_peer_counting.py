@@ -219,3 +219,20 @@ def test_each_of_our_modes_reads_the_whole_prompt_and_is_compared_with_ar(sessio
     finally:
         for engine in (ours.engine, ours.baseline):
             engine.close()
+
+
+def test_the_session_tables_give_every_engine_its_mean_time_to_first_token(session_peers):
+    """A session turn's first token waits for its prompt: each engine's mean over the turns is a column, for
+    all turns and for the later ones (whose prompts the engines may partly have read already)."""
+    records = [
+        dict(_record("edit", "ours spec", 30.0), turn=0, prefill_seconds=4.0),
+        dict(_record("edit", "ours spec", 30.0), turn=1, prefill_seconds=1.0),
+        dict(_record("edit", "llamacpp ar", 20.0), turn=0, prefill_seconds=6.0),
+        dict(_record("edit", "llamacpp ar", 20.0), turn=1, prefill_seconds=3.0),
+    ]
+    table = session_peers.tables(records)
+    header = next(line for line in table.splitlines() if line.startswith("| engine"))
+    assert header.rstrip(" |").endswith("TTFT ms")
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| ours") or line.startswith("| llama")]
+    ttft = [(cells[1].strip(), cells[-2].strip()) for cells in rows]
+    assert ttft[:4] == [("ours spec", "2500"), ("llamacpp ar", "4500"), ("ours spec", "1000"), ("llamacpp ar", "3000")]
