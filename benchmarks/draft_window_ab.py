@@ -6,9 +6,10 @@ draft worse.  Each long bench prompt (``--category long``) is answered greedily 
 suffix cache on, emptied before every answer) once per window, back to back in one process so that a shared
 machine's drift falls on every window alike; the order of the windows turns from prompt to prompt, since the
 draft schedule carries what it learned from one answer into the next.  Prints per answer and pooled: decode
-tokens/s, prompt seconds (target and drafter) and tau.
+tokens/s, prompt seconds (target and drafter) and tau.  ``--chars`` cuts each code file shorter, for the
+window on prompts of a few hundred tokens (``--chars 1800``: 250-480 tokens).
 
-    python benchmarks/draft_window_ab.py [--bundle BUNDLE] [--windows 1024,512,256] [--max-tokens 128]
+    python benchmarks/draft_window_ab.py [--bundle BUNDLE] [--windows 1024,512,256] [--max-tokens 128] [--chars N]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edge_spec.bench.long_prompts import long_prompts  # noqa: E402
+from edge_spec.bench.long_prompts import CHAR_BUDGET, long_prompts  # noqa: E402
 from edge_spec.bench.runs import modes_for, run_bench  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
 from edge_spec.runtime.engine import Engine  # noqa: E402
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--windows", default="1024,512,256", help="drafter windows, in tokens (comma list)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chars", type=int, default=CHAR_BUDGET, help="code characters per prompt at most")
     args = parser.parse_args()
     windows = [int(w) for w in args.windows.split(",")]
     chain = loop_config("spec", lookup=False)
@@ -44,7 +46,7 @@ def main() -> None:
     (mode,) = [m for m in modes if "suffix" in m.name]
     drafter = engine.bundle.active_drafter(mode.config)
     pooled = {w: [0, 0.0, 0.0, 0] for w in windows}  # tokens, decode s, prompt s, answers
-    for number, item in enumerate(long_prompts()):
+    for number, item in enumerate(long_prompts(args.chars)):
         shift = number % len(windows)  # each window goes first as often: an answer's schedule learns from the last
         for window in windows[shift:] + windows[:shift]:
             drafter.context = window
@@ -60,7 +62,7 @@ def main() -> None:
             total[2] += stats.prefill_seconds
             total[3] += 1
             print(
-                f"prompt {number}, window {window}: {record['tokens_per_second']:.1f} tok/s, "
+                f"prompt {number} ({stats.prompt_tokens} tokens), window {window}: {record['tokens_per_second']:.1f} tok/s, "
                 f"prompt {stats.prefill_seconds:.2f} s, tau {stats.spec.tau:.2f}",
                 flush=True,
             )
