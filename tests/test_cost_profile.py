@@ -771,3 +771,14 @@ def test_an_answer_in_another_mode_leaves_the_engine_s_profile_alone(int4_bundle
     assert cost_profile.load(key).corrections == 0
     engine.complete(PROMPTS[0], max_new_tokens=40, temperature=0)
     assert cost_profile.load(key).corrections == 1
+
+
+def test_the_step_profiler_names_each_matmul_by_its_role():
+    """``profile_step.py`` sums kernel time per role; a native SwiGLU node (``layers.N/glu``) carries the
+    gate and up rows, so it counts as ``gate_up`` as the separate gate-and-up node does."""
+    from edge_spec.bench.ort_profile import role_of
+
+    assert role_of("layers.3.gate_up/out/MatMulNBits") == "gate_up"
+    assert role_of("layers.27/glu/MatMulGGUF") == "gate_up"
+    assert role_of("layers.0.down/out/MatMulGGUF") == "down"
+    assert role_of("lm_head/out/MatMulNBits") == "lm_head"

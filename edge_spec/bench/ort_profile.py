@@ -38,9 +38,12 @@ def profiled_decoder(onnx_path: Path, threads: int, capacity: int = 4096) -> Dec
 
 
 def role_of(node: str) -> str:
-    """'layers.3.gate_up/out/MatMulNBits' -> 'gate_up'; 'lm_head/out/MatMulNBits' -> 'lm_head'."""
+    """'layers.3.gate_up/out/MatMulNBits' -> 'gate_up'; 'lm_head/out/MatMulNBits' -> 'lm_head'; a native
+    SwiGLU node, 'layers.3/glu/MatMulGGUF', multiplies the gate and up rows: 'gate_up'."""
     if "lm_head" in node:
         return "lm_head"
+    if re.match(r"layers\.\d+/glu/", node):
+        return "gate_up"
     m = re.match(r"layers\.\d+\.([A-Za-z_]+)", node)
     return m.group(1) if m else node
 
