@@ -100,12 +100,14 @@ def test_each_kernel_computes_the_blocks_product_with_the_same_bits(native_libra
         assert np.array_equal(got, results["scalar"]), path
 
 
+@pytest.mark.parametrize("n", [96, 1184])  # 3 records of gate rows and 3 of up rows; 37 and 37: work items of
+# 16 gate records and then their up records, the last item part-filled
 @pytest.mark.parametrize("rows", [1, 13])
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
-def test_each_kernel_computes_swiglu_over_gate_and_up_rows_with_the_same_bits(native_library, tmp_path, kind, rows):
+def test_each_kernel_computes_swiglu_over_gate_and_up_rows_with_the_same_bits(native_library, tmp_path, kind, rows, n):
     """``glu=1``: silu(x · gateᵀ) * (x · upᵀ), the gate rows first, in one op; every path the same bits."""
-    rng = np.random.default_rng(kind + rows)
-    k, n = 512, 96  # three records of gate rows, three of up rows
+    rng = np.random.default_rng(kind + rows + n)
+    k = 512
     raw = random_blocks(rng, kind, n, k)
     x = rng.standard_normal((rows, k)).astype(np.float32) * 4  # gates far into both tails of the sigmoid
     want = swiglu_reference(x, raw, kind, k)
