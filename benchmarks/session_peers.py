@@ -81,7 +81,7 @@ import spec_peers  # onnxruntime-genai's worker, exports and preparation; puts t
 
 shared = spec_peers.shared
 ROOT = spec_peers.ROOT
-from edge_spec.bench.peers import decode_tokens, result, summarize  # noqa: E402
+from edge_spec.bench.peers import decode_tokens, ms_cell, ratio_cell, result, summarize  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors ggml-org/llama.cpp@0c1e57098; the flags below are that version's
 LLAMACPP_DIR = ROOT / "models" / "llamacpp"
@@ -453,8 +453,6 @@ def tables(records: list[dict]) -> str:
     # each category's all-turns table, then its later turns; overall last
     rows.sort(key=lambda r: (r["category"].startswith("overall"), r["category"].split(",")[0], r["category"]))
     out, category = [], None
-    ratio = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
-    ttft = lambda v: f"{v:.0f}" if v is not None else "-"  # noqa: E731
     for row in rows:
         if row["category"] != category:
             category = row["category"]
@@ -466,9 +464,9 @@ def tables(records: list[dict]) -> str:
                 "|---|---:|---:|---:|---:|---:|---:|---:|",
             ]
         out.append(
-            f"| {row['engine']} | {row['prompts']} | {row['tokens_per_second']:.2f} | {ratio(row['vs_own_ar'])} | "
-            f"{ratio(row['vs_ours_ar'])} | {row['identical_to_ar'] or '-'} | {row['mean_new_tokens']:.1f} | "
-            f"{ttft(row.get('first_token_ms'))} |"
+            f"| {row['engine']} | {row['prompts']} | {row['tokens_per_second']:.2f} | {ratio_cell(row['vs_own_ar'])} | "
+            f"{ratio_cell(row['vs_ours_ar'])} | {row['identical_to_ar'] or '-'} | {row['mean_new_tokens']:.1f} | "
+            f"{ms_cell(row.get('first_token_ms'))} |"
         )
     return "\n".join(out).strip() + "\n"
 

@@ -109,6 +109,16 @@ def summarize(records: list[dict], engines: list[str]) -> list[dict]:
     return rows
 
 
+def ratio_cell(value: float | None) -> str:
+    """A summary row's ratio as a table shows it: ``1.23x``, or ``-`` where there is none."""
+    return f"{value:.2f}x" if value else "-"
+
+
+def ms_cell(value: float | None) -> str:
+    """A summary row's time in ms as a table shows it (``first_token_ms``), or ``-`` where none was kept."""
+    return f"{value:.0f}" if value is not None else "-"
+
+
 def format_rows(rows: list[dict]) -> str:
     """:func:`summarize`'s rows as the printed table, a blank line between categories."""
     header = (
@@ -120,12 +130,10 @@ def format_rows(rows: list[dict]) -> str:
         if previous and r["category"] != previous:
             lines.append("")
         previous = r["category"]
-        ratio = lambda v: f"{v:.2f}x" if v else "-"
-        ttft = lambda v: f"{v:.0f}" if v is not None else "-"
         lines.append(
             f"{r['category']:<15} {r['engine']:<22} {r['prompts']:>3} {r['tokens_per_second']:7.2f} "
-            f"{ratio(r['vs_own_ar']):>9} {ratio(r['vs_ours_ar']):>10} {r['identical_to_ar']:>6} "
-            f"{r['mean_new_tokens']:6.1f} {ttft(r.get('first_token_ms')):>8}"
+            f"{ratio_cell(r['vs_own_ar']):>9} {ratio_cell(r['vs_ours_ar']):>10} {r['identical_to_ar']:>6} "
+            f"{r['mean_new_tokens']:6.1f} {ms_cell(r.get('first_token_ms')):>8}"
         )
     return "\n".join(lines)
 
