@@ -71,14 +71,14 @@ def test_a_lookups_first_draft_is_judged_as_the_guess():
 def test_sequence_calibration_learns_only_from_later_drafts():
     calibration = SequenceCalibration()
     for _ in range(200):
-        calibration.record(drafted=4, accepted=0)  # first draft rejected: nothing after it was judged
-    assert calibration.later.trials == 0
+        calibration.record(drafted=4, accepted=0, matched=4)  # first draft rejected: nothing after it was judged
+    assert sum(rate.trials for rate in calibration.later) == 0
     for _ in range(200):
-        calibration.record(drafted=4, accepted=1)  # the second draft rejected
-    assert calibration.later_draft() < 0.05
+        calibration.record(drafted=4, accepted=1, matched=4)  # the second draft rejected
+    assert calibration.later_draft(4) < 0.05
     for _ in range(400):
-        calibration.record(drafted=4, accepted=4)
-    assert calibration.later_draft() > 0.95
+        calibration.record(drafted=4, accepted=4, matched=4)
+    assert calibration.later_draft(4) > 0.95
 
 
 def test_a_round_that_took_one_lookup_draft_checks_the_next_offered_token_for_free():
@@ -87,15 +87,16 @@ def test_a_round_that_took_one_lookup_draft_checks_the_next_offered_token_for_fr
     that take a single draft (else a table pulled down once keeps a copying request at one draft)."""
     choice = lookup_choice()
     for _ in range(100):
-        choice.update(drafted=1, accepted=1, next_right=False)
-    assert choice.calibration.later_draft() < 0.1 and choice.calibration.later.trials == pytest.approx(100, rel=0.2)
+        choice.update(drafted=1, accepted=1, next_right=False, matched=4)
+    table = choice.calibration.later[1]  # matches of 4..7 tokens
+    assert choice.calibration.later_draft(4) < 0.1 and table.trials == pytest.approx(100, rel=0.2)
     for _ in range(300):
-        choice.update(drafted=1, accepted=1, next_right=True)
-    assert choice.calibration.later_draft() > 0.75
+        choice.update(drafted=1, accepted=1, next_right=True, matched=4)
+    assert choice.calibration.later_draft(4) > 0.75
     silent = lookup_choice()  # negative controls: no offer beyond the taken drafts, or a rejected draft
-    silent.update(drafted=1, accepted=1)
-    silent.update(drafted=2, accepted=1, next_right=True)  # the caller passes None here; nothing is judged anyway
-    assert silent.calibration.later.trials == pytest.approx(1)  # only the rejected second draft
+    silent.update(drafted=1, accepted=1, matched=4)
+    silent.update(drafted=2, accepted=1, next_right=True, matched=4)  # the caller passes None here; nothing is judged
+    assert sum(rate.trials for rate in silent.calibration.later) == pytest.approx(1)  # only the rejected second draft
 
 
 def test_the_planner_checks_the_lookup_token_after_the_taken_ones(engine, monkeypatch):
@@ -116,9 +117,9 @@ def test_the_planner_checks_the_lookup_token_after_the_taken_ones(engine, monkey
     monkeypatch.setattr(
         LookupChoice,
         "update",
-        lambda self, drafted, accepted, next_right=None: (
+        lambda self, drafted, accepted, next_right=None, matched=0: (
             checks.append(next_right),
-            update(self, drafted, accepted, next_right),
+            update(self, drafted, accepted, next_right, matched),
         )[1],
     )
     got, stats = run(
@@ -198,3 +199,37 @@ def test_one_index_serves_longer_matches():
     assert shared.continuation(seq, 2) == [5, 1]  # a 1-token match: "1" last ended before 5
     assert shared.continuation(seq, 2, min_n=2) == NgramLookup(min_n=2).continuation(seq, 2) == []
     assert shared.continuation(seq + [5], 2, min_n=2) == [1, 5]  # "1 5" occurred before, followed by 1 5
+
+
+def test_later_drafts_are_judged_by_the_match_behind_their_round():
+    """A 64-token match is a copy under way; a 2-token one is mostly chance.  After a request that copied
+    a file (long matches, every later draft right), an explanation's short matches whose later drafts
+    fail must not draft on as if they were copies, and the copy's table must stay as it was."""
+    choice = lookup_choice(own_first=True)
+    for _ in range(60):
+        choice.update(drafted=8, accepted=8, next_right=True, matched=64)
+    copied = choice.calibration.later_draft(64)
+    for _ in range(60):
+        choice.update(drafted=4, accepted=1, matched=2)  # first right, the second already wrong
+    assert choice.calibration.later_draft(2) < 0.2 < 0.9 < choice.calibration.later_draft(64)
+    assert choice.calibration.later_draft(64) == pytest.approx(copied, abs=0.01)
+    model_rate = (1 + 0.8) / costs().round_cost(1)
+    for _ in range(8):
+        choice.record_first(2, 1.0, right=True)
+        choice.record_first(64, 1.0, right=True)
+    short = choice.lookup_gamma(4, 2, costs(), 4, model_rate, adaptive=True)
+    long = choice.lookup_gamma(4, 64, costs(), 4, model_rate, adaptive=True)
+    assert short <= 1 < long
+
+
+def test_a_calibration_file_with_one_table_of_later_drafts_still_loads():
+    calibration = AcceptanceCalibration()
+    for _ in range(50):
+        calibration.sequence.record(drafted=4, accepted=4, matched=16)
+    old = calibration.to_dict()
+    old["sequence_later"] = [10.0, 40.0]  # the layout with one table for every match length
+    again = AcceptanceCalibration.from_dict(old).sequence
+    assert again.later_draft(16) == pytest.approx(SequenceCalibration().later_draft(16))  # learnt afresh
+    assert AcceptanceCalibration.from_dict(calibration.to_dict()).sequence.later_draft(16) == pytest.approx(
+        calibration.sequence.later_draft(16)
+    )

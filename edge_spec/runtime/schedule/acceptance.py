@@ -68,8 +68,9 @@ class DecayedRate:
         self.trials = DECAY * self.trials + 1.0
 
 
-LATER_SEQUENCE_PRIOR = 0.85  # once a copied span is confirmed, it tends to go on
 MATCH_EDGES = (2, 4, 8, 16, 32)  # lower edges of a suffix draft's match-length bins
+# once a copied span is confirmed it tends to go on, the more surely the longer the match behind the round
+LATER_SEQUENCE_PRIORS = (0.6, 0.8, 0.85, 0.9, 0.95)
 # its chance per bin before any evidence (all occurrences agreeing): from 4 tokens on, what the free guess's table
 # starts a 4-token match at (``GUESS_PRIORS``), rising with the length
 MATCH_PRIORS = (0.5, 0.8, 0.85, 0.9, 0.95)
@@ -80,25 +81,41 @@ CACHED_PRIOR_SCALE = 0.8
 MATCH_BINS = 4 * len(MATCH_EDGES)  # match length x all occurrences agreed or not x this request or the cache
 
 
+def length_bin(matched: int) -> int:
+    """The bin of a match of ``matched`` tokens among :data:`MATCH_EDGES` (shorter ones: the first)."""
+    return max(sum(matched >= edge for edge in MATCH_EDGES) - 1, 0)
+
+
 def match_bin(matched: int, share: float, cached: bool = False) -> int:
     """The bin of a suffix draft: its match length's, doubled for one not every occurrence agreed on, and
     doubled again for one only the cache (earlier requests) supports."""
-    length = max(sum(matched >= edge for edge in MATCH_EDGES) - 1, 0)
-    return length + (len(MATCH_EDGES) if share < 1.0 else 0) + (2 * len(MATCH_EDGES) if cached else 0)
+    return length_bin(matched) + (len(MATCH_EDGES) if share < 1.0 else 0) + (2 * len(MATCH_EDGES) if cached else 0)
 
 
 @dataclass
 class SequenceCalibration:
     """Acceptance of the drafts copied from the sequence (prompt lookup) after the first one was
     accepted.  The first one is the free guess's token for the same matched suffix (the index returns
-    the longest match either way), so it is judged by the guess calibration, which every round checks."""
+    the longest match either way), so it is judged by the guess calibration, which every round checks.
 
-    later: DecayedRate = field(default_factory=DecayedRate)
+    Later drafts are counted by the length of the match behind their round: a round after a 64-token
+    match is a copy under way and goes on for dozens of tokens, one after a 2-token match mostly met
+    the sequence's words by chance and leaves the copy after a token or two.  One table for both let a
+    request that copied a file (every later draft right) price the next request's chance matches as
+    copies: an explanation of that file drafted seven tokens a round behind 2-token matches and lost
+    them all."""
+
+    later: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in MATCH_EDGES])
     # a suffix draft's first (not the guess's token: see ``propose.suffix``), by ``match_bin``
     first: list[DecayedRate] = field(default_factory=lambda: [DecayedRate() for _ in range(MATCH_BINS)])
 
-    def later_draft(self) -> float:
-        return self.later.estimate(LATER_SEQUENCE_PRIOR)
+    def later_draft(self, matched: int) -> float:
+        """Chance that a draft after an accepted one is right, in a round whose match was ``matched`` long."""
+        index = length_bin(matched)
+        return self.later[index].estimate(LATER_SEQUENCE_PRIORS[index])
+
+    def record_later(self, matched: int, right: bool) -> None:
+        self.later[length_bin(matched)].record(right)
 
     def first_draft(self, matched: int, share: float, cached: bool = False) -> float:
         """Chance that a suffix draft is right, before any of its request's outcomes: by how long the match
@@ -112,11 +129,11 @@ class SequenceCalibration:
     def record_first(self, matched: int, share: float, right: bool, cached: bool = False) -> None:
         self.first[match_bin(matched, share, cached)].record(right)
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """One verified lookup chain: its later drafts up to the first rejection (the first one is the
-        guess's business)."""
+    def record(self, drafted: int, accepted: int, matched: int) -> None:
+        """One verified lookup chain behind a ``matched``-token match: its later drafts up to the first
+        rejection (the first one is the guess's business)."""
         for i in range(1, min(drafted, accepted + 1)):
-            self.later.record(i < accepted)
+            self.record_later(matched, i < accepted)
 
 
 # a free guess (and a lookup's first draft) by the suffix it matched: none (the last token again), 1..4+
@@ -179,7 +196,7 @@ class AcceptanceCalibration:
             "after": pairs(self.after),
             "first": [self.first.hits, self.first.trials],
             "edges": list(CONFIDENCE_EDGES),
-            "sequence_later": [self.sequence.later.hits, self.sequence.later.trials],
+            "sequence_later": pairs(self.sequence.later),
             "sequence_first": pairs(self.sequence.first),
             "guess": pairs(self.guess),
         }
@@ -190,7 +207,12 @@ class AcceptanceCalibration:
         if data["edges"] != list(CONFIDENCE_EDGES):
             raise ValueError("calibration bins changed")
         rates = lambda pairs: [DecayedRate(float(h), float(t)) for h, t in pairs]
-        sequence = SequenceCalibration(DecayedRate(*map(float, data["sequence_later"])))
+        sequence = SequenceCalibration()
+        later = data["sequence_later"]
+        if later and isinstance(later[0], list):  # a file with one table for every match length: learnt afresh
+            if len(later) != len(MATCH_EDGES):
+                raise ValueError("calibration bins changed")
+            sequence.later = rates(later)
         if "sequence_first" in data:  # a file written before suffix drafts were calibrated: learnt afresh
             first = rates(data["sequence_first"])
             if len(first) == MATCH_BINS // 2:  # written before cached drafts had bins of their own: they start afresh

@@ -61,19 +61,21 @@ class LookupChoice:
             return 1
         return 0
 
-    def update(self, drafted: int, accepted: int, next_right: bool | None = None) -> None:
-        """A verified lookup round: its later drafts (the planner checks the first as the round's guess).
-        ``next_right``: every draft taken was accepted and the sequence offered one more, which equals
-        the target's own next token (the round's bonus) or not -- the fate that draft would have had,
-        checked for free.  Without it a request whose rounds take one lookup draft never learns whether
-        a second would pay: a table of later drafts that a translation's failed copies pulled down keeps
-        the next request's copied summary at one draft a round."""
+    def update(self, drafted: int, accepted: int, next_right: bool | None = None, matched: int = 0) -> None:
+        """A verified lookup round whose source matched ``matched`` tokens: its later drafts (the planner
+        checks the first as the round's guess).  ``next_right``: every draft taken was accepted and the
+        sequence offered one more, which equals the target's own next token (the round's bonus) or not --
+        the fate that draft would have had, checked for free.  Without it a request whose rounds take one
+        lookup draft never learns whether a second would pay: a table of later drafts that a
+        translation's failed copies pulled down keeps the next request's copied summary at one draft a
+        round."""
+        predicted = self.calibration.later_draft(matched)
         for i in range(1, min(drafted, accepted + 1)):
-            self.agreement.note(self.calibration.later_draft(), i < accepted)
-        self.calibration.record(drafted, accepted)
+            self.agreement.note(predicted, i < accepted)
+        self.calibration.record(drafted, accepted, matched)
         if next_right is not None and drafted and accepted == drafted:
-            self.agreement.note(self.calibration.later_draft(), next_right)
-            self.calibration.later.record(next_right)
+            self.agreement.note(predicted, next_right)
+            self.calibration.record_later(matched, next_right)
 
     def record_first(self, matched: int, share: float, right: bool, cached: bool = False) -> None:
         """Whether the first draft the source offered this round equals the target's token there (taken
@@ -82,7 +84,7 @@ class LookupChoice:
         self.calibration.record_first(matched, share, right, cached)
 
     def _estimates(self, matched: int, share: float = 1.0, cached: bool = False) -> tuple[float, float]:
-        later = self.agreement.scale(self.calibration.later_draft())
+        later = self.agreement.scale(self.calibration.later_draft(matched))
         if self.own_first:
             return self.first_agreement.scale(self.calibration.first_draft(matched, share, cached)), later
         return self.estimates.guess(matched), later
