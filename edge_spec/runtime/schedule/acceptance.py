@@ -208,8 +208,8 @@ class AcceptanceCalibration:
             raise ValueError("calibration bins changed")
         rates = lambda pairs: [DecayedRate(float(h), float(t)) for h, t in pairs]
         sequence = SequenceCalibration()
-        later = data["sequence_later"]
-        if later and isinstance(later[0], list):  # a file with one table for every match length: learnt afresh
+        later = data["sequence_later"]  # one pair per match length; a file with one pair for all: learnt afresh
+        if later and isinstance(later[0], list):
             if len(later) != len(MATCH_EDGES):
                 raise ValueError("calibration bins changed")
             sequence.later = rates(later)
