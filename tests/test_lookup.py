@@ -117,9 +117,9 @@ def test_the_planner_checks_the_lookup_token_after_the_taken_ones(engine, monkey
     monkeypatch.setattr(
         LookupChoice,
         "update",
-        lambda self, drafted, accepted, next_right=None, matched=0: (
+        lambda self, drafted, accepted, matched, next_right=None: (
             checks.append(next_right),
-            update(self, drafted, accepted, next_right, matched),
+            update(self, drafted, accepted, matched, next_right),
         )[1],
     )
     got, stats = run(

@@ -201,7 +201,7 @@ class DraftPlanner:
                     if offered_next is None or result.accepted < drafted
                     else result.tokens[drafted] == offered_next
                 )
-                choice.update(drafted, result.accepted, next_right, block.matched)
+                choice.update(drafted, result.accepted, block.matched, next_right)
         for choice, matched, share, cached, token in self._firsts:  # the same for sources' own first drafts
             choice.record_first(matched, share, result.tokens[0] == token, cached)
         if self._guessed is not None:  # verified or not, the guess was right iff the target's token equals it

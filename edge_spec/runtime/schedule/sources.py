@@ -61,7 +61,7 @@ class LookupChoice:
             return 1
         return 0
 
-    def update(self, drafted: int, accepted: int, next_right: bool | None = None, matched: int = 0) -> None:
+    def update(self, drafted: int, accepted: int, matched: int, next_right: bool | None = None) -> None:
         """A verified lookup round whose source matched ``matched`` tokens: its later drafts (the planner
         checks the first as the round's guess).  ``next_right``: every draft taken was accepted and the
         sequence offered one more, which equals the target's own next token (the round's bonus) or not --
