@@ -336,6 +336,7 @@ def replay(
                 seconds += prices.verify(drafts) + (prices.drafter(unseen) if kind == "dropped" else 0.0)
                 state["outcome"] = (kind, drafts, accepted, [])
                 if kind == "lookup":  # the next offered token against the round's bonus token (checked for free)
+                    state["lookup_matched"] = int(data["lookup_match"][i])  # its later drafts are priced by it
                     state["lookup_next"] = (
                         int(data["lookup_run"][i]) > drafts
                         if accepted == drafts and int(data["lookup_len"][i]) > drafts
@@ -586,7 +587,8 @@ def adaptive_policy(
             if kind == "dropped" and learn_drops:  # the round's only draft dropped: what it was worth
                 schedule.update(0, 0, dropped=True)
             if kind == "lookup":
-                choice.update(drafted, accepted, state.pop("lookup_next", None) if check_next else None)
+                next_right = state.pop("lookup_next", None) if check_next else None
+                choice.update(drafted, accepted, state.pop("lookup_matched"), next_right)
         if "guessed" in state:  # every round checks the guess it could have carried (as the planner does)
             guessed = state.pop("guessed")
             schedule.estimates.record_guess(int(data["guess_match"][guessed]), bool(data["guess_ok"][guessed]))
