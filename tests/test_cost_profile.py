@@ -76,7 +76,9 @@ def test_memory_bound_bytes_ratio_reported(int4_bundle):
 
 def test_profiled_latencies_follow_the_measured_ones():
     """A machine slowed down by other load: the 2-row pass is measured 1.5x its profile, so the profiled
-    3-row pass, not measured since, is scaled alike (else a longer draft would look cheap)."""
+    3-row pass, not measured since, is priced above its profile (else a longer draft would look cheap):
+    the 2-row pass's live latency plus the profile's step to three rows, which is less than scaling it
+    alike; the 1-row pass, below every measured size, is scaled alike."""
     from edge_spec.runtime.model.decoder import DecoderStats
 
     stats = DecoderStats()
@@ -87,7 +89,34 @@ def test_profiled_latencies_follow_the_measured_ones():
         stats.add(2, 0.084)
     recent = stats.recent_seconds()
     assert recent[2] == pytest.approx(0.084)
-    assert recent[3] == pytest.approx(0.082 * 1.5) and recent[1] == pytest.approx(0.050 * 1.5)
+    assert recent[3] == pytest.approx(0.084 + (0.082 - 0.056)) and 0.082 < recent[3] < 0.082 * 1.5
+    assert recent[1] == pytest.approx(0.050 * 1.5)
+
+
+def test_sizes_not_run_live_are_not_priced_out_of_reach():
+    """Live passes over two and three rows cost 6 and 5 ms more than the profile says, those over four rows
+    and more what it says (a cost per pass the profile's passes did not pay).  Scaled by the measured sizes'
+    ratio, the four-row pass would be priced at 46.5 ms where it costs 39.5: the plan then stops at two
+    drafts even when nine drafts in ten are accepted, never runs a four-row pass, and never learns its
+    price.  Carried on from the largest size measured below it, it is priced within reach, the plan drafts
+    more, and its passes then set the price."""
+    from edge_spec.runtime.model.decoder import DecoderStats
+    from edge_spec.runtime.schedule.policy import CostModel, plan_round
+
+    profiled = {1: 0.0246, 2: 0.0267, 3: 0.0316, 4: 0.0376, 5: 0.0448, 6: 0.0489, 7: 0.0543, 8: 0.0598}
+    stats = DecoderStats()
+    for n, seconds in profiled.items():
+        stats.seed(n, seconds)
+    for _ in range(10):
+        stats.add(2, 0.0330)
+        stats.add(3, 0.0365)
+    recent = stats.recent_seconds()
+    assert recent[4] == pytest.approx(0.0365 + (0.0376 - 0.0316))  # the profile's step from 3 to 4 rows
+    assert recent[3] < recent[4] < profiled[4] * 0.0330 / 0.0267
+    assert plan_round(0.9, 0.9, CostModel(0.008, recent, overhead=0.001), 8).gamma >= 3
+    for _ in range(10):
+        stats.add(4, 0.0395)
+    assert stats.recent_seconds()[4] == pytest.approx(0.0395)
 
 
 def profile(**verify_ms) -> cost_profile.CostProfile:
@@ -326,13 +355,14 @@ def timed_by(monkeypatch, target: CurveTarget) -> None:
     monkeypatch.setattr(cost_profile, "_timed", timed)
 
 
-def test_the_quick_profile_times_a_few_row_counts_once(monkeypatch):
+def test_the_quick_profile_times_a_few_row_counts_up_and_down(monkeypatch):
     target, drafter = CurveTarget(INTEL), StepDrafter()
     timed_by(monkeypatch, target)
     profile = cost_profile.measure(target, drafter, max_tokens=17)
     timed = [1, 2, 3, 4, 5, 6, 8, 12, 17]
     assert cost_profile.quick_rows(17) == timed
-    assert target.passes == [cost_profile.QUICK_LENGTH] + timed  # one warm-up, then one pass per row count
+    # one warm-up, then two passes per row count: up the counts and back down
+    assert target.passes == [cost_profile.QUICK_LENGTH] + timed + timed[::-1]
     assert drafter.steps <= 2 * len(timed) + 4
     assert profile.quick and sorted(profile.verify) == list(range(1, 18))
     assert profile.estimated == [7, 9, 10, 11, 13, 14, 15, 16]
@@ -342,6 +372,36 @@ def test_the_quick_profile_times_a_few_row_counts_once(monkeypatch):
     assert costs == sorted(costs)  # non-decreasing
     assert profile.verify[10] == pytest.approx((INTEL[8] + (INTEL[12] - INTEL[8]) / 2) / 1e3)
     assert profile.draft_body == pytest.approx(0.014) and profile.draft_catch_up == pytest.approx(0.003)
+
+
+class DriftingTarget(CurveTarget):
+    """A machine that slows down steadily while it is measured: each pass runs ``drift`` slower than the one
+    before it (a neighbour's load arriving, the clock coming off its boost)."""
+
+    def __init__(self, curve: dict[int, float], drift: float) -> None:
+        super().__init__(curve)
+        self.drift = drift
+
+    def forward(self, tokens, num_logits):
+        super().forward(tokens, num_logits)
+        self.load *= 1.0 + self.drift
+
+
+def test_a_machine_slowing_down_while_it_is_measured_leaves_the_curve_its_shape(monkeypatch):
+    """Timed once each in ascending order, the row counts of a machine that slows down by 2% a pass come
+    out ever dearer the more rows they have: four rows 1.34x one row where they cost 1.11x, and the schedule
+    then never drafts the rounds whose passes would show it (a size not run live keeps its profiled price).
+    Timed in an ascending and a descending sweep, each count's mean carries the same drift."""
+    target, drafter = DriftingTarget(INTEL, drift=0.02), StepDrafter()
+    timed_by(monkeypatch, target)
+    profile = cost_profile.measure(target, drafter, max_tokens=17)
+    for n in cost_profile.quick_rows(17):
+        assert profile.verify[n] / profile.verify[1] == pytest.approx(INTEL[n] / INTEL[1], rel=0.02)
+    steady = CurveTarget(INTEL)
+    timed_by(monkeypatch, steady)
+    assert cost_profile.measure(steady, StepDrafter(), max_tokens=17).verify == pytest.approx(
+        {n: ms / 1e3 for n, ms in cost_profile.interpolate({n: INTEL[n] for n in cost_profile.quick_rows(17)}, 17).items()}
+    )
 
 
 def test_a_high_ceiling_is_timed_to_the_quick_limit_and_estimated_past_it(monkeypatch):
@@ -395,7 +455,8 @@ def test_live_passes_replace_interpolated_values():
 
 def test_the_planner_reads_live_latencies_at_every_row_count():
     """Sizes the profile only estimated are seeded like the timed ones, and a live measurement of any
-    size replaces its seed; sizes not measured live follow the measured ones."""
+    size replaces its seed; sizes not measured live follow the measured ones: on the line between two of
+    them, or past the largest one."""
     from edge_spec.runtime.model.decoder import DecoderStats
 
     profile = quick(n1=68, n2=78, n3=96, n6=136)
@@ -407,7 +468,10 @@ def test_the_planner_reads_live_latencies_at_every_row_count():
         stats.add(3, 0.096)
     recent = stats.recent_seconds()
     assert recent[5] == pytest.approx(0.140) and recent[3] == pytest.approx(0.096)
-    assert recent[4] == pytest.approx(profile.verify[4] * 0.140 / profile.verify[5])  # the upper median ratio
+    assert recent[4] == pytest.approx((0.096 + 0.140) / 2)  # between two sizes measured live: on their line
+    # past the largest measured size: scaled by the upper median ratio, or carried on from it where that is less
+    scaled = profile.verify[6] * 0.140 / profile.verify[5]
+    assert recent[6] == pytest.approx(min(scaled, 0.140 + profile.verify[6] - profile.verify[5]))
 
 
 QUIET = {n: ms / 1e3 for n, ms in INTEL.items()}
@@ -530,7 +594,7 @@ def test_the_machine_is_measured_in_a_few_passes_with_a_word_for_the_spinner(int
     assert profile.quick and not profile.cached and sorted(profile.verify) == list(range(1, 18))
     assert profile.estimated == [7, 9, 10, 11, 13, 14, 15, 16]
     target = engine.bundle.manifest["target"]["onnx"].split("/")[0]
-    assert len([p for p in passes if p[0] == target]) == 1 + len(cost_profile.quick_rows(17))
+    assert len([p for p in passes if p[0] == target]) == 1 + 2 * len(cost_profile.quick_rows(17))
     passes.clear()
     with cost_profile.on_measure(said.append):
         again = Engine.from_bundle(int4_bundle, threads=1, config=chain(16, adaptive=True))

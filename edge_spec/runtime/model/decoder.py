@@ -152,12 +152,34 @@ class DecoderStats:
     def recent_seconds(self, max_tokens: int = 16) -> dict[int, float]:
         """Recent latency per number of new tokens (decode-sized calls seen at least twice).
 
-        Profiled sizes not measured since are scaled by how far the measured ones moved from their
-        profile (median ratio): when other load slows the machine down, a 2-row pass measured now and a
-        3-row pass profiled at load time must not be compared as they are, or longer drafts look cheap."""
-        ratios = sorted(self.recent[n] / t for n, t in self.profile.items() if self._measured(n) and t > 0)
+        Profiled sizes not measured since follow the measured ones: when other load slows the machine
+        down, a 2-row pass measured now and a 3-row pass profiled at load time must not be compared as
+        they are, or longer drafts look cheap.  A size between two measured ones lies on the straight line
+        between their live latencies; one past the largest measured size is scaled by how far the measured
+        ones moved from their profile (median ratio), or, where that is less, priced at the largest
+        measured size below it plus the profile's step between the two.  Erring high is the error live passes never
+        correct: a size priced too dear is one the schedule stops drafting rounds for, so its passes
+        never run and never show its price (a cost per pass the profile's passes did not pay made two
+        and three rows 20% dearer live than profiled, scaled every larger size alike, and held rounds
+        at two drafts); priced a little low, it is tried, and a couple of its passes set its price."""
+        measured = {n: self.recent[n] for n, t in self.profile.items() if self._measured(n) and t > 0}
+        ratios = sorted(measured[n] / self.profile[n] for n in measured)
         scale = ratios[len(ratios) // 2] if ratios else 1.0
-        return {n: t if self._measured(n) else t * scale for n, t in self.recent.items() if n <= max_tokens}
+        out = {}
+        for n, t in self.recent.items():
+            if n > max_tokens:
+                continue
+            if self._measured(n):
+                out[n] = t
+                continue
+            out[n] = t * scale
+            below = max((m for m in measured if m < n), default=None)
+            above = min((m for m in measured if m > n), default=None)
+            if below is not None and above is not None:
+                out[n] = measured[below] + (n - below) / (above - below) * (measured[above] - measured[below])
+            elif below is not None and n in self.profile:
+                out[n] = min(out[n], measured[below] + max(self.profile[n] - self.profile[below], 0.0))
+        return out
 
 
 def _session_options(given: ort.SessionOptions | None, threads: int, takes_turns: bool) -> ort.SessionOptions:

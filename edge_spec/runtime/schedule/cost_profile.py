@@ -8,11 +8,11 @@ once per bundle + drafter head + provider + thread count + ONNX Runtime version
 separately), and cache the result as JSON in the user cache directory
 (``$EDGE_SPEC_CACHE`` or ``~/.cache/edge-spec/costs``).
 
-The first answer waits for it, so it is quick (:func:`measure`, about twenty passes' worth): once
+The first answer waits for it, so it is quick (:func:`measure`, about forty passes' worth): once
 the models' pages are on huge pages (until then a pass runs at half speed), one warm-up pass, then
-one pass per row count in :func:`quick_rows` (every count up to six, where kernels that tile rows in
+two passes per row count in :func:`quick_rows` (every count up to six, where kernels that tile rows in
 pairs make neighbours differ most and where most rounds land, then a few up to the ceiling or
-``QUICK_ROWS_MAX``), each right after a drafter step as in a round.  Row counts between are interpolated (the curve is near
+``QUICK_ROWS_MAX``), up the counts and back down, each right after a drafter step as in a round.  Row counts between are interpolated (the curve is near
 linear between them) and listed in ``estimated``; live passes replace them
 (:func:`refine_from_live`), so the saved profile fills in with use, with no measuring that competes
 with an answer for the cores.
@@ -58,7 +58,7 @@ from edge_spec.paths import cache_root
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.schedule.curve import latency_at
 
-PROFILE_VERSION = 9  # 9: quick profiles (a few row counts timed once, the rest estimated, refined live)
+PROFILE_VERSION = 10  # 10: quick profiles time each row count twice (up the counts, then down), the rest estimated
 QUICK_LENGTH = 32  # cache length the quick profile times its passes at (its warm-up pass fills it)
 DENSE_ROWS = 6  # every row count up to this one is timed
 SPARSE_ROWS = (8, 12, 16, 24, 32, 48, 64, 96, 128)  # past it, these (and the ceiling)
@@ -81,7 +81,7 @@ class CostProfile:
     draft_catch_up: float = 0.0  # what a second row adds to a drafter body step (s; schedule.policy prices it)
     cached: bool = False
     corrections: int = 0  # times live passes replaced latencies measured under load
-    quick: bool = False  # measured by :func:`measure`: a few row counts timed once, the rest estimated
+    quick: bool = False  # measured by :func:`measure`: a few row counts timed up and down, the rest estimated
     estimated: list[int] = field(default_factory=list)  # row counts interpolated, not timed nor measured live yet
     busy: float = 0.0  # share of the CPU other processes used while it was measured (0 where unknown)
     suspect: bool = False  # evidence that it was measured under load: live passes that beat it replace it
@@ -202,9 +202,10 @@ def quick_rows(max_tokens: int) -> list[int]:
 
 def measure(target, drafter, max_tokens: int) -> CostProfile:
     """The quick profile: after the pages of the models just loaded are on huge pages, a warm-up pass of
-    ``QUICK_LENGTH`` throw-away tokens (the cache the passes are timed at), then one pass over each row
-    count in :func:`quick_rows`, each between two drafter steps as in a round; the row counts between
-    are interpolated (:func:`interpolate`) and listed as ``estimated``.  Both caches are reset afterwards."""
+    ``QUICK_LENGTH`` throw-away tokens (the cache the passes are timed at), then two passes over each row
+    count in :func:`quick_rows` (the counts up, then down; each count's mean), each between two drafter
+    steps as in a round; the row counts between are interpolated (:func:`interpolate`) and listed as
+    ``estimated``.  Both caches are reset afterwards."""
     started = time.perf_counter()
     huge_pages.wait_all()  # meanwhile the pages are being copied, on one of the cores the passes need
     length = min(QUICK_LENGTH, target.capacity - max_tokens - 1)
@@ -221,13 +222,19 @@ def measure(target, drafter, max_tokens: int) -> CostProfile:
         head.append(head_seconds)
 
     drafter_step()  # its warm-up
-    timed = {}
-    for n in quick_rows(max_tokens):
+    rows = quick_rows(max_tokens)
+    sweeps: dict[int, list[float]] = {n: [] for n in rows}
+    # up the row counts, then down: a machine that speeds up or slows down while it is measured (a
+    # neighbour's load, the clock leaving its boost) moves every count's mean alike, where one sweep up
+    # would make each count dearer the more rows it has -- a slope the schedule never tests, since it
+    # stops drafting the rounds whose passes would show it
+    for n in rows + rows[::-1]:
         # alternate the two models as the loop does: each pass is timed right after the other model ran,
         # which is what it costs in a round (back-to-back passes of one model are faster)
         drafter_step()
-        timed[n] = _timed(lambda n=n: target.forward([0] * n, n))
+        sweeps[n].append(_timed(lambda n=n: target.forward([0] * n, n)))
         target.rewind(length)
+    timed = {n: sum(times) / len(times) for n, times in sweeps.items()}
     drafter_step()
     two_rows = min(drafter.profile_step(rows=2)[0] for _ in range(2))
     target.reset()
