@@ -400,7 +400,10 @@ def test_a_machine_slowing_down_while_it_is_measured_leaves_the_curve_its_shape(
     steady = CurveTarget(INTEL)
     timed_by(monkeypatch, steady)
     assert cost_profile.measure(steady, StepDrafter(), max_tokens=17).verify == pytest.approx(
-        {n: ms / 1e3 for n, ms in cost_profile.interpolate({n: INTEL[n] for n in cost_profile.quick_rows(17)}, 17).items()}
+        {
+            n: ms / 1e3
+            for n, ms in cost_profile.interpolate({n: INTEL[n] for n in cost_profile.quick_rows(17)}, 17).items()
+        }
     )
 
 
