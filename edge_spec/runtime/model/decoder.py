@@ -172,13 +172,14 @@ class DecoderStats:
             if self._measured(n):
                 out[n] = t
                 continue
-            out[n] = t * scale
             below = max((m for m in measured if m < n), default=None)
             above = min((m for m in measured if m > n), default=None)
             if below is not None and above is not None:
                 out[n] = measured[below] + (n - below) / (above - below) * (measured[above] - measured[below])
             elif below is not None and n in self.profile:
-                out[n] = min(out[n], measured[below] + max(self.profile[n] - self.profile[below], 0.0))
+                out[n] = min(t * scale, measured[below] + max(self.profile[n] - self.profile[below], 0.0))
+            else:
+                out[n] = t * scale
         return out
 
 
