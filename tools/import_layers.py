@@ -31,13 +31,16 @@ LAYERS = {
     "logprobs": 0,
     "progress": 0,
     "heap": 0,
+    "latency_curve": 0,
 }  # loaded: what loading a bundle produces and the device facts (the engine generates with it);
 # provenance: the engine's per-token sources (reads loops.stats and text);
 # suffix_store: where the engine's suffix cache lives (reads propose.suffix_cache);
 # logprobs: token log-probabilities from a row (numpy only), read by the loops and the engine;
 # generation: the parts the engine is made of (loading, turns, prompt, prefill, text stream, stats);
 # options: what a caller sets per answer, and the runtime's defaults;
-# aio: the engine for asyncio applications; progress: a load's progress and cancellation; heap: memory back
+# aio: the engine for asyncio applications; progress: a load's progress and cancellation; heap: memory back;
+# latency_curve: how a pass-latency curve is read between and past its points (the profile, the cost model
+# and the decoder's live prices read it alike)
 BOTTOM = ("model", "verify", "constrain")  # rank 1: none of them imports another
 
 

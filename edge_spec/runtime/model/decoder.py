@@ -61,6 +61,7 @@ import onnxruntime as ort
 from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH, DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import ROLES
+from edge_spec.runtime.latency_curve import latency_at
 from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_attention_pad, strip_attention_pad
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
@@ -173,9 +174,8 @@ class DecoderStats:
                 out[n] = t
                 continue
             below = max((m for m in measured if m < n), default=None)
-            above = min((m for m in measured if m > n), default=None)
-            if below is not None and above is not None:
-                out[n] = measured[below] + (n - below) / (above - below) * (measured[above] - measured[below])
+            if below is not None and any(m > n for m in measured):
+                out[n] = latency_at(measured, n)
             elif below is not None and n in self.profile:
                 out[n] = min(t * scale, measured[below] + max(self.profile[n] - self.profile[below], 0.0))
             else:

@@ -55,8 +55,8 @@ import onnxruntime as ort
 from edge_spec.files import write_text_atomic
 from edge_spec.native.build import kernel_identity
 from edge_spec.paths import cache_root
+from edge_spec.runtime.latency_curve import latency_at
 from edge_spec.runtime.model import huge_pages
-from edge_spec.runtime.schedule.curve import latency_at
 
 PROFILE_VERSION = 10  # 10: quick profiles time each row count twice (up the counts, then down), the rest estimated
 QUICK_LENGTH = 32  # cache length the quick profile times its passes at (its warm-up pass fills it)
@@ -256,7 +256,7 @@ def measure(target, drafter, max_tokens: int) -> CostProfile:
 def interpolate(timed: dict[int, float], max_tokens: int) -> dict[int, float]:
     """Latencies for 1..``max_tokens`` rows from those ``timed``: first each timed one lowered to the
     cheapest timed at as many rows or more (a pass over more rows never costs less: a dearer one was
-    slowed by something else), then read as the cost model reads any curve (``curve.latency_at``:
+    slowed by something else), then read as the cost model reads any curve (``latency_curve.latency_at``:
     straight lines between, the last segment continued past the largest timed count), so the curve is
     non-decreasing and exact at every timed point that needed no lowering."""
     floor = {}

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edge_spec.runtime.latency_curve import latency_at
 from edge_spec.runtime.schedule.acceptance import RequestAcceptance
-from edge_spec.runtime.schedule.curve import latency_at
 
 
 @dataclass
@@ -49,7 +49,7 @@ class CostModel:
     overhead: float = 0.0  # what every round spends outside the models (``RoundOverhead``)
 
     def verify_cost(self, n: int) -> float:
-        """The latency of a pass over n new tokens (``curve.latency_at``: the same rule as the profile's)."""
+        """The latency of a pass over n new tokens (``latency_curve.latency_at``: the same rule as the profile's)."""
         return latency_at(self.verify, n)
 
     def round_cost(self, gamma: int, guessed: bool = False) -> float:
