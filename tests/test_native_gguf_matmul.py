@@ -100,6 +100,34 @@ def test_each_kernel_computes_the_blocks_product_with_the_same_bits(native_libra
         assert np.array_equal(got, results["scalar"]), path
 
 
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_the_largest_sums_a_block_can_reach_keep_their_bits(native_library, tmp_path, kind):
+    """Every code and scale at its largest against activations all at +-127: the partial sums the kernels keep
+    in 16-bit halves reach their bounds (Q4_K: 16 products of 15 x 127 = 30480), and every path still gives the
+    reference's value with the scalar path's bits."""
+    rng = np.random.default_rng(kind)
+    k, n = 512, 48
+    raw = random_blocks(rng, kind, n, k).reshape(n, k // 256, -1)
+    if kind == Q4_K:
+        raw[..., 4:] = 0xFF  # 6-bit scales and minimums 63, every 4-bit code 15
+    else:
+        raw[..., :192] = 0xFF  # every 6-bit code 63
+        raw[..., 192:208] = 0x7F  # every sub-block scale 127
+    raw = raw.reshape(n, -1)
+    x = np.ones((9, k), dtype=np.float32)  # more rows than one loop over decoded weights takes
+    x[1::2] = -1.0
+    x[4, 256:] = -3.0  # a row whose blocks differ in sign
+    want = reference(x, raw, kind, k)
+    results = {}
+    for path in PATHS:
+        if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
+            continue
+        results[path] = native_first_output(native_library, model(raw, kind, k), {"x": x}, PATHS[path], tmp_path)
+        np.testing.assert_allclose(results[path], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    for path, got in results.items():
+        assert np.array_equal(got, results["scalar"]), path
+
+
 @pytest.mark.parametrize("n", [96, 1184])  # 3 records of gate rows and 3 of up rows; 37 and 37: work items of
 # 16 gate records and then their up records, the last item part-filled
 @pytest.mark.parametrize("rows", [1, 13])
