@@ -429,19 +429,15 @@ void tile_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
 }
 
 // ---------------------------------------------------------------------------------------------------
-// AVX2: two halves of eight lanes; maddubs + madd give vpdpbusd's sums (no pair of products saturates:
-// 2 * 63 * 127 < 32767)
+// AVX2: two halves of eight lanes; maddubs gives pairs of vpdpbusd's products as int16, and one madd with a
+// sub-block's scale in both halves of a lane turns summed pairs into scale x their sum, an int32 a lane
 
 #define ES_AVX2 "avx2,fma,f16c"
-
-__attribute__((target(ES_AVX2))) inline __m256i dot4(__m256i acc, __m256i codes, __m256i activations) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, activations), _mm256_set1_epi16(1)));
-}
 
 // NR rows at once, each half of a record's 16 outputs in turn.  A sub-block's eight maddubs results (pairs
 // of products, each at most 2 * 15 * 128 in size) are summed as int16 (at most 30720: no saturation), and
 // one madd with the sub-block's scale in both halves of a lane gives scale x the sub-block's sum: the
-// integer the AVX-512 kernel forms with vpmulld, in a third of the instructions of one madd per step.
+// integer the AVX-512 kernel forms, in a third of the instructions of one madd per step.
 template <int NR>
 __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -510,6 +506,10 @@ void tile_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows,
   }
 }
 
+// Q6_K: a sub-block's 16 products as two sums of two maddubs results (each at most 2 * 2 * 63 * 128 = 32256 in
+// size: an int16), each madd-ed with the sub-block's scale; the offset of 32 is taken off once a block, as
+// sum_s sc_s * sums16_s two sub-blocks a madd, shifted by 5 (the AVX-512 kernel's integers, without a vpmulld
+// a sub-block)
 __attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows,
                                                      float* out) {
   __m256 acc[kMaxRows][2];
@@ -536,14 +536,32 @@ __attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int bloc
         c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w1, 4), low4),
                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), low2), 4));
         prefetch_lines(R + kQ6KRecord, 4 * s, 4 - 4 * half);
-        const __m256i scale =
+        const __m256i scale32 =
             _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 32 + 16 * s + 8 * half)));
+        const __m256i scale = _mm256_or_si256(_mm256_and_si256(scale32, _mm256_set1_epi32(0xFFFF)),
+                                              _mm256_slli_epi32(scale32, 16));  // (sc, sc) a lane, as int16
         for (int r = 0; r < nrows; ++r) {
           const int8_t* q = rows[r].q.data() + b * kQK + 16 * s;
-          __m256i part = _mm256_set1_epi32(-32 * rows[r].sums16[b * 16 + s]);
-          for (int j = 0; j < 4; ++j) part = dot4(part, c[j], _mm256_set1_epi32(read_i32(q + 4 * j)));
-          total[r][half] = _mm256_add_epi32(total[r][half], _mm256_mullo_epi32(part, scale));
+          const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], _mm256_set1_epi32(read_i32(q))),
+                                                 _mm256_maddubs_epi16(c[1], _mm256_set1_epi32(read_i32(q + 4))));
+          const __m256i last = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], _mm256_set1_epi32(read_i32(q + 8))),
+                                                _mm256_maddubs_epi16(c[3], _mm256_set1_epi32(read_i32(q + 12))));
+          total[r][half] = _mm256_add_epi32(total[r][half], _mm256_add_epi32(_mm256_madd_epi16(first, scale),
+                                                                             _mm256_madd_epi16(last, scale)));
         }
+      }
+      // the offsets' sum_s sc_s * sums16_s, two sub-blocks a madd (lane o: (sc[2i][o], sc[2i + 1][o]) as int16)
+      __m256i pairs[8];
+      for (int i = 0; i < 8; ++i) {
+        const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 32 + 32 * i + 8 * half));
+        const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 32 + 32 * i + 16 + 8 * half));
+        pairs[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c));
+      }
+      for (int r = 0; r < nrows; ++r) {
+        __m256i offsets = _mm256_setzero_si256();
+        for (int i = 0; i < 8; ++i)
+          offsets = _mm256_add_epi32(offsets, _mm256_madd_epi16(pairs[i], _mm256_set1_epi32(rows[r].pairs16[b * 8 + i])));
+        total[r][half] = _mm256_sub_epi32(total[r][half], _mm256_slli_epi32(offsets, 5));
       }
     }
     for (int half = 0; half < 2; ++half) {
