@@ -434,6 +434,16 @@ void tile_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
 
 #define ES_AVX2 "avx2,fma,f16c"
 
+// lane o of a half's eight outputs: (first[o], first[16 + o]) as int16, from a record's two consecutive 16-byte rows
+// of per-output bytes (Q4_K's minimums, Q6_K's scales: two sub-blocks), sign-extended where Signed
+template <bool Signed>
+__attribute__((target(ES_AVX2))) inline __m256i byte_pairs_avx2(const uint8_t* first) {
+  const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(first));
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(first + 16));
+  const __m128i both = _mm_unpacklo_epi8(a, c);
+  return Signed ? _mm256_cvtepi8_epi16(both) : _mm256_cvtepu8_epi16(both);
+}
+
 // NR rows at once, each half of a record's 16 outputs in turn.  A sub-block's eight maddubs results (pairs
 // of products, each at most 2 * 15 * 128 in size) are summed as int16 (at most 30720: no saturation), and
 // one madd with the sub-block's scale in both halves of a lane gives scale x the sub-block's sum: the
@@ -474,11 +484,7 @@ __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int bloc
         }
       }
       __m256i pairs[4];  // lane o: (minimum[2i][o], minimum[2i + 1][o]) as int16, for this half's outputs
-      for (int i = 0; i < 4; ++i) {
-        const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 192 + 32 * i + 8 * half));
-        const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 192 + 32 * i + 16 + 8 * half));
-        pairs[i] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, c));
-      }
+      for (int i = 0; i < 4; ++i) pairs[i] = byte_pairs_avx2<false>(R + 192 + 32 * i + 8 * half);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 16 * half)));
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 16 * half)));
       for (int r = 0; r < NR; ++r) {
@@ -552,11 +558,7 @@ __attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int bloc
       }
       // the offsets' sum_s sc_s * sums16_s, two sub-blocks a madd (lane o: (sc[2i][o], sc[2i + 1][o]) as int16)
       __m256i pairs[8];
-      for (int i = 0; i < 8; ++i) {
-        const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 32 + 32 * i + 8 * half));
-        const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 32 + 32 * i + 16 + 8 * half));
-        pairs[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c));
-      }
+      for (int i = 0; i < 8; ++i) pairs[i] = byte_pairs_avx2<true>(R + 32 + 32 * i + 8 * half);
       for (int r = 0; r < nrows; ++r) {
         __m256i offsets = _mm256_setzero_si256();
         for (int i = 0; i < 8; ++i)
