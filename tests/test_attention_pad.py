@@ -1,5 +1,8 @@
 """A target graph that pads its own attention (``export.graph.attention_pad``), and the per-device check that
-decides whether its one-token passes are exact (``runtime.model.row_invariance``)."""
+decides whether its one-token passes are exact (``runtime.model.row_invariance``).
+
+The pad serves ONNX Runtime's attention op, so these tests run on it; on edge-spec's native op the runtime
+loads the target without the pad (``tests/test_native_attention.py``)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,11 @@ from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_
 from tests import tiny_models
 
 CAPACITY = 48
+
+
+@pytest.fixture(autouse=True)
+def orts_attention(monkeypatch):
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_ATTENTION", "0")
 
 
 @pytest.fixture(scope="module")

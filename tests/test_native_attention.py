@@ -260,6 +260,35 @@ def test_the_target_runs_its_attention_on_the_native_op(native_library, target_p
     assert target_path.read_bytes() == before
 
 
+def test_on_the_native_op_the_target_drops_its_attention_pad(native_library, target_path):
+    """The pad row exists to take ORT's op off its one-query path; the native op has none, so a target loaded
+    on it runs without the pad (a row of attention and three nodes a layer less) and computes what it
+    computes with the pad bit for bit, one-row passes included, on any CPU (the matmuls see the same rows)."""
+    from edge_spec.runtime.model.decoder import Decoder
+
+    native = Decoder(target_path, threads=1, capacity=19)
+    padded = Decoder(target_path, threads=1, capacity=19, attention_pad=True)
+    assert native.native_attention and native.attention_pad_removed and not native.pads_attention
+    assert padded.native_attention and padded.pads_attention and not padded.attention_pad_removed
+    assert native.one_row_attention_exact and padded.one_row_attention_exact
+    chunks = [[5, 17, 42, 99, 7, 3, 250, 61, 11, 12], [40], [41, 42], [43], [44, 45, 46], [47], [48]]
+
+    def logits(decoder: Decoder) -> np.ndarray:
+        return np.concatenate([decoder.forward(chunk, len(chunk))["logits"] for chunk in chunks])
+
+    assert np.array_equal(logits(native), logits(padded))
+    assert native.length == native.capacity  # the last slot still fills without the pad row's spare
+
+
+def test_orts_op_keeps_the_attention_pad(native_library, target_path):
+    from edge_spec.runtime.model.decoder import Decoder
+
+    plain = Decoder(target_path, threads=1, capacity=64, native_attention=False)
+    assert plain.pads_attention and not plain.attention_pad_removed and plain.one_row_attention_exact
+    stripped = Decoder(target_path, threads=1, capacity=64, native_attention=False, attention_pad=False)
+    assert not stripped.pads_attention and not stripped.one_row_attention_exact
+
+
 def test_greedy_speculative_equals_autoregressive_on_the_native_op(native_library, int4_bundle):
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.verify.sampling import SamplingParams
@@ -276,6 +305,25 @@ def test_greedy_speculative_equals_autoregressive_on_the_native_op(native_librar
             assert got == reference, f"γ={gamma} prompt={prompt!r}"
             rejections += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
     assert rejections > 0, "the drafter never disagreed: rollback not exercised"
+
+
+def test_without_the_pad_the_engine_still_finds_one_row_passes_exact_where_they_are(
+    native_library, int4_bundle, monkeypatch, tmp_path
+):
+    """The device check still runs for the unpadded target on the native op, and what it finds holds: greedy
+    speculative output equals ar --exact's, and plain one-row ar's where one row was found exact."""
+    from edge_spec.runtime.engine import Engine
+    from edge_spec.runtime.model.row_invariance import one_row_passes_match
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a device not seen before
+    engine = Engine.from_bundle(int4_bundle, threads=1, mode="spec", draft_head="trim-64")
+    assert engine.bundle.target.attention_pad_removed
+    expected = 1 if one_row_passes_match(engine.bundle.target) else 2
+    assert engine.bundle.exact_rows() == expected
+    reference = engine.complete("def is_prime", max_new_tokens=24, mode="ar", exact=True).token_ids
+    assert engine.complete("def is_prime", max_new_tokens=24).token_ids == reference
+    if expected == 1:
+        assert engine.complete("def is_prime", max_new_tokens=24, mode="ar").token_ids == reference
 
 
 def test_without_a_compiler_the_runtime_keeps_orts_op(monkeypatch, tmp_path, target_path):

@@ -1,9 +1,10 @@
 """What the target graph's attention pad costs a pass, by rows, after a long prompt.
 
 The exported target gives its attention a throw-away query row so that one-row passes can be exact
-(``edge_spec.export.graph.attention_pad``).  Where the device check finds they are not exact anyway, the pad still
-costs a row of attention in every pass; the runtime keeps it there because without it one-row logits part
-further from multi-row ones.  This times the same target with the pad and without it (stripped in memory:
+(``edge_spec.export.graph.attention_pad``).  On ONNX Runtime's attention op, where the device check finds they
+are not exact anyway, the pad still costs a row of attention in every pass; the runtime keeps it there because
+without it one-row logits part further from multi-row ones.  On edge-spec's native op (no one-query path) the
+runtime drops it; this prices what that saves.  This times the same target with the pad and without it (stripped in memory:
 ``edge_spec.runtime.model.attention_unpad``), in one process, the passes interleaved so that drift hits
 both alike: medians in ms.
 

@@ -134,7 +134,7 @@ def _print_costs(bundle: Path, load: LoadFlags, gamma: int | None, draft_head: s
         "one-row passes equal multi-row ones bit for bit on this device"
         if rows == 1
         else "this device's one-row kernels round differently"
-        if engine.bundle.target.pads_attention
+        if engine.bundle.target.one_row_attention_exact
         else "the target graph predates the attention pad: re-export, or "
         "edge_spec.export.graph.attention_pad.pad_bundle_target(BUNDLE)"
     )

@@ -257,16 +257,19 @@ class LoadedBundle:
         o = self.options
         provider_options = ",".join(f"{k}={v}" for k, v in sorted((o.provider_options or {}).items()))
         native = "+native-attention" if getattr(self.target, "native_attention", False) else ""
+        if getattr(self.target, "attention_pad_removed", False):
+            native += "-unpadded"  # a row of attention less in every pass
         return f"{o.provider}[{provider_options}]{native}/{o.drafter_provider}", f"{o.threads}/{o.drafter_threads}"
 
     def exact_rows(self, check: bool = True) -> int:
         """Rows a batch-invariant target pass needs on this device: one where one-row passes were found
-        equal to multi-row ones bit for bit (a graph that pads its own attention, on kernels without a
-        one-row path; checked once per device and cached: ``row_invariance``), else the provider's.
+        equal to multi-row ones bit for bit (attention without a one-query path: padded by the graph, or on the
+        native op; matmul kernels without a one-row path: checked once per device and cached:
+        ``row_invariance``), else the provider's.
         ``check`` False reads the cached verdict only: before the check, the provider's rows, exact
         without it (what the answers before :meth:`check_device` run)."""
         if self._one_row_exact is None:
-            if not self.target.pads_attention:
+            if not self.target.one_row_attention_exact:
                 self._one_row_exact = False
             else:
                 key = cost_profile.target_key(self.manifest, *self._placement())

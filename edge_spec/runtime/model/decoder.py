@@ -32,7 +32,8 @@ their terms in another order.
 Where only the attention has a one-row path (``MatMulNBits`` is row-invariant on some CPUs, e.g. with
 AVX-512 VNNI), a target graph that pads its attention itself (``export.graph.attention_pad``: metadata
 ``edge_spec.attention_pad``) makes one-row passes exact at the price of one attention row instead of
-one row through every matmul; whether this machine is such a CPU is measured, not assumed
+one row through every matmul (edge-spec's native attention op has no one-query path: a graph whose attention
+runs on it is loaded without the pad, which would only cost that row); whether this machine is such a CPU is measured, not assumed
 (:mod:`row_invariance`), and exact target-only passes take ``min_rows`` 1 then (speculative ones keep
 a second row for the free guess: ``LoadedBundle.pass_rows``).  Such a graph writes its pad row's keys one slot
 past the sequence, so its cache has one spare slot.
@@ -67,6 +68,7 @@ from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
 from edge_spec.runtime.model.native_attention import (
+    all_attention_native,
     native_library,
     native_matmul_route,
     prompt_path,
@@ -231,14 +233,15 @@ class Decoder:
         min_rows: int = 1,
         provider_options: dict[str, str] | None = None,
         kv_device: str | None = None,
-        attention_pad: bool = True,
+        attention_pad: bool | None = None,
         native_attention: bool = True,
         prompt_graph: Path | None = None,
     ) -> None:
         """``provider_options`` go to the execution provider as they are (e.g. ``device_id``);
         ``kv_device`` overrides where the KV cache lives (default: the provider's device when ORT can
         allocate there, else host memory; see :mod:`kv_cache`); ``attention_pad`` False loads a graph
-        that pads its attention without that pad (:mod:`attention_unpad`: for measuring what it costs);
+        that pads its attention without that pad (:mod:`attention_unpad`), True keeps it, None (the default) keeps it
+        only where ORT's attention op runs (the native op has no one-query path for it to avoid);
         ``native_attention`` False keeps ORT's own attention op where the native one would replace it
         (:mod:`native_attention`; ``EDGE_SPEC_NATIVE_ATTENTION=0`` does the same for every decoder);
         ``prompt_graph``: a graph that reads prompts (:meth:`prefill`) in this one's place, into the same
@@ -276,7 +279,9 @@ class Decoder:
         self.stats = DecoderStats()
         self.transfers = Transfers()
         self.on_device = provider.lower() != "cpu"  # inputs bound from host memory cross the bus
-        slots = capacity + int(self.pads_attention)  # the attention pad row's keys go one slot past the sequence
+        # the attention pad row's keys go one slot past the sequence (kept where the pad was stripped: a prompt
+        # graph sharing the cache may still carry it)
+        slots = capacity + int(self.pads_attention or self.attention_pad_removed)
         self.kv = kv_storage(provider, (1, kv_heads, slots, head_dim), 2 * self.num_layers, kv_device, provider_options)
         self.supports_tree = {"position_ids", "attention_bias"} <= self.input_names
         self._binding = self.session.io_binding()
@@ -317,7 +322,7 @@ class Decoder:
         opts: ort.SessionOptions,
         provider: str,
         provider_options: dict[str, str] | None,
-        attention_pad: bool,
+        attention_pad: bool | None,
         native_attention: bool,
         prompt: bool = False,
     ) -> tuple[ort.InferenceSession, bool, bool]:
@@ -335,15 +340,16 @@ class Decoder:
         except Exception:  # noqa: BLE001  (a damaged graph: ORT's own load below says so in one line)
             graph = None
         if graph is not None:
-            if not attention_pad and has_attention_pad(graph):
-                strip_attention_pad(graph)
-                pad_removed = True
             register, why_not_native = native_matmul_route(graph, provider)
             if why_not_native:
                 self._lean_weights.extend(_load_as_lean(graph, model_path, why_not_native, opts))
             if library is not None and use_native_attention(graph, bf16_products=prompt):
                 native = True
                 register = library
+            keep_pad = not all_attention_native(graph) if attention_pad is None else attention_pad
+            if not keep_pad and has_attention_pad(graph):
+                strip_attention_pad(graph)
+                pad_removed = True
             if register is not None:
                 opts.register_custom_ops_library(str(register))
             if pad_removed or native or why_not_native:
@@ -384,6 +390,13 @@ class Decoder:
         self.__dict__.pop("kv", None)
         for session in ("session", "prompt_session"):  # before the weights a lean-form graph reads from memory
             self.__dict__.pop(session, None)
+
+    @property
+    def one_row_attention_exact(self) -> bool:
+        """Whether a one-row pass's attention rounds as a multi-row pass's does: the graph pads its attention,
+        or it runs on the native op, which has no one-query path (then only the matmuls decide whether
+        one-row passes are exact: :mod:`row_invariance` checks)."""
+        return self.pads_attention or (self.native_attention and self.attention_pad_removed)
 
     @property
     def exact_rows(self) -> int:

@@ -81,6 +81,13 @@ def use_native_attention(model: onnx.ModelProto, bf16_products: bool = False) ->
     return moved
 
 
+def all_attention_native(model: onnx.ModelProto) -> bool:
+    """Whether every attention node of ``model`` runs on the native op (after :func:`use_native_attention`):
+    then no query row takes a one-query path, and a graph's attention pad would only cost its row."""
+    nodes = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    return bool(nodes) and all(n.domain == NATIVE_DOMAIN for n in nodes)
+
+
 def gguf_matmul_path(library: Path) -> str:
     """Which kernels the native ``MatMulGGUF`` runs on this CPU: "avx512", "avx2" or "scalar"."""
     return _library_answer(library, "EdgeSpecGGUFMatMulPath", "scalar")

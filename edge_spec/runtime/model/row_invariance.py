@@ -5,8 +5,9 @@ Why measured and not assumed: which kernel ONNX Runtime runs for a one-row matmu
 rounds differently) and on the execution provider.  Greedy speculative decoding promises the answer
 of target-only decoding bit for bit, so the runtime pads one-token passes (``Decoder.min_rows``)
 unless this check, run through the decoder exactly as the loop runs it, finds one-row passes equal to
-multi-row ones.  It only runs for a graph that pads its own attention (``Decoder.pads_attention``):
-without that, attention's one-query path differs on every CPU measured.
+multi-row ones.  It only runs where attention has no one-query path (``Decoder.one_row_attention_exact``:
+a graph that pads its own attention, or one whose attention runs on the native op): ORT's one-query path
+differs on every CPU measured.
 
 The probes write past what the decoder's cache holds and leave it, and the decoder's pass statistics, as
 they were: the engine runs them after an answer (a chat's next turn reuses that cache), and their passes
