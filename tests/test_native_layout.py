@@ -20,6 +20,7 @@ from edge_spec.export.graph.builder import BuildOptions, build_decoder, save_mod
 from edge_spec.native import build  # noqa: E402
 from edge_spec.runtime.model import native_attention  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
+from edge_spec.runtime.model.last_rows import SUFFIX, cut_rows_early  # noqa: E402
 from tests import tiny_models  # noqa: E402
 
 HIDDEN = 256  # the native op takes rows of whole 256-weight super-blocks
@@ -79,6 +80,33 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(weights, native_libra
     whole = _logits(path, [IDS])
     parts = _logits(path, [IDS[:1], IDS[1:4], IDS[4:]])
     np.testing.assert_array_equal(parts, whole)
+
+
+def test_the_last_layer_runs_only_the_rows_whose_logits_are_asked(weights, native_library, tmp_path, monkeypatch):
+    """Its output projection, MLP and the final norm see the pass's last num_logits rows alone, and every logit
+    keeps its bits: prompt-sized passes asking for one row, verify-sized ones asking for all, one-row ones."""
+    path = _path(weights, tmp_path, carry_native=True)
+    graph = onnx.load(str(path), load_external_data=False)
+    assert cut_rows_early(graph) == 5  # the last layer's o, norm, gate and up, down, and the final norm
+    cuts = [n for n in graph.graph.node if n.name.endswith(SUFFIX)]
+    assert sorted(n.input[0].split("/")[-1] for n in cuts) == ["attn", "resid1"]
+    assert cut_rows_early(onnx.load(str(_path(weights, tmp_path)), load_external_data=False)) == 0  # lean: kept
+
+    def logits(decoder: Decoder) -> list[np.ndarray]:
+        passes = [(IDS[:7], 1), (IDS[7:8], 1), (IDS[8:], 2), (IDS[:4], 4), (IDS[4:9], 3)]
+        out = []
+        for chunk, asked in passes:
+            if len(decoder.tokens) + len(chunk) > decoder.capacity:
+                decoder.reset()
+            out.append(decoder.forward(chunk, asked)["logits"])
+        return out
+
+    early = logits(Decoder(path, capacity=64, threads=1))
+    monkeypatch.setattr("edge_spec.runtime.model.decoder.cut_rows_early", lambda model: 0)
+    late = logits(Decoder(path, capacity=64, threads=1))
+    assert [a.shape for a in early] == [(1, 384), (1, 384), (2, 384), (4, 384), (3, 384)]
+    for a, b in zip(early, late):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_without_the_library_a_native_graph_runs_as_the_lean_layout_does(weights, tmp_path, monkeypatch, caplog):

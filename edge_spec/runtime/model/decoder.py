@@ -67,6 +67,7 @@ from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_atten
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
+from edge_spec.runtime.model.last_rows import cut_rows_early
 from edge_spec.runtime.model.native_attention import (
     all_attention_native,
     native_library,
@@ -328,8 +329,9 @@ class Decoder:
     ) -> tuple[ort.InferenceSession, bool, bool]:
         """(the ORT session of ``model_path``, whether its attention pad was removed, whether its attention
         runs on the native op), its graph first rewritten where asked (attention pad removed, the native
-        attention op in ORT's place; for a ``prompt`` graph only where the op has a prompt path here); a graph
-        ORT cannot load is one line."""
+        attention op in ORT's place; for a ``prompt`` graph only where the op has a prompt path here; the last
+        layer's tail cut to the rows whose logits are asked where its matmuls are native: :mod:`last_rows`); a
+        graph ORT cannot load is one line."""
         model: str | bytes = str(model_path)
         pad_removed = native = False
         library = native_library(provider) if native_attention else None
@@ -341,6 +343,7 @@ class Decoder:
             graph = None
         if graph is not None:
             register, why_not_native = native_matmul_route(graph, provider)
+            cut_early = register is not None and cut_rows_early(graph) > 0
             if why_not_native:
                 self._lean_weights.extend(_load_as_lean(graph, model_path, why_not_native, opts))
             if library is not None and use_native_attention(graph, bf16_products=prompt):
@@ -352,7 +355,7 @@ class Decoder:
                 pad_removed = True
             if register is not None:
                 opts.register_custom_ops_library(str(register))
-            if pad_removed or native or why_not_native:
+            if pad_removed or native or why_not_native or cut_early:
                 model = graph.SerializeToString()
                 # the weights stay in their file beside the graph, found from there
                 opts.add_session_config_entry(
