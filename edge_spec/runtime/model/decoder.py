@@ -343,7 +343,7 @@ class Decoder:
             graph = None
         if graph is not None:
             register, why_not_native = native_matmul_route(graph, provider)
-            cut_early = register is not None and cut_rows_early(graph) > 0
+            native_matmuls = register is not None
             if why_not_native:
                 self._lean_weights.extend(_load_as_lean(graph, model_path, why_not_native, opts))
             if library is not None and use_native_attention(graph, bf16_products=prompt):
@@ -353,6 +353,7 @@ class Decoder:
             if not keep_pad and has_attention_pad(graph):
                 strip_attention_pad(graph)
                 pad_removed = True
+            cut_early = native_matmuls and cut_rows_early(graph) > 0
             if register is not None:
                 opts.register_custom_ops_library(str(register))
             if pad_removed or native or why_not_native or cut_early:

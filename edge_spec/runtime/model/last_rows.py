@@ -57,9 +57,8 @@ def cut_rows_early(model: onnx.ModelProto) -> int:
     inside = [n for n in nodes if n.output[0] in tail]
     if not any(n.op_type == "MatMulGGUF" for n in inside):
         return 0
-    made = {name for node in inside for name in node.output}
-    constants = {t.name for t in graph.initializer}
-    entering = sorted({name for node in inside for name in node.input if name and name not in made | constants})
+    known = {name for node in inside for name in node.output} | {t.name for t in graph.initializer}
+    entering = sorted({name for node in inside for name in node.input if name and name not in known})
     for node in inside:
         for index, name in enumerate(node.input):
             if name in entering:
