@@ -16,11 +16,9 @@ runtime's target and drafter do, so the idle copy does not take the cores of the
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,9 +26,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from edge_spec.bench.interleaved import fastest_prefill, interleaved_passes, random_ids  # noqa: E402
 from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.native import build  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
+from edge_spec.runtime.model import huge_pages  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
 
 
@@ -49,11 +49,6 @@ def build_revision(revision: str, into: Path) -> Path:
     return library
 
 
-def random_ids(rng: np.random.Generator, count: int) -> list[int]:
-    """``count`` token ids drawn from the vocabulary's common middle (timing does not depend on which)."""
-    return [int(t) for t in rng.integers(100, 20000, count)]
-
-
 def target_with(library: Path, bundle: Path, manifest: dict, threads: int) -> Decoder:
     """The bundle's target with ``library`` as its native ops."""
     chosen = build.library_path
@@ -67,37 +62,6 @@ def target_with(library: Path, bundle: Path, manifest: dict, threads: int) -> De
         )
     finally:
         build.library_path = chosen
-
-
-def passes(decoders: list[Decoder], context: int, rows: list[int], repeats: int, rng) -> list[dict[int, float]]:
-    """Median ms of a pass of each row count after ``context`` prompt tokens, per decoder."""
-    prompt = random_ids(rng, context)
-    for decoder in decoders:
-        decoder.reset()
-        decoder.prefill(prompt)
-    times: list[dict[int, list[float]]] = [{n: [] for n in rows} for _ in decoders]
-    for _ in range(repeats):
-        for n in rows:
-            ids = random_ids(rng, n)
-            for decoder, timed in zip(decoders, times):
-                start = time.perf_counter()
-                decoder.forward(ids, n)
-                timed[n].append(time.perf_counter() - start)
-                decoder.rewind(context)
-    return [{n: statistics.median(t[n]) * 1e3 for n in rows} for t in times]
-
-
-def prefill_seconds(decoders: list[Decoder], tokens: int, repeats: int, rng) -> list[float]:
-    """Fastest read of a ``tokens``-token prompt (passes of 512), per decoder, the decoders taking turns."""
-    prompt = random_ids(rng, tokens)
-    best = [float("inf")] * len(decoders)
-    for _ in range(repeats):
-        for i, decoder in enumerate(decoders):
-            decoder.reset()
-            start = time.perf_counter()
-            decoder.prefill(prompt)
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -121,24 +85,31 @@ def main() -> None:
             libraries = {f"{args.before} (before)": build_revision(args.before, Path(scratch)), "working tree": current}
         else:
             paths = [Path(p) for p in args.libraries.split(",")]
-            libraries = {p.name: p for p in paths}
+            if len(paths) != 2:
+                raise SystemExit("--libraries takes two paths, comma separated")
+            # labelled by file name, or by the whole path where the two names are the same
+            libraries = {(str(p) if paths[0].name == paths[1].name else p.name): p for p in paths}
         manifest = read_manifest(args.bundle)
-        decoders = [target_with(lib, args.bundle, manifest, args.threads) for lib in libraries.values()]
+        decoders = {name: target_with(lib, args.bundle, manifest, args.threads) for name, lib in libraries.items()}
+        huge_pages.wait_all()  # each timed on the pages it keeps
+        width = max(22, *(len(name) + 1 for name in libraries))
         rng = np.random.default_rng(0)
-        for decoder in decoders:  # page the weights in before anything is timed
-            decoder.prefill(random_ids(rng, 64))
         print(f"{args.bundle.name}, {args.threads} threads, medians of {args.repeats} passes, ms")
         for context in (int(c) for c in args.context.split(",")):
             print(
-                f"\nafter {context} tokens    " + "".join(f"{n:>4} rows" for n in rows) + "   each row past the first"
+                f"\n{f'after {context} tokens':{width}s}"
+                + "".join(f"{n:>4} rows" for n in rows)
+                + "   each row past the first"
             )
-            for name, med in zip(libraries, passes(decoders, context, rows, args.repeats, rng)):
+            medians = interleaved_passes(decoders, random_ids(rng, context), rows, args.repeats, rng)
+            for name, seconds in medians.items():
+                med = {n: s * 1e3 for n, s in seconds.items()}
                 extra = " ".join(f"{(med[n] - med[rows[0]]) / (n - rows[0]):.1f}" for n in rows[1:])
-                print(f"{name:22s}" + "".join(f"{med[n]:9.1f}" for n in rows) + f"   {extra}")
+                print(f"{name:{width}s}" + "".join(f"{med[n]:9.1f}" for n in rows) + f"   {extra}")
         if args.prefill:
             print(f"\nreading a {args.prefill}-token prompt in passes of 512, fastest of 3")
-            for name, seconds in zip(libraries, prefill_seconds(decoders, args.prefill, 3, rng)):
-                print(f"{name:22s} {seconds:6.2f} s  ({args.prefill / seconds:.0f} tokens/s)")
+            for name, seconds in fastest_prefill(decoders, args.prefill, 3, rng).items():
+                print(f"{name:{width}s} {seconds:6.2f} s  ({args.prefill / seconds:.0f} tokens/s)")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ both alike: medians in ms.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 
+from edge_spec.bench.interleaved import interleaved_passes, random_ids
 from edge_spec.manifest import read_manifest
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.model.decoder import Decoder
@@ -38,31 +38,20 @@ def main() -> None:
         raise SystemExit(
             f"--rows must be 1 or more, and --context plus the most rows fit the bundle's context of {capacity} tokens"
         )
-    rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(100, 20000, args.context)]
     graph = args.bundle / manifest["target"]["onnx"]
     decoders = {
         # takes_turns: each session's threads stop spinning after its pass, so the idle one leaves the cores
-        pad: Decoder(graph, threads=args.threads, capacity=capacity, attention_pad=pad, takes_turns=True)
-        for pad in (True, False)
+        name: Decoder(graph, threads=args.threads, capacity=capacity, attention_pad=pad, takes_turns=True)
+        for name, pad in (("padded", True), ("unpadded", False))
     }
     huge_pages.wait_all()  # both timed on the pages they keep
-    if not decoders[True].pads_attention:
+    if not decoders["padded"].pads_attention:
         raise SystemExit("this bundle's target does not pad its attention: nothing to compare")
-    for decoder in decoders.values():
-        decoder.prefill(prompt)
-    times: dict[tuple[bool, int], list[float]] = {}
-    for _ in range(args.repeats + 2):  # the first two of each are warm-up
-        for rows in args.rows:
-            for pad, decoder in decoders.items():
-                decoder.rewind(len(prompt))
-                ids = [int(t) for t in rng.integers(100, 20000, rows)]
-                started = time.perf_counter()
-                decoder.forward(ids, rows)
-                times.setdefault((pad, rows), []).append(time.perf_counter() - started)
+    rng = np.random.default_rng(0)
+    medians = interleaved_passes(decoders, random_ids(rng, args.context), args.rows, args.repeats, rng)
     print(f"{args.context}-token prompt, {args.threads} threads, medians of {args.repeats} passes, ms")
     for rows in args.rows:
-        padded, unpadded = (float(np.median(times[(pad, rows)][2:])) * 1e3 for pad in (True, False))
+        padded, unpadded = (medians[name][rows] * 1e3 for name in ("padded", "unpadded"))
         print(f"{rows:3d} rows: padded {padded:7.1f}, without the pad {unpadded:7.1f}  ({padded / unpadded:.3f}x)")
 
 

@@ -11,12 +11,11 @@ session's threads stop spinning after its pass.  Medians in seconds.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
+from edge_spec.bench.interleaved import interleaved_passes, random_ids
 from edge_spec.manifest import read_manifest
 from edge_spec.runtime.model import decoder as decoder_module
 from edge_spec.runtime.model import huge_pages
@@ -45,20 +44,10 @@ def main() -> None:
         decoder_module.cut_rows_early = moving
     huge_pages.wait_all()  # both timed on the pages they keep
     rng = np.random.default_rng(0)
-    context = [int(t) for t in rng.integers(100, 20000, args.context)]
-    decoders = {"cut": cut, "whole": whole}
-    for decoder in decoders.values():
-        decoder.prefill(context)
-    times: dict[str, list[float]] = {name: [] for name in decoders}
-    for repeat in range(args.repeats + 2):  # the first two of each are warm-up
-        ids = [int(t) for t in rng.integers(100, 20000, args.rows)]
-        order = list(decoders.items())
-        for name, decoder in order if repeat % 2 else order[::-1]:
-            decoder.rewind(args.context)
-            started = time.perf_counter()
-            decoder.forward(ids, 1)
-            times[name].append(time.perf_counter() - started)
-    cut_s, whole_s = (statistics.median(times[name][2:]) for name in ("cut", "whole"))
+    medians = interleaved_passes(
+        {"cut": cut, "whole": whole}, random_ids(rng, args.context), [args.rows], args.repeats, rng, logit_rows=1
+    )
+    cut_s, whole_s = (medians[name][args.rows] for name in ("cut", "whole"))
     print(f"{args.rows}-token passes after {args.context} tokens, {args.threads} threads, medians of {args.repeats}, s")
     print(f"  the last layer on every row {whole_s:.3f}, on the asked row alone {cut_s:.3f}  ({whole_s / cut_s:.3f}x)")
 
