@@ -76,6 +76,23 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, s3));
 }
 
+// the most rows of a decode or verify pass: its work items take blocks of 4 rows, and it asks for keys ahead
+constexpr int kFewRows = 16;
+
+#ifdef ES_X86
+// Keys a score kernel asks for ahead of the four it multiplies, in a pass of at most kFewRows rows, in the first
+// block of query vectors to meet each tile of keys (the block that reads them from memory; the others find them
+// in L1).  Such a pass reads every key once, and with the hardware prefetcher alone its scores waited on memory:
+// asking 16 keys ahead made one-row and five-row attention after 2,800 tokens about 10% faster on a Zen 4 EPYC
+// (5% on its AVX2 kernels).  A prefetch past the cache's end never faults.
+constexpr int kKeysAhead = 16;
+
+inline void prefetch_keys(const float* K, int t, int h) {
+  const char* from = reinterpret_cast<const char*>(K + static_cast<size_t>(t + kKeysAhead) * h);
+  for (size_t line = 0; line < sizeof(float) * 4 * h; line += 64) _mm_prefetch(from + line, _MM_HINT_T0);
+}
+#endif
+
 // dots of NQ query vectors with NK consecutive keys from k: acc lane j sums q[8c+j]*k[8c+j] over c in order,
 // then hsum256, whatever NQ and NK (so every block shape gives the same bits).  HC: the head size in 8-float
 // chunks when known at compile time (the loop unrolls into registers), else 0.
@@ -103,10 +120,11 @@ __attribute__((target("avx2,fma"), always_inline)) inline void dots_avx(const fl
 // the tail two and one at a time
 template <int NQ, int HC>
 __attribute__((target("avx2,fma"))) void score_block_avx(const float* const* q, const float* K, int t0, int t1,
-                                                         int h, float alpha, float* row, size_t span) {
+                                                         int h, float alpha, float* row, size_t span, bool ahead) {
   float d[NQ * 4];
   int t = t0;
   for (; t + 3 < t1; t += 4) {
+    if (ahead) prefetch_keys(K, t, h);
     dots_avx<NQ, 4, HC>(q, K + static_cast<size_t>(t) * h, h, d);
     for (int j = 0; j < NQ; ++j)
       for (int u = 0; u < 4; ++u) row[j * span + t + u] = alpha * d[j * 4 + u];
@@ -126,11 +144,11 @@ constexpr int kScoreQueries = 3;  // query vectors a score block takes (see scor
 
 template <int HC>
 void score_avx(const float* const* q, int m, const float* K, int t0, int t1, int h, float alpha, float* row,
-               size_t span) {
+               size_t span, bool ahead) {
   switch (m) {
-    case 1: score_block_avx<1, HC>(q, K, t0, t1, h, alpha, row, span); break;
-    case 2: score_block_avx<2, HC>(q, K, t0, t1, h, alpha, row, span); break;
-    default: score_block_avx<kScoreQueries, HC>(q, K, t0, t1, h, alpha, row, span); break;
+    case 1: score_block_avx<1, HC>(q, K, t0, t1, h, alpha, row, span, ahead); break;
+    case 2: score_block_avx<2, HC>(q, K, t0, t1, h, alpha, row, span, ahead); break;
+    default: score_block_avx<kScoreQueries, HC>(q, K, t0, t1, h, alpha, row, span, ahead); break;
   }
 }
 
@@ -182,10 +200,11 @@ __attribute__((target(ES_AVX512_ATTENTION), always_inline)) inline __m512 reduce
 template <int HC>
 __attribute__((target(ES_AVX512_ATTENTION))) void score_pairs_avx512(const float* pairs, int m, const float* K,
                                                                      int t0, int t1, int h, float alpha, float* row,
-                                                                     size_t span) {
+                                                                     size_t span, bool ahead) {
   const int chunks = HC ? HC : h / 8;
   const __m512 scale = _mm512_set1_ps(alpha);
   for (int t = t0; t < t1; t += 4) {
+    if (ahead) prefetch_keys(K, t, h);
     const int keys = std::min(4, t1 - t);
     const float* k[4];
     for (int u = 0; u < 4; ++u) k[u] = K + static_cast<size_t>(t + std::min(u, keys - 1)) * h;
@@ -530,6 +549,7 @@ void attend(const Pass& P, size_t item) {
 
   // scores: each key read once for all nq query vectors
 #ifdef ES_X86
+  const bool few = P.rows <= kFewRows;  // a decode or verify pass: its keys come from memory (kKeysAhead)
   // keys in tiles that stay in L1 while every block of query vectors is scored against them
   constexpr int kKeyTile = 32;
   if (P.avx512) {
@@ -544,7 +564,7 @@ void attend(const Pass& P, size_t item) {
         const int m = std::min(kBlock, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
         with_head_chunks(H, [&](auto hc) {
-          score_pairs_avx512<decltype(hc)::value>(pairs, m, K, t0, t1, H, P.alpha, row, span);
+          score_pairs_avx512<decltype(hc)::value>(pairs, m, K, t0, t1, H, P.alpha, row, span, i0 == 0 && few);
         });
       }
     }
@@ -555,7 +575,7 @@ void attend(const Pass& P, size_t item) {
         const int m = std::min(kScoreQueries, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
         with_head_chunks(H, [&](auto hc) {
-          score_avx<decltype(hc)::value>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span);
+          score_avx<decltype(hc)::value>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span, i0 == 0 && few);
         });
       }
     }
@@ -1108,7 +1128,7 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
   // work items: (batch, kv head, block of rows); a row's result does not depend on its block.  Every block
   // streams its heads' keys and values once: a few items for the threads of a verify pass, large blocks
   // for a prefill chunk (its queries stay in L2 while each key is read).
-  P.row_block = S <= 2 ? S : (S <= 16 ? 4 : 32);
+  P.row_block = S <= 2 ? S : (S <= kFewRows ? 4 : 32);
   P.blocks_per_head = (S + P.row_block - 1) / P.row_block;
   const size_t items = static_cast<size_t>(B) * kvN * P.blocks_per_head;
   if (items == 1) {
