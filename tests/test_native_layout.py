@@ -180,3 +180,77 @@ def test_auto_is_native_where_the_op_runs_here_and_lean_elsewhere(monkeypatch):
     assert said == ["GGUF layout: lean, not native, since no compiler here"]
     assert chosen_layout(ExportOptions(gguf_layout="native"), said.append) == "native"  # asked for: kept
     assert chosen_layout(ExportOptions(gguf_layout="fast"), said.append) == "fast"
+
+
+RESCORED = 8
+
+
+@pytest.fixture(scope="module")
+def headed():
+    """The tiny Qwen2 with only its LM head carried, as Q6_K blocks (a Q4_K_M file's head): the layers are the
+    same int4 matrices in every layout, so two layouts' logits differ only where their LM heads do."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = tiny_models.loaded("h", tiny_models.make_qwen2(seed=0, hidden=HIDDEN), tiny_models.make_tokenizer()).weights
+    n, k = w.lm_head.shape
+    raw = tiny_models.random_k_quant_blocks(np.random.default_rng(1), "Q6_K", n, k, factor=(5e-4, 2e-3))
+    w.lm_head = quants.dequantize(raw, GGMLQuantizationType.Q6_K).reshape(n, k)  # the rows scored again
+    w.carried["lm_head"] = carry_gguf(raw, "Q6_K", n, k)
+    return w
+
+
+def _headed_path(weights, folder, native: bool):
+    path = folder / f"head-{'native' if native else 'lean'}.onnx"
+    if not path.exists():
+        options = BuildOptions("int4", context_length=64, head_rescore=RESCORED, carry_native=native)
+        save_model(build_decoder(weights, options), path)
+    return path
+
+
+def _best(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return logits.argmax(-1), logits.max(-1)
+
+
+def test_the_native_layout_ranks_an_8_bit_head_by_q4_k_blocks_under_its_op(headed, native_library, tmp_path):
+    from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY
+
+    path = _headed_path(headed, tmp_path, native=True)
+    model = onnx.load(str(path), load_external_data=False)
+    head = [n for n in model.graph.node if n.op_type in ("MatMulGGUF", "MatMulNBits") and n.name.startswith("lm_head/")]
+    assert [(n.op_type, {a.name: a.i for a in n.attribute}["type"]) for n in head] == [("MatMulGGUF", Q4_K)]
+    assert any(n.op_type == "TopK" for n in model.graph.node)  # its best rows are still scored again
+    assert {p.key: p.value for p in model.metadata_props}[ACCURACY_LEVEL_KEY] == "4"
+    native = _logits(path, [IDS])
+    lean = _logits(_headed_path(headed, tmp_path, native=False), [IDS])  # the head ranked in MatMulNBits blocks
+    # the best rows come from the same 8-bit rows and the same hidden states: the same token, the same logit
+    for a, b in zip(_best(native), _best(lean)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(native, lean)  # negative control: the rows left at 4 bits are rounded otherwise
+    assert np.corrcoef(native.ravel(), lean.ravel())[0, 1] > 0.99
+
+
+def test_without_the_library_the_q4_k_head_runs_in_matmulnbits(headed, native_library, tmp_path, monkeypatch):
+    path = _headed_path(headed, tmp_path, native=True)
+    native = _logits(path, [IDS])
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_MATMUL", "0")
+    fallback = _logits(path, [IDS])
+    for a, b in zip(_best(fallback), _best(native)):
+        np.testing.assert_array_equal(a, b)
+    assert np.corrcoef(native.ravel(), fallback.ravel())[0, 1] > 0.999
+
+
+@pytest.mark.parametrize("recorded, level", [("2", 2), (None, 4)])
+def test_the_lean_form_takes_the_accuracy_level_the_export_recorded(headed, tmp_path, recorded, level):
+    from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY
+    from edge_spec.export.gguf.native_to_lean import rewrite_as_lean
+
+    path = _headed_path(headed, tmp_path, native=True)
+    model = onnx.load(str(path), load_external_data=False)
+    kept = [p for p in model.metadata_props if p.key != ACCURACY_LEVEL_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    if recorded is not None:
+        model.metadata_props.append(onnx.StringStringEntryProto(key=ACCURACY_LEVEL_KEY, value=recorded))
+    rewrite_as_lean(model, path.parent)
+    head = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("lm_head")]
+    assert [next(a.i for a in n.attribute if a.name == "accuracy_level") for n in head] == [level]

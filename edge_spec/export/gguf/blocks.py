@@ -55,11 +55,13 @@ import numpy as np
 from edge_spec.export.gguf.interleaved import ROWS as RECORD_ROWS
 from edge_spec.export.gguf.interleaved import TYPE_NUMBER as NATIVE_TYPE_NUMBERS
 from edge_spec.export.gguf.interleaved import interleave
+from edge_spec.export.gguf.q4_k import quantize_q4_k
 from edge_spec.export.graph import parallel
 from edge_spec.export.graph.quantize import pack_codes, unpack_codes
 
 MS_DOMAIN = "com.microsoft"
 NATIVE_DOMAIN = "ai.edge_spec"  # edge_spec/native: the ops the runtime registers from its own library
+ACCURACY_LEVEL_KEY = "edge_spec.accuracy_level"  # a native graph's metadata: MatMulNBits' level where its op cannot run
 QK_K = 256
 CARRIED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
@@ -307,6 +309,18 @@ def narrow_to_4bit(w: CarriedBlocks, rows_per_chunk: int | None = None) -> Carri
 
     parallel.each(narrow_chunk, range(len(starts)))
     return CarriedBlocks(np.concatenate(packed), np.concatenate(scales), np.concatenate(zeros), 4, width, w.source_type)
+
+
+def coarse_head(w: CarriedBlocks, native: bool) -> CarriedBlocks:
+    """An 8-bit LM head at 4 bits, for the pass that ranks its rows before the best ones are scored again
+    from 8-bit rows (``DecoderGraphBuilder.rescored_logits``).  For the native op it is rounded to GGUF's Q4_K
+    blocks (4.5 bits a weight): ``MatMulGGUF`` streams them faster than ``MatMulNBits`` streams
+    :func:`narrow_to_4bit`'s blocks of 32 (5.1 bits with their float32 scales and zero points) and multiplies
+    a verify pass's rows for little more than one row's price; elsewhere it is :func:`narrow_to_4bit`'s."""
+    if not native or w.bits != 8 or w.k % QK_K:
+        return narrow_to_4bit(w)
+    raw = quantize_q4_k(read_rows=lambda start, stop: w.rows(np.arange(start, stop)).dequantize(), shape=(w.n, w.k))
+    return carry_gguf(raw, "Q4_K", w.n, w.k)
 
 
 def _fit_block_scale(values: np.ndarray, low: np.ndarray, scale: np.ndarray):

@@ -5,7 +5,9 @@
 to be worth it) and the CPU execution provider.  Elsewhere the same bundle still loads: each record is
 turned back into GGUF's bytes (:func:`~edge_spec.export.gguf.interleaved.deinterleave`) and carried into
 ``MatMulNBits`` by the exporter's own code, so the rewritten graph holds exactly the nodes and weights that
-``--gguf-layout lean`` exports for the same GGUF file, and decodes as a lean bundle does.  The rewritten
+``--gguf-layout lean`` exports for the same GGUF file, and decodes as a lean bundle does; only the pass that
+ranks a re-scored LM head's rows keeps the native layout's Q4_K blocks (``blocks.coarse_head``), where lean
+has ``narrow_to_4bit``'s.  The rewritten
 weights live in memory (ORT takes them as external initializers); the bundle's files are not touched.
 """
 
@@ -18,7 +20,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from edge_spec.export.bundle.options import layout_settings
-from edge_spec.export.gguf.blocks import NATIVE_DOMAIN, add_carried_linear, carry_gguf
+from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY, NATIVE_DOMAIN, add_carried_linear, carry_gguf
 from edge_spec.export.gguf.interleaved import TYPE_NUMBER, deinterleave
 from edge_spec.export.graph.builder import BuildOptions, Graph, gated_product
 
@@ -44,7 +46,11 @@ def _attributes(node: onnx.NodeProto) -> dict[str, int]:
 
 
 def _accuracy_level(model: onnx.ModelProto) -> int:
-    """The level the export gave its other ``MatMulNBits`` (the LM head's), which lean gives every matmul."""
+    """The level the export gave ``MatMulNBits``, which lean gives every matmul: recorded in the graph's
+    metadata, or (graphs exported with an LM head under ``MatMulNBits``) that node's."""
+    for entry in model.metadata_props:
+        if entry.key == ACCURACY_LEVEL_KEY:
+            return int(entry.value)
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
             return _attributes(node).get("accuracy_level", 0)

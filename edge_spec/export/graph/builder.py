@@ -50,9 +50,11 @@ from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_
 from edge_spec.defaults import DEFAULT_CONTEXT_LENGTH
 from edge_spec.export.bundle import activity
 from edge_spec.export.gguf.blocks import (
+    ACCURACY_LEVEL_KEY,
     NATIVE_DOMAIN,
     add_carried_linear,
     add_native_swiglu,
+    coarse_head,
     concat_blocks,
     narrow_to_4bit,
     native_swiglu_takes,
@@ -583,7 +585,8 @@ class DecoderGraphBuilder:
         if carried is None:
             out = self.linear(x, head, "lm_head")
         elif self.opt.head_rescore and carried.bits == 8 and self.opt.head_rows is None:
-            coarse = add_carried_linear(self.graph, x, narrow_to_4bit(carried), "lm_head", self.opt)
+            coarse_blocks = coarse_head(carried, self.opt.carry_native)
+            coarse = add_carried_linear(self.graph, x, coarse_blocks, "lm_head", self.opt)
             out = self.rescored_logits(x, coarse, head)
         else:
             out = add_carried_linear(self.graph, x, carried, "lm_head", self.opt)
@@ -685,6 +688,10 @@ class DecoderGraphBuilder:
         if self.opt.feature_layers:
             outputs.append(self.features_output(tuple(self.opt.feature_layers)))
         model = self.to_model(outputs, "edge_spec_decoder")
+        if self.opt.carry_native:  # where the native op cannot run, its nodes become MatMulNBits at this level
+            model.metadata_props.append(
+                onnx.StringStringEntryProto(key=ACCURACY_LEVEL_KEY, value=str(self.opt.accuracy_level))
+            )
         return pad_attention(model) if self.opt.attention_pad else model
 
 
