@@ -289,6 +289,26 @@ def test_orts_op_keeps_the_attention_pad(native_library, target_path):
     assert not stripped.pads_attention and not stripped.one_row_attention_exact
 
 
+def test_a_target_exported_without_the_pad_is_exact_in_one_row_on_the_native_op(native_library, target_path, tmp_path):
+    """A graph that never had the attention pad has no one-query path once all its attention runs on the native
+    op, as a graph whose pad was stripped at load has none: its one-row passes are exact as far as attention
+    goes, and only the matmuls are left for the device check."""
+    import onnx
+
+    from edge_spec.runtime.model.attention_unpad import strip_attention_pad
+    from edge_spec.runtime.model.decoder import Decoder
+
+    model = onnx.load(str(target_path))
+    strip_attention_pad(model)
+    unpadded = tmp_path / "unpadded.onnx"
+    onnx.save(model, str(unpadded))
+    native = Decoder(unpadded, threads=1, capacity=19)
+    assert not native.pads_attention and not native.attention_pad_removed
+    assert native.native_attention and native.one_row_attention_exact
+    plain = Decoder(unpadded, threads=1, capacity=19, native_attention=False)  # ORT's op: its one-query path
+    assert not plain.native_attention and not plain.one_row_attention_exact
+
+
 def test_greedy_speculative_equals_autoregressive_on_the_native_op(native_library, int4_bundle):
     from edge_spec.runtime.engine import Engine
     from edge_spec.runtime.verify.sampling import SamplingParams

@@ -327,7 +327,7 @@ class Decoder:
         native_attention: bool,
         prompt: bool = False,
     ) -> tuple[ort.InferenceSession, bool, bool]:
-        """(the ORT session of ``model_path``, whether its attention pad was removed, whether its attention
+        """(the ORT session of ``model_path``, whether its attention pad was removed, whether all its attention
         runs on the native op), its graph first rewritten where asked (attention pad removed, the native
         attention op in ORT's place; for a ``prompt`` graph only where the op has a prompt path here; the last
         layer's tail cut to the rows whose logits are asked where its matmuls are native: :mod:`last_rows`); a
@@ -347,7 +347,7 @@ class Decoder:
             if why_not_native:
                 self._lean_weights.extend(_load_as_lean(graph, model_path, why_not_native, opts))
             if library is not None and use_native_attention(graph, bf16_products=prompt):
-                native = True
+                native = all_attention_native(graph)
                 register = library
             keep_pad = not all_attention_native(graph) if attention_pad is None else attention_pad
             if not keep_pad and has_attention_pad(graph):
@@ -398,9 +398,9 @@ class Decoder:
     @property
     def one_row_attention_exact(self) -> bool:
         """Whether a one-row pass's attention rounds as a multi-row pass's does: the graph pads its attention,
-        or it runs on the native op, which has no one-query path (then only the matmuls decide whether
-        one-row passes are exact: :mod:`row_invariance` checks)."""
-        return self.pads_attention or (self.native_attention and self.attention_pad_removed)
+        or all of it runs on the native op, which has no one-query path, whether or not the graph had a pad
+        (then only the matmuls decide whether one-row passes are exact: :mod:`row_invariance` checks)."""
+        return self.pads_attention or self.native_attention
 
     @property
     def exact_rows(self) -> int:
