@@ -7,8 +7,8 @@ turned back into GGUF's bytes (:func:`~edge_spec.export.gguf.interleaved.deinter
 ``MatMulNBits`` by the exporter's own code, so the rewritten graph holds exactly the nodes and weights that
 ``--gguf-layout lean`` exports for the same GGUF file, and decodes as a lean bundle does; only the pass that
 ranks a re-scored LM head's rows keeps the native layout's Q4_K blocks (``blocks.coarse_head``), where lean
-has ``narrow_to_4bit``'s.  The rewritten
-weights live in memory (ORT takes them as external initializers); the bundle's files are not touched.
+has ``narrow_to_4bit``'s.  The rewritten weights live in memory (ORT takes them as external initializers);
+the bundle's files are not touched.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ read at 4 bits for its ranking (its best rows scored again from 8-bit rows) is r
 the ranking pass runs under the native op.
 
 The rounding is llama.cpp's: per sub-block of 32 a scale and a minimum fitted by weighted least squares
-over 21 candidate steps (weights ``sqrt(mean x²) + |x|`` within the sub-block, larger weights counting more), then the eight
-scales and eight minimums of a super-block of 256 rounded to 6 bits against two float16 steps, and the
-codes rounded again against those rounded values.  All of it is numpy over bands of rows, the bands on
-the export's worker threads.
+over 21 candidate steps (weights ``sqrt(mean x²) + |x|`` within the sub-block, larger weights counting
+more), then the eight scales and eight minimums of a super-block of 256 rounded to 6 bits against two
+float16 steps, and the codes rounded again against those rounded values.  All of it is numpy over bands of
+rows, the bands on the export's worker threads.
 """
 
 from __future__ import annotations
