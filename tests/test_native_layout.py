@@ -199,14 +199,6 @@ def headed():
     return w
 
 
-def _headed_path(weights, folder, native: bool):
-    path = folder / f"head-{'native' if native else 'lean'}.onnx"
-    if not path.exists():
-        options = BuildOptions("int4", context_length=64, head_rescore=RESCORED, carry_native=native)
-        save_model(build_decoder(weights, options), path)
-    return path
-
-
 def _best(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return logits.argmax(-1), logits.max(-1)
 
@@ -214,14 +206,14 @@ def _best(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def test_the_native_layout_ranks_an_8_bit_head_by_q4_k_blocks_under_its_op(headed, native_library, tmp_path):
     from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY
 
-    path = _headed_path(headed, tmp_path, native=True)
+    path = _path(headed, tmp_path, carry_native=True, head_rescore=RESCORED)
     model = onnx.load(str(path), load_external_data=False)
     head = [n for n in model.graph.node if n.op_type in ("MatMulGGUF", "MatMulNBits") and n.name.startswith("lm_head/")]
     assert [(n.op_type, {a.name: a.i for a in n.attribute}["type"]) for n in head] == [("MatMulGGUF", Q4_K)]
     assert any(n.op_type == "TopK" for n in model.graph.node)  # its best rows are still scored again
     assert {p.key: p.value for p in model.metadata_props}[ACCURACY_LEVEL_KEY] == "4"
     native = _logits(path, [IDS])
-    lean = _logits(_headed_path(headed, tmp_path, native=False), [IDS])  # the head ranked in MatMulNBits blocks
+    lean = _logits(_path(headed, tmp_path, head_rescore=RESCORED), [IDS])  # the head ranked in MatMulNBits blocks
     # the best rows come from the same 8-bit rows and the same hidden states: the same token, the same logit
     for a, b in zip(_best(native), _best(lean)):
         np.testing.assert_array_equal(a, b)
@@ -230,7 +222,7 @@ def test_the_native_layout_ranks_an_8_bit_head_by_q4_k_blocks_under_its_op(heade
 
 
 def test_without_the_library_the_q4_k_head_runs_in_matmulnbits(headed, native_library, tmp_path, monkeypatch):
-    path = _headed_path(headed, tmp_path, native=True)
+    path = _path(headed, tmp_path, carry_native=True, head_rescore=RESCORED)
     native = _logits(path, [IDS])
     monkeypatch.setenv("EDGE_SPEC_NATIVE_MATMUL", "0")
     fallback = _logits(path, [IDS])
@@ -244,7 +236,7 @@ def test_the_lean_form_takes_the_accuracy_level_the_export_recorded(headed, tmp_
     from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY
     from edge_spec.export.gguf.native_to_lean import rewrite_as_lean
 
-    path = _headed_path(headed, tmp_path, native=True)
+    path = _path(headed, tmp_path, carry_native=True, head_rescore=RESCORED)
     model = onnx.load(str(path), load_external_data=False)
     kept = [p for p in model.metadata_props if p.key != ACCURACY_LEVEL_KEY]
     del model.metadata_props[:]

@@ -347,9 +347,9 @@ class Decoder:
             if why_not_native:
                 self._lean_weights.extend(_load_as_lean(graph, model_path, why_not_native, opts))
             if library is not None and use_native_attention(graph, bf16_products=prompt):
-                native = all_attention_native(graph)
                 register = library
-            keep_pad = not all_attention_native(graph) if attention_pad is None else attention_pad
+            native = all_attention_native(graph)
+            keep_pad = not native if attention_pad is None else attention_pad
             if not keep_pad and has_attention_pad(graph):
                 strip_attention_pad(graph)
                 pad_removed = True
