@@ -12,7 +12,6 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from edge_spec.errors import EdgeSpecError  # noqa: E402
 from edge_spec.export.bundle.options import ExportOptions, layout_name  # noqa: E402
 from edge_spec.export.gguf.blocks import carry_gguf  # noqa: E402
 from edge_spec.export.gguf.interleaved import Q4_K, Q6_K, deinterleave, interleave  # noqa: E402
@@ -162,10 +161,9 @@ def test_records_give_back_ggufs_own_bytes(kind):
             assert not np.array_equal(deinterleave(changed, kind, n, 512), raw)
 
 
-def test_the_native_layout_is_named_in_the_manifest_and_refuses_the_prompt_reader():
+def test_the_native_layout_is_named_in_the_manifest_and_takes_the_prompt_reader():
     assert layout_name(False, False, 64, True) == "native"
-    with pytest.raises(EdgeSpecError, match="--gguf-layout native does not take --prompt-reader"):
-        ExportOptions(gguf_layout="native", prompt_reader=True).check()
+    ExportOptions(gguf_layout="native", prompt_reader=True).check()  # tests/test_prompt_reader_native.py
 
 
 def test_auto_is_native_where_the_op_runs_here_and_lean_elsewhere(monkeypatch):
@@ -174,7 +172,7 @@ def test_auto_is_native_where_the_op_runs_here_and_lean_elsewhere(monkeypatch):
     said = []
     monkeypatch.setattr(native_attention, "native_matmul_here", lambda provider="cpu": (Path("lib.so"), ""))
     assert chosen_layout(ExportOptions(), said.append) == "native" and not said
-    assert chosen_layout(ExportOptions(prompt_reader=True), said.append) == "lean"  # its graph is MatMulNBits'
+    assert chosen_layout(ExportOptions(prompt_reader=True), said.append) == "native"
     monkeypatch.setattr(native_attention, "native_matmul_here", lambda provider="cpu": (None, "no compiler here"))
     assert chosen_layout(ExportOptions(), said.append) == "lean"
     assert said == ["GGUF layout: lean, not native, since no compiler here"]

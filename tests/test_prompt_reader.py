@@ -25,7 +25,7 @@ PROMPT = [int(t) for t in np.random.default_rng(5).integers(5, 300, 41)]
 
 @pytest.fixture(scope="module")
 def reader_bundle(tmp_path_factory, tiny_pair):
-    # the default layout (auto) takes lean with a prompt reader
+    # the tiny pair has no GGUF blocks: its matmuls are MatMulNBits' (a native bundle's: test_prompt_reader_native)
     return export_tiny(tmp_path_factory.mktemp("b") / "reader", tiny_pair, quant="int4", prompt_reader=True)
 
 

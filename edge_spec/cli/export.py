@@ -65,8 +65,8 @@ class GraphFlags:
     gguf_layout: str = option(
         typer.Option(
             EXPORT_DEFAULTS.gguf_layout,
-            help="Carried GGUF blocks: auto (default: native where edge-spec's native op runs on this machine "
-            "and no --prompt-reader is asked for, else lean), native (Q4_K and Q6_K blocks as GGUF's own bytes "
+            help="Carried GGUF blocks: auto (default: native where edge-spec's native op runs on this machine, "
+            "else lean), native (Q4_K and Q6_K blocks as GGUF's own bytes "
             "under edge-spec's native op, the rest as lean; where that op cannot run, no C++ compiler or no AVX2, "
             "the bundle is loaded in lean's form, converted at each load), lean (as fast, with the LM head at 4 "
             "bits and each position's 64 best rows scored again at 8 bits), fast (Q6_K's 16-blocks "
@@ -83,7 +83,7 @@ class GraphFlags:
             "prompts through int8 matmuls (several times faster on long prompts, most on CPUs with AMX; for the "
             "default pair 1.6 GB more on disk and 2 GB more memory). Decoded tokens stay the decode graph's, "
             "but an answer may then differ from the decode graph's own at near-ties "
-            "(docs/methods/prompt-reader.md). Takes the lean layout.",
+            "(docs/methods/prompt-reader.md).",
         )
     )
 

@@ -73,7 +73,7 @@ def info(
             f"{role:6s} {m['name']}: {m['parameters'] / 1e6:.0f}M params, {c['num_layers']} layers, "
             f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {m['quantization']['weights']}, "
             f"{m['bytes'] / (1 << 20):.0f} MiB"
-            + ("; int8 prompt reader" if m.get("prompt_reader") else "")
+            + (_prompt_reader_note(m) if m.get("prompt_reader") else "")
             + (f"; heads: {heads}, default {m['default_head']}" if heads else "")
         )
     if manifest.get("eagle"):
@@ -89,6 +89,15 @@ def info(
         )
     if costs:
         _print_costs(bundle, load, gamma, draft_head, remeasure)
+
+
+def _prompt_reader_note(entry: dict) -> str:
+    """The model's int8 prompt reader, and whether the runtime loads it on this machine (the CPU's)."""
+    from edge_spec.runtime.loaded import prompt_reader_pays
+
+    if prompt_reader_pays(entry, "cpu"):
+        return "; int8 prompt reader"
+    return "; int8 prompt reader (left unloaded here: without AMX the native op reads prompts about as fast)"
 
 
 def _print_costs(bundle: Path, load: LoadFlags, gamma: int | None, draft_head: str | None, remeasure: bool) -> None:

@@ -24,6 +24,7 @@ from edge_spec.paths import find_bundle
 from edge_spec.runtime.loops import proposer_names
 from edge_spec.runtime.loops.config import LoopConfig
 from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.native_attention import native_matmul_here, prompt_path
 from edge_spec.runtime.model.providers import exact_min_rows
 from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
 from edge_spec.runtime.model.session import numpy_on_one_thread
@@ -116,11 +117,26 @@ class BundleFiles:
 
 def prompt_graph(directory: Path, entry: dict, options: LoadOptions, provider: str) -> Path | None:
     """The prompt graph (``export.graph.prompt_reader``) of a bundle's model ``entry`` where the options want
-    it and it can run: its int8 matmuls are MLAS's, so on the CPU execution provider only."""
+    it, it can run (its int8 matmuls are MLAS's, so on the CPU execution provider only) and it pays here
+    (:func:`prompt_reader_pays`)."""
     record = entry.get("prompt_reader")
     if not options.prompt_reader or record is None or provider.lower() != "cpu":
         return None
-    return directory / record["onnx"]
+    return directory / record["onnx"] if prompt_reader_pays(entry, provider) else None
+
+
+def prompt_reader_pays(entry: dict, provider: str) -> bool:
+    """Whether a model's int8 prompt graph is worth loading on this machine.
+
+    Over ``MatMulNBits`` (the lean layouts) it reads a long prompt several times sooner on any CPU.  Where the
+    native op multiplies a native-layout graph's GGUF blocks, the int8 graph gains much only from AMX: on an
+    AMD EPYC with AVX-512 VNNI it read the long bench prompts 0.96-1.12x sooner, while a process answering one
+    of them peaked at twice the memory (4.05 against 2.07 GB) and took 2 s longer to load
+    (docs/measurements.md, prompt reader)."""
+    if entry.get("quantization", {}).get("gguf_layout") != "native":
+        return True
+    library, _ = native_matmul_here(provider)
+    return library is None or prompt_path(library) == "amx"
 
 
 class LoadedBundle:

@@ -420,11 +420,9 @@ def _staged_copy(bundle_dir: Path, manifest: dict) -> Path:
 def chosen_layout(options: ExportOptions, progress=None) -> str:
     """The ``--gguf-layout`` this export builds: the one asked for, or for ``auto`` the native layout where its op
     runs on this machine, else lean (said in one line): a native bundle loads there in lean's form, converted
-    at each load.  ``--prompt-reader`` takes lean (its prompt graph is built from ``MatMulNBits``)."""
+    at each load."""
     if options.gguf_layout != AUTO_LAYOUT:
         return options.gguf_layout
-    if options.prompt_reader:
-        return "lean"
     from edge_spec.runtime.model.native_attention import native_matmul_here
 
     _, why = native_matmul_here()

@@ -28,8 +28,8 @@ GGUF_LAYOUTS: dict[str, dict] = {
 }
 
 
-#: ``--gguf-layout auto``: native where edge-spec's native op runs on the exporting machine, else lean (as with
-#: ``--prompt-reader``, which the native layout does not take): a bundle converted at each load there is slower
+#: ``--gguf-layout auto``: native where edge-spec's native op runs on the exporting machine, else lean: a bundle
+#: converted at each load there is slower
 AUTO_LAYOUT = "auto"
 
 
@@ -117,11 +117,6 @@ class ExportOptions:
         if self.gguf_layout not in (AUTO_LAYOUT, *GGUF_LAYOUTS):
             raise EdgeSpecError(
                 f"--gguf-layout must be one of {', '.join((AUTO_LAYOUT, *GGUF_LAYOUTS))}, not {self.gguf_layout!r}"
-            )
-        if self.gguf_layout == "native" and self.prompt_reader:
-            raise EdgeSpecError(
-                "--gguf-layout native does not take --prompt-reader (its graph is built from MatMulNBits, not from "
-                "GGUF's blocks): leave --gguf-layout out, or ask for lean"
             )
         if self.scorer not in ("data", "svd"):
             raise EdgeSpecError(f"--scorer must be 'data' or 'svd', not {self.scorer!r}")

@@ -7,13 +7,13 @@ int8 GEMM (MLAS QGEMM: VNNI, and AMX where the CPU has it) is several times fast
 (``benchmarks/studies/prefill_kernels.py``, ``int8_prompt_path.py``).
 
 The prompt graph is the decoder graph with each layer matmul replaced: the weight as the decode graph computes
-it (its blocks dequantized, a folded GGUF correction added back to its columns) rounded to int8 per output
-row, and the input rounded to uint8 around 128 with one scale per row (:func:`int8_matmul_nodes`; matmuls of
-one input share its rounding, and the parts a ``Split`` cuts an output into are matmuls of their own).  Per row,
-because a row's int8 input must not depend on the other rows of its pass: a prompt's keys and
+it (its blocks dequantized, a folded GGUF correction added back to its columns; for the native layout's
+``MatMulGGUF``, GGUF's own Q4_K and Q6_K blocks dequantized) rounded to int8 per output row, and the input
+rounded to uint8 around 128 with one scale per row (:func:`int8_matmul_nodes`; matmuls of one input share its
+rounding, and the parts a ``Split`` cuts an output into, or a SwiGLU's gate and up rows, are matmuls of their
+own).  Per row, because a row's int8 input must not depend on the other rows of its pass: a prompt's keys and
 values then do not depend on how the prompt was cut into passes, and the model's massive activations (a few
-tokens' values in the down projection's input, hundreds of times the rest) cost only their own row's
-precision.  Everything else (embedding, norms, attention, the LM head and its re-scoring) is the decoder's
+tokens' values in the down projection's input, hundreds of times the rest) cost only their own row's precision.  Everything else (embedding, norms, attention, the LM head and its re-scoring) is the decoder's
 own: the prompt graph's shared weights point into the decoder's data file, and only the int8 weights are new.
 
 The decode graph still computes every decoded and verified token, so speculative decoding stays lossless:
@@ -32,6 +32,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
+from edge_spec.export.gguf.blocks import NATIVE_DOMAIN
+from edge_spec.export.gguf.interleaved import deinterleave
 from edge_spec.export.graph.builder import MS_DOMAIN, ExternalData
 from edge_spec.files import new_file_mode
 
@@ -118,6 +120,40 @@ def effective_weight(node: onnx.NodeProto, producers: dict, arrays: _Initializer
         start = k + digit * width
         effective += np.repeat(weight[:, start : start + k // block], block, axis=1)
     return effective, x, chain
+
+
+def native_weight(node: onnx.NodeProto, arrays: _Initializers) -> np.ndarray:
+    """A ``MatMulGGUF`` node's weight [N, K] in float32: its records turned back into GGUF's bytes and
+    dequantized by the ``gguf`` package (the values the native op multiplies by; for ``glu=1`` the gate rows,
+    then the up rows)."""
+    from gguf import GGMLQuantizationType, quants
+
+    attrs = {a.name: a.i for a in node.attribute}
+    raw = deinterleave(np.asarray(arrays[node.input[1]]), attrs["type"], attrs["N"], attrs["K"])
+    return np.asarray(quants.dequantize(raw, GGMLQuantizationType(attrs["type"])), np.float32).reshape(attrs["N"], -1)
+
+
+def _layer_matmul(node: onnx.NodeProto, producers: dict, arrays: _Initializers):
+    """(weight [N, K], x, nodes it no longer needs, whether it is a SwiGLU) for a layer's matmul node, else None:
+    the LM head reads one row a prompt, and the decode graph's kernel is right for it."""
+    if not node.name.startswith("layers."):
+        return None
+    if node.op_type == "MatMulNBits":
+        return *effective_weight(node, producers, arrays), False
+    if node.op_type == "MatMulGGUF" and node.domain == NATIVE_DOMAIN:
+        glu = any(a.name == "glu" and a.i for a in node.attribute)
+        return native_weight(node, arrays), node.input[0], [], glu
+    return None
+
+
+def swiglu_nodes(p: str, gate: str, up: str, y: str) -> list[onnx.NodeProto]:
+    """``y = silu(gate) * up``, as the native op's ``glu=1`` computes it after its two products."""
+    make = helper.make_node
+    return [
+        make("Sigmoid", [gate], [p + "/sig"]),
+        make("Mul", [gate, p + "/sig"], [p + "/silu"]),
+        make("Mul", [p + "/silu", up], [y]),
+    ]
 
 
 def int8_rows(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -214,9 +250,10 @@ def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
     with ExternalData(out.with_name(out.name + ".data")) as data:
         constants = [data.array(name, value) for name, value in SHARED_CONSTANTS.items()]
         for node in graph.node:
-            if node.op_type != "MatMulNBits" or not node.name.startswith("layers."):
-                continue  # the LM head reads one row a prompt: the decode graph's kernel is right for it
-            weight, x, chain = effective_weight(node, producers, arrays)
+            found = _layer_matmul(node, producers, arrays)
+            if found is None:
+                continue
+            weight, x, chain, glu = found
             unneeded.update(n.name for n in chain)
             codes, scales = int8_rows(weight)
             weight_k = weight.shape[1]
@@ -226,9 +263,12 @@ def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
             if x not in rounded:
                 rounded[x] = base + "/int8"
                 nodes += row_rounding_nodes(rounded[x], x, weight_k)
-            has_bias = len(node.input) > 5 and node.input[5] != ""
-            split = None if has_bias else _split_after(node, consumers, arrays)
-            if split is None:  # one product, biased after it where the matmul has a bias
+            has_bias = node.op_type == "MatMulNBits" and len(node.input) > 5 and node.input[5] != ""
+            split = None if has_bias or glu else _split_after(node, consumers, arrays)
+            if glu:  # the gate and up products, then silu(gate) * up where the op wrote it
+                half = codes.shape[1] // 2
+                parts = [(f"{base}.part0", base + "/gate", 0, half), (f"{base}.part{half}", base + "/up", half, half)]
+            elif split is None:  # one product, biased after it where the matmul has a bias
                 parts = [(base, base + "/unbiased" if has_bias else base, 0, codes.shape[1])]
             else:  # each part its own product, written where the Split wrote it
                 split_node, widths = split
@@ -243,6 +283,8 @@ def write_prompt_graph(target: Path, out: Path | None = None) -> Path:
                 nodes += int8_product_nodes(name + "/int8", rounded[x], name + ".int8", name + ".int8_scales", y)
             if has_bias:
                 nodes.append(helper.make_node("Add", [parts[0][1], node.input[5]], [base], name=base + "/bias"))
+            if glu:
+                nodes += swiglu_nodes(base + "/int8", parts[0][1], parts[1][1], base)
             replaced[node.name] = nodes
     nodes = [m for n in graph.node if n.name not in unneeded for m in replaced.get(n.name, [n])]
     used = {i for n in nodes for i in n.input}

@@ -1,0 +1,72 @@
+"""How long a bundle's target takes to read each long bench prompt through its decode graph alone and through
+its int8 prompt graph (``export --prompt-reader``), in one process.
+
+The runtime loads a prompt graph only where it reads prompts sooner (``runtime.loaded.prompt_reader_pays``);
+this measures that, whatever the runtime would choose here: both decoders stay loaded, each prompt is read
+``--repeats`` times with the order alternating so that drift hits both alike, and the fastest read of each is
+kept.  It also says whether the two give the same next token.
+
+    python benchmarks/studies/prompt_reader_time.py --bundle BUNDLE --threads 2 [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_spec.bench.long_prompts import long_prompts
+from edge_spec.manifest import read_manifest
+from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.text import TextTokenizer
+
+
+def seconds_and_next_token(decoder: Decoder, ids: list[int]) -> tuple[float, int]:
+    """One read of ``ids`` from an empty cache: (seconds, the greedy next token)."""
+    decoder.reset()
+    start = time.perf_counter()
+    logits = decoder.prefill(ids)["logits"]
+    return time.perf_counter() - start, int(np.argmax(logits.reshape(-1, logits.shape[-1])[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    manifest = read_manifest(args.bundle)
+    record = manifest["target"].get("prompt_reader")
+    if record is None:
+        raise SystemExit(f"{args.bundle} has no prompt graph: export it with --prompt-reader")
+    target = args.bundle / manifest["target"]["onnx"]
+    decoders = {
+        "decode graph": Decoder(target, threads=args.threads, capacity=manifest["context_length"]),
+        "prompt graph": Decoder(
+            target, threads=args.threads, capacity=manifest["context_length"], prompt_graph=args.bundle / record["onnx"]
+        ),
+    }
+    tokenizer = TextTokenizer(args.bundle)
+    print("| prompt tokens | decode graph, s | prompt graph, s | decode / prompt | the same next token |")
+    print("|---|---|---|---|---|")
+    for prompt in long_prompts():
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt["prompt"]}])
+        seconds: dict[str, list[float]] = {name: [] for name in decoders}
+        tokens: dict[str, int] = {}
+        for repeat in range(args.repeats):
+            for name in decoders if repeat % 2 == 0 else reversed(decoders):
+                took, tokens[name] = seconds_and_next_token(decoders[name], ids)
+                seconds[name].append(took)
+        best = {name: min(times) for name, times in seconds.items()}
+        ratio = best["decode graph"] / best["prompt graph"]
+        same = "yes" if len(set(tokens.values())) == 1 else "no"
+        print(
+            f"| {len(ids)} | {best['decode graph']:.2f} | {best['prompt graph']:.2f} | {ratio:.3f} | {same} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
