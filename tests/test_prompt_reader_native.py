@@ -239,3 +239,16 @@ def test_info_says_where_a_prompt_reader_is_left_unloaded(native_reader_bundle, 
     assert info.returncode == 0 and info.stdout.count("int8 prompt reader") == 2, info.stderr
     without_amx = prompt_path(build.library_path()) != "amx"
     assert ("left unloaded here: without AMX" in info.stdout) is without_amx, info.stdout
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_the_export_says_where_the_targets_prompt_graph_will_not_be_read(carried_raw, tmp_path, monkeypatch, pays):
+    from edge_spec.runtime import loaded
+
+    models, _ = carried_raw
+    monkeypatch.setattr(loaded, "prompt_reader_pays", lambda entry, provider: pays)
+    said: list[str] = []
+    options = ExportOptions(draft_vocab="full", context_length=256, gguf_layout="native", prompt_reader=True)
+    export_bundle("tiny-target", "tiny-draft", tmp_path / "b", options, said.append, loader=models.__getitem__)
+    notes = [line for line in said if line.startswith("prompt reader: this CPU has no AMX")]
+    assert len(notes) == (0 if pays else 1), said

@@ -580,6 +580,14 @@ def _export_into(
     if options.prompt_reader and options.quant != "fp32":
         with stages.step("building the prompt reader", "building the int8 prompt graph"):
             add_prompt_reader(staging, target_record)
+        from edge_spec.runtime.loaded import prompt_reader_pays
+
+        if not prompt_reader_pays(target_record, "cpu"):
+            _say(
+                progress,
+                "prompt reader: this CPU has no AMX, and the native op reads prompts about as fast here, so the "
+                "runtime leaves the target's prompt graph unloaded on it (it pays on CPUs with AMX)",
+            )
 
     with stages.step("loading the drafter", f"loading drafter {draft_source}", needs=memory_needed(draft_source)):
         draft = loader(draft_source)
