@@ -13,8 +13,9 @@ rounded to uint8 around 128 with one scale per row (:func:`int8_matmul_nodes`; m
 rounding, and the parts a ``Split`` cuts an output into, or a SwiGLU's gate and up rows, are matmuls of their
 own).  Per row, because a row's int8 input must not depend on the other rows of its pass: a prompt's keys and
 values then do not depend on how the prompt was cut into passes, and the model's massive activations (a few
-tokens' values in the down projection's input, hundreds of times the rest) cost only their own row's precision.  Everything else (embedding, norms, attention, the LM head and its re-scoring) is the decoder's
-own: the prompt graph's shared weights point into the decoder's data file, and only the int8 weights are new.
+tokens' values in the down projection's input, hundreds of times the rest) cost only their own row's
+precision.  Everything else (embedding, norms, attention, the LM head and its re-scoring) is the decoder's own:
+the prompt graph's shared weights point into the decoder's data file, and only the int8 weights are new.
 
 The decode graph still computes every decoded and verified token, so speculative decoding stays lossless:
 greedy output equals the target's own for the same prompt.  What changes is what "the target" is: a prompt
