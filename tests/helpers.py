@@ -188,6 +188,23 @@ def first_tokens(engine, ids, params, spec, n_samples, n_tokens=3, seed_offset=0
     return out
 
 
+def greedy_drafts_kept_and_refused(engine, config, prompts=PROMPTS, n: int = 30) -> tuple[int, int]:
+    """Assert that greedy decoding with ``config`` gives target-only decoding's tokens for every prompt, in the
+    engine's passes as loaded; returns how many drafts were accepted and how many refused (a test of rollback
+    wants both)."""
+    from edge_spec.runtime.verify.sampling import SamplingParams
+
+    accepted = refused = 0
+    for prompt in prompts:
+        ids = engine.bundle.tokenizer.encode(prompt)
+        reference, _ = run(engine, ids, SamplingParams(), n, None)
+        got, stats = run(engine, ids, SamplingParams(), n, config)
+        assert got == reference, (config, prompt)
+        accepted += sum(stats.accepted)
+        refused += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
+    return accepted, refused
+
+
 def greedy_matches_target_only(engine, config, prompts=PROMPTS, n: int = 40) -> int:
     """Assert that greedy decoding with ``config`` gives target-only decoding's tokens for every prompt (in
     the engine's exact passes), with drafts no longer than its γ; returns how many tokens were drafted."""

@@ -15,7 +15,7 @@ from edge_spec.runtime.engine import Engine, EngineBusy
 from edge_spec.runtime.progress import LoadProgress
 
 PROMPT = "def is_prime(n):"
-LONG = 200  # tokens: the tiny model's greedy answer to PROMPT runs to the limit (no end token)
+LONG = 200  # tokens at most: the tiny model's greedy answer to PROMPT runs for a hundred or more
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_a_stream_gives_the_synchronous_answer_without_blocking_the_loop(engine,
     chunks, stream, ticks, threads = run(main())
     want = reference[LONG]
     assert "".join(chunks) == stream.text == want.text
-    assert stream.token_ids == want.token_ids and stream.stats.new_tokens == LONG
+    assert stream.token_ids == want.token_ids and stream.stats.new_tokens == want.stats.new_tokens >= 100
     assert len(decoding) == 1 and threading.get_ident() not in decoding  # decoded in a worker thread
     assert ticks >= 10  # meanwhile the loop ran other tasks
     assert threads == {threading.get_ident()}  # callbacks run on the event loop's thread

@@ -139,12 +139,12 @@ def test_engine_prefix_reuse_gives_same_answer(int4_bundle):
 
 def test_stop_string_truncates(int4_bundle):
     engine = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
-    answer = engine.complete("What is 12", max_new_tokens=20)
+    answer = engine.complete("What is 12", max_new_tokens=12)
     full = answer.text
     # precondition (greedy, so fixed): the answer runs to the limit and has text to cut
     assert answer.stats.stop_reason == "length" and len(full) >= 4, (answer.stats.stop_reason, full)
     stop = full[2:4]
-    cut = engine.complete("What is 12", max_new_tokens=20, stop=[stop])
+    cut = engine.complete("What is 12", max_new_tokens=12, stop=[stop])
     assert cut.text == full[: full.find(stop)]
     assert cut.stats.stop_reason == "stop"
 

@@ -12,7 +12,7 @@ from edge_spec.runtime.model.kv_cache import DeviceKV, HostKV
 
 def _decoders(bundle):
     path = bundle / read_manifest(bundle)["target"]["onnx"]
-    host = Decoder(path, threads=1, capacity=64)
+    host = Decoder(path, threads=1, capacity=64, half_cache=False)  # device buffers are float32: the same here
     device = Decoder(path, threads=1, capacity=64, kv_device="cpu")  # OrtValues ORT allocated, not numpy views
     return host, device
 

@@ -247,13 +247,15 @@ def test_the_avx512_kernels_give_the_avx2_bits(native_library, tmp_path, monkeyp
 
 
 def test_the_target_runs_its_attention_on_the_native_op(native_library, target_path):
-    """Loaded with the native op, the target gives ORT's op's logits to float32 rounding; the file is untouched."""
+    """Loaded with the native op and a float32 cache, the target gives ORT's op's logits to float32 rounding; the
+    file is untouched."""
     from edge_spec.runtime.model.decoder import Decoder
 
     before = target_path.read_bytes()
-    native = Decoder(target_path, threads=1, capacity=64)
+    native = Decoder(target_path, threads=1, capacity=64, half_cache=False)
     plain = Decoder(target_path, threads=1, capacity=64, native_attention=False)
     assert native.native_attention and not plain.native_attention
+    assert not native.half_cache and native.kv.arrays[0].dtype == np.float32
     prompt = [5, 17, 42, 99, 7, 3, 250, 61, 11, 12]
     ours, theirs = native.forward(prompt, len(prompt))["logits"], plain.forward(prompt, len(prompt))["logits"]
     np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3)

@@ -23,9 +23,8 @@ from edge_spec.export.graph.prompt_reader import _Initializers, native_weight, w
 from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
-from edge_spec.runtime.verify.sampling import SamplingParams  # noqa: E402
 from tests import tiny_models  # noqa: E402
-from tests.helpers import PROMPTS, chain, cli, run  # noqa: E402
+from tests.helpers import chain, cli, greedy_drafts_kept_and_refused  # noqa: E402
 
 HIDDEN = 256  # the native op takes rows of whole 256-weight super-blocks
 PARTS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -174,15 +173,8 @@ def test_without_the_native_op_the_prompt_graph_reads_the_same(native_reader_bun
 def test_greedy_speculative_equals_autoregressive_with_a_native_prompt_reader(native_reader_bundle, gamma):
     engine = Engine.from_bundle(native_reader_bundle, threads=1, mode="spec")
     assert engine.bundle.target.prompt_session is not None
-    accepted = rejected = 0
-    for prompt in PROMPTS:
-        ids = engine.bundle.tokenizer.encode(prompt)
-        reference, _ = run(engine, ids, SamplingParams(), 30, None)
-        got, stats = run(engine, ids, SamplingParams(), 30, chain(gamma))
-        assert got == reference, prompt
-        accepted += sum(stats.accepted)
-        rejected += sum(d - a for d, a in zip(stats.drafted, stats.accepted))
-    assert accepted > 0 and rejected > 0, "both a draft kept and one refused over a prompt-graph cache"
+    accepted, refused = greedy_drafts_kept_and_refused(engine, chain(gamma))
+    assert accepted > 0 and refused > 0, "both a draft kept and one refused over a prompt-graph cache"
 
 
 @pytest.mark.parametrize(

@@ -13,32 +13,16 @@ both alike: medians in ms.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import numpy as np
 
-from edge_spec.bench.interleaved import interleaved_passes, random_ids
-from edge_spec.manifest import read_manifest
+from edge_spec.bench.interleaved import interleaved_passes, pass_study_parser, random_ids, study_target
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.model.decoder import Decoder
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bundle", type=Path, required=True)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--context", type=int, default=2000, help="prompt tokens before the timed passes")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 11], help="rows of each timed pass")
-    parser.add_argument("--repeats", type=int, default=8)
-    args = parser.parse_args()
-    manifest = read_manifest(args.bundle)
-    capacity = manifest["context_length"]
-    if min(args.rows) < 1 or args.context + max(args.rows) + 1 > capacity:
-        raise SystemExit(
-            f"--rows must be 1 or more, and --context plus the most rows fit the bundle's context of {capacity} tokens"
-        )
-    graph = args.bundle / manifest["target"]["onnx"]
+    args = pass_study_parser(__doc__.splitlines()[0], context=2000, rows=[1, 2, 11], repeats=8).parse_args()
+    graph, capacity = study_target(args)
     decoders = {
         # takes_turns: each session's threads stop spinning after its pass, so the idle one leaves the cores
         name: Decoder(graph, threads=args.threads, capacity=capacity, attention_pad=pad, takes_turns=True)

@@ -8,13 +8,39 @@ one's thread pool stops spinning and leaves the cores to the one that runs.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
+from edge_spec.manifest import read_manifest
 from edge_spec.runtime.model.decoder import Decoder
+
+
+def pass_study_parser(description: str, *, context: int, rows: list[int], repeats: int) -> argparse.ArgumentParser:
+    """The arguments every study of passes after a prompt takes: the bundle, threads, the prompt's length, the
+    rows of each timed pass and how many passes of each."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--bundle", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=context, help="prompt tokens before the timed passes")
+    parser.add_argument("--rows", type=int, nargs="+", default=rows, help="rows of each timed pass")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser
+
+
+def study_target(args: argparse.Namespace) -> tuple[Path, int]:
+    """(the bundle's target graph, its context length), once the prompt and the passes are known to fit it."""
+    manifest = read_manifest(args.bundle)
+    capacity = manifest["context_length"]
+    if min(args.rows) < 1 or args.context + max(args.rows) + 1 > capacity:
+        raise SystemExit(
+            f"--rows must be 1 or more, and --context plus the most rows fit the bundle's context of {capacity} tokens"
+        )
+    return args.bundle / manifest["target"]["onnx"], capacity
 
 
 def random_ids(rng: np.random.Generator, count: int) -> list[int]:

@@ -13,6 +13,11 @@
 // library itself is generic x86-64) and a portable scalar one.  Both are deterministic; they round
 // differently from each other, and a process only ever uses one.  On CPUs with AVX-512 the AVX2 path's
 // scores and value sums run on 512-bit kernels that give its bits (EDGE_SPEC_NATIVE_AVX512=0: the AVX2 ones).
+//
+// The cache is float32, or float16 where the graph types it so (the same op name, registered a second time for
+// float16 past and present key and value): half the bytes a pass reads.  Each new key and value is rounded to
+// float16 as it is written, before any row reads it, and each tile of 32 positions is read back exactly into
+// float32 scratch that the kernels above read, so every path keeps its bits and its batch invariance.
 
 #include <algorithm>
 #include <cmath>
@@ -457,12 +462,16 @@ Tensor input(OrtKernelContext* context, size_t index) {
   return t;
 }
 
-float* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
+void* output_data(OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
   OrtValue* value = nullptr;
   check(g_api->KernelContext_GetOutput(context, index, shape.data(), shape.size(), &value));
   void* data = nullptr;
   check(g_api->GetTensorMutableData(value, &data));
-  return static_cast<float*>(data);
+  return data;
+}
+
+float* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
+  return static_cast<float*>(output_data(context, index, shape));
 }
 
 // rotary embedding of one head vector (ORT's RotaryEmbedding: half-split or interleaved pairs)
@@ -485,13 +494,111 @@ void rotate(const float* in, float* out, int head, int rotary_dim, const float* 
   for (int i = rotary_dim; i < head; ++i) out[i] = in[i];
 }
 
+// ---------------------------------------------------------------------------------------------------
+// a float16 cache (the op "GroupQueryAttention" over float16 past/present key and value): keys and values are
+// rounded to float16 (nearest, ties to even) as they are written, and every pass reads them back exactly, tile
+// by tile, into float32 scratch that the float32 kernels then read.  A row's keys and values are rounded before
+// any row of its pass reads them, so batch invariance holds as with a float32 cache.  The conversions give the
+// same bits on every path (F16C's and the portable ones below).
+
+float half_to_float_scalar(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      uint32_t m = mantissa;
+      do {
+        ++e;
+        m <<= 1;
+      } while ((m & 0x400u) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t float_to_half_scalar(float f) {  // round to nearest, ties to even, as F16C's _MM_FROUND_TO_NEAREST_INT
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u);  // NaN (quiet), infinity
+  if (x >= 0x477ff000u) return sign | 0x7c00u;  // rounds past the largest half: infinity
+  if (x < 0x38800000u) {  // below the smallest normal half: a subnormal (or zero)
+    if (x < 0x33000000u) return sign;  // under half the smallest subnormal: zero
+    const uint32_t e = x >> 23, m = (x & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // the 24-bit significand shifted to units of 2^-24
+    uint32_t h = m >> shift;
+    const uint32_t rest = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (h & 1u))) ++h;
+    return sign | static_cast<uint16_t>(h);
+  }
+  uint32_t h = ((x >> 13) - (112u << 10));  // rebias the exponent: 127 - 15 = 112
+  const uint32_t rest = x & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
+  return sign | static_cast<uint16_t>(h);
+}
+
+#ifdef ES_X86
+__attribute__((target("avx2,f16c"))) void half_to_float_f16c(const uint16_t* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = half_to_float_scalar(src[i]);
+}
+
+__attribute__((target("avx2,f16c"))) void float_to_half_f16c(const float* src, uint16_t* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = float_to_half_scalar(src[i]);
+}
+
+__attribute__((target("avx512f"))) void half_to_float_avx512(const uint16_t* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  half_to_float_f16c(src + i, dst + i, n - i);
+}
+#endif
+
+bool g_use_f16c = false;
+
+void half_to_float(const uint16_t* src, float* dst, size_t n) {
+#ifdef ES_X86
+  if (g_use_f16c && g_use_avx512) return half_to_float_avx512(src, dst, n);
+  if (g_use_f16c) return half_to_float_f16c(src, dst, n);
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = half_to_float_scalar(src[i]);
+}
+
+void float_to_half(const float* src, uint16_t* dst, size_t n) {
+#ifdef ES_X86
+  if (g_use_f16c) return float_to_half_f16c(src, dst, n);
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = float_to_half_scalar(src[i]);
+}
+
 struct Pass {  // what one call's work items share
   const Attrs* attrs;
   int batch, rows, head, group, capacity;
   float alpha;
   const float* q;  // rotated queries [B, N, S, H]
-  const float* keys;  // present key [B, kvN, capacity, H]
+  const float* keys;  // present key [B, kvN, capacity, H] (float32 cache)
   const float* values;
+  const uint16_t* half_keys;  // or the same in float16 (keys null)
+  const uint16_t* half_values;
   const int32_t* seqlens;
   const float* bias;  // attention bias or nullptr
   int64_t bias_b, bias_n, bias_t;
@@ -501,8 +608,10 @@ struct Pass {  // what one call's work items share
   bool avx512;  // and the scores' and value sums' AVX-512 kernels, which give the same bits
 };
 
+constexpr int kCacheTile = 32;  // keys or value rows a tile: what stays in L1 while every query reads it
+
 struct Scratch {
-  std::vector<float> scores, acc, pairs;
+  std::vector<float> scores, acc, pairs, tile;  // tile: a float16 cache's keys or values read back
 };
 
 thread_local Scratch t_scratch;
@@ -519,8 +628,19 @@ void attend(const Pass& P, size_t item) {
   const int H = P.head, G = P.group;
   const int total = P.seqlens[b] + 1;
   const int past = total - P.rows;
-  const float* K = P.keys + (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
-  const float* V = P.values + (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
+  const size_t head_base = (static_cast<size_t>(b) * A.kv_num_heads + g) * P.capacity * H;
+  const bool half = P.keys == nullptr;  // a float16 cache: each tile read back into scratch.tile first
+  const float* K = half ? nullptr : P.keys + head_base;
+  const float* V = half ? nullptr : P.values + head_base;
+  Scratch& scratch = t_scratch;
+  // rows [t0, t1) of a head's keys or values as float32, indexed by absolute position like the cache
+  auto rows = [&](const float* cache, const uint16_t* half_cache, int t0, int t1) -> const float* {
+    if (!half) return cache;
+    scratch.tile.resize(static_cast<size_t>(kCacheTile) * H);
+    half_to_float(half_cache + head_base + static_cast<size_t>(t0) * H, scratch.tile.data(),
+                  static_cast<size_t>(t1 - t0) * H);
+    return scratch.tile.data() - static_cast<ptrdiff_t>(t0) * H;
+  };
 
   // each query vector (row s, head n) and its window [lo, hi) of key positions
   const int nq = (r1 - r0) * G;
@@ -543,15 +663,15 @@ void attend(const Pass& P, size_t item) {
     last = std::max(last, causal);
   }
   const int span = last - first;
-  Scratch& scratch = t_scratch;
   scratch.scores.resize(static_cast<size_t>(nq) * span);
   float* scores = scratch.scores.data();  // [nq, span], column t - first
 
   // scores: each key read once for all nq query vectors
 #ifdef ES_X86
-  const bool few = P.rows <= kFewRows;  // a decode or verify pass: its keys come from memory (kKeysAhead)
+  // a decode or verify pass: its keys come from memory (kKeysAhead); a float16 cache's come from scratch
+  const bool few = P.rows <= kFewRows && !half;
   // keys in tiles that stay in L1 while every block of query vectors is scored against them
-  constexpr int kKeyTile = 32;
+  constexpr int kKeyTile = kCacheTile;
   if (P.avx512) {
     constexpr int kBlock = 2 * kScorePairs;
     const int chunks = H / 8, blocks = (nq + kBlock - 1) / kBlock;
@@ -559,23 +679,25 @@ void attend(const Pass& P, size_t item) {
     pack_query_pairs(qs.data(), nq, H, scratch.pairs.data(), blocks * kScorePairs);
     for (int t0 = first; t0 < last; t0 += kKeyTile) {
       const int t1 = std::min(last, t0 + kKeyTile);
+      const float* Kt = rows(K, P.half_keys, t0, t1);
       for (int i0 = 0; i0 < nq; i0 += kBlock) {
         const float* pairs = scratch.pairs.data() + static_cast<size_t>(i0 / 2) * chunks * 16;
         const int m = std::min(kBlock, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
         with_head_chunks(H, [&](auto hc) {
-          score_pairs_avx512<decltype(hc)::value>(pairs, m, K, t0, t1, H, P.alpha, row, span, i0 == 0 && few);
+          score_pairs_avx512<decltype(hc)::value>(pairs, m, Kt, t0, t1, H, P.alpha, row, span, i0 == 0 && few);
         });
       }
     }
   } else if (P.avx) {
     for (int t0 = first; t0 < last; t0 += kKeyTile) {
       const int t1 = std::min(last, t0 + kKeyTile);
+      const float* Kt = rows(K, P.half_keys, t0, t1);
       for (int i0 = 0; i0 < nq; i0 += kScoreQueries) {
         const int m = std::min(kScoreQueries, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
         with_head_chunks(H, [&](auto hc) {
-          score_avx<decltype(hc)::value>(qs.data() + i0, m, K, t0, t1, H, P.alpha, row, span, i0 == 0 && few);
+          score_avx<decltype(hc)::value>(qs.data() + i0, m, Kt, t0, t1, H, P.alpha, row, span, i0 == 0 && few);
         });
       }
     }
@@ -583,7 +705,7 @@ void attend(const Pass& P, size_t item) {
 #endif
   {
     for (int t = first; t < last; ++t) {
-      const float* k = K + static_cast<size_t>(t) * H;
+      const float* k = rows(K, P.half_keys, t, t + 1) + static_cast<size_t>(t) * H;
       for (int i = 0; i < nq; ++i) scores[static_cast<size_t>(i) * span + (t - first)] = P.alpha * dot_scalar(qs[i], k, H);
     }
   }
@@ -625,14 +747,15 @@ void attend(const Pass& P, size_t item) {
   // values: for each query vector, its probabilities times the value rows of its window, in order
   scratch.acc.assign(static_cast<size_t>(nq) * H, 0.f);
   float* acc = scratch.acc.data();
-  constexpr int kTile = 32;  // value rows per tile: read from memory once, then from L1 for every query
+  constexpr int kTile = kCacheTile;  // value rows per tile: read from memory once, then from L1 for every query
   for (int t0 = first; t0 < last; t0 += kTile) {
     const int t1 = std::min(last, t0 + kTile);
+    const float* Vt = rows(V, P.half_values, t0, t1);
     for (int i = 0; i < nq; ++i) {
       const int a = std::max(t0, lo[i]), z = std::min(t1, hi[i]);
       if (a >= z) continue;
       const float* p = scores + static_cast<size_t>(i) * span + (a - first);
-      const float* v = V + static_cast<size_t>(a) * H;
+      const float* v = Vt + static_cast<size_t>(a) * H;
       float* o = acc + static_cast<size_t>(i) * H;
 #ifdef ES_X86
       if (P.avx) {
@@ -969,6 +1092,8 @@ void run_item_amx(void* pass, size_t item) { attend_amx(*static_cast<const Promp
 struct Kernel {
   Attrs attrs;
   bool bf16_products = false;  // a prompt graph's op: the bfloat16 path where the CPU has it
+  bool half_cache = false;  // past and present key and value in float16 (the op registered for them)
+  int threads = 0;  // the session's threads, where the graph says (a float16 cache's blocks of rows follow them)
 };
 
 int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t fallback) {
@@ -1019,25 +1144,35 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
   std::vector<int64_t> out_shape = {B, S, static_cast<int64_t>(N) * H};
   std::vector<int64_t> kv_shape = {B, kvN, capacity, H};
   float* out = output(context, 0, out_shape);
-  float* present_key = output(context, 1, kv_shape);
-  float* present_value = output(context, 2, kv_shape);
-  const float* pk = static_cast<const float*>(past_key.data);
-  const float* pv = static_cast<const float*>(past_value.data);
+  const bool half = kernel.half_cache;
+  const size_t item = half ? sizeof(uint16_t) : sizeof(float);  // bytes a cached value
+  char* present_key = static_cast<char*>(output_data(context, 1, kv_shape));
+  char* present_value = static_cast<char*>(output_data(context, 2, kv_shape));
+  const char* pk = static_cast<const char*>(past_key.data);
+  const char* pv = static_cast<const char*>(past_value.data);
   const bool shared = pk == present_key && pv == present_value;
   if (!shared) {  // ORT's layout: zeros, then the past positions, then the new ones
     const size_t plane = static_cast<size_t>(capacity) * H;
-    std::memset(present_key, 0, sizeof(float) * B * kvN * plane);
-    std::memset(present_value, 0, sizeof(float) * B * kvN * plane);
+    std::memset(present_key, 0, item * B * kvN * plane);
+    std::memset(present_value, 0, item * B * kvN * plane);
     for (int b = 0; b < B; ++b) {
       const int past = seqlens_k[b] + 1 - S;
       for (int g = 0; g < kvN; ++g) {
         const size_t src = (static_cast<size_t>(b) * kvN + g) * past_len * H;
         const size_t dst = (static_cast<size_t>(b) * kvN + g) * plane;
-        std::memcpy(present_key + dst, pk + src, sizeof(float) * past * H);
-        std::memcpy(present_value + dst, pv + src, sizeof(float) * past * H);
+        std::memcpy(present_key + dst * item, pk + src * item, item * past * H);
+        std::memcpy(present_value + dst * item, pv + src * item, item * past * H);
       }
     }
   }
+  // a new key or value row into the cache (rounded to float16 there before any row reads it)
+  std::vector<float> rotated(half ? H : 0);
+  auto store = [&](char* cache, size_t slot, const float* row) {
+    if (half)
+      float_to_half(row, reinterpret_cast<uint16_t*>(cache) + slot, H);
+    else
+      std::memcpy(reinterpret_cast<float*>(cache) + slot, row, sizeof(float) * H);
+  };
 
   // rotated queries [B, N, S, H]; rotated keys and raw values go straight into the cache
   const float* qdata = static_cast<const float*>(query.data);
@@ -1073,11 +1208,15 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
         const size_t slot = ((static_cast<size_t>(b) * kvN + g) * capacity + past + s) * H;
         const float* ksrc = kdata + row * kv_stride + static_cast<size_t>(g) * H;
         const float* vsrc = vdata + row * kv_stride + static_cast<size_t>(g) * H;
-        if (A.do_rotary)
-          rotate(ksrc, present_key + slot, H, rotary_dim, cs, sn, A.rotary_interleaved);
-        else
-          std::memcpy(present_key + slot, ksrc, sizeof(float) * H);
-        std::memcpy(present_value + slot, vsrc, sizeof(float) * H);
+        if (A.do_rotary && half) {
+          rotate(ksrc, rotated.data(), H, rotary_dim, cs, sn, A.rotary_interleaved);
+          store(present_key, slot, rotated.data());
+        } else if (A.do_rotary) {
+          rotate(ksrc, reinterpret_cast<float*>(present_key) + slot, H, rotary_dim, cs, sn, A.rotary_interleaved);
+        } else {
+          store(present_key, slot, ksrc);
+        }
+        store(present_value, slot, vsrc);
       }
     }
   }
@@ -1091,8 +1230,13 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
   P.capacity = capacity;
   P.alpha = A.scale == 0.f ? 1.f / std::sqrt(static_cast<float>(H)) : A.scale;
   P.q = q.data();
-  P.keys = present_key;
-  P.values = present_value;
+  if (half) {
+    P.half_keys = reinterpret_cast<const uint16_t*>(present_key);
+    P.half_values = reinterpret_cast<const uint16_t*>(present_value);
+  } else {
+    P.keys = reinterpret_cast<const float*>(present_key);
+    P.values = reinterpret_cast<const float*>(present_value);
+  }
   P.seqlens = seqlens_k;
   P.out = out;
   P.avx = g_use_avx2 && H % 8 == 0;
@@ -1106,7 +1250,7 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
     for (int b = 0; b < B; ++b) require(P.bias_t == 1 || P.bias_t >= seqlens_k[b] + 1, "attention_bias too short");
   }
 #ifdef ES_X86
-  if (kernel.bf16_products && g_use_amx && H % 64 == 0 && H <= 128 && A.softcap == 0.f && A.local_window <= 0) {
+  if (kernel.bf16_products && !half && g_use_amx && H % 64 == 0 && H <= 128 && A.softcap == 0.f && A.local_window <= 0) {
     int longest = 0;
     for (int b = 0; b < B; ++b) longest = std::max(longest, seqlens_k[b] + 1);
     PromptPass R{};
@@ -1129,6 +1273,11 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
   // streams its heads' keys and values once: a few items for the threads of a verify pass, large blocks
   // for a prefill chunk (its queries stay in L2 while each key is read).
   P.row_block = S <= 2 ? S : (S <= kFewRows ? 4 : 32);
+  if (half && S <= kFewRows && kernel.threads > 0) {
+    // a float16 cache is read back tile by tile in every block of rows: as few blocks as keep the threads busy
+    const int per_head = std::max(1, (kernel.threads + B * kvN - 1) / (B * kvN));
+    P.row_block = std::max(1, (S + per_head - 1) / per_head);
+  }
   P.blocks_per_head = (S + P.row_block - 1) / P.row_block;
   const size_t items = static_cast<size_t>(B) * kvN * P.blocks_per_head;
   if (items == 1) {
@@ -1169,6 +1318,7 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const
     a.rotary_interleaved = attr_int(info, "rotary_interleaved", 0) == 1;
     a.local_window = static_cast<int>(attr_int(info, "local_window_size", -1));
     kernel->bf16_products = attr_int(info, "bf16_products", 0) == 1;
+    kernel->threads = static_cast<int>(attr_int(info, "threads", 0));
     const bool smooth = attr_int(info, "smooth_softmax", 0) == 1;
     if (a.num_heads <= 0 || a.kv_num_heads <= 0 || smooth) {
       delete kernel;
@@ -1198,6 +1348,28 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL op_output_kind(const OrtCustom
   return INPUT_OUTPUT_REQUIRED;
 }
 
+// the op over a float16 cache: past and present key and value in float16, everything else as above
+ONNXTensorElementDataType ORT_API_CALL half_op_input_type(const OrtCustomOp*, size_t index) {
+  return index == 3 || index == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : input_type(index);
+}
+ONNXTensorElementDataType ORT_API_CALL half_op_output_type(const OrtCustomOp*, size_t index) {
+  return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+}
+OrtStatusPtr ORT_API_CALL create_half_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                                             void** out) {
+  OrtStatusPtr status = create_kernel(op, api, info, out);
+  if (status == nullptr) {
+    auto* kernel = static_cast<Kernel*>(*out);
+    kernel->half_cache = true;
+    if (kernel->bf16_products) {
+      delete kernel;
+      return g_api->CreateStatus(ORT_INVALID_ARGUMENT,
+                                 "edge_spec.GroupQueryAttention: a float16 cache has no bfloat16 prompt path");
+    }
+  }
+  return status;
+}
+
 OrtCustomOp make_op() {
   OrtCustomOp op = edge_spec::cpu_op_table(kApiVersion);
   op.GetName = op_name;
@@ -1213,7 +1385,16 @@ OrtCustomOp make_op() {
   return op;
 }
 
+OrtCustomOp make_half_op() {
+  OrtCustomOp op = make_op();
+  op.GetInputType = half_op_input_type;
+  op.GetOutputType = half_op_output_type;
+  op.CreateKernelV2 = create_half_kernel;
+  return op;
+}
+
 OrtCustomOp g_op = make_op();
+OrtCustomOp g_half_op = make_half_op();
 OrtCustomOpDomain* g_domain = nullptr;
 
 bool cpu_has_avx2() {
@@ -1266,11 +1447,16 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   g_use_avx2 = kernels != edge_spec::KernelPath::scalar;
   g_use_avx512 = kernels == edge_spec::KernelPath::avx512;
 #ifdef ES_X86
+  __builtin_cpu_init();
+  g_use_f16c = g_use_avx2 && __builtin_cpu_supports("f16c");
+#endif
+#ifdef ES_X86
   g_use_amx = prompt_path_here();
 #endif
   if (g_domain == nullptr) {
     if (OrtStatus* status = g_api->CreateCustomOpDomain(kDomain, &g_domain)) return status;
     if (OrtStatus* status = g_api->CustomOpDomain_Add(g_domain, &g_op)) return status;
+    if (OrtStatus* status = g_api->CustomOpDomain_Add(g_domain, &g_half_op)) return status;
     if (OrtStatus* status = g_api->CustomOpDomain_Add(g_domain, edge_spec::gguf_matmul_op(g_api))) return status;
   }
   return g_api->AddCustomOpDomain(options, g_domain);
@@ -1284,6 +1470,24 @@ __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
 
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar"
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFMatMulPath() { return edge_spec::gguf_matmul_path(); }
+
+// a float16 cache's conversions, for tests: ``src`` rounded to float16 into ``dst`` and read back into ``back``,
+// by the portable code (``portable``) or by F16C's instructions (where the CPU has them; else the portable code)
+__attribute__((visibility("default"))) void EdgeSpecRoundToHalf(const float* src, uint16_t* dst, float* back, size_t n,
+                                                                int portable) {
+#ifdef ES_X86
+  __builtin_cpu_init();
+  if (!portable && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+    float_to_half_f16c(src, dst, n);
+    half_to_float_f16c(dst, back, n);
+    return;
+  }
+#endif
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = float_to_half_scalar(src[i]);
+    back[i] = half_to_float_scalar(dst[i]);
+  }
+}
 
 // whether a prompt graph's op (attribute bf16_products = 1) has its bfloat16 path here: "amx" or ""
 __attribute__((visibility("default"))) const char* EdgeSpecPromptPath() { return prompt_path_here() ? "amx" : ""; }

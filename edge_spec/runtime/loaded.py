@@ -275,6 +275,8 @@ class LoadedBundle:
         native = "+native-attention" if getattr(self.target, "native_attention", False) else ""
         if getattr(self.target, "attention_pad_removed", False):
             native += "-unpadded"  # a row of attention less in every pass
+        if getattr(self.target, "half_cache", False):
+            native += "-kv16"  # half the cache's bytes a pass
         return f"{o.provider}[{provider_options}]{native}/{o.drafter_provider}", f"{o.threads}/{o.drafter_threads}"
 
     def exact_rows(self, check: bool = True) -> int:

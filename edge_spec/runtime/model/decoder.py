@@ -49,6 +49,7 @@ and a tree pass's slots move only in :meth:`Decoder.keep_path`, after it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +74,7 @@ from edge_spec.runtime.model.native_attention import (
     native_library,
     native_matmul_route,
     prompt_path,
+    use_half_cache,
     use_native_attention,
 )
 from edge_spec.runtime.model.providers import open_session
@@ -237,6 +239,7 @@ class Decoder:
         attention_pad: bool | None = None,
         native_attention: bool = True,
         prompt_graph: Path | None = None,
+        half_cache: bool | None = None,
     ) -> None:
         """``provider_options`` go to the execution provider as they are (e.g. ``device_id``);
         ``kv_device`` overrides where the KV cache lives (default: the provider's device when ORT can
@@ -246,20 +249,32 @@ class Decoder:
         ``native_attention`` False keeps ORT's own attention op where the native one would replace it
         (:mod:`native_attention`; ``EDGE_SPEC_NATIVE_ATTENTION=0`` does the same for every decoder);
         ``prompt_graph``: a graph that reads prompts (:meth:`prefill`) in this one's place, into the same
-        cache (``export.graph.prompt_reader``: int8 matmuls, several times faster on long prompts)."""
+        cache (``export.graph.prompt_reader``: int8 matmuls, several times faster on long prompts);
+        ``half_cache`` False keeps the key/value cache in float32 where the native attention op would keep it in
+        float16 (:func:`native_attention.use_half_cache`; None, the default: float16 for a quantized graph whose
+        every attention node runs on the native op, its cache in host memory and no prompt graph sharing it; a
+        float32 export, the reference against transformers, keeps a float32 cache; ``EDGE_SPEC_HALF_CACHE=0``
+        keeps float32 for every decoder)."""
         model_path = Path(model_path)
         self.model_path = model_path
         if not model_path.is_file():
             raise EdgeSpecError(f"model file not found: {model_path}")
         self.huge_pages = HugePagePromotion()  # what the session and the cache allocate goes to 2 MiB pages
         self._lean_weights: list[ort.OrtValue] = []  # what lean-form graphs read from memory (_load_as_lean)
-        self.session, self.attention_pad_removed, self.native_attention = self._open(
+        if half_cache is None:
+            half_cache = (
+                prompt_graph is None
+                and kv_device in (None, "host")
+                and os.environ.get("EDGE_SPEC_HALF_CACHE", "1") != "0"
+            )
+        self.session, self.attention_pad_removed, self.native_attention, self.half_cache = self._open(
             model_path,
             _session_options(session_options, threads, takes_turns),
             provider,
             provider_options,
             attention_pad,
             native_attention,
+            half_cache=half_cache,
         )
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -283,7 +298,9 @@ class Decoder:
         # the attention pad row's keys go one slot past the sequence (kept where the pad was stripped: a prompt
         # graph sharing the cache may still carry it)
         slots = capacity + int(self.pads_attention or self.attention_pad_removed)
-        self.kv = kv_storage(provider, (1, kv_heads, slots, head_dim), 2 * self.num_layers, kv_device, provider_options)
+        self.kv = kv_storage(
+            provider, (1, kv_heads, slots, head_dim), 2 * self.num_layers, kv_device, provider_options, self.half_cache
+        )
         self.supports_tree = {"position_ids", "attention_bias"} <= self.input_names
         self._binding = self.session.io_binding()
         # results are bound first so that get_outputs()[i] is result i (re-binding keeps the slot)
@@ -306,7 +323,7 @@ class Decoder:
         self.prompt_session: ort.InferenceSession | None = None
         self._prompt_binding: ort.IOBinding | None = None
         if prompt_graph is not None:
-            self.prompt_session, _, _ = self._open(
+            self.prompt_session, _, _, _ = self._open(
                 Path(prompt_graph),
                 _session_options(None, threads, takes_turns),
                 provider,
@@ -326,14 +343,16 @@ class Decoder:
         attention_pad: bool | None,
         native_attention: bool,
         prompt: bool = False,
-    ) -> tuple[ort.InferenceSession, bool, bool]:
+        half_cache: bool = False,
+    ) -> tuple[ort.InferenceSession, bool, bool, bool]:
         """(the ORT session of ``model_path``, whether its attention pad was removed, whether all its attention
-        runs on the native op), its graph first rewritten where asked (attention pad removed, the native
-        attention op in ORT's place; for a ``prompt`` graph only where the op has a prompt path here; the last
-        layer's tail cut to the rows whose logits are asked where its matmuls are native: :mod:`last_rows`); a
-        graph ORT cannot load is one line."""
+        runs on the native op, whether its cache is float16), its graph first rewritten where asked (attention
+        pad removed, the native attention op in ORT's place; for a ``prompt`` graph only where the op has a
+        prompt path here; the cache typed float16 where ``half_cache`` and the op allow it; the last layer's
+        tail cut to the rows whose logits are asked where its matmuls are native: :mod:`last_rows`); a graph
+        ORT cannot load is one line."""
         model: str | bytes = str(model_path)
-        pad_removed = native = False
+        pad_removed = native = half = False
         library = native_library(provider) if native_attention else None
         if prompt and library is not None and not prompt_path(library):
             library = None
@@ -354,6 +373,7 @@ class Decoder:
                 strip_attention_pad(graph)
                 pad_removed = True
             cut_early = native_matmuls and cut_rows_early(graph) > 0
+            half = half_cache and native and use_half_cache(graph, opts.intra_op_num_threads or os.cpu_count() or 1)
             if register is not None:
                 opts.register_custom_ops_library(str(register))
             if pad_removed or native or why_not_native or cut_early:
@@ -363,7 +383,7 @@ class Decoder:
                     "session.model_external_initializers_file_folder_path", str(model_path.parent)
                 )
         try:
-            return open_session(model, opts, provider, provider_options), pad_removed, native
+            return open_session(model, opts, provider, provider_options), pad_removed, native, half
         except EdgeSpecError:
             raise
         except Exception as exc:  # ORT raises bare RuntimeError / Fail / InvalidProtobuf

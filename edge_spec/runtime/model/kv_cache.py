@@ -44,9 +44,11 @@ class HostKV:
     device = "cpu"
     last_move_bytes = 0
 
-    def __init__(self, shape: tuple[int, int, int, int], buffers: int, on_device_ep: bool = False) -> None:
+    def __init__(
+        self, shape: tuple[int, int, int, int], buffers: int, on_device_ep: bool = False, dtype=np.float32
+    ) -> None:
         # the OrtValues wrap these arrays without copying, so slots can be moved in numpy
-        self.arrays = [np.zeros(shape, np.float32) for _ in range(buffers)]
+        self.arrays = [np.zeros(shape, dtype) for _ in range(buffers)]
         self.values = [ort.OrtValue.ortvalue_from_numpy(array) for array in self.arrays]
         # a device EP reads every past buffer in and writes every present buffer back
         self.crosses_per_pass = 2 * sum(a.nbytes for a in self.arrays) if on_device_ep else 0
@@ -82,12 +84,18 @@ def kv_storage(
     buffers: int,
     device: str | None = None,
     provider_options: dict[str, str] | None = None,
+    half: bool = False,
 ) -> KVStorage:
     """The storage for a decoder on ``provider``: on its device where it has one, else host memory
     (``device`` overrides: "host" gives numpy buffers on any provider, "cpu" device-style OrtValues in
-    host memory; both for tests and measurements)."""
+    host memory; both for tests and measurements).  ``half``: float16 buffers, for the native attention
+    op's float16 cache (CPU, host memory)."""
     provider = provider.lower()
     device = device or DEVICE_OF_PROVIDER.get(provider)
+    if half:
+        if provider != "cpu" or device not in (None, "host"):
+            raise ValueError("a float16 cache is the CPU's native attention op's, in host memory")
+        return HostKV(shape, buffers, dtype=np.float16)
     if device in (None, "host"):
         return HostKV(shape, buffers, on_device_ep=provider != "cpu")
     ep = "cpu" if device == "cpu" else provider

@@ -88,6 +88,40 @@ def all_attention_native(model: onnx.ModelProto) -> bool:
     return bool(nodes) and all(n.domain == NATIVE_DOMAIN for n in nodes)
 
 
+KV_INPUT, KV_OUTPUT = "past_key_values.", "present."
+QUANTIZED_MATMULS = ("MatMulNBits", "MatMulGGUF")
+
+
+def use_half_cache(model: onnx.ModelProto, threads: int) -> bool:
+    """Type ``model``'s key/value cache float16 (in place) where every attention node runs on the native op
+    (after :func:`use_native_attention`) and nothing else reads the cache; returns whether it did.
+
+    The op rounds each new key and value to float16 as it writes them and reads every tile of the cache back
+    exactly into float32 scratch, so a pass reads half the bytes of a float32 cache at the same arithmetic;
+    a row's keys and values are rounded before any row of its pass reads them, so passes stay batch-invariant.
+    Each block of a pass's rows reads the whole cache back, so the op is told the session's ``threads`` and
+    cuts a verify pass into no more blocks than keep them busy (which rows share a block changes no bits).
+    Not for a prompt graph's bfloat16 path (which packs the cache itself)."""
+    graph = model.graph
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    if not all_attention_native(model) or any(
+        a.name == "bf16_products" and a.i for n in attention for a in n.attribute
+    ):
+        return False
+    if not any(n.op_type in QUANTIZED_MATMULS for n in graph.node):
+        return False  # a float32 export: the reference against transformers keeps a float32 cache
+    cache = {i.name for i in graph.input if i.name.startswith(KV_INPUT)}
+    readers = [n for n in graph.node if cache & set(n.input)]
+    if not cache or any(n not in attention for n in readers):
+        return False
+    for value in list(graph.input) + list(graph.output):
+        if value.name.startswith((KV_INPUT, KV_OUTPUT)):
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for node in attention:
+        node.attribute.append(onnx.helper.make_attribute("threads", max(1, threads)))
+    return True
+
+
 def gguf_matmul_path(library: Path) -> str:
     """Which kernels the native ``MatMulGGUF`` runs on this CPU: "avx512", "avx2" or "scalar"."""
     return _library_answer(library, "EdgeSpecGGUFMatMulPath", "scalar")
