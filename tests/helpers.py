@@ -188,6 +188,11 @@ def first_tokens(engine, ids, params, spec, n_samples, n_tokens=3, seed_offset=0
     return out
 
 
+def logit_rows(result: dict) -> np.ndarray:
+    """A pass's logits, one row per position it asked for."""
+    return result["logits"].reshape(-1, result["logits"].shape[-1])
+
+
 def greedy_drafts_kept_and_refused(engine, config, prompts=PROMPTS, n: int = 30) -> tuple[int, int]:
     """Assert that greedy decoding with ``config`` gives target-only decoding's tokens for every prompt, in the
     engine's passes as loaded; returns how many drafts were accepted and how many refused (a test of rollback

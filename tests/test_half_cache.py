@@ -12,7 +12,7 @@ import pytest
 
 from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model.decoder import Decoder
-from tests.helpers import chain, greedy_drafts_kept_and_refused
+from tests.helpers import chain, greedy_drafts_kept_and_refused, logit_rows
 
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(5, 300, 41)]
 
@@ -31,17 +31,13 @@ def target(int4_bundle):
     return int4_bundle / read_manifest(int4_bundle)["target"]["onnx"]
 
 
-def _rows(result):
-    return result["logits"].reshape(-1, result["logits"].shape[-1])
-
-
 def test_the_cache_is_float16_where_the_native_op_runs_every_attention_node(native_library, target):
     half = Decoder(target, threads=1, capacity=128)
     wide = Decoder(target, threads=1, capacity=128, half_cache=False)
     assert half.native_attention and half.half_cache and half.kv.arrays[0].dtype == np.float16
     assert not wide.half_cache and wide.kv.arrays[0].dtype == np.float32
     assert sum(a.nbytes for a in half.kv.arrays) * 2 == sum(a.nbytes for a in wide.kv.arrays)
-    got, expected = _rows(half.prefill(PROMPT, 4)), _rows(wide.prefill(PROMPT, 4))
+    got, expected = logit_rows(half.prefill(PROMPT, 4)), logit_rows(wide.prefill(PROMPT, 4))
     assert not np.array_equal(got, expected)  # the keys and values were rounded
     for a, b in zip(got, expected):
         assert np.corrcoef(a, b)[0, 1] > 0.999
@@ -82,14 +78,14 @@ def test_a_prompt_graph_shares_a_float32_cache(native_library, tmp_path_factory,
 
 def test_a_row_has_the_same_bits_in_one_row_and_in_a_pass_of_many(native_library, target):
     whole = Decoder(target, threads=1, capacity=128)
-    logits = _rows(whole.prefill(PROMPT, len(PROMPT)))
+    logits = logit_rows(whole.prefill(PROMPT, len(PROMPT)))
     stepped = Decoder(target, threads=1, capacity=128)
     stepped.prefill(PROMPT[:20], 1)
     for i in range(20, len(PROMPT)):  # each later row alone, reading the rows before it from the float16 cache
-        np.testing.assert_array_equal(_rows(stepped.forward([PROMPT[i]]))[-1], logits[i])
+        np.testing.assert_array_equal(logit_rows(stepped.forward([PROMPT[i]]))[-1], logits[i])
     chunked = Decoder(target, threads=1, capacity=128)
     chunked.prefill_chunk = 8
-    np.testing.assert_array_equal(_rows(chunked.prefill(PROMPT, 4)), logits[-4:])
+    np.testing.assert_array_equal(logit_rows(chunked.prefill(PROMPT, 4)), logits[-4:])
     for a, b in zip(whole.kv.arrays, chunked.kv.arrays):
         np.testing.assert_array_equal(a[:, :, : len(PROMPT)], b[:, :, : len(PROMPT)])
 

@@ -24,7 +24,7 @@ from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
 from tests import tiny_models  # noqa: E402
-from tests.helpers import chain, cli, greedy_drafts_kept_and_refused  # noqa: E402
+from tests.helpers import chain, cli, greedy_drafts_kept_and_refused, logit_rows  # noqa: E402
 
 HIDDEN = 256  # the native op takes rows of whole 256-weight super-blocks
 PARTS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -105,18 +105,13 @@ def test_the_prompt_graph_multiplies_by_ggufs_blocks_gate_rows_first(native_read
 
 def _reader_logits(target, prompt, **kwargs):
     decoder = Decoder(target, threads=1, capacity=128, prompt_graph=prompt, **kwargs)
-    return decoder, _rows(decoder.prefill(PROMPT, 4))
-
-
-def _rows(result):
-    """The logits of a pass, one row per position."""
-    return result["logits"].reshape(-1, result["logits"].shape[-1])
+    return decoder, logit_rows(decoder.prefill(PROMPT, 4))
 
 
 def test_the_prompt_graph_reads_prompts_into_the_native_decode_graphs_cache(native_reader_bundle):
     target, prompt = _graphs(native_reader_bundle)
     plain = Decoder(target, threads=1, capacity=128)
-    expected = _rows(plain.prefill(PROMPT, 4))
+    expected = logit_rows(plain.prefill(PROMPT, 4))
     reader, got = _reader_logits(target, prompt)
     assert reader.prompt_session is not None and reader.stats.prefill_calls == {len(PROMPT): 1}
     assert not np.array_equal(got, expected)  # the int8 graph computed it
@@ -124,7 +119,7 @@ def test_the_prompt_graph_reads_prompts_into_the_native_decode_graphs_cache(nati
     for a, b in zip(got, expected):  # as near as the lean layout's form of the same blocks is (0.98-1.00 here)
         assert np.corrcoef(a, b)[0, 1] > 0.97
     nxt = int(np.argmax(expected[-1]))  # the decode graph's pass over what the prompt graph wrote
-    assert np.corrcoef(_rows(plain.forward([nxt]))[-1], _rows(reader.forward([nxt]))[-1])[0, 1] > 0.97
+    assert np.corrcoef(logit_rows(plain.forward([nxt]))[-1], logit_rows(reader.forward([nxt]))[-1])[0, 1] > 0.97
 
 
 def test_a_prompt_graph_with_the_gate_and_up_rows_swapped_is_told_apart(native_reader_bundle, tmp_path, monkeypatch):
@@ -143,7 +138,7 @@ def test_a_prompt_graph_with_the_gate_and_up_rows_swapped_is_told_apart(native_r
 
     monkeypatch.setattr(prompt_reader, "native_weight", swapped)
     prompt = write_prompt_graph(copy / target.name)
-    expected = _rows(Decoder(target, threads=1, capacity=128).prefill(PROMPT, 4))
+    expected = logit_rows(Decoder(target, threads=1, capacity=128).prefill(PROMPT, 4))
     _, got = _reader_logits(copy / target.name, prompt)
     correlations = [np.corrcoef(a, b)[0, 1] for a, b in zip(got, expected)]
     assert max(correlations) < 0.9, correlations
@@ -154,7 +149,7 @@ def test_prompt_graph_rows_do_not_depend_on_the_passes_that_carry_them(native_re
     whole, whole_logits = _reader_logits(target, prompt)
     chunked = Decoder(target, threads=1, capacity=128, prompt_graph=prompt)
     chunked.prefill_chunk = 8
-    np.testing.assert_array_equal(_rows(chunked.prefill(PROMPT, 4)), whole_logits)
+    np.testing.assert_array_equal(logit_rows(chunked.prefill(PROMPT, 4)), whole_logits)
     for a, b in zip(whole.kv.arrays, chunked.kv.arrays):
         np.testing.assert_array_equal(a[:, :, : len(PROMPT)], b[:, :, : len(PROMPT)])
 

@@ -11,26 +11,17 @@ interleaved so that drift hits both alike (medians in ms), and the reading of th
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from edge_spec.bench.interleaved import interleaved_passes, pass_study_parser, random_ids, study_target
+from edge_spec.bench.interleaved import (
+    fastest_reads,
+    interleaved_passes,
+    pass_study_parser,
+    random_ids,
+    study_target,
+)
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.model.decoder import Decoder
-
-
-def fastest_read(decoders: dict[str, Decoder], ids: list[int], repeats: int) -> dict[str, float]:
-    """Seconds each decoder takes to read ``ids`` from an empty cache, the fastest of ``repeats``."""
-    best = {name: float("inf") for name in decoders}
-    order = list(decoders.items())
-    for repeat in range(repeats):
-        for name, decoder in order if repeat % 2 == 0 else order[::-1]:
-            decoder.reset()
-            start = time.perf_counter()
-            decoder.prefill(ids)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -48,7 +39,7 @@ def main() -> None:
     huge_pages.wait_all()  # both timed on the pages they keep
     rng = np.random.default_rng(0)
     context = random_ids(rng, args.context)
-    reads = fastest_read(decoders, context, args.prompt_repeats)
+    reads, _ = fastest_reads(decoders, context, args.prompt_repeats)
     medians = interleaved_passes(decoders, context, args.rows, args.repeats, rng)
     print(f"{args.context}-token prompt, {args.threads} threads, medians of {args.repeats} passes, ms")
     for rows in args.rows:

@@ -12,23 +12,13 @@ kept.  It also says whether the two give the same next token.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
-import numpy as np
-
+from edge_spec.bench.interleaved import fastest_reads
 from edge_spec.bench.long_prompts import long_prompts
 from edge_spec.manifest import read_manifest
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.text import TextTokenizer
-
-
-def seconds_and_next_token(decoder: Decoder, ids: list[int]) -> tuple[float, int]:
-    """One read of ``ids`` from an empty cache: (seconds, the greedy next token)."""
-    decoder.reset()
-    start = time.perf_counter()
-    logits = decoder.prefill(ids)["logits"]
-    return time.perf_counter() - start, int(np.argmax(logits.reshape(-1, logits.shape[-1])[-1]))
 
 
 def main() -> None:
@@ -53,13 +43,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for prompt in long_prompts():
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt["prompt"]}])
-        seconds: dict[str, list[float]] = {name: [] for name in decoders}
-        tokens: dict[str, int] = {}
-        for repeat in range(args.repeats):
-            for name in decoders if repeat % 2 == 0 else reversed(decoders):
-                took, tokens[name] = seconds_and_next_token(decoders[name], ids)
-                seconds[name].append(took)
-        best = {name: min(times) for name, times in seconds.items()}
+        best, tokens = fastest_reads(decoders, ids, args.repeats)
         ratio = best["decode graph"] / best["prompt graph"]
         same = "yes" if len(set(tokens.values())) == 1 else "no"
         print(

@@ -43,6 +43,24 @@ def study_target(args: argparse.Namespace) -> tuple[Path, int]:
     return args.bundle / manifest["target"]["onnx"], capacity
 
 
+def fastest_reads(
+    decoders: Mapping[str, Decoder], ids: Sequence[int], repeats: int
+) -> tuple[dict[str, float], dict[str, int]]:
+    """(seconds each decoder takes to read ``ids`` from an empty cache, the fastest of ``repeats`` reads, the
+    decoders' order reversed every other repeat; the greedy next token each read gives)."""
+    best = {name: float("inf") for name in decoders}
+    tokens: dict[str, int] = {}
+    order = list(decoders.items())
+    for repeat in range(repeats):
+        for name, decoder in order if repeat % 2 == 0 else order[::-1]:
+            decoder.reset()
+            start = time.perf_counter()
+            logits = decoder.prefill(list(ids))["logits"]
+            best[name] = min(best[name], time.perf_counter() - start)
+            tokens[name] = int(np.argmax(logits.reshape(-1, logits.shape[-1])[-1]))
+    return best, tokens
+
+
 def random_ids(rng: np.random.Generator, count: int) -> list[int]:
     """``count`` token ids drawn from the vocabulary's common middle (a pass's time does not depend on which)."""
     return [int(t) for t in rng.integers(100, 20000, count)]

@@ -1166,7 +1166,7 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
     }
   }
   // a new key or value row into the cache (rounded to float16 there before any row reads it)
-  std::vector<float> rotated(half ? H : 0);
+  std::vector<float> rotated(A.do_rotary ? H : 0);
   auto store = [&](char* cache, size_t slot, const float* row) {
     if (half)
       float_to_half(row, reinterpret_cast<uint16_t*>(cache) + slot, H);
@@ -1208,14 +1208,8 @@ void compute(const Kernel& kernel, OrtKernelContext* context) {
         const size_t slot = ((static_cast<size_t>(b) * kvN + g) * capacity + past + s) * H;
         const float* ksrc = kdata + row * kv_stride + static_cast<size_t>(g) * H;
         const float* vsrc = vdata + row * kv_stride + static_cast<size_t>(g) * H;
-        if (A.do_rotary && half) {
-          rotate(ksrc, rotated.data(), H, rotary_dim, cs, sn, A.rotary_interleaved);
-          store(present_key, slot, rotated.data());
-        } else if (A.do_rotary) {
-          rotate(ksrc, reinterpret_cast<float*>(present_key) + slot, H, rotary_dim, cs, sn, A.rotary_interleaved);
-        } else {
-          store(present_key, slot, ksrc);
-        }
+        if (A.do_rotary) rotate(ksrc, rotated.data(), H, rotary_dim, cs, sn, A.rotary_interleaved);
+        store(present_key, slot, A.do_rotary ? rotated.data() : ksrc);
         store(present_value, slot, vsrc);
       }
     }
