@@ -6,7 +6,7 @@ through IOBinding, exactly as the engine runs it) with
 ``--steps`` single-token greedy decode steps, then parses ORT's profile JSON:
 
 * every ``*_kernel_time`` event is attributed to the ``model_run`` it falls in;
-* per decode step: ms and % of the wall step time per op type, the MatMulNBits
+* per decode step: ms and % of the wall step time per op type, the weight matmuls
   split by projection (qkv / o / gate_up / down / lm_head), the top nodes, and
   "non-op overhead" = wall step time (``Decoder.forward`` as Python sees it)
   minus the summed kernel times, split into what ORT's ``model_run`` spends
@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 from edge_spec.bench.ort_profile import (  # noqa: E402
+    WEIGHT_MATMULS,
     matmul_weight_bytes,
     parse_profile,
     profiled_decoder,
@@ -126,7 +127,7 @@ def main() -> None:
             by_op[op] += dur
             count_op[op] += 1
             by_node[(node, op)] += dur
-            if op == "MatMulNBits":
+            if op in WEIGHT_MATMULS:
                 by_role[role_of(node)] += dur
                 count_role[role_of(node)] += 1
                 bytes_role[role_of(node)] += weight_bytes.get(node, 0)
@@ -177,7 +178,7 @@ def main() -> None:
     print(f"{'total (wall step time)':<36} {'':>10} {wall_ms:9.3f} {100.0:8.1f}%")
     print()
 
-    print("MatMulNBits by projection (MB = int4 weights + scales read per step; GB/s = MB / kernel time)")
+    print("weight matmuls by projection (MB = weights and scales read per step; GB/s = MB / kernel time)")
     print(header.replace("op type", "projection") + f" {'MB':>7} {'GB/s':>6}")
     print("-" * (len(header) + 15))
     for role, us in sorted(by_role.items(), key=lambda kv: -kv[1]):
@@ -187,14 +188,14 @@ def main() -> None:
             f"{mb:7.1f} {mb / ms(us):6.1f}"
         )
     total_mb = sum(bytes_role.values()) / n / 1e6
-    mm_ms = ms(by_op["MatMulNBits"])
+    mm_ms = ms(sum(by_op[op] for op in WEIGHT_MATMULS))
     print(
-        f"{'all MatMulNBits':<36} {sum(count_role.values()) / n:10.0f} {mm_ms:9.3f} "
+        f"{'all weight matmuls':<36} {sum(count_role.values()) / n:10.0f} {mm_ms:9.3f} "
         f"{mm_ms / wall_ms * 100:8.1f}% {total_mb:7.1f} {total_mb / mm_ms:6.1f}"
     )
     print()
 
-    lm = [(node, us) for (node, op), us in by_node.items() if op == "MatMulNBits" and "lm_head" in node]
+    lm = [(node, us) for (node, op), us in by_node.items() if op in WEIGHT_MATMULS and "lm_head" in node]
     for node, us in lm:
         print(
             f"LM head: {node}  {ms(us):.3f} ms/step ({ms(us) / wall_ms * 100:.1f}% of the step, "

@@ -849,3 +849,37 @@ def test_the_step_profiler_names_each_matmul_by_its_role():
     assert role_of("layers.27/glu/MatMulGGUF") == "gate_up"
     assert role_of("layers.0.down/out/MatMulGGUF") == "down"
     assert role_of("lm_head/out/MatMulNBits") == "lm_head"
+
+
+def test_the_step_profiler_counts_the_bytes_of_native_matmuls_too(tmp_path):
+    """A native-layout target reads its weights through ``MatMulGGUF``: the step profiler's bytes per
+    projection (and its GB/s) must count those records as it counts ``MatMulNBits``' packed weights, or a
+    native bundle's table is empty and its total divides by zero."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edge_spec.bench.ort_profile import WEIGHT_MATMULS, matmul_weight_bytes
+
+    records = numpy_helper.from_array(np.zeros(2368 * 6, np.uint8), "layers.0.o.records")
+    packed = numpy_helper.from_array(np.zeros((16, 48, 16), np.uint8), "lm_head.qweight")
+    scales = numpy_helper.from_array(np.zeros(16 * 48, np.float32), "lm_head.scales")
+    gguf = {"domain": "ai.edge_spec", "K": 1536, "N": 16, "type": 12}
+    nbits = {"domain": "com.microsoft", "K": 1536, "N": 16, "bits": 4, "block_size": 32}
+    nodes = [
+        helper.make_node("MatMulGGUF", ["x", records.name], ["h"], name="layers.0.o/out/MatMulGGUF", **gguf),
+        helper.make_node(
+            "MatMulNBits", ["h", packed.name, scales.name], ["y"], name="lm_head/out/MatMulNBits", **nbits
+        ),
+        helper.make_node("Relu", ["y"], ["z"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1536])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 16])], [records, packed, scales],
+    )  # fmt: skip
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph), path)
+    assert matmul_weight_bytes(path) == {
+        "layers.0.o/out/MatMulGGUF": 2368 * 6,
+        "lm_head/out/MatMulNBits": 16 * 48 * 16 + 16 * 48 * 4,
+    }
+    assert {"MatMulGGUF", "MatMulNBits"} <= set(WEIGHT_MATMULS) and "Relu" not in WEIGHT_MATMULS

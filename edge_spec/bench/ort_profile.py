@@ -48,14 +48,19 @@ def role_of(node: str) -> str:
     return m.group(1) if m else node
 
 
+#: the ops that stream a weight matrix: ORT's 4- and 8-bit blocks, and GGUF's own blocks on the native op
+WEIGHT_MATMULS = ("MatMulNBits", "MatMulGGUF")
+
+
 def matmul_weight_bytes(onnx_path: Path) -> dict[str, int]:
-    """Bytes of packed weights + scales (+ zero points) each MatMulNBits node reads per call."""
+    """Bytes each weight matmul reads per call: MatMulNBits' packed weights and scales (and zero points),
+    MatMulGGUF's records."""
     model = onnx.load(str(onnx_path), load_external_data=False)
     size = {
         t.name: int(np.prod(t.dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
         for t in model.graph.initializer
     }
-    return {n.name: sum(size.get(x, 0) for x in n.input[1:]) for n in model.graph.node if n.op_type == "MatMulNBits"}
+    return {n.name: sum(size.get(x, 0) for x in n.input[1:]) for n in model.graph.node if n.op_type in WEIGHT_MATMULS}
 
 
 def matmul_bits(onnx_path: Path) -> dict[str, int]:
