@@ -87,14 +87,26 @@ constexpr int kFewRows = 16;
 #ifdef ES_X86
 // Keys a score kernel asks for ahead of the four it multiplies, in a pass of at most kFewRows rows, in the first
 // block of query vectors to meet each tile of keys (the block that reads them from memory; the others find them
-// in L1).  Such a pass reads every key once, and with the hardware prefetcher alone its scores waited on memory:
-// asking 16 keys ahead made one-row and five-row attention after 2,800 tokens about 10% faster on a Zen 4 EPYC
-// (5% on its AVX2 kernels).  A prefetch past the cache's end never faults.
+// in L1).  Such a pass reads every key once, and with the hardware prefetcher alone its scores waited on memory.
+// A float32 cache's kernels read the cache itself and ask 16 keys ahead: one-row and five-row attention after
+// 2,800 tokens about 10% faster on a Zen 4 EPYC (5% on its AVX2 kernels).  A float16 cache is read back a tile
+// at a time, so its AVX-512 kernels ask for the next tile's keys, 32 ahead: on the same CPU the op alone after
+// 2,800 tokens 1.15-1.20x faster over one row, 1.09x over five (its cache on 4 KiB pages), a whole pass of the
+// default target on the runtime's 2 MiB pages 1.02-1.04x over one to nine rows (16 ahead gained nothing, 64 as
+// much as 32, the whole next tile at once less, the next tile's values as well nothing more).  Its AVX2
+// kernels do not: there the op alone was 0.92-1.06x.  A prefetch past the cache's end never faults.
+struct Ahead {
+  const char* rows = nullptr;  // row 0 of what is read ahead (nullptr: nothing)
+  size_t stride = 0;  // bytes a row
+  int distance = 0;  // rows ahead of the one worked on
+};
+
 constexpr int kKeysAhead = 16;
 
-inline void prefetch_keys(const float* K, int t, int h) {
-  const char* from = reinterpret_cast<const char*>(K + static_cast<size_t>(t + kKeysAhead) * h);
-  for (size_t line = 0; line < sizeof(float) * 4 * h; line += 64) _mm_prefetch(from + line, _MM_HINT_T0);
+inline void prefetch_rows(const Ahead& ahead, int t) {
+  if (ahead.rows == nullptr) return;
+  const char* from = ahead.rows + static_cast<size_t>(t + ahead.distance) * ahead.stride;
+  for (size_t line = 0; line < 4 * ahead.stride; line += 64) _mm_prefetch(from + line, _MM_HINT_T0);
 }
 #endif
 
@@ -125,11 +137,12 @@ __attribute__((target("avx2,fma"), always_inline)) inline void dots_avx(const fl
 // the tail two and one at a time
 template <int NQ, int HC>
 __attribute__((target("avx2,fma"))) void score_block_avx(const float* const* q, const float* K, int t0, int t1,
-                                                         int h, float alpha, float* row, size_t span, bool ahead) {
+                                                         int h, float alpha, float* row, size_t span,
+                                                         const Ahead& ahead) {
   float d[NQ * 4];
   int t = t0;
   for (; t + 3 < t1; t += 4) {
-    if (ahead) prefetch_keys(K, t, h);
+    prefetch_rows(ahead, t);
     dots_avx<NQ, 4, HC>(q, K + static_cast<size_t>(t) * h, h, d);
     for (int j = 0; j < NQ; ++j)
       for (int u = 0; u < 4; ++u) row[j * span + t + u] = alpha * d[j * 4 + u];
@@ -149,7 +162,7 @@ constexpr int kScoreQueries = 3;  // query vectors a score block takes (see scor
 
 template <int HC>
 void score_avx(const float* const* q, int m, const float* K, int t0, int t1, int h, float alpha, float* row,
-               size_t span, bool ahead) {
+               size_t span, const Ahead& ahead) {
   switch (m) {
     case 1: score_block_avx<1, HC>(q, K, t0, t1, h, alpha, row, span, ahead); break;
     case 2: score_block_avx<2, HC>(q, K, t0, t1, h, alpha, row, span, ahead); break;
@@ -205,11 +218,11 @@ __attribute__((target(ES_AVX512_ATTENTION), always_inline)) inline __m512 reduce
 template <int HC>
 __attribute__((target(ES_AVX512_ATTENTION))) void score_pairs_avx512(const float* pairs, int m, const float* K,
                                                                      int t0, int t1, int h, float alpha, float* row,
-                                                                     size_t span, bool ahead) {
+                                                                     size_t span, const Ahead& ahead) {
   const int chunks = HC ? HC : h / 8;
   const __m512 scale = _mm512_set1_ps(alpha);
   for (int t = t0; t < t1; t += 4) {
-    if (ahead) prefetch_keys(K, t, h);
+    prefetch_rows(ahead, t);
     const int keys = std::min(4, t1 - t);
     const float* k[4];
     for (int u = 0; u < 4; ++u) k[u] = K + static_cast<size_t>(t + std::min(u, keys - 1)) * h;
@@ -668,8 +681,13 @@ void attend(const Pass& P, size_t item) {
 
   // scores: each key read once for all nq query vectors
 #ifdef ES_X86
-  // a decode or verify pass: its keys come from memory (kKeysAhead); a float16 cache's come from scratch
-  const bool few = P.rows <= kFewRows && !half;
+  // a decode or verify pass reads its keys from memory once: the first block of query vectors asks for them ahead
+  const bool few = P.rows <= kFewRows;
+  Ahead keys_ahead;
+  if (few && half && P.avx512)
+    keys_ahead = {reinterpret_cast<const char*>(P.half_keys + head_base), sizeof(uint16_t) * H, kCacheTile};
+  else if (few)
+    keys_ahead = {reinterpret_cast<const char*>(K), sizeof(float) * H, kKeysAhead};
   // keys in tiles that stay in L1 while every block of query vectors is scored against them
   constexpr int kKeyTile = kCacheTile;
   if (P.avx512) {
@@ -685,7 +703,8 @@ void attend(const Pass& P, size_t item) {
         const int m = std::min(kBlock, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
         with_head_chunks(H, [&](auto hc) {
-          score_pairs_avx512<decltype(hc)::value>(pairs, m, Kt, t0, t1, H, P.alpha, row, span, i0 == 0 && few);
+          score_pairs_avx512<decltype(hc)::value>(pairs, m, Kt, t0, t1, H, P.alpha, row, span,
+                                                  i0 == 0 ? keys_ahead : Ahead{});
         });
       }
     }
@@ -697,7 +716,8 @@ void attend(const Pass& P, size_t item) {
         const int m = std::min(kScoreQueries, nq - i0);
         float* row = scores + static_cast<size_t>(i0) * span - first;
         with_head_chunks(H, [&](auto hc) {
-          score_avx<decltype(hc)::value>(qs.data() + i0, m, Kt, t0, t1, H, P.alpha, row, span, i0 == 0 && few);
+          score_avx<decltype(hc)::value>(qs.data() + i0, m, Kt, t0, t1, H, P.alpha, row, span,
+                                         i0 == 0 ? keys_ahead : Ahead{});
         });
       }
     }
