@@ -286,7 +286,8 @@ inline void prefetch_lines(const uint8_t* record, int first, int count) {
 // prefetches only take the miss buffers the demand loads need: on a Zen 4 EPYC a one-row decode pass of the
 // default target ran 1.03-1.05x faster without them on the AVX-512 kernels and 1.11-1.15x on the AVX2 ones,
 // and passes of 2 to 8 rows the same (benchmarks/native_ab.py).  The Q6_K kernels keep theirs at every row
-// count: without them a one-row Q6_K matrix streamed at half the rate on the AVX-512 kernels, 0.87x on AVX2.
+// count: without them a one-row Q6_K matrix streamed at half the rate on the AVX-512 kernels and 0.74-0.87x on
+// AVX2 (benchmarks/studies/kernels/gguf_stream_ab.py).
 template <int NR>
 constexpr bool kQ4KPrefetch = NR > 1;
 
