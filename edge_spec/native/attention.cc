@@ -686,7 +686,7 @@ void attend(const Pass& P, size_t item) {
   Ahead keys_ahead;
   if (few && half && P.avx512)
     keys_ahead = {reinterpret_cast<const char*>(P.half_keys + head_base), sizeof(uint16_t) * H, kCacheTile};
-  else if (few)
+  else if (few && !half)
     keys_ahead = {reinterpret_cast<const char*>(K), sizeof(float) * H, kKeysAhead};
   // keys in tiles that stay in L1 while every block of query vectors is scored against them
   constexpr int kKeyTile = kCacheTile;

@@ -40,8 +40,7 @@ TYPES = {"q4_k": (12, 144), "q6_k": (14, 210)}  # ggml's type number, bytes per 
 def seeded_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """GGUF bytes of an ``[n, k]`` matrix: random codes and scales, float16 factors of a real model's size."""
     rng = np.random.default_rng(seed)
-    type_number, block_bytes = TYPES[kind]
-    raw = rng.integers(0, 256, size=(n, k // 256, block_bytes), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(n, k // 256, TYPES[kind][1]), dtype=np.uint8)
     factors = rng.uniform(1e-3, 2e-2, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
     if kind == "q4_k":
         raw[..., 0:4] = factors
