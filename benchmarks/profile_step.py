@@ -41,7 +41,6 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 from edge_spec.bench.ort_profile import (  # noqa: E402
-    WEIGHT_MATMULS,
     matmul_weight_bytes,
     parse_profile,
     profiled_decoder,
@@ -50,6 +49,7 @@ from edge_spec.bench.ort_profile import (  # noqa: E402
 from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
+from edge_spec.runtime.model.native_attention import QUANTIZED_MATMULS  # noqa: E402
 from edge_spec.runtime.text import TextTokenizer  # noqa: E402
 
 PROMPT = "Write a Python function that checks whether a number is prime."
@@ -127,7 +127,7 @@ def main() -> None:
             by_op[op] += dur
             count_op[op] += 1
             by_node[(node, op)] += dur
-            if op in WEIGHT_MATMULS:
+            if op in QUANTIZED_MATMULS:
                 by_role[role_of(node)] += dur
                 count_role[role_of(node)] += 1
                 bytes_role[role_of(node)] += weight_bytes.get(node, 0)
@@ -188,14 +188,14 @@ def main() -> None:
             f"{mb:7.1f} {mb / ms(us):6.1f}"
         )
     total_mb = sum(bytes_role.values()) / n / 1e6
-    mm_ms = ms(sum(by_op[op] for op in WEIGHT_MATMULS))
+    mm_ms = ms(sum(by_op[op] for op in QUANTIZED_MATMULS))
     print(
         f"{'all weight matmuls':<36} {sum(count_role.values()) / n:10.0f} {mm_ms:9.3f} "
         f"{mm_ms / wall_ms * 100:8.1f}% {total_mb:7.1f} {total_mb / mm_ms:6.1f}"
     )
     print()
 
-    lm = [(node, us) for (node, op), us in by_node.items() if op in WEIGHT_MATMULS and "lm_head" in node]
+    lm = [(node, us) for (node, op), us in by_node.items() if op in QUANTIZED_MATMULS and "lm_head" in node]
     for node, us in lm:
         print(
             f"LM head: {node}  {ms(us):.3f} ms/step ({ms(us) / wall_ms * 100:.1f}% of the step, "

@@ -858,7 +858,8 @@ def test_the_step_profiler_counts_the_bytes_of_native_matmuls_too(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from edge_spec.bench.ort_profile import WEIGHT_MATMULS, matmul_weight_bytes
+    from edge_spec.bench.ort_profile import matmul_weight_bytes
+    from edge_spec.runtime.model.native_attention import QUANTIZED_MATMULS
 
     records = numpy_helper.from_array(np.zeros(2368 * 6, np.uint8), "layers.0.o.records")
     packed = numpy_helper.from_array(np.zeros((16, 48, 16), np.uint8), "lm_head.qweight")
@@ -882,4 +883,4 @@ def test_the_step_profiler_counts_the_bytes_of_native_matmuls_too(tmp_path):
         "layers.0.o/out/MatMulGGUF": 2368 * 6,
         "lm_head/out/MatMulNBits": 16 * 48 * 16 + 16 * 48 * 4,
     }
-    assert {"MatMulGGUF", "MatMulNBits"} <= set(WEIGHT_MATMULS) and "Relu" not in WEIGHT_MATMULS
+    assert {"MatMulGGUF", "MatMulNBits"} <= set(QUANTIZED_MATMULS) and "Relu" not in QUANTIZED_MATMULS

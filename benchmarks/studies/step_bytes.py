@@ -30,6 +30,7 @@ from onnx import numpy_helper  # noqa: E402
 from edge_spec.export.gguf.interleaved import Q6_K  # noqa: E402
 from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
+from edge_spec.runtime.model.native_attention import QUANTIZED_MATMULS  # noqa: E402
 
 # onnxruntime-genai's node names ('/model/layers.3/mlp/gate_proj/MatMul_Q4') and ours ('layers.3.gate_up/out/...')
 _PEER_ROLE = re.compile(r"/(q_proj|k_proj|v_proj|qkv_proj|o_proj|gate_proj|up_proj|down_proj|lm_head)/")
@@ -62,7 +63,7 @@ def step_bytes(onnx_path: Path) -> dict[str, dict[str, float]]:
     producer = {out: node for node in graph.node for out in node.output}
     groups: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for node in graph.node:
-        if node.op_type not in ("MatMulNBits", "MatMulGGUF"):
+        if node.op_type not in QUANTIZED_MATMULS:
             continue
         attrs = _attributes(node)
         total = sum(size.get(x, 0) for x in node.input[1:])

@@ -22,6 +22,7 @@ import onnx
 import onnxruntime as ort
 
 from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.native_attention import QUANTIZED_MATMULS
 
 
 class ProfileMismatch(RuntimeError):
@@ -48,10 +49,6 @@ def role_of(node: str) -> str:
     return m.group(1) if m else node
 
 
-#: the ops that stream a weight matrix: ORT's 4- and 8-bit blocks, and GGUF's own blocks on the native op
-WEIGHT_MATMULS = ("MatMulNBits", "MatMulGGUF")
-
-
 def matmul_weight_bytes(onnx_path: Path) -> dict[str, int]:
     """Bytes each weight matmul reads per call: MatMulNBits' packed weights and scales (and zero points),
     MatMulGGUF's records."""
@@ -60,7 +57,9 @@ def matmul_weight_bytes(onnx_path: Path) -> dict[str, int]:
         t.name: int(np.prod(t.dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
         for t in model.graph.initializer
     }
-    return {n.name: sum(size.get(x, 0) for x in n.input[1:]) for n in model.graph.node if n.op_type in WEIGHT_MATMULS}
+    return {
+        n.name: sum(size.get(x, 0) for x in n.input[1:]) for n in model.graph.node if n.op_type in QUANTIZED_MATMULS
+    }
 
 
 def matmul_bits(onnx_path: Path) -> dict[str, int]:

@@ -512,33 +512,7 @@ void rotate(const float* in, float* out, int head, int rotary_dim, const float* 
 // rounded to float16 (nearest, ties to even) as they are written, and every pass reads them back exactly, tile
 // by tile, into float32 scratch that the float32 kernels then read.  A row's keys and values are rounded before
 // any row of its pass reads them, so batch invariance holds as with a float32 cache.  The conversions give the
-// same bits on every path (F16C's and the portable ones below).
-
-float half_to_float_scalar(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0) {
-    if (mantissa == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      uint32_t m = mantissa;
-      do {
-        ++e;
-        m <<= 1;
-      } while ((m & 0x400u) == 0);
-      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
-    }
-  } else if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+// same bits on every path (F16C's, and the portable ones: the rounding below, edge_spec::half_bits_to_float back).
 
 uint16_t float_to_half_scalar(float f) {  // round to nearest, ties to even, as F16C's _MM_FROUND_TO_NEAREST_INT
   uint32_t x;
@@ -567,7 +541,7 @@ __attribute__((target("avx2,f16c"))) void half_to_float_f16c(const uint16_t* src
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = half_to_float_scalar(src[i]);
+  for (; i < n; ++i) dst[i] = edge_spec::half_bits_to_float(src[i]);
 }
 
 __attribute__((target("avx2,f16c"))) void float_to_half_f16c(const float* src, uint16_t* dst, size_t n) {
@@ -593,7 +567,7 @@ void half_to_float(const uint16_t* src, float* dst, size_t n) {
   if (g_use_f16c && g_use_avx512) return half_to_float_avx512(src, dst, n);
   if (g_use_f16c) return half_to_float_f16c(src, dst, n);
 #endif
-  for (size_t i = 0; i < n; ++i) dst[i] = half_to_float_scalar(src[i]);
+  for (size_t i = 0; i < n; ++i) dst[i] = edge_spec::half_bits_to_float(src[i]);
 }
 
 void float_to_half(const float* src, uint16_t* dst, size_t n) {
@@ -1499,7 +1473,7 @@ __attribute__((visibility("default"))) void EdgeSpecRoundToHalf(const float* src
 #endif
   for (size_t i = 0; i < n; ++i) {
     dst[i] = float_to_half_scalar(src[i]);
-    back[i] = half_to_float_scalar(dst[i]);
+    back[i] = edge_spec::half_bits_to_float(dst[i]);
   }
 }
 

@@ -44,32 +44,6 @@ constexpr int kQK = 256;             // weights per super-block
 constexpr int64_t kTypeQ4K = 12;     // ggml's type numbers
 constexpr int64_t kTypeQ6K = 14;
 
-float fp16_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exponent = (h >> 10) & 0x1f;
-  uint32_t mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0) {
-    if (mantissa == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exponent = 127 - 15 + 1;
-      while ((mantissa & 0x400) == 0) {
-        mantissa <<= 1;
-        --exponent;
-      }
-      bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-    }
-  } else if (exponent == 31) {
-    bits = sign | 0x7f800000 | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 uint16_t read_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, sizeof(v));
@@ -215,8 +189,8 @@ void tile_q4k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
       float acc = 0.f;
       for (int b = 0; b < blocks; ++b) {
         const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
-        const float d = fp16_to_float(read_u16(R + 2 * o));
-        const float dmin = fp16_to_float(read_u16(R + 32 + 2 * o));
+        const float d = edge_spec::half_bits_to_float(read_u16(R + 2 * o));
+        const float dmin = edge_spec::half_bits_to_float(read_u16(R + 32 + 2 * o));
         const uint8_t* lines = R + 320;
         const int8_t* q = x.q.data() + b * kQK;
         int32_t total = 0, mins = 0;
@@ -247,7 +221,7 @@ void tile_q6k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
       float acc = 0.f;
       for (int b = 0; b < blocks; ++b) {
         const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
-        const float d = fp16_to_float(read_u16(R + 2 * o));
+        const float d = edge_spec::half_bits_to_float(read_u16(R + 2 * o));
         const int8_t* sc = reinterpret_cast<const int8_t*>(R + 32);
         const uint8_t* lines = R + 288;
         const uint8_t* highs = R + 288 + 2048;

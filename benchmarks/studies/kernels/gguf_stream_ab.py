@@ -8,8 +8,8 @@ L3), both builds' sessions on it, each timed ``--rounds`` times in turn with ten
 kept.  Reported: GB/s of records read per row count, and whether both builds gave the same bits.  Sessions
 do not spin between runs, so the idle one leaves the cores to the other.
 
-    python benchmarks/studies/kernels/gguf_stream_ab.py --before REV [--type q4_k] [--rows 1,2,4,8]
-    python benchmarks/studies/kernels/gguf_stream_ab.py --libraries A.so,B.so --type q6_k
+    python benchmarks/studies/kernels/gguf_stream_ab.py --before REV [--type Q4_K] [--rows 1,2,4,8]
+    python benchmarks/studies/kernels/gguf_stream_ab.py --libraries A.so,B.so --type Q6_K
 
 ``EDGE_SPEC_NATIVE_AVX512=0`` in the environment times both builds' AVX2 kernels.
 """
@@ -31,26 +31,13 @@ import onnxruntime as ort  # noqa: E402
 from native_ab import build_revision  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from edge_spec.export.gguf.interleaved import interleave  # noqa: E402
+from edge_spec.export.gguf.interleaved import TYPE_NUMBER, interleave  # noqa: E402
 from edge_spec.native import build  # noqa: E402
-
-TYPES = {"q4_k": (12, 144), "q6_k": (14, 210)}  # ggml's type number, bytes per block of 256
-
-
-def seeded_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """GGUF bytes of an ``[n, k]`` matrix: random codes and scales, float16 factors of a real model's size."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // 256, TYPES[kind][1]), dtype=np.uint8)
-    factors = rng.uniform(1e-3, 2e-2, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
-    if kind == "q4_k":
-        raw[..., 0:4] = factors
-    else:
-        raw[..., 208:210] = factors[..., 0:2]
-    return raw.reshape(n, -1)
+from tests.tiny_models import random_k_quant_blocks  # noqa: E402
 
 
 def matmul_model(raw: np.ndarray, kind: str, k: int) -> bytes:
-    type_number = TYPES[kind][0]
+    type_number = TYPE_NUMBER[kind]
     n = raw.shape[0]
     node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=type_number)
     graph = helper.make_graph(
@@ -78,7 +65,7 @@ def main() -> None:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--before", help="a git revision whose native sources are the other side")
     which.add_argument("--libraries", help="two built libraries, comma separated")
-    parser.add_argument("--type", choices=sorted(TYPES), default="q4_k")
+    parser.add_argument("--type", choices=sorted(TYPE_NUMBER), default="Q4_K")
     parser.add_argument("--k", type=int, default=1536)
     parser.add_argument("--n", type=int, default=49152)
     parser.add_argument("--rows", default="1,2,4,8")
@@ -99,7 +86,7 @@ def main() -> None:
             if len(libraries) != 2:
                 parser.error("--libraries takes two paths")
             labels = [p.name for p in libraries]
-        raw = seeded_blocks(args.type, args.n, args.k)
+        raw = random_k_quant_blocks(np.random.default_rng(0), args.type, args.n, args.k)
         model = matmul_model(raw, args.type, args.k)
         sessions = [session(library, model, args.threads) for library in libraries]
         mb = raw.nbytes / 1e6

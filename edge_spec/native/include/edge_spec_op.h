@@ -1,9 +1,11 @@
-// What every edge-spec custom op fills the same way in ORT's OrtCustomOp table, and how its code reports to ORT.
+// What every edge-spec custom op fills the same way in ORT's OrtCustomOp table, how its code reports to ORT, and
+// the float16 decoding both ops' portable code shares.
 // The table: the CPU execution provider,
 // default memory, no variadic inputs or outputs, every opset version.  Each op adds its name, its inputs and
 // outputs and its kernel functions.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -109,6 +111,34 @@ inline int64_t attribute_int(const OrtApi* api, const OrtKernelInfo* info, const
 
 inline float attribute_float(const OrtApi* api, const OrtKernelInfo* info, const char* name, float fallback) {
   return attribute_or(api, api->KernelInfoGetAttribute_float, info, name, fallback);
+}
+
+// the float a float16's bits stand for (exact: every float16 is a float), for the portable paths: GGUF's block
+// scales, a float16 cache's keys and values
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      uint32_t m = mantissa;
+      do {
+        ++e;
+        m <<= 1;
+      } while ((m & 0x400u) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 }  // namespace edge_spec

@@ -89,6 +89,7 @@ def all_attention_native(model: onnx.ModelProto) -> bool:
 
 
 KV_INPUT, KV_OUTPUT = "past_key_values.", "present."
+#: the ops that stream a quantized weight matrix: ORT's 4- and 8-bit blocks, GGUF's own blocks on the native op
 QUANTIZED_MATMULS = ("MatMulNBits", "MatMulGGUF")
 
 
