@@ -66,6 +66,25 @@ def test_one_token_cost_is_the_padded_pass_cost(target_path):
     assert decoder.recent_seconds()[1] == 0.013  # what the γ policy must plan with for a γ = 0 round
 
 
+def test_a_lean_one_row_pass_is_priced_at_what_it_costs(target_path):
+    """Where one-row passes are exact (``lean_rows`` 1) a round without drafts or guess runs in one row
+    although speculative passes pad to two: the cost model must see that row's own price, not the padded
+    pass's, or it prices target-only rounds too dear and drafts where drafting loses."""
+    decoder = Decoder(target_path, threads=1, capacity=64, min_rows=2)
+    decoder.lean_rows = 1
+    decoder.stats.seed(1, 0.010)
+    decoder.stats.seed(2, 0.013)
+    assert decoder.recent_seconds()[1] == 0.010
+    decoder.forward(PROMPT, 1)
+    for _ in range(3):
+        decoder.forward([11], 1, lean=True)
+    assert decoder.stats.calls[1] == 3  # lean passes ran in one row and were filed as such
+    assert decoder.recent_seconds()[1] == decoder.stats.recent[1] != 0.010
+    decoder.lean_rows = None  # control: without exact one-row passes a round is never cheaper than the pad
+    padded = decoder.recent_seconds()
+    assert padded[1] == padded[2] != decoder.stats.recent[1]
+
+
 @pytest.mark.parametrize("config", [chain(1), chain(3), chain(4, adaptive=True), chain(2, adaptive=True, lookup=True)])
 def test_exact_speculative_equals_exact_target_only(int4_bundle, config):
     engine = Engine.from_bundle(int4_bundle, threads=1, config=config, draft_head="trim-64")

@@ -93,6 +93,26 @@ def test_profiled_latencies_follow_the_measured_ones():
     assert recent[1] == pytest.approx(0.050 * 1.5)
 
 
+def test_a_size_below_every_measured_one_is_never_priced_above_them():
+    """After a long prompt every multi-row pass pays each row's attention, so the measured sizes move far
+    from a profile taken over a short cache; the one-row pass, scaled alike, would be priced above the
+    two-row pass it is cheaper than, and a round that carries a guess in the second row would look free."""
+    from edge_spec.runtime.model.decoder import DecoderStats
+
+    stats = DecoderStats()
+    for n, seconds in {1: 0.0331, 2: 0.0331, 3: 0.0364, 4: 0.0383}.items():
+        stats.seed(n, seconds)
+    for _ in range(10):
+        stats.add(2, 0.0400)
+        stats.add(3, 0.0467)
+        stats.add(4, 0.0498)
+    recent = stats.recent_seconds()
+    assert recent[1] == pytest.approx(0.0400)  # scaled alike (median ratio 1.28) it would be 0.0425
+    for _ in range(10):
+        stats.add(1, 0.0294)
+    assert stats.recent_seconds()[1] == pytest.approx(0.0294)  # measured: its own price
+
+
 def test_sizes_not_run_live_are_not_priced_out_of_reach():
     """Live passes over two and three rows cost 6 and 5 ms more than the profile says, those over four rows
     and more what it says (a cost per pass the profile's passes did not pay).  Scaled by the measured sizes'
@@ -230,7 +250,7 @@ def test_verify_passes_are_timed_with_every_rows_logits():
         def rewind(self, length: int) -> None:
             pass
 
-        def forward(self, tokens, num_logits):
+        def forward(self, tokens, num_logits, lean=False):
             self.passes.append((len(tokens), num_logits))
 
     class Drafter:
@@ -259,7 +279,7 @@ def test_the_drafter_s_second_row_is_profiled():
         def rewind(self, length: int) -> None:
             pass
 
-        def forward(self, tokens, num_logits):
+        def forward(self, tokens, num_logits, lean=False):
             pass
 
     class Drafter:
@@ -330,7 +350,7 @@ class CurveTarget:
     def rewind(self, length: int) -> None:
         pass
 
-    def forward(self, tokens, num_logits):
+    def forward(self, tokens, num_logits, lean=False):
         self.passes.append(len(tokens))
         self.last = self.curve.get(len(tokens), 0.0) * self.load / 1e3
 
@@ -382,7 +402,7 @@ class DriftingTarget(CurveTarget):
         super().__init__(curve)
         self.drift = drift
 
-    def forward(self, tokens, num_logits):
+    def forward(self, tokens, num_logits, lean=False):
         super().forward(tokens, num_logits)
         self.load *= 1.0 + self.drift
 

@@ -9,6 +9,7 @@ from edge_spec.runtime.schedule.policy import (
     DraftRound,
     RoundOverhead,
     chain_tokens,
+    guess_row_pays,
     plan_round,
     reach,
 )
@@ -246,6 +247,36 @@ def test_a_draft_less_round_that_carries_a_guess_pays_for_two_rows():
     one_row = CostModel(draft=0.010, verify={1: 0.045, 2: 0.052, 3: 0.065})
     assert one_row.expected_cost(0.5, 0.5, 0, spare=0.2) == pytest.approx(0.052)
     assert one_row.expected_cost(0.5, 0.5, 0) == pytest.approx(0.045)
+
+
+def test_a_guess_rides_a_second_row_only_where_it_pays_for_that_row():
+    """The second row's price is measured, not assumed: after a 2,800-token prompt it costs 44% of a
+    one-row pass on the default target (42.2 against 29.4 ms), after a short one a few percent; a guess
+    right 27% of the time pays for the cheap row and not for the dear one."""
+    long_context = CostModel(draft=0.0098, verify={1: 0.0294, 2: 0.0422, 3: 0.0467}, catch_up=0.0026)
+    short_context = CostModel(draft=0.0098, verify={1: 0.0331, 2: 0.0337, 3: 0.0364}, catch_up=0.0026)
+    assert not guess_row_pays(long_context, 0.27)
+    assert guess_row_pays(short_context, 0.27)
+    assert guess_row_pays(long_context, 0.6)  # a guess right more often than the row's premium pays for it
+    assert not guess_row_pays(short_context, 0.0)  # a row that buys nothing is never carried
+    padded = CostModel(draft=0.0098, verify={1: 0.0337, 2: 0.0337})  # a pad row costs nothing more
+    assert guess_row_pays(padded, 0.01)
+
+
+def test_dropping_the_only_draft_prices_the_round_it_leaves():
+    """A round that drops its only draft runs a one-row pass, or two rows with the guess: the stop rule
+    must price it so, or where the second row is dear it keeps doubtful drafts to avoid a pass it thinks
+    as dear as the two-row one."""
+    costs = CostModel(draft=0.0098, verify={1: 0.0294, 2: 0.0422, 3: 0.0467}, catch_up=0.0026)
+    rate = 1 / costs.expected_cost(0.4, 0.4, 0)
+    rule = DraftRound(costs, gamma_max=4, rate=rate, estimates=estimates(0.4))
+    assert rule.best_length(0.4, 0.4, allow_drop=True) == 0  # its second row costs more than the draft buys
+    assert rule.best_length(0.9, 0.9, allow_drop=True) > 0  # control: a likely draft is kept
+    guessing = DraftRound(costs, gamma_max=4, rate=rate, estimates=estimates(0.4), spare=0.3)
+    dropped = guessing.best_length(0.4, 0.4, allow_drop=True)
+    kept_value = 1.4 - rate * (costs.draft + costs.verify_cost(2) + 0.4 * costs.catch_up)
+    guess_value = 1.3 - rate * (costs.draft + costs.verify_cost(2) + 0.3 * costs.catch_up)  # the guess's two rows
+    assert dropped == (0 if guess_value > kept_value else 1)
 
 
 # this machine's fast-layout bundle: a drafter step that reads two tokens costs 1.9 ms more than one

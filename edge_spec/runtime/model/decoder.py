@@ -163,7 +163,9 @@ class DecoderStats:
         they are, or longer drafts look cheap.  A size between two measured ones lies on the straight line
         between their live latencies; one past the largest measured size is scaled by how far the measured
         ones moved from their profile (median ratio), or, where that is less, priced at the largest
-        measured size below it plus the profile's step between the two.  Erring high is the error live passes never
+        measured size below it plus the profile's step between the two; one below every measured size is
+        scaled so too, but never priced above the next measured size (after a long prompt a multi-row pass
+        pays each row's attention, which a one-row pass pays once).  Erring high is the error live passes never
         correct: a size priced too dear is one the schedule stops drafting rounds for, so its passes
         never run and never show its price (a cost per pass the profile's passes did not pay made two
         and three rows 20% dearer live than profiled, scaled every larger size alike, and held rounds
@@ -183,8 +185,8 @@ class DecoderStats:
                 out[n] = latency_at(measured, n)
             elif below is not None and n in self.profile:
                 out[n] = min(t * scale, measured[below] + max(self.profile[n] - self.profile[below], 0.0))
-            else:
-                out[n] = t * scale
+            else:  # below every measured size: never dearer than the next one up, which reads the same weights
+                out[n] = min([t * scale, *(measured[m] for m in measured if m > n)])
         return out
 
 
@@ -552,12 +554,14 @@ class Decoder:
         self.tokens.extend(kept)
 
     def recent_seconds(self) -> dict[int, float]:
-        """Recent latency per number of new tokens (the cost model of the γ policy); with ``min_rows``
-        padding, fewer tokens cost what the padded pass costs."""
+        """Recent latency per number of new tokens (the cost model of the γ policy); fewer tokens than
+        :attr:`exact_rows` cost what the padded pass costs.  Between it and ``min_rows`` a pass runs
+        lean (a round without drafts or guess), so those sizes keep their own price."""
         seconds = self.stats.recent_seconds()
-        for n in range(1, self.min_rows):
-            if self.min_rows in seconds:
-                seconds[n] = seconds[self.min_rows]
+        rows = self.exact_rows
+        for n in range(1, rows):
+            if rows in seconds:
+                seconds[n] = seconds[rows]
         return seconds
 
     @property

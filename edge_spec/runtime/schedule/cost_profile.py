@@ -232,7 +232,7 @@ def measure(target, drafter, max_tokens: int) -> CostProfile:
         # alternate the two models as the loop does: each pass is timed right after the other model ran,
         # which is what it costs in a round (back-to-back passes of one model are faster)
         drafter_step()
-        sweeps[n].append(_timed(lambda n=n: target.forward([0] * n, n)))
+        sweeps[n].append(_timed(lambda n=n: target.forward([0] * n, n, lean=True)))  # one row: a lean round's
         target.rewind(length)
     timed = {n: sum(times) / len(times) for n, times in sweeps.items()}
     drafter_step()

@@ -21,14 +21,15 @@ from edge_spec.runtime.constrain import Constraint
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.propose.base import DraftBlock, DraftRule, Proposer
 from edge_spec.runtime.schedule.acceptance import AcceptanceCalibration, RequestAcceptance
-from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, RoundOverhead, chain_tokens
+from edge_spec.runtime.schedule.policy import AdaptiveGamma, CostModel, RoundOverhead, chain_tokens, guess_row_pays
 from edge_spec.runtime.schedule.sources import LookupChoice
 from edge_spec.runtime.verify.chain import VerifyResult
 from edge_spec.runtime.verify.sampling import SamplingParams
 
-# chance of a right guess below which a draft-less round runs in one row, where that is exact: what a second
-# row costs over one (68.0 against 77.7 ms a pass on the 1.5B target with AVX-512 VNNI, +14%).  It changes
-# only how fast an answer comes: a pass of either size gives the same logits there.
+# chance of a right guess below which a draft-less round runs in one row, where that is exact, until the
+# passes' costs are measured (then ``policy.guess_row_pays`` decides): what a second row costs over one
+# after a short prompt (68.0 against 77.7 ms a pass on the 1.5B target with AVX-512 VNNI, +14%).  It
+# changes only how fast an answer comes: a pass of either size gives the same logits there.
 GUESS_ROW_WORTH = 0.15
 QUIET_AFTER = 2  # the drafter rests after this many of its rounds in a row lose their first draft ...
 QUIET_RATE = 0.45  # ... in a request whose first drafts are accepted less often than this
@@ -125,7 +126,7 @@ class DraftPlanner:
         costs = self._costs()
         guess = self._guess(committed, room, rule)
         spare = guess if guess is not None and self.target.min_rows >= 2 else None  # a pass's spare row
-        lean = spare is not None and self.target.exact_rows < self.target.min_rows and not self._row_pays(spare)
+        lean = spare is not None and self.target.exact_rows < self.target.min_rows and not self._row_pays(spare, costs)
         if lean:  # this request's guesses keep failing: a draft-less round runs in one row
             spare = None
         self._guessed = (guess.matched, guess.tokens[0]) if guess else None  # checked whatever the round does
@@ -165,10 +166,12 @@ class DraftPlanner:
         spare.steps = block.steps  # a dropped model step still counts as a step
         return spare
 
-    def _row_pays(self, guess: DraftBlock) -> bool:
-        """Whether carrying the guess in a second row is worth that row: whether this request's guesses
-        (by the match behind this one) are right more often than :data:`GUESS_ROW_WORTH`."""
-        return self.estimates.guess(guess.matched) >= GUESS_ROW_WORTH
+    def _row_pays(self, guess: DraftBlock, costs: CostModel | None) -> bool:
+        """Whether carrying the guess in a second row is worth that row, at the rate this request's guesses
+        (by the match behind this one) are right: priced by the passes' costs, by
+        :data:`GUESS_ROW_WORTH` before they are measured."""
+        rate = self.estimates.guess(guess.matched)
+        return rate >= GUESS_ROW_WORTH if costs is None else guess_row_pays(costs, rate)
 
     def _guess(self, committed: list[int], room: int, rule: DraftRule) -> DraftBlock | None:
         """The free guess for the next token (None: no room, or no filler proposes one)."""

@@ -104,6 +104,14 @@ def chain_survival(first: float, later: float, gamma: int) -> float:
     return first * later ** (gamma - 1) if gamma else 1.0
 
 
+def guess_row_pays(costs: CostModel, rate: float) -> bool:
+    """Whether a draft-less round should carry a guess right with chance ``rate`` in a second row, where
+    one row alone would be exact: ``1 + rate`` tokens for the two-row pass against one for the one-row
+    pass.  That row's premium is measured, not assumed: a few percent of a pass after a short prompt, over
+    40% after a long one, where the second query row's attention costs as much as the first's."""
+    return (1.0 + rate) / costs.expected_cost(0.0, 0.0, 0, spare=rate) > 1.0 / costs.expected_cost(0.0, 0.0, 0)
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     gamma: int  # drafts planned (0: no drafter this round)
@@ -177,9 +185,10 @@ class DraftRound:
         best, best_value = k, float("-inf")
         if allow_drop:  # the drafter has read every kept draft: only the spare row's guess is left unread
             guess = self.spare if k == 1 else 0.0  # no draft left: the spare row carries the guess
+            rows = 2 if guess > 0 else k  # a lone guess rides a second row; without it the pass runs lean
             best, best_value = (
                 k - 1,
-                self.expected + guess - self.rate * (sunk + costs.verify_cost(k) + guess * costs.catch_up),
+                self.expected + guess - self.rate * (sunk + costs.verify_cost(rows) + guess * costs.catch_up),
             )
         survive = self.survive * acceptance
         expected = self.expected + survive
