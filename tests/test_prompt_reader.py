@@ -162,3 +162,25 @@ def test_int8_rows_round_each_row_on_its_own_scale():
     assert codes.shape == (3, 3) and codes.dtype == np.int8
     np.testing.assert_allclose(codes.T * scales[:, None], weight, rtol=0.01)
     assert codes[:, 0].tolist() == [127, -64, 32] and codes[:, 1].tolist() == [127, 64, -32]
+
+
+def test_an_answer_leaves_the_cache_target_only_decoding_leaves(reader_bundle):
+    """The next turn reads what the cache lacks through the prompt graph, whose rows differ from the decode
+    graph's: an answer must leave the cache holding exactly what target-only decoding's leaves (the prompt
+    and the answer before its last token), or a conversation's later turns part from it.  An answer that
+    ends at an accepted draft of its end token (a suffix-cache draft of ``<|im_end|>``) is the case."""
+    engine = Engine.from_bundle(reader_bundle, threads=1)
+    target, tokenizer = engine.bundle.target, engine.bundle.tokenizer
+    turn = [{"role": "user", "content": "def is_prime(n):"}]
+    answer = engine.complete(turn, max_new_tokens=24, mode="ar").token_ids
+    ends = tokenizer.eos_token_ids
+    caches = {}
+    try:
+        for end in dict.fromkeys(answer[2:]):  # each answer token in turn made the end token
+            tokenizer.eos_token_ids = {end}
+            for mode in ("spec", "ar"):
+                engine.complete(turn, max_new_tokens=24, mode=mode)
+                caches[mode] = list(target.tokens)
+            assert caches["spec"] == caches["ar"], f"an answer ended by {end}"
+    finally:
+        tokenizer.eos_token_ids = ends

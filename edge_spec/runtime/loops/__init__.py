@@ -76,4 +76,26 @@ def generate_tokens(config: LoopConfig, request: Request) -> Iterator[int]:
     ``config``: :func:`check_constraint`, which the engine asks before it makes one).  A cancel is the
     decoders': a pass it cuts or refuses ends the stream with ``PassInterrupted``, having yielded only
     tokens the target verified (see ``Decoder.interrupt``)."""
-    return LOOPS[type(config)](request, config)
+    return _leaving_target_only_cache(LOOPS[type(config)](request, config), request)
+
+
+def _leaving_target_only_cache(tokens: Iterator[int], request: Request) -> Iterator[int]:
+    """``tokens``, and once they end (exhausted, closed by the caller at an end token or a stop, or cut by
+    a cancel) the target's cache cut to what target-only decoding leaves: the prompt and the tokens given
+    before the last.  A speculative loop may hold more (an accepted draft of the end token, drafts past
+    it), computed by the decode graph; the next turn reads from there on through whichever graph reads
+    prompts, so without the cut a prompt graph's other rounding would make a conversation's later turns
+    depend on how the earlier answers were decoded."""
+    given = 0
+    try:
+        for token in tokens:
+            given += 1
+            yield token
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
+        target = request.target
+        keep = len(request.prompt_ids) + max(given - 1, 0)
+        if target.length > keep:
+            target.rewind(keep)
