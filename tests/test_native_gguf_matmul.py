@@ -9,6 +9,10 @@ picks its kernels once, and all give the same bits.
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +179,49 @@ def test_the_reference_check_can_fail(native_library, kind):
     wrong[3, 20:40] ^= 0x11  # codes of one block of row 3
     want_wrong = reference(x, wrong, kind, k)
     assert not np.allclose(got[:, 3], want_wrong[:, 3], rtol=2e-5, atol=2e-5 * np.abs(want_wrong).max())
+
+
+def one_row_prefetch(native_library, env: dict[str, str]) -> int:
+    """Whether the library's one-row Q4_K passes ask ahead in a process started with ``env``."""
+    code = "import ctypes, sys; print(ctypes.CDLL(sys.argv[1]).EdgeSpecGGUFOneRowPrefetch())"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(native_library)], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    return int(done.stdout)
+
+
+def cpu_vendor() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def test_one_row_passes_ask_ahead_on_intel_cores_unless_the_switch_says_otherwise(native_library):
+    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
+        pytest.skip("the vendor's default is an x86 choice")
+    assert one_row_prefetch(native_library, {}) == int(cpu_vendor() == "GenuineIntel")
+    assert one_row_prefetch(native_library, {"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "1"}) == 1
+    assert one_row_prefetch(native_library, {"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "0"}) == 0
+
+
+@pytest.mark.parametrize("n", [80, 37])
+def test_one_row_q4k_passes_have_the_same_bits_whether_they_ask_ahead_or_not(native_library, tmp_path, n):
+    rng = np.random.default_rng(11 + n)
+    k = 768
+    raw = random_blocks(rng, Q4_K, n, k)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    want = reference(x, raw, Q4_K, k)
+    results = {}
+    for path in PATHS:
+        if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
+            continue  # this CPU has no such kernel
+        for ahead in "01":
+            env = {**PATHS[path], "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": ahead}
+            results[path, ahead] = native_first_output(native_library, model(raw, Q4_K, k), {"x": x}, env, tmp_path)
+    np.testing.assert_allclose(results["scalar", "0"], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    for key, got in results.items():
+        assert np.array_equal(got, results["scalar", "0"]), key
 
 
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])

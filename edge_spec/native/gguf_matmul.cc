@@ -255,15 +255,16 @@ inline void prefetch_lines(const uint8_t* record, int first, int count) {
   for (int i = first; i < first + count; ++i) _mm_prefetch(reinterpret_cast<const char*>(record + 64 * i), _MM_HINT_T0);
 }
 
-// Whether a Q4_K kernel over NR rows asks for the next record ahead.  One row streams its weights at the
-// memory's pace, where the hardware prefetcher keeps ahead of a tile's consecutive records and software
-// prefetches only take the miss buffers the demand loads need: on a Zen 4 EPYC a one-row decode pass of the
-// default target ran 1.03-1.05x faster without them on the AVX-512 kernels and 1.11-1.15x on the AVX2 ones,
-// and passes of 2 to 8 rows the same (benchmarks/native_ab.py).  The Q6_K kernels keep theirs at every row
-// count: without them a one-row Q6_K matrix streamed at half the rate on the AVX-512 kernels and 0.74-0.87x on
-// AVX2 (benchmarks/studies/kernels/gguf_stream_ab.py).
-template <int NR>
-constexpr bool kQ4KPrefetch = NR > 1;
+// Whether a Q4_K kernel asks for the next record ahead (Ahead).  Passes of 2 and more rows always do.  A
+// one-row pass streams its weights at the memory's pace, and whether software prefetches help it depends on
+// the core's own prefetchers: on a Zen 4 EPYC a one-row decode pass of the default target ran 1.03-1.05x
+// faster without them on the AVX-512 kernels and 1.11-1.15x on the AVX2 ones (they only took the miss
+// buffers the demand loads need), while on an Intel Xeon (Sapphire Rapids) it ran 1.28x faster with them
+// (benchmarks/native_ab.py).  So one-row passes ask ahead on Intel's cores and not on others
+// (g_one_row_ahead; EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH=1 or 0 decides instead).  The Q6_K kernels ask ahead
+// at every row count: without it a one-row Q6_K matrix streamed at half the rate on the AVX-512 kernels and
+// 0.74-0.87x on AVX2 (benchmarks/studies/kernels/gguf_stream_ab.py).  Prefetches change no bits.
+bool g_one_row_ahead = false;
 
 // ---------------------------------------------------------------------------------------------------
 // AVX-512 with VNNI: a lane per output, vpdpbusd adds four code x activation products a lane
@@ -278,7 +279,7 @@ constexpr bool kQ4KPrefetch = NR > 1;
 // give, in an instruction the multiply pipes finish sooner (verify passes of 8 rows and prompt reads 3% faster
 // on a Zen 4 EPYC).  The minimums' products go through vpdpwssd, two sub-blocks an instruction, after the
 // codes' sums: the same integers as a product per sub-block.
-template <int NR>
+template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int b = 0; b < blocks; ++b) {
@@ -293,7 +294,7 @@ __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int 
         lo[p] = _mm512_and_si512(w, low4);
         hi[p] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
       }
-      if (kQ4KPrefetch<NR>) prefetch_lines(R + kQ4KRecord, 5 * s, 5);
+      if (Ahead) prefetch_lines(R + kQ4KRecord, 5 * s, 5);
       const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 64 + 16 * s)));
       const __m512i scale2 = _mm512_or_si512(scale, _mm512_slli_epi32(scale, 16));  // (sc, sc) a lane
       __m512i partA[NR], partB[NR];  // the sub-block's first and last 16 products
@@ -404,6 +405,7 @@ constexpr std::array<RowsKernel, sizeof...(NR)> avx512_table(bool q4k, std::inte
 
 void tile_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
   static constexpr auto table = avx512_table(true, std::make_integer_sequence<int, kMaxRows>{});
+  if (nrows == 1 && !g_one_row_ahead) return rows_q4k_avx512<1, false>(rec, blocks, rows, out);
   table[nrows - 1](rec, blocks, rows, out);
 }
 
@@ -432,7 +434,7 @@ __attribute__((target(ES_AVX2))) inline __m256i byte_pairs_avx2(const uint8_t* f
 // of products, each at most 2 * 15 * 128 in size) are summed as int16 (at most 30720: no saturation), and
 // one madd with the sub-block's scale in both halves of a lane gives scale x the sub-block's sum: the
 // integer the AVX-512 kernel forms, in a third of the instructions of one madd per step.
-template <int NR>
+template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int r = 0; r < NR; ++r) {
@@ -452,7 +454,7 @@ __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int bloc
           lo[p] = _mm256_and_si256(w, low4);
           hi[p] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
         }
-        if (kQ4KPrefetch<NR>) prefetch_lines(R + kQ4KRecord, 5 * s + 40 * half, 5 - 5 * half);
+        if (Ahead) prefetch_lines(R + kQ4KRecord, 5 * s + 40 * half, 5 - 5 * half);
         const __m256i scale32 =
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 64 + 16 * s + 8 * half)));
         const __m256i scale = _mm256_or_si256(scale32, _mm256_slli_epi32(scale32, 16));  // (sc, sc) a lane
@@ -491,6 +493,7 @@ constexpr int kAvx2Rows = 4;  // rows a pass of rows_q4k_avx2 takes: their sums 
 void tile_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
   static constexpr RowsKernel table[kAvx2Rows] = {rows_q4k_avx2<1>, rows_q4k_avx2<2>, rows_q4k_avx2<3>,
                                                   rows_q4k_avx2<4>};
+  if (nrows == 1 && !g_one_row_ahead) return rows_q4k_avx2<1, false>(rec, blocks, rows, out);
   for (int r0 = 0; r0 < nrows; r0 += kAvx2Rows) {
     table[std::min(kAvx2Rows, nrows - r0) - 1](rec, blocks, rows + r0, out + r0 * kTile);
   }
@@ -814,6 +817,19 @@ bool cpu_has_avx512() {
 #endif
 }
 
+// whether one-row Q4_K passes ask for the next record ahead: on Intel's cores, unless
+// EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH says otherwise (see g_one_row_ahead)
+bool one_row_prefetch() {
+  if (edge_spec::switch_is("EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", '1')) return true;
+  if (edge_spec::switch_is("EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", '0')) return false;
+#ifdef ES_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel");
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 namespace edge_spec {
@@ -831,6 +847,7 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_quantize_avx2 = g_use_avx2;
   g_swiglu = swiglu_scalar;
 #ifdef ES_X86
+  g_one_row_ahead = one_row_prefetch();
   if (path == KernelPath::avx512) {
     g_q4k = tile_q4k_avx512;
     g_q6k = tile_q6k_avx512;
@@ -846,5 +863,8 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
 
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar" (what gguf_matmul_op picks)
 const char* gguf_matmul_path() { return kernel_path_name(chosen_path()); }
+
+// whether its one-row Q4_K passes ask for the next record ahead (what gguf_matmul_op picks)
+bool gguf_one_row_prefetch() { return one_row_prefetch(); }
 
 }  // namespace edge_spec
