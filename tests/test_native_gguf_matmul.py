@@ -9,10 +9,7 @@ picks its kernels once, and all give the same bits.
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -181,15 +178,6 @@ def test_the_reference_check_can_fail(native_library, kind):
     assert not np.allclose(got[:, 3], want_wrong[:, 3], rtol=2e-5, atol=2e-5 * np.abs(want_wrong).max())
 
 
-def one_row_prefetch(native_library, env: dict[str, str]) -> int:
-    """Whether the library's one-row Q4_K passes ask ahead in a process started with ``env``."""
-    code = "import ctypes, sys; print(ctypes.CDLL(sys.argv[1]).EdgeSpecGGUFOneRowPrefetch())"
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(native_library)], env={**os.environ, **env}, capture_output=True, text=True
-    )
-    return int(done.stdout)
-
-
 def cpu_vendor() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("vendor_id"):
@@ -200,9 +188,13 @@ def cpu_vendor() -> str:
 def test_one_row_passes_ask_ahead_on_intel_cores_unless_the_switch_says_otherwise(native_library):
     if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
         pytest.skip("the vendor's default is an x86 choice")
-    assert one_row_prefetch(native_library, {}) == int(cpu_vendor() == "GenuineIntel")
-    assert one_row_prefetch(native_library, {"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "1"}) == 1
-    assert one_row_prefetch(native_library, {"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "0"}) == 0
+
+    def prefetch(env: dict[str, str]) -> str:
+        return native_kernels(native_library, "EdgeSpecGGUFOneRowPrefetch", env)
+
+    assert prefetch({}) == ("ahead" if cpu_vendor() == "GenuineIntel" else "none")
+    assert prefetch({"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "1"}) == "ahead"
+    assert prefetch({"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "0"}) == "none"
 
 
 @pytest.mark.parametrize("n", [80, 37])

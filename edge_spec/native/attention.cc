@@ -1460,8 +1460,10 @@ __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar"
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFMatMulPath() { return edge_spec::gguf_matmul_path(); }
 
-// whether MatMulGGUF's one-row Q4_K passes ask for the next record ahead here: 1 or 0
-__attribute__((visibility("default"))) int EdgeSpecGGUFOneRowPrefetch() { return edge_spec::gguf_one_row_prefetch(); }
+// whether MatMulGGUF's one-row Q4_K passes ask for the next record ahead here: "ahead" or "none"
+__attribute__((visibility("default"))) const char* EdgeSpecGGUFOneRowPrefetch() {
+  return edge_spec::gguf_one_row_prefetch() ? "ahead" : "none";
+}
 
 // a float16 cache's conversions, for tests: ``src`` rounded to float16 into ``dst`` and read back into ``back``,
 // by the portable code (``portable``) or by F16C's instructions (where the CPU has them; else the portable code)

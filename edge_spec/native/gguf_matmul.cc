@@ -817,11 +817,15 @@ bool cpu_has_avx512() {
 #endif
 }
 
+}  // namespace
+
+namespace edge_spec {
+
 // whether one-row Q4_K passes ask for the next record ahead: on Intel's cores, unless
 // EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH says otherwise (see g_one_row_ahead)
-bool one_row_prefetch() {
-  if (edge_spec::switch_is("EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", '1')) return true;
-  if (edge_spec::switch_is("EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", '0')) return false;
+bool gguf_one_row_prefetch() {
+  if (switch_is("EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", '1')) return true;
+  if (switch_is("EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", '0')) return false;
 #ifdef ES_X86
   __builtin_cpu_init();
   return __builtin_cpu_is("intel");
@@ -829,10 +833,6 @@ bool one_row_prefetch() {
   return false;
 #endif
 }
-
-}  // namespace
-
-namespace edge_spec {
 
 // the kernels this CPU and the environment ask for
 KernelPath chosen_path() { return chosen_kernels(cpu_has_avx2(), cpu_has_avx512()); }
@@ -847,7 +847,7 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_quantize_avx2 = g_use_avx2;
   g_swiglu = swiglu_scalar;
 #ifdef ES_X86
-  g_one_row_ahead = one_row_prefetch();
+  g_one_row_ahead = gguf_one_row_prefetch();
   if (path == KernelPath::avx512) {
     g_q4k = tile_q4k_avx512;
     g_q6k = tile_q6k_avx512;
@@ -863,8 +863,5 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
 
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar" (what gguf_matmul_op picks)
 const char* gguf_matmul_path() { return kernel_path_name(chosen_path()); }
-
-// whether its one-row Q4_K passes ask for the next record ahead (what gguf_matmul_op picks)
-bool gguf_one_row_prefetch() { return one_row_prefetch(); }
 
 }  // namespace edge_spec
