@@ -3,8 +3,8 @@
 The weights go in as ``edge_spec/export/gguf/interleaved.py`` rearranges GGUF's bytes.  The reference rounds
 each row as the op does (int8 blocks of 256, one scale each), dequantizes GGUF's own bytes with the ``gguf``
 package and multiplies in float64: the op's integer sums are exact, so only its float32 accumulation differs.
-Every kernel the CPU has (AVX-512 with VNNI, AVX2, scalar) runs, each in a process of its own since a process
-picks its kernels once, and all give the same bits.
+Every kernel the CPU has (AVX-512 with VNNI, AVX2, scalar; AMX's tiles for passes of many rows) runs, each in a
+process of its own since a process picks its kernels once, and all give the same bits.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from tests.helpers import native_first_output, native_kernels
 Q4_K, Q6_K = 12, 14  # ggml's type numbers, the op's ``type`` attribute
 GGML_TYPE = {Q4_K: GGMLQuantizationType.Q4_K, Q6_K: GGMLQuantizationType.Q6_K}
 PATHS = {"avx512": {}, "avx2": {"EDGE_SPEC_NATIVE_AVX512": "0"}, "scalar": {"EDGE_SPEC_NATIVE_SCALAR": "1"}}
+NO_AMX = {"EDGE_SPEC_NATIVE_AMX": "0"}
+AMX_ROWS = 128 + 16 + 16 + 5  # AMX's fewest (Q4_K's) and more: row tiles in pairs and alone, 5 rows left over
 
 
 def random_blocks(rng: np.random.Generator, kind: int, n: int, k: int) -> np.ndarray:
@@ -304,3 +306,86 @@ def test_an_input_of_another_width_is_one_clear_error(native_library):
     sess = session(native_library, helper.make_model(graph, opset_imports=opsets).SerializeToString())
     with pytest.raises(Exception, match="last dimension must be K"):
         sess.run(None, {"x": np.zeros((1, 512), np.float32)})
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def amx_here(native_library) -> bool:
+    return native_kernels(native_library, "EdgeSpecGGUFPromptPath", {}) == "amx"
+
+
+def test_passes_of_many_rows_use_amx_where_the_cpu_has_its_int8_products_unless_switched_off(native_library):
+    flags = cpu_flags()
+    has = {"amx_tile", "amx_int8", "avx512_vnni"} <= flags
+    assert (native_kernels(native_library, "EdgeSpecGGUFPromptPath", {}) == "amx") is has
+    assert native_kernels(native_library, "EdgeSpecGGUFPromptPath", NO_AMX) == ""
+    assert native_kernels(native_library, "EdgeSpecGGUFPromptPath", PATHS["avx2"]) == ""  # AMX's sums meet AVX-512's
+
+
+@pytest.mark.parametrize("glu", [0, 1])
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_passes_of_many_rows_on_amx_have_the_other_kernels_bits(native_library, tmp_path, kind, glu):
+    """A prompt-sized pass on AMX's tiles: the products of the reference, and the bits of the AVX-512 and scalar
+    kernels, over blocks in chunks (10 blocks: 4, 4, 2), work items of 8 weight tiles and a last one part-filled,
+    and (without glu) a last tile of 5 outputs."""
+    if not amx_here(native_library):
+        pytest.skip("this CPU has no AMX int8 products")
+    rng = np.random.default_rng(kind + glu)
+    k = 2560
+    n = 352 if glu else 16 * 13 + 5  # glu: 11 tiles of gate rows and 11 of up rows
+    raw = random_blocks(rng, kind, n, k)
+    x = rng.standard_normal((AMX_ROWS, k)).astype(np.float32) * (4 if glu else 1)
+    x[1, :256] = 0.0  # a block of zeros: scale 0
+    graph = model(raw, kind, k, glu=glu)
+    amx = native_first_output(native_library, graph, {"x": x}, {}, tmp_path)
+    want = swiglu_reference(x, raw, kind, k) if glu else reference(x, raw, kind, k)
+    np.testing.assert_allclose(amx, want, rtol=1e-4 if glu else 2e-5, atol=2e-5 * np.abs(want).max())
+    for env in (NO_AMX, PATHS["scalar"]):
+        assert np.array_equal(amx, native_first_output(native_library, graph, {"x": x}, env, tmp_path)), env
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_the_largest_weights_amx_unpacks_keep_their_bits(native_library, tmp_path, kind):
+    """The weights at the ends of what AMX's unpacked bytes hold: Q4_K's scales 63 and codes 15 (high and low
+    parts 105), Q6_K's scale -128 at code 0 (weight 4096, high part 64) and 127 at code 63, against activations
+    at +-127."""
+    if not amx_here(native_library):
+        pytest.skip("this CPU has no AMX int8 products")
+    rng = np.random.default_rng(kind)
+    k, n = 512, 48
+    raw = random_blocks(rng, kind, n, k).reshape(n, k // 256, -1)
+    if kind == Q4_K:
+        raw[..., 4:] = 0xFF
+    else:
+        raw[:24, :, :192] = 0x00  # codes 0: weight -128 x (0 - 32)
+        raw[:24, :, 192:208] = 0x80
+        raw[24:, :, :192] = 0xFF  # codes 63: weight 127 x 31
+        raw[24:, :, 192:208] = 0x7F
+    raw = raw.reshape(n, -1)
+    x = np.ones((AMX_ROWS, k), dtype=np.float32)
+    x[1::2] = -1.0
+    x[4, 256:] = -3.0
+    graph = model(raw, kind, k)
+    amx = native_first_output(native_library, graph, {"x": x}, {}, tmp_path)
+    want = reference(x, raw, kind, k)
+    np.testing.assert_allclose(amx, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    assert np.array_equal(amx, native_first_output(native_library, graph, {"x": x}, PATHS["scalar"], tmp_path))
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_a_row_read_in_a_prompt_pass_has_the_bits_it_has_alone(native_library, kind):
+    """Batch invariance across the kernels: a row in a pass of AMX's size and the same row in a pass of one (the
+    AVX-512 or AVX2 kernel) or of eight give the same bits, so a prompt's keys and values are the ones its tokens
+    decoded one by one would have."""
+    rng = np.random.default_rng(5)
+    k, n = 768, 96
+    sess = session(native_library, model(random_blocks(rng, kind, n, k), kind, k))
+    x = rng.standard_normal((AMX_ROWS, k)).astype(np.float32)
+    together = sess.run(None, {"x": x})[0]
+    for start, stop in [(0, 1), (17, 18), (AMX_ROWS - 1, AMX_ROWS), (40, 48)]:
+        assert np.array_equal(sess.run(None, {"x": x[start:stop]})[0], together[start:stop]), (start, stop)

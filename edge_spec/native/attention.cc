@@ -46,6 +46,7 @@ namespace edge_spec {
 OrtCustomOp* gguf_matmul_op(const OrtApi* api);  // gguf_matmul.cc
 const char* gguf_matmul_path();
 bool gguf_one_row_prefetch();
+const char* gguf_matmul_prompt_path();
 }  // namespace edge_spec
 
 namespace {
@@ -929,28 +930,6 @@ __attribute__((target("avx512f"))) void add_bias(float* sc, const float* brow, b
 // AMX's tile unit does the products (16 x 32 bf16 times 32 x 16 per instruction): query
 // vectors 16 at a time against 32 keys per packed tile, then their weights against 16 value pairs a step.
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_available() {  // the CPU has AMX's tiles and bfloat16 products, and Linux lets this process use them
-#if !defined(__linux__)
-  return false;
-#else
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_max(0, nullptr) < 7) return false;
-  __cpuid_count(7, 0, a, b, c, d);
-  const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
-  if (!tile || !bf16) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-#endif
-}
-
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void attend_amx(const PromptPass& R,
                                                                                                    size_t item) {
   const Pass& P = *R.pass;
@@ -971,12 +950,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
   w.scores.resize(16 * ld);
   w.weights.resize(16 * ld);
   w.acc.resize(16 * static_cast<size_t>(H));
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
+  const edge_spec::TileConfig config = edge_spec::full_tiles();
+  edge_spec::load_tile_config(config);
   const int vectors = (r1 - r0) * G;
   for (int v0 = 0; v0 < vectors; v0 += 16) {
     const int m = std::min(16, vectors - v0);
@@ -1418,7 +1393,8 @@ bool prompt_path_here() {
   if (switch_is("EDGE_SPEC_NATIVE_SCALAR", '1') || switch_is("EDGE_SPEC_NATIVE_AMX", '0')) return false;
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") && amx_available();
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+         edge_spec::amx_usable(edge_spec::AmxUnit::bf16);
 #else
   return false;
 #endif
@@ -1461,6 +1437,10 @@ __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFMatMulPath() { return edge_spec::gguf_matmul_path(); }
 
 // whether MatMulGGUF's one-row Q4_K passes ask for the next record ahead here: "ahead" or "none"
+__attribute__((visibility("default"))) const char* EdgeSpecGGUFPromptPath() {
+  return edge_spec::gguf_matmul_prompt_path();
+}
+
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFOneRowPrefetch() {
   return edge_spec::gguf_one_row_prefetch() ? "ahead" : "none";
 }

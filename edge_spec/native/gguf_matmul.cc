@@ -23,6 +23,7 @@
 #include <array>
 #include <utility>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,7 +55,7 @@ uint16_t read_u16(const uint8_t* p) {
 // activations: int8 blocks of 256 (llama.cpp's Q8_K)
 
 struct Q8Row {
-  std::vector<int8_t> q;        // K codes
+  int8_t* q = nullptr;          // K codes, in a pass's matrix of every row's codes (AMX's tiles read them as one)
   std::vector<float> d;         // one scale per block of 256
   std::vector<int32_t> sums16;  // the sum of each 16 codes (Q6_K's offset of 32)
   std::vector<int32_t> pairs16; // two of those sums as int16 halves, (sums16[2i], sums16[2i + 1]), for vpdpwssd
@@ -122,14 +123,37 @@ void pack_pairs(const int32_t* sums, int count, int32_t* pairs) {
   }
 }
 
+// A pass's buffers are kept for the next one on the same thread, and only grow: a prompt pass's are megabytes
+// (512 rows of 8960 codes, twice), and allocating them afresh each pass (and zeroing them, as a vector's resize
+// does) cost every op page faults and memsets.  Every element is written before it is read.
+template <class T>
+void grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+template <class T>
+class Scratch {
+ public:
+  T* get(size_t n) {
+    if (n > size_) {
+      data_.reset(new T[n]);  // not zeroed
+      size_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  size_t size_ = 0;
+};
+
 void quantize_row(const float* x, int K, Q8Row& out) {
   const int blocks = K / kQK;
-  out.q.resize(K);
-  out.d.resize(blocks);
-  out.sums16.resize(K / 16);
-  out.pairs16.resize(K / 32);
-  out.sums32.resize(K / 32);
-  out.pairs32.resize(K / 64);
+  grow(out.d, blocks);  // a row's buffers serve the next pass's row too (see Scratch)
+  grow(out.sums16, K / 16);
+  grow(out.pairs16, K / 32);
+  grow(out.sums32, K / 32);
+  grow(out.pairs32, K / 64);
   for (int b = 0; b < blocks; ++b) {
     const float* xb = x + b * kQK;
     float amax = 0.f;
@@ -141,7 +165,7 @@ void quantize_row(const float* x, int K, Q8Row& out) {
     {
       for (int i = 0; i < kQK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
     }
-    int8_t* qb = out.q.data() + b * kQK;
+    int8_t* qb = out.q + b * kQK;
     int32_t* sums16 = out.sums16.data() + b * 16;
     if (amax == 0.f) {
       std::memset(qb, 0, kQK);
@@ -192,7 +216,7 @@ void tile_q4k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
         const float d = edge_spec::half_bits_to_float(read_u16(R + 2 * o));
         const float dmin = edge_spec::half_bits_to_float(read_u16(R + 32 + 2 * o));
         const uint8_t* lines = R + 320;
-        const int8_t* q = x.q.data() + b * kQK;
+        const int8_t* q = x.q + b * kQK;
         int32_t total = 0, mins = 0;
         for (int s = 0; s < 8; ++s) {
           int32_t part = 0;
@@ -225,7 +249,7 @@ void tile_q6k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
         const int8_t* sc = reinterpret_cast<const int8_t*>(R + 32);
         const uint8_t* lines = R + 288;
         const uint8_t* highs = R + 288 + 2048;
-        const int8_t* q = x.q.data() + b * kQK;
+        const int8_t* q = x.q + b * kQK;
         int32_t total = 0;
         for (int s = 0; s < 16; ++s) {
           int32_t part = 0;
@@ -301,7 +325,7 @@ __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int 
       for (int r = 0; r < NR; ++r) partA[r] = partB[r] = _mm512_setzero_si512();
       for (int p = 0; p < 2; ++p) {
         for (int r = 0; r < NR; ++r) {
-          const int8_t* q = rows[r].q.data() + b * kQK + 32 * s + 8 * p;
+          const int8_t* q = rows[r].q + b * kQK + 32 * s + 8 * p;
           partA[r] = _mm512_dpbusd_epi32(partA[r], lo[p], _mm512_set1_epi32(read_i32(q)));
           partA[r] = _mm512_dpbusd_epi32(partA[r], hi[p], _mm512_set1_epi32(read_i32(q + 4)));
           partB[r] = _mm512_dpbusd_epi32(partB[r], lo[p + 2], _mm512_set1_epi32(read_i32(q + 16)));
@@ -368,7 +392,7 @@ __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int 
         scale = next;
       }
       for (int r = 0; r < NR; ++r) {
-        const int8_t* q = rows[r].q.data() + b * kQK + 16 * s;
+        const int8_t* q = rows[r].q + b * kQK + 16 * s;
         for (int j = 0; j < 4; ++j)
           part[r] = _mm512_dpbusd_epi32(part[r], c[j], _mm512_set1_epi32(read_i32(q + 4 * j)));
         total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(part[r], weight));
@@ -459,7 +483,7 @@ __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int bloc
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(R + 64 + 16 * s + 8 * half)));
         const __m256i scale = _mm256_or_si256(scale32, _mm256_slli_epi32(scale32, 16));  // (sc, sc) a lane
         for (int r = 0; r < NR; ++r) {
-          const int8_t* q = rows[r].q.data() + b * kQK + 32 * s;
+          const int8_t* q = rows[r].q + b * kQK + 32 * s;
           __m256i sum16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(read_i32(q)));
           sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(read_i32(q + 4))));
           for (int p = 1; p < 4; ++p) {
@@ -534,7 +558,7 @@ __attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int bloc
         const __m256i scale = _mm256_or_si256(_mm256_and_si256(scale32, _mm256_set1_epi32(0xFFFF)),
                                               _mm256_slli_epi32(scale32, 16));  // (sc, sc) a lane, as int16
         for (int r = 0; r < nrows; ++r) {
-          const int8_t* q = rows[r].q.data() + b * kQK + 16 * s;
+          const int8_t* q = rows[r].q + b * kQK + 16 * s;
           const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], _mm256_set1_epi32(read_i32(q))),
                                                  _mm256_maddubs_epi16(c[1], _mm256_set1_epi32(read_i32(q + 4))));
           const __m256i last = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], _mm256_set1_epi32(read_i32(q + 8))),
@@ -566,6 +590,196 @@ __attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int bloc
     _mm256_storeu_ps(out + r * kTile + 8, acc[r][1]);
   }
 }
+#endif
+
+#ifdef ES_X86
+// ---------------------------------------------------------------------------------------------------
+// AMX (Intel Xeon since Sapphire Rapids): passes of many rows, 16 rows x 16 outputs per tile product
+//
+// A prompt's pass is bound by arithmetic, and AMX's tile unit multiplies 16 x 64 int8 activations by 64 x 16
+// bytes in one instruction, many times what vpdpbusd's lanes do.  Its products are exact integers like
+// theirs, so these kernels compute the very integer sums the AVX-512 kernels do, and then the same float32
+// steps: the same bits (and every row's result still depends on that row alone).
+//
+// A sub-block's weight is its scale times a code: Q4_K's 6-bit scale times a 4-bit code reaches 945, Q6_K's
+// int8 scale times (a 6-bit code - 32) reaches 4096, past a byte either way.  So each record is unpacked into
+// two byte matrices of the weights' high and low parts, w = 2^shift x high + low (Q4_K: the scale's high and
+// low three bits times the code, at most 105 each, shift 3; Q6_K: w >> 6, in [-64, 64], and w & 63, shift 6),
+// and a block's
+//   total = 2^shift x (activations . high) + (activations . low)
+// is the sum over its sub-blocks of scale x (codes . activations) (Q6_K: less 32 x the activations' sums),
+// exactly.  Q4_K's minimums stay on vpdpwssd as in the AVX-512 kernel.  A weight tile is unpacked once a pass
+// (8 KB a block of 256) and read by every 16 rows of it.
+
+#define ES_AMX "amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"
+
+constexpr int kAmxRows = 16;           // rows of an activation tile
+constexpr int kAmxBlockBytes = 8192;   // one block of 256 unpacked: high then low, 4 tiles of 16 x 64 bytes each
+constexpr int kAmxSums = kAmxRows * kTile;  // int32 sums in a tile
+
+// one weight tile's Q4_K records (blocks of them) as AMX's B tiles: block b's high part at pack + b * 8 KB, its
+// low part 4 KB on; tile j of a part is its codes 64 j .. 64 j + 63, a row per four codes, a 4-byte lane per
+// output (the interleaved lines' own order: line p holds codes 8p .. 8p + 3 in its low nibbles, 8p + 4 .. 8p + 7
+// in its high ones, so line p's two rows land at 128 p)
+__attribute__((target(ES_AMX))) void unpack_q4k_amx(const uint8_t* rec, int blocks, uint8_t* pack) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low3 = _mm512_set1_epi32(7);
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
+    uint8_t* high = pack + static_cast<size_t>(b) * kAmxBlockBytes;
+    uint8_t* low = high + kAmxBlockBytes / 2;
+    for (int s = 0; s < 8; ++s) {
+      const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 64 + 16 * s)));
+      const __m512i h = _mm512_srli_epi32(scale, 3), l = _mm512_and_si512(scale, low3);
+      // a byte x a lane's factor: products below 256 keep to their bytes in a 16-bit multiply
+      const __m512i h2 = _mm512_or_si512(h, _mm512_slli_epi32(h, 16)), l2 = _mm512_or_si512(l, _mm512_slli_epi32(l, 16));
+      for (int p = 4 * s; p < 4 * s + 4; ++p) {
+        const __m512i w = _mm512_loadu_si512(R + 320 + 64 * p);
+        const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+        _mm512_storeu_si512(high + 128 * p, _mm512_mullo_epi16(lo, h2));
+        _mm512_storeu_si512(high + 128 * p + 64, _mm512_mullo_epi16(hi, h2));
+        _mm512_storeu_si512(low + 128 * p, _mm512_mullo_epi16(lo, l2));
+        _mm512_storeu_si512(low + 128 * p + 64, _mm512_mullo_epi16(hi, l2));
+      }
+    }
+  }
+}
+
+// one weight tile's Q6_K records the same way: sub-block s's four rows of codes (16 s + 4 j .. + 3, the AVX-512
+// kernel's c[j]) at 256 s; each byte's w = scale x (code - 32) worked out in 16-bit halves, even bytes and odd
+__attribute__((target(ES_AMX))) void unpack_q6k_amx(const uint8_t* rec, int blocks, uint8_t* pack) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  const __m512i even = _mm512_set1_epi16(0x00FF), six = _mm512_set1_epi16(63), offset = _mm512_set1_epi16(32);
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
+    const uint8_t* lines = R + 288;
+    const uint8_t* highs = R + 288 + 2048;
+    uint8_t* high = pack + static_cast<size_t>(b) * kAmxBlockBytes;
+    uint8_t* low = high + kAmxBlockBytes / 2;
+    for (int s = 0; s < 16; ++s) {
+      const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 16 * s)));
+      const __m512i scale2 = _mm512_or_si512(_mm512_and_si512(scale, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(scale, 16));
+      const __m512i h = _mm512_loadu_si512(highs + 64 * s);
+      const __m512i w0 = _mm512_loadu_si512(lines + 64 * (2 * s));
+      const __m512i w1 = _mm512_loadu_si512(lines + 64 * (2 * s + 1));
+      __m512i c[4];
+      c[0] = _mm512_or_si512(_mm512_and_si512(w0, low4), _mm512_slli_epi16(_mm512_and_si512(h, low2), 4));
+      c[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w0, 4), low4),
+                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), low2), 4));
+      c[2] = _mm512_or_si512(_mm512_and_si512(w1, low4),
+                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), low2), 4));
+      c[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w1, 4), low4),
+                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 6), low2), 4));
+      for (int j = 0; j < 4; ++j) {
+        const __m512i we = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(c[j], even), offset), scale2);
+        const __m512i wo = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16(c[j], 8), offset), scale2);
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(we, 6), even),
+                                           _mm512_slli_epi16(_mm512_srai_epi16(wo, 6), 8));
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(we, six), _mm512_slli_epi16(_mm512_and_si512(wo, six), 8));
+        _mm512_storeu_si512(high + 64 * (4 * s + j), hi);
+        _mm512_storeu_si512(low + 64 * (4 * s + j), lo);
+      }
+    }
+  }
+}
+
+// two row tiles' (or one's) products with one block of one weight tile: tiles 0-3 their sums (high and low of
+// each), 4-5 their activations, 6-7 the unpacked weights, so that each tile loaded serves two products (a load
+// serving one left the tile unit waiting on the first level's bandwidth); the sums go to memory
+__attribute__((target(ES_AMX))) inline void products_amx(const uint8_t* unpacked, const int8_t* codes, bool two,
+                                                         int32_t* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int j = 0; j < 4; ++j) {
+    _tile_loadd(6, unpacked + 1024 * j, 64);
+    _tile_loadd(7, unpacked + kAmxBlockBytes / 2 + 1024 * j, 64);
+    _tile_loadd(4, codes + 1024 * j, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, codes + 4096 + 1024 * j, 64);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + kAmxSums, 64);
+  if (two) {
+    _tile_stored(2, sums + 2 * kAmxSums, 64);
+    _tile_stored(3, sums + 3 * kAmxSums, 64);
+  }
+}
+
+struct BlockFactors {  // one record's per-output factors, for every row tile of its block
+  __m512 d, dmin;
+  __m512i pairs[4];    // Q4_K, lane o: (minimum[2i][o], minimum[2i + 1][o]) as int16, as the AVX-512 kernel has them
+};
+
+// 16 rows' float32 steps after their block's integer sums (high, then low, a tile each), as the AVX-512 kernels
+// take them
+template <bool Q4K>
+__attribute__((target(ES_AMX))) inline void finish_amx(const BlockFactors& F, const int32_t* sums, bool first_block,
+                                                       const float* scales, const int32_t* pairs32, float* out,
+                                                       int64_t ld, __mmask16 mask) {
+  constexpr int shift = Q4K ? 3 : 6;
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums + kTile * r), shift),
+                                           _mm512_load_si512(sums + kAmxSums + kTile * r));
+    const __m512 dx = _mm512_set1_ps(scales[r]);
+    float* y = out + r * ld;
+    __m512 acc = first_block ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(F.d, dx), acc);
+    if constexpr (Q4K) {
+      __m512i mins = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) mins = _mm512_dpwssd_epi32(mins, F.pairs[k], _mm512_set1_epi32(pairs32[4 * r + k]));
+      acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(F.dmin, dx), acc);
+    }
+    _mm512_mask_storeu_ps(y, mask, acc);
+  }
+}
+
+// block b of one weight tile (its record R, its 8 KB unpacked) against 16 x `tiles` rows (codes: the rows' codes
+// of the block, [row tile][4 x 16 x 64]; scales, pairs32: their Q8_K scales and minimum pairs): the block's
+// products added to the rows' float32 sums, out[r * ld + o] (from zero at the first block; mask: the tile's
+// outputs that exist).  Two row tiles at a time, their sums in memory in turns, so that the vector units finish
+// one pair while the tile unit multiplies the next.
+template <bool Q4K>
+__attribute__((target(ES_AMX))) void block_amx(const uint8_t* R, const uint8_t* unpacked, bool first_block,
+                                               const int8_t* codes, const float* scales, const int32_t* pairs32,
+                                               int tiles, float* out, int64_t ld, __mmask16 mask) {
+  alignas(64) int32_t sums[2][4 * kAmxSums];
+  BlockFactors F;
+  F.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
+  if constexpr (Q4K) {
+    F.dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + 32)));
+    for (int i = 0; i < 4; ++i) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i + 16));
+      F.pairs[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
+    }
+  }
+  auto finish = [&](int pair) {  // the pair's float steps, its sums in sums[pair % 2]
+    for (int t = 2 * pair; t < std::min(tiles, 2 * pair + 2); ++t) {
+      finish_amx<Q4K>(F, sums[pair % 2] + (t % 2) * 2 * kAmxSums, first_block, scales + kAmxRows * t,
+                      pairs32 + 4 * kAmxRows * t, out + kAmxRows * t * ld, ld, mask);
+    }
+  };
+  const int pairs = (tiles + 1) / 2;
+  products_amx(unpacked, codes, tiles > 1, sums[0]);
+  for (int pair = 1; pair <= pairs; ++pair) {
+    if (pair < pairs) products_amx(unpacked, codes + 8192 * pair, 2 * pair + 1 < tiles, sums[pair % 2]);
+    finish(pair - 1);  // while the tile unit multiplies the next pair
+  }
+}
+
+void amx_begin() {
+  const edge_spec::TileConfig config = edge_spec::full_tiles();
+  edge_spec::load_tile_config(config);
+}
+
+__attribute__((target(ES_AMX))) void amx_end() { _tile_release(); }
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -630,12 +844,23 @@ struct Kernel {
   int64_t width() const { return glu ? N / 2 : N; }
 };
 
+// the rows AMX multiplies (whole tiles of 16), laid out once a pass as its tiles read them: block by block, row
+// tile by row tile, the tile's four 16 x 64 codes (4 KB), and their Q8_K scales and minimum pairs beside
+struct AmxRows {
+  int rows = 0;
+  int8_t* codes = nullptr;    // [block][row tile][4][16][64]
+  float* scales = nullptr;    // [block][row]
+  int32_t* pairs = nullptr;   // [block][row][4]
+};
+
 struct Pass {
   const Kernel* kernel;
   const uint8_t* weights;
-  const std::vector<Q8Row>* rows;
+  const Q8Row* rows;
+  int nrows;
   float* y;
   int64_t tiles_per_item;
+  const AmxRows* amx = nullptr;  // the rows AMX multiplies, if any
 };
 
 using TileKernel = void (*)(const uint8_t*, int, const Q8Row*, int, float*);
@@ -643,6 +868,111 @@ TileKernel g_q4k = tile_q4k_scalar;
 TileKernel g_q6k = tile_q6k_scalar;
 using GluKernel = void (*)(const float*, const float*, float*);
 GluKernel g_swiglu = swiglu_scalar;
+
+bool g_amx = false;  // passes of many rows (kAmxMinRows*) multiply on AMX's tiles (gguf_amx_here)
+// the fewest rows a pass multiplies on AMX: below them unpacking every weight costs more than the tiles save
+// (benchmarks/native_ab.py: a Q4_K SwiGLU pass of 1536 x 17920 runs level at 96 rows, 1.4x faster at 128; a
+// Q6_K one of 8960 x 1536 already 1.4x faster at 64)
+constexpr int kAmxMinRowsQ4K = 128, kAmxMinRowsQ6K = 64;
+constexpr int kAmxTilesPerItem = 8;  // weight tiles a work item unpacks (with glu, as many up tiles beside)
+
+#ifdef ES_X86
+// the pass's AMX rows (P.amx) against the item's weight tiles [first, last).  A tile product wants both its
+// operands in the first level of the cache, and a prompt pass's activations (512 rows of 8960 codes: 4.5 MB)
+// outgrow the second.  So the item's weight tiles (with glu, their gate and up rows) are unpacked kAmxChunk
+// blocks at a time (held by the second level), and then, 64 rows at a time, each block's codes of those rows
+// (16 KB, laid out as the tiles read them) are multiplied by every weight tile.  Every output still adds its
+// blocks' products in order, block 0 first.
+constexpr int kAmxChunk = 4;       // blocks of 256 a chunk
+constexpr int kAmxGroupRows = 128;  // rows of a group
+
+void run_item_amx(const Pass& P, int64_t first, int64_t last) {
+  const Kernel& k = *P.kernel;
+  const AmxRows& A = *P.amx;
+  const bool q4k = k.type == kTypeQ4K;
+  const size_t record = q4k ? kQ4KRecord : kQ6KRecord;
+  const int blocks = static_cast<int>(k.K / kQK);
+  const int64_t width = k.width();
+  const int64_t tiles = (width + kTile - 1) / kTile;
+  const size_t tile_bytes = static_cast<size_t>(blocks) * record;
+  const int chunk = k.glu ? blocks : std::min(blocks, kAmxChunk);  // SwiGLU wants the gate's and up's whole sums
+  const int outputs_here = static_cast<int>(last - first);
+  const int weights = outputs_here * (k.glu ? 2 : 1);  // weight tiles: the item's, then (glu) their up tiles
+  thread_local Scratch<uint8_t> unpacked_scratch;
+  uint8_t* unpacked = unpacked_scratch.get(static_cast<size_t>(weights) * chunk * kAmxBlockBytes);
+  thread_local Scratch<float> up_scratch;  // with glu: the up rows' sums, [row][item tile][16]
+  float* up = k.glu ? up_scratch.get(static_cast<size_t>(A.rows) * outputs_here * kTile) : nullptr;
+  amx_begin();
+  for (int c0 = 0; c0 < blocks; c0 += chunk) {
+    const int c1 = std::min(blocks, c0 + chunk);
+    for (int w = 0; w < weights; ++w) {
+      const int64_t t = w < outputs_here ? first + w : first + (w - outputs_here) + tiles;
+      const uint8_t* records = P.weights + t * tile_bytes + static_cast<size_t>(c0) * record;
+      uint8_t* into = unpacked + static_cast<size_t>(w) * chunk * kAmxBlockBytes;
+      if (q4k) {
+        unpack_q4k_amx(records, c1 - c0, into);
+      } else {
+        unpack_q6k_amx(records, c1 - c0, into);
+      }
+    }
+    for (int g0 = 0; g0 < A.rows; g0 += kAmxGroupRows) {
+      const int g = std::min(A.rows - g0, kAmxGroupRows);
+      for (int b = c0; b < c1; ++b) {
+        const int8_t* codes = A.codes + (static_cast<size_t>(b) * A.rows + g0) * kQK;
+        const float* scales = A.scales + static_cast<size_t>(b) * A.rows + g0;
+        const int32_t* pairs = A.pairs + (static_cast<size_t>(b) * A.rows + g0) * 4;
+        for (int w = 0; w < weights; ++w) {
+          const bool is_up = w >= outputs_here;
+          const int64_t t = is_up ? first + (w - outputs_here) + tiles : first + w;
+          const uint8_t* R = P.weights + t * tile_bytes + static_cast<size_t>(b) * record;
+          const uint8_t* packed = unpacked + (static_cast<size_t>(w) * chunk + (b - c0)) * kAmxBlockBytes;
+          float* out = is_up ? up + static_cast<size_t>(g0) * outputs_here * kTile + (w - outputs_here) * kTile
+                             : P.y + g0 * width + t * kTile;
+          const int64_t ld = is_up ? outputs_here * kTile : width;
+          const int64_t outputs = is_up ? kTile : std::min<int64_t>(kTile, width - t * kTile);
+          const __mmask16 mask = static_cast<__mmask16>((1u << outputs) - 1u);
+          if (q4k) {
+            block_amx<true>(R, packed, b == 0, codes, scales, pairs, g / kAmxRows, out, ld, mask);
+          } else {
+            block_amx<false>(R, packed, b == 0, codes, scales, pairs, g / kAmxRows, out, ld, mask);
+          }
+        }
+      }
+    }
+  }
+  amx_end();
+  if (k.glu) {
+    for (int r = 0; r < A.rows; ++r) {
+      for (int w = 0; w < outputs_here; ++w) {
+        float* y = P.y + r * width + (first + w) * kTile;
+        g_swiglu(y, up + (static_cast<size_t>(r) * outputs_here + w) * kTile, y);
+      }
+    }
+  }
+}
+#endif
+
+struct AmxLayout {
+  const Q8Row* rows;
+  AmxRows* out;
+  int blocks;
+};
+
+// row tile `tile`'s codes, scales and pairs into the AMX layout (one work item a row tile)
+void lay_out_row_tile(void* data, size_t tile) {
+  const AmxLayout& L = *static_cast<const AmxLayout*>(data);
+  AmxRows& A = *L.out;
+  for (int i = 0; i < kAmxRows; ++i) {
+    const int r = static_cast<int>(tile) * kAmxRows + i;
+    const Q8Row& x = L.rows[r];
+    for (int b = 0; b < L.blocks; ++b) {
+      int8_t* dst = A.codes + (static_cast<size_t>(b) * A.rows + tile * kAmxRows) * kQK + i * 64;
+      for (int j = 0; j < 4; ++j) std::memcpy(dst + 1024 * j, x.q + b * kQK + 64 * j, 64);
+      A.scales[static_cast<size_t>(b) * A.rows + r] = x.d[b];
+      std::memcpy(&A.pairs[(static_cast<size_t>(b) * A.rows + r) * 4], &x.pairs32[b * 4], 4 * sizeof(int32_t));
+    }
+  }
+}
 
 void run_item(void* data, size_t item) {
   const Pass& P = *static_cast<const Pass*>(data);
@@ -654,15 +984,19 @@ void run_item(void* data, size_t item) {
   const int64_t tiles = (width + kTile - 1) / kTile;  // of the output (with glu: the gate rows')
   const int64_t first = static_cast<int64_t>(item) * P.tiles_per_item;
   const int64_t last = std::min<int64_t>(first + P.tiles_per_item, tiles);
-  const int total_rows = static_cast<int>(P.rows->size());
+  const int total_rows = P.nrows;
   const size_t tile_bytes = static_cast<size_t>(blocks) * record;
   alignas(64) float result[kMaxRows * kTile];
   alignas(64) float up[kMaxRows * kTile];
+  const int amx_rows = P.amx != nullptr ? P.amx->rows : 0;  // done on AMX's tiles (whole tiles of 16); the rest below
+#ifdef ES_X86
+  if (amx_rows > 0) run_item_amx(P, first, last);
+#endif
   // row groups outside, the item's tiles inside: a group's activations are read from memory once for all
   // the item's tiles, whose weights stay in cache from group to group (each output's sums are the same)
-  for (int r0 = 0; r0 < total_rows; r0 += kMaxRows) {
+  for (int r0 = amx_rows; r0 < total_rows; r0 += kMaxRows) {
     const int nrows = std::min(kMaxRows, total_rows - r0);
-    const Q8Row* rows = P.rows->data() + r0;
+    const Q8Row* rows = P.rows + r0;
     for (int64_t t = first; t < last; ++t) {
       const int64_t outputs = std::min<int64_t>(kTile, width - t * kTile);
       float* y = P.y + r0 * width + t * kTile;
@@ -732,7 +1066,11 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   check(g_api->KernelContext_GetOutput(context, 0, shape.data(), rank, &y_value));
   float* y = nullptr;
   check(g_api->GetTensorMutableData(y_value, reinterpret_cast<void**>(&y)));
-  std::vector<Q8Row> quantized(rows);
+  thread_local std::vector<Q8Row> quantized;  // kept for the next pass (see Scratch)
+  grow(quantized, static_cast<size_t>(rows));
+  thread_local Scratch<int8_t> code_scratch;  // every row's codes, one row after another
+  int8_t* codes = code_scratch.get(static_cast<size_t>(rows) * k.K);
+  for (int64_t r = 0; r < rows; ++r) quantized[r].q = codes + r * k.K;
   Rounding rounding{x, static_cast<int>(k.K), quantized.data()};
   if (rows == 1) {
     round_rows(&rounding, 0);
@@ -740,7 +1078,25 @@ void compute(const Kernel& k, OrtKernelContext* context) {
     check(g_api->KernelContext_ParallelFor(context, round_rows, static_cast<size_t>(rows), 0, &rounding));
   }
   // a SwiGLU item reads its gate tiles and then its up tiles: 16 tiles make each run 14 KB of one stream
-  Pass P{&k, w, &quantized, y, k.glu ? 16 : 4};
+  // AMX's passes unpack an item's weight tiles (kAmxTilesPerItem: 512 KB of a down projection's kAmxChunk blocks)
+  const bool amx = g_amx && rows >= (k.type == kTypeQ4K ? kAmxMinRowsQ4K : kAmxMinRowsQ6K);
+  const int64_t out_tiles = (k.width() + kTile - 1) / kTile;
+  const int64_t amx_tiles = k.glu ? kAmxTilesPerItem : std::max<int64_t>(kAmxTilesPerItem, (out_tiles + 7) / 8);
+  Pass P{&k, w, quantized.data(), static_cast<int>(rows), y, amx ? amx_tiles : k.glu ? 16 : 4};
+  AmxRows amx_rows;
+  if (amx) {
+    thread_local Scratch<int8_t> amx_codes;
+    thread_local Scratch<float> amx_scales;
+    thread_local Scratch<int32_t> amx_pairs;
+    amx_rows.rows = static_cast<int>(rows / kAmxRows * kAmxRows);
+    const int blocks = static_cast<int>(k.K / kQK);
+    amx_rows.codes = amx_codes.get(static_cast<size_t>(amx_rows.rows) * k.K);
+    amx_rows.scales = amx_scales.get(static_cast<size_t>(amx_rows.rows) * blocks);
+    amx_rows.pairs = amx_pairs.get(static_cast<size_t>(amx_rows.rows) * blocks * 4);
+    AmxLayout layout{quantized.data(), &amx_rows, blocks};
+    check(g_api->KernelContext_ParallelFor(context, lay_out_row_tile, amx_rows.rows / kAmxRows, 0, &layout));
+    P.amx = &amx_rows;
+  }
   const int64_t tiles = (k.width() + kTile - 1) / kTile;
   const size_t items = static_cast<size_t>((tiles + P.tiles_per_item - 1) / P.tiles_per_item);
   check(g_api->KernelContext_ParallelFor(context, run_item, items, 0, &P));
@@ -837,6 +1193,17 @@ bool gguf_one_row_prefetch() {
 // the kernels this CPU and the environment ask for
 KernelPath chosen_path() { return chosen_kernels(cpu_has_avx2(), cpu_has_avx512()); }
 
+// whether Q4_K passes of many rows multiply on AMX's tiles: on CPUs with AMX's int8 products whose AVX-512
+// kernels run (the tiles' sums meet theirs), unless EDGE_SPEC_NATIVE_AMX=0
+bool gguf_amx_here() {
+#ifdef ES_X86
+  if (switch_is("EDGE_SPEC_NATIVE_AMX", '0') || chosen_path() != KernelPath::avx512) return false;
+  return amx_usable(AmxUnit::int8);
+#else
+  return false;
+#endif
+}
+
 // the op, for the library's RegisterCustomOps (attention.cc) to add to its domain, with its kernels picked
 OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_api = api;
@@ -846,8 +1213,10 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_q6k = tile_q6k_scalar;
   g_quantize_avx2 = g_use_avx2;
   g_swiglu = swiglu_scalar;
+  g_amx = false;
 #ifdef ES_X86
   g_one_row_ahead = gguf_one_row_prefetch();
+  g_amx = gguf_amx_here();
   if (path == KernelPath::avx512) {
     g_q4k = tile_q4k_avx512;
     g_q6k = tile_q6k_avx512;
@@ -863,5 +1232,8 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
 
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar" (what gguf_matmul_op picks)
 const char* gguf_matmul_path() { return kernel_path_name(chosen_path()); }
+
+// where passes of many Q4_K rows multiply: "amx", or "" (the kernels above, as every pass)
+const char* gguf_matmul_prompt_path() { return gguf_amx_here() ? "amx" : ""; }
 
 }  // namespace edge_spec

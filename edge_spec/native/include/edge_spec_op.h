@@ -14,6 +14,16 @@
 
 #include "onnxruntime_c_api.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#define ES_AMX_X86 1
+#include <cpuid.h>
+#if defined(__linux__)
+#define ES_AMX_LINUX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 namespace edge_spec {
 
 inline const char* ORT_API_CALL cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
@@ -139,6 +149,49 @@ inline float half_bits_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// AMX's tile unit, for the ops' prompt-sized passes: a tile configuration (palette 1: up to 8 tiles of 16 rows
+// of 64 bytes), and whether this CPU has the tiles with one kind of products (CPUID leaf 7, EDX) and Linux lets
+// this process use them (arch_prctl asks for the tile state once per process; asking again is harmless)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// every tile 16 rows of 64 bytes, loaded with the whole configuration as the instruction's operand (GCC's
+// _tile_loadconfig names only a pointer's 8 bytes as read, so stores to the rest may be dropped as dead)
+inline TileConfig full_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  return config;
+}
+
+#if defined(ES_AMX_X86)
+inline void load_tile_config(const TileConfig& config) { __asm__ volatile("ldtilecfg %0" : : "m"(config)); }
+#endif
+
+enum class AmxUnit : unsigned { bf16 = 22, int8 = 25 };  // their CPUID bits
+
+inline bool amx_usable(AmxUnit unit) {
+#if !defined(ES_AMX_LINUX)
+  (void)unit;
+  return false;
+#else
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool tile = (d >> 24) & 1u, products = (d >> static_cast<unsigned>(unit)) & 1u;
+  if (!tile || !products) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#endif
 }
 
 }  // namespace edge_spec
