@@ -880,11 +880,11 @@ constexpr int kAmxTilesPerItem = 8;  // weight tiles a work item unpacks (with g
 // the pass's AMX rows (P.amx) against the item's weight tiles [first, last).  A tile product wants both its
 // operands in the first level of the cache, and a prompt pass's activations (512 rows of 8960 codes: 4.5 MB)
 // outgrow the second.  So the item's weight tiles (with glu, their gate and up rows) are unpacked kAmxChunk
-// blocks at a time (held by the second level), and then, 64 rows at a time, each block's codes of those rows
-// (16 KB, laid out as the tiles read them) are multiplied by every weight tile.  Every output still adds its
-// blocks' products in order, block 0 first.
-constexpr int kAmxChunk = 4;       // blocks of 256 a chunk
-constexpr int kAmxGroupRows = 128;  // rows of a group
+// blocks at a time (held by the second level), and then, kAmxGroupRows rows at a time, each block's codes of
+// those rows (32 KB, laid out as the tiles read them) are multiplied by every weight tile.  Every output still
+// adds its blocks' products in order, block 0 first.
+constexpr int kAmxChunk = 4;        // blocks of 256 a chunk
+constexpr int kAmxGroupRows = 128;  // rows of a group (64 and 256 measured slower on the SwiGLU and Q6_K passes)
 
 void run_item_amx(const Pass& P, int64_t first, int64_t last) {
   const Kernel& k = *P.kernel;
