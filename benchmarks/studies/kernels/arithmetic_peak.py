@@ -3,7 +3,8 @@
 Reading a long prompt is bound by arithmetic, not by memory: the target's int8 matmul products
 (``vpdpbusd``) and float32 attention (``vfmadd231ps``).  How close a kernel runs to what the cores can
 retire says whether a faster kernel is left to write, or only other arithmetic (bfloat16 products,
-``vdpbf16ps``, at twice float32's rate where the CPU has them, at a cost in fidelity).  Builds
+``vdpbf16ps``, at twice float32's rate where the CPU has them, at a cost in fidelity).  Where the CPU has
+AMX, its int8 tile product (``tdpbssd``, what ``MatMulGGUF``'s prompt passes run on) is measured too.  Builds
 ``arithmetic_peak.c`` with gcc and prints, per instruction the CPU has, billions of instructions and of
 arithmetic operations (a multiply-add counts two) per second, on one thread and on ``--threads``:
 
