@@ -357,10 +357,26 @@ __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int 
   }
 }
 
+// a Q6_K record's sub-block s as four vectors of codes (c[j], lane o: output o's codes 16 s + 4 j .. + 3), its low
+// nibbles from two lines and its high two bits from one
+__attribute__((target(ES_AVX512), always_inline)) inline void q6k_codes_avx512(const uint8_t* lines,
+                                                                               const uint8_t* highs, int s,
+                                                                               __m512i c[4]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  const __m512i h = _mm512_loadu_si512(highs + 64 * s);
+  const __m512i w0 = _mm512_loadu_si512(lines + 64 * (2 * s));
+  const __m512i w1 = _mm512_loadu_si512(lines + 64 * (2 * s + 1));
+  c[0] = _mm512_or_si512(_mm512_and_si512(w0, low4), _mm512_slli_epi16(_mm512_and_si512(h, low2), 4));
+  c[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w0, 4), low4),
+                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), low2), 4));
+  c[2] = _mm512_or_si512(_mm512_and_si512(w1, low4),
+                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), low2), 4));
+  c[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w1, 4), low4),
+                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 6), low2), 4));
+}
+
 template <int NR>
 __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i low2 = _mm512_set1_epi8(0x03);
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
     const uint8_t* lines = R + 288;
@@ -372,17 +388,8 @@ __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int 
     for (int r = 0; r < NR; ++r) total[r] = part[r] = _mm512_setzero_si512();
     __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32)));
     for (int s = 0; s < 16; ++s) {
-      const __m512i h = _mm512_loadu_si512(highs + 64 * s);
-      const __m512i w0 = _mm512_loadu_si512(lines + 64 * (2 * s));
-      const __m512i w1 = _mm512_loadu_si512(lines + 64 * (2 * s + 1));
       __m512i c[4];
-      c[0] = _mm512_or_si512(_mm512_and_si512(w0, low4), _mm512_slli_epi16(_mm512_and_si512(h, low2), 4));
-      c[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w0, 4), low4),
-                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), low2), 4));
-      c[2] = _mm512_or_si512(_mm512_and_si512(w1, low4),
-                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), low2), 4));
-      c[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w1, 4), low4),
-                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 6), low2), 4));
+      q6k_codes_avx512(lines, highs, s, c);
       prefetch_lines(R + kQ6KRecord, 4 * s, 4);
       __m512i weight = scale;
       if (s < 15) {
@@ -648,7 +655,6 @@ __attribute__((target(ES_AMX))) void unpack_q4k_amx(const uint8_t* rec, int bloc
 // one weight tile's Q6_K records the same way: sub-block s's four rows of codes (16 s + 4 j .. + 3, the AVX-512
 // kernel's c[j]) at 256 s; each byte's w = scale x (code - 32) worked out in 16-bit halves, even bytes and odd
 __attribute__((target(ES_AMX))) void unpack_q6k_amx(const uint8_t* rec, int blocks, uint8_t* pack) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
   const __m512i even = _mm512_set1_epi16(0x00FF), six = _mm512_set1_epi16(63), offset = _mm512_set1_epi16(32);
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
@@ -659,17 +665,8 @@ __attribute__((target(ES_AMX))) void unpack_q6k_amx(const uint8_t* rec, int bloc
     for (int s = 0; s < 16; ++s) {
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 32 + 16 * s)));
       const __m512i scale2 = _mm512_or_si512(_mm512_and_si512(scale, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(scale, 16));
-      const __m512i h = _mm512_loadu_si512(highs + 64 * s);
-      const __m512i w0 = _mm512_loadu_si512(lines + 64 * (2 * s));
-      const __m512i w1 = _mm512_loadu_si512(lines + 64 * (2 * s + 1));
       __m512i c[4];
-      c[0] = _mm512_or_si512(_mm512_and_si512(w0, low4), _mm512_slli_epi16(_mm512_and_si512(h, low2), 4));
-      c[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w0, 4), low4),
-                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), low2), 4));
-      c[2] = _mm512_or_si512(_mm512_and_si512(w1, low4),
-                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 4), low2), 4));
-      c[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w1, 4), low4),
-                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 6), low2), 4));
+      q6k_codes_avx512(lines, highs, s, c);
       for (int j = 0; j < 4; ++j) {
         const __m512i we = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(c[j], even), offset), scale2);
         const __m512i wo = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16(c[j], 8), offset), scale2);
