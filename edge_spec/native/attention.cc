@@ -1436,11 +1436,12 @@ __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar"
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFMatMulPath() { return edge_spec::gguf_matmul_path(); }
 
-// whether MatMulGGUF's one-row Q4_K passes ask for the next record ahead here: "ahead" or "none"
+// where MatMulGGUF's passes of many rows multiply here: "amx" (AMX's tiles) or ""
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFPromptPath() {
   return edge_spec::gguf_matmul_prompt_path();
 }
 
+// whether MatMulGGUF's one-row Q4_K passes ask for the next record ahead here: "ahead" or "none"
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFOneRowPrefetch() {
   return edge_spec::gguf_one_row_prefetch() ? "ahead" : "none";
 }

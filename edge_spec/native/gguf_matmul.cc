@@ -303,6 +303,16 @@ bool g_one_row_ahead = false;
 // give, in an instruction the multiply pipes finish sooner (verify passes of 8 rows and prompt reads 3% faster
 // on a Zen 4 EPYC).  The minimums' products go through vpdpwssd, two sub-blocks an instruction, after the
 // codes' sums: the same integers as a product per sub-block.
+// a Q4_K record's minimums as vpdpwssd takes them: pairs[i], lane o = (minimum[2i][o], minimum[2i + 1][o]) as int16
+__attribute__((target(ES_AVX512), always_inline)) inline void q4k_minimum_pairs_avx512(const uint8_t* R,
+                                                                                       __m512i pairs[4]) {
+  for (int i = 0; i < 4; ++i) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i + 16));
+    pairs[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
+  }
+}
+
 template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -337,12 +347,8 @@ __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int 
         total[r] = _mm512_dpwssd_epi32(total[r], halves, scale2);
       }
     }
-    __m512i pairs[4];  // lane o: (minimum[2i][o], minimum[2i + 1][o]) as int16
-    for (int i = 0; i < 4; ++i) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i + 16));
-      pairs[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
-    }
+    __m512i pairs[4];
+    q4k_minimum_pairs_avx512(R, pairs);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + 32)));
     for (int r = 0; r < NR; ++r) {
@@ -711,7 +717,7 @@ __attribute__((target(ES_AMX))) inline void products_amx(const uint8_t* unpacked
 
 struct BlockFactors {  // one record's per-output factors, for every row tile of its block
   __m512 d, dmin;
-  __m512i pairs[4];    // Q4_K, lane o: (minimum[2i][o], minimum[2i + 1][o]) as int16, as the AVX-512 kernel has them
+  __m512i pairs[4];    // Q4_K's minimum pairs (q4k_minimum_pairs_avx512)
 };
 
 // 16 rows' float32 steps after their block's integer sums (high, then low, a tile each), as the AVX-512 kernels
@@ -751,11 +757,7 @@ __attribute__((target(ES_AMX))) void block_amx(const uint8_t* R, const uint8_t* 
   F.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
   if constexpr (Q4K) {
     F.dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + 32)));
-    for (int i = 0; i < 4; ++i) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 192 + 32 * i + 16));
-      F.pairs[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
-    }
+    q4k_minimum_pairs_avx512(R, F.pairs);
   }
   auto finish = [&](int pair) {  // the pair's float steps, its sums in sums[pair % 2]
     for (int t = 2 * pair; t < std::min(tiles, 2 * pair + 2); ++t) {
@@ -847,7 +849,7 @@ struct AmxRows {
   int rows = 0;
   int8_t* codes = nullptr;    // [block][row tile][4][16][64]
   float* scales = nullptr;    // [block][row]
-  int32_t* pairs = nullptr;   // [block][row][4]
+  int32_t* pairs = nullptr;   // [block][row][4]; Q4_K's only (Q6_K has no minimums)
 };
 
 struct Pass {
@@ -868,8 +870,8 @@ GluKernel g_swiglu = swiglu_scalar;
 
 bool g_amx = false;  // passes of many rows (kAmxMinRows*) multiply on AMX's tiles (gguf_amx_here)
 // the fewest rows a pass multiplies on AMX: below them unpacking every weight costs more than the tiles save
-// (benchmarks/native_ab.py: a Q4_K SwiGLU pass of 1536 x 17920 runs level at 96 rows, 1.4x faster at 128; a
-// Q6_K one of 8960 x 1536 already 1.4x faster at 64)
+// (the op alone on an Intel Xeon with AMX: a Q4_K SwiGLU pass of 1536 x 17920 ran level at 96 rows and 1.4x
+// faster at 128; a Q6_K pass of 8960 x 1536 already 1.4x faster at 64)
 constexpr int kAmxMinRowsQ4K = 128, kAmxMinRowsQ6K = 64;
 constexpr int kAmxTilesPerItem = 8;  // weight tiles a work item unpacks (with glu, as many up tiles beside)
 
@@ -917,7 +919,7 @@ void run_item_amx(const Pass& P, int64_t first, int64_t last) {
       for (int b = c0; b < c1; ++b) {
         const int8_t* codes = A.codes + (static_cast<size_t>(b) * A.rows + g0) * kQK;
         const float* scales = A.scales + static_cast<size_t>(b) * A.rows + g0;
-        const int32_t* pairs = A.pairs + (static_cast<size_t>(b) * A.rows + g0) * 4;
+        const int32_t* pairs = q4k ? A.pairs + (static_cast<size_t>(b) * A.rows + g0) * 4 : nullptr;
         for (int w = 0; w < weights; ++w) {
           const bool is_up = w >= outputs_here;
           const int64_t t = is_up ? first + (w - outputs_here) + tiles : first + w;
@@ -955,7 +957,7 @@ struct AmxLayout {
   int blocks;
 };
 
-// row tile `tile`'s codes, scales and pairs into the AMX layout (one work item a row tile)
+// row tile `tile`'s codes, scales and (Q4_K) minimum pairs into the AMX layout (one work item a row tile)
 void lay_out_row_tile(void* data, size_t tile) {
   const AmxLayout& L = *static_cast<const AmxLayout*>(data);
   AmxRows& A = *L.out;
@@ -966,7 +968,8 @@ void lay_out_row_tile(void* data, size_t tile) {
       int8_t* dst = A.codes + (static_cast<size_t>(b) * A.rows + tile * kAmxRows) * kQK + i * 64;
       for (int j = 0; j < 4; ++j) std::memcpy(dst + 1024 * j, x.q + b * kQK + 64 * j, 64);
       A.scales[static_cast<size_t>(b) * A.rows + r] = x.d[b];
-      std::memcpy(&A.pairs[(static_cast<size_t>(b) * A.rows + r) * 4], &x.pairs32[b * 4], 4 * sizeof(int32_t));
+      if (A.pairs != nullptr)
+        std::memcpy(&A.pairs[(static_cast<size_t>(b) * A.rows + r) * 4], &x.pairs32[b * 4], 4 * sizeof(int32_t));
     }
   }
 }
@@ -1075,10 +1078,12 @@ void compute(const Kernel& k, OrtKernelContext* context) {
     check(g_api->KernelContext_ParallelFor(context, round_rows, static_cast<size_t>(rows), 0, &rounding));
   }
   // a SwiGLU item reads its gate tiles and then its up tiles: 16 tiles make each run 14 KB of one stream
-  // AMX's passes unpack an item's weight tiles (kAmxTilesPerItem: 512 KB of a down projection's kAmxChunk blocks)
-  const bool amx = g_amx && rows >= (k.type == kTypeQ4K ? kAmxMinRowsQ4K : kAmxMinRowsQ6K);
-  const int64_t out_tiles = (k.width() + kTile - 1) / kTile;
-  const int64_t amx_tiles = k.glu ? kAmxTilesPerItem : std::max<int64_t>(kAmxTilesPerItem, (out_tiles + 7) / 8);
+  // AMX's items unpack their weight tiles, so they are fewer: about eight a pass, kAmxTilesPerItem tiles at the
+  // least (a down projection's items: 12 tiles, 384 KB unpacked a chunk of kAmxChunk blocks)
+  const bool q4k = k.type == kTypeQ4K;
+  const bool amx = g_amx && rows >= (q4k ? kAmxMinRowsQ4K : kAmxMinRowsQ6K);
+  const int64_t tiles = (k.width() + kTile - 1) / kTile;
+  const int64_t amx_tiles = k.glu ? kAmxTilesPerItem : std::max<int64_t>(kAmxTilesPerItem, (tiles + 7) / 8);
   Pass P{&k, w, quantized.data(), static_cast<int>(rows), y, amx ? amx_tiles : k.glu ? 16 : 4};
   AmxRows amx_rows;
   if (amx) {
@@ -1089,12 +1094,11 @@ void compute(const Kernel& k, OrtKernelContext* context) {
     const int blocks = static_cast<int>(k.K / kQK);
     amx_rows.codes = amx_codes.get(static_cast<size_t>(amx_rows.rows) * k.K);
     amx_rows.scales = amx_scales.get(static_cast<size_t>(amx_rows.rows) * blocks);
-    amx_rows.pairs = amx_pairs.get(static_cast<size_t>(amx_rows.rows) * blocks * 4);
+    amx_rows.pairs = q4k ? amx_pairs.get(static_cast<size_t>(amx_rows.rows) * blocks * 4) : nullptr;
     AmxLayout layout{quantized.data(), &amx_rows, blocks};
     check(g_api->KernelContext_ParallelFor(context, lay_out_row_tile, amx_rows.rows / kAmxRows, 0, &layout));
     P.amx = &amx_rows;
   }
-  const int64_t tiles = (k.width() + kTile - 1) / kTile;
   const size_t items = static_cast<size_t>((tiles + P.tiles_per_item - 1) / P.tiles_per_item);
   check(g_api->KernelContext_ParallelFor(context, run_item, items, 0, &P));
 }
@@ -1190,8 +1194,8 @@ bool gguf_one_row_prefetch() {
 // the kernels this CPU and the environment ask for
 KernelPath chosen_path() { return chosen_kernels(cpu_has_avx2(), cpu_has_avx512()); }
 
-// whether Q4_K passes of many rows multiply on AMX's tiles: on CPUs with AMX's int8 products whose AVX-512
-// kernels run (the tiles' sums meet theirs), unless EDGE_SPEC_NATIVE_AMX=0
+// whether passes of many rows multiply on AMX's tiles: on CPUs with AMX's int8 products whose AVX-512 kernels
+// run (the tiles' sums meet theirs), unless EDGE_SPEC_NATIVE_AMX=0
 bool gguf_amx_here() {
 #ifdef ES_X86
   if (switch_is("EDGE_SPEC_NATIVE_AMX", '0') || chosen_path() != KernelPath::avx512) return false;
@@ -1230,7 +1234,7 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
 // which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar" (what gguf_matmul_op picks)
 const char* gguf_matmul_path() { return kernel_path_name(chosen_path()); }
 
-// where passes of many Q4_K rows multiply: "amx", or "" (the kernels above, as every pass)
+// where passes of many rows multiply: "amx", or "" (the kernels above, as every pass)
 const char* gguf_matmul_prompt_path() { return gguf_amx_here() ? "amx" : ""; }
 
 }  // namespace edge_spec
