@@ -12,7 +12,8 @@
 // Two paths, chosen once at load: AVX2+FMA (compiled per function with target attributes, so the
 // library itself is generic x86-64) and a portable scalar one.  Both are deterministic; they round
 // differently from each other, and a process only ever uses one.  On CPUs with AVX-512 the AVX2 path's
-// scores and value sums run on 512-bit kernels that give its bits (EDGE_SPEC_NATIVE_AVX512=0: the AVX2 ones).
+// scores, softmax and value sums run on 512-bit kernels that give its bits (EDGE_SPEC_NATIVE_AVX512=0: the AVX2
+// ones); a prompt's pass scores with keys in the lanes, a decode or verify pass with query vectors in them.
 //
 // The cache is float32, or float16 where the graph types it so (the same op name, registered a second time for
 // float16 past and present key and value): half the bytes a pass reads.  Each new key and value is rounded to
@@ -256,6 +257,110 @@ __attribute__((target(ES_AVX512_ATTENTION))) void score_pairs_avx512(const float
   }
 }
 
+// A prompt's pass (more than kFewRows rows) scores with the keys in the lanes instead: a tile of 32 keys is
+// turned into kt[d][32] (dimension-major), and for each lane j of dots_avx's accumulator, query i's
+// acc_j = sum over c in order of q_i[8c + j] * k[8c + j] runs for 32 keys at once, one fused multiply-add per
+// chunk as there, from zero.  The eight acc_j are then added in hsum256's tree, lane for lane: the same bits
+// again, without the shuffles that turn 8-lane sums into scores (a fifth of the pair kernel's work).  Twelve
+// query vectors (two rows' heads) share each key vector loaded.
+constexpr int kKeyLanes = 32;  // keys a transposed tile holds: two 16-lane vectors
+constexpr int kLaneQueries = 12;  // query vectors score_lanes_avx512 takes: 24 accumulators
+
+// kt[d * 32 + u] = k[u * h + d] for u < n keys (zeros for u in [n, 32)); h a multiple of 16.  Key is float
+// (a float32 cache's keys) or uint16_t (a float16 cache's, read back exactly on the way)
+template <class Key>
+__attribute__((target(ES_AVX512_ATTENTION ",f16c"))) void transpose_keys(const Key* k, int n, int h, float* kt) {
+  for (int u0 = 0; u0 < kKeyLanes; u0 += 16) {
+    for (int d0 = 0; d0 < h; d0 += 16) {
+      __m512 r[16];
+      for (int u = 0; u < 16; ++u) {
+        const Key* row = k + static_cast<size_t>(u0 + u) * h + d0;
+        if (u0 + u >= n)
+          r[u] = _mm512_setzero_ps();
+        else if constexpr (std::is_same_v<Key, float>)
+          r[u] = _mm512_loadu_ps(row);
+        else
+          r[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+      }
+      __m512 t[16];
+      for (int u = 0; u < 16; u += 2) {
+        t[u] = _mm512_unpacklo_ps(r[u], r[u + 1]);
+        t[u + 1] = _mm512_unpackhi_ps(r[u], r[u + 1]);
+      }
+      for (int u = 0; u < 16; u += 4) {
+        for (int v = 0; v < 2; ++v) {  // t[u + v]: dimensions 4l + 2v and 4l + 2v + 1 of keys u, u + 1
+          const __m512d x = _mm512_castps_pd(t[u + v]), y = _mm512_castps_pd(t[u + v + 2]);
+          r[u + 2 * v] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+          r[u + 2 * v + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+        }
+      }
+      // r[4a + b]: in each 128-bit lane l, dimension 4l + b of keys 4a .. 4a + 3
+      for (int a = 0; a < 4; a += 2)
+        for (int b = 0; b < 4; ++b) {
+          t[4 * a + b] = _mm512_shuffle_f32x4(r[4 * a + b], r[4 * a + 4 + b], 0x88);
+          t[4 * a + 4 + b] = _mm512_shuffle_f32x4(r[4 * a + b], r[4 * a + 4 + b], 0xDD);
+        }
+      // t[4x + b]: dimensions 4x + b and 8 + 4x + b of keys 0-7; t[8 + 4x + b]: the same of keys 8-15
+      for (int b = 0; b < 4; ++b)
+        for (int x = 0; x < 2; ++x) {
+          const __m512 lo = t[4 * x + b], hi = t[8 + 4 * x + b];
+          _mm512_storeu_ps(kt + static_cast<size_t>(d0 + 4 * x + b) * kKeyLanes + u0, _mm512_shuffle_f32x4(lo, hi, 0x88));
+          _mm512_storeu_ps(kt + static_cast<size_t>(d0 + 8 + 4 * x + b) * kKeyLanes + u0, _mm512_shuffle_f32x4(lo, hi, 0xDD));
+        }
+    }
+  }
+}
+
+// scores of NQ query vectors with a transposed tile's keys: out[i][u] = alpha * q_i . k_u for u < n.
+// partial: scratch for the eight lanes' sums, [8][NQ][2][16]
+template <int NQ, int HC>
+__attribute__((target(ES_AVX512_ATTENTION))) void score_lanes_avx512(const float* qt, const float* kt, int h,
+                                                                     float alpha, float* const* out, int n,
+                                                                     float* partial) {
+  const int chunks = HC ? HC : h / 8;
+  for (int j = 0; j < 8; ++j) {
+    __m512 acc[NQ][2];
+    for (int i = 0; i < NQ; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; ++c) {
+      const float* row = kt + static_cast<size_t>(8 * c + j) * kKeyLanes;
+      const float* qd = qt + static_cast<size_t>(8 * c + j) * kLaneQueries;
+      const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 b = _mm512_set1_ps(qd[i]);
+        acc[i][0] = _mm512_fmadd_ps(b, k0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(b, k1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i) {
+      _mm512_storeu_ps(partial + ((j * NQ + i) * 2) * 16, acc[i][0]);
+      _mm512_storeu_ps(partial + ((j * NQ + i) * 2 + 1) * 16, acc[i][1]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int i = 0; i < NQ; ++i)
+    for (int z = 0; z < 2 && 16 * z < n; ++z) {
+      __m512 l[8];
+      for (int j = 0; j < 8; ++j) l[j] = _mm512_loadu_ps(partial + ((j * NQ + i) * 2 + z) * 16);
+      const __m512 a = _mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6]));
+      const __m512 b = _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7]));
+      const int keys = std::min(16, n - 16 * z);
+      _mm512_mask_storeu_ps(out[i] + 16 * z, static_cast<__mmask16>((1u << keys) - 1u), _mm512_mul_ps(scale, _mm512_add_ps(a, b)));
+    }
+}
+
+template <int HC>
+void score_lanes(const float* qt, int m, const float* kt, int h, float alpha, float* const* out, int n,
+                 float* partial) {
+  switch (m) {
+#define ES_LANES_CASE(M) \
+  case M: score_lanes_avx512<M, HC>(qt, kt, h, alpha, out, n, partial); break;
+    ES_LANES_CASE(1) ES_LANES_CASE(2) ES_LANES_CASE(3) ES_LANES_CASE(4) ES_LANES_CASE(5) ES_LANES_CASE(6)
+    ES_LANES_CASE(7) ES_LANES_CASE(8) ES_LANES_CASE(9) ES_LANES_CASE(10) ES_LANES_CASE(11)
+#undef ES_LANES_CASE
+    default: score_lanes_avx512<kLaneQueries, HC>(qt, kt, h, alpha, out, n, partial); break;
+  }
+}
+
 // f(std::integral_constant<int, HC>{}): HC the head size in 8-float chunks for the head sizes the score kernels
 // unroll (128 and 64), else 0 (their loop over chunks)
 template <class F>
@@ -410,6 +515,71 @@ __attribute__((target(ES_AVX512_ATTENTION))) void weighted_sums_avx512(float* co
     }
     for (int j = 0; j < NQ; ++j)
       for (int l = 0; l < 4; ++l) _mm512_storeu_ps(out[j] + c + 16 * l, a[j][l]);
+  }
+}
+
+// The softmax's three steps on 16 lanes where the CPU has AVX-512, with the 8-lane functions' bits: the largest
+// score is exact in any order, exp and the scaling round each element alone, and exp_sum_avx512 adds each
+// 16-lane result to the same 8-lane accumulator half by half, in exp_sum_avx's order.
+__attribute__((target(ES_AVX512_ATTENTION))) inline __m512 exp_avx512(__m512 x) {
+  const __m512 lower = _mm512_set1_ps(kExpLowest);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lower, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lower);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(e));
+}
+
+__attribute__((target(ES_AVX512_ATTENTION))) float exp_sum_avx512(float* e, int n, float mx) {
+  const __m512 m = _mm512_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(e + i), m));
+    _mm512_storeu_ps(e + i, v);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(v));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  if (i + 8 <= n) {
+    const __m256 v = _mm512_castps512_ps256(exp_avx512(_mm512_castps256_ps512(_mm256_sub_ps(_mm256_loadu_ps(e + i), _mm512_castps512_ps256(m)))));
+    _mm256_storeu_ps(e + i, v);
+    acc = _mm256_add_ps(acc, v);
+    i += 8;
+  }
+  float sum = hsum256(acc);
+  if (i < n) {
+    alignas(64) float lanes[16];
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), tail, e + i);
+    const __m512 v = exp_avx512(_mm512_sub_ps(x, m));
+    _mm512_mask_storeu_ps(e + i, tail, v);
+    _mm512_store_ps(lanes, v);
+    sum += hsum_scalar(lanes);
+  }
+  return sum;
+}
+
+__attribute__((target(ES_AVX512_ATTENTION))) float max_avx512(const float* e, int n) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int i = 0;
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(e + i));
+  if (i < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, static_cast<__mmask16>((1u << (n - i)) - 1u), e + i));
+  return _mm512_reduce_max_ps(m);
+}
+
+__attribute__((target(ES_AVX512_ATTENTION))) void scale_avx512(float* e, int n, float s) {
+  const __m512 f = _mm512_set1_ps(s);
+  int i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(e + i, _mm512_mul_ps(_mm512_loadu_ps(e + i), f));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(e + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, e + i), f));
   }
 }
 
@@ -601,6 +771,7 @@ constexpr int kCacheTile = 32;  // keys or value rows a tile: what stays in L1 w
 
 struct Scratch {
   std::vector<float> scores, acc, pairs, tile;  // tile: a float16 cache's keys or values read back
+  std::vector<float> kt, partial;  // a prompt pass's transposed key tile, its lanes' sums
 };
 
 thread_local Scratch t_scratch;
@@ -666,7 +837,32 @@ void attend(const Pass& P, size_t item) {
     keys_ahead = {reinterpret_cast<const char*>(K), sizeof(float) * H, kKeysAhead};
   // keys in tiles that stay in L1 while every block of query vectors is scored against them
   constexpr int kKeyTile = kCacheTile;
-  if (P.avx512) {
+  static_assert(kKeyTile == kKeyLanes, "a transposed tile holds a cache tile's keys");
+  if (P.avx512 && !few && H % 16 == 0) {
+    scratch.kt.resize(static_cast<size_t>(kKeyLanes) * H);
+    scratch.partial.resize(8 * kLaneQueries * 2 * 16);
+    const int qblocks = (nq + kLaneQueries - 1) / kLaneQueries;
+    scratch.pairs.resize(static_cast<size_t>(qblocks) * H * kLaneQueries);
+    float* qt = scratch.pairs.data();  // [block][d][kLaneQueries]: each block's query vectors, dimension-major
+    for (int i = 0; i < nq; ++i)
+      for (int d = 0; d < H; ++d) qt[(static_cast<size_t>(i / kLaneQueries) * H + d) * kLaneQueries + i % kLaneQueries] = qs[i][d];
+    for (int t0 = first; t0 < last; t0 += kKeyTile) {
+      const int t1 = std::min(last, t0 + kKeyTile);
+      if (half)
+        transpose_keys(P.half_keys + head_base + static_cast<size_t>(t0) * H, t1 - t0, H, scratch.kt.data());
+      else
+        transpose_keys(K + static_cast<size_t>(t0) * H, t1 - t0, H, scratch.kt.data());
+      for (int i0 = 0; i0 < nq; i0 += kLaneQueries) {
+        const int m = std::min(kLaneQueries, nq - i0);
+        float* out[kLaneQueries];
+        for (int i = 0; i < m; ++i) out[i] = scores + static_cast<size_t>(i0 + i) * span + (t0 - first);
+        with_head_chunks(H, [&](auto hc) {
+          score_lanes<decltype(hc)::value>(qt + static_cast<size_t>(i0) * H, m, scratch.kt.data(), H, P.alpha, out,
+                                           t1 - t0, scratch.partial.data());
+        });
+      }
+    }
+  } else if (P.avx512) {
     constexpr int kBlock = 2 * kScorePairs;
     const int chunks = H / 8, blocks = (nq + kBlock - 1) / kBlock;
     scratch.pairs.resize(static_cast<size_t>(blocks) * kScorePairs * chunks * 16);
@@ -724,6 +920,10 @@ void attend(const Pass& P, size_t item) {
       }
     }
 #ifdef ES_X86
+    if (P.avx512) {
+      scale_avx512(e, n, 1.f / exp_sum_avx512(e, n, max_avx512(e, n)));
+      continue;
+    }
     if (P.avx) {
       scale_avx(e, n, 1.f / exp_sum_avx(e, n, max_avx(e, n)));
       continue;
