@@ -123,29 +123,13 @@ void pack_pairs(const int32_t* sums, int count, int32_t* pairs) {
   }
 }
 
-// A pass's buffers are kept for the next one on the same thread, and only grow: a prompt pass's are megabytes
-// (512 rows of 8960 codes, twice), and allocating them afresh each pass (and zeroing them, as a vector's resize
-// does) cost every op page faults and memsets.  Every element is written before it is read.
+// a row's buffers, kept for the next pass as edge_spec::Scratch keeps a pass's
 template <class T>
 void grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-template <class T>
-class Scratch {
- public:
-  T* get(size_t n) {
-    if (n > size_) {
-      data_.reset(new T[n]);  // not zeroed
-      size_ = n;
-    }
-    return data_.get();
-  }
-
- private:
-  std::unique_ptr<T[]> data_;
-  size_t size_ = 0;
-};
+using edge_spec::Scratch;
 
 void quantize_row(const float* x, int K, Q8Row& out) {
   const int blocks = K / kQK;
