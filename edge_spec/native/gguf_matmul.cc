@@ -727,33 +727,44 @@ __attribute__((target(ES_AMX))) inline void finish_amx(const BlockFactors& F, co
   }
 }
 
-// block b of one weight tile (its record R, its 8 KB unpacked) against 16 x `tiles` rows (codes: the rows' codes
-// of the block, [row tile][4 x 16 x 64]; scales, pairs32: their Q8_K scales and minimum pairs): the block's
-// products added to the rows' float32 sums, out[r * ld + o] (from zero at the first block; mask: the tile's
-// outputs that exist).  Two row tiles at a time, their sums in memory in turns, so that the vector units finish
-// one pair while the tile unit multiplies the next.
+// one weight tile's block for the two (or one) row tiles of a group: its record (the float steps' factors), its
+// 8 KB unpacked, and where its sums go (out[r * ld + o] for the outputs the mask keeps)
+struct AmxTarget {
+  const uint8_t* record;
+  const uint8_t* unpacked;
+  float* out;
+  int64_t ld;
+  __mmask16 mask;
+};
+
+// the float32 steps of one target's sums for the group's `tiles` row tiles (scales, pairs32: their Q8_K scales and
+// minimum pairs), added to the rows' sums from zero at the first block
 template <bool Q4K>
-__attribute__((target(ES_AMX))) void block_amx(const uint8_t* R, const uint8_t* unpacked, bool first_block,
-                                               const int8_t* codes, const float* scales, const int32_t* pairs32,
-                                               int tiles, float* out, int64_t ld, __mmask16 mask) {
-  alignas(64) int32_t sums[2][4 * kAmxSums];
+__attribute__((target(ES_AMX))) void finish_target(const AmxTarget& T, const int32_t* sums, bool first_block,
+                                                   const float* scales, const int32_t* pairs32, int tiles) {
   BlockFactors F;
-  F.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R)));
+  F.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(T.record)));
   if constexpr (Q4K) {
-    F.dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + 32)));
-    q4k_minimum_pairs_avx512(R, F.pairs);
+    F.dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(T.record + 32)));
+    q4k_minimum_pairs_avx512(T.record, F.pairs);
   }
-  auto finish = [&](int pair) {  // the pair's float steps, its sums in sums[pair % 2]
-    for (int t = 2 * pair; t < std::min(tiles, 2 * pair + 2); ++t) {
-      finish_amx<Q4K>(F, sums[pair % 2] + (t % 2) * 2 * kAmxSums, first_block, scales + kAmxRows * t,
-                      pairs32 + 4 * kAmxRows * t, out + kAmxRows * t * ld, ld, mask);
-    }
-  };
-  const int pairs = (tiles + 1) / 2;
-  products_amx(unpacked, codes, tiles > 1, sums[0]);
-  for (int pair = 1; pair <= pairs; ++pair) {
-    if (pair < pairs) products_amx(unpacked, codes + 8192 * pair, 2 * pair + 1 < tiles, sums[pair % 2]);
-    finish(pair - 1);  // while the tile unit multiplies the next pair
+  for (int t = 0; t < tiles; ++t)
+    finish_amx<Q4K>(F, sums + t * 2 * kAmxSums, first_block, scales + kAmxRows * t, pairs32 + 4 * kAmxRows * t,
+                    T.out + kAmxRows * t * T.ld, T.ld, T.mask);
+}
+
+// one block of a group's rows (codes: their codes of the block, as products_amx reads them) against `count`
+// weight tiles: the tile unit multiplies weight tile w while the vector units finish w - 1, their sums in memory
+// in turns (finishing each product before the next left the tile unit idle)
+template <bool Q4K>
+__attribute__((target(ES_AMX))) void targets_amx(const AmxTarget* targets, int count, bool first_block,
+                                                 const int8_t* codes, const float* scales, const int32_t* pairs32,
+                                                 int tiles) {
+  alignas(64) int32_t sums[2][4 * kAmxSums];
+  products_amx(targets[0].unpacked, codes, tiles > 1, sums[0]);
+  for (int w = 1; w <= count; ++w) {
+    if (w < count) products_amx(targets[w].unpacked, codes, tiles > 1, sums[w % 2]);
+    finish_target<Q4K>(targets[w - 1], sums[(w - 1) % 2], first_block, scales, pairs32, tiles);
   }
 }
 
@@ -857,17 +868,22 @@ bool g_amx = false;  // passes of many rows (kAmxMinRows*) multiply on AMX's til
 // (the op alone on an Intel Xeon with AMX: a Q4_K SwiGLU pass of 1536 x 17920 ran level at 96 rows and 1.4x
 // faster at 128; a Q6_K pass of 8960 x 1536 already 1.4x faster at 64)
 constexpr int kAmxMinRowsQ4K = 128, kAmxMinRowsQ6K = 64;
-constexpr int kAmxTilesPerItem = 8;  // weight tiles a work item unpacks (with glu, as many up tiles beside)
+constexpr int kAmxTilesPerItem = 4;  // weight tiles a work item unpacks (with glu, as many up tiles beside)
 
 #ifdef ES_X86
 // the pass's AMX rows (P.amx) against the item's weight tiles [first, last).  A tile product wants both its
 // operands in the first level of the cache, and a prompt pass's activations (512 rows of 8960 codes: 4.5 MB)
 // outgrow the second.  So the item's weight tiles (with glu, their gate and up rows) are unpacked kAmxChunk
 // blocks at a time (held by the second level), and then, kAmxGroupRows rows at a time, each block's codes of
-// those rows (32 KB, laid out as the tiles read them) are multiplied by every weight tile.  Every output still
+// those rows (8 KB, laid out as the tiles read them) are multiplied by every weight tile.  Every output still
 // adds its blocks' products in order, block 0 first.
-constexpr int kAmxChunk = 4;        // blocks of 256 a chunk
-constexpr int kAmxGroupRows = 128;  // rows of a group (64 and 256 measured slower on the SwiGLU and Q6_K passes)
+//
+// Picked by the op alone on an Intel Xeon with AMX, 512-row passes, one process, its buffers on 2 MiB pages:
+// groups of 32 rows against 128, SwiGLU items of 4 tiles against 8, and each weight tile's products overlapping
+// the last one's float steps, the SwiGLU pass of 1536 x 17920 ran 1.18x faster, the Q4_K down projection 1.10x,
+// a 1536 x 2048 projection 1.18x, the Q6_K down projection 1.06x (groups of 64 and 256 rows were slower).
+constexpr int kAmxChunk = 4;       // blocks of 256 a chunk
+constexpr int kAmxGroupRows = 32;  // rows of a group: the two row tiles of one products_amx
 
 void run_item_amx(const Pass& P, int64_t first, int64_t last) {
   const Kernel& k = *P.kernel;
@@ -885,6 +901,9 @@ void run_item_amx(const Pass& P, int64_t first, int64_t last) {
   uint8_t* unpacked = unpacked_scratch.get(static_cast<size_t>(weights) * chunk * kAmxBlockBytes);
   thread_local Scratch<float> up_scratch;  // with glu: the up rows' sums, [row][item tile][16]
   float* up = k.glu ? up_scratch.get(static_cast<size_t>(A.rows) * outputs_here * kTile) : nullptr;
+  thread_local std::vector<AmxTarget> target_scratch;
+  grow(target_scratch, static_cast<size_t>(weights));
+  AmxTarget* targets = target_scratch.data();
   amx_begin();
   for (int c0 = 0; c0 < blocks; c0 += chunk) {
     const int c1 = std::min(blocks, c0 + chunk);
@@ -907,18 +926,19 @@ void run_item_amx(const Pass& P, int64_t first, int64_t last) {
         for (int w = 0; w < weights; ++w) {
           const bool is_up = w >= outputs_here;
           const int64_t t = is_up ? first + (w - outputs_here) + tiles : first + w;
-          const uint8_t* R = P.weights + t * tile_bytes + static_cast<size_t>(b) * record;
-          const uint8_t* packed = unpacked + (static_cast<size_t>(w) * chunk + (b - c0)) * kAmxBlockBytes;
-          float* out = is_up ? up + static_cast<size_t>(g0) * outputs_here * kTile + (w - outputs_here) * kTile
-                             : P.y + g0 * width + t * kTile;
-          const int64_t ld = is_up ? outputs_here * kTile : width;
+          AmxTarget& T = targets[w];
+          T.record = P.weights + t * tile_bytes + static_cast<size_t>(b) * record;
+          T.unpacked = unpacked + (static_cast<size_t>(w) * chunk + (b - c0)) * kAmxBlockBytes;
+          T.out = is_up ? up + static_cast<size_t>(g0) * outputs_here * kTile + (w - outputs_here) * kTile
+                        : P.y + g0 * width + t * kTile;
+          T.ld = is_up ? outputs_here * kTile : width;
           const int64_t outputs = is_up ? kTile : std::min<int64_t>(kTile, width - t * kTile);
-          const __mmask16 mask = static_cast<__mmask16>((1u << outputs) - 1u);
-          if (q4k) {
-            block_amx<true>(R, packed, b == 0, codes, scales, pairs, g / kAmxRows, out, ld, mask);
-          } else {
-            block_amx<false>(R, packed, b == 0, codes, scales, pairs, g / kAmxRows, out, ld, mask);
-          }
+          T.mask = static_cast<__mmask16>((1u << outputs) - 1u);
+        }
+        if (q4k) {
+          targets_amx<true>(targets, weights, b == 0, codes, scales, pairs, g / kAmxRows);
+        } else {
+          targets_amx<false>(targets, weights, b == 0, codes, scales, pairs, g / kAmxRows);
         }
       }
     }
@@ -1062,8 +1082,9 @@ void compute(const Kernel& k, OrtKernelContext* context) {
     check(g_api->KernelContext_ParallelFor(context, round_rows, static_cast<size_t>(rows), 0, &rounding));
   }
   // a SwiGLU item reads its gate tiles and then its up tiles: 16 tiles make each run 14 KB of one stream
-  // AMX's items unpack their weight tiles, so they are fewer: about eight a pass, kAmxTilesPerItem tiles at the
-  // least (a down projection's items: 12 tiles, 384 KB unpacked a chunk of kAmxChunk blocks)
+  // AMX's items unpack their weight tiles: a SwiGLU item kAmxTilesPerItem gate tiles and their up tiles, any other
+  // about an eighth of the pass, kAmxTilesPerItem tiles at the least (a down projection's items: 12 tiles, 384 KB
+  // unpacked a chunk of kAmxChunk blocks)
   const bool q4k = k.type == kTypeQ4K;
   const bool amx = g_amx && rows >= (q4k ? kAmxMinRowsQ4K : kAmxMinRowsQ6K);
   const int64_t tiles = (k.width() + kTile - 1) / kTile;
