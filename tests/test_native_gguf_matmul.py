@@ -27,7 +27,7 @@ Q4_K, Q6_K = 12, 14  # ggml's type numbers, the op's ``type`` attribute
 GGML_TYPE = {Q4_K: GGMLQuantizationType.Q4_K, Q6_K: GGMLQuantizationType.Q6_K}
 PATHS = {"avx512": {}, "avx2": {"EDGE_SPEC_NATIVE_AVX512": "0"}, "scalar": {"EDGE_SPEC_NATIVE_SCALAR": "1"}}
 NO_AMX = {"EDGE_SPEC_NATIVE_AMX": "0"}
-AMX_ROWS = 128 + 16 + 5  # AMX's fewest (Q4_K's) and more: nine row tiles (four pairs and one alone), 5 rows left over
+AMX_ROWS = 128 + 16 + 5  # a prompt's pass on AMX: nine row tiles (four pairs and one alone), 5 rows left over
 
 
 def random_blocks(rng: np.random.Generator, kind: int, n: int, k: int) -> np.ndarray:

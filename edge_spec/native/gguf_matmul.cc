@@ -865,9 +865,10 @@ GluKernel g_swiglu = swiglu_scalar;
 
 bool g_amx = false;  // passes of many rows (kAmxMinRows*) multiply on AMX's tiles (gguf_amx_here)
 // the fewest rows a pass multiplies on AMX: below them unpacking every weight costs more than the tiles save
-// (the op alone on an Intel Xeon with AMX: a Q4_K SwiGLU pass of 1536 x 17920 ran level at 96 rows and 1.4x
-// faster at 128; a Q6_K pass of 8960 x 1536 already 1.4x faster at 64)
-constexpr int kAmxMinRowsQ4K = 128, kAmxMinRowsQ6K = 64;
+// (the op alone on an Intel Xeon with AMX, against the AVX-512 kernels: the Q4_K SwiGLU pass of 1536 x 17920
+// 1.3x faster at 32 rows, 1.7x at 64 and 96; the Q6_K down projection 1.4x at 32; a lone row tile, 16 to 31
+// rows, 1.05-1.2x slower)
+constexpr int kAmxMinRowsQ4K = 32, kAmxMinRowsQ6K = 32;
 constexpr int kAmxTilesPerItem = 4;  // weight tiles a work item unpacks (with glu, as many up tiles beside)
 
 #ifdef ES_X86
