@@ -264,7 +264,7 @@ __attribute__((target(ES_AVX512_ATTENTION))) void score_pairs_avx512(const float
 // again, without the shuffles that turn 8-lane sums into scores (a fifth of the pair kernel's work).  Twelve
 // query vectors (two rows' heads) share each key vector loaded.
 constexpr int kKeyLanes = 32;  // keys a transposed tile holds: two 16-lane vectors
-constexpr int kLaneQueries = 12;  // query vectors score_lanes_avx512 takes: 24 accumulators
+constexpr int kLaneQueries = 12;  // query vectors a block of score_lanes_avx512: 24 accumulators
 
 // kt[d * 32 + u] = k[u * h + d] for u < n keys (zeros for u in [n, 32)); h a multiple of 16.  Key is float
 // (a float32 cache's keys) or uint16_t (a float16 cache's, read back exactly on the way)
@@ -311,12 +311,14 @@ __attribute__((target(ES_AVX512_ATTENTION ",f16c"))) void transpose_keys(const K
   }
 }
 
-// scores of NQ query vectors with a transposed tile's keys: out[i][u] = alpha * q_i . k_u for u < n.
-// partial: scratch for the eight lanes' sums, [8][NQ][2][16]
-template <int NQ, int HC>
-__attribute__((target(ES_AVX512_ATTENTION))) void score_lanes_avx512(const float* qt, const float* kt, int h,
+// scores of a block's query vectors with a transposed tile's keys: out[i][u] = alpha * q_i . k_u for i < m, u < n
+// (qt: the block's kLaneQueries vectors, dimension-major, zeros past the m it has).  partial: scratch for the
+// eight lanes' sums, [8][kLaneQueries][2][16]
+template <int HC>
+__attribute__((target(ES_AVX512_ATTENTION))) void score_lanes_avx512(const float* qt, int m, const float* kt, int h,
                                                                      float alpha, float* const* out, int n,
                                                                      float* partial) {
+  constexpr int NQ = kLaneQueries;
   const int chunks = HC ? HC : h / 8;
   for (int j = 0; j < 8; ++j) {
     __m512 acc[NQ][2];
@@ -337,7 +339,7 @@ __attribute__((target(ES_AVX512_ATTENTION))) void score_lanes_avx512(const float
     }
   }
   const __m512 scale = _mm512_set1_ps(alpha);
-  for (int i = 0; i < NQ; ++i)
+  for (int i = 0; i < m; ++i)
     for (int z = 0; z < 2 && 16 * z < n; ++z) {
       __m512 l[8];
       for (int j = 0; j < 8; ++j) l[j] = _mm512_loadu_ps(partial + ((j * NQ + i) * 2 + z) * 16);
@@ -346,19 +348,6 @@ __attribute__((target(ES_AVX512_ATTENTION))) void score_lanes_avx512(const float
       const int keys = std::min(16, n - 16 * z);
       _mm512_mask_storeu_ps(out[i] + 16 * z, static_cast<__mmask16>((1u << keys) - 1u), _mm512_mul_ps(scale, _mm512_add_ps(a, b)));
     }
-}
-
-template <int HC>
-void score_lanes(const float* qt, int m, const float* kt, int h, float alpha, float* const* out, int n,
-                 float* partial) {
-  switch (m) {
-#define ES_LANES_CASE(M) \
-  case M: score_lanes_avx512<M, HC>(qt, kt, h, alpha, out, n, partial); break;
-    ES_LANES_CASE(1) ES_LANES_CASE(2) ES_LANES_CASE(3) ES_LANES_CASE(4) ES_LANES_CASE(5) ES_LANES_CASE(6)
-    ES_LANES_CASE(7) ES_LANES_CASE(8) ES_LANES_CASE(9) ES_LANES_CASE(10) ES_LANES_CASE(11)
-#undef ES_LANES_CASE
-    default: score_lanes_avx512<kLaneQueries, HC>(qt, kt, h, alpha, out, n, partial); break;
-  }
 }
 
 // f(std::integral_constant<int, HC>{}): HC the head size in 8-float chunks for the head sizes the score kernels
@@ -771,7 +760,7 @@ constexpr int kCacheTile = 32;  // keys or value rows a tile: what stays in L1 w
 
 struct Scratch {
   std::vector<float> scores, acc, pairs, tile;  // tile: a float16 cache's keys or values read back
-  std::vector<float> kt, partial;  // a prompt pass's transposed key tile, its lanes' sums
+  std::vector<float> queries, kt, partial;  // a prompt pass's query blocks and transposed key tile, its lanes' sums
 };
 
 thread_local Scratch t_scratch;
@@ -842,8 +831,8 @@ void attend(const Pass& P, size_t item) {
     scratch.kt.resize(static_cast<size_t>(kKeyLanes) * H);
     scratch.partial.resize(8 * kLaneQueries * 2 * 16);
     const int qblocks = (nq + kLaneQueries - 1) / kLaneQueries;
-    scratch.pairs.resize(static_cast<size_t>(qblocks) * H * kLaneQueries);
-    float* qt = scratch.pairs.data();  // [block][d][kLaneQueries]: each block's query vectors, dimension-major
+    scratch.queries.assign(static_cast<size_t>(qblocks) * H * kLaneQueries, 0.f);  // the last block padded with zeros
+    float* qt = scratch.queries.data();  // [block][d][kLaneQueries]: each block's query vectors, dimension-major
     for (int i = 0; i < nq; ++i)
       for (int d = 0; d < H; ++d) qt[(static_cast<size_t>(i / kLaneQueries) * H + d) * kLaneQueries + i % kLaneQueries] = qs[i][d];
     for (int t0 = first; t0 < last; t0 += kKeyTile) {
@@ -857,8 +846,8 @@ void attend(const Pass& P, size_t item) {
         float* out[kLaneQueries];
         for (int i = 0; i < m; ++i) out[i] = scores + static_cast<size_t>(i0 + i) * span + (t0 - first);
         with_head_chunks(H, [&](auto hc) {
-          score_lanes<decltype(hc)::value>(qt + static_cast<size_t>(i0) * H, m, scratch.kt.data(), H, P.alpha, out,
-                                           t1 - t0, scratch.partial.data());
+          score_lanes_avx512<decltype(hc)::value>(qt + static_cast<size_t>(i0) * H, m, scratch.kt.data(), H, P.alpha,
+                                                  out, t1 - t0, scratch.partial.data());
         });
       }
     }
