@@ -244,3 +244,128 @@ def test_the_lean_form_takes_the_accuracy_level_the_export_recorded(headed, tmp_
     rewrite_as_lean(model, path.parent)
     head = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("lm_head")]
     assert [next(a.i for a in n.attribute if a.name == "accuracy_level") for n in head] == [level]
+
+
+NARROW = 224  # a drafter's width short of whole super-blocks by an eighth (Qwen2.5-0.5B's 896 is three and a half)
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """A tiny Qwen2 of width 224 (no GGUF blocks: re-quantized, as the drafter is) built three ways: float32,
+    ``MatMulNBits`` int4 (the lean layouts' drafter) and rounded to Q4_K under the native op."""
+    w = tiny_models.loaded("n", tiny_models.make_qwen2(seed=4, hidden=NARROW), tiny_models.make_tokenizer()).weights
+    folder = tmp_path_factory.mktemp("narrow")
+    paths = {"weights": w}
+    for name, options in {
+        "fp32": dict(quant="fp32"),
+        "int4": dict(gguf_blocks=False),
+        "rounded": dict(gguf_blocks=False, carry_native=True, round_native=True),
+    }.items():
+        paths[name] = folder / f"{name}.onnx"
+        save_model(build_decoder(w, BuildOptions(**{"quant": "int4", "context_length": 64, **options})), paths[name])
+    return paths
+
+
+def test_a_requantized_body_is_rounded_to_q4_k_blocks_under_the_native_op(narrow):
+    nodes = onnx.load(str(narrow["rounded"]), load_external_data=False).graph.node
+    native = [n for n in nodes if n.op_type == "MatMulGGUF" and n.name.startswith("layers.")]
+    widths = sorted({a.i for n in native for a in n.attribute if a.name == "K"})
+    assert widths == [NARROW, 2 * NARROW]  # the projections read 224 (and the down 448) inputs: no padded input
+    assert len(native) == 2 * 4  # per layer: Q/K/V, O, gate/up with SwiGLU, down
+    assert sum(any(a.name == "glu" and a.i for a in n.attribute) for n in native) == 2
+    assert not [n for n in nodes if n.op_type == "MatMulNBits" and n.name.startswith("layers.")]
+
+
+def test_a_body_rounded_to_q4_k_computes_what_its_int4_blocks_do(narrow, native_library):
+    """Q4_K's rows, zero-padded to whole super-blocks, stay as close to the float model as MatMulNBits' int4 blocks
+    of 32 (the drafter's rounding moves acceptance only, but must not move it far)."""
+    exact = _logits(narrow["fp32"], [IDS])
+    logits = {name: _logits(narrow[name], [IDS]) for name in ("int4", "rounded")}
+    errors = {name: np.abs(got - exact).mean() for name, got in logits.items()}
+    agree = {name: (got.argmax(-1) == exact.argmax(-1)).mean() for name, got in logits.items()}
+    assert 0 < errors["rounded"] < 1.5 * errors["int4"]
+    assert agree["rounded"] >= agree["int4"]  # (this random model is touchy: int4 keeps 2 of 10 best tokens)
+
+
+def test_without_the_library_a_rounded_body_reads_its_input_padded_with_zeros(narrow, native_library, monkeypatch):
+    native = _logits(narrow["rounded"], [IDS])
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_MATMUL", "0")
+    fallback = _logits(narrow["rounded"], [IDS])  # MatMulNBits over the same blocks, after a Pad of the input
+    assert not np.array_equal(fallback, native)  # activations rounded otherwise: blocks of 32 against the op's 256
+    # the same Q4_K weights: the two forms are far nearer each other than either is to the float model
+    rounding = np.abs(native - _logits(narrow["fp32"], [IDS])).mean()
+    assert np.abs(fallback - native).mean() < 0.25 * rounding, (np.abs(fallback - native).mean(), rounding)
+
+
+def test_the_prompt_reader_takes_a_rounded_matmuls_weights_at_the_inputs_width(narrow):
+    from edge_spec.export.graph.prompt_reader import _Initializers, native_weight
+
+    model = onnx.load(str(narrow["rounded"]), load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type == "MatMulGGUF" and n.name.startswith("layers.0.qkv"))
+    weight = native_weight(node, _Initializers(model.graph, narrow["rounded"].parent))
+    layer = narrow["weights"].layers[0]
+    expected = np.concatenate([np.asarray(layer.q), np.asarray(layer.k), np.asarray(layer.v)])
+    assert weight.shape == expected.shape == (NARROW + 2 * 2 * NARROW // 4, NARROW)  # 4 query heads, 2 key, 2 value
+    assert np.abs(weight - expected).max() < 0.1 * np.abs(expected).max()  # Q4_K's rounding, no shifted column
+
+
+@pytest.fixture(scope="module")
+def rounded_bundle(tmp_path_factory, native_library):
+    """The tiny pair at width 224 exported in the native layout on a CPU whose op reads one-row records ahead:
+    the drafter's body rounded to Q4_K under the op."""
+    from edge_spec.export.bundle.build import export_bundle
+
+    tokenizer = tiny_models.make_tokenizer()
+    target = tiny_models.make_qwen2(seed=0, hidden=NARROW)
+    models = {
+        "t": tiny_models.loaded("t", target, tokenizer),
+        "d": tiny_models.loaded("d", tiny_models.perturbed_copy(target, seed=1, noise=0.15), tokenizer),
+    }
+    out = tmp_path_factory.mktemp("rounded") / "bundle"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_attention, "gguf_matmul_asks_ahead", lambda library: True)
+        options = ExportOptions(draft_vocab="full", context_length=256, gguf_layout="native")
+        export_bundle("t", "d", out, options, loader=models.__getitem__)
+    return out
+
+
+def test_a_native_export_rounds_the_drafters_body_where_the_op_reads_ahead(rounded_bundle):
+    from edge_spec.manifest import read_manifest
+
+    draft = read_manifest(rounded_bundle)["draft"]
+    assert draft["quantization"]["body"] == "Q4_K" and draft["quantization"]["gguf_layout"] == "native"
+    nodes = onnx.load(str(rounded_bundle / draft["onnx"]), load_external_data=False).graph.node
+    layers = [n.op_type for n in nodes if n.op_type in ("MatMulGGUF", "MatMulNBits") and n.name.startswith("layers.")]
+    assert layers and set(layers) == {"MatMulGGUF"}
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_greedy_speculation_with_a_rounded_drafter_equals_the_targets_own(rounded_bundle, gamma):
+    from edge_spec.runtime.engine import Engine
+    from tests.helpers import chain, greedy_drafts_kept_and_refused
+
+    engine = Engine.from_bundle(rounded_bundle, threads=1, mode="spec")
+    accepted, refused = greedy_drafts_kept_and_refused(engine, chain(gamma))
+    assert accepted > 0 and refused > 0
+
+
+@pytest.mark.parametrize(
+    "layout, widths, ahead, rounds",
+    [
+        ("native", (896, 4864), True, True),  # Qwen2.5-0.5B: rows of 896 padded by an eighth
+        ("native", (896, 4864), False, False),  # AMD's cores: the prefetcher keeps up, MatMulNBits reads less
+        ("native", (64, 128), True, False),  # a tiny model padded to 256 would read four times its weights
+        ("lean", (896, 4864), True, False),  # no native op in the bundle
+    ],
+)
+def test_the_drafter_is_rounded_where_it_pays(monkeypatch, layout, widths, ahead, rounds):
+    from types import SimpleNamespace
+
+    from edge_spec.export.bundle.build import rounds_drafter_native
+    from edge_spec.export.bundle.options import layout_settings
+
+    monkeypatch.setattr(native_attention, "native_matmul_here", lambda provider="cpu": (Path("lib.so"), ""))
+    monkeypatch.setattr(native_attention, "gguf_matmul_asks_ahead", lambda library: ahead)
+    build = BuildOptions(gguf_blocks=False, **layout_settings(layout))
+    config = SimpleNamespace(hidden_size=widths[0], intermediate_size=widths[1])
+    assert rounds_drafter_native(build, ExportOptions(), config) is rounds

@@ -7,12 +7,16 @@ Give bundles that differ only in their drafter (export the same pair with ``--dr
 
 * the drafter body's one-token step alone (``Decoder`` on ``draft/body.onnx`` after a 40-token prompt,
   median of ``--steps``), the bundles taking turns ``--rounds`` times so that a drift of the machine
-  reaches them all alike;
+  reaches them all alike; with ``--evict-mb`` that many MB are written between steps, as a target pass
+  streams its weights between two drafter steps and pushes the drafter's out of the caches (a cloud CPU's
+  last-level cache can hold the whole drafter, a laptop's cannot);
+* with ``--prompt-tokens``: reading a prompt of that many tokens (median of ``--steps // 8``);
 * with ``--acceptance``: fixed γ = ``--gamma``, no lookup, over the bench prompts as chat messages, as
   ``bench`` sends them (deterministic when greedy, since the target is the same): τ, acceptance at
   each draft position, and a whole draft step in the loop (body, head, Python).
 
     python benchmarks/studies/drafter_blocks.py BUNDLE_32 BUNDLE_128 [--acceptance] [--temperature 0.7]
+    python benchmarks/studies/drafter_blocks.py BUNDLE OTHER --evict-mb 512 --prompt-tokens 64
 """
 
 from __future__ import annotations
@@ -33,20 +37,36 @@ from edge_spec.runtime.model.decoder import Decoder
 PROMPT_TOKENS = 40
 
 
-def drafter_blocks(bundle: Path) -> int:
-    return read_manifest(bundle)["draft"]["quantization"]["block_size"]
+def drafter_blocks(bundle: Path) -> str:
+    """How the bundle's drafter body is rounded: Q4_K under the native op, or MatMulNBits' blocks of N."""
+    quantization = read_manifest(bundle)["draft"]["quantization"]
+    return quantization.get("body") or f"blocks of {quantization['block_size']}"
 
 
-def step_median_ms(body: Decoder, steps: int) -> float:
-    """Median one-token step after a fixed prompt (the first steps left out: caches warming)."""
+def step_median_ms(body: Decoder, steps: int, evict: np.ndarray | None = None) -> float:
+    """Median one-token step after a fixed prompt (the first steps left out: caches warming), ``evict``
+    written before each step where given."""
     body.reset()
     body.forward(list(range(100, 100 + PROMPT_TOKENS)), 1)
     times = []
     for i in range(steps):
+        if evict is not None:
+            evict += 1.0
         started = time.perf_counter()
         body.forward([200 + i], 1)
         times.append(time.perf_counter() - started)
     return 1e3 * float(np.median(times[5:]))
+
+
+def prompt_median_ms(body: Decoder, tokens: int, repeats: int) -> float:
+    """Median time to read a prompt of ``tokens`` tokens into an empty cache."""
+    times = []
+    for _ in range(repeats):
+        body.reset()
+        started = time.perf_counter()
+        body.forward(list(range(100, 100 + tokens)), 1, prefill=True)
+        times.append(time.perf_counter() - started)
+    return 1e3 * float(np.median(times))
 
 
 def acceptance(bundle: Path, gamma: int, temperature: float, threads: int, max_tokens: int) -> str:
@@ -77,6 +97,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--acceptance", action="store_true", help="also fixed-γ acceptance over the bench prompts")
+    parser.add_argument("--evict-mb", type=int, default=0, help="MB written between steps (0: none)")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="also time reading a prompt this long")
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -87,19 +109,21 @@ def main() -> None:
         bundle: Decoder(bundle / read_manifest(bundle)["draft"]["onnx"], threads=args.threads, takes_turns=True)
         for bundle in args.bundles
     }
+    evict = np.ones(args.evict_mb * 2**20 // 8) if args.evict_mb else None
     for turn in range(args.rounds):
-        print(
-            f"round {turn + 1}: "
-            + ", ".join(
-                f"blocks of {blocks[b]} {step_median_ms(body, args.steps):.2f} ms" for b, body in bodies.items()
-            ),
-            flush=True,
-        )
+        parts = []
+        for bundle, body in bodies.items():
+            part = f"{blocks[bundle]}: step {step_median_ms(body, args.steps, evict):.2f} ms"
+            if args.prompt_tokens:
+                read = prompt_median_ms(body, args.prompt_tokens, max(args.steps // 8, 3))
+                part += f", {args.prompt_tokens}-token prompt {read:.1f} ms"
+            parts.append(part)
+        print(f"round {turn + 1}: " + "; ".join(parts), flush=True)
     del bodies
     if args.acceptance:
         for bundle in args.bundles:
             print(
-                f"{bundle} (blocks of {blocks[bundle]}), γ {args.gamma}, T {args.temperature}: "
+                f"{bundle} ({blocks[bundle]}), γ {args.gamma}, T {args.temperature}: "
                 f"{acceptance(bundle, args.gamma, args.temperature, args.threads, args.max_tokens)}",
                 flush=True,
             )

@@ -10,7 +10,9 @@
 //
 // x is rounded per row to int8 in blocks of 256 (llama.cpp's Q8_K: one float scale, the sums of 16 and
 // 32 codes kept for Q6_K's offset and Q4_K's minimums), and every dot product runs in integers within a
-// block.  Each row's result depends on that row alone and goes through the same operations in the same
+// block.  K, the input's width, need not fill whole blocks: the weights' rows are padded with zeros to the
+// last block's end (a drafter's 896-wide rows: edge_spec/export/gguf/blocks.py, add_rounded_native) and x is
+// read as if zeros followed it, which add nothing to any sum.  Each row's result depends on that row alone and goes through the same operations in the same
 // order whatever number of rows shares the pass, so verify passes stay batch-invariant.  The three paths
 // (AVX-512 with VNNI, AVX2, scalar; chosen once at load) give the same bits: the same integer sums, then
 // per output the same float32 multiply and fused multiply-adds, block by block.
@@ -833,9 +835,11 @@ __attribute__((target("avx2,fma"))) void swiglu_avx2(const float* gate, const fl
 // the op
 
 struct Kernel {
-  int64_t K = 0, N = 0, type = 0;
+  int64_t K = 0, N = 0, type = 0;  // K: the input's width; the weights cover it in whole blocks of 256
   bool glu = false;  // the N rows are gate rows then as many up rows; the output is silu(gate) * up, N / 2 wide
   int64_t width() const { return glu ? N / 2 : N; }
+  int64_t blocks() const { return (K + kQK - 1) / kQK; }
+  int64_t padded() const { return blocks() * kQK; }  // a row's codes: K, then zeros to the last block's end
 };
 
 // the rows AMX multiplies (whole tiles of 16), laid out once a pass as its tiles read them: block by block, row
@@ -891,7 +895,7 @@ void run_item_amx(const Pass& P, int64_t first, int64_t last) {
   const AmxRows& A = *P.amx;
   const bool q4k = k.type == kTypeQ4K;
   const size_t record = q4k ? kQ4KRecord : kQ6KRecord;
-  const int blocks = static_cast<int>(k.K / kQK);
+  const int blocks = static_cast<int>(k.blocks());
   const int64_t width = k.width();
   const int64_t tiles = (width + kTile - 1) / kTile;
   const size_t tile_bytes = static_cast<size_t>(blocks) * record;
@@ -982,7 +986,7 @@ void lay_out_row_tile(void* data, size_t tile) {
 void run_item(void* data, size_t item) {
   const Pass& P = *static_cast<const Pass*>(data);
   const Kernel& k = *P.kernel;
-  const int blocks = static_cast<int>(k.K / kQK);
+  const int blocks = static_cast<int>(k.blocks());
   const size_t record = k.type == kTypeQ4K ? kQ4KRecord : kQ6KRecord;
   const TileKernel tile = k.type == kTypeQ4K ? g_q4k : g_q6k;
   const int64_t width = k.width();
@@ -1023,13 +1027,25 @@ void run_item(void* data, size_t item) {
 
 struct Rounding {
   const float* x;
-  int K;
+  int K;       // the input's width
+  int padded;  // the weights' (whole blocks of 256)
   Q8Row* rows;
 };
 
+// a row rounded to Q8_K blocks; a width short of whole blocks is rounded as the row with zeros after it, which
+// add nothing to any sum (the weights' padding is zeros too)
 void round_rows(void* data, size_t row) {
   const Rounding& R = *static_cast<const Rounding*>(data);
-  quantize_row(R.x + row * R.K, R.K, R.rows[row]);
+  const float* x = R.x + row * R.K;
+  if (R.padded == R.K) {
+    quantize_row(x, R.K, R.rows[row]);
+    return;
+  }
+  thread_local Scratch<float> padded_scratch;
+  float* whole = padded_scratch.get(static_cast<size_t>(R.padded));
+  std::memcpy(whole, x, static_cast<size_t>(R.K) * sizeof(float));
+  std::memset(whole + R.K, 0, static_cast<size_t>(R.padded - R.K) * sizeof(float));
+  quantize_row(whole, R.padded, R.rows[row]);
 }
 
 using Error = edge_spec::OpError;
@@ -1057,9 +1073,9 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   check(g_api->GetTensorShapeElementCount(w_info, &w_elements));
   g_api->ReleaseTensorTypeAndShapeInfo(w_info);
   const int64_t record = k.type == kTypeQ4K ? kQ4KRecord : kQ6KRecord;
-  const int64_t expected = (k.N + kTile - 1) / kTile * (k.K / kQK) * record;
+  const int64_t expected = (k.N + kTile - 1) / kTile * k.blocks() * record;
   if (static_cast<int64_t>(w_elements) != expected) {
-    throw Error{"edge_spec.MatMulGGUF: the weights must hold N rows of K / 256 blocks in records of 16 rows (" +
+    throw Error{"edge_spec.MatMulGGUF: the weights must hold N rows of ceil(K / 256) blocks in records of 16 rows (" +
                 std::to_string(expected) + " bytes), not " + std::to_string(w_elements)};
   }
   const float* x = nullptr;
@@ -1074,9 +1090,10 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   thread_local std::vector<Q8Row> quantized;  // kept for the next pass (see Scratch)
   grow(quantized, static_cast<size_t>(rows));
   thread_local Scratch<int8_t> code_scratch;  // every row's codes, one row after another
-  int8_t* codes = code_scratch.get(static_cast<size_t>(rows) * k.K);
-  for (int64_t r = 0; r < rows; ++r) quantized[r].q = codes + r * k.K;
-  Rounding rounding{x, static_cast<int>(k.K), quantized.data()};
+  const int64_t padded = k.padded();
+  int8_t* codes = code_scratch.get(static_cast<size_t>(rows) * padded);
+  for (int64_t r = 0; r < rows; ++r) quantized[r].q = codes + r * padded;
+  Rounding rounding{x, static_cast<int>(k.K), static_cast<int>(padded), quantized.data()};
   if (rows == 1) {
     round_rows(&rounding, 0);
   } else {  // rows in parallel: rounding 512 rows of the down projection's 8960 inputs is a third of its matmul
@@ -1097,8 +1114,8 @@ void compute(const Kernel& k, OrtKernelContext* context) {
     thread_local Scratch<float> amx_scales;
     thread_local Scratch<int32_t> amx_pairs;
     amx_rows.rows = static_cast<int>(rows / kAmxRows * kAmxRows);
-    const int blocks = static_cast<int>(k.K / kQK);
-    amx_rows.codes = amx_codes.get(static_cast<size_t>(amx_rows.rows) * k.K);
+    const int blocks = static_cast<int>(k.blocks());
+    amx_rows.codes = amx_codes.get(static_cast<size_t>(amx_rows.rows) * padded);
     amx_rows.scales = amx_scales.get(static_cast<size_t>(amx_rows.rows) * blocks);
     amx_rows.pairs = q4k ? amx_pairs.get(static_cast<size_t>(amx_rows.rows) * blocks * 4) : nullptr;
     AmxLayout layout{quantized.data(), &amx_rows, blocks};
@@ -1116,8 +1133,8 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const
     kernel.N = edge_spec::attribute_int(g_api, info, "N", 0);
     kernel.type = edge_spec::attribute_int(g_api, info, "type", 0);
     const int64_t glu = edge_spec::attribute_int(g_api, info, "glu", 0);
-    if (kernel.K <= 0 || kernel.K % kQK != 0 || kernel.N <= 0 || (kernel.type != kTypeQ4K && kernel.type != kTypeQ6K)) {
-      throw Error{"edge_spec.MatMulGGUF: K (a multiple of 256), N and type (12: Q4_K, 14: Q6_K) are required"};
+    if (kernel.K <= 0 || kernel.N <= 0 || (kernel.type != kTypeQ4K && kernel.type != kTypeQ6K)) {
+      throw Error{"edge_spec.MatMulGGUF: K, N and type (12: Q4_K, 14: Q6_K) are required"};
     }
     if (glu != 0 && (glu != 1 || kernel.N % (2 * kTile) != 0)) {
       throw Error{"edge_spec.MatMulGGUF: glu is 0 or 1 (SwiGLU over gate and up rows of whole records: N a multiple of 32)"};

@@ -22,6 +22,7 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.export.bundle import activity, install
 from edge_spec.export.bundle.options import AUTO_LAYOUT, ExportOptions, layout_name, layout_settings
 from edge_spec.export.bundle.stages import Stages, memory_needed
+from edge_spec.export.gguf.blocks import rounding_pads_little
 from edge_spec.export.graph.builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
 from edge_spec.export.graph.prompt_reader import write_prompt_graph
 from edge_spec.export.sources.pair import ModelCard, check_pair, probe_pair
@@ -39,6 +40,24 @@ def carries_gguf_blocks(options: ExportOptions, role: str) -> bool:
     target does: its weights decide the output, while the drafter's rounding only moves acceptance, and
     its 5/6-bit GGUF blocks widened to 8 bits cost it more speed than they buy."""
     return options.gguf_blocks == "both" or (options.gguf_blocks == "target" and role == "target")
+
+
+def rounds_drafter_native(build: BuildOptions, options: ExportOptions, config) -> bool:
+    """Whether the drafter's body, re-quantized, is rounded to Q4_K under the native op
+    (``blocks.add_rounded_native``): in the native layout at int4, for a drafter whose widths pad little
+    (``config``'s: ``blocks.rounding_pads_little``), on a CPU where the op's one-row passes ask for their
+    records ahead (Intel's cores).  There a drafter step streams its weights 1.3x sooner than ``MatMulNBits``'
+    blocks of 128, though its rows of 896 are padded to 1024, and reads a prompt 3x sooner
+    (docs/measurements.md); where the hardware prefetcher keeps up by itself (AMD's cores) ``MatMulNBits``
+    reads fewer bytes a step, and the drafter keeps it."""
+    if not (build.carry_native and not build.gguf_blocks and options.quant == "int4"):
+        return False
+    if not all(rounding_pads_little(width) for width in (config.hidden_size, config.intermediate_size)):
+        return False
+    from edge_spec.runtime.model.native_attention import gguf_matmul_asks_ahead, native_matmul_here
+
+    library, _ = native_matmul_here()
+    return library is not None and gguf_matmul_asks_ahead(library)
 
 
 def _gguf_quant_info(model: LoadedModel, quant_info: dict, build: BuildOptions, progress) -> dict:
@@ -596,8 +615,12 @@ def _export_into(
             build, gguf_blocks=carries_gguf_blocks(options, "draft"), block_size=options.draft_block_size
         )
         draft_quant = _gguf_quant_info(draft, dict(quant_info, block_size=options.draft_block_size), build, progress)
+        body_build = dataclasses.replace(build, build_head=False, round_native=rounds_drafter_native(build, options, draft.weights.config))
+        if body_build.round_native:
+            draft_quant = dict(draft_quant, gguf_layout="native", body="Q4_K")
+            _say(progress, f"{draft.name}: body rounded to Q4_K under the native op (it reads its records ahead here)")
     with stages.step("building the drafter body", f"building drafter body ({options.quant})"):
-        export_decoder(draft, staging, "draft", dataclasses.replace(build, build_head=False), stem="body")
+        export_decoder(draft, staging, "draft", body_build, stem="body")
         draft_record = _model_record(draft, staging, "draft", draft_quant, "body")
         draft_record["parameters"] -= int(draft.weights.lm_head.size)  # body only; each head records its own
     if options.prompt_reader and options.quant != "fp32":  # what drafts is the drafter's: no exactness to keep

@@ -58,6 +58,7 @@ from edge_spec.export.gguf.interleaved import interleave
 from edge_spec.export.gguf.q4_k import quantize_q4_k
 from edge_spec.export.graph import parallel
 from edge_spec.export.graph.quantize import pack_codes, unpack_codes
+from edge_spec.export.graph.weights import DeferredMatrix, read_band
 
 MS_DOMAIN = "com.microsoft"
 NATIVE_DOMAIN = "ai.edge_spec"  # edge_spec/native: the ops the runtime registers from its own library
@@ -226,18 +227,61 @@ def add_native_swiglu(g, x: str, w: CarriedBlocks, name: str, out: str) -> str:
 
 
 def _native_node(g, x: str, w: CarriedBlocks, name: str, out: str, **attributes) -> str:
-    records = interleave(w.raw, NATIVE_TYPE_NUMBERS[w.source_type], w.n, w.k)
-    g.node(
-        "MatMulGGUF",
-        [x, g.const(name + ".gguf_records", records)],
-        [out],
-        domain=NATIVE_DOMAIN,
-        K=w.k,
-        N=w.n,
-        type=NATIVE_TYPE_NUMBERS[w.source_type],
-        **attributes,
-    )
+    return _records_node(g, x, w.raw, NATIVE_TYPE_NUMBERS[w.source_type], w.n, w.k, name, out, **attributes)
+
+
+def _records_node(g, x: str, raw: np.ndarray, kind: int, n: int, k: int, name: str, out: str, **attributes) -> str:
+    """One ``MatMulGGUF`` over the GGUF bytes ``raw`` of a weight ``[n, k]`` whose rows may be zero-padded to whole
+    super-blocks (the op's ``K`` is ``k``, the input's width)."""
+    records = interleave(raw, kind, n, -(-k // QK_K) * QK_K)
+    g.node("MatMulGGUF", [x, g.const(name + ".gguf_records", records)], [out], domain=NATIVE_DOMAIN, K=k, N=n, type=kind, **attributes)
     return out
+
+
+ROUNDED_PADDING = 0.15  # the most of a rounded row that may be zeros: 896 padded to 1024 is 1/7
+
+
+def rounding_pads_little(width: int) -> bool:
+    """Whether rows of ``width`` rounded to Q4_K read few padded columns (at most :data:`ROUNDED_PADDING`):
+    a narrow matrix padded to a super-block would read several times its weights."""
+    return -width % QK_K <= ROUNDED_PADDING * (width + -width % QK_K)
+
+
+def rounded_native_takes(weight: np.ndarray, glu: bool = False) -> bool:
+    """Whether :func:`add_rounded_native` takes a float ``weight`` [n, k]: rows padded little, and with ``glu``
+    (gate rows then as many up rows) each half whole records of 16 rows."""
+    return weight.ndim == 2 and rounding_pads_little(weight.shape[1]) and (not glu or weight.shape[0] % (2 * RECORD_ROWS) == 0)
+
+
+def add_rounded_native(
+    g, x: str, weight: np.ndarray, name: str, bias: np.ndarray | None = None, glu: bool = False, out: str | None = None
+) -> str:
+    """``x @ weightᵀ (+ bias)`` with a float ``weight`` [n, k] rounded to Q4_K (:func:`quantize_q4_k`) under the
+    native ``MatMulGGUF`` op; ``glu``: ``out = silu(x @ gateᵀ) * (x @ upᵀ)`` over the gate rows then the up rows.
+
+    Why: for a re-quantized model (the drafter, whose rounding moves only acceptance) the native op streams a
+    one-row step's weights at the pace the target's run at, where ``MatMulNBits`` reads them slower (it asks for
+    no record ahead of the hardware prefetcher), and multiplies a prompt's rows several times faster (AMX, VNNI
+    over 16 outputs a lane).  Rows of a width short of whole super-blocks (a hidden size of 896) are rounded
+    with zeros after them, which decode to exact zeros; the op reads the input at its own width."""
+    if isinstance(weight, DeferredMatrix) and not weight.reads_rows:
+        weight = np.asarray(weight)  # read once, not once a band
+    n, k = weight.shape
+    pad = -k % QK_K
+
+    def read_rows(start: int, stop: int) -> np.ndarray:  # a band at a time: a deferred weight is never read whole
+        band = read_band(weight, start, stop)
+        return np.pad(band, ((0, 0), (0, pad))) if pad else band
+
+    raw = quantize_q4_k(read_rows=read_rows, shape=(n, k + pad))
+    if glu:
+        return _records_node(g, x, raw, NATIVE_TYPE_NUMBERS["Q4_K"], n, k, name, out or name + "/glu", glu=1)
+    result = name + "/out"
+    product = result if bias is None else name + "/main"
+    _records_node(g, x, raw, NATIVE_TYPE_NUMBERS["Q4_K"], n, k, name, product)
+    if bias is not None:
+        g.node("Add", [product, g.const(name + ".bias", bias.astype(np.float32))], [result])
+    return result
 
 
 def _block_sums(g, x: str, w: CarriedBlocks, name: str) -> str:

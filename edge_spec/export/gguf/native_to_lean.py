@@ -20,7 +20,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from edge_spec.export.bundle.options import layout_settings
-from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY, NATIVE_DOMAIN, add_carried_linear, carry_gguf
+from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY, NATIVE_DOMAIN, QK_K, add_carried_linear, carry_gguf
 from edge_spec.export.gguf.interleaved import TYPE_NUMBER, deinterleave
 from edge_spec.export.graph.builder import BuildOptions, Graph, gated_product
 
@@ -100,8 +100,9 @@ def rewrite_as_lean(model: onnx.ModelProto, base_dir: Path) -> dict[str, np.ndar
             raise ValueError(f"{node.name}: its weights are not an initializer named *{RECORDS_SUFFIX}")
         name = records_name[: -len(RECORDS_SUFFIX)]
         n, k, kind = attrs["N"], attrs["K"], attrs["type"]
+        padded = -(-k // QK_K) * QK_K  # the records' width: rows of a narrower input end in zeros
         records = numpy_helper.to_array(initializers[records_name], str(base_dir))
-        blocks = carry_gguf(deinterleave(records, kind, n, k), _TYPE_NAME[kind], n, k)
+        blocks = carry_gguf(deinterleave(records, kind, n, padded), _TYPE_NAME[kind], n, padded)
         del records
         bias = None
         followers = consumers.get(node.output[0], [])
@@ -116,13 +117,17 @@ def rewrite_as_lean(model: onnx.ModelProto, base_dir: Path) -> dict[str, np.ndar
         else:
             out = node.output[0]
         part = _InMemoryGraph()
+        x = node.input[0]
+        if padded != k:  # MatMulNBits reads the records' whole width: the input gets the zeros the op adds itself
+            pads = part.const(name + ".input_pad", np.array([0, padded - k], np.int64))
+            x = part.node("Pad", [x, pads, "", part.const(name + ".input_pad_axis", np.array([-1], np.int64))], [name + "/x_padded"])[0]
         if attrs.get("glu", 0):  # SwiGLU in the op: lean's product, then the Split, activation and Mul nodes
             layer = out.removesuffix("/glu")
             got = gated_product(
-                part, add_carried_linear(part, node.input[0], blocks, name, options), n // 2, "silu", layer
+                part, add_carried_linear(part, x, blocks, name, options), n // 2, "silu", layer
             )
         else:
-            got = add_carried_linear(part, node.input[0], blocks, name, options, bias)
+            got = add_carried_linear(part, x, blocks, name, options, bias)
         if got != out:
             raise ValueError(f"{node.name}: its output {out!r} is not the export's name for {name!r}")
         replacement[index] = part.nodes

@@ -54,10 +54,12 @@ from edge_spec.export.gguf.blocks import (
     NATIVE_DOMAIN,
     add_carried_linear,
     add_native_swiglu,
+    add_rounded_native,
     coarse_head,
     concat_blocks,
     narrow_to_4bit,
     native_swiglu_takes,
+    rounded_native_takes,
 )
 from edge_spec.export.graph.attention_pad import pad_attention
 from edge_spec.export.graph.quantize import quantize_blockwise
@@ -89,6 +91,7 @@ class BuildOptions:
     carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf.blocks.fast_layout)
     carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf.blocks.narrow_to_4bit)
     carry_native: bool = False  # carried Q4_K / Q6_K blocks as GGUF's bytes under the native MatMulGGUF op
+    round_native: bool = False  # re-quantized int4 matmuls rounded to Q4_K under MatMulGGUF (gguf.blocks.add_rounded_native)
     #: > 0: a carried 8-bit LM head runs at 4 bits and its best ``head_rescore`` rows per position are
     #: scored again from an 8-bit table (the lean layout: :meth:`DecoderGraphBuilder.rescored_logits`)
     head_rescore: int = 0
@@ -323,6 +326,8 @@ class DecoderGraphBuilder:
         carried = [self.carried.get(part) for part, _ in parts]
         if not any(c is not None for c in carried):
             full = parts[0][1] if len(parts) == 1 else stacked([w for _, w in parts])
+            if self.rounds_native(full):
+                return add_rounded_native(self.graph, x, full, name, bias)
             return add_linear(self.graph, x, full, name, self.opt, bias)
         runs = _layout_runs(carried)
         if len(runs) == 1:
@@ -525,11 +530,23 @@ class DecoderGraphBuilder:
             prod = gated_product(self.graph, gate_up, self.cfg.intermediate_size, self.cfg.mlp_activation, p)
         return self.linear(prod, [(p + ".down", layer.down)], p + ".down")
 
+    def rounds_native(self, weight: np.ndarray, glu: bool = False) -> bool:
+        """Whether a weight that is not carried is rounded to Q4_K under the native op (``round_native``)."""
+        return self.opt.round_native and self.bits == 4 and rounded_native_takes(weight, glu)
+
     def native_swiglu(self, x: str, layer: LayerWeights, p: str) -> str | None:
         """SwiGLU as one native ``MatMulGGUF`` where gate and up are GGUF blocks of one type under the native
-        op (``gated_product``'s output, from ``blocks.add_native_swiglu``), else None."""
+        op (``gated_product``'s output, from ``blocks.add_native_swiglu``), or are rounded to Q4_K for it
+        (``round_native``), else None."""
+        if self.cfg.mlp_activation != "silu":
+            return None
         carried = [self.carried.get(p + ".gate"), self.carried.get(p + ".up")]
-        if not self.opt.carry_native or self.cfg.mlp_activation != "silu" or any(c is None for c in carried):
+        if all(c is None for c in carried) and self.opt.round_native:
+            both = stacked([layer.gate, layer.up])
+            if self.rounds_native(both, glu=True):
+                return add_rounded_native(self.graph, x, both, p + ".gate_up", glu=True, out=gated_product_name(p))
+            return None
+        if not self.opt.carry_native or any(c is None for c in carried):
             return None
         if len(_layout_runs(carried)) != 1 or not native_swiglu_takes(blocks := concat_blocks(carried)):
             return None

@@ -130,8 +130,10 @@ def native_weight(node: onnx.NodeProto, arrays: _Initializers) -> np.ndarray:
     from gguf import GGMLQuantizationType, quants
 
     attrs = {a.name: a.i for a in node.attribute}
-    raw = deinterleave(np.asarray(arrays[node.input[1]]), attrs["type"], attrs["N"], attrs["K"])
-    return np.asarray(quants.dequantize(raw, GGMLQuantizationType(attrs["type"])), np.float32).reshape(attrs["N"], -1)
+    n, k = attrs["N"], attrs["K"]
+    raw = deinterleave(np.asarray(arrays[node.input[1]]), attrs["type"], n, -(-k // 256) * 256)
+    weight = np.asarray(quants.dequantize(raw, GGMLQuantizationType(attrs["type"])), np.float32).reshape(n, -1)
+    return weight[:, :k]  # rows of a narrower input end in zeros (``blocks.add_rounded_native``)
 
 
 def _layer_matmul(node: onnx.NodeProto, producers: dict, arrays: _Initializers):

@@ -128,6 +128,12 @@ def gguf_matmul_path(library: Path) -> str:
     return _library_answer(library, "EdgeSpecGGUFMatMulPath", "scalar")
 
 
+def gguf_matmul_asks_ahead(library: Path) -> bool:
+    """Whether the native ``MatMulGGUF``'s one-row passes ask for the next record ahead of the hardware
+    prefetcher on this CPU (Intel's cores, where the prefetcher alone falls behind a one-row pass)."""
+    return _library_answer(library, "EdgeSpecGGUFOneRowPrefetch", "none") == "ahead"
+
+
 def native_matmul_route(model: onnx.ModelProto, provider: str) -> tuple[Path | None, str]:
     """Where ``model``'s own native ops (``MatMulGGUF``: a bundle exported with ``--gguf-layout native``) run:
     ``(library, "")`` to register when the native op runs here, ``(None, why)`` when it does not and the
