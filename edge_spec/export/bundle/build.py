@@ -46,8 +46,8 @@ def rounds_drafter_native(build: BuildOptions, options: ExportOptions, config) -
     """Whether the drafter's body, re-quantized, is rounded to Q4_K under the native op
     (``blocks.add_rounded_native``): in the native layout at int4, for a drafter whose widths pad little
     (``config``'s: ``blocks.rounding_pads_little``), on a CPU where the op's one-row passes ask for their
-    records ahead (Intel's cores).  There a drafter step streams its weights 1.3x sooner than ``MatMulNBits``'
-    blocks of 128, though its rows of 896 are padded to 1024, and reads a prompt 3x sooner
+    records ahead (Intel's cores).  There a drafter step after a target pass took 1.18x less time than over
+    ``MatMulNBits``' blocks of 128, though its rows of 896 are padded to 1024, and a short prompt's read 2.9x less
     (docs/measurements.md); where the hardware prefetcher keeps up by itself (AMD's cores) ``MatMulNBits``
     reads fewer bytes a step, and the drafter keeps it."""
     if not (build.carry_native and not build.gguf_blocks and options.quant == "int4"):
