@@ -615,7 +615,9 @@ def _export_into(
             build, gguf_blocks=carries_gguf_blocks(options, "draft"), block_size=options.draft_block_size
         )
         draft_quant = _gguf_quant_info(draft, dict(quant_info, block_size=options.draft_block_size), build, progress)
-        body_build = dataclasses.replace(build, build_head=False, round_native=rounds_drafter_native(build, options, draft.weights.config))
+        body_build = dataclasses.replace(
+            build, build_head=False, round_native=rounds_drafter_native(build, options, draft.weights.config)
+        )
         if body_build.round_native:
             draft_quant = dict(draft_quant, gguf_layout="native", body="Q4_K")
             _say(progress, f"{draft.name}: body rounded to Q4_K under the native op (it reads its records ahead here)")

@@ -234,7 +234,16 @@ def _records_node(g, x: str, raw: np.ndarray, kind: int, n: int, k: int, name: s
     """One ``MatMulGGUF`` over the GGUF bytes ``raw`` of a weight ``[n, k]`` whose rows may be zero-padded to whole
     super-blocks (the op's ``K`` is ``k``, the input's width)."""
     records = interleave(raw, kind, n, -(-k // QK_K) * QK_K)
-    g.node("MatMulGGUF", [x, g.const(name + ".gguf_records", records)], [out], domain=NATIVE_DOMAIN, K=k, N=n, type=kind, **attributes)
+    g.node(
+        "MatMulGGUF",
+        [x, g.const(name + ".gguf_records", records)],
+        [out],
+        domain=NATIVE_DOMAIN,
+        K=k,
+        N=n,
+        type=kind,
+        **attributes,
+    )
     return out
 
 
@@ -250,7 +259,11 @@ def rounding_pads_little(width: int) -> bool:
 def rounded_native_takes(weight: np.ndarray, glu: bool = False) -> bool:
     """Whether :func:`add_rounded_native` takes a float ``weight`` [n, k]: rows padded little, and with ``glu``
     (gate rows then as many up rows) each half whole records of 16 rows."""
-    return weight.ndim == 2 and rounding_pads_little(weight.shape[1]) and (not glu or weight.shape[0] % (2 * RECORD_ROWS) == 0)
+    return (
+        weight.ndim == 2
+        and rounding_pads_little(weight.shape[1])
+        and (not glu or weight.shape[0] % (2 * RECORD_ROWS) == 0)
+    )
 
 
 def add_rounded_native(

@@ -120,12 +120,14 @@ def rewrite_as_lean(model: onnx.ModelProto, base_dir: Path) -> dict[str, np.ndar
         x = node.input[0]
         if padded != k:  # MatMulNBits reads the records' whole width: the input gets the zeros the op adds itself
             pads = part.const(name + ".input_pad", np.array([0, padded - k], np.int64))
-            x = part.node("Pad", [x, pads, "", part.const(name + ".input_pad_axis", np.array([-1], np.int64))], [name + "/x_padded"])[0]
+            x = part.node(
+                "Pad",
+                [x, pads, "", part.const(name + ".input_pad_axis", np.array([-1], np.int64))],
+                [name + "/x_padded"],
+            )[0]
         if attrs.get("glu", 0):  # SwiGLU in the op: lean's product, then the Split, activation and Mul nodes
             layer = out.removesuffix("/glu")
-            got = gated_product(
-                part, add_carried_linear(part, x, blocks, name, options), n // 2, "silu", layer
-            )
+            got = gated_product(part, add_carried_linear(part, x, blocks, name, options), n // 2, "silu", layer)
         else:
             got = add_carried_linear(part, x, blocks, name, options, bias)
         if got != out:

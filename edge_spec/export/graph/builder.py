@@ -91,7 +91,7 @@ class BuildOptions:
     carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf.blocks.fast_layout)
     carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf.blocks.narrow_to_4bit)
     carry_native: bool = False  # carried Q4_K / Q6_K blocks as GGUF's bytes under the native MatMulGGUF op
-    round_native: bool = False  # re-quantized int4 matmuls rounded to Q4_K under MatMulGGUF (gguf.blocks.add_rounded_native)
+    round_native: bool = False  # re-quantized int4 matmuls as Q4_K under MatMulGGUF (blocks.add_rounded_native)
     #: > 0: a carried 8-bit LM head runs at 4 bits and its best ``head_rescore`` rows per position are
     #: scored again from an 8-bit table (the lean layout: :meth:`DecoderGraphBuilder.rescored_logits`)
     head_rescore: int = 0
