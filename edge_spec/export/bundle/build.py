@@ -25,6 +25,7 @@ from edge_spec.export.bundle.stages import Stages, memory_needed
 from edge_spec.export.gguf.blocks import rounding_pads_little
 from edge_spec.export.graph.builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
 from edge_spec.export.graph.prompt_reader import write_prompt_graph
+from edge_spec.export.graph.weights import DecoderConfig
 from edge_spec.export.sources.pair import ModelCard, check_pair, probe_pair
 from edge_spec.export.sources.resolve import LoadedModel, check_source_exists, load_model
 from edge_spec.manifest import FORMAT, file_record, tokenizer_record, verify_files, write_manifest
@@ -42,7 +43,7 @@ def carries_gguf_blocks(options: ExportOptions, role: str) -> bool:
     return options.gguf_blocks == "both" or (options.gguf_blocks == "target" and role == "target")
 
 
-def rounds_drafter_native(build: BuildOptions, options: ExportOptions, config) -> bool:
+def rounds_drafter_native(build: BuildOptions, options: ExportOptions, config: DecoderConfig) -> bool:
     """Whether the drafter's body, re-quantized, is rounded to Q4_K under the native op
     (``blocks.add_rounded_native``): in the native layout at int4, for a drafter whose widths pad little
     (``config``'s: ``blocks.rounding_pads_little``), on a CPU where the op's one-row passes ask for their
@@ -717,7 +718,6 @@ def add_draft_heads(
         check_source_exists(source)
     _say(progress, f"loading drafter {source}")
     draft = loader(source)
-    from edge_spec.export.graph.weights import DecoderConfig
 
     # through DecoderConfig: a bundle written before a config field existed has that field's default
     if draft.weights.config.to_dict() != DecoderConfig(**record["config"]).to_dict():

@@ -275,8 +275,9 @@ def add_rounded_native(
     Why: for a re-quantized model (the drafter, whose rounding moves only acceptance) the native op streams a
     one-row step's weights at the pace the target's run at, where ``MatMulNBits`` reads them slower on Intel's
     cores (it asks for no record ahead of the hardware prefetcher), and multiplies a prompt's rows several times
-    faster (AMX's tiles, or 16 outputs a vector lane).  Rows of a width short of whole super-blocks (a hidden size of 896) are rounded
-    with zeros after them, which decode to exact zeros; the op reads the input at its own width."""
+    faster (AMX's tiles, or 16 outputs a vector lane).  Rows of a width short of whole super-blocks (a hidden
+    size of 896) are rounded with zeros after them, which decode to exact zeros; the op reads the input at its
+    own width."""
     if isinstance(weight, DeferredMatrix) and not weight.reads_rows:
         weight = np.asarray(weight)  # read once, not once a band
     n, k = weight.shape
