@@ -12,10 +12,10 @@
 // 32 codes kept for Q6_K's offset and Q4_K's minimums), and every dot product runs in integers within a
 // block.  K, the input's width, need not fill whole blocks: the weights' rows are padded with zeros to the
 // last block's end (a drafter's 896-wide rows: edge_spec/export/gguf/blocks.py, add_rounded_native) and x is
-// read as if zeros followed it, which add nothing to any sum.  Each row's result depends on that row alone and goes through the same operations in the same
-// order whatever number of rows shares the pass, so verify passes stay batch-invariant.  The three paths
-// (AVX-512 with VNNI, AVX2, scalar; chosen once at load) give the same bits: the same integer sums, then
-// per output the same float32 multiply and fused multiply-adds, block by block.
+// read as if zeros followed it, which add nothing to any sum.  Each row's result depends on that row alone and
+// goes through the same operations in the same order whatever number of rows shares the pass, so verify passes
+// stay batch-invariant.  The three paths (AVX-512 with VNNI, AVX2, scalar; chosen once at load) give the same
+// bits: the same integer sums, then per output the same float32 multiply and fused multiply-adds, block by block.
 
 #include <cmath>
 #include <cstdint>

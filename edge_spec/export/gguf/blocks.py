@@ -54,7 +54,7 @@ import numpy as np
 
 from edge_spec.export.gguf.interleaved import ROWS as RECORD_ROWS
 from edge_spec.export.gguf.interleaved import TYPE_NUMBER as NATIVE_TYPE_NUMBERS
-from edge_spec.export.gguf.interleaved import interleave
+from edge_spec.export.gguf.interleaved import interleave, record_width
 from edge_spec.export.gguf.q4_k import quantize_q4_k
 from edge_spec.export.graph import parallel
 from edge_spec.export.graph.quantize import pack_codes, unpack_codes
@@ -233,7 +233,7 @@ def _native_node(g, x: str, w: CarriedBlocks, name: str, out: str, **attributes)
 def _records_node(g, x: str, raw: np.ndarray, kind: int, n: int, k: int, name: str, out: str, **attributes) -> str:
     """One ``MatMulGGUF`` over the GGUF bytes ``raw`` of a weight ``[n, k]`` whose rows may be zero-padded to whole
     super-blocks (the op's ``K`` is ``k``, the input's width)."""
-    records = interleave(raw, kind, n, -(-k // QK_K) * QK_K)
+    records = interleave(raw, kind, n, record_width(k))
     g.node(
         "MatMulGGUF",
         [x, g.const(name + ".gguf_records", records)],
@@ -253,7 +253,7 @@ ROUNDED_PADDING = 0.15  # the most of a rounded row that may be zeros: 896 padde
 def rounding_pads_little(width: int) -> bool:
     """Whether rows of ``width`` rounded to Q4_K read few padded columns (at most :data:`ROUNDED_PADDING`):
     a narrow matrix padded to a super-block would read several times its weights."""
-    return -width % QK_K <= ROUNDED_PADDING * (width + -width % QK_K)
+    return record_width(width) - width <= ROUNDED_PADDING * record_width(width)
 
 
 def rounded_native_takes(weight: np.ndarray, glu: bool = False) -> bool:
@@ -281,7 +281,7 @@ def add_rounded_native(
     if isinstance(weight, DeferredMatrix) and not weight.reads_rows:
         weight = np.asarray(weight)  # read once, not once a band
     n, k = weight.shape
-    pad = -k % QK_K
+    pad = record_width(k) - k
 
     def read_rows(start: int, stop: int) -> np.ndarray:  # a band at a time: a deferred weight is never read whole
         band = read_band(weight, start, stop)

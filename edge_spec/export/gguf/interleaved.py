@@ -50,6 +50,12 @@ def _lines(codes: np.ndarray) -> np.ndarray:
     return packed.transpose(0, 2, 3, 1, 4).reshape(tiles, blocks, 32, rows * 4)
 
 
+def record_width(k: int) -> int:
+    """The width the records of a weight read by inputs of width ``k`` cover: whole super-blocks of 256, the
+    rows of a narrower input padded with zeros (``blocks.add_rounded_native``; the op's ``K`` stays ``k``)."""
+    return -(-k // 256) * 256
+
+
 BAND_TILES = 64  # tiles of 16 rows rearranged at a time: the temporaries (a byte a weight) stay a few MB
 
 

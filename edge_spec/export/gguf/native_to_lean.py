@@ -20,8 +20,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from edge_spec.export.bundle.options import layout_settings
-from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY, NATIVE_DOMAIN, QK_K, add_carried_linear, carry_gguf
-from edge_spec.export.gguf.interleaved import TYPE_NUMBER, deinterleave
+from edge_spec.export.gguf.blocks import ACCURACY_LEVEL_KEY, NATIVE_DOMAIN, add_carried_linear, carry_gguf
+from edge_spec.export.gguf.interleaved import TYPE_NUMBER, deinterleave, record_width
 from edge_spec.export.graph.builder import BuildOptions, Graph, gated_product
 
 OP = "MatMulGGUF"
@@ -100,7 +100,7 @@ def rewrite_as_lean(model: onnx.ModelProto, base_dir: Path) -> dict[str, np.ndar
             raise ValueError(f"{node.name}: its weights are not an initializer named *{RECORDS_SUFFIX}")
         name = records_name[: -len(RECORDS_SUFFIX)]
         n, k, kind = attrs["N"], attrs["K"], attrs["type"]
-        padded = -(-k // QK_K) * QK_K  # the records' width: rows of a narrower input end in zeros
+        padded = record_width(k)  # rows of a narrower input end in zeros
         records = numpy_helper.to_array(initializers[records_name], str(base_dir))
         blocks = carry_gguf(deinterleave(records, kind, n, padded), _TYPE_NAME[kind], n, padded)
         del records

@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from edge_spec.export.gguf.blocks import NATIVE_DOMAIN
-from edge_spec.export.gguf.interleaved import deinterleave
+from edge_spec.export.gguf.interleaved import deinterleave, record_width
 from edge_spec.export.graph.builder import MS_DOMAIN, ExternalData
 from edge_spec.files import new_file_mode
 
@@ -131,7 +131,7 @@ def native_weight(node: onnx.NodeProto, arrays: _Initializers) -> np.ndarray:
 
     attrs = {a.name: a.i for a in node.attribute}
     n, k = attrs["N"], attrs["K"]
-    raw = deinterleave(np.asarray(arrays[node.input[1]]), attrs["type"], n, -(-k // 256) * 256)
+    raw = deinterleave(np.asarray(arrays[node.input[1]]), attrs["type"], n, record_width(k))
     weight = np.asarray(quants.dequantize(raw, GGMLQuantizationType(attrs["type"])), np.float32).reshape(n, -1)
     return weight[:, :k]  # rows of a narrower input end in zeros (``blocks.add_rounded_native``)
 
