@@ -11,7 +11,8 @@ target-only decoding, as ``generate --mode ar`` has it); greedy answers are comp
 A configuration is ``NAME=MODE[:SETTING=VALUE,...]`` with ``loop_config``'s settings (gamma, schedule,
 lookup, ...) and the sampling settings ``temperature`` (a number: T=0.7 is written ``temperature=0.7``) and
 ``sampler``; ``bundle=DIR`` loads that configuration from another bundle (two export layouts side by
-side).  ``--seeds N`` answers every prompt N times (seeds 0..N-1, the same for every configuration).
+side); ``native=REV`` registers the native ops built from git revision ``REV``'s sources (or ``native=PATH``,
+a built library) in that configuration's sessions, to time a kernel change on whole answers.  ``--seeds N`` answers every prompt N times (seeds 0..N-1, the same for every configuration).
 Prints per prompt and per category the decode tokens/s, and each configuration's geometric mean ratio to
 the first one and its mean τ.
 
@@ -24,12 +25,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from edge_spec.bench.native_builds import build_revision, native_library  # noqa: E402
 from edge_spec.bench.runs import load_bench_prompts  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
 from edge_spec.prompts import as_messages  # noqa: E402
@@ -38,7 +41,7 @@ from edge_spec.runtime.loops.config import loop_config  # noqa: E402
 from edge_spec.runtime.model import huge_pages  # noqa: E402
 
 SAMPLING = {"temperature": float, "sampler": str}  # per-answer settings, not the loop's
-ENGINE = {"bundle": Path}  # what the engine loads, not the loop's
+ENGINE = {"bundle": Path, "native": str}  # what the engine loads, not the loop's
 
 
 def parse_config(text: str):
@@ -70,10 +73,26 @@ def main() -> None:
     args = parser.parse_args()
     parsed = [parse_config(text) for text in args.config]
     sampling = {name: {k: v for k, v in settings.items() if k not in ENGINE} for name, _, settings in parsed}
-    engines = {
-        name: Engine.from_bundle(settings.get("bundle", args.bundle), threads=args.threads, config=config)
-        for name, config, settings in parsed
-    }
+    with tempfile.TemporaryDirectory(prefix="edge-spec-config-ab-") as scratch:
+        engines = {name: load_engine(settings, args, config, Path(scratch) / name) for name, config, settings in parsed}
+        run(args, engines, sampling)
+
+
+def load_engine(settings: dict, args: argparse.Namespace, config, scratch: Path) -> Engine:
+    """One configuration's engine, on its own bundle and native build where it names them."""
+    bundle = settings.get("bundle", args.bundle)
+    if "native" not in settings:
+        return Engine.from_bundle(bundle, threads=args.threads, config=config)
+    library = Path(settings["native"])
+    if not library.is_file():
+        scratch.mkdir(parents=True)
+        library = build_revision(settings["native"], scratch)
+    with native_library(library):
+        return Engine.from_bundle(bundle, threads=args.threads, config=config)
+
+
+def run(args: argparse.Namespace, engines: dict[str, Engine], sampling: dict[str, dict]) -> None:
+    """Every prompt in every configuration, in turns; prints speeds, ratios and equal answers."""
     huge_pages.wait_all()  # every engine timed on the pages it keeps (model/huge_pages.py)
     items = [
         (item, seed)

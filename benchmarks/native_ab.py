@@ -16,7 +16,6 @@ runtime's target and drafter do, so the idle copy does not take the cores of the
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from edge_spec.bench.interleaved import fastest_prefill, interleaved_passes, random_ids  # noqa: E402
+from edge_spec.bench.native_builds import build_revision, native_library  # noqa: E402
 from edge_spec.manifest import read_manifest  # noqa: E402
 from edge_spec.native import build  # noqa: E402
 from edge_spec.paths import DEFAULT_BUNDLE  # noqa: E402
@@ -34,34 +34,15 @@ from edge_spec.runtime.model import huge_pages  # noqa: E402
 from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
 
 
-def build_revision(revision: str, into: Path) -> Path:
-    """The native library built from ``revision``'s sources (``git show``), with the runtime's own flags."""
-    names = [build.SOURCE.name, *build.OTHER_SOURCES, *(f"include/{h.name}" for h in build.HEADERS)]
-    for name in names:
-        text = subprocess.run(
-            ["git", "show", f"{revision}:edge_spec/native/{name}"], cwd=ROOT, capture_output=True, check=True
-        ).stdout
-        (into / name).parent.mkdir(parents=True, exist_ok=True)
-        (into / name).write_bytes(text)
-    library = into / "before.so"
-    sources = [str(into / name) for name in [build.SOURCE.name, *build.OTHER_SOURCES]]
-    subprocess.run([build.compiler(), *build.FLAGS, f"-I{into / 'include'}", "-o", str(library), *sources], check=True)
-    return library
-
-
 def target_with(library: Path, bundle: Path, manifest: dict, threads: int) -> Decoder:
     """The bundle's target with ``library`` as its native ops."""
-    chosen = build.library_path
-    build.library_path = lambda: library
-    try:
+    with native_library(library):
         return Decoder(
             bundle / manifest["target"]["onnx"],
             threads=threads,
             capacity=manifest["context_length"],
             takes_turns=True,
         )
-    finally:
-        build.library_path = chosen
 
 
 def main() -> None:

@@ -218,6 +218,39 @@ def test_one_row_q4k_passes_have_the_same_bits_whether_they_ask_ahead_or_not(nat
         assert np.array_equal(got, results["scalar", "0"]), key
 
 
+def test_passes_ask_far_ahead_on_intel_cores_unless_the_switch_says_otherwise(native_library):
+    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
+        pytest.skip("the vendor's default is an x86 choice")
+
+    def far(env: dict[str, str]) -> str:
+        return native_kernels(native_library, "EdgeSpecGGUFFarPrefetch", env)
+
+    assert far({}) == ("far" if cpu_vendor() == "GenuineIntel" else "near")
+    assert far({"EDGE_SPEC_NATIVE_FAR_PREFETCH": "1"}) == "far"
+    assert far({"EDGE_SPEC_NATIVE_FAR_PREFETCH": "0"}) == "near"
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("n", [80, 37])  # more records than the far prefetch's distance; a padded last record
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_passes_have_the_same_bits_whether_they_ask_far_ahead_or_not(native_library, tmp_path, kind, n, rows):
+    rng = np.random.default_rng(23 + kind + n + rows)
+    k = 768
+    raw = random_blocks(rng, kind, n, k)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    want = reference(x, raw, kind, k)
+    results = {}
+    for path in PATHS:
+        if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
+            continue  # this CPU has no such kernel
+        for far in "01":  # one-row Q4_K passes ask ahead, so that the far prefetch runs beside the near one
+            env = {**PATHS[path], "EDGE_SPEC_NATIVE_FAR_PREFETCH": far, "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "1"}
+            results[path, far] = native_first_output(native_library, model(raw, kind, k), {"x": x}, env, tmp_path)
+    np.testing.assert_allclose(results["scalar", "0"], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    for key, got in results.items():
+        assert np.array_equal(got, results["scalar", "0"]), key
+
+
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
 def test_each_row_has_the_same_bits_whatever_the_rows_in_its_pass(native_library, kind):
     rng = np.random.default_rng(3)

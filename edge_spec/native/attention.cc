@@ -47,6 +47,7 @@ namespace edge_spec {
 OrtCustomOp* gguf_matmul_op(const OrtApi* api);  // gguf_matmul.cc
 const char* gguf_matmul_path();
 bool gguf_one_row_prefetch();
+bool gguf_far_prefetch();
 const char* gguf_matmul_prompt_path();
 }  // namespace edge_spec
 
@@ -1633,6 +1634,11 @@ __attribute__((visibility("default"))) const char* EdgeSpecGGUFPromptPath() {
 // whether MatMulGGUF's one-row Q4_K passes ask for the next record ahead here: "ahead" or "none"
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFOneRowPrefetch() {
   return edge_spec::gguf_one_row_prefetch() ? "ahead" : "none";
+}
+
+// whether MatMulGGUF's kernels also ask for records far ahead, into the second level ("far"), or not ("near")
+__attribute__((visibility("default"))) const char* EdgeSpecGGUFFarPrefetch() {
+  return edge_spec::gguf_far_prefetch() ? "far" : "near";
 }
 
 // a float16 cache's conversions, for tests: ``src`` rounded to float16 into ``dst`` and read back into ``back``,

@@ -88,7 +88,7 @@ def sources_digest() -> str:
 
 
 SWITCHES = (SWITCH, "EDGE_SPEC_NATIVE_MATMUL", "EDGE_SPEC_NATIVE_AVX512", "EDGE_SPEC_NATIVE_SCALAR",
-            "EDGE_SPEC_NATIVE_AMX", "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH")  # fmt: skip
+            "EDGE_SPEC_NATIVE_AMX", "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", "EDGE_SPEC_NATIVE_FAR_PREFETCH")  # fmt: skip
 
 
 def kernel_identity() -> list[str]:

@@ -24,13 +24,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
-from native_ab import build_revision  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from edge_spec.bench.native_builds import build_revision  # noqa: E402
 from edge_spec.export.gguf.interleaved import TYPE_NUMBER, interleave  # noqa: E402
 from edge_spec.native import build  # noqa: E402
 from tests.tiny_models import random_k_quant_blocks  # noqa: E402
