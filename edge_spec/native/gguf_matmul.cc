@@ -267,9 +267,10 @@ inline void prefetch_lines(const uint8_t* record, int first, int count) {
 
 // Whether the kernels also ask for the record kFarRecords on, into the second level (g_far_ahead): the next
 // record alone came too late for Intel's cores.  On an Intel Xeon (Sapphire Rapids) a one-row decode pass of the
-// default target ran 1.17x faster with it and a two-row pass 1.20x; asking for records 2 to 4 on into the first
-// level instead gained 1.02-1.03x, into the second level 1.08-1.10x, and 8 records on beat 4 and 16
-// (benchmarks/native_ab.py).  On Intel's cores unless EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise.
+// default target ran 1.15-1.16x faster with it and a two-row pass 1.18-1.20x (1.15-1.20x on the AVX2 kernels);
+// asking for records 2 to 4 on into the first level instead gained 1.02-1.03x, into the second level 1.08-1.10x,
+// and 8 records on beat 4 and 16 (benchmarks/native_ab.py).  On Intel's cores, unless
+// EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise.
 constexpr int kFarRecords = 8;
 bool g_far_ahead = false;
 
