@@ -187,16 +187,23 @@ def cpu_vendor() -> str:
     return ""
 
 
-def test_one_row_passes_ask_ahead_on_intel_cores_unless_the_switch_says_otherwise(native_library):
+@pytest.mark.parametrize(
+    ("export", "switch", "on", "off"),
+    [
+        ("EdgeSpecGGUFOneRowPrefetch", "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", "ahead", "none"),  # the next record
+        ("EdgeSpecGGUFFarPrefetch", "EDGE_SPEC_NATIVE_FAR_PREFETCH", "far", "near"),  # the record eight on
+    ],
+)
+def test_prefetches_are_on_for_intel_cores_unless_their_switch_says_otherwise(native_library, export, switch, on, off):
     if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
         pytest.skip("the vendor's default is an x86 choice")
 
     def prefetch(env: dict[str, str]) -> str:
-        return native_kernels(native_library, "EdgeSpecGGUFOneRowPrefetch", env)
+        return native_kernels(native_library, export, env)
 
-    assert prefetch({}) == ("ahead" if cpu_vendor() == "GenuineIntel" else "none")
-    assert prefetch({"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "1"}) == "ahead"
-    assert prefetch({"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "0"}) == "none"
+    assert prefetch({}) == (on if cpu_vendor() == "GenuineIntel" else off)
+    assert prefetch({switch: "1"}) == on
+    assert prefetch({switch: "0"}) == off
 
 
 @pytest.mark.parametrize("n", [80, 37])
@@ -216,18 +223,6 @@ def test_one_row_q4k_passes_have_the_same_bits_whether_they_ask_ahead_or_not(nat
     np.testing.assert_allclose(results["scalar", "0"], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     for key, got in results.items():
         assert np.array_equal(got, results["scalar", "0"]), key
-
-
-def test_passes_ask_far_ahead_on_intel_cores_unless_the_switch_says_otherwise(native_library):
-    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
-        pytest.skip("the vendor's default is an x86 choice")
-
-    def far(env: dict[str, str]) -> str:
-        return native_kernels(native_library, "EdgeSpecGGUFFarPrefetch", env)
-
-    assert far({}) == ("far" if cpu_vendor() == "GenuineIntel" else "near")
-    assert far({"EDGE_SPEC_NATIVE_FAR_PREFETCH": "1"}) == "far"
-    assert far({"EDGE_SPEC_NATIVE_FAR_PREFETCH": "0"}) == "near"
 
 
 @pytest.mark.parametrize("rows", [1, 5])
