@@ -12,7 +12,8 @@ A configuration is ``NAME=MODE[:SETTING=VALUE,...]`` with ``loop_config``'s sett
 lookup, ...) and the sampling settings ``temperature`` (a number: T=0.7 is written ``temperature=0.7``) and
 ``sampler``; ``bundle=DIR`` loads that configuration from another bundle (two export layouts side by
 side); ``native=REV`` registers the native ops built from git revision ``REV``'s sources (or ``native=PATH``,
-a built library) in that configuration's sessions, to time a kernel change on whole answers.  ``--seeds N`` answers every prompt N times (seeds 0..N-1, the same for every configuration).
+a built library) in that configuration's sessions, to time a kernel change on whole answers.  ``--seeds N``
+answers every prompt N times (seeds 0..N-1, the same for every configuration).
 Prints per prompt and per category the decode tokens/s, and each configuration's geometric mean ratio to
 the first one and its mean τ.
 

@@ -9,6 +9,7 @@ process of its own since a process picks its kernels once, and all give the same
 
 from __future__ import annotations
 
+import itertools
 import platform
 from pathlib import Path
 
@@ -206,29 +207,10 @@ def test_prefetches_are_on_for_intel_cores_unless_their_switch_says_otherwise(na
     assert prefetch({switch: "0"}) == off
 
 
-@pytest.mark.parametrize("n", [80, 37])
-def test_one_row_q4k_passes_have_the_same_bits_whether_they_ask_ahead_or_not(native_library, tmp_path, n):
-    rng = np.random.default_rng(11 + n)
-    k = 768
-    raw = random_blocks(rng, Q4_K, n, k)
-    x = rng.standard_normal((1, k)).astype(np.float32)
-    want = reference(x, raw, Q4_K, k)
-    results = {}
-    for path in PATHS:
-        if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
-            continue  # this CPU has no such kernel
-        for ahead in "01":
-            env = {**PATHS[path], "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": ahead}
-            results[path, ahead] = native_first_output(native_library, model(raw, Q4_K, k), {"x": x}, env, tmp_path)
-    np.testing.assert_allclose(results["scalar", "0"], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    for key, got in results.items():
-        assert np.array_equal(got, results["scalar", "0"]), key
-
-
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("n", [80, 37])  # more records than the far prefetch's distance; a padded last record
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
-def test_passes_have_the_same_bits_whether_they_ask_far_ahead_or_not(native_library, tmp_path, kind, n, rows):
+def test_passes_have_the_same_bits_whatever_they_ask_ahead(native_library, tmp_path, kind, n, rows):
     rng = np.random.default_rng(23 + kind + n + rows)
     k = 768
     raw = random_blocks(rng, kind, n, k)
@@ -238,12 +220,15 @@ def test_passes_have_the_same_bits_whether_they_ask_far_ahead_or_not(native_libr
     for path in PATHS:
         if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
             continue  # this CPU has no such kernel
-        for far in "01":  # one-row Q4_K passes ask ahead, so that the far prefetch runs beside the near one
-            env = {**PATHS[path], "EDGE_SPEC_NATIVE_FAR_PREFETCH": far, "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": "1"}
-            results[path, far] = native_first_output(native_library, model(raw, kind, k), {"x": x}, env, tmp_path)
-    np.testing.assert_allclose(results["scalar", "0"], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        for ahead, far in itertools.product("01", "01"):  # the next record (one-row Q4_K passes), the eighth on
+            env = {**PATHS[path], "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": ahead, "EDGE_SPEC_NATIVE_FAR_PREFETCH": far}
+            results[path, ahead, far] = native_first_output(
+                native_library, model(raw, kind, k), {"x": x}, env, tmp_path
+            )
+    baseline = results["scalar", "0", "0"]
+    np.testing.assert_allclose(baseline, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     for key, got in results.items():
-        assert np.array_equal(got, results["scalar", "0"]), key
+        assert np.array_equal(got, baseline), key
 
 
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
