@@ -159,6 +159,30 @@ def test_the_scalar_kernels_fill_the_cache_as_the_vector_ones_do(native_library,
     np.testing.assert_array_equal(caches["scalar"][:2], caches["vector"][:2])
 
 
+@pytest.mark.parametrize("kernels", [{}, {"EDGE_SPEC_NATIVE_AVX512": "0"}], ids=["vector", "avx2"])
+def test_reading_the_cache_ahead_keeps_every_bit(native_library, target, kernels):
+    """Where the far prefetch is on, a decode or verify pass asks for the float16 tiles it will read back next;
+    after a prompt of many tiles the logits of one-row and five-row passes are those it gives with it off."""
+    prompt = [int(t) for t in np.random.default_rng(6).integers(5, 300, 230)]
+    code = (
+        "import sys, numpy as np; from edge_spec.runtime.model.decoder import Decoder; "
+        f"d = Decoder(sys.argv[1], threads=2, capacity=320); d.prefill({prompt!r}); "
+        "a = d.forward([7], num_logits=1)['logits'].reshape(-1, d.vocab_size); "
+        "b = d.forward([11, 12, 13, 14, 15], num_logits=5)['logits'].reshape(-1, d.vocab_size); "
+        "np.save(sys.argv[2], np.concatenate([a, b]))"
+    )
+    logits = {}
+    for far in ("1", "0"):
+        out = f"/tmp/half-cache-ahead-{os.getpid()}-{far}.npy"
+        env = {**os.environ, "EDGE_SPEC_NATIVE_ATTENTION": "1", "EDGE_SPEC_NATIVE_FAR_PREFETCH": far, **kernels}
+        done = subprocess.run([sys.executable, "-c", code, str(target), out], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        logits[far] = np.load(out)
+        os.unlink(out)
+    assert logits["1"].shape[0] == 6 and np.abs(logits["1"]).max() > 0
+    np.testing.assert_array_equal(logits["1"], logits["0"])
+
+
 def test_device_facts_are_kept_apart_for_a_float16_cache(native_library, int4_bundle, monkeypatch):
     """Cost profiles measured over one cache type are not read for the other (a pass reads other bytes)."""
     half = Engine.from_bundle(int4_bundle, threads=1, mode="ar")
