@@ -134,7 +134,20 @@ def test_the_conversions_round_to_nearest_even_as_numpy_does(native_library, por
     np.testing.assert_array_equal(back[~nan], expected[~nan].astype(np.float32))
 
 
-def test_the_scalar_kernels_fill_the_cache_as_the_vector_ones_do(native_library, target):
+def array_in_child(code: str, target, env: dict[str, str], out) -> np.ndarray:
+    """The array ``code`` saves to ``sys.argv[2]``, run on the target ``sys.argv[1]`` in a child started with the
+    native op and ``env`` (the library picks its kernels and prefetches from the switches at load, once a process)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(target), str(out)],
+        env={**os.environ, "EDGE_SPEC_NATIVE_ATTENTION": "1", **env},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return np.load(out)
+
+
+def test_the_scalar_kernels_fill_the_cache_as_the_vector_ones_do(native_library, target, tmp_path):
     """The portable path (no AVX2) rounds its keys and values to the same float16 values (its own scores and
     sums round differently, as they do with a float32 cache)."""
     code = (
@@ -142,25 +155,17 @@ def test_the_scalar_kernels_fill_the_cache_as_the_vector_ones_do(native_library,
         f"d = Decoder(sys.argv[1], threads=1, capacity=128); d.prefill({PROMPT!r}); "
         "np.save(sys.argv[2], np.stack([a[:, :, :41] for a in d.kv.arrays]))"
     )
-    caches = {}
-    for name, env in (("vector", {}), ("scalar", {"EDGE_SPEC_NATIVE_SCALAR": "1"})):
-        out = f"/tmp/half-cache-{os.getpid()}-{name}.npy"
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(target), out],
-            env={**os.environ, "EDGE_SPEC_NATIVE_ATTENTION": "1", **env},
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        caches[name] = np.load(out)
-        os.unlink(out)
+    caches = {
+        name: array_in_child(code, target, env, tmp_path / f"{name}.npy")
+        for name, env in (("vector", {}), ("scalar", {"EDGE_SPEC_NATIVE_SCALAR": "1"}))
+    }
     assert caches["vector"].dtype == np.float16
     # the first layer's keys and values come from the same embedding and matmuls on both paths
     np.testing.assert_array_equal(caches["scalar"][:2], caches["vector"][:2])
 
 
 @pytest.mark.parametrize("kernels", [{}, {"EDGE_SPEC_NATIVE_AVX512": "0"}], ids=["vector", "avx2"])
-def test_reading_the_cache_ahead_keeps_every_bit(native_library, target, kernels):
+def test_reading_the_cache_ahead_keeps_every_bit(native_library, target, kernels, tmp_path):
     """Where the far prefetch is on, a decode or verify pass asks for the float16 tiles it will read back next;
     after a prompt of many tiles the logits of one-row and five-row passes are those it gives with it off."""
     prompt = [int(t) for t in np.random.default_rng(6).integers(5, 300, 230)]
@@ -171,14 +176,10 @@ def test_reading_the_cache_ahead_keeps_every_bit(native_library, target, kernels
         "b = d.forward([11, 12, 13, 14, 15], num_logits=5)['logits'].reshape(-1, d.vocab_size); "
         "np.save(sys.argv[2], np.concatenate([a, b]))"
     )
-    logits = {}
-    for far in ("1", "0"):
-        out = f"/tmp/half-cache-ahead-{os.getpid()}-{far}.npy"
-        env = {**os.environ, "EDGE_SPEC_NATIVE_ATTENTION": "1", "EDGE_SPEC_NATIVE_FAR_PREFETCH": far, **kernels}
-        done = subprocess.run([sys.executable, "-c", code, str(target), out], env=env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
-        logits[far] = np.load(out)
-        os.unlink(out)
+    logits = {
+        far: array_in_child(code, target, {"EDGE_SPEC_NATIVE_FAR_PREFETCH": far, **kernels}, tmp_path / f"{far}.npy")
+        for far in ("1", "0")
+    }
     assert logits["1"].shape[0] == 6 and np.abs(logits["1"]).max() > 0
     np.testing.assert_array_equal(logits["1"], logits["0"])
 
