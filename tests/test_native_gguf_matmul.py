@@ -3,8 +3,8 @@
 The weights go in as ``edge_spec/export/gguf/interleaved.py`` rearranges GGUF's bytes.  The reference rounds
 each row as the op does (int8 blocks of 256, one scale each), dequantizes GGUF's own bytes with the ``gguf``
 package and multiplies in float64: the op's integer sums are exact, so only its float32 accumulation differs.
-Every kernel the CPU has (AVX-512 with VNNI, AVX2, scalar; AMX's tiles for passes of many rows) runs, each in a
-process of its own since a process picks its kernels once, and all give the same bits.
+Every kernel the CPU has (AVX-512 with VNNI, AVX2 with or without AVX-VNNI, scalar; AMX's tiles for passes of many
+rows) runs, each in a process of its own since a process picks its kernels once, and all give the same bits.
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ from tests.helpers import native_first_output, native_kernels
 
 Q4_K, Q6_K = 12, 14  # ggml's type numbers, the op's ``type`` attribute
 GGML_TYPE = {Q4_K: GGMLQuantizationType.Q4_K, Q6_K: GGMLQuantizationType.Q6_K}
-PATHS = {"avx512": {}, "avx2": {"EDGE_SPEC_NATIVE_AVX512": "0"}, "scalar": {"EDGE_SPEC_NATIVE_SCALAR": "1"}}
+PATHS = {
+    "avx512": {},
+    "avxvnni": {"EDGE_SPEC_NATIVE_AVX512": "0"},
+    "avx2": {"EDGE_SPEC_NATIVE_AVX512": "0", "EDGE_SPEC_NATIVE_AVX_VNNI": "0"},
+    "scalar": {"EDGE_SPEC_NATIVE_SCALAR": "1"},
+}
 NO_AMX = {"EDGE_SPEC_NATIVE_AMX": "0"}
 AMX_ROWS = 128 + 16 + 5  # a prompt's pass on AMX: nine row tiles (four pairs and one alone), 5 rows left over
 
@@ -371,6 +376,12 @@ def cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+def test_the_avx2_kernels_take_avx_vnni_products_where_the_cpu_has_them_unless_switched_off(native_library):
+    has = {"avx2", "avx_vnni"} <= cpu_flags()
+    assert (native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS["avxvnni"]) == "avxvnni") is has
+    assert native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS["avx2"]) in ("avx2", "scalar")
 
 
 def amx_here(native_library) -> bool:

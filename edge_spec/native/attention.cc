@@ -1649,7 +1649,7 @@ __attribute__((visibility("default"))) const char* EdgeSpecAttentionPath() {
   return edge_spec::kernel_path_name(attention_kernels());
 }
 
-// which kernels MatMulGGUF runs here: "avx512", "avx2" or "scalar"
+// which kernels MatMulGGUF runs here: "avx512", "avxvnni", "avx2" or "scalar"
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFMatMulPath() { return edge_spec::gguf_matmul_path(); }
 
 // where MatMulGGUF's passes of many rows multiply here: "amx" (AMX's tiles) or ""

@@ -124,7 +124,8 @@ def use_half_cache(model: onnx.ModelProto, threads: int) -> bool:
 
 
 def gguf_matmul_path(library: Path) -> str:
-    """Which kernels the native ``MatMulGGUF`` runs on this CPU: "avx512", "avx2" or "scalar"."""
+    """Which kernels the native ``MatMulGGUF`` runs on this CPU: "avx512", "avxvnni" (the AVX2 kernels with
+    AVX-VNNI's products), "avx2" or "scalar"."""
     return _library_answer(library, "EdgeSpecGGUFMatMulPath", "scalar")
 
 
