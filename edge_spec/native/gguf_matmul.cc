@@ -593,7 +593,9 @@ void tile_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows,
 // Intel Xeon's cores (Alder Lake's performance cores' design) with the AVX-512 kernels off, passes of 8 and 16 rows
 // of the default target ran 1.10x and 1.20x faster, a 2,048-token prompt 1.12x, one- and two-row passes as fast
 // (benchmarks/native_ab.py).  Q6_K keeps the AVX2 kernel: a sub-block's 16 products outgrow an int16, so scaling
-// them would take a vpmulld a row.
+// them would take a vpmulld a row.  The loops are rows_q4k_avx2's, written again: a function compiled for AVX-VNNI
+// may get its instructions where the code asks for none (a compiler may fuse vpmaddwd and vpaddd into vpdpwssd), so
+// the AVX2 kernel, which AVX2-only CPUs run, cannot share a body compiled for both.
 template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX2 ",avxvnni"))) void rows_q4k_avxvnni(const uint8_t* rec, int blocks, const Q8Row* rows,
                                                                   float* out) {
