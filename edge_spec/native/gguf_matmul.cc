@@ -561,8 +561,8 @@ __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int bloc
 
 // Rows a pass of rows_q4k_avx2 (and rows_q4k_avxvnni) takes: five, a verify pass of four drafts, in one pass over
 // the weights.  Four rows' sums stay in the 16 ymm registers and a fifth's spill to the first level, yet on an
-// Intel Xeon's AVX2 kernels a five-row pass of the default target ran 1.18x faster than as four rows and one, and
-// passes of other row counts as fast as before (benchmarks/native_ab.py).
+// Intel Xeon's AVX2 kernels a five-row pass of the default target ran 1.16-1.19x faster than as four rows and
+// one, and passes of other row counts as fast as before (benchmarks/native_ab.py).
 constexpr int kAvx2Rows = 5;
 
 // a tile's rows, kAvx2Rows at a time (table[n - 1] takes n rows); a lone row without asking ahead where that pays
