@@ -480,7 +480,8 @@ __attribute__((target(ES_AVX2))) inline __m256i byte_pairs_avx2(const uint8_t* f
 }
 
 // a Q4_K record's sub-block s for one half's eight outputs (lines: the half's first line): lo[p] and hi[p] hold
-// codes 8p .. 8p + 3 and 8p + 4 .. 8p + 7, four a lane, as vpdpbusd and maddubs take them
+// codes 8p .. 8p + 3 and 8p + 4 .. 8p + 7, four a lane, as vpdpbusd and maddubs take them.  The kernels ask for
+// the records ahead themselves: GCC 12 compiled no prefetch at all from _mm_prefetch inlined through this helper.
 __attribute__((target(ES_AVX2), always_inline)) inline void q4k_codes_avx2(const uint8_t* lines, int s, __m256i lo[4],
                                                                            __m256i hi[4]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
