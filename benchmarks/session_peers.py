@@ -77,6 +77,7 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
+import cpu_mask  # noqa: E402  (benchmarks/: the masks' instruction sets)
 import spec_peers  # onnxruntime-genai's worker, exports and preparation; puts the repository on sys.path
 
 shared = spec_peers.shared
@@ -87,7 +88,9 @@ LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors ggml-org/llama.cpp@0c1e57098; t
 LLAMACPP_DIR = ROOT / "models" / "llamacpp"
 LLAMACPP_SDIST_DIR = LLAMACPP_DIR / "src"
 LLAMACPP_SOURCE = LLAMACPP_SDIST_DIR / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-LLAMACPP_BUILD = LLAMACPP_DIR / "build"
+# a CPU made to look like another kind (benchmarks/cpu_mask.py) gets its own build, for that kind's instruction sets
+CPU_MASK = os.environ.get("CPUID_MASK", "")
+LLAMACPP_BUILD = LLAMACPP_DIR / (f"build-{CPU_MASK}" if CPU_MASK else "build")
 LLAMACPP_TARGETS = ("llama-server", "llama-speculative-simple")
 LLAMA_SERVER = LLAMACPP_BUILD / "bin" / "llama-server"
 # CPU, tuned for this machine, static binaries; no network at build or run time (no TLS, no web UI download)
@@ -176,7 +179,8 @@ def ensure_llamacpp() -> Path:
 
 
 def cpu_options() -> list[str]:
-    """``-march=native`` (``GGML_NATIVE``), or on an x86 CPU with AMX its other instruction sets one by one."""
+    """``-march=native`` (``GGML_NATIVE``), or on an x86 CPU with AMX, or one that ``benchmarks/cpu_mask.py``
+    makes look like another kind, its (remaining) instruction sets one by one."""
     try:
         flags = next(
             set(line.split(":", 1)[1].split())
@@ -185,7 +189,9 @@ def cpu_options() -> list[str]:
         )
     except (OSError, StopIteration):
         flags = set()
-    if "amx_int8" not in flags:
+    if CPU_MASK:
+        flags -= cpu_mask.HIDDEN_FLAGS[CPU_MASK]
+    elif "amx_int8" not in flags:
         return ["-DGGML_NATIVE=ON"]
     return ["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if f in flags else 'OFF'}" for f, option in X86_FEATURES.items()]
 
