@@ -59,7 +59,7 @@ SLOW = {
 }  # seconds, then a parser error
 GOOD = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
 QUICK = 1.0  # the compile time limit the tests set (seconds)
-SHORT = 0.5  # a limit well under what BOMB (about 1 s) and SLOW (about 3 s) take to fail on a fast machine
+SHORT = 0.2  # a limit well under what BOMB (0.5-1 s) and SLOW (about 3 s) take to fail on a fast machine
 
 
 def schema_format(schema: dict) -> dict:
