@@ -77,7 +77,7 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
-import cpu_mask  # noqa: E402  (benchmarks/: the masks' instruction sets)
+import cpu_mask  # what each of benchmarks/cpu_mask.py's masks hides
 import spec_peers  # onnxruntime-genai's worker, exports and preparation; puts the repository on sys.path
 
 shared = spec_peers.shared
