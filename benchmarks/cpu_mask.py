@@ -15,7 +15,7 @@ machine: ratios between engines say whether our kernels hold up on that instruct
 and the memory-bound ratios belong to the real machine.
 
     python benchmarks/cpu_mask.py avx2 -- python benchmarks/spec_peers.py --bundle BUNDLE --peers genai,llamacpp ...
-    python benchmarks/cpu_mask.py avx2 --check      # what numpy, ONNX Runtime's CPUID and our kernels see
+    python benchmarks/cpu_mask.py avx2 --check      # what numpy and our kernels see
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ HIDDEN_FLAGS = {  # /proc/cpuinfo's names of what each mask hides (cpuid_mask.c 
 
 
 def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    """/proc/cpuinfo's flags (what the CPU has, whatever a mask makes CPUID say); empty where there are none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
 
 
 def library() -> Path:

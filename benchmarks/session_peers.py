@@ -181,14 +181,7 @@ def ensure_llamacpp() -> Path:
 def cpu_options() -> list[str]:
     """``-march=native`` (``GGML_NATIVE``), or on an x86 CPU with AMX, or one that ``benchmarks/cpu_mask.py``
     makes look like another kind, its (remaining) instruction sets one by one."""
-    try:
-        flags = next(
-            set(line.split(":", 1)[1].split())
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = set()
+    flags = cpu_mask.cpu_flags()
     if CPU_MASK:
         flags -= cpu_mask.HIDDEN_FLAGS[CPU_MASK]
     elif "amx_int8" not in flags:

@@ -6,6 +6,8 @@ leaves every other fault to the program's own handler or the default action."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import platform
 import shutil
 import signal
@@ -17,15 +19,17 @@ import pytest
 
 from tests.helpers import native_kernels
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-import cpu_mask  # noqa: E402
+_SPEC = importlib.util.spec_from_file_location(
+    "cpu_mask", Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_mask.py"
+)
+cpu_mask = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(cpu_mask)  # the script, without putting benchmarks/ on every later test's path
 
-FLAGS = cpu_mask.cpu_flags() if Path("/proc/cpuinfo").exists() else set()
+FLAGS = cpu_mask.cpu_flags()
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64")
     or "cpuid_fault" not in FLAGS
-    or shutil.which(cpu_mask.os.environ.get("CC", "cc")) is None,
+    or shutil.which(os.environ.get("CC", "cc")) is None,
     reason="needs an x86-64 Linux with CPUID faulting and a C compiler",
 )
 
