@@ -48,6 +48,7 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api);  // gguf_matmul.cc
 const char* gguf_matmul_path();
 bool gguf_one_row_prefetch();
 bool gguf_far_prefetch();
+const char* gguf_far_prefetch_words();
 const char* gguf_matmul_prompt_path();
 }  // namespace edge_spec
 
@@ -1662,10 +1663,10 @@ __attribute__((visibility("default"))) const char* EdgeSpecGGUFOneRowPrefetch() 
   return edge_spec::gguf_one_row_prefetch() ? "ahead" : "none";
 }
 
-// whether MatMulGGUF's kernels and the attention's decode passes also ask far ahead, into the second level ("far"),
-// or not ("near")
+// which of MatMulGGUF's passes also ask far ahead, into the second level: "far" (every pass, and the attention's
+// decode passes too), "far from N rows" (passes of N rows and more) or "near" (none)
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFFarPrefetch() {
-  return edge_spec::gguf_far_prefetch() ? "far" : "near";
+  return edge_spec::gguf_far_prefetch_words();
 }
 
 // a float16 cache's conversions, for tests: ``src`` rounded to float16 into ``dst`` and read back into ``back``,

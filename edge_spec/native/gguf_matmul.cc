@@ -259,22 +259,29 @@ void tile_q6k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
   }
 }
 
+// Passes of at least g_far_rows rows also ask for the record kFarRecords on, into the second level: the next
+// record alone came too late for Intel's cores.  On an Intel Xeon (Sapphire Rapids) a one-row decode pass of the
+// default target ran 1.15-1.16x faster with it and a two-row pass 1.18-1.20x (1.15-1.20x on the AVX2 kernels);
+// asking for records 2 to 4 on into the first level instead gained 1.02-1.03x, into the second level 1.08-1.10x,
+// and 8 records on beat 4 and 16 (benchmarks/native_ab.py).  On a Zen 5 EPYC the hardware prefetcher keeps up
+// with passes of one and two rows (1.01-1.05x slower with it), not with verify passes of more: 4 to 16 rows ran
+// 1.06-1.15x faster with it after 256 tokens and 1.09-1.13x after 2,800.  So every pass on Intel's cores
+// (kFarRowsIntel), passes of kFarRowsElsewhere rows and more on others, unless EDGE_SPEC_NATIVE_FAR_PREFETCH
+// says otherwise (1: every pass, 0: none).
+constexpr int kFarRowsIntel = 1;
+constexpr int kFarRowsElsewhere = 4;
+constexpr int kFarNever = 1 << 30;
+int g_far_rows = kFarNever;
+
 #ifdef ES_X86
+constexpr int kFarRecords = 8;
+
 // the next record's cache lines [first, first + count) asked for while this record is worked on (a tile's
 // records lie one after another; the last tile's last prefetch may reach past the weights, which a
 // prefetch never faults on)
 inline void prefetch_lines(const uint8_t* record, int first, int count) {
   for (int i = first; i < first + count; ++i) _mm_prefetch(reinterpret_cast<const char*>(record + 64 * i), _MM_HINT_T0);
 }
-
-// Whether the kernels also ask for the record kFarRecords on, into the second level (g_far_ahead): the next
-// record alone came too late for Intel's cores.  On an Intel Xeon (Sapphire Rapids) a one-row decode pass of the
-// default target ran 1.15-1.16x faster with it and a two-row pass 1.18-1.20x (1.15-1.20x on the AVX2 kernels);
-// asking for records 2 to 4 on into the first level instead gained 1.02-1.03x, into the second level 1.08-1.10x,
-// and 8 records on beat 4 and 16 (benchmarks/native_ab.py).  On Intel's cores, unless
-// EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise.
-constexpr int kFarRecords = 8;
-bool g_far_ahead = false;
 
 // the cache lines [first, first + count) of the record kFarRecords after this one, into the second level
 inline void prefetch_far(const uint8_t* record, size_t record_bytes, int first, int count) {
@@ -319,7 +326,7 @@ __attribute__((target(ES_AVX512), always_inline)) inline void q4k_minimum_pairs_
 template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const bool far = Ahead && g_far_ahead;
+  const bool far = Ahead && NR >= g_far_rows;
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
     const uint8_t* lines = R + 320;
@@ -388,7 +395,7 @@ __attribute__((target(ES_AVX512), always_inline)) inline void q6k_codes_avx512(c
 
 template <int NR>
 __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
-  const bool far = g_far_ahead;
+  const bool far = NR >= g_far_rows;
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
     const uint8_t* lines = R + 288;
@@ -527,7 +534,7 @@ __attribute__((target(ES_AVX2), always_inline)) inline void q4k_half_end_avx2(co
 // integer the AVX-512 kernel forms, in a third of the instructions of one madd per step.
 template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
-  const bool far = Ahead && g_far_ahead;
+  const bool far = Ahead && NR >= g_far_rows;
   for (int r = 0; r < NR; ++r) {
     _mm256_storeu_ps(out + r * kTile, _mm256_setzero_ps());
     _mm256_storeu_ps(out + r * kTile + 8, _mm256_setzero_ps());
@@ -600,7 +607,7 @@ void tile_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows,
 template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX2 ",avxvnni"))) void rows_q4k_avxvnni(const uint8_t* rec, int blocks, const Q8Row* rows,
                                                                   float* out) {
-  const bool far = Ahead && g_far_ahead;
+  const bool far = Ahead && NR >= g_far_rows;
   for (int r = 0; r < NR; ++r) {
     _mm256_storeu_ps(out + r * kTile, _mm256_setzero_ps());
     _mm256_storeu_ps(out + r * kTile + 8, _mm256_setzero_ps());
@@ -658,7 +665,7 @@ __attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int bloc
   for (int r = 0; r < nrows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i low2 = _mm256_set1_epi8(0x03);
-  const bool far = g_far_ahead;
+  const bool far = nrows >= g_far_rows;
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
     for (int r = 0; r < nrows; ++r) total[r][0] = total[r][1] = _mm256_setzero_si256();
@@ -1355,12 +1362,26 @@ bool gguf_one_row_prefetch() {
   return intel_cores();
 }
 
-// whether the kernels also ask for records kFarRecords on: on Intel's cores, unless
-// EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise (see g_far_ahead)
-bool gguf_far_prefetch() {
-  if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '1')) return true;
-  if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '0')) return false;
-  return intel_cores();
+// the fewest rows of a pass whose kernels also ask for records kFarRecords on (see g_far_rows)
+int gguf_far_rows() {
+  if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '1')) return kFarRowsIntel;
+  if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '0')) return kFarNever;
+  return intel_cores() ? kFarRowsIntel : kFarRowsElsewhere;
+}
+
+// whether every pass, one-row passes included, asks far ahead: on Intel's cores, unless
+// EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise
+bool gguf_far_prefetch() { return gguf_far_rows() == kFarRowsIntel; }
+
+// which passes ask far ahead, in words: "far" (every pass), "far from N rows" or "near" (none)
+const char* gguf_far_prefetch_words() {
+  static const std::string words = [] {
+    const int rows = gguf_far_rows();
+    if (rows == kFarRowsIntel) return std::string("far");
+    if (rows == kFarNever) return std::string("near");
+    return "far from " + std::to_string(rows) + " rows";
+  }();
+  return words.c_str();
 }
 
 // the kernels this CPU and the environment ask for
@@ -1399,7 +1420,7 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_amx = false;
 #ifdef ES_X86
   g_one_row_ahead = gguf_one_row_prefetch();
-  g_far_ahead = gguf_far_prefetch();
+  g_far_rows = gguf_far_rows();
   g_amx = gguf_amx_here();
   if (path == KernelPath::avx512) {
     g_q4k = tile_q4k_avx512;
