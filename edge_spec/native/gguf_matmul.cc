@@ -265,10 +265,10 @@ void tile_q6k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
 // asking for records 2 to 4 on into the first level instead gained 1.02-1.03x, into the second level 1.08-1.10x,
 // and 8 records on beat 4 and 16 (benchmarks/native_ab.py).  On a Zen 5 EPYC the hardware prefetcher keeps up
 // with passes of one and two rows (1.01-1.05x slower with it), not with verify passes of more: 4 to 16 rows ran
-// 1.06-1.15x faster with it after 256 tokens and 1.09-1.13x after 2,800.  So every pass on Intel's cores
-// (kFarRowsIntel), passes of kFarRowsElsewhere rows and more on others, unless EDGE_SPEC_NATIVE_FAR_PREFETCH
-// says otherwise (1: every pass, 0: none).
-constexpr int kFarRowsIntel = 1;
+// 1.06-1.15x faster with it after 256 tokens and 1.09-1.13x after 2,800.  So every pass on Intel's cores,
+// passes of kFarRowsElsewhere rows and more on others, unless EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise (1:
+// every pass, 0: none).
+constexpr int kFarEveryPass = 1;
 constexpr int kFarRowsElsewhere = 4;
 constexpr int kFarNever = 1 << 30;
 int g_far_rows = kFarNever;
@@ -1364,20 +1364,20 @@ bool gguf_one_row_prefetch() {
 
 // the fewest rows of a pass whose kernels also ask for records kFarRecords on (see g_far_rows)
 int gguf_far_rows() {
-  if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '1')) return kFarRowsIntel;
+  if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '1')) return kFarEveryPass;
   if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '0')) return kFarNever;
-  return intel_cores() ? kFarRowsIntel : kFarRowsElsewhere;
+  return intel_cores() ? kFarEveryPass : kFarRowsElsewhere;
 }
 
 // whether every pass, one-row passes included, asks far ahead: on Intel's cores, unless
 // EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise
-bool gguf_far_prefetch() { return gguf_far_rows() == kFarRowsIntel; }
+bool gguf_far_prefetch() { return gguf_far_rows() == kFarEveryPass; }
 
 // which passes ask far ahead, in words: "far" (every pass), "far from N rows" or "near" (none)
 const char* gguf_far_prefetch_words() {
   static const std::string words = [] {
     const int rows = gguf_far_rows();
-    if (rows == kFarRowsIntel) return std::string("far");
+    if (rows == kFarEveryPass) return std::string("far");
     if (rows == kFarNever) return std::string("near");
     return "far from " + std::to_string(rows) + " rows";
   }();
