@@ -10,7 +10,10 @@ rows) runs, each in a process of its own since a process picks its kernels once,
 from __future__ import annotations
 
 import itertools
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -214,6 +217,28 @@ def test_prefetches_follow_the_cores_vendor_unless_their_switch_says_otherwise(
     assert prefetch({}) == (on if cpu_vendor() == "GenuineIntel" else elsewhere)
     assert prefetch({switch: "1"}) == on
     assert prefetch({switch: "0"}) == off
+
+
+SET_AND_ASK = """
+import ctypes, sys
+library = ctypes.CDLL(sys.argv[1])
+library.EdgeSpecGGUFOneRowPrefetch.restype = ctypes.c_char_p
+answers = []
+for choice in (1, 0, -1):
+    library.EdgeSpecGGUFSetOneRowPrefetch(choice)
+    answers.append(library.EdgeSpecGGUFOneRowPrefetch().decode())
+print(" ".join(answers))
+"""
+
+
+@pytest.mark.parametrize("switch, want", [("", None), ("1", "ahead ahead ahead"), ("0", "none none none")])
+def test_a_measured_one_row_choice_holds_until_forgotten_and_the_switch_decides_over_it(native_library, switch, want):
+    env = {**os.environ, "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": switch}
+    done = subprocess.run(
+        [sys.executable, "-c", SET_AND_ASK, str(native_library)], env=env, capture_output=True, text=True, check=True
+    )
+    vendor = native_kernels(native_library, "EdgeSpecGGUFOneRowPrefetch", {"EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH": ""})
+    assert done.stdout.split() == (want or f"ahead none {vendor}").split()
 
 
 @pytest.mark.parametrize("rows", [1, 5])

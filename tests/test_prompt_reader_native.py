@@ -16,8 +16,6 @@ pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
 from edge_spec.export.bundle.build import ExportOptions, export_bundle  # noqa: E402
-from edge_spec.export.gguf.blocks import carry_gguf  # noqa: E402
-from edge_spec.export.gguf.q4_k import quantize_q4_k  # noqa: E402
 from edge_spec.export.graph import prompt_reader  # noqa: E402
 from edge_spec.export.graph.prompt_reader import _Initializers, native_weight, write_prompt_graph  # noqa: E402
 from edge_spec.manifest import read_manifest  # noqa: E402
@@ -26,26 +24,14 @@ from edge_spec.runtime.model.decoder import Decoder  # noqa: E402
 from tests import tiny_models  # noqa: E402
 from tests.helpers import chain, cli, greedy_drafts_kept_and_refused, logit_rows  # noqa: E402
 
-HIDDEN = 256  # the native op takes rows of whole 256-weight super-blocks
-PARTS = ("q", "k", "v", "o", "gate", "up", "down")
+HIDDEN = tiny_models.NATIVE_WIDTH
+PARTS = tiny_models.LAYER_PARTS
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(5, 300, 41)]
 
 
 @pytest.fixture(scope="module")
 def carried_raw():
-    """The tiny pair at a width the native op takes, the target's layer matrices carried as Q4_K blocks of its
-    own weights (so the drafter, a perturbed copy, agrees with it often), and those blocks by name."""
-    tokenizer = tiny_models.make_tokenizer()
-    target_model = tiny_models.make_qwen2(seed=0, hidden=HIDDEN)
-    target = tiny_models.loaded("tiny-target", target_model, tokenizer)
-    draft = tiny_models.loaded("tiny-draft", tiny_models.perturbed_copy(target_model, seed=1, noise=0.15), tokenizer)
-    raw = {}
-    for i, layer in enumerate(target.weights.layers):
-        for part in PARTS:
-            weight = getattr(layer, part)
-            raw[f"layers.{i}.{part}"] = quantize_q4_k(weight)
-            target.weights.carried[f"layers.{i}.{part}"] = carry_gguf(raw[f"layers.{i}.{part}"], "Q4_K", *weight.shape)
-    return {"tiny-target": target, "tiny-draft": draft}, raw
+    return tiny_models.carried_pair(HIDDEN)
 
 
 @pytest.fixture(scope="module")

@@ -116,3 +116,27 @@ def random_k_quant_blocks(rng, kind: str, n: int, k: int, factor: tuple[float, f
     else:
         raw[..., 208:210] = factors[..., 0:2]
     return raw.reshape(n, -1)
+
+
+NATIVE_WIDTH = 256  # the native op takes rows of whole 256-weight super-blocks
+LAYER_PARTS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def carried_pair(hidden: int = NATIVE_WIDTH):
+    """The tiny pair at a width the native op takes, the target's layer matrices carried as Q4_K blocks of its
+    own weights (so the drafter, a perturbed copy, agrees with it often): ``({name: loaded model}, {matrix:
+    its raw blocks})``, the models named "tiny-target" and "tiny-draft"."""
+    from edge_spec.export.gguf.blocks import carry_gguf
+    from edge_spec.export.gguf.q4_k import quantize_q4_k
+
+    tokenizer = make_tokenizer()
+    target_model = make_qwen2(seed=0, hidden=hidden)
+    target = loaded("tiny-target", target_model, tokenizer)
+    draft = loaded("tiny-draft", perturbed_copy(target_model, seed=1, noise=0.15), tokenizer)
+    raw = {}
+    for i, layer in enumerate(target.weights.layers):
+        for part in LAYER_PARTS:
+            weight = getattr(layer, part)
+            raw[f"layers.{i}.{part}"] = quantize_q4_k(weight)
+            target.weights.carried[f"layers.{i}.{part}"] = carry_gguf(raw[f"layers.{i}.{part}"], "Q4_K", *weight.shape)
+    return {"tiny-target": target, "tiny-draft": draft}, raw

@@ -47,6 +47,7 @@ namespace edge_spec {
 OrtCustomOp* gguf_matmul_op(const OrtApi* api);  // gguf_matmul.cc
 const char* gguf_matmul_path();
 bool gguf_one_row_prefetch();
+void gguf_set_one_row_prefetch(int choice);
 bool gguf_far_prefetch();
 const char* gguf_far_prefetch_words();
 const char* gguf_matmul_prompt_path();
@@ -1661,6 +1662,12 @@ __attribute__((visibility("default"))) const char* EdgeSpecGGUFPromptPath() {
 // whether MatMulGGUF's one-row Q4_K passes ask for the next record ahead here: "ahead" or "none"
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFOneRowPrefetch() {
   return edge_spec::gguf_one_row_prefetch() ? "ahead" : "none";
+}
+
+// sets whether MatMulGGUF's one-row Q4_K passes ask ahead in this process, as measured on this machine: 1 or 0,
+// or -1 for the vendor's rule again (EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH decides over it)
+__attribute__((visibility("default"))) void EdgeSpecGGUFSetOneRowPrefetch(int choice) {
+  edge_spec::gguf_set_one_row_prefetch(choice);
 }
 
 // which of MatMulGGUF's passes also ask far ahead, into the second level: "far" (every pass, and the attention's

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <utility>
 #include <limits>
 #include <memory>
@@ -293,12 +294,17 @@ inline void prefetch_far(const uint8_t* record, size_t record_bytes, int first, 
 // one-row pass streams its weights at the memory's pace, and whether software prefetches help it depends on
 // the core's own prefetchers: on a Zen 4 EPYC a one-row decode pass of the default target ran 1.03-1.05x
 // faster without them on the AVX-512 kernels and 1.11-1.15x on the AVX2 ones (they only took the miss
-// buffers the demand loads need), while on an Intel Xeon (Sapphire Rapids) it ran 1.28x faster with them
-// (benchmarks/native_ab.py).  So one-row passes ask ahead on Intel's cores and not on others
-// (g_one_row_ahead; EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH=1 or 0 decides instead).  The Q6_K kernels ask ahead
-// at every row count: without it a one-row Q6_K matrix streamed at half the rate on the AVX-512 kernels and
-// 0.74-0.87x on AVX2 (benchmarks/studies/kernels/gguf_stream_ab.py).  Prefetches change no bits.
-bool g_one_row_ahead = false;
+// buffers the demand loads need), on a Zen 5 EPYC 1.05-1.14x faster with them, and on an Intel Xeon
+// (Sapphire Rapids) 1.28x faster with them (benchmarks/native_ab.py).  A vendor does not tell such cores
+// apart, so the export times both on the target it builds and the runtime sets what it measured
+// (EdgeSpecGGUFSetOneRowPrefetch, edge_spec.runtime.model.kernel_choice); with no measurement one-row passes
+// ask ahead on Intel's cores only, and EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH=1 or 0 decides over both
+// (g_one_row_ahead).  The Q6_K kernels ask ahead at every row count: without it a one-row Q6_K matrix streamed
+// at half the rate on the AVX-512 kernels and 0.74-0.87x on AVX2
+// (benchmarks/studies/kernels/gguf_stream_ab.py).  Prefetches change no bits.
+std::atomic<bool> g_one_row_ahead{false};
+// what a bundle's export measured on this machine: 1 ahead, 0 not, -1 nothing measured (the vendor's rule)
+std::atomic<int> g_one_row_measured{-1};
 
 // ---------------------------------------------------------------------------------------------------
 // AVX-512 with VNNI: a lane per output, vpdpbusd adds four code x activation products a lane
@@ -456,7 +462,8 @@ constexpr std::array<RowsKernel, sizeof...(NR)> avx512_table(bool q4k, std::inte
 
 void tile_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
   static constexpr auto table = avx512_table(true, std::make_integer_sequence<int, kMaxRows>{});
-  if (nrows == 1 && !g_one_row_ahead) return rows_q4k_avx512<1, false>(rec, blocks, rows, out);
+  if (nrows == 1 && !g_one_row_ahead.load(std::memory_order_relaxed))
+    return rows_q4k_avx512<1, false>(rec, blocks, rows, out);
   table[nrows - 1](rec, blocks, rows, out);
 }
 
@@ -577,7 +584,7 @@ constexpr int kAvx2Rows = 5;
 // (g_one_row_ahead)
 void rows_in_groups(const RowsKernel* table, RowsKernel lone_row, const uint8_t* rec, int blocks, const Q8Row* rows,
                     int nrows, float* out) {
-  if (nrows == 1 && !g_one_row_ahead) return lone_row(rec, blocks, rows, out);
+  if (nrows == 1 && !g_one_row_ahead.load(std::memory_order_relaxed)) return lone_row(rec, blocks, rows, out);
   for (int r0 = 0; r0 < nrows; r0 += kAvx2Rows) {
     table[std::min(kAvx2Rows, nrows - r0) - 1](rec, blocks, rows + r0, out + r0 * kTile);
   }
@@ -1354,12 +1361,20 @@ bool intel_cores() {
 
 namespace edge_spec {
 
-// whether one-row Q4_K passes ask for the next record ahead: on Intel's cores, unless
-// EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH says otherwise (see g_one_row_ahead)
+// whether one-row Q4_K passes ask for the next record ahead: as EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH says, else
+// as measured on this machine (gguf_set_one_row_prefetch), else on Intel's cores (see g_one_row_ahead)
 bool gguf_one_row_prefetch() {
   if (switch_is("EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", '1')) return true;
   if (switch_is("EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH", '0')) return false;
-  return intel_cores();
+  const int measured = g_one_row_measured.load();
+  return measured >= 0 ? measured == 1 : intel_cores();
+}
+
+// what a measurement chose for one-row passes (1 ahead, 0 not, -1 forget it: the vendor's rule), from now on
+// for every session of this process; the environment's switch still decides over it.  Changes no bits.
+void gguf_set_one_row_prefetch(int choice) {
+  g_one_row_measured = choice < 0 ? -1 : (choice ? 1 : 0);
+  g_one_row_ahead = gguf_one_row_prefetch();
 }
 
 // the fewest rows of a pass whose kernels also ask for records kFarRecords on (see g_far_rows)

@@ -24,6 +24,7 @@ from edge_spec.paths import find_bundle
 from edge_spec.runtime.loops import proposer_names
 from edge_spec.runtime.loops.config import LoopConfig
 from edge_spec.runtime.model.decoder import Decoder
+from edge_spec.runtime.model.kernel_choice import apply_kernel_choice
 from edge_spec.runtime.model.native_attention import native_matmul_here, prompt_path
 from edge_spec.runtime.model.providers import exact_min_rows
 from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
@@ -186,6 +187,10 @@ class LoadedBundle:
             options.suffix_capacity,
             Path(options.corpus) if options.corpus is not None else None,
         )
+        if "native_kernels" in manifest and options.provider.lower() == "cpu":
+            library, _ = native_matmul_here()
+            if library is not None:  # before the sessions register it: each takes the choice in force
+                apply_kernel_choice(manifest["native_kernels"], library)
         target = Decoder(
             files.directory / manifest["target"]["onnx"],
             provider=options.provider,

@@ -1,0 +1,122 @@
+"""Whether the native ``MatMulGGUF``'s one-row passes ask for their records ahead: measured per machine by the
+export, recorded in the manifest, set by the runtime where the bundle runs on the machine that measured it.
+
+A one-row pass (every target-only token, every drafter step over the op) streams the weights at the memory's
+pace, and whether software prefetches help it depends on the core's own prefetchers, not on its vendor: they
+cost a Zen 4 EPYC's one-row passes 1.03-1.15x, saved a Zen 5 EPYC's 1.05-1.14x and an Intel Xeon's 1.28x
+(``benchmarks/native_ab.py``).  So the export times both on the target it has just built, their passes
+interleaved in one process (a shared machine's drift falls on both), and keeps the faster where it is faster
+by more than :data:`MARGIN`, the vendor's rule (ahead on Intel's cores) otherwise.  A bundle copied to another
+machine gets that machine's vendor rule, and ``EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH=1`` or ``0`` decides over
+everything.  Prefetches change no bits: the choice moves speed only, never an answer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_spec.runtime.model.native_attention import gguf_matmul_asks_ahead, gguf_matmul_path
+
+ONE_ROW_SWITCH = "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH"
+#: how much faster (as a fraction of the slower median) a side must be to displace the vendor's rule
+MARGIN = 0.02
+AHEAD, NONE = "ahead", "none"
+
+
+def this_machine(library: Path) -> str:
+    """What a measurement holds for: the CPU (vendor, family, model and name, as Linux's ``/proc/cpuinfo``
+    gives them; ``platform.processor()`` elsewhere) and the op's kernels on it, which a masked CPU or
+    ``EDGE_SPEC_NATIVE_AVX512=0`` change without changing the CPU."""
+    fields: dict[str, str] = {}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model", "model name") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break  # the first processor's block is enough
+    cpu = " ".join(fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name")).strip()
+    return f"{cpu or platform.processor() or platform.machine()} / {gguf_matmul_path(library)}"
+
+
+def switch_choice() -> str | None:
+    """What ``EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH`` asks for ("ahead", "none"), or None where it is not set."""
+    value = os.environ.get(ONE_ROW_SWITCH, "")
+    return {"1": AHEAD, "0": NONE}.get(value[:1])
+
+
+def set_one_row_prefetch(library: Path, choice: str | None) -> None:
+    """Make this process's one-row passes ask ahead ("ahead") or not ("none"), or follow the vendor's rule
+    again (None), in every session of ``library`` from now on; the environment's switch decides over it."""
+    setter = getattr(ctypes.CDLL(str(library)), "EdgeSpecGGUFSetOneRowPrefetch", None)
+    if setter is None:
+        return  # a library from before the choice: its vendor rule stays
+    setter.argtypes = [ctypes.c_int]
+    setter(-1 if choice is None else int(choice == AHEAD))
+
+
+def measure_one_row_prefetch(
+    target: Path, library: Path, *, threads: int, capacity: int, context: int = 64, repeats: int = 24
+) -> dict:
+    """Time one-row passes of the ``target`` graph after a ``context``-token prompt, asking ahead and not in
+    turn (the order reversed every other repeat), and return the manifest's record: the machine, the median
+    milliseconds of each side, the choice and what made it.  Leaves the choice set in this process, so that
+    what the export builds next (the drafter's body: ``rounds_drafter_native``) is built for it."""
+    from edge_spec.runtime.model.decoder import Decoder
+
+    machine = this_machine(library)
+    asked = switch_choice()
+    if asked is not None:
+        return {"machine": machine, "one_row_prefetch": asked, "by": ONE_ROW_SWITCH}
+    decoder = Decoder(target, threads=threads, capacity=capacity, takes_turns=True)
+    try:
+        rng = np.random.default_rng(0)
+        context = max(1, min(context, capacity - 2))
+        vocab = int(decoder.prefill([1])["logits"].shape[-1])
+        decoder.reset()
+        decoder.prefill([int(t) for t in rng.integers(0, vocab, context)])
+        times: dict[str, list[float]] = {AHEAD: [], NONE: []}
+        warm_up = 2
+        for repeat in range(warm_up + repeats):
+            token = [int(rng.integers(0, vocab))]
+            for side in (AHEAD, NONE) if repeat % 2 == 0 else (NONE, AHEAD):
+                set_one_row_prefetch(library, side)
+                decoder.rewind(context)
+                started = time.perf_counter()
+                decoder.forward(token, 1)
+                if repeat >= warm_up:
+                    times[side].append(time.perf_counter() - started)
+    finally:
+        del decoder
+    ms = {side: round(1000 * statistics.median(t), 3) for side, t in times.items()}
+    set_one_row_prefetch(library, None)
+    choice, by = decide(ms, AHEAD if gguf_matmul_asks_ahead(library) else NONE)
+    set_one_row_prefetch(library, choice)
+    return {"machine": machine, "one_row_prefetch": choice, "one_row_ms": ms, "by": by}
+
+
+def decide(ms: dict[str, float], vendor: str) -> tuple[str, str]:
+    """(the choice, what made it) from each side's median pass ``ms``: the faster side where it is faster by
+    more than :data:`MARGIN`, else ``vendor`` (the vendor's rule), since a closer call is the machine's noise."""
+    faster = min(ms, key=ms.__getitem__)
+    if ms[faster] < (1 - MARGIN) * max(ms.values()):
+        return faster, "measured"
+    return vendor, f"the vendor's rule (measured within {MARGIN:.0%})"
+
+
+def apply_kernel_choice(record: dict | None, library: Path) -> str:
+    """Set the manifest's ``native_kernels`` choice where this is the machine that measured it, the vendor's
+    rule elsewhere; returns the choice in force ("ahead" or "none")."""
+    mine = record is not None and record.get("machine") == this_machine(library)
+    choice = record.get("one_row_prefetch") if mine else None
+    set_one_row_prefetch(library, choice if choice in (AHEAD, NONE) else None)
+    return AHEAD if gguf_matmul_asks_ahead(library) else NONE

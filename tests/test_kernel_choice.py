@@ -1,0 +1,116 @@
+"""The native op's one-row prefetch: timed by the export on its machine, recorded in the manifest, set at load
+where the bundle runs on that machine, the vendor's rule elsewhere, the environment's switch over both."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("gguf")
+
+from edge_spec.export.bundle.build import ExportOptions, export_bundle  # noqa: E402
+from edge_spec.manifest import read_manifest, write_manifest  # noqa: E402
+from edge_spec.runtime.engine import Engine  # noqa: E402
+from edge_spec.runtime.model.kernel_choice import (  # noqa: E402
+    AHEAD,
+    NONE,
+    ONE_ROW_SWITCH,
+    decide,
+    measure_one_row_prefetch,
+    set_one_row_prefetch,
+    this_machine,
+)
+from edge_spec.runtime.model.native_attention import gguf_matmul_asks_ahead  # noqa: E402
+from tests import tiny_models  # noqa: E402
+
+PROMPT = "def is_prime(n):\n    return"
+
+
+@pytest.fixture
+def vendor_rule(native_library, monkeypatch):
+    """The vendor's one-row choice on this machine (the switch unset), and the process left on it afterwards."""
+    monkeypatch.delenv(ONE_ROW_SWITCH, raising=False)
+    set_one_row_prefetch(native_library, None)
+    yield AHEAD if gguf_matmul_asks_ahead(native_library) else NONE
+    set_one_row_prefetch(native_library, None)
+
+
+@pytest.fixture(scope="module")
+def native_bundle(tmp_path_factory, native_library):
+    models, _ = tiny_models.carried_pair()
+    out = tmp_path_factory.mktemp("kernels") / "bundle"
+    options = ExportOptions(draft_vocab="full", context_length=256, gguf_layout="native")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(ONE_ROW_SWITCH, raising=False)
+        export_bundle("tiny-target", "tiny-draft", out, options, loader=models.__getitem__)
+    return out
+
+
+def test_the_export_times_one_row_passes_and_records_its_choice_for_this_machine(
+    native_bundle, native_library, vendor_rule
+):
+    record = read_manifest(native_bundle)["native_kernels"]
+    assert record["machine"] == this_machine(native_library)
+    ms = record["one_row_ms"]
+    assert set(ms) == {AHEAD, NONE} and all(t > 0 for t in ms.values())
+    assert (record["one_row_prefetch"], record["by"]) == decide(ms, vendor_rule)
+
+
+@pytest.mark.parametrize(
+    "ms, vendor, want",
+    [
+        ({AHEAD: 24.7, NONE: 26.3}, NONE, (AHEAD, "measured")),  # a Zen 5 EPYC
+        ({AHEAD: 27.0, NONE: 25.9}, AHEAD, (NONE, "measured")),  # a Zen 4 EPYC
+        ({AHEAD: 25.0, NONE: 25.3}, NONE, (NONE, "the vendor's rule (measured within 2%)")),
+        ({AHEAD: 25.3, NONE: 25.0}, AHEAD, (AHEAD, "the vendor's rule (measured within 2%)")),
+    ],
+)
+def test_the_faster_side_wins_only_by_more_than_the_noise(ms, vendor, want):
+    assert decide(ms, vendor) == want
+
+
+@pytest.mark.parametrize("switch, want", [("1", AHEAD), ("0", NONE)])
+def test_the_environments_switch_is_recorded_without_a_timing(native_bundle, native_library, monkeypatch, switch, want):
+    monkeypatch.setenv(ONE_ROW_SWITCH, switch)
+    manifest = read_manifest(native_bundle)
+    target = native_bundle / manifest["target"]["onnx"]
+    record = measure_one_row_prefetch(target, native_library, threads=1, capacity=64)
+    assert record == {"machine": this_machine(native_library), "one_row_prefetch": want, "by": ONE_ROW_SWITCH}
+
+
+def _with_record(bundle, folder, record: dict):
+    copy = folder / "copy"
+    shutil.copytree(bundle, copy)
+    manifest = read_manifest(copy)
+    manifest["native_kernels"] = record
+    write_manifest(copy, manifest)
+    return copy
+
+
+def _greedy(bundle, mode: str) -> list[int]:
+    engine = Engine.from_bundle(bundle, threads=1, mode=mode)
+    return engine.complete(PROMPT, max_new_tokens=12, temperature=0).token_ids
+
+
+def test_a_bundle_sets_its_recorded_choice_on_the_machine_that_measured_it(
+    native_bundle, native_library, vendor_rule, tmp_path
+):
+    other = NONE if vendor_rule == AHEAD else AHEAD
+    answers = {}
+    for choice in (other, vendor_rule):
+        record = {"machine": this_machine(native_library), "one_row_prefetch": choice, "by": "measured"}
+        copy = _with_record(native_bundle, tmp_path / choice, record)
+        answers[choice] = _greedy(copy, "ar")
+        assert gguf_matmul_asks_ahead(native_library) == (choice == AHEAD)
+    assert answers[other] == answers[vendor_rule]  # prefetches change no bits
+
+
+def test_a_bundle_measured_elsewhere_runs_on_this_machines_vendor_rule(
+    native_bundle, native_library, vendor_rule, tmp_path
+):
+    other = NONE if vendor_rule == AHEAD else AHEAD
+    set_one_row_prefetch(native_library, other)  # as another bundle loaded before would leave it
+    record = {"machine": "another CPU / avx2", "one_row_prefetch": other, "by": "measured"}
+    Engine.from_bundle(_with_record(native_bundle, tmp_path, record), threads=1, mode="ar")
+    assert gguf_matmul_asks_ahead(native_library) == (vendor_rule == AHEAD)
