@@ -681,7 +681,7 @@ def measure_native_kernels(staging: Path, target: dict, context_length: int, pro
     _say(
         progress,
         f"native op: one-row passes {'ask' if record['one_row_prefetch'] == 'ahead' else 'do not ask'} "
-        f"for their records ahead on this CPU{times}, by {record['by']}",
+        f"for their records ahead on this CPU{times}: {record['by']}",
     )
     return record
 
