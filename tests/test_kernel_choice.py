@@ -23,6 +23,7 @@ from edge_spec.runtime.model.kernel_choice import (  # noqa: E402
 )
 from edge_spec.runtime.model.native_attention import gguf_matmul_asks_ahead  # noqa: E402
 from tests import tiny_models  # noqa: E402
+from tests.helpers import cli  # noqa: E402
 
 PROMPT = "def is_prime(n):\n    return"
 
@@ -114,3 +115,16 @@ def test_a_bundle_measured_elsewhere_runs_on_this_machines_vendor_rule(
     record = {"machine": "another CPU / avx2", "one_row_prefetch": other, "by": "measured"}
     Engine.from_bundle(_with_record(native_bundle, tmp_path, record), threads=1, mode="ar")
     assert gguf_matmul_asks_ahead(native_library) == (vendor_rule == AHEAD)
+
+
+def test_info_says_what_the_export_chose_and_what_this_machine_runs(native_bundle, native_library, tmp_path):
+    record = read_manifest(native_bundle)["native_kernels"]
+    said = "ask" if record["one_row_prefetch"] == AHEAD else "do not ask"
+    shown = cli("info", str(native_bundle))
+    assert shown.returncode == 0, shown.stderr
+    line = next(line for line in shown.stdout.splitlines() if line.startswith("kernels "))
+    assert f"one-row passes {said} for their records ahead on {this_machine(native_library)}" in line
+    assert "differs" not in line
+    elsewhere = _with_record(native_bundle, tmp_path, {**record, "machine": "another CPU / avx2"})
+    line = next(line for line in cli("info", str(elsewhere)).stdout.splitlines() if line.startswith("kernels "))
+    assert "this machine differs and follows its vendor's rule" in line

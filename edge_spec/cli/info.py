@@ -87,6 +87,11 @@ def info(
             f"{e.get('draft_vocab_size')}, {e['bytes'] / (1 << 20):.0f} MiB; heads: {heads}, default "
             f"{e.get('default_head', 'full')}{layout}"
         )
+    if manifest.get("native_kernels"):
+        from edge_spec.runtime.model.kernel_choice import describe
+        from edge_spec.runtime.model.native_attention import native_matmul_here
+
+        out.print("kernels " + describe(manifest["native_kernels"], native_matmul_here()[0]))
     if costs:
         _print_costs(bundle, load, gamma, draft_head, remeasure)
 

@@ -120,3 +120,22 @@ def apply_kernel_choice(record: dict | None, library: Path) -> str:
     choice = record.get("one_row_prefetch") if mine else None
     set_one_row_prefetch(library, choice if choice in (AHEAD, NONE) else None)
     return AHEAD if gguf_matmul_asks_ahead(library) else NONE
+
+
+def describe(record: dict, library: Path | None) -> str:
+    """The manifest's ``native_kernels`` record in words, and what this machine runs (``library``: the native
+    op's here, None where it does not run), for ``edge-spec info``."""
+    timed = record.get("one_row_ms")
+    times = f" ({timed[AHEAD]:.1f} ms asking ahead, {timed[NONE]:.1f} ms not)" if timed else ""
+    said = (
+        f"one-row passes {'ask' if record.get('one_row_prefetch') == AHEAD else 'do not ask'} for their records ahead"
+    )
+    words = f"native op: {said} on {record.get('machine', '?')}{times}: {record.get('by', '?')}"
+    if library is None:
+        return words + "; the op does not run here"
+    if switch_choice() is not None:
+        return words + f"; {ONE_ROW_SWITCH} decides here ({switch_choice()})"
+    if record.get("machine") == this_machine(library):
+        return words
+    here = AHEAD if gguf_matmul_asks_ahead(library) else NONE
+    return words + f"; this machine differs and follows its vendor's rule ({here})"
