@@ -47,12 +47,12 @@ def rounds_drafter_native(build: BuildOptions, options: ExportOptions, config: D
     """Whether the drafter's body, re-quantized, is rounded to Q4_K under the native op
     (``blocks.add_rounded_native``): in the native layout at int4, for a drafter whose widths pad little
     (``config``'s: ``blocks.rounding_pads_little``), on a CPU where the op's one-row passes ask for their
-    records ahead (by the vendor's rule, Intel's cores).  There a drafter step after a target pass took 1.18x less time than over
-    ``MatMulNBits``' blocks of 128, though its rows of 896 are padded to 1024, and a short prompt's read 2.9x less
+    records ahead, as the export has just timed them on its target (``measure_native_kernels``; Intel's cores
+    by the vendor's rule where there was no timing).  There a drafter step after a target pass took 1.18x less
+    time than over ``MatMulNBits``' blocks of 128 on an Intel Xeon, though its rows of 896 are padded to 1024,
+    and a short prompt's read 2.9x less, and the bench prompts decoded 1.068x faster on a Zen 5 EPYC
     (docs/measurements.md); where the hardware prefetcher keeps up by itself (a Zen 4 EPYC) ``MatMulNBits``
-    reads fewer bytes a step, and the drafter keeps it.  Which of the two this CPU is, the export has just
-    timed on its target's one-row passes (``measure_native_kernels``): on a Zen 5 EPYC, where they ask ahead
-    by that timing, the rounded drafter decoded the bench prompts 1.068x faster (docs/measurements.md)."""
+    reads fewer bytes a step, and the drafter keeps it."""
     if not (build.carry_native and not build.gguf_blocks and options.quant == "int4"):
         return False
     if not all(rounding_pads_little(width) for width in (config.hidden_size, config.intermediate_size)):
@@ -599,8 +599,10 @@ def _export_into(
     # nothing is refused as such, not as an empty calibration later
     with stages.step("checking the target"):
         check_target_computes(staging, {"target": target_record, "context_length": options.context_length}, progress)
-    with stages.step("timing the native op's one-row passes"):
-        kernels = measure_native_kernels(staging, target_record, options.context_length, progress)
+    kernels, library = None, native_target_library(staging, target_record)
+    if library is not None:
+        with stages.step("timing the native op's one-row passes"):
+            kernels = measure_native_kernels(staging / target_record["onnx"], library, options.context_length, progress)
     if options.prompt_reader and options.quant != "fp32":
         with stages.step("building the prompt reader", "building the int8 prompt graph"):
             add_prompt_reader(staging, target_record)
@@ -660,21 +662,23 @@ def _export_into(
     return manifest
 
 
-def measure_native_kernels(staging: Path, target: dict, context_length: int, progress=None) -> dict | None:
-    """Where the target's graph runs on the native ``MatMulGGUF`` here: whether its one-row passes ask for
-    their records ahead, timed both ways on this machine (``kernel_choice``), for the manifest's
-    ``native_kernels``; None for a graph without the op or a machine where it does not run.  The choice is
-    left set in this process, so the drafter's body below is built for it (``rounds_drafter_native``)."""
+def native_target_library(staging: Path, target: dict) -> Path | None:
+    """The native library where the target's graph holds ``MatMulGGUF`` nodes and the op runs here, else None."""
     import onnx
 
-    from edge_spec.defaults import DEFAULT_THREADS
-    from edge_spec.runtime.model.kernel_choice import measure_one_row_prefetch
     from edge_spec.runtime.model.native_attention import native_matmul_route
 
-    graph = staging / target["onnx"]
-    library, _ = native_matmul_route(onnx.load(str(graph), load_external_data=False), "cpu")
-    if library is None:
-        return None
+    graph = onnx.load(str(staging / target["onnx"]), load_external_data=False)
+    return native_matmul_route(graph, "cpu")[0]
+
+
+def measure_native_kernels(graph: Path, library: Path, context_length: int, progress=None) -> dict:
+    """Whether the target ``graph``'s one-row passes on the native op ask for their records ahead, timed both
+    ways on this machine (``kernel_choice``): the manifest's ``native_kernels``.  The choice is left set in
+    this process, so the drafter's body below is built for it (``rounds_drafter_native``)."""
+    from edge_spec.defaults import DEFAULT_THREADS
+    from edge_spec.runtime.model.kernel_choice import measure_one_row_prefetch
+
     record = measure_one_row_prefetch(graph, library, threads=DEFAULT_THREADS, capacity=min(context_length, 128))
     timed = record.get("one_row_ms")
     times = f" ({timed['ahead']:.1f} ms asking ahead, {timed['none']:.1f} ms not)" if timed else ""
