@@ -27,6 +27,9 @@ from edge_spec.runtime.model.native_attention import gguf_matmul_asks_ahead, ggu
 ONE_ROW_SWITCH = "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH"
 #: how much faster (as a fraction of the slower median) a side must be to displace the vendor's rule
 MARGIN = 0.02
+#: a one-row pass shorter than this reads weights the caches hold (a test's tiny model), where asking for the
+#: next record ahead of the prefetcher is moot and the timing only the machine's noise: the vendor's rule stays
+MIN_PASS_MS = 2.0
 AHEAD, NONE = "ahead", "none"
 
 
@@ -106,7 +109,10 @@ def measure_one_row_prefetch(
 
 def decide(ms: dict[str, float], vendor: str) -> tuple[str, str]:
     """(the choice, what made it) from each side's median pass ``ms``: the faster side where it is faster by
-    more than :data:`MARGIN`, else ``vendor`` (the vendor's rule), since a closer call is the machine's noise."""
+    more than :data:`MARGIN`, else ``vendor`` (the vendor's rule), since a closer call is the machine's noise;
+    ``vendor`` too for passes shorter than :data:`MIN_PASS_MS`."""
+    if max(ms.values()) < MIN_PASS_MS:
+        return vendor, f"the vendor's rule (passes under {MIN_PASS_MS:g} ms read from the caches)"
     faster = min(ms, key=ms.__getitem__)
     if ms[faster] < (1 - MARGIN) * max(ms.values()):
         return faster, "measured"
