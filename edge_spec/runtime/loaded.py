@@ -187,8 +187,8 @@ class LoadedBundle:
             options.suffix_capacity,
             Path(options.corpus) if options.corpus is not None else None,
         )
-        if "native_kernels" in manifest and options.provider.lower() == "cpu":
-            library, _ = native_matmul_here()
+        if "native_kernels" in manifest:
+            library, _ = native_matmul_here(options.provider)
             if library is not None:  # before the sessions register it: each takes the choice in force
                 apply_kernel_choice(manifest["native_kernels"], library)
         target = Decoder(

@@ -677,16 +677,10 @@ def measure_native_kernels(graph: Path, library: Path, context_length: int, prog
     ways on this machine (``kernel_choice``): the manifest's ``native_kernels``.  The choice is left set in
     this process, so the drafter's body below is built for it (``rounds_drafter_native``)."""
     from edge_spec.defaults import DEFAULT_THREADS
-    from edge_spec.runtime.model.kernel_choice import measure_one_row_prefetch
+    from edge_spec.runtime.model.kernel_choice import measure_one_row_prefetch, record_words
 
     record = measure_one_row_prefetch(graph, library, threads=DEFAULT_THREADS, capacity=min(context_length, 128))
-    timed = record.get("one_row_ms")
-    times = f" ({timed['ahead']:.1f} ms asking ahead, {timed['none']:.1f} ms not)" if timed else ""
-    _say(
-        progress,
-        f"native op: one-row passes {'ask' if record['one_row_prefetch'] == 'ahead' else 'do not ask'} "
-        f"for their records ahead on this CPU{times}: {record['by']}",
-    )
+    _say(progress, record_words(record, "on this CPU"))
     return record
 
 

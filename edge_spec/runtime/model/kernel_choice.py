@@ -33,22 +33,38 @@ MIN_PASS_MS = 2.0
 AHEAD, NONE = "ahead", "none"
 
 
-def this_machine(library: Path) -> str:
-    """What a measurement holds for: the CPU (vendor, family, model and name, as Linux's ``/proc/cpuinfo``
-    gives them; ``platform.processor()`` elsewhere) and the op's kernels on it, which a masked CPU or
-    ``EDGE_SPEC_NATIVE_AVX512=0`` change without changing the CPU."""
+CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name")
+
+
+def cpu_fields() -> dict[str, str]:
+    """The first processor's ``CPU_FIELDS`` as Linux's ``/proc/cpuinfo`` gives them (empty elsewhere)."""
     fields: dict[str, str] = {}
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("vendor_id", "cpu family", "model", "model name") and key not in fields:
-                fields[key] = value.strip()
-            if not line.strip() and fields:
-                break  # the first processor's block is enough
-    cpu = " ".join(fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name")).strip()
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return fields
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in CPU_FIELDS and key not in fields:
+            fields[key] = value.strip()
+        if not line.strip() and fields:
+            break  # the first processor's block is enough
+    return fields
+
+
+def this_machine(library: Path) -> str:
+    """What a measurement holds for: the CPU (:func:`cpu_fields`; ``platform.processor()`` where there are
+    none) and the op's kernels on it, which a masked CPU or ``EDGE_SPEC_NATIVE_AVX512=0`` change without
+    changing the CPU."""
+    fields = cpu_fields()
+    cpu = " ".join(fields.get(k, "") for k in CPU_FIELDS).strip()
     return f"{cpu or platform.processor() or platform.machine()} / {gguf_matmul_path(library)}"
+
+
+def choice_in_force(library: Path) -> str:
+    """Whether this process's one-row passes ask ahead now: "ahead" or "none"."""
+    return AHEAD if gguf_matmul_asks_ahead(library) else NONE
 
 
 def switch_choice() -> str | None:
@@ -84,8 +100,7 @@ def measure_one_row_prefetch(
     try:
         rng = np.random.default_rng(0)
         context = max(1, min(context, capacity - 2))
-        vocab = int(decoder.prefill([1])["logits"].shape[-1])
-        decoder.reset()
+        vocab = decoder.vocab_size
         decoder.prefill([int(t) for t in rng.integers(0, vocab, context)])
         times: dict[str, list[float]] = {AHEAD: [], NONE: []}
         warm_up = 2
@@ -102,7 +117,7 @@ def measure_one_row_prefetch(
         del decoder
     ms = {side: round(1000 * statistics.median(t), 3) for side, t in times.items()}
     set_one_row_prefetch(library, None)
-    choice, by = decide(ms, AHEAD if gguf_matmul_asks_ahead(library) else NONE)
+    choice, by = decide(ms, choice_in_force(library))
     set_one_row_prefetch(library, choice)
     return {"machine": machine, "one_row_prefetch": choice, "one_row_ms": ms, "by": by}
 
@@ -125,23 +140,27 @@ def apply_kernel_choice(record: dict | None, library: Path) -> str:
     mine = record is not None and record.get("machine") == this_machine(library)
     choice = record.get("one_row_prefetch") if mine else None
     set_one_row_prefetch(library, choice if choice in (AHEAD, NONE) else None)
-    return AHEAD if gguf_matmul_asks_ahead(library) else NONE
+    return choice_in_force(library)
+
+
+def record_words(record: dict, where: str) -> str:
+    """The ``native_kernels`` record in words, its CPU said as ``where``: what the export says, and
+    ``edge-spec info`` (:func:`describe`)."""
+    timed = record.get("one_row_ms")
+    times = f" ({timed[AHEAD]:.1f} ms asking ahead, {timed[NONE]:.1f} ms not)" if timed else ""
+    asks = "ask" if record.get("one_row_prefetch") == AHEAD else "do not ask"
+    return f"native op: one-row passes {asks} for their records ahead {where}{times}: {record.get('by', '?')}"
 
 
 def describe(record: dict, library: Path | None) -> str:
     """The manifest's ``native_kernels`` record in words, and what this machine runs (``library``: the native
     op's here, None where it does not run), for ``edge-spec info``."""
-    timed = record.get("one_row_ms")
-    times = f" ({timed[AHEAD]:.1f} ms asking ahead, {timed[NONE]:.1f} ms not)" if timed else ""
-    said = (
-        f"one-row passes {'ask' if record.get('one_row_prefetch') == AHEAD else 'do not ask'} for their records ahead"
-    )
-    words = f"native op: {said} on {record.get('machine', '?')}{times}: {record.get('by', '?')}"
+    words = record_words(record, f"on {record.get('machine', '?')}")
     if library is None:
         return words + "; the op does not run here"
-    if switch_choice() is not None:
-        return words + f"; {ONE_ROW_SWITCH} decides here ({switch_choice()})"
+    asked = switch_choice()
+    if asked is not None:
+        return words + f"; {ONE_ROW_SWITCH} decides here ({asked})"
     if record.get("machine") == this_machine(library):
         return words
-    here = AHEAD if gguf_matmul_asks_ahead(library) else NONE
-    return words + f"; this machine differs and follows its vendor's rule ({here})"
+    return words + f"; this machine differs and follows its vendor's rule ({choice_in_force(library)})"

@@ -57,6 +57,7 @@ from edge_spec.native.build import kernel_identity
 from edge_spec.paths import cache_root
 from edge_spec.runtime.latency_curve import latency_at
 from edge_spec.runtime.model import huge_pages
+from edge_spec.runtime.model.kernel_choice import cpu_fields
 
 PROFILE_VERSION = 10  # 10: quick profiles time each row count twice (up the counts, then down), the rest estimated
 QUICK_LENGTH = 32  # cache length the quick profile times its passes at (its warm-up pass fills it)
@@ -145,7 +146,14 @@ def target_key(manifest: dict, provider: str, threads: int | str) -> str:
 
 
 def _runtime() -> list:
-    return [ort.__version__, platform.machine(), platform.processor(), os.cpu_count(), _cpu_model(), *kernel_identity()]
+    return [
+        ort.__version__,
+        platform.machine(),
+        platform.processor(),
+        os.cpu_count(),
+        cpu_fields().get("model name", ""),
+        *kernel_identity(),
+    ]
 
 
 def recalled(key: str) -> bool | None:
@@ -180,16 +188,6 @@ def _digest(parts: list) -> str:
 def _target_hashes(manifest: dict) -> list[str]:
     """The exact target weights, as their files' sha256."""
     return sorted(f["sha256"] for f in manifest["target"]["files"])
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def quick_rows(max_tokens: int) -> list[int]:
