@@ -1,8 +1,10 @@
 """The native op's one-row prefetch: timed by the export on its machine, recorded in the manifest, set at load
-where the bundle runs on that machine, the vendor's rule elsewhere, the environment's switch over both."""
+where the bundle runs on that machine; on another machine timed at the first load there and remembered; the
+environment's switch over all of it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -11,6 +13,7 @@ pytest.importorskip("gguf")
 
 from edge_spec.export.bundle.build import ExportOptions, export_bundle  # noqa: E402
 from edge_spec.manifest import read_manifest, write_manifest  # noqa: E402
+from edge_spec.runtime import loaded  # noqa: E402
 from edge_spec.runtime.engine import Engine  # noqa: E402
 from edge_spec.runtime.model.kernel_choice import (  # noqa: E402
     AHEAD,
@@ -22,6 +25,7 @@ from edge_spec.runtime.model.kernel_choice import (  # noqa: E402
     this_machine,
 )
 from edge_spec.runtime.model.native_attention import gguf_matmul_asks_ahead  # noqa: E402
+from edge_spec.runtime.schedule.cost_profile import kernels_key, recalled_record, remember_record  # noqa: E402
 from tests import tiny_models  # noqa: E402
 from tests.helpers import cli  # noqa: E402
 
@@ -108,24 +112,78 @@ def test_a_bundle_sets_its_recorded_choice_on_the_machine_that_measured_it(
     assert answers[other] == answers[vendor_rule]  # prefetches change no bits
 
 
-def test_a_bundle_measured_elsewhere_runs_on_this_machines_vendor_rule(
-    native_bundle, native_library, vendor_rule, tmp_path
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A cache directory of this test's own: what loads remember about the machine starts empty."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _remembered(bundle) -> dict | None:
+    return recalled_record(kernels_key(read_manifest(bundle)))
+
+
+def test_a_bundle_measured_elsewhere_times_this_machine_at_its_first_load_and_remembers(
+    native_bundle, native_library, vendor_rule, own_cache, tmp_path, monkeypatch
 ):
     other = NONE if vendor_rule == AHEAD else AHEAD
     set_one_row_prefetch(native_library, other)  # as another bundle loaded before would leave it
     record = {"machine": "another CPU / avx2", "one_row_prefetch": other, "by": "measured"}
-    Engine.from_bundle(_with_record(native_bundle, tmp_path, record), threads=1, mode="ar")
-    assert gguf_matmul_asks_ahead(native_library) == (vendor_rule == AHEAD)
+    copy = _with_record(native_bundle, tmp_path, record)
+    want = _greedy(copy, "ar")
+    timed = _remembered(copy)
+    assert timed is not None and timed["machine"] == this_machine(native_library)
+    assert (timed["one_row_prefetch"], timed["by"]) == decide(timed["one_row_ms"], vendor_rule)
+    assert gguf_matmul_asks_ahead(native_library) == (timed["one_row_prefetch"] == AHEAD)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    timing = loaded.time_one_row_passes
+    monkeypatch.setattr(loaded, "time_one_row_passes", no_timing)
+    set_one_row_prefetch(native_library, None)
+    assert _greedy(copy, "spec") == want  # the second load reads what the first one timed
+    # a machine whose timing chose the other side: a later load sets it, and the answers stay the same
+    remember_record(kernels_key(read_manifest(copy)), {**timed, "one_row_prefetch": other})
+    assert _greedy(copy, "ar") == want
+    assert gguf_matmul_asks_ahead(native_library) == (other == AHEAD)
+    # what a load kept, damaged: timed again
+    monkeypatch.setattr(loaded, "time_one_row_passes", timing)
+    key = kernels_key(read_manifest(copy))
+    for damaged in ("{not json", '["a list"]', json.dumps({**timed, "one_row_prefetch": "sideways"})):
+        (own_cache / "costs" / f"kernels-{key}.json").write_text(damaged)
+        assert _greedy(copy, "ar") == want
+        assert _remembered(copy) == {**timed, "one_row_ms": _remembered(copy)["one_row_ms"]}
 
 
-def test_info_says_what_the_export_chose_and_what_this_machine_runs(native_bundle, native_library, tmp_path):
+def test_the_environments_switch_leaves_a_bundle_from_elsewhere_untimed(
+    native_bundle, native_library, own_cache, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(ONE_ROW_SWITCH, "1")
+    copy = _with_record(native_bundle, tmp_path, {"machine": "another CPU / avx2", "one_row_prefetch": NONE})
+    _greedy(copy, "ar")
+    assert _remembered(copy) is None
+    assert gguf_matmul_asks_ahead(native_library)
+
+
+def test_info_says_what_the_export_chose_and_what_this_machine_runs(native_bundle, native_library, own_cache, tmp_path):
     record = read_manifest(native_bundle)["native_kernels"]
     said = "ask" if record["one_row_prefetch"] == AHEAD else "do not ask"
-    shown = cli("info", str(native_bundle))
-    assert shown.returncode == 0, shown.stderr
-    line = next(line for line in shown.stdout.splitlines() if line.startswith("kernels "))
+
+    def kernels_line(bundle) -> str:
+        shown = cli("info", str(bundle))
+        assert shown.returncode == 0, shown.stderr
+        return next(line for line in shown.stdout.splitlines() if line.startswith("kernels "))
+
+    line = kernels_line(native_bundle)
     assert f"one-row passes {said} for their records ahead on {this_machine(native_library)}" in line
     assert "differs" not in line
     elsewhere = _with_record(native_bundle, tmp_path, {**record, "machine": "another CPU / avx2"})
-    line = next(line for line in cli("info", str(elsewhere)).stdout.splitlines() if line.startswith("kernels "))
-    assert "this machine differs and follows its vendor's rule" in line
+    assert "this machine differs and times its own at the next load" in kernels_line(elsewhere)
+    _greedy(elsewhere, "ar")
+    timed = _remembered(elsewhere)
+    said_here = "ask" if timed["one_row_prefetch"] == AHEAD else "do not ask"
+    assert (
+        f"this machine differs and timed its own at a load: one-row passes {said_here} for their records ahead here"
+        in kernels_line(elsewhere)
+    )

@@ -90,8 +90,10 @@ def info(
     if manifest.get("native_kernels"):
         from edge_spec.runtime.model.kernel_choice import describe
         from edge_spec.runtime.model.native_attention import native_matmul_here
+        from edge_spec.runtime.schedule.cost_profile import kernels_key, recalled_record
 
-        out.print("kernels " + describe(manifest["native_kernels"], native_matmul_here()[0]))
+        remembered = recalled_record(kernels_key(manifest))
+        out.print("kernels " + describe(manifest["native_kernels"], native_matmul_here()[0], remembered))
     if costs:
         _print_costs(bundle, load, gamma, draft_head, remeasure)
 

@@ -24,7 +24,14 @@ from edge_spec.paths import find_bundle
 from edge_spec.runtime.loops import proposer_names
 from edge_spec.runtime.loops.config import LoopConfig
 from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.model.kernel_choice import apply_kernel_choice
+from edge_spec.runtime.model.kernel_choice import (
+    CHOICES,
+    apply_kernel_choice,
+    measured_here,
+    switch_choice,
+    time_one_row_passes,
+    timed_record,
+)
 from edge_spec.runtime.model.native_attention import native_matmul_here, prompt_path
 from edge_spec.runtime.model.providers import exact_min_rows
 from edge_spec.runtime.model.row_invariance import one_row_passes_match, padded_passes_match
@@ -140,6 +147,36 @@ def prompt_reader_pays(entry: dict, provider: str) -> bool:
     return library is None or prompt_path(library) == "amx"
 
 
+def settle(weight_check: WeightCheck | None) -> None:
+    """Before the machine is timed: let the weight check finish hashing, on a core the passes need (the first
+    answer waits for its verdict anyway, and gives it)."""
+    if weight_check is not None:
+        try:
+            weight_check.result()
+        except EdgeSpecError:
+            pass
+
+
+def kernels_here(manifest: dict, library: Path) -> dict | None:
+    """The native op's kernel choice for this machine: the export's record where the export ran here, else
+    the one a load timed here before (``kernel_choice``); None where this machine has not timed it yet, or
+    what it kept is damaged."""
+    for record in (manifest["native_kernels"], cost_profile.recalled_record(cost_profile.kernels_key(manifest))):
+        if measured_here(record, library) and record.get("one_row_prefetch") in CHOICES:
+            return record
+    return None
+
+
+def time_kernels_here(files: BundleFiles, target: Decoder, library: Path) -> None:
+    """A bundle's first load on a machine other than its export's: time the native op's one-row passes on the
+    target just loaded (a second or a few), set the faster and remember it for the next loads."""
+    with cost_profile.measuring("timing this machine's kernels (first run, a few seconds)"):
+        settle(files.weight_check)
+        record = timed_record(time_one_row_passes(target, library), library)
+    apply_kernel_choice(record, library)
+    cost_profile.remember_record(cost_profile.kernels_key(files.manifest), record)
+
+
 class LoadedBundle:
     """One bundle's models, tokenizer and suffix cache, loaded once for the options given, and what was
     measured about the device they run on.  Each model drafter loads on first use, each of its LM heads
@@ -187,10 +224,12 @@ class LoadedBundle:
             options.suffix_capacity,
             Path(options.corpus) if options.corpus is not None else None,
         )
+        library, record = None, None
         if "native_kernels" in manifest:
             library, _ = native_matmul_here(options.provider)
             if library is not None:  # before the sessions register it: each takes the choice in force
-                apply_kernel_choice(manifest["native_kernels"], library)
+                record = kernels_here(manifest, library)
+                apply_kernel_choice(record, library)
         target = Decoder(
             files.directory / manifest["target"]["onnx"],
             provider=options.provider,
@@ -200,6 +239,8 @@ class LoadedBundle:
             provider_options=options.provider_options,
             prompt_graph=prompt_graph(files.directory, manifest["target"], options, options.provider),
         )
+        if library is not None and record is None and switch_choice() is None:
+            time_kernels_here(files, target, library)
         return cls(files, tokenizer, target, options, suffix_cache=suffix_cache)
 
     def measure_costs(self, config: LoopConfig) -> CostProfile:
@@ -241,13 +282,7 @@ class LoadedBundle:
         return profile
 
     def _settle(self) -> None:
-        """Before the machine is timed: let the weight check finish hashing, on a core the passes need (the
-        first answer waits for its verdict anyway, and gives it)."""
-        if self.weight_check is not None:
-            try:
-                self.weight_check.result()
-            except EdgeSpecError:
-                pass
+        settle(self.weight_check)
 
     def correct_costs(self, config: LoopConfig) -> None:
         """After a request, judge the cost profile by the live passes since it was loaded: one that they

@@ -7,8 +7,10 @@ cost a Zen 4 EPYC's one-row passes 1.03-1.15x, saved a Zen 5 EPYC's 1.05-1.14x a
 (``benchmarks/native_ab.py``).  So the export times both on the target it has just built, their passes
 interleaved in one process (a shared machine's drift falls on both), and keeps the faster where it is faster
 by more than :data:`MARGIN`, the vendor's rule (ahead on Intel's cores) otherwise.  A bundle copied to another
-machine gets that machine's vendor rule, and ``EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH=1`` or ``0`` decides over
-everything.  Prefetches change no bits: the choice moves speed only, never an answer.
+machine (exported with ``--no-measure`` on a bigger one, shipped inside an application) times the same passes on
+its first load there, on the target it has just loaded, and the runtime remembers that machine's record beside its
+cost profiles (``runtime.loaded``).  ``EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH=1`` or ``0`` decides over everything.
+Prefetches change no bits: the choice moves speed only, never an answer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.model.native_attention import gguf_matmul_asks_ahead, gguf_matmul_path
 
 ONE_ROW_SWITCH = "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH"
@@ -31,6 +34,7 @@ MARGIN = 0.02
 #: next record ahead of the prefetcher is moot and the timing only the machine's noise: the vendor's rule stays
 MIN_PASS_MS = 2.0
 AHEAD, NONE = "ahead", "none"
+CHOICES = (AHEAD, NONE)
 
 
 CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name")
@@ -83,26 +87,17 @@ def set_one_row_prefetch(library: Path, choice: str | None) -> None:
     setter(-1 if choice is None else int(choice == AHEAD))
 
 
-def measure_one_row_prefetch(
-    target: Path, library: Path, *, threads: int, capacity: int, context: int = 64, repeats: int = 24
-) -> dict:
-    """Time one-row passes of the ``target`` graph after a ``context``-token prompt, asking ahead and not in
-    turn (the order reversed every other repeat), and return the manifest's record: the machine, the median
-    milliseconds of each side, the choice and what made it.  Leaves the choice set in this process, so that
-    what the export builds next (the drafter's body: ``rounds_drafter_native``) is built for it."""
-    from edge_spec.runtime.model.decoder import Decoder
-
-    machine = this_machine(library)
-    asked = switch_choice()
-    if asked is not None:
-        return {"machine": machine, "one_row_prefetch": asked, "by": ONE_ROW_SWITCH}
-    decoder = Decoder(target, threads=threads, capacity=capacity, takes_turns=True)
+def time_one_row_passes(decoder, library: Path, *, context: int = 64, repeats: int = 24) -> dict[str, float]:
+    """Median milliseconds of ``decoder``'s one-row passes after a ``context``-token prompt, asking ahead and
+    not in turn (the order reversed every other repeat, so that a machine speeding up or slowing down falls
+    on both).  Leaves the decoder's cache empty and this process on the vendor's rule."""
+    huge_pages.wait_all()  # a pass on pages still being copied runs at half speed
+    rng = np.random.default_rng(0)
+    context = max(1, min(context, decoder.capacity - 2))
+    vocab = decoder.vocab_size
+    times: dict[str, list[float]] = {AHEAD: [], NONE: []}
     try:
-        rng = np.random.default_rng(0)
-        context = max(1, min(context, capacity - 2))
-        vocab = decoder.vocab_size
         decoder.prefill([int(t) for t in rng.integers(0, vocab, context)])
-        times: dict[str, list[float]] = {AHEAD: [], NONE: []}
         warm_up = 2
         for repeat in range(warm_up + repeats):
             token = [int(rng.integers(0, vocab))]
@@ -114,12 +109,37 @@ def measure_one_row_prefetch(
                 if repeat >= warm_up:
                     times[side].append(time.perf_counter() - started)
     finally:
-        del decoder
-    ms = {side: round(1000 * statistics.median(t), 3) for side, t in times.items()}
-    set_one_row_prefetch(library, None)
+        decoder.reset()
+        set_one_row_prefetch(library, None)
+    return {side: round(1000 * statistics.median(t), 3) for side, t in times.items()}
+
+
+def timed_record(ms: dict[str, float], library: Path) -> dict:
+    """The record of a timing ``ms`` (:func:`time_one_row_passes`) on this machine, the vendor's rule in force:
+    the machine, the choice :func:`decide` makes and what made it, and the timings."""
     choice, by = decide(ms, choice_in_force(library))
-    set_one_row_prefetch(library, choice)
-    return {"machine": machine, "one_row_prefetch": choice, "one_row_ms": ms, "by": by}
+    return {"machine": this_machine(library), "one_row_prefetch": choice, "one_row_ms": ms, "by": by}
+
+
+def measure_one_row_prefetch(
+    target: Path, library: Path, *, threads: int, capacity: int, context: int = 64, repeats: int = 24
+) -> dict:
+    """Time one-row passes of the ``target`` graph (:func:`time_one_row_passes`) and return the manifest's
+    record (:func:`timed_record`).  Leaves the choice set in this process, so that what the export builds next
+    (the drafter's body: ``rounds_drafter_native``) is built for it."""
+    from edge_spec.runtime.model.decoder import Decoder
+
+    asked = switch_choice()
+    if asked is not None:
+        return {"machine": this_machine(library), "one_row_prefetch": asked, "by": ONE_ROW_SWITCH}
+    decoder = Decoder(target, threads=threads, capacity=capacity, takes_turns=True)
+    try:
+        ms = time_one_row_passes(decoder, library, context=context, repeats=repeats)
+    finally:
+        del decoder
+    record = timed_record(ms, library)
+    set_one_row_prefetch(library, record["one_row_prefetch"])
+    return record
 
 
 def decide(ms: dict[str, float], vendor: str) -> tuple[str, str]:
@@ -134,12 +154,17 @@ def decide(ms: dict[str, float], vendor: str) -> tuple[str, str]:
     return vendor, f"the vendor's rule (measured within {MARGIN:.0%})"
 
 
+def measured_here(record: dict | None, library: Path) -> bool:
+    """Whether ``record`` (a manifest's ``native_kernels``, or one remembered at a load) was measured on this
+    machine: this CPU, on the kernels the op runs here."""
+    return record is not None and record.get("machine") == this_machine(library)
+
+
 def apply_kernel_choice(record: dict | None, library: Path) -> str:
-    """Set the manifest's ``native_kernels`` choice where this is the machine that measured it, the vendor's
-    rule elsewhere; returns the choice in force ("ahead" or "none")."""
-    mine = record is not None and record.get("machine") == this_machine(library)
-    choice = record.get("one_row_prefetch") if mine else None
-    set_one_row_prefetch(library, choice if choice in (AHEAD, NONE) else None)
+    """Set ``record``'s choice where this is the machine that measured it, the vendor's rule elsewhere;
+    returns the choice in force ("ahead" or "none")."""
+    choice = record.get("one_row_prefetch") if measured_here(record, library) else None
+    set_one_row_prefetch(library, choice if choice in CHOICES else None)
     return choice_in_force(library)
 
 
@@ -152,15 +177,22 @@ def record_words(record: dict, where: str) -> str:
     return f"native op: one-row passes {asks} for their records ahead {where}{times}: {record.get('by', '?')}"
 
 
-def describe(record: dict, library: Path | None) -> str:
+def describe(record: dict, library: Path | None, remembered: dict | None = None) -> str:
     """The manifest's ``native_kernels`` record in words, and what this machine runs (``library``: the native
-    op's here, None where it does not run), for ``edge-spec info``."""
+    op's here, None where it does not run; ``remembered``: the record a load timed on this machine), for
+    ``edge-spec info``."""
     words = record_words(record, f"on {record.get('machine', '?')}")
     if library is None:
         return words + "; the op does not run here"
     asked = switch_choice()
     if asked is not None:
         return words + f"; {ONE_ROW_SWITCH} decides here ({asked})"
-    if record.get("machine") == this_machine(library):
+    if measured_here(record, library):
         return words
-    return words + f"; this machine differs and follows its vendor's rule ({choice_in_force(library)})"
+    if measured_here(remembered, library):
+        here = record_words(remembered, "here").removeprefix("native op: ")
+        return f"{words}; this machine differs and timed its own at a load: {here}"
+    return words + (
+        "; this machine differs and times its own at the next load (until then its vendor's rule: "
+        f"{choice_in_force(library)})"
+    )

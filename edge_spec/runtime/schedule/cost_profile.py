@@ -118,7 +118,9 @@ def on_measure(callback: Callable[[str], None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _measuring(what: str) -> Iterator[None]:
+def measuring(what: str) -> Iterator[None]:
+    """Within the block this machine is being measured, ``what`` saying so: every :func:`on_measure` callback
+    hears it."""
     for callback in _listeners:
         callback(what)
     try:
@@ -170,10 +172,31 @@ def remembered(key: str, check) -> bool:
     value = recalled(key)
     if value is not None:
         return value
-    with _measuring("checking this machine's arithmetic (first run)"):
+    with measuring("checking this machine's arithmetic (first run)"):
         value = bool(check())
     _store(path, {"value": value})
     return value
+
+
+def kernels_key(manifest: dict) -> str:
+    """What a timing of the native op's kernels on this device holds for: the target's weights, the CPU, the
+    runtime and the op's build (the kernel path it runs is in the record itself)."""
+    return _digest(["kernels", _target_hashes(manifest), *_runtime()])
+
+
+def recalled_record(key: str) -> dict | None:
+    """A measurement of this device stored by :func:`remember_record`; None when there is none (or it is
+    damaged: it is measured again)."""
+    try:
+        record = json.loads((cache_dir() / f"kernels-{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def remember_record(key: str, record: dict) -> None:
+    """Keep ``record`` (the native op's kernel choice timed on this device) beside the profiles."""
+    _store(cache_dir() / f"kernels-{key}.json", record)
 
 
 def pair_key(manifest: dict, drafter: dict) -> str:
@@ -361,7 +384,7 @@ def load_or_measure(
         why = f"the one before it was measured while other processes used {cached.busy:.0%} of the CPU"
     else:
         return _watch(cached)
-    with _measuring(
+    with measuring(
         "measuring this machine's speed (first run, a few seconds)"
         if cached is None
         else "measuring this machine's speed again (a few seconds)"
