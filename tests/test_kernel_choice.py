@@ -187,3 +187,29 @@ def test_info_says_what_the_export_chose_and_what_this_machine_runs(native_bundl
         f"this machine differs and timed its own at a load: one-row passes {said_here} for their records ahead here"
         in kernels_line(elsewhere)
     )
+
+
+def test_the_first_load_on_another_machine_times_its_kernels_in_the_measuring_stage(
+    native_bundle, native_library, vendor_rule, own_cache, tmp_path, monkeypatch
+):
+    record = {"machine": "another CPU / avx2", "one_row_prefetch": NONE, "by": "measured"}
+    copy = _with_record(native_bundle, tmp_path, record)
+    events: list[tuple[str, float | None]] = []
+    timing = loaded.time_one_row_passes
+
+    def timed(*args, **kwargs):
+        events.append(("timing", None))
+        return timing(*args, **kwargs)
+
+    monkeypatch.setattr(loaded, "time_one_row_passes", timed)
+    for first in (True, False):
+        events.clear()
+        engine = Engine.from_bundle(
+            copy, threads=1, mode="ar", on_progress=lambda p: events.append((p.stage, p.fraction))
+        )
+        engine.close()
+        if first:  # an ar load measures nothing else: the timing is the stage
+            at = events.index(("timing", None))
+            assert events[at - 1] == ("measuring", 0.0) and events[at + 1] == ("measuring", 1.0)
+        else:  # timed once: the next load reads the record
+            assert {stage for stage, _ in events} == {"reading", "verifying"}

@@ -147,16 +147,6 @@ def prompt_reader_pays(entry: dict, provider: str) -> bool:
     return library is None or prompt_path(library) == "amx"
 
 
-def settle(weight_check: WeightCheck | None) -> None:
-    """Before the machine is timed: let the weight check finish hashing, on a core the passes need (the first
-    answer waits for its verdict anyway, and gives it)."""
-    if weight_check is not None:
-        try:
-            weight_check.result()
-        except EdgeSpecError:
-            pass
-
-
 def kernels_here(manifest: dict, library: Path) -> dict | None:
     """The native op's kernel choice for this machine: the export's record where the export ran here, else
     the one a load timed here before (``kernel_choice``); None where this machine has not timed it yet, or
@@ -165,16 +155,6 @@ def kernels_here(manifest: dict, library: Path) -> dict | None:
         if measured_here(record, library) and record.get("one_row_prefetch") in CHOICES:
             return record
     return None
-
-
-def time_kernels_here(files: BundleFiles, target: Decoder, library: Path) -> None:
-    """A bundle's first load on a machine other than its export's: time the native op's one-row passes on the
-    target just loaded (a second or a few), set the faster and remember it for the next loads."""
-    with cost_profile.measuring("timing this machine's kernels (first run, a few seconds)"):
-        settle(files.weight_check)
-        record = timed_record(time_one_row_passes(target, library), library)
-    apply_kernel_choice(record, library)
-    cost_profile.remember_record(cost_profile.kernels_key(files.manifest), record)
 
 
 class LoadedBundle:
@@ -208,6 +188,7 @@ class LoadedBundle:
         self._padded_exact: bool | None = None  # see exact_available
         self._profile_key = ""
         self._profile_calls: tuple[dict[int, int], dict[int, int]] = ({}, {})  # passes before the live ones
+        self.kernels_untimed: Path | None = None  # see time_kernels
 
     @classmethod
     def load(cls, files: BundleFiles, options: LoadOptions, *, takes_turns: bool) -> LoadedBundle:
@@ -224,12 +205,14 @@ class LoadedBundle:
             options.suffix_capacity,
             Path(options.corpus) if options.corpus is not None else None,
         )
-        library, record = None, None
+        untimed = None  # the native op's library where this machine has not timed its kernels for this bundle
         if "native_kernels" in manifest:
             library, _ = native_matmul_here(options.provider)
             if library is not None:  # before the sessions register it: each takes the choice in force
                 record = kernels_here(manifest, library)
                 apply_kernel_choice(record, library)
+                if record is None and switch_choice() is None:
+                    untimed = library
         target = Decoder(
             files.directory / manifest["target"]["onnx"],
             provider=options.provider,
@@ -239,9 +222,22 @@ class LoadedBundle:
             provider_options=options.provider_options,
             prompt_graph=prompt_graph(files.directory, manifest["target"], options, options.provider),
         )
-        if library is not None and record is None and switch_choice() is None:
-            time_kernels_here(files, target, library)
-        return cls(files, tokenizer, target, options, suffix_cache=suffix_cache)
+        bundle = cls(files, tokenizer, target, options, suffix_cache=suffix_cache)
+        bundle.kernels_untimed = untimed
+        return bundle
+
+    def time_kernels(self) -> None:
+        """A bundle's first load on a machine other than its export's (``kernels_untimed``): time the native
+        op's one-row passes on the loaded target (a second or a few), set the faster and remember it beside
+        the cost profiles for the next loads (``kernel_choice``).  Before the cost profile, which it changes."""
+        library, self.kernels_untimed = self.kernels_untimed, None
+        if library is None:
+            return
+        with cost_profile.measuring("timing this machine's kernels (first run, a few seconds)"):
+            self._settle()
+            record = timed_record(time_one_row_passes(self.target, library), library)
+        apply_kernel_choice(record, library)
+        cost_profile.remember_record(cost_profile.kernels_key(self.manifest), record)
 
     def measure_costs(self, config: LoopConfig) -> CostProfile:
         """Load (or measure quickly once and cache) this device's cost profile for the drafter ``config``
@@ -282,7 +278,13 @@ class LoadedBundle:
         return profile
 
     def _settle(self) -> None:
-        settle(self.weight_check)
+        """Before the machine is timed: let the weight check finish hashing, on a core the passes need (the
+        first answer waits for its verdict anyway, and gives it)."""
+        if self.weight_check is not None:
+            try:
+                self.weight_check.result()
+            except EdgeSpecError:
+                pass
 
     def correct_costs(self, config: LoopConfig) -> None:
         """After a request, judge the cost profile by the live passes since it was loaded: one that they

@@ -91,9 +91,11 @@ def _load_models(
         tracker.report("reading", 1.0)
         if tracker.active and not options.verify:
             tracker.wait_for(files.weight_check)
-        if speculative:
+        if speculative or loaded.kernels_untimed is not None:
             tracker.report("measuring", 0.0)
-            engine.measure_costs()
+            loaded.time_kernels()
+            if speculative:
+                engine.measure_costs()
             tracker.report("measuring", 1.0)
         return engine
     except BaseException:
