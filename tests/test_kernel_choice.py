@@ -119,8 +119,12 @@ def own_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def _remembered(bundle) -> dict | None:
-    return recalled_record(kernels_key(read_manifest(bundle)))
+def _key(bundle, library) -> str:
+    return kernels_key(read_manifest(bundle), this_machine(library))
+
+
+def _remembered(bundle, library) -> dict | None:
+    return recalled_record(_key(bundle, library))
 
 
 def test_a_bundle_measured_elsewhere_times_this_machine_at_its_first_load_and_remembers(
@@ -131,7 +135,7 @@ def test_a_bundle_measured_elsewhere_times_this_machine_at_its_first_load_and_re
     record = {"machine": "another CPU / avx2", "one_row_prefetch": other, "by": "measured"}
     copy = _with_record(native_bundle, tmp_path, record)
     want = _greedy(copy, "ar")
-    timed = _remembered(copy)
+    timed = _remembered(copy, native_library)
     assert timed is not None and timed["machine"] == this_machine(native_library)
     assert (timed["one_row_prefetch"], timed["by"]) == decide(timed["one_row_ms"], vendor_rule)
     assert gguf_matmul_asks_ahead(native_library) == (timed["one_row_prefetch"] == AHEAD)
@@ -144,16 +148,17 @@ def test_a_bundle_measured_elsewhere_times_this_machine_at_its_first_load_and_re
     set_one_row_prefetch(native_library, None)
     assert _greedy(copy, "spec") == want  # the second load reads what the first one timed
     # a machine whose timing chose the other side: a later load sets it, and the answers stay the same
-    remember_record(kernels_key(read_manifest(copy)), {**timed, "one_row_prefetch": other})
+    remember_record(_key(copy, native_library), {**timed, "one_row_prefetch": other})
     assert _greedy(copy, "ar") == want
     assert gguf_matmul_asks_ahead(native_library) == (other == AHEAD)
     # what a load kept, damaged: timed again
     monkeypatch.setattr(loaded, "time_one_row_passes", timing)
-    key = kernels_key(read_manifest(copy))
+    key = _key(copy, native_library)
     for damaged in ("{not json", '["a list"]', json.dumps({**timed, "one_row_prefetch": "sideways"})):
         (own_cache / "costs" / f"kernels-{key}.json").write_text(damaged)
         assert _greedy(copy, "ar") == want
-        assert _remembered(copy) == {**timed, "one_row_ms": _remembered(copy)["one_row_ms"]}
+        again = _remembered(copy, native_library)
+        assert again == {**timed, "one_row_ms": again["one_row_ms"]}
 
 
 def test_the_environments_switch_leaves_a_bundle_from_elsewhere_untimed(
@@ -162,7 +167,7 @@ def test_the_environments_switch_leaves_a_bundle_from_elsewhere_untimed(
     monkeypatch.setenv(ONE_ROW_SWITCH, "1")
     copy = _with_record(native_bundle, tmp_path, {"machine": "another CPU / avx2", "one_row_prefetch": NONE})
     _greedy(copy, "ar")
-    assert _remembered(copy) is None
+    assert _remembered(copy, native_library) is None
     assert gguf_matmul_asks_ahead(native_library)
 
 
@@ -181,7 +186,7 @@ def test_info_says_what_the_export_chose_and_what_this_machine_runs(native_bundl
     elsewhere = _with_record(native_bundle, tmp_path, {**record, "machine": "another CPU / avx2"})
     assert "this machine differs and times its own at the next load" in kernels_line(elsewhere)
     _greedy(elsewhere, "ar")
-    timed = _remembered(elsewhere)
+    timed = _remembered(elsewhere, native_library)
     said_here = "ask" if timed["one_row_prefetch"] == AHEAD else "do not ask"
     assert (
         f"this machine differs and timed its own at a load: one-row passes {said_here} for their records ahead here"
@@ -213,3 +218,10 @@ def test_the_first_load_on_another_machine_times_its_kernels_in_the_measuring_st
             assert events[at - 1] == ("measuring", 0.0) and events[at + 1] == ("measuring", 1.0)
         else:  # timed once: the next load reads the record
             assert {stage for stage, _ in events} == {"reading", "verifying"}
+
+
+def test_what_a_load_remembers_is_kept_apart_per_kernel_path(native_bundle):
+    manifest = read_manifest(native_bundle)
+    assert kernels_key(manifest, "AuthenticAMD 26 2 AMD EPYC / avx512") != kernels_key(
+        manifest, "AuthenticAMD 26 2 AMD EPYC / avx2"
+    )

@@ -29,6 +29,7 @@ from edge_spec.runtime.model.kernel_choice import (
     apply_kernel_choice,
     measured_here,
     switch_choice,
+    this_machine,
     time_one_row_passes,
     timed_record,
 )
@@ -151,7 +152,8 @@ def kernels_here(manifest: dict, library: Path) -> dict | None:
     """The native op's kernel choice for this machine: the export's record where the export ran here, else
     the one a load timed here before (``kernel_choice``); None where this machine has not timed it yet, or
     what it kept is damaged."""
-    for record in (manifest["native_kernels"], cost_profile.recalled_record(cost_profile.kernels_key(manifest))):
+    remembered = cost_profile.recalled_record(cost_profile.kernels_key(manifest, this_machine(library)))
+    for record in (manifest["native_kernels"], remembered):
         if measured_here(record, library) and record.get("one_row_prefetch") in CHOICES:
             return record
     return None
@@ -237,7 +239,7 @@ class LoadedBundle:
             self._settle()
             record = timed_record(time_one_row_passes(self.target, library), library)
         apply_kernel_choice(record, library)
-        cost_profile.remember_record(cost_profile.kernels_key(self.manifest), record)
+        cost_profile.remember_record(cost_profile.kernels_key(self.manifest, record["machine"]), record)
 
     def measure_costs(self, config: LoopConfig) -> CostProfile:
         """Load (or measure quickly once and cache) this device's cost profile for the drafter ``config``

@@ -178,10 +178,11 @@ def remembered(key: str, check) -> bool:
     return value
 
 
-def kernels_key(manifest: dict) -> str:
-    """What a timing of the native op's kernels on this device holds for: the target's weights, the CPU, the
-    runtime and the op's build (the kernel path it runs is in the record itself)."""
-    return _digest(["kernels", _target_hashes(manifest), *_runtime()])
+def kernels_key(manifest: dict, machine: str) -> str:
+    """What a timing of the native op's kernels on this device holds for: the target's weights, the
+    ``machine`` (``kernel_choice.this_machine``: the CPU and the kernels the op runs on it), the runtime and
+    the op's build."""
+    return _digest(["kernels", _target_hashes(manifest), machine, *_runtime()])
 
 
 def recalled_record(key: str) -> dict | None:
