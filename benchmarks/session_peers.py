@@ -255,15 +255,31 @@ class LlamaServer:
             "--no-webui",
             *self.flags,
         ]
+        self.command = command
         self.log_path = log_dir / f"llama-server-{mode}.log"
         self.log_file = self.log_path.open("w")
         log(f"starting llama-server ({mode}): {shlex.join(command[1:])}")
-        self.proc = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.command, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             self.wait_ready()
         except BaseException:
             self.close()  # a server that never became ready is not left behind
             raise
+
+    @property
+    def learns(self) -> bool:
+        """Whether the server drafts from what its earlier requests answered (its n-gram tables): a prompt
+        asked again would be drafted from its own earlier answer."""
+        return self.mode in ("ngram-mod", "ngram-cache")
+
+    def restart(self, warmup_ids: list[int]) -> None:
+        """The same server started afresh (its n-gram tables empty), warmed up as at the start."""
+        self.stop()
+        self.start()
+        self.warm_up(warmup_ids, 0.0, 0)
 
     def failure(self, what: str) -> SystemExit:
         tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
@@ -339,13 +355,16 @@ class LlamaServer:
         if expected not in types or (self.mode == "plain" and types != ["none"]):
             raise SystemExit(f"llama-server ({self.mode}) runs speculative types {','.join(types)}, not {expected}")
 
-    def close(self) -> None:
+    def stop(self) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def close(self) -> None:
+        self.stop()
         self.log_file.close()
 
 

@@ -23,7 +23,8 @@ machine's speed hits all alike), greedy, ``--new-tokens`` (64) at most, stopping
   (``llamacpp draft``: the 0.5B drafter GGUF, ``--spec-type draft-simple``, ``--spec-draft-n-max``
   ``--llamacpp-draft-max``, 3 by default, its own default) and ``ngram-mod`` (``llamacpp ngram-mod``:
   its hashed n-gram pool at its defaults, which learns from every request the server answers, as a
-  long-running server's does); ``--llamacpp-modes`` picks.  Each prompt goes to ``/completion`` as our
+  long-running server's does; with ``--repeats`` the server starts afresh before each repeat of a prompt,
+  which it would otherwise draft from its own earlier answer); ``--llamacpp-modes`` picks.  Each prompt goes to ``/completion`` as our
   token ids, greedy (temperature 0, no top-k/p cut), read whole: ``cache_prompt`` false and no prompt
   cache in RAM (``--cache-ram 0``).
 * **edge-spec** (this venv): ``ar`` in an engine loaded for it alone, the bundle's default drafter head
@@ -565,7 +566,8 @@ def main() -> None:
         "--repeats",
         type=int,
         default=1,
-        help="runs per prompt and engine; the fastest decode and, apart, the soonest first token are kept",
+        help="runs per prompt and engine; the fastest decode and, apart, the soonest first token are kept "
+        "(llama.cpp's ngram-mod server is started afresh before each repeat: it would draft from its own answer)",
     )
     parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--report", type=Path, help="print the tables of a saved run (its JSON) and stop")
@@ -670,7 +672,7 @@ def main() -> None:
         records = []
         for index, item in enumerate(items):
             fastest: dict[str, dict] = {}
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
                 for peer, worker in workers.items():
                     ar_ids = None
                     for k in [0, *args.k]:
@@ -680,6 +682,8 @@ def main() -> None:
                         keep_fastest(fastest, run)
                 plain_ids = None
                 for mode, server in servers.items():
+                    if repeat and server.learns:  # not drafted from its own answer to this prompt a repeat ago
+                        server.restart(warmup_ids)
                     answer = server.run(item["ids"], args.new_tokens, 0.0, 0, eos)
                     run = llamacpp().record_of(server.engine, answer)
                     run["mode"] = mode
