@@ -88,12 +88,12 @@ def info(
             f"{e.get('default_head', 'full')}{layout}"
         )
     if manifest.get("native_kernels"):
-        from edge_spec.runtime.model.kernel_choice import describe, this_machine
+        from edge_spec.runtime.loaded import remembered_kernels
+        from edge_spec.runtime.model.kernel_choice import describe
         from edge_spec.runtime.model.native_attention import native_matmul_here
-        from edge_spec.runtime.schedule.cost_profile import kernels_key, recalled_record
 
         library = native_matmul_here()[0]
-        remembered = recalled_record(kernels_key(manifest, this_machine(library))) if library is not None else None
+        remembered = remembered_kernels(manifest, library) if library is not None else None
         out.print("kernels " + describe(manifest["native_kernels"], library, remembered))
     if costs:
         _print_costs(bundle, load, gamma, draft_head, remeasure)

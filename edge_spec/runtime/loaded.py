@@ -25,7 +25,6 @@ from edge_spec.runtime.loops import proposer_names
 from edge_spec.runtime.loops.config import LoopConfig
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.kernel_choice import (
-    CHOICES,
     apply_kernel_choice,
     measured_here,
     switch_choice,
@@ -148,13 +147,17 @@ def prompt_reader_pays(entry: dict, provider: str) -> bool:
     return library is None or prompt_path(library) == "amx"
 
 
+def remembered_kernels(manifest: dict, library: Path) -> dict | None:
+    """The native op's kernel record a load of this bundle timed on this machine and kept (None: none yet)."""
+    return cost_profile.recalled_record(cost_profile.kernels_key(manifest, this_machine(library)))
+
+
 def kernels_here(manifest: dict, library: Path) -> dict | None:
     """The native op's kernel choice for this machine: the export's record where the export ran here, else
     the one a load timed here before (``kernel_choice``); None where this machine has not timed it yet, or
     what it kept is damaged."""
-    remembered = cost_profile.recalled_record(cost_profile.kernels_key(manifest, this_machine(library)))
-    for record in (manifest["native_kernels"], remembered):
-        if measured_here(record, library) and record.get("one_row_prefetch") in CHOICES:
+    for record in (manifest["native_kernels"], remembered_kernels(manifest, library)):
+        if measured_here(record, library):
             return record
     return None
 
@@ -172,7 +175,10 @@ class LoadedBundle:
         options: LoadOptions,
         *,
         suffix_cache: SuffixCache | None = None,
+        kernels_untimed: Path | None = None,
     ) -> None:
+        """``kernels_untimed``: the native op's library where this machine has not timed the op's kernels for
+        this bundle yet (:meth:`time_kernels`)."""
         self.bundle_dir = files.directory
         self.manifest = files.manifest
         self.weight_check = files.weight_check  # answers wait for its verdict
@@ -190,7 +196,7 @@ class LoadedBundle:
         self._padded_exact: bool | None = None  # see exact_available
         self._profile_key = ""
         self._profile_calls: tuple[dict[int, int], dict[int, int]] = ({}, {})  # passes before the live ones
-        self.kernels_untimed: Path | None = None  # see time_kernels
+        self.kernels_untimed = kernels_untimed
 
     @classmethod
     def load(cls, files: BundleFiles, options: LoadOptions, *, takes_turns: bool) -> LoadedBundle:
@@ -207,7 +213,7 @@ class LoadedBundle:
             options.suffix_capacity,
             Path(options.corpus) if options.corpus is not None else None,
         )
-        untimed = None  # the native op's library where this machine has not timed its kernels for this bundle
+        untimed = None
         if "native_kernels" in manifest:
             library, _ = native_matmul_here(options.provider)
             if library is not None:  # before the sessions register it: each takes the choice in force
@@ -224,9 +230,7 @@ class LoadedBundle:
             provider_options=options.provider_options,
             prompt_graph=prompt_graph(files.directory, manifest["target"], options, options.provider),
         )
-        bundle = cls(files, tokenizer, target, options, suffix_cache=suffix_cache)
-        bundle.kernels_untimed = untimed
-        return bundle
+        return cls(files, tokenizer, target, options, suffix_cache=suffix_cache, kernels_untimed=untimed)
 
     def time_kernels(self) -> None:
         """A bundle's first load on a machine other than its export's (``kernels_untimed``): time the native

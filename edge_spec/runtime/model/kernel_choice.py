@@ -155,16 +155,19 @@ def decide(ms: dict[str, float], vendor: str) -> tuple[str, str]:
 
 
 def measured_here(record: dict | None, library: Path) -> bool:
-    """Whether ``record`` (a manifest's ``native_kernels``, or one remembered at a load) was measured on this
-    machine: this CPU, on the kernels the op runs here."""
-    return record is not None and record.get("machine") == this_machine(library)
+    """Whether ``record`` (a manifest's ``native_kernels``, or one remembered at a load) is a choice measured on
+    this machine: this CPU, on the kernels the op runs here (a damaged one is none)."""
+    return (
+        record is not None
+        and record.get("machine") == this_machine(library)
+        and record.get("one_row_prefetch") in CHOICES
+    )
 
 
 def apply_kernel_choice(record: dict | None, library: Path) -> str:
     """Set ``record``'s choice where this is the machine that measured it, the vendor's rule elsewhere;
     returns the choice in force ("ahead" or "none")."""
-    choice = record.get("one_row_prefetch") if measured_here(record, library) else None
-    set_one_row_prefetch(library, choice if choice in CHOICES else None)
+    set_one_row_prefetch(library, record["one_row_prefetch"] if measured_here(record, library) else None)
     return choice_in_force(library)
 
 

@@ -158,12 +158,18 @@ def _runtime() -> list:
     ]
 
 
+def _read_json(path: Path) -> object | None:
+    """A cached JSON file's contents; None where there is none or it does not parse (measured again)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def recalled(key: str) -> bool | None:
     """A yes/no fact about this device as cached by :func:`remembered`; None when not checked yet."""
-    try:
-        return bool(json.loads((cache_dir() / f"fact-{key}.json").read_text())["value"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    fact = _read_json(cache_dir() / f"fact-{key}.json")
+    return bool(fact["value"]) if isinstance(fact, dict) and "value" in fact else None
 
 
 def remembered(key: str, check) -> bool:
@@ -188,10 +194,7 @@ def kernels_key(manifest: dict, machine: str) -> str:
 def recalled_record(key: str) -> dict | None:
     """A measurement of this device stored by :func:`remember_record`; None when there is none (or it is
     damaged: it is measured again)."""
-    try:
-        record = json.loads((cache_dir() / f"kernels-{key}.json").read_text())
-    except (OSError, ValueError):
-        return None
+    record = _read_json(cache_dir() / f"kernels-{key}.json")
     return record if isinstance(record, dict) else None
 
 
