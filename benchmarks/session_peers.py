@@ -120,6 +120,8 @@ X86_FEATURES = {
 TARGET_GGUF = ROOT / "models" / "gguf" / f"{spec_peers.TARGET}.gguf"
 DRAFT_GGUF = ROOT / "models" / "gguf" / f"{spec_peers.DRAFT}.gguf"
 LLAMACPP_MODES = ("plain", "draft", "ngram-mod", "ngram-cache")
+#: the modes whose server drafts from n-gram tables fed by every answer it gives (``LlamaServer.learns``)
+LEARNING_MODES = frozenset({"ngram-mod", "ngram-cache"})
 OURS_MODES = ("ar", "spec", "spec-nocache")
 PEERS = ("llamacpp", "genai")
 OUTPUT = ROOT / "bench-results" / "sessions"
@@ -273,7 +275,7 @@ class LlamaServer:
     def learns(self) -> bool:
         """Whether the server drafts from what its earlier requests answered (its n-gram tables): a prompt
         asked again would be drafted from its own earlier answer."""
-        return self.mode in ("ngram-mod", "ngram-cache")
+        return self.mode in LEARNING_MODES
 
     def restart(self, warmup_ids: list[int]) -> None:
         """The same server started afresh (its n-gram tables empty), warmed up as at the start."""

@@ -148,6 +148,25 @@ def llamacpp():
     return session_peers
 
 
+def llamacpp_runs(servers: dict, ids: list[int], repeat: int, new_tokens: int, eos, warmup_ids) -> list[dict]:
+    """One answer to prompt ``ids`` from each llama.cpp server (mode: server, plain first), each compared with
+    plain's.  A server that learns from its answers (``ngram-mod``) is started afresh before a prompt's repeats,
+    so that a repeat is not drafted from its own earlier answer to the same prompt, as ours is not."""
+    runs, plain_ids = [], None
+    for mode, server in servers.items():
+        if repeat and server.learns:
+            server.restart(warmup_ids)
+        answer = server.run(ids, new_tokens, 0.0, 0, eos)
+        run = llamacpp().record_of(server.engine, answer)
+        run["mode"] = mode
+        if mode == "plain":
+            plain_ids = answer["ids"]
+        elif plain_ids is not None:
+            run["identical_to_ar"] = answer["ids"] == plain_ids
+        runs.append(run)
+    return runs
+
+
 # --------------------------------------------------------------------------- preparation (cached)
 
 
@@ -680,17 +699,7 @@ def main() -> None:
                         ar_ids = answer["ids"] if not k else ar_ids
                         run = peer_record(peer, k, answer, ar_ids)
                         keep_fastest(fastest, run)
-                plain_ids = None
-                for mode, server in servers.items():
-                    if repeat and server.learns:  # not drafted from its own answer to this prompt a repeat ago
-                        server.restart(warmup_ids)
-                    answer = server.run(item["ids"], args.new_tokens, 0.0, 0, eos)
-                    run = llamacpp().record_of(server.engine, answer)
-                    run["mode"] = mode
-                    if mode == "plain":
-                        plain_ids = answer["ids"]
-                    elif plain_ids is not None:
-                        run["identical_to_ar"] = answer["ids"] == plain_ids
+                for run in llamacpp_runs(servers, item["ids"], repeat, args.new_tokens, eos, warmup_ids):
                     keep_fastest(fastest, run)
                 for run in ours.run(item) if ours else []:
                     keep_fastest(fastest, run)

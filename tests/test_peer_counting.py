@@ -167,6 +167,41 @@ def test_spec_peers_runs_llama_cpp_plain_draft_and_ngram_mod(session_peers):
     assert "llamacpp" in spec_peers.PEERS
 
 
+class _LearningServer:
+    """A stand-in ``llama-server`` whose answers draw on what it answered before, as ``ngram-mod``'s tables do:
+    its answer to a prompt it has seen since it started is marked, and a restart forgets."""
+
+    def __init__(self, session_peers, mode: str) -> None:
+        self.mode, self.engine, self.seen, self.restarts = mode, f"llamacpp {mode}", set(), 0
+        self.learns = session_peers.LlamaServer.learns.fget(self)
+
+    def restart(self, warmup_ids) -> None:
+        self.seen.clear()
+        self.restarts += 1
+
+    def run(self, ids, new_tokens, temperature, seed, eos) -> dict:
+        drafted_from_itself = self.learns and tuple(ids) in self.seen
+        self.seen.add(tuple(ids))
+        return {"ids": [1, 2, 3], "new_tokens": 3, "decode_seconds": 0.5 if drafted_from_itself else 1.0}
+
+
+def test_repeats_restart_the_llama_cpp_modes_that_learn_from_their_answers(session_peers):
+    """A prompt's repeats are timed afresh in every llama.cpp mode: a mode whose n-gram tables learn from its
+    answers is restarted before each repeat after the first, a plain server is left running."""
+    import spec_peers
+
+    servers = {mode: _LearningServer(session_peers, mode) for mode in ("plain", "ngram-mod", "ngram-cache")}
+    assert [s.learns for s in servers.values()] == [False, True, True]
+    speeds = []
+    for repeat in range(3):
+        runs = spec_peers.llamacpp_runs(servers, [5, 6, 7], repeat, 3, set(), [9])
+        assert [r["mode"] for r in runs] == list(servers)
+        assert all(r["identical_to_ar"] for r in runs[1:])
+        speeds.append([r["tokens_per_second"] for r in runs])
+    assert speeds[0] == speeds[1] == speeds[2] == [2.0, 2.0, 2.0]  # no repeat drafted from its own answer
+    assert [s.restarts for s in servers.values()] == [0, 2, 2]
+
+
 def _prompt_tokens_read(decoder) -> int:
     return sum(n * calls for n, calls in decoder.stats.prefill_calls.items())
 
