@@ -241,6 +241,33 @@ def test_a_measured_one_row_choice_holds_until_forgotten_and_the_switch_decides_
     assert done.stdout.split() == (want or f"ahead none {vendor}").split()
 
 
+SET_FAR_AND_ASK = """
+import ctypes, sys
+library = ctypes.CDLL(sys.argv[1])
+library.EdgeSpecGGUFFarPrefetch.restype = ctypes.c_char_p
+answers = []
+for rows in (2, 1, 0, 8, -1):
+    library.EdgeSpecGGUFSetFarRows(rows)
+    answers.append(library.EdgeSpecGGUFFarPrefetch().decode().replace(" ", "_"))
+print(" ".join(answers))
+"""
+
+
+@pytest.mark.parametrize("switch, want", [("", None), ("1", "far " * 5), ("0", "near " * 5)])
+def test_a_measured_far_choice_holds_until_forgotten_and_the_switch_decides_over_it(native_library, switch, want):
+    env = {**os.environ, "EDGE_SPEC_NATIVE_FAR_PREFETCH": switch}
+    done = subprocess.run(
+        [sys.executable, "-c", SET_FAR_AND_ASK, str(native_library)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    vendor = native_kernels(native_library, "EdgeSpecGGUFFarPrefetch", {"EDGE_SPEC_NATIVE_FAR_PREFETCH": ""})
+    measured = f"far_from_2_rows far near far_from_8_rows {vendor.replace(' ', '_')}"
+    assert done.stdout.split() == (want or measured).split()
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("n", [80, 37])  # more records than the far prefetch's distance; a padded last record
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])

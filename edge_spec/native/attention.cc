@@ -48,6 +48,7 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api);  // gguf_matmul.cc
 const char* gguf_matmul_path();
 bool gguf_one_row_prefetch();
 void gguf_set_one_row_prefetch(int choice);
+void gguf_set_far_rows(int rows);
 bool gguf_far_prefetch();
 const char* gguf_far_prefetch_words();
 const char* gguf_matmul_prompt_path();
@@ -769,8 +770,9 @@ struct Pass {  // what one call's work items share
 
 constexpr int kCacheTile = 32;  // keys or value rows a tile: what stays in L1 while every query reads it
 
-// On Intel's cores (where the matmuls' far prefetch is on: gguf_far_prefetch, EDGE_SPEC_NATIVE_FAR_PREFETCH) a
-// decode or verify pass over a float16 cache asks, as it reads each tile of keys or values back, for the tile
+// On Intel's cores (where the matmuls' far prefetch is on by the vendor's rule: gguf_far_prefetch,
+// EDGE_SPEC_NATIVE_FAR_PREFETCH) a decode or verify pass over a float16 cache asks, as it reads each tile of keys
+// or values back, for the tile
 // kFarTiles on into L2, beside the keys' next tile into L1 (Ahead).  A one-row pass of the default target after
 // 2,800 tokens 1.03x faster on an Intel Xeon with AMX (1.04x on the AVX2 kernels), nothing after 256; 2 tiles on
 // as much, 8 no more, 64 slower (a read ahead that runs past a window's end costs bandwidth no row uses).
@@ -1670,8 +1672,12 @@ __attribute__((visibility("default"))) void EdgeSpecGGUFSetOneRowPrefetch(int ch
   edge_spec::gguf_set_one_row_prefetch(choice);
 }
 
-// which of MatMulGGUF's passes also ask far ahead, into the second level: "far" (every pass, and the attention's
-// decode passes too), "far from N rows" (passes of N rows and more) or "near" (none)
+// sets the fewest rows of MatMulGGUF's passes that also ask far ahead in this process, as measured on this
+// machine: N, or 0 for no pass, or -1 for the vendor's rule again (EDGE_SPEC_NATIVE_FAR_PREFETCH decides over it)
+__attribute__((visibility("default"))) void EdgeSpecGGUFSetFarRows(int rows) { edge_spec::gguf_set_far_rows(rows); }
+
+// which of MatMulGGUF's passes also ask far ahead, into the second level, now: "far" (every pass), "far from N
+// rows" (passes of N rows and more) or "near" (none)
 __attribute__((visibility("default"))) const char* EdgeSpecGGUFFarPrefetch() {
   return edge_spec::gguf_far_prefetch_words();
 }

@@ -266,13 +266,17 @@ void tile_q6k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
 // asking for records 2 to 4 on into the first level instead gained 1.02-1.03x, into the second level 1.08-1.10x,
 // and 8 records on beat 4 and 16 (benchmarks/native_ab.py).  On a Zen 5 EPYC the hardware prefetcher keeps up
 // with passes of one and two rows (1.01-1.05x slower with it), not with verify passes of more: 4 to 16 rows ran
-// 1.06-1.15x faster with it after 256 tokens and 1.09-1.13x after 2,800.  So every pass on Intel's cores,
-// passes of kFarRowsElsewhere rows and more on others, unless EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise (1:
-// every pass, 0: none).
+// 1.06-1.15x faster with it after 256 tokens and 1.09-1.13x after 2,800.  Other cores' prefetchers differ, so a
+// bundle's export (or its first load on another machine) times passes of a few row counts both ways and sets
+// the fewest rows that gain (EdgeSpecGGUFSetFarRows, edge_spec.runtime.model.kernel_choice); with no
+// measurement, the vendor's rule: every pass on Intel's cores, passes of kFarRowsElsewhere rows and more on
+// others.  EDGE_SPEC_NATIVE_FAR_PREFETCH decides over both (1: every pass, 0: none).  Prefetches change no bits.
 constexpr int kFarEveryPass = 1;
 constexpr int kFarRowsElsewhere = 4;
 constexpr int kFarNever = 1 << 30;
-int g_far_rows = kFarNever;
+std::atomic<int> g_far_rows{kFarNever};
+// what a measurement on this machine chose: the fewest rows that ask far (kFarNever: none), 0 nothing measured
+std::atomic<int> g_far_rows_measured{0};
 
 #ifdef ES_X86
 constexpr int kFarRecords = 8;
@@ -332,7 +336,7 @@ __attribute__((target(ES_AVX512), always_inline)) inline void q4k_minimum_pairs_
 template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const bool far = Ahead && NR >= g_far_rows;
+  const bool far = Ahead && NR >= g_far_rows.load(std::memory_order_relaxed);
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
     const uint8_t* lines = R + 320;
@@ -401,7 +405,7 @@ __attribute__((target(ES_AVX512), always_inline)) inline void q6k_codes_avx512(c
 
 template <int NR>
 __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
-  const bool far = NR >= g_far_rows;
+  const bool far = NR >= g_far_rows.load(std::memory_order_relaxed);
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
     const uint8_t* lines = R + 288;
@@ -541,7 +545,7 @@ __attribute__((target(ES_AVX2), always_inline)) inline void q4k_half_end_avx2(co
 // integer the AVX-512 kernel forms, in a third of the instructions of one madd per step.
 template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
-  const bool far = Ahead && NR >= g_far_rows;
+  const bool far = Ahead && NR >= g_far_rows.load(std::memory_order_relaxed);
   for (int r = 0; r < NR; ++r) {
     _mm256_storeu_ps(out + r * kTile, _mm256_setzero_ps());
     _mm256_storeu_ps(out + r * kTile + 8, _mm256_setzero_ps());
@@ -614,7 +618,7 @@ void tile_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows,
 template <int NR, bool Ahead = true>
 __attribute__((target(ES_AVX2 ",avxvnni"))) void rows_q4k_avxvnni(const uint8_t* rec, int blocks, const Q8Row* rows,
                                                                   float* out) {
-  const bool far = Ahead && NR >= g_far_rows;
+  const bool far = Ahead && NR >= g_far_rows.load(std::memory_order_relaxed);
   for (int r = 0; r < NR; ++r) {
     _mm256_storeu_ps(out + r * kTile, _mm256_setzero_ps());
     _mm256_storeu_ps(out + r * kTile + 8, _mm256_setzero_ps());
@@ -672,7 +676,7 @@ __attribute__((target(ES_AVX2))) void tile_q6k_avx2(const uint8_t* rec, int bloc
   for (int r = 0; r < nrows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i low2 = _mm256_set1_epi8(0x03);
-  const bool far = nrows >= g_far_rows;
+  const bool far = nrows >= g_far_rows.load(std::memory_order_relaxed);
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ6KRecord;
     for (int r = 0; r < nrows; ++r) total[r][0] = total[r][1] = _mm256_setzero_si256();
@@ -1377,25 +1381,38 @@ void gguf_set_one_row_prefetch(int choice) {
   g_one_row_ahead = gguf_one_row_prefetch();
 }
 
-// the fewest rows of a pass whose kernels also ask for records kFarRecords on (see g_far_rows)
-int gguf_far_rows() {
+// the vendor's rule for the fewest rows of a far-asking pass, unless EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise
+int far_rows_by_rule() {
   if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '1')) return kFarEveryPass;
   if (switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '0')) return kFarNever;
   return intel_cores() ? kFarEveryPass : kFarRowsElsewhere;
 }
 
-// whether every pass, one-row passes included, asks far ahead: on Intel's cores, unless
-// EDGE_SPEC_NATIVE_FAR_PREFETCH says otherwise
-bool gguf_far_prefetch() { return gguf_far_rows() == kFarEveryPass; }
+// the fewest rows of a pass whose kernels also ask for records kFarRecords on (see g_far_rows): as
+// EDGE_SPEC_NATIVE_FAR_PREFETCH says, else as measured on this machine (gguf_set_far_rows), else the vendor's rule
+int gguf_far_rows() {
+  const bool switched =
+      switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '1') || switch_is("EDGE_SPEC_NATIVE_FAR_PREFETCH", '0');
+  const int measured = g_far_rows_measured.load();
+  return switched || measured == 0 ? far_rows_by_rule() : measured;
+}
 
-// which passes ask far ahead, in words: "far" (every pass), "far from N rows" or "near" (none)
+// what a measurement chose as the fewest rows of a far-asking pass (0: no pass; -1: forget it, the vendor's rule),
+// from now on for every session of this process; the environment's switch still decides over it.  Changes no bits.
+void gguf_set_far_rows(int rows) {
+  g_far_rows_measured = rows < 0 ? 0 : (rows == 0 ? kFarNever : rows);
+  g_far_rows = gguf_far_rows();
+}
+
+// whether the vendor's rule (or the switch) has every pass ask far ahead: on Intel's cores, where the attention's
+// reads of a float16 cache ask far ahead too (measured there alone)
+bool gguf_far_prefetch() { return far_rows_by_rule() == kFarEveryPass; }
+
+// which passes ask far ahead now, in words: "far" (every pass), "far from N rows" or "near" (none)
 const char* gguf_far_prefetch_words() {
-  static const std::string words = [] {
-    const int rows = gguf_far_rows();
-    if (rows == kFarEveryPass) return std::string("far");
-    if (rows == kFarNever) return std::string("near");
-    return "far from " + std::to_string(rows) + " rows";
-  }();
+  thread_local std::string words;
+  const int rows = gguf_far_rows();
+  words = rows == kFarEveryPass ? "far" : rows >= kFarNever ? "near" : "far from " + std::to_string(rows) + " rows";
   return words.c_str();
 }
 

@@ -28,9 +28,9 @@ from edge_spec.runtime.model.kernel_choice import (
     apply_kernel_choice,
     measured_here,
     switch_choice,
+    switch_far_rows,
     this_machine,
-    time_one_row_passes,
-    timed_record,
+    time_kernels,
 )
 from edge_spec.runtime.model.native_attention import native_matmul_here, prompt_path
 from edge_spec.runtime.model.providers import exact_min_rows
@@ -219,7 +219,7 @@ class LoadedBundle:
             if library is not None:  # before the sessions register it: each takes the choice in force
                 record = kernels_here(manifest, library)
                 apply_kernel_choice(record, library)
-                if record is None and switch_choice() is None:
+                if record is None and switch_choice() is None and switch_far_rows() is None:
                     untimed = library
         target = Decoder(
             files.directory / manifest["target"]["onnx"],
@@ -234,15 +234,14 @@ class LoadedBundle:
 
     def time_kernels(self) -> None:
         """A bundle's first load on a machine other than its export's (``kernels_untimed``): time the native
-        op's one-row passes on the loaded target (a second or a few), set the faster and remember it beside
-        the cost profiles for the next loads (``kernel_choice``).  Before the cost profile, which it changes."""
+        op's prefetch choices on the loaded target (a few seconds), set the faster and remember them beside
+        the cost profiles for the next loads (``kernel_choice``).  Before the cost profile, which they change."""
         library, self.kernels_untimed = self.kernels_untimed, None
         if library is None:
             return
         with cost_profile.measuring("timing this machine's kernels (first run, a few seconds)"):
             self._settle()
-            record = timed_record(time_one_row_passes(self.target, library), library)
-        apply_kernel_choice(record, library)
+            record = time_kernels(self.target, library)
         cost_profile.remember_record(cost_profile.kernels_key(self.manifest, record["machine"]), record)
 
     def measure_costs(self, config: LoopConfig) -> CostProfile:

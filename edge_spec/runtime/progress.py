@@ -12,7 +12,7 @@ A desktop application shows a bar while a bundle loads and lets the user give up
 ``measuring``
     this machine's cost profile, read from the cache or, on a first load, measured (a few seconds); and on a
     bundle's first load on a machine other than its export's, in every mode, the native op's kernels timed
-    (a second or a few, ``runtime.model.kernel_choice``).
+    (about 5 s, ``runtime.model.kernel_choice``).
 
 Each stage reports 0.0 first and 1.0 last; ``fraction`` in between counts bytes (files hashed, model
 files read).  A cancel is seen at the next report: between hashed blocks, between the models, and

@@ -601,7 +601,7 @@ def _export_into(
         check_target_computes(staging, {"target": target_record, "context_length": options.context_length}, progress)
     kernels, library = None, native_target_library(staging, target_record)
     if library is not None:
-        with stages.step("timing the native op's one-row passes"):
+        with stages.step("timing the native op's prefetches"):
             kernels = measure_native_kernels(staging / target_record["onnx"], library, options.context_length, progress)
     if options.prompt_reader and options.quant != "fp32":
         with stages.step("building the prompt reader", "building the int8 prompt graph"):
@@ -673,13 +673,13 @@ def native_target_library(staging: Path, target: dict) -> Path | None:
 
 
 def measure_native_kernels(graph: Path, library: Path, context_length: int, progress=None) -> dict:
-    """Whether the target ``graph``'s one-row passes on the native op ask for their records ahead, timed both
-    ways on this machine (``kernel_choice``): the manifest's ``native_kernels``.  The choice is left set in
-    this process, so the drafter's body below is built for it (``rounds_drafter_native``)."""
+    """Which prefetches the target ``graph``'s passes on the native op ask for, each timed both ways on this
+    machine (``kernel_choice``): the manifest's ``native_kernels``.  The choices are left set in this process,
+    so the drafter's body below is built for them (``rounds_drafter_native``)."""
     from edge_spec.defaults import DEFAULT_THREADS
-    from edge_spec.runtime.model.kernel_choice import measure_one_row_prefetch, record_words
+    from edge_spec.runtime.model.kernel_choice import measure_kernels, record_words
 
-    record = measure_one_row_prefetch(graph, library, threads=DEFAULT_THREADS, capacity=min(context_length, 128))
+    record = measure_kernels(graph, library, threads=DEFAULT_THREADS, capacity=min(context_length, 128))
     _say(progress, record_words(record, "on this CPU"))
     return record
 

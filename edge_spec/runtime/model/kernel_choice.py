@@ -1,16 +1,19 @@
-"""Whether the native ``MatMulGGUF``'s one-row passes ask for their records ahead: measured per machine by the
-export, recorded in the manifest, set by the runtime where the bundle runs on the machine that measured it.
+"""Which prefetches the native ``MatMulGGUF``'s passes ask for: measured per machine by the export, recorded in
+the manifest, set by the runtime where the bundle runs on the machine that measured it.
 
 A one-row pass (every target-only token, every drafter step over the op) streams the weights at the memory's
 pace, and whether software prefetches help it depends on the core's own prefetchers, not on its vendor: they
 cost a Zen 4 EPYC's one-row passes 1.03-1.15x, saved a Zen 5 EPYC's 1.05-1.14x and an Intel Xeon's 1.28x
-(``benchmarks/native_ab.py``).  So the export times both on the target it has just built, their passes
-interleaved in one process (a shared machine's drift falls on both), and keeps the faster where it is faster
-by more than :data:`MARGIN`, the vendor's rule (ahead on Intel's cores) otherwise.  A bundle copied to another
+(``benchmarks/native_ab.py``).  The same holds for asking for a record eight on, into the second level ("far"):
+it made an Intel Xeon's passes of every size 1.15-1.20x faster, a Zen 5 EPYC's verify passes of four rows and
+more 1.06-1.15x and its one- and two-row passes 1.01-1.05x slower.  So the export times both ways of each on
+the target it has just built, their passes interleaved in one process (a shared machine's drift falls on both):
+one-row passes asking ahead and not, then passes of :data:`FAR_ROWS` rows asking far and not, and keeps the
+faster where it is faster by more than :data:`MARGIN`, the vendor's rule otherwise.  A bundle copied to another
 machine (exported with ``--no-measure`` on a bigger one, shipped inside an application) times the same passes on
 its first load there, on the target it has just loaded, and the runtime remembers that machine's record beside its
-cost profiles (``runtime.loaded``).  ``EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH=1`` or ``0`` decides over everything.
-Prefetches change no bits: the choice moves speed only, never an answer.
+cost profiles (``runtime.loaded``).  ``EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH`` and ``EDGE_SPEC_NATIVE_FAR_PREFETCH``
+(``1`` or ``0``) decide over everything.  Prefetches change no bits: the choices move speed only, never an answer.
 """
 
 from __future__ import annotations
@@ -20,14 +23,26 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from edge_spec.runtime.model import huge_pages
-from edge_spec.runtime.model.native_attention import gguf_matmul_asks_ahead, gguf_matmul_path
+from edge_spec.runtime.model.native_attention import (
+    gguf_matmul_asks_ahead,
+    gguf_matmul_far_words,
+    gguf_matmul_path,
+)
 
 ONE_ROW_SWITCH = "EDGE_SPEC_NATIVE_ONE_ROW_PREFETCH"
+FAR_SWITCH = "EDGE_SPEC_NATIVE_FAR_PREFETCH"
+#: the pass sizes timed asking far ahead and not: a drafter's or target-only step, and verify passes of short
+#: to long drafts (the op's kernels take rows in groups of up to eight)
+FAR_ROWS = (1, 2, 4, 8)
+#: ``far_from_rows`` of a record where no pass asks far ahead
+NO_PASS = 0
 #: how much faster (as a fraction of the slower median) a side must be to displace the vendor's rule
 MARGIN = 0.02
 #: a one-row pass shorter than this reads weights the caches hold (a test's tiny model), where asking for the
@@ -87,59 +102,132 @@ def set_one_row_prefetch(library: Path, choice: str | None) -> None:
     setter(-1 if choice is None else int(choice == AHEAD))
 
 
-def time_one_row_passes(decoder, library: Path, *, context: int = 64, repeats: int = 24) -> dict[str, float]:
-    """Median milliseconds of ``decoder``'s one-row passes after a ``context``-token prompt, asking ahead and
-    not in turn (the order reversed every other repeat, so that a machine speeding up or slowing down falls
-    on both).  Leaves the decoder's cache empty and this process on the vendor's rule."""
-    huge_pages.wait_all()  # a pass on pages still being copied runs at half speed
-    rng = np.random.default_rng(0)
-    context = max(1, min(context, decoder.capacity - 2))
+def set_far_rows(library: Path, rows: int | None) -> None:
+    """Make this process's passes of ``rows`` rows and more ask far ahead (:data:`NO_PASS`: none), or follow
+    the vendor's rule again (None), in every session of ``library`` from now on; the environment's switch
+    decides over it."""
+    setter = getattr(ctypes.CDLL(str(library)), "EdgeSpecGGUFSetFarRows", None)
+    if setter is None:
+        return  # a library from before the choice: its vendor rule stays
+    setter.argtypes = [ctypes.c_int]
+    setter(-1 if rows is None else rows)
+
+
+def far_rows_in_force(library: Path) -> int:
+    """The fewest rows of a pass that asks far ahead in this process now (:data:`NO_PASS`: none)."""
+    words = gguf_matmul_far_words(library)
+    if words == "far":
+        return 1
+    if words.startswith("far from "):
+        return int(words.split()[2])
+    return NO_PASS
+
+
+def switch_far_rows() -> int | None:
+    """What ``EDGE_SPEC_NATIVE_FAR_PREFETCH`` asks for (1: every pass, :data:`NO_PASS`), or None where unset."""
+    value = os.environ.get(FAR_SWITCH, "")
+    return {"1": 1, "0": NO_PASS}.get(value[:1])
+
+
+def _interleaved_passes(
+    decoder, sides: dict[str, Callable[[], None]], rows: int, context: int, repeats: int, rng
+) -> dict[str, float]:
+    """Median milliseconds of ``decoder``'s passes of ``rows`` new tokens after ``context`` tokens (already in
+    its cache), each side set by its function before its pass, the sides' order reversed every other repeat,
+    so that a machine speeding up or slowing down falls on all of them."""
+    times: dict[str, list[float]] = {side: [] for side in sides}
     vocab = decoder.vocab_size
-    times: dict[str, list[float]] = {AHEAD: [], NONE: []}
-    try:
-        decoder.prefill([int(t) for t in rng.integers(0, vocab, context)])
-        warm_up = 2
-        for repeat in range(warm_up + repeats):
-            token = [int(rng.integers(0, vocab))]
-            for side in (AHEAD, NONE) if repeat % 2 == 0 else (NONE, AHEAD):
-                set_one_row_prefetch(library, side)
-                decoder.rewind(context)
-                started = time.perf_counter()
-                decoder.forward(token, 1)
-                if repeat >= warm_up:
-                    times[side].append(time.perf_counter() - started)
-    finally:
-        decoder.reset()
-        set_one_row_prefetch(library, None)
+    warm_up = 2
+    for repeat in range(warm_up + repeats):
+        tokens = [int(t) for t in rng.integers(0, vocab, rows)]
+        for side in list(sides) if repeat % 2 == 0 else list(sides)[::-1]:
+            sides[side]()
+            decoder.rewind(context)
+            started = time.perf_counter()
+            decoder.forward(tokens, rows)
+            if repeat >= warm_up:
+                times[side].append(time.perf_counter() - started)
     return {side: round(1000 * statistics.median(t), 3) for side, t in times.items()}
 
 
-def timed_record(ms: dict[str, float], library: Path) -> dict:
-    """The record of a timing ``ms`` (:func:`time_one_row_passes`) on this machine, the vendor's rule in force:
-    the machine, the choice :func:`decide` makes and what made it, and the timings."""
-    choice, by = decide(ms, choice_in_force(library))
-    return {"machine": this_machine(library), "one_row_prefetch": choice, "one_row_ms": ms, "by": by}
+def _timing(decoder, context: int, measure: Callable[[int, object], dict]) -> dict:
+    """``measure(context, rng)`` over ``decoder`` with a random ``context``-token prompt in its cache (at most
+    what its capacity leaves for a pass of eight rows); leaves the cache empty."""
+    huge_pages.wait_all()  # a pass on pages still being copied runs at half speed
+    rng = np.random.default_rng(0)
+    context = max(1, min(context, decoder.capacity - max(FAR_ROWS) - 1))
+    try:
+        decoder.prefill([int(t) for t in rng.integers(0, decoder.vocab_size, context)])
+        return measure(context, rng)
+    finally:
+        decoder.reset()
 
 
-def measure_one_row_prefetch(
-    target: Path, library: Path, *, threads: int, capacity: int, context: int = 64, repeats: int = 24
-) -> dict:
-    """Time one-row passes of the ``target`` graph (:func:`time_one_row_passes`) and return the manifest's
-    record (:func:`timed_record`).  Leaves the choice set in this process, so that what the export builds next
-    (the drafter's body: ``rounds_drafter_native``) is built for it."""
+def time_one_row_passes(decoder, library: Path, *, context: int = 64, repeats: int = 24) -> dict[str, float]:
+    """Median milliseconds of ``decoder``'s one-row passes after a ``context``-token prompt, asking ahead and
+    not in turn.  Leaves the decoder's cache empty and this process on the vendor's rule."""
+    sides = {side: partial(set_one_row_prefetch, library, side) for side in CHOICES}
+    try:
+        return _timing(decoder, context, lambda at, rng: _interleaved_passes(decoder, sides, 1, at, repeats, rng))
+    finally:
+        set_one_row_prefetch(library, None)
+
+
+def time_far_passes(
+    decoder, library: Path, *, rows: tuple[int, ...] = FAR_ROWS, context: int = 64, repeats: int = 12
+) -> dict[str, dict[str, float]]:
+    """Median milliseconds of ``decoder``'s passes of each of ``rows`` rows after a ``context``-token prompt,
+    asking far ahead ("far") and not ("near") in turn, by row count (as a string: the record is JSON).  Leaves
+    the decoder's cache empty and this process's far prefetch on the vendor's rule."""
+    sides = {"far": partial(set_far_rows, library, 1), "near": partial(set_far_rows, library, NO_PASS)}
+
+    def measure(at: int, rng) -> dict[str, dict[str, float]]:
+        return {str(n): _interleaved_passes(decoder, sides, n, at, repeats, rng) for n in rows}
+
+    try:
+        return _timing(decoder, context, measure)
+    finally:
+        set_far_rows(library, None)
+
+
+def time_kernels(decoder, library: Path) -> dict:
+    """Time ``decoder``'s passes both ways of each choice (:func:`time_one_row_passes`, then, the one-row
+    choice set, :func:`time_far_passes`) and return this machine's record: the machine, each choice
+    (:func:`decide`, :func:`decide_far`, against the vendor's rules) and what made it, and the timings; a
+    choice the environment's switch makes is recorded untimed.  Leaves the choices set in this process."""
+    set_one_row_prefetch(library, None)
+    set_far_rows(library, None)
+    record: dict = {"machine": this_machine(library)}
+    if switch_choice() is not None:
+        record.update(one_row_prefetch=switch_choice(), by=ONE_ROW_SWITCH)
+    else:
+        vendor = choice_in_force(library)
+        ms = time_one_row_passes(decoder, library)
+        choice, by = decide(ms, vendor)
+        record.update(one_row_prefetch=choice, one_row_ms=ms, by=by)
+    set_one_row_prefetch(library, record["one_row_prefetch"])  # one-row passes are timed far as they will run
+    if switch_far_rows() is not None:
+        record.update(far_from_rows=switch_far_rows(), far_by=FAR_SWITCH)
+    else:
+        vendor_rows = far_rows_in_force(library)
+        ms = time_far_passes(decoder, library)
+        rows, by = decide_far(ms, vendor_rows)
+        record.update(far_from_rows=rows, far_ms=ms, far_by=by)
+    set_far_rows(library, record["far_from_rows"])
+    return record
+
+
+def measure_kernels(target: Path, library: Path, *, threads: int, capacity: int) -> dict:
+    """Time passes of the ``target`` graph (:func:`time_kernels`) and return the manifest's record.  Leaves
+    the choices set in this process, so that what the export builds next (the drafter's body:
+    ``rounds_drafter_native``) is built for them."""
     from edge_spec.runtime.model.decoder import Decoder
 
-    asked = switch_choice()
-    if asked is not None:
-        return {"machine": this_machine(library), "one_row_prefetch": asked, "by": ONE_ROW_SWITCH}
     decoder = Decoder(target, threads=threads, capacity=capacity, takes_turns=True)
     try:
-        ms = time_one_row_passes(decoder, library, context=context, repeats=repeats)
+        return time_kernels(decoder, library)
     finally:
         del decoder
-    record = timed_record(ms, library)
-    set_one_row_prefetch(library, record["one_row_prefetch"])
-    return record
 
 
 def decide(ms: dict[str, float], vendor: str) -> tuple[str, str]:
@@ -154,21 +242,60 @@ def decide(ms: dict[str, float], vendor: str) -> tuple[str, str]:
     return vendor, f"the vendor's rule (measured within {MARGIN:.0%})"
 
 
+def decide_far(ms: dict[str, dict[str, float]], vendor_rows: int) -> tuple[int, str]:
+    """(the fewest rows of a pass that asks far ahead, :data:`NO_PASS` for none; what made it) from each pass
+    size's median passes ``ms`` (:func:`time_far_passes`): the sizes from which on every size timed is faster
+    asking far, a size within :data:`MARGIN` either way counting as the vendor's rule (``vendor_rows``) has it;
+    ``vendor_rows`` itself where no size differs by more, or passes are shorter than :data:`MIN_PASS_MS`."""
+    if max(max(sides.values()) for sides in ms.values()) < MIN_PASS_MS:
+        return vendor_rows, f"the vendor's rule (passes under {MIN_PASS_MS:g} ms read from the caches)"
+
+    def asks_far(rows: int) -> bool | None:
+        far, near = ms[str(rows)]["far"], ms[str(rows)]["near"]
+        return True if far < (1 - MARGIN) * near else False if near < (1 - MARGIN) * far else None
+
+    verdicts = {rows: asks_far(rows) for rows in sorted(int(n) for n in ms)}
+    if all(v is None for v in verdicts.values()):
+        return vendor_rows, f"the vendor's rule (measured within {MARGIN:.0%})"
+    chosen = NO_PASS
+    for rows in sorted(verdicts, reverse=True):
+        vendor_asks = vendor_rows != NO_PASS and rows >= vendor_rows
+        if not (vendor_asks if verdicts[rows] is None else verdicts[rows]):
+            break
+        chosen = rows
+    return chosen, "measured"
+
+
+def _valid_rows(rows) -> bool:
+    return isinstance(rows, int) and not isinstance(rows, bool) and rows >= NO_PASS
+
+
 def measured_here(record: dict | None, library: Path) -> bool:
-    """Whether ``record`` (a manifest's ``native_kernels``, or one remembered at a load) is a choice measured on
-    this machine: this CPU, on the kernels the op runs here (a damaged one is none)."""
+    """Whether ``record`` (a manifest's ``native_kernels``, or one remembered at a load) holds choices measured
+    on this machine: this CPU, on the kernels the op runs here (a damaged one, or one without the far choice,
+    is none)."""
     return (
-        record is not None
+        isinstance(record, dict)
         and record.get("machine") == this_machine(library)
         and record.get("one_row_prefetch") in CHOICES
+        and _valid_rows(record.get("far_from_rows"))
     )
 
 
 def apply_kernel_choice(record: dict | None, library: Path) -> str:
-    """Set ``record``'s choice where this is the machine that measured it, the vendor's rule elsewhere;
-    returns the choice in force ("ahead" or "none")."""
-    set_one_row_prefetch(library, record["one_row_prefetch"] if measured_here(record, library) else None)
+    """Set ``record``'s choices where this is the machine that measured them, the vendor's rules elsewhere;
+    returns the one-row choice in force ("ahead" or "none")."""
+    here = measured_here(record, library)
+    set_one_row_prefetch(library, record["one_row_prefetch"] if here else None)
+    set_far_rows(library, record["far_from_rows"] if here else None)
     return choice_in_force(library)
+
+
+def far_words(rows: int) -> str:
+    """Which passes ask far ahead, in words."""
+    if rows == NO_PASS:
+        return "no pass asks far ahead"
+    return "every pass asks far ahead" if rows == 1 else f"passes of {rows} rows and more ask far ahead"
 
 
 def record_words(record: dict, where: str) -> str:
@@ -177,7 +304,16 @@ def record_words(record: dict, where: str) -> str:
     timed = record.get("one_row_ms")
     times = f" ({timed[AHEAD]:.1f} ms asking ahead, {timed[NONE]:.1f} ms not)" if timed else ""
     asks = "ask" if record.get("one_row_prefetch") == AHEAD else "do not ask"
-    return f"native op: one-row passes {asks} for their records ahead {where}{times}: {record.get('by', '?')}"
+    words = f"native op: one-row passes {asks} for their records ahead {where}{times}: {record.get('by', '?')}"
+    if not _valid_rows(record.get("far_from_rows")):
+        return words
+    far = record.get("far_ms") or {}
+    times = ", ".join(f"{n} {'row' if n == '1' else 'rows'} {t['far']:.1f}/{t['near']:.1f} ms" for n, t in far.items())
+    return (
+        f"{words}; {far_words(record['far_from_rows'])}"
+        + (f" (far/near: {times})" if times else "")
+        + (f": {record.get('far_by', '?')}")
+    )
 
 
 def describe(record: dict, library: Path | None, remembered: dict | None = None) -> str:
@@ -187,15 +323,22 @@ def describe(record: dict, library: Path | None, remembered: dict | None = None)
     words = record_words(record, f"on {record.get('machine', '?')}")
     if library is None:
         return words + "; the op does not run here"
-    asked = switch_choice()
-    if asked is not None:
-        return words + f"; {ONE_ROW_SWITCH} decides here ({asked})"
+    switched = [name for name in (ONE_ROW_SWITCH, FAR_SWITCH) if os.environ.get(name, "")[:1] in ("0", "1")]
+    if switched:
+        decides = "decides" if len(switched) == 1 else "decide"
+        return words + f"; {' and '.join(switched)} {decides} here ({in_force(library)})"
     if measured_here(record, library):
         return words
+    why = "this machine differs" if record.get("machine") != this_machine(library) else "the record is incomplete"
     if measured_here(remembered, library):
         here = record_words(remembered, "here").removeprefix("native op: ")
-        return f"{words}; this machine differs and timed its own at a load: {here}"
+        return f"{words}; {why} and a load timed this machine's own: {here}"
     return words + (
-        "; this machine differs and times its own at the next load (until then its vendor's rule: "
-        f"{choice_in_force(library)})"
+        f"; {why} and the next load times this machine's own (until then the vendor's rules: {in_force(library)})"
     )
+
+
+def in_force(library: Path) -> str:
+    """What this process's passes ask for now, in words."""
+    asks = "ask" if choice_in_force(library) == AHEAD else "do not ask"
+    return f"one-row passes {asks} ahead, {far_words(far_rows_in_force(library))}"

@@ -135,6 +135,12 @@ def gguf_matmul_asks_ahead(library: Path) -> bool:
     return _library_answer(library, "EdgeSpecGGUFOneRowPrefetch", "none") == "ahead"
 
 
+def gguf_matmul_far_words(library: Path) -> str:
+    """Which of the native ``MatMulGGUF``'s passes ask for records far ahead in this process now: "far" (every
+    pass), "far from N rows" or "near" (none)."""
+    return _library_answer(library, "EdgeSpecGGUFFarPrefetch", "near")
+
+
 def native_matmul_route(model: onnx.ModelProto, provider: str) -> tuple[Path | None, str]:
     """Where ``model``'s own native ops (``MatMulGGUF``: a bundle exported with ``--gguf-layout native``) run:
     ``(library, "")`` to register when the native op runs here, ``(None, why)`` when it does not and the
