@@ -24,6 +24,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -191,29 +192,23 @@ def time_far_passes(
 
 
 def time_kernels(decoder, library: Path) -> dict:
-    """Time ``decoder``'s passes both ways of each choice (:func:`time_one_row_passes`, then, the one-row
-    choice set, :func:`time_far_passes`) and return this machine's record: the machine, each choice
-    (:func:`decide`, :func:`decide_far`, against the vendor's rules) and what made it, and the timings; a
-    choice the environment's switch makes is recorded untimed.  Leaves the choices set in this process."""
-    set_one_row_prefetch(library, None)
-    set_far_rows(library, None)
+    """Time ``decoder``'s passes both ways of each choice (:data:`KERNEL_CHOICES`, in turn, each set before
+    the next is timed) and return this machine's record: the machine, each choice (against the vendor's
+    rule) and what made it, and the timings; a choice the environment's switch makes is recorded untimed.
+    Leaves the choices set in this process."""
+    for choice in KERNEL_CHOICES:
+        choice.set(library, None)
     record: dict = {"machine": this_machine(library)}
-    if switch_choice() is not None:
-        record.update(one_row_prefetch=switch_choice(), by=ONE_ROW_SWITCH)
-    else:
-        vendor = choice_in_force(library)
-        ms = time_one_row_passes(decoder, library)
-        choice, by = decide(ms, vendor)
-        record.update(one_row_prefetch=choice, one_row_ms=ms, by=by)
-    set_one_row_prefetch(library, record["one_row_prefetch"])  # one-row passes are timed far as they will run
-    if switch_far_rows() is not None:
-        record.update(far_from_rows=switch_far_rows(), far_by=FAR_SWITCH)
-    else:
-        vendor_rows = far_rows_in_force(library)
-        ms = time_far_passes(decoder, library)
-        rows, by = decide_far(ms, vendor_rows)
-        record.update(far_from_rows=rows, far_ms=ms, far_by=by)
-    set_far_rows(library, record["far_from_rows"])
+    for choice in KERNEL_CHOICES:
+        asked = choice.switch()
+        if asked is not None:
+            record.update({choice.key: asked, choice.by: choice.switch_name})
+        else:
+            vendor = choice.in_force(library)
+            ms = choice.time(decoder, library)
+            made, by = choice.decide(ms, vendor)
+            record.update({choice.key: made, choice.timings: ms, choice.by: by})
+        choice.set(library, record[choice.key])
     return record
 
 
@@ -266,6 +261,49 @@ def decide_far(ms: dict[str, dict[str, float]], vendor_rows: int) -> tuple[int, 
     return chosen, "measured"
 
 
+@dataclass(frozen=True)
+class KernelChoice:
+    """One of the op's per-machine choices: its record's fields, its switch, and how it is timed, decided
+    and set."""
+
+    key: str  # the record's field for the choice
+    timings: str  # ... for its timings
+    by: str  # ... for what made it
+    switch_name: str
+    switch: Callable[[], object]  # what the environment asks for, None where unset
+    in_force: Callable[[Path], object]
+    time: Callable[[object, Path], dict]
+    decide: Callable[[dict, object], tuple[object, str]]
+    set: Callable[[Path, object], None]
+
+
+#: the choices in the order they are timed: one-row passes are timed asking far as they will run
+KERNEL_CHOICES = (
+    KernelChoice(
+        key="one_row_prefetch",
+        timings="one_row_ms",
+        by="by",
+        switch_name=ONE_ROW_SWITCH,
+        switch=switch_choice,
+        in_force=choice_in_force,
+        time=time_one_row_passes,
+        decide=decide,
+        set=set_one_row_prefetch,
+    ),
+    KernelChoice(
+        key="far_from_rows",
+        timings="far_ms",
+        by="far_by",
+        switch_name=FAR_SWITCH,
+        switch=switch_far_rows,
+        in_force=far_rows_in_force,
+        time=time_far_passes,
+        decide=decide_far,
+        set=set_far_rows,
+    ),
+)
+
+
 def _valid_rows(rows) -> bool:
     return isinstance(rows, int) and not isinstance(rows, bool) and rows >= NO_PASS
 
@@ -286,8 +324,8 @@ def apply_kernel_choice(record: dict | None, library: Path) -> str:
     """Set ``record``'s choices where this is the machine that measured them, the vendor's rules elsewhere;
     returns the one-row choice in force ("ahead" or "none")."""
     here = measured_here(record, library)
-    set_one_row_prefetch(library, record["one_row_prefetch"] if here else None)
-    set_far_rows(library, record["far_from_rows"] if here else None)
+    for choice in KERNEL_CHOICES:
+        choice.set(library, record[choice.key] if here else None)
     return choice_in_force(library)
 
 
@@ -323,7 +361,7 @@ def describe(record: dict, library: Path | None, remembered: dict | None = None)
     words = record_words(record, f"on {record.get('machine', '?')}")
     if library is None:
         return words + "; the op does not run here"
-    switched = [name for name in (ONE_ROW_SWITCH, FAR_SWITCH) if os.environ.get(name, "")[:1] in ("0", "1")]
+    switched = [choice.switch_name for choice in KERNEL_CHOICES if choice.switch() is not None]
     if switched:
         decides = "decides" if len(switched) == 1 else "decide"
         return words + f"; {' and '.join(switched)} {decides} here ({in_force(library)})"
