@@ -62,6 +62,8 @@ def tokenizer_record(bundle_dir: Path) -> dict:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+#: the ``gguf_layout`` values whose graphs multiply GGUF's Q4_K (and Q6_K) blocks under the native ``MatMulGGUF`` op
+NATIVE_LAYOUTS = ("native", "compact")
 ROLES = ("tokenizer", "target", "draft", "eagle")  # entries with file records (eagle, tokenizer: optional)
 _HEAD_FILES = ("onnx", "vocab_ids", "rows", "scales", "always_ids", "universe")
 

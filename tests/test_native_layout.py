@@ -43,7 +43,7 @@ def weights():
 
 
 def _path(weights, folder, **options):
-    name = "native" if options.get("carry_native") else "lean"
+    name = "compact" if options.get("carry_compact") else "native" if options.get("carry_native") else "lean"
     path = folder / f"{name}.onnx"
     if not path.exists():
         save_model(build_decoder(weights, BuildOptions("int4", context_length=64, **options)), path)
@@ -72,6 +72,37 @@ def test_the_native_layout_multiplies_ggufs_blocks(weights, native_library, tmp_
     assert not np.array_equal(native, lean)
     assert np.corrcoef(native.ravel(), lean.ravel())[0, 1] > 0.999
     assert (native.argmax(-1) == lean.argmax(-1)).mean() >= 0.9
+
+
+def _gguf_types(path) -> list[int]:
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    return [next(a.i for a in n.attribute if a.name == "type") for n in nodes if n.op_type == "MatMulGGUF"]
+
+
+def test_the_compact_layout_rounds_the_layers_q6_k_blocks_to_q4_k(weights, native_library, tmp_path):
+    native = _path(weights, tmp_path, carry_native=True)
+    compact = _path(weights, tmp_path, carry_native=True, carry_compact=True)
+    assert Q6_K in _gguf_types(native) and set(_gguf_types(compact)) == {Q4_K}
+    size = {p: sum(f.stat().st_size for f in tmp_path.glob(p.name + "*")) for p in (native, compact)}
+    assert size[compact] < size[native]  # fewer bytes a step
+    a, b = _logits(native, [IDS]), _logits(compact, [IDS])
+    assert not np.array_equal(a, b)  # rounded once more: close, not equal
+    assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.999
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
+
+
+def test_a_q6_k_weight_rounds_to_llama_cpps_q4_k_of_its_values_and_others_stay():
+    from edge_spec.export.gguf.blocks import round_q6k_to_q4k
+    from edge_spec.export.gguf.q4_k import quantize_q4_k
+
+    rng = np.random.default_rng(3)
+    q6k = carry_gguf(tiny_models.random_k_quant_blocks(rng, "Q6_K", 32, 512, factor=(1e-3, 5e-3)), "Q6_K", 32, 512)
+    rounded = round_q6k_to_q4k(q6k)
+    assert rounded.source_type == "Q4_K" and np.array_equal(rounded.raw, quantize_q4_k(q6k.dequantize()))
+    step = np.abs(q6k.dequantize()).max() / 7  # about a Q4_K step of the largest block
+    assert np.abs(rounded.dequantize() - q6k.dequantize()).max() < step
+    q4k = carry_gguf(tiny_models.random_k_quant_blocks(rng, "Q4_K", 32, 512, factor=(1e-3, 5e-3)), "Q4_K", 32, 512)
+    assert round_q6k_to_q4k(q4k) is q4k
 
 
 def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(weights, native_library, tmp_path):
@@ -163,7 +194,16 @@ def test_records_give_back_ggufs_own_bytes(kind):
 
 def test_the_native_layout_is_named_in_the_manifest_and_takes_the_prompt_reader():
     assert layout_name(False, False, 64, True) == "native"
+    assert layout_name(False, False, 64, True, True) == "compact"
     ExportOptions(gguf_layout="native", prompt_reader=True).check()  # tests/test_prompt_reader_native.py
+    ExportOptions(gguf_layout="compact", prompt_reader=True).check()
+
+
+def test_the_runtime_knows_the_native_layouts_by_what_they_build():
+    from edge_spec.export.bundle.options import GGUF_LAYOUTS
+    from edge_spec.manifest import NATIVE_LAYOUTS
+
+    assert set(NATIVE_LAYOUTS) == {name for name, fields in GGUF_LAYOUTS.items() if fields.get("carry_native")}
 
 
 def test_auto_is_native_where_the_op_runs_here_and_lean_elsewhere(monkeypatch):
@@ -369,3 +409,27 @@ def test_the_drafter_is_rounded_where_it_pays(monkeypatch, layout, widths, ahead
     build = BuildOptions(gguf_blocks=False, **layout_settings(layout))
     config = SimpleNamespace(hidden_size=widths[0], intermediate_size=widths[1])
     assert rounds_drafter_native(build, ExportOptions(), config) is rounds
+
+
+def test_a_compact_export_is_named_so_and_speculates_losslessly(tmp_path, native_library):
+    """The compact layout end to end: the export rounds the target's Q6_K blocks, the runtime routes its
+    target to the native op, and greedy speculation gives the target's own tokens."""
+    from edge_spec.export.bundle.build import ExportOptions as Options
+    from edge_spec.export.bundle.build import export_bundle
+    from edge_spec.manifest import read_manifest
+    from edge_spec.runtime.engine import Engine
+    from tests.helpers import chain, greedy_drafts_kept_and_refused
+
+    models, _ = tiny_models.carried_pair()
+    carried = models["tiny-target"].weights.carried
+    down = np.asarray(models["tiny-target"].weights.layers[0].down)  # as a Q4_K_M file has some: a Q6_K down
+    carried["layers.0.down"] = carry_gguf(tiny_models.q6_k_blocks(down), "Q6_K", *down.shape)
+    assert np.abs(carried["layers.0.down"].dequantize() - down).max() < 0.02 * np.abs(down).max()
+    out = tmp_path / "bundle"
+    options = Options(draft_vocab="full", context_length=256, gguf_layout="compact")
+    export_bundle("tiny-target", "tiny-draft", out, options, loader=models.__getitem__)
+    target = read_manifest(out)["target"]
+    assert set(_gguf_types(out / target["onnx"])) == {Q4_K}
+    engine = Engine.from_bundle(out, threads=1, mode="spec")
+    accepted, refused = greedy_drafts_kept_and_refused(engine, chain(4))
+    assert accepted > 0

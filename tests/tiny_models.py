@@ -118,6 +118,28 @@ def random_k_quant_blocks(rng, kind: str, n: int, k: int, factor: tuple[float, f
     return raw.reshape(n, -1)
 
 
+def q6_k_blocks(weight):
+    """GGUF Q6_K bytes of a float ``[n, k]`` weight (k a multiple of 256), by a plain rounding: per super-block
+    one float16 factor d, per 16 weights an int8 scale, codes q with w = d * scale * (q - 32) (the layout
+    ``blocks._q6_k`` reads)."""
+    import numpy as np
+
+    n, k = weight.shape
+    values = np.asarray(weight, np.float32).reshape(-1, 16, 16)  # [super-block, sub-block, weight]
+    amax = np.abs(values).max(axis=-1)
+    d = (amax.max(axis=-1) / (31 * 127)).astype(np.float16)
+    step = np.maximum(d.astype(np.float32), np.finfo(np.float16).tiny)
+    scales = np.clip(np.round(amax / (31 * step[:, None])), 1, 127).astype(np.int8)
+    unit = step[:, None, None] * scales[..., None].astype(np.float32)
+    codes = (np.clip(np.round(values / unit), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
+    ql = np.empty((len(codes), 2, 64), np.uint8)
+    ql[..., :32] = (codes[:, :, 0] & 0x0F) | ((codes[:, :, 2] & 0x0F) << 4)
+    ql[..., 32:] = (codes[:, :, 1] & 0x0F) | ((codes[:, :, 3] & 0x0F) << 4)
+    qh = sum(((codes[:, :, g] >> 4) & 0x03) << (2 * g) for g in range(4)).astype(np.uint8)
+    parts = [ql.reshape(-1, 128), qh.reshape(-1, 64), scales.view(np.uint8), d.reshape(-1, 1).view(np.uint8)]
+    return np.concatenate(parts, axis=1).reshape(n, -1)
+
+
 NATIVE_WIDTH = 256  # the native op takes rows of whole 256-weight super-blocks
 LAYER_PARTS = ("q", "k", "v", "o", "gate", "up", "down")
 

@@ -5,9 +5,10 @@ Each layout is built as a target graph (int8 activations, as shipped) and compar
 905-token text (``gguf_fidelity.TEXT`` and the start of Python's ``json/decoder.py``): mean |Δ log p|,
 NLL and top-1 agreement, plus greedy tokens equal to transformers' on four chat prompts; and its size.
 
-Layouts: the ``--gguf-layout`` values (``fast``, ``lean``, ``small``, ``exact``) and two halves of
-``small`` that no flag asks for, to show where its loss comes from: ``head4`` (only the LM head's 8-bit
-blocks rounded to 4 bits) and ``layers4`` (only the layers'). ``--genai DIR`` adds onnxruntime-genai's
+Layouts: the ``--gguf-layout`` values (``native``, ``compact``, ``fast``, ``lean``, ``small``, ``exact``),
+two halves of ``small`` that no flag asks for, to show where its loss comes from: ``head4`` (only the LM head's
+8-bit blocks rounded to 4 bits) and ``layers4`` (only the layers'), and ``native-q6k4-mid``: ``compact``'s
+rounding over all but the first and last three layers. ``--genai DIR`` adds onnxruntime-genai's
 model-builder export (``benchmarks/spec_peers.py --prepare`` makes it), run by plain onnxruntime,
 teacher-forced only; ``--openvino DIR`` OpenVINO GenAI's (``optimum-cli`` int4) export, run in its own
 environment by OpenVINO's CPU plugin with the settings OpenVINO GenAI runs it with (its defaults), teacher-forced
@@ -34,6 +35,25 @@ import gguf_fidelity as shared
 import numpy as np
 
 HALVES = {"head4": lambda name: name == "lm_head", "layers4": lambda name: name != "lm_head"}
+#: the compact layout's rounding (the layers' Q6_K parts to Q4_K) over all but the first and last three layers
+#: (``native-q6k4-mid``), which no flag asks for: whether those layers' Q6_K parts carry its loss
+COMPACT_MIDDLE = "native-q6k4-mid"
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "layers" else None
+
+
+def compact_middle(carried: dict) -> dict:
+    """``carried`` with the Q6_K blocks of all layers but the first and last three rounded to Q4_K."""
+    from edge_spec.export.gguf.blocks import round_q6k_to_q4k
+
+    layers = 1 + max((i for i in map(_layer, carried) if i is not None), default=-1)
+    return {
+        name: round_q6k_to_q4k(w) if w is not None and 3 <= (_layer(name) or -1) < layers - 3 else w
+        for name, w in carried.items()
+    }
 
 
 def fidelity_text(tokenizer) -> list[int]:
@@ -51,6 +71,9 @@ def build_layout(weights, layout: str, path: Path) -> float:
     if layout in HALVES:
         weights.carried = {k: narrow_to_4bit(v) if HALVES[layout](k) else v for k, v in carried.items()}
         settings = {}
+    elif layout == COMPACT_MIDDLE:
+        weights.carried = compact_middle(carried)
+        settings = layout_settings("native")
     else:
         settings = layout_settings(layout)
     try:

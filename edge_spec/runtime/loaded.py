@@ -19,7 +19,7 @@ from pathlib import Path
 from edge_spec.defaults import DEFAULT_PROVIDER, DEFAULT_THREADS
 from edge_spec.errors import EdgeSpecError
 from edge_spec.integrity import WeightCheck
-from edge_spec.manifest import bundle_bytes, read_manifest, verify_files
+from edge_spec.manifest import NATIVE_LAYOUTS, bundle_bytes, read_manifest, verify_files
 from edge_spec.paths import find_bundle
 from edge_spec.runtime.loops import proposer_names
 from edge_spec.runtime.loops.config import LoopConfig
@@ -141,7 +141,7 @@ def prompt_reader_pays(entry: dict, provider: str) -> bool:
     AMD EPYC with AVX-512 VNNI it read the long bench prompts 0.96-1.12x sooner, while a process answering one
     of them peaked at twice the memory (4.05 against 2.07 GB) and took 2 s longer to load
     (docs/measurements.md, prompt reader)."""
-    if entry.get("quantization", {}).get("gguf_layout") != "native":
+    if entry.get("quantization", {}).get("gguf_layout") not in NATIVE_LAYOUTS:
         return True
     library, _ = native_matmul_here(provider)
     return library is None or prompt_path(library) == "amx"

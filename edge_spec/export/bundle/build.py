@@ -71,7 +71,9 @@ def _gguf_quant_info(model: LoadedModel, quant_info: dict, build: BuildOptions, 
         return quant_info
     if not build.gguf_blocks:  # before the report is asked for: a GGUF source's blocks are checked then
         return dict(quant_info, gguf_blocks="requantized")
-    layout = layout_name(build.carry_exact, build.carry_narrow, build.head_rescore, build.carry_native)
+    layout = layout_name(
+        build.carry_exact, build.carry_narrow, build.head_rescore, build.carry_native, build.carry_compact
+    )
     _say(progress, f"{model.name}: {report.summary()} ({layout} layout); embedding table re-quantized to int8")
     return dict(quant_info, gguf_blocks=report.to_dict(), gguf_layout=layout, embedding="GatherBlockQuantized int8")
 

@@ -25,6 +25,7 @@ GGUF_LAYOUTS: dict[str, dict] = {
     "exact": {"carry_exact": True},
     "small": {"carry_narrow": True},
     "native": {"carry_native": True, "head_rescore": LEAN_RESCORED_ROWS},
+    "compact": {"carry_native": True, "head_rescore": LEAN_RESCORED_ROWS, "carry_compact": True},
 }
 
 
@@ -38,13 +39,16 @@ def layout_settings(layout: str | None) -> dict:
     return GGUF_LAYOUTS[layout or "exact"]
 
 
-def layout_name(carry_exact: bool, carry_narrow: bool, head_rescore: int, carry_native: bool = False) -> str:
+def layout_name(
+    carry_exact: bool, carry_narrow: bool, head_rescore: int, carry_native: bool = False, carry_compact: bool = False
+) -> str:
     """The ``--gguf-layout`` that asked for these ``BuildOptions`` fields (the manifest records it)."""
     fields = {
         "carry_exact": carry_exact,
         "carry_narrow": carry_narrow,
         "head_rescore": head_rescore,
         "carry_native": carry_native,
+        "carry_compact": carry_compact,
     }
     asked = {name: value for name, value in fields.items() if value}
     return next(name for name, settings in GGUF_LAYOUTS.items() if settings == asked)

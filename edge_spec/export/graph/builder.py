@@ -52,6 +52,7 @@ from edge_spec.export.bundle import activity
 from edge_spec.export.gguf.blocks import (
     ACCURACY_LEVEL_KEY,
     NATIVE_DOMAIN,
+    CarriedBlocks,
     add_carried_linear,
     add_native_swiglu,
     add_rounded_native,
@@ -59,6 +60,7 @@ from edge_spec.export.gguf.blocks import (
     concat_blocks,
     narrow_to_4bit,
     native_swiglu_takes,
+    round_q6k_to_q4k,
     rounded_native_takes,
 )
 from edge_spec.export.graph.attention_pad import pad_attention
@@ -91,6 +93,9 @@ class BuildOptions:
     carry_exact: bool = False  # carried blocks exactly as GGUF has them (slower; see gguf.blocks.fast_layout)
     carry_narrow: bool = False  # carried 8-bit blocks rounded to 4 bits (the small layout: gguf.blocks.narrow_to_4bit)
     carry_native: bool = False  # carried Q4_K / Q6_K blocks as GGUF's bytes under the native MatMulGGUF op
+    #: with ``carry_native``, the layers' carried Q6_K blocks rounded to Q4_K (the compact layout:
+    #: gguf.blocks.round_q6k_to_q4k)
+    carry_compact: bool = False
     round_native: bool = False  # re-quantized int4 matmuls as Q4_K under MatMulGGUF (blocks.add_rounded_native)
     #: > 0: a carried 8-bit LM head runs at 4 bits and its best ``head_rescore`` rows per position are
     #: scored again from an 8-bit table (the lean layout: :meth:`DecoderGraphBuilder.rescored_logits`)
@@ -254,17 +259,25 @@ def _pass_through(names: tuple[str, ...], graph_name: str) -> onnx.GraphProto:
 class _Narrowed(Mapping):
     """Carried blocks with the 8-bit ones rounded to 4 bits (:func:`narrow_to_4bit`) as each is asked for."""
 
-    def __init__(self, carried: Mapping) -> None:
+    def __init__(self, carried: Mapping, rounding: Callable[[str, object], object] | None = None) -> None:
+        """``rounding(name, blocks)``: another rounding, by the matrix's name."""
         self._carried = carried
+        self._rounding = rounding or (lambda name, blocks: narrow_to_4bit(blocks))
 
     def __getitem__(self, name: str):
-        return narrow_to_4bit(self._carried[name])
+        return self._rounding(name, self._carried[name])
 
     def __iter__(self):
         return iter(self._carried)
 
     def __len__(self) -> int:
         return len(self._carried)
+
+
+def _compact(name: str, blocks: CarriedBlocks | None) -> CarriedBlocks | None:
+    """A layer's carried Q6_K blocks rounded to Q4_K (:func:`round_q6k_to_q4k`); the LM head, ranked in Q4_K
+    blocks and scored again from its own, and every other matrix as carried."""
+    return blocks if blocks is None or name == "lm_head" else round_q6k_to_q4k(blocks)
 
 
 def _scaled(table, scale: np.float32):
@@ -306,6 +319,8 @@ class DecoderGraphBuilder:
         self.carried = weights.carried if options.gguf_blocks and self.bits is not None else {}
         if options.carry_narrow:  # before fusing: a narrowed V then shares Q's and K's layout
             self.carried = _Narrowed(self.carried)
+        elif options.carry_compact:  # the layers' only: the LM head is ranked in Q4_K blocks either way
+            self.carried = _Narrowed(self.carried, _compact)
         self.graph = Graph(data)
         self.inputs: list[onnx.ValueInfoProto] = []
         self.present_outputs: list[onnx.ValueInfoProto] = []  # after the graph's own outputs
