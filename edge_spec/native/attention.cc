@@ -772,10 +772,10 @@ constexpr int kCacheTile = 32;  // keys or value rows a tile: what stays in L1 w
 
 // On Intel's cores (where the matmuls' far prefetch is on by the vendor's rule: gguf_far_prefetch,
 // EDGE_SPEC_NATIVE_FAR_PREFETCH) a decode or verify pass over a float16 cache asks, as it reads each tile of keys
-// or values back, for the tile
-// kFarTiles on into L2, beside the keys' next tile into L1 (Ahead).  A one-row pass of the default target after
-// 2,800 tokens 1.03x faster on an Intel Xeon with AMX (1.04x on the AVX2 kernels), nothing after 256; 2 tiles on
-// as much, 8 no more, 64 slower (a read ahead that runs past a window's end costs bandwidth no row uses).
+// or values back, for the tile kFarTiles on into L2, beside the keys' next tile into L1 (Ahead).  A one-row pass
+// of the default target after 2,800 tokens 1.03x faster on an Intel Xeon with AMX (1.04x on the AVX2 kernels),
+// nothing after 256; 2 tiles on as much, 8 no more, 64 slower (a read ahead that runs past a window's end costs
+// bandwidth no row uses).
 constexpr int kFarTiles = 4;
 bool g_read_back_ahead = false;  // whether such passes ask for tiles kFarTiles on
 
