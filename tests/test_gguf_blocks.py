@@ -368,7 +368,8 @@ def test_an_unknown_gguf_layout_is_one_line():
     from edge_spec.export.bundle.build import ExportOptions
 
     with pytest.raises(
-        EdgeSpecError, match=r"^--gguf-layout must be one of auto, fast, lean, exact, small, native, compact, not 'quick'$"
+        EdgeSpecError,
+        match=r"^--gguf-layout must be one of auto, fast, lean, exact, small, native, compact, not 'quick'$",
     ):
         ExportOptions(gguf_layout="quick").check()
 
