@@ -68,3 +68,48 @@ def test_text_made_otherwise_is_not_used(tmp_path, tiny_pair, shipped, generatio
 
     export_tiny(tmp_path / "second", tiny_pair, **HEADS)
     assert len(generations) == 2 and generations[1][2] == 12  # generated, with its own setting
+
+
+def test_an_export_of_the_same_gguf_in_another_layout_takes_its_text(
+    tmp_path, tiny_pair, shipped, generations, monkeypatch
+):
+    """Two exports of one GGUF file whose target graphs differ (here: blocks of 32 against 64, as two layouts
+    differ) share the text: the second takes the first's shipped file by the file it came from, and its heads
+    are the first's."""
+    monkeypatch.setattr(
+        calibration_store, "source_digest", lambda source: "f" * 64 if source == "memory:tiny-target" else None
+    )
+    first = export_tiny(tmp_path / "first", tiny_pair, **HEADS)
+    made = first / "draft" / "calibration.npz"
+    assert calibration_store.stored_key(made, "source")  # it says which file it came from
+    shutil.copy(made, shipped / "tiny.npz")
+    second = export_tiny(tmp_path / "second", tiny_pair, **dict(HEADS, block_size=64))
+    assert len(generations) == 1  # taken, not generated
+    assert calibration_store.stored_key(second / "draft" / "calibration.npz") != calibration_store.stored_key(made)
+    assert vocabtrim.load_calibration(second / "draft" / "calibration.npz") == vocabtrim.load_calibration(made)
+    assert np.array_equal(
+        np.load(first / "draft" / "vocab_trim-64.npy"), np.load(second / "draft" / "vocab_trim-64.npy")
+    )
+    # another file, or no GGUF file at all (a checkpoint): generated
+    monkeypatch.setattr(calibration_store, "source_digest", lambda source: "e" * 64)
+    export_tiny(tmp_path / "third", tiny_pair, **dict(HEADS, block_size=64))
+    monkeypatch.setattr(calibration_store, "source_digest", lambda source: None)
+    export_tiny(tmp_path / "fourth", tiny_pair, **dict(HEADS, block_size=64))
+    assert len(generations) == 3
+
+
+def test_a_ggufs_digest_is_its_files_and_other_sources_have_none(tmp_path):
+    from edge_spec.manifest import sha256_file
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    gguf = folder / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    assert calibration_store.source_digest(str(gguf)) == sha256_file(gguf)
+    assert calibration_store.source_digest(str(folder)) == sha256_file(gguf)  # a folder holding one
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    assert calibration_store.source_digest(str(checkpoint)) is None
+    assert calibration_store.source_digest(str(tmp_path / "missing.gguf")) is None
+    assert calibration_store.source_digest(None) is None

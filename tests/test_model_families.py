@@ -246,8 +246,8 @@ def test_tokenizer_mismatch_is_refused_in_one_line_naming_the_ids():
 def test_registry_hub_only_entries_resolve_to_their_hub_id():
     """Families without an offline copy are registry names for a machine with a network; fetch says so."""
     from edge_spec import fetch
-    from edge_spec.export.sources.resolve import _locate
+    from edge_spec.export.sources.resolve import locate_source
 
-    assert _locate("qwen3-0.6b") == ("hub", "Qwen/Qwen3-0.6B", None)
+    assert locate_source("qwen3-0.6b") == ("hub", "Qwen/Qwen3-0.6B", None)
     with pytest.raises(EdgeSpecError, match="no offline .* --target google/gemma-2-2b-it"):
         fetch.fetch_gguf("gemma-2-2b-it")

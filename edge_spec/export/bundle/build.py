@@ -182,13 +182,14 @@ def export_draft_heads(
     always_keep: list[int],
     progress=None,
     lm_head_blocks=None,
+    target_source: str | None = None,
 ) -> tuple[dict, list[dict], dict | None]:
     """Build every drafter head ``options`` asks for (the full head always) into ``bundle_dir/draft``.
 
     VocabTrim and SpecVocab calibrate on text the exported target generates
-    (``bundle_dir/target`` must exist); the sequences are kept in the bundle
-    (``draft/calibration.npz``) and reused when heads are added later.
-    Returns (heads, their file records, calibration summary or None).
+    (``bundle_dir/target`` must exist; ``target_source``: where it came from, for a shipped text of the same
+    GGUF file); the sequences are kept in the bundle (``draft/calibration.npz``) and reused when heads are
+    added later.  Returns (heads, their file records, calibration summary or None).
     """
     from edge_spec.export.heads import specvocab, vocabtrim
 
@@ -200,7 +201,7 @@ def export_draft_heads(
     files: list[dict] = []
     if any(m != "full" for m in modes):
         activity.detail("the calibration text")
-        sequences = _calibration_sequences(bundle_dir, options, progress)
+        sequences = _calibration_sequences(bundle_dir, options, progress, target_source=target_source)
         counts = vocabtrim.count_tokens(sequences, lm_head.shape[0])
         np.save(bundle_dir / "draft" / "token_counts.npy", counts)
         files += [file_record(bundle_dir, "draft/token_counts.npy"), file_record(bundle_dir, "draft/calibration.npz")]
@@ -323,10 +324,13 @@ def specvocab_heads_for(
     return heads, files
 
 
-def _calibration_sequences(bundle_dir: Path, options: ExportOptions, progress, path: Path | None = None) -> list:
+def _calibration_sequences(
+    bundle_dir: Path, options: ExportOptions, progress, path: Path | None = None, target_source: str | None = None
+) -> list:
     """The calibration text: the bundle's (``draft/calibration.npz``), else the shipped text this target
-    made from these prompts (``calibration_store``), else generated with the exported target; stored at
-    ``path`` (default: there)."""
+    made from these prompts, else one an export of the same GGUF file (``target_source``) in another layout
+    made (``calibration_store``), else generated with the exported target; stored at ``path`` (default:
+    there) with both keys."""
     from edge_spec.export.heads import calibration_store, vocabtrim
 
     stored = bundle_dir / "draft" / "calibration.npz"
@@ -334,17 +338,20 @@ def _calibration_sequences(bundle_dir: Path, options: ExportOptions, progress, p
         _say(progress, "reusing the bundle's calibration text")
         return vocabtrim.load_calibration(stored)
     prompts = vocabtrim.load_prompts(options.calibration)
-    key = calibration_store.calibration_key(bundle_dir, prompts, options.calibration_tokens, options.context_length)
-    shipped = calibration_store.find_shipped(key)
+    tokens, context = options.calibration_tokens, options.context_length
+    key = calibration_store.calibration_key(bundle_dir, prompts, tokens, context)
+    digest = calibration_store.source_digest(target_source)
+    source = calibration_store.source_key(digest, prompts, tokens, context) if digest else ""
+    shipped = calibration_store.find_shipped(key, source or None)
     if shipped is not None:
-        _say(progress, f"calibration: the text this target generated from these prompts ships in {shipped}")
-        sequences = vocabtrim.load_calibration(shipped)
+        found, this_graph = shipped
+        made_by = "this target" if this_graph else "this GGUF file's target in another layout"
+        _say(progress, f"calibration: the text {made_by} generated from these prompts ships in {found}")
+        sequences = vocabtrim.load_calibration(found)
     else:
         _say(progress, f"calibration: generating text with the exported target ({len(prompts)} prompts)")
-        sequences = vocabtrim.generate_calibration(
-            bundle_dir, prompts, options.calibration_tokens, options.context_length, progress
-        )
-    vocabtrim.save_calibration(path or stored, sequences, key)
+        sequences = vocabtrim.generate_calibration(bundle_dir, prompts, tokens, context, progress)
+    vocabtrim.save_calibration(path or stored, sequences, key, source)
     return sequences
 
 
@@ -646,6 +653,7 @@ def _export_into(
             always_keep=eos_ids + special_ids,
             progress=progress,
             lm_head_blocks=draft.weights.carried.get("lm_head") if build.gguf_blocks else None,
+            target_source=target_record["source"],
         )
         del draft
         gc.collect()
@@ -768,6 +776,7 @@ def add_draft_heads(
                 always_keep=always,
                 progress=progress,
                 lm_head_blocks=draft.weights.carried.get("lm_head") if carried else None,
+                target_source=manifest["target"].get("source"),
             )
             written = {f["path"] for f in files}
             for name, head in list(record["heads"].items()):  # heads whose scorer or universe was just rewritten

@@ -177,7 +177,9 @@ def build_variants(
         sequences = vocabtrim.load_calibration(own)
     else:
         own.unlink(missing_ok=True)
-        sequences = bundle_export._calibration_sequences(bundle_dir, export_options, progress, own)
+        sequences = bundle_export._calibration_sequences(
+            bundle_dir, export_options, progress, own, target_source=manifest["target"].get("source")
+        )
     files: list[dict] = [file_record(root, "eagle/calibration.npz")] if own.is_file() else []
     eos = json.loads((bundle_dir / "tokenizer_config.json").read_text()).get("eos_token_ids") or []
     always = np.intersect1d(np.asarray(eos, np.int64), draft_ids)  # end-of-turn tokens the head can propose

@@ -87,9 +87,10 @@ def count_tokens(sequences: list[tuple[list[int], list[int]]], vocab_size: int) 
     return counts
 
 
-def save_calibration(path: Path, sequences: list[tuple[list[int], list[int]]], key: str = "") -> None:
+def save_calibration(path: Path, sequences: list[tuple[list[int], list[int]]], key: str = "", source: str = "") -> None:
     """Store calibration sequences in the bundle, so heads can be added later without regenerating;
-    ``key``: what made them (``calibration_store.calibration_key``), so that the file can be shipped."""
+    ``key``: what made them (``calibration_store.calibration_key``), so that the file can be shipped, and
+    ``source`` the GGUF file they came from (``calibration_store.source_key``; "" for another source)."""
     flat = [t for prompt, generated in sequences for t in prompt + generated]
     np.savez(
         path,
@@ -97,6 +98,7 @@ def save_calibration(path: Path, sequences: list[tuple[list[int], list[int]]], k
         prompt_lengths=np.asarray([len(p) for p, _ in sequences], np.int64),
         generated_lengths=np.asarray([len(g) for _, g in sequences], np.int64),
         key=np.asarray(key),
+        source=np.asarray(source),
     )
 
 

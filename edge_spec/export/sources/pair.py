@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_spec.errors import EdgeSpecError
-from edge_spec.export.sources.resolve import LoadedModel, _locate, check_gguf, check_same_tokenizer, gguf_parsed_once
+from edge_spec.export.sources.resolve import (
+    LoadedModel,
+    check_gguf,
+    check_same_tokenizer,
+    gguf_parsed_once,
+    locate_source,
+)
 
 # whose words a card's vocabulary is in (see the module docstring)
 GGUF_HEADER, TOKENIZER_JSON, TRANSFORMERS = "gguf header", "tokenizer.json", "transformers"
@@ -104,7 +110,7 @@ def probe_model(source: str, *, from_files: bool = True) -> ModelCard:
     """``source``'s card without its weights: read from its files (``from_files``: a GGUF header's
     tokens where this reader knows the header, a directory's ``tokenizer.json`` and ``config.json``),
     else transformers' config and tokenizer."""
-    kind, location, gguf_file = _locate(source)
+    kind, location, gguf_file = locate_source(source)
     if kind == "gguf":
         path = Path(location) / gguf_file
         tokens = gguf_tokens(path) if from_files else None

@@ -31,7 +31,7 @@ class LoadedModel:
     gguf_carry: object | None = None
 
 
-def _locate(source: str) -> tuple[str, str, str | None]:
+def locate_source(source: str) -> tuple[str, str, str | None]:
     """Return (kind, location, gguf_file) with kind in {"gguf", "hf_dir", "hub"}."""
     path = Path(source).expanduser()
     if path.is_file():
@@ -134,7 +134,7 @@ def load_model(source: str) -> LoadedModel:
 
 
 def _load_model(source: str) -> LoadedModel:
-    kind, location, gguf_file = _locate(source)
+    kind, location, gguf_file = locate_source(source)
     if kind == "gguf":
         check_gguf(Path(location) / gguf_file)
     import torch
