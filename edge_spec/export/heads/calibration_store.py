@@ -14,8 +14,8 @@ For the same reason the text need not change with the target's rounding: a file 
 its target was exported from (:func:`source_key`: the file's sha256, the prompts, the tokens, the context), and
 an export of the same file in another layout (``--gguf-layout compact``, ``lean``) takes a shipped text made
 from it when none matches its own graph, instead of minutes of generating.  Its heads then learn from what the
-faithful target answers, which served the compact target's drafter better than its own answers did (1.034x
-against 1.007x the native default, docs/methods/gguf.md).
+faithful target answers, which served the compact target's drafter better than its own answers did
+(docs/methods/gguf.md, fidelity).
 """
 
 from __future__ import annotations
