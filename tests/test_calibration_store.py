@@ -113,3 +113,16 @@ def test_a_ggufs_digest_is_its_files_and_other_sources_have_none(tmp_path):
     assert calibration_store.source_digest(str(checkpoint)) is None
     assert calibration_store.source_digest(str(tmp_path / "missing.gguf")) is None
     assert calibration_store.source_digest(None) is None
+    assert calibration_store.source_digest("Qwen/Not-A-Local-Model") is None  # a hub id: nothing fetched
+
+
+def test_a_registry_names_digest_is_the_registrys_without_reading_a_file(monkeypatch):
+    from edge_spec import fetch
+
+    def no_fetch(*args, **kwargs):
+        raise AssertionError("fetched")
+
+    monkeypatch.setattr(fetch, "fetch_gguf", no_fetch)
+    name, entry = next((n, e) for n, e in fetch.load_registry()["models"].items() if isinstance(e.get("gguf"), dict))
+    assert calibration_store.source_digest(name) == entry["gguf"]["sha256"]
+    assert calibration_store.source_digest("registry:" + name) == entry["gguf"]["sha256"]

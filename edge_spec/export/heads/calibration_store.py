@@ -50,15 +50,24 @@ def calibration_key(bundle_dir: Path, prompts: list[str], new_tokens: int, conte
 
 
 def source_digest(source: str | None) -> str | None:
-    """The sha256 of the GGUF file a target ``source`` names (the file, a folder holding one, a registry name);
-    None for a checkpoint or hub id, or a source not found."""
+    """The sha256 of the GGUF file a target ``source`` names: a registry name's as the registry records it (no
+    file is read or fetched), a local file's or a folder's single one as hashed; None for a checkpoint, a hub
+    id, or a source not found."""
+    from edge_spec import fetch
     from edge_spec.errors import EdgeSpecError
     from edge_spec.export.sources.resolve import locate_source
 
     if not source:
         return None
+    name = source.removeprefix("registry:")
+    entry = fetch.load_registry()["models"].get(name)
+    if entry is not None:
+        gguf = entry.get("gguf")
+        return gguf.get("sha256") if isinstance(gguf, dict) else None
+    if not Path(name).expanduser().exists():  # a hub id, or nothing: never fetched for this
+        return None
     try:
-        kind, location, gguf_file = locate_source(source.removeprefix("registry:"))
+        kind, location, gguf_file = locate_source(name)
     except (EdgeSpecError, OSError):
         return None
     return sha256_file(Path(location) / gguf_file) if kind == "gguf" else None
