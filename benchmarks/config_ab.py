@@ -71,6 +71,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seeds", type=int, default=1, help="answers per prompt (seeds 0..N-1 for every config)")
+    parser.add_argument(
+        "--empty-suffix-cache",
+        action="store_true",
+        help="empty each engine's suffix cache before each answer, as the peer benchmarks do (else each keeps its "
+        "earlier answers, as a server's would)",
+    )
     args = parser.parse_args()
     parsed = [parse_config(text) for text in args.config]
     sampling = {name: {k: v for k, v in settings.items() if k not in ENGINE} for name, _, settings in parsed}
@@ -109,6 +115,8 @@ def run(args: argparse.Namespace, engines: dict[str, Engine], sampling: dict[str
         answers = {}
         for name in names if index % 2 == 0 else names[::-1]:
             engine = engines[name]
+            if args.empty_suffix_cache:
+                engine.bundle.suffix_cache.clear()
             "".join(
                 engine.generate(
                     as_messages(item["prompt"]), max_new_tokens=args.max_tokens, seed=seed, **sampling[name]
