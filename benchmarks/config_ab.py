@@ -24,7 +24,7 @@ the first one and its mean τ.
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import sys
 import tempfile
 from collections import defaultdict
@@ -57,10 +57,6 @@ def parse_config(text: str):
             continue
         values[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     return name, loop_config(mode, **values), sampling
-
-
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def main() -> None:
@@ -138,11 +134,11 @@ def run(args: argparse.Namespace, engines: dict[str, Engine], sampling: dict[str
             f"{category:<15}",
             {n: round(sum(v) / len(v), 1) for n, v in by_name.items()},
             f"/ {names[0]}:",
-            {n: round(geometric_mean(r), 3) for n, r in ratios.items()},
+            {n: round(statistics.geometric_mean(r), 3) for n, r in ratios.items()},
         )
     print(
         f"{'overall':<15} / {names[0]}:",
-        {n: round(geometric_mean(r), 3) for n, r in overall.items()},
+        {n: round(statistics.geometric_mean(r), 3) for n, r in overall.items()},
         f"answers equal to {names[0]}'s:",
         {n: f"{same[n]}/{len(items)}" for n in names},
     )

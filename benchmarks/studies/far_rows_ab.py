@@ -12,7 +12,7 @@ for token.  Prints the decode speed ratio B / A per category and overall (geomet
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,10 +23,6 @@ from edge_spec.runtime.engine import Engine
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.model.kernel_choice import far_rows_in_force, set_far_rows
 from edge_spec.runtime.model.native_attention import native_library
-
-
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(map(math.log, values)) / len(values))
 
 
 def main() -> None:
@@ -61,8 +57,8 @@ def main() -> None:
     for category, by_rows in speed.items():
         category_ratios = [y / x for x, y in zip(by_rows[a], by_rows[b])]
         ratios += category_ratios
-        print(f"{category:15s} from {b} / from {a}: {geometric_mean(category_ratios):.3f}")
-    print(f"overall from {b} / from {a}: {geometric_mean(ratios):.3f}; answers equal {same}/{len(items)}")
+        print(f"{category:15s} from {b} / from {a}: {statistics.geometric_mean(category_ratios):.3f}")
+    print(f"overall from {b} / from {a}: {statistics.geometric_mean(ratios):.3f}; answers equal {same}/{len(items)}")
 
 
 if __name__ == "__main__":
