@@ -50,10 +50,12 @@ def compact_middle(carried: dict) -> dict:
     from edge_spec.export.gguf.blocks import round_q6k_to_q4k
 
     layers = 1 + max((i for i in map(_layer, carried) if i is not None), default=-1)
-    return {
-        name: round_q6k_to_q4k(w) if w is not None and 3 <= (_layer(name) or -1) < layers - 3 else w
-        for name, w in carried.items()
-    }
+
+    def middle(name: str) -> bool:
+        layer = _layer(name)
+        return layer is not None and 3 <= layer < layers - 3
+
+    return {name: round_q6k_to_q4k(w) if w is not None and middle(name) else w for name, w in carried.items()}
 
 
 def fidelity_text(tokenizer) -> list[int]:

@@ -27,8 +27,7 @@ from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.model.kernel_choice import (
     apply_kernel_choice,
     measured_here,
-    switch_choice,
-    switch_far_rows,
+    switched,
     this_machine,
     time_kernels,
 )
@@ -219,7 +218,7 @@ class LoadedBundle:
             if library is not None:  # before the sessions register it: each takes the choice in force
                 record = kernels_here(manifest, library)
                 apply_kernel_choice(record, library)
-                if record is None and switch_choice() is None and switch_far_rows() is None:
+                if record is None and not switched():
                     untimed = library
         target = Decoder(
             files.directory / manifest["target"]["onnx"],

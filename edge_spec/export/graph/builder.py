@@ -256,11 +256,12 @@ def _pass_through(names: tuple[str, ...], graph_name: str) -> onnx.GraphProto:
     )
 
 
-class _Narrowed(Mapping):
-    """Carried blocks with the 8-bit ones rounded to 4 bits (:func:`narrow_to_4bit`) as each is asked for."""
+class _Rounded(Mapping):
+    """Carried blocks rounded once more as each is asked for: by default the 8-bit ones to 4 bits
+    (:func:`narrow_to_4bit`, the small layout)."""
 
     def __init__(self, carried: Mapping, rounding: Callable[[str, object], object] | None = None) -> None:
-        """``rounding(name, blocks)``: another rounding, by the matrix's name."""
+        """``rounding(name, blocks)``: another rounding, by the matrix's name (the compact layout's)."""
         self._carried = carried
         self._rounding = rounding or (lambda name, blocks: narrow_to_4bit(blocks))
 
@@ -318,9 +319,9 @@ class DecoderGraphBuilder:
         self.bits = QUANT_BITS[options.quant]
         self.carried = weights.carried if options.gguf_blocks and self.bits is not None else {}
         if options.carry_narrow:  # before fusing: a narrowed V then shares Q's and K's layout
-            self.carried = _Narrowed(self.carried)
+            self.carried = _Rounded(self.carried)
         elif options.carry_compact:  # the layers' only: the LM head is ranked in Q4_K blocks either way
-            self.carried = _Narrowed(self.carried, _compact)
+            self.carried = _Rounded(self.carried, _compact)
         self.graph = Graph(data)
         self.inputs: list[onnx.ValueInfoProto] = []
         self.present_outputs: list[onnx.ValueInfoProto] = []  # after the graph's own outputs

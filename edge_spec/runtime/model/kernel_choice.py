@@ -93,25 +93,26 @@ def switch_choice() -> str | None:
     return {"1": AHEAD, "0": NONE}.get(value[:1])
 
 
-def set_one_row_prefetch(library: Path, choice: str | None) -> None:
-    """Make this process's one-row passes ask ahead ("ahead") or not ("none"), or follow the vendor's rule
-    again (None), in every session of ``library`` from now on; the environment's switch decides over it."""
-    setter = getattr(ctypes.CDLL(str(library)), "EdgeSpecGGUFSetOneRowPrefetch", None)
+def _call_setter(library: Path, function: str, value: int) -> None:
+    """``library``'s ``void function(int)`` called with ``value`` (-1: back to the vendor's rule)."""
+    setter = getattr(ctypes.CDLL(str(library)), function, None)
     if setter is None:
         return  # a library from before the choice: its vendor rule stays
     setter.argtypes = [ctypes.c_int]
-    setter(-1 if choice is None else int(choice == AHEAD))
+    setter(value)
+
+
+def set_one_row_prefetch(library: Path, choice: str | None) -> None:
+    """Make this process's one-row passes ask ahead ("ahead") or not ("none"), or follow the vendor's rule
+    again (None), in every session of ``library`` from now on; the environment's switch decides over it."""
+    _call_setter(library, "EdgeSpecGGUFSetOneRowPrefetch", -1 if choice is None else int(choice == AHEAD))
 
 
 def set_far_rows(library: Path, rows: int | None) -> None:
     """Make this process's passes of ``rows`` rows and more ask far ahead (:data:`NO_PASS`: none), or follow
     the vendor's rule again (None), in every session of ``library`` from now on; the environment's switch
     decides over it."""
-    setter = getattr(ctypes.CDLL(str(library)), "EdgeSpecGGUFSetFarRows", None)
-    if setter is None:
-        return  # a library from before the choice: its vendor rule stays
-    setter.argtypes = [ctypes.c_int]
-    setter(-1 if rows is None else rows)
+    _call_setter(library, "EdgeSpecGGUFSetFarRows", -1 if rows is None else rows)
 
 
 def far_rows_in_force(library: Path) -> int:
@@ -261,6 +262,10 @@ def decide_far(ms: dict[str, dict[str, float]], vendor_rows: int) -> tuple[int, 
     return chosen, "measured"
 
 
+def _valid_rows(rows) -> bool:
+    return isinstance(rows, int) and not isinstance(rows, bool) and rows >= NO_PASS
+
+
 @dataclass(frozen=True)
 class KernelChoice:
     """One of the op's per-machine choices: its record's fields, its switch, and how it is timed, decided
@@ -275,6 +280,7 @@ class KernelChoice:
     time: Callable[[object, Path], dict]
     decide: Callable[[dict, object], tuple[object, str]]
     set: Callable[[Path, object], None]
+    valid: Callable[[object], bool]  # whether a record's value for the choice is one (a damaged record's is not)
 
 
 #: the choices in the order they are timed: one-row passes are timed asking far as they will run
@@ -289,6 +295,7 @@ KERNEL_CHOICES = (
         time=time_one_row_passes,
         decide=decide,
         set=set_one_row_prefetch,
+        valid=CHOICES.__contains__,
     ),
     KernelChoice(
         key="far_from_rows",
@@ -300,12 +307,14 @@ KERNEL_CHOICES = (
         time=time_far_passes,
         decide=decide_far,
         set=set_far_rows,
+        valid=_valid_rows,
     ),
 )
 
 
-def _valid_rows(rows) -> bool:
-    return isinstance(rows, int) and not isinstance(rows, bool) and rows >= NO_PASS
+def switched() -> list[str]:
+    """The switches in this process's environment that decide a choice over any measurement."""
+    return [choice.switch_name for choice in KERNEL_CHOICES if choice.switch() is not None]
 
 
 def measured_here(record: dict | None, library: Path) -> bool:
@@ -315,8 +324,7 @@ def measured_here(record: dict | None, library: Path) -> bool:
     return (
         isinstance(record, dict)
         and record.get("machine") == this_machine(library)
-        and record.get("one_row_prefetch") in CHOICES
-        and _valid_rows(record.get("far_from_rows"))
+        and all(choice.valid(record.get(choice.key)) for choice in KERNEL_CHOICES)
     )
 
 
@@ -361,10 +369,10 @@ def describe(record: dict, library: Path | None, remembered: dict | None = None)
     words = record_words(record, f"on {record.get('machine', '?')}")
     if library is None:
         return words + "; the op does not run here"
-    switched = [choice.switch_name for choice in KERNEL_CHOICES if choice.switch() is not None]
-    if switched:
-        decides = "decides" if len(switched) == 1 else "decide"
-        return words + f"; {' and '.join(switched)} {decides} here ({in_force(library)})"
+    switches = switched()
+    if switches:
+        decides = "decides" if len(switches) == 1 else "decide"
+        return words + f"; {' and '.join(switches)} {decides} here ({in_force(library)})"
     if measured_here(record, library):
         return words
     why = "this machine differs" if record.get("machine") != this_machine(library) else "the record is incomplete"
