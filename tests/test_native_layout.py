@@ -206,16 +206,16 @@ def test_the_runtime_knows_the_native_layouts_by_what_they_build():
     assert set(NATIVE_LAYOUTS) == {name for name, fields in GGUF_LAYOUTS.items() if fields.get("carry_native")}
 
 
-def test_auto_is_native_where_the_op_runs_here_and_lean_elsewhere(monkeypatch):
+def test_auto_is_compact_where_the_native_op_runs_here_and_lean_elsewhere(monkeypatch):
     from edge_spec.export.bundle.build import chosen_layout
 
     said = []
     monkeypatch.setattr(native_attention, "native_matmul_here", lambda provider="cpu": (Path("lib.so"), ""))
-    assert chosen_layout(ExportOptions(), said.append) == "native" and not said
-    assert chosen_layout(ExportOptions(prompt_reader=True), said.append) == "native"
+    assert chosen_layout(ExportOptions(), said.append) == "compact" and not said
+    assert chosen_layout(ExportOptions(prompt_reader=True), said.append) == "compact"
     monkeypatch.setattr(native_attention, "native_matmul_here", lambda provider="cpu": (None, "no compiler here"))
     assert chosen_layout(ExportOptions(), said.append) == "lean"
-    assert said == ["GGUF layout: lean, not native, since no compiler here"]
+    assert said == ["GGUF layout: lean, not compact, since no compiler here"]
     assert chosen_layout(ExportOptions(gguf_layout="native"), said.append) == "native"  # asked for: kept
     assert chosen_layout(ExportOptions(gguf_layout="fast"), said.append) == "fast"
 
@@ -411,9 +411,10 @@ def test_the_drafter_is_rounded_where_it_pays(monkeypatch, layout, widths, ahead
     assert rounds_drafter_native(build, ExportOptions(), config) is rounds
 
 
-def test_a_compact_export_is_named_so_and_speculates_losslessly(tmp_path, native_library):
-    """The compact layout end to end: the export rounds the target's Q6_K blocks, the runtime routes its
-    target to the native op, and greedy speculation gives the target's own tokens."""
+def test_a_compact_export_is_named_so_and_speculates_losslessly(tmp_path, native_library, monkeypatch):
+    """The compact layout (the default where the native op runs) end to end: the export rounds the target's Q6_K
+    blocks, the runtime routes its target to the native op, and greedy speculation gives the target's own tokens;
+    where the op cannot run the same bundle loads in the lean layout's form and stays lossless."""
     from edge_spec.export.bundle.build import ExportOptions as Options
     from edge_spec.export.bundle.build import export_bundle
     from edge_spec.manifest import read_manifest
@@ -432,4 +433,8 @@ def test_a_compact_export_is_named_so_and_speculates_losslessly(tmp_path, native
     assert set(_gguf_types(out / target["onnx"])) == {Q4_K}
     engine = Engine.from_bundle(out, threads=1, mode="spec")
     accepted, refused = greedy_drafts_kept_and_refused(engine, chain(4))
+    assert accepted > 0
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_MATMUL", "0")
+    fallback = Engine.from_bundle(out, threads=1, mode="spec")
+    accepted, refused = greedy_drafts_kept_and_refused(fallback, chain(4))
     assert accepted > 0

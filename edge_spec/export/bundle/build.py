@@ -20,7 +20,7 @@ import numpy as np
 from edge_spec import __version__
 from edge_spec.errors import EdgeSpecError
 from edge_spec.export.bundle import activity, install
-from edge_spec.export.bundle.options import AUTO_LAYOUT, ExportOptions, layout_name, layout_settings
+from edge_spec.export.bundle.options import AUTO_LAYOUT, AUTO_NATIVE_LAYOUT, ExportOptions, layout_name, layout_settings
 from edge_spec.export.bundle.stages import Stages, memory_needed
 from edge_spec.export.gguf.blocks import rounding_pads_little
 from edge_spec.export.graph.builder import BuildOptions, build_decoder, build_head, build_scorer, write_model
@@ -449,18 +449,19 @@ def _staged_copy(bundle_dir: Path, manifest: dict) -> Path:
 
 
 def chosen_layout(options: ExportOptions, progress=None) -> str:
-    """The ``--gguf-layout`` this export builds: the one asked for, or for ``auto`` the native layout where its op
-    runs on this machine, else lean (said in one line): a native bundle loads there in lean's form, converted
-    at each load."""
+    """The ``--gguf-layout`` this export builds: the one asked for, or for ``auto`` the compact layout where the
+    native op runs on this machine, else lean (said in one line): a native-op bundle loads there in lean's form,
+    converted at each load.  Compact, not native: the fastest layout whose fidelity clears the bar the default
+    is held to (top-1 agreement >= 0.95, NLL within 2% of the GGUF's own; docs/methods/gguf.md)."""
     if options.gguf_layout != AUTO_LAYOUT:
         return options.gguf_layout
     from edge_spec.runtime.model.native_attention import native_matmul_here
 
     _, why = native_matmul_here()
     if why:
-        _say(progress, f"GGUF layout: lean, not native, since {why}")
+        _say(progress, f"GGUF layout: lean, not {AUTO_NATIVE_LAYOUT}, since {why}")
         return "lean"
-    return "native"
+    return AUTO_NATIVE_LAYOUT
 
 
 def export_bundle(
