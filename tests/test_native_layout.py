@@ -415,22 +415,27 @@ def test_a_compact_export_is_named_so_and_speculates_losslessly(tmp_path, native
     """The compact layout (the default where the native op runs) end to end: the export rounds the target's Q6_K
     blocks, the runtime routes its target to the native op, and greedy speculation gives the target's own tokens;
     where the op cannot run the same bundle loads in the lean layout's form and stays lossless."""
+    from collections import Counter
+
     from edge_spec.export.bundle.build import ExportOptions as Options
     from edge_spec.export.bundle.build import export_bundle
+    from edge_spec.export.gguf.carry import CarryReport
     from edge_spec.manifest import read_manifest
     from edge_spec.runtime.engine import Engine
-    from tests.helpers import chain, greedy_drafts_kept_and_refused
+    from tests.helpers import chain, cli, greedy_drafts_kept_and_refused
 
     models, _ = tiny_models.carried_pair()
     carried = models["tiny-target"].weights.carried
     down = np.asarray(models["tiny-target"].weights.layers[0].down)  # as a Q4_K_M file has some: a Q6_K down
     carried["layers.0.down"] = carry_gguf(tiny_models.q6_k_blocks(down), "Q6_K", *down.shape)
+    # what a GGUF source's loader reports of its carried blocks (the manifest records the layout beside it)
+    models["tiny-target"].gguf_carry = CarryReport(Counter({"Q4_K": len(carried) - 1, "Q6_K": 1}))
     assert np.abs(carried["layers.0.down"].dequantize() - down).max() < 0.02 * np.abs(down).max()
     out = tmp_path / "bundle"
     options = Options(draft_vocab="full", context_length=256, gguf_layout="compact")
     export_bundle("tiny-target", "tiny-draft", out, options, loader=models.__getitem__)
     target = read_manifest(out)["target"]
-    assert set(_gguf_types(out / target["onnx"])) == {Q4_K}
+    assert set(_gguf_types(out / target["onnx"])) == {Q4_K} and target["quantization"]["gguf_layout"] == "compact"
     engine = Engine.from_bundle(out, threads=1, mode="spec")
     accepted, refused = greedy_drafts_kept_and_refused(engine, chain(4))
     assert accepted > 0
@@ -438,3 +443,8 @@ def test_a_compact_export_is_named_so_and_speculates_losslessly(tmp_path, native
     fallback = Engine.from_bundle(out, threads=1, mode="spec")
     accepted, refused = greedy_drafts_kept_and_refused(fallback, chain(4))
     assert accepted > 0
+    info = cli("info", str(out))
+    assert info.returncode == 0, info.stderr
+    lines = {line.split()[0]: line for line in info.stdout.splitlines() if line.split()}
+    assert "int4 in the compact layout, " in lines["target"]
+    assert "layout" not in lines["draft"]  # its body was re-quantized: no GGUF layout to name

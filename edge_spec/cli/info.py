@@ -71,8 +71,8 @@ def info(
         heads = ", ".join(f"{name} ({h['size']} rows)" for name, h in m.get("heads", {}).items())
         out.print(
             f"{role:6s} {m['name']}: {m['parameters'] / 1e6:.0f}M params, {c['num_layers']} layers, "
-            f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {m['quantization']['weights']}, "
-            f"{m['bytes'] / (1 << 20):.0f} MiB"
+            f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {m['quantization']['weights']}"
+            f"{_layout_note(m['quantization'])}, {m['bytes'] / (1 << 20):.0f} MiB"
             + (_prompt_reader_note(m) if m.get("prompt_reader") else "")
             + (f"; heads: {heads}, default {m['default_head']}" if heads else "")
         )
@@ -97,6 +97,14 @@ def info(
         out.print("kernels " + describe(manifest["native_kernels"], library, remembered))
     if costs:
         _print_costs(bundle, load, gamma, draft_head, remeasure)
+
+
+def _layout_note(quantization: dict) -> str:
+    """The ``--gguf-layout`` a model's carried GGUF blocks are in, so that a user can tell a compact bundle from a
+    native one (they differ in speed and fidelity); nothing for a model whose weights were all re-quantized."""
+    if isinstance(quantization.get("gguf_blocks"), dict) and quantization.get("gguf_layout"):
+        return f" in the {quantization['gguf_layout']} layout"
+    return ""
 
 
 def _prompt_reader_note(entry: dict) -> str:
