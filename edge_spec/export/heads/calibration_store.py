@@ -60,12 +60,13 @@ def source_digest(source: str | None) -> str | None:
     if not source:
         return None
     name = source.removeprefix("registry:")
-    entry = fetch.load_registry()["models"].get(name)
-    if entry is not None:
+    try:
+        entry = fetch.resolve_model(name)  # a registry entry, or a local path that exists
+    except EdgeSpecError:  # a hub id, or nothing: never fetched for this
+        return None
+    if isinstance(entry, dict):
         gguf = entry.get("gguf")
         return gguf.get("sha256") if isinstance(gguf, dict) else None
-    if not Path(name).expanduser().exists():  # a hub id, or nothing: never fetched for this
-        return None
     try:
         kind, location, gguf_file = locate_source(name)
     except (EdgeSpecError, OSError):
