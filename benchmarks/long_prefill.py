@@ -24,9 +24,11 @@ from edge_spec.paths import DEFAULT_BUNDLE
 def measure(bundle: Path, tokens: int, chunk: int, threads: int) -> dict:
     """One prefill of ``tokens`` random ids in passes of ``chunk`` tokens (this process only)."""
     from edge_spec.manifest import read_manifest
+    from edge_spec.runtime.loaded import set_bundle_kernels
     from edge_spec.runtime.model.decoder import Decoder
 
     manifest = read_manifest(bundle)
+    set_bundle_kernels(manifest)  # the prefetch choices a load of the bundle sets
     target = Decoder(bundle / manifest["target"]["onnx"], threads=threads, capacity=manifest["context_length"])
     target.prefill_chunk = chunk
     ids = [int(t) for t in np.random.default_rng(0).integers(100, 20000, tokens)]

@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 from edge_spec.bench.ort_profile import (  # noqa: E402
+    bundle_target,
     matmul_weight_bytes,
     parse_profile,
     profiled_decoder,
@@ -82,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
 
     manifest = read_manifest(args.bundle)
-    onnx_path = args.bundle / manifest["target"]["onnx"]
+    onnx_path, kernels = bundle_target(args.bundle)
     tokenizer = TextTokenizer(args.bundle)
     prompt_ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
     capacity = 4096
@@ -141,6 +142,8 @@ def main() -> None:
         f"acc level {q.get('accuracy_level')}; ORT {ort.__version__}, {args.threads} threads, "
         f"{len(prompt_ids)} prompt tokens, {args.steps} decode steps (first {args.skip} skipped -> {n} averaged)"
     )
+    if kernels:
+        print(f"       {kernels}")
     print(
         f"unprofiled session : prefill {plain_prefill * 1e3:7.1f} ms, decode "
         f"{statistics.mean(plain_walls[args.skip :]) * 1e3:6.2f} ms/step "

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_spec.bench.ort_profile import ProfileMismatch, profile_rows
-from edge_spec.manifest import read_manifest
+from edge_spec.bench.ort_profile import ProfileMismatch, bundle_target, profile_rows
 from edge_spec.paths import DEFAULT_BUNDLE
 
 
@@ -51,7 +50,7 @@ def main() -> None:
     if args.context < 1 or args.steps < 1:
         raise SystemExit("--context and --steps must be at least 1")
 
-    onnx_path = args.bundle / read_manifest(args.bundle)["target"]["onnx"]
+    onnx_path, kernels = bundle_target(args.bundle)
     try:
         profile = profile_rows(onnx_path, args.threads, args.steps, args.rows, prompt_tokens=args.context)
     except ProfileMismatch as error:
@@ -63,6 +62,8 @@ def main() -> None:
         f"{onnx_path}, {args.threads} threads, after a {args.context}-token prompt, "
         f"{args.steps} passes of each row count (medians, ms)"
     )
+    if kernels:
+        print(kernels)
     header = f"{'':<34}" + "".join(f"{r:>6} row{'s' if r > 1 else ' '}" for r in counts)
     print(header)
     print(f"{'pass (model_run)':<34}" + "".join(f"{np.median(profile.walls[r]) / 1e3:10.2f}" for r in counts))

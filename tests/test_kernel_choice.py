@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -320,3 +323,28 @@ def test_what_a_load_remembers_is_kept_apart_per_kernel_path(native_bundle):
     assert kernels_key(manifest, "AuthenticAMD 26 2 AMD EPYC / avx512") != kernels_key(
         manifest, "AuthenticAMD 26 2 AMD EPYC / avx2"
     )
+
+
+@pytest.mark.parametrize(
+    "script, options",
+    [("benchmarks/verify_rows_profile.py", ["--rows", "1,2", "--context", "8"]), ("benchmarks/profile_step.py", [])],
+)
+def test_the_profiling_tools_time_the_passes_a_load_of_the_bundle_runs(
+    script, options, native_bundle, native_library, vendor_rule, tmp_path
+):
+    """A tool that builds its own decoder over a bundle's target sets the bundle's prefetch choices for this
+    machine first, as a load does: on the other side of the vendor's rule its passes would cost what the
+    engine's do not."""
+    other = NONE if vendor_rule == AHEAD else AHEAD
+    record = {"machine": this_machine(native_library), "one_row_prefetch": other, "far_from_rows": 2}
+    copy = _with_record(native_bundle, tmp_path, record)
+    shown = subprocess.run(
+        [sys.executable, script, "--bundle", str(copy), "--threads", "1", "--steps", "3", *options],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
+    assert shown.returncode == 0, shown.stderr
+    said = "ask" if other == AHEAD else "do not ask"
+    assert f"native op: one-row passes {said} ahead, passes of 2 rows and more ask far ahead" in shown.stdout

@@ -17,6 +17,7 @@ import numpy as np
 
 from edge_spec.bench.interleaved import interleaved_passes, random_ids
 from edge_spec.manifest import read_manifest
+from edge_spec.runtime.loaded import set_bundle_kernels  # the prefetch choices a load of the bundle sets
 from edge_spec.runtime.model import decoder as decoder_module
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.model.decoder import Decoder
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=16)
     args = parser.parse_args()
     manifest = read_manifest(args.bundle)
+    set_bundle_kernels(manifest)
     graph = args.bundle / manifest["target"]["onnx"]
     capacity = manifest["context_length"]
     if args.context + args.rows > capacity:

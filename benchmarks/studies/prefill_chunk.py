@@ -18,6 +18,7 @@ import numpy as np
 
 from edge_spec.bench.interleaved import random_ids
 from edge_spec.manifest import read_manifest
+from edge_spec.runtime.loaded import set_bundle_kernels  # the prefetch choices a load of the bundle sets
 from edge_spec.runtime.model import huge_pages
 from edge_spec.runtime.model.decoder import Decoder
 
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     manifest = read_manifest(args.bundle)
+    set_bundle_kernels(manifest)
     if args.tokens + 1 > manifest["context_length"] or min(args.sizes) < 2:
         raise SystemExit(f"--tokens must fit the context of {manifest['context_length']}, --sizes be 2 or more")
     target = Decoder(

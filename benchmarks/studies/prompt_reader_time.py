@@ -17,6 +17,7 @@ from pathlib import Path
 from edge_spec.bench.interleaved import fastest_reads
 from edge_spec.bench.long_prompts import long_prompts
 from edge_spec.manifest import read_manifest
+from edge_spec.runtime.loaded import set_bundle_kernels  # the prefetch choices a load of the bundle sets
 from edge_spec.runtime.model.decoder import Decoder
 from edge_spec.runtime.text import TextTokenizer
 
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     manifest = read_manifest(args.bundle)
+    set_bundle_kernels(manifest)
     record = manifest["target"].get("prompt_reader")
     if record is None:
         raise SystemExit(f"{args.bundle} has no prompt graph: export it with --prompt-reader")

@@ -29,6 +29,7 @@ import onnxruntime as ort
 
 from edge_spec.manifest import read_manifest
 from edge_spec.paths import DEFAULT_BUNDLE
+from edge_spec.runtime.loaded import set_bundle_kernels
 from edge_spec.runtime.model import decoder as decoder_module
 from edge_spec.runtime.model.decoder import Decoder
 
@@ -58,6 +59,7 @@ def decoder(path: Path, threads: int, policy: str) -> Decoder:
 
 def time_policy(bundle: Path, threads: int, policy: str, repeats: int) -> dict:
     manifest = read_manifest(bundle)
+    set_bundle_kernels(manifest)  # the prefetch choices a load of the bundle sets
     target = decoder(bundle / manifest["target"]["onnx"], threads, policy)
     drafter = decoder(bundle / manifest["draft"]["onnx"], threads, policy)
     filler = list(range(100, 100 + CONTEXT))

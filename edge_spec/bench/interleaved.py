@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_spec.manifest import read_manifest
+from edge_spec.runtime.loaded import set_bundle_kernels
 from edge_spec.runtime.model.decoder import Decoder
 
 
@@ -33,8 +34,10 @@ def pass_study_parser(description: str, *, context: int, rows: list[int], repeat
 
 
 def study_target(args: argparse.Namespace) -> tuple[Path, int]:
-    """(the bundle's target graph, its context length), once the prompt and the passes are known to fit it."""
+    """(the bundle's target graph, its context length), once the prompt and the passes are known to fit it; the
+    native op's prefetch choices set as a load of the bundle sets them."""
     manifest = read_manifest(args.bundle)
+    set_bundle_kernels(manifest)
     capacity = manifest["context_length"]
     if min(args.rows) < 1 or args.context + max(args.rows) + 1 > capacity:
         raise SystemExit(

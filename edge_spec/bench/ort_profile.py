@@ -21,12 +21,30 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from edge_spec.manifest import read_manifest
+from edge_spec.runtime.loaded import set_bundle_kernels
 from edge_spec.runtime.model.decoder import Decoder
-from edge_spec.runtime.model.native_attention import QUANTIZED_MATMULS
+from edge_spec.runtime.model.kernel_choice import in_force
+from edge_spec.runtime.model.native_attention import QUANTIZED_MATMULS, native_matmul_here
 
 
 class ProfileMismatch(RuntimeError):
     """The profile holds another number of passes than were run, so no pass can be told its row count."""
+
+
+def bundle_target(bundle: Path) -> tuple[Path, str]:
+    """The bundle's target graph, with the native op's prefetch choices set as a load of the bundle sets them
+    (``set_bundle_kernels``), so that passes timed apart from the engine cost what the engine's do; and those
+    choices in words ("" where the op does not run the bundle here)."""
+    manifest = read_manifest(bundle)
+    untimed = set_bundle_kernels(manifest)
+    library = native_matmul_here()[0] if "native_kernels" in manifest else None
+    words = ""
+    if library is not None:
+        words = "native op: " + in_force(library)
+        if untimed is not None:
+            words += " (the vendor's rules: this machine has not timed the bundle yet)"
+    return bundle / manifest["target"]["onnx"], words
 
 
 def profiled_decoder(onnx_path: Path, threads: int, capacity: int = 4096) -> Decoder:

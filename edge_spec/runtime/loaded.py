@@ -161,6 +161,21 @@ def kernels_here(manifest: dict, library: Path) -> dict | None:
     return None
 
 
+def set_bundle_kernels(manifest: dict, provider: str = DEFAULT_PROVIDER) -> Path | None:
+    """Set the native op's prefetch choices the bundle holds for this machine (the vendor's rules where it holds
+    none), before any session registers the op: each session takes the choice in force, so a tool that builds
+    its own ``Decoder`` over a bundle's graph calls this first to time what the runtime runs.  Returns the op's
+    library where this machine has not timed the bundle yet (the load times it then), else None."""
+    if "native_kernels" not in manifest:
+        return None
+    library, _ = native_matmul_here(provider)
+    if library is None:
+        return None
+    record = kernels_here(manifest, library)
+    apply_kernel_choice(record, library)
+    return library if record is None and not switched() else None
+
+
 class LoadedBundle:
     """One bundle's models, tokenizer and suffix cache, loaded once for the options given, and what was
     measured about the device they run on.  Each model drafter loads on first use, each of its LM heads
@@ -212,14 +227,7 @@ class LoadedBundle:
             options.suffix_capacity,
             Path(options.corpus) if options.corpus is not None else None,
         )
-        untimed = None
-        if "native_kernels" in manifest:
-            library, _ = native_matmul_here(options.provider)
-            if library is not None:  # before the sessions register it: each takes the choice in force
-                record = kernels_here(manifest, library)
-                apply_kernel_choice(record, library)
-                if record is None and not switched():
-                    untimed = library
+        untimed = set_bundle_kernels(manifest, options.provider)
         target = Decoder(
             files.directory / manifest["target"]["onnx"],
             provider=options.provider,
