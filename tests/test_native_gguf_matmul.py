@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from onnx import TensorProto, helper, numpy_helper
 
-from edge_spec.export.gguf.interleaved import interleave
+from edge_spec.export.gguf.interleaved import deinterleave, interleave, record_width, shorten_tail
+from edge_spec.export.gguf.q4_k import quantize_q4_k
 from tests import tiny_models
 from tests.helpers import native_first_output, native_kernels
 
@@ -386,6 +387,81 @@ def test_an_input_narrower_than_its_blocks_reads_as_if_zeros_followed_it(native_
         assert np.array_equal(got, want), path  # every kernel gives the whole width's bits
     glu = native_first_output(native_library, narrow_model(raw, kind, k, glu=1), {"x": x}, {}, tmp_path)
     np.testing.assert_allclose(glu, swiglu(want), rtol=1e-6, atol=1e-30)
+
+
+def records_model(records: np.ndarray, n: int, k: int, glu: int = 0, **attrs) -> bytes:
+    """The op over Q4_K ``records`` as given (whole, or with a short tail: ``tail=4``), reading inputs of width ``k``."""
+    node = helper.make_node(
+        "MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=Q4_K, glu=glu, **attrs
+    )
+    graph = helper.make_graph(
+        [node],
+        "gguf_matmul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n // 2 if glu else n])],
+        [numpy_helper.from_array(np.ascontiguousarray(records), "w")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def rounded_padded(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Q4_K bytes of a random ``[n, k]`` weight padded with zeros to whole super-blocks, as the export rounds a
+    drafter's 896-wide rows."""
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    pad = record_width(k) - k
+    return quantize_q4_k(read_rows=lambda a, b: np.pad(weight[a:b], ((0, 0), (0, pad))), shape=(n, k + pad))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, AMX_ROWS])  # a step, a verify pass, two row loops, a prompt's pass
+@pytest.mark.parametrize("k", [640, 896])  # rows ending 128 columns into their last super-block
+def test_records_with_a_short_tail_give_the_whole_records_bits(native_library, tmp_path, k, rows):
+    """A last super-block holding at most 128 of a row's weights keeps its first four sub-blocks' code lines alone
+    (``tail`` 4): every kernel gives the whole records' bits, SwiGLU included, from fewer bytes, and the records
+    turn back into the same GGUF bytes."""
+    rng = np.random.default_rng(k + rows)
+    n, padded = 64, record_width(k)
+    raw = rounded_padded(rng, n, k)
+    whole = interleave(raw, Q4_K, n, padded)
+    short = shorten_tail(whole)
+    assert short.nbytes == whole.nbytes - n // 16 * 1024  # 16 lines of 64 bytes fewer a tile
+    np.testing.assert_array_equal(deinterleave(short, Q4_K, n, padded, tail=4), raw)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    for glu in (0, 1):
+        want = native_first_output(native_library, records_model(whole, n, k, glu), {"x": x}, {}, tmp_path)
+        for path in PATHS:
+            if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
+                continue
+            got = native_first_output(
+                native_library, records_model(short, n, k, glu, tail=4), {"x": x}, PATHS[path], tmp_path
+            )
+            assert np.array_equal(got, want), (path, glu)
+
+
+def test_a_tail_that_holds_weights_is_not_shortened(native_library):
+    raw = random_blocks(np.random.default_rng(3), Q4_K, 16, 768)  # every sub-block holds weights
+    with pytest.raises(ValueError, match="sub-blocks 4-7 hold weights"):
+        shorten_tail(interleave(raw, Q4_K, 16, 768))
+
+
+@pytest.mark.parametrize(
+    "k, kind, tail",
+    [(768, Q4_K, 4), (641, Q4_K, 4), (640, Q6_K, 4), (640, Q4_K, 3)],  # whole blocks; 129 columns in; Q6_K; no layout
+)
+def test_a_short_tail_where_the_rows_need_the_whole_block_is_one_clear_error(native_library, k, kind, tail):
+    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=16, type=kind, tail=tail)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros((1, 16 * 2368), np.uint8), "w")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
+    with pytest.raises(Exception, match="tail is 8, or 4 for Q4_K"):
+        session(native_library, helper.make_model(graph, opset_imports=opsets).SerializeToString()).run(
+            None, {"x": np.zeros((1, k), np.float32)}
+        )
 
 
 def test_an_input_wider_than_k_is_refused_even_where_the_blocks_would_hold_it(native_library):

@@ -349,6 +349,65 @@ def test_the_prompt_reader_takes_a_rounded_matmuls_weights_at_the_inputs_width(n
     assert np.abs(weight - expected).max() < 0.1 * np.abs(expected).max()  # Q4_K's rounding, no shifted column
 
 
+SHORT = 896  # Qwen2.5-0.5B's width: its rows end 128 columns into their fourth super-block
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    """A tiny Qwen2 of width 896 rounded to Q4_K under the native op twice: its last blocks' records short (the
+    first four sub-blocks alone, as the export writes them) and whole."""
+    from edge_spec.export.gguf import blocks
+
+    w = tiny_models.loaded("s", tiny_models.make_qwen2(seed=5, hidden=SHORT), tiny_models.make_tokenizer()).weights
+    folder = tmp_path_factory.mktemp("short")
+    options = BuildOptions(quant="int4", context_length=64, gguf_blocks=False, carry_native=True, round_native=True)
+    paths = {"short": folder / "short.onnx", "whole": folder / "whole.onnx"}
+    save_model(build_decoder(w, options), paths["short"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blocks, "short_tail", lambda kind, width: False)
+        save_model(build_decoder(w, options), paths["whole"])
+    return paths
+
+
+def _records(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Each layer ``MatMulGGUF``'s (K, tail, bytes of records)."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    sizes = {t.name: numpy_helper.to_array(t).nbytes for t in model.graph.initializer}
+    found = {}
+    for n in model.graph.node:
+        if n.op_type == "MatMulGGUF" and n.name.startswith("layers."):
+            attrs = {a.name: a.i for a in n.attribute}
+            found[n.name] = (attrs["K"], attrs.get("tail", 8), sizes[n.input[1]])
+    return found
+
+
+def test_rows_ending_early_in_their_last_block_read_short_records_with_the_same_logits(
+    short, native_library, monkeypatch
+):
+    short_nodes, whole_nodes = _records(short["short"]), _records(short["whole"])
+    assert {k: tail for k, tail, _ in short_nodes.values()} == {SHORT: 4, 2 * SHORT: 8}  # the down projection: whole
+    for name, (k, tail, size) in short_nodes.items():
+        tiles = size // (3 * 2368 + 1344) if tail == 4 else None
+        assert size == whole_nodes[name][2] - (tiles * 1024 if tail == 4 else 0), name
+    assert np.array_equal(_logits(short["short"], [IDS]), _logits(short["whole"], [IDS]))
+    monkeypatch.setenv("EDGE_SPEC_NATIVE_MATMUL", "0")  # the lean layout's nodes, from the records padded back
+    assert np.array_equal(_logits(short["short"], [IDS]), _logits(short["whole"], [IDS]))
+
+
+def test_the_prompt_reader_takes_short_records_weights_whole(short):
+    from edge_spec.export.graph.prompt_reader import _Initializers, native_weight
+
+    weights = []
+    for path in (short["short"], short["whole"]):
+        model = onnx.load(str(path), load_external_data=False)
+        node = next(n for n in model.graph.node if n.op_type == "MatMulGGUF" and n.name.startswith("layers.0.qkv"))
+        weights.append(native_weight(node, _Initializers(model.graph, path.parent)))
+    assert weights[0].shape == (SHORT + 2 * 2 * SHORT // 4, SHORT)
+    np.testing.assert_array_equal(*weights)
+
+
 @pytest.fixture(scope="module")
 def rounded_bundle(tmp_path_factory, native_library):
     """The tiny pair at width 224 exported in the native layout on a CPU whose op reads one-row records ahead:

@@ -12,7 +12,9 @@
 // 32 codes kept for Q6_K's offset and Q4_K's minimums), and every dot product runs in integers within a
 // block.  K, the input's width, need not fill whole blocks: the weights' rows are padded with zeros to the
 // last block's end (a drafter's 896-wide rows: edge_spec/export/gguf/blocks.py, add_rounded_native) and x is
-// read as if zeros followed it, which add nothing to any sum.  Each row's result depends on that row alone and
+// read as if zeros followed it, which add nothing to any sum.  Where the last block holds at most 128 of a row's
+// weights, its Q4_K records may keep the first four of their eight sub-blocks' code lines alone (the op's
+// ``tail`` attribute, 4; the dropped ones are zeros): a 896-wide row then reads 3.5 blocks, not 4, the same sums.  Each row's result depends on that row alone and
 // goes through the same operations in the same order whatever number of rows shares the pass, so verify passes
 // stay batch-invariant.  The three paths (AVX-512 with VNNI, AVX2 (Q4_K's products on AVX-VNNI where the CPU has
 // it), scalar; chosen once at load) give the same bits: the same integer sums, then per output the same float32
@@ -183,6 +185,10 @@ void quantize_row(const float* x, int K, Q8Row& out) {
 
 constexpr int kTile = 16;
 constexpr int kQ4KRecord = 2368;  // d[16], dmin[16] fp16; scales[8][16], mins[8][16]; 32 lines of 64 bytes
+constexpr int kQ4KHeader = 320;   // the record's d, dmin, scales and minimums; its code lines follow
+
+// a Q4_K record of `subs` sub-blocks' code lines (8, or 4 in a short last block: the header whole, 16 lines)
+constexpr size_t q4k_record_bytes(int subs) { return kQ4KHeader + static_cast<size_t>(subs) * 4 * 64; }
 constexpr int kQ6KRecord = 3360;  // d[16] fp16; scales[16][16] int8; 32 lines of low nibbles; 16 of high bits
 constexpr int kMaxRows = 8;       // rows looped inside, over codes decoded once
 
@@ -195,6 +201,8 @@ int32_t read_i32(const int8_t* p) {
 // every path computes, per output, the same integer sums and then, block by block,
 //   acc = fma(float(sum), d * dx, acc)   [Q4_K also: acc = fma(-float(mins), dmin * dx, acc)]
 // so the three give the same bits
+// LastSubs: the sub-blocks the last block's record holds (8, or 4 where the matrix's tail is short)
+template <int LastSubs>
 void tile_q4k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
   for (int r = 0; r < nrows; ++r) {
     const Q8Row& x = rows[r];
@@ -207,7 +215,9 @@ void tile_q4k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
         const uint8_t* lines = R + 320;
         const int8_t* q = x.q + b * kQK;
         int32_t total = 0, mins = 0;
-        for (int s = 0; s < 8; ++s) {
+        // a short record's missing sub-blocks meet only the zeros after x's last column: they add nothing
+        const int subs = b + 1 == blocks ? LastSubs : 8;
+        for (int s = 0; s < subs; ++s) {
           int32_t part = 0;
           for (int p = 4 * s; p < 4 * s + 4; ++p) {
             for (int t = 0; t < 4; ++t) {
@@ -333,24 +343,27 @@ __attribute__((target(ES_AVX512), always_inline)) inline void q4k_minimum_pairs_
   }
 }
 
-template <int NR, bool Ahead = true>
+template <int NR, bool Ahead = true, int LastSubs = 8>
 __attribute__((target(ES_AVX512))) void rows_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const bool far = Ahead && NR >= g_far_rows.load(std::memory_order_relaxed);
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
-    const uint8_t* lines = R + 320;
+    const uint8_t* lines = R + kQ4KHeader;
+    const int subs = b + 1 == blocks ? LastSubs : 8;
+    const uint8_t* next = R + q4k_record_bytes(subs);  // the next record, the next tile's first after the last
+    const int ahead = 40 / subs;                        // its lines asked for a sub-block: all of them by the end
     __m512i total[NR];
     for (int r = 0; r < NR; ++r) total[r] = _mm512_setzero_si512();
-    for (int s = 0; s < 8; ++s) {
+    for (int s = 0; s < subs; ++s) {
       __m512i lo[4], hi[4];
       for (int p = 0; p < 4; ++p) {
         const __m512i w = _mm512_loadu_si512(lines + 64 * (4 * s + p));
         lo[p] = _mm512_and_si512(w, low4);
         hi[p] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
       }
-      if (Ahead) prefetch_lines(R + kQ4KRecord, 5 * s, 5);
-      if (far) prefetch_far(R, kQ4KRecord, 5 * s, 5);
+      if (Ahead) prefetch_lines(next, ahead * s, ahead);
+      if (far) prefetch_far(R, kQ4KRecord, ahead * s, ahead);
       const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(R + 64 + 16 * s)));
       const __m512i scale2 = _mm512_or_si512(scale, _mm512_slli_epi32(scale, 16));  // (sc, sc) a lane
       __m512i partA[NR], partB[NR];  // the sub-block's first and last 16 products
@@ -458,21 +471,26 @@ __attribute__((target(ES_AVX512))) void rows_q6k_avx512(const uint8_t* rec, int 
 
 using RowsKernel = void (*)(const uint8_t*, int, const Q8Row*, float*);
 
-template <int... NR>
-constexpr std::array<RowsKernel, sizeof...(NR)> avx512_table(bool q4k, std::integer_sequence<int, NR...>) {
-  return q4k ? std::array<RowsKernel, sizeof...(NR)>{rows_q4k_avx512<NR + 1>...}
-             : std::array<RowsKernel, sizeof...(NR)>{rows_q6k_avx512<NR + 1>...};
+template <int LastSubs, int... NR>
+constexpr std::array<RowsKernel, sizeof...(NR)> avx512_q4k_table(std::integer_sequence<int, NR...>) {
+  return {rows_q4k_avx512<NR + 1, true, LastSubs>...};
 }
 
+template <int... NR>
+constexpr std::array<RowsKernel, sizeof...(NR)> avx512_q6k_table(std::integer_sequence<int, NR...>) {
+  return {rows_q6k_avx512<NR + 1>...};
+}
+
+template <int LastSubs>
 void tile_q4k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
-  static constexpr auto table = avx512_table(true, std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto table = avx512_q4k_table<LastSubs>(std::make_integer_sequence<int, kMaxRows>{});
   if (nrows == 1 && !g_one_row_ahead.load(std::memory_order_relaxed))
-    return rows_q4k_avx512<1, false>(rec, blocks, rows, out);
+    return rows_q4k_avx512<1, false, LastSubs>(rec, blocks, rows, out);
   table[nrows - 1](rec, blocks, rows, out);
 }
 
 void tile_q6k_avx512(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
-  static constexpr auto table = avx512_table(false, std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto table = avx512_q6k_table(std::make_integer_sequence<int, kMaxRows>{});
   table[nrows - 1](rec, blocks, rows, out);
 }
 
@@ -543,7 +561,7 @@ __attribute__((target(ES_AVX2), always_inline)) inline void q4k_half_end_avx2(co
 // of products, each at most 2 * 15 * 128 in size) are summed as int16 (at most 30720: no saturation), and
 // one madd with the sub-block's scale in both halves of a lane gives scale x the sub-block's sum: the
 // integer the AVX-512 kernel forms, in a third of the instructions of one madd per step.
-template <int NR, bool Ahead = true>
+template <int NR, bool Ahead = true, int LastSubs = 8>
 __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, float* out) {
   const bool far = Ahead && NR >= g_far_rows.load(std::memory_order_relaxed);
   for (int r = 0; r < NR; ++r) {
@@ -552,15 +570,18 @@ __attribute__((target(ES_AVX2))) void rows_q4k_avx2(const uint8_t* rec, int bloc
   }
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
+    const int subs = b + 1 == blocks ? LastSubs : 8;
+    const uint8_t* next = R + q4k_record_bytes(subs);  // the next record, the next tile's first after the last
+    const int ahead = 40 / subs;                        // its lines asked for a sub-block (in the first half)
     for (int half = 0; half < 2; ++half) {
-      const uint8_t* lines = R + 320 + 32 * half;
+      const uint8_t* lines = R + kQ4KHeader + 32 * half;
       __m256i total[NR];
       for (int r = 0; r < NR; ++r) total[r] = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
+      for (int s = 0; s < subs; ++s) {
         __m256i lo[4], hi[4];
         q4k_codes_avx2(lines, s, lo, hi);
-        if (Ahead) prefetch_lines(R + kQ4KRecord, 5 * s + 40 * half, 5 - 5 * half);
-        if (far) prefetch_far(R, kQ4KRecord, 5 * s + 40 * half, 5 - 5 * half);
+        if (Ahead) prefetch_lines(next, ahead * s + 40 * half, ahead - ahead * half);
+        if (far) prefetch_far(R, kQ4KRecord, ahead * s + 40 * half, ahead - ahead * half);
         const __m256i scale = q4k_scale_pairs_avx2(R, s, half);
         for (int r = 0; r < NR; ++r) {
           const int8_t* q = rows[r].q + b * kQK + 32 * s;
@@ -594,14 +615,15 @@ void rows_in_groups(const RowsKernel* table, RowsKernel lone_row, const uint8_t*
   }
 }
 
-template <int... NR>
+template <int LastSubs, int... NR>
 constexpr std::array<RowsKernel, sizeof...(NR)> avx2_table(std::integer_sequence<int, NR...>) {
-  return {rows_q4k_avx2<NR + 1>...};
+  return {rows_q4k_avx2<NR + 1, true, LastSubs>...};
 }
 
+template <int LastSubs>
 void tile_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
-  static constexpr auto table = avx2_table(std::make_integer_sequence<int, kAvx2Rows>{});
-  rows_in_groups(table.data(), rows_q4k_avx2<1, false>, rec, blocks, rows, nrows, out);
+  static constexpr auto table = avx2_table<LastSubs>(std::make_integer_sequence<int, kAvx2Rows>{});
+  rows_in_groups(table.data(), rows_q4k_avx2<1, false, LastSubs>, rec, blocks, rows, nrows, out);
 }
 
 #ifdef ES_AVX_VNNI
@@ -615,7 +637,7 @@ void tile_q4k_avx2(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows,
 // them would take a vpmulld a row.  The loops are rows_q4k_avx2's, written again: a function compiled for AVX-VNNI
 // may get its instructions where the code asks for none (a compiler may fuse vpmaddwd and vpaddd into vpdpwssd), so
 // the AVX2 kernel, which AVX2-only CPUs run, cannot share a body compiled for both.
-template <int NR, bool Ahead = true>
+template <int NR, bool Ahead = true, int LastSubs = 8>
 __attribute__((target(ES_AVX2 ",avxvnni"))) void rows_q4k_avxvnni(const uint8_t* rec, int blocks, const Q8Row* rows,
                                                                   float* out) {
   const bool far = Ahead && NR >= g_far_rows.load(std::memory_order_relaxed);
@@ -625,15 +647,18 @@ __attribute__((target(ES_AVX2 ",avxvnni"))) void rows_q4k_avxvnni(const uint8_t*
   }
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
+    const int subs = b + 1 == blocks ? LastSubs : 8;
+    const uint8_t* next = R + q4k_record_bytes(subs);  // the next record, the next tile's first after the last
+    const int ahead = 40 / subs;                        // its lines asked for a sub-block (in the first half)
     for (int half = 0; half < 2; ++half) {
-      const uint8_t* lines = R + 320 + 32 * half;
+      const uint8_t* lines = R + kQ4KHeader + 32 * half;
       __m256i total[NR];
       for (int r = 0; r < NR; ++r) total[r] = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
+      for (int s = 0; s < subs; ++s) {
         __m256i lo[4], hi[4];
         q4k_codes_avx2(lines, s, lo, hi);
-        if (Ahead) prefetch_lines(R + kQ4KRecord, 5 * s + 40 * half, 5 - 5 * half);
-        if (far) prefetch_far(R, kQ4KRecord, 5 * s + 40 * half, 5 - 5 * half);
+        if (Ahead) prefetch_lines(next, ahead * s + 40 * half, ahead - ahead * half);
+        if (far) prefetch_far(R, kQ4KRecord, ahead * s + 40 * half, ahead - ahead * half);
         const __m256i scale = q4k_scale_pairs_avx2(R, s, half);
         for (int r = 0; r < NR; ++r) {
           const int8_t* q = rows[r].q + b * kQK + 32 * s;
@@ -654,14 +679,15 @@ __attribute__((target(ES_AVX2 ",avxvnni"))) void rows_q4k_avxvnni(const uint8_t*
   }
 }
 
-template <int... NR>
+template <int LastSubs, int... NR>
 constexpr std::array<RowsKernel, sizeof...(NR)> avxvnni_table(std::integer_sequence<int, NR...>) {
-  return {rows_q4k_avxvnni<NR + 1>...};
+  return {rows_q4k_avxvnni<NR + 1, true, LastSubs>...};
 }
 
+template <int LastSubs>
 void tile_q4k_avxvnni(const uint8_t* rec, int blocks, const Q8Row* rows, int nrows, float* out) {
-  static constexpr auto table = avxvnni_table(std::make_integer_sequence<int, kAvx2Rows>{});
-  rows_in_groups(table.data(), rows_q4k_avxvnni<1, false>, rec, blocks, rows, nrows, out);
+  static constexpr auto table = avxvnni_table<LastSubs>(std::make_integer_sequence<int, kAvx2Rows>{});
+  rows_in_groups(table.data(), rows_q4k_avxvnni<1, false, LastSubs>, rec, blocks, rows, nrows, out);
 }
 #endif
 
@@ -982,9 +1008,15 @@ __attribute__((target("avx2,fma"))) void swiglu_avx2(const float* gate, const fl
 struct Kernel {
   int64_t K = 0, N = 0, type = 0;  // K: the input's width; the weights cover it in whole blocks of 256
   bool glu = false;  // the N rows are gate rows then as many up rows; the output is silu(gate) * up, N / 2 wide
+  int tail = 8;      // the sub-blocks of 32 the last block's Q4_K records hold (8; 4 where K ends a half block in)
   int64_t width() const { return glu ? N / 2 : N; }
   int64_t blocks() const { return (K + kQK - 1) / kQK; }
   int64_t padded() const { return blocks() * kQK; }  // a row's codes: K, then zeros to the last block's end
+  // one tile's records of 16 rows, one block after another
+  size_t tile_bytes() const {
+    if (type != kTypeQ4K) return static_cast<size_t>(blocks()) * kQ6KRecord;
+    return static_cast<size_t>(blocks() - 1) * kQ4KRecord + q4k_record_bytes(tail);
+  }
 };
 
 // the rows AMX multiplies (whole tiles of 16), laid out once a pass as its tiles read them: block by block, row
@@ -1007,7 +1039,8 @@ struct Pass {
 };
 
 using TileKernel = void (*)(const uint8_t*, int, const Q8Row*, int, float*);
-TileKernel g_q4k = tile_q4k_scalar;
+TileKernel g_q4k = tile_q4k_scalar<8>;
+TileKernel g_q4k_short = tile_q4k_scalar<4>;  // matrices whose last block's records hold four sub-blocks
 TileKernel g_q6k = tile_q6k_scalar;
 using GluKernel = void (*)(const float*, const float*, float*);
 GluKernel g_swiglu = swiglu_scalar;
@@ -1132,14 +1165,13 @@ void run_item(void* data, size_t item) {
   const Pass& P = *static_cast<const Pass*>(data);
   const Kernel& k = *P.kernel;
   const int blocks = static_cast<int>(k.blocks());
-  const size_t record = k.type == kTypeQ4K ? kQ4KRecord : kQ6KRecord;
-  const TileKernel tile = k.type == kTypeQ4K ? g_q4k : g_q6k;
+  const TileKernel tile = k.type != kTypeQ4K ? g_q6k : k.tail == 8 ? g_q4k : g_q4k_short;
   const int64_t width = k.width();
   const int64_t tiles = (width + kTile - 1) / kTile;  // of the output (with glu: the gate rows')
   const int64_t first = static_cast<int64_t>(item) * P.tiles_per_item;
   const int64_t last = std::min<int64_t>(first + P.tiles_per_item, tiles);
   const int total_rows = P.nrows;
-  const size_t tile_bytes = static_cast<size_t>(blocks) * record;
+  const size_t tile_bytes = k.tile_bytes();
   alignas(64) float result[kMaxRows * kTile];
   alignas(64) float up[kMaxRows * kTile];
   const int amx_rows = P.amx != nullptr ? P.amx->rows : 0;  // done on AMX's tiles (whole tiles of 16); the rest below
@@ -1217,8 +1249,7 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   size_t w_elements = 0;
   check(g_api->GetTensorShapeElementCount(w_info, &w_elements));
   g_api->ReleaseTensorTypeAndShapeInfo(w_info);
-  const int64_t record = k.type == kTypeQ4K ? kQ4KRecord : kQ6KRecord;
-  const int64_t expected = (k.N + kTile - 1) / kTile * k.blocks() * record;
+  const int64_t expected = (k.N + kTile - 1) / kTile * static_cast<int64_t>(k.tile_bytes());
   if (static_cast<int64_t>(w_elements) != expected) {
     throw Error{"edge_spec.MatMulGGUF: the weights must hold N rows of ceil(K / 256) blocks in records of 16 rows (" +
                 std::to_string(expected) + " bytes), not " + std::to_string(w_elements)};
@@ -1249,7 +1280,8 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   // about an eighth of the pass, kAmxTilesPerItem tiles at the least (a down projection's items: 12 tiles, 384 KB
   // unpacked a chunk of kAmxChunk blocks)
   const bool q4k = k.type == kTypeQ4K;
-  const bool amx = g_amx && rows >= (q4k ? kAmxMinRowsQ4K : kAmxMinRowsQ6K);
+  // (AMX's unpacking reads whole records: a short tail keeps the vector kernels)
+  const bool amx = g_amx && k.tail == 8 && rows >= (q4k ? kAmxMinRowsQ4K : kAmxMinRowsQ6K);
   const int64_t tiles = (k.width() + kTile - 1) / kTile;
   const int64_t amx_tiles = k.glu ? kAmxTilesPerItem : std::max<int64_t>(kAmxTilesPerItem, (tiles + 7) / 8);
   Pass P{&k, w, quantized.data(), static_cast<int>(rows), y, amx ? amx_tiles : k.glu ? 16 : 4};
@@ -1278,6 +1310,7 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const
     kernel.N = edge_spec::attribute_int(g_api, info, "N", 0);
     kernel.type = edge_spec::attribute_int(g_api, info, "type", 0);
     const int64_t glu = edge_spec::attribute_int(g_api, info, "glu", 0);
+    const int64_t tail = edge_spec::attribute_int(g_api, info, "tail", 8);
     if (kernel.K <= 0 || kernel.N <= 0 || (kernel.type != kTypeQ4K && kernel.type != kTypeQ6K)) {
       throw Error{"edge_spec.MatMulGGUF: K, N and type (12: Q4_K, 14: Q6_K) are required"};
     }
@@ -1285,6 +1318,10 @@ OrtStatusPtr ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const
       throw Error{"edge_spec.MatMulGGUF: glu is 0 or 1 (SwiGLU over gate and up rows of whole records: N a multiple of 32)"};
     }
     kernel.glu = glu == 1;
+    if (tail != 8 && (tail != 4 || kernel.type != kTypeQ4K || kernel.K > (kernel.blocks() - 1) * kQK + kQK / 2)) {
+      throw Error{"edge_spec.MatMulGGUF: tail is 8, or 4 for Q4_K where K ends at most 128 columns into its last block"};
+    }
+    kernel.tail = static_cast<int>(tail);
     *out = new Kernel(kernel);
   });
 }
@@ -1445,7 +1482,8 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_api = api;
   const KernelPath path = chosen_path();
   g_use_avx2 = path != KernelPath::scalar;
-  g_q4k = tile_q4k_scalar;
+  g_q4k = tile_q4k_scalar<8>;
+  g_q4k_short = tile_q4k_scalar<4>;
   g_q6k = tile_q6k_scalar;
   g_quantize_avx2 = g_use_avx2;
   g_swiglu = swiglu_scalar;
@@ -1455,13 +1493,18 @@ OrtCustomOp* gguf_matmul_op(const OrtApi* api) {
   g_far_rows = gguf_far_rows();
   g_amx = gguf_amx_here();
   if (path == KernelPath::avx512) {
-    g_q4k = tile_q4k_avx512;
+    g_q4k = tile_q4k_avx512<8>;
+    g_q4k_short = tile_q4k_avx512<4>;
     g_q6k = tile_q6k_avx512;
     g_swiglu = swiglu_avx2;
   } else if (g_use_avx2) {
-    g_q4k = tile_q4k_avx2;
+    g_q4k = tile_q4k_avx2<8>;
+    g_q4k_short = tile_q4k_avx2<4>;
 #ifdef ES_AVX_VNNI
-    if (gguf_avx_vnni_here()) g_q4k = tile_q4k_avxvnni;
+    if (gguf_avx_vnni_here()) {
+      g_q4k = tile_q4k_avxvnni<8>;
+      g_q4k_short = tile_q4k_avxvnni<4>;
+    }
 #endif
     g_q6k = tile_q6k_avx2;
     g_swiglu = swiglu_avx2;

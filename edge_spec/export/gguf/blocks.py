@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_spec.export.gguf.interleaved import ROWS as RECORD_ROWS
+from edge_spec.export.gguf.interleaved import SHORT_TAIL, interleave, record_width, short_tail, shorten_tail
 from edge_spec.export.gguf.interleaved import TYPE_NUMBER as NATIVE_TYPE_NUMBERS
-from edge_spec.export.gguf.interleaved import interleave, record_width
 from edge_spec.export.gguf.q4_k import quantize_q4_k
 from edge_spec.export.graph import parallel
 from edge_spec.export.graph.quantize import pack_codes, unpack_codes
@@ -232,8 +232,12 @@ def _native_node(g, x: str, w: CarriedBlocks, name: str, out: str, **attributes)
 
 def _records_node(g, x: str, raw: np.ndarray, kind: int, n: int, k: int, name: str, out: str, **attributes) -> str:
     """One ``MatMulGGUF`` over the GGUF bytes ``raw`` of a weight ``[n, k]`` whose rows may be zero-padded to whole
-    super-blocks (the op's ``K`` is ``k``, the input's width)."""
+    super-blocks (the op's ``K`` is ``k``, the input's width); where they end at most 128 columns into the last,
+    its records keep the sub-blocks that hold weights (``tail`` 4)."""
     records = interleave(raw, kind, n, record_width(k))
+    if short_tail(kind, k):
+        records = shorten_tail(records)
+        attributes = {**attributes, "tail": SHORT_TAIL}
     g.node(
         "MatMulGGUF",
         [x, g.const(name + ".gguf_records", records)],

@@ -17,6 +17,11 @@ Records, per group of 16 rows (N is padded with zero rows to a multiple of 16) a
 * Q6_K, 3360 bytes (210 a row, as GGUF's): ``d[16]`` (float16), ``scales[16][16]`` (int8, per sub-block
   of 16), the low four bits of the codes in 32 lines as above, then 16 lines of 64 bytes of their high
   two bits: line s (weights 16s..16s+15), byte ``4·row + t`` bits 2j..2j+1 for weight 16s + 4j + t.
+
+Rows of a width short of whole super-blocks are padded with zeros.  Where the last super-block holds at most
+128 of a row's weights (a hidden size of 896), its Q4_K records keep the first four sub-blocks' 16 lines alone,
+1344 bytes (the op's ``tail`` of 4): the zeros after the row are not read again and again.  A tile is then its
+records one after another, ``[tiles, tile bytes]``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import numpy as np
 Q4_K, Q6_K = 12, 14  # ggml's type numbers: the op's ``type`` attribute
 GGUF_BYTES = {Q4_K: 144, Q6_K: 210}
 RECORD_BYTES = {Q4_K: 2368, Q6_K: 3360}
+Q4_K_HEADER = 320  # a Q4_K record's d, dmin, scales and minimums; 32 lines of codes follow, 4 a sub-block
+SHORT_TAIL = 4  # the sub-blocks a short last block's Q4_K records keep
 ROWS = 16
 TYPE_NUMBER = {"Q4_K": Q4_K, "Q6_K": Q6_K}
 
@@ -57,6 +64,37 @@ def record_width(k: int) -> int:
 
 
 BAND_TILES = 64  # tiles of 16 rows rearranged at a time: the temporaries (a byte a weight) stay a few MB
+
+
+def short_tail(kind: int, width: int) -> bool:
+    """Whether a weight read by inputs of ``width`` may keep its last block's Q4_K records short: the rows end at
+    most 128 columns into their last super-block (the rest padding)."""
+    return kind == Q4_K and 0 < width % 256 <= 128
+
+
+def shorten_tail(records: np.ndarray) -> np.ndarray:
+    """Q4_K records ``[tiles, blocks, 2368]`` whose last block's sub-blocks 4-7 are padding (zero codes, scales
+    and minimums) -> ``[tiles, tile bytes]`` with those sub-blocks' lines left out (the op's ``tail`` of 4)."""
+    last = records[:, -1]
+    dropped = np.concatenate([last[:, 128:192], last[:, 256:320], last[:, Q4_K_HEADER + SHORT_TAIL * 256 :]], axis=1)
+    if dropped.any():
+        raise ValueError("the last block's sub-blocks 4-7 hold weights: its records cannot be short")
+    tiles = records.shape[0]
+    return np.concatenate([records[:, :-1].reshape(tiles, -1), last[:, : Q4_K_HEADER + SHORT_TAIL * 256]], axis=1)
+
+
+def whole_tail(records: np.ndarray, kind: int, n: int, k: int, tail: int) -> np.ndarray:
+    """The op's records as ``[tiles, blocks, record bytes]``: a short tail (``tail`` 4) padded back with zeros."""
+    tiles, nb = -(-n // ROWS), k // 256
+    flat = np.ascontiguousarray(records, dtype=np.uint8).reshape(tiles, -1)
+    if tail == 8:
+        return flat.reshape(tiles, nb, RECORD_BYTES[kind])
+    if tail != SHORT_TAIL or kind != Q4_K:
+        raise ValueError(f"a tail of {tail} sub-blocks is not a record layout of ggml type {kind}")
+    whole = np.zeros((tiles, nb, RECORD_BYTES[kind]), np.uint8)
+    whole[:, :-1] = flat[:, : (nb - 1) * RECORD_BYTES[kind]].reshape(tiles, nb - 1, RECORD_BYTES[kind])
+    whole[:, -1, : Q4_K_HEADER + SHORT_TAIL * 256] = flat[:, (nb - 1) * RECORD_BYTES[kind] :]
+    return whole
 
 
 def interleave(raw: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
@@ -122,17 +160,17 @@ def _unlines(lines: np.ndarray, tiles: int, blocks: int) -> np.ndarray:
     return np.stack([packed & 0x0F, packed >> 4], axis=-2).reshape(tiles, ROWS, blocks, 256)
 
 
-def deinterleave(records: np.ndarray, kind: int, n: int, k: int) -> np.ndarray:
-    """:func:`interleave` undone: the op's records of a weight ``[n, k]`` -> GGUF's own tensor bytes, ``uint8
-    [n, k / 256 * block bytes]`` (the padding rows dropped).  A bundle whose op cannot run here is loaded
-    through these bytes in the ``lean`` layout's form."""
+def deinterleave(records: np.ndarray, kind: int, n: int, k: int, tail: int = 8) -> np.ndarray:
+    """:func:`interleave` undone (and a short tail, ``tail`` 4, padded back): the op's records of a weight
+    ``[n, k]`` -> GGUF's own tensor bytes, ``uint8 [n, k / 256 * block bytes]`` (the padding rows dropped).  A
+    bundle whose op cannot run here is loaded through these bytes in the ``lean`` layout's form."""
     if k % 256:
         raise ValueError(f"K = {k} is not a multiple of 256")
     if kind not in RECORD_BYTES:
         raise ValueError(f"no interleaved layout for ggml type {kind}")
     nb = k // 256
     tiles = -(-n // ROWS)
-    r = np.ascontiguousarray(records, dtype=np.uint8).reshape(tiles, nb, RECORD_BYTES[kind])
+    r = whole_tail(records, kind, n, k, tail)
 
     def per_row(part: np.ndarray, width: int) -> np.ndarray:
         """``[tiles, blocks, width * 16]`` laid out as ``[width][16]`` -> ``[tiles, 16, blocks, width]``."""

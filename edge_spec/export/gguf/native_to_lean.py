@@ -102,8 +102,9 @@ def rewrite_as_lean(model: onnx.ModelProto, base_dir: Path) -> dict[str, np.ndar
         n, k, kind = attrs["N"], attrs["K"], attrs["type"]
         padded = record_width(k)  # rows of a narrower input end in zeros
         records = numpy_helper.to_array(initializers[records_name], str(base_dir))
-        blocks = carry_gguf(deinterleave(records, kind, n, padded), _TYPE_NAME[kind], n, padded)
-        del records
+        raw = deinterleave(records, kind, n, padded, attrs.get("tail", 8))
+        blocks = carry_gguf(raw, _TYPE_NAME[kind], n, padded)
+        del records, raw
         bias = None
         followers = consumers.get(node.output[0], [])
         bias_name = name + ".bias"

@@ -131,7 +131,7 @@ def native_weight(node: onnx.NodeProto, arrays: _Initializers) -> np.ndarray:
 
     attrs = {a.name: a.i for a in node.attribute}
     n, k = attrs["N"], attrs["K"]
-    raw = deinterleave(np.asarray(arrays[node.input[1]]), attrs["type"], n, record_width(k))
+    raw = deinterleave(np.asarray(arrays[node.input[1]]), attrs["type"], n, record_width(k), attrs.get("tail", 8))
     weight = np.asarray(quants.dequantize(raw, GGMLQuantizationType(attrs["type"])), np.float32).reshape(n, -1)
     return weight[:, :k]  # rows of a narrower input end in zeros (``blocks.add_rounded_native``)
 
