@@ -14,11 +14,11 @@
 // last block's end (a drafter's 896-wide rows: edge_spec/export/gguf/blocks.py, add_rounded_native) and x is
 // read as if zeros followed it, which add nothing to any sum.  Where the last block holds at most 128 of a row's
 // weights, its Q4_K records may keep the first four of their eight sub-blocks' code lines alone (the op's
-// ``tail`` attribute, 4; the dropped ones are zeros): a 896-wide row then reads 3.5 blocks, not 4, the same sums.  Each row's result depends on that row alone and
-// goes through the same operations in the same order whatever number of rows shares the pass, so verify passes
-// stay batch-invariant.  The three paths (AVX-512 with VNNI, AVX2 (Q4_K's products on AVX-VNNI where the CPU has
-// it), scalar; chosen once at load) give the same bits: the same integer sums, then per output the same float32
-// multiply and fused multiply-adds, block by block.
+// ``tail`` attribute, 4): an 896-wide row then reads 3.5 blocks, not 4, for the same sums.  Each row's result
+// depends on that row alone and goes through the same operations in the same order whatever number of rows
+// shares the pass, so verify passes stay batch-invariant.  The three paths (AVX-512 with VNNI, AVX2 (Q4_K's
+// products on AVX-VNNI where the CPU has it), scalar; chosen once at load) give the same bits: the same integer
+// sums, then per output the same float32 multiply and fused multiply-adds, block by block.
 
 #include <cmath>
 #include <cstdint>
