@@ -212,7 +212,7 @@ void tile_q4k_scalar(const uint8_t* rec, int blocks, const Q8Row* rows, int nrow
         const uint8_t* R = rec + static_cast<size_t>(b) * kQ4KRecord;
         const float d = edge_spec::half_bits_to_float(read_u16(R + 2 * o));
         const float dmin = edge_spec::half_bits_to_float(read_u16(R + 32 + 2 * o));
-        const uint8_t* lines = R + 320;
+        const uint8_t* lines = R + kQ4KHeader;
         const int8_t* q = x.q + b * kQK;
         int32_t total = 0, mins = 0;
         // a short record's missing sub-blocks meet only the zeros after x's last column: they add nothing
@@ -1076,7 +1076,7 @@ void run_item_amx(const Pass& P, int64_t first, int64_t last) {
   const int blocks = static_cast<int>(k.blocks());
   const int64_t width = k.width();
   const int64_t tiles = (width + kTile - 1) / kTile;
-  const size_t tile_bytes = static_cast<size_t>(blocks) * record;
+  const size_t tile_bytes = k.tile_bytes();  // whole records: AMX takes no short tail
   const int chunk = k.glu ? blocks : std::min(blocks, kAmxChunk);  // SwiGLU wants the gate's and up's whole sums
   const int outputs_here = static_cast<int>(last - first);
   const int weights = outputs_here * (k.glu ? 2 : 1);  // weight tiles: the item's, then (glu) their up tiles

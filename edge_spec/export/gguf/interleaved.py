@@ -33,6 +33,7 @@ GGUF_BYTES = {Q4_K: 144, Q6_K: 210}
 RECORD_BYTES = {Q4_K: 2368, Q6_K: 3360}
 Q4_K_HEADER = 320  # a Q4_K record's d, dmin, scales and minimums; 32 lines of codes follow, 4 a sub-block
 SHORT_TAIL = 4  # the sub-blocks a short last block's Q4_K records keep
+SHORT_RECORD_BYTES = Q4_K_HEADER + SHORT_TAIL * 4 * 64  # 1344: the header, then 4 lines of 64 bytes a sub-block
 ROWS = 16
 TYPE_NUMBER = {"Q4_K": Q4_K, "Q6_K": Q6_K}
 
@@ -76,11 +77,12 @@ def shorten_tail(records: np.ndarray) -> np.ndarray:
     """Q4_K records ``[tiles, blocks, 2368]`` whose last block's sub-blocks 4-7 are padding (zero codes, scales
     and minimums) -> ``[tiles, tile bytes]`` with those sub-blocks' lines left out (the op's ``tail`` of 4)."""
     last = records[:, -1]
-    dropped = np.concatenate([last[:, 128:192], last[:, 256:320], last[:, Q4_K_HEADER + SHORT_TAIL * 256 :]], axis=1)
+    scales, minimums = last[:, 64 + 16 * SHORT_TAIL : 192], last[:, 192 + 16 * SHORT_TAIL : Q4_K_HEADER]  # [8][16]
+    dropped = np.concatenate([scales, minimums, last[:, SHORT_RECORD_BYTES:]], axis=1)
     if dropped.any():
         raise ValueError("the last block's sub-blocks 4-7 hold weights: its records cannot be short")
     tiles = records.shape[0]
-    return np.concatenate([records[:, :-1].reshape(tiles, -1), last[:, : Q4_K_HEADER + SHORT_TAIL * 256]], axis=1)
+    return np.concatenate([records[:, :-1].reshape(tiles, -1), last[:, :SHORT_RECORD_BYTES]], axis=1)
 
 
 def whole_tail(records: np.ndarray, kind: int, n: int, k: int, tail: int) -> np.ndarray:
@@ -93,7 +95,7 @@ def whole_tail(records: np.ndarray, kind: int, n: int, k: int, tail: int) -> np.
         raise ValueError(f"a tail of {tail} sub-blocks is not a record layout of ggml type {kind}")
     whole = np.zeros((tiles, nb, RECORD_BYTES[kind]), np.uint8)
     whole[:, :-1] = flat[:, : (nb - 1) * RECORD_BYTES[kind]].reshape(tiles, nb - 1, RECORD_BYTES[kind])
-    whole[:, -1, : Q4_K_HEADER + SHORT_TAIL * 256] = flat[:, (nb - 1) * RECORD_BYTES[kind] :]
+    whole[:, -1, :SHORT_RECORD_BYTES] = flat[:, (nb - 1) * RECORD_BYTES[kind] :]
     return whole
 
 
