@@ -70,18 +70,28 @@ def swiglu_reference(x: np.ndarray, raw: np.ndarray, kind: int, k: int) -> np.nd
     return swiglu(reference(x, raw, kind, k))
 
 
-def model(raw: np.ndarray, kind: int, k: int, glu: int = 0) -> bytes:
-    n = raw.shape[0]
-    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=kind, glu=glu)
+def records_model(
+    records: np.ndarray, kind: int, n: int, k: int, glu: int = 0, declared: int | None = -1, **attrs
+) -> bytes:
+    """The op over the records ``records`` (as ``interleave`` lays them out, or with a short tail: ``tail=4``)
+    reading inputs of width ``k``; the graph declares the input ``declared`` wide (-1: ``k``; None: any width, so
+    the op itself checks it)."""
+    node = helper.make_node(
+        "MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=kind, glu=glu, **attrs
+    )
     graph = helper.make_graph(
         [node],
         "gguf_matmul",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k if declared == -1 else declared])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n // 2 if glu else n])],
-        [numpy_helper.from_array(interleave(raw, kind, n, k), "w")],
+        [numpy_helper.from_array(np.ascontiguousarray(records), "w")],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def model(raw: np.ndarray, kind: int, k: int, glu: int = 0) -> bytes:
+    return records_model(interleave(raw, kind, raw.shape[0], k), kind, raw.shape[0], k, glu)
 
 
 def session(native_library: Path, model_bytes: bytes, threads: int = 2) -> ort.InferenceSession:
@@ -333,6 +343,10 @@ def test_batch_dimensions_pass_through(native_library):
         ({"K": 256, "type": Q4_K}, "K, N and type"),
         ({"K": 256, "N": 48, "type": Q4_K, "glu": 1}, "glu is 0 or 1"),  # half a record of up rows
         ({"K": 256, "N": 64, "type": Q4_K, "glu": 2}, "glu is 0 or 1"),
+        ({"K": 768, "N": 16, "type": Q4_K, "tail": 4}, "tail is 8, or 4 for Q4_K"),  # whole blocks
+        ({"K": 641, "N": 16, "type": Q4_K, "tail": 4}, "tail is 8, or 4 for Q4_K"),  # 129 columns into the last
+        ({"K": 640, "N": 16, "type": Q6_K, "tail": 4}, "tail is 8, or 4 for Q4_K"),
+        ({"K": 640, "N": 16, "type": Q4_K, "tail": 3}, "tail is 8, or 4 for Q4_K"),  # no such record layout
     ],
 )
 def test_unusable_attributes_are_one_clear_error(native_library, attrs, error):
@@ -352,19 +366,9 @@ def test_unusable_attributes_are_one_clear_error(native_library, attrs, error):
 
 
 def narrow_model(raw: np.ndarray, kind: int, k: int, glu: int = 0, declared: int | None = -1) -> bytes:
-    """The op over records of whole super-blocks (``raw``'s width) reading inputs of width ``k`` (fewer); the graph
-    declares the input ``declared`` wide (-1: ``k``; None: any width, so the op itself checks it)."""
+    """The op over records of whole super-blocks (``raw``'s width) reading inputs of width ``k`` (fewer)."""
     n, padded = raw.shape[0], raw.shape[1] // tiny_models.K_QUANT_BYTES[{Q4_K: "Q4_K", Q6_K: "Q6_K"}[kind]] * 256
-    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=kind, glu=glu)
-    graph = helper.make_graph(
-        [node],
-        "gguf_matmul",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k if declared == -1 else declared])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n // 2 if glu else n])],
-        [numpy_helper.from_array(interleave(raw, kind, n, padded), "w")],
-    )
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
-    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+    return records_model(interleave(raw, kind, n, padded), kind, n, k, glu, declared)
 
 
 @pytest.mark.parametrize("rows", [1, 5, AMX_ROWS])  # a step, a verify pass, a prompt's pass (AMX where there is one)
@@ -387,22 +391,6 @@ def test_an_input_narrower_than_its_blocks_reads_as_if_zeros_followed_it(native_
         assert np.array_equal(got, want), path  # every kernel gives the whole width's bits
     glu = native_first_output(native_library, narrow_model(raw, kind, k, glu=1), {"x": x}, {}, tmp_path)
     np.testing.assert_allclose(glu, swiglu(want), rtol=1e-6, atol=1e-30)
-
-
-def records_model(records: np.ndarray, n: int, k: int, glu: int = 0, **attrs) -> bytes:
-    """The op over Q4_K ``records`` as given (whole, or with a short tail: ``tail=4``), reading inputs of width ``k``."""
-    node = helper.make_node(
-        "MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=n, type=Q4_K, glu=glu, **attrs
-    )
-    graph = helper.make_graph(
-        [node],
-        "gguf_matmul",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n // 2 if glu else n])],
-        [numpy_helper.from_array(np.ascontiguousarray(records), "w")],
-    )
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
-    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
 
 def rounded_padded(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -428,12 +416,12 @@ def test_records_with_a_short_tail_give_the_whole_records_bits(native_library, t
     np.testing.assert_array_equal(deinterleave(short, Q4_K, n, padded, tail=4), raw)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     for glu in (0, 1):
-        want = native_first_output(native_library, records_model(whole, n, k, glu), {"x": x}, {}, tmp_path)
+        want = native_first_output(native_library, records_model(whole, Q4_K, n, k, glu), {"x": x}, {}, tmp_path)
         for path in PATHS:
             if native_kernels(native_library, "EdgeSpecGGUFMatMulPath", PATHS[path]) != path:
                 continue
             got = native_first_output(
-                native_library, records_model(short, n, k, glu, tail=4), {"x": x}, PATHS[path], tmp_path
+                native_library, records_model(short, Q4_K, n, k, glu, tail=4), {"x": x}, PATHS[path], tmp_path
             )
             assert np.array_equal(got, want), (path, glu)
 
@@ -442,26 +430,6 @@ def test_a_tail_that_holds_weights_is_not_shortened(native_library):
     raw = random_blocks(np.random.default_rng(3), Q4_K, 16, 768)  # every sub-block holds weights
     with pytest.raises(ValueError, match="sub-blocks 4-7 hold weights"):
         shorten_tail(interleave(raw, Q4_K, 16, 768))
-
-
-@pytest.mark.parametrize(
-    "k, kind, tail",
-    [(768, Q4_K, 4), (641, Q4_K, 4), (640, Q6_K, 4), (640, Q4_K, 3)],  # whole blocks; 129 columns in; Q6_K; no layout
-)
-def test_a_short_tail_where_the_rows_need_the_whole_block_is_one_clear_error(native_library, k, kind, tail):
-    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="ai.edge_spec", K=k, N=16, type=kind, tail=tail)
-    graph = helper.make_graph(
-        [node],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.zeros((1, 16 * 2368), np.uint8), "w")],
-    )
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.edge_spec", 1)]
-    with pytest.raises(Exception, match="tail is 8, or 4 for Q4_K"):
-        session(native_library, helper.make_model(graph, opset_imports=opsets).SerializeToString()).run(
-            None, {"x": np.zeros((1, k), np.float32)}
-        )
 
 
 def test_an_input_wider_than_k_is_refused_even_where_the_blocks_would_hold_it(native_library):
