@@ -61,6 +61,31 @@ def test_a_query_tail_hashes_as_the_index_hashed_its_ngrams(bits):
     assert tail_buckets(a, 31)[-1] != tail_buckets(b, 31)[-1]
 
 
+def test_a_round_s_few_tokens_are_linked_as_one_long_append_links_them():
+    """A request's index grows by a round's few tokens at a time (the plain-integer path), a cache by
+    whole answers (the vectorised one): both must leave the same chains, or a query finds other
+    occurrences depending on how the text arrived."""
+    from edge_spec.runtime.propose.suffix_index import SMALL_APPEND
+
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(0, 40, 700).astype(np.int32)  # a small vocabulary: many repeats and collisions
+    tokens[rng.integers(0, 700, 12)] = -1  # document ends inside the text
+    whole, rounds = SuffixIndex(1024), SuffixIndex(1024)
+    whole.extend(tokens)
+    at = 0
+    while at < len(tokens):
+        step = int(rng.integers(1, SMALL_APPEND + 1))
+        rounds.extend(tokens[at : at + step])
+        at += step
+    assert rounds.size == whole.size
+    for level in range(len(LEVELS)):
+        assert np.array_equal(rounds._heads[level], whole._heads[level]), level
+        assert np.array_equal(rounds._chains[level], whole._chains[level]), level
+    for end in (5, 64, 300, 699):
+        query = tokens[max(0, end - 20) : end]
+        assert rounds.occurrences(query, exclude_from=end) == whole.occurrences(query, exclude_from=end)
+
+
 def test_the_longest_level_wins_and_matches_are_measured_exactly():
     # "5 1 2" occurs once; "1 2" twice more, followed by 7 and 8
     index = index_of([9, 1, 2, 7, 3, 1, 2, 8, 4, 4, 4, 4, 5, 1, 2, 6])
