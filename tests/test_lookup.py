@@ -81,53 +81,67 @@ def test_sequence_calibration_learns_only_from_later_drafts():
     assert calibration.later_draft(4) > 0.95
 
 
-def test_a_round_that_took_one_lookup_draft_checks_the_next_offered_token_for_free():
-    """All drafts taken were accepted and the sequence offered one more: the round's bonus token says
-    whether that draft would have been accepted, so the table of later drafts learns even from rounds
-    that take a single draft (else a table pulled down once keeps a copying request at one draft)."""
+def test_an_offer_is_judged_as_far_as_the_round_produced_tokens():
+    """Taken or not, each offered draft after a right one is right iff it equals the produced token at
+    its place; past the first wrong one, or past the produced tokens, nothing is known."""
+    choice = lookup_choice()
+    choice.judge([1, 2, 3, 4], matched=4, produced=[1, 2, 9])  # second right, third wrong
+    table = choice.calibration.later[1]  # matches of 4..7 tokens
+    assert table.trials == pytest.approx(2, abs=0.01) and table.hits == pytest.approx(1, abs=0.01)
+    for offered, produced in (([1, 2, 3], [5, 2, 3]), ([1, 2, 3], [1]), ([1], [1, 2]), ([], [1, 2]), ([1, 2], [])):
+        choice.judge(offered, matched=4, produced=produced)  # first wrong, or no later place produced
+    assert table.trials == pytest.approx(2, abs=0.01)
+    choice.judge([1, 2, 3, 4], matched=4, produced=[1, 2])  # the round ended on a right second draft
+    assert table.trials == pytest.approx(3, abs=0.01) and table.hits == pytest.approx(2, abs=0.01)
+    assert sum(rate.trials for rate in choice.calibration.first) == 0  # a lookup's first draft is the guess's
+    suffix = lookup_choice(own_first=True)
+    suffix.judge([1, 2], matched=4, produced=[5, 2])
+    assert sum(rate.trials for rate in suffix.calibration.first) == pytest.approx(1)
+
+
+def test_rounds_the_drafter_drafted_teach_the_sequences_later_drafts():
+    """A request whose short matches lose is drafted by the model most rounds: its sequence's later drafts
+    must still be judged there, or their estimate stays what copying requests taught the calibration."""
     choice = lookup_choice()
     for _ in range(100):
-        choice.update(drafted=1, accepted=1, next_right=False, matched=4)
-    table = choice.calibration.later[1]  # matches of 4..7 tokens
-    assert choice.calibration.later_draft(4) < 0.1 and table.trials == pytest.approx(100, rel=0.2)
+        choice.judge([7, 8], matched=4, produced=[7, 3, 1])  # first right, second wrong
+    assert choice.calibration.later_draft(4) < 0.1
+    assert choice.agreement.shift < 0  # this request's own estimate sinks as well
     for _ in range(300):
-        choice.update(drafted=1, accepted=1, next_right=True, matched=4)
+        choice.judge([7, 8], matched=4, produced=[7, 8])
     assert choice.calibration.later_draft(4) > 0.75
-    silent = lookup_choice()  # negative controls: no offer beyond the taken drafts, or a rejected draft
-    silent.update(drafted=1, accepted=1, matched=4)
-    silent.update(drafted=2, accepted=1, next_right=True, matched=4)  # the caller passes None here; nothing is judged
-    assert sum(rate.trials for rate in silent.calibration.later) == pytest.approx(1)  # only the rejected second draft
 
 
-def test_the_planner_checks_the_lookup_token_after_the_taken_ones(engine, monkeypatch):
-    """Through the chain loop: every lookup round whose drafts were all accepted hands its choice the
-    comparison of the next offered token with the target's bonus token.  The sequence here offers the
-    reference answer itself, so every such check must say right."""
+def test_the_planner_judges_every_offer_against_the_produced_tokens(engine, monkeypatch):
+    """Through the chain loop, with lookup never taken (the drafter drafts every round): the sequence offers
+    the reference answer itself, so every judged later draft must be right; offering it with every draft
+    after the first one wrong (the negative control), every one must be wrong."""
     from edge_spec.runtime.loops.config import ChainConfig
 
-    ids = engine.bundle.tokenizer.encode(REPETITIVE[1])
-    reference, _ = run(engine, ids, SamplingParams(), 24, None)
-    sequence = list(ids) + reference
-    monkeypatch.setattr(
-        NgramLookup, "match", lambda self, tokens, gamma, min_n=None: (sequence[len(tokens) : len(tokens) + gamma], 4)
-    )
-    monkeypatch.setattr(LookupChoice, "lookup_gamma", lambda self, offered, *args, **kwargs: 1)  # take 1 of 4
-    checks = []
-    update = LookupChoice.update
-    monkeypatch.setattr(
-        LookupChoice,
-        "update",
-        lambda self, drafted, accepted, matched, next_right=None: (
-            checks.append(next_right),
-            update(self, drafted, accepted, matched, next_right),
-        )[1],
-    )
-    got, stats = run(
-        engine, ids, SamplingParams(), 24, ChainConfig(gamma=4, adaptive=False, proposers=("lookup", "model"))
-    )
-    assert got == reference
-    assert stats.tally("lookup").rounds > 0 and True in checks
-    assert all(check in (True, None) for check in checks)  # an offer past the answer's end has no check
+    monkeypatch.setattr(LookupChoice, "lookup_gamma", lambda self, *args, **kwargs: 0)
+    outcomes = {True: [], False: []}
+    for prompt in REPETITIVE:
+        ids = engine.bundle.tokenizer.encode(prompt)
+        reference, _ = run(engine, ids, SamplingParams(), 24, None)
+        sequence = list(ids) + reference + [0] * 8
+        for right in (True, False):
+
+            def offer(self, tokens, gamma, min_n=None, right=right):
+                drafts = sequence[len(tokens) : len(tokens) + 4]
+                return (drafts if right else drafts[:1] + [token + 1 for token in drafts[1:]]), 4
+
+            monkeypatch.setattr(NgramLookup, "match", offer)
+            monkeypatch.setattr(
+                SequenceCalibration,
+                "record_later",
+                lambda self, matched, judged, right=right: outcomes[right].append(judged),
+            )
+            got, stats = run(
+                engine, ids, SamplingParams(), 24, ChainConfig(gamma=4, adaptive=False, proposers=("lookup", "model"))
+            )
+            assert got == reference and stats.tally("lookup").rounds == 0
+    assert outcomes[True] and set(outcomes[True]) == {True}
+    assert outcomes[False] and set(outcomes[False]) == {False}
 
 
 REPETITIVE = ["a b c d a b c d a b", "def f(x): return x def f(x): return", "one two three one two three one"]
@@ -207,10 +221,10 @@ def test_later_drafts_are_judged_by_the_match_behind_their_round():
     fail must not draft on as if they were copies, and the copy's table must stay as it was."""
     choice = lookup_choice(own_first=True)
     for _ in range(60):
-        choice.update(drafted=8, accepted=8, next_right=True, matched=64)
+        choice.judge(list(range(9)), matched=64, produced=list(range(9)))
     copied = choice.calibration.later_draft(64)
     for _ in range(60):
-        choice.update(drafted=4, accepted=1, matched=2)  # first right, the second already wrong
+        choice.judge([1, 2, 3, 4], matched=2, produced=[1, 5])  # first right, the second already wrong
     assert choice.calibration.later_draft(2) < 0.2 < 0.9 < choice.calibration.later_draft(64)
     assert choice.calibration.later_draft(64) == pytest.approx(copied, abs=0.01)
     model_rate = (1 + 0.8) / costs().round_cost(1)

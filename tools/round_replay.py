@@ -335,14 +335,9 @@ def replay(
                 )
                 seconds += prices.verify(drafts) + (prices.drafter(unseen) if kind == "dropped" else 0.0)
                 state["outcome"] = (kind, drafts, accepted, [])
-                if kind == "lookup":  # the next offered token against the round's bonus token (checked for free)
-                    state["lookup_matched"] = int(data["lookup_match"][i])  # its later drafts are priced by it
-                    state["lookup_next"] = (
-                        int(data["lookup_run"][i]) > drafts
-                        if accepted == drafts and int(data["lookup_len"][i]) > drafts
-                        else None
-                    )
                 unseen = 1 + accepted if kind == "dropped" else unseen + 1 + accepted
+            if data["lookup_len"][i]:  # what lookup offered, taken or not, is judged on the produced tokens
+                state["offer"] = (i, min(1 + accepted, len(rows) - j))
             j += 1 + accepted
         cell = totals[str(data["category"][rows[0]])]
         cell[0] += seconds
@@ -562,7 +557,6 @@ def adaptive_policy(
     calibration: AcceptanceCalibration | None = None,
     learn_drops: bool = True,
     rate_scale: float = 1.0,
-    check_next: bool = True,
 ) -> Callable[[int, dict], Choice]:
     """The runtime's schedule as the chain's planner runs it: a lookup match when ``LookupChoice``
     takes it, else a round planned by :class:`AdaptiveGamma` whose :class:`DraftRound` sees each
@@ -571,8 +565,7 @@ def adaptive_policy(
     schedule as it was before the drafts it dropped taught it anything: the table of later drafts, and the
     request's first-draft estimate when a round's only draft was dropped (``--ignore-drops``).
     ``rate_scale``: the stop rule's price of time (the rate a round must beat) scaled, to ask whether the
-    rule is tuned (``--rate-scale``).  ``check_next`` False: lookup rounds do not check the offered token
-    after the taken ones against the round's bonus token (as before that check)."""
+    rule is tuned (``--rate-scale``)."""
     costs = _schedule_costs(prices, gamma_max)
     carried = calibration or AcceptanceCalibration()
 
@@ -586,9 +579,12 @@ def adaptive_policy(
                 schedule.update(drafted, accepted, confidences, dropped=dropped and learn_drops)
             if kind == "dropped" and learn_drops:  # the round's only draft dropped: what it was worth
                 schedule.update(0, 0, dropped=True)
-            if kind == "lookup":
-                next_right = state.pop("lookup_next", None) if check_next else None
-                choice.update(drafted, accepted, state.pop("lookup_matched"), next_right)
+        if "offer" in state:  # as the planner judges every offer: its drafts against the tokens produced
+            offered, produced = state.pop("offer")
+            run, length = int(data["lookup_run"][offered]), int(data["lookup_len"][offered])
+            choice.judge(
+                list(range(length)), int(data["lookup_match"][offered]), [k if k < run else -1 for k in range(produced)]
+            )
         if "guessed" in state:  # every round checks the guess it could have carried (as the planner does)
             guessed = state.pop("guessed")
             schedule.estimates.record_guess(int(data["guess_match"][guessed]), bool(data["guess_ok"][guessed]))

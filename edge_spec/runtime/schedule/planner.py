@@ -7,8 +7,9 @@ adaptive policy (:mod:`schedule.policy`) or a fixed γ; and when that leaves the
 drafts while the verify pass has a spare row anyway (batch-invariant passes), a filler (free guess),
 whose chance of acceptance is what the policy weighs a draft-less round with.
 After verification the outcome is folded into the estimates that made the choice, and every round
-checks its guess -- the free guess, which is also a lookup's first draft -- against the token the
-target produced, drafted or not, so guesses and lookups are judged from the first rounds of a request.
+checks its guess -- the free guess, which is also a lookup's first draft -- and what each sequence
+source offered against the tokens the target produced, drafted or not, so guesses and lookups are
+judged from the first rounds of a request.
 """
 
 from __future__ import annotations
@@ -106,9 +107,8 @@ class DraftPlanner:
         self.overhead = overhead or RoundOverhead()
         self.quiet = QuietDrafter()
         self._guessed: tuple[int, int] | None = None  # this round's free guess: (suffix matched, token)
-        self._offered: list[int] = []  # what the sequence offered this round, before the round took its share
-        # first drafts offered this round by sources judged on their own: (choice, matched, share, cached, token)
-        self._firsts: list[tuple[LookupChoice, int, float, bool, int]] = []
+        # what each sequence source offered this round, taken or not: (choice, tokens, matched, share, cached)
+        self._offers: list[tuple[LookupChoice, list[int], int, float, bool]] = []
 
     def draft(
         self,
@@ -122,7 +122,7 @@ class DraftPlanner:
         state after ``committed``; the drafter draws from what it allows).  A cancel cuts or refuses the
         drafter's pass it meets (``Decoder.interrupt``)."""
         rule = DraftRule(params, rng, self.gamma, self.min_confidence, constraint=constraint)
-        self._firsts = []
+        self._offers = []
         costs = self._costs()
         guess = self._guess(committed, room, rule)
         spare = guess if guess is not None and self.target.min_rows >= 2 else None  # a pass's spare row
@@ -138,10 +138,10 @@ class DraftPlanner:
         for proposer, choice in self.sequences:
             block = proposer.propose(committed, room, rule)
             share = block.confidences[0] if block.confidences else 1.0
-            if block.tokens and choice.own_first:
-                self._firsts.append((choice, block.matched, share, block.cached, block.tokens[0]))
-            elif self._guessed is None and block.tokens:  # no filler: a lookup's first draft is the guess
-                self._guessed = (block.matched, block.tokens[0])
+            if block.tokens:
+                self._offers.append((choice, list(block.tokens), block.matched, share, block.cached))
+                if not choice.own_first and self._guessed is None:  # no filler: a lookup's first draft is the guess
+                    self._guessed = (block.matched, block.tokens[0])
             model_rate = self._model_rate(costs, spare_rate)
             take = (
                 choice.lookup_gamma(
@@ -151,7 +151,6 @@ class DraftPlanner:
                 else 0
             )
             if take:
-                self._offered = list(block.tokens)
                 block.truncate(take)
                 return block
         block = DraftBlock()
@@ -196,17 +195,8 @@ class DraftPlanner:
                 self.estimates.note_first(result.accepted > 0)
         elif self.policy is not None and block.steps:  # the drafter stepped and the stop rule dropped its draft
             self.policy.update(0, 0, dropped=True)
-        for proposer, choice in self.sequences:
-            if block.source == proposer.name:
-                offered_next = self._offered[drafted] if len(self._offered) > drafted else None
-                next_right = (
-                    None
-                    if offered_next is None or result.accepted < drafted
-                    else result.tokens[drafted] == offered_next
-                )
-                choice.update(drafted, result.accepted, block.matched, next_right)
-        for choice, matched, share, cached, token in self._firsts:  # the same for sources' own first drafts
-            choice.record_first(matched, share, result.tokens[0] == token, cached)
+        for choice, offered, matched, share, cached in self._offers:  # taken or not: checked for free
+            choice.judge(offered, matched, result.tokens, share, cached)
         if self._guessed is not None:  # verified or not, the guess was right iff the target's token equals it
             matched, guess = self._guessed
             self.estimates.record_guess(matched, result.tokens[0] == guess)

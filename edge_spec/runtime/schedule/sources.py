@@ -61,21 +61,30 @@ class LookupChoice:
             return 1
         return 0
 
-    def update(self, drafted: int, accepted: int, matched: int, next_right: bool | None = None) -> None:
-        """A verified lookup round whose source matched ``matched`` tokens: its later drafts (the planner
-        checks the first as the round's guess).  ``next_right``: every draft taken was accepted and the
-        sequence offered one more, which equals the target's own next token (the round's bonus) or not --
-        the fate that draft would have had, checked for free.  Without it a request whose rounds take one
-        lookup draft never learns whether a second would pay: a table of later drafts that a
-        translation's failed copies pulled down keeps the next request's copied summary at one draft a
-        round."""
+    def judge(
+        self, offered: list[int], matched: int, produced: list[int], share: float = 1.0, cached: bool = False
+    ) -> None:
+        """What the source ``offered`` this round (after a ``matched``-token match), taken or not, against
+        the tokens the round ``produced``: each offered draft whose predecessors all equal the produced
+        tokens would have been accepted iff it equals the produced token at its place, so its fate is
+        known for free as far as the round produced tokens.  Judging only the rounds that took the
+        sequence's drafts learns later drafts slowly and from a biased sample: a request whose short
+        matches lose is drafted by the model most rounds, and its estimate stays the carried one that
+        copying requests made.  Under sampling each produced token is a draw from the target's
+        distribution at its place (accepted or not), so the comparison is as unbiased as the greedy one."""
+        if not offered or not produced:
+            return
+        if self.own_first:
+            self.record_first(matched, share, produced[0] == offered[0], cached)
         predicted = self.calibration.later_draft(matched)
-        for i in range(1, min(drafted, accepted + 1)):
-            self.agreement.note(predicted, i < accepted)
-        self.calibration.record(drafted, accepted, matched)
-        if next_right is not None and drafted and accepted == drafted:
-            self.agreement.note(predicted, next_right)
-            self.calibration.record_later(matched, next_right)
+        for place in range(1, min(len(offered), len(produced))):
+            if offered[place - 1] != produced[place - 1]:
+                break
+            right = offered[place] == produced[place]
+            self.agreement.note(predicted, right)
+            self.calibration.record_later(matched, right)
+            if not right:
+                break
 
     def record_first(self, matched: int, share: float, right: bool, cached: bool = False) -> None:
         """Whether the first draft the source offered this round equals the target's token there (taken
