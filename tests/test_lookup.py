@@ -69,15 +69,16 @@ def test_a_lookups_first_draft_is_judged_as_the_guess():
 
 
 def test_sequence_calibration_learns_only_from_later_drafts():
-    calibration = SequenceCalibration()
+    choice = lookup_choice()
+    calibration = choice.calibration
     for _ in range(200):
-        calibration.record(drafted=4, accepted=0, matched=4)  # first draft rejected: nothing after it was judged
+        choice.judge([1, 2, 3, 4], matched=4, produced=[9, 8, 7])  # first draft wrong: nothing after it is judged
     assert sum(rate.trials for rate in calibration.later) == 0
     for _ in range(200):
-        calibration.record(drafted=4, accepted=1, matched=4)  # the second draft rejected
+        choice.judge([1, 2, 3, 4], matched=4, produced=[1, 8])  # the second draft wrong
     assert calibration.later_draft(4) < 0.05
     for _ in range(400):
-        calibration.record(drafted=4, accepted=4, matched=4)
+        choice.judge([1, 2, 3, 4], matched=4, produced=[1, 2, 3, 4, 5])
     assert calibration.later_draft(4) > 0.95
 
 
@@ -238,8 +239,8 @@ def test_later_drafts_are_judged_by_the_match_behind_their_round():
 
 def test_a_calibration_file_with_one_table_of_later_drafts_still_loads():
     calibration = AcceptanceCalibration()
-    for _ in range(50):
-        calibration.sequence.record(drafted=4, accepted=4, matched=16)
+    for _ in range(150):
+        calibration.sequence.record_later(16, right=True)
     old = calibration.to_dict()
     old["sequence_later"] = [10.0, 40.0]  # the layout with one table for every match length
     again = AcceptanceCalibration.from_dict(old).sequence

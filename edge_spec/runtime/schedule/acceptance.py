@@ -129,12 +129,6 @@ class SequenceCalibration:
     def record_first(self, matched: int, share: float, right: bool, cached: bool = False) -> None:
         self.first[match_bin(matched, share, cached)].record(right)
 
-    def record(self, drafted: int, accepted: int, matched: int) -> None:
-        """One verified lookup chain behind a ``matched``-token match: its later drafts up to the first
-        rejection (the first one is the guess's business)."""
-        for i in range(1, min(drafted, accepted + 1)):
-            self.record_later(matched, i < accepted)
-
 
 # a free guess (and a lookup's first draft) by the suffix it matched: none (the last token again), 1..4+
 GUESS_PRIORS = (0.05, 0.2, 0.5, 0.6, 0.8)
