@@ -65,6 +65,7 @@ from edge_spec.errors import EdgeSpecError
 from edge_spec.manifest import ROLES
 from edge_spec.runtime.latency_curve import latency_at
 from edge_spec.runtime.model.attention_unpad import ATTENTION_PAD_KEY, has_attention_pad, strip_attention_pad
+from edge_spec.runtime.model.bound_pass import bound_results, run_bound
 from edge_spec.runtime.model.draft_tree import DraftTree
 from edge_spec.runtime.model.huge_pages import HugePagePromotion
 from edge_spec.runtime.model.kv_cache import kv_storage
@@ -491,8 +492,7 @@ class Decoder:
         # a prompt graph's pass costs what another kernel costs: not a sample of this graph's pass cost
         self.stats.add(rows, time.perf_counter() - start, prefill, costs=not by_reader)
         self.tokens.extend(int(t) for t in ids[0, :n])
-        outs = b.get_outputs()  # results first, then the present buffers, which stay where they are
-        results = [outs[i].numpy() for i in range(len(self._result_names))]
+        results = bound_results(b, len(self._result_names))  # bound first: the present buffers stay put
         if self.on_device:
             self._count(sum(a.nbytes for a in feeds.values()), sum(a.nbytes for a in results))
         return {
@@ -516,7 +516,7 @@ class Decoder:
             self._running = True
         cut = False
         try:
-            session.run_with_iobinding(binding, self._run_options)
+            run_bound(session, binding, self._run_options)
         except Exception:  # ORT raises bare RuntimeError / Fail, an interrupted pass too
             cut = self._run_options.terminate
             if not cut:
