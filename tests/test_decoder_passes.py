@@ -1,5 +1,6 @@
-"""Passes through ONNX Runtime's compiled binding give what its Python wrapper gives, and a session whose
-``run_with_iobinding`` something overrides is still called through that override."""
+"""A decoder's passes: through ONNX Runtime's compiled binding they give what its Python wrapper gives (a
+session whose ``run_with_iobinding`` something overrides is still called through that override), and only
+passes priced like a verify pass are samples of the schedule's costs."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def test_an_overridden_run_is_called_as_it_is(target_path):
     model.session.__class__ = ort.InferenceSession  # negative control: ORT's own class goes the compiled way
     model.forward([9])
     assert calls == [1]
+
+
+def test_a_prompt_pass_is_no_sample_of_a_verify_pass_price(target_path):
+    """A prompt pass returns one row's logits (the last layer's tail runs on that row alone), so it is
+    cheaper than a verify pass of as many rows: only passes that return every row's logits are priced."""
+    model = Decoder(target_path, threads=1, capacity=64)
+    for _ in range(3):
+        model.reset()
+        model.prefill([3, 17, 5, 9, 12, 3, 17, 8, 4])  # nine rows, one row's logits
+    assert model.stats.costed.get(9, 0) == 0 and model.stats.prefill_calls[9] == 3
+    for _ in range(3):  # negative control: decode passes of nine rows are the samples
+        model.reset()
+        model.forward([3, 17, 5, 9, 12, 3, 17, 8, 4], num_logits=9)
+    assert model.stats.costed[9] == 3 and 9 in model.recent_seconds()
