@@ -78,13 +78,11 @@ class LookupChoice:
             self.record_first(matched, share, produced[0] == offered[0], cached)
         predicted = self.calibration.later_draft(matched)
         for place in range(1, min(len(offered), len(produced))):
-            if offered[place - 1] != produced[place - 1]:
+            if offered[place - 1] != produced[place - 1]:  # a wrong draft ends what the offer is judged on
                 break
             right = offered[place] == produced[place]
             self.agreement.note(predicted, right)
             self.calibration.record_later(matched, right)
-            if not right:
-                break
 
     def record_first(self, matched: int, share: float, right: bool, cached: bool = False) -> None:
         """Whether the first draft the source offered this round equals the target's token there (taken
