@@ -57,6 +57,8 @@ Usage::
 
 Results: the tables on stdout and in ``OUTPUT/summary.md``, one JSON file per engine mode (every turn's
 record and answer) and ``OUTPUT/run.json`` (settings, versions, summary); the servers' logs beside them.
+A run stopped early keeps each session it finished in ``OUTPUT.partial.jsonl``, and the same command run again
+replays only the rest (not with ``--warm``, whose suffix caches would start empty: it starts over).
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ import spec_peers  # onnxruntime-genai's worker, exports and preparation; puts t
 
 shared = spec_peers.shared
 ROOT = spec_peers.ROOT
+from edge_spec.bench.journal import RunJournal, fingerprint, machine  # noqa: E402
 from edge_spec.bench.peers import decode_tokens, ms_cell, ratio_cell, result, summarize  # noqa: E402
+from edge_spec.errors import EdgeSpecError  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors ggml-org/llama.cpp@0c1e57098; the flags below are that version's
 LLAMACPP_DIR = ROOT / "models" / "llamacpp"
@@ -434,7 +438,6 @@ def load_sessions(args) -> list[dict]:
     where the file or a category is wrong."""
     from edge_spec.bench.sessions import load_sessions as load
     from edge_spec.bench.sessions import select_sessions
-    from edge_spec.errors import EdgeSpecError
 
     try:
         return select_sessions(load(args.sessions), args.category, args.per_category)
@@ -646,13 +649,20 @@ def start_engines(args, warmup_ids: list[int], eos: set[int], stack: list) -> di
     return runners, settings
 
 
-def replay(sessions: list[dict], runners: dict, ours, tokenizer, args) -> dict[str, list[dict]]:
+def replay(sessions: list[dict], runners: dict, ours, tokenizer, args, journal) -> dict[str, list[dict]]:
     """Every session, turn by turn, on every engine (turn t everywhere before turn t + 1); each engine's
-    answers feed its own later turns.  Returns each engine's records."""
+    answers feed its own later turns.  A session the journal holds is not run again.  Returns each engine's
+    records."""
     from edge_spec.bench.sessions import turn_messages
 
     records: dict[str, list[dict]] = {engine: [] for engine in runners}
+    if journal.done:
+        log(f"resuming: {len(journal.done)} of {len(sessions)} sessions measured before ({journal.path})")
     for index, session in enumerate(sessions):
+        if index in journal:
+            for engine, rows in journal.get(index).items():
+                records[engine].extend(rows)
+            continue
         if ours is not None and (index == 0 or not args.warm):
             ours.start_session()
         answers: dict[str, list[str]] = {engine: [] for engine in runners}
@@ -691,7 +701,39 @@ def replay(sessions: list[dict], runners: dict, ours, tokenizer, args) -> dict[s
                 f"session {index + 1}/{len(sessions)} ({session['category']}, {session['id']}) turn {t + 1}/{turns}: "
                 + ", ".join(f"{e} {r['record']['tokens_per_second']:.1f}" for e, r in turn.items())
             )
+        journal.add(
+            index, {engine: [r for r in rows if r["session_index"] == index] for engine, rows in records.items()}
+        )
     return records
+
+
+#: options that change where a run's results go or what a command does besides measuring, not the measurement
+NOT_SETTINGS = ("output", "report", "prepare")
+
+
+def run_settings(args: argparse.Namespace, sessions: list[dict]) -> dict:
+    """What a run measures under (every option but ``NOT_SETTINGS``, the sessions themselves, the machine): a run
+    stopped early resumes only under the very same (``edge_spec.bench.journal``)."""
+    settings = {name: value for name, value in vars(args).items() if name not in NOT_SETTINGS}
+    settings["bundle"] = str(Path(settings["bundle"]).resolve()) if settings.get("bundle") else None
+    settings["sessions"] = fingerprint(sessions)
+    settings["machine"] = machine()
+    return settings
+
+
+def open_journal(args: argparse.Namespace, sessions: list[dict]) -> RunJournal:
+    """The run's journal, refused in one line where it cannot resume: other settings, or ``--warm``, whose
+    suffix caches a resumed run would start empty."""
+    try:
+        journal = RunJournal(args.output, run_settings(args, sessions))
+    except EdgeSpecError as error:
+        raise SystemExit(str(error)) from None
+    if journal.done and args.warm:
+        raise SystemExit(
+            f"{journal.path}: a --warm run cannot resume (its suffix caches would start empty): remove that file "
+            "to start over"
+        )
+    return journal
 
 
 def main() -> None:
@@ -712,6 +754,7 @@ def main() -> None:
     args.bundle = args.bundle or DEFAULT_BUNDLE
     tokenizer = TextTokenizer(args.bundle)
     warmup_ids = tokenizer.encode_chat([{"role": "user", "content": "warm up"}])
+    journal = open_journal(args, sessions)
     args.output.mkdir(parents=True, exist_ok=True)
     versions = {"llamacpp": llamacpp_version()} if "llamacpp" in args.peers and args.llamacpp_modes else {}
     load_before = os.getloadavg()
@@ -721,7 +764,9 @@ def main() -> None:
         if not runners:
             raise SystemExit("no engines: name some with --peers, --llamacpp-modes, --k or --ours")
         ours = next((item for item in stack if isinstance(item, Ours)), None)
-        records = replay(sessions, runners, ours, tokenizer, args)
+        records = replay(sessions, runners, ours, tokenizer, args, journal)
+    except KeyboardInterrupt:
+        raise SystemExit(journal.stopped(len(sessions), "sessions")) from None
     finally:
         for item in reversed(stack):
             item.close()
@@ -762,6 +807,7 @@ def main() -> None:
             indent=1,
         )
     )
+    journal.finish()
     print(f"\n{heading}\n\n{table}\nwrote {args.output}/ (summary.md, run.json, one JSON per engine mode)")
 
 

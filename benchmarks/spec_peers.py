@@ -82,6 +82,9 @@ Usage::
     .venv/bin/python benchmarks/spec_peers.py --peers genai --no-ours --category code
 
 Results: a table per category and overall on stdout, every record in ``bench-results/peers/peers.json``.
+A run stopped early (Ctrl-C, a closed terminal, the machine taken back) keeps each prompt it finished in
+``OUTPUT.partial.jsonl``; the same command run again measures only the rest, and refuses in one line where its
+options, prompts or CPU differ (``edge_spec/bench/journal.py``).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ import ar_vs_ortgenai as shared  # the genai venv, the GGUF -> HF checkpoint and
 
 ROOT = shared.ROOT
 sys.path.insert(0, str(ROOT))  # the peers' workers run in venvs without edge-spec installed
+from edge_spec.bench.journal import RunJournal, fingerprint, machine  # noqa: E402
 from edge_spec.bench.peers import (  # noqa: E402
     first_token_seconds,
     format_rows,
@@ -108,6 +112,7 @@ from edge_spec.bench.peers import (  # noqa: E402
     summarize,
 )
 from edge_spec.errors import EdgeSpecError  # noqa: E402
+from edge_spec.files import write_text_atomic  # noqa: E402
 
 TARGET = shared.NAME  # qwen2.5-coder-1.5b-instruct-q4_k_m
 DRAFT = "qwen2.5-coder-0.5b-instruct-q4_k_m"
@@ -524,6 +529,20 @@ def keep_fastest(fastest: dict[str, dict], run: dict) -> None:
         fastest[run["engine"]]["first_token_seconds"] = min(firsts)
 
 
+#: options that change where a run's results go or what a command does besides measuring, not the measurement
+NOT_SETTINGS = ("output", "report", "plot", "plot_title", "prepare", "worker")
+
+
+def run_settings(args: argparse.Namespace, items: list[dict]) -> dict:
+    """What a run measures under (every option but ``NOT_SETTINGS``, the prompts' token ids, the machine): a
+    run stopped early resumes only under the very same (``edge_spec.bench.journal``)."""
+    settings = {name: value for name, value in vars(args).items() if name not in NOT_SETTINGS}
+    settings["bundle"] = str(Path(settings["bundle"]).resolve()) if settings.get("bundle") else None
+    settings["prompt_ids"] = fingerprint(item["ids"] for item in items)
+    settings["machine"] = machine()
+    return settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare", action="store_true", help="build the venvs and exports (idempotent) and stop")
@@ -662,6 +681,10 @@ def main() -> None:
     eos = set(tokenizer.eos_token_ids)
     warmup_ids = tokenizer.encode_chat([{"role": "user", "content": "warm up"}])
     spec = {"threads": args.threads, "new_tokens": args.new_tokens, "ks": args.k, "warmup_ids": warmup_ids}
+    try:
+        journal = RunJournal(args.output, run_settings(args, items))
+    except EdgeSpecError as error:
+        raise SystemExit(str(error)) from None
     load = os.getloadavg()
     workers, servers, versions = {}, {}, {}
     try:
@@ -689,7 +712,12 @@ def main() -> None:
             log("loading edge-spec (ar engine + speculative engine)")
             ours = Ours(args)
         records = []
+        if journal.done:
+            log(f"resuming: {len(journal.done)} of {len(items)} prompts measured before ({journal.path})")
         for index, item in enumerate(items):
+            if index in journal:
+                records.extend(journal.get(index))
+                continue
             fastest: dict[str, dict] = {}
             for repeat in range(args.repeats):
                 for peer, worker in workers.items():
@@ -705,11 +733,14 @@ def main() -> None:
                     keep_fastest(fastest, run)
             for run in fastest.values():
                 run.update(category=item["category"], prompt_index=index, prompt_tokens=len(item["ids"]))
-                records.append(run)
+            journal.add(index, list(fastest.values()))
+            records.extend(journal.get(index))
             log(
                 f"prompt {index + 1}/{len(items)} ({item['category']}): "
                 + ", ".join(f"{r['engine']} {r['tokens_per_second']:.1f}" for r in fastest.values())
             )
+    except KeyboardInterrupt:
+        raise SystemExit(journal.stopped(len(items), "prompts")) from None
     finally:
         for worker in workers.values():
             worker.close()
@@ -736,8 +767,8 @@ def main() -> None:
         "= ar: greedy answers token-identical to the same engine's ar (ours: to its one-row ar, which our exact "
         "batch-invariant passes may leave at a numerical near-tie)"
     )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(
+    write_text_atomic(
+        args.output,
         json.dumps(
             {
                 "target": TARGET,
@@ -760,8 +791,9 @@ def main() -> None:
                 "records": records,
             },
             indent=1,
-        )
+        ),
     )
+    journal.finish()
     print(f"\nwrote {args.output}")
 
 
