@@ -84,7 +84,8 @@ import spec_peers  # onnxruntime-genai's worker, exports and preparation; puts t
 
 shared = spec_peers.shared
 ROOT = spec_peers.ROOT
-from edge_spec.bench.journal import RunJournal, fingerprint, machine  # noqa: E402
+from edge_spec.bench.journal import RunJournal, fingerprint  # noqa: E402
+from edge_spec.bench.journal import run_settings as run_settings_of  # noqa: E402
 from edge_spec.bench.peers import decode_tokens, ms_cell, ratio_cell, result, summarize  # noqa: E402
 from edge_spec.errors import EdgeSpecError  # noqa: E402
 
@@ -714,11 +715,7 @@ NOT_SETTINGS = ("output", "report", "prepare")
 def run_settings(args: argparse.Namespace, sessions: list[dict]) -> dict:
     """What a run measures under (every option but ``NOT_SETTINGS``, the sessions themselves, the machine): a run
     stopped early resumes only under the very same (``edge_spec.bench.journal``)."""
-    settings = {name: value for name, value in vars(args).items() if name not in NOT_SETTINGS}
-    settings["bundle"] = str(Path(settings["bundle"]).resolve()) if settings.get("bundle") else None
-    settings["sessions"] = fingerprint(sessions)
-    settings["machine"] = machine()
-    return settings
+    return run_settings_of(vars(args), NOT_SETTINGS, sessions=fingerprint(sessions))
 
 
 def open_journal(args: argparse.Namespace, sessions: list[dict]) -> RunJournal:

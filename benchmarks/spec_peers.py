@@ -102,7 +102,8 @@ import ar_vs_ortgenai as shared  # the genai venv, the GGUF -> HF checkpoint and
 
 ROOT = shared.ROOT
 sys.path.insert(0, str(ROOT))  # the peers' workers run in venvs without edge-spec installed
-from edge_spec.bench.journal import RunJournal, fingerprint, machine  # noqa: E402
+from edge_spec.bench.journal import RunJournal, fingerprint  # noqa: E402
+from edge_spec.bench.journal import run_settings as run_settings_of  # noqa: E402
 from edge_spec.bench.peers import (  # noqa: E402
     first_token_seconds,
     format_rows,
@@ -536,11 +537,7 @@ NOT_SETTINGS = ("output", "report", "plot", "plot_title", "prepare", "worker")
 def run_settings(args: argparse.Namespace, items: list[dict]) -> dict:
     """What a run measures under (every option but ``NOT_SETTINGS``, the prompts' token ids, the machine): a
     run stopped early resumes only under the very same (``edge_spec.bench.journal``)."""
-    settings = {name: value for name, value in vars(args).items() if name not in NOT_SETTINGS}
-    settings["bundle"] = str(Path(settings["bundle"]).resolve()) if settings.get("bundle") else None
-    settings["prompt_ids"] = fingerprint(item["ids"] for item in items)
-    settings["machine"] = machine()
-    return settings
+    return run_settings_of(vars(args), NOT_SETTINGS, prompt_ids=fingerprint(item["ids"] for item in items))
 
 
 def main() -> None:

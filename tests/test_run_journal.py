@@ -126,7 +126,7 @@ def test_session_peers_replays_only_the_sessions_its_journal_lacks(scripts, tmp_
         for i in range(3)
     ]
     args = argparse.Namespace(output=tmp_path / "run", warm=False, turns=None, max_tokens=None, ctx=4096, bundle=None)
-    monkeypatch.setattr(session_peers, "machine", lambda: "cpu")
+    monkeypatch.setattr("edge_spec.bench.journal.machine", lambda: "cpu")
     monkeypatch.setattr("edge_spec.bench.sessions.turn_messages", lambda session, t, answers: session["turns"])
 
     class Tokenizer:

@@ -35,6 +35,17 @@ def fingerprint(values: Iterable[Any]) -> str:
     return digest.hexdigest()[:16]
 
 
+def run_settings(options: Mapping[str, Any], ignored: Iterable[str], **workload: Any) -> dict[str, Any]:
+    """What a run measures under: its options but the ``ignored`` ones (where results go, what a command does
+    besides measuring), its bundle as an absolute path, the ``workload`` (fingerprints of what it answers) and
+    the machine."""
+    settings = {name: value for name, value in options.items() if name not in set(ignored)}
+    if settings.get("bundle"):
+        settings["bundle"] = str(Path(settings["bundle"]).resolve())
+    settings.update(workload, machine=machine())
+    return settings
+
+
 def machine() -> str:
     """The CPU a measurement ran on and the native kernels it ran (a CPU masked to AVX2 runs other kernels on the
     same CPU); the CPU alone where the native library is not built."""
