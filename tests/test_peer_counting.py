@@ -122,7 +122,7 @@ def test_the_table_gives_every_engine_its_mean_time_to_first_token(tmp_path):
 
 
 def test_the_plot_names_llama_cpp_modes():
-    from edge_spec.bench.peers_plot import peer_label
+    from edge_spec.bench.peers import peer_label
 
     assert peer_label("llamacpp ar") == "llama.cpp plain"
     assert peer_label("llamacpp draft") == "llama.cpp draft"

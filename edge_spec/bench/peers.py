@@ -68,6 +68,20 @@ def peer_record(peer: str, k: int, answer: dict, ar_ids: list[int] | None) -> di
     return record
 
 
+PEER_NAMES = {"genai": "onnxruntime-genai", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp"}
+
+
+def peer_label(engine: str) -> str:
+    """``genai K4`` -> ``onnxruntime-genai K=4``, ``openvino ar`` -> ``OpenVINO GenAI plain``,
+    ``llamacpp draft`` -> ``llama.cpp draft``."""
+    peer, _, mode = engine.partition(" ")
+    if mode == "ar":
+        mode = "plain"
+    elif mode[:1] == "K" and mode[1:].isdigit():
+        mode = "K=" + mode[1:]
+    return f"{PEER_NAMES.get(peer, peer)} {mode}"
+
+
 def summarize(records: list[dict], engines: list[str]) -> list[dict]:
     """Per (category, engine) and overall: pooled (new tokens - 1) / decode seconds, its ratio to the same
     engine family's ar and to ours, and the mean time to the first token (ms; None where none was kept)."""

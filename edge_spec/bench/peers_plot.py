@@ -5,20 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edge_spec.bench.headline import OUR_AR, lead
 from edge_spec.bench.peers import summarize
-
-PEER_NAMES = {"genai": "onnxruntime-genai", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp"}
-
-
-def peer_label(engine: str) -> str:
-    """``genai K4`` -> ``onnxruntime-genai K=4``, ``openvino ar`` -> ``OpenVINO GenAI plain``,
-    ``llamacpp draft`` -> ``llama.cpp draft``."""
-    peer, _, mode = engine.partition(" ")
-    if mode == "ar":
-        mode = "plain"
-    elif mode[:1] == "K" and mode[1:].isdigit():
-        mode = "K=" + mode[1:]
-    return f"{PEER_NAMES.get(peer, peer)} {mode}"
 
 
 def fastest_peers(summary: list[dict], ours: str) -> list[tuple[str, float, float, str, float]]:
@@ -27,10 +15,9 @@ def fastest_peers(summary: list[dict], ours: str) -> list[tuple[str, float, floa
     categories = [c for c in categories if c != "overall"] + ["overall"]
     rows = []
     for category in categories:
-        by_engine = {r["engine"]: r["tokens_per_second"] for r in summary if r["category"] == category}
-        peers = {e: v for e, v in by_engine.items() if not e.startswith("ours")}
-        best = max(peers, key=peers.get)
-        rows.append((category, by_engine[ours], by_engine["ours ar"], peer_label(best), peers[best]))
+        item = lead(summary, category, ours)
+        our_ar = next(r["tokens_per_second"] for r in summary if r["category"] == category and r["engine"] == OUR_AR)
+        rows.append((category, item.ours, our_ar, item.peer, item.peer_speed))
     return rows
 
 
