@@ -8,8 +8,10 @@ a machine kind, each its own script's run with its output in ``--output``:
 2. ``peers-long.json``: the same on the long prompts (code files of 2,128-2,403 tokens to edit, explain or test);
 3. ``sessions/``: the agent, edit and ``actions`` sessions against llama.cpp (plain, ``ngram-mod``) and
    onnxruntime-genai (plain, K = 4), with our ``ar`` and the default with and without its suffix cache;
-4. ``attention-2800.log``: one decode step after a 2,800-token prompt, profiled (attention's share);
-5. ``verify-rows-256.log``, ``verify-rows-2800.log``: what each verify row costs on a short and a long cache.
+4. ``ttft-long.json``: the first token on the long prompts, each timed three times and the soonest kept, against
+   every peer's plain decoding (one answer's first token moves by up to a quarter between runs);
+5. ``attention-2800.log``: one decode step after a 2,800-token prompt, profiled (attention's share);
+6. ``verify-rows-256.log``, ``verify-rows-2800.log``: what each verify row costs on a short and a long cache.
 
 A step whose output exists is skipped, and the peer runs keep every prompt or session they finish
 (``edge_spec/bench/journal.py``), so the same command run again after a stop goes on where it stopped; on a slow
@@ -32,11 +34,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import split
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from edge_spec.bench.headline import HEADER, category_rows, headline_row  # noqa: E402
+
+VERIFY_ROWS = "--steps 16 --rows 1,2,4,8,16 --context"
 
 
 @dataclass(frozen=True)
@@ -51,49 +56,35 @@ class Step:
 
 def steps(bundle: str, threads: int) -> list[Step]:
     common = ("--bundle", bundle, "--threads", str(threads))
-    peers = (*common, "--peers", "genai,openvino,llamacpp", "--k", "4,8", "--our-k", "", "--suffix", "--ar-exact",
-             "--new-tokens", "128")  # fmt: skip
+    peers = (*common, *split('--peers genai,openvino,llamacpp --k 4,8 --our-k "" --suffix --ar-exact --new-tokens 128'))
     return [
         Step("peers-52.json", "spec_peers.py", peers),
-        Step("peers-long.json", "spec_peers.py", (*peers, "--category", "long", "--per-category", "3")),
+        Step("peers-long.json", "spec_peers.py", (*peers, *split("--category long --per-category 3"))),
         Step(
             "sessions",
             "session_peers.py",
             (
                 *common,
-                "--peers",
-                "llamacpp,genai",
-                "--llamacpp-modes",
-                "plain,ngram-mod",
-                "--k",
-                "4",
-                "--ours",
-                "ar,spec-nocache,spec",
-                "--temperature",
-                "0",
-                "--per-category",
-                "1",
-                "--category",
-                "agent",
-                "--category",
-                "edit",
-                "--category",
-                "actions",
+                *split(
+                    "--peers llamacpp,genai --llamacpp-modes plain,ngram-mod --k 4 --ours ar,spec-nocache,spec "
+                    "--temperature 0 --per-category 1 --category agent --category edit --category actions"
+                ),
             ),
-        ),  # fmt: skip
-        Step("attention-2800.log", "profile_step.py", (*common, "--steps", "12", "--context", "2800"), True),
+        ),
         Step(
-            "verify-rows-256.log",
-            "verify_rows_profile.py",
-            (*common, "--steps", "16", "--rows", "1,2,4,8,16", "--context", "256"),
-            True,
-        ),  # fmt: skip
-        Step(
-            "verify-rows-2800.log",
-            "verify_rows_profile.py",
-            (*common, "--steps", "16", "--rows", "1,2,4,8,16", "--context", "2800"),
-            True,
-        ),  # fmt: skip
+            "ttft-long.json",
+            "spec_peers.py",
+            (
+                *common,
+                *split(
+                    '--peers genai,openvino,llamacpp --llamacpp-modes plain --k "" --our-k "" --suffix --new-tokens 16 '
+                    "--repeats 3 --category long --per-category 3"
+                ),
+            ),
+        ),
+        Step("attention-2800.log", "profile_step.py", (*common, *split("--steps 12 --context 2800")), True),
+        Step("verify-rows-256.log", "verify_rows_profile.py", (*common, *split(VERIFY_ROWS), "256"), True),
+        Step("verify-rows-2800.log", "verify_rows_profile.py", (*common, *split(VERIFY_ROWS), "2800"), True),
     ]
 
 
@@ -134,6 +125,7 @@ def report(directory: Path, kind: str) -> str:
         raise SystemExit(f"no {prompts} yet: run the steps first")
     summary = json.loads(prompts.read_text())["summary"]
     long = directory / "peers-long.json"
+    first_tokens = directory / "ttft-long.json"
     sessions = directory / "sessions"
     try:
         row = headline_row(
@@ -141,6 +133,7 @@ def report(directory: Path, kind: str) -> str:
             summary,
             json.loads(long.read_text())["summary"] if long.is_file() else None,
             session_records(sessions) if (sessions / "run.json").is_file() else None,
+            json.loads(first_tokens.read_text())["summary"] if first_tokens.is_file() else None,
         )
     except ValueError as error:  # a run without our default or without a peer mode: no ratio to show
         raise SystemExit(f"{directory}: {error}") from None

@@ -555,7 +555,9 @@ def main() -> None:
     parser.add_argument("--llamacpp-extra", default="", help="further llama-server arguments, for every mode")
     parser.add_argument("--ctx", type=int, default=8192, help="llama-server's context (-c), prompt + answer")
     parser.add_argument("--no-ours", dest="ours", action="store_false", help="time the peers only")
-    parser.add_argument("--k", default="4,8,16", help="draft lengths (comma list, 1-16)")
+    parser.add_argument(
+        "--k", default="4,8,16", help="draft lengths (comma list, 1-16; empty: the peers' plain decoding alone)"
+    )
     parser.add_argument("--lookup", action="store_true", help="our modes also draft by prompt lookup")
     parser.add_argument(
         "--suffix",
@@ -647,7 +649,7 @@ def main() -> None:
     args.k = [int(k) for k in args.k.split(",") if k]
     if args.our_k is not None:
         args.our_k = [int(k) for k in args.our_k.split(",") if k]
-    if not args.k or min(args.k) < 1 or max(args.k) > 16:
+    if args.k and (min(args.k) < 1 or max(args.k) > 16):
         raise SystemExit("--k values must be 1-16 (onnxruntime-genai's limit)")
     if args.prepare:
         prepare(peers, args.threads)

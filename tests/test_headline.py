@@ -97,6 +97,9 @@ def test_sessions_pool_tokens_over_categories_not_ratios():
     assert "1.333x qa" in line and "125 / 95" in line and "**1.25x**" in line
     assert "**5.000x**, first token 1.50 / 2.50 s; **2.000x**" in line
     assert headline_row("kind", SUMMARY, None, None).endswith("| - | - |")
+    assert "**1.905x**; 0.12 / 0.10 (timed once) |" in line
+    sooner = [dict(r, first_token_ms=r["first_token_ms"] / 2) for r in SUMMARY]
+    assert "**1.905x**; 0.06 / 0.05 |" in headline_row("kind", SUMMARY, SUMMARY, records, sooner)
 
 
 @pytest.fixture

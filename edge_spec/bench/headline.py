@@ -93,8 +93,16 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value / 1000:.2f}"
 
 
-def headline_row(kind: str, prompts: list[dict], long: list[dict] | None, sessions: list[dict] | None) -> str:
-    """The markdown row: ``prompts`` and ``long`` are spec_peers summaries, ``sessions`` a session run's records."""
+def headline_row(
+    kind: str,
+    prompts: list[dict],
+    long: list[dict] | None,
+    sessions: list[dict] | None,
+    first_tokens: list[dict] | None = None,
+) -> str:
+    """The markdown row: ``prompts`` and ``long`` are spec_peers summaries, ``sessions`` a session run's records,
+    ``first_tokens`` a spec_peers summary of the long prompts' first tokens, each the soonest of several runs
+    (without it the long run's own first tokens, timed once, marked so)."""
     overall = lead(prompts, "overall", OURS_PROMPTS)
     lowest = lowest_category(prompts, OURS_PROMPTS)
     ar = ar_against_genai(prompts)
@@ -107,7 +115,11 @@ def headline_row(kind: str, prompts: list[dict], long: list[dict] | None, sessio
     ]
     if long:
         far = lead(long, "overall", OURS_PROMPTS)
-        cells.append(f"**{far.ratio:.3f}x**; {_seconds(far.first_token_ms)} / {_seconds(far.soonest_peer_ms)}")
+        first = lead(first_tokens, "overall", OURS_PROMPTS) if first_tokens else far
+        once = "" if first_tokens else " (timed once)"
+        cells.append(
+            f"**{far.ratio:.3f}x**; {_seconds(first.first_token_ms)} / {_seconds(first.soonest_peer_ms)}{once}"
+        )
     else:
         cells.append("-")
     if sessions:
