@@ -88,6 +88,7 @@ from edge_spec.bench.journal import RunJournal, fingerprint  # noqa: E402
 from edge_spec.bench.journal import run_settings as run_settings_of  # noqa: E402
 from edge_spec.bench.peers import decode_tokens, ms_cell, ratio_cell, result, summarize  # noqa: E402
 from edge_spec.errors import EdgeSpecError  # noqa: E402
+from edge_spec.files import write_text_atomic  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors ggml-org/llama.cpp@0c1e57098; the flags below are that version's
 LLAMACPP_DIR = ROOT / "models" / "llamacpp"
@@ -697,7 +698,7 @@ def replay(sessions: list[dict], runners: dict, ours, tokenizer, args, journal) 
             for engine, run in turn.items():
                 records[engine].append(run["record"])
             # every turn so far, kept as it comes: a run stopped early still leaves what it measured
-            (args.output / "turns.json").write_text(json.dumps(records))
+            write_text_atomic(args.output / "turns.json", json.dumps(records))
             log(
                 f"session {index + 1}/{len(sessions)} ({session['category']}, {session['id']}) turn {t + 1}/{turns}: "
                 + ", ".join(f"{e} {r['record']['tokens_per_second']:.1f}" for e, r in turn.items())
@@ -770,7 +771,7 @@ def main() -> None:
     load_after = os.getloadavg()
     for engine, rows in records.items():
         path = args.output / f"{slug(engine)}.json"
-        path.write_text(json.dumps({"engine": engine, "settings": settings[engine], "records": rows}, indent=1))
+        write_text_atomic(path, json.dumps({"engine": engine, "settings": settings[engine], "records": rows}, indent=1))
     everything = [r for rows in records.values() for r in rows]
     table = tables(everything)
     heading = (
@@ -780,8 +781,9 @@ def main() -> None:
         f"load average 1/5/15 min before {'/'.join(f'{x:.2f}' for x in load_before)}, "
         f"after {'/'.join(f'{x:.2f}' for x in load_after)} ({os.cpu_count()} cores)"
     )
-    (args.output / "summary.md").write_text(f"{heading}\n\n{table}")
-    (args.output / "run.json").write_text(
+    write_text_atomic(args.output / "summary.md", f"{heading}\n\n{table}")
+    write_text_atomic(  # written last: a run whose run.json exists is whole (machine_kind.py skips it)
+        args.output / "run.json",
         json.dumps(
             {
                 "target": spec_peers.TARGET,
@@ -802,7 +804,7 @@ def main() -> None:
                 "summary": summarize(everything, list(records)),
             },
             indent=1,
-        )
+        ),
     )
     journal.finish()
     print(f"\n{heading}\n\n{table}\nwrote {args.output}/ (summary.md, run.json, one JSON per engine mode)")
