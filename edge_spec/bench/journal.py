@@ -1,7 +1,7 @@
 """A long benchmark's records, kept line by line beside its output, so that a run cut short resumes.
 
 Against every peer mode, the 52 bench prompts take hours on a slow CPU (each prompt is answered by a dozen engine
-modes), longer than a working session may last.  A run that stops (a closed terminal, a crash, the machine taken
+modes), longer than one sitting at the machine may last.  A run that stops (a closed terminal, a crash, a cloud VM taken
 back) must not lose what it measured: each finished unit (a prompt, a session) is appended to
 ``OUTPUT.partial.jsonl`` as one line and flushed to disk, and the same command run again skips those units.
 
