@@ -39,6 +39,8 @@ from shlex import split
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import session_peers  # noqa: E402  (a saved session run's records)
+
 from edge_spec.bench.headline import HEADER, category_rows, headline_row  # noqa: E402
 
 VERIFY_ROWS = "--steps 16 --rows 1,2,4,8,16 --context"
@@ -109,15 +111,6 @@ def run(directory: Path, step: Step) -> None:
         log.replace(target)
 
 
-def session_records(directory: Path) -> list[dict]:
-    """Every turn record of a session_peers run (one JSON file per engine mode)."""
-    records = []
-    for path in sorted(directory.glob("*.json")):
-        if path.name not in ("run.json", "turns.json"):
-            records += json.loads(path.read_text())["records"]
-    return records
-
-
 def report(directory: Path, kind: str) -> str:
     """The headline row and the per-category table from the steps that finished."""
     prompts = directory / "peers-52.json"
@@ -132,7 +125,7 @@ def report(directory: Path, kind: str) -> str:
             kind,
             summary,
             json.loads(long.read_text())["summary"] if long.is_file() else None,
-            session_records(sessions) if (sessions / "run.json").is_file() else None,
+            session_peers.saved_records(sessions) if (sessions / "run.json").is_file() else None,
             json.loads(first_tokens.read_text())["summary"] if first_tokens.is_file() else None,
         )
     except ValueError as error:  # a run without our default or without a peer mode: no ratio to show

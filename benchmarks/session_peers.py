@@ -498,6 +498,12 @@ def tables(records: list[dict]) -> str:
 
 def report(directory: Path) -> str:
     """The tables of a saved run, recomputed from the engine files' records in ``directory``."""
+    return tables(saved_records(directory))
+
+
+def saved_records(directory: Path) -> list[dict]:
+    """Every turn record of a saved run, engine by engine in the run's order (refused in one line where
+    ``directory`` holds no readable run)."""
     if not directory.is_dir():
         raise SystemExit(f"--report: no such directory: {directory}")
     files: dict[str, list[dict]] = {}
@@ -516,7 +522,7 @@ def report(directory: Path) -> str:
     if not files:
         raise SystemExit(f"{directory}: no session_peers engine results in it")
     engines = [e for e in order if e in files] + [e for e in files if e not in order]
-    return tables([r for engine in engines for r in files[engine]])
+    return [r for engine in engines for r in files[engine]]
 
 
 # --------------------------------------------------------------------------- main
