@@ -39,7 +39,8 @@ def run_settings(options: Mapping[str, Any], ignored: Iterable[str], **workload:
     """What a run measures under: its options but the ``ignored`` ones (where results go, what a command does
     besides measuring), its bundle as an absolute path, the ``workload`` (fingerprints of what it answers) and
     the machine."""
-    settings = {name: value for name, value in options.items() if name not in set(ignored)}
+    left_out = set(ignored)
+    settings = {name: value for name, value in options.items() if name not in left_out}
     if settings.get("bundle"):
         settings["bundle"] = str(Path(settings["bundle"]).resolve())
     settings.update(workload, machine=machine())
@@ -50,13 +51,10 @@ def machine() -> str:
     """The CPU a measurement ran on and the native kernels it ran (a CPU masked to AVX2 runs other kernels on the
     same CPU); the CPU alone where the native library is not built."""
     from edge_spec.native.build import required_library_path
-    from edge_spec.runtime.model.kernel_choice import CPU_FIELDS, cpu_fields, this_machine
+    from edge_spec.runtime.model.kernel_choice import cpu_description, this_machine
 
     library = required_library_path()
-    if library is not None:
-        return this_machine(library)
-    fields = cpu_fields()
-    return " ".join(fields.get(key, "") for key in CPU_FIELDS).strip()
+    return this_machine(library) if library is not None else cpu_description()
 
 
 class RunJournal:
@@ -66,24 +64,24 @@ class RunJournal:
         self.path = journal_path(output)
         self.settings = json.loads(json.dumps(dict(settings), sort_keys=True, default=str))
         self.done: dict[str, Any] = {}
-        if self.path.exists() and self.path.read_text().count("\n"):
-            self._read()
+        text = self.path.read_text() if self.path.exists() else ""
+        if "\n" in text:
+            self._read(text)
         else:  # new, or a run stopped while it wrote its first line
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.unlink(missing_ok=True)
             self._append({"settings": self.settings})
 
-    def _read(self) -> None:
-        lines = self.path.read_text().splitlines()
+    def _read(self, text: str) -> None:
+        lines = text.splitlines()
         try:
-            head = json.loads(lines[0]) if lines else {}
-        except ValueError:
-            head = {}
-        if head.get("settings") != self.settings:
+            theirs = json.loads(lines[0]).get("settings")
+        except (ValueError, AttributeError):
+            theirs = None
+        if theirs != self.settings:
+            theirs = theirs if isinstance(theirs, dict) else {}
             differing = sorted(
-                key
-                for key in set(self.settings) | set(head.get("settings") or {})
-                if (head.get("settings") or {}).get(key) != self.settings.get(key)
+                key for key in set(self.settings) | set(theirs) if theirs.get(key) != self.settings.get(key)
             )
             raise EdgeSpecError(
                 f"{self.path} holds a run under other settings ({', '.join(differing) or 'unreadable'}): "
@@ -100,9 +98,8 @@ class RunJournal:
                         f"{self.path}: line {number} is damaged: remove the file to start over"
                     ) from None
                 whole = lines[:-1]  # the line a stopped run was writing: that unit runs again
-        text = "\n".join(whole) + "\n"
-        if whole is not lines or not self.path.read_text().endswith("\n"):
-            self.path.write_text(text)  # the next line starts a line of its own
+        if whole is not lines or not text.endswith("\n"):
+            self.path.write_text("\n".join(whole) + "\n")  # the next line starts a line of its own
 
     def _append(self, entry: Mapping[str, Any]) -> None:
         with self.path.open("a") as handle:

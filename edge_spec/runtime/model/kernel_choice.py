@@ -73,13 +73,17 @@ def cpu_fields() -> dict[str, str]:
     return fields
 
 
-def this_machine(library: Path) -> str:
-    """What a measurement holds for: the CPU (:func:`cpu_fields`; ``platform.processor()`` where there are
-    none) and the op's kernels on it, which a masked CPU or ``EDGE_SPEC_NATIVE_AVX512=0`` change without
-    changing the CPU."""
+def cpu_description() -> str:
+    """The CPU: :func:`cpu_fields` in one line (``platform.processor()`` where there are none)."""
     fields = cpu_fields()
     cpu = " ".join(fields.get(k, "") for k in CPU_FIELDS).strip()
-    return f"{cpu or platform.processor() or platform.machine()} / {gguf_matmul_path(library)}"
+    return cpu or platform.processor() or platform.machine()
+
+
+def this_machine(library: Path) -> str:
+    """What a measurement holds for: the CPU (:func:`cpu_description`) and the op's kernels on it, which a
+    masked CPU or ``EDGE_SPEC_NATIVE_AVX512=0`` change without changing the CPU."""
+    return f"{cpu_description()} / {gguf_matmul_path(library)}"
 
 
 def choice_in_force(library: Path) -> str:
