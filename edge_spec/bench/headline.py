@@ -69,9 +69,14 @@ def lowest_category(rows: list[dict], ours: str) -> Lead:
     return min((lead(rows, category, ours) for category in categories), key=lambda item: item.ratio)
 
 
+def speeds(rows: Iterable[dict], category: str) -> dict[str, float]:
+    """Each engine's decode tokens/s in ``category`` of a summary."""
+    return {row["engine"]: row["tokens_per_second"] for row in rows if row["category"] == category}
+
+
 def ar_against_genai(rows: list[dict], category: str = "overall") -> float | None:
     """Our one-row ``ar`` against onnxruntime-genai's plain decoding (None where the run lacks either)."""
-    speed = {row["engine"]: row["tokens_per_second"] for row in rows if row["category"] == category}
+    speed = speeds(rows, category)
     return speed[OUR_AR] / speed[GENAI_PLAIN] if OUR_AR in speed and GENAI_PLAIN in speed else None
 
 
@@ -151,7 +156,7 @@ def category_rows(prompts: list[dict]) -> str:
     categories = sorted({row["category"] for row in prompts} - {"overall"}) + ["overall"]
     for category in categories:
         item = lead(prompts, category, OURS_PROMPTS)
-        ar = {row["engine"]: row["tokens_per_second"] for row in prompts if row["category"] == category}.get(OUR_AR)
+        ar = speeds(prompts, category).get(OUR_AR)
         versus = ar_against_genai(prompts, category)
         lines.append(
             f"| {category} | {item.ours:.2f} | {'-' if ar is None else f'{ar:.2f}'} | "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge_spec.bench.headline import OUR_AR, lead
+from edge_spec.bench.headline import OUR_AR, lead, speeds
 from edge_spec.bench.peers import summarize
 
 
@@ -16,8 +16,7 @@ def fastest_peers(summary: list[dict], ours: str) -> list[tuple[str, float, floa
     rows = []
     for category in categories:
         item = lead(summary, category, ours)
-        our_ar = next(r["tokens_per_second"] for r in summary if r["category"] == category and r["engine"] == OUR_AR)
-        rows.append((category, item.ours, our_ar, item.peer, item.peer_speed))
+        rows.append((category, item.ours, speeds(summary, category)[OUR_AR], item.peer, item.peer_speed))
     return rows
 
 
