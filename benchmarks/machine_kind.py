@@ -3,6 +3,9 @@
 Runs, one after another and most telling first, the measurements docs/measurements.md's headline table holds for
 a machine kind, each its own script's run with its output in ``--output``:
 
+0. ``prepare.log``: the peers' environments and exports (``spec_peers.py --prepare``; seconds where they are
+   built already, about a quarter of an hour on a bare machine), so one command measures a new machine, and no
+   peer's conversion runs beside a timed step;
 1. ``peers-52.json``: all 52 bench prompts, 128 new tokens, our default, ``ar`` and ``ar --exact`` against every
    mode of onnxruntime-genai, OpenVINO GenAI (plain, K = 4, 8) and llama.cpp (plain, its drafter, ``ngram-mod``);
 2. ``peers-long.json``: the same on the long prompts (code files of 2,128-2,403 tokens to edit, explain or test);
@@ -19,7 +22,6 @@ CPU the whole takes hours (step 1 alone answers 52 prompts in a dozen engine mod
 ``--report`` alone, it prints the headline row and the per-category table from what is there
 (``edge_spec/bench/headline.py``).  Under a CPU mask every step runs masked:
 
-    python benchmarks/spec_peers.py --prepare --peers genai,openvino,llamacpp      # once
     python benchmarks/machine_kind.py --bundle BUNDLE --output bench-results/kind-NAME --kind "NAME"
     python benchmarks/cpu_mask.py avx2 -- python benchmarks/machine_kind.py --output bench-results/kind-NAME-avx2
     python benchmarks/machine_kind.py --output bench-results/kind-NAME --kind "NAME" --report
@@ -60,6 +62,12 @@ def steps(bundle: str, threads: int) -> list[Step]:
     common = ("--bundle", bundle, "--threads", str(threads))
     peers = (*common, *split('--peers genai,openvino,llamacpp --k 4,8 --our-k "" --suffix --ar-exact --new-tokens 128'))
     return [
+        Step(
+            "prepare.log",
+            "spec_peers.py",
+            ("--prepare", *split("--peers genai,openvino,llamacpp --threads"), str(threads)),
+            True,
+        ),
         Step("peers-52.json", "spec_peers.py", peers),
         Step("peers-long.json", "spec_peers.py", (*peers, *split("--category long --per-category 3"))),
         Step(
@@ -146,9 +154,14 @@ def main() -> None:
     if not args.report:
         from edge_spec.paths import DEFAULT_BUNDLE
 
-        bundle = str(Path(args.bundle or DEFAULT_BUNDLE).resolve())
+        bundle = Path(args.bundle or DEFAULT_BUNDLE).resolve()
+        if not (bundle / "manifest.json").is_file():
+            raise SystemExit(
+                f"no bundle at {bundle}: export one first (`edge-spec fetch && edge-spec export`, alone: the export "
+                "times this machine) or name one with --bundle"
+            )
         args.output.mkdir(parents=True, exist_ok=True)
-        for step in steps(bundle, args.threads):
+        for step in steps(str(bundle), args.threads):
             if done(args.output, step):
                 print(f"== {step.output}: done before", flush=True)
                 continue

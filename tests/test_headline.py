@@ -128,6 +128,7 @@ def test_a_stopped_run_goes_on_at_the_first_step_without_output(machine_kind, tm
     monkeypatch.setattr(machine_kind, "steps", lambda bundle, threads: plan)
     monkeypatch.setattr(machine_kind, "report", lambda directory, kind: "row\n")
     out = tmp_path / "kind"
+    (tmp_path / "manifest.json").write_text("{}")
     monkeypatch.setattr(sys, "argv", ["machine_kind.py", "--output", str(out), "--bundle", str(tmp_path)])
     with pytest.raises(SystemExit, match="c.json: .* exit code 3; its printout is in .*c.json.log"):
         machine_kind.main()
@@ -142,6 +143,17 @@ def test_a_stopped_run_goes_on_at_the_first_step_without_output(machine_kind, tm
     with pytest.raises(SystemExit, match="d.log"):
         machine_kind.main()
     assert not (out / "d.log").exists()  # a failed profile leaves its printout aside, not as the step's output
+
+
+def test_a_bare_machine_is_prepared_first_and_a_missing_bundle_refused_in_one_line(machine_kind, tmp_path, monkeypatch):
+    plan = machine_kind.steps("BUNDLE", 2)
+    assert plan[0].output == "prepare.log" and plan[0].log_only and "--prepare" in plan[0].arguments
+    assert all("--prepare" not in step.arguments for step in plan[1:])  # measured after every peer is built
+    monkeypatch.setattr(machine_kind, "run", lambda directory, step: pytest.fail("ran a step without a bundle"))
+    missing = tmp_path / "no-bundle"
+    monkeypatch.setattr(sys, "argv", ["machine_kind.py", "--output", str(tmp_path / "kind"), "--bundle", str(missing)])
+    with pytest.raises(SystemExit, match=f"no bundle at {missing}: export one first"):
+        machine_kind.main()
 
 
 def test_the_report_reads_the_runs_a_kind_left(machine_kind, tmp_path):
