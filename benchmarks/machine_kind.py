@@ -46,6 +46,7 @@ import session_peers  # noqa: E402  (a saved session run's records)
 from edge_spec.bench.headline import HEADER, category_rows, headline_row  # noqa: E402
 
 VERIFY_ROWS = "--steps 16 --rows 1,2,4,8,16 --context"
+PEERS = "genai,openvino,llamacpp"
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,9 @@ class Step:
 
 def steps(bundle: str, threads: int) -> list[Step]:
     common = ("--bundle", bundle, "--threads", str(threads))
-    peers = (*common, *split('--peers genai,openvino,llamacpp --k 4,8 --our-k "" --suffix --ar-exact --new-tokens 128'))
+    peers = (*common, "--peers", PEERS, *split('--k 4,8 --our-k "" --suffix --ar-exact --new-tokens 128'))
     return [
-        Step(
-            "prepare.log",
-            "spec_peers.py",
-            ("--prepare", *split("--peers genai,openvino,llamacpp --threads"), str(threads)),
-            True,
-        ),
+        Step("prepare.log", "spec_peers.py", ("--prepare", "--peers", PEERS, "--threads", str(threads)), True),
         Step("peers-52.json", "spec_peers.py", peers),
         Step("peers-long.json", "spec_peers.py", (*peers, *split("--category long --per-category 3"))),
         Step(
@@ -86,8 +82,10 @@ def steps(bundle: str, threads: int) -> list[Step]:
             "spec_peers.py",
             (
                 *common,
+                "--peers",
+                PEERS,
                 *split(
-                    '--peers genai,openvino,llamacpp --llamacpp-modes plain --k "" --our-k "" --suffix --new-tokens 16 '
+                    '--llamacpp-modes plain --k "" --our-k "" --suffix --new-tokens 16 '
                     "--repeats 3 --category long --per-category 3"
                 ),
             ),
@@ -152,14 +150,15 @@ def main() -> None:
     if args.threads < 1:
         raise SystemExit("--threads must be at least 1")
     if not args.report:
-        from edge_spec.paths import DEFAULT_BUNDLE
+        from edge_spec.errors import EdgeSpecError
+        from edge_spec.manifest import read_manifest
+        from edge_spec.paths import find_bundle
 
-        bundle = Path(args.bundle or DEFAULT_BUNDLE).resolve()
-        if not (bundle / "manifest.json").is_file():
-            raise SystemExit(
-                f"no bundle at {bundle}: export one first (`edge-spec fetch && edge-spec export`, alone: the export "
-                "times this machine) or name one with --bundle"
-            )
+        try:  # a missing or damaged bundle refused in one line before hours of steps
+            bundle = find_bundle(args.bundle).resolve()
+            read_manifest(bundle)
+        except EdgeSpecError as error:
+            raise SystemExit(str(error)) from None
         args.output.mkdir(parents=True, exist_ok=True)
         for step in steps(str(bundle), args.threads):
             if done(args.output, step):

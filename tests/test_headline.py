@@ -110,7 +110,7 @@ def machine_kind(monkeypatch):
     return machine_kind
 
 
-def test_a_stopped_run_goes_on_at_the_first_step_without_output(machine_kind, tmp_path, monkeypatch):
+def test_a_stopped_run_goes_on_at_the_first_step_without_output(machine_kind, fp32_bundle, tmp_path, monkeypatch):
     calls = tmp_path / "calls.txt"
     writer = tmp_path / "writer.py"
     writer.write_text(
@@ -128,8 +128,7 @@ def test_a_stopped_run_goes_on_at_the_first_step_without_output(machine_kind, tm
     monkeypatch.setattr(machine_kind, "steps", lambda bundle, threads: plan)
     monkeypatch.setattr(machine_kind, "report", lambda directory, kind: "row\n")
     out = tmp_path / "kind"
-    (tmp_path / "manifest.json").write_text("{}")
-    monkeypatch.setattr(sys, "argv", ["machine_kind.py", "--output", str(out), "--bundle", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["machine_kind.py", "--output", str(out), "--bundle", str(fp32_bundle)])
     with pytest.raises(SystemExit, match="c.json: .* exit code 3; its printout is in .*c.json.log"):
         machine_kind.main()
     assert (out / "a.json").read_text() == "{}" and (out / "b.log").read_text() == "profile\n"
@@ -152,7 +151,7 @@ def test_a_bare_machine_is_prepared_first_and_a_missing_bundle_refused_in_one_li
     monkeypatch.setattr(machine_kind, "run", lambda directory, step: pytest.fail("ran a step without a bundle"))
     missing = tmp_path / "no-bundle"
     monkeypatch.setattr(sys, "argv", ["machine_kind.py", "--output", str(tmp_path / "kind"), "--bundle", str(missing)])
-    with pytest.raises(SystemExit, match=f"no bundle at {missing}: export one first"):
+    with pytest.raises(SystemExit, match=f"^bundle not found: {missing}$"):
         machine_kind.main()
 
 
